@@ -1,0 +1,57 @@
+// PickleReader: parses a Python pickle stream into a Value tree without
+// executing anything.
+//
+// Supported: protocols 0-5 opcodes that torch.save and DeepSpeed produce
+// (protocol 2 in practice), persistent ids for tensor storages, memo
+// references. Every global the stream names is checked against an allow-list
+// of classes known to appear in DeepSpeed / Megatron checkpoints; an unknown
+// global is refused unless the caller allows it, in which case it is carried
+// through as an opaque Object and never called.
+//
+//   PickleReader reader(options, resolver);
+//   Result<Value> root = reader.Parse(bytes, size);
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <set>
+#include <string>
+
+#include "pickle/value.h"
+#include "reshard/status.h"
+
+namespace reshard {
+
+struct PickleReadOptions {
+  // Extra globals ("module.name") to accept as opaque objects.
+  std::set<std::string> allowed_globals;
+  // Accept every global as an opaque object (inspection of unknown files).
+  bool allow_all_globals = false;
+  // Refuse streams nested deeper than this (protects the stack).
+  int max_depth = 1000;
+};
+
+// Called for each distinct storage the stream references. It returns the
+// Storage object (typically with `bytes` bound lazily by the container).
+using StorageResolver = std::function<Result<std::shared_ptr<Storage>>(
+    const std::string& key, DType dtype, int64_t numel, const std::string& location)>;
+
+// True when `qualified` ("module.name") is on reshard's built-in allow-list.
+bool IsKnownGlobal(const std::string& qualified);
+
+class PickleReader {
+ public:
+  // `resolver` may be empty: storages are then created without bytes.
+  PickleReader(PickleReadOptions options, StorageResolver resolver);
+
+  // Parses one pickle (up to its STOP opcode).
+  Result<Value> Parse(const uint8_t* data, size_t size);
+
+ private:
+  PickleReadOptions options_;
+  StorageResolver resolver_;
+};
+
+}  // namespace reshard

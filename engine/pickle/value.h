@@ -1,0 +1,194 @@
+// Value: what a checkpoint pickle holds, as plain data.
+//
+// reshard never executes a pickle. The reader turns the stream into a tree of
+// Values: Python scalars and containers map to their own kinds, tensors to
+// Tensor (a view of a Storage whose bytes live in the zip container), and every
+// other object to Object — the class name plus the exact arguments and state
+// the pickle gave it, so the writer can emit it again unchanged. Known classes
+// (OrderedDict, torch.Size, argparse.Namespace, DeepSpeed's fragment_address,
+// ...) are Objects too; helpers below give typed access to the ones reshard
+// reads or edits.
+//
+// Values have value semantics (copying a tree copies it), except that
+// Storages are shared: two tensors viewing one storage keep sharing it.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include "pickle/dtype.h"
+
+namespace reshard {
+
+class Value;
+
+// A read-only run of bytes and the owner that keeps it alive (a memory-mapped
+// file, a buffer). Empty when the storage has not been materialised.
+struct ByteView {
+  std::shared_ptr<const void> owner;
+  const uint8_t* data = nullptr;
+  size_t size = 0;
+};
+
+// One PyTorch storage: `numel` elements of `dtype`.
+struct Storage {
+  DType dtype = DType::kFloat32;
+  int64_t numel = 0;
+  std::string location = "cpu";  // as pickled: "cpu", "cuda:0", ...
+  std::string record_key;         // key of `data/<key>` in the source archive; empty for new storages
+  ByteView bytes;                 // numel * ElementSize(dtype) bytes once loaded
+};
+
+// A Python global reference: `module.name` (a class or function).
+struct Global {
+  std::string module;
+  std::string name;
+  std::string Qualified() const { return module + "." + name; }
+  bool Is(const char* m, const char* n) const { return module == m && name == n; }
+  bool operator==(const Global& o) const { return module == o.module && name == o.name; }
+};
+
+// torch._utils._rebuild_tensor_v2(storage, offset, size, stride, requires_grad, hooks, ...).
+struct Tensor {
+  std::shared_ptr<Storage> storage;
+  int64_t storage_offset = 0;  // in elements
+  std::vector<int64_t> sizes;
+  std::vector<int64_t> strides;
+  bool requires_grad = false;
+  std::vector<Value> extra_args;  // backward hooks and anything after them, kept as read
+
+  int64_t numel() const;
+  bool IsContiguous() const;
+  // Strides of a contiguous tensor of `sizes`.
+  static std::vector<int64_t> ContiguousStrides(const std::vector<int64_t>& sizes);
+};
+
+// Any object the pickle builds by calling a class or function (REDUCE or NEWOBJ),
+// optionally followed by BUILD (state), SETITEMS and APPENDS.
+struct Object {
+  enum class Construct { kReduce, kNewObj };
+  Global cls;
+  Construct construct = Construct::kReduce;
+  std::vector<Value> args;                        // the argument tuple
+  std::shared_ptr<Value> state;                   // BUILD argument; null when absent
+  std::vector<std::pair<Value, Value>> dict_items;  // SETITEM(S) applied after construction
+  std::vector<Value> list_items;                  // APPEND(S) applied after construction
+};
+
+using Items = std::vector<std::pair<Value, Value>>;
+
+class Value {
+ public:
+  enum class Kind {
+    kNone, kBool, kInt, kBigInt, kFloat, kString, kBytes,
+    kList, kTuple, kDict, kSet, kFrozenSet,
+    kTensor, kObject, kGlobal,
+  };
+  struct BigInt { std::string le_bytes; };  // two's complement, little-endian (pickle LONG1/LONG4)
+  struct Bytes { std::string data; };
+  struct List { std::vector<Value> items; };
+  struct Tuple { std::vector<Value> items; };
+  struct Set { std::vector<Value> items; };
+  struct FrozenSet { std::vector<Value> items; };
+  struct Dict { Items items; };  // insertion order kept
+
+  Value() = default;  // None
+  static Value None() { return Value(); }
+  static Value Bool(bool b) { return Value(b); }
+  static Value Int(int64_t i) { return Value(i); }
+  static Value Float(double d) { return Value(d); }
+  static Value String(std::string s) { return Value(std::move(s)); }
+  static Value MakeBytes(std::string s) { return Value(Bytes{std::move(s)}); }
+  static Value MakeBigInt(std::string le) { return Value(BigInt{std::move(le)}); }
+  static Value MakeList(std::vector<Value> v) { return Value(List{std::move(v)}); }
+  static Value MakeTuple(std::vector<Value> v) { return Value(Tuple{std::move(v)}); }
+  static Value MakeSet(std::vector<Value> v) { return Value(Set{std::move(v)}); }
+  static Value MakeFrozenSet(std::vector<Value> v) { return Value(FrozenSet{std::move(v)}); }
+  static Value MakeDict(Items items = {}) { return Value(Dict{std::move(items)}); }
+  static Value MakeTensor(Tensor t) { return Value(std::move(t)); }
+  static Value MakeObject(Object o) { return Value(std::move(o)); }
+  static Value MakeGlobal(Global g) { return Value(std::move(g)); }
+
+  Kind kind() const { return static_cast<Kind>(v_.index()); }
+  bool is_none() const { return kind() == Kind::kNone; }
+  bool is(Kind k) const { return kind() == k; }
+
+  // Accessors. REQUIRES: the matching kind.
+  bool as_bool() const { return std::get<bool>(v_); }
+  int64_t as_int() const { return std::get<int64_t>(v_); }
+  double as_float() const { return std::get<double>(v_); }
+  const std::string& as_string() const { return std::get<std::string>(v_); }
+  const BigInt& as_bigint() const { return std::get<BigInt>(v_); }
+  const Bytes& as_bytes() const { return std::get<Bytes>(v_); }
+  const List& as_list() const { return std::get<List>(v_); }
+  List& as_list() { return std::get<List>(v_); }
+  const Tuple& as_tuple() const { return std::get<Tuple>(v_); }
+  Tuple& as_tuple() { return std::get<Tuple>(v_); }
+  const Set& as_set() const { return std::get<Set>(v_); }
+  const FrozenSet& as_frozenset() const { return std::get<FrozenSet>(v_); }
+  const Dict& as_dict() const { return std::get<Dict>(v_); }
+  Dict& as_dict() { return std::get<Dict>(v_); }
+  const Tensor& as_tensor() const { return std::get<Tensor>(v_); }
+  Tensor& as_tensor() { return std::get<Tensor>(v_); }
+  const Object& as_object() const { return std::get<Object>(v_); }
+  Object& as_object() { return std::get<Object>(v_); }
+  const Global& as_global() const { return std::get<Global>(v_); }
+
+  // A Python-like one-line rendering for messages and `inspect`
+  // (tensors as `tensor(bfloat16, [4, 16])`, objects as `module.name(...)`).
+  std::string DebugString(size_t max_len = 200) const;
+
+ private:
+  explicit Value(bool b) : v_(b) {}
+  explicit Value(int64_t i) : v_(i) {}
+  explicit Value(double d) : v_(d) {}
+  explicit Value(std::string s) : v_(std::move(s)) {}
+  explicit Value(BigInt b) : v_(std::move(b)) {}
+  explicit Value(Bytes b) : v_(std::move(b)) {}
+  explicit Value(List l) : v_(std::move(l)) {}
+  explicit Value(Tuple t) : v_(std::move(t)) {}
+  explicit Value(Dict d) : v_(std::move(d)) {}
+  explicit Value(Set s) : v_(std::move(s)) {}
+  explicit Value(FrozenSet s) : v_(std::move(s)) {}
+  explicit Value(Tensor t) : v_(std::move(t)) {}
+  explicit Value(Object o) : v_(std::move(o)) {}
+  explicit Value(Global g) : v_(std::move(g)) {}
+
+  // Order matches Kind.
+  std::variant<std::monostate, bool, int64_t, BigInt, double, std::string, Bytes,
+               List, Tuple, Dict, Set, FrozenSet, Tensor, Object, Global>
+      v_;
+};
+
+// ---- Typed access to the objects checkpoints are made of --------------------
+
+// The string-keyed entries of a dict-like value: a plain dict, a
+// collections.OrderedDict, or an object's BUILD state dict (argparse.Namespace,
+// dataclasses). Null when `v` is none of these.
+const Items* DictItems(const Value& v);
+Items* MutableDictItems(Value& v);
+
+// Looks up `key` among DictItems(v). Null when absent or `v` is not dict-like.
+const Value* Find(const Value& v, const std::string& key);
+Value* FindMutable(Value& v, const std::string& key);
+
+// Replaces the value under `key` or appends it at the end. REQUIRES: dict-like.
+void Set(Value& v, const std::string& key, Value item);
+
+// collections.OrderedDict with `items`, pickled the way torch.save does.
+Value MakeOrderedDict(Items items);
+bool IsOrderedDict(const Value& v);
+
+// torch.Size(dims).
+Value MakeTorchSize(const std::vector<int64_t>& dims);
+// The dims of a torch.Size, tuple or list of ints; false when `v` is none of these.
+bool ReadIntSequence(const Value& v, std::vector<int64_t>* out);
+
+// An int (kInt) or a bool; false otherwise.
+bool ReadInt(const Value& v, int64_t* out);
+
+}  // namespace reshard
