@@ -1,7 +1,205 @@
-// reshard: the command-line interface (a thin layer over the engine library).
-#include <cstdio>
+// reshard: the command-line interface, a thin layer over the engine library.
+//
+// Exit status: 0 success; 1 lint found errors or verify found differences;
+// 2 unusable input or arguments (nothing written); 3 I/O or internal errors.
+#include <CLI/CLI.hpp>
 
-int main() {
-  std::puts("reshard: under construction");
+#include <cstdio>
+#include <iostream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "reshard/reshard.h"
+#include "rules/rule_set.h"
+
+namespace {
+
+using reshard::Status;
+
+int ExitCode(const Status& st) {
+  switch (st.code()) {
+    case Status::Code::kOk: return 0;
+    case Status::Code::kMismatch: return 1;
+    case Status::Code::kInvalidInput:
+    case Status::Code::kRuleError:
+    case Status::Code::kUnsupported: return 2;
+    default: return 3;
+  }
+}
+
+int Fail(const Status& st) {
+  std::cerr << "reshard: error: " << st.message() << "\n";
+  return ExitCode(st);
+}
+
+// Options shared by every subcommand that reads a checkpoint.
+void AddCommonOptions(CLI::App* cmd, reshard::CommonOptions* o) {
+  cmd->add_option("--rules", o->rules,
+                  "Rule set: a YAML file or a built-in name (default: detected from the checkpoint)");
+  cmd->add_option("--allow-class", o->allowed_classes,
+                  "Carry an unknown pickled class (module.name) through unchanged; never executed");
+  cmd->add_option("--threads", o->threads, "Worker threads (default: the number of cores)");
+}
+
+void PrintFindings(const std::vector<reshard::Finding>& findings) {
+  for (const reshard::Finding& f : findings) {
+    const char* tag = f.severity == reshard::Finding::Severity::kError     ? "error"
+                      : f.severity == reshard::Finding::Severity::kWarning ? "warning"
+                                                                            : "info";
+    std::cout << tag << ": " << f.message << "\n";
+  }
+}
+
+int RunLint(const std::string& ckpt, const reshard::LintOptions& o) {
+  reshard::Result<reshard::LintReport> r = reshard::Lint(ckpt, o);
+  if (!r.ok()) return Fail(r.status());
+  std::cout << r->summary << "\n";
+  PrintFindings(r->findings);
+  if (!r->ok()) {
+    std::cout << "lint: the checkpoint cannot be converted with rule set '" << r->rule_set << "'\n";
+    return 1;
+  }
+  std::cout << "lint: ok, the checkpoint can be converted with rule set '" << r->rule_set << "'\n";
   return 0;
+}
+
+int RunInspect(const std::string& ckpt, const reshard::InspectOptions& o) {
+  reshard::Result<std::string> r = reshard::Inspect(ckpt, o);
+  if (!r.ok()) return Fail(r.status());
+  std::cout << *r;
+  return 0;
+}
+
+int RunConvert(const std::string& in, const std::string& out, reshard::ConvertOptions o,
+               bool quiet) {
+  if (!quiet) o.progress = [](const std::string& line) { std::cerr << line << "\n"; };
+  reshard::Result<reshard::ConvertReport> r = reshard::Convert(in, out, o);
+  if (!r.ok()) return Fail(r.status());
+  if (o.dry_run) std::cout << r->plan;
+  for (const std::string& n : r->notes) std::cout << "note: " << n << "\n";
+  if (o.dry_run) {
+    std::cout << "dry run: nothing written\n";
+    return 0;
+  }
+  std::printf("wrote %lld files (%.1f MB) to %s in %.2f s; read %.1f MB of tensors\n",
+              static_cast<long long>(r->files_written), r->bytes_written / 1e6, out.c_str(),
+              r->seconds, r->bytes_read / 1e6);
+  return 0;
+}
+
+int RunVerify(const std::string& a, const std::string& b, const reshard::VerifyOptions& o) {
+  reshard::Result<reshard::VerifyReport> r = reshard::Verify(a, b, o);
+  if (!r.ok()) return Fail(r.status());
+  for (const std::string& n : r->notes) std::cout << "note: " << n << "\n";
+  for (const std::string& d : r->differences) std::cout << "differs: " << d << "\n";
+  std::cout << "verify: " << r->tensors_compared << " tensors, " << r->elements_compared
+            << " elements compared; " << (r->same() ? "same model" : "DIFFERENT") << "\n";
+  return r->same() ? 0 : 1;
+}
+
+int RunRules(const std::string& file) {
+  if (!file.empty()) {
+    reshard::Result<reshard::RuleSet> r = reshard::RuleSet::LoadFile(file);
+    if (!r.ok()) return Fail(r.status());
+    std::cout << file << ": ok (rule set '" << r->name() << "')\n";
+    return 0;
+  }
+  reshard::Result<std::vector<reshard::RuleSet>> all = reshard::LoadBuiltinRuleSets();
+  if (!all.ok()) return Fail(all.status());
+  for (const reshard::RuleSet& r : *all) {
+    std::cout << r.name() << "  " << r.description() << "\n    " << r.origin() << "\n";
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{
+      "reshard: reshape DeepSpeed / Megatron-DeepSpeed checkpoints between tensor-, pipeline- "
+      "and data-parallel layouts, driven by declarative rule files.\n"
+      "CHECKPOINT is a tag folder (ckpts/global_step20) or a root holding 'latest'.",
+      "reshard"};
+  app.require_subcommand(1);
+
+  std::string ckpt, out, second, rules_file;
+  bool quiet = false;
+
+  reshard::LintOptions lint;
+  CLI::App* lint_cmd = app.add_subcommand(
+      "lint", "Dry run: check that every tensor is explained by the rules and the layout is sound");
+  lint_cmd->add_option("CHECKPOINT", ckpt, "Checkpoint to check")->required();
+  AddCommonOptions(lint_cmd, &lint);
+  lint_cmd->add_option("--max-drift-lines", lint.max_drift_lines,
+                       "How many replicated-tensor drifts to list");
+
+  reshard::InspectOptions inspect;
+  CLI::App* inspect_cmd = app.add_subcommand("inspect", "Describe a checkpoint's layout, metadata and tensors");
+  inspect_cmd->add_option("CHECKPOINT", ckpt, "Checkpoint to describe")->required();
+  AddCommonOptions(inspect_cmd, &inspect);
+
+  reshard::ConvertOptions convert;
+  std::string replicated = "check";
+  bool no_latest = false;
+  CLI::App* convert_cmd =
+      app.add_subcommand("convert", "Write the checkpoint at another TP / PP / DP layout");
+  convert_cmd->add_option("INPUT", ckpt, "Source checkpoint")->required();
+  convert_cmd->add_option("OUTPUT", out,
+                          "Target tag folder, written exactly here (e.g. out/global_step20)")
+      ->required();
+  convert_cmd->add_option("--tp", convert.target_tp, "Target tensor-parallel size")->required();
+  convert_cmd->add_option("--pp", convert.target_pp, "Target pipeline-parallel size")->required();
+  convert_cmd->add_option("--dp", convert.target_dp, "Target data-parallel size (default: the source's)");
+  convert_cmd->add_option("--layers-per-stage", convert.layers_per_stage,
+                          "Transformer blocks per target stage, e.g. 5,6,6,5 (default: DeepSpeed's partition)")
+      ->delimiter(',');
+  convert_cmd->add_option("--replicated", replicated,
+                          "Replicated tensors that differ across TP ranks: check (refuse), "
+                          "average, or first (TP rank 0)")
+      ->check(CLI::IsMember({"check", "average", "first"}));
+  convert_cmd->add_flag("--weights-only", convert.weights_only,
+                        "Convert the weights of a checkpoint that has optimizer state, leaving the "
+                        "optimizer state out");
+  convert_cmd->add_option("--vocab-size", convert.vocab_size,
+                          "True vocabulary size, when the checkpoint does not record it");
+  convert_cmd->add_option("--vocab-pad-value", convert.vocab_pad_value,
+                          "Value of vocabulary padding rows the target adds (default 0)");
+  convert_cmd->add_flag("--overwrite", convert.overwrite, "Replace a non-empty OUTPUT folder");
+  convert_cmd->add_flag("--no-update-latest", no_latest,
+                        "Do not write 'latest' next to OUTPUT");
+  convert_cmd->add_flag("--dry-run", convert.dry_run, "Print the plan; write nothing");
+  convert_cmd->add_flag("-q,--quiet", quiet, "Print only the summary");
+  AddCommonOptions(convert_cmd, &convert);
+
+  reshard::VerifyOptions verify;
+  CLI::App* verify_cmd = app.add_subcommand(
+      "verify", "Check that two checkpoints hold the same model, tensor by tensor, whatever their layouts");
+  verify_cmd->add_option("A", ckpt, "First checkpoint")->required();
+  verify_cmd->add_option("B", second, "Second checkpoint")->required();
+  AddCommonOptions(verify_cmd, &verify);
+  verify_cmd->add_option("--rules-b", verify.rules_b, "Rule set for B (default: as for A)");
+
+  CLI::App* rules_cmd = app.add_subcommand(
+      "rules", "List the built-in rule sets, or validate a rule file");
+  rules_cmd->add_option("FILE", rules_file, "Rule file to validate");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    // --help exits 0; a bad command line is bad input (2).
+    return app.exit(e) == 0 ? 0 : 2;
+  }
+
+  if (lint_cmd->parsed()) return RunLint(ckpt, lint);
+  if (inspect_cmd->parsed()) return RunInspect(ckpt, inspect);
+  if (convert_cmd->parsed()) {
+    convert.replicated = replicated == "average" ? reshard::ReplicatedPolicy::kAverage
+                         : replicated == "first" ? reshard::ReplicatedPolicy::kFirst
+                                                 : reshard::ReplicatedPolicy::kCheck;
+    convert.update_latest = !no_latest;
+    return RunConvert(ckpt, out, convert, quiet);
+  }
+  if (verify_cmd->parsed()) return RunVerify(ckpt, second, verify);
+  return RunRules(rules_file);
 }

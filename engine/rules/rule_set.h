@@ -53,6 +53,10 @@
 //         replicated: {drift: first}         # per-rule drift policy
 //         buffer: true                       # not a parameter: no optimizer state
 //
+// `split:` is column (= {dim: 0}), row (= {dim: 1}), vocab (= {vocab: true}:
+// dim 0 with vocabulary padding) or a map {dim, parts, blocks, vocab};
+// `replicated:` is true or a map {drift: check|average|first}.
+//
 // Sizes (`blocks`, vocab entries) are lists of alternatives; each is an
 // integer or a dotted path into the mp_rank metadata (`args.<field>`); the
 // first one present and not None is used.
@@ -64,6 +68,7 @@
 #include <string>
 #include <vector>
 
+#include "reshard/reshard.h"
 #include "reshard/status.h"
 
 namespace re2 {
@@ -74,12 +79,9 @@ namespace reshard {
 
 class Value;
 
-// What to do when TP-replicated copies of a tensor differ.
-enum class DriftPolicy {
-  kCheck,    // refuse, showing the largest differences
-  kAverage,  // mean over the TP ranks, rounded to the tensor's dtype
-  kFirst,    // take TP rank 0's copy
-};
+// What to do when TP-replicated copies of a tensor differ (the public
+// ReplicatedPolicy: kCheck, kAverage, kFirst).
+using DriftPolicy = ReplicatedPolicy;
 const char* DriftPolicyName(DriftPolicy p);
 std::optional<DriftPolicy> ParseDriftPolicy(const std::string& s);
 
@@ -90,6 +92,9 @@ struct MetaRef {
   // Resolves against an mp_rank file's root dict. Nullopt when no alternative
   // is present; `tried` then lists them for the message.
   std::optional<int64_t> Resolve(const Value& metadata) const;
+  // The first path alternative present and not None, whatever its kind (for
+  // string settings such as the partition method); integers are skipped.
+  const Value* Lookup(const Value& metadata) const;
   std::string ToString() const;
 };
 
@@ -144,6 +149,7 @@ class RuleSet {
 
   // Named spec lists (a single list is named "default").
   const std::map<std::string, std::vector<SpecEntry>>& numberings() const { return numberings_; }
+  // `args.<partition_method.arg>` (read it with Lookup); empty when not set.
   const MetaRef& partition_method_arg() const { return partition_method_arg_; }
   const std::string& partition_method_default() const { return partition_method_default_; }
   const std::string& tied_module() const { return tied_module_; }

@@ -1,0 +1,128 @@
+// reshard::Convert: load, check, plan, execute, commit, update `latest`.
+#include <chrono>
+#include <filesystem>
+#include <thread>
+
+#include "api/common.h"
+#include "exec/executor.h"
+#include "exec/output_folder.h"
+#include "logical/drift.h"
+#include "reshard/reshard.h"
+
+namespace reshard {
+namespace {
+
+// Optimizer state is reshaped by a later version; until then it is never
+// dropped without the user saying so.
+Status CheckOptimizerState(const LogicalCheckpoint& src, bool weights_only, ConvertReport* report) {
+  const Value* embedded = Find(src.metadata[0], "optimizer");
+  const bool in_model_states = embedded != nullptr && !embedded->is_none();
+  const size_t shards = src.files.optimizer_files.size();
+  if (shards == 0 && !in_model_states) return Status::Ok();
+  const std::string what = shards > 0 ? std::to_string(shards) + " optimizer shard files"
+                                      : "optimizer state inside its mp_rank files";
+  if (!weights_only) {
+    return Status::Unsupported(
+        "the checkpoint has " + what +
+        ", and reshard does not reshape optimizer state yet; pass --weights-only to convert the "
+        "model weights alone (the optimizer state is then left out)");
+  }
+  report->notes.push_back(
+      "weights only: the " + what + " were not converted. Resume with --no-load-optim "
+      "(bigscience Megatron-DeepSpeed; fp32 masters are rebuilt from the weights) or, on "
+      "microsoft Megatron-DeepSpeed, which always loads optimizer state, with --finetune");
+  return Status::Ok();
+}
+
+// Applies the replicated-tensor policy: refuses drift under `check`, reports
+// what `average` / `first` will merge.
+Status CheckDrift(const LogicalCheckpoint& src, ReplicatedPolicy policy, ConvertReport* report) {
+  const std::vector<Drift> drifts = MeasureDrift(src);
+  int checked = 0, merged = 0;
+  const Drift* worst_checked = nullptr;
+  for (const Drift& d : drifts) {
+    const ParamRule& rule = *src.layers[d.layer_index].tensors[d.tensor_index].rule;
+    if (PolicyFor(rule, policy) == ReplicatedPolicy::kCheck) {
+      if (worst_checked == nullptr) worst_checked = &d;
+      ++checked;
+    } else {
+      ++merged;
+    }
+  }
+  if (checked > 0) {
+    return Status::InvalidInput(
+        std::to_string(checked) + " replicated tensor(s) differ across TP ranks (largest: " +
+        DescribeDrift(src, *worst_checked) +
+        "); choose --replicated average (mean of the copies) or --replicated first (TP rank 0's "
+        "copy), or see them all with `reshard lint`");
+  }
+  if (merged > 0) {
+    report->notes.push_back("replicated: " + std::to_string(merged) +
+                            " tensor(s) differed across TP ranks and were merged by their policy "
+                            "(largest: " + DescribeDrift(src, drifts.front()) + ")");
+  }
+  return Status::Ok();
+}
+
+PlanOptions ToPlanOptions(const ConvertOptions& o) {
+  PlanOptions p;
+  p.tp = o.target_tp;
+  p.pp = o.target_pp;
+  p.dp = o.target_dp;
+  p.layers_per_stage = o.layers_per_stage;
+  p.replicated = o.replicated;
+  p.vocab_size = o.vocab_size;
+  p.vocab_pad_value = o.vocab_pad_value;
+  return p;
+}
+
+// Writes the plan into `output` and moves `latest`.
+Status Execute(const LogicalCheckpoint& src, const Plan& plan, OutputFolder* out,
+               const ConvertOptions& options, ConvertReport* report) {
+  RESHARD_RETURN_IF_ERROR(out->Begin());
+  ExecuteOptions exec;
+  exec.threads = ThreadCount(options.threads);
+  exec.drop_optimizer = options.weights_only;
+  exec.progress = options.progress;
+  RESHARD_ASSIGN_OR_RETURN(ExecuteStats stats, ExecutePlan(src, plan, out->staging_dir(), exec));
+  RESHARD_RETURN_IF_ERROR(out->Commit());
+  report->files_written = stats.files;
+  report->bytes_written = stats.bytes_written;
+  report->bytes_read = stats.bytes_read;
+  if (!options.update_latest) return Status::Ok();
+  const std::filesystem::path out_path(out->path());
+  std::optional<int64_t> iteration;
+  std::error_code ec;
+  if (std::filesystem::exists(std::filesystem::path(src.files.root_dir) /
+                                  "latest_checkpointed_iteration.txt",
+                              ec)) {
+    iteration = src.iteration;
+  }
+  return UpdateLatest(out_path.parent_path().string(), out_path.filename().string(), iteration);
+}
+
+}  // namespace
+
+Result<ConvertReport> Convert(const std::string& input, const std::string& output,
+                              const ConvertOptions& options) {
+  const auto start = std::chrono::steady_clock::now();
+  if (options.target_tp < 1 || options.target_pp < 1) {
+    return Status::InvalidInput("convert needs the target layout: --tp N and --pp N (both >= 1)");
+  }
+  RESHARD_ASSIGN_OR_RETURN(std::unique_ptr<LogicalCheckpoint> src, LoadForCommand(input, options));
+  RESHARD_RETURN_IF_ERROR(src->FirstError());
+  ConvertReport report;
+  RESHARD_RETURN_IF_ERROR(CheckOptimizerState(*src, options.weights_only, &report));
+  RESHARD_RETURN_IF_ERROR(CheckDrift(*src, options.replicated, &report));
+  RESHARD_ASSIGN_OR_RETURN(Plan plan, MakePlan(*src, ToPlanOptions(options)));
+  report.plan = plan.ToString(*src, options.dry_run);
+  report.notes.insert(report.notes.end(), plan.notes.begin(), plan.notes.end());
+  RESHARD_ASSIGN_OR_RETURN(OutputFolder out,
+                           OutputFolder::Check(output, src->files.tag_dir, options.overwrite));
+  if (!options.dry_run) RESHARD_RETURN_IF_ERROR(Execute(*src, plan, &out, options, &report));
+  report.seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return report;
+}
+
+}  // namespace reshard

@@ -1,0 +1,59 @@
+// reshard::Inspect: a readable description of a checkpoint.
+#include "api/common.h"
+
+namespace reshard {
+namespace {
+
+std::string ShapeString(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+std::string MetadataLines(const LogicalCheckpoint& ckpt) {
+  std::string out = "metadata (mp_rank_00):\n";
+  for (const auto& [k, v] : *DictItems(ckpt.metadata[0])) {
+    const std::string key = k.is(Value::Kind::kString) ? k.as_string() : k.DebugString();
+    if (key == "args") continue;
+    out += "  " + key + ": " + v.DebugString(100) + "\n";
+  }
+  const Items* args = DictItems(ckpt.args());
+  if (args == nullptr) return out;
+  out += "args (" + std::to_string(args->size()) + " fields):";
+  static const char* kLayoutFields[] = {
+      "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+      "num_key_value_heads", "kv_channels", "max_position_embeddings", "padded_vocab_size",
+      "make_vocab_size_divisible_by", "tensor_model_parallel_size",
+      "pipeline_model_parallel_size", "data_parallel_size", "world_size"};
+  for (const char* field : kLayoutFields) {
+    if (const Value* v = Find(ckpt.args(), field)) out += std::string(" ") + field + "=" + v->DebugString(20);
+  }
+  return out + "\n";
+}
+
+std::string LayerLines(const LogicalCheckpoint& ckpt) {
+  std::string out = "layer files (full logical shapes):\n";
+  for (const LogicalLayer& layer : ckpt.layers) {
+    out += "  " + TensorLabel(layer.id, "").substr(0, 8) + " " + layer.role + " (" +
+           ckpt.specs[layer.id].class_name + ")\n";
+    for (const LogicalTensor& t : layer.tensors) {
+      out += "    " + t.key + "  " + DTypeName(t.dtype) + ShapeString(t.full_shape) + "  " +
+             t.rule->Describe() + "\n";
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+Result<std::string> Inspect(const std::string& checkpoint, const InspectOptions& options) {
+  RESHARD_ASSIGN_OR_RETURN(std::unique_ptr<LogicalCheckpoint> ckpt,
+                           LoadForCommand(checkpoint, options));
+  std::string out = "checkpoint: " + ckpt->files.tag_dir + "\n" + LayoutSummary(*ckpt) + "\n";
+  out += MetadataLines(*ckpt);
+  out += LayerLines(*ckpt);
+  for (const Finding& f : ckpt->findings) out += "problem: " + f.message + "\n";
+  return out;
+}
+
+}  // namespace reshard

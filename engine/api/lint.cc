@@ -1,0 +1,125 @@
+// reshard::Lint: everything `convert` would object to, without writing.
+#include "api/common.h"
+#include "logical/drift.h"
+#include "plan/plan.h"
+#include "plan/stages.h"
+
+namespace reshard {
+namespace {
+
+void Warn(LintReport* report, std::string message) {
+  report->findings.push_back({Finding::Severity::kWarning, std::move(message)});
+}
+
+void ReportDrift(const LogicalCheckpoint& ckpt, int max_lines, LintReport* report) {
+  const std::vector<Drift> drifts = MeasureDrift(ckpt);
+  if (drifts.empty()) return;
+  Warn(report, std::to_string(drifts.size()) +
+                   " replicated tensor(s) differ across TP ranks; convert refuses them unless "
+                   "you choose --replicated average (mean) or --replicated first (TP rank 0)");
+  for (size_t i = 0; i < drifts.size() && static_cast<int>(i) < max_lines; ++i) {
+    Warn(report, "drift: " + DescribeDrift(ckpt, drifts[i]));
+  }
+  if (static_cast<int>(drifts.size()) > max_lines) {
+    Warn(report, "drift: ... and " + std::to_string(drifts.size() - max_lines) + " more");
+  }
+}
+
+void ReportOptimizerState(const LogicalCheckpoint& ckpt, LintReport* report) {
+  const Value* embedded = Find(ckpt.metadata[0], "optimizer");
+  const size_t shards = ckpt.files.optimizer_files.size();
+  if (shards == 0 && (embedded == nullptr || embedded->is_none())) return;
+  Warn(report, (shards > 0 ? std::to_string(shards) + " optimizer shard files"
+                           : std::string("optimizer state in the mp_rank files")) +
+                   ": reshard does not reshape optimizer state yet; convert needs --weights-only");
+}
+
+// The recorded param_shapes of one mp_rank file as (name, shape) groups.
+bool RecordedParamShapes(const Value& metadata, std::vector<std::vector<ParamShape>>* out) {
+  const Value* shapes = Find(metadata, "param_shapes");
+  if (shapes == nullptr || !shapes->is(Value::Kind::kList)) return false;
+  for (const Value& group : shapes->as_list().items) {
+    const Items* items = DictItems(group);
+    if (items == nullptr) return false;
+    std::vector<ParamShape> g;
+    for (const auto& [k, v] : *items) {
+      std::vector<int64_t> dims;
+      if (!k.is(Value::Kind::kString) || !ReadIntSequence(v, &dims)) return false;
+      g.emplace_back(k.as_string(), dims);
+    }
+    out->push_back(std::move(g));
+  }
+  return true;
+}
+
+std::string FirstDifference(const std::vector<std::vector<ParamShape>>& recorded,
+                            const std::vector<std::vector<ParamShape>>& computed) {
+  if (recorded.size() != computed.size()) {
+    return std::to_string(recorded.size()) + " groups recorded, " +
+           std::to_string(computed.size()) + " computed";
+  }
+  for (size_t g = 0; g < recorded.size(); ++g) {
+    for (size_t i = 0; i < std::max(recorded[g].size(), computed[g].size()); ++i) {
+      const std::string r = i < recorded[g].size() ? recorded[g][i].first : "(nothing)";
+      const std::string c = i < computed[g].size() ? computed[g][i].first : "(nothing)";
+      if (r != c || (i < recorded[g].size() && recorded[g][i].second != computed[g][i].second)) {
+        return "group " + std::to_string(g) + " entry " + std::to_string(i) + ": recorded " + r +
+               ", computed " + c;
+      }
+    }
+  }
+  return "";
+}
+
+// Recomputes every source stage's param_shapes with the rule set and
+// DeepSpeed's current partition algorithm; a difference means convert's
+// stage layout or optimizer groups would not match what wrote the source.
+void CheckStages(const LogicalCheckpoint& ckpt, LintReport* report) {
+  Result<std::vector<int>> bounds =
+      TargetStageBounds(ckpt, ckpt.pp, ckpt.tp, ckpt.vocab.padded_rows, {});
+  if (!bounds.ok()) {
+    Warn(report, "source stages: " + bounds.status().message());
+    return;
+  }
+  for (int p = 0; p < ckpt.pp; ++p) {
+    std::vector<std::vector<ParamShape>> recorded;
+    if (!RecordedParamShapes(ckpt.metadata[p * ckpt.tp], &recorded)) continue;
+    const StageParameters computed =
+        StageParams(ckpt, (*bounds)[p], (*bounds)[p + 1], ckpt.tp, ckpt.vocab.padded_rows);
+    const std::string diff = FirstDifference(recorded, computed.groups);
+    if (!diff.empty()) {
+      Warn(report, "param_shapes of pipeline stage " + std::to_string(p) +
+                       " differ from what rule set '" + ckpt.rules->name() +
+                       "' and DeepSpeed's current partition algorithm give (" + diff +
+                       "); converted stages follow the current algorithm unless you pass "
+                       "--layers-per-stage");
+      return;
+    }
+  }
+}
+
+}  // namespace
+
+bool LintReport::ok() const {
+  for (const Finding& f : findings) {
+    if (f.severity == Finding::Severity::kError) return false;
+  }
+  return true;
+}
+
+Result<LintReport> Lint(const std::string& checkpoint, const LintOptions& options) {
+  RESHARD_ASSIGN_OR_RETURN(std::unique_ptr<LogicalCheckpoint> ckpt,
+                           LoadForCommand(checkpoint, options));
+  LintReport report;
+  report.rule_set = ckpt->rules->name();
+  report.summary = LayoutSummary(*ckpt);
+  report.findings = ckpt->findings;
+  if (!ckpt->HasErrors()) {
+    ReportDrift(*ckpt, options.max_drift_lines, &report);
+    CheckStages(*ckpt, &report);
+  }
+  ReportOptimizerState(*ckpt, &report);
+  return report;
+}
+
+}  // namespace reshard

@@ -1,0 +1,114 @@
+#include "exec/executor.h"
+
+#include <sys/stat.h>
+
+#include <atomic>
+#include <cstdio>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+#include "exec/materialize.h"
+#include "exec/model_states.h"
+#include "format/torch_file.h"
+
+namespace reshard {
+namespace {
+
+// A new contiguous tensor owning `bytes`, with the source tensor's flags.
+Value NewTensor(const Tensor& like, const std::vector<int64_t>& shape,
+                std::shared_ptr<std::vector<uint8_t>> bytes) {
+  auto storage = std::make_shared<Storage>();
+  storage->dtype = like.storage->dtype;
+  storage->numel = static_cast<int64_t>(bytes->size()) / ElementSize(storage->dtype);
+  storage->location = like.storage->location;
+  storage->bytes = ByteView{bytes, bytes->data(), bytes->size()};
+  Tensor t;
+  t.storage = std::move(storage);
+  t.sizes = shape;
+  t.strides = Tensor::ContiguousStrides(shape);
+  t.requires_grad = like.requires_grad;
+  t.extra_args = like.extra_args;
+  return Value::MakeTensor(std::move(t));
+}
+
+// Builds and writes one layer file; returns the source bytes read.
+Result<int64_t> WriteLayerFile(const LogicalCheckpoint& src, const LayerFilePlan& file,
+                               const std::string& dir) {
+  const LogicalLayer& layer = src.layers[file.layer_index];
+  Value root = layer.roots[0];  // keeps the source's container type, key order and extras
+  int64_t read = 0;
+  for (const TensorPlan& tp : file.tensors) {
+    const LogicalTensor& lt = layer.tensors[tp.tensor_index];
+    auto bytes = std::make_shared<std::vector<uint8_t>>();
+    read += MaterializeTensor(src, tp, bytes.get());
+    Set(root, lt.key, NewTensor(*lt.shards[0], tp.shape, std::move(bytes)));
+  }
+  RESHARD_RETURN_IF_ERROR(WriteTorchFile(dir + "/" + file.name, root));
+  return read;
+}
+
+int64_t FileSize(const std::string& path) {
+  struct stat st;
+  return ::stat(path.c_str(), &st) == 0 ? static_cast<int64_t>(st.st_size) : 0;
+}
+
+// Runs jobs 0..n-1 on `threads` workers; stops handing out work after the
+// first failure and returns it.
+Status RunParallel(size_t n, int threads, const std::function<Status(size_t)>& job) {
+  std::atomic<size_t> next{0};
+  std::atomic<bool> failed{false};
+  std::mutex mu;
+  Status first_error;
+  auto worker = [&] {
+    for (size_t i = next++; i < n && !failed; i = next++) {
+      Status st = job(i);
+      if (!st.ok()) {
+        std::lock_guard<std::mutex> lock(mu);
+        if (!failed.exchange(true)) first_error = st;
+      }
+    }
+  };
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads; ++t) pool.emplace_back(worker);
+  worker();
+  for (std::thread& t : pool) t.join();
+  return first_error;
+}
+
+}  // namespace
+
+Result<ExecuteStats> ExecutePlan(const LogicalCheckpoint& src, const Plan& plan,
+                                 const std::string& dir, const ExecuteOptions& options) {
+  const size_t layer_jobs = plan.layer_files.size();
+  const size_t total = layer_jobs + plan.model_states.size();
+  std::atomic<int64_t> read{0}, written{0}, done{0};
+  std::mutex progress_mu;
+  auto job = [&](size_t i) -> Status {
+    std::string name;
+    if (i < layer_jobs) {
+      RESHARD_ASSIGN_OR_RETURN(int64_t r, WriteLayerFile(src, plan.layer_files[i], dir));
+      read += r;
+      name = plan.layer_files[i].name;
+    } else {
+      const ModelStatesPlan& ms = plan.model_states[i - layer_jobs];
+      name = ms.name;
+      RESHARD_RETURN_IF_ERROR(WriteTorchFile(
+          dir + "/" + name, BuildModelStates(src, plan, ms, options.drop_optimizer)));
+    }
+    written += FileSize(dir + "/" + name);
+    const int64_t n = ++done;
+    if (options.progress) {
+      std::lock_guard<std::mutex> lock(progress_mu);
+      char line[256];
+      std::snprintf(line, sizeof(line), "[%lld/%zu] %s", static_cast<long long>(n), total,
+                    name.c_str());
+      options.progress(line);
+    }
+    return Status::Ok();
+  };
+  RESHARD_RETURN_IF_ERROR(RunParallel(total, std::max(1, options.threads), job));
+  return ExecuteStats{static_cast<int64_t>(total), written.load(), read.load()};
+}
+
+}  // namespace reshard

@@ -1,0 +1,17 @@
+// Building one target tensor's bytes from its plan.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "plan/plan.h"
+
+namespace reshard {
+
+// Fills `out` with the target tensor `plan` describes: copies from the source
+// shards (memory-mapped), fills, or the mean of the replicas. Returns the
+// number of source bytes read.
+int64_t MaterializeTensor(const LogicalCheckpoint& src, const TensorPlan& plan,
+                          std::vector<uint8_t>* out);
+
+}  // namespace reshard

@@ -1,0 +1,22 @@
+// The target mp_rank_XX_model_states.pt files: the source's metadata with
+// everything that depends on the layout rewritten, so that the result loads
+// in Megatron-DeepSpeed at the target layout.
+//
+// Rewritten: mp_world_size (TP*PP), dp_world_size, param_shapes and
+// buffer_names of the target stage, args (parallel sizes, world size, padded
+// vocabulary), checkpoint_info / universal_checkpoint_info padded vocabulary,
+// checkpoint_parallel_dimensions. Kept: iteration, scheduler, counters,
+// configuration. RNG state: the source rank at the same (pipeline, tensor)
+// position, else mp_rank_00's (the plan notes it).
+#pragma once
+
+#include "pickle/value.h"
+#include "plan/plan.h"
+
+namespace reshard {
+
+// `drop_optimizer`: set an embedded optimizer state (fp16 without ZeRO) to None.
+Value BuildModelStates(const LogicalCheckpoint& src, const Plan& plan, const ModelStatesPlan& ms,
+                       bool drop_optimizer);
+
+}  // namespace reshard

@@ -1,0 +1,115 @@
+#include "exec/output_folder.h"
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+
+namespace reshard {
+namespace fs = std::filesystem;
+namespace {
+
+bool IsInside(const fs::path& child, const fs::path& parent) {
+  auto c = child.begin(), p = parent.begin();
+  for (; p != parent.end(); ++c, ++p) {
+    if (c == child.end() || *c != *p) return false;
+  }
+  return true;
+}
+
+fs::path Canonical(const std::string& path) {
+  std::error_code ec;
+  fs::path abs = fs::weakly_canonical(fs::absolute(path, ec), ec);
+  return abs.lexically_normal();
+}
+
+Status WriteFileAtomically(const fs::path& path, const std::string& content) {
+  const fs::path tmp = path.string() + ".reshard-tmp-" + std::to_string(::getpid());
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << content;
+    if (!out.good()) return Status::IoError("cannot write " + tmp.string());
+  }
+  std::error_code ec;
+  fs::rename(tmp, path, ec);
+  if (ec) return Status::IoError("cannot rename " + tmp.string() + " to " + path.string() + ": " + ec.message());
+  return Status::Ok();
+}
+
+}  // namespace
+
+OutputFolder::OutputFolder(std::string out) : out_(std::move(out)) {
+  staging_ = out_ + ".reshard-partial-" + std::to_string(::getpid());
+}
+
+OutputFolder::OutputFolder(OutputFolder&& other) noexcept
+    : out_(std::move(other.out_)),
+      staging_(std::move(other.staging_)),
+      committed_(other.committed_) {
+  other.committed_ = true;  // the moved-from object owns nothing
+}
+
+OutputFolder::~OutputFolder() {
+  if (committed_ || staging_.empty()) return;
+  std::error_code ec;
+  fs::remove_all(staging_, ec);
+}
+
+Result<OutputFolder> OutputFolder::Check(const std::string& out, const std::string& input_tag_dir,
+                                         bool overwrite) {
+  const fs::path target = Canonical(out);
+  const fs::path input = Canonical(input_tag_dir);
+  if (target.filename().empty()) return Status::InvalidInput("the output path '" + out + "' names no folder");
+  if (IsInside(target, input) || IsInside(input, target)) {
+    return Status::InvalidInput("the output folder " + target.string() +
+                                " overlaps the input checkpoint " + input.string() +
+                                "; choose a separate folder (the input is never modified)");
+  }
+  std::error_code ec;
+  if (fs::exists(target, ec)) {
+    if (!fs::is_directory(target, ec)) {
+      return Status::InvalidInput("the output path " + target.string() + " is a file; choose a folder");
+    }
+    if (!fs::is_empty(target, ec) && !overwrite) {
+      return Status::InvalidInput("the output folder " + target.string() +
+                                  " is not empty; pass --overwrite to replace it");
+    }
+  }
+  return OutputFolder(target.string());
+}
+
+Status OutputFolder::Begin() {
+  std::error_code ec;
+  fs::create_directories(fs::path(out_).parent_path(), ec);
+  if (ec) return Status::IoError("cannot create " + fs::path(out_).parent_path().string() + ": " + ec.message());
+  fs::remove_all(staging_, ec);
+  fs::create_directory(staging_, ec);
+  if (ec) return Status::IoError("cannot create " + staging_ + ": " + ec.message());
+  return Status::Ok();
+}
+
+Status OutputFolder::Commit() {
+  std::error_code ec;
+  const std::string old = out_ + ".reshard-old-" + std::to_string(::getpid());
+  const bool replace = fs::exists(out_, ec);
+  if (replace) {
+    fs::rename(out_, old, ec);
+    if (ec) return Status::IoError("cannot move the old " + out_ + " aside: " + ec.message());
+  }
+  fs::rename(staging_, out_, ec);
+  if (ec) return Status::IoError("cannot rename " + staging_ + " to " + out_ + ": " + ec.message());
+  committed_ = true;
+  if (replace) fs::remove_all(old, ec);
+  return Status::Ok();
+}
+
+Status UpdateLatest(const std::string& root, const std::string& tag,
+                    std::optional<int64_t> iteration) {
+  if (iteration) {
+    RESHARD_RETURN_IF_ERROR(WriteFileAtomically(fs::path(root) / "latest_checkpointed_iteration.txt",
+                                                std::to_string(*iteration)));
+  }
+  return WriteFileAtomically(fs::path(root) / "latest", tag);
+}
+
+}  // namespace reshard

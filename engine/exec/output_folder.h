@@ -1,0 +1,47 @@
+// OutputFolder: makes a converted checkpoint appear atomically.
+//
+// Files are written into a staging folder beside the destination
+// (`OUT.reshard-partial-<pid>`), which is renamed to OUT only when everything
+// succeeded; a failed or interrupted run leaves OUT untouched. `latest` is
+// written after the rename, itself through a temporary file and a rename.
+#pragma once
+
+#include <optional>
+#include <string>
+
+#include "reshard/status.h"
+
+namespace reshard {
+
+class OutputFolder {
+ public:
+  // Checks that `out` may be written: it is not the input folder nor inside
+  // it, and it is absent or empty unless `overwrite`. Creates nothing.
+  static Result<OutputFolder> Check(const std::string& out, const std::string& input_tag_dir,
+                                    bool overwrite);
+
+  OutputFolder(OutputFolder&& other) noexcept;
+  OutputFolder& operator=(OutputFolder&&) = delete;
+  ~OutputFolder();  // removes the staging folder unless committed
+
+  // Creates the staging folder (and OUT's parents).
+  Status Begin();
+  const std::string& staging_dir() const { return staging_; }
+  // Moves the staging folder to OUT (replacing an old OUT when overwriting).
+  Status Commit();
+
+  const std::string& path() const { return out_; }
+
+ private:
+  explicit OutputFolder(std::string out);
+  std::string out_;
+  std::string staging_;
+  bool committed_ = false;
+};
+
+// Writes `<root>/latest` = tag and, when `iteration` is given,
+// `<root>/latest_checkpointed_iteration.txt`, each atomically.
+Status UpdateLatest(const std::string& root, const std::string& tag,
+                    std::optional<int64_t> iteration);
+
+}  // namespace reshard

@@ -1,0 +1,191 @@
+#include "layout/checkpoint_files.h"
+
+#include <re2/re2.h>
+
+#include <filesystem>
+#include <fstream>
+#include <set>
+
+namespace reshard {
+namespace fs = std::filesystem;
+namespace {
+
+const RE2& LayerFileRegex() {
+  static const RE2 re(R"(layer_(\d+)-model_(\d+)-model_states\.pt)");
+  return re;
+}
+const RE2& MpRankRegex() {
+  static const RE2 re(R"(mp_rank_(\d+)_model_states\.pt)");
+  return re;
+}
+const RE2& OptimizerRegex() {
+  static const RE2 re(R"((bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt)");
+  return re;
+}
+
+std::string ReadFirstLine(const fs::path& p) {
+  std::ifstream in(p);
+  std::string line;
+  std::getline(in, line);
+  while (!line.empty() && (line.back() == '\r' || line.back() == ' ')) line.pop_back();
+  return line;
+}
+
+// Resolves a root-with-`latest` to its tag folder; leaves a tag folder as is.
+Result<fs::path> ResolveTagDir(const fs::path& path) {
+  std::error_code ec;
+  if (!fs::exists(path, ec)) {
+    return Status::InvalidInput("no such checkpoint folder: " + path.string());
+  }
+  if (!fs::is_directory(path, ec)) {
+    return Status::InvalidInput(path.string() +
+                                " is a file; pass a checkpoint tag folder (e.g. .../global_step20) "
+                                "or the root folder holding 'latest'");
+  }
+  if (fs::is_empty(path, ec)) return Status::InvalidInput(path.string() + " is an empty folder");
+  const fs::path latest = path / "latest";
+  if (fs::is_regular_file(latest, ec)) {
+    const std::string tag = ReadFirstLine(latest);
+    if (tag.empty() || tag.find('/') != std::string::npos) {
+      return Status::InvalidInput(latest.string() + " does not name a tag folder");
+    }
+    if (!fs::is_directory(path / tag, ec)) {
+      return Status::InvalidInput(latest.string() + " names '" + tag +
+                                  "', but there is no such folder in " + path.string());
+    }
+    return path / tag;
+  }
+  return path;
+}
+
+// Lists subfolders that look like tags, for the "which one?" hint.
+std::string TagFolderHint(const fs::path& dir) {
+  std::vector<std::string> tags;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    if (entry.is_directory() && fs::exists(entry.path() / "mp_rank_00_model_states.pt")) {
+      tags.push_back(entry.path().filename().string());
+    }
+  }
+  std::sort(tags.begin(), tags.end());
+  if (tags.empty()) return "";
+  std::string hint = "; it holds the tag folders";
+  for (const auto& t : tags) hint += " " + t;
+  return hint + " (pass one of them, or add a 'latest' file)";
+}
+
+void Classify(const std::string& name, const std::string& full, CheckpointFiles* files) {
+  int a = 0, b = 0;
+  std::string bf16;
+  if (RE2::FullMatch(name, LayerFileRegex(), &a, &b)) {
+    files->layer_files[a][b] = full;
+  } else if (RE2::FullMatch(name, MpRankRegex(), &a)) {
+    files->mp_rank_files[a] = full;
+  } else if (RE2::FullMatch(name, OptimizerRegex(), &bf16, &a, &b)) {
+    files->optimizer_files.push_back({a, b, !bf16.empty(), full});
+  } else {
+    files->other_files.push_back(name);
+  }
+}
+
+std::string Join(const std::set<int>& values) {
+  std::string out;
+  for (int v : values) out += (out.empty() ? "" : ", ") + std::to_string(v);
+  return out;
+}
+
+// Names the indices of 0..n-1 missing from `present`.
+std::set<int> Missing(const std::set<int>& present, int n) {
+  std::set<int> missing;
+  for (int i = 0; i < n; ++i) {
+    if (!present.count(i)) missing.insert(i);
+  }
+  return missing;
+}
+
+}  // namespace
+
+int CheckpointFiles::LayerTpSize() const {
+  std::set<int> ranks;
+  for (const auto& [id, by_tp] : layer_files) {
+    for (const auto& [tp, path] : by_tp) ranks.insert(tp);
+  }
+  return static_cast<int>(ranks.size());
+}
+
+Result<CheckpointFiles> ScanCheckpoint(const std::string& path) {
+  RESHARD_ASSIGN_OR_RETURN(fs::path tag_dir, ResolveTagDir(fs::path(path)));
+  std::error_code ec;
+  tag_dir = fs::absolute(tag_dir, ec).lexically_normal();
+  CheckpointFiles files;
+  files.tag_dir = tag_dir.string();
+  files.tag = tag_dir.filename().string();
+  files.root_dir = tag_dir.parent_path().string();
+  for (const auto& entry : fs::directory_iterator(tag_dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (entry.is_directory()) {
+      files.other_files.push_back(name + "/");
+    } else {
+      Classify(name, entry.path().string(), &files);
+    }
+  }
+  if (ec) return Status::IoError("cannot list " + files.tag_dir + ": " + ec.message());
+  if (files.mp_rank_files.empty()) {
+    return Status::InvalidInput(files.tag_dir +
+                                " has no mp_rank_*_model_states.pt files, so it is not a DeepSpeed "
+                                "checkpoint tag folder" +
+                                TagFolderHint(tag_dir));
+  }
+  return files;
+}
+
+Status CheckRankGrid(const CheckpointFiles& files, int* tp, int* pp, int* dp) {
+  *tp = files.LayerTpSize();
+  if (*tp == 0) *tp = 1;
+  for (const auto& [id, by_tp] : files.layer_files) {
+    std::set<int> ranks;
+    for (const auto& [t, p] : by_tp) ranks.insert(t);
+    std::set<int> missing = Missing(ranks, *tp);
+    if (!missing.empty() || static_cast<int>(ranks.size()) != *tp) {
+      return Status::InvalidInput("layer " + std::to_string(id) + " is missing TP rank file(s) " +
+                                  Join(missing) + " (other layers have " + std::to_string(*tp) +
+                                  " TP ranks); the checkpoint is incomplete");
+    }
+  }
+  const int mp = static_cast<int>(files.mp_rank_files.rbegin()->first) + 1;
+  std::set<int> mp_ranks;
+  for (const auto& [m, p] : files.mp_rank_files) mp_ranks.insert(m);
+  if (std::set<int> missing = Missing(mp_ranks, mp); !missing.empty()) {
+    return Status::InvalidInput("mp_rank file(s) " + Join(missing) + " of " + std::to_string(mp) +
+                                " are missing; the checkpoint is incomplete");
+  }
+  if (mp % *tp != 0) {
+    return Status::InvalidInput(std::to_string(mp) + " mp_rank files do not divide into " +
+                                std::to_string(*tp) + " TP ranks (from the layer files)");
+  }
+  *pp = mp / *tp;
+  *dp = 0;
+  if (files.optimizer_files.empty()) return Status::Ok();
+  std::map<int, std::set<int>> dp_by_mp;
+  int max_dp = 0;
+  for (const auto& f : files.optimizer_files) {
+    dp_by_mp[f.mp_rank].insert(f.dp_rank);
+    max_dp = std::max(max_dp, f.dp_rank + 1);
+  }
+  for (int m = 0; m < mp; ++m) {
+    std::set<int> missing = Missing(dp_by_mp[m], max_dp);
+    if (!missing.empty()) {
+      return Status::InvalidInput("optimizer shard(s) for DP rank(s) " + Join(missing) +
+                                  " of mp_rank " + std::to_string(m) +
+                                  " are missing; the checkpoint is incomplete");
+    }
+  }
+  if (static_cast<int>(dp_by_mp.size()) != mp) {
+    return Status::InvalidInput("optimizer shards name mp_rank indices beyond the " +
+                                std::to_string(mp) + " mp_rank files");
+  }
+  *dp = max_dp;
+  return Status::Ok();
+}
+
+}  // namespace reshard

@@ -1,0 +1,65 @@
+#include "logical/drift.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+
+namespace reshard {
+namespace {
+
+// Compares one replica with rank 0's; updates `d` when they differ.
+void CompareReplica(const LogicalTensor& t, int rank, Drift* d) {
+  const int64_t n = t.shards[0]->numel();
+  const int es = ElementSize(t.dtype);
+  const uint8_t* a = TensorData(*t.shards[0]);
+  const uint8_t* b = TensorData(*t.shards[rank]);
+  if (std::memcmp(a, b, static_cast<size_t>(n) * es) == 0) return;
+  const bool fp = IsFloatingPoint(t.dtype);
+  for (int64_t i = 0; i < n; ++i) {
+    if (std::memcmp(a + i * es, b + i * es, es) == 0) continue;
+    ++d->elements_differing;
+    const double diff =
+        fp ? std::fabs(LoadAsDouble(t.dtype, a + i * es) - LoadAsDouble(t.dtype, b + i * es)) : 1;
+    // NaN differences rank as infinitely large.
+    const double key = std::isnan(diff) ? INFINITY : diff;
+    if (key > d->max_abs_diff) {
+      d->max_abs_diff = key;
+      d->worst_rank = rank;
+    }
+  }
+}
+
+}  // namespace
+
+std::vector<Drift> MeasureDrift(const LogicalCheckpoint& ckpt) {
+  std::vector<Drift> drifts;
+  for (size_t li = 0; li < ckpt.layers.size(); ++li) {
+    const LogicalLayer& layer = ckpt.layers[li];
+    for (size_t ti = 0; ti < layer.tensors.size(); ++ti) {
+      const LogicalTensor& t = layer.tensors[ti];
+      if (t.rule->policy != ParamRule::Policy::kReplicated) continue;
+      Drift d;
+      d.layer_index = static_cast<int>(li);
+      d.tensor_index = static_cast<int>(ti);
+      for (size_t r = 1; r < t.shards.size(); ++r) CompareReplica(t, static_cast<int>(r), &d);
+      if (d.elements_differing > 0) drifts.push_back(d);
+    }
+  }
+  std::stable_sort(drifts.begin(), drifts.end(), [](const Drift& a, const Drift& b) {
+    return a.max_abs_diff > b.max_abs_diff;
+  });
+  return drifts;
+}
+
+std::string DescribeDrift(const LogicalCheckpoint& ckpt, const Drift& d) {
+  const LogicalLayer& layer = ckpt.layers[d.layer_index];
+  const LogicalTensor& t = layer.tensors[d.tensor_index];
+  char buf[160];
+  std::snprintf(buf, sizeof(buf), ": max |diff| %.3g (TP rank %d vs 0), %lld of %lld elements differ",
+                d.max_abs_diff, d.worst_rank, static_cast<long long>(d.elements_differing),
+                static_cast<long long>(t.shards[0]->numel()));
+  return TensorLabel(layer.id, t.key) + buf;
+}
+
+}  // namespace reshard

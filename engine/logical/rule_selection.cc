@@ -1,0 +1,178 @@
+#include "logical/rule_selection.h"
+
+#include <set>
+
+#include "logical/logical_checkpoint.h"
+#include "pickle/value.h"
+
+namespace reshard {
+namespace {
+
+std::string ScalarString(const Value& v) {
+  switch (v.kind()) {
+    case Value::Kind::kBool: return v.as_bool() ? "true" : "false";
+    case Value::Kind::kInt: return std::to_string(v.as_int());
+    case Value::Kind::kString: return v.as_string();
+    default: return v.DebugString();
+  }
+}
+
+bool ArgMatches(const Value& args, const std::string& field, const std::string& expected) {
+  const Value* v = Find(args, field);
+  const bool absent = v == nullptr || v->is_none();
+  if (expected == "null") return absent;
+  if (expected == "*") return !absent;
+  return !absent && ScalarString(*v) == expected;
+}
+
+// Why `rules` does not apply to the checkpoint's metadata; empty when it does.
+std::string DetectMismatch(const RuleSet& rules, const LogicalCheckpoint& ckpt) {
+  const Value& meta = ckpt.metadata[0];
+  for (const std::string& key : rules.detect().metadata_keys) {
+    if (Find(meta, key) == nullptr) return "the metadata has no '" + key + "'";
+  }
+  for (const std::string& key : rules.detect().absent_metadata_keys) {
+    if (Find(meta, key) != nullptr) return "the metadata has '" + key + "'";
+  }
+  for (const auto& [field, expected] : rules.detect().args) {
+    if (!ArgMatches(ckpt.args(), field, expected)) {
+      return "args." + field + " is not " + expected;
+    }
+  }
+  return "";
+}
+
+std::set<int> LayerIds(const LogicalCheckpoint& ckpt) {
+  std::set<int> ids;
+  for (const auto& [id, by_tp] : ckpt.files.layer_files) ids.insert(id);
+  return ids;
+}
+
+std::set<int> FileIds(const std::vector<SpecEntry>& specs) {
+  std::set<int> ids;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    if (specs[i].OwnsFile()) ids.insert(static_cast<int>(i));
+  }
+  return ids;
+}
+
+// "1, 3-6, 8"
+std::string RangesString(const std::set<int>& ids) {
+  std::string out;
+  for (auto it = ids.begin(); it != ids.end();) {
+    int first = *it, last = *it;
+    for (++it; it != ids.end() && *it == last + 1; ++it) last = *it;
+    out += (out.empty() ? "" : ", ") + std::to_string(first);
+    if (last != first) out += "-" + std::to_string(last);
+  }
+  return out;
+}
+
+int64_t BlockCount(const std::vector<SpecEntry>& specs, const LogicalCheckpoint& ckpt) {
+  int64_t num_layers = -1;
+  if (const Value* v = Find(ckpt.args(), "num_layers")) ReadInt(*v, &num_layers);
+  if (num_layers >= 0) return num_layers;
+  int64_t other_files = 0;
+  for (const SpecEntry& s : specs) other_files += (s.OwnsFile() && s.role != "block") ? 1 : 0;
+  return static_cast<int64_t>(ckpt.files.layer_files.size()) - other_files;
+}
+
+// The numbering of `rules` whose file ids equal the checkpoint's, if any.
+bool MatchNumbering(const RuleSet& rules, const LogicalCheckpoint& ckpt, RuleChoice* choice,
+                    std::string* why_not) {
+  const std::set<int> have = LayerIds(ckpt);
+  for (const auto& [name, specs] : rules.numberings()) {
+    std::vector<SpecEntry> expanded = ExpandSpecs(specs, BlockCount(specs, ckpt));
+    const std::set<int> want = FileIds(expanded);
+    if (want == have) {
+      choice->numbering = name;
+      choice->specs = std::move(expanded);
+      return true;
+    }
+    *why_not += (why_not->empty() ? "" : "; ") + std::string("numbering '") + name +
+                "' expects layer ids " + RangesString(want);
+  }
+  return false;
+}
+
+// Counts the keys no rule explains plus the required rules nothing matches,
+// looking at TP rank 0's files.
+int KeyProblems(const RuleSet& rules, const RuleChoice& choice, const LogicalCheckpoint& ckpt) {
+  int problems = 0;
+  for (const LogicalLayer& layer : ckpt.layers) {
+    const std::string& role = choice.specs[layer.id].role;
+    std::set<const ParamRule*> used;
+    for (const auto& [k, v] : *DictItems(layer.roots[0])) {
+      Result<const ParamRule*> rule =
+          rules.Match(role, k.is(Value::Kind::kString) ? k.as_string() : "");
+      if (!rule.ok() || *rule == nullptr) {
+        ++problems;
+      } else {
+        used.insert(*rule);
+      }
+    }
+    auto it = rules.layers().find(role);
+    if (it == rules.layers().end()) continue;
+    for (const ParamRule& r : it->second) problems += (!r.optional && !used.count(&r)) ? 1 : 0;
+  }
+  return problems;
+}
+
+Result<RuleChoice> UseRuleSet(std::shared_ptr<const RuleSet> rules, const LogicalCheckpoint& ckpt) {
+  RuleChoice choice;
+  std::string why_not;
+  if (!MatchNumbering(*rules, ckpt, &choice, &why_not)) {
+    return Status::RuleError("the layer files (ids " + RangesString(LayerIds(ckpt)) +
+                             ") do not match rule set '" + rules->name() + "': " + why_not);
+  }
+  choice.rules = std::move(rules);
+  return choice;
+}
+
+Result<RuleChoice> DetectRuleSet(const LogicalCheckpoint& ckpt) {
+  RESHARD_ASSIGN_OR_RETURN(std::vector<RuleSet> all, LoadBuiltinRuleSets());
+  std::vector<RuleChoice> fits;
+  std::string rejected;
+  for (RuleSet& rules : all) {
+    RuleChoice choice;
+    std::string why_not = DetectMismatch(rules, ckpt);
+    if (why_not.empty() && MatchNumbering(rules, ckpt, &choice, &why_not)) {
+      const int problems = KeyProblems(rules, choice, ckpt);
+      if (problems == 0) {
+        choice.rules = std::make_shared<const RuleSet>(std::move(rules));
+        fits.push_back(std::move(choice));
+        continue;
+      }
+      why_not = std::to_string(problems) + " key(s) unexplained";
+    }
+    rejected += (rejected.empty() ? "" : "; ") + rules.name() + ": " + why_not;
+  }
+  if (fits.size() == 1) return std::move(fits[0]);
+  if (fits.empty()) {
+    return Status::RuleError("no built-in rule set fits this checkpoint (" + rejected +
+                             "); write a rule file for it (see docs/rules.md) and pass --rules FILE");
+  }
+  std::string names;
+  for (const RuleChoice& c : fits) names += (names.empty() ? "" : ", ") + c.rules->name();
+  return Status::RuleError("several rule sets fit this checkpoint (" + names +
+                           "); choose one with --rules NAME");
+}
+
+}  // namespace
+
+std::vector<SpecEntry> ExpandSpecs(const std::vector<SpecEntry>& specs, int64_t num_blocks) {
+  std::vector<SpecEntry> out;
+  for (const SpecEntry& s : specs) {
+    const int64_t copies = s.role == "block" ? num_blocks : 1;
+    for (int64_t i = 0; i < copies; ++i) out.push_back(s);
+  }
+  return out;
+}
+
+Result<RuleChoice> ChooseRuleSet(const LogicalCheckpoint& ckpt, const std::string& spec) {
+  if (spec.empty()) return DetectRuleSet(ckpt);
+  RESHARD_ASSIGN_OR_RETURN(RuleSet rules, LoadRuleSet(spec));
+  return UseRuleSet(std::make_shared<const RuleSet>(std::move(rules)), ckpt);
+}
+
+}  // namespace reshard

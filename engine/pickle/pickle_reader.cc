@@ -1,0 +1,1110 @@
+#include "pickle/pickle_reader.h"
+
+#include <algorithm>
+#include <charconv>
+#include <cstdio>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <unordered_map>
+#include <vector>
+
+namespace reshard {
+
+// ---- The allow-list -------------------------------------------------------------
+
+namespace {
+
+const std::set<std::string>& KnownGlobals() {
+  static const std::set<std::string> known = [] {
+    std::set<std::string> s = {
+        // Plain data. Protocol 2 pickles bytes as _codecs.encode(str, 'latin1'),
+        // b'' as builtins.bytes() and bytearray as builtins.bytearray(bytes).
+        "collections.OrderedDict", "builtins.set", "builtins.frozenset", "builtins.slice",
+        "builtins.complex", "builtins.bytes", "builtins.bytearray", "_codecs.encode",
+        "codecs.encode", "argparse.Namespace",
+        // Python >= 3.11 pickles an enum member as getattr(EnumClass, 'name').
+        // Safe to accept: its first argument is itself a checked global, and
+        // a getattr result cannot be called, as REDUCE only applies globals.
+        "builtins.getattr",
+        // Tensors and their metadata.
+        "torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_parameter",
+        "torch._tensor._rebuild_from_type_v2", "torch.nn.parameter.Parameter", "torch.Tensor",
+        "torch.Size", "torch.device",
+        // dtype aliases; the canonical names (torch.float32, ...) are added below.
+        "torch.float", "torch.half", "torch.long", "torch.int", "torch.double",
+        // NumPy arrays and scalars (the NumPy RNG state); numpy._core is NumPy >= 2.
+        "numpy.core.multiarray._reconstruct", "numpy.core.multiarray.scalar", "numpy.ndarray",
+        "numpy.dtype", "numpy._core.multiarray._reconstruct", "numpy._core.multiarray.scalar",
+        // DeepSpeed: optimizer fragments, ZeRO stage, fp16 loss scalers, and the
+        // universal checkpoint's sub-parameter shapes.
+        "deepspeed.utils.tensor_fragment.fragment_address",
+        "deepspeed.runtime.zero.config.ZeroStageEnum",
+        "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+        "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+        "deepspeed.checkpoint.universal_checkpoint.SubparamShape",
+        // Megatron enums in `args`: BigScience's megatron.enums and
+        // Microsoft's megatron.model.enums.
+        "megatron.enums.PositionEmbeddingType", "megatron.enums.AttnMaskType",
+        "megatron.enums.LayerType", "megatron.enums.AttnType",
+        "megatron.model.enums.PositionEmbeddingType", "megatron.model.enums.AttnMaskType",
+        "megatron.model.enums.LayerType", "megatron.model.enums.AttnType",
+    };
+    for (int d = 0; d <= static_cast<int>(DType::kComplex128); ++d) {  // the last DType
+      s.insert(std::string("torch.") + StorageClassName(static_cast<DType>(d)));
+      s.insert(std::string("torch.") + DTypeName(static_cast<DType>(d)));
+    }
+    return s;
+  }();
+  return known;
+}
+
+}  // namespace
+
+bool IsKnownGlobal(const std::string& qualified) { return KnownGlobals().count(qualified) > 0; }
+
+// ---- Parsing --------------------------------------------------------------------
+
+namespace {
+
+// Python 2 module names that protocol 0-2 pickles use; Python maps them back
+// when loading (its fix_imports), and so do we.
+std::string Py3Module(const std::string& module) {
+  if (module == "__builtin__") return "builtins";
+  if (module == "copy_reg") return "copyreg";
+  return module;
+}
+
+// The int that little-endian two's complement bytes (LONG1, LONG4) encode:
+// kInt when it fits int64, else kBigInt keeping the bytes.
+Value IntFromLE(const std::string& le) {
+  if (le.empty()) return Value::Int(0);
+  const bool negative = static_cast<uint8_t>(le.back()) & 0x80;
+  const uint8_t ext = negative ? 0xff : 0x00;
+  // Non-minimal encodings may carry extra sign bytes; the value fits int64
+  // when everything above the low 8 bytes is sign extension of byte 7.
+  bool fits = true;
+  for (size_t i = 8; i < le.size(); ++i) fits = fits && static_cast<uint8_t>(le[i]) == ext;
+  if (le.size() > 8 && fits) fits = (static_cast<uint8_t>(le[7]) & 0x80) == (ext & 0x80);
+  if (!fits) return Value::MakeBigInt(le);
+  uint64_t bits = negative ? ~uint64_t{0} : 0;
+  for (size_t i = 0; i < std::min<size_t>(le.size(), 8); ++i) {
+    bits &= ~(uint64_t{0xff} << (8 * i));
+    bits |= uint64_t{static_cast<uint8_t>(le[i])} << (8 * i);
+  }
+  return Value::Int(static_cast<int64_t>(bits));
+}
+
+// Parses an optionally signed decimal integer of any size (protocol 0 INT and LONG).
+bool DecimalToValue(const std::string& text, Value* out) {
+  size_t i = 0;
+  const bool negative = !text.empty() && text[0] == '-';
+  if (!text.empty() && (text[0] == '-' || text[0] == '+')) i = 1;
+  if (i == text.size()) return false;
+  std::vector<uint8_t> mag;  // little-endian magnitude
+  for (; i < text.size(); ++i) {
+    if (text[i] < '0' || text[i] > '9') return false;
+    unsigned carry = static_cast<unsigned>(text[i] - '0');
+    for (uint8_t& b : mag) {
+      const unsigned cur = b * 10u + carry;
+      b = static_cast<uint8_t>(cur);
+      carry = cur >> 8;
+    }
+    if (carry) mag.push_back(static_cast<uint8_t>(carry));
+  }
+  if (!mag.empty() && (mag.back() & 0x80)) mag.push_back(0);  // room for the sign bit
+  if (negative) {
+    unsigned carry = 1;
+    for (uint8_t& b : mag) {
+      const unsigned sum = static_cast<uint8_t>(~b) + carry;
+      b = static_cast<uint8_t>(sum);
+      carry = sum >> 8;
+    }
+  }
+  *out = IntFromLE(std::string(mag.begin(), mag.end()));
+  return true;
+}
+
+void AppendUtf8(uint32_t cp, std::string* out) {
+  if (cp < 0x80) {
+    out->push_back(static_cast<char>(cp));
+  } else if (cp < 0x800) {
+    out->push_back(static_cast<char>(0xc0 | (cp >> 6)));
+    out->push_back(static_cast<char>(0x80 | (cp & 0x3f)));
+  } else if (cp < 0x10000) {
+    out->push_back(static_cast<char>(0xe0 | (cp >> 12)));
+    out->push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3f)));
+    out->push_back(static_cast<char>(0x80 | (cp & 0x3f)));
+  } else {
+    out->push_back(static_cast<char>(0xf0 | (cp >> 18)));
+    out->push_back(static_cast<char>(0x80 | ((cp >> 12) & 0x3f)));
+    out->push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3f)));
+    out->push_back(static_cast<char>(0x80 | (cp & 0x3f)));
+  }
+}
+
+bool ParseHex(const std::string& s, size_t pos, size_t n, uint32_t* out) {
+  if (pos + n > s.size()) return false;
+  uint32_t v = 0;
+  for (size_t i = pos; i < pos + n; ++i) {
+    const char c = s[i];
+    const int digit = c >= '0' && c <= '9'   ? c - '0'
+                      : c >= 'a' && c <= 'f' ? c - 'a' + 10
+                      : c >= 'A' && c <= 'F' ? c - 'A' + 10
+                                             : -1;
+    if (digit < 0) return false;
+    v = v * 16 + static_cast<uint32_t>(digit);
+  }
+  *out = v;
+  return true;
+}
+
+// Protocol 0 UNICODE: latin-1 text with \uXXXX and \UXXXXXXXX escapes.
+bool DecodeRawUnicodeEscape(const std::string& in, std::string* out) {
+  for (size_t i = 0; i < in.size(); ++i) {
+    const bool escape = in[i] == '\\' && i + 1 < in.size() && (in[i + 1] == 'u' || in[i + 1] == 'U');
+    if (!escape) {
+      AppendUtf8(static_cast<uint8_t>(in[i]), out);
+      continue;
+    }
+    const size_t n = in[i + 1] == 'u' ? 4 : 8;
+    uint32_t cp;
+    if (!ParseHex(in, i + 2, n, &cp) || cp > 0x10ffff) return false;
+    AppendUtf8(cp, out);
+    i += 1 + n;
+  }
+  return true;
+}
+
+// The character a one-letter escape (\n, \', ...) stands for; 0 for others.
+char SimpleEscape(char c) {
+  switch (c) {
+    case '\\': case '\'': case '"': return c;
+    case 'a': return '\a';
+    case 'b': return '\b';
+    case 'f': return '\f';
+    case 'n': return '\n';
+    case 'r': return '\r';
+    case 't': return '\t';
+    case 'v': return '\v';
+    default: return 0;
+  }
+}
+
+// Protocol 0 STRING: a Python 2 string literal in quotes, with backslash escapes.
+bool DecodeQuotedString(const std::string& in, std::string* out) {
+  if (in.size() < 2 || (in[0] != '\'' && in[0] != '"') || in.back() != in[0]) return false;
+  const std::string body = in.substr(1, in.size() - 2);
+  for (size_t i = 0; i < body.size(); ++i) {
+    if (body[i] != '\\' || i + 1 == body.size()) {
+      out->push_back(body[i]);
+      continue;
+    }
+    const char c = body[++i];
+    uint32_t code;
+    if (SimpleEscape(c) != 0) {
+      out->push_back(SimpleEscape(c));
+    } else if (c == 'x' && ParseHex(body, i + 1, 2, &code)) {
+      out->push_back(static_cast<char>(code));
+      i += 2;
+    } else if (c >= '0' && c <= '7') {  // up to three octal digits
+      code = 0;
+      size_t end = i;
+      for (; end < i + 3 && end < body.size() && body[end] >= '0' && body[end] <= '7'; ++end) {
+        code = code * 8 + static_cast<uint32_t>(body[end] - '0');
+      }
+      out->push_back(static_cast<char>(code));
+      i = end - 1;
+    } else if (c != '\n') {  // backslash-newline is a line continuation
+      out->push_back('\\');
+      out->push_back(c);
+    }
+  }
+  return true;
+}
+
+// The str Python's _codecs.encode(s, 'latin1') was given, back as bytes.
+bool Utf8ToLatin1(const std::string& s, std::string* out) {
+  for (size_t i = 0; i < s.size(); ++i) {
+    const uint8_t c = static_cast<uint8_t>(s[i]);
+    if (c < 0x80) {
+      out->push_back(static_cast<char>(c));
+      continue;
+    }
+    if ((c & 0xe0) != 0xc0 || i + 1 == s.size()) return false;
+    const uint8_t c2 = static_cast<uint8_t>(s[++i]);
+    const uint32_t cp = ((c & 0x1fu) << 6) | (c2 & 0x3fu);
+    if ((c2 & 0xc0) != 0x80 || cp < 0x80 || cp > 0xff) return false;
+    out->push_back(static_cast<char>(cp));
+  }
+  return true;
+}
+
+// While parsing, every object lives in one Node that the stack, the memo and
+// the containers holding it all point to, so SETITEMS, APPENDS and BUILD on an
+// object also reach the copies the memo hands out. Values are materialised
+// from the nodes once the stream is complete.
+struct Node {
+  enum class Kind { kLeaf, kStorage, kList, kTuple, kDict, kSet, kFrozenSet, kObject, kTensor };
+  explicit Node(Kind k) : kind(k) {}
+  Kind kind;
+  // kLeaf: the value. kObject: an Object with class and construction only.
+  // kTensor: the tensor without its extra arguments.
+  Value leaf;
+  std::shared_ptr<Storage> storage;            // kStorage
+  std::vector<Node*> items;                    // elements; kObject: arguments; kTensor: extra arguments
+  std::vector<Node*> appends;                  // kObject: APPEND(S)
+  std::vector<std::pair<Node*, Node*>> pairs;  // kDict: items; kObject: SETITEM(S)
+  Node* state = nullptr;                       // kObject: BUILD
+  bool visiting = false;                       // being materialised (finds cycles)
+};
+
+bool IsLeaf(const Node* n, Value::Kind kind) { return n->kind == Node::Kind::kLeaf && n->leaf.is(kind); }
+
+bool LeafString(const Node* n, std::string* out) {
+  if (!IsLeaf(n, Value::Kind::kString)) return false;
+  *out = n->leaf.as_string();
+  return true;
+}
+
+bool LeafInt(const Node* n, int64_t* out) {
+  if (!IsLeaf(n, Value::Kind::kInt)) return false;
+  *out = n->leaf.as_int();
+  return true;
+}
+
+// A tuple, list or torch.Size of ints.
+bool NodeInts(const Node* n, std::vector<int64_t>* out) {
+  if (n->kind == Node::Kind::kObject && n->leaf.as_object().cls.Is("torch", "Size")) {
+    if (n->items.size() != 1) return false;
+    n = n->items[0];
+  }
+  if (n->kind != Node::Kind::kTuple && n->kind != Node::Kind::kList) return false;
+  out->clear();
+  for (const Node* item : n->items) {
+    int64_t v;
+    if (!LeafInt(item, &v)) return false;
+    out->push_back(v);
+  }
+  return true;
+}
+
+const char* OpcodeName(uint8_t op) {
+  static const std::map<uint8_t, const char*> names = {
+      {0x80, "PROTO"}, {0x95, "FRAME"}, {'.', "STOP"}, {'(', "MARK"}, {'0', "POP"},
+      {'1', "POP_MARK"}, {'2', "DUP"}, {'N', "NONE"}, {0x88, "NEWTRUE"}, {0x89, "NEWFALSE"},
+      {'I', "INT"}, {'J', "BININT"}, {'K', "BININT1"}, {'M', "BININT2"}, {'L', "LONG"},
+      {0x8a, "LONG1"}, {0x8b, "LONG4"}, {'F', "FLOAT"}, {'G', "BINFLOAT"}, {'S', "STRING"},
+      {'T', "BINSTRING"}, {'U', "SHORT_BINSTRING"}, {'V', "UNICODE"}, {'X', "BINUNICODE"},
+      {0x8c, "SHORT_BINUNICODE"}, {0x8d, "BINUNICODE8"}, {'B', "BINBYTES"},
+      {'C', "SHORT_BINBYTES"}, {0x8e, "BINBYTES8"}, {0x96, "BYTEARRAY8"}, {']', "EMPTY_LIST"},
+      {'l', "LIST"}, {'a', "APPEND"}, {'e', "APPENDS"}, {')', "EMPTY_TUPLE"}, {'t', "TUPLE"},
+      {0x85, "TUPLE1"}, {0x86, "TUPLE2"}, {0x87, "TUPLE3"}, {'}', "EMPTY_DICT"}, {'d', "DICT"},
+      {'s', "SETITEM"}, {'u', "SETITEMS"}, {0x8f, "EMPTY_SET"}, {0x90, "ADDITEMS"},
+      {0x91, "FROZENSET"}, {'c', "GLOBAL"}, {0x93, "STACK_GLOBAL"}, {'R', "REDUCE"},
+      {0x81, "NEWOBJ"}, {0x92, "NEWOBJ_EX"}, {'b', "BUILD"}, {'p', "PUT"}, {'q', "BINPUT"},
+      {'r', "LONG_BINPUT"}, {0x94, "MEMOIZE"}, {'g', "GET"}, {'h', "BINGET"},
+      {'j', "LONG_BINGET"}, {'P', "PERSID"}, {'Q', "BINPERSID"}, {'i', "INST"}, {'o', "OBJ"},
+      {0x82, "EXT1"}, {0x83, "EXT2"}, {0x84, "EXT4"}, {0x97, "NEXT_BUFFER"},
+      {0x98, "READONLY_BUFFER"},
+  };
+  auto it = names.find(op);
+  return it == names.end() ? "unknown" : it->second;
+}
+
+// Values a stream may expand to per input byte (plus a fixed allowance):
+// memo references make copies, and nested references could otherwise
+// expand a few hundred bytes into billions of values.
+constexpr size_t kMaxValuesPerByte = 16;
+constexpr size_t kValueAllowance = size_t{1} << 20;
+
+class Parser {
+ public:
+  Parser(const PickleReadOptions& options, const StorageResolver& resolver, const uint8_t* data,
+         size_t size)
+      : options_(options),
+        resolver_(resolver),
+        data_(data),
+        size_(size),
+        value_budget_(size * kMaxValuesPerByte + kValueAllowance) {}
+
+  Result<Value> Run();
+
+ private:
+  // ---- Errors and input
+  Status Fail(const std::string& what) const;
+  Status Take(size_t n, const uint8_t** out);
+  Status ReadUInt(size_t n, uint64_t* out);
+  Status ReadLine(std::string* out);
+  Status ReadIndexLine(uint64_t* out);
+
+  // ---- Stack and memo
+  Node* New(Node::Kind kind);
+  Node* NewLeaf(Value v);
+  void Push(Node* n) { stack_.push_back(n); }
+  size_t Floor() const { return marks_.empty() ? 0 : marks_.back(); }
+  Status Pop(Node** out);
+  Status Top(Node** out);
+  Status PopMark(std::vector<Node*>* items);
+  Status Put(uint64_t index);
+  Status Get(uint64_t index);
+
+  // ---- Opcodes
+  Status Step(bool* stop);
+  Status Proto();
+  Status Frame();
+  Status PopOp();
+  Status Dup();
+  Status IntLine();
+  Status LongLine();
+  Status LongN(size_t len_size);
+  Status FloatLine();
+  Status BinFloat();
+  Status QuotedString();
+  Status UnicodeLine();
+  Status Counted(size_t len_size, Value::Kind kind);
+  Status Collect(Node::Kind kind);
+  Status TupleN(size_t n);
+  Status Append();
+  Status Appends();
+  Status AppendTo(Node* target, const std::vector<Node*>& items);
+  Status SetItem();
+  Status SetItems();
+  Status SetPairs(Node* target, const std::vector<Node*>& flat);
+  Status AddItems();
+  Status GlobalLines();
+  Status StackGlobal();
+  Status PushGlobal(std::string module, std::string name);
+  Status Reduce();
+  Status NewObj(bool with_kwargs);
+  Status Build();
+  Status PersId();
+  Status BinPersId();
+
+  // ---- Torch and Python semantics
+  Status Call(const Global& g, const std::vector<Node*>& args, Node** out);
+  Status RebuildTensor(const std::vector<Node*>& args, Node** out);
+  Status CheckTensorBounds(const Tensor& t);
+  Status ResolveStorage(const Node* pid, Node** out);
+  Status LookupStorage(const std::string& key, DType dtype, int64_t numel,
+                       const std::string& location, std::shared_ptr<Storage>* out);
+  Node* NewObject(const Global& g, Object::Construct construct, const std::vector<Node*>& args);
+
+  // ---- Materialisation
+  Status Materialise(Node* n, int depth, Value* out);
+  Status MaterialiseAll(const std::vector<Node*>& nodes, int depth, std::vector<Value>* out);
+  Status MaterialisePairs(const std::vector<std::pair<Node*, Node*>>& pairs, int depth, Items* out);
+  Status MaterialiseObject(Node* n, int depth, Value* out);
+
+  const PickleReadOptions& options_;
+  const StorageResolver& resolver_;
+  const uint8_t* data_;
+  size_t size_;
+  size_t pos_ = 0;
+  size_t op_pos_ = 0;
+  uint8_t op_ = 0;
+  size_t value_budget_;
+
+  std::deque<Node> nodes_;  // owns every node; stable addresses
+  std::vector<Node*> stack_;
+  std::vector<size_t> marks_;  // stack sizes at each MARK
+  std::unordered_map<uint64_t, Node*> memo_;
+  std::map<std::string, std::shared_ptr<Storage>> storages_;  // by record key
+};
+
+// ---- Errors and input
+
+Status Parser::Fail(const std::string& what) const {
+  char op[8];
+  std::snprintf(op, sizeof(op), "0x%02x", op_);
+  return Status::InvalidInput("malformed pickle at byte " + std::to_string(op_pos_) + " (opcode " +
+                              OpcodeName(op_) + ", " + op + "): " + what);
+}
+
+Status Parser::Take(size_t n, const uint8_t** out) {
+  if (n > size_ - pos_) {
+    return Fail("needs " + std::to_string(n) + " more bytes but the input ends after " +
+                std::to_string(size_ - pos_));
+  }
+  *out = data_ + pos_;
+  pos_ += n;
+  return Status::Ok();
+}
+
+Status Parser::ReadUInt(size_t n, uint64_t* out) {
+  const uint8_t* p;
+  RESHARD_RETURN_IF_ERROR(Take(n, &p));
+  uint64_t v = 0;
+  for (size_t i = n; i-- > 0;) v = (v << 8) | p[i];
+  *out = v;
+  return Status::Ok();
+}
+
+Status Parser::ReadLine(std::string* out) {
+  const void* nl = std::memchr(data_ + pos_, '\n', size_ - pos_);
+  if (nl == nullptr) return Fail("line argument is not terminated by a newline");
+  const size_t len = static_cast<const uint8_t*>(nl) - (data_ + pos_);
+  out->assign(reinterpret_cast<const char*>(data_ + pos_), len);
+  pos_ += len + 1;
+  return Status::Ok();
+}
+
+Status Parser::ReadIndexLine(uint64_t* out) {
+  std::string line;
+  RESHARD_RETURN_IF_ERROR(ReadLine(&line));
+  const char* end = line.data() + line.size();
+  auto res = std::from_chars(line.data(), end, *out);
+  if (line.empty() || res.ec != std::errc() || res.ptr != end) return Fail("bad memo index '" + line + "'");
+  return Status::Ok();
+}
+
+// ---- Stack and memo
+
+Node* Parser::New(Node::Kind kind) { return &nodes_.emplace_back(kind); }
+
+Node* Parser::NewLeaf(Value v) {
+  Node* n = New(Node::Kind::kLeaf);
+  n->leaf = std::move(v);
+  return n;
+}
+
+Status Parser::Pop(Node** out) {
+  if (stack_.size() <= Floor()) return Fail("stack underflow");
+  *out = stack_.back();
+  stack_.pop_back();
+  return Status::Ok();
+}
+
+Status Parser::Top(Node** out) {
+  if (stack_.size() <= Floor()) return Fail("stack underflow");
+  *out = stack_.back();
+  return Status::Ok();
+}
+
+Status Parser::PopMark(std::vector<Node*>* items) {
+  if (marks_.empty()) return Fail("no MARK to pop to");
+  const size_t mark = marks_.back();
+  marks_.pop_back();
+  items->assign(stack_.begin() + static_cast<ptrdiff_t>(mark), stack_.end());
+  stack_.resize(mark);
+  return Status::Ok();
+}
+
+Status Parser::Put(uint64_t index) {
+  Node* top;
+  RESHARD_RETURN_IF_ERROR(Top(&top));
+  memo_[index] = top;
+  return Status::Ok();
+}
+
+Status Parser::Get(uint64_t index) {
+  auto it = memo_.find(index);
+  if (it == memo_.end()) return Fail("memo entry " + std::to_string(index) + " was never stored");
+  Push(it->second);
+  return Status::Ok();
+}
+
+// ---- Opcodes
+
+Status Parser::Step(bool* stop) {
+  uint64_t u;
+  switch (op_) {
+    case 0x80: return Proto();
+    case 0x95: return Frame();
+    case '.': *stop = true; return Status::Ok();
+    case '(': marks_.push_back(stack_.size()); return Status::Ok();
+    case '0': return PopOp();
+    case '1': { std::vector<Node*> discard; return PopMark(&discard); }
+    case '2': return Dup();
+    case 'N': Push(NewLeaf(Value::None())); return Status::Ok();
+    case 0x88: Push(NewLeaf(Value::Bool(true))); return Status::Ok();
+    case 0x89: Push(NewLeaf(Value::Bool(false))); return Status::Ok();
+    case 'I': return IntLine();
+    case 'J':
+      RESHARD_RETURN_IF_ERROR(ReadUInt(4, &u));
+      Push(NewLeaf(Value::Int(static_cast<int32_t>(static_cast<uint32_t>(u)))));
+      return Status::Ok();
+    case 'K':
+    case 'M':
+      RESHARD_RETURN_IF_ERROR(ReadUInt(op_ == 'K' ? 1 : 2, &u));
+      Push(NewLeaf(Value::Int(static_cast<int64_t>(u))));
+      return Status::Ok();
+    case 'L': return LongLine();
+    case 0x8a: return LongN(1);
+    case 0x8b: return LongN(4);
+    case 'F': return FloatLine();
+    case 'G': return BinFloat();
+    case 'S': return QuotedString();
+    case 'V': return UnicodeLine();
+    // Python 2 str (BINSTRING) loads as str, as torch.load's encoding='utf-8' does.
+    case 'T': return Counted(4, Value::Kind::kString);
+    case 'U': return Counted(1, Value::Kind::kString);
+    case 'X': return Counted(4, Value::Kind::kString);
+    case 0x8c: return Counted(1, Value::Kind::kString);
+    case 0x8d: return Counted(8, Value::Kind::kString);
+    case 'B': return Counted(4, Value::Kind::kBytes);
+    case 'C': return Counted(1, Value::Kind::kBytes);
+    case 0x8e: return Counted(8, Value::Kind::kBytes);
+    case 0x96: return Counted(8, Value::Kind::kBytes);  // a bytearray; its bytes are what matter
+    case ']': Push(New(Node::Kind::kList)); return Status::Ok();
+    case 'l': return Collect(Node::Kind::kList);
+    case 'a': return Append();
+    case 'e': return Appends();
+    case ')': Push(New(Node::Kind::kTuple)); return Status::Ok();
+    case 't': return Collect(Node::Kind::kTuple);
+    case 0x85: return TupleN(1);
+    case 0x86: return TupleN(2);
+    case 0x87: return TupleN(3);
+    case '}': Push(New(Node::Kind::kDict)); return Status::Ok();
+    case 'd': return Collect(Node::Kind::kDict);
+    case 's': return SetItem();
+    case 'u': return SetItems();
+    case 0x8f: Push(New(Node::Kind::kSet)); return Status::Ok();
+    case 0x90: return AddItems();
+    case 0x91: return Collect(Node::Kind::kFrozenSet);
+    case 'c': return GlobalLines();
+    case 0x93: return StackGlobal();
+    case 'R': return Reduce();
+    case 0x81: return NewObj(false);
+    case 0x92: return NewObj(true);
+    case 'b': return Build();
+    case 'p': RESHARD_RETURN_IF_ERROR(ReadIndexLine(&u)); return Put(u);
+    case 'q': RESHARD_RETURN_IF_ERROR(ReadUInt(1, &u)); return Put(u);
+    case 'r': RESHARD_RETURN_IF_ERROR(ReadUInt(4, &u)); return Put(u);
+    case 0x94: return Put(memo_.size());
+    case 'g': RESHARD_RETURN_IF_ERROR(ReadIndexLine(&u)); return Get(u);
+    case 'h': RESHARD_RETURN_IF_ERROR(ReadUInt(1, &u)); return Get(u);
+    case 'j': RESHARD_RETURN_IF_ERROR(ReadUInt(4, &u)); return Get(u);
+    case 'P': return PersId();
+    case 'Q': return BinPersId();
+    case 'i': case 'o': case 0x82: case 0x83: case 0x84: case 0x97: case 0x98:
+      return Status::Unsupported(std::string("pickle opcode ") + OpcodeName(op_) + " at byte " +
+                                 std::to_string(op_pos_) + " is not supported by reshard");
+    default: return Fail("unknown opcode");
+  }
+}
+
+Status Parser::Proto() {
+  uint64_t proto;
+  RESHARD_RETURN_IF_ERROR(ReadUInt(1, &proto));
+  if (proto > 5) return Fail("unsupported protocol " + std::to_string(proto));
+  return Status::Ok();
+}
+
+// Frames only group opcodes for buffered reading; their contents follow inline.
+Status Parser::Frame() {
+  uint64_t len;
+  RESHARD_RETURN_IF_ERROR(ReadUInt(8, &len));
+  if (len > size_ - pos_) return Fail("frame of " + std::to_string(len) + " bytes overruns the input");
+  return Status::Ok();
+}
+
+// As Python: POP discards the top item, or the MARK above it.
+Status Parser::PopOp() {
+  if (stack_.size() > Floor()) {
+    stack_.pop_back();
+    return Status::Ok();
+  }
+  std::vector<Node*> discard;
+  return PopMark(&discard);
+}
+
+Status Parser::Dup() {
+  Node* top;
+  RESHARD_RETURN_IF_ERROR(Top(&top));
+  Push(top);
+  return Status::Ok();
+}
+
+Status Parser::IntLine() {
+  std::string line;
+  RESHARD_RETURN_IF_ERROR(ReadLine(&line));
+  Value v;
+  if (line == "00" || line == "01") {  // protocol 0 booleans
+    v = Value::Bool(line == "01");
+  } else if (!DecimalToValue(line, &v)) {
+    return Fail("bad integer '" + line + "'");
+  }
+  Push(NewLeaf(std::move(v)));
+  return Status::Ok();
+}
+
+Status Parser::LongLine() {
+  std::string line;
+  RESHARD_RETURN_IF_ERROR(ReadLine(&line));
+  if (!line.empty() && line.back() == 'L') line.pop_back();
+  Value v;
+  if (!DecimalToValue(line, &v)) return Fail("bad integer '" + line + "'");
+  Push(NewLeaf(std::move(v)));
+  return Status::Ok();
+}
+
+Status Parser::LongN(size_t len_size) {
+  uint64_t n;
+  RESHARD_RETURN_IF_ERROR(ReadUInt(len_size, &n));
+  if (len_size == 4 && n > INT32_MAX) return Fail("negative byte count");
+  const uint8_t* p;
+  RESHARD_RETURN_IF_ERROR(Take(n, &p));
+  Push(NewLeaf(IntFromLE(std::string(reinterpret_cast<const char*>(p), n))));
+  return Status::Ok();
+}
+
+Status Parser::FloatLine() {
+  std::string line;
+  RESHARD_RETURN_IF_ERROR(ReadLine(&line));
+  const char* begin = line.data() + (!line.empty() && line[0] == '+' ? 1 : 0);
+  const char* end = line.data() + line.size();
+  double d;
+  auto res = std::from_chars(begin, end, d);
+  if (begin == end || res.ec != std::errc() || res.ptr != end) return Fail("bad float '" + line + "'");
+  Push(NewLeaf(Value::Float(d)));
+  return Status::Ok();
+}
+
+Status Parser::BinFloat() {
+  const uint8_t* p;
+  RESHARD_RETURN_IF_ERROR(Take(8, &p));
+  uint64_t bits = 0;
+  for (int i = 0; i < 8; ++i) bits = (bits << 8) | p[i];  // big-endian
+  double d;
+  std::memcpy(&d, &bits, 8);
+  Push(NewLeaf(Value::Float(d)));
+  return Status::Ok();
+}
+
+Status Parser::QuotedString() {
+  std::string line, s;
+  RESHARD_RETURN_IF_ERROR(ReadLine(&line));
+  if (!DecodeQuotedString(line, &s)) return Fail("bad string literal");
+  Push(NewLeaf(Value::String(std::move(s))));
+  return Status::Ok();
+}
+
+Status Parser::UnicodeLine() {
+  std::string line, s;
+  RESHARD_RETURN_IF_ERROR(ReadLine(&line));
+  if (!DecodeRawUnicodeEscape(line, &s)) return Fail("bad \\u escape");
+  Push(NewLeaf(Value::String(std::move(s))));
+  return Status::Ok();
+}
+
+Status Parser::Counted(size_t len_size, Value::Kind kind) {
+  uint64_t n;
+  RESHARD_RETURN_IF_ERROR(ReadUInt(len_size, &n));
+  const uint8_t* p;
+  RESHARD_RETURN_IF_ERROR(Take(n, &p));
+  std::string s(reinterpret_cast<const char*>(p), n);
+  Push(NewLeaf(kind == Value::Kind::kBytes ? Value::MakeBytes(std::move(s))
+                                           : Value::String(std::move(s))));
+  return Status::Ok();
+}
+
+// LIST, TUPLE, DICT, FROZENSET: a container of the items since the last MARK.
+Status Parser::Collect(Node::Kind kind) {
+  std::vector<Node*> items;
+  RESHARD_RETURN_IF_ERROR(PopMark(&items));
+  Node* n = New(kind);
+  if (kind == Node::Kind::kDict) {
+    RESHARD_RETURN_IF_ERROR(SetPairs(n, items));
+  } else {
+    n->items = std::move(items);
+  }
+  Push(n);
+  return Status::Ok();
+}
+
+Status Parser::TupleN(size_t count) {
+  if (stack_.size() < Floor() + count) return Fail("stack underflow");
+  Node* n = New(Node::Kind::kTuple);
+  n->items.assign(stack_.end() - static_cast<ptrdiff_t>(count), stack_.end());
+  stack_.resize(stack_.size() - count);
+  Push(n);
+  return Status::Ok();
+}
+
+Status Parser::Append() {
+  Node* item;
+  Node* target;
+  RESHARD_RETURN_IF_ERROR(Pop(&item));
+  RESHARD_RETURN_IF_ERROR(Top(&target));
+  return AppendTo(target, {item});
+}
+
+Status Parser::Appends() {
+  std::vector<Node*> items;
+  Node* target;
+  RESHARD_RETURN_IF_ERROR(PopMark(&items));
+  RESHARD_RETURN_IF_ERROR(Top(&target));
+  return AppendTo(target, items);
+}
+
+Status Parser::AppendTo(Node* target, const std::vector<Node*>& items) {
+  std::vector<Node*>* dest = target->kind == Node::Kind::kList     ? &target->items
+                             : target->kind == Node::Kind::kObject ? &target->appends
+                                                                   : nullptr;
+  if (dest == nullptr) return Fail("appending to something that is not a list or an object");
+  dest->insert(dest->end(), items.begin(), items.end());
+  return Status::Ok();
+}
+
+Status Parser::SetItem() {
+  Node* key;
+  Node* value;
+  Node* target;
+  RESHARD_RETURN_IF_ERROR(Pop(&value));
+  RESHARD_RETURN_IF_ERROR(Pop(&key));
+  RESHARD_RETURN_IF_ERROR(Top(&target));
+  return SetPairs(target, {key, value});
+}
+
+Status Parser::SetItems() {
+  std::vector<Node*> flat;
+  Node* target;
+  RESHARD_RETURN_IF_ERROR(PopMark(&flat));
+  RESHARD_RETURN_IF_ERROR(Top(&target));
+  return SetPairs(target, flat);
+}
+
+Status Parser::SetPairs(Node* target, const std::vector<Node*>& flat) {
+  if (target->kind != Node::Kind::kDict && target->kind != Node::Kind::kObject) {
+    return Fail("setting items on something that is not a dict or an object");
+  }
+  if (flat.size() % 2 != 0) return Fail("odd number of items for key/value pairs");
+  for (size_t i = 0; i < flat.size(); i += 2) target->pairs.emplace_back(flat[i], flat[i + 1]);
+  return Status::Ok();
+}
+
+Status Parser::AddItems() {
+  std::vector<Node*> items;
+  Node* target;
+  RESHARD_RETURN_IF_ERROR(PopMark(&items));
+  RESHARD_RETURN_IF_ERROR(Top(&target));
+  if (target->kind != Node::Kind::kSet) return Fail("adding items to something that is not a set");
+  target->items.insert(target->items.end(), items.begin(), items.end());
+  return Status::Ok();
+}
+
+Status Parser::GlobalLines() {
+  std::string module, name;
+  RESHARD_RETURN_IF_ERROR(ReadLine(&module));
+  RESHARD_RETURN_IF_ERROR(ReadLine(&name));
+  return PushGlobal(std::move(module), std::move(name));
+}
+
+Status Parser::StackGlobal() {
+  Node* name;
+  Node* module;
+  RESHARD_RETURN_IF_ERROR(Pop(&name));
+  RESHARD_RETURN_IF_ERROR(Pop(&module));
+  std::string m, n;
+  if (!LeafString(module, &m) || !LeafString(name, &n)) return Fail("module and name must be strings");
+  return PushGlobal(std::move(m), std::move(n));
+}
+
+Status Parser::PushGlobal(std::string module, std::string name) {
+  Global g{Py3Module(module), std::move(name)};
+  const std::string q = g.Qualified();
+  if (!IsKnownGlobal(q) && !options_.allow_all_globals && options_.allowed_globals.count(q) == 0) {
+    return Status::Unsupported("pickle refers to class '" + q +
+                               "', which reshard does not know; reshard never runs code from "
+                               "checkpoints. Pass --allow-class " + q +
+                               " to carry it through unchanged");
+  }
+  Push(NewLeaf(Value::MakeGlobal(std::move(g))));
+  return Status::Ok();
+}
+
+Status Parser::Reduce() {
+  Node* args;
+  Node* callable;
+  RESHARD_RETURN_IF_ERROR(Pop(&args));
+  RESHARD_RETURN_IF_ERROR(Pop(&callable));
+  if (!IsLeaf(callable, Value::Kind::kGlobal)) return Fail("REDUCE applies something that is not a class or function");
+  if (args->kind != Node::Kind::kTuple) return Fail("REDUCE arguments are not a tuple");
+  Node* result = nullptr;
+  RESHARD_RETURN_IF_ERROR(Call(callable->leaf.as_global(), args->items, &result));
+  Push(result);
+  return Status::Ok();
+}
+
+// NEWOBJ: cls.__new__(cls, *args); NEWOBJ_EX adds keyword arguments, which
+// Object cannot carry, so only an empty set of them is accepted.
+Status Parser::NewObj(bool with_kwargs) {
+  Node* kwargs = nullptr;
+  Node* args;
+  Node* cls;
+  if (with_kwargs) RESHARD_RETURN_IF_ERROR(Pop(&kwargs));
+  RESHARD_RETURN_IF_ERROR(Pop(&args));
+  RESHARD_RETURN_IF_ERROR(Pop(&cls));
+  if (!IsLeaf(cls, Value::Kind::kGlobal)) return Fail("NEWOBJ of something that is not a class");
+  if (args->kind != Node::Kind::kTuple) return Fail("NEWOBJ arguments are not a tuple");
+  if (kwargs != nullptr && (kwargs->kind != Node::Kind::kDict || !kwargs->pairs.empty())) {
+    return Status::Unsupported("pickle constructs '" + cls->leaf.as_global().Qualified() +
+                               "' with keyword arguments, which reshard does not support");
+  }
+  Push(NewObject(cls->leaf.as_global(), Object::Construct::kNewObj, args->items));
+  return Status::Ok();
+}
+
+Status Parser::Build() {
+  Node* state;
+  Node* target;
+  RESHARD_RETURN_IF_ERROR(Pop(&state));
+  RESHARD_RETURN_IF_ERROR(Top(&target));
+  if (target->kind != Node::Kind::kObject) return Fail("BUILD on something that is not an object");
+  if (target->state != nullptr) {
+    return Status::Unsupported("pickle sets the state of '" + target->leaf.as_object().cls.Qualified() +
+                               "' twice, which reshard does not support");
+  }
+  target->state = state;
+  return Status::Ok();
+}
+
+Status Parser::PersId() {
+  std::string line;
+  RESHARD_RETURN_IF_ERROR(ReadLine(&line));
+  Node* storage = nullptr;
+  RESHARD_RETURN_IF_ERROR(ResolveStorage(NewLeaf(Value::String(std::move(line))), &storage));
+  Push(storage);
+  return Status::Ok();
+}
+
+Status Parser::BinPersId() {
+  Node* pid;
+  Node* storage = nullptr;
+  RESHARD_RETURN_IF_ERROR(Pop(&pid));
+  RESHARD_RETURN_IF_ERROR(ResolveStorage(pid, &storage));
+  Push(storage);
+  return Status::Ok();
+}
+
+// ---- Torch and Python semantics
+
+Node* Parser::NewObject(const Global& g, Object::Construct construct, const std::vector<Node*>& args) {
+  Object o;
+  o.cls = g;
+  o.construct = construct;
+  Node* n = New(Node::Kind::kObject);
+  n->leaf = Value::MakeObject(std::move(o));
+  n->items = args;
+  return n;
+}
+
+// The result of calling `g(*args)`, for the calls whose result is plain data
+// (tensors, bytes, sets); every other call stays an Object.
+Status Parser::Call(const Global& g, const std::vector<Node*>& args, Node** out) {
+  if (g.Is("torch._utils", "_rebuild_tensor_v2")) return RebuildTensor(args, out);
+  std::string text, encoding, bytes;
+  const bool latin1 = (g.Is("_codecs", "encode") || g.Is("codecs", "encode")) && args.size() == 2 &&
+                      LeafString(args[0], &text) && LeafString(args[1], &encoding) &&
+                      (encoding == "latin1" || encoding == "latin-1") && Utf8ToLatin1(text, &bytes);
+  if (latin1) {
+    *out = NewLeaf(Value::MakeBytes(std::move(bytes)));
+  } else if (g.Is("builtins", "bytes") && args.empty()) {
+    *out = NewLeaf(Value::MakeBytes(""));
+  } else if ((g.Is("builtins", "set") || g.Is("builtins", "frozenset")) &&
+             (args.empty() || (args.size() == 1 && (args[0]->kind == Node::Kind::kList ||
+                                                    args[0]->kind == Node::Kind::kTuple)))) {
+    *out = New(g.name == "set" ? Node::Kind::kSet : Node::Kind::kFrozenSet);
+    if (!args.empty()) (*out)->items = args[0]->items;
+  } else {
+    *out = NewObject(g, Object::Construct::kReduce, args);
+  }
+  return Status::Ok();
+}
+
+// torch._utils._rebuild_tensor_v2(storage, offset, size, stride, requires_grad, hooks, ...).
+Status Parser::RebuildTensor(const std::vector<Node*>& args, Node** out) {
+  if (args.size() < 5) return Fail("_rebuild_tensor_v2 needs at least 5 arguments");
+  if (args[0]->kind != Node::Kind::kStorage) return Fail("_rebuild_tensor_v2 of something that is not a storage");
+  Tensor t;
+  t.storage = args[0]->storage;
+  if (!LeafInt(args[1], &t.storage_offset)) return Fail("tensor storage offset is not an int");
+  if (!NodeInts(args[2], &t.sizes)) return Fail("tensor size is not a tuple of ints");
+  if (!NodeInts(args[3], &t.strides)) return Fail("tensor stride is not a tuple of ints");
+  if (!IsLeaf(args[4], Value::Kind::kBool)) return Fail("tensor requires_grad is not a bool");
+  t.requires_grad = args[4]->leaf.as_bool();
+  RESHARD_RETURN_IF_ERROR(CheckTensorBounds(t));
+  *out = New(Node::Kind::kTensor);
+  (*out)->leaf = Value::MakeTensor(std::move(t));
+  (*out)->items.assign(args.begin() + 5, args.end());
+  return Status::Ok();
+}
+
+// Later stages index storages with these numbers, so a tensor must stay
+// inside its storage.
+Status Parser::CheckTensorBounds(const Tensor& t) {
+  if (t.sizes.size() != t.strides.size()) return Fail("tensor size and stride differ in length");
+  if (t.storage_offset < 0) return Fail("negative tensor storage offset");
+  int64_t last = t.storage_offset;  // element offset of the last element
+  for (size_t i = 0; i < t.sizes.size(); ++i) {
+    if (t.sizes[i] < 0 || t.strides[i] < 0) return Fail("negative tensor size or stride");
+    if (t.sizes[i] == 0) return Status::Ok();  // no elements
+    int64_t span;
+    if (__builtin_mul_overflow(t.sizes[i] - 1, t.strides[i], &span) ||
+        __builtin_add_overflow(last, span, &last)) {
+      return Fail("tensor extent overflows");
+    }
+  }
+  if (last >= t.storage->numel) {
+    return Fail("tensor reaches element " + std::to_string(last) + " of a storage of " +
+                std::to_string(t.storage->numel) + " elements");
+  }
+  return Status::Ok();
+}
+
+// torch.save's persistent ids: ('storage', torch.<X>Storage, key, location, numel).
+Status Parser::ResolveStorage(const Node* pid, Node** out) {
+  std::string tag, key, location;
+  int64_t numel = 0;
+  const std::vector<Node*>& f = pid->items;
+  const bool is_storage = pid->kind == Node::Kind::kTuple && f.size() == 5 &&
+                          LeafString(f[0], &tag) && tag == "storage";
+  if (!is_storage) {
+    return Status::Unsupported("pickle at byte " + std::to_string(op_pos_) +
+                               " refers to an external object that is not a torch storage");
+  }
+  if (!IsLeaf(f[1], Value::Kind::kGlobal) || !LeafString(f[2], &key) ||
+      !LeafString(f[3], &location) || !LeafInt(f[4], &numel) || numel < 0) {
+    return Fail("storage reference is not (type, key, location, numel)");
+  }
+  const Global& type = f[1]->leaf.as_global();
+  std::optional<DType> dtype;
+  if (type.module == "torch") dtype = DTypeFromStorageClass(type.name);
+  if (!dtype) return Status::Unsupported("tensor storage type '" + type.Qualified() + "' is not supported");
+  *out = New(Node::Kind::kStorage);
+  return LookupStorage(key, *dtype, numel, location, &(*out)->storage);
+}
+
+Status Parser::LookupStorage(const std::string& key, DType dtype, int64_t numel,
+                             const std::string& location, std::shared_ptr<Storage>* out) {
+  auto it = storages_.find(key);
+  if (it != storages_.end()) {
+    if (it->second->dtype != dtype) return Fail("storage '" + key + "' is referenced with two dtypes");
+    *out = it->second;
+    return Status::Ok();
+  }
+  std::shared_ptr<Storage> storage;
+  if (resolver_) {
+    Result<std::shared_ptr<Storage>> resolved = resolver_(key, dtype, numel, location);
+    if (!resolved.ok()) return resolved.status();
+    storage = std::move(resolved.value());
+    if (!storage) return Status::Internal("storage resolver returned nothing for '" + key + "'");
+  } else {
+    storage = std::make_shared<Storage>();
+    storage->dtype = dtype;
+    storage->numel = numel;
+    storage->location = location;
+    storage->record_key = key;
+  }
+  storages_[key] = storage;
+  *out = std::move(storage);
+  return Status::Ok();
+}
+
+// ---- Materialisation
+
+Status Parser::Materialise(Node* n, int depth, Value* out) {
+  if (depth > options_.max_depth) {
+    return Status::InvalidInput("pickle nests deeper than " + std::to_string(options_.max_depth) + " levels");
+  }
+  if (value_budget_ == 0) {
+    return Status::InvalidInput("pickle expands to too many values through repeated memo references");
+  }
+  --value_budget_;
+  if (n->visiting) return Status::Unsupported("pickle holds an object that contains itself");
+  n->visiting = true;
+  Status st;
+  switch (n->kind) {
+    case Node::Kind::kLeaf: *out = n->leaf; break;
+    case Node::Kind::kStorage:
+      st = Status::Unsupported("pickle holds a torch storage outside a tensor");
+      break;
+    case Node::Kind::kList:
+    case Node::Kind::kTuple:
+    case Node::Kind::kSet:
+    case Node::Kind::kFrozenSet: {
+      std::vector<Value> items;
+      st = MaterialiseAll(n->items, depth + 1, &items);
+      *out = n->kind == Node::Kind::kList    ? Value::MakeList(std::move(items))
+             : n->kind == Node::Kind::kTuple ? Value::MakeTuple(std::move(items))
+             : n->kind == Node::Kind::kSet   ? Value::MakeSet(std::move(items))
+                                             : Value::MakeFrozenSet(std::move(items));
+      break;
+    }
+    case Node::Kind::kDict: {
+      Items items;
+      st = MaterialisePairs(n->pairs, depth + 1, &items);
+      *out = Value::MakeDict(std::move(items));
+      break;
+    }
+    case Node::Kind::kTensor:
+      *out = n->leaf;
+      st = MaterialiseAll(n->items, depth + 1, &out->as_tensor().extra_args);
+      break;
+    case Node::Kind::kObject: st = MaterialiseObject(n, depth, out); break;
+  }
+  n->visiting = false;
+  return st;
+}
+
+Status Parser::MaterialiseAll(const std::vector<Node*>& nodes, int depth, std::vector<Value>* out) {
+  out->resize(nodes.size());
+  for (size_t i = 0; i < nodes.size(); ++i) {
+    RESHARD_RETURN_IF_ERROR(Materialise(nodes[i], depth, &(*out)[i]));
+  }
+  return Status::Ok();
+}
+
+Status Parser::MaterialisePairs(const std::vector<std::pair<Node*, Node*>>& pairs, int depth, Items* out) {
+  out->resize(pairs.size());
+  for (size_t i = 0; i < pairs.size(); ++i) {
+    RESHARD_RETURN_IF_ERROR(Materialise(pairs[i].first, depth, &(*out)[i].first));
+    RESHARD_RETURN_IF_ERROR(Materialise(pairs[i].second, depth, &(*out)[i].second));
+  }
+  return Status::Ok();
+}
+
+Status Parser::MaterialiseObject(Node* n, int depth, Value* out) {
+  *out = n->leaf;
+  Object& o = out->as_object();
+  RESHARD_RETURN_IF_ERROR(MaterialiseAll(n->items, depth + 1, &o.args));
+  RESHARD_RETURN_IF_ERROR(MaterialiseAll(n->appends, depth + 1, &o.list_items));
+  RESHARD_RETURN_IF_ERROR(MaterialisePairs(n->pairs, depth + 1, &o.dict_items));
+  if (n->state != nullptr) {
+    o.state = std::make_shared<Value>();
+    RESHARD_RETURN_IF_ERROR(Materialise(n->state, depth + 1, o.state.get()));
+  }
+  return Status::Ok();
+}
+
+Result<Value> Parser::Run() {
+  bool stop = false;
+  while (!stop) {
+    if (pos_ >= size_) {
+      return Status::InvalidInput("malformed pickle: input ends at byte " + std::to_string(size_) +
+                                  " before the STOP opcode");
+    }
+    op_pos_ = pos_;
+    op_ = data_[pos_++];
+    RESHARD_RETURN_IF_ERROR(Step(&stop));
+  }
+  Node* root;
+  RESHARD_RETURN_IF_ERROR(Pop(&root));
+  Value v;
+  RESHARD_RETURN_IF_ERROR(Materialise(root, 0, &v));
+  return v;
+}
+
+}  // namespace
+
+PickleReader::PickleReader(PickleReadOptions options, StorageResolver resolver)
+    : options_(std::move(options)), resolver_(std::move(resolver)) {}
+
+Result<Value> PickleReader::Parse(const uint8_t* data, size_t size) {
+  if (data == nullptr && size > 0) return Status::InvalidInput("pickle: no data");
+  Parser parser(options_, resolver_, data, size);
+  return parser.Run();
+}
+
+}  // namespace reshard

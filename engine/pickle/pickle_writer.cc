@@ -1,0 +1,306 @@
+#include "pickle/pickle_writer.h"
+
+#include <cstring>
+#include <map>
+
+namespace reshard {
+namespace {
+
+// Protocol 2 opcodes.
+constexpr char kProto = '\x80';
+constexpr char kStop = '.';
+constexpr char kMark = '(';
+constexpr char kNone = 'N';
+constexpr char kNewTrue = '\x88';
+constexpr char kNewFalse = '\x89';
+constexpr char kBinInt = 'J';
+constexpr char kBinInt1 = 'K';
+constexpr char kBinInt2 = 'M';
+constexpr char kLong1 = '\x8a';
+constexpr char kLong4 = '\x8b';
+constexpr char kBinFloat = 'G';
+constexpr char kBinUnicode = 'X';
+constexpr char kEmptyList = ']';
+constexpr char kAppends = 'e';
+constexpr char kEmptyTuple = ')';
+constexpr char kTuple = 't';
+constexpr char kTuple1 = '\x85';
+constexpr char kEmptyDict = '}';
+constexpr char kSetItems = 'u';
+constexpr char kGlobal = 'c';
+constexpr char kReduce = 'R';
+constexpr char kNewObj = '\x81';
+constexpr char kBuild = 'b';
+constexpr char kBinPersId = 'Q';
+
+// Protocol 2 names Python 3 modules by their Python 2 names, as Python's
+// pickler does (fix_imports); Python 3 maps them back when loading.
+std::string Py2Module(const std::string& module) {
+  if (module == "builtins") return "__builtin__";
+  if (module == "copyreg") return "copy_reg";
+  return module;
+}
+
+// Bytes as the str Python's _codecs.encode(str, 'latin1') turns back into them.
+std::string Latin1ToUtf8(const std::string& bytes) {
+  std::string s;
+  s.reserve(bytes.size());
+  for (unsigned char c : bytes) {
+    if (c < 0x80) {
+      s.push_back(static_cast<char>(c));
+    } else {
+      s.push_back(static_cast<char>(0xc0 | (c >> 6)));
+      s.push_back(static_cast<char>(0x80 | (c & 0x3f)));
+    }
+  }
+  return s;
+}
+
+class Writer {
+ public:
+  explicit Writer(const StorageSink& sink) : sink_(sink) {}
+
+  Result<std::string> Run(const Value& root) {
+    out_ += kProto;
+    out_ += '\x02';
+    RESHARD_RETURN_IF_ERROR(Write(root));
+    out_ += kStop;
+    return std::move(out_);
+  }
+
+ private:
+  Status Write(const Value& v) {
+    switch (v.kind()) {
+      case Value::Kind::kNone: out_ += kNone; return Status::Ok();
+      case Value::Kind::kBool: out_ += v.as_bool() ? kNewTrue : kNewFalse; return Status::Ok();
+      case Value::Kind::kInt: Int(v.as_int()); return Status::Ok();
+      case Value::Kind::kBigInt: Long(v.as_bigint().le_bytes); return Status::Ok();
+      case Value::Kind::kFloat: Float(v.as_float()); return Status::Ok();
+      case Value::Kind::kString: return Unicode(v.as_string());
+      case Value::Kind::kBytes: return Bytes(v.as_bytes().data);
+      case Value::Kind::kList: return List(v.as_list().items);
+      case Value::Kind::kTuple: return Tuple(v.as_tuple().items);
+      case Value::Kind::kDict: return Dict(v.as_dict().items);
+      case Value::Kind::kSet: return SetLike("set", v.as_set().items);
+      case Value::Kind::kFrozenSet: return SetLike("frozenset", v.as_frozenset().items);
+      case Value::Kind::kTensor: return TensorOp(v.as_tensor());
+      case Value::Kind::kObject: return ObjectOp(v.as_object());
+      case Value::Kind::kGlobal: return GlobalOp(v.as_global());
+    }
+    return Status::Internal("pickle writer: unknown value kind");
+  }
+
+  void LittleEndian(uint64_t v, int n) {
+    for (int i = 0; i < n; ++i) out_ += static_cast<char>(v >> (8 * i));
+  }
+
+  void Int(int64_t i) {
+    if (i >= 0 && i < 0x100) {
+      out_ += kBinInt1;
+      LittleEndian(static_cast<uint64_t>(i), 1);
+    } else if (i >= 0 && i < 0x10000) {
+      out_ += kBinInt2;
+      LittleEndian(static_cast<uint64_t>(i), 2);
+    } else if (i >= INT32_MIN && i <= INT32_MAX) {
+      out_ += kBinInt;
+      LittleEndian(static_cast<uint64_t>(i), 4);
+    } else {
+      // The shortest two's complement form, as Python writes it: drop top
+      // bytes that only repeat the sign of the byte below.
+      std::string le;
+      for (int b = 0; b < 8; ++b) le += static_cast<char>(static_cast<uint64_t>(i) >> (8 * b));
+      while (le.size() > 1) {
+        const uint8_t top = static_cast<uint8_t>(le.back());
+        const bool below_negative = static_cast<uint8_t>(le[le.size() - 2]) & 0x80;
+        if (top != (below_negative ? 0xff : 0x00)) break;
+        le.pop_back();
+      }
+      Long(le);
+    }
+  }
+
+  void Long(const std::string& le) {
+    if (le.size() < 0x100) {
+      out_ += kLong1;
+      LittleEndian(le.size(), 1);
+    } else {
+      out_ += kLong4;
+      LittleEndian(le.size(), 4);
+    }
+    out_ += le;
+  }
+
+  void Float(double d) {
+    uint64_t bits;
+    std::memcpy(&bits, &d, 8);
+    out_ += kBinFloat;
+    for (int i = 7; i >= 0; --i) out_ += static_cast<char>(bits >> (8 * i));  // big-endian
+  }
+
+  Status Unicode(const std::string& s) {
+    if (s.size() > UINT32_MAX) return Status::InvalidInput("pickle writer: string longer than 4 GiB");
+    out_ += kBinUnicode;
+    LittleEndian(s.size(), 4);
+    out_ += s;
+    return Status::Ok();
+  }
+
+  // Protocol 2 has no bytes opcode that Python 3 loads as bytes; Python
+  // itself writes _codecs.encode(<latin-1 str>, 'latin1').
+  Status Bytes(const std::string& b) {
+    RESHARD_RETURN_IF_ERROR(GlobalOp({"_codecs", "encode"}));
+    RESHARD_RETURN_IF_ERROR(Unicode(Latin1ToUtf8(b)));
+    RESHARD_RETURN_IF_ERROR(Unicode("latin1"));
+    out_ += '\x86';  // TUPLE2
+    out_ += kReduce;
+    return Status::Ok();
+  }
+
+  Status Each(const std::vector<Value>& items) {
+    for (const Value& item : items) RESHARD_RETURN_IF_ERROR(Write(item));
+    return Status::Ok();
+  }
+
+  Status Tuple(const std::vector<Value>& items) {
+    if (items.empty()) {
+      out_ += kEmptyTuple;
+      return Status::Ok();
+    }
+    if (items.size() > 3) out_ += kMark;
+    RESHARD_RETURN_IF_ERROR(Each(items));
+    out_ += items.size() > 3 ? kTuple : static_cast<char>(kTuple1 + items.size() - 1);
+    return Status::Ok();
+  }
+
+  // MARK items APPENDS onto the list or object on top of the stack.
+  Status Appends(const std::vector<Value>& items) {
+    if (items.empty()) return Status::Ok();
+    out_ += kMark;
+    RESHARD_RETURN_IF_ERROR(Each(items));
+    out_ += kAppends;
+    return Status::Ok();
+  }
+
+  // MARK key value ... SETITEMS onto the dict or object on top of the stack.
+  Status SetItems(const Items& items) {
+    if (items.empty()) return Status::Ok();
+    out_ += kMark;
+    for (const auto& [key, value] : items) {
+      RESHARD_RETURN_IF_ERROR(Write(key));
+      RESHARD_RETURN_IF_ERROR(Write(value));
+    }
+    out_ += kSetItems;
+    return Status::Ok();
+  }
+
+  Status List(const std::vector<Value>& items) {
+    out_ += kEmptyList;
+    return Appends(items);
+  }
+
+  Status Dict(const Items& items) {
+    out_ += kEmptyDict;
+    return SetItems(items);
+  }
+
+  // set(list) / frozenset(list): protocol 2 has no set opcodes.
+  Status SetLike(const char* name, const std::vector<Value>& items) {
+    RESHARD_RETURN_IF_ERROR(GlobalOp({"builtins", name}));
+    RESHARD_RETURN_IF_ERROR(List(items));
+    out_ += kTuple1;
+    out_ += kReduce;
+    return Status::Ok();
+  }
+
+  Status GlobalOp(const Global& g) {
+    const std::string module = Py2Module(g.module);
+    if (module.find('\n') != std::string::npos || g.name.find('\n') != std::string::npos) {
+      return Status::InvalidInput("pickle writer: class name '" + g.Qualified() + "' contains a newline");
+    }
+    out_ += kGlobal;
+    out_ += module + "\n" + g.name + "\n";
+    return Status::Ok();
+  }
+
+  // In the order Python's pickler uses: construct, APPENDS, SETITEMS, BUILD.
+  Status ObjectOp(const Object& o) {
+    RESHARD_RETURN_IF_ERROR(GlobalOp(o.cls));
+    RESHARD_RETURN_IF_ERROR(Tuple(o.args));
+    out_ += o.construct == Object::Construct::kNewObj ? kNewObj : kReduce;
+    RESHARD_RETURN_IF_ERROR(Appends(o.list_items));
+    RESHARD_RETURN_IF_ERROR(SetItems(o.dict_items));
+    if (o.state) {
+      RESHARD_RETURN_IF_ERROR(Write(*o.state));
+      out_ += kBuild;
+    }
+    return Status::Ok();
+  }
+
+  Status Ints(const std::vector<int64_t>& ints) {
+    std::vector<Value> items;
+    items.reserve(ints.size());
+    for (int64_t i : ints) items.push_back(Value::Int(i));
+    return Tuple(items);
+  }
+
+  // _rebuild_tensor_v2(persistent storage, offset, size, stride, requires_grad, *extra_args).
+  Status TensorOp(const Tensor& t) {
+    if (!t.storage) return Status::InvalidInput("pickle writer: tensor has no storage");
+    std::string key;
+    RESHARD_RETURN_IF_ERROR(StorageKey(*t.storage, &key));
+    RESHARD_RETURN_IF_ERROR(GlobalOp({"torch._utils", "_rebuild_tensor_v2"}));
+    out_ += kMark;
+    RESHARD_RETURN_IF_ERROR(PersistentId(*t.storage, key));
+    Int(t.storage_offset);
+    RESHARD_RETURN_IF_ERROR(Ints(t.sizes));
+    RESHARD_RETURN_IF_ERROR(Ints(t.strides));
+    out_ += t.requires_grad ? kNewTrue : kNewFalse;
+    if (t.extra_args.empty()) {
+      RESHARD_RETURN_IF_ERROR(ObjectOp(MakeOrderedDict({}).as_object()));  // no backward hooks
+    } else {
+      RESHARD_RETURN_IF_ERROR(Each(t.extra_args));
+    }
+    out_ += kTuple;
+    out_ += kReduce;
+    return Status::Ok();
+  }
+
+  // ('storage', torch.<X>Storage, key, location, numel), as torch.save writes it.
+  Status PersistentId(const Storage& s, const std::string& key) {
+    out_ += kMark;
+    RESHARD_RETURN_IF_ERROR(Unicode("storage"));
+    RESHARD_RETURN_IF_ERROR(GlobalOp({"torch", StorageClassName(s.dtype)}));
+    RESHARD_RETURN_IF_ERROR(Unicode(key));
+    RESHARD_RETURN_IF_ERROR(Unicode(s.location));
+    Int(s.numel);
+    out_ += kTuple;
+    out_ += kBinPersId;
+    return Status::Ok();
+  }
+
+  // Numbers storages "0", "1", ... in order of first appearance and hands each
+  // to the sink once.
+  Status StorageKey(const Storage& s, std::string* key) {
+    auto it = keys_.find(&s);
+    if (it != keys_.end()) {
+      *key = it->second;
+      return Status::Ok();
+    }
+    *key = std::to_string(keys_.size());
+    keys_.emplace(&s, *key);
+    return sink_ ? sink_(*key, s) : Status::Ok();
+  }
+
+  const StorageSink& sink_;
+  std::string out_;
+  std::map<const Storage*, std::string> keys_;
+};
+
+}  // namespace
+
+Result<std::string> WritePickle(const Value& root, const StorageSink& sink) {
+  Writer writer(sink);
+  return writer.Run(root);
+}
+
+}  // namespace reshard

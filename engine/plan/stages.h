@@ -1,0 +1,35 @@
+// Pipeline stages of the target layout: which specs each stage owns, and the
+// parameter names and shapes DeepSpeed records per stage (`param_shapes`,
+// `buffer_names`).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "plan/plan.h"
+
+namespace reshard {
+
+// Shape of TP rank shards of `t` at `tp` ranks; vocab tensors get
+// `padded_vocab` rows in all.
+std::vector<int64_t> TargetShardShape(const LogicalTensor& t, int tp, int64_t padded_vocab);
+
+// Stage bounds for `pp` stages: from `layers_per_stage` when given, else by
+// the partition method recorded in the checkpoint (the rule set says where).
+// Every stage must own at least one transformer block.
+Result<std::vector<int>> TargetStageBounds(const LogicalCheckpoint& src, int pp, int tp,
+                                           int64_t padded_vocab,
+                                           const std::vector<int>& layers_per_stage);
+
+struct StageParameters {
+  std::vector<std::vector<ParamShape>> groups;  // optimizer param groups, in order
+  std::vector<std::string> buffers;             // persistent buffer names
+};
+
+// Parameters of stage [begin, end) in DeepSpeed's named_parameters() order:
+// the tied module first (`tied_modules.<m>.<key>`), then `<spec id>.<key>`,
+// grouped the way the rule set's optimizer_groups says.
+StageParameters StageParams(const LogicalCheckpoint& src, int begin, int end, int tp,
+                            int64_t padded_vocab);
+
+}  // namespace reshard

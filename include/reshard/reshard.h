@@ -1,0 +1,130 @@
+// reshard: reshape DeepSpeed / Megatron-DeepSpeed checkpoints between
+// tensor- (TP), pipeline- (PP) and data-parallel (DP) layouts.
+//
+// The library behind the `reshard` command. Four entry points:
+//
+//   Lint     dry run: discover the layout, match every tensor against the
+//            rule set, report unknown or missing keys, inconsistent shapes
+//            and drift between TP-replicated copies.
+//   Inspect  a human-readable description of a checkpoint.
+//   Convert  write the checkpoint at another TP / PP (and DP) layout.
+//   Verify   compare two checkpoints tensor by tensor, whatever their layouts.
+//
+// Every function takes a checkpoint path that is either a tag folder
+// (`ckpts/global_step20`) or a root holding `latest`. Inputs are never
+// modified. Failures come back as a Status whose message is one line naming
+// the problem and the fix.
+//
+//   reshard::ConvertOptions opts;
+//   opts.target_tp = 4;
+//   opts.target_pp = 2;
+//   reshard::Result<reshard::ConvertReport> r =
+//       reshard::Convert("ckpts/global_step20", "out/global_step20", opts);
+//   if (!r.ok()) std::cerr << r.status().message() << "\n";
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "reshard/status.h"
+
+namespace reshard {
+
+// One observation about a checkpoint. Errors make Lint fail and Convert refuse.
+struct Finding {
+  enum class Severity { kError, kWarning, kInfo };
+  Severity severity = Severity::kError;
+  std::string message;
+};
+
+// How TP-replicated tensors (norms, row-parallel biases, ...) are merged.
+enum class ReplicatedPolicy {
+  kCheck,    // refuse when copies differ (the default)
+  kAverage,  // mean of the copies, rounded to the tensor's dtype
+  kFirst,    // TP rank 0's copy
+};
+
+// Options every command shares.
+struct CommonOptions {
+  // A rule file path or built-in rule-set name; empty = detect from the checkpoint.
+  std::string rules;
+  // Pickled classes ("module.name") to carry through unchanged although
+  // reshard does not know them. They are never executed.
+  std::set<std::string> allowed_classes;
+  // Threads for reading and writing; 0 = the number of cores.
+  int threads = 0;
+  // Receives progress lines ("12/40 files, 1.2 GB"); may be empty.
+  std::function<void(const std::string&)> progress;
+};
+
+struct LintOptions : CommonOptions {
+  // How many of the largest replicated-tensor drifts to list.
+  int max_drift_lines = 10;
+};
+
+struct LintReport {
+  std::string rule_set;  // the rule set used
+  std::string summary;   // layout, iteration, counts
+  std::vector<Finding> findings;
+  // True when no finding is an error: Convert would accept the checkpoint.
+  bool ok() const;
+};
+
+Result<LintReport> Lint(const std::string& checkpoint, const LintOptions& options);
+
+struct InspectOptions : CommonOptions {};
+Result<std::string> Inspect(const std::string& checkpoint, const InspectOptions& options);
+
+struct ConvertOptions : CommonOptions {
+  int target_tp = 0;  // required, >= 1
+  int target_pp = 0;  // required, >= 1
+  int target_dp = 0;  // 0 = keep the source's DP size
+  // Explicit transformer blocks per target stage (sums to the block count);
+  // empty = DeepSpeed's partition method recorded in the checkpoint.
+  std::vector<int> layers_per_stage;
+  ReplicatedPolicy replicated = ReplicatedPolicy::kCheck;
+  // Convert only the model weights of a checkpoint that has optimizer state.
+  bool weights_only = false;
+  // True vocabulary size when the checkpoint does not record it.
+  std::optional<int64_t> vocab_size;
+  // Value of vocabulary padding rows that the target layout adds.
+  double vocab_pad_value = 0.0;
+  bool overwrite = false;       // replace a non-empty output folder
+  bool update_latest = true;    // write `latest` next to the output folder
+  bool dry_run = false;         // plan and report; write nothing
+};
+
+struct ConvertReport {
+  std::string plan;                // the plan, printable (what --dry-run shows)
+  std::vector<std::string> notes;  // what was approximated, merged or filled
+  int64_t files_written = 0;
+  int64_t bytes_written = 0;
+  int64_t bytes_read = 0;
+  double seconds = 0;
+};
+
+Result<ConvertReport> Convert(const std::string& input, const std::string& output,
+                              const ConvertOptions& options);
+
+struct VerifyOptions : CommonOptions {
+  // Rule set for the second checkpoint; empty = same as the first.
+  std::string rules_b;
+  int max_difference_lines = 20;
+};
+
+struct VerifyReport {
+  int64_t tensors_compared = 0;
+  int64_t elements_compared = 0;
+  std::vector<std::string> differences;  // empty = same model
+  std::vector<std::string> notes;
+  bool same() const { return differences.empty(); }
+};
+
+Result<VerifyReport> Verify(const std::string& a, const std::string& b,
+                            const VerifyOptions& options);
+
+}  // namespace reshard

@@ -1,0 +1,136 @@
+#include "layout/checkpoint_files.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "test_util.h"
+
+namespace reshard {
+namespace {
+
+namespace fs = std::filesystem;
+
+void Touch(const fs::path& p, const std::string& content = "") {
+  std::ofstream(p) << content;
+}
+
+TEST(CheckpointFilesTest, BogusPathIsNamed) {
+  Result<CheckpointFiles> r = ScanCheckpoint("/nonexistent/ckpt");
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), Status::Code::kInvalidInput);
+  EXPECT_EQ(r.status().message(), "no such checkpoint folder: /nonexistent/ckpt");
+}
+
+TEST(CheckpointFilesTest, FileInsteadOfFolder) {
+  TempDir dir;
+  Touch(dir.path() / "x.pt");
+  Result<CheckpointFiles> r = ScanCheckpoint((dir.path() / "x.pt").string());
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("is a file; pass a checkpoint tag folder"), std::string::npos);
+}
+
+TEST(CheckpointFilesTest, EmptyFolder) {
+  TempDir dir;
+  Result<CheckpointFiles> r = ScanCheckpoint(dir.path().string());
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("is an empty folder"), std::string::npos);
+}
+
+TEST(CheckpointFilesTest, NoMpRankFilesNamesTheTagFolders) {
+  TempDir dir;
+  fs::create_directory(dir.path() / "global_step10");
+  Touch(dir.path() / "global_step10" / "mp_rank_00_model_states.pt");
+  Touch(dir.path() / "notes.txt");
+  Result<CheckpointFiles> r = ScanCheckpoint(dir.path().string());
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("has no mp_rank_*_model_states.pt files"), std::string::npos);
+  EXPECT_NE(r.status().message().find("global_step10"), std::string::npos);
+}
+
+TEST(CheckpointFilesTest, LatestIsFollowed) {
+  TempDir dir;
+  fs::create_directory(dir.path() / "global_step7");
+  Touch(dir.path() / "latest", "global_step7\n");
+  Touch(dir.path() / "global_step7" / "mp_rank_00_model_states.pt");
+  Result<CheckpointFiles> r = ScanCheckpoint(dir.path().string());
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  EXPECT_EQ(r->tag, "global_step7");
+}
+
+TEST(CheckpointFilesTest, LatestNamingAMissingFolder) {
+  TempDir dir;
+  Touch(dir.path() / "latest", "global_step9");
+  Result<CheckpointFiles> r = ScanCheckpoint(dir.path().string());
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("names 'global_step9', but there is no such folder"),
+            std::string::npos);
+}
+
+// Integers are parsed from names, never string-sorted: rank 100 follows 99.
+TEST(CheckpointFilesTest, HundredsOfRanksParseAsIntegers) {
+  TempDir dir;
+  for (int m = 0; m < 120; ++m) {
+    char name[64];
+    std::snprintf(name, sizeof(name), "mp_rank_%02d_model_states.pt", m);
+    Touch(dir.path() / name);
+  }
+  for (int l : {1, 100, 101}) {
+    char name[64];
+    std::snprintf(name, sizeof(name), "layer_%02d-model_00-model_states.pt", l);
+    Touch(dir.path() / name);
+  }
+  Result<CheckpointFiles> r = ScanCheckpoint(dir.path().string());
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->mp_rank_files.size(), 120u);
+  EXPECT_EQ(r->mp_rank_files.rbegin()->first, 119);
+  EXPECT_EQ(r->layer_files.rbegin()->first, 101);
+  int tp, pp, dp;
+  ASSERT_TRUE(CheckRankGrid(*r, &tp, &pp, &dp).ok());
+  EXPECT_EQ(tp, 1);
+  EXPECT_EQ(pp, 120);
+  EXPECT_EQ(dp, 0);
+}
+
+TEST(CheckpointFilesTest, MissingRanksAreNamed) {
+  TempDir dir;
+  Touch(dir.path() / "mp_rank_00_model_states.pt");
+  Touch(dir.path() / "mp_rank_02_model_states.pt");
+  Touch(dir.path() / "mp_rank_03_model_states.pt");
+  Touch(dir.path() / "layer_01-model_00-model_states.pt");
+  Touch(dir.path() / "layer_01-model_01-model_states.pt");
+  Result<CheckpointFiles> r = ScanCheckpoint(dir.path().string());
+  ASSERT_TRUE(r.ok());
+  int tp, pp, dp;
+  Status st = CheckRankGrid(*r, &tp, &pp, &dp);
+  EXPECT_EQ(st.message(), "mp_rank file(s) 1 of 4 are missing; the checkpoint is incomplete");
+}
+
+TEST(CheckpointFilesTest, MissingLayerTpRank) {
+  TempDir dir;
+  Touch(dir.path() / "mp_rank_00_model_states.pt");
+  Touch(dir.path() / "mp_rank_01_model_states.pt");
+  Touch(dir.path() / "layer_01-model_00-model_states.pt");
+  Touch(dir.path() / "layer_01-model_01-model_states.pt");
+  Touch(dir.path() / "layer_03-model_00-model_states.pt");
+  Result<CheckpointFiles> r = ScanCheckpoint(dir.path().string());
+  int tp, pp, dp;
+  Status st = CheckRankGrid(*r, &tp, &pp, &dp);
+  EXPECT_NE(st.message().find("layer 3 is missing TP rank file(s) 1"), std::string::npos);
+}
+
+TEST(CheckpointFilesTest, MissingOptimizerShard) {
+  TempDir dir;
+  Touch(dir.path() / "mp_rank_00_model_states.pt");
+  Touch(dir.path() / "layer_01-model_00-model_states.pt");
+  Touch(dir.path() / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt");
+  Touch(dir.path() / "bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt");
+  Result<CheckpointFiles> r = ScanCheckpoint(dir.path().string());
+  int tp, pp, dp;
+  Status st = CheckRankGrid(*r, &tp, &pp, &dp);
+  EXPECT_NE(st.message().find("DP rank(s) 1 of mp_rank 0 are missing"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace reshard

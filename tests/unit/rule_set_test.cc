@@ -1,0 +1,639 @@
+#include "rules/rule_set.h"
+
+#include <gtest/gtest.h>
+#include <stdlib.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+
+#include "pickle/value.h"
+
+namespace reshard {
+namespace {
+
+namespace fs = std::filesystem;
+
+// A directory under the system temp dir, removed with everything in it.
+class TempDir {
+ public:
+  TempDir() {
+    std::string tmpl = (fs::temp_directory_path() / "rule_set_test.XXXXXX").string();
+    path_ = mkdtemp(tmpl.data());
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path_, ec);
+  }
+  std::string path() const { return path_; }
+  std::string Write(const std::string& name, const std::string& text) const {
+    std::string file = path_ + "/" + name;
+    std::ofstream(file) << text;
+    return file;
+  }
+
+ private:
+  std::string path_;
+};
+
+// Sets an environment variable for one test and restores it afterwards.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const std::string& value) : name_(name) {
+    if (const char* old = getenv(name)) old_ = old;
+    setenv(name, value.c_str(), 1);
+  }
+  ~ScopedEnv() {
+    if (old_) {
+      setenv(name_, old_->c_str(), 1);
+    } else {
+      unsetenv(name_);
+    }
+  }
+
+ private:
+  const char* name_;
+  std::optional<std::string> old_;
+};
+
+// A small valid rule file; tests replace numbered lines to break it.
+const char* const kTiny[] = {
+    /*  1 */ "name: tiny",
+    /*  2 */ "pipeline:",
+    /*  3 */ "  specs:",
+    /*  4 */ "    - function: _to_float16",
+    /*  5 */ "    - embedding: EmbeddingPipe",
+    /*  6 */ "    - block: ParallelTransformerLayerPipe",
+    /*  7 */ "    - final_norm: LayerNorm",
+    /*  8 */ "    - tied_head: EmbeddingPipe",
+    /*  9 */ "  tied_module: embed",
+    /* 10 */ "vocab: {original_size: 100, divisible_by: 8}",
+    /* 11 */ "optimizer_groups: decay_no_decay",
+    /* 12 */ "layers:",
+    /* 13 */ "  embedding:",
+    /* 14 */ "    - {key: 'word_embeddings\\.weight', split: vocab, tied: true}",
+    /* 15 */ "  block:",
+    /* 16 */ "    - {key: 'attn\\.qkv\\.weight', split: {dim: 0, blocks: args.num_attention_heads}}",
+    /* 17 */ "    - {key: 'attn\\.dense\\.weight', split: row}",
+    /* 18 */ "    - {key: 'norm\\.(weight|bias)', replicated: true}",
+    /* 19 */ "  final_norm:",
+    /* 20 */ "    - {key: 'weight', replicated: {drift: average}}",
+};
+
+// kTiny with line n (1-based) replaced by `edits[n]`; lines past the end are appended.
+std::string Tiny(const std::map<int, std::string>& edits = {}) {
+  std::string out;
+  int n = 1;
+  for (const char* line : kTiny) {
+    auto it = edits.find(n++);
+    out += (it == edits.end() ? std::string(line) : it->second) + "\n";
+  }
+  for (auto it = edits.lower_bound(n); it != edits.end(); ++it) out += it->second + "\n";
+  return out;
+}
+
+std::string ErrorOf(const std::string& yaml) {
+  Result<RuleSet> rs = RuleSet::LoadString(yaml, "t.yaml");
+  if (rs.ok()) {
+    ADD_FAILURE() << "expected an error for:\n" << yaml;
+    return "";
+  }
+  EXPECT_EQ(rs.status().code(), Status::Code::kRuleError);
+  return rs.status().message();
+}
+
+// ---- parsing -----------------------------------------------------------------
+
+TEST(RuleSetParse, TinyFileLoads) {
+  Result<RuleSet> rs = RuleSet::LoadString(Tiny(), "t.yaml");
+  ASSERT_TRUE(rs.ok()) << rs.status().message();
+  EXPECT_EQ(rs->name(), "tiny");
+  EXPECT_EQ(rs->origin(), "t.yaml");
+  ASSERT_EQ(rs->numberings().count("default"), 1u);
+  const std::vector<SpecEntry>& specs = rs->numberings().at("default");
+  ASSERT_EQ(specs.size(), 5u);
+  EXPECT_EQ(specs[2].role, "block");
+  EXPECT_EQ(specs[2].class_name, "ParallelTransformerLayerPipe");
+  EXPECT_FALSE(specs[0].OwnsFile());
+  EXPECT_FALSE(specs[4].OwnsFile());
+  EXPECT_EQ(rs->tied_module(), "embed");
+  EXPECT_EQ(rs->partition_method_default(), "type:transformer");
+  EXPECT_TRUE(rs->partition_method_arg().empty());
+  EXPECT_EQ(rs->vocab_original_size().ToString(), "100");
+  EXPECT_EQ(rs->optimizer_groups(), OptimizerGroups::kDecayNoDecay);
+
+  const std::vector<ParamRule>& block = rs->layers().at("block");
+  ASSERT_EQ(block.size(), 3u);
+  EXPECT_EQ(block[0].line, 16);
+  EXPECT_EQ(block[0].role, "block");
+  EXPECT_EQ(block[0].Describe(), "split dim 0 (blocks args.num_attention_heads)");
+  EXPECT_EQ(block[1].Describe(), "split dim 1");
+  EXPECT_EQ(block[2].Describe(), "replicated");
+  EXPECT_EQ(rs->layers().at("final_norm")[0].Describe(), "replicated (drift average)");
+  const ParamRule& embed = rs->layers().at("embedding")[0];
+  EXPECT_EQ(embed.Describe(), "vocab");
+  EXPECT_TRUE(embed.tied);
+  EXPECT_FALSE(embed.optional);
+}
+
+TEST(RuleSetParse, DetectArgsAreCanonicalStrings) {
+  Result<RuleSet> rs = RuleSet::LoadString(
+      Tiny({{21, "detect:"},
+            {22, "  metadata_keys: [universal_checkpoint_info]"},
+            {23, "  absent_metadata_keys: [checkpoint_info]"},
+            {24, "  args: {swiglu: True, glu_activation: null, embed_layernorm: '*', n: 3, kind: alibi}"}}),
+      "t.yaml");
+  ASSERT_TRUE(rs.ok()) << rs.status().message();
+  const DetectRule& d = rs->detect();
+  EXPECT_EQ(d.metadata_keys, std::vector<std::string>{"universal_checkpoint_info"});
+  EXPECT_EQ(d.absent_metadata_keys, std::vector<std::string>{"checkpoint_info"});
+  std::map<std::string, std::string> want = {{"swiglu", "true"},
+                                             {"glu_activation", "null"},
+                                             {"embed_layernorm", "*"},
+                                             {"n", "3"},
+                                             {"kind", "alibi"}};
+  EXPECT_EQ(d.args, want);
+}
+
+TEST(RuleSetParse, SplitAndReplicatedForms) {
+  Result<RuleSet> rs =
+      RuleSet::LoadString(Tiny({{17, "    - {key: 'a', split: {dim: 0, parts: 2, blocks: [args.x, 8]}}"},
+                                {18,
+                                 "    - {key: 'b', split: {vocab: true}}\n"
+                                 "    - {key: 'c', split: column, optional: true, buffer: true}\n"
+                                 "    - {key: 'd', replicated: {drift: first}}"}}),
+                          "t.yaml");
+  ASSERT_TRUE(rs.ok()) << rs.status().message();
+  const std::vector<ParamRule>& block = rs->layers().at("block");
+  ASSERT_EQ(block.size(), 5u);
+  EXPECT_EQ(block[1].Describe(), "split dim 0 (2 parts, blocks [args.x, 8])");
+  EXPECT_EQ(block[2].policy, ParamRule::Policy::kVocab);
+  EXPECT_EQ(block[3].Describe(), "split dim 0");
+  EXPECT_TRUE(block[3].optional);
+  EXPECT_TRUE(block[3].buffer);
+  EXPECT_EQ(block[4].drift, DriftPolicy::kFirst);
+}
+
+TEST(RuleSetParse, NamedNumberingsAndPartitionArg) {
+  Result<RuleSet> rs = RuleSet::LoadString(
+      Tiny({{3, "  specs:\n    current:"},
+            {4,
+             "      - embedding: EmbeddingPipe\n      - block: B\n      - final_norm: N\n      - tied_head: "
+             "E"},
+            {5, "    legacy:"},
+            {6, "      - embedding: EmbeddingPipe\n      - function: <lambda>\n      - block: B"},
+            {7, "      - final_norm: N\n      - tied_head: E"},
+            {8, "  partition_method: {arg: pp_partition_method, default: 'type:transformer|embedding'}"}}),
+      "t.yaml");
+  ASSERT_TRUE(rs.ok()) << rs.status().message();
+  ASSERT_EQ(rs->numberings().size(), 2u);
+  EXPECT_EQ(rs->numberings().at("current").size(), 4u);
+  EXPECT_EQ(rs->numberings().at("legacy")[1].class_name, "<lambda>");
+  EXPECT_EQ(rs->partition_method_arg().ToString(), "args.pp_partition_method");
+  EXPECT_EQ(rs->partition_method_default(), "type:transformer|embedding");
+}
+
+// One validation error: the edit that causes it and what the message must say.
+struct BadCase {
+  const char* what;
+  std::map<int, std::string> edits;
+  std::vector<std::string> expected;
+};
+
+class RuleSetValidation : public ::testing::TestWithParam<BadCase> {};
+
+TEST_P(RuleSetValidation, ReportsFileLineAndFix) {
+  std::string message = ErrorOf(Tiny(GetParam().edits));
+  for (const std::string& part : GetParam().expected) {
+    EXPECT_NE(message.find(part), std::string::npos) << "missing '" << part << "' in:\n" << message;
+  }
+}
+
+// clang-format off: one case per paragraph reads better than packed lines.
+const BadCase kBadCases[] = {
+    {"top_level_typo",
+     {{11, "optimiser_groups: decay_no_decay"}},
+     {"t.yaml:11: unknown field 'optimiser_groups' in the top level", "did you mean 'optimizer_groups'?"}},
+    {"unknown_top_level_field",
+     {{11, "comments: none"}},
+     {"t.yaml:11: unknown field 'comments'", "expected one of: name, description, detect"}},
+    {"rule_field_typo",
+     {{17, "    - {key: 'attn\\.dense\\.weight', spilt: row}"}},
+     {"t.yaml:17: unknown field 'spilt' in a layers.block rule; did you mean 'split'?"}},
+    {"repeated_field",
+     {{17, "    - {key: 'a', key: 'b', split: row}"}},
+     {"t.yaml:17: field 'key' appears twice in a layers.block rule"}},
+    {"bad_regex",
+     {{17, "    - {key: 'attn(', split: row}"}},
+     {"t.yaml:17: bad regex 'attn(': missing ): attn("}},
+    {"unknown_split",
+     {{17, "    - {key: 'a', split: colum}"}},
+     {"t.yaml:17: unknown split 'colum'; did you mean 'column'?"}},
+    {"both_policies",
+     {{17, "    - {key: 'a', split: row, replicated: true}"}},
+     {"t.yaml:17: rule 'a' has both split and replicated; keep one"}},
+    {"no_policy",
+     {{17, "    - {key: 'a', optional: true}"}},
+     {"t.yaml:17: rule 'a' has neither split nor replicated", "replicated: true"}},
+    {"replicated_false",
+     {{17, "    - {key: 'a', replicated: false}"}},
+     {"t.yaml:17: replicated: false is not a policy"}},
+    {"negative_dim", {{17, "    - {key: 'a', split: {dim: -1}}"}}, {"t.yaml:17: split dim -1 is negative"}},
+    {"split_without_dim", {{17, "    - {key: 'a', split: {parts: 2}}"}}, {"t.yaml:17: split needs dim"}},
+    {"zero_parts",
+     {{17, "    - {key: 'a', split: {dim: 0, parts: 0}}"}},
+     {"t.yaml:17: split parts 0 must be at least 1"}},
+    {"vocab_on_dim_1",
+     {{17, "    - {key: 'a', split: {vocab: true, dim: 1}}"}},
+     {"t.yaml:17: split: vocab must be on dim 0", "not dim 1"}},
+    {"vocab_with_parts",
+     {{17, "    - {key: 'a', split: {vocab: true, parts: 2}}"}},
+     {"t.yaml:17: split: vocab takes no parts or blocks"}},
+    {"bad_blocks_path",
+     {{17, "    - {key: 'a', split: {dim: 1, blocks: 'args.num heads'}}"}},
+     {"t.yaml:17: split.blocks 'args.num heads' is neither an integer nor a dotted path"}},
+    {"zero_blocks",
+     {{17, "    - {key: 'a', split: {dim: 1, blocks: [args.x, 0]}}"}},
+     {"t.yaml:17: split.blocks 0 must be positive"}},
+    {"bad_flag",
+     {{17, "    - {key: 'a', split: row, optional: maybe}"}},
+     {"t.yaml:17: optional must be true or false"}},
+    {"missing_key", {{17, "    - {split: row}"}}, {"t.yaml:17: rule without 'key'"}},
+    {"duplicate_pattern",
+     {{18, "    - {key: 'attn\\.dense\\.weight', replicated: true}"}},
+     {"t.yaml:18: duplicate key pattern 'attn\\.dense\\.weight' in layers.block (first at line 17); remove "
+      "one"}},
+    {"layer_role_without_spec",
+     {{21, "  pre_norm:"}, {22, "    - {key: 'weight', replicated: true}"}},
+     {"t.yaml:21: layers.pre_norm: role 'pre_norm' is in no pipeline spec list",
+      "add {pre_norm: ClassName}"}},
+    {"rules_for_a_function",
+     {{21, "  function:"}, {22, "    - {key: 'weight', replicated: true}"}},
+     {"t.yaml:21: layers.function: spec role 'function' owns no layer file"}},
+    {"spec_role_without_rules",
+     {{4, "    - pre_norm: LayerNorm"}},
+     {"t.yaml:4: spec role 'pre_norm' owns layer files but layers has no 'pre_norm' entry"}},
+    {"missing_name", {{1, "# no name"}}, {"t.yaml:1: missing 'name'"}},
+    {"bad_name", {{1, "name: my rules"}}, {"t.yaml:1: name 'my rules' must be letters"}},
+    {"duplicate_block",
+     {{4, "    - block: ParallelTransformerLayerPipe"}},
+     {"t.yaml:6: spec list 'default' has a second block entry (first at line 4)"}},
+    {"no_block", {{6, "    - function: noop"}}, {"spec list 'default' has no block entry"}},
+    {"spec_entry_with_two_keys",
+     {{4, "    - {function: f, block: B}"}},
+     {"t.yaml:4: a spec entry must be a one-key map {role: ClassName}"}},
+    {"unknown_drift",
+     {{20, "    - {key: 'weight', replicated: {drift: avg}}"}},
+     {"t.yaml:20: unknown drift policy 'avg'; use check, average or first"}},
+    {"unknown_optimizer_groups",
+     {{11, "optimizer_groups: zero"}},
+     {"t.yaml:11: unknown optimizer_groups 'zero'; use decay_no_decay", "split_decay"}},
+    {"tied_head_without_module", {{9, ""}}, {"t.yaml:8: a tied_head spec needs pipeline.tied_module"}},
+    {"tied_rule_without_tied_head",
+     {{8, ""}, {9, ""}},
+     {"t.yaml:14: rule 'word_embeddings\\.weight' is tied but no spec list has a tied_head entry"}},
+    {"vocab_rule_without_sizes",
+     {{10, "vocab: {divisible_by: 8}"}},
+     {"t.yaml:14: rule 'word_embeddings\\.weight' splits the vocabulary; set vocab.original_size"}},
+    {"unknown_partition_method",
+     {{9, "  tied_module: embed\n  partition_method: {default: balanced}"}},
+     {"t.yaml:10: unknown partition method 'balanced'"}},
+    {"detect_args_list",
+     {{21, "detect: {args: {swiglu: [1, 2]}}"}},
+     {"t.yaml:21: detect.args.swiglu must be a scalar"}},
+    {"yaml_syntax", {{16, "    - {key: 'unterminated"}}, {"t.yaml:", "YAML syntax error"}},
+};
+// clang-format on
+
+INSTANTIATE_TEST_SUITE_P(RuleSetErrors, RuleSetValidation, ::testing::ValuesIn(kBadCases),
+                         [](const ::testing::TestParamInfo<BadCase>& info) { return info.param.what; });
+
+TEST(RuleSetParse, TopLevelMustBeAMapping) {
+  EXPECT_NE(ErrorOf("- a\n- b\n").find("t.yaml:1: the top level of a rule file must be a mapping"),
+            std::string::npos);
+}
+
+TEST(RuleSetParse, ReportsEveryErrorOnItsOwnLine) {
+  std::string message =
+      ErrorOf(Tiny({{11, "optimizer_groups: zero"}, {17, "    - {key: 'a(', split: row}"}}));
+  EXPECT_NE(message.find("t.yaml:11: unknown optimizer_groups"), std::string::npos) << message;
+  EXPECT_NE(message.find("\nt.yaml:17: bad regex"), std::string::npos) << message;
+}
+
+// ---- matching ----------------------------------------------------------------
+
+TEST(RuleSetMatch, FindsTheOneRuleThatFullyMatches) {
+  Result<RuleSet> rs = RuleSet::LoadString(Tiny(), "t.yaml");
+  ASSERT_TRUE(rs.ok()) << rs.status().message();
+  Result<const ParamRule*> rule = rs->Match("block", "norm.bias");
+  ASSERT_TRUE(rule.ok());
+  ASSERT_NE(*rule, nullptr);
+  EXPECT_EQ((*rule)->line, 18);
+
+  // Full match: a key that only contains a pattern does not match it.
+  Result<const ParamRule*> partial = rs->Match("block", "x.norm.weight");
+  ASSERT_TRUE(partial.ok());
+  EXPECT_EQ(*partial, nullptr);
+
+  Result<const ParamRule*> unknown_role = rs->Match("head", "lm_head.weight");
+  ASSERT_TRUE(unknown_role.ok());
+  EXPECT_EQ(*unknown_role, nullptr);
+}
+
+TEST(RuleSetMatch, AmbiguousKeyNamesBothLines) {
+  Result<RuleSet> rs =
+      RuleSet::LoadString(Tiny({{18, "    - {key: 'attn\\..*', replicated: true}"}}), "t.yaml");
+  ASSERT_TRUE(rs.ok()) << rs.status().message();
+  Result<const ParamRule*> rule = rs->Match("block", "attn.dense.weight");
+  ASSERT_FALSE(rule.ok());
+  EXPECT_EQ(rule.status().code(), Status::Code::kRuleError);
+  EXPECT_EQ(rule.status().message(),
+            "t.yaml: key 'attn.dense.weight' in block files matches rules at lines 17 and 18; "
+            "make the patterns disjoint");
+}
+
+// ---- metadata references -----------------------------------------------------
+
+// argparse.Namespace as the pickle reader builds it: NEWOBJ, then BUILD with a dict.
+Value Namespace(Items fields) {
+  Object o;
+  o.cls = Global{"argparse", "Namespace"};
+  o.construct = Object::Construct::kNewObj;
+  o.state = std::make_shared<Value>(Value::MakeDict(std::move(fields)));
+  return Value::MakeObject(std::move(o));
+}
+
+Value Metadata() {
+  Items args = {
+      {Value::String("num_attention_heads"), Value::Int(16)},
+      {Value::String("num_key_value_heads"), Value::None()},
+      {Value::String("pp_partition_method"), Value::String("type:transformer|embedding")},
+      {Value::String("swiglu"), Value::Bool(true)},
+  };
+  Items info = {{Value::String("original_vocab_size"), Value::Int(250680)}};
+  return Value::MakeDict({
+      {Value::String("args"), Namespace(std::move(args))},
+      {Value::String("universal_checkpoint_info"), MakeOrderedDict(std::move(info))},
+  });
+}
+
+std::optional<int64_t> Resolve(std::vector<std::string> alternatives) {
+  return MetaRef{std::move(alternatives)}.Resolve(Metadata());
+}
+
+TEST(RuleSetMetaRef, ResolvesAlternativesInOrder) {
+  EXPECT_EQ(Resolve({"args.num_attention_heads"}), 16);
+  EXPECT_EQ(Resolve({"args.num_key_value_heads", "args.num_attention_heads"}), 16);  // None: next
+  EXPECT_EQ(Resolve({"args.absent", "7"}), 7);
+  EXPECT_EQ(Resolve({"12", "args.num_attention_heads"}), 12);
+  EXPECT_EQ(Resolve({"universal_checkpoint_info.original_vocab_size"}), 250680);  // OrderedDict
+  EXPECT_EQ(Resolve({"args.swiglu"}), 1);
+}
+
+TEST(RuleSetMetaRef, UnresolvableGivesNullopt) {
+  EXPECT_EQ(Resolve({"args.num_key_value_heads"}), std::nullopt);
+  EXPECT_EQ(Resolve({"checkpoint_info.original_vocab_size"}), std::nullopt);
+  EXPECT_EQ(Resolve({"args.num_attention_heads.deeper"}), std::nullopt);
+  EXPECT_EQ(Resolve({"args.pp_partition_method"}), std::nullopt);  // not an integer
+  EXPECT_EQ(Resolve({}), std::nullopt);
+}
+
+TEST(RuleSetMetaRef, LookupReturnsAnyKind) {
+  const Value metadata = Metadata();
+  const Value* v = MetaRef{{"args.pp_partition_method"}}.Lookup(metadata);
+  ASSERT_NE(v, nullptr);
+  ASSERT_TRUE(v->is(Value::Kind::kString));
+  EXPECT_EQ(v->as_string(), "type:transformer|embedding");
+  EXPECT_EQ((MetaRef{{"3", "args.num_key_value_heads"}}.Lookup(metadata)), nullptr);
+}
+
+TEST(RuleSetMetaRef, ToString) {
+  EXPECT_EQ(MetaRef{{"args.num_attention_heads"}}.ToString(), "args.num_attention_heads");
+  EXPECT_EQ((MetaRef{{"args.a", "4"}}.ToString()), "[args.a, 4]");
+}
+
+TEST(RuleSetDrift, NamesRoundTrip) {
+  for (DriftPolicy p : {DriftPolicy::kCheck, DriftPolicy::kAverage, DriftPolicy::kFirst}) {
+    EXPECT_EQ(ParseDriftPolicy(DriftPolicyName(p)), p);
+  }
+  EXPECT_EQ(ParseDriftPolicy("mean"), std::nullopt);
+}
+
+// ---- built-in rule sets ------------------------------------------------------
+
+TEST(RuleSetBuiltin, EveryFileLoads) {
+  Result<std::vector<RuleSet>> sets = LoadBuiltinRuleSets();
+  ASSERT_TRUE(sets.ok()) << sets.status().message();
+  std::vector<std::string> names;
+  for (const RuleSet& rs : *sets) names.push_back(rs.name());
+  std::vector<std::string> want = {"bigscience-bloom", "bigscience-glu", "megatron-gpt2", "megatron-llama"};
+  EXPECT_EQ(names, want);
+}
+
+// The layer-file keys of each family (format reference §5, §18.5), with every
+// optional variant; each must match exactly one rule, and every required rule
+// must be matched by some key.
+struct Inventory {
+  const char* rules;
+  std::map<std::string, std::vector<std::string>> keys;
+};
+
+const std::vector<std::string> kBsBlock = {
+    "input_layernorm.weight",
+    "input_layernorm.bias",
+    "self_attention.query_key_value.weight",
+    "self_attention.query_key_value.bias",
+    "self_attention.dense.weight",
+    "self_attention.dense.bias",
+    "self_attention.rotary_emb.inv_freq",
+    "post_attention_layernorm.weight",
+    "post_attention_layernorm.bias",
+    "mlp.dense_h_to_4h.weight",
+    "mlp.dense_h_to_4h.bias",
+    "mlp.dense_4h_to_h.weight",
+    "mlp.dense_4h_to_h.bias",
+};
+const std::vector<std::string> kBsEmbedding = {"word_embeddings.weight", "word_embeddings.norm.weight",
+                                               "word_embeddings.norm.bias", "position_embeddings.weight"};
+
+std::vector<std::string> WithoutKey(std::vector<std::string> keys, const std::string& key) {
+  keys.erase(std::find(keys.begin(), keys.end(), key));
+  return keys;
+}
+
+const Inventory kInventories[] = {
+    {"bigscience-bloom",
+     {{"embedding", kBsEmbedding}, {"block", kBsBlock}, {"final_norm", {"weight", "bias"}}}},
+    {"bigscience-glu",
+     {{"embedding", kBsEmbedding}, {"block", kBsBlock}, {"final_norm", {"weight", "bias"}}}},
+    {"megatron-gpt2",
+     {{"embedding",
+       {"word_embeddings.weight", "position_embeddings.weight",
+        "position_embeddings.local_embeddings.weight"}},
+      {"block", WithoutKey(kBsBlock, "self_attention.rotary_emb.inv_freq")},
+      {"final_norm", {"weight", "bias"}}}},
+    {"megatron-llama",
+     {{"embedding", {"word_embeddings.weight"}},
+      {"block",
+       {"input_layernorm.weight", "self_attention.query_key_value.weight", "self_attention.dense.weight",
+        "post_attention_layernorm.weight", "mlp.dense_h_to_4h.weight", "mlp.dense_4h_to_h.weight"}},
+      {"final_norm", {"weight"}},
+      {"head", {"lm_head.weight"}}}},
+};
+
+TEST(RuleSetBuiltin, RulesExplainTheFamilyKeys) {
+  for (const Inventory& inv : kInventories) {
+    SCOPED_TRACE(inv.rules);
+    Result<RuleSet> rs = LoadRuleSet(inv.rules);
+    ASSERT_TRUE(rs.ok()) << rs.status().message();
+    std::set<const ParamRule*> used;
+    for (const auto& [role, keys] : inv.keys) {
+      for (const std::string& key : keys) {
+        Result<const ParamRule*> rule = rs->Match(role, key);
+        ASSERT_TRUE(rule.ok()) << rule.status().message();
+        EXPECT_NE(*rule, nullptr) << role << " key " << key;
+        used.insert(*rule);
+      }
+    }
+    for (const auto& [role, rules] : rs->layers()) {
+      for (const ParamRule& rule : rules) {
+        EXPECT_TRUE(rule.optional || used.count(&rule))
+            << role << " rule '" << rule.key_pattern << "' unused";
+      }
+    }
+  }
+}
+
+// Describe() of the rule that `key` matches in a built-in rule set.
+std::string Layout(const std::string& rules, const std::string& role, const std::string& key) {
+  Result<RuleSet> rs = LoadRuleSet(rules);
+  if (!rs.ok()) return rs.status().message();
+  Result<const ParamRule*> rule = rs->Match(role, key);
+  if (!rule.ok()) return rule.status().message();
+  return *rule ? (*rule)->Describe() : "no rule";
+}
+
+TEST(RuleSetBuiltin, TensorParallelLayouts) {
+  EXPECT_EQ(Layout("megatron-gpt2", "block", "self_attention.query_key_value.bias"),
+            "split dim 0 (blocks args.num_attention_heads)");
+  EXPECT_EQ(Layout("megatron-gpt2", "block", "self_attention.dense.weight"),
+            "split dim 1 (blocks args.num_attention_heads)");
+  EXPECT_EQ(Layout("megatron-gpt2", "block", "mlp.dense_4h_to_h.bias"), "replicated");
+  EXPECT_EQ(Layout("megatron-llama", "block", "self_attention.query_key_value.weight"),
+            "split dim 0 (blocks [args.num_key_value_heads, args.num_attention_heads])");
+  EXPECT_EQ(Layout("megatron-llama", "block", "mlp.dense_h_to_4h.weight"), "split dim 0 (2 parts)");
+  EXPECT_EQ(Layout("megatron-llama", "head", "lm_head.weight"), "vocab");
+  EXPECT_EQ(Layout("bigscience-glu", "block", "mlp.dense_h_to_4h.bias"), "split dim 0 (2 parts)");
+  EXPECT_EQ(Layout("bigscience-bloom", "block", "mlp.dense_h_to_4h.bias"), "split dim 0");
+  EXPECT_EQ(Layout("bigscience-bloom", "block", "self_attention.rotary_emb.inv_freq"),
+            "replicated (drift check)");
+  EXPECT_EQ(Layout("bigscience-bloom", "embedding", "word_embeddings.norm.weight"), "replicated");
+}
+
+TEST(RuleSetBuiltin, FamilyFacts) {
+  Result<RuleSet> gpt2 = LoadRuleSet("megatron-gpt2");
+  ASSERT_TRUE(gpt2.ok()) << gpt2.status().message();
+  EXPECT_EQ(gpt2->numberings().size(), 2u);
+  EXPECT_EQ(gpt2->numberings().at("current").size(), 6u);
+  EXPECT_EQ(gpt2->numberings().at("legacy").size(), 8u);
+  EXPECT_EQ(gpt2->tied_module(), "embed");
+  EXPECT_EQ(gpt2->detect().args.at("swiglu"), "false");
+  EXPECT_TRUE(gpt2->Match("embedding", "position_embeddings.weight").value()->tied);
+
+  Result<RuleSet> bloom = LoadRuleSet("bigscience-bloom");
+  ASSERT_TRUE(bloom.ok()) << bloom.status().message();
+  EXPECT_EQ(bloom->optimizer_groups(), OptimizerGroups::kSplitDecay);
+  EXPECT_EQ(bloom->partition_method_arg().ToString(), "args.pp_partition_method");
+  EXPECT_EQ(bloom->vocab_pad_to().ToString(), "args.pad_vocab_size_to");
+  EXPECT_EQ(bloom->detect().args.at("glu_activation"), "null");
+  EXPECT_FALSE(bloom->Match("embedding", "word_embeddings.norm.bias").value()->tied);
+  EXPECT_TRUE(bloom->Match("block", "self_attention.rotary_emb.inv_freq").value()->buffer);
+
+  Result<RuleSet> llama = LoadRuleSet("megatron-llama");
+  ASSERT_TRUE(llama.ok()) << llama.status().message();
+  EXPECT_TRUE(llama->tied_module().empty());
+  EXPECT_FALSE(llama->Match("embedding", "word_embeddings.weight").value()->tied);
+  EXPECT_EQ(llama->detect().args.at("swiglu"), "true");
+}
+
+TEST(RuleSetBuiltin, LoadByNameAndByPath) {
+  Result<RuleSet> by_name = LoadRuleSet("megatron-llama");
+  ASSERT_TRUE(by_name.ok()) << by_name.status().message();
+  Result<RuleSet> by_path = LoadRuleSet(std::string(RESHARD_SOURCE_DIR) + "/rules/megatron-llama.yaml");
+  ASSERT_TRUE(by_path.ok()) << by_path.status().message();
+  EXPECT_EQ(by_path->name(), "megatron-llama");
+
+  TempDir dir;
+  Result<RuleSet> custom = LoadRuleSet(dir.Write("mine.yaml", Tiny()));
+  ASSERT_TRUE(custom.ok()) << custom.status().message();
+  EXPECT_EQ(custom->name(), "tiny");
+}
+
+TEST(RuleSetBuiltin, UnknownNameListsTheBuiltins) {
+  Result<RuleSet> rs = LoadRuleSet("gpt3");
+  ASSERT_FALSE(rs.ok());
+  EXPECT_EQ(rs.status().code(), Status::Code::kInvalidInput);
+  EXPECT_EQ(rs.status().message(),
+            "unknown rule set 'gpt3'; built-in: bigscience-bloom, bigscience-glu, megatron-gpt2, "
+            "megatron-llama; or pass the path of a rule file");
+}
+
+TEST(RuleSetBuiltin, MissingFileIsNotTakenForAName) {
+  Result<RuleSet> rs = LoadRuleSet("no/such/rules.yaml");
+  ASSERT_FALSE(rs.ok());
+  EXPECT_EQ(rs.status().message(), "rule file 'no/such/rules.yaml' not found");
+}
+
+TEST(RuleSetBuiltin, ErrorsInAFileNameIt) {
+  TempDir dir;
+  std::string path = dir.Write("bad.yaml", Tiny({{20, "    - {key: 'weight', replicated: {drift: avg}}"}}));
+  Result<RuleSet> rs = RuleSet::LoadFile(path);
+  ASSERT_FALSE(rs.ok());
+  EXPECT_EQ(rs.status().message(), path + ":20: unknown drift policy 'avg'; use check, average or first");
+}
+
+// The ```yaml blocks of docs/rules.md, read in order, form the worked example.
+TEST(RuleSetBuiltin, DocsWorkedExampleLoads) {
+  std::ifstream in(std::string(RESHARD_SOURCE_DIR) + "/docs/rules.md");
+  ASSERT_TRUE(in) << "docs/rules.md not found";
+  std::string yaml, line;
+  bool in_block = false;
+  while (std::getline(in, line)) {
+    if (line == "```yaml" || (in_block && line == "```")) {
+      in_block = !in_block;
+    } else if (in_block) {
+      yaml += line + "\n";
+    }
+  }
+  Result<RuleSet> rs = RuleSet::LoadString(yaml, "docs/rules.md");
+  ASSERT_TRUE(rs.ok()) << rs.status().message();
+  EXPECT_EQ(rs->name(), "llama-qknorm");
+  Result<const ParamRule*> qk = rs->Match("block", "self_attention.k_norm.weight");
+  ASSERT_TRUE(qk.ok() && *qk != nullptr);
+  EXPECT_EQ((*qk)->Describe(), "replicated");
+  EXPECT_EQ(rs->numberings().at("default")[2].role, "pre_norm");
+}
+
+TEST(RuleSetBuiltin, DirectoryFromEnvironment) {
+  TempDir dir;
+  dir.Write("b.yaml", Tiny({{1, "name: second"}}));
+  dir.Write("a.yaml", Tiny());
+  dir.Write("notes.txt", "not a rule file");
+  ScopedEnv env("RESHARD_RULES_DIR", dir.path());
+  Result<std::vector<RuleSet>> sets = LoadBuiltinRuleSets();
+  ASSERT_TRUE(sets.ok()) << sets.status().message();
+  ASSERT_EQ(sets->size(), 2u);
+  EXPECT_EQ((*sets)[0].name(), "tiny");  // sorted by file name
+  EXPECT_EQ((*sets)[1].name(), "second");
+
+  dir.Write("c.yaml", Tiny());
+  Result<std::vector<RuleSet>> dup = LoadBuiltinRuleSets();
+  ASSERT_FALSE(dup.ok());
+  EXPECT_NE(dup.status().message().find("rule set name 'tiny' is already used by"), std::string::npos)
+      << dup.status().message();
+}
+
+}  // namespace
+}  // namespace reshard
