@@ -136,12 +136,9 @@ double LoadAsDouble(DType dtype, const uint8_t* p) {
       std::memcpy(&f, &bits, 4);
       return f;
     }
-    case DType::kFloat16:
-      return DecodeSmall(kHalf, static_cast<uint32_t>(LoadLE(p, 2)));
-    case DType::kBFloat16:
-      return DecodeSmall(kBF16, static_cast<uint32_t>(LoadLE(p, 2)));
-    default:
-      return 0;  // not floating point: excluded by the contract
+    case DType::kFloat16: return DecodeSmall(kHalf, static_cast<uint32_t>(LoadLE(p, 2)));
+    case DType::kBFloat16: return DecodeSmall(kBF16, static_cast<uint32_t>(LoadLE(p, 2)));
+    default: return 0;  // not floating point: excluded by the contract
   }
 }
 
@@ -160,14 +157,9 @@ void StoreFromDouble(DType dtype, double v, uint8_t* p) {
       StoreLE(bits, 4, p);
       return;
     }
-    case DType::kFloat16:
-      StoreLE(EncodeSmall(kHalf, v), 2, p);
-      return;
-    case DType::kBFloat16:
-      StoreLE(EncodeSmall(kBF16, v), 2, p);
-      return;
-    default:
-      return;  // not floating point: excluded by the contract
+    case DType::kFloat16: StoreLE(EncodeSmall(kHalf, v), 2, p); return;
+    case DType::kBFloat16: StoreLE(EncodeSmall(kBF16, v), 2, p); return;
+    default: return;  // not floating point: excluded by the contract
   }
 }
 

@@ -4,9 +4,7 @@
 #include <charconv>
 #include <cstdio>
 #include <cstring>
-#include <deque>
 #include <map>
-#include <unordered_map>
 #include <vector>
 
 namespace reshard {
@@ -17,6 +15,7 @@ namespace {
 
 const std::set<std::string>& KnownGlobals() {
   static const std::set<std::string> known = [] {
+    // clang-format off
     std::set<std::string> s = {
         // Plain data. Protocol 2 pickles bytes as _codecs.encode(str, 'latin1'),
         // b'' as builtins.bytes() and bytearray as builtins.bytearray(bytes).
@@ -50,6 +49,7 @@ const std::set<std::string>& KnownGlobals() {
         "megatron.model.enums.PositionEmbeddingType", "megatron.model.enums.AttnMaskType",
         "megatron.model.enums.LayerType", "megatron.model.enums.AttnType",
     };
+    // clang-format on
     for (int d = 0; d <= static_cast<int>(DType::kComplex128); ++d) {  // the last DType
       s.insert(std::string("torch.") + StorageClassName(static_cast<DType>(d)));
       s.insert(std::string("torch.") + DTypeName(static_cast<DType>(d)));
@@ -95,12 +95,16 @@ Value IntFromLE(const std::string& le) {
   return Value::Int(static_cast<int64_t>(bits));
 }
 
-// Parses an optionally signed decimal integer of any size (protocol 0 INT and LONG).
+// Python's own limit on converting decimal text to int; conversion takes
+// quadratic time, so longer text is refused.
+constexpr size_t kMaxDecimalDigits = 4300;
+
+// Parses an optionally signed decimal integer (protocol 0 INT and LONG).
 bool DecimalToValue(const std::string& text, Value* out) {
   size_t i = 0;
   const bool negative = !text.empty() && text[0] == '-';
   if (!text.empty() && (text[0] == '-' || text[0] == '+')) i = 1;
-  if (i == text.size()) return false;
+  if (i == text.size() || text.size() - i > kMaxDecimalDigits) return false;
   std::vector<uint8_t> mag;  // little-endian magnitude
   for (; i < text.size(); ++i) {
     if (text[i] < '0' || text[i] > '9') return false;
@@ -162,7 +166,8 @@ bool ParseHex(const std::string& s, size_t pos, size_t n, uint32_t* out) {
 // Protocol 0 UNICODE: latin-1 text with \uXXXX and \UXXXXXXXX escapes.
 bool DecodeRawUnicodeEscape(const std::string& in, std::string* out) {
   for (size_t i = 0; i < in.size(); ++i) {
-    const bool escape = in[i] == '\\' && i + 1 < in.size() && (in[i + 1] == 'u' || in[i + 1] == 'U');
+    const bool escape =
+        in[i] == '\\' && i + 1 < in.size() && (in[i + 1] == 'u' || in[i + 1] == 'U');
     if (!escape) {
       AppendUtf8(static_cast<uint8_t>(in[i]), out);
       continue;
@@ -179,7 +184,9 @@ bool DecodeRawUnicodeEscape(const std::string& in, std::string* out) {
 // The character a one-letter escape (\n, \', ...) stands for; 0 for others.
 char SimpleEscape(char c) {
   switch (c) {
-    case '\\': case '\'': case '"': return c;
+    case '\\':
+    case '\'':
+    case '"': return c;
     case 'a': return '\a';
     case 'b': return '\b';
     case 'f': return '\f';
@@ -246,20 +253,41 @@ bool Utf8ToLatin1(const std::string& s, std::string* out) {
 // from the nodes once the stream is complete.
 struct Node {
   enum class Kind { kLeaf, kStorage, kList, kTuple, kDict, kSet, kFrozenSet, kObject, kTensor };
-  explicit Node(Kind k) : kind(k) {}
-  Kind kind;
+  Kind kind = Kind::kLeaf;
   // kLeaf: the value. kObject: an Object with class and construction only.
   // kTensor: the tensor without its extra arguments.
   Value leaf;
-  std::shared_ptr<Storage> storage;            // kStorage
-  std::vector<Node*> items;                    // elements; kObject: arguments; kTensor: extra arguments
-  std::vector<Node*> appends;                  // kObject: APPEND(S)
+  std::shared_ptr<Storage> storage;  // kStorage
+  std::vector<Node*> items;          // elements; kObject: arguments; kTensor: extra arguments
+  std::vector<Node*> appends;        // kObject: APPEND(S)
   std::vector<std::pair<Node*, Node*>> pairs;  // kDict: items; kObject: SETITEM(S)
   Node* state = nullptr;                       // kObject: BUILD
   bool visiting = false;                       // being materialised (finds cycles)
 };
 
-bool IsLeaf(const Node* n, Value::Kind kind) { return n->kind == Node::Kind::kLeaf && n->leaf.is(kind); }
+// Owns the nodes of one parse. A checkpoint pickle makes millions of them and
+// frees none before the end, so they are allocated in blocks.
+class NodeArena {
+ public:
+  Node* New(Node::Kind kind) {
+    if (used_ == kBlock) {
+      blocks_.push_back(std::make_unique<Node[]>(kBlock));
+      used_ = 0;
+    }
+    Node* n = &blocks_.back()[used_++];
+    n->kind = kind;
+    return n;
+  }
+
+ private:
+  static constexpr size_t kBlock = 1024;
+  std::vector<std::unique_ptr<Node[]>> blocks_;
+  size_t used_ = kBlock;
+};
+
+bool IsLeaf(const Node* n, Value::Kind kind) {
+  return n->kind == Node::Kind::kLeaf && n->leaf.is(kind);
+}
 
 bool LeafString(const Node* n, std::string* out) {
   if (!IsLeaf(n, Value::Kind::kString)) return false;
@@ -290,6 +318,7 @@ bool NodeInts(const Node* n, std::vector<int64_t>* out) {
 }
 
 const char* OpcodeName(uint8_t op) {
+  // clang-format off
   static const std::map<uint8_t, const char*> names = {
       {0x80, "PROTO"}, {0x95, "FRAME"}, {'.', "STOP"}, {'(', "MARK"}, {'0', "POP"},
       {'1', "POP_MARK"}, {'2', "DUP"}, {'N', "NONE"}, {0x88, "NEWTRUE"}, {0x89, "NEWFALSE"},
@@ -308,6 +337,7 @@ const char* OpcodeName(uint8_t op) {
       {0x82, "EXT1"}, {0x83, "EXT2"}, {0x84, "EXT4"}, {0x97, "NEXT_BUFFER"},
       {0x98, "READONLY_BUFFER"},
   };
+  // clang-format on
   auto it = names.find(op);
   return it == names.end() ? "unknown" : it->second;
 }
@@ -405,14 +435,23 @@ class Parser {
   uint8_t op_ = 0;
   size_t value_budget_;
 
-  std::deque<Node> nodes_;  // owns every node; stable addresses
+  NodeArena nodes_;
   std::vector<Node*> stack_;
   std::vector<size_t> marks_;  // stack sizes at each MARK
-  std::unordered_map<uint64_t, Node*> memo_;
+  // The memo, indexed directly: a pickler numbers entries 0, 1, ... as it
+  // writes them, so no valid index reaches the stream's size.
+  std::vector<Node*> memo_;
+  size_t memo_count_ = 0;  // entries set: the index MEMOIZE uses
+
   std::map<std::string, std::shared_ptr<Storage>> storages_;  // by record key
 };
 
 // ---- Errors and input
+
+// A line argument quoted in an error message, cut to a readable length.
+std::string Excerpt(const std::string& line) {
+  return "'" + (line.size() > 40 ? line.substr(0, 40) + "..." : line) + "'";
+}
 
 Status Parser::Fail(const std::string& what) const {
   char op[8];
@@ -454,13 +493,14 @@ Status Parser::ReadIndexLine(uint64_t* out) {
   RESHARD_RETURN_IF_ERROR(ReadLine(&line));
   const char* end = line.data() + line.size();
   auto res = std::from_chars(line.data(), end, *out);
-  if (line.empty() || res.ec != std::errc() || res.ptr != end) return Fail("bad memo index '" + line + "'");
+  if (line.empty() || res.ec != std::errc() || res.ptr != end)
+    return Fail("bad memo index " + Excerpt(line));
   return Status::Ok();
 }
 
 // ---- Stack and memo
 
-Node* Parser::New(Node::Kind kind) { return &nodes_.emplace_back(kind); }
+Node* Parser::New(Node::Kind kind) { return nodes_.New(kind); }
 
 Node* Parser::NewLeaf(Value v) {
   Node* n = New(Node::Kind::kLeaf);
@@ -493,14 +533,19 @@ Status Parser::PopMark(std::vector<Node*>* items) {
 Status Parser::Put(uint64_t index) {
   Node* top;
   RESHARD_RETURN_IF_ERROR(Top(&top));
+  if (index >= size_)
+    return Fail("memo index " + std::to_string(index) + " is beyond any valid stream");
+  if (index >= memo_.size()) memo_.resize(std::max<size_t>(index + 1, 2 * memo_.size()));
+  if (memo_[index] == nullptr) ++memo_count_;
   memo_[index] = top;
   return Status::Ok();
 }
 
 Status Parser::Get(uint64_t index) {
-  auto it = memo_.find(index);
-  if (it == memo_.end()) return Fail("memo entry " + std::to_string(index) + " was never stored");
-  Push(it->second);
+  if (index >= memo_.size() || memo_[index] == nullptr) {
+    return Fail("memo entry " + std::to_string(index) + " was never stored");
+  }
+  Push(memo_[index]);
   return Status::Ok();
 }
 
@@ -514,7 +559,10 @@ Status Parser::Step(bool* stop) {
     case '.': *stop = true; return Status::Ok();
     case '(': marks_.push_back(stack_.size()); return Status::Ok();
     case '0': return PopOp();
-    case '1': { std::vector<Node*> discard; return PopMark(&discard); }
+    case '1': {
+      std::vector<Node*> discard;
+      return PopMark(&discard);
+    }
     case '2': return Dup();
     case 'N': Push(NewLeaf(Value::None())); return Status::Ok();
     case 0x88: Push(NewLeaf(Value::Bool(true))); return Status::Ok();
@@ -571,13 +619,19 @@ Status Parser::Step(bool* stop) {
     case 'p': RESHARD_RETURN_IF_ERROR(ReadIndexLine(&u)); return Put(u);
     case 'q': RESHARD_RETURN_IF_ERROR(ReadUInt(1, &u)); return Put(u);
     case 'r': RESHARD_RETURN_IF_ERROR(ReadUInt(4, &u)); return Put(u);
-    case 0x94: return Put(memo_.size());
+    case 0x94: return Put(memo_count_);
     case 'g': RESHARD_RETURN_IF_ERROR(ReadIndexLine(&u)); return Get(u);
     case 'h': RESHARD_RETURN_IF_ERROR(ReadUInt(1, &u)); return Get(u);
     case 'j': RESHARD_RETURN_IF_ERROR(ReadUInt(4, &u)); return Get(u);
     case 'P': return PersId();
     case 'Q': return BinPersId();
-    case 'i': case 'o': case 0x82: case 0x83: case 0x84: case 0x97: case 0x98:
+    case 'i':
+    case 'o':
+    case 0x82:
+    case 0x83:
+    case 0x84:
+    case 0x97:
+    case 0x98:
       return Status::Unsupported(std::string("pickle opcode ") + OpcodeName(op_) + " at byte " +
                                  std::to_string(op_pos_) + " is not supported by reshard");
     default: return Fail("unknown opcode");
@@ -595,7 +649,8 @@ Status Parser::Proto() {
 Status Parser::Frame() {
   uint64_t len;
   RESHARD_RETURN_IF_ERROR(ReadUInt(8, &len));
-  if (len > size_ - pos_) return Fail("frame of " + std::to_string(len) + " bytes overruns the input");
+  if (len > size_ - pos_)
+    return Fail("frame of " + std::to_string(len) + " bytes overruns the input");
   return Status::Ok();
 }
 
@@ -623,7 +678,7 @@ Status Parser::IntLine() {
   if (line == "00" || line == "01") {  // protocol 0 booleans
     v = Value::Bool(line == "01");
   } else if (!DecimalToValue(line, &v)) {
-    return Fail("bad integer '" + line + "'");
+    return Fail("bad integer " + Excerpt(line));
   }
   Push(NewLeaf(std::move(v)));
   return Status::Ok();
@@ -634,7 +689,7 @@ Status Parser::LongLine() {
   RESHARD_RETURN_IF_ERROR(ReadLine(&line));
   if (!line.empty() && line.back() == 'L') line.pop_back();
   Value v;
-  if (!DecimalToValue(line, &v)) return Fail("bad integer '" + line + "'");
+  if (!DecimalToValue(line, &v)) return Fail("bad integer " + Excerpt(line));
   Push(NewLeaf(std::move(v)));
   return Status::Ok();
 }
@@ -656,7 +711,8 @@ Status Parser::FloatLine() {
   const char* end = line.data() + line.size();
   double d;
   auto res = std::from_chars(begin, end, d);
-  if (begin == end || res.ec != std::errc() || res.ptr != end) return Fail("bad float '" + line + "'");
+  if (begin == end || res.ec != std::errc() || res.ptr != end)
+    return Fail("bad float " + Excerpt(line));
   Push(NewLeaf(Value::Float(d)));
   return Status::Ok();
 }
@@ -797,7 +853,8 @@ Status Parser::StackGlobal() {
   RESHARD_RETURN_IF_ERROR(Pop(&name));
   RESHARD_RETURN_IF_ERROR(Pop(&module));
   std::string m, n;
-  if (!LeafString(module, &m) || !LeafString(name, &n)) return Fail("module and name must be strings");
+  if (!LeafString(module, &m) || !LeafString(name, &n))
+    return Fail("module and name must be strings");
   return PushGlobal(std::move(m), std::move(n));
 }
 
@@ -807,8 +864,8 @@ Status Parser::PushGlobal(std::string module, std::string name) {
   if (!IsKnownGlobal(q) && !options_.allow_all_globals && options_.allowed_globals.count(q) == 0) {
     return Status::Unsupported("pickle refers to class '" + q +
                                "', which reshard does not know; reshard never runs code from "
-                               "checkpoints. Pass --allow-class " + q +
-                               " to carry it through unchanged");
+                               "checkpoints. Pass --allow-class " +
+                               q + " to carry it through unchanged");
   }
   Push(NewLeaf(Value::MakeGlobal(std::move(g))));
   return Status::Ok();
@@ -819,7 +876,8 @@ Status Parser::Reduce() {
   Node* callable;
   RESHARD_RETURN_IF_ERROR(Pop(&args));
   RESHARD_RETURN_IF_ERROR(Pop(&callable));
-  if (!IsLeaf(callable, Value::Kind::kGlobal)) return Fail("REDUCE applies something that is not a class or function");
+  if (!IsLeaf(callable, Value::Kind::kGlobal))
+    return Fail("REDUCE applies something that is not a class or function");
   if (args->kind != Node::Kind::kTuple) return Fail("REDUCE arguments are not a tuple");
   Node* result = nullptr;
   RESHARD_RETURN_IF_ERROR(Call(callable->leaf.as_global(), args->items, &result));
@@ -853,7 +911,8 @@ Status Parser::Build() {
   RESHARD_RETURN_IF_ERROR(Top(&target));
   if (target->kind != Node::Kind::kObject) return Fail("BUILD on something that is not an object");
   if (target->state != nullptr) {
-    return Status::Unsupported("pickle sets the state of '" + target->leaf.as_object().cls.Qualified() +
+    return Status::Unsupported("pickle sets the state of '" +
+                               target->leaf.as_object().cls.Qualified() +
                                "' twice, which reshard does not support");
   }
   target->state = state;
@@ -880,7 +939,8 @@ Status Parser::BinPersId() {
 
 // ---- Torch and Python semantics
 
-Node* Parser::NewObject(const Global& g, Object::Construct construct, const std::vector<Node*>& args) {
+Node* Parser::NewObject(const Global& g, Object::Construct construct,
+                        const std::vector<Node*>& args) {
   Object o;
   o.cls = g;
   o.construct = construct;
@@ -916,7 +976,8 @@ Status Parser::Call(const Global& g, const std::vector<Node*>& args, Node** out)
 // torch._utils._rebuild_tensor_v2(storage, offset, size, stride, requires_grad, hooks, ...).
 Status Parser::RebuildTensor(const std::vector<Node*>& args, Node** out) {
   if (args.size() < 5) return Fail("_rebuild_tensor_v2 needs at least 5 arguments");
-  if (args[0]->kind != Node::Kind::kStorage) return Fail("_rebuild_tensor_v2 of something that is not a storage");
+  if (args[0]->kind != Node::Kind::kStorage)
+    return Fail("_rebuild_tensor_v2 of something that is not a storage");
   Tensor t;
   t.storage = args[0]->storage;
   if (!LeafInt(args[1], &t.storage_offset)) return Fail("tensor storage offset is not an int");
@@ -971,7 +1032,8 @@ Status Parser::ResolveStorage(const Node* pid, Node** out) {
   const Global& type = f[1]->leaf.as_global();
   std::optional<DType> dtype;
   if (type.module == "torch") dtype = DTypeFromStorageClass(type.name);
-  if (!dtype) return Status::Unsupported("tensor storage type '" + type.Qualified() + "' is not supported");
+  if (!dtype)
+    return Status::Unsupported("tensor storage type '" + type.Qualified() + "' is not supported");
   *out = New(Node::Kind::kStorage);
   return LookupStorage(key, *dtype, numel, location, &(*out)->storage);
 }
@@ -980,7 +1042,8 @@ Status Parser::LookupStorage(const std::string& key, DType dtype, int64_t numel,
                              const std::string& location, std::shared_ptr<Storage>* out) {
   auto it = storages_.find(key);
   if (it != storages_.end()) {
-    if (it->second->dtype != dtype) return Fail("storage '" + key + "' is referenced with two dtypes");
+    if (it->second->dtype != dtype)
+      return Fail("storage '" + key + "' is referenced with two dtypes");
     *out = it->second;
     return Status::Ok();
   }
@@ -1006,10 +1069,12 @@ Status Parser::LookupStorage(const std::string& key, DType dtype, int64_t numel,
 
 Status Parser::Materialise(Node* n, int depth, Value* out) {
   if (depth > options_.max_depth) {
-    return Status::InvalidInput("pickle nests deeper than " + std::to_string(options_.max_depth) + " levels");
+    return Status::InvalidInput("pickle nests deeper than " + std::to_string(options_.max_depth) +
+                                " levels");
   }
   if (value_budget_ == 0) {
-    return Status::InvalidInput("pickle expands to too many values through repeated memo references");
+    return Status::InvalidInput(
+        "pickle expands to too many values through repeated memo references");
   }
   --value_budget_;
   if (n->visiting) return Status::Unsupported("pickle holds an object that contains itself");
@@ -1056,7 +1121,8 @@ Status Parser::MaterialiseAll(const std::vector<Node*>& nodes, int depth, std::v
   return Status::Ok();
 }
 
-Status Parser::MaterialisePairs(const std::vector<std::pair<Node*, Node*>>& pairs, int depth, Items* out) {
+Status Parser::MaterialisePairs(const std::vector<std::pair<Node*, Node*>>& pairs, int depth,
+                                Items* out) {
   out->resize(pairs.size());
   for (size_t i = 0; i < pairs.size(); ++i) {
     RESHARD_RETURN_IF_ERROR(Materialise(pairs[i].first, depth, &(*out)[i].first));

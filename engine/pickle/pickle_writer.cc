@@ -138,7 +138,8 @@ class Writer {
   }
 
   Status Unicode(const std::string& s) {
-    if (s.size() > UINT32_MAX) return Status::InvalidInput("pickle writer: string longer than 4 GiB");
+    if (s.size() > UINT32_MAX)
+      return Status::InvalidInput("pickle writer: string longer than 4 GiB");
     out_ += kBinUnicode;
     LittleEndian(s.size(), 4);
     out_ += s;
@@ -215,7 +216,8 @@ class Writer {
   Status GlobalOp(const Global& g) {
     const std::string module = Py2Module(g.module);
     if (module.find('\n') != std::string::npos || g.name.find('\n') != std::string::npos) {
-      return Status::InvalidInput("pickle writer: class name '" + g.Qualified() + "' contains a newline");
+      return Status::InvalidInput("pickle writer: class name '" + g.Qualified() +
+                                  "' contains a newline");
     }
     out_ += kGlobal;
     out_ += module + "\n" + g.name + "\n";

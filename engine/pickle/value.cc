@@ -136,8 +136,10 @@ bool ReadInt(const Value& v, int64_t* out) {
 
 namespace {
 
-// Decimal rendering of a little-endian two's complement integer.
+// Decimal rendering of a little-endian two's complement integer. Conversion
+// is quadratic, so huge ones are only sized.
 std::string BigIntToDecimal(const std::string& le) {
+  if (le.size() > 1024) return "<int of " + std::to_string(le.size()) + " bytes>";
   std::vector<uint8_t> mag(le.begin(), le.end());  // little-endian magnitude
   const bool negative = !mag.empty() && (mag.back() & 0x80);
   if (negative) {  // two's complement negation: invert and add one

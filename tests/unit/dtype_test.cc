@@ -13,8 +13,8 @@
 namespace reshard {
 namespace {
 
-constexpr DType kAll[] = {DType::kFloat64, DType::kFloat32, DType::kFloat16, DType::kBFloat16,
-                          DType::kInt64,   DType::kInt32,   DType::kInt16,   DType::kInt8,
+constexpr DType kAll[] = {DType::kFloat64, DType::kFloat32, DType::kFloat16,   DType::kBFloat16,
+                          DType::kInt64,   DType::kInt32,   DType::kInt16,     DType::kInt8,
                           DType::kUInt8,   DType::kBool,    DType::kComplex64, DType::kComplex128};
 
 uint16_t Store16(DType dtype, double v) {
@@ -49,7 +49,8 @@ TEST(DTypeTest, FloatingPointTypes) {
   for (DType d : kAll) {
     if (IsFloatingPoint(d)) floating.push_back(d);
   }
-  EXPECT_EQ(floating, (std::vector<DType>{DType::kFloat64, DType::kFloat32, DType::kFloat16, DType::kBFloat16}));
+  EXPECT_EQ(floating, (std::vector<DType>{DType::kFloat64, DType::kFloat32, DType::kFloat16,
+                                          DType::kBFloat16}));
 }
 
 TEST(DTypeTest, WideFloatsAreLittleEndian) {
@@ -76,9 +77,9 @@ TEST(DTypeTest, BFloat16KnownValues) {
   // Just above a tie rounds up, even when float32 would first round it down to the tie.
   EXPECT_EQ(Store16(DType::kBFloat16, 1.0 + std::ldexp(1.0, -8) + std::ldexp(1.0, -40)), 0x3f81);
   EXPECT_EQ(Store16(DType::kBFloat16, std::numeric_limits<double>::infinity()), 0x7f80);
-  EXPECT_EQ(Store16(DType::kBFloat16, 1e300), 0x7f80);    // overflow
+  EXPECT_EQ(Store16(DType::kBFloat16, 1e300), 0x7f80);  // overflow
   EXPECT_EQ(Store16(DType::kBFloat16, -1e300), 0xff80);
-  EXPECT_EQ(Store16(DType::kBFloat16, 1e-300), 0x0000);   // underflow
+  EXPECT_EQ(Store16(DType::kBFloat16, 1e-300), 0x0000);                 // underflow
   EXPECT_EQ(Store16(DType::kBFloat16, std::ldexp(1.0, -133)), 0x0001);  // smallest subnormal
   EXPECT_TRUE(std::isnan(Load16(DType::kBFloat16, Store16(DType::kBFloat16, std::nan("")))));
   EXPECT_EQ(Load16(DType::kBFloat16, 0x4049), 3.140625);
@@ -92,11 +93,12 @@ TEST(DTypeTest, Float16KnownValues) {
   EXPECT_EQ(Store16(DType::kFloat16, 65504.0), 0x7bff);  // largest finite
   EXPECT_EQ(Store16(DType::kFloat16, 65519.0), 0x7bff);  // below the halfway point to 65536
   EXPECT_EQ(Store16(DType::kFloat16, 65520.0), 0x7c00);  // the tie rounds to even: infinity
-  EXPECT_EQ(Store16(DType::kFloat16, std::ldexp(1.0, -14)), 0x0400);  // smallest normal
-  EXPECT_EQ(Store16(DType::kFloat16, std::ldexp(1.0, -24)), 0x0001);  // smallest subnormal
-  EXPECT_EQ(Store16(DType::kFloat16, std::ldexp(1.0, -25)), 0x0000);  // tie with zero: even
+  EXPECT_EQ(Store16(DType::kFloat16, std::ldexp(1.0, -14)), 0x0400);      // smallest normal
+  EXPECT_EQ(Store16(DType::kFloat16, std::ldexp(1.0, -24)), 0x0001);      // smallest subnormal
+  EXPECT_EQ(Store16(DType::kFloat16, std::ldexp(1.0, -25)), 0x0000);      // tie with zero: even
   EXPECT_EQ(Store16(DType::kFloat16, 3 * std::ldexp(1.0, -25)), 0x0002);  // tie: to even
-  EXPECT_EQ(Store16(DType::kFloat16, std::ldexp(1023.5, -24)), 0x0400);   // rounds up into the normals
+  EXPECT_EQ(Store16(DType::kFloat16, std::ldexp(1023.5, -24)),
+            0x0400);  // rounds up into the normals
   EXPECT_EQ(Store16(DType::kFloat16, -0.0), 0x8000);
   EXPECT_TRUE(std::isnan(Load16(DType::kFloat16, Store16(DType::kFloat16, std::nan("")))));
   EXPECT_EQ(Load16(DType::kFloat16, 0x7bff), 65504.0);
@@ -138,10 +140,13 @@ TEST(DTypeTest, RandomValuesRoundToNearestEven) {
       } else if (hi != table.end()) {
         auto lo = hi - 1;
         const double dl = v - lo->first, dh = hi->first - v;
-        expected = dl < dh ? lo->second : dh < dl ? hi->second : (lo->second % 2 == 0 ? lo->second : hi->second);
+        expected = dl < dh   ? lo->second
+                   : dh < dl ? hi->second
+                             : (lo->second % 2 == 0 ? lo->second : hi->second);
       }
       ASSERT_EQ(Store16(d, v), expected) << DTypeName(d) << " " << v;
-      ASSERT_EQ(Store16(d, -v), static_cast<uint16_t>(expected | 0x8000)) << DTypeName(d) << " " << -v;
+      ASSERT_EQ(Store16(d, -v), static_cast<uint16_t>(expected | 0x8000))
+          << DTypeName(d) << " " << -v;
     }
   }
 }

@@ -139,7 +139,7 @@ TEST(PickleReaderTest, NamespaceArgsWithNestedValues) {
 
   const Value& big = At(args, "big");
   ASSERT_TRUE(big.is(Value::Kind::kBigInt));
-  EXPECT_EQ(big.DebugString(), "1208925819614629174706176");  // 2**80
+  EXPECT_EQ(big.DebugString(), "1208925819614629174706176");                // 2**80
   EXPECT_EQ(At(args, "neg_big").DebugString(), "-1180591620717411303424");  // -2**70
   std::vector<int64_t> i64;
   ASSERT_TRUE(ReadIntSequence(At(args, "i64"), &i64));
@@ -211,7 +211,8 @@ TEST(PickleReaderTest, RngStates) {
   EXPECT_EQ(array.args.at(2).as_bytes().data, "b");
   const std::vector<Value>& state = array.state->as_tuple().items;
   ASSERT_EQ(state.size(), 5u);
-  EXPECT_EQ(state[2].DebugString(), "numpy.dtype('u4', False, True, state=(3, '<', None, None, None, -1, -1, 0))");
+  EXPECT_EQ(state[2].DebugString(),
+            "numpy.dtype('u4', False, True, state=(3, '<', None, None, None, -1, -1, 0))");
   EXPECT_EQ(state[4].as_bytes().data, std::string("\0\0\0\0\1\0\0\0\2\0\0\0\3\0\0\0", 16));
 }
 
@@ -242,12 +243,12 @@ TEST(PickleReaderTest, AllowedGlobalIsCarriedAsObject) {
 }
 
 TEST(PickleReaderTest, KnownGlobals) {
-  for (const char* name : {"collections.OrderedDict", "torch._utils._rebuild_tensor_v2",
-                           "torch.BFloat16Storage", "torch.ComplexDoubleStorage", "torch.bfloat16",
-                           "torch.float", "argparse.Namespace", "numpy.dtype",
-                           "deepspeed.runtime.zero.config.ZeroStageEnum",
-                           "deepspeed.checkpoint.universal_checkpoint.SubparamShape",
-                           "megatron.model.enums.AttnMaskType"}) {
+  for (const char* name :
+       {"collections.OrderedDict", "torch._utils._rebuild_tensor_v2", "torch.BFloat16Storage",
+        "torch.ComplexDoubleStorage", "torch.bfloat16", "torch.float", "argparse.Namespace",
+        "numpy.dtype", "deepspeed.runtime.zero.config.ZeroStageEnum",
+        "deepspeed.checkpoint.universal_checkpoint.SubparamShape",
+        "megatron.model.enums.AttnMaskType"}) {
     EXPECT_TRUE(IsKnownGlobal(name)) << name;
   }
   for (const char* name : {"os.system", "builtins.eval", "builtins.exec", "subprocess.Popen",
@@ -261,12 +262,13 @@ TEST(PickleReaderTest, KnownGlobals) {
 TEST(PickleReaderTest, AllProtocolsGiveTheSameTree) {
   Result<Value> p0 = ParseFixture(testing_pickle::kPlainProto0);
   ASSERT_TRUE(p0.ok()) << p0.status().message();
-  EXPECT_EQ(p0->DebugString(1000),
-            "{'i': [0, 1, -1, 255, 256, 65535, 65536, -2147483648, 2147483648, 9223372036854775807, "
-            "-9223372036854775808, 18446744073709551616, -1267650600228229401496703205376], "
-            "'f': [1.5, -0.0, inf], 's': 'h\u00e9llo\\n\\\\ \u20ac\U0001F600', 'b': b'\\x00\\xff', "
-            "'t': (), 't1': (1,), 't4': (1, 2, 3, 4), 'set': {3}, 'fs': frozenset({4}), "
-            "'od': collections.OrderedDict({'a': 1}), 'n': None, 'T': True, 'F': False}");
+  EXPECT_EQ(
+      p0->DebugString(1000),
+      "{'i': [0, 1, -1, 255, 256, 65535, 65536, -2147483648, 2147483648, 9223372036854775807, "
+      "-9223372036854775808, 18446744073709551616, -1267650600228229401496703205376], "
+      "'f': [1.5, -0.0, inf], 's': 'h\u00e9llo\\n\\\\ \u20ac\U0001F600', 'b': b'\\x00\\xff', "
+      "'t': (), 't1': (1,), 't4': (1, 2, 3, 4), 'set': {3}, 'fs': frozenset({4}), "
+      "'od': collections.OrderedDict({'a': 1}), 'n': None, 'T': True, 'F': False}");
   EXPECT_TRUE(At(*p0, "T").is(Value::Kind::kBool));
   const std::vector<std::pair<const char*, Result<Value>>> others = {
       {"protocol 2", ParseFixture(testing_pickle::kPlainProto2)},
@@ -291,8 +293,13 @@ TEST(PickleReaderTest, Python2Strings) {
 
 TEST(PickleReaderTest, BytesOpcodes) {
   Result<Value> v = ParseString(
-      "\x80\x05(B\x02\x00\x00\x00" "abC\x01" "c\x8e\x01\x00\x00\x00\x00\x00\x00\x00" "d"
-      "\x96\x01\x00\x00\x00\x00\x00\x00\x00" "e\x8d\x02\x00\x00\x00\x00\x00\x00\x00" "\xc3\xa9t."s);
+      "\x80\x05(B\x02\x00\x00\x00"
+      "abC\x01"
+      "c\x8e\x01\x00\x00\x00\x00\x00\x00\x00"
+      "d"
+      "\x96\x01\x00\x00\x00\x00\x00\x00\x00"
+      "e\x8d\x02\x00\x00\x00\x00\x00\x00\x00"
+      "\xc3\xa9t."s);
   ASSERT_TRUE(v.ok()) << v.status().message();
   EXPECT_EQ(v->DebugString(), "(b'ab', b'c', b'd', b'e', '\u00e9')");
 }
@@ -316,8 +323,11 @@ TEST(PickleReaderTest, StackOpcodes) {
   // POP drops 1; POP_MARK drops the marked 2 and 3; DUP repeats 'x'
   // (text PUT/GET keep it); NEWOBJ_EX with no keyword arguments.
   Result<Value> v = ParseString(
-      "(K\x01" "0(K\x02K\x03" "1X\x01\x00\x00\x00xp7\n2g7\n"
-      "\x8c\x08" "argparse\x8c\x09Namespace\x93)}\x92t."s);
+      "(K\x01"
+      "0(K\x02K\x03"
+      "1X\x01\x00\x00\x00xp7\n2g7\n"
+      "\x8c\x08"
+      "argparse\x8c\x09Namespace\x93)}\x92t."s);
   ASSERT_TRUE(v.ok()) << v.status().message();
   EXPECT_EQ(v->DebugString(), "('x', 'x', 'x', argparse.Namespace())");
   EXPECT_EQ(v->as_tuple().items[3].as_object().construct, Object::Construct::kNewObj);
@@ -331,7 +341,8 @@ TEST(PickleReaderTest, SetOpcodes) {
 
 // ---- Malformed input ------------------------------------------------------------------------
 
-void ExpectInvalid(const std::string& bytes, const std::string& fragment, PickleReadOptions options = {}) {
+void ExpectInvalid(const std::string& bytes, const std::string& fragment,
+                   PickleReadOptions options = {}) {
   Result<Value> v = ParseString(bytes, options);
   ASSERT_FALSE(v.ok()) << "accepted " << v->DebugString();
   EXPECT_EQ(v.status().code(), Status::Code::kInvalidInput) << v.status().message();
@@ -346,15 +357,29 @@ TEST(PickleReaderTest, MalformedInputGivesClearErrors) {
   ExpectInvalid("\x80\x02(\x86."s, "opcode TUPLE2, 0x86): stack underflow");
   ExpectInvalid("\x80\x02."s, "opcode STOP, 0x2e): stack underflow");
   ExpectInvalid("\x80\x02h\x05."s, "opcode BINGET, 0x68): memo entry 5 was never stored");
-  ExpectInvalid("\x80\x02X\xff\x00\x00\x00" "ab."s, "opcode BINUNICODE, 0x58): needs 255 more bytes");
+  ExpectInvalid(
+      "\x80\x02X\xff\x00\x00\x00"
+      "ab."s,
+      "opcode BINUNICODE, 0x58): needs 255 more bytes");
   ExpectInvalid("\x80\x09N."s, "unsupported protocol 9");
-  ExpectInvalid("\x80\x02]NNs."s, "opcode SETITEM, 0x73): setting items on something that is not a dict");
+  ExpectInvalid("\x80\x02]NNs."s,
+                "opcode SETITEM, 0x73): setting items on something that is not a dict");
   ExpectInvalid("\x80\x02}Na."s, "appending to something that is not a list");
   ExpectInvalid("\x80\x02}(Nu."s, "odd number of items");
   ExpectInvalid("\x80\x02NNR."s, "REDUCE applies something that is not a class");
   ExpectInvalid("\x80\x02I12x\n."s, "bad integer '12x'");
-  ExpectInvalid("\x80\x02" "Fnope\n."s, "bad float 'nope'");
-  ExpectInvalid("\x80\x02" "ccollections\nOrderedDict"s, "not terminated by a newline");
+  ExpectInvalid(
+      "\x80\x02"
+      "Fnope\n."s,
+      "bad float 'nope'");
+  ExpectInvalid(
+      "\x80\x02"
+      "ccollections\nOrderedDict"s,
+      "not terminated by a newline");
+  ExpectInvalid("\x80\x02Nr\xff\xff\xff\x7f."s, "memo index 2147483647 is beyond any valid stream");
+  // Longer than Python accepts (decimal conversion is quadratic); the message quotes only a part.
+  ExpectInvalid("I" + std::string(5000, '9') + "\n.",
+                "bad integer '" + std::string(40, '9') + "...'");
 }
 
 TEST(PickleReaderTest, TruncatedPicklesAreInvalid) {
@@ -370,10 +395,11 @@ TEST(PickleReaderTest, TruncatedPicklesAreInvalid) {
 // Corrupt bytes must give an error or some tree, never a crash or a hang.
 TEST(PickleReaderTest, CorruptedPicklesNeverCrash) {
   std::mt19937 rng(42);
-  for (const std::string& full : {std::string(reinterpret_cast<const char*>(testing_pickle::kStateDictPkl),
-                                              sizeof(testing_pickle::kStateDictPkl)),
-                                  std::string(reinterpret_cast<const char*>(testing_pickle::kPlainProto0),
-                                              sizeof(testing_pickle::kPlainProto0))}) {
+  for (const std::string& full :
+       {std::string(reinterpret_cast<const char*>(testing_pickle::kStateDictPkl),
+                    sizeof(testing_pickle::kStateDictPkl)),
+        std::string(reinterpret_cast<const char*>(testing_pickle::kPlainProto0),
+                    sizeof(testing_pickle::kPlainProto0))}) {
     for (size_t i = 0; i < full.size(); ++i) {
       for (int trial = 0; trial < 4; ++trial) {
         std::string bad = full;
@@ -407,7 +433,9 @@ TEST(PickleReaderTest, NestingDeeperThanTheLimitIsRefused) {
 }
 
 TEST(PickleReaderTest, SelfReferenceIsUnsupported) {
-  Result<Value> v = ParseString("\x80\x02]q\x00h\x00" "a."s);  // l = []; l.append(l)
+  Result<Value> v = ParseString(
+      "\x80\x02]q\x00h\x00"
+      "a."s);  // l = []; l.append(l)
   ASSERT_FALSE(v.ok());
   EXPECT_EQ(v.status().code(), Status::Code::kUnsupported);
 }
@@ -422,9 +450,13 @@ TEST(PickleReaderTest, ExponentialMemoExpansionIsRefused) {
 TEST(PickleReaderTest, TensorMustStayInsideItsStorage) {
   // _rebuild_tensor_v2(('storage', torch.FloatStorage, '0', 'cpu', 4), offset, (3,), (1,), False)
   auto tensor = [](const std::string& offset) {
-    return "\x80\x02" "ctorch._utils\n_rebuild_tensor_v2\n("
-           "(X\x07\x00\x00\x00storagectorch\nFloatStorage\nX\x01\x00\x00\x00" "0"
-           "X\x03\x00\x00\x00" "cpuK\x04tQ"s + offset + "K\x03\x85K\x01\x85\x89tR."s;
+    return "\x80\x02"
+           "ctorch._utils\n_rebuild_tensor_v2\n("
+           "(X\x07\x00\x00\x00storagectorch\nFloatStorage\nX\x01\x00\x00\x00"
+           "0"
+           "X\x03\x00\x00\x00"
+           "cpuK\x04tQ"s +
+           offset + "K\x03\x85K\x01\x85\x89tR."s;
   };
   Result<Value> ok = ParseString(tensor("K\x01"s));
   ASSERT_TRUE(ok.ok()) << ok.status().message();

@@ -7,6 +7,7 @@
 // checkpoints do. kStateDictPkl, kMpRankPkl and kUnknownClassPkl are the
 // data.pkl members of the zip files torch.save wrote.
 //
+// clang-format off
 //   # Generator of the pickles embedded in pickle_test_support.h.
 //   # Run with Debian's PyTorch: /usr/bin/python3 make_fixtures.py
 //   import argparse, collections, io, pickle, sys, types, zipfile
@@ -84,7 +85,8 @@
 //           'param_slice_mappings': [collections.OrderedDict(
 //               [('w', tf.fragment_address(numel=32, start=0)),
 //                ('b', tf.fragment_address(numel=4, start=32))])],
-//           'rng_tracker_states': {'model-parallel-rng': torch.tensor([7, 8, 9], dtype=torch.uint8)},
+//           'rng_tracker_states': {
+//               'model-parallel-rng': torch.tensor([7, 8, 9], dtype=torch.uint8)},
 //           'np_rng_state': ('MT19937', np.arange(4, dtype=np.uint32), 2, 0, 0.0),
 //       })
 //
@@ -92,8 +94,10 @@
 //       return data_pkl({'x': mm.Thing(a=1)})
 //
 //   # Plain data in text (0) and framed (4, 5) protocols.
-//   PLAIN = {'i': [0, 1, -1, 255, 256, 65535, 65536, -2**31, 2**31, 2**63 - 1, -2**63, 2**64, -2**100],
-//            'f': [1.5, -0.0, float('inf')], 's': 'h\u00e9llo\n\\ \u20ac\U0001F600', 'b': b'\x00\xff',
+//   PLAIN = {'i': [0, 1, -1, 255, 256, 65535, 65536, -2**31, 2**31, 2**63 - 1, -2**63, 2**64,
+//                  -2**100],
+//            'f': [1.5, -0.0, float('inf')], 's': 'h\u00e9llo\n\\ \u20ac\U0001F600',
+//            'b': b'\x00\xff',
 //            't': (), 't1': (1,), 't4': (1, 2, 3, 4), 'set': {3}, 'fs': frozenset([4]),
 //            'od': collections.OrderedDict(a=1), 'n': None, 'T': True, 'F': False}
 //
@@ -112,11 +116,11 @@
 //       for i in range(0, len(data), 16):
 //           print('    ' + ' '.join('0x%02x,' % b for b in data[i:i + 16]))
 //       print('};')
+// clang-format on
 #pragma once
 
 #include <gtest/gtest.h>
 
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -128,6 +132,7 @@
 namespace reshard {
 namespace testing_pickle {
 
+// clang-format off
 inline constexpr uint8_t kStateDictPkl[] = {
     0x80, 0x02, 0x63, 0x63, 0x6f, 0x6c, 0x6c, 0x65, 0x63, 0x74, 0x69, 0x6f, 0x6e, 0x73, 0x0a, 0x4f,
     0x72, 0x64, 0x65, 0x72, 0x65, 0x64, 0x44, 0x69, 0x63, 0x74, 0x0a, 0x71, 0x00, 0x29, 0x52, 0x71,
@@ -384,6 +389,7 @@ inline constexpr uint8_t kPlainProto5[] = {
     0x29, 0x52, 0x94, 0x8c, 0x01, 0x61, 0x94, 0x4b, 0x01, 0x73, 0x8c, 0x01, 0x6e, 0x94, 0x4e, 0x8c,
     0x01, 0x54, 0x94, 0x88, 0x8c, 0x01, 0x46, 0x94, 0x89, 0x75, 0x2e,
 };
+// clang-format on
 
 template <size_t N>
 Result<Value> ParseFixture(const uint8_t (&bytes)[N], PickleReadOptions options = {},
@@ -399,12 +405,14 @@ inline Result<Value> ParseString(const std::string& bytes, PickleReadOptions opt
 
 // Deep equality. Storages compare by what the pickle says about them (dtype,
 // numel, location, key), since two reads of one pickle create two Storages.
-inline ::testing::AssertionResult SameValue(const Value& a, const Value& b, const std::string& path = "root");
+inline ::testing::AssertionResult SameValue(const Value& a, const Value& b,
+                                            const std::string& path = "root");
 
-inline ::testing::AssertionResult SameValues(const std::vector<Value>& a, const std::vector<Value>& b,
-                                             const std::string& path) {
+inline ::testing::AssertionResult SameValues(const std::vector<Value>& a,
+                                             const std::vector<Value>& b, const std::string& path) {
   if (a.size() != b.size()) {
-    return ::testing::AssertionFailure() << path << ": " << a.size() << " vs " << b.size() << " items";
+    return ::testing::AssertionFailure()
+           << path << ": " << a.size() << " vs " << b.size() << " items";
   }
   for (size_t i = 0; i < a.size(); ++i) {
     auto r = SameValue(a[i], b[i], path + "[" + std::to_string(i) + "]");
@@ -413,9 +421,11 @@ inline ::testing::AssertionResult SameValues(const std::vector<Value>& a, const 
   return ::testing::AssertionSuccess();
 }
 
-inline ::testing::AssertionResult SameItems(const Items& a, const Items& b, const std::string& path) {
+inline ::testing::AssertionResult SameItems(const Items& a, const Items& b,
+                                            const std::string& path) {
   if (a.size() != b.size()) {
-    return ::testing::AssertionFailure() << path << ": " << a.size() << " vs " << b.size() << " items";
+    return ::testing::AssertionFailure()
+           << path << ": " << a.size() << " vs " << b.size() << " items";
   }
   for (size_t i = 0; i < a.size(); ++i) {
     const std::string p = path + "{" + a[i].first.DebugString(40) + "}";
@@ -426,7 +436,8 @@ inline ::testing::AssertionResult SameItems(const Items& a, const Items& b, cons
   return ::testing::AssertionSuccess();
 }
 
-inline ::testing::AssertionResult SameTensor(const Tensor& a, const Tensor& b, const std::string& path) {
+inline ::testing::AssertionResult SameTensor(const Tensor& a, const Tensor& b,
+                                             const std::string& path) {
   const bool same_storage = a.storage && b.storage && a.storage->dtype == b.storage->dtype &&
                             a.storage->numel == b.storage->numel &&
                             a.storage->location == b.storage->location &&
@@ -438,9 +449,11 @@ inline ::testing::AssertionResult SameTensor(const Tensor& a, const Tensor& b, c
   return SameValues(a.extra_args, b.extra_args, path + ".extra_args");
 }
 
-inline ::testing::AssertionResult SameObject(const Object& a, const Object& b, const std::string& path) {
+inline ::testing::AssertionResult SameObject(const Object& a, const Object& b,
+                                             const std::string& path) {
   if (!(a.cls == b.cls) || a.construct != b.construct || !a.state != !b.state) {
-    return ::testing::AssertionFailure() << path << ": objects differ in class, construction or state";
+    return ::testing::AssertionFailure()
+           << path << ": objects differ in class, construction or state";
   }
   auto r = SameValues(a.args, b.args, path + ".args");
   if (r) r = SameItems(a.dict_items, b.dict_items, path + ".dict_items");
@@ -449,9 +462,11 @@ inline ::testing::AssertionResult SameObject(const Object& a, const Object& b, c
   return r;
 }
 
-inline ::testing::AssertionResult SameValue(const Value& a, const Value& b, const std::string& path) {
+inline ::testing::AssertionResult SameValue(const Value& a, const Value& b,
+                                            const std::string& path) {
   if (a.kind() != b.kind()) {
-    return ::testing::AssertionFailure() << path << ": " << a.DebugString() << " vs " << b.DebugString();
+    return ::testing::AssertionFailure()
+           << path << ": " << a.DebugString() << " vs " << b.DebugString();
   }
   bool same = true;
   switch (a.kind()) {
@@ -469,13 +484,16 @@ inline ::testing::AssertionResult SameValue(const Value& a, const Value& b, cons
     case Value::Kind::kList: return SameValues(a.as_list().items, b.as_list().items, path);
     case Value::Kind::kTuple: return SameValues(a.as_tuple().items, b.as_tuple().items, path);
     case Value::Kind::kSet: return SameValues(a.as_set().items, b.as_set().items, path);
-    case Value::Kind::kFrozenSet: return SameValues(a.as_frozenset().items, b.as_frozenset().items, path);
+    case Value::Kind::kFrozenSet:
+      return SameValues(a.as_frozenset().items, b.as_frozenset().items, path);
     case Value::Kind::kDict: return SameItems(a.as_dict().items, b.as_dict().items, path);
     case Value::Kind::kTensor: return SameTensor(a.as_tensor(), b.as_tensor(), path);
     case Value::Kind::kObject: return SameObject(a.as_object(), b.as_object(), path);
     case Value::Kind::kGlobal: same = a.as_global() == b.as_global(); break;
   }
-  if (!same) return ::testing::AssertionFailure() << path << ": " << a.DebugString() << " vs " << b.DebugString();
+  if (!same)
+    return ::testing::AssertionFailure()
+           << path << ": " << a.DebugString() << " vs " << b.DebugString();
   return ::testing::AssertionSuccess();
 }
 

@@ -1,5 +1,3 @@
-#include "pickle/value.h"
-
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -7,6 +5,8 @@
 #include <limits>
 #include <string>
 #include <vector>
+
+#include "pickle/value.h"
 
 namespace reshard {
 namespace {
@@ -75,8 +75,8 @@ TEST(PickleValueTest, FindAndSet) {
   EXPECT_EQ(Find(ns, "missing"), nullptr);
   EXPECT_EQ(Find(Value::MakeList({}), "lr"), nullptr);
 
-  Set(ns, "lr", Value::Float(0.2));           // replaces in place
-  Set(ns, "iteration", Value::Int(10));       // appends at the end
+  Set(ns, "lr", Value::Float(0.2));      // replaces in place
+  Set(ns, "iteration", Value::Int(10));  // appends at the end
   *FindMutable(ns, "iteration") = Value::Int(11);
   EXPECT_EQ(ns.DebugString(), "argparse.Namespace(lr=0.2, 7='not a str key', iteration=11)");
 
@@ -111,16 +111,26 @@ TEST(PickleValueTest, DebugStringLooksLikePython) {
   EXPECT_EQ(Value::MakeSet({}).DebugString(), "set()");
   EXPECT_EQ(Value::MakeFrozenSet({}).DebugString(), "frozenset()");
   EXPECT_EQ(Value::MakeFrozenSet({Value::Int(1)}).DebugString(), "frozenset({1})");
-  EXPECT_EQ(Value::MakeBigInt(std::string("\0\0\0\0\0\0\0\0\xff", 9)).DebugString(), "-18446744073709551616");
+  EXPECT_EQ(Value::MakeBigInt(std::string("\0\0\0\0\0\0\0\0\xff", 9)).DebugString(),
+            "-18446744073709551616");
   EXPECT_EQ(Value::MakeBigInt("").DebugString(), "0");
+  EXPECT_EQ(Value::MakeBigInt(std::string(2000, '\x01')).DebugString(), "<int of 2000 bytes>");
   EXPECT_EQ(Str("it's\t\x01").DebugString(), "'it\\'s\\t\\x01'");
   EXPECT_EQ(Value::MakeBytes(std::string("a\0\xff", 3)).DebugString(), "b'a\\x00\\xff'");
   EXPECT_EQ(Value::MakeGlobal({"torch", "float16"}).DebugString(), "torch.float16");
 
   const std::vector<std::pair<double, std::string>> floats = {
-      {1.0, "1.0"}, {-0.0, "-0.0"}, {0.1, "0.1"}, {1e-4, "0.0001"}, {1.5e-5, "1.5e-05"},
-      {123.25, "123.25"}, {1e15, "1000000000000000.0"}, {1e16, "1e+16"}, {1.2345e100, "1.2345e+100"},
-      {std::numeric_limits<double>::infinity(), "inf"}, {std::nan(""), "nan"}};
+      {1.0, "1.0"},
+      {-0.0, "-0.0"},
+      {0.1, "0.1"},
+      {1e-4, "0.0001"},
+      {1.5e-5, "1.5e-05"},
+      {123.25, "123.25"},
+      {1e15, "1000000000000000.0"},
+      {1e16, "1e+16"},
+      {1.2345e100, "1.2345e+100"},
+      {std::numeric_limits<double>::infinity(), "inf"},
+      {std::nan(""), "nan"}};
   for (const auto& [d, repr] : floats) EXPECT_EQ(Value::Float(d).DebugString(), repr);
 
   Tensor t;
@@ -134,7 +144,8 @@ TEST(PickleValueTest, DebugStringLooksLikePython) {
   o.args = {Value::Int(0)};
   o.list_items = {Value::Int(1)};
   o.state = std::make_shared<Value>(Value::MakeTuple({}));
-  EXPECT_EQ(Value::MakeObject(o).DebugString(), "numpy.core.multiarray._reconstruct(0, [1], state=())");
+  EXPECT_EQ(Value::MakeObject(o).DebugString(),
+            "numpy.core.multiarray._reconstruct(0, [1], state=())");
 }
 
 TEST(PickleValueTest, DebugStringIsTruncatedCheaply) {

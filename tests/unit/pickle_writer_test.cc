@@ -54,7 +54,8 @@ Value MakeTensorValue(std::shared_ptr<Storage> s, int64_t offset, std::vector<in
 
 std::vector<uint8_t> Encode(DType dtype, const std::vector<double>& values) {
   std::vector<uint8_t> bytes(values.size() * ElementSize(dtype));
-  for (size_t i = 0; i < values.size(); ++i) StoreFromDouble(dtype, values[i], &bytes[i * ElementSize(dtype)]);
+  for (size_t i = 0; i < values.size(); ++i)
+    StoreFromDouble(dtype, values[i], &bytes[i * ElementSize(dtype)]);
   return bytes;
 }
 
@@ -66,10 +67,14 @@ TEST(PickleWriterTest, EmitsProtocolTwo) {
   EXPECT_EQ(Write(Value::MakeTuple({})), "\x80\x02)."s);
   EXPECT_EQ(Write(Value::Float(1.5)), "\x80\x02G\x3f\xf8\x00\x00\x00\x00\x00\x00."s);
   EXPECT_EQ(Write(Value::String("h\u00e9")), "\x80\x02X\x03\x00\x00\x00h\xc3\xa9."s);
-  EXPECT_EQ(Write(Value::MakeList({Value::Int(1)})), "\x80\x02](K\x01" "e."s);
+  EXPECT_EQ(Write(Value::MakeList({Value::Int(1)})),
+            "\x80\x02](K\x01"
+            "e."s);
   EXPECT_EQ(Write(Value::MakeDict({{Value::String("k"), Value::None()}})),
             "\x80\x02}(X\x01\x00\x00\x00kNu."s);
-  EXPECT_EQ(Write(Value::MakeGlobal({"torch", "bfloat16"})), "\x80\x02" "ctorch\nbfloat16\n."s);
+  EXPECT_EQ(Write(Value::MakeGlobal({"torch", "bfloat16"})),
+            "\x80\x02"
+            "ctorch\nbfloat16\n."s);
 }
 
 TEST(PickleWriterTest, IntsUseTheShortestOpcode) {
@@ -82,7 +87,7 @@ TEST(PickleWriterTest, IntsUseTheShortestOpcode) {
       {-1, "J\xff\xff\xff\xff"s},
       {INT32_MIN, "J\x00\x00\x00\x80"s},
       {INT32_MAX, "J\xff\xff\xff\x7f"s},
-      {1LL << 31, "\x8a\x05\x00\x00\x00\x80\x00"s},     // needs a zero sign byte
+      {1LL << 31, "\x8a\x05\x00\x00\x00\x80\x00"s},  // needs a zero sign byte
       {-(1LL << 31) - 1, "\x8a\x05\xff\xff\xff\x7f\xff"s},
       {-(1LL << 40), "\x8a\x06\x00\x00\x00\x00\x00\xff"s},
       {INT64_MAX, "\x8a\x08\xff\xff\xff\xff\xff\xff\xff\x7f"s},
@@ -100,8 +105,12 @@ TEST(PickleWriterTest, BigIntsBytesAndSetsAsPythonWritesThem) {
   const std::string huge(300, '\x11');
   EXPECT_EQ(Write(Value::MakeBigInt(huge)), "\x80\x02\x8b\x2c\x01\x00\x00"s + huge + ".");
   EXPECT_EQ(Write(Value::MakeBytes("\x00\xff"s)),
-            "\x80\x02" "c_codecs\nencode\nX\x03\x00\x00\x00\x00\xc3\xbfX\x06\x00\x00\x00latin1\x86R."s);
-  EXPECT_EQ(Write(Value::MakeSet({Value::Int(1)})), "\x80\x02" "c__builtin__\nset\n](K\x01" "e\x85R."s);
+            "\x80\x02"
+            "c_codecs\nencode\nX\x03\x00\x00\x00\x00\xc3\xbfX\x06\x00\x00\x00latin1\x86R."s);
+  EXPECT_EQ(Write(Value::MakeSet({Value::Int(1)})),
+            "\x80\x02"
+            "c__builtin__\nset\n](K\x01"
+            "e\x85R."s);
 }
 
 TEST(PickleWriterTest, ObjectsInPythonsOrder) {
@@ -112,7 +121,10 @@ TEST(PickleWriterTest, ObjectsInPythonsOrder) {
   o.list_items = {Value::Int(2)};
   o.dict_items = {{Value::Int(3), Value::Int(4)}};
   EXPECT_EQ(Write(Value::MakeObject(o)),
-            "\x80\x02" "cargparse\nNamespace\n)\x81(K\x02" "e(K\x03K\x04u}(X\x01\x00\x00\x00" "aK\x01ub."s);
+            "\x80\x02"
+            "cargparse\nNamespace\n)\x81(K\x02"
+            "e(K\x03K\x04u}(X\x01\x00\x00\x00"
+            "aK\x01ub."s);
 }
 
 // ---- Round trips ----------------------------------------------------------------------------
@@ -140,25 +152,38 @@ TEST(PickleWriterTest, RoundTripsEveryKind) {
   ns.construct = Object::Construct::kNewObj;
   ns.state = std::make_shared<Value>(Value::MakeDict({{Value::String("lr"), Value::Float(0.5)}}));
   auto storage = MakeStorage(DType::kInt64, std::vector<uint8_t>(48));
-  storage->record_key = "0";  // the key the writer gives it, so that the reread storage compares equal
+  storage->record_key =
+      "0";  // the key the writer gives it, so that the reread storage compares equal
   Tensor t = MakeTensorValue(storage, 2, {2, 2}).as_tensor();
   t.requires_grad = true;
   t.extra_args = {MakeOrderedDict({}), Value::None()};
   const Value root = Value::MakeList({
-      Value::None(), Value::Bool(false), Value::Int(-7), Value::MakeBigInt("\x01\x02\x03\x04\x05\x06\x07\x08\x89"s),
-      Value::Float(-0.0), Value::Float(std::numeric_limits<double>::quiet_NaN()),
-      Value::Float(-std::numeric_limits<double>::infinity()), Value::String(""),
-      Value::String("\U0001F600"), Value::MakeBytes(""), Value::MakeBytes(std::string(256, '\x80')),
+      Value::None(),
+      Value::Bool(false),
+      Value::Int(-7),
+      Value::MakeBigInt("\x01\x02\x03\x04\x05\x06\x07\x08\x89"s),
+      Value::Float(-0.0),
+      Value::Float(std::numeric_limits<double>::quiet_NaN()),
+      Value::Float(-std::numeric_limits<double>::infinity()),
+      Value::String(""),
+      Value::String("\U0001F600"),
+      Value::MakeBytes(""),
+      Value::MakeBytes(std::string(256, '\x80')),
       Value::MakeTuple({Value::Int(1), Value::Int(2), Value::Int(3), Value::Int(4)}),
-      Value::MakeSet({}), Value::MakeFrozenSet({Value::String("a"), Value::String("b")}),
-      Value::MakeDict({{Value::Int(1), Value::String("int key")}, {Value::MakeTuple({}), Value::None()}}),
+      Value::MakeSet({}),
+      Value::MakeFrozenSet({Value::String("a"), Value::String("b")}),
+      Value::MakeDict(
+          {{Value::Int(1), Value::String("int key")}, {Value::MakeTuple({}), Value::None()}}),
       MakeOrderedDict({{Value::String("z"), Value::Int(1)}, {Value::String("a"), Value::Int(2)}}),
-      MakeTorchSize({3, 0, 5}), Value::MakeObject(ns), Value::MakeGlobal({"builtins", "slice"}),
+      MakeTorchSize({3, 0, 5}),
+      Value::MakeObject(ns),
+      Value::MakeGlobal({"builtins", "slice"}),
       Value::MakeTensor(t),
   });
   const Value back = Reread(root);
   EXPECT_TRUE(SameValue(root, back));
-  EXPECT_TRUE(back.as_list().items[18].as_global().Is("builtins", "slice"));  // __builtin__ on the wire
+  EXPECT_TRUE(
+      back.as_list().items[18].as_global().Is("builtins", "slice"));  // __builtin__ on the wire
 }
 
 TEST(PickleWriterTest, StoragesAreNumberedInOrderOfFirstUse) {
@@ -174,7 +199,8 @@ TEST(PickleWriterTest, StoragesAreNumberedInOrderOfFirstUse) {
     sunk.emplace_back(key, &s);
     return Status::Ok();
   });
-  EXPECT_EQ(sunk, (std::vector<std::pair<std::string, const Storage*>>{{"0", a.get()}, {"1", b.get()}}));
+  EXPECT_EQ(sunk,
+            (std::vector<std::pair<std::string, const Storage*>>{{"0", a.get()}, {"1", b.get()}}));
 
   Result<Value> back = ParseString(written);
   ASSERT_TRUE(back.ok()) << back.status().message();
@@ -187,14 +213,15 @@ TEST(PickleWriterTest, StoragesAreNumberedInOrderOfFirstUse) {
   EXPECT_EQ(z.storage, x.storage);
   EXPECT_EQ(z.storage_offset, 1);
   EXPECT_EQ(x.storage->numel, 4);
-  ASSERT_EQ(x.extra_args.size(), 1u);  // an empty OrderedDict of backward hooks, as torch.save writes
+  ASSERT_EQ(x.extra_args.size(),
+            1u);  // an empty OrderedDict of backward hooks, as torch.save writes
   EXPECT_TRUE(IsOrderedDict(x.extra_args[0]));
 }
 
 TEST(PickleWriterTest, ErrorsAreReported) {
-  Result<std::string> sink_error = WritePickle(
-      MakeTensorValue(MakeStorage(DType::kUInt8, {1}), 0, {1}),
-      [](const std::string&, const Storage&) { return Status::IoError("disk full"); });
+  Result<std::string> sink_error =
+      WritePickle(MakeTensorValue(MakeStorage(DType::kUInt8, {1}), 0, {1}),
+                  [](const std::string&, const Storage&) { return Status::IoError("disk full"); });
   ASSERT_FALSE(sink_error.ok());
   EXPECT_EQ(sink_error.status().code(), Status::Code::kIoError);
 
@@ -206,7 +233,8 @@ TEST(PickleWriterTest, ErrorsAreReported) {
   EXPECT_EQ(bad_name.status().code(), Status::Code::kInvalidInput);
 }
 
-// ---- Python reads what we write ------------------------------------------------------------------
+// ---- Python reads what we write
+// ------------------------------------------------------------------
 
 class TempDir {
  public:
@@ -230,7 +258,8 @@ class TempDir {
 
 // Runs `script` with Debian's python3 and returns its standard output.
 std::string RunPython(const TempDir& dir, const std::string& script, const std::string& args) {
-  const std::string cmd = std::string(RESHARD_PYTHON) + " " + dir.File("check.py", script) + " " + args;
+  const std::string cmd =
+      std::string(RESHARD_PYTHON) + " " + dir.File("check.py", script) + " " + args;
   std::FILE* pipe = popen(cmd.c_str(), "r");
   if (pipe == nullptr) return "cannot run " + cmd;
   std::string out;
@@ -305,8 +334,9 @@ Value Str(const char* s) { return Value::String(s); }
 
 TEST(PickleWriterTest, PythonLoadsWhatWeWrite) {
   std::vector<Value> ints;
-  for (int64_t i : {int64_t{0}, int64_t{255}, int64_t{256}, int64_t{65535}, int64_t{65536}, int64_t{-1},
-                    int64_t{INT32_MIN}, int64_t{INT32_MAX}, int64_t{1} << 31, INT64_MAX, INT64_MIN}) {
+  for (int64_t i :
+       {int64_t{0}, int64_t{255}, int64_t{256}, int64_t{65535}, int64_t{65536}, int64_t{-1},
+        int64_t{INT32_MIN}, int64_t{INT32_MAX}, int64_t{1} << 31, INT64_MAX, INT64_MIN}) {
     ints.push_back(Value::Int(i));
   }
   std::vector<Value> tuples;
@@ -318,7 +348,8 @@ TEST(PickleWriterTest, PythonLoadsWhatWeWrite) {
   Object ns;
   ns.cls = {"argparse", "Namespace"};
   ns.construct = Object::Construct::kNewObj;
-  ns.state = std::make_shared<Value>(Value::MakeDict({{Str("lr"), Value::Float(0.5)}, {Str("layers"), Value::Int(2)}}));
+  ns.state = std::make_shared<Value>(
+      Value::MakeDict({{Str("lr"), Value::Float(0.5)}, {Str("layers"), Value::Int(2)}}));
   auto storage = MakeStorage(DType::kFloat32, std::vector<uint8_t>(24));
   const Value root = Value::MakeDict({
       {Str("none"), Value::None()},
@@ -379,10 +410,12 @@ TEST(PickleWriterTest, TorchLoadsWhatWeWrite) {
   ASSERT_FALSE(dir.path().empty());
   const std::string storages = dir.path() + "/storages";
   ASSERT_EQ(mkdir(storages.c_str(), 0700), 0);
-  const std::string pkl = dir.File("data.pkl", Write(root, [&](const std::string& key, const Storage& s) {
-    dir.File("storages/" + key, std::string(reinterpret_cast<const char*>(s.bytes.data), s.bytes.size));
-    return Status::Ok();
-  }));
+  const std::string pkl =
+      dir.File("data.pkl", Write(root, [&](const std::string& key, const Storage& s) {
+                 dir.File("storages/" + key,
+                          std::string(reinterpret_cast<const char*>(s.bytes.data), s.bytes.size));
+                 return Status::Ok();
+               }));
   EXPECT_EQ(RunPython(dir, kTorchLoad, pkl + " " + storages),
             "OrderedDict ['w', 'v', 'b'] torch.bfloat16 [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]] "
             "[3.0, 4.0, 5.0] torch.float32 [1.5, -2.0, 3.0] True True\n");
