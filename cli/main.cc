@@ -179,6 +179,10 @@ int main(int argc, char** argv) {
   verify_cmd->add_option("B", second, "Second checkpoint")->required();
   AddCommonOptions(verify_cmd, &verify);
   verify_cmd->add_option("--rules-b", verify.rules_b, "Rule set for B (default: as for A)");
+  std::string verify_replicated = "first";
+  verify_cmd->add_option("--replicated", verify_replicated,
+                         "Merge TP replicas before comparing: first (TP rank 0) or average")
+      ->check(CLI::IsMember({"average", "first"}));
 
   CLI::App* rules_cmd = app.add_subcommand(
       "rules", "List the built-in rule sets, or validate a rule file");
@@ -200,6 +204,10 @@ int main(int argc, char** argv) {
     convert.update_latest = !no_latest;
     return RunConvert(ckpt, out, convert, quiet);
   }
-  if (verify_cmd->parsed()) return RunVerify(ckpt, second, verify);
+  if (verify_cmd->parsed()) {
+    verify.replicated = verify_replicated == "average" ? reshard::ReplicatedPolicy::kAverage
+                                                       : reshard::ReplicatedPolicy::kFirst;
+    return RunVerify(ckpt, second, verify);
+  }
   return RunRules(rules_file);
 }

@@ -36,7 +36,8 @@ const TensorRef* Lookup(const std::vector<std::pair<std::string, TensorRef>>& in
 
 // Compares the whole logical tensors; vocabulary tensors over the rows both have.
 void CompareTensor(const LogicalCheckpoint& a, const TensorRef& ra, const LogicalCheckpoint& b,
-                   const TensorRef& rb, const std::string& label, VerifyReport* report) {
+                   const TensorRef& rb, const std::string& label, ReplicatedPolicy replicated,
+                   VerifyReport* report) {
   const LogicalTensor& ta = a.layers[ra.layer_index].tensors[ra.tensor_index];
   const LogicalTensor& tb = b.layers[rb.layer_index].tensors[rb.tensor_index];
   std::vector<int64_t> sa = ta.full_shape, sb = tb.full_shape;
@@ -48,8 +49,8 @@ void CompareTensor(const LogicalCheckpoint& a, const TensorRef& ra, const Logica
     return;
   }
   std::vector<uint8_t> da, db;
-  MaterializeTensor(a, PlanFullTensor(a, ra.layer_index, ra.tensor_index), &da);
-  MaterializeTensor(b, PlanFullTensor(b, rb.layer_index, rb.tensor_index), &db);
+  MaterializeTensor(a, PlanFullTensor(a, ra.layer_index, ra.tensor_index, replicated), &da);
+  MaterializeTensor(b, PlanFullTensor(b, rb.layer_index, rb.tensor_index, replicated), &db);
   const int es = ElementSize(ta.dtype);
   int64_t n = 1;
   for (int64_t d : sa) n *= d;
@@ -107,7 +108,7 @@ Result<VerifyReport> Verify(const std::string& a_path, const std::string& b_path
       report.differences.push_back(label + ": only in A");
       continue;
     }
-    CompareTensor(*a, ref, *b, *other, label, &report);
+    CompareTensor(*a, ref, *b, *other, label, options.replicated, &report);
   }
   for (const auto& [label, ref] : index_b) {
     if (Lookup(index_a, label) == nullptr) report.differences.push_back(label + ": only in B");

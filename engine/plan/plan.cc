@@ -198,10 +198,11 @@ ReplicatedPolicy PolicyFor(const ParamRule& rule, ReplicatedPolicy command_line)
   return rule.drift ? *rule.drift : command_line;
 }
 
-TensorPlan PlanFullTensor(const LogicalCheckpoint& src, int layer_index, int tensor_index) {
+TensorPlan PlanFullTensor(const LogicalCheckpoint& src, int layer_index, int tensor_index,
+                          ReplicatedPolicy replicated) {
   PlanOptions whole;
   whole.tp = 1;
-  whole.replicated = ReplicatedPolicy::kFirst;
+  whole.replicated = replicated;
   return PlanTensor(src, layer_index, tensor_index, 0, whole, src.vocab.padded_rows);
 }
 

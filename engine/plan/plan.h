@@ -93,8 +93,9 @@ ReplicatedPolicy PolicyFor(const ParamRule& rule, ReplicatedPolicy command_line)
 
 Result<Plan> MakePlan(const LogicalCheckpoint& src, const PlanOptions& options);
 
-// The whole logical tensor (TP 1, replicas from rank 0, source padding kept),
-// for comparing checkpoints of different layouts.
-TensorPlan PlanFullTensor(const LogicalCheckpoint& src, int layer_index, int tensor_index);
+// The whole logical tensor (TP 1, replicas merged by `replicated`, source
+// padding kept), for comparing checkpoints of different layouts.
+TensorPlan PlanFullTensor(const LogicalCheckpoint& src, int layer_index, int tensor_index,
+                          ReplicatedPolicy replicated);
 
 }  // namespace reshard

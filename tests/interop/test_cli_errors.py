@@ -149,6 +149,8 @@ class ReshardTestCase(unittest.TestCase):
         """
         before = {w: snapshot(w) for w in watch}
         out_before = snapshot(out) if out and os.path.exists(out) else None
+        parent = os.path.dirname(os.path.abspath(out)) if out else None
+        parent_existed = parent is not None and os.path.lexists(parent)
         p = run(*args)
         shown = f'\n$ reshard {" ".join(map(str, args))}\nexit {p.returncode}\nstdout:\n{p.stdout}\nstderr:\n{p.stderr}'
         self.assertEqual(p.returncode, code, 'wrong exit status' + shown)
@@ -169,6 +171,8 @@ class ReshardTestCase(unittest.TestCase):
                 self.assertFalse(os.path.lexists(out), f'{out} was created' + shown)
             else:
                 self.assertEqual(snapshot(out), out_before, f'{out} changed' + shown)
+            if not parent_existed:
+                self.assertFalse(os.path.lexists(parent), f'{parent} was created' + shown)
             self.assertNoLeftovers(out)
         return line
 
@@ -445,10 +449,10 @@ class TargetTests(ReshardTestCase):
     def test_output_inside_the_input_root(self):
         # IN given as the root folder holding `latest`: the root is the input. Writing a new tag
         # folder into it would also rewrite the root's `latest` (and so change what IN means).
-        tag = self.bloom()
-        root = os.path.dirname(tag)
-        for out in (os.path.join(root, 'global_step20'), os.path.join(root, 'converted', 'global_step10')):
-            with self.subTest(out=out):
+        for i, sub in enumerate(('global_step20', os.path.join('converted', 'global_step10'))):
+            root = os.path.dirname(self.bloom(name=f'src{i}'))
+            out = os.path.join(root, sub)
+            with self.subTest(out=sub):
                 self.assertRefused(['convert', root, out, '--tp', 1, '--pp', 1],
                                    ['overlaps the input'], watch=[root], out=out)
 

@@ -7,6 +7,8 @@
 #include <filesystem>
 #include <string>
 
+#include "reshard/status.h"
+
 namespace reshard {
 
 // A fresh folder under the system temp dir, removed with its contents.
@@ -27,5 +29,15 @@ class TempDir {
  private:
   std::filesystem::path path_;
 };
+
+// Writes a checkpoint with the Python fixture generator (real torch.save):
+// `args` are its command-line options, e.g. "--style bs_bloom --tp 2".
+inline Status MakeFixture(const std::string& args, const std::filesystem::path& root) {
+  const std::string cmd = std::string("PYTHONPATH=") + RESHARD_SOURCE_DIR + "/tests " +
+                          RESHARD_PYTHON + " -m fixtures.megatron_fixture " + args + " " +
+                          root.string() + " > /dev/null";
+  if (std::system(cmd.c_str()) != 0) return Status::Internal("fixture generator failed: " + cmd);
+  return Status::Ok();
+}
 
 }  // namespace reshard

@@ -1,0 +1,104 @@
+#include "format/torch_file.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <fstream>
+
+#include "test_util.h"
+
+namespace reshard {
+namespace {
+
+// A bf16 tensor of `values` (stored as the top halves of the floats).
+Value Bf16Tensor(const std::vector<float>& values, std::vector<int64_t> sizes) {
+  auto bytes = std::make_shared<std::vector<uint8_t>>(values.size() * 2);
+  for (size_t i = 0; i < values.size(); ++i) StoreFromDouble(DType::kBFloat16, values[i], bytes->data() + 2 * i);
+  auto storage = std::make_shared<Storage>();
+  storage->dtype = DType::kBFloat16;
+  storage->numel = static_cast<int64_t>(values.size());
+  storage->bytes = ByteView{bytes, bytes->data(), bytes->size()};
+  Tensor t;
+  t.storage = storage;
+  t.sizes = std::move(sizes);
+  t.strides = Tensor::ContiguousStrides(t.sizes);
+  return Value::MakeTensor(std::move(t));
+}
+
+TEST(TorchFileTest, WriteThenReadKeepsOrderDtypesAndBytes) {
+  TempDir dir;
+  const std::string path = (dir.path() / "layer_01-model_00-model_states.pt").string();
+  Value root = MakeOrderedDict({{Value::String("b.weight"), Bf16Tensor({1, 2, 3, 4, 5, 6}, {2, 3})},
+                                {Value::String("a.bias"), Bf16Tensor({-1.5, 0.25}, {2})}});
+  ASSERT_TRUE(WriteTorchFile(path, root).ok());
+
+  Result<Value> back = ReadTorchFile(path);
+  ASSERT_TRUE(back.ok()) << back.status().message();
+  const Items* items = DictItems(*back);
+  ASSERT_NE(items, nullptr);
+  ASSERT_EQ(items->size(), 2u);
+  EXPECT_EQ((*items)[0].first.as_string(), "b.weight");
+  EXPECT_EQ((*items)[1].first.as_string(), "a.bias");
+  const Tensor& bias = (*items)[1].second.as_tensor();
+  EXPECT_EQ(bias.storage->dtype, DType::kBFloat16);
+  EXPECT_EQ(bias.sizes, (std::vector<int64_t>{2}));
+  EXPECT_EQ(bias.storage->numel, 2);  // compact storage
+  EXPECT_EQ(LoadAsDouble(DType::kBFloat16, bias.storage->bytes.data + 2), 0.25);
+}
+
+// Storages come from the file's map: reading costs no copy of the data.
+TEST(TorchFileTest, StoragesPointIntoTheFileMapping) {
+  TempDir dir;
+  const std::string path = (dir.path() / "x.pt").string();
+  ASSERT_TRUE(WriteTorchFile(path, MakeOrderedDict({{Value::String("w"), Bf16Tensor({7, 8}, {2})}})).ok());
+  Result<Value> back = ReadTorchFile(path);
+  ASSERT_TRUE(back.ok());
+  const Storage& s = *Find(*back, "w")->as_tensor().storage;
+  EXPECT_EQ(s.record_key, "0");
+  EXPECT_NE(s.bytes.owner, nullptr);
+  EXPECT_EQ(s.bytes.size, 4u);
+}
+
+TEST(TorchFileTest, ReadsWhatTorchSaveWrote) {
+  TempDir dir;
+  const std::string path = (dir.path() / "t.pt").string();
+  const std::string cmd = std::string(RESHARD_PYTHON) +
+                          " -c \"import torch, collections; torch.save(collections.OrderedDict("
+                          "w=torch.arange(12, dtype=torch.float32).reshape(3, 4)[1:], "
+                          "h=torch.ones(3, dtype=torch.float16)), '" + path + "')\"";
+  ASSERT_EQ(std::system(cmd.c_str()), 0);
+  Result<Value> back = ReadTorchFile(path);
+  ASSERT_TRUE(back.ok()) << back.status().message();
+  const Tensor& w = Find(*back, "w")->as_tensor();
+  EXPECT_EQ(w.sizes, (std::vector<int64_t>{2, 4}));
+  EXPECT_EQ(w.storage_offset, 4);  // a view: torch.save kept the whole storage
+  EXPECT_EQ(w.storage->numel, 12);
+  float first;
+  std::memcpy(&first, w.storage->bytes.data + 4 * w.storage_offset, 4);
+  EXPECT_EQ(first, 4.0f);
+  EXPECT_EQ(Find(*back, "h")->as_tensor().storage->dtype, DType::kFloat16);
+}
+
+TEST(TorchFileTest, RefusesNonCheckpointAndTruncatedFiles) {
+  TempDir dir;
+  const std::string junk = (dir.path() / "junk.pt").string();
+  std::ofstream(junk) << "not a zip file at all";
+  Result<Value> r = ReadTorchFile(junk);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), Status::Code::kInvalidInput);
+  EXPECT_NE(r.status().message().find("is not a torch.save zip file"), std::string::npos);
+
+  const std::string good = (dir.path() / "good.pt").string();
+  ASSERT_TRUE(WriteTorchFile(good, MakeOrderedDict({{Value::String("w"), Bf16Tensor({1, 2, 3}, {3})}})).ok());
+  std::ifstream in(good, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::string cut = (dir.path() / "cut.pt").string();
+  std::ofstream(cut, std::ios::binary) << bytes.substr(0, bytes.size() / 2);
+  Result<Value> t = ReadTorchFile(cut);
+  ASSERT_FALSE(t.ok());
+  EXPECT_EQ(t.status().code(), Status::Code::kInvalidInput);
+  EXPECT_NE(t.status().message().find("cut.pt"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace reshard
