@@ -191,8 +191,9 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    // --help exits 0; a bad command line is bad input (2).
-    return app.exit(e) == 0 ? 0 : 2;
+    if (e.get_exit_code() == 0) return app.exit(e);  // --help
+    std::cerr << "reshard: error: " << e.what() << " (see reshard --help)\n";
+    return 2;
   }
 
   if (lint_cmd->parsed()) return RunLint(ckpt, lint);

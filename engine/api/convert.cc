@@ -64,6 +64,19 @@ Status CheckDrift(const LogicalCheckpoint& src, ReplicatedPolicy policy, Convert
   return Status::Ok();
 }
 
+// Writing `latest` into the input's root would change which checkpoint the
+// input root names: that is modifying the input.
+Status CheckLatestIsNotTheInputs(const LogicalCheckpoint& src, const std::string& out,
+                                 bool update_latest) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::path parent = fs::path(out).parent_path();
+  if (!update_latest || !fs::equivalent(parent, src.files.root_dir, ec)) return Status::Ok();
+  return Status::InvalidInput("the output folder " + out + " is beside the input in " +
+                              parent.string() + ", whose 'latest' it would replace; choose a "
+                              "folder elsewhere or pass --no-update-latest");
+}
+
 PlanOptions ToPlanOptions(const ConvertOptions& o) {
   PlanOptions p;
   p.tp = o.target_tp;
@@ -118,7 +131,8 @@ Result<ConvertReport> Convert(const std::string& input, const std::string& outpu
   report.plan = plan.ToString(*src, options.dry_run);
   report.notes.insert(report.notes.end(), plan.notes.begin(), plan.notes.end());
   RESHARD_ASSIGN_OR_RETURN(OutputFolder out,
-                           OutputFolder::Check(output, src->files.tag_dir, options.overwrite));
+                           OutputFolder::Check(output, {input, src->files.tag_dir}, options.overwrite));
+  RESHARD_RETURN_IF_ERROR(CheckLatestIsNotTheInputs(*src, out.path(), options.update_latest));
   if (!options.dry_run) RESHARD_RETURN_IF_ERROR(Execute(*src, plan, &out, options, &report));
   report.seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

@@ -34,7 +34,7 @@ std::string MetadataLines(const LogicalCheckpoint& ckpt) {
 std::string LayerLines(const LogicalCheckpoint& ckpt) {
   std::string out = "layer files (full logical shapes):\n";
   for (const LogicalLayer& layer : ckpt.layers) {
-    out += "  " + TensorLabel(layer.id, "").substr(0, 8) + " " + layer.role + " (" +
+    out += "  " + LayerName(layer.id) + " " + layer.role + " (" +
            ckpt.specs[layer.id].class_name + ")\n";
     for (const LogicalTensor& t : layer.tensors) {
       out += "    " + t.key + "  " + DTypeName(t.dtype) + ShapeString(t.full_shape) + "  " +

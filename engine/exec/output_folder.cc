@@ -55,15 +55,17 @@ OutputFolder::~OutputFolder() {
   fs::remove_all(staging_, ec);
 }
 
-Result<OutputFolder> OutputFolder::Check(const std::string& out, const std::string& input_tag_dir,
+Result<OutputFolder> OutputFolder::Check(const std::string& out, const std::vector<std::string>& inputs,
                                          bool overwrite) {
   const fs::path target = Canonical(out);
-  const fs::path input = Canonical(input_tag_dir);
   if (target.filename().empty()) return Status::InvalidInput("the output path '" + out + "' names no folder");
-  if (IsInside(target, input) || IsInside(input, target)) {
-    return Status::InvalidInput("the output folder " + target.string() +
-                                " overlaps the input checkpoint " + input.string() +
-                                "; choose a separate folder (the input is never modified)");
+  for (const std::string& in : inputs) {
+    const fs::path input = Canonical(in);
+    if (IsInside(target, input) || IsInside(input, target)) {
+      return Status::InvalidInput("the output folder " + target.string() +
+                                  " overlaps the input checkpoint " + input.string() +
+                                  "; choose a separate folder (the input is never modified)");
+    }
   }
   std::error_code ec;
   if (fs::exists(target, ec)) {

@@ -8,6 +8,7 @@
 
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "reshard/status.h"
 
@@ -15,9 +16,9 @@ namespace reshard {
 
 class OutputFolder {
  public:
-  // Checks that `out` may be written: it is not the input folder nor inside
-  // it, and it is absent or empty unless `overwrite`. Creates nothing.
-  static Result<OutputFolder> Check(const std::string& out, const std::string& input_tag_dir,
+  // Checks that `out` may be written: it neither contains nor lies inside any
+  // of `inputs`, and it is absent or empty unless `overwrite`. Creates nothing.
+  static Result<OutputFolder> Check(const std::string& out, const std::vector<std::string>& inputs,
                                     bool overwrite);
 
   OutputFolder(OutputFolder&& other) noexcept;

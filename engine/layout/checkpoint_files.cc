@@ -2,6 +2,7 @@
 
 #include <re2/re2.h>
 
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -103,7 +104,20 @@ std::set<int> Missing(const std::set<int>& present, int n) {
   return missing;
 }
 
+std::string TwoDigits(int v) {
+  char buf[16];
+  std::snprintf(buf, sizeof(buf), "%02d", v);
+  return buf;
+}
+
 }  // namespace
+
+std::string LayerName(int layer_id) { return "layer_" + TwoDigits(layer_id); }
+std::string LayerFileName(int layer_id, int tp_rank) {
+  return LayerName(layer_id) + "-model_" + TwoDigits(tp_rank) + "-model_states.pt";
+}
+std::string ModelStatesName(int mp_rank) { return "mp_rank_" + TwoDigits(mp_rank); }
+std::string ModelStatesFileName(int mp_rank) { return ModelStatesName(mp_rank) + "_model_states.pt"; }
 
 int CheckpointFiles::LayerTpSize() const {
   std::set<int> ranks;

@@ -35,6 +35,12 @@ struct CheckpointFiles {
   int LayerTpSize() const;
 };
 
+// Names as DeepSpeed spells them (indices zero-padded to two digits).
+std::string LayerName(int layer_id);                    // "layer_04"
+std::string LayerFileName(int layer_id, int tp_rank);   // "layer_04-model_01-model_states.pt"
+std::string ModelStatesName(int mp_rank);               // "mp_rank_02"
+std::string ModelStatesFileName(int mp_rank);           // "mp_rank_02_model_states.pt"
+
 // `path` is a tag folder (holding mp_rank_* files) or a checkpoint root whose
 // `latest` file names the tag. Errors are InvalidInput.
 Result<CheckpointFiles> ScanCheckpoint(const std::string& path);

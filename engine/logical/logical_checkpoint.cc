@@ -72,7 +72,7 @@ void CheckIterations(LogicalCheckpoint* ckpt) {
                                    MetadataInt(ckpt->metadata[i], "global_steps", 0));
     if (it != first) {
       AddError(ckpt, "mixed iterations: mp_rank_00 is iteration " + std::to_string(first) +
-                         " but mp_rank_" + std::to_string(i) + " is iteration " +
+                         " but " + ModelStatesName(static_cast<int>(i)) + " is iteration " +
                          std::to_string(it) + "; the folder mixes files of different saves");
       return;
     }
@@ -214,7 +214,7 @@ void DescribeLayer(LogicalLayer* layer, LogicalCheckpoint* ckpt) {
   const std::vector<std::string> keys = KeysOf(layer->roots[0]);
   for (size_t t = 1; t < layer->roots.size(); ++t) {
     if (KeysOf(layer->roots[t]) != keys) {
-      AddError(ckpt, "layer_" + std::to_string(layer->id) + " files hold different keys on TP rank 0 and TP rank " +
+      AddError(ckpt, LayerName(layer->id) + " files hold different keys on TP rank 0 and TP rank " +
                          std::to_string(t) + "; the checkpoint is inconsistent");
       return;
     }
@@ -243,10 +243,43 @@ void DescribeLayer(LogicalLayer* layer, LogicalCheckpoint* ckpt) {
   if (it == rules.layers().end()) return;
   for (const ParamRule& rule : it->second) {
     if (!rule.optional && !used.count(&rule)) {
-      AddError(ckpt, "missing key: layer_" + std::to_string(layer->id) + " (a " + layer->role +
+      AddError(ckpt, "missing key: " + LayerName(layer->id) + " (a " + layer->role +
                          " file) has no key matching '" + rule.key_pattern + "', which " +
                          RuleWhere(*ckpt->rules, rule) + " requires; mark the rule optional if the model "
                          "may lack it");
+    }
+  }
+}
+
+// The first key of `a` that `b` lacks; empty when there is none.
+std::string FirstMissing(const std::vector<std::string>& a, const std::vector<std::string>& b) {
+  for (const std::string& k : a) {
+    if (std::find(b.begin(), b.end(), k) == b.end()) return k;
+  }
+  return "";
+}
+
+// Files of one role (every block, say) hold the same keys: a key missing from
+// one of them means a damaged file, even where the rule is optional or also
+// matches another key. `clean` are the layers whose keys the rules explain
+// (the others have findings already).
+void CheckSameKeysPerRole(const std::set<int>& clean, LogicalCheckpoint* ckpt) {
+  std::map<std::string, const LogicalLayer*> first_of_role;
+  for (const LogicalLayer& layer : ckpt->layers) {
+    if (!clean.count(layer.id)) continue;
+    auto [first, inserted] = first_of_role.emplace(layer.role, &layer);
+    if (inserted) continue;
+    const std::vector<std::string> want = KeysOf(first->second->roots[0]);
+    const std::vector<std::string> have = KeysOf(layer.roots[0]);
+    if (want == have) continue;
+    const std::string here = LayerName(layer.id) + " (a " + layer.role + " file)";
+    const std::string there = LayerName(first->second->id);
+    if (std::string k = FirstMissing(want, have); !k.empty()) {
+      AddError(ckpt, here + " lacks " + k + ", which " + there + " has; the file is damaged");
+    } else if (std::string k = FirstMissing(have, want); !k.empty()) {
+      AddError(ckpt, here + " has " + k + ", which " + there + " lacks; the checkpoint mixes models");
+    } else {
+      AddError(ckpt, here + " holds the keys of " + there + " in another order");
     }
   }
 }
@@ -317,9 +350,7 @@ const uint8_t* TensorData(const Tensor& t) {
 }
 
 std::string TensorLabel(int layer_id, const std::string& key) {
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "layer_%02d/", layer_id);
-  return buf + key;
+  return LayerName(layer_id) + "/" + key;
 }
 
 Result<std::unique_ptr<LogicalCheckpoint>> LoadLogicalCheckpoint(const std::string& path,
@@ -344,7 +375,13 @@ Result<std::unique_ptr<LogicalCheckpoint>> LoadLogicalCheckpoint(const std::stri
   ckpt->specs = choice.specs;
   for (LogicalLayer& layer : ckpt->layers) layer.role = ckpt->specs[layer.id].role;
   CheckBlockCount(ckpt.get());
-  for (LogicalLayer& layer : ckpt->layers) DescribeLayer(&layer, ckpt.get());
+  std::set<int> clean;
+  for (LogicalLayer& layer : ckpt->layers) {
+    const size_t findings_before = ckpt->findings.size();
+    DescribeLayer(&layer, ckpt.get());
+    if (ckpt->findings.size() == findings_before) clean.insert(layer.id);
+  }
+  CheckSameKeysPerRole(clean, ckpt.get());
   DescribeVocab(ckpt.get());
   return ckpt;
 }

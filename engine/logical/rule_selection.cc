@@ -131,23 +131,27 @@ Result<RuleChoice> UseRuleSet(std::shared_ptr<const RuleSet> rules, const Logica
 
 Result<RuleChoice> DetectRuleSet(const LogicalCheckpoint& ckpt) {
   RESHARD_ASSIGN_OR_RETURN(std::vector<RuleSet> all, LoadBuiltinRuleSets());
-  std::vector<RuleChoice> fits;
+  // `fits` explain every key; `near` match the metadata and the numbering but
+  // not every key (their findings will name the keys).
+  std::vector<RuleChoice> fits, near;
   std::string rejected;
   for (RuleSet& rules : all) {
     RuleChoice choice;
     std::string why_not = DetectMismatch(rules, ckpt);
     if (why_not.empty() && MatchNumbering(rules, ckpt, &choice, &why_not)) {
       const int problems = KeyProblems(rules, choice, ckpt);
-      if (problems == 0) {
-        choice.rules = std::make_shared<const RuleSet>(std::move(rules));
-        fits.push_back(std::move(choice));
-        continue;
+      if (problems > 0) {
+        rejected += (rejected.empty() ? "" : "; ") + rules.name() + ": " +
+                    std::to_string(problems) + " key(s) unexplained";
       }
-      why_not = std::to_string(problems) + " key(s) unexplained";
+      choice.rules = std::make_shared<const RuleSet>(std::move(rules));
+      (problems == 0 ? fits : near).push_back(std::move(choice));
+      continue;
     }
     rejected += (rejected.empty() ? "" : "; ") + rules.name() + ": " + why_not;
   }
   if (fits.size() == 1) return std::move(fits[0]);
+  if (fits.empty() && near.size() == 1) return std::move(near[0]);
   if (fits.empty()) {
     return Status::RuleError("no built-in rule set fits this checkpoint (" + rejected +
                              "); write a rule file for it (see docs/rules.md) and pass --rules FILE");

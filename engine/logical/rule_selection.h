@@ -20,7 +20,9 @@ struct RuleChoice {
 // `spec` names a rule file or built-in rule set; empty = auto-detect among the
 // built-in ones: a rule set fits when its `detect` conditions hold, one of its
 // spec lists produces exactly the checkpoint's layer ids, and its rules
-// explain every key. Exactly one must fit.
+// explain every key. Exactly one must fit; when none explains every key but
+// exactly one matches the metadata and the numbering, it is chosen and the
+// keys it does not explain become findings.
 // REQUIRES: ckpt's files, metadata and layer roots are loaded.
 Result<RuleChoice> ChooseRuleSet(const LogicalCheckpoint& ckpt, const std::string& spec);
 

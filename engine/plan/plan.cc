@@ -9,12 +9,6 @@
 namespace reshard {
 namespace {
 
-std::string TwoDigits(int v) {
-  char buf[16];
-  std::snprintf(buf, sizeof(buf), "%02d", v);
-  return buf;
-}
-
 Status CheckOptions(const PlanOptions& o) {
   if (o.tp < 1) return Status::InvalidInput("target --tp must be at least 1");
   if (o.pp < 1) return Status::InvalidInput("target --pp must be at least 1");
@@ -102,7 +96,7 @@ Status PlanLayerFiles(const LogicalCheckpoint& src, const PlanOptions& o, Plan* 
     }
     for (int rank = 0; rank < o.tp; ++rank) {
       LayerFilePlan file;
-      file.name = "layer_" + TwoDigits(layer.id) + "-model_" + TwoDigits(rank) + "-model_states.pt";
+      file.name = LayerFileName(layer.id, rank);
       file.layer_index = static_cast<int>(li);
       file.tp_rank = rank;
       for (size_t ti = 0; ti < layer.tensors.size(); ++ti) {
@@ -124,7 +118,7 @@ void PlanModelStates(const LogicalCheckpoint& src, Plan* plan) {
                                               plan->padded_vocab);
     for (int t = 0; t < plan->tp; ++t) {
       ModelStatesPlan ms;
-      ms.name = "mp_rank_" + TwoDigits(p * plan->tp + t) + "_model_states.pt";
+      ms.name = ModelStatesFileName(p * plan->tp + t);
       ms.pp_rank = p;
       ms.tp_rank = t;
       const bool has_source = p < src.pp && t < src.tp;
@@ -246,7 +240,7 @@ std::string Plan::ToString(const LogicalCheckpoint& src, bool detail) const {
            std::to_string(stage_bounds[m.pp_rank]) + "-" +
            std::to_string(stage_bounds[m.pp_rank + 1] - 1) + "), " + std::to_string(params) +
            " parameters in " + std::to_string(m.param_shapes.size()) +
-           " groups, metadata from mp_rank_" + TwoDigits(m.source_mp) + "\n";
+           " groups, metadata from " + ModelStatesName(m.source_mp) + "\n";
   }
   out += "total: " + std::to_string(layer_files.size() + model_states.size()) + " files, " +
          HumanBytes(TensorBytes()) + " of tensors\n";

@@ -758,7 +758,7 @@ class RuleSetParser {
 
 Result<RuleSet> RuleSet::LoadFile(const std::string& path) {
   std::ifstream in(path);
-  if (!in) return Status::IoError("cannot read rule file '" + path + "'");
+  if (!in) return Status::InvalidInput("cannot read rule file '" + path + "'");
   std::stringstream text;
   text << in.rdbuf();
   return LoadString(text.str(), path);
