@@ -203,6 +203,15 @@ class FindingTests(LintTestCase):
         self.assertVerdict(p, False, 'bigscience-bloom')
         self.assertRegex(p.stdout, r'error: missing key: layer_0?5\b.*post_attention_layernorm')
 
+    def test_optional_key_missing_from_one_block(self):
+        # inv_freq is optional (only rotary models have it), but a rotary model
+        # whose block lost it is damaged: every block file holds the same keys.
+        tag = make_fixture(self.path('src'), style='bs_gpt', rotary=True, tp=2, pp=1)
+        self.delete_key(tag, 5, 'self_attention.rotary_emb.inv_freq', 2)
+        p = self.lint(tag, code=1)
+        self.assertRegex(p.stdout, r'error: layer_05 \(a block file\) lacks '
+                                   r'self_attention\.rotary_emb\.inv_freq, which layer_03 has')
+
     def test_inconsistent_shapes(self):
         tag = self.bloom()
 
