@@ -7,30 +7,68 @@
 #include "exec/executor.h"
 #include "exec/output_folder.h"
 #include "logical/drift.h"
+#include "optim/source_optimizer.h"
+#include "plan/stages.h"
 #include "reshard/reshard.h"
 
 namespace reshard {
 namespace {
 
-// Optimizer state is reshaped by a later version; until then it is never
-// dropped without the user saying so.
-Status CheckOptimizerState(const LogicalCheckpoint& src, bool weights_only, ConvertReport* report) {
+// Loads the optimizer shards to convert them; never drops optimizer state
+// without the user saying so (--weights-only).
+Status LoadOptimizerState(const LogicalCheckpoint& src, const ConvertOptions& options,
+                          std::unique_ptr<SourceOptimizer>* optimizer, ConvertReport* report) {
   const Value* embedded = Find(src.metadata[0], "optimizer");
   const bool in_model_states = embedded != nullptr && !embedded->is_none();
   const size_t shards = src.files.optimizer_files.size();
   if (shards == 0 && !in_model_states) return Status::Ok();
   const std::string what = shards > 0 ? std::to_string(shards) + " optimizer shard files"
                                       : "optimizer state inside its mp_rank files";
-  if (!weights_only) {
-    return Status::Unsupported(
-        "the checkpoint has " + what +
-        ", and reshard does not reshape optimizer state yet; pass --weights-only to convert the "
-        "model weights alone (the optimizer state is then left out)");
+  if (options.weights_only) {
+    report->notes.push_back(
+        "weights only: the " + what + " were not converted. Resume with --no-load-optim "
+        "(bigscience Megatron-DeepSpeed; fp32 masters are rebuilt from the weights) or, on "
+        "microsoft Megatron-DeepSpeed, which always loads optimizer state, with --finetune");
+    return Status::Ok();
   }
-  report->notes.push_back(
-      "weights only: the " + what + " were not converted. Resume with --no-load-optim "
-      "(bigscience Megatron-DeepSpeed; fp32 masters are rebuilt from the weights) or, on "
-      "microsoft Megatron-DeepSpeed, which always loads optimizer state, with --finetune");
+  if (in_model_states) {
+    return Status::Unsupported(
+        "the checkpoint keeps its optimizer state inside the mp_rank files (fp16/fp32 without "
+        "ZeRO), which reshard does not reshape yet; pass --weights-only to convert the weights "
+        "alone");
+  }
+  RESHARD_ASSIGN_OR_RETURN(*optimizer, SourceOptimizer::Load(src, options.allowed_classes));
+  return Status::Ok();
+}
+
+// Under `check`, replicated parameters' optimizer state must agree across TP
+// ranks too (masters and moments drift like the weights).
+Status CheckOptimizerDrift(const LogicalCheckpoint& src, const SourceOptimizer& opt,
+                           ReplicatedPolicy policy) {
+  for (const std::string& name : opt.ParamNames()) {
+    int li = 0, ti = 0;
+    if (!ResolveParamName(src, name, &li, &ti)) {
+      return Status::InvalidInput("the optimizer shards hold " + name +
+                                  ", which is not a tensor of the layer files");
+    }
+    const ParamRule& rule = *src.layers[li].tensors[ti].rule;
+    if (rule.policy != ParamRule::Policy::kReplicated ||
+        PolicyFor(rule, policy) != ReplicatedPolicy::kCheck) {
+      continue;
+    }
+    for (const std::string& state : opt.states()) {
+      RESHARD_ASSIGN_OR_RETURN(std::vector<uint8_t> first, opt.Gather(name, 0, state));
+      for (int t = 1; t < src.tp; ++t) {
+        RESHARD_ASSIGN_OR_RETURN(std::vector<uint8_t> other, opt.Gather(name, t, state));
+        if (other != first) {
+          return Status::InvalidInput(
+              "the optimizer state '" + state + "' of replicated parameter " + name +
+              " differs between TP ranks 0 and " + std::to_string(t) +
+              "; choose --replicated average (mean of the copies) or --replicated first (TP rank 0's)");
+        }
+      }
+    }
+  }
   return Status::Ok();
 }
 
@@ -90,13 +128,14 @@ PlanOptions ToPlanOptions(const ConvertOptions& o) {
 }
 
 // Writes the plan into `output` and moves `latest`.
-Status Execute(const LogicalCheckpoint& src, const Plan& plan, OutputFolder* out,
-               const ConvertOptions& options, ConvertReport* report) {
+Status Execute(const LogicalCheckpoint& src, const Plan& plan, const SourceOptimizer* optimizer,
+               OutputFolder* out, const ConvertOptions& options, ConvertReport* report) {
   RESHARD_RETURN_IF_ERROR(out->Begin());
   ExecuteOptions exec;
   exec.threads = ThreadCount(options.threads);
   exec.drop_optimizer = options.weights_only;
   exec.progress = options.progress;
+  exec.optimizer = optimizer;
   RESHARD_ASSIGN_OR_RETURN(ExecuteStats stats, ExecutePlan(src, plan, out->staging_dir(), exec));
   RESHARD_RETURN_IF_ERROR(out->Commit());
   report->files_written = stats.files;
@@ -125,15 +164,21 @@ Result<ConvertReport> Convert(const std::string& input, const std::string& outpu
   RESHARD_ASSIGN_OR_RETURN(std::unique_ptr<LogicalCheckpoint> src, LoadForCommand(input, options));
   RESHARD_RETURN_IF_ERROR(src->FirstError());
   ConvertReport report;
-  RESHARD_RETURN_IF_ERROR(CheckOptimizerState(*src, options.weights_only, &report));
+  std::unique_ptr<SourceOptimizer> optimizer;
+  RESHARD_RETURN_IF_ERROR(LoadOptimizerState(*src, options, &optimizer, &report));
   RESHARD_RETURN_IF_ERROR(CheckDrift(*src, options.replicated, &report));
-  RESHARD_ASSIGN_OR_RETURN(Plan plan, MakePlan(*src, ToPlanOptions(options)));
+  if (optimizer) RESHARD_RETURN_IF_ERROR(CheckOptimizerDrift(*src, *optimizer, options.replicated));
+  PlanOptions plan_options = ToPlanOptions(options);
+  plan_options.optimizer = optimizer != nullptr;
+  RESHARD_ASSIGN_OR_RETURN(Plan plan, MakePlan(*src, plan_options));
   report.plan = plan.ToString(*src, options.dry_run);
   report.notes.insert(report.notes.end(), plan.notes.begin(), plan.notes.end());
   RESHARD_ASSIGN_OR_RETURN(OutputFolder out,
                            OutputFolder::Check(output, {input, src->files.tag_dir}, options.overwrite));
   RESHARD_RETURN_IF_ERROR(CheckLatestIsNotTheInputs(*src, out.path(), options.update_latest));
-  if (!options.dry_run) RESHARD_RETURN_IF_ERROR(Execute(*src, plan, &out, options, &report));
+  if (!options.dry_run) {
+    RESHARD_RETURN_IF_ERROR(Execute(*src, plan, optimizer.get(), &out, options, &report));
+  }
   report.seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return report;

@@ -34,24 +34,6 @@ void ReportOptimizerState(const LogicalCheckpoint& ckpt, LintReport* report) {
                    ": reshard does not reshape optimizer state yet; convert needs --weights-only");
 }
 
-// The recorded param_shapes of one mp_rank file as (name, shape) groups.
-bool RecordedParamShapes(const Value& metadata, std::vector<std::vector<ParamShape>>* out) {
-  const Value* shapes = Find(metadata, "param_shapes");
-  if (shapes == nullptr || !shapes->is(Value::Kind::kList)) return false;
-  for (const Value& group : shapes->as_list().items) {
-    const Items* items = DictItems(group);
-    if (items == nullptr) return false;
-    std::vector<ParamShape> g;
-    for (const auto& [k, v] : *items) {
-      std::vector<int64_t> dims;
-      if (!k.is(Value::Kind::kString) || !ReadIntSequence(v, &dims)) return false;
-      g.emplace_back(k.as_string(), dims);
-    }
-    out->push_back(std::move(g));
-  }
-  return true;
-}
-
 std::string FirstDifference(const std::vector<std::vector<ParamShape>>& recorded,
                             const std::vector<std::vector<ParamShape>>& computed) {
   if (recorded.size() != computed.size()) {
@@ -83,7 +65,7 @@ void CheckStages(const LogicalCheckpoint& ckpt, LintReport* report) {
   }
   for (int p = 0; p < ckpt.pp; ++p) {
     std::vector<std::vector<ParamShape>> recorded;
-    if (!RecordedParamShapes(ckpt.metadata[p * ckpt.tp], &recorded)) continue;
+    if (!ReadParamShapes(ckpt.metadata[p * ckpt.tp], &recorded)) continue;
     const StageParameters computed =
         StageParams(ckpt, (*bounds)[p], (*bounds)[p + 1], ckpt.tp, ckpt.vocab.padded_rows);
     const std::string diff = FirstDifference(recorded, computed.groups);

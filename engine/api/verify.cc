@@ -49,8 +49,8 @@ void CompareTensor(const LogicalCheckpoint& a, const TensorRef& ra, const Logica
     return;
   }
   std::vector<uint8_t> da, db;
-  MaterializeTensor(a, PlanFullTensor(a, ra.layer_index, ra.tensor_index, replicated), &da);
-  MaterializeTensor(b, PlanFullTensor(b, rb.layer_index, rb.tensor_index, replicated), &db);
+  MaterializeTensor(ta, PlanFullTensor(a, ra.layer_index, ra.tensor_index, replicated), &da);
+  MaterializeTensor(tb, PlanFullTensor(b, rb.layer_index, rb.tensor_index, replicated), &db);
   const int es = ElementSize(ta.dtype);
   int64_t n = 1;
   for (int64_t d : sa) n *= d;

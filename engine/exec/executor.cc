@@ -11,6 +11,7 @@
 #include "exec/materialize.h"
 #include "exec/model_states.h"
 #include "format/torch_file.h"
+#include "optim/optimizer_writer.h"
 
 namespace reshard {
 namespace {
@@ -18,18 +19,10 @@ namespace {
 // A new contiguous tensor owning `bytes`, with the source tensor's flags.
 Value NewTensor(const Tensor& like, const std::vector<int64_t>& shape,
                 std::shared_ptr<std::vector<uint8_t>> bytes) {
-  auto storage = std::make_shared<Storage>();
-  storage->dtype = like.storage->dtype;
-  storage->numel = static_cast<int64_t>(bytes->size()) / ElementSize(storage->dtype);
-  storage->location = like.storage->location;
-  storage->bytes = ByteView{bytes, bytes->data(), bytes->size()};
-  Tensor t;
-  t.storage = std::move(storage);
-  t.sizes = shape;
-  t.strides = Tensor::ContiguousStrides(shape);
-  t.requires_grad = like.requires_grad;
-  t.extra_args = like.extra_args;
-  return Value::MakeTensor(std::move(t));
+  Value v = MakeOwnedTensor(like.storage->dtype, shape, std::move(bytes), like.storage->location);
+  v.as_tensor().requires_grad = like.requires_grad;
+  v.as_tensor().extra_args = like.extra_args;
+  return v;
 }
 
 // Builds and writes one layer file; returns the source bytes read.
@@ -41,7 +34,7 @@ Result<int64_t> WriteLayerFile(const LogicalCheckpoint& src, const LayerFilePlan
   for (const TensorPlan& tp : file.tensors) {
     const LogicalTensor& lt = layer.tensors[tp.tensor_index];
     auto bytes = std::make_shared<std::vector<uint8_t>>();
-    read += MaterializeTensor(src, tp, bytes.get());
+    read += MaterializeTensor(lt, tp, bytes.get());
     Set(root, lt.key, NewTensor(*lt.shards[0], tp.shape, std::move(bytes)));
   }
   RESHARD_RETURN_IF_ERROR(WriteTorchFile(dir + "/" + file.name, root));
@@ -81,7 +74,9 @@ Status RunParallel(size_t n, int threads, const std::function<Status(size_t)>& j
 Result<ExecuteStats> ExecutePlan(const LogicalCheckpoint& src, const Plan& plan,
                                  const std::string& dir, const ExecuteOptions& options) {
   const size_t layer_jobs = plan.layer_files.size();
-  const size_t total = layer_jobs + plan.model_states.size();
+  const size_t states_jobs = plan.model_states.size();
+  const bool optimizer = plan.optimizer && options.optimizer != nullptr;
+  const size_t total = layer_jobs + states_jobs + (optimizer ? states_jobs : 0);
   std::atomic<int64_t> read{0}, written{0}, done{0};
   std::mutex progress_mu;
   auto job = [&](size_t i) -> Status {
@@ -90,13 +85,24 @@ Result<ExecuteStats> ExecutePlan(const LogicalCheckpoint& src, const Plan& plan,
       RESHARD_ASSIGN_OR_RETURN(int64_t r, WriteLayerFile(src, plan.layer_files[i], dir));
       read += r;
       name = plan.layer_files[i].name;
-    } else {
+      written += FileSize(dir + "/" + name);
+    } else if (i < layer_jobs + states_jobs) {
       const ModelStatesPlan& ms = plan.model_states[i - layer_jobs];
       name = ms.name;
       RESHARD_RETURN_IF_ERROR(WriteTorchFile(
           dir + "/" + name, BuildModelStates(src, plan, ms, options.drop_optimizer)));
+      written += FileSize(dir + "/" + name);
+    } else {
+      const ModelStatesPlan& ms = plan.model_states[i - layer_jobs - states_jobs];
+      RESHARD_ASSIGN_OR_RETURN(int64_t r, WriteOptimizerShards(src, *options.optimizer, plan,
+                                                               ms.pp_rank, ms.tp_rank, dir));
+      read += r;
+      const int mp = ms.pp_rank * plan.tp + ms.tp_rank;
+      for (int d = 0; d < plan.dp; ++d) {
+        written += FileSize(dir + "/" + OptimizerFileName(options.optimizer->format(), d, mp));
+      }
+      name = "optimizer shards of " + ModelStatesName(mp);
     }
-    written += FileSize(dir + "/" + name);
     const int64_t n = ++done;
     if (options.progress) {
       std::lock_guard<std::mutex> lock(progress_mu);
@@ -108,7 +114,8 @@ Result<ExecuteStats> ExecutePlan(const LogicalCheckpoint& src, const Plan& plan,
     return Status::Ok();
   };
   RESHARD_RETURN_IF_ERROR(RunParallel(total, std::max(1, options.threads), job));
-  return ExecuteStats{static_cast<int64_t>(total), written.load(), read.load()};
+  const size_t files = layer_jobs + states_jobs + (optimizer ? states_jobs * plan.dp : 0);
+  return ExecuteStats{static_cast<int64_t>(files), written.load(), read.load()};
 }
 
 }  // namespace reshard

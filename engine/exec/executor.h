@@ -2,12 +2,14 @@
 //
 // Target files are independent, so worker threads take them one at a time:
 // each builds its tensors from the memory-mapped source shards and writes
-// the file. Errors stop the remaining work; the caller discards the folder.
+// the file (optimizer shards: all DP ranks of one (pipeline, tensor) rank per
+// job). Errors stop the remaining work; the caller discards the folder.
 #pragma once
 
 #include <functional>
 #include <string>
 
+#include "optim/source_optimizer.h"
 #include "plan/plan.h"
 
 namespace reshard {
@@ -15,6 +17,8 @@ namespace reshard {
 struct ExecuteOptions {
   int threads = 1;
   bool drop_optimizer = false;  // see BuildModelStates
+  // The source's optimizer shards, when the plan writes optimizer shards.
+  const SourceOptimizer* optimizer = nullptr;
   std::function<void(const std::string&)> progress;
 };
 

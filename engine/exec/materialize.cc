@@ -60,9 +60,7 @@ int64_t Average(const LogicalTensor& t, uint8_t* dst) {
 
 }  // namespace
 
-int64_t MaterializeTensor(const LogicalCheckpoint& src, const TensorPlan& plan,
-                          std::vector<uint8_t>* out) {
-  const LogicalTensor& t = src.layers[plan.layer_index].tensors[plan.tensor_index];
+int64_t MaterializeTensor(const LogicalTensor& t, const TensorPlan& plan, std::vector<uint8_t>* out) {
   out->assign(static_cast<size_t>(plan.numel()) * ElementSize(t.dtype), 0);
   if (plan.average) return Average(t, out->data());
   int64_t read = 0;

@@ -8,10 +8,9 @@
 
 namespace reshard {
 
-// Fills `out` with the target tensor `plan` describes: copies from the source
-// shards (memory-mapped), fills, or the mean of the replicas. Returns the
-// number of source bytes read.
-int64_t MaterializeTensor(const LogicalCheckpoint& src, const TensorPlan& plan,
-                          std::vector<uint8_t>* out);
+// Fills `out` with the target tensor `plan` describes: copies from the shards
+// of `t` (memory-mapped weights, or gathered optimizer state), fills, or the
+// mean of the replicas. Returns the number of source bytes read.
+int64_t MaterializeTensor(const LogicalTensor& t, const TensorPlan& plan, std::vector<uint8_t>* out);
 
 }  // namespace reshard

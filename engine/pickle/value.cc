@@ -84,6 +84,33 @@ void Set(Value& v, const std::string& key, Value item) {
   }
 }
 
+Object::Object(const Object& other)
+    : cls(other.cls),
+      construct(other.construct),
+      args(other.args),
+      state(other.state ? std::make_shared<Value>(*other.state) : nullptr),
+      dict_items(other.dict_items),
+      list_items(other.list_items) {}
+
+Object& Object::operator=(const Object& other) {
+  if (this != &other) *this = Object(other);
+  return *this;
+}
+
+Value MakeOwnedTensor(DType dtype, const std::vector<int64_t>& shape,
+                      std::shared_ptr<std::vector<uint8_t>> bytes, const std::string& location) {
+  auto storage = std::make_shared<Storage>();
+  storage->dtype = dtype;
+  storage->numel = static_cast<int64_t>(bytes->size()) / ElementSize(dtype);
+  storage->location = location;
+  storage->bytes = ByteView{bytes, bytes->data(), bytes->size()};
+  Tensor t;
+  t.storage = std::move(storage);
+  t.sizes = shape;
+  t.strides = Tensor::ContiguousStrides(shape);
+  return Value::MakeTensor(std::move(t));
+}
+
 Value MakeOrderedDict(Items items) {
   Object o;
   o.cls = {"collections", "OrderedDict"};

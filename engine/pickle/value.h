@@ -77,6 +77,13 @@ struct Object {
   std::shared_ptr<Value> state;                   // BUILD argument; null when absent
   std::vector<std::pair<Value, Value>> dict_items;  // SETITEM(S) applied after construction
   std::vector<Value> list_items;                  // APPEND(S) applied after construction
+
+  // Copies are deep, like every Value: a copy's state can be edited alone.
+  Object() = default;
+  Object(const Object& other);
+  Object& operator=(const Object& other);
+  Object(Object&&) = default;
+  Object& operator=(Object&&) = default;
 };
 
 using Items = std::vector<std::pair<Value, Value>>;
@@ -182,6 +189,11 @@ void Set(Value& v, const std::string& key, Value item);
 // collections.OrderedDict with `items`, pickled the way torch.save does.
 Value MakeOrderedDict(Items items);
 bool IsOrderedDict(const Value& v);
+
+// A contiguous tensor of `shape` over a new storage owning `bytes`
+// (numel * ElementSize(dtype) of them).
+Value MakeOwnedTensor(DType dtype, const std::vector<int64_t>& shape,
+                      std::shared_ptr<std::vector<uint8_t>> bytes, const std::string& location = "cpu");
 
 // torch.Size(dims).
 Value MakeTorchSize(const std::vector<int64_t>& dims);

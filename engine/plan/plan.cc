@@ -206,6 +206,7 @@ Result<Plan> MakePlan(const LogicalCheckpoint& src, const PlanOptions& options) 
   plan.tp = options.tp;
   plan.pp = options.pp;
   plan.dp = options.dp > 0 ? options.dp : src.dp;
+  plan.optimizer = options.optimizer;
   RESHARD_ASSIGN_OR_RETURN(plan.padded_vocab, TargetPaddedVocab(src, options));
   RESHARD_ASSIGN_OR_RETURN(plan.stage_bounds,
                            TargetStageBounds(src, options.pp, options.tp, plan.padded_vocab,
@@ -242,8 +243,13 @@ std::string Plan::ToString(const LogicalCheckpoint& src, bool detail) const {
            " parameters in " + std::to_string(m.param_shapes.size()) +
            " groups, metadata from " + ModelStatesName(m.source_mp) + "\n";
   }
-  out += "total: " + std::to_string(layer_files.size() + model_states.size()) + " files, " +
-         HumanBytes(TensorBytes()) + " of tensors\n";
+  const size_t optimizer_files = optimizer ? model_states.size() * dp : 0;
+  if (optimizer) {
+    out += "  " + std::to_string(optimizer_files) + " optimizer shards: DP " + std::to_string(dp) +
+           " for each of the " + std::to_string(model_states.size()) + " (pipeline, tensor) ranks\n";
+  }
+  out += "total: " + std::to_string(layer_files.size() + model_states.size() + optimizer_files) +
+         " files, " + HumanBytes(TensorBytes()) + " of weights\n";
   return out;
 }
 

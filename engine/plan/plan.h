@@ -73,6 +73,7 @@ struct PlanOptions {
   ReplicatedPolicy replicated = ReplicatedPolicy::kCheck;
   std::optional<int64_t> vocab_size;
   double vocab_pad_value = 0;
+  bool optimizer = false;  // also write optimizer shards (one per target rank)
 };
 
 struct Plan {
@@ -81,6 +82,7 @@ struct Plan {
   std::vector<int> stage_bounds;  // stage p owns specs [b[p], b[p+1])
   std::vector<LayerFilePlan> layer_files;
   std::vector<ModelStatesPlan> model_states;
+  bool optimizer = false;          // optimizer shards for every (pp, tp, dp) rank
   std::vector<std::string> notes;  // merges, fills and other things to tell the user
 
   int64_t TensorBytes() const;

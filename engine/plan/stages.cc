@@ -168,6 +168,52 @@ Result<std::vector<int>> TargetStageBounds(const LogicalCheckpoint& src, int pp,
   return bounds;
 }
 
+bool ReadParamShapes(const Value& metadata, std::vector<std::vector<ParamShape>>* out) {
+  const Value* shapes = Find(metadata, "param_shapes");
+  if (shapes == nullptr || !shapes->is(Value::Kind::kList)) return false;
+  for (const Value& group : shapes->as_list().items) {
+    const Items* items = DictItems(group);
+    if (items == nullptr) return false;
+    std::vector<ParamShape> g;
+    for (const auto& [k, v] : *items) {
+      std::vector<int64_t> dims;
+      if (!k.is(Value::Kind::kString) || !ReadIntSequence(v, &dims)) return false;
+      g.emplace_back(k.as_string(), dims);
+    }
+    out->push_back(std::move(g));
+  }
+  return true;
+}
+
+bool ResolveParamName(const LogicalCheckpoint& src, const std::string& name, int* layer_index,
+                      int* tensor_index) {
+  const std::string tied_prefix = "tied_modules." + src.rules->tied_module() + ".";
+  int id = -1;
+  std::string key;
+  if (!src.rules->tied_module().empty() && name.rfind(tied_prefix, 0) == 0) {
+    id = TiedLayerId(src);
+    key = name.substr(tied_prefix.size());
+  } else {
+    const size_t dot = name.find('.');
+    if (dot == std::string::npos || dot == 0) return false;
+    for (size_t i = 0; i < dot; ++i) {
+      if (name[i] < '0' || name[i] > '9') return false;
+    }
+    id = std::stoi(name.substr(0, dot));
+    key = name.substr(dot + 1);
+  }
+  for (size_t li = 0; li < src.layers.size(); ++li) {
+    if (src.layers[li].id != id) continue;
+    for (size_t ti = 0; ti < src.layers[li].tensors.size(); ++ti) {
+      if (src.layers[li].tensors[ti].key != key) continue;
+      *layer_index = static_cast<int>(li);
+      *tensor_index = static_cast<int>(ti);
+      return true;
+    }
+  }
+  return false;
+}
+
 StageParameters StageParams(const LogicalCheckpoint& src, int begin, int end, int tp,
                             int64_t padded_vocab) {
   const int tied_id = TiedLayerId(src);

@@ -32,4 +32,13 @@ struct StageParameters {
 StageParameters StageParams(const LogicalCheckpoint& src, int begin, int end, int tp,
                             int64_t padded_vocab);
 
+// The `param_shapes` an mp_rank file records, as (name, shape) groups; false
+// when it has none or they are malformed.
+bool ReadParamShapes(const Value& metadata, std::vector<std::vector<ParamShape>>* out);
+
+// The layer and tensor a parameter name from `param_shapes` or
+// `param_slice_mappings` refers to; false for a name the checkpoint lacks.
+bool ResolveParamName(const LogicalCheckpoint& src, const std::string& name, int* layer_index,
+                      int* tensor_index);
+
 }  // namespace reshard

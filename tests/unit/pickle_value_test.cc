@@ -163,3 +163,25 @@ TEST(PickleValueTest, DebugStringIsTruncatedCheaply) {
 
 }  // namespace
 }  // namespace reshard
+
+namespace reshard {
+namespace {
+
+// Editing a copy's BUILD state (an argparse.Namespace, say) leaves the original alone.
+TEST(PickleValueTest, ObjectCopiesAreDeep) {
+  Object ns;
+  ns.cls = Global{"argparse", "Namespace"};
+  ns.construct = Object::Construct::kNewObj;
+  ns.state = std::make_shared<Value>(Value::MakeDict({{Value::String("tp"), Value::Int(2)}}));
+  const Value original = Value::MakeObject(ns);
+  Value copy = original;
+  Set(copy, "tp", Value::Int(4));
+  int64_t tp = 0;
+  ASSERT_TRUE(ReadInt(*Find(original, "tp"), &tp));
+  EXPECT_EQ(tp, 2);
+  ASSERT_TRUE(ReadInt(*Find(copy, "tp"), &tp));
+  EXPECT_EQ(tp, 4);
+}
+
+}  // namespace
+}  // namespace reshard

@@ -172,7 +172,7 @@ TEST_F(PlanTest, ReplicatedPolicies) {
   ASSERT_NE(avg, nullptr);
   EXPECT_TRUE(avg->average);
   std::vector<uint8_t> mean;
-  MaterializeTensor(*src, *avg, &mean);
+  MaterializeTensor(*norm, *avg, &mean);
   for (int64_t i = 0; i < norm->shards[0]->numel(); ++i) {
     const double a = LoadAsDouble(DType::kBFloat16, TensorData(*norm->shards[0]) + 2 * i);
     const double b = LoadAsDouble(DType::kBFloat16, TensorData(*norm->shards[1]) + 2 * i);

@@ -1,0 +1,42 @@
+#include "optim/flat_group.h"
+
+#include <algorithm>
+
+namespace reshard {
+
+FlatGroup::FlatGroup(const std::vector<ParamShape>& params, int dp) : dp_(dp) {
+  for (const auto& [name, shape] : params) {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    slots_.push_back({name, shape, numel_, n});
+    numel_ += n;
+  }
+  // DeepSpeed aligns the flat buffer to 2 (elements per 4 bytes of fp16) x DP.
+  const int64_t alignment = 2 * static_cast<int64_t>(dp);
+  padded_ = (numel_ + alignment - 1) / alignment * alignment;
+}
+
+int64_t FlatGroup::PaddingIn(int d) const {
+  const int64_t begin = d * partition(), end = begin + partition();
+  return std::max<int64_t>(0, end - std::max(begin, numel_));
+}
+
+std::vector<Fragment> FlatGroup::Fragments(int d) const {
+  const int64_t begin = d * partition(), end = begin + partition();
+  std::vector<Fragment> out;
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    const FlatSlot& s = slots_[i];
+    const int64_t lo = std::max(begin, s.offset), hi = std::min(end, s.offset + s.numel);
+    if (lo < hi) out.push_back({static_cast<int>(i), lo - begin, lo - s.offset, hi - lo});
+  }
+  return out;
+}
+
+const FlatSlot* FlatGroup::Find(const std::string& name) const {
+  for (const FlatSlot& s : slots_) {
+    if (s.name == name) return &s;
+  }
+  return nullptr;
+}
+
+}  // namespace reshard

@@ -1,0 +1,180 @@
+#include "optim/optimizer_writer.h"
+
+#include <cstring>
+#include <map>
+
+#include "exec/materialize.h"
+#include "format/torch_file.h"
+#include "layout/checkpoint_files.h"
+#include "plan/stages.h"
+
+namespace reshard {
+namespace {
+
+// The flat buffers of one target (pipeline, tensor) rank: per state, per group.
+struct StageFlats {
+  std::vector<FlatGroup> groups;
+  std::map<std::string, std::vector<std::vector<uint8_t>>> flats;
+};
+
+// `state` of parameter `name` as target TP rank `t` holds it: the source TP
+// ranks' copies, re-sharded by the plan of the parameter's weight.
+Result<std::vector<uint8_t>> TargetLocalState(const LogicalCheckpoint& src,
+                                              const SourceOptimizer& opt, const Plan& plan,
+                                              const std::string& name, int t,
+                                              const std::string& state, int64_t* read) {
+  int li = 0, ti = 0;
+  if (!ResolveParamName(src, name, &li, &ti)) {
+    return Status::Internal("target parameter " + name + " is not a tensor of the checkpoint");
+  }
+  const LogicalTensor& weight = src.layers[li].tensors[ti];
+  std::vector<Tensor> shards(src.tp);
+  LogicalTensor local = weight;
+  local.dtype = DType::kFloat32;
+  local.shards.clear();
+  for (int s = 0; s < src.tp; ++s) {
+    RESHARD_ASSIGN_OR_RETURN(std::vector<uint8_t> gathered, opt.Gather(name, s, state));
+    auto bytes = std::make_shared<std::vector<uint8_t>>(std::move(gathered));
+    shards[s] = MakeOwnedTensor(DType::kFloat32, weight.local_shape, bytes).as_tensor();
+    local.shards.push_back(&shards[s]);
+  }
+  TensorPlan tensor_plan = plan.layer_files[li * plan.tp + t].tensors[ti];
+  // New vocabulary rows: the master takes the weights' fill, moments start at 0.
+  if (state != kMasterState) {
+    for (SliceFill& f : tensor_plan.fills) f.value = 0;
+  }
+  std::vector<uint8_t> out;
+  *read += MaterializeTensor(local, tensor_plan, &out);
+  return out;
+}
+
+Result<StageFlats> BuildStageFlats(const LogicalCheckpoint& src, const SourceOptimizer& opt,
+                                   const Plan& plan, const ModelStatesPlan& stage, int64_t* read) {
+  StageFlats f;
+  for (const auto& params : stage.param_shapes) f.groups.emplace_back(params, plan.dp);
+  if (static_cast<int>(f.groups.size()) != opt.num_groups()) {
+    return Status::Unsupported("target stage " + std::to_string(stage.pp_rank) + " has " +
+                               std::to_string(f.groups.size()) + " optimizer groups but the source has " +
+                               std::to_string(opt.num_groups()));
+  }
+  for (const std::string& state : opt.states()) {
+    auto& per_group = f.flats[state];
+    for (const FlatGroup& group : f.groups) {
+      per_group.emplace_back(static_cast<size_t>(group.padded()) * 4, 0);
+      for (const FlatSlot& slot : group.slots()) {
+        RESHARD_ASSIGN_OR_RETURN(std::vector<uint8_t> local,
+                                 TargetLocalState(src, opt, plan, slot.name, stage.tp_rank, state, read));
+        std::memcpy(per_group.back().data() + slot.offset * 4, local.data(), local.size());
+      }
+    }
+  }
+  return f;
+}
+
+Value FlatSlice(const std::vector<uint8_t>& flat, int64_t start, int64_t numel) {
+  auto bytes = std::make_shared<std::vector<uint8_t>>(flat.begin() + start * 4,
+                                                      flat.begin() + (start + numel) * 4);
+  return MakeOwnedTensor(DType::kFloat32, {numel}, std::move(bytes));
+}
+
+Value* MutableGroupState(Value& osd, int group) {
+  Value* base = FindMutable(osd, "base_optimizer_state");
+  Value* state = base != nullptr ? FindMutable(*base, "state") : nullptr;
+  Items* items = state != nullptr ? MutableDictItems(*state) : nullptr;
+  if (items == nullptr) return nullptr;
+  for (auto& [k, v] : *items) {
+    int64_t g;
+    if (ReadInt(k, &g) && g == group) return &v;
+  }
+  return nullptr;
+}
+
+// A fragment_address like the source's, with new numbers.
+Value FragmentAddress(const Value& like, int64_t numel, int64_t start) {
+  Value address = like;
+  Set(address, "numel", Value::Int(numel));
+  Set(address, "start", Value::Int(start));
+  return address;
+}
+
+const Value* FirstFragmentAddress(const Value& osd) {
+  const Value* all = Find(osd, "param_slice_mappings");
+  if (all == nullptr || !all->is(Value::Kind::kList)) return nullptr;
+  for (const Value& group : all->as_list().items) {
+    const Items* items = DictItems(group);
+    if (items != nullptr && !items->empty()) return &items->front().second;
+  }
+  return nullptr;
+}
+
+Value SliceMappings(const StageFlats& f, int d, const Value& address_like) {
+  std::vector<Value> groups;
+  for (const FlatGroup& group : f.groups) {
+    Items items;
+    for (const Fragment& frag : group.Fragments(d)) {
+      items.emplace_back(Value::String(group.slots()[frag.slot].name),
+                         FragmentAddress(address_like, frag.numel, frag.partition_start));
+    }
+    groups.push_back(MakeOrderedDict(std::move(items)));
+  }
+  return Value::MakeList(std::move(groups));
+}
+
+// DP rank `d`'s shard: the source template with the layout fields replaced.
+Result<Value> BuildShard(const SourceOptimizer& opt, const StageFlats& f, int d) {
+  const OptimizerFormat& format = opt.format();
+  Value root = opt.Template();
+  Value& osd = *FindMutable(root, "optimizer_state_dict");
+  std::vector<Value> masters, paddings, counts;
+  for (size_t g = 0; g < f.groups.size(); ++g) {
+    const FlatGroup& group = f.groups[g];
+    const int64_t start = d * group.partition();
+    Value* state = MutableGroupState(osd, static_cast<int>(g));
+    if (state == nullptr && opt.states().size() > 1) {
+      return Status::Internal("the template shard has no state for group " + std::to_string(g));
+    }
+    for (size_t s = 1; s < opt.states().size(); ++s) {
+      Set(*state, opt.states()[s], FlatSlice(f.flats.at(opt.states()[s])[g], start, group.partition()));
+    }
+    // ZeRO-1/2 store the master partition without its alignment padding.
+    const int64_t master_len = format.zero ? group.partition() - group.PaddingIn(d) : group.partition();
+    masters.push_back(FlatSlice(f.flats.at(kMasterState)[g], start, master_len));
+    // BF16_Optimizer records the whole padding on the last rank; ZeRO each rank's share.
+    const int64_t padding = format.zero ? group.PaddingIn(d)
+                                        : (d == group.dp() - 1 ? group.padded() - group.numel() : 0);
+    paddings.push_back(Value::Int(padding));
+    counts.push_back(Value::Int(group.dp()));
+  }
+  Set(osd, "single_partition_of_fp32_groups", Value::MakeList(std::move(masters)));
+  Set(osd, format.padding_key, Value::MakeList(std::move(paddings)));
+  Set(osd, "partition_count", Value::MakeList(std::move(counts)));
+  if (format.slice_mappings) {
+    const Value* like = FirstFragmentAddress(*Find(opt.Template(), "optimizer_state_dict"));
+    if (like == nullptr) return Status::Internal("the template shard has no fragment_address to copy");
+    Set(osd, "param_slice_mappings", SliceMappings(f, d, *like));
+  }
+  return root;
+}
+
+}  // namespace
+
+std::string OptimizerFileName(const OptimizerFormat& format, int dp_rank, int mp_rank) {
+  return std::string(format.bf16_prefix ? "bf16_" : "") + "zero_pp_rank_" + std::to_string(dp_rank) +
+         "_" + ModelStatesName(mp_rank) + "_optim_states.pt";
+}
+
+Result<int64_t> WriteOptimizerShards(const LogicalCheckpoint& src, const SourceOptimizer& opt,
+                                     const Plan& plan, int pp_rank, int tp_rank,
+                                     const std::string& dir) {
+  const int mp = pp_rank * plan.tp + tp_rank;
+  int64_t read = 0;
+  RESHARD_ASSIGN_OR_RETURN(StageFlats flats,
+                           BuildStageFlats(src, opt, plan, plan.model_states[mp], &read));
+  for (int d = 0; d < plan.dp; ++d) {
+    RESHARD_ASSIGN_OR_RETURN(Value shard, BuildShard(opt, flats, d));
+    RESHARD_RETURN_IF_ERROR(WriteTorchFile(dir + "/" + OptimizerFileName(opt.format(), d, mp), shard));
+  }
+  return read;
+}
+
+}  // namespace reshard

@@ -1,0 +1,28 @@
+// Writing the target optimizer shards of one (pipeline, tensor) rank.
+//
+// Every parameter's master weights and per-element optimizer states are
+// re-sharded with the parameter's own tensor plan (its TP rule, vocabulary
+// padding and replica policy, exactly as the weights), laid back to back in
+// the target stage's parameter groups, aligned to 2·DP and cut into the
+// target DP partitions. Each file is the source's shard with only the
+// layout-dependent fields replaced, so loss scalers, hyperparameters, step
+// counters and configuration are carried unchanged.
+#pragma once
+
+#include <string>
+
+#include "optim/source_optimizer.h"
+#include "plan/plan.h"
+
+namespace reshard {
+
+// "bf16_zero_pp_rank_3_mp_rank_01_optim_states.pt" (DP rank not zero-padded, as DeepSpeed).
+std::string OptimizerFileName(const OptimizerFormat& format, int dp_rank, int mp_rank);
+
+// Writes the plan.dp shard files of stage `pp_rank`, TP rank `tp_rank` into
+// `dir`. Returns the bytes of source state read.
+Result<int64_t> WriteOptimizerShards(const LogicalCheckpoint& src, const SourceOptimizer& opt,
+                                     const Plan& plan, int pp_rank, int tp_rank,
+                                     const std::string& dir);
+
+}  // namespace reshard

@@ -1,0 +1,78 @@
+// SourceOptimizer: the optimizer shards of a source checkpoint, read per
+// parameter.
+//
+// DeepSpeed's BF16 optimizer and ZeRO-1/2 store, per (pipeline, tensor) rank
+// and DP rank, one flat fp32 partition per parameter group for the master
+// weights and one for every per-element optimizer state (Adam's exp_avg and
+// exp_avg_sq, a momentum buffer, ...). SourceOptimizer opens those files
+// (tensor data stays memory-mapped), rebuilds every group's flat layout from
+// `param_shapes` and the alignment rule — checking it against the partition
+// sizes and, where the files have them, param_slice_mappings — and gathers
+// any parameter's state back into the TP-local tensor it belongs to.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "logical/logical_checkpoint.h"
+#include "optim/flat_group.h"
+
+namespace reshard {
+
+struct OptimizerFormat {
+  // DeepSpeedZeroOptimizer (ZeRO-1/2): fp32 partitions stored without their
+  // alignment padding, and each rank's own share of it in the paddings.
+  // Otherwise BF16_Optimizer: padded fp32 partitions, the whole padding
+  // recorded on the last DP rank.
+  bool zero = false;
+  std::string padding_key = "group_paddings";  // DeepSpeed 0.6.5: "groups_padding"
+  bool slice_mappings = false;                 // param_slice_mappings present
+  bool bf16_prefix = false;                    // bf16_zero_pp_rank_* file names
+};
+
+// The state name of the fp32 master weights (single_partition_of_fp32_groups).
+inline constexpr const char* kMasterState = "fp32";
+
+class SourceOptimizer {
+ public:
+  // Errors name the file and what does not add up.
+  static Result<std::unique_ptr<SourceOptimizer>> Load(const LogicalCheckpoint& src,
+                                                       const std::set<std::string>& allowed_classes);
+
+  const OptimizerFormat& format() const { return format_; }
+  // kMasterState, then the optimizer's per-element states in file order.
+  const std::vector<std::string>& states() const { return states_; }
+  int num_groups() const { return num_groups_; }
+  // The shard of pipeline stage 0, TP rank 0, DP rank 0: what targets are built from.
+  const Value& Template() const { return stages_[0].shards[0]; }
+  // Parameter names the shards hold (each once; tied copies under their name).
+  std::vector<std::string> ParamNames() const;
+
+  // `state` of parameter `name` as TP rank `t` holds it, from the first pipeline
+  // stage that has the parameter (for tied parameters, the embedding's stage).
+  Result<std::vector<uint8_t>> Gather(const std::string& name, int t, const std::string& state) const;
+
+ private:
+  // The flats of one (pipeline, tensor) rank.
+  struct Stage {
+    std::vector<FlatGroup> groups;
+    std::vector<Value> shards;  // per DP rank
+    // flats[state][group][dp rank]
+    std::map<std::string, std::vector<std::vector<const Tensor*>>> flats;
+  };
+  Status LoadStage(const LogicalCheckpoint& src, int mp, const std::vector<std::string>& paths,
+                   const std::set<std::string>& allowed_classes);
+  Status DetectFormat(const Value& first_shard, const FlatGroup& first_group, const std::string& path);
+
+  OptimizerFormat format_;
+  std::vector<std::string> states_;
+  int num_groups_ = 0;
+  int tp_ = 1;
+  std::vector<Stage> stages_;          // index = mp rank (p * tp + t)
+  std::map<std::string, int> owner_;   // parameter name -> first pipeline stage holding it
+};
+
+}  // namespace reshard
