@@ -1,5 +1,6 @@
 // reshard::Convert: load, check, plan, execute, commit, update `latest`.
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <thread>
 
@@ -8,6 +9,7 @@
 #include "exec/output_folder.h"
 #include "logical/drift.h"
 #include "optim/source_optimizer.h"
+#include "optim/state_tensor.h"
 #include "plan/stages.h"
 #include "reshard/reshard.h"
 
@@ -47,24 +49,23 @@ Status CheckOptimizerDrift(const LogicalCheckpoint& src, const SourceOptimizer& 
                            ReplicatedPolicy policy) {
   for (const std::string& name : opt.ParamNames()) {
     int li = 0, ti = 0;
-    if (!ResolveParamName(src, name, &li, &ti)) {
-      return Status::InvalidInput("the optimizer shards hold " + name +
-                                  ", which is not a tensor of the layer files");
-    }
+    if (!ResolveParamName(src, name, &li, &ti)) continue;  // StateTensor reports it when converting
     const ParamRule& rule = *src.layers[li].tensors[ti].rule;
     if (rule.policy != ParamRule::Policy::kReplicated ||
         PolicyFor(rule, policy) != ReplicatedPolicy::kCheck) {
       continue;
     }
     for (const std::string& state : opt.states()) {
-      RESHARD_ASSIGN_OR_RETURN(std::vector<uint8_t> first, opt.Gather(name, 0, state));
-      for (int t = 1; t < src.tp; ++t) {
-        RESHARD_ASSIGN_OR_RETURN(std::vector<uint8_t> other, opt.Gather(name, t, state));
-        if (other != first) {
+      RESHARD_ASSIGN_OR_RETURN(StateTensor st, StateTensor::Gather(src, opt, name, state));
+      const LogicalTensor& t = st.tensor();
+      const size_t bytes = static_cast<size_t>(t.shards[0]->numel()) * 4;
+      for (int r = 1; r < src.tp; ++r) {
+        if (std::memcmp(TensorData(*t.shards[0]), TensorData(*t.shards[r]), bytes) != 0) {
           return Status::InvalidInput(
               "the optimizer state '" + state + "' of replicated parameter " + name +
-              " differs between TP ranks 0 and " + std::to_string(t) +
-              "; choose --replicated average (mean of the copies) or --replicated first (TP rank 0's)");
+              " differs between TP ranks 0 and " + std::to_string(r) +
+              "; choose --replicated average (mean of the copies) or --replicated first (TP "
+              "rank 0's)");
         }
       }
     }

@@ -1,6 +1,7 @@
 // reshard::Lint: everything `convert` would object to, without writing.
 #include "api/common.h"
 #include "logical/drift.h"
+#include "optim/source_optimizer.h"
 #include "plan/plan.h"
 #include "plan/stages.h"
 
@@ -25,13 +26,31 @@ void ReportDrift(const LogicalCheckpoint& ckpt, int max_lines, LintReport* repor
   }
 }
 
-void ReportOptimizerState(const LogicalCheckpoint& ckpt, LintReport* report) {
+// Reads the optimizer shards the way convert would: their flat layout must
+// agree with param_shapes (and param_slice_mappings where present).
+void ReportOptimizerState(const LogicalCheckpoint& ckpt, const LintOptions& options,
+                          LintReport* report) {
   const Value* embedded = Find(ckpt.metadata[0], "optimizer");
+  if (embedded != nullptr && !embedded->is_none()) {
+    Warn(report, "optimizer state inside the mp_rank files (fp16/fp32 without ZeRO) is not "
+                 "reshaped yet; convert needs --weights-only");
+  }
   const size_t shards = ckpt.files.optimizer_files.size();
-  if (shards == 0 && (embedded == nullptr || embedded->is_none())) return;
-  Warn(report, (shards > 0 ? std::to_string(shards) + " optimizer shard files"
-                           : std::string("optimizer state in the mp_rank files")) +
-                   ": reshard does not reshape optimizer state yet; convert needs --weights-only");
+  if (shards == 0) return;
+  Result<std::unique_ptr<SourceOptimizer>> opt = SourceOptimizer::Load(ckpt, options.allowed_classes);
+  if (!opt.ok()) {
+    report->findings.push_back({Finding::Severity::kError, "optimizer: " + opt.status().message()});
+    return;
+  }
+  const OptimizerFormat& f = (*opt)->format();
+  std::string states;
+  for (const std::string& s : (*opt)->states()) states += (states.empty() ? "" : ", ") + s;
+  report->findings.push_back(
+      {Finding::Severity::kInfo,
+       "optimizer: " + std::to_string(shards) + " shards (" +
+           (f.zero ? "ZeRO-1/2" : "BF16 optimizer") + ", " + std::to_string((*opt)->num_groups()) +
+           " groups, states " + states + (f.slice_mappings ? "" : ", no param_slice_mappings") +
+           "); their layout agrees with param_shapes"});
 }
 
 std::string FirstDifference(const std::vector<std::vector<ParamShape>>& recorded,
@@ -100,7 +119,7 @@ Result<LintReport> Lint(const std::string& checkpoint, const LintOptions& option
     ReportDrift(*ckpt, options.max_drift_lines, &report);
     CheckStages(*ckpt, &report);
   }
-  ReportOptimizerState(*ckpt, &report);
+  if (!ckpt->HasErrors()) ReportOptimizerState(*ckpt, options, &report);
   return report;
 }
 

@@ -1,57 +1,55 @@
 // reshard::Verify: are two checkpoints the same model, whatever their layouts?
+#include <algorithm>
 #include <cstring>
+#include <map>
 
 #include "api/common.h"
 #include "exec/materialize.h"
 #include "logical/drift.h"
+#include "optim/state_tensor.h"
 #include "plan/plan.h"
 
 namespace reshard {
 namespace {
 
-struct TensorRef {
+// One tensor of one checkpoint: its place (for its plan) and its data, which
+// for optimizer state are gathered shards shaped like the weight.
+struct Side {
+  const LogicalCheckpoint& ckpt;
   int layer_index;
   int tensor_index;
+  const LogicalTensor& data;
 };
 
-// Tensors by "<layer id>/<key>", in order.
-std::vector<std::pair<std::string, TensorRef>> Index(const LogicalCheckpoint& ckpt) {
-  std::vector<std::pair<std::string, TensorRef>> index;
+// "<layer>/<key>" -> (layer index, tensor index).
+std::map<std::string, std::pair<int, int>> Index(const LogicalCheckpoint& ckpt) {
+  std::map<std::string, std::pair<int, int>> index;
   for (size_t li = 0; li < ckpt.layers.size(); ++li) {
     for (size_t ti = 0; ti < ckpt.layers[li].tensors.size(); ++ti) {
-      index.push_back({TensorLabel(ckpt.layers[li].id, ckpt.layers[li].tensors[ti].key),
-                       {static_cast<int>(li), static_cast<int>(ti)}});
+      index[TensorLabel(ckpt.layers[li].id, ckpt.layers[li].tensors[ti].key)] = {
+          static_cast<int>(li), static_cast<int>(ti)};
     }
   }
   return index;
 }
 
-const TensorRef* Lookup(const std::vector<std::pair<std::string, TensorRef>>& index,
-                        const std::string& label) {
-  for (const auto& [l, ref] : index) {
-    if (l == label) return &ref;
+// Compares two whole logical tensors; vocabulary tensors over the rows both have.
+void CompareWhole(const Side& a, const Side& b, const std::string& label,
+                  ReplicatedPolicy replicated, VerifyReport* report) {
+  std::vector<int64_t> sa = a.data.full_shape, sb = b.data.full_shape;
+  if (a.data.rule->policy == ParamRule::Policy::kVocab && !sa.empty() && !sb.empty()) {
+    sa[0] = sb[0] = std::min(sa[0], sb[0]);
   }
-  return nullptr;
-}
-
-// Compares the whole logical tensors; vocabulary tensors over the rows both have.
-void CompareTensor(const LogicalCheckpoint& a, const TensorRef& ra, const LogicalCheckpoint& b,
-                   const TensorRef& rb, const std::string& label, ReplicatedPolicy replicated,
-                   VerifyReport* report) {
-  const LogicalTensor& ta = a.layers[ra.layer_index].tensors[ra.tensor_index];
-  const LogicalTensor& tb = b.layers[rb.layer_index].tensors[rb.tensor_index];
-  std::vector<int64_t> sa = ta.full_shape, sb = tb.full_shape;
-  const bool vocab = ta.rule->policy == ParamRule::Policy::kVocab;
-  if (vocab && !sa.empty() && !sb.empty()) sa[0] = sb[0] = std::min(sa[0], sb[0]);
-  if (ta.dtype != tb.dtype || sa != sb) {
-    report->differences.push_back(label + ": " + DTypeName(ta.dtype) + " vs " +
-                                  DTypeName(tb.dtype) + ", shapes differ");
+  if (a.data.dtype != b.data.dtype || sa != sb) {
+    report->differences.push_back(label + ": " + DTypeName(a.data.dtype) + " vs " +
+                                  DTypeName(b.data.dtype) + ", shapes differ");
     return;
   }
   std::vector<uint8_t> da, db;
-  MaterializeTensor(ta, PlanFullTensor(a, ra.layer_index, ra.tensor_index, replicated), &da);
-  MaterializeTensor(tb, PlanFullTensor(b, rb.layer_index, rb.tensor_index, replicated), &db);
-  const int es = ElementSize(ta.dtype);
+  MaterializeTensor(a.data, PlanFullTensor(a.ckpt, a.layer_index, a.tensor_index, replicated), &da);
+  MaterializeTensor(b.data, PlanFullTensor(b.ckpt, b.layer_index, b.tensor_index, replicated), &db);
+  const DType dtype = a.data.dtype;
+  const int es = ElementSize(dtype);
   int64_t n = 1;
   for (int64_t d : sa) n *= d;
   ++report->tensors_compared;
@@ -61,9 +59,9 @@ void CompareTensor(const LogicalCheckpoint& a, const TensorRef& ra, const Logica
   for (int64_t i = 0; i < n; ++i) {
     if (std::memcmp(da.data() + i * es, db.data() + i * es, es) == 0) continue;
     ++differing;
-    if (IsFloatingPoint(ta.dtype)) {
-      max_diff = std::max(max_diff, std::abs(LoadAsDouble(ta.dtype, da.data() + i * es) -
-                                             LoadAsDouble(ta.dtype, db.data() + i * es)));
+    if (IsFloatingPoint(dtype)) {
+      max_diff = std::max(max_diff, std::abs(LoadAsDouble(dtype, da.data() + i * es) -
+                                             LoadAsDouble(dtype, db.data() + i * es)));
     }
   }
   if (differing > 0) {
@@ -72,6 +70,59 @@ void CompareTensor(const LogicalCheckpoint& a, const TensorRef& ra, const Logica
                   static_cast<long long>(differing), static_cast<long long>(n), max_diff);
     report->differences.push_back(label + buf);
   }
+}
+
+void CompareWeights(const LogicalCheckpoint& a, const LogicalCheckpoint& b,
+                    ReplicatedPolicy replicated, VerifyReport* report) {
+  const auto index_a = Index(a), index_b = Index(b);
+  for (const auto& [label, ref] : index_a) {
+    auto other = index_b.find(label);
+    if (other == index_b.end()) {
+      report->differences.push_back(label + ": only in A");
+      continue;
+    }
+    const auto [ali, ati] = ref;
+    const auto [bli, bti] = other->second;
+    CompareWhole({a, ali, ati, a.layers[ali].tensors[ati]}, {b, bli, bti, b.layers[bli].tensors[bti]},
+                 label, replicated, report);
+  }
+  for (const auto& [label, ref] : index_b) {
+    if (!index_a.count(label)) report->differences.push_back(label + ": only in B");
+  }
+}
+
+// Every element of every optimizer state (fp32 masters, moments, ...), per parameter.
+Status CompareOptimizers(const LogicalCheckpoint& a, const LogicalCheckpoint& b,
+                         const VerifyOptions& options, VerifyReport* report) {
+  const bool has_a = !a.files.optimizer_files.empty(), has_b = !b.files.optimizer_files.empty();
+  if (!has_a || !has_b) {
+    if (has_a || has_b) {
+      report->notes.push_back(std::string("optimizer state not compared: only ") +
+                              (has_a ? "A" : "B") + " has optimizer shards");
+    }
+    return Status::Ok();
+  }
+  RESHARD_ASSIGN_OR_RETURN(auto opt_a, SourceOptimizer::Load(a, options.allowed_classes));
+  RESHARD_ASSIGN_OR_RETURN(auto opt_b, SourceOptimizer::Load(b, options.allowed_classes));
+  if (opt_a->states() != opt_b->states()) {
+    report->differences.push_back("optimizer: A and B hold different per-element states");
+    return Status::Ok();
+  }
+  const std::vector<std::string> names_b = opt_b->ParamNames();
+  for (const std::string& name : opt_a->ParamNames()) {
+    if (std::find(names_b.begin(), names_b.end(), name) == names_b.end()) {
+      report->differences.push_back("optimizer " + name + ": only in A");
+      continue;
+    }
+    for (const std::string& state : opt_a->states()) {
+      RESHARD_ASSIGN_OR_RETURN(StateTensor sa, StateTensor::Gather(a, *opt_a, name, state));
+      RESHARD_ASSIGN_OR_RETURN(StateTensor sb, StateTensor::Gather(b, *opt_b, name, state));
+      CompareWhole({a, sa.layer_index(), sa.tensor_index(), sa.tensor()},
+                   {b, sb.layer_index(), sb.tensor_index(), sb.tensor()},
+                   "optimizer " + state + " " + name, options.replicated, report);
+    }
+  }
+  return Status::Ok();
 }
 
 void CompareMetadata(const LogicalCheckpoint& a, const LogicalCheckpoint& b, VerifyReport* report) {
@@ -101,18 +152,8 @@ Result<VerifyReport> Verify(const std::string& a_path, const std::string& b_path
   VerifyReport report;
   report.notes.push_back("A: " + LayoutSummary(*a));
   report.notes.push_back("B: " + LayoutSummary(*b));
-  const auto index_a = Index(*a), index_b = Index(*b);
-  for (const auto& [label, ref] : index_a) {
-    const TensorRef* other = Lookup(index_b, label);
-    if (other == nullptr) {
-      report.differences.push_back(label + ": only in A");
-      continue;
-    }
-    CompareTensor(*a, ref, *b, *other, label, options.replicated, &report);
-  }
-  for (const auto& [label, ref] : index_b) {
-    if (Lookup(index_a, label) == nullptr) report.differences.push_back(label + ": only in B");
-  }
+  CompareWeights(*a, *b, options.replicated, &report);
+  RESHARD_RETURN_IF_ERROR(CompareOptimizers(*a, *b, options, &report));
   CompareMetadata(*a, *b, &report);
   if (a->vocab.padded_rows != b->vocab.padded_rows) {
     report.notes.push_back("vocabulary rows compared up to " +

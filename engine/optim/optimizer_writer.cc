@@ -6,7 +6,7 @@
 #include "exec/materialize.h"
 #include "format/torch_file.h"
 #include "layout/checkpoint_files.h"
-#include "plan/stages.h"
+#include "optim/state_tensor.h"
 
 namespace reshard {
 namespace {
@@ -23,28 +23,16 @@ Result<std::vector<uint8_t>> TargetLocalState(const LogicalCheckpoint& src,
                                               const SourceOptimizer& opt, const Plan& plan,
                                               const std::string& name, int t,
                                               const std::string& state, int64_t* read) {
-  int li = 0, ti = 0;
-  if (!ResolveParamName(src, name, &li, &ti)) {
-    return Status::Internal("target parameter " + name + " is not a tensor of the checkpoint");
-  }
-  const LogicalTensor& weight = src.layers[li].tensors[ti];
-  std::vector<Tensor> shards(src.tp);
-  LogicalTensor local = weight;
-  local.dtype = DType::kFloat32;
-  local.shards.clear();
-  for (int s = 0; s < src.tp; ++s) {
-    RESHARD_ASSIGN_OR_RETURN(std::vector<uint8_t> gathered, opt.Gather(name, s, state));
-    auto bytes = std::make_shared<std::vector<uint8_t>>(std::move(gathered));
-    shards[s] = MakeOwnedTensor(DType::kFloat32, weight.local_shape, bytes).as_tensor();
-    local.shards.push_back(&shards[s]);
-  }
-  TensorPlan tensor_plan = plan.layer_files[li * plan.tp + t].tensors[ti];
+  RESHARD_ASSIGN_OR_RETURN(StateTensor source, StateTensor::Gather(src, opt, name, state));
+  // Layer files are planned layer by layer, TP rank by TP rank.
+  TensorPlan tensor_plan =
+      plan.layer_files[source.layer_index() * plan.tp + t].tensors[source.tensor_index()];
   // New vocabulary rows: the master takes the weights' fill, moments start at 0.
   if (state != kMasterState) {
     for (SliceFill& f : tensor_plan.fills) f.value = 0;
   }
   std::vector<uint8_t> out;
-  *read += MaterializeTensor(local, tensor_plan, &out);
+  *read += MaterializeTensor(source.tensor(), tensor_plan, &out);
   return out;
 }
 

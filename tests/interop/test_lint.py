@@ -112,10 +112,9 @@ class CleanCheckpointTests(LintTestCase):
                 self.assertTrue(p.stdout.startswith(f'rule set {rule_set} '), p.stdout)
                 self.assertIn('TP 2, PP 2, DP 1; iteration 10; 4 blocks', p.stdout)
                 self.assertEqual(lines_with('error:', p.stdout), [])
-                warnings = lines_with('warning:', p.stdout)
-                # The only warning is about the optimizer shards (no drift, no stage mismatch).
-                self.assertEqual(len(warnings), 1, p.stdout)
-                self.assertIn('optimizer shard files', warnings[0])
+                # No drift, no stage mismatch; the optimizer shards' layout is checked.
+                self.assertEqual(lines_with('warning:', p.stdout), [], p.stdout)
+                self.assertIn('their layout agrees with param_shapes', p.stdout)
                 # The same set, named explicitly, gives the same verdict.
                 p = self.lint(root, '--rules', rule_set, code=0)
                 self.assertVerdict(p, True, rule_set)
@@ -137,10 +136,22 @@ class CleanCheckpointTests(LintTestCase):
         self.assertVerdict(p, True, 'bigscience-bloom')
         self.assertIn('TP 1, PP 2, DP 12', p.stdout)
         self.assertIn('24 optimizer shards', p.stdout)
-        warnings = lines_with('warning:', p.stdout)
-        self.assertEqual(len(warnings), 1, p.stdout)
-        self.assertIn('24 optimizer shard files', warnings[0])
-        self.assertIn('--weights-only', warnings[0])
+        self.assertEqual(lines_with('warning:', p.stdout), [], p.stdout)
+        self.assertIn('info: optimizer: 24 shards (BF16 optimizer, 3 groups, states fp32, exp_avg, '
+                      'exp_avg_sq); their layout agrees with param_shapes', p.stdout)
+
+    def test_optimizer_shard_that_disagrees_with_param_shapes(self):
+        root = self.path('bad')
+        tag = make_fixture(root, style='bs_bloom', tp=1, pp=1, dp=2, optimizer='bf16_zero')
+        shard = os.path.join(tag, 'bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt')
+
+        def shorten(sd):
+            groups = sd['optimizer_state_dict']['single_partition_of_fp32_groups']
+            groups[0] = groups[0][:-2].clone()
+        rewrite(shard, shorten)
+        p = self.lint(root, code=1)
+        self.assertRegex(p.stdout, r'error: optimizer: bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt: '
+                                   r'the fp32 partition of group 0 is not the \d+ elements')
 
 
 # ---------------------------------------------------------------------------------------------
