@@ -33,12 +33,6 @@ Status LoadOptimizerState(const LogicalCheckpoint& src, const ConvertOptions& op
         "microsoft Megatron-DeepSpeed, which always loads optimizer state, with --finetune");
     return Status::Ok();
   }
-  if (in_model_states) {
-    return Status::Unsupported(
-        "the checkpoint keeps its optimizer state inside the mp_rank files (fp16/fp32 without "
-        "ZeRO), which reshard does not reshape yet; pass --weights-only to convert the weights "
-        "alone");
-  }
   RESHARD_ASSIGN_OR_RETURN(*optimizer, SourceOptimizer::Load(src, options.allowed_classes));
   return Status::Ok();
 }
@@ -170,10 +164,15 @@ Result<ConvertReport> Convert(const std::string& input, const std::string& outpu
   RESHARD_RETURN_IF_ERROR(CheckDrift(*src, options.replicated, &report));
   if (optimizer) RESHARD_RETURN_IF_ERROR(CheckOptimizerDrift(*src, *optimizer, options.replicated));
   PlanOptions plan_options = ToPlanOptions(options);
-  plan_options.optimizer = optimizer != nullptr;
+  plan_options.optimizer = optimizer != nullptr && !optimizer->format().embedded;
   RESHARD_ASSIGN_OR_RETURN(Plan plan, MakePlan(*src, plan_options));
   report.plan = plan.ToString(*src, options.dry_run);
   report.notes.insert(report.notes.end(), plan.notes.begin(), plan.notes.end());
+  if (optimizer != nullptr && optimizer->format().embedded) {
+    report.notes.push_back("optimizer: the FP16_Optimizer state inside the mp_rank files is "
+                           "reshaped with the weights (its groups follow DeepSpeed's current "
+                           "stage partition)");
+  }
   RESHARD_ASSIGN_OR_RETURN(OutputFolder out,
                            OutputFolder::Check(output, {input, src->files.tag_dir}, options.overwrite));
   RESHARD_RETURN_IF_ERROR(CheckLatestIsNotTheInputs(*src, out.path(), options.update_latest));

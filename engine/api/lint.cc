@@ -31,12 +31,8 @@ void ReportDrift(const LogicalCheckpoint& ckpt, int max_lines, LintReport* repor
 void ReportOptimizerState(const LogicalCheckpoint& ckpt, const LintOptions& options,
                           LintReport* report) {
   const Value* embedded = Find(ckpt.metadata[0], "optimizer");
-  if (embedded != nullptr && !embedded->is_none()) {
-    Warn(report, "optimizer state inside the mp_rank files (fp16/fp32 without ZeRO) is not "
-                 "reshaped yet; convert needs --weights-only");
-  }
   const size_t shards = ckpt.files.optimizer_files.size();
-  if (shards == 0) return;
+  if (shards == 0 && (embedded == nullptr || embedded->is_none())) return;
   Result<std::unique_ptr<SourceOptimizer>> opt = SourceOptimizer::Load(ckpt, options.allowed_classes);
   if (!opt.ok()) {
     report->findings.push_back({Finding::Severity::kError, "optimizer: " + opt.status().message()});
@@ -45,10 +41,12 @@ void ReportOptimizerState(const LogicalCheckpoint& ckpt, const LintOptions& opti
   const OptimizerFormat& f = (*opt)->format();
   std::string states;
   for (const std::string& s : (*opt)->states()) states += (states.empty() ? "" : ", ") + s;
+  const std::string where = f.embedded ? std::string("FP16_Optimizer state in the mp_rank files (")
+                                       : std::to_string(shards) + " shards (" +
+                                             (f.zero ? "ZeRO-1/2" : "BF16 optimizer") + ", ";
   report->findings.push_back(
       {Finding::Severity::kInfo,
-       "optimizer: " + std::to_string(shards) + " shards (" +
-           (f.zero ? "ZeRO-1/2" : "BF16 optimizer") + ", " + std::to_string((*opt)->num_groups()) +
+       "optimizer: " + where + std::to_string((*opt)->num_groups()) +
            " groups, states " + states + (f.slice_mappings ? "" : ", no param_slice_mappings") +
            "); their layout agrees with param_shapes"});
 }

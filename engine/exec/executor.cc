@@ -75,8 +75,10 @@ Result<ExecuteStats> ExecutePlan(const LogicalCheckpoint& src, const Plan& plan,
                                  const std::string& dir, const ExecuteOptions& options) {
   const size_t layer_jobs = plan.layer_files.size();
   const size_t states_jobs = plan.model_states.size();
-  const bool optimizer = plan.optimizer && options.optimizer != nullptr;
-  const size_t total = layer_jobs + states_jobs + (optimizer ? states_jobs : 0);
+  // The FP16_Optimizer state lives inside the mp_rank files: no shard jobs.
+  const bool embedded = options.optimizer != nullptr && options.optimizer->format().embedded;
+  const bool shards = plan.optimizer && options.optimizer != nullptr && !embedded;
+  const size_t total = layer_jobs + states_jobs + (shards ? states_jobs : 0);
   std::atomic<int64_t> read{0}, written{0}, done{0};
   std::mutex progress_mu;
   auto job = [&](size_t i) -> Status {
@@ -89,8 +91,15 @@ Result<ExecuteStats> ExecutePlan(const LogicalCheckpoint& src, const Plan& plan,
     } else if (i < layer_jobs + states_jobs) {
       const ModelStatesPlan& ms = plan.model_states[i - layer_jobs];
       name = ms.name;
-      RESHARD_RETURN_IF_ERROR(WriteTorchFile(
-          dir + "/" + name, BuildModelStates(src, plan, ms, options.drop_optimizer)));
+      Value root = BuildModelStates(src, plan, ms, options.drop_optimizer);
+      if (embedded) {
+        int64_t r = 0;
+        RESHARD_ASSIGN_OR_RETURN(std::vector<Value> state, BuildOptimizerState(src, *options.optimizer, plan,
+                                                                               ms.pp_rank, ms.tp_rank, &r));
+        read += r;
+        Set(root, "optimizer", std::move(state[0]));
+      }
+      RESHARD_RETURN_IF_ERROR(WriteTorchFile(dir + "/" + name, root));
       written += FileSize(dir + "/" + name);
     } else {
       const ModelStatesPlan& ms = plan.model_states[i - layer_jobs - states_jobs];
@@ -114,7 +123,7 @@ Result<ExecuteStats> ExecutePlan(const LogicalCheckpoint& src, const Plan& plan,
     return Status::Ok();
   };
   RESHARD_RETURN_IF_ERROR(RunParallel(total, std::max(1, options.threads), job));
-  const size_t files = layer_jobs + states_jobs + (optimizer ? states_jobs * plan.dp : 0);
+  const size_t files = layer_jobs + states_jobs + (shards ? states_jobs * plan.dp : 0);
   return ExecuteStats{static_cast<int64_t>(files), written.load(), read.load()};
 }
 

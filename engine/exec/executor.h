@@ -17,7 +17,8 @@ namespace reshard {
 struct ExecuteOptions {
   int threads = 1;
   bool drop_optimizer = false;  // see BuildModelStates
-  // The source's optimizer shards, when the plan writes optimizer shards.
+  // The source's optimizer state: written as shards when the plan says so, or
+  // into the mp_rank files for the embedded FP16_Optimizer format.
   const SourceOptimizer* optimizer = nullptr;
   std::function<void(const std::string&)> progress;
 };

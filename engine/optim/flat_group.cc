@@ -4,15 +4,13 @@
 
 namespace reshard {
 
-FlatGroup::FlatGroup(const std::vector<ParamShape>& params, int dp) : dp_(dp) {
+FlatGroup::FlatGroup(const std::vector<ParamShape>& params, int dp, int64_t alignment) : dp_(dp) {
   for (const auto& [name, shape] : params) {
     int64_t n = 1;
     for (int64_t d : shape) n *= d;
     slots_.push_back({name, shape, numel_, n});
     numel_ += n;
   }
-  // DeepSpeed aligns the flat buffer to 2 (elements per 4 bytes of fp16) x DP.
-  const int64_t alignment = 2 * static_cast<int64_t>(dp);
   padded_ = (numel_ + alignment - 1) / alignment * alignment;
 }
 

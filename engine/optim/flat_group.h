@@ -1,11 +1,12 @@
-// FlatGroup: the flat buffer DeepSpeed's ZeRO-1/2 and BF16 optimizers build
-// for one parameter group of one (pipeline, tensor) rank.
+// FlatGroup: the flat buffer DeepSpeed's optimizers build for one parameter
+// group of one (pipeline, tensor) rank.
 //
 // Parameters are laid back to back in `param_shapes` order, one zero tail
-// pads the buffer to a multiple of 2·DP, and DP rank d owns the partition
-// [d·P, (d+1)·P) with P = padded / DP. A parameter may span several
-// partitions; the pieces are the "fragments" DeepSpeed records in
-// param_slice_mappings.
+// pads the buffer to a multiple of the alignment (2·DP for ZeRO-1/2 and the
+// BF16 optimizer; none for FP16_Optimizer, which does not partition), and DP
+// rank d owns the partition [d·P, (d+1)·P) with P = padded / DP. A parameter
+// may span several partitions; the pieces are the "fragments" DeepSpeed
+// records in param_slice_mappings.
 #pragma once
 
 #include <cstdint>
@@ -33,7 +34,7 @@ struct Fragment {
 
 class FlatGroup {
  public:
-  FlatGroup(const std::vector<ParamShape>& params, int dp);
+  FlatGroup(const std::vector<ParamShape>& params, int dp, int64_t alignment);
 
   const std::vector<FlatSlot>& slots() const { return slots_; }
   int64_t numel() const { return numel_; }          // parameter elements

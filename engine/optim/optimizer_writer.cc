@@ -39,7 +39,10 @@ Result<std::vector<uint8_t>> TargetLocalState(const LogicalCheckpoint& src,
 Result<StageFlats> BuildStageFlats(const LogicalCheckpoint& src, const SourceOptimizer& opt,
                                    const Plan& plan, const ModelStatesPlan& stage, int64_t* read) {
   StageFlats f;
-  for (const auto& params : stage.param_shapes) f.groups.emplace_back(params, plan.dp);
+  const int dp = opt.format().embedded ? 1 : plan.dp;  // FP16_Optimizer does not partition
+  for (const auto& params : stage.param_shapes) {
+    f.groups.emplace_back(params, dp, opt.format().Alignment(dp));
+  }
   if (static_cast<int>(f.groups.size()) != opt.num_groups()) {
     return Status::Unsupported("target stage " + std::to_string(stage.pp_rank) + " has " +
                                std::to_string(f.groups.size()) + " optimizer groups but the source has " +
@@ -65,9 +68,9 @@ Value FlatSlice(const std::vector<uint8_t>& flat, int64_t start, int64_t numel) 
   return MakeOwnedTensor(DType::kFloat32, {numel}, std::move(bytes));
 }
 
-Value* MutableGroupState(Value& osd, int group) {
-  Value* base = FindMutable(osd, "base_optimizer_state");
-  Value* state = base != nullptr ? FindMutable(*base, "state") : nullptr;
+// torch_state_dict["state"][group], for editing.
+Value* MutableGroupState(Value* torch_state_dict, int group) {
+  Value* state = torch_state_dict != nullptr ? FindMutable(*torch_state_dict, "state") : nullptr;
   Items* items = state != nullptr ? MutableDictItems(*state) : nullptr;
   if (items == nullptr) return nullptr;
   for (auto& [k, v] : *items) {
@@ -117,7 +120,7 @@ Result<Value> BuildShard(const SourceOptimizer& opt, const StageFlats& f, int d)
   for (size_t g = 0; g < f.groups.size(); ++g) {
     const FlatGroup& group = f.groups[g];
     const int64_t start = d * group.partition();
-    Value* state = MutableGroupState(osd, static_cast<int>(g));
+    Value* state = MutableGroupState(FindMutable(osd, "base_optimizer_state"), static_cast<int>(g));
     if (state == nullptr && opt.states().size() > 1) {
       return Status::Internal("the template shard has no state for group " + std::to_string(g));
     }
@@ -144,6 +147,26 @@ Result<Value> BuildShard(const SourceOptimizer& opt, const StageFlats& f, int d)
   return root;
 }
 
+// The FP16_Optimizer dict of an mp_rank file: whole flats, no partitions.
+Result<Value> BuildEmbedded(const SourceOptimizer& opt, const StageFlats& f) {
+  Value optimizer = opt.Template();
+  Value* torch_state = FindMutable(optimizer, "optimizer_state_dict");
+  std::vector<Value> masters;
+  for (size_t g = 0; g < f.groups.size(); ++g) {
+    const int64_t n = f.groups[g].numel();
+    Value* state = MutableGroupState(torch_state, static_cast<int>(g));
+    if (state == nullptr && opt.states().size() > 1) {
+      return Status::Internal("the template optimizer has no state for group " + std::to_string(g));
+    }
+    for (size_t s = 1; s < opt.states().size(); ++s) {
+      Set(*state, opt.states()[s], FlatSlice(f.flats.at(opt.states()[s])[g], 0, n));
+    }
+    masters.push_back(FlatSlice(f.flats.at(kMasterState)[g], 0, n));
+  }
+  Set(optimizer, "fp32_groups_flat", Value::MakeList(std::move(masters)));
+  return optimizer;
+}
+
 }  // namespace
 
 std::string OptimizerFileName(const OptimizerFormat& format, int dp_rank, int mp_rank) {
@@ -151,16 +174,33 @@ std::string OptimizerFileName(const OptimizerFormat& format, int dp_rank, int mp
          "_" + ModelStatesName(mp_rank) + "_optim_states.pt";
 }
 
+Result<std::vector<Value>> BuildOptimizerState(const LogicalCheckpoint& src,
+                                               const SourceOptimizer& opt, const Plan& plan,
+                                               int pp_rank, int tp_rank, int64_t* read) {
+  const int mp = pp_rank * plan.tp + tp_rank;
+  RESHARD_ASSIGN_OR_RETURN(StageFlats flats,
+                           BuildStageFlats(src, opt, plan, plan.model_states[mp], read));
+  if (opt.format().embedded) {
+    RESHARD_ASSIGN_OR_RETURN(Value optimizer, BuildEmbedded(opt, flats));
+    return std::vector<Value>{std::move(optimizer)};
+  }
+  std::vector<Value> shards;
+  for (int d = 0; d < plan.dp; ++d) {
+    RESHARD_ASSIGN_OR_RETURN(Value shard, BuildShard(opt, flats, d));
+    shards.push_back(std::move(shard));
+  }
+  return shards;
+}
+
 Result<int64_t> WriteOptimizerShards(const LogicalCheckpoint& src, const SourceOptimizer& opt,
                                      const Plan& plan, int pp_rank, int tp_rank,
                                      const std::string& dir) {
-  const int mp = pp_rank * plan.tp + tp_rank;
   int64_t read = 0;
-  RESHARD_ASSIGN_OR_RETURN(StageFlats flats,
-                           BuildStageFlats(src, opt, plan, plan.model_states[mp], &read));
-  for (int d = 0; d < plan.dp; ++d) {
-    RESHARD_ASSIGN_OR_RETURN(Value shard, BuildShard(opt, flats, d));
-    RESHARD_RETURN_IF_ERROR(WriteTorchFile(dir + "/" + OptimizerFileName(opt.format(), d, mp), shard));
+  RESHARD_ASSIGN_OR_RETURN(std::vector<Value> shards,
+                           BuildOptimizerState(src, opt, plan, pp_rank, tp_rank, &read));
+  for (size_t d = 0; d < shards.size(); ++d) {
+    const std::string name = OptimizerFileName(opt.format(), static_cast<int>(d), pp_rank * plan.tp + tp_rank);
+    RESHARD_RETURN_IF_ERROR(WriteTorchFile(dir + "/" + name, shards[d]));
   }
   return read;
 }

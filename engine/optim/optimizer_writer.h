@@ -19,8 +19,16 @@ namespace reshard {
 // "bf16_zero_pp_rank_3_mp_rank_01_optim_states.pt" (DP rank not zero-padded, as DeepSpeed).
 std::string OptimizerFileName(const OptimizerFormat& format, int dp_rank, int mp_rank);
 
+// The target optimizer state of stage `pp_rank`, TP rank `tp_rank`: for the
+// sharded formats one file root per target DP rank; for the embedded
+// FP16_Optimizer format the single `optimizer` dict of its mp_rank file.
+// Adds the bytes of source state read to *read.
+Result<std::vector<Value>> BuildOptimizerState(const LogicalCheckpoint& src,
+                                               const SourceOptimizer& opt, const Plan& plan,
+                                               int pp_rank, int tp_rank, int64_t* read);
+
 // Writes the plan.dp shard files of stage `pp_rank`, TP rank `tp_rank` into
-// `dir`. Returns the bytes of source state read.
+// `dir` (sharded formats). Returns the bytes of source state read.
 Result<int64_t> WriteOptimizerShards(const LogicalCheckpoint& src, const SourceOptimizer& opt,
                                      const Plan& plan, int pp_rank, int tp_rank,
                                      const std::string& dir);

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "format/torch_file.h"
+#include "layout/checkpoint_files.h"
 #include "plan/stages.h"
 
 namespace reshard {
@@ -11,12 +12,27 @@ namespace {
 
 std::string FileName(const std::string& path) { return path.substr(path.rfind('/') + 1); }
 
+// Where each format keeps things. A sharded file's root holds
+// optimizer_state_dict {base_optimizer_state: torch state dict,
+// single_partition_of_fp32_groups: [...]}; an embedded FP16_Optimizer dict
+// holds {optimizer_state_dict: torch state dict, fp32_groups_flat: [...]}.
 const Value* OptimizerStateDict(const Value& shard) { return Find(shard, "optimizer_state_dict"); }
 
-// base_optimizer_state["state"][group] (a dict keyed by the group index).
-const Value* GroupState(const Value& osd, int group) {
-  const Value* base = Find(osd, "base_optimizer_state");
-  const Value* state = base != nullptr ? Find(*base, "state") : nullptr;
+const Value* TorchStateDict(const Value& shard, bool embedded) {
+  const Value* osd = OptimizerStateDict(shard);
+  if (osd == nullptr || embedded) return osd;
+  return Find(*osd, "base_optimizer_state");
+}
+
+const Value* MasterList(const Value& shard, bool embedded) {
+  if (embedded) return Find(shard, "fp32_groups_flat");
+  const Value* osd = OptimizerStateDict(shard);
+  return osd != nullptr ? Find(*osd, "single_partition_of_fp32_groups") : nullptr;
+}
+
+// torch_state_dict["state"][group] (a dict keyed by the group index).
+const Value* GroupState(const Value* torch_state_dict, int group) {
+  const Value* state = torch_state_dict != nullptr ? Find(*torch_state_dict, "state") : nullptr;
   const Items* items = state != nullptr ? DictItems(*state) : nullptr;
   if (items == nullptr) return nullptr;
   for (const auto& [k, v] : *items) {
@@ -37,8 +53,8 @@ const Tensor* FlatTensor(const Value* v) {
   return &t;
 }
 
-const Tensor* MasterFlat(const Value& osd, int group) {
-  const Value* list = Find(osd, "single_partition_of_fp32_groups");
+const Tensor* MasterFlat(const Value& shard, bool embedded, int group) {
+  const Value* list = MasterList(shard, embedded);
   if (list == nullptr || !list->is(Value::Kind::kList)) return nullptr;
   const auto& items = list->as_list().items;
   return group < static_cast<int>(items.size()) ? FlatTensor(&items[group]) : nullptr;
@@ -76,21 +92,64 @@ Status CheckSliceMappings(const Value& osd, int group, const FlatGroup& layout, 
       "round_robin_gradients?); reshard cannot place these optimizer fragments");
 }
 
+// Checks one DP rank's flats of one group and records them in `flats`.
+Status AddFlats(const Value& shard, const OptimizerFormat& format,
+                const std::vector<std::string>& states, int g, const FlatGroup& layout, int d,
+                const std::string& where,
+                std::map<std::string, std::vector<std::vector<const Tensor*>>>* flats,
+                int num_groups) {
+  // ZeRO-1/2 store the master partition without its alignment padding.
+  const int64_t want_master =
+      format.zero ? layout.partition() - layout.PaddingIn(d) : layout.partition();
+  const Tensor* master = MasterFlat(shard, format.embedded, g);
+  if (master == nullptr || master->numel() != want_master) {
+    return Status::InvalidInput(where + ": the fp32 partition of group " + std::to_string(g) +
+                                " is not the " + std::to_string(want_master) +
+                                " elements the stage's parameters and DP " +
+                                std::to_string(layout.dp()) + " give");
+  }
+  (*flats)[kMasterState].resize(num_groups);
+  (*flats)[kMasterState][g].push_back(master);
+  const Value* group_state = GroupState(TorchStateDict(shard, format.embedded), g);
+  for (size_t s = 1; s < states.size(); ++s) {
+    const Tensor* flat = FlatTensor(group_state != nullptr ? Find(*group_state, states[s]) : nullptr);
+    if (flat == nullptr || flat->numel() != layout.partition()) {
+      return Status::InvalidInput(where + ": optimizer state '" + states[s] + "' of group " +
+                                  std::to_string(g) + " is missing or not " +
+                                  std::to_string(layout.partition()) + " fp32 elements");
+    }
+    (*flats)[states[s]].resize(num_groups);
+    (*flats)[states[s]][g].push_back(flat);
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 Result<std::unique_ptr<SourceOptimizer>> SourceOptimizer::Load(
     const LogicalCheckpoint& src, const std::set<std::string>& allowed_classes) {
   auto opt = std::unique_ptr<SourceOptimizer>(new SourceOptimizer());
   opt->tp_ = src.tp;
-  std::vector<std::vector<std::string>> paths(src.metadata.size());
-  for (const OptimizerFileName& f : src.files.optimizer_files) {
-    auto& by_dp = paths[f.mp_rank];
-    if (static_cast<int>(by_dp.size()) <= f.dp_rank) by_dp.resize(f.dp_rank + 1);
-    by_dp[f.dp_rank] = f.path;
-  }
   opt->stages_.resize(src.metadata.size());
-  for (size_t mp = 0; mp < src.metadata.size(); ++mp) {
-    RESHARD_RETURN_IF_ERROR(opt->LoadStage(src, static_cast<int>(mp), paths[mp], allowed_classes));
+  if (src.files.optimizer_files.empty()) {
+    // FP16_Optimizer without ZeRO keeps its state in the mp_rank files and
+    // records no param_shapes: the stage layout is DeepSpeed's partition.
+    opt->format_.embedded = true;
+    RESHARD_ASSIGN_OR_RETURN(std::vector<int> bounds,
+                             TargetStageBounds(src, src.pp, src.tp, src.vocab.padded_rows, {}));
+    for (size_t mp = 0; mp < src.metadata.size(); ++mp) {
+      RESHARD_RETURN_IF_ERROR(opt->LoadEmbeddedStage(src, static_cast<int>(mp), bounds));
+    }
+  } else {
+    std::vector<std::vector<std::string>> paths(src.metadata.size());
+    for (const OptimizerFileName& f : src.files.optimizer_files) {
+      auto& by_dp = paths[f.mp_rank];
+      if (static_cast<int>(by_dp.size()) <= f.dp_rank) by_dp.resize(f.dp_rank + 1);
+      by_dp[f.dp_rank] = f.path;
+    }
+    for (size_t mp = 0; mp < src.metadata.size(); ++mp) {
+      RESHARD_RETURN_IF_ERROR(opt->LoadStage(src, static_cast<int>(mp), paths[mp], allowed_classes));
+    }
   }
   // Owners: the first pipeline stage holding a name (TP rank 0's view).
   for (int p = src.pp - 1; p >= 0; --p) {
@@ -114,17 +173,29 @@ Status SourceOptimizer::DetectFormat(const Value& shard, const FlatGroup& first_
   } else {
     return Status::Unsupported(FileName(path) + " has no group_paddings; reshard does not know this optimizer format");
   }
+  DetectStates(shard, first_group);
+  return Status::Ok();
+}
+
+void SourceOptimizer::DetectStates(const Value& shard, const FlatGroup& first_group) {
   states_ = {kMasterState};
-  const Value* state = GroupState(osd, 0);
-  if (state != nullptr && DictItems(*state) != nullptr) {
-    for (const auto& [k, v] : *DictItems(*state)) {
-      const Tensor* t = FlatTensor(&v);
-      if (k.is(Value::Kind::kString) && t != nullptr && t->numel() == first_group.partition()) {
-        states_.push_back(k.as_string());
-      }
+  const Value* state = GroupState(TorchStateDict(shard, format_.embedded), 0);
+  if (state == nullptr || DictItems(*state) == nullptr) return;
+  for (const auto& [k, v] : *DictItems(*state)) {
+    const Tensor* t = FlatTensor(&v);
+    if (k.is(Value::Kind::kString) && t != nullptr && t->numel() == first_group.partition()) {
+      states_.push_back(k.as_string());
     }
   }
-  return Status::Ok();
+}
+
+Status SourceOptimizer::CheckGroupCount(size_t groups, int mp) {
+  if (mp == 0) num_groups_ = static_cast<int>(groups);
+  if (static_cast<int>(groups) == num_groups_ && num_groups_ > 0) return Status::Ok();
+  return Status::Unsupported(ModelStatesFileName(mp) + " has " + std::to_string(groups) +
+                             " parameter groups but " + ModelStatesFileName(0) + " has " +
+                             std::to_string(num_groups_) +
+                             "; reshard needs the same non-empty groups on every stage");
 }
 
 Status SourceOptimizer::LoadStage(const LogicalCheckpoint& src, int mp,
@@ -136,14 +207,14 @@ Status SourceOptimizer::LoadStage(const LogicalCheckpoint& src, int mp,
     return Status::Unsupported(ModelStatesFileName(mp) +
                                " records no param_shapes, so its optimizer shards cannot be read");
   }
+  RESHARD_RETURN_IF_ERROR(CheckGroupCount(groups.size(), mp));
   const int dp = static_cast<int>(paths.size());
-  for (const auto& g : groups) stage.groups.emplace_back(g, dp);
+  for (const auto& g : groups) stage.groups.emplace_back(g, dp, format_.Alignment(dp));
   PickleReadOptions read;
   read.allowed_globals = allowed_classes;
   for (int d = 0; d < dp; ++d) {
     RESHARD_ASSIGN_OR_RETURN(Value shard, ReadTorchFile(paths[d], read));
-    const Value* osd = OptimizerStateDict(shard);
-    const Value* base = osd != nullptr ? Find(*osd, "base_optimizer_state") : nullptr;
+    const Value* base = TorchStateDict(shard, false);
     if (base == nullptr) {
       return Status::InvalidInput(paths[d] + " has no optimizer_state_dict.base_optimizer_state");
     }
@@ -152,44 +223,43 @@ Status SourceOptimizer::LoadStage(const LogicalCheckpoint& src, int mp,
                                  " was saved with elastic_checkpoint; reshard reads the default "
                                  "(non-elastic) ZeRO format only");
     }
-    if (mp == 0 && d == 0) {
-      if (groups.empty()) return Status::InvalidInput(ModelStatesFileName(0) + " records no parameter groups");
-      RESHARD_RETURN_IF_ERROR(DetectFormat(shard, stage.groups[0], paths[d]));
-      num_groups_ = static_cast<int>(groups.size());
+    if (mp == 0 && d == 0) RESHARD_RETURN_IF_ERROR(DetectFormat(shard, stage.groups[0], paths[d]));
+    for (int g = 0; g < num_groups_; ++g) {
+      RESHARD_RETURN_IF_ERROR(AddFlats(shard, format_, states_, g, stage.groups[g], d,
+                                       FileName(paths[d]), &stage.flats, num_groups_));
+      if (format_.slice_mappings) {
+        RESHARD_RETURN_IF_ERROR(
+            CheckSliceMappings(*OptimizerStateDict(shard), g, stage.groups[g], d, FileName(paths[d])));
+      }
     }
     stage.shards.push_back(std::move(shard));
   }
-  if (static_cast<int>(groups.size()) != num_groups_) {
-    return Status::Unsupported(ModelStatesFileName(mp) + " has " + std::to_string(groups.size()) +
-                               " parameter groups but " + ModelStatesFileName(0) + " has " +
-                               std::to_string(num_groups_) + "; reshard needs the same groups on every stage");
+  return Status::Ok();
+}
+
+Status SourceOptimizer::LoadEmbeddedStage(const LogicalCheckpoint& src, int mp,
+                                          const std::vector<int>& bounds) {
+  Stage& stage = stages_[mp];
+  const int p = mp / src.tp;
+  std::vector<std::vector<ParamShape>> groups;
+  if (!ReadParamShapes(src.metadata[mp], &groups)) {
+    groups = StageParams(src, bounds[p], bounds[p + 1], src.tp, src.vocab.padded_rows).groups;
   }
-  for (int d = 0; d < dp; ++d) {
-    const Value& osd = *OptimizerStateDict(stage.shards[d]);
-    const std::string file = FileName(paths[d]);
-    for (int g = 0; g < num_groups_; ++g) {
-      const FlatGroup& layout = stage.groups[g];
-      const int64_t want_master = format_.zero ? layout.partition() - layout.PaddingIn(d) : layout.partition();
-      const Tensor* master = MasterFlat(osd, g);
-      if (master == nullptr || master->numel() != want_master) {
-        return Status::InvalidInput(file + ": the fp32 partition of group " + std::to_string(g) +
-                                    " is not the " + std::to_string(want_master) +
-                                    " elements that param_shapes and DP " + std::to_string(dp) + " give");
-      }
-      stage.flats[kMasterState].resize(num_groups_);
-      stage.flats[kMasterState][g].push_back(master);
-      for (size_t s = 1; s < states_.size(); ++s) {
-        const Value* group_state = GroupState(osd, g);
-        const Tensor* flat = FlatTensor(group_state != nullptr ? Find(*group_state, states_[s]) : nullptr);
-        if (flat == nullptr || flat->numel() != layout.partition()) {
-          return Status::InvalidInput(file + ": optimizer state '" + states_[s] + "' of group " +
-                                      std::to_string(g) + " is missing or not " +
-                                      std::to_string(layout.partition()) + " fp32 elements");
-        }
-        stage.flats[states_[s]].resize(num_groups_);
-        stage.flats[states_[s]][g].push_back(flat);
-      }
-      if (format_.slice_mappings) RESHARD_RETURN_IF_ERROR(CheckSliceMappings(osd, g, layout, d, file));
+  RESHARD_RETURN_IF_ERROR(CheckGroupCount(groups.size(), mp));
+  for (const auto& g : groups) stage.groups.emplace_back(g, 1, format_.Alignment(1));
+  const Value* optimizer = Find(src.metadata[mp], "optimizer");
+  if (optimizer == nullptr || TorchStateDict(*optimizer, true) == nullptr) {
+    return Status::InvalidInput(ModelStatesFileName(mp) + " has no FP16 optimizer state");
+  }
+  stage.shards.push_back(*optimizer);
+  if (mp == 0) DetectStates(stage.shards[0], stage.groups[0]);
+  for (int g = 0; g < num_groups_; ++g) {
+    Status st = AddFlats(stage.shards[0], format_, states_, g, stage.groups[g], 0,
+                         ModelStatesFileName(mp), &stage.flats, num_groups_);
+    if (!st.ok()) {
+      return Status::InvalidInput(st.message() +
+                                  " (the groups follow DeepSpeed's current stage partition; a "
+                                  "checkpoint partitioned otherwise cannot be read)");
     }
   }
   return Status::Ok();

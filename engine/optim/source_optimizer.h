@@ -31,6 +31,15 @@ struct OptimizerFormat {
   std::string padding_key = "group_paddings";  // DeepSpeed 0.6.5: "groups_padding"
   bool slice_mappings = false;                 // param_slice_mappings present
   bool bf16_prefix = false;                    // bf16_zero_pp_rank_* file names
+  // FP16_Optimizer without ZeRO: the whole state sits in each mp_rank file's
+  // `optimizer`, one unpartitioned flat per group (fp32_groups_flat).
+  bool embedded = false;
+
+  // Elements the flat buffer of a group is padded to a multiple of.
+  int64_t Alignment(int dp) const {
+    // 2 fp16 elements per 4 bytes, times DP (DeepSpeed's nccl_start_alignment_factor).
+    return embedded ? 1 : 2 * static_cast<int64_t>(dp);
+  }
 };
 
 // The state name of the fp32 master weights (single_partition_of_fp32_groups).
@@ -46,7 +55,8 @@ class SourceOptimizer {
   // kMasterState, then the optimizer's per-element states in file order.
   const std::vector<std::string>& states() const { return states_; }
   int num_groups() const { return num_groups_; }
-  // The shard of pipeline stage 0, TP rank 0, DP rank 0: what targets are built from.
+  // The shard of pipeline stage 0, TP rank 0, DP rank 0 (for the embedded
+  // format: its `optimizer` dict): what targets are built from.
   const Value& Template() const { return stages_[0].shards[0]; }
   // Parameter names the shards hold (each once; tied copies under their name).
   std::vector<std::string> ParamNames() const;
@@ -65,7 +75,12 @@ class SourceOptimizer {
   };
   Status LoadStage(const LogicalCheckpoint& src, int mp, const std::vector<std::string>& paths,
                    const std::set<std::string>& allowed_classes);
+  Status LoadEmbeddedStage(const LogicalCheckpoint& src, int mp, const std::vector<int>& bounds);
   Status DetectFormat(const Value& first_shard, const FlatGroup& first_group, const std::string& path);
+  // The per-element states: tensors of group 0's state as long as its partition.
+  void DetectStates(const Value& first_shard, const FlatGroup& first_group);
+  // Every stage must have the same number of (non-empty) groups as stage 0.
+  Status CheckGroupCount(size_t groups, int mp);
 
   OptimizerFormat format_;
   std::vector<std::string> states_;

@@ -1,0 +1,614 @@
+"""Optimizer-state reshaping through `reshard convert`, checked with real PyTorch.
+
+Sources are faithful checkpoints written with torch.save by the fixture generator:
+BF16_Optimizer shards (bs_bloom, bs_gpt GLU, ms_gpt2, ms_llama), fp16 ZeRO-1 shards with a
+loss scaler, DeepSpeed 0.6.5 BF16 shards (no param_slice_mappings, `groups_padding`) and
+FP16_Optimizer state inside mp_rank files (refused for now).  For every conversion A -> B:
+
+  * B's optimizer state, reassembled by the fixture's independent oracle, is the canonical
+    fp32 master / exp_avg / exp_avg_sq; vocabulary padding rows of the master follow the
+    weight's (kept rows keep A's values, new rows are 0) and new rows have zero moments;
+  * B passes the oracle's structural checks (slice mappings cover every stage parameter
+    exactly once, group paddings, partition lengths, bf16(master) == weight, ...);
+  * B's optimizer files are exactly what DeepSpeed writes for B's layout: they equal, bit for
+    bit and key for key, the files the fixture generator writes at B's layout (param_shapes,
+    group order and membership, 2*DP alignment, paddings, partition_count, mappings, hyper-
+    parameters, step, loss scaler), except where the two legitimately differ (vocabulary padding
+    rows B adds, and the last stage's unused tied position-embedding copy, which reshard fills
+    from stage 0) -- those regions are checked separately;
+  * every flat padding element is zero, every optimizer tensor is a compact fp32 tensor;
+  * B -> A gives every optimizer file of A back bit for bit (same exceptions, plus padding rows
+    that B had no room for);
+  * the last stage's copy of the tied word embedding (fp32, exp_avg, exp_avg_sq) equals stage 0's.
+
+Layouts: TP, PP and DP changing at once, expansion and shrinking, non-divisor TP changes, odd
+DP (3, 5), DP >= 10, a BF16 group padding longer than one partition, uneven PP (6 blocks on 4
+stages), PP 1 <-> > 1 with tied embeddings.  Also: `reshard verify` on converted checkpoints and
+after perturbing one moment element, replicated fp32 masters that drift across TP ranks (refused
+by default, like drifted weights), extra per-parameter state tensors and per-group scalars.
+
+Run: /usr/bin/python3 tests/interop/test_optimizer.py --reshard build/reshard  (PYTHONPATH=tests)
+"""
+import argparse
+import collections
+import dataclasses
+import enum
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import unittest
+
+import numpy
+import torch
+
+from fixtures import megatron_fixture as mf
+
+RESHARD = None  # path of the binary, from --reshard
+ERROR_PREFIX = 'reshard: error: '
+
+SIZES = dict(L=6, h=48, n=12, hd=4, V=100, mvsdb=8)
+FAMILIES = {
+    'bs_bloom': dict(style='bs_bloom', ffn=96, **SIZES),
+    'bs_gpt_glu': dict(style='bs_gpt', glu=True, ffn=96, **SIZES),
+    'ms_gpt2': dict(style='ms_gpt2', ffn=96, **SIZES),
+    'ms_llama': dict(style='ms_llama', nkv=6, ffn=48, **SIZES),
+    # Small enough that the no-decay group of a stage is shorter than 2*DP at DP >= 16.
+    'tiny_bloom': dict(style='bs_bloom', L=2, h=8, n=2, ffn=16, V=30, mvsdb=4),
+}
+
+ZERO_RE = re.compile(r'^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$')
+STATE_KEYS = ('fp32', 'exp_avg', 'exp_avg_sq')
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------------
+
+def run(*args):
+    return subprocess.run([RESHARD, *map(str, args)], capture_output=True, text=True, timeout=300)
+
+
+def run_ok(*args):
+    proc = run(*args)
+    if proc.returncode != 0:
+        raise AssertionError(f'reshard {" ".join(map(str, args))} failed ({proc.returncode}): {proc.stderr}')
+    return proc
+
+
+def convert(src, dst_tag, layout, *extra):
+    tp, pp, dp = layout
+    return run_ok('convert', src, dst_tag, '--tp', tp, '--pp', pp, '--dp', dp, '-q', *extra)
+
+
+def load(path):
+    return torch.load(path, map_location='cpu', weights_only=False)
+
+
+def make_cfg(family, layout, **options):
+    tp, pp, dp = layout
+    return mf.FixtureConfig(tp=tp, pp=pp, dp=dp, **dict(FAMILIES[family], **options))
+
+
+def at_layout(cfg, layout):
+    """The same model and options at another (TP, PP, DP)."""
+    tp, pp, dp = layout
+    return dataclasses.replace(cfg, tp=tp, pp=pp, dp=dp, global_batch=None)
+
+
+def zero_files(tag):
+    """{(dp rank, mp index): file name} of a tag folder."""
+    out = {}
+    for name in os.listdir(tag):
+        m = ZERO_RE.match(name)
+        if m:
+            out[(int(m[2]), int(m[3]))] = name
+    return out
+
+
+def mp_file(tag, mm):
+    return os.path.join(tag, f'mp_rank_{mm:02d}_model_states.pt')
+
+
+def differences(a, b, where=''):
+    """Structural + bitwise differences of two unpickled objects (tensors: dtype, shape, bits;
+    dicts: key order; objects: class and vars())."""
+    if type(a) is not type(b):
+        return [f'{where}: {type(a).__name__} vs {type(b).__name__}']
+    if isinstance(a, torch.Tensor):
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return [f'{where}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}']
+        if not torch.equal(a, b):
+            bad = (a != b).nonzero()
+            return [f'{where}: {len(bad)} elements differ, first at {bad[0].tolist()}: '
+                    f'{a[tuple(bad[0])].item()!r} vs {b[tuple(bad[0])].item()!r}']
+        return []
+    if isinstance(a, enum.Enum):
+        return [] if a is b else [f'{where}: {a!r} vs {b!r}']
+    if isinstance(a, dict):
+        if list(a) != list(b):
+            return [f'{where}: keys {list(a)} vs {list(b)}']
+        return [d for k in a for d in differences(a[k], b[k], f'{where}.{k}')]
+    if isinstance(a, (list, tuple)):
+        if len(a) != len(b):
+            return [f'{where}: lengths {len(a)} vs {len(b)}']
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in differences(x, y, f'{where}[{i}]')]
+    if isinstance(a, numpy.ndarray):
+        return [] if numpy.array_equal(a, b) else [f'{where}: arrays differ']
+    if hasattr(a, '__dict__') and not isinstance(a, type):
+        return differences(vars(a), vars(b), where)
+    return [] if a == b else [f'{where}: {a!r} vs {b!r}']
+
+
+def group_offsets(group):
+    """{name: (flat offset, numel)} of one param_shapes group."""
+    out, offset = {}, 0
+    for name, shape in group.items():
+        n = math.prod(shape)
+        out[name] = (offset, n)
+        offset += n
+    return out
+
+
+def stage_states(tag, mm):
+    """{pipe name: {'fp32', 'exp_avg', 'exp_avg_sq'}} of mp index ``mm``, reassembled from the
+    DP shards with param_shapes and the flattening rule (independent of the shards' mappings)."""
+    files = {d: name for (d, m), name in zero_files(tag).items() if m == mm}
+    shards = [load(os.path.join(tag, files[d]))['optimizer_state_dict'] for d in range(len(files))]
+    out = {}
+    for g, group in enumerate(load(mp_file(tag, mm))['param_shapes']):
+        flats = {}
+        for key in STATE_KEYS:
+            parts = []
+            for osd in shards:
+                state = osd['base_optimizer_state']['state'][g]
+                t = osd['single_partition_of_fp32_groups'][g] if key == 'fp32' else state[key]
+                part = state['exp_avg'].numel()
+                parts.append(torch.cat([t, torch.zeros(part - t.numel())]))  # ZeRO-1 strips fp32 tails
+            flats[key] = torch.cat(parts)
+        for name, (offset, n) in group_offsets(group).items():
+            out[name] = {k: flats[k][offset:offset + n].reshape(group[name]).clone() for k in STATE_KEYS}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Masks: regions of the flat groups where two files may legitimately differ
+# ---------------------------------------------------------------------------------------------
+
+VOCAB_NAME = re.compile(r'^(tied_modules\.embed\.word_embeddings\.weight|\d+\.word_embeddings\.weight|\d+\.lm_head\.weight)$')
+
+
+def mask_rules(cfg, tp, pp, first_free_row):
+    """A function (mm, name, shape) -> [(lo, hi)] element ranges of the parameter to ignore:
+    vocabulary rows >= ``first_free_row`` (global row index) and the last stage's tied
+    position-embedding copy."""
+    def rule(mm, name, shape):
+        p, t = divmod(mm, tp)
+        if VOCAB_NAME.match(name):
+            rows, h = shape[0], math.prod(shape[1:])
+            r0 = t * rows
+            lo = max(first_free_row, r0)
+            return [((lo - r0) * h, rows * h)] if lo < r0 + rows else []
+        if name == 'tied_modules.embed.position_embeddings.weight' and pp > 1 and p == pp - 1:
+            return [(0, math.prod(shape))]
+        return []
+    return rule
+
+
+def apply_mask(osd, group_shapes, d, rule, mm):
+    """Zero the masked regions of DP shard d's fp32 partition and per-parameter state tensors."""
+    state = osd['base_optimizer_state']['state']
+    for g, group in enumerate(group_shapes):
+        part = state[g]['exp_avg'].numel()
+        tensors = [osd['single_partition_of_fp32_groups'][g]]
+        tensors += [v for v in state[g].values() if isinstance(v, torch.Tensor) and v.numel() == part]
+        for name, (offset, _) in group_offsets(group).items():
+            for lo, hi in rule(mm, name, group[name]):
+                a, b = max(offset + lo - d * part, 0), min(offset + hi - d * part, part)
+                for x in tensors:
+                    if a < min(b, x.numel()):
+                        x[a:min(b, x.numel())] = 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The checks
+# ---------------------------------------------------------------------------------------------
+
+class OptimizerTestCase(unittest.TestCase):
+
+    def tmpdir(self):
+        tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(tmp.cleanup)
+        return tmp.name
+
+    def assert_no_problems(self, problems, what):
+        if problems:
+            self.fail(f'{what}: {len(problems)} problem(s):\n  ' + '\n  '.join(problems[:25]))
+
+    # -- B against the canonical model, through the oracle ----------------------------------------
+
+    def check_canonical(self, tag, cfg, layout, kept_rows, source_cfg=None):
+        """``tag`` (at ``layout``) holds the canonical model and optimizer state; of its vocabulary
+        padding rows the first ``kept_rows`` carry the source's values, the rest are new (0)."""
+        tp, pp, dp = layout
+        logical = mf.load_logical(tag, cfg)
+        self.assertEqual((logical.layout['tp'], logical.layout['pp'], logical.layout['dp']), layout)
+        self.assertTrue(logical.optimizer, 'no optimizer state in the output')
+        diffs = mf.compare_with_canonical(logical, cfg)
+        # The oracle's expectation puts pad_fill in every padding row; rows the target adds are
+        # checked below instead.
+        self.assert_no_problems([d for d in diffs if '.padding:' not in d], f'{tag} vs canonical')
+        self.assert_no_problems(mf.structural_problems(tag, cfg), f'{tag} structure')
+        fp32, m, v = (logical.optimizer[k] for k in STATE_KEYS)
+        fill = torch.tensor([float(cfg.pad_fill)])
+        pad_m, pad_v = mf._adam_m(fill).item(), mf._adam_v(fill).item()  # as the fixture computes them
+        for name in [n for n in fp32 if n.endswith('.padding')]:
+            rows = mf.padded_vocab(cfg, tp) - cfg.V
+            self.assertEqual(fp32[name].shape[0], rows, name)
+            self.assertTrue(torch.equal(fp32[name].to(logical[name].dtype), logical[name]),
+                            f'{name}: fp32 master padding rows do not follow the weight rows')
+            for x, want in ((fp32[name], cfg.pad_fill), (m[name], pad_m), (v[name], pad_v)):
+                self.assertTrue(torch.all(x[:kept_rows] == want), f'{name}: kept padding rows changed')
+                self.assertTrue(torch.all(x[kept_rows:] == 0), f'{name}: new padding rows not zero')
+        self.assertEqual(logical.meta['optimizer_step'], [cfg.iteration])
+        return logical
+
+    # -- flat paddings, dtypes, storages, metadata --------------------------------------------
+
+    def check_shards(self, tag, source_tag):
+        """Padding elements are zero; tensors compact fp32; scalar metadata equals the source's."""
+        src_files = zero_files(source_tag)
+        src = load(os.path.join(source_tag, src_files[(0, 0)]))
+        src_osd = src['optimizer_state_dict']
+        problems = []
+        for (d, mm), name in sorted(zero_files(tag).items()):
+            where = name
+            obj = load(os.path.join(tag, name))
+            mp = load(mp_file(tag, mm))
+            if list(obj) != list(src):
+                problems.append(f'{where}: outer keys {list(obj)} vs source {list(src)}')
+                continue
+            problems += differences(src['ds_version'], obj['ds_version'], f'{where}:ds_version')
+            problems += differences(mp['ds_config'], obj['ds_config'], f'{where}:ds_config (vs its mp_rank file)')
+            osd = obj['optimizer_state_dict']
+            if list(osd) != list(src_osd):
+                problems.append(f'{where}: keys {list(osd)} vs source {list(src_osd)}')
+                continue
+            for key in osd:
+                if key in ('base_optimizer_state', 'single_partition_of_fp32_groups', 'group_paddings',
+                           'groups_padding', 'partition_count', 'param_slice_mappings'):
+                    continue
+                problems += differences(src_osd[key], osd[key], f'{where}:{key}')
+            base, src_base = osd['base_optimizer_state'], src_osd['base_optimizer_state']
+            problems += differences(list(src_base), list(base), f'{where}:base_optimizer_state keys')
+            shapes = mp['param_shapes']
+            if len(base['param_groups']) != len(src_base['param_groups']) or len(shapes) != len(base['param_groups']):
+                problems.append(f'{where}: {len(base["param_groups"])} param groups, source '
+                                f'{len(src_base["param_groups"])}, param_shapes {len(shapes)}')
+                continue
+            for g, (pg, spg) in enumerate(zip(base['param_groups'], src_base['param_groups'])):
+                problems += differences(spg, pg, f'{where}:param_groups[{g}]')
+                state, src_state = base['state'][g], src_base['state'][g]
+                if list(state) != list(src_state):
+                    problems.append(f'{where}: state[{g}] keys {list(state)} vs source {list(src_state)}')
+                total = sum(math.prod(s) for s in shapes[g].values())
+                part = state['exp_avg'].numel()
+                real = max(0, min(part, total - d * part))  # elements of this partition that are parameters
+                fp32 = osd['single_partition_of_fp32_groups'][g]
+                for key, t in [('fp32', fp32)] + [(k, x) for k, x in state.items() if isinstance(x, torch.Tensor)]:
+                    if key != 'step' and t.dtype != torch.float32:
+                        problems.append(f'{where}: group {g} {key} is {t.dtype}')
+                    if not mf.is_compact(t):
+                        problems.append(f'{where}: group {g} {key} storage not compact')
+                    if t.dim() == 1 and t.numel() > real and torch.any(t[real:] != 0):
+                        problems.append(f'{where}: group {g} {key}: padding elements not zero')
+        self.assert_no_problems(problems, f'{tag} shards')
+
+    # -- the files DeepSpeed would write ------------------------------------------------------
+
+    def check_files_equal(self, got_tag, want_tag, cfg, layout, first_free_row, skip_ds_config=False):
+        """Every optimizer file of ``got_tag`` equals ``want_tag``'s (same layout) bit for bit,
+        outside the masked regions; mp_rank param_shapes are identical."""
+        tp, pp, dp = layout
+        got_files, want_files = zero_files(got_tag), zero_files(want_tag)
+        self.assertEqual(sorted(got_files.values()), sorted(want_files.values()))
+        rule = mask_rules(cfg, tp, pp, first_free_row)
+        problems = []
+        for mm in range(tp * pp):
+            shapes = load(mp_file(want_tag, mm))['param_shapes']
+            problems += differences(shapes, load(mp_file(got_tag, mm))['param_shapes'], f'mp_rank_{mm:02d}:param_shapes')
+            for d in range(dp):
+                name = want_files[(d, mm)]
+                want, got = load(os.path.join(want_tag, name)), load(os.path.join(got_tag, name))
+                if skip_ds_config:
+                    want.pop('ds_config'), got.pop('ds_config')
+                apply_mask(want['optimizer_state_dict'], shapes, d, rule, mm)
+                apply_mask(got['optimizer_state_dict'], shapes, d, rule, mm)
+                problems += differences(want, got, name)
+        self.assert_no_problems(problems, f'{got_tag} vs {want_tag}')
+
+    def check_tied_copies(self, tag, cfg, layout):
+        """The last stage's tied embedding state equals stage 0's (fp32 and both moments)."""
+        tp, pp, _ = layout
+        if not cfg.tied or pp == 1:
+            return
+        for t in range(tp):
+            first, last = stage_states(tag, t), stage_states(tag, (pp - 1) * tp + t)
+            copies = [n for n in last if n.startswith('tied_modules.embed.')]
+            self.assertIn('tied_modules.embed.word_embeddings.weight', copies)
+            for name in copies:
+                for key in STATE_KEYS:
+                    self.assertTrue(torch.equal(first[name][key], last[name][key]),
+                                    f'{tag} tp {t}: last stage {name} {key} != stage 0')
+
+    # -- one conversion, fully checked, and its round trip ------------------------------------
+
+    def convert_and_check(self, family, a_layout, b_layout, round_trip=True, **options):
+        cfg = make_cfg(family, a_layout, **options)
+        tmp = self.tmpdir()
+        a_root, b_root, ref_root, a2_root = (os.path.join(tmp, x) for x in ('a', 'b', 'ref', 'a2'))
+        a_tag = mf.write_checkpoint(a_root, cfg)['tag_dir']
+        b_tag = os.path.join(b_root, cfg.tag)
+        convert(a_tag, b_tag, b_layout)
+        vp_a, vp_b = mf.padded_vocab(cfg, a_layout[0]), mf.padded_vocab(cfg, b_layout[0])
+        kept = min(vp_a, vp_b) - cfg.V
+        self.check_canonical(b_tag, cfg, b_layout, kept)
+        self.check_shards(b_tag, a_tag)
+        self.check_tied_copies(b_tag, cfg, b_layout)
+        # What DeepSpeed writes at B's layout (ds_config: reshard keeps the source's, the
+        # fixture derives batch sizes from DP; checked against mp_rank in check_shards).
+        ref_tag = mf.write_checkpoint(ref_root, at_layout(cfg, b_layout))['tag_dir']
+        self.check_files_equal(b_tag, ref_tag, cfg, b_layout, first_free_row=vp_a, skip_ds_config=True)
+        if not round_trip:
+            return cfg, a_tag, b_tag
+        a2_tag = os.path.join(a2_root, cfg.tag)
+        convert(b_tag, a2_tag, a_layout)
+        self.check_canonical(a2_tag, cfg, a_layout, kept)
+        self.check_tied_copies(a2_tag, cfg, a_layout)
+        self.check_files_equal(a2_tag, a_tag, cfg, a_layout, first_free_row=vp_b)
+        return cfg, a_tag, b_tag
+
+
+# ---------------------------------------------------------------------------------------------
+# Formats and layouts
+# ---------------------------------------------------------------------------------------------
+
+class LayoutTest(OptimizerTestCase):
+    """A -> B -> A for every optimizer format, TP/PP/DP changing at once."""
+
+    BF16 = [
+        ('bs_bloom', (2, 2, 2), (1, 4, 3)),    # all three change; 6 blocks on 4 stages; odd DP
+        ('bs_bloom', (1, 1, 1), (4, 3, 12)),   # expansion everywhere, DP 12, vocab 104 -> 128 rows
+        ('bs_bloom', (3, 3, 5), (2, 1, 2)),    # TP 3 -> 2, PP -> 1 (no tied copy), DP 5 -> 2
+        ('bs_gpt_glu', (2, 2, 2), (4, 1, 3)),  # GLU halves, absolute positions (tied copy)
+        ('ms_gpt2', (2, 2, 3), (3, 4, 5)),
+        ('ms_gpt2', (4, 3, 2), (1, 2, 1)),     # shrink to DP 1
+        ('ms_gpt2', (1, 1, 4), (6, 2, 3)),     # PP 1 -> 2 with a tied copy to create; 104 -> 144 rows
+        ('ms_llama', (2, 2, 2), (6, 3, 3)),    # untied head, GQA, SwiGLU
+        ('ms_llama', (3, 1, 12), (1, 4, 5)),   # DP 12 -> 5, uneven PP
+        ('ms_llama', (2, 2, 3), (2, 2, 3)),    # identity: the files come back unchanged
+    ]
+
+    def test_bf16_zero(self):
+        for family, a, b in self.BF16:
+            with self.subTest(family=family, a=a, b=b):
+                self.convert_and_check(family, a, b)
+
+    ZERO1 = [
+        ('ms_gpt2', (2, 2, 2), (1, 3, 5)),
+        ('bs_bloom', (1, 2, 4), (2, 1, 3)),
+        ('tiny_bloom', (1, 1, 2), (1, 2, 16)),  # per-rank paddings over several tail ranks
+    ]
+
+    def test_zero1_fp16(self):
+        for family, a, b in self.ZERO1:
+            with self.subTest(family=family, a=a, b=b):
+                cfg, a_tag, b_tag = self.convert_and_check(family, a, b, optimizer='zero1')
+                names = sorted(zero_files(b_tag).values())
+                self.assertTrue(all(n.startswith('zero_pp_rank_') for n in names), names[:3])
+                src = load(os.path.join(a_tag, zero_files(a_tag)[(0, 0)]))['optimizer_state_dict']
+                for name in names:
+                    osd = load(os.path.join(b_tag, name))['optimizer_state_dict']
+                    for key in ('loss_scaler', 'dynamic_loss_scale', 'overflow', 'zero_stage', 'clip_grad'):
+                        self.assertEqual(differences(src[key], osd[key], f'{name}:{key}'), [])
+
+    def test_legacy_v065(self):
+        """0.6.5 BF16 shards: the map is rebuilt from param_shapes; the output mirrors the
+        source's format (no param_slice_mappings, `groups_padding`)."""
+        for a, b in (((2, 2, 2), (1, 2, 3)), ((1, 1, 3), (2, 3, 10))):
+            with self.subTest(a=a, b=b):
+                cfg, a_tag, b_tag = self.convert_and_check('bs_bloom', a, b, legacy_v065=True)
+                for name in zero_files(b_tag).values():
+                    osd = load(os.path.join(b_tag, name))['optimizer_state_dict']
+                    self.assertNotIn('param_slice_mappings', osd, name)
+                    self.assertNotIn('group_paddings', osd, name)
+                    self.assertIn('groups_padding', osd, name)
+
+    def test_group_padding_longer_than_a_partition(self):
+        """BF16_Optimizer puts a whole group's padding on the last DP rank, even when it is longer
+        than a partition (large DP, tiny group)."""
+        for a, b in (((1, 1, 2), (2, 2, 16)), ((1, 2, 32), (1, 1, 3)), ((1, 1, 4), (1, 1, 32))):
+            with self.subTest(a=a, b=b):
+                cfg, a_tag, b_tag = self.convert_and_check('tiny_bloom', a, b)
+                tag, dp = (a_tag, a[2]) if a[2] > b[2] else (b_tag, b[2])
+                longest = 0
+                for (d, mm), name in zero_files(tag).items():
+                    if d == dp - 1:
+                        osd = load(os.path.join(tag, name))['optimizer_state_dict']
+                        for g, pad in enumerate(osd['group_paddings']):
+                            part = osd['base_optimizer_state']['state'][g]['exp_avg'].numel()
+                            longest = max(longest, pad / part)
+                self.assertGreater(longest, 1, 'the case should have a padding longer than a partition')
+
+    def test_tied_copy_created_from_stage0(self):
+        """PP 1 -> PP > 1: the last stage's tied copies did not exist in the source."""
+        for family in ('bs_bloom', 'ms_gpt2'):
+            with self.subTest(family=family):
+                cfg, _, b_tag = self.convert_and_check(family, (2, 1, 2), (1, 3, 2), round_trip=False)
+                last = stage_states(b_tag, 2)
+                self.assertIn('tied_modules.embed.word_embeddings.weight', last)
+                if cfg.position == 'absolute':
+                    self.assertIn('tied_modules.embed.position_embeddings.weight', last)
+
+    def test_default_dp_is_the_sources(self):
+        cfg = make_cfg('ms_gpt2', (2, 2, 3))
+        tmp = self.tmpdir()
+        a_tag = mf.write_checkpoint(os.path.join(tmp, 'a'), cfg)['tag_dir']
+        b_tag = os.path.join(tmp, 'b', cfg.tag)
+        run_ok('convert', a_tag, b_tag, '--tp', 1, '--pp', 3, '-q')
+        self.assertEqual({d for d, _ in zero_files(b_tag)}, {0, 1, 2})
+        self.check_canonical(b_tag, cfg, (1, 3, 3), mf.padded_vocab(cfg, 1) - cfg.V)
+
+
+# ---------------------------------------------------------------------------------------------
+# Refusals, policies, verify
+# ---------------------------------------------------------------------------------------------
+
+def rewrite(path, change):
+    obj = load(path)
+    change(obj)
+    torch.save(obj, path)
+
+
+EPS = 2.0 ** -20  # master drift far below bf16 resolution near 1.0 (2**-7)
+
+
+class PolicyTest(OptimizerTestCase):
+
+    def assert_refused(self, proc, *words):
+        self.assertEqual(proc.returncode, 2, proc.stderr)
+        lines = proc.stderr.strip().splitlines()
+        self.assertEqual(len(lines), 1, proc.stderr)
+        self.assertTrue(lines[0].startswith(ERROR_PREFIX), lines[0])
+        for word in words:
+            self.assertIn(word, lines[0].lower())
+        self.assertEqual(proc.stdout, '')
+
+    def test_fp16_optimizer_inside_mp_rank_refused(self):
+        cfg = make_cfg('ms_gpt2', (2, 2, 2), optimizer='nozero_fp16')
+        tmp = self.tmpdir()
+        a_tag = mf.write_checkpoint(os.path.join(tmp, 'a'), cfg)['tag_dir']
+        b_tag = os.path.join(tmp, 'b', cfg.tag)
+        self.assert_refused(run('convert', a_tag, b_tag, '--tp', 1, '--pp', 1), 'optimizer', '--weights-only')
+        self.assertFalse(os.path.exists(os.path.join(tmp, 'b')) and os.listdir(os.path.join(tmp, 'b')))
+        run_ok('convert', a_tag, b_tag, '--tp', 1, '--pp', 1, '--weights-only', '-q')
+        logical = mf.load_logical(b_tag, cfg)
+        self.assertEqual(logical.optimizer, {})
+        self.assertEqual(mf.compare_with_canonical(logical, cfg), [])
+        for mm in range(1):
+            self.assertIsNone(load(mp_file(b_tag, mm))['optimizer'])
+
+    def drifted_masters(self, eps):
+        """A TP 2 checkpoint whose replicated fp32 masters differ across TP ranks by ``eps`` (below
+        bf16 resolution, so the bf16 weights stay identical) and whose moments do not."""
+        cfg = make_cfg('bs_bloom', (2, 1, 2))
+        tmp = self.tmpdir()
+        a_tag = mf.write_checkpoint(os.path.join(tmp, 'a'), cfg)['tag_dir']
+        name = '4.input_layernorm.weight'
+        for (d, mm), fname in zero_files(a_tag).items():
+            if mm != 1:
+                continue
+            def change(obj):
+                osd = obj['optimizer_state_dict']
+                for g, mapping in enumerate(osd['param_slice_mappings']):
+                    if name in mapping:
+                        f = mapping[name]
+                        osd['single_partition_of_fp32_groups'][g][f.start:f.start + f.numel] += eps
+            rewrite(os.path.join(a_tag, fname), change)
+        self.assertEqual(mf.structural_problems(a_tag, cfg), [], 'the drift must stay below bf16 resolution')
+        self.assertGreater(mf.load_logical(a_tag, cfg).optimizer_drift['layers.1.input_layernorm.weight'], 0)
+        return cfg, tmp, a_tag
+
+    def test_master_drift_refused_by_default(self):
+        cfg, tmp, a_tag = self.drifted_masters(EPS)
+        proc = run('convert', a_tag, os.path.join(tmp, 'b', cfg.tag), '--tp', 1, '--pp', 1)
+        self.assert_refused(proc, 'input_layernorm', '--replicated')
+
+    def test_master_drift_first_and_average(self):
+        cfg, tmp, a_tag = self.drifted_masters(EPS)
+        b_tag = os.path.join(tmp, 'first', cfg.tag)
+        run_ok('convert', a_tag, b_tag, '--tp', 1, '--pp', 1, '--replicated', 'first', '-q')
+        self.check_canonical(b_tag, cfg, (1, 1, 2), mf.padded_vocab(cfg, 1) - cfg.V)
+        c_tag = os.path.join(tmp, 'average', cfg.tag)
+        run_ok('convert', a_tag, c_tag, '--tp', 3, '--pp', 1, '--replicated', 'average', '-q')
+        self.assert_no_problems(mf.structural_problems(c_tag, cfg), 'average')
+        master = mf.load_logical(c_tag, cfg).optimizer['fp32']['layers.1.input_layernorm.weight']
+        canon = mf.canonical_tensors(cfg)['layers.1.input_layernorm.weight']
+        mean = ((canon.double() + (canon + EPS).float().double()) / 2)
+        self.assertTrue(torch.allclose(master.double(), mean, rtol=0, atol=1e-7), 'average of the masters')
+
+    def test_drifted_fixture(self):
+        """tp_drift_eps drifts weights and masters alike: refused by default; `first` gives the
+        canonical state; `average` keeps bf16(master) == weight."""
+        cfg = make_cfg('ms_gpt2', (2, 2, 2), tp_drift_eps=1e-2)
+        tmp = self.tmpdir()
+        a_tag = mf.write_checkpoint(os.path.join(tmp, 'a'), cfg)['tag_dir']
+        self.assertGreater(max(mf.load_logical(a_tag, cfg).optimizer_drift.values()), 0)
+        self.assert_refused(run('convert', a_tag, os.path.join(tmp, 'b', cfg.tag), '--tp', 1, '--pp', 2),
+                            '--replicated')
+        b_tag = os.path.join(tmp, 'first', cfg.tag)
+        run_ok('convert', a_tag, b_tag, '--tp', 1, '--pp', 2, '--replicated', 'first', '-q')
+        self.check_canonical(b_tag, cfg, (1, 2, 2), mf.padded_vocab(cfg, 1) - cfg.V)
+        c_tag = os.path.join(tmp, 'average', cfg.tag)
+        run_ok('convert', a_tag, c_tag, '--tp', 1, '--pp', 2, '--replicated', 'average', '-q')
+        self.assert_no_problems(mf.structural_problems(c_tag, cfg), 'average: bf16(master) == weight')
+
+    def test_extra_state_tensors_and_scalars(self):
+        """Per-parameter state beyond Adam's two moments (amsgrad's max_exp_avg_sq) follows the
+        parameter's rule; a per-group scalar (torch Adam's `step`) is carried."""
+        cfg = make_cfg('bs_bloom', (2, 2, 2))
+        tmp = self.tmpdir()
+        a_tag = mf.write_checkpoint(os.path.join(tmp, 'a'), cfg)['tag_dir']
+        for fname in zero_files(a_tag).values():
+            def change(obj):
+                for g, st in obj['optimizer_state_dict']['base_optimizer_state']['state'].items():
+                    st['step'] = torch.tensor(float(cfg.iteration))
+                    st['max_exp_avg_sq'] = st['exp_avg_sq'] * 2
+            rewrite(os.path.join(a_tag, fname), change)
+        b_tag = os.path.join(tmp, 'b', cfg.tag)
+        convert(a_tag, b_tag, (1, 3, 5))
+        self.check_canonical(b_tag, cfg, (1, 3, 5), mf.padded_vocab(cfg, 1) - cfg.V)
+        self.check_shards(b_tag, a_tag)
+        for fname in zero_files(b_tag).values():
+            for g, st in load(os.path.join(b_tag, fname))['optimizer_state_dict']['base_optimizer_state']['state'].items():
+                self.assertEqual(list(st), ['exp_avg', 'exp_avg_sq', 'step', 'max_exp_avg_sq'])
+                self.assertEqual(differences(torch.tensor(float(cfg.iteration)), st['step']), [])
+                self.assertTrue(torch.equal(st['max_exp_avg_sq'], st['exp_avg_sq'] * 2), fname)
+        a2_tag = os.path.join(tmp, 'a2', cfg.tag)
+        convert(b_tag, a2_tag, (2, 2, 2))
+        self.check_files_equal(a2_tag, a_tag, cfg, (2, 2, 2), first_free_row=mf.padded_vocab(cfg, 1))
+
+    def test_verify(self):
+        cfg = make_cfg('ms_llama', (2, 2, 2))
+        tmp = self.tmpdir()
+        a_tag = mf.write_checkpoint(os.path.join(tmp, 'a'), cfg)['tag_dir']
+        b_tag = os.path.join(tmp, 'b', cfg.tag)
+        convert(a_tag, b_tag, (3, 1, 5))
+        proc = run('verify', a_tag, b_tag)
+        self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
+        self.assertIn('same model', proc.stdout + proc.stderr)
+        self.assertEqual(run('lint', b_tag).returncode, 0)
+        for key in ('exp_avg', 'exp_avg_sq', 'fp32'):
+            with self.subTest(perturbed=key):
+                c_tag = os.path.join(tmp, 'c_' + key, cfg.tag)
+                convert(b_tag, c_tag, (3, 1, 5))
+                name = zero_files(c_tag)[(2, 0)]
+                def change(obj):
+                    osd = obj['optimizer_state_dict']
+                    t = osd['single_partition_of_fp32_groups'][0] if key == 'fp32' else \
+                        osd['base_optimizer_state']['state'][0][key]
+                    t[7] += 0.5
+                rewrite(os.path.join(c_tag, name), change)
+                proc = run('verify', a_tag, c_tag)
+                self.assertEqual(proc.returncode, 1, proc.stdout + proc.stderr)
+                self.assertNotIn('same model', proc.stdout + proc.stderr)
+
+
+if __name__ == '__main__':
+    parser = argparse.ArgumentParser()
+    parser.add_argument('--reshard', required=True)
+    args, rest = parser.parse_known_args()
+    RESHARD = os.path.abspath(args.reshard)
+    unittest.main(argv=[sys.argv[0], *rest])
