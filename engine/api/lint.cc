@@ -47,8 +47,10 @@ void ReportOptimizerState(const LogicalCheckpoint& ckpt, const LintOptions& opti
   report->findings.push_back(
       {Finding::Severity::kInfo,
        "optimizer: " + where + std::to_string((*opt)->num_groups()) +
-           " groups, states " + states + (f.slice_mappings ? "" : ", no param_slice_mappings") +
-           "); their layout agrees with param_shapes"});
+           " groups, states " + states +
+           (f.slice_mappings || f.embedded ? "" : ", no param_slice_mappings") + "); " +
+           (f.embedded ? "its groups agree with DeepSpeed's stage partition"
+                       : "their layout agrees with param_shapes")});
 }
 
 std::string FirstDifference(const std::vector<std::vector<ParamShape>>& recorded,

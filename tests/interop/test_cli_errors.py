@@ -411,11 +411,17 @@ class ContentTests(ReshardTestCase):
         self.assertIn('weights only: the 8 optimizer shard files were not converted', stdout)
         self.assertFalse([n for n in os.listdir(out) if 'optim_states' in n])
 
-    def test_fp16_optimizer_state_inside_mp_rank_needs_weights_only(self):
+    def test_fp16_optimizer_state_inside_mp_rank_is_converted_or_left_out(self):
         tag = make_fixture(self.path('src'), style='ms_gpt2', tp=2, pp=1, optimizer='nozero_fp16')
-        out = self.path('out')
-        self.assertRefused(['convert', tag, out, '--tp', 1, '--pp', 1],
-                           ['optimizer state', '--weights-only'], watch=[self.path('src')], out=out)
+        out = self.path('out', 'global_step10')
+        stdout = self.assertConverted(['convert', tag, out, '--tp', 1, '--pp', 1], out,
+                                      watch=[self.path('src')])
+        self.assertIn('FP16_Optimizer state inside the mp_rank files is reshaped', stdout)
+        self.assertIsNotNone(torch.load(os.path.join(out, 'mp_rank_00_model_states.pt'))['optimizer'])
+        weights_only = self.path('weights', 'global_step10')
+        self.assertConverted(['convert', tag, weights_only, '--tp', 1, '--pp', 1, '--weights-only', '-q'],
+                             weights_only, watch=[self.path('src')])
+        self.assertIsNone(torch.load(os.path.join(weights_only, 'mp_rank_00_model_states.pt'))['optimizer'])
 
 
 # ---------------------------------------------------------------------------------------------
