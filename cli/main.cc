@@ -56,11 +56,12 @@ int RunLint(const std::string& ckpt, const reshard::LintOptions& o) {
   if (!r.ok()) return Fail(r.status());
   std::cout << r->summary << "\n";
   PrintFindings(r->findings);
+  const std::string with = r->rule_set.empty() ? "" : " with rule set '" + r->rule_set + "'";
   if (!r->ok()) {
-    std::cout << "lint: the checkpoint cannot be converted with rule set '" << r->rule_set << "'\n";
+    std::cout << "lint: the checkpoint cannot be converted" << with << "\n";
     return 1;
   }
-  std::cout << "lint: ok, the checkpoint can be converted with rule set '" << r->rule_set << "'\n";
+  std::cout << "lint: ok, the checkpoint can be converted" << with << "\n";
   return 0;
 }
 

@@ -18,6 +18,12 @@ int ThreadCount(int requested) {
 }
 
 std::string LayoutSummary(const LogicalCheckpoint& ckpt) {
+  if (!ckpt.pipeline) {
+    return "non-pipeline DeepSpeed checkpoint (the whole model in mp_rank files; only DP can "
+           "change); TP " + std::to_string(ckpt.tp) + ", DP " + std::to_string(ckpt.dp) +
+           "; iteration " + std::to_string(ckpt.iteration) + "; " +
+           std::to_string(ckpt.files.optimizer_files.size()) + " optimizer shards";
+  }
   int blocks = 0;
   for (const SpecEntry& s : ckpt.specs) blocks += s.role == "block" ? 1 : 0;
   std::string s = "rule set " + ckpt.rules->name() + " (numbering " + ckpt.numbering + "); TP " +

@@ -33,6 +33,10 @@ Status LoadOptimizerState(const LogicalCheckpoint& src, const ConvertOptions& op
         "microsoft Megatron-DeepSpeed, which always loads optimizer state, with --finetune");
     return Status::Ok();
   }
+  if (in_model_states && !src.pipeline) {
+    // Every DP rank holds the whole FP16_Optimizer state; a DP change keeps it as is.
+    return Status::Ok();
+  }
   RESHARD_ASSIGN_OR_RETURN(*optimizer, SourceOptimizer::Load(src, options.allowed_classes));
   return Status::Ok();
 }
@@ -162,7 +166,9 @@ Result<ConvertReport> Convert(const std::string& input, const std::string& outpu
   std::unique_ptr<SourceOptimizer> optimizer;
   RESHARD_RETURN_IF_ERROR(LoadOptimizerState(*src, options, &optimizer, &report));
   RESHARD_RETURN_IF_ERROR(CheckDrift(*src, options.replicated, &report));
-  if (optimizer) RESHARD_RETURN_IF_ERROR(CheckOptimizerDrift(*src, *optimizer, options.replicated));
+  if (optimizer && src->pipeline) {
+    RESHARD_RETURN_IF_ERROR(CheckOptimizerDrift(*src, *optimizer, options.replicated));
+  }
   PlanOptions plan_options = ToPlanOptions(options);
   plan_options.optimizer = optimizer != nullptr && !optimizer->format().embedded;
   RESHARD_ASSIGN_OR_RETURN(Plan plan, MakePlan(*src, plan_options));

@@ -32,7 +32,8 @@ void ReportOptimizerState(const LogicalCheckpoint& ckpt, const LintOptions& opti
                           LintReport* report) {
   const Value* embedded = Find(ckpt.metadata[0], "optimizer");
   const size_t shards = ckpt.files.optimizer_files.size();
-  if (shards == 0 && (embedded == nullptr || embedded->is_none())) return;
+  // Without pipelining, the FP16_Optimizer state is carried whole.
+  if (shards == 0 && (embedded == nullptr || embedded->is_none() || !ckpt.pipeline)) return;
   Result<std::unique_ptr<SourceOptimizer>> opt = SourceOptimizer::Load(ckpt, options.allowed_classes);
   if (!opt.ok()) {
     report->findings.push_back({Finding::Severity::kError, "optimizer: " + opt.status().message()});
@@ -112,10 +113,10 @@ Result<LintReport> Lint(const std::string& checkpoint, const LintOptions& option
   RESHARD_ASSIGN_OR_RETURN(std::unique_ptr<LogicalCheckpoint> ckpt,
                            LoadForCommand(checkpoint, options));
   LintReport report;
-  report.rule_set = ckpt->rules->name();
+  if (ckpt->pipeline) report.rule_set = ckpt->rules->name();
   report.summary = LayoutSummary(*ckpt);
   report.findings = ckpt->findings;
-  if (!ckpt->HasErrors()) {
+  if (!ckpt->HasErrors() && ckpt->pipeline) {
     ReportDrift(*ckpt, options.max_drift_lines, &report);
     CheckStages(*ckpt, &report);
   }

@@ -91,10 +91,67 @@ void CompareWeights(const LogicalCheckpoint& a, const LogicalCheckpoint& b,
   }
 }
 
+// Every tensor of a non-pipeline checkpoint's `module`, by dotted name.
+void CollectTensors(const Value& v, const std::string& prefix, std::map<std::string, const Tensor*>* out) {
+  if (v.is(Value::Kind::kTensor)) {
+    (*out)[prefix] = &v.as_tensor();
+    return;
+  }
+  const Items* items = DictItems(v);
+  if (items == nullptr) return;
+  for (const auto& [k, child] : *items) {
+    if (k.is(Value::Kind::kString)) CollectTensors(child, prefix.empty() ? k.as_string() : prefix + "." + k.as_string(), out);
+  }
+}
+
+bool SameBytes(const Tensor& a, const Tensor& b) {
+  return a.storage->dtype == b.storage->dtype && a.sizes == b.sizes &&
+         std::memcmp(TensorData(a), TensorData(b), static_cast<size_t>(a.numel()) * ElementSize(a.storage->dtype)) == 0;
+}
+
+// Non-pipeline checkpoints keep their TP layout: modules compare rank by rank.
+void CompareModules(const LogicalCheckpoint& a, const LogicalCheckpoint& b, VerifyReport* report) {
+  if (a.tp != b.tp) {
+    report->differences.push_back("TP " + std::to_string(a.tp) + " vs " + std::to_string(b.tp));
+    return;
+  }
+  for (int t = 0; t < a.tp; ++t) {
+    std::map<std::string, const Tensor*> ta, tb;
+    CollectTensors(*Find(a.metadata[t], "module"), "", &ta);
+    CollectTensors(*Find(b.metadata[t], "module"), "", &tb);
+    for (const auto& [name, tensor] : ta) {
+      auto other = tb.find(name);
+      ++report->tensors_compared;
+      report->elements_compared += tensor->numel();
+      if (other == tb.end() || !SameBytes(*tensor, *other->second)) {
+        report->differences.push_back(ModelStatesName(t) + " module." + name + ": differs or only in A");
+      }
+    }
+    for (const auto& [name, tensor] : tb) {
+      if (!ta.count(name)) report->differences.push_back(ModelStatesName(t) + " module." + name + ": only in B");
+    }
+  }
+}
+
+// The state of `name` on TP rank `t`, compared as is (no TP change possible).
+Status CompareLocalStates(const SourceOptimizer& opt_a, const SourceOptimizer& opt_b, int tp,
+                          const std::string& name, const std::string& state, VerifyReport* report) {
+  for (int t = 0; t < tp; ++t) {
+    RESHARD_ASSIGN_OR_RETURN(std::vector<uint8_t> da, opt_a.Gather(name, t, state));
+    RESHARD_ASSIGN_OR_RETURN(std::vector<uint8_t> db, opt_b.Gather(name, t, state));
+    ++report->tensors_compared;
+    report->elements_compared += static_cast<int64_t>(da.size() / 4);
+    if (da != db) report->differences.push_back("optimizer " + state + " " + name + ": differs");
+  }
+  return Status::Ok();
+}
+
 // Every element of every optimizer state (fp32 masters, moments, ...), per parameter.
 Status CompareOptimizers(const LogicalCheckpoint& a, const LogicalCheckpoint& b,
                          const VerifyOptions& options, VerifyReport* report) {
-  const bool has_a = !a.files.optimizer_files.empty(), has_b = !b.files.optimizer_files.empty();
+  // Without pipelining the FP16_Optimizer state is carried whole, not compared.
+  const bool has_a = HasOptimizerState(a) && (a.pipeline || !a.files.optimizer_files.empty());
+  const bool has_b = HasOptimizerState(b) && (b.pipeline || !b.files.optimizer_files.empty());
   if (!has_a || !has_b) {
     if (has_a || has_b) {
       report->notes.push_back(std::string("optimizer state not compared: only ") +
@@ -115,6 +172,10 @@ Status CompareOptimizers(const LogicalCheckpoint& a, const LogicalCheckpoint& b,
       continue;
     }
     for (const std::string& state : opt_a->states()) {
+      if (!a.pipeline) {
+        RESHARD_RETURN_IF_ERROR(CompareLocalStates(*opt_a, *opt_b, a.tp, name, state, report));
+        continue;
+      }
       RESHARD_ASSIGN_OR_RETURN(StateTensor sa, StateTensor::Gather(a, *opt_a, name, state));
       RESHARD_ASSIGN_OR_RETURN(StateTensor sb, StateTensor::Gather(b, *opt_b, name, state));
       CompareWhole({a, sa.layer_index(), sa.tensor_index(), sa.tensor()},
@@ -152,7 +213,15 @@ Result<VerifyReport> Verify(const std::string& a_path, const std::string& b_path
   VerifyReport report;
   report.notes.push_back("A: " + LayoutSummary(*a));
   report.notes.push_back("B: " + LayoutSummary(*b));
-  CompareWeights(*a, *b, options.replicated, &report);
+  if (a->pipeline != b->pipeline) {
+    return Status::InvalidInput("one checkpoint is a pipeline checkpoint and the other is not; "
+                                "reshard compares checkpoints of the same kind");
+  }
+  if (a->pipeline) {
+    CompareWeights(*a, *b, options.replicated, &report);
+  } else {
+    CompareModules(*a, *b, &report);
+  }
   RESHARD_RETURN_IF_ERROR(CompareOptimizers(*a, *b, options, &report));
   CompareMetadata(*a, *b, &report);
   if (a->vocab.padded_rows != b->vocab.padded_rows) {

@@ -19,6 +19,10 @@ const RE2& MpRankRegex() {
   static const RE2 re(R"(mp_rank_(\d+)_model_states\.pt)");
   return re;
 }
+const RE2& Zero3ModelRegex() {
+  static const RE2 re(R"(zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt)");
+  return re;
+}
 const RE2& OptimizerRegex() {
   static const RE2 re(R"((bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt)");
   return re;
@@ -84,6 +88,8 @@ void Classify(const std::string& name, const std::string& full, CheckpointFiles*
     files->mp_rank_files[a] = full;
   } else if (RE2::FullMatch(name, OptimizerRegex(), &bf16, &a, &b)) {
     files->optimizer_files.push_back({a, b, !bf16.empty(), full});
+  } else if (RE2::FullMatch(name, Zero3ModelRegex(), &a, &b)) {
+    files->zero3_model_files[b][a] = full;
   } else {
     files->other_files.push_back(name);
   }
@@ -144,7 +150,7 @@ Result<CheckpointFiles> ScanCheckpoint(const std::string& path) {
     }
   }
   if (ec) return Status::IoError("cannot list " + files.tag_dir + ": " + ec.message());
-  if (files.mp_rank_files.empty()) {
+  if (files.mp_rank_files.empty() && !files.IsZero3()) {
     return Status::InvalidInput(files.tag_dir +
                                 " has no mp_rank_*_model_states.pt files, so it is not a DeepSpeed "
                                 "checkpoint tag folder" +

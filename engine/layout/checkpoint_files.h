@@ -29,7 +29,12 @@ struct CheckpointFiles {
   // mp index -> path of mp_rank_{mp}_model_states.pt
   std::map<int, std::string> mp_rank_files;
   std::vector<OptimizerFileName> optimizer_files;
+  // ZeRO-3: mp index -> DP rank -> path of zero_pp_rank_{d}_mp_rank_{mp}_model_states.pt
+  std::map<int, std::map<int, std::string>> zero3_model_files;
   std::vector<std::string> other_files;  // names reshard does not recognise
+
+  // ZeRO-3 writes per-DP-rank model states instead of mp_rank files.
+  bool IsZero3() const { return !zero3_model_files.empty(); }
 
   // Number of distinct TP ranks among the layer files (0 without layer files).
   int LayerTpSize() const;

@@ -50,13 +50,6 @@ Status ReadMetadata(const LoadOptions& options, LogicalCheckpoint* ckpt) {
     if (DictItems(root) == nullptr) {
       return Status::InvalidInput(path + " does not hold a dict; it is not a DeepSpeed model-states file");
     }
-    const Value* module = Find(root, "module");
-    if (module != nullptr && !module->is_none()) {
-      return Status::Unsupported(FileName(path) +
-                                 " holds the whole model in 'module' (a non-pipeline or MoE "
-                                 "DeepSpeed checkpoint); reshard converts pipeline checkpoints "
-                                 "with layer_* files only");
-    }
     ckpt->metadata.push_back(std::move(root));
   }
   return Status::Ok();
@@ -357,9 +350,22 @@ Result<std::unique_ptr<LogicalCheckpoint>> LoadLogicalCheckpoint(const std::stri
                                                                  const LoadOptions& options) {
   auto ckpt = std::make_unique<LogicalCheckpoint>();
   RESHARD_ASSIGN_OR_RETURN(ckpt->files, ScanCheckpoint(path));
+  if (ckpt->files.IsZero3()) {
+    return Status::Unsupported(ckpt->files.tag_dir +
+                               " is a ZeRO-3 checkpoint (zero_pp_rank_*_model_states.pt), which "
+                               "reshard does not read yet");
+  }
   RESHARD_RETURN_IF_ERROR(CheckRankGrid(ckpt->files, &ckpt->tp, &ckpt->pp, &ckpt->dp));
   RESHARD_RETURN_IF_ERROR(ReadMetadata(options, ckpt.get()));
-  RESHARD_RETURN_IF_ERROR(ReadLayerFiles(options, ckpt.get()));
+  const Value* module = Find(ckpt->metadata[0], "module");
+  ckpt->pipeline = !ckpt->files.layer_files.empty() || module == nullptr || module->is_none();
+  if (ckpt->pipeline) {
+    RESHARD_RETURN_IF_ERROR(ReadLayerFiles(options, ckpt.get()));
+  } else {
+    // The DeepSpeed engine without pipelining numbers mp_rank files by TP rank.
+    ckpt->tp = ckpt->pp;
+    ckpt->pp = 1;
+  }
   CheckIterations(ckpt.get());
   CrossCheckDegrees(ckpt.get());
   if (ckpt->dp == 0) ckpt->dp = std::max<int64_t>(1, MetadataInt(ckpt->metadata[0], "dp_world_size", 1));
@@ -368,6 +374,7 @@ Result<std::unique_ptr<LogicalCheckpoint>> LoadLogicalCheckpoint(const std::stri
                              "; reshard does not know what it holds (move it out of the tag "
                              "folder if it does not belong to the checkpoint)");
   }
+  if (!ckpt->pipeline) return ckpt;  // no layer files to explain: only DP can change
 
   RESHARD_ASSIGN_OR_RETURN(RuleChoice choice, ChooseRuleSet(*ckpt, options.rules));
   ckpt->rules = choice.rules;

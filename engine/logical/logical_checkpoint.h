@@ -48,7 +48,12 @@ struct VocabInfo {
 
 struct LogicalCheckpoint {
   CheckpointFiles files;
-  std::shared_ptr<const RuleSet> rules;
+  // False for a non-pipeline DeepSpeed checkpoint (HF Trainer, Accelerate,
+  // Megatron-DeepSpeed --no-pipeline-parallel): the whole model sits in each
+  // mp_rank file's `module`, there are no layer files and no rules, and only
+  // the data-parallel size can change.
+  bool pipeline = true;
+  std::shared_ptr<const RuleSet> rules;  // null when !pipeline
   std::string numbering;           // which of the rule set's spec lists matched
   std::vector<SpecEntry> specs;    // that list, with `block` expanded
   int tp = 1, pp = 1, dp = 1;      // dp from the optimizer shards, else dp_world_size

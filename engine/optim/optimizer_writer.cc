@@ -23,6 +23,12 @@ Result<std::vector<uint8_t>> TargetLocalState(const LogicalCheckpoint& src,
                                               const SourceOptimizer& opt, const Plan& plan,
                                               const std::string& name, int t,
                                               const std::string& state, int64_t* read) {
+  if (!src.pipeline) {
+    // The TP layout is unchanged: TP rank t's state is the source rank's own.
+    RESHARD_ASSIGN_OR_RETURN(std::vector<uint8_t> same, opt.Gather(name, t, state));
+    *read += static_cast<int64_t>(same.size());
+    return same;
+  }
   RESHARD_ASSIGN_OR_RETURN(StateTensor source, StateTensor::Gather(src, opt, name, state));
   // Layer files are planned layer by layer, TP rank by TP rank.
   TensorPlan tensor_plan =

@@ -126,6 +126,11 @@ Status AddFlats(const Value& shard, const OptimizerFormat& format,
 
 }  // namespace
 
+bool HasOptimizerState(const LogicalCheckpoint& src) {
+  const Value* embedded = src.metadata.empty() ? nullptr : Find(src.metadata[0], "optimizer");
+  return !src.files.optimizer_files.empty() || (embedded != nullptr && !embedded->is_none());
+}
+
 Result<std::unique_ptr<SourceOptimizer>> SourceOptimizer::Load(
     const LogicalCheckpoint& src, const std::set<std::string>& allowed_classes) {
   auto opt = std::unique_ptr<SourceOptimizer>(new SourceOptimizer());

@@ -42,6 +42,10 @@ struct OptimizerFormat {
   }
 };
 
+// True when the checkpoint holds optimizer state: shard files, or the
+// FP16_Optimizer state inside its mp_rank files.
+bool HasOptimizerState(const LogicalCheckpoint& src);
+
 // The state name of the fp32 master weights (single_partition_of_fp32_groups).
 inline constexpr const char* kMasterState = "fp32";
 

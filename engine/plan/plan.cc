@@ -200,8 +200,40 @@ TensorPlan PlanFullTensor(const LogicalCheckpoint& src, int layer_index, int ten
   return PlanTensor(src, layer_index, tensor_index, 0, whole, src.vocab.padded_rows);
 }
 
+// A non-pipeline checkpoint keeps its TP layout and its one stage; the
+// mp_rank files and optimizer shards are rewritten for the new DP size.
+Result<Plan> MakeDataParallelPlan(const LogicalCheckpoint& src, const PlanOptions& options) {
+  if (options.tp != src.tp || options.pp != 1 || !options.layers_per_stage.empty()) {
+    return Status::InvalidInput(
+        "a non-pipeline checkpoint (the whole model in mp_rank files) keeps its tensor-parallel "
+        "layout; pass --tp " + std::to_string(src.tp) + " --pp 1 and choose the new --dp");
+  }
+  Plan plan;
+  plan.tp = src.tp;
+  plan.pp = 1;
+  plan.dp = options.dp > 0 ? options.dp : src.dp;
+  plan.optimizer = options.optimizer;
+  plan.stage_bounds = {0, 0};
+  for (int t = 0; t < src.tp; ++t) {
+    ModelStatesPlan ms;
+    ms.name = ModelStatesFileName(t);
+    ms.tp_rank = t;
+    ms.source_mp = t;
+    ReadParamShapes(src.metadata[t], &ms.param_shapes);
+    if (const Value* buffers = Find(src.metadata[t], "buffer_names");
+        buffers != nullptr && buffers->is(Value::Kind::kList)) {
+      for (const Value& b : buffers->as_list().items) {
+        if (b.is(Value::Kind::kString)) ms.buffer_names.push_back(b.as_string());
+      }
+    }
+    plan.model_states.push_back(std::move(ms));
+  }
+  return plan;
+}
+
 Result<Plan> MakePlan(const LogicalCheckpoint& src, const PlanOptions& options) {
   RESHARD_RETURN_IF_ERROR(CheckOptions(options));
+  if (!src.pipeline) return MakeDataParallelPlan(src, options);
   Plan plan;
   plan.tp = options.tp;
   plan.pp = options.pp;
@@ -237,9 +269,11 @@ std::string Plan::ToString(const LogicalCheckpoint& src, bool detail) const {
   for (const ModelStatesPlan& m : model_states) {
     size_t params = 0;
     for (const auto& g : m.param_shapes) params += g.size();
-    out += "  " + m.name + "  stage " + std::to_string(m.pp_rank) + " (specs " +
-           std::to_string(stage_bounds[m.pp_rank]) + "-" +
-           std::to_string(stage_bounds[m.pp_rank + 1] - 1) + "), " + std::to_string(params) +
+    const int first = stage_bounds[m.pp_rank], last = stage_bounds[m.pp_rank + 1] - 1;
+    const std::string specs = last >= first ? "specs " + std::to_string(first) + "-" + std::to_string(last)
+                                            : std::string("the whole model");
+    out += "  " + m.name + "  stage " + std::to_string(m.pp_rank) + " (" + specs + "), " +
+           std::to_string(params) +
            " parameters in " + std::to_string(m.param_shapes.size()) +
            " groups, metadata from " + ModelStatesName(m.source_mp) + "\n";
   }

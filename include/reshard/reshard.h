@@ -67,7 +67,7 @@ struct LintOptions : CommonOptions {
 };
 
 struct LintReport {
-  std::string rule_set;  // the rule set used
+  std::string rule_set;  // the rule set used (empty for non-pipeline checkpoints)
   std::string summary;   // layout, iteration, counts
   std::vector<Finding> findings;
   // True when no finding is an error: Convert would accept the checkpoint.
