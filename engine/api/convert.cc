@@ -45,28 +45,13 @@ Status LoadOptimizerState(const LogicalCheckpoint& src, const ConvertOptions& op
 // ranks too (masters and moments drift like the weights).
 Status CheckOptimizerDrift(const LogicalCheckpoint& src, const SourceOptimizer& opt,
                            ReplicatedPolicy policy) {
-  for (const std::string& name : opt.ParamNames()) {
-    int li = 0, ti = 0;
-    if (!ResolveParamName(src, name, &li, &ti)) continue;  // StateTensor reports it when converting
-    const ParamRule& rule = *src.layers[li].tensors[ti].rule;
-    if (rule.policy != ParamRule::Policy::kReplicated ||
-        PolicyFor(rule, policy) != ReplicatedPolicy::kCheck) {
-      continue;
-    }
-    for (const std::string& state : opt.states()) {
-      RESHARD_ASSIGN_OR_RETURN(StateTensor st, StateTensor::Gather(src, opt, name, state));
-      const LogicalTensor& t = st.tensor();
-      const size_t bytes = static_cast<size_t>(t.shards[0]->numel()) * 4;
-      for (int r = 1; r < src.tp; ++r) {
-        if (std::memcmp(TensorData(*t.shards[0]), TensorData(*t.shards[r]), bytes) != 0) {
-          return Status::InvalidInput(
-              "the optimizer state '" + state + "' of replicated parameter " + name +
-              " differs between TP ranks 0 and " + std::to_string(r) +
-              "; choose --replicated average (mean of the copies) or --replicated first (TP "
-              "rank 0's)");
-        }
-      }
-    }
+  RESHARD_ASSIGN_OR_RETURN(std::vector<StateDrift> drifts, MeasureStateDrift(src, opt));
+  for (const StateDrift& d : drifts) {
+    if (PolicyFor(*d.rule, policy) != ReplicatedPolicy::kCheck) continue;
+    return Status::InvalidInput(
+        "the optimizer state '" + d.state + "' of replicated parameter " + d.name +
+        " differs between TP ranks 0 and " + std::to_string(d.rank) +
+        "; choose --replicated average (mean of the copies) or --replicated first (TP rank 0's)");
   }
   return Status::Ok();
 }

@@ -2,6 +2,7 @@
 #include "api/common.h"
 #include "logical/drift.h"
 #include "optim/source_optimizer.h"
+#include "optim/state_tensor.h"
 #include "plan/plan.h"
 #include "plan/stages.h"
 
@@ -23,6 +24,29 @@ void ReportDrift(const LogicalCheckpoint& ckpt, int max_lines, LintReport* repor
   }
   if (static_cast<int>(drifts.size()) > max_lines) {
     Warn(report, "drift: ... and " + std::to_string(drifts.size() - max_lines) + " more");
+  }
+}
+
+// Replicated parameters whose masters or moments differ across TP ranks:
+// convert refuses them under `check`, as it refuses drifted weights.
+void ReportStateDrift(const LogicalCheckpoint& ckpt, const SourceOptimizer& opt, int max_lines,
+                      LintReport* report) {
+  Result<std::vector<StateDrift>> drifts = MeasureStateDrift(ckpt, opt);
+  if (!drifts.ok()) {
+    report->findings.push_back({Finding::Severity::kError, "optimizer: " + drifts.status().message()});
+    return;
+  }
+  if (drifts->empty()) return;
+  Warn(report, std::to_string(drifts->size()) +
+                   " optimizer state(s) of replicated parameters differ across TP ranks; convert "
+                   "refuses them unless you choose --replicated average or --replicated first");
+  for (size_t i = 0; i < drifts->size() && static_cast<int>(i) < max_lines; ++i) {
+    const StateDrift& d = (*drifts)[i];
+    Warn(report, "optimizer drift: '" + d.state + "' of " + d.name + " differs between TP ranks 0 and " +
+                     std::to_string(d.rank));
+  }
+  if (static_cast<int>(drifts->size()) > max_lines) {
+    Warn(report, "optimizer drift: ... and " + std::to_string(drifts->size() - max_lines) + " more");
   }
 }
 
@@ -52,6 +76,7 @@ void ReportOptimizerState(const LogicalCheckpoint& ckpt, const LintOptions& opti
            (f.slice_mappings || f.embedded ? "" : ", no param_slice_mappings") + "); " +
            (f.embedded ? "its groups agree with DeepSpeed's stage partition"
                        : "their layout agrees with param_shapes")});
+  if (ckpt.pipeline) ReportStateDrift(ckpt, **opt, options.max_drift_lines, report);
 }
 
 std::string FirstDifference(const std::vector<std::vector<ParamShape>>& recorded,

@@ -12,6 +12,7 @@
 #include "exec/model_states.h"
 #include "format/torch_file.h"
 #include "optim/optimizer_writer.h"
+#include "optim/state_tensor.h"
 
 namespace reshard {
 namespace {
@@ -27,14 +28,18 @@ Value NewTensor(const Tensor& like, const std::vector<int64_t>& shape,
 
 // Builds and writes one layer file; returns the source bytes read.
 Result<int64_t> WriteLayerFile(const LogicalCheckpoint& src, const LayerFilePlan& file,
-                               const std::string& dir) {
+                               const SourceOptimizer* optimizer, const std::string& dir) {
   const LogicalLayer& layer = src.layers[file.layer_index];
   Value root = layer.roots[0];  // keeps the source's container type, key order and extras
   int64_t read = 0;
   for (const TensorPlan& tp : file.tensors) {
     const LogicalTensor& lt = layer.tensors[tp.tensor_index];
     auto bytes = std::make_shared<std::vector<uint8_t>>();
-    read += MaterializeTensor(lt, tp, bytes.get());
+    bool from_master = false;
+    if (tp.average && optimizer != nullptr) {
+      RESHARD_ASSIGN_OR_RETURN(from_master, WeightFromMaster(src, *optimizer, tp, bytes.get()));
+    }
+    if (!from_master) read += MaterializeTensor(lt, tp, bytes.get());
     Set(root, lt.key, NewTensor(*lt.shards[0], tp.shape, std::move(bytes)));
   }
   RESHARD_RETURN_IF_ERROR(WriteTorchFile(dir + "/" + file.name, root));
@@ -84,7 +89,7 @@ Result<ExecuteStats> ExecutePlan(const LogicalCheckpoint& src, const Plan& plan,
   auto job = [&](size_t i) -> Status {
     std::string name;
     if (i < layer_jobs) {
-      RESHARD_ASSIGN_OR_RETURN(int64_t r, WriteLayerFile(src, plan.layer_files[i], dir));
+      RESHARD_ASSIGN_OR_RETURN(int64_t r, WriteLayerFile(src, plan.layer_files[i], options.optimizer, dir));
       read += r;
       name = plan.layer_files[i].name;
       written += FileSize(dir + "/" + name);

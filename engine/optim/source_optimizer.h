@@ -64,6 +64,7 @@ class SourceOptimizer {
   const Value& Template() const { return stages_[0].shards[0]; }
   // Parameter names the shards hold (each once; tied copies under their name).
   std::vector<std::string> ParamNames() const;
+  bool Has(const std::string& name) const { return owner_.count(name) > 0; }
 
   // `state` of parameter `name` as TP rank `t` holds it, from the first pipeline
   // stage that has the parameter (for tied parameters, the embedding's stage).

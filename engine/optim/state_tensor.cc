@@ -1,5 +1,8 @@
 #include "optim/state_tensor.h"
 
+#include <cstring>
+
+#include "exec/materialize.h"
 #include "plan/stages.h"
 
 namespace reshard {
@@ -23,6 +26,45 @@ Result<StateTensor> StateTensor::Gather(const LogicalCheckpoint& src, const Sour
   st.tensor_.shards.clear();
   for (const Tensor& t : st.shards_) st.tensor_.shards.push_back(&t);
   return st;
+}
+
+Result<std::vector<StateDrift>> MeasureStateDrift(const LogicalCheckpoint& src,
+                                                  const SourceOptimizer& opt) {
+  std::vector<StateDrift> drifts;
+  for (const std::string& name : opt.ParamNames()) {
+    int li = 0, ti = 0;
+    if (!ResolveParamName(src, name, &li, &ti)) continue;  // reported when gathered
+    const ParamRule* rule = src.layers[li].tensors[ti].rule;
+    if (rule->policy != ParamRule::Policy::kReplicated) continue;
+    for (const std::string& state : opt.states()) {
+      RESHARD_ASSIGN_OR_RETURN(StateTensor st, StateTensor::Gather(src, opt, name, state));
+      const LogicalTensor& t = st.tensor();
+      const size_t bytes = static_cast<size_t>(t.shards[0]->numel()) * 4;
+      for (int r = 1; r < src.tp; ++r) {
+        if (std::memcmp(TensorData(*t.shards[0]), TensorData(*t.shards[r]), bytes) != 0) {
+          drifts.push_back({name, state, rule, r});
+          break;
+        }
+      }
+    }
+  }
+  return drifts;
+}
+
+Result<bool> WeightFromMaster(const LogicalCheckpoint& src, const SourceOptimizer& opt,
+                              const TensorPlan& plan, std::vector<uint8_t>* out) {
+  const std::string name = ParamName(src, plan.layer_index, plan.tensor_index);
+  if (!opt.Has(name)) return false;
+  RESHARD_ASSIGN_OR_RETURN(StateTensor master, StateTensor::Gather(src, opt, name, kMasterState));
+  std::vector<uint8_t> merged;
+  MaterializeTensor(master.tensor(), plan, &merged);
+  const DType dtype = src.layers[plan.layer_index].tensors[plan.tensor_index].dtype;
+  const int es = ElementSize(dtype);
+  out->assign(merged.size() / 4 * es, 0);
+  for (size_t i = 0; i < merged.size() / 4; ++i) {
+    StoreFromDouble(dtype, LoadAsDouble(DType::kFloat32, merged.data() + 4 * i), out->data() + i * es);
+  }
+  return true;
 }
 
 }  // namespace reshard

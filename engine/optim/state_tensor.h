@@ -12,6 +12,7 @@
 
 #include "logical/logical_checkpoint.h"
 #include "optim/source_optimizer.h"
+#include "plan/plan.h"
 
 namespace reshard {
 
@@ -35,5 +36,24 @@ class StateTensor {
   std::vector<Tensor> shards_;  // own their gathered bytes
   int layer_index_ = 0, tensor_index_ = 0;
 };
+
+// A replicated parameter whose optimizer state differs between TP ranks.
+struct StateDrift {
+  std::string name;   // optimizer parameter name
+  std::string state;  // kMasterState, "exp_avg", ...
+  const ParamRule* rule = nullptr;
+  int rank = 0;       // the first TP rank differing from rank 0
+};
+
+// Every replicated parameter's state that is not bit-identical across TP ranks.
+Result<std::vector<StateDrift>> MeasureStateDrift(const LogicalCheckpoint& src,
+                                                  const SourceOptimizer& opt);
+
+// With optimizer state, a replicated weight merged by averaging is the merged
+// fp32 master cast to the weight's dtype, so that weight == dtype(master)
+// holds in the result as it does in DeepSpeed. Returns false (and leaves
+// `out` alone) for tensors without a master, such as buffers.
+Result<bool> WeightFromMaster(const LogicalCheckpoint& src, const SourceOptimizer& opt,
+                              const TensorPlan& plan, std::vector<uint8_t>* out);
 
 }  // namespace reshard

@@ -168,6 +168,13 @@ Result<std::vector<int>> TargetStageBounds(const LogicalCheckpoint& src, int pp,
   return bounds;
 }
 
+std::string ParamName(const LogicalCheckpoint& src, int layer_index, int tensor_index) {
+  const LogicalLayer& layer = src.layers[layer_index];
+  const std::string& key = layer.tensors[tensor_index].key;
+  if (layer.id == TiedLayerId(src)) return "tied_modules." + src.rules->tied_module() + "." + key;
+  return std::to_string(layer.id) + "." + key;
+}
+
 bool ReadParamShapes(const Value& metadata, std::vector<std::vector<ParamShape>>* out) {
   const Value* shapes = Find(metadata, "param_shapes");
   if (shapes == nullptr || !shapes->is(Value::Kind::kList)) return false;

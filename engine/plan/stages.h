@@ -36,6 +36,10 @@ StageParameters StageParams(const LogicalCheckpoint& src, int begin, int end, in
 // when it has none or they are malformed.
 bool ReadParamShapes(const Value& metadata, std::vector<std::vector<ParamShape>>* out);
 
+// The optimizer's name of a layer tensor: tied_modules.<m>.<key> for the tied
+// embedding, <spec id>.<key> otherwise.
+std::string ParamName(const LogicalCheckpoint& src, int layer_index, int tensor_index);
+
 // The layer and tensor a parameter name from `param_shapes` or
 // `param_slice_mappings` refers to; false for a name the checkpoint lacks.
 bool ResolveParamName(const LogicalCheckpoint& src, const std::string& name, int* layer_index,

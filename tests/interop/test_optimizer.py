@@ -3,14 +3,15 @@
 Sources are faithful checkpoints written with torch.save by the fixture generator:
 BF16_Optimizer shards (bs_bloom, bs_gpt GLU, ms_gpt2, ms_llama), fp16 ZeRO-1 shards with a
 loss scaler, DeepSpeed 0.6.5 BF16 shards (no param_slice_mappings, `groups_padding`) and
-FP16_Optimizer state inside mp_rank files (refused for now).  For every conversion A -> B:
+FP16_Optimizer state inside the mp_rank files (fp16 without ZeRO).  For every conversion A -> B:
 
   * B's optimizer state, reassembled by the fixture's independent oracle, is the canonical
     fp32 master / exp_avg / exp_avg_sq; vocabulary padding rows of the master follow the
     weight's (kept rows keep A's values, new rows are 0) and new rows have zero moments;
   * B passes the oracle's structural checks (slice mappings cover every stage parameter
     exactly once, group paddings, partition lengths, bf16(master) == weight, ...);
-  * B's optimizer files are exactly what DeepSpeed writes for B's layout: they equal, bit for
+  * B's optimizer files (or mp_rank optimizer state) are exactly what DeepSpeed writes for B's
+    layout: they equal, bit for
     bit and key for key, the files the fixture generator writes at B's layout (param_shapes,
     group order and membership, 2*DP alignment, paddings, partition_count, mappings, hyper-
     parameters, step, loss scaler), except where the two legitimately differ (vocabulary padding
@@ -23,9 +24,11 @@ FP16_Optimizer state inside mp_rank files (refused for now).  For every conversi
 
 Layouts: TP, PP and DP changing at once, expansion and shrinking, non-divisor TP changes, odd
 DP (3, 5), DP >= 10, a BF16 group padding longer than one partition, uneven PP (6 blocks on 4
-stages), PP 1 <-> > 1 with tied embeddings.  Also: `reshard verify` on converted checkpoints and
-after perturbing one moment element, replicated fp32 masters that drift across TP ranks (refused
-by default, like drifted weights), extra per-parameter state tensors and per-group scalars.
+stages), PP 1 <-> > 1 with tied embeddings, a custom --layers-per-stage, --vocab-pad-value.
+Also: `reshard verify` on converted checkpoints and after perturbing one moment element,
+replicated fp32 masters that drift across TP ranks (refused by default and listed by `lint`, like
+drifted weights; `average` keeps bf16(master) == weight), extra per-parameter state tensors and
+per-group scalars.
 
 Run: /usr/bin/python3 tests/interop/test_optimizer.py --reshard build/reshard  (PYTHONPATH=tests)
 """
@@ -152,10 +155,30 @@ def group_offsets(group):
     return out
 
 
-def stage_states(tag, mm):
+def fp16_group_shapes(cfg, layout, mm):
+    """FP16_Optimizer keeps no param_shapes: the groups of stage mm as DeepSpeed builds them
+    (the fixture's stage partition and grouping rules)."""
+    here = at_layout(cfg, layout)
+    p, t = divmod(mm, here.tp)
+    params = mf._stage_params(mf._Layout.of(here), p)
+    shapes = {sp.pipe_name: mf._local_shape(here, sp.entry, here.tp) for sp in params}
+    return [collections.OrderedDict((sp.pipe_name, shapes[sp.pipe_name]) for sp in g['members'])
+            for g in mf._param_groups(here, params, shapes)]
+
+
+def stage_states(tag, mm, cfg=None, layout=None):
     """{pipe name: {'fp32', 'exp_avg', 'exp_avg_sq'}} of mp index ``mm``, reassembled from the
-    DP shards with param_shapes and the flattening rule (independent of the shards' mappings)."""
+    DP shards with param_shapes and the flattening rule (independent of the shards' mappings),
+    or from the FP16_Optimizer state in the mp_rank file (then ``cfg`` and ``layout`` are needed)."""
     files = {d: name for (d, m), name in zero_files(tag).items() if m == mm}
+    if not files:
+        opt = load(mp_file(tag, mm))['optimizer']
+        out = {}
+        for g, group in enumerate(fp16_group_shapes(cfg, layout, mm)):
+            flats = {'fp32': opt['fp32_groups_flat'][g], **opt['optimizer_state_dict']['state'][g]}
+            for name, (offset, n) in group_offsets(group).items():
+                out[name] = {k: flats[k][offset:offset + n].reshape(group[name]).clone() for k in STATE_KEYS}
+        return out
     shards = [load(os.path.join(tag, files[d]))['optimizer_state_dict'] for d in range(len(files))]
     out = {}
     for g, group in enumerate(load(mp_file(tag, mm))['param_shapes']):
@@ -198,11 +221,13 @@ def mask_rules(cfg, tp, pp, first_free_row):
 
 
 def apply_mask(osd, group_shapes, d, rule, mm):
-    """Zero the masked regions of DP shard d's fp32 partition and per-parameter state tensors."""
-    state = osd['base_optimizer_state']['state']
+    """Zero the masked regions of DP shard d's fp32 partition and per-parameter state tensors
+    (``osd``: a ZeRO / BF16 optimizer_state_dict, or an FP16_Optimizer state dict with d = 0)."""
+    fp16 = 'fp32_groups_flat' in osd
+    state = (osd['optimizer_state_dict'] if fp16 else osd['base_optimizer_state'])['state']
     for g, group in enumerate(group_shapes):
         part = state[g]['exp_avg'].numel()
-        tensors = [osd['single_partition_of_fp32_groups'][g]]
+        tensors = [osd['fp32_groups_flat' if fp16 else 'single_partition_of_fp32_groups'][g]]
         tensors += [v for v in state[g].values() if isinstance(v, torch.Tensor) and v.numel() == part]
         for name, (offset, _) in group_offsets(group).items():
             for lo, hi in rule(mm, name, group[name]):
@@ -229,9 +254,10 @@ class OptimizerTestCase(unittest.TestCase):
 
     # -- B against the canonical model, through the oracle ----------------------------------------
 
-    def check_canonical(self, tag, cfg, layout, kept_rows, source_cfg=None):
+    def check_canonical(self, tag, cfg, layout, kept_rows, pad_value=0.0):
         """``tag`` (at ``layout``) holds the canonical model and optimizer state; of its vocabulary
-        padding rows the first ``kept_rows`` carry the source's values, the rest are new (0)."""
+        padding rows the first ``kept_rows`` carry the source's values, the rest are new: master
+        (and weight) ``pad_value``, moments 0."""
         tp, pp, dp = layout
         logical = mf.load_logical(tag, cfg)
         self.assertEqual((logical.layout['tp'], logical.layout['pp'], logical.layout['dp']), layout)
@@ -249,10 +275,11 @@ class OptimizerTestCase(unittest.TestCase):
             self.assertEqual(fp32[name].shape[0], rows, name)
             self.assertTrue(torch.equal(fp32[name].to(logical[name].dtype), logical[name]),
                             f'{name}: fp32 master padding rows do not follow the weight rows')
-            for x, want in ((fp32[name], cfg.pad_fill), (m[name], pad_m), (v[name], pad_v)):
+            for x, want, new in ((fp32[name], cfg.pad_fill, pad_value), (m[name], pad_m, 0), (v[name], pad_v, 0)):
                 self.assertTrue(torch.all(x[:kept_rows] == want), f'{name}: kept padding rows changed')
-                self.assertTrue(torch.all(x[kept_rows:] == 0), f'{name}: new padding rows not zero')
-        self.assertEqual(logical.meta['optimizer_step'], [cfg.iteration])
+                self.assertTrue(torch.all(x[kept_rows:] == new), f'{name}: new padding rows are not {new}')
+        if cfg.optimizer != 'nozero_fp16':  # the oracle reads steps from ZeRO shards only
+            self.assertEqual(logical.meta['optimizer_step'], [cfg.iteration])
         return logical
 
     # -- flat paddings, dtypes, storages, metadata --------------------------------------------
@@ -317,8 +344,16 @@ class OptimizerTestCase(unittest.TestCase):
         rule = mask_rules(cfg, tp, pp, first_free_row)
         problems = []
         for mm in range(tp * pp):
-            shapes = load(mp_file(want_tag, mm))['param_shapes']
-            problems += differences(shapes, load(mp_file(got_tag, mm))['param_shapes'], f'mp_rank_{mm:02d}:param_shapes')
+            want_mp, got_mp = load(mp_file(want_tag, mm)), load(mp_file(got_tag, mm))
+            shapes = want_mp['param_shapes']
+            problems += differences(shapes, got_mp['param_shapes'], f'mp_rank_{mm:02d}:param_shapes')
+            if cfg.optimizer == 'nozero_fp16':  # FP16_Optimizer.state_dict() inside the mp_rank file
+                shapes = fp16_group_shapes(cfg, layout, mm)
+                want, got = want_mp['optimizer'], got_mp['optimizer']
+                apply_mask(want, shapes, 0, rule, mm)
+                apply_mask(got, shapes, 0, rule, mm)
+                problems += differences(want, got, f'mp_rank_{mm:02d}:optimizer')
+                continue
             for d in range(dp):
                 name = want_files[(d, mm)]
                 want, got = load(os.path.join(want_tag, name)), load(os.path.join(got_tag, name))
@@ -335,7 +370,7 @@ class OptimizerTestCase(unittest.TestCase):
         if not cfg.tied or pp == 1:
             return
         for t in range(tp):
-            first, last = stage_states(tag, t), stage_states(tag, (pp - 1) * tp + t)
+            first, last = (stage_states(tag, mm, cfg, layout) for mm in (t, (pp - 1) * tp + t))
             copies = [n for n in last if n.startswith('tied_modules.embed.')]
             self.assertIn('tied_modules.embed.word_embeddings.weight', copies)
             for name in copies:
@@ -343,24 +378,57 @@ class OptimizerTestCase(unittest.TestCase):
                     self.assertTrue(torch.equal(first[name][key], last[name][key]),
                                     f'{tag} tp {t}: last stage {name} {key} != stage 0')
 
+    def check_fp16_optimizer(self, tag, source_tag, layout):
+        """FP16_Optimizer state in every mp_rank file: compact fp32 tensors, the source's scalars
+        and hyper-parameters, no ZeRO files."""
+        tp, pp, _ = layout
+        self.assertEqual(zero_files(tag), {})
+        src = load(mp_file(source_tag, 0))['optimizer']
+        problems = []
+        for mm in range(tp * pp):
+            opt = load(mp_file(tag, mm))['optimizer']
+            if list(opt) != list(src):
+                problems.append(f'mp_rank_{mm:02d}: optimizer keys {list(opt)} vs source {list(src)}')
+                continue
+            for key in opt:
+                if key not in ('optimizer_state_dict', 'fp32_groups_flat'):
+                    problems += differences(src[key], opt[key], f'mp_rank_{mm:02d}:optimizer.{key}')
+            problems += differences(src['optimizer_state_dict']['param_groups'],
+                                    opt['optimizer_state_dict']['param_groups'], f'mp_rank_{mm:02d}:param_groups')
+            tensors = list(opt['fp32_groups_flat']) + [
+                x for st in opt['optimizer_state_dict']['state'].values() for x in st.values()
+                if isinstance(x, torch.Tensor)]
+            for x in tensors:
+                if x.dtype != torch.float32 or not mf.is_compact(x):
+                    problems.append(f'mp_rank_{mm:02d}: optimizer tensor {x.dtype}, compact {mf.is_compact(x)}')
+        self.assert_no_problems(problems, f'{tag} FP16_Optimizer state')
+
     # -- one conversion, fully checked, and its round trip ------------------------------------
 
-    def convert_and_check(self, family, a_layout, b_layout, round_trip=True, **options):
+    def convert_and_check(self, family, a_layout, b_layout, round_trip=True, extra=(), pad_value=0.0,
+                          reference=True, **options):
+        """A (fixture at ``a_layout``) -> B -> A2; every check of this file.  ``extra``: more
+        convert arguments for A -> B; ``reference``: compare B with the fixture at B's layout
+        (not possible with a custom --layers-per-stage)."""
         cfg = make_cfg(family, a_layout, **options)
         tmp = self.tmpdir()
         a_root, b_root, ref_root, a2_root = (os.path.join(tmp, x) for x in ('a', 'b', 'ref', 'a2'))
         a_tag = mf.write_checkpoint(a_root, cfg)['tag_dir']
         b_tag = os.path.join(b_root, cfg.tag)
-        convert(a_tag, b_tag, b_layout)
+        convert(a_tag, b_tag, b_layout, *extra)
         vp_a, vp_b = mf.padded_vocab(cfg, a_layout[0]), mf.padded_vocab(cfg, b_layout[0])
         kept = min(vp_a, vp_b) - cfg.V
-        self.check_canonical(b_tag, cfg, b_layout, kept)
-        self.check_shards(b_tag, a_tag)
+        self.check_canonical(b_tag, cfg, b_layout, kept, pad_value)
+        if cfg.optimizer == 'nozero_fp16':
+            self.check_fp16_optimizer(b_tag, a_tag, b_layout)
+        else:
+            self.check_shards(b_tag, a_tag)
         self.check_tied_copies(b_tag, cfg, b_layout)
-        # What DeepSpeed writes at B's layout (ds_config: reshard keeps the source's, the
-        # fixture derives batch sizes from DP; checked against mp_rank in check_shards).
-        ref_tag = mf.write_checkpoint(ref_root, at_layout(cfg, b_layout))['tag_dir']
-        self.check_files_equal(b_tag, ref_tag, cfg, b_layout, first_free_row=vp_a, skip_ds_config=True)
+        if reference:
+            # What DeepSpeed writes at B's layout (ds_config: reshard keeps the source's, the
+            # fixture derives batch sizes from DP; checked against mp_rank in check_shards).
+            ref_tag = mf.write_checkpoint(ref_root, at_layout(cfg, b_layout))['tag_dir']
+            self.check_files_equal(b_tag, ref_tag, cfg, b_layout, first_free_row=vp_a, skip_ds_config=True)
         if not round_trip:
             return cfg, a_tag, b_tag
         a2_tag = os.path.join(a2_root, cfg.tag)
@@ -389,6 +457,7 @@ class LayoutTest(OptimizerTestCase):
         ('ms_llama', (2, 2, 2), (6, 3, 3)),    # untied head, GQA, SwiGLU
         ('ms_llama', (3, 1, 12), (1, 4, 5)),   # DP 12 -> 5, uneven PP
         ('ms_llama', (2, 2, 3), (2, 2, 3)),    # identity: the files come back unchanged
+        ('bs_bloom', (2, 2, 2), (2, 2, 5)),    # DP alone
     ]
 
     def test_bf16_zero(self):
@@ -452,6 +521,43 @@ class LayoutTest(OptimizerTestCase):
                 if cfg.position == 'absolute':
                     self.assertIn('tied_modules.embed.position_embeddings.weight', last)
 
+    def test_fp16_optimizer_without_zero(self):
+        """FP16_Optimizer (fp16, no ZeRO): the state lives in the mp_rank files, whole per stage."""
+        for family, a, b in (('ms_gpt2', (2, 2, 1), (1, 3, 1)), ('bs_bloom', (1, 1, 2), (4, 2, 3)),
+                             ('ms_llama', (3, 2, 1), (2, 1, 1))):
+            with self.subTest(family=family, a=a, b=b):
+                self.convert_and_check(family, a, b, optimizer='nozero_fp16')
+
+    def test_vocab_pad_value(self):
+        """New vocabulary padding rows: master = the weight's fill value, moments 0."""
+        self.convert_and_check('bs_bloom', (1, 2, 2), (4, 2, 3), extra=('--vocab-pad-value', '0.5'),
+                               pad_value=0.5, reference=False)
+
+    def test_layers_per_stage(self):
+        """A custom stage split: the optimizer follows the weights to the chosen stages."""
+        cfg, a_tag, b_tag = self.convert_and_check('ms_gpt2', (2, 2, 2), (1, 3, 3),
+                                                   extra=('--layers-per-stage', '1,4,1'), reference=False)
+        blocks = [sum(1 for n in load(mp_file(b_tag, mm))['param_shapes'][0]
+                      if n.endswith('self_attention.query_key_value.weight')) for mm in range(3)]
+        self.assertEqual(blocks, [1, 4, 1])
+
+    def test_universal_metadata_at_the_target_tp(self):
+        """MS declares TP-replicated and row-parallel parameter patterns only at TP > 1 (format doc
+        9.2); ds_to_universal needs them to merge the optimizer state of a TP > 1 checkpoint (without
+        them it concatenates replicated norms on dim 0 and row-parallel weights on the wrong dim).
+        A TP 1 source converted to TP > 1 must declare them as MS would at that TP."""
+        for family, a, b in (('ms_gpt2', (1, 2, 2), (2, 3, 2)), ('ms_llama', (1, 1, 1), (3, 2, 2))):
+            with self.subTest(family=family):
+                cfg = make_cfg(family, a)
+                tmp = self.tmpdir()
+                a_tag = mf.write_checkpoint(os.path.join(tmp, 'a'), cfg)['tag_dir']
+                b_tag = os.path.join(tmp, 'b', cfg.tag)
+                convert(a_tag, b_tag, b)
+                want = mf._universal_info(at_layout(cfg, b))
+                got = load(mp_file(b_tag, 0))['universal_checkpoint_info']
+                for key in ('tp_replicated_parameter_patterns', 'parameter_with_row_parallelism_patterns'):
+                    self.assertEqual(got.get(key), want[key], key)
+
     def test_default_dp_is_the_sources(self):
         cfg = make_cfg('ms_gpt2', (2, 2, 3))
         tmp = self.tmpdir()
@@ -486,20 +592,6 @@ class PolicyTest(OptimizerTestCase):
             self.assertIn(word, lines[0].lower())
         self.assertEqual(proc.stdout, '')
 
-    def test_fp16_optimizer_inside_mp_rank_refused(self):
-        cfg = make_cfg('ms_gpt2', (2, 2, 2), optimizer='nozero_fp16')
-        tmp = self.tmpdir()
-        a_tag = mf.write_checkpoint(os.path.join(tmp, 'a'), cfg)['tag_dir']
-        b_tag = os.path.join(tmp, 'b', cfg.tag)
-        self.assert_refused(run('convert', a_tag, b_tag, '--tp', 1, '--pp', 1), 'optimizer', '--weights-only')
-        self.assertFalse(os.path.exists(os.path.join(tmp, 'b')) and os.listdir(os.path.join(tmp, 'b')))
-        run_ok('convert', a_tag, b_tag, '--tp', 1, '--pp', 1, '--weights-only', '-q')
-        logical = mf.load_logical(b_tag, cfg)
-        self.assertEqual(logical.optimizer, {})
-        self.assertEqual(mf.compare_with_canonical(logical, cfg), [])
-        for mm in range(1):
-            self.assertIsNone(load(mp_file(b_tag, mm))['optimizer'])
-
     def drifted_masters(self, eps):
         """A TP 2 checkpoint whose replicated fp32 masters differ across TP ranks by ``eps`` (below
         bf16 resolution, so the bf16 weights stay identical) and whose moments do not."""
@@ -525,6 +617,11 @@ class PolicyTest(OptimizerTestCase):
         cfg, tmp, a_tag = self.drifted_masters(EPS)
         proc = run('convert', a_tag, os.path.join(tmp, 'b', cfg.tag), '--tp', 1, '--pp', 1)
         self.assert_refused(proc, 'input_layernorm', '--replicated')
+        # Like drifted weights, `lint` lists what convert would refuse.
+        proc = run('lint', a_tag)
+        warnings = [line for line in proc.stdout.splitlines() if line.startswith('warning:')]
+        self.assertTrue(any('input_layernorm' in line for line in warnings),
+                        f'lint does not list the drifted optimizer state:\n{proc.stdout}')
 
     def test_master_drift_first_and_average(self):
         cfg, tmp, a_tag = self.drifted_masters(EPS)
