@@ -11,6 +11,7 @@
 #include "optim/source_optimizer.h"
 #include "optim/state_tensor.h"
 #include "plan/stages.h"
+#include "zero3/zero3_checkpoint.h"
 #include "reshard/reshard.h"
 
 namespace reshard {
@@ -86,17 +87,37 @@ Status CheckDrift(const LogicalCheckpoint& src, ReplicatedPolicy policy, Convert
   return Status::Ok();
 }
 
-// Writing `latest` into the input's root would change which checkpoint the
-// input root names: that is modifying the input.
-Status CheckLatestIsNotTheInputs(const LogicalCheckpoint& src, const std::string& out,
-                                 bool update_latest) {
+// Checks the output folder; writing `latest` into the input's root would
+// change which checkpoint the input root names, which is modifying the input.
+Result<OutputFolder> CheckOutput(const std::string& input, const CheckpointFiles& files,
+                                 const std::string& output, const ConvertOptions& options) {
+  RESHARD_ASSIGN_OR_RETURN(OutputFolder out,
+                           OutputFolder::Check(output, {input, files.tag_dir}, options.overwrite));
   namespace fs = std::filesystem;
   std::error_code ec;
-  const fs::path parent = fs::path(out).parent_path();
-  if (!update_latest || !fs::equivalent(parent, src.files.root_dir, ec)) return Status::Ok();
-  return Status::InvalidInput("the output folder " + out + " is beside the input in " +
-                              parent.string() + ", whose 'latest' it would replace; choose a "
-                              "folder elsewhere or pass --no-update-latest");
+  const fs::path parent = fs::path(out.path()).parent_path();
+  if (options.update_latest && fs::equivalent(parent, files.root_dir, ec)) {
+    return Status::InvalidInput("the output folder " + out.path() + " is beside the input in " +
+                                parent.string() + ", whose 'latest' it would replace; choose a "
+                                "folder elsewhere or pass --no-update-latest");
+  }
+  return out;
+}
+
+// Moves the finished folder into place, then `latest` (and
+// latest_checkpointed_iteration.txt where the source root has one).
+Status Publish(OutputFolder* out, const CheckpointFiles& source, int64_t iteration,
+               bool update_latest) {
+  RESHARD_RETURN_IF_ERROR(out->Commit());
+  if (!update_latest) return Status::Ok();
+  namespace fs = std::filesystem;
+  const fs::path out_path(out->path());
+  std::optional<int64_t> iteration_file;
+  std::error_code ec;
+  if (fs::exists(fs::path(source.root_dir) / "latest_checkpointed_iteration.txt", ec)) {
+    iteration_file = iteration;
+  }
+  return UpdateLatest(out_path.parent_path().string(), out_path.filename().string(), iteration_file);
 }
 
 PlanOptions ToPlanOptions(const ConvertOptions& o) {
@@ -121,20 +142,36 @@ Status Execute(const LogicalCheckpoint& src, const Plan& plan, const SourceOptim
   exec.progress = options.progress;
   exec.optimizer = optimizer;
   RESHARD_ASSIGN_OR_RETURN(ExecuteStats stats, ExecutePlan(src, plan, out->staging_dir(), exec));
-  RESHARD_RETURN_IF_ERROR(out->Commit());
   report->files_written = stats.files;
   report->bytes_written = stats.bytes_written;
   report->bytes_read = stats.bytes_read;
-  if (!options.update_latest) return Status::Ok();
-  const std::filesystem::path out_path(out->path());
-  std::optional<int64_t> iteration;
-  std::error_code ec;
-  if (std::filesystem::exists(std::filesystem::path(src.files.root_dir) /
-                                  "latest_checkpointed_iteration.txt",
-                              ec)) {
-    iteration = src.iteration;
+  return Publish(out, src.files, src.iteration, options.update_latest);
+}
+
+// ZeRO-3 checkpoints have no layer files: their model layout stays, DP changes.
+Result<ConvertReport> ConvertZero3(const CheckpointFiles& files, const std::string& input,
+                                   const std::string& output, const ConvertOptions& options) {
+  RESHARD_ASSIGN_OR_RETURN(std::unique_ptr<Zero3Checkpoint> src,
+                           Zero3Checkpoint::Load(files, options.allowed_classes));
+  if (options.target_tp != src->mp() || options.target_pp != 1 || !options.layers_per_stage.empty()) {
+    return Status::InvalidInput("a ZeRO-3 checkpoint keeps its model layout; pass --tp " +
+                                std::to_string(src->mp()) + " --pp 1 and choose the new --dp");
   }
-  return UpdateLatest(out_path.parent_path().string(), out_path.filename().string(), iteration);
+  if (options.weights_only) {
+    return Status::InvalidInput("a ZeRO-3 checkpoint keeps its weights in the optimizer shards "
+                                "(fp32 masters); --weights-only does not apply");
+  }
+  const int dp = options.target_dp > 0 ? options.target_dp : src->dp();
+  ConvertReport report;
+  report.plan = src->Summary() + "\ntarget: DP " + std::to_string(dp) + "; " +
+                std::to_string(2 * dp * src->mp()) + " files (model states and optimizer shards per DP rank)\n";
+  RESHARD_ASSIGN_OR_RETURN(OutputFolder out, CheckOutput(input, files, output, options));
+  if (options.dry_run) return report;
+  RESHARD_RETURN_IF_ERROR(out.Begin());
+  const bool bf16 = !files.optimizer_files.empty() && files.optimizer_files[0].bf16;
+  RESHARD_ASSIGN_OR_RETURN(report.files_written, src->Write(dp, out.staging_dir(), bf16));
+  RESHARD_RETURN_IF_ERROR(Publish(&out, files, src->iteration(), options.update_latest));
+  return report;
 }
 
 }  // namespace
@@ -144,6 +181,12 @@ Result<ConvertReport> Convert(const std::string& input, const std::string& outpu
   const auto start = std::chrono::steady_clock::now();
   if (options.target_tp < 1 || options.target_pp < 1) {
     return Status::InvalidInput("convert needs the target layout: --tp N and --pp N (both >= 1)");
+  }
+  RESHARD_ASSIGN_OR_RETURN(CheckpointFiles files, ScanCheckpoint(input));
+  if (files.IsZero3()) {
+    Result<ConvertReport> report = ConvertZero3(files, input, output, options);
+    if (report.ok()) report->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    return report;
   }
   RESHARD_ASSIGN_OR_RETURN(std::unique_ptr<LogicalCheckpoint> src, LoadForCommand(input, options));
   RESHARD_RETURN_IF_ERROR(src->FirstError());
@@ -164,9 +207,7 @@ Result<ConvertReport> Convert(const std::string& input, const std::string& outpu
                            "reshaped with the weights (its groups follow DeepSpeed's current "
                            "stage partition)");
   }
-  RESHARD_ASSIGN_OR_RETURN(OutputFolder out,
-                           OutputFolder::Check(output, {input, src->files.tag_dir}, options.overwrite));
-  RESHARD_RETURN_IF_ERROR(CheckLatestIsNotTheInputs(*src, out.path(), options.update_latest));
+  RESHARD_ASSIGN_OR_RETURN(OutputFolder out, CheckOutput(input, src->files, output, options));
   if (!options.dry_run) {
     RESHARD_RETURN_IF_ERROR(Execute(*src, plan, optimizer.get(), &out, options, &report));
   }

@@ -1,5 +1,6 @@
 // reshard::Inspect: a readable description of a checkpoint.
 #include "api/common.h"
+#include "zero3/zero3_checkpoint.h"
 
 namespace reshard {
 namespace {
@@ -47,6 +48,18 @@ std::string LayerLines(const LogicalCheckpoint& ckpt) {
 }  // namespace
 
 Result<std::string> Inspect(const std::string& checkpoint, const InspectOptions& options) {
+  RESHARD_ASSIGN_OR_RETURN(CheckpointFiles files, ScanCheckpoint(checkpoint));
+  if (files.IsZero3()) {
+    RESHARD_ASSIGN_OR_RETURN(std::unique_ptr<Zero3Checkpoint> zero3,
+                             Zero3Checkpoint::Load(files, options.allowed_classes));
+    std::string out = "checkpoint: " + files.tag_dir + "\n" + zero3->Summary() + "\n";
+    for (size_t sg = 0; sg < zero3->ranks()[0].sub_groups.size(); ++sg) {
+      out += "  sub-group " + std::to_string(sg) + ":";
+      for (const Zero3Param& p : zero3->ranks()[0].sub_groups[sg]) out += " " + p.name + ShapeString(p.shape);
+      out += "\n";
+    }
+    return out;
+  }
   RESHARD_ASSIGN_OR_RETURN(std::unique_ptr<LogicalCheckpoint> ckpt,
                            LoadForCommand(checkpoint, options));
   std::string out = "checkpoint: " + ckpt->files.tag_dir + "\n" + LayoutSummary(*ckpt) + "\n";

@@ -3,6 +3,7 @@
 #include "logical/drift.h"
 #include "optim/source_optimizer.h"
 #include "optim/state_tensor.h"
+#include "zero3/zero3_checkpoint.h"
 #include "plan/plan.h"
 #include "plan/stages.h"
 
@@ -135,6 +136,17 @@ bool LintReport::ok() const {
 }
 
 Result<LintReport> Lint(const std::string& checkpoint, const LintOptions& options) {
+  RESHARD_ASSIGN_OR_RETURN(CheckpointFiles files, ScanCheckpoint(checkpoint));
+  if (files.IsZero3()) {
+    // Loading checks every partition and sub-group against param_shapes.
+    RESHARD_ASSIGN_OR_RETURN(std::unique_ptr<Zero3Checkpoint> zero3,
+                             Zero3Checkpoint::Load(files, options.allowed_classes));
+    LintReport report;
+    report.summary = zero3->Summary();
+    report.findings.push_back({Finding::Severity::kInfo,
+                               "optimizer: the ZeRO-3 partitions agree with param_shapes"});
+    return report;
+  }
   RESHARD_ASSIGN_OR_RETURN(std::unique_ptr<LogicalCheckpoint> ckpt,
                            LoadForCommand(checkpoint, options));
   LintReport report;

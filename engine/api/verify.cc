@@ -7,6 +7,7 @@
 #include "exec/materialize.h"
 #include "logical/drift.h"
 #include "optim/state_tensor.h"
+#include "zero3/zero3_checkpoint.h"
 #include "plan/plan.h"
 
 namespace reshard {
@@ -202,8 +203,46 @@ void CompareMetadata(const LogicalCheckpoint& a, const LogicalCheckpoint& b, Ver
 
 }  // namespace
 
+// ZeRO-3 checkpoints: every element of every state of every parameter.
+Result<VerifyReport> VerifyZero3(const CheckpointFiles& fa, const CheckpointFiles& fb,
+                                 const VerifyOptions& options) {
+  RESHARD_ASSIGN_OR_RETURN(auto a, Zero3Checkpoint::Load(fa, options.allowed_classes));
+  RESHARD_ASSIGN_OR_RETURN(auto b, Zero3Checkpoint::Load(fb, options.allowed_classes));
+  VerifyReport report;
+  report.notes.push_back("A: " + a->Summary());
+  report.notes.push_back("B: " + b->Summary());
+  if (a->mp() != b->mp() || a->states() != b->states()) {
+    report.differences.push_back("model-parallel size or optimizer states differ");
+    return report;
+  }
+  for (int mp = 0; mp < a->mp(); ++mp) {
+    for (const auto& group : a->ranks()[mp].sub_groups) {
+      for (const Zero3Param& p : group) {
+        for (const std::string& state : a->states()) {
+          RESHARD_ASSIGN_OR_RETURN(std::vector<float> va, a->Gather(mp, p.name, state));
+          Result<std::vector<float>> vb = b->Gather(mp, p.name, state);
+          ++report.tensors_compared;
+          report.elements_compared += static_cast<int64_t>(va.size());
+          if (!vb.ok() || std::memcmp(va.data(), vb->data(), va.size() * 4) != 0 || va.size() != vb->size()) {
+            report.differences.push_back("optimizer " + state + " " + p.name + ": differs or only in A");
+          }
+        }
+      }
+    }
+  }
+  if (a->iteration() != b->iteration()) report.differences.push_back("iteration differs");
+  return report;
+}
+
 Result<VerifyReport> Verify(const std::string& a_path, const std::string& b_path,
                             const VerifyOptions& options) {
+  RESHARD_ASSIGN_OR_RETURN(CheckpointFiles fa, ScanCheckpoint(a_path));
+  RESHARD_ASSIGN_OR_RETURN(CheckpointFiles fb, ScanCheckpoint(b_path));
+  if (fa.IsZero3() != fb.IsZero3()) {
+    return Status::InvalidInput("only one of the checkpoints is a ZeRO-3 checkpoint; reshard "
+                                "compares checkpoints of the same kind");
+  }
+  if (fa.IsZero3()) return VerifyZero3(fa, fb, options);
   RESHARD_ASSIGN_OR_RETURN(std::unique_ptr<LogicalCheckpoint> a, LoadForCommand(a_path, options));
   CommonOptions b_options = options;
   if (!options.rules_b.empty()) b_options.rules = options.rules_b;

@@ -447,36 +447,42 @@ class LayoutTest(OptimizerTestCase):
     """A -> B -> A for every optimizer format, TP/PP/DP changing at once."""
 
     BF16 = [
-        ('bs_bloom', (2, 2, 2), (1, 4, 3)),    # all three change; 6 blocks on 4 stages; odd DP
-        ('bs_bloom', (1, 1, 1), (4, 3, 12)),   # expansion everywhere, DP 12, vocab 104 -> 128 rows
-        ('bs_bloom', (3, 3, 5), (2, 1, 2)),    # TP 3 -> 2, PP -> 1 (no tied copy), DP 5 -> 2
-        ('bs_gpt_glu', (2, 2, 2), (4, 1, 3)),  # GLU halves, absolute positions (tied copy)
-        ('ms_gpt2', (2, 2, 3), (3, 4, 5)),
-        ('ms_gpt2', (4, 3, 2), (1, 2, 1)),     # shrink to DP 1
-        ('ms_gpt2', (1, 1, 4), (6, 2, 3)),     # PP 1 -> 2 with a tied copy to create; 104 -> 144 rows
-        ('ms_llama', (2, 2, 2), (6, 3, 3)),    # untied head, GQA, SwiGLU
-        ('ms_llama', (3, 1, 12), (1, 4, 5)),   # DP 12 -> 5, uneven PP
-        ('ms_llama', (2, 2, 3), (2, 2, 3)),    # identity: the files come back unchanged
-        ('bs_bloom', (2, 2, 2), (2, 2, 5)),    # DP alone
+        ('bs_bloom', (2, 2, 2), (1, 4, 3), {}),    # all three change; 6 blocks on 4 stages; odd DP
+        ('bs_bloom', (1, 1, 1), (4, 3, 12), {}),   # expansion everywhere, DP 12, vocab 104 -> 128 rows
+        ('bs_bloom', (3, 3, 5), (2, 1, 2), {}),    # TP 3 -> 2, PP -> 1 (no tied copy), DP 5 -> 2
+        ('bs_bloom', (2, 2, 2), (2, 2, 5), {}),    # DP alone
+        ('bs_bloom', (2, 2, 2), (1, 4, 3), dict(pp_method='parameters')),
+        ('bs_bloom', (1, 3, 2), (2, 4, 3), dict(pp_method='type:transformer|embedding')),
+        ('bs_gpt_glu', (2, 2, 2), (4, 1, 3), {}),  # GLU halves, absolute positions (tied copy)
+        ('bs_gpt_glu', (2, 2, 2), (1, 3, 3), dict(rotary=True)),  # inv_freq buffers: no state
+        ('ms_gpt2', (2, 2, 3), (3, 4, 5), {}),
+        ('ms_gpt2', (4, 3, 2), (1, 2, 1), {}),     # shrink to DP 1
+        ('ms_gpt2', (1, 1, 4), (6, 2, 3), {}),     # PP 1 -> 2 with a tied copy to create; 104 -> 144 rows
+        ('ms_gpt2', (2, 2, 2), (1, 4, 3), dict(numbering='bs')),  # MS before 2023-07 layer numbering
+        ('ms_llama', (2, 2, 2), (6, 3, 3), {}),    # untied head, GQA, SwiGLU
+        ('ms_llama', (3, 1, 12), (1, 4, 5), {}),   # DP 12 -> 5, uneven PP
+        ('ms_llama', (2, 2, 3), (2, 2, 3), {}),    # identity: the files come back unchanged
     ]
 
     def test_bf16_zero(self):
-        for family, a, b in self.BF16:
-            with self.subTest(family=family, a=a, b=b):
-                self.convert_and_check(family, a, b)
+        for family, a, b, options in self.BF16:
+            with self.subTest(family=family, a=a, b=b, **options):
+                self.convert_and_check(family, a, b, **options)
 
     ZERO1 = [
-        ('ms_gpt2', (2, 2, 2), (1, 3, 5)),
-        ('bs_bloom', (1, 2, 4), (2, 1, 3)),
-        ('tiny_bloom', (1, 1, 2), (1, 2, 16)),  # per-rank paddings over several tail ranks
+        ('ms_gpt2', (2, 2, 2), (1, 3, 5), {}),
+        ('bs_bloom', (1, 2, 4), (2, 1, 3), {}),
+        ('tiny_bloom', (1, 1, 2), (1, 2, 16), {}),  # per-rank paddings over several tail ranks
+        ('bs_bloom', (2, 2, 2), (1, 3, 3), dict(dtype='bf16')),  # ZeRO-1 with bf16: bf16_ prefix
     ]
 
     def test_zero1_fp16(self):
-        for family, a, b in self.ZERO1:
-            with self.subTest(family=family, a=a, b=b):
-                cfg, a_tag, b_tag = self.convert_and_check(family, a, b, optimizer='zero1')
+        for family, a, b, options in self.ZERO1:
+            with self.subTest(family=family, a=a, b=b, **options):
+                cfg, a_tag, b_tag = self.convert_and_check(family, a, b, optimizer='zero1', **options)
                 names = sorted(zero_files(b_tag).values())
-                self.assertTrue(all(n.startswith('zero_pp_rank_') for n in names), names[:3])
+                prefix = 'bf16_zero_pp_rank_' if cfg.dtype == 'bf16' else 'zero_pp_rank_'
+                self.assertTrue(all(n.startswith(prefix) for n in names), names[:3])
                 src = load(os.path.join(a_tag, zero_files(a_tag)[(0, 0)]))['optimizer_state_dict']
                 for name in names:
                     osd = load(os.path.join(b_tag, name))['optimizer_state_dict']

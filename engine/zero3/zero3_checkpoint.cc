@@ -1,0 +1,309 @@
+#include "zero3/zero3_checkpoint.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "format/torch_file.h"
+#include "optim/source_optimizer.h"
+#include "plan/stages.h"
+
+namespace reshard {
+namespace {
+
+std::string FileName(const std::string& path) { return path.substr(path.rfind('/') + 1); }
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// The torch optimizer state dict inside a ZeRO-3 optimizer file.
+const Value* TorchStateDict(const Value& root) {
+  const Value* osd = Find(root, "optimizer_state_dict");
+  return osd != nullptr ? Find(*osd, "optimizer_state_dict") : nullptr;
+}
+
+const Value* SubGroupState(const Value& root, int sub_group) {
+  const Value* torch_sd = TorchStateDict(root);
+  const Value* state = torch_sd != nullptr ? Find(*torch_sd, "state") : nullptr;
+  const Items* items = state != nullptr ? DictItems(*state) : nullptr;
+  if (items == nullptr) return nullptr;
+  for (const auto& [k, v] : *items) {
+    int64_t g;
+    if (ReadInt(k, &g) && g == sub_group) return &v;
+  }
+  return nullptr;
+}
+
+int64_t TensorNumel(const Value* v) {
+  return v != nullptr && v->is(Value::Kind::kTensor) ? v->as_tensor().numel() : -1;
+}
+
+// Elements of a sub-group's flat on any rank: its parameters' slices.
+int64_t FlatLength(const std::vector<Zero3Param>& params, int dp) {
+  int64_t n = 0;
+  for (const Zero3Param& p : params) n += CeilDiv(p.numel, dp);
+  return n;
+}
+
+// DeepSpeed's sub-group cut: within one parameter group, close a sub-group once
+// its partition elements reach `sub_group_size` (or at the group's end).
+std::vector<std::vector<Zero3Param>> CutSubGroups(const std::vector<Zero3Param>& group, int dp,
+                                                  int64_t sub_group_size) {
+  if (sub_group_size >= FlatLength(group, dp)) return {group};
+  std::vector<std::vector<Zero3Param>> out(1);
+  int64_t size = 0;
+  for (size_t i = 0; i < group.size(); ++i) {
+    out.back().push_back(group[i]);
+    size += CeilDiv(group[i].numel, dp);
+    if (size >= sub_group_size && i + 1 < group.size()) {
+      out.emplace_back();
+      size = 0;
+    }
+  }
+  return out;
+}
+
+Value FloatTensor(std::vector<float> values) {
+  auto bytes = std::make_shared<std::vector<uint8_t>>(values.size() * 4);
+  std::memcpy(bytes->data(), values.data(), bytes->size());
+  return MakeOwnedTensor(DType::kFloat32, {static_cast<int64_t>(values.size())}, std::move(bytes));
+}
+
+int64_t IntOrFloat(const Value* v, int64_t fallback) {
+  if (v == nullptr) return fallback;
+  if (v->is(Value::Kind::kFloat)) return static_cast<int64_t>(v->as_float());
+  int64_t out = fallback;
+  ReadInt(*v, &out);
+  return out;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<Zero3Checkpoint>> Zero3Checkpoint::Load(
+    const CheckpointFiles& files, const std::set<std::string>& allowed_classes) {
+  auto ckpt = std::unique_ptr<Zero3Checkpoint>(new Zero3Checkpoint());
+  ckpt->files_ = files;
+  const int mp = static_cast<int>(files.zero3_model_files.size());
+  ckpt->dp_ = static_cast<int>(files.zero3_model_files.begin()->second.size());
+  ckpt->ranks_.resize(mp);
+  for (int m = 0; m < mp; ++m) RESHARD_RETURN_IF_ERROR(ckpt->LoadRank(m, allowed_classes));
+  return ckpt;
+}
+
+Status Zero3Checkpoint::LoadRank(int mp, const std::set<std::string>& allowed_classes) {
+  auto models = files_.zero3_model_files.find(mp);
+  if (models == files_.zero3_model_files.end() || static_cast<int>(models->second.size()) != dp_ ||
+      models->second.rbegin()->first != dp_ - 1) {
+    return Status::InvalidInput(files_.tag_dir + ": ZeRO-3 model states of mp rank " +
+                                std::to_string(mp) + " are missing for some DP ranks");
+  }
+  std::map<int, std::string> optim;
+  for (const OptimizerFileName& f : files_.optimizer_files) {
+    if (f.mp_rank == mp) optim[f.dp_rank] = f.path;
+  }
+  if (static_cast<int>(optim.size()) != dp_ || optim.rbegin()->first != dp_ - 1) {
+    return Status::InvalidInput(files_.tag_dir + ": ZeRO-3 optimizer shards of mp rank " +
+                                std::to_string(mp) + " do not cover DP ranks 0-" + std::to_string(dp_ - 1));
+  }
+  PickleReadOptions read;
+  read.allowed_globals = allowed_classes;
+  Zero3Rank& rank = ranks_[mp];
+  for (int d = 0; d < dp_; ++d) {
+    RESHARD_ASSIGN_OR_RETURN(Value model, ReadTorchFile(models->second[d], read));
+    RESHARD_ASSIGN_OR_RETURN(Value opt, ReadTorchFile(optim[d], read));
+    const Value* frozen = Find(model, "frozen_param_fragments");
+    const Items* frozen_items = frozen != nullptr ? DictItems(*frozen) : nullptr;
+    if (frozen_items != nullptr && !frozen_items->empty()) {
+      return Status::Unsupported(FileName(models->second[d]) +
+                                 " has frozen parameters, whose ZeRO-3 fragments reshard does not "
+                                 "re-slice yet");
+    }
+    rank.model_states.push_back(std::move(model));
+    rank.optimizer.push_back(std::move(opt));
+  }
+  std::vector<std::vector<ParamShape>> shapes;
+  if (!ReadParamShapes(rank.model_states[0], &shapes)) {
+    return Status::InvalidInput(FileName(models->second[0]) + " records no param_shapes");
+  }
+  for (const auto& group : shapes) {
+    std::vector<Zero3Param> params;
+    for (const auto& [name, shape] : group) {
+      int64_t n = 1;
+      for (int64_t s : shape) n *= s;
+      params.push_back({name, shape, n});
+    }
+    rank.sub_groups.push_back(std::move(params));
+  }
+  const Value* torch_sd = TorchStateDict(rank.optimizer[0]);
+  const Value* groups = torch_sd != nullptr ? Find(*torch_sd, "param_groups") : nullptr;
+  if (groups == nullptr || !groups->is(Value::Kind::kList)) {
+    return Status::InvalidInput(FileName(optim[0]) + " has no ZeRO-3 optimizer param_groups");
+  }
+  for (const Value& g : groups->as_list().items) {
+    std::vector<int64_t> ids;
+    const Value* params = Find(g, "params");
+    if (params == nullptr || !ReadIntSequence(*params, &ids)) {
+      return Status::InvalidInput(FileName(optim[0]) + ": a param group lists no sub-groups");
+    }
+    rank.group_sub_groups.emplace_back(ids.begin(), ids.end());
+  }
+  if (mp == 0) {
+    const Value* config = Find(rank.model_states[0], "ds_config");
+    const Value* zero = config != nullptr ? Find(*config, "zero_optimization") : nullptr;
+    sub_group_size_ = IntOrFloat(zero != nullptr ? Find(*zero, "sub_group_size") : nullptr, sub_group_size_);
+    states_ = {kMasterState};
+    if (const Value* first = SubGroupState(rank.optimizer[0], 0); first != nullptr && DictItems(*first)) {
+      const int64_t flat = FlatLength(rank.sub_groups[0], dp_);
+      for (const auto& [k, v] : *DictItems(*first)) {
+        if (k.is(Value::Kind::kString) && TensorNumel(&v) == flat) states_.push_back(k.as_string());
+      }
+    }
+  }
+  for (int d = 0; d < dp_; ++d) {
+    for (size_t sg = 0; sg < rank.sub_groups.size(); ++sg) {
+      const int64_t want = FlatLength(rank.sub_groups[sg], dp_);
+      for (const std::string& state : states_) {
+        if (TensorNumel(Flat(mp, d, static_cast<int>(sg), state)) != want) {
+          return Status::InvalidInput(FileName(optim[d]) + ": '" + state + "' of sub-group " +
+                                      std::to_string(sg) + " is not the " + std::to_string(want) +
+                                      " elements param_shapes and DP " + std::to_string(dp_) + " give");
+        }
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+const Value* Zero3Checkpoint::Flat(int mp, int d, int sub_group, const std::string& state) const {
+  const Value& root = ranks_[mp].optimizer[d];
+  if (state == kMasterState) {
+    const Value* osd = Find(root, "optimizer_state_dict");
+    const Value* flats = osd != nullptr ? Find(*osd, "fp32_flat_groups") : nullptr;
+    if (flats == nullptr || !flats->is(Value::Kind::kList) ||
+        sub_group >= static_cast<int>(flats->as_list().items.size())) {
+      return nullptr;
+    }
+    return &flats->as_list().items[sub_group];
+  }
+  const Value* st = SubGroupState(root, sub_group);
+  return st != nullptr ? Find(*st, state) : nullptr;
+}
+
+int64_t Zero3Checkpoint::iteration() const {
+  return IntOrFloat(Find(ranks_[0].model_states[0], "global_steps"), 0);
+}
+
+Result<std::vector<float>> Zero3Checkpoint::Gather(int mp, const std::string& name,
+                                                   const std::string& state) const {
+  const Zero3Rank& rank = ranks_[mp];
+  for (size_t sg = 0; sg < rank.sub_groups.size(); ++sg) {
+    int64_t offset = 0;
+    for (const Zero3Param& p : rank.sub_groups[sg]) {
+      const int64_t slice = CeilDiv(p.numel, dp_);
+      if (p.name == name) {
+        std::vector<float> out(p.numel);
+        for (int d = 0; d < dp_; ++d) {
+          const int64_t n = std::min(slice, p.numel - d * slice);
+          if (n <= 0) break;
+          const Tensor& flat = Flat(mp, d, static_cast<int>(sg), state)->as_tensor();
+          std::memcpy(out.data() + d * slice, TensorData(flat) + offset * 4, n * 4);
+        }
+        return out;
+      }
+      offset += slice;
+    }
+  }
+  return Status::InvalidInput("parameter " + name + " is not in the ZeRO-3 param_shapes");
+}
+
+std::string Zero3Checkpoint::Summary() const {
+  std::string states;
+  for (const std::string& s : states_) states += (states.empty() ? "" : ", ") + s;
+  return "ZeRO-3 checkpoint (no layer files; only DP can change); TP " + std::to_string(mp()) +
+         ", DP " + std::to_string(dp_) + "; iteration " + std::to_string(iteration()) + "; " +
+         std::to_string(ranks_[0].sub_groups.size()) + " sub-groups in " +
+         std::to_string(ranks_[0].group_sub_groups.size()) + " parameter groups; states " + states;
+}
+
+Result<int64_t> Zero3Checkpoint::Write(int target_dp, const std::string& dir, bool bf16_prefix) const {
+  int64_t files = 0;
+  for (int mp = 0; mp < this->mp(); ++mp) {
+    const Zero3Rank& rank = ranks_[mp];
+    // Target sub-groups, group by group, and which source sub-group lends its scalars (step).
+    std::vector<std::vector<Zero3Param>> sub_groups;
+    std::vector<std::vector<int64_t>> group_ids;
+    std::vector<int> scalar_source;
+    for (const std::vector<int>& ids : rank.group_sub_groups) {
+      std::vector<Zero3Param> params;
+      for (int id : ids) params.insert(params.end(), rank.sub_groups[id].begin(), rank.sub_groups[id].end());
+      group_ids.emplace_back();
+      for (auto& cut : CutSubGroups(params, target_dp, sub_group_size_)) {
+        group_ids.back().push_back(static_cast<int64_t>(sub_groups.size()));
+        sub_groups.push_back(std::move(cut));
+        scalar_source.push_back(ids.empty() ? 0 : ids[0]);
+      }
+    }
+    // Whole states of every parameter, then the target flats of every rank.
+    std::map<std::string, std::map<std::string, std::vector<float>>> whole;
+    for (const auto& group : sub_groups) {
+      for (const Zero3Param& p : group) {
+        for (const std::string& state : states_) {
+          RESHARD_ASSIGN_OR_RETURN(whole[p.name][state], Gather(mp, p.name, state));
+        }
+      }
+    }
+    for (int d = 0; d < target_dp; ++d) {
+      // The model states: DP rank 0's file keeps rank-0-only fields (shared_params).
+      Value model = rank.model_states[d == 0 ? 0 : std::min(1, dp_ - 1)];
+      Set(model, "dp_world_size", Value::Int(target_dp));
+      std::vector<Value> shapes;
+      for (const auto& group : sub_groups) {
+        Items items;
+        for (const Zero3Param& p : group) items.emplace_back(Value::String(p.name), MakeTorchSize(p.shape));
+        shapes.push_back(MakeOrderedDict(std::move(items)));
+      }
+      Set(model, "param_shapes", Value::MakeList(std::move(shapes)));
+      RESHARD_RETURN_IF_ERROR(WriteTorchFile(
+          dir + "/zero_pp_rank_" + std::to_string(d) + "_" + ModelStatesName(mp) + "_model_states.pt", model));
+
+      Value opt = rank.optimizer[0];
+      Value& osd = *FindMutable(opt, "optimizer_state_dict");
+      Set(osd, "partition_count", Value::Int(target_dp));
+      Value& torch_sd = *FindMutable(osd, "optimizer_state_dict");
+      Items state_items;
+      std::vector<Value> masters;
+      for (size_t sg = 0; sg < sub_groups.size(); ++sg) {
+        std::map<std::string, std::vector<float>> flats;
+        for (const Zero3Param& p : sub_groups[sg]) {
+          const int64_t slice = CeilDiv(p.numel, target_dp);
+          for (const std::string& state : states_) {
+            std::vector<float>& flat = flats[state];
+            const std::vector<float>& src = whole[p.name][state];
+            const int64_t begin = std::min<int64_t>(d * slice, p.numel);
+            const int64_t end = std::min<int64_t>(begin + slice, p.numel);
+            flat.insert(flat.end(), src.begin() + begin, src.begin() + end);
+            flat.resize(flat.size() + (slice - (end - begin)), 0.0f);  // ZeRO-3 padding
+          }
+        }
+        Value per_group = *SubGroupState(rank.optimizer[0], scalar_source[sg]);
+        for (size_t s = 1; s < states_.size(); ++s) Set(per_group, states_[s], FloatTensor(flats[states_[s]]));
+        state_items.emplace_back(Value::Int(static_cast<int64_t>(sg)), std::move(per_group));
+        masters.push_back(FloatTensor(flats[kMasterState]));
+      }
+      Set(torch_sd, "state", Value::MakeDict(std::move(state_items)));
+      Value& groups = *FindMutable(torch_sd, "param_groups");
+      for (size_t g = 0; g < groups.as_list().items.size(); ++g) {
+        std::vector<Value> ids;
+        for (int64_t id : group_ids[g]) ids.push_back(Value::Int(id));
+        Set(groups.as_list().items[g], "params", Value::MakeList(std::move(ids)));
+      }
+      Set(osd, "fp32_flat_groups", Value::MakeList(std::move(masters)));
+      RESHARD_RETURN_IF_ERROR(WriteTorchFile(
+          dir + "/" + (bf16_prefix ? "bf16_" : "") + "zero_pp_rank_" + std::to_string(d) + "_" +
+              ModelStatesName(mp) + "_optim_states.pt",
+          opt));
+      files += 2;
+    }
+  }
+  return files;
+}
+
+}  // namespace reshard

@@ -1,0 +1,77 @@
+// Zero3Checkpoint: a DeepSpeed ZeRO stage 3 checkpoint, and its conversion
+// to another data-parallel size.
+//
+// Under ZeRO-3 every DP rank writes zero_pp_rank_{d}_mp_rank_{mm}_model_states.pt
+// (empty parameter placeholders, full shapes in `param_shapes`, one dict per
+// optimizer sub-group) and {bf16_}zero_pp_rank_{d}_mp_rank_{mm}_optim_states.pt.
+// Each parameter of n elements is padded to ceil(n/DP)·DP and rank d holds
+// its d-th ceil(n/DP) slice; a sub-group's flat is its parameters' slices
+// back to back, and sub-groups are cut every `sub_group_size` partition
+// elements within each parameter group. Changing DP re-slices every
+// parameter and re-cuts the sub-groups; the model's tensor layout is
+// untouched (ZeRO-3 checkpoints hold no layer files).
+#pragma once
+
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "layout/checkpoint_files.h"
+#include "pickle/value.h"
+#include "plan/plan.h"
+
+namespace reshard {
+
+struct Zero3Param {
+  std::string name;
+  std::vector<int64_t> shape;
+  int64_t numel = 0;
+};
+
+// One model-parallel rank's ZeRO-3 state across its DP ranks.
+struct Zero3Rank {
+  std::vector<Value> model_states;  // per DP rank
+  std::vector<Value> optimizer;     // per DP rank
+  std::vector<std::vector<Zero3Param>> sub_groups;
+  std::vector<std::vector<int>> group_sub_groups;  // param group -> its sub-group ids
+};
+
+class Zero3Checkpoint {
+ public:
+  // Reads and checks every file; errors name the file and what does not add up.
+  static Result<std::unique_ptr<Zero3Checkpoint>> Load(const CheckpointFiles& files,
+                                                       const std::set<std::string>& allowed_classes);
+
+  const CheckpointFiles& files() const { return files_; }
+  int mp() const { return static_cast<int>(ranks_.size()); }
+  int dp() const { return dp_; }
+  int64_t iteration() const;
+  // kMasterState ("fp32") then the optimizer's per-element states.
+  const std::vector<std::string>& states() const { return states_; }
+  const std::vector<Zero3Rank>& ranks() const { return ranks_; }
+  int64_t sub_group_size() const { return sub_group_size_; }
+
+  // The whole fp32 `state` of parameter `name` on model-parallel rank `mp`.
+  Result<std::vector<float>> Gather(int mp, const std::string& name, const std::string& state) const;
+
+  // "ZeRO-3, TP 1, DP 4; iteration 10; 8 sub-groups in 2 groups; states fp32, exp_avg"
+  std::string Summary() const;
+
+  // Writes every file of the checkpoint at `target_dp` into `dir`. Returns the
+  // number of files written.
+  Result<int64_t> Write(int target_dp, const std::string& dir, bool bf16_prefix) const;
+
+ private:
+  Status LoadRank(int mp, const std::set<std::string>& allowed_classes);
+  const Value* Flat(int mp, int d, int sub_group, const std::string& state) const;
+
+  CheckpointFiles files_;
+  int dp_ = 0;
+  int64_t sub_group_size_ = 1000000000;
+  std::vector<std::string> states_;
+  std::vector<Zero3Rank> ranks_;
+};
+
+}  // namespace reshard

@@ -1,0 +1,102 @@
+"""Changing the DP size of non-pipeline DeepSpeed checkpoints (HF Trainer style).
+
+For ZeRO stages 1, 2 and 3, bf16 and fp16, odd DP sizes, DP >= 10 and groups
+whose alignment padding exceeds a partition: reshard converts A (DP a) to B
+(DP b); the independent oracle reads B back as the canonical model and
+optimizer state and finds no structural problem; converting B back to DP a
+gives A's files bit for bit. Changing TP or PP is refused with one line.
+
+Run: /usr/bin/python3 tests/interop/test_nonpipe_convert.py --reshard build/reshard
+"""
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import unittest
+
+import torch
+
+from fixtures import deepspeed_nonpipe as dn
+from fixtures import megatron_fixture as mf
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_convert_roundtrip import differences  # noqa: E402
+
+RESHARD = None
+
+# (zero stage, dtype, sub_group_size, DP a, DP b)
+CASES = [
+    (1, 'bf16', None, 3, 16), (1, 'fp16', None, 16, 5), (1, 'bf16', None, 4, 12),
+    (2, 'bf16', None, 12, 3), (2, 'fp16', None, 5, 7), (2, 'bf16', None, 1, 4),
+    (3, 'bf16', None, 3, 16), (3, 'bf16', 40, 3, 5), (3, 'fp16', 3, 12, 4), (3, 'bf16', 40, 16, 1),
+]
+
+
+def reshard(*args):
+    return subprocess.run([RESHARD, *map(str, args)], capture_output=True, text=True)
+
+
+class NonPipelineTest(unittest.TestCase):
+
+    def setUp(self):
+        mf.install_pickle_shims()
+        tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(tmp.cleanup)
+        self.tmp = tmp.name
+
+    def convert(self, src, out, dp):
+        p = reshard('convert', src, out, '--tp', 1, '--pp', 1, '--dp', dp, '-q')
+        self.assertEqual(p.returncode, 0, p.stderr)
+
+    def test_dp_changes_keep_every_optimizer_state(self):
+        for stage, dtype, sub_group_size, dp_a, dp_b in CASES:
+            with self.subTest(stage=stage, dtype=dtype, sub_group_size=sub_group_size, a=dp_a, b=dp_b):
+                cfg = dn.NonPipeConfig(zero_stage=stage, dtype=dtype, dp=dp_a, sub_group_size=sub_group_size)
+                a, b, a2 = (os.path.join(self.tmp, f'{x}{stage}{dp_a}{dp_b}{dtype}') for x in 'ab' 'c')
+                dn.write_nonpipe(a, cfg)
+                self.convert(a, os.path.join(b, 'global_step10'), dp_b)
+                self.assertEqual(dn.compare_nonpipe(dn.load_nonpipe(b), cfg), [])
+                self.assertEqual(dn.structural_problems_nonpipe(b), [])
+                self.assertIn('same model', reshard('verify', a, b).stdout)
+                self.convert(b, os.path.join(a2, 'global_step10'), dp_a)
+                tag_a, tag_a2 = os.path.join(a, 'global_step10'), os.path.join(a2, 'global_step10')
+                self.assertEqual(sorted(os.listdir(tag_a2)), sorted(os.listdir(tag_a)))
+                for name in os.listdir(tag_a):
+                    diffs = differences(torch.load(os.path.join(tag_a, name)),
+                                        torch.load(os.path.join(tag_a2, name)), name)
+                    self.assertEqual(diffs, [])
+
+    def test_layout_changes_are_refused(self):
+        for stage in (1, 3):
+            with self.subTest(stage=stage):
+                src = os.path.join(self.tmp, f'src{stage}')
+                dn.write_nonpipe(src, dn.NonPipeConfig(zero_stage=stage, dp=2))
+                out = os.path.join(self.tmp, f'out{stage}', 'global_step10')
+                p = reshard('convert', src, out, '--tp', 2, '--pp', 1, '--dp', 4)
+                self.assertEqual(p.returncode, 2)
+                self.assertEqual(len(p.stderr.splitlines()), 1, p.stderr)
+                self.assertRegex(p.stderr, r'keeps its (tensor-parallel|model) layout; pass --tp 1 --pp 1')
+                self.assertFalse(os.path.exists(os.path.dirname(out)))
+
+    def test_lint_and_a_perturbed_moment(self):
+        src = os.path.join(self.tmp, 'src')
+        dn.write_nonpipe(src, dn.NonPipeConfig(zero_stage=3, dp=3))
+        self.assertEqual(reshard('lint', src).returncode, 0)
+        out = os.path.join(self.tmp, 'out')
+        self.convert(src, os.path.join(out, 'global_step10'), 4)
+        shard = os.path.join(out, 'global_step10', 'bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt')
+        sd = torch.load(shard)
+        sd['optimizer_state_dict']['optimizer_state_dict']['state'][0]['exp_avg'][0] += 1
+        torch.save(sd, shard)
+        p = reshard('verify', src, out)
+        self.assertEqual(p.returncode, 1, p.stdout)
+        self.assertIn('differs: optimizer exp_avg model.embed_tokens.weight', p.stdout)
+
+
+if __name__ == '__main__':
+    parser = argparse.ArgumentParser()
+    parser.add_argument('--reshard', required=True)
+    args, rest = parser.parse_known_args()
+    RESHARD = os.path.abspath(args.reshard)
+    unittest.main(argv=[sys.argv[0], *rest])
