@@ -223,83 +223,115 @@ std::string Zero3Checkpoint::Summary() const {
          std::to_string(ranks_[0].group_sub_groups.size()) + " parameter groups; states " + states;
 }
 
+// The target layout of one model-parallel rank at a new DP size.
+struct Zero3Target {
+  int dp = 1;
+  std::vector<std::vector<Zero3Param>> sub_groups;
+  std::vector<std::vector<int64_t>> group_ids;  // param group -> its sub-group ids
+  std::vector<int> scalar_source;                // source sub-group lending scalars (step)
+};
+
+Zero3Target Zero3Checkpoint::Retarget(int mp, int target_dp) const {
+  const Zero3Rank& rank = ranks_[mp];
+  Zero3Target t;
+  t.dp = target_dp;
+  for (const std::vector<int>& ids : rank.group_sub_groups) {
+    std::vector<Zero3Param> params;
+    for (int id : ids) params.insert(params.end(), rank.sub_groups[id].begin(), rank.sub_groups[id].end());
+    t.group_ids.emplace_back();
+    for (auto& cut : CutSubGroups(params, target_dp, sub_group_size_)) {
+      t.group_ids.back().push_back(static_cast<int64_t>(t.sub_groups.size()));
+      t.sub_groups.push_back(std::move(cut));
+      t.scalar_source.push_back(ids.empty() ? 0 : ids[0]);
+    }
+  }
+  return t;
+}
+
+namespace {
+
+using WholeStates = std::map<std::string, std::map<std::string, std::vector<float>>>;
+
+// DP rank d's flat of `state` for one target sub-group: each parameter's
+// slice, zero-padded to ceil(n/DP).
+std::vector<float> TargetFlat(const std::vector<Zero3Param>& sub_group, const WholeStates& whole,
+                              const std::string& state, int d, int dp) {
+  std::vector<float> flat;
+  for (const Zero3Param& p : sub_group) {
+    const int64_t slice = CeilDiv(p.numel, dp);
+    const std::vector<float>& src = whole.at(p.name).at(state);
+    const int64_t begin = std::min<int64_t>(d * slice, p.numel);
+    const int64_t end = std::min<int64_t>(begin + slice, p.numel);
+    flat.insert(flat.end(), src.begin() + begin, src.begin() + end);
+    flat.resize(flat.size() + (slice - (end - begin)), 0.0f);
+  }
+  return flat;
+}
+
+}  // namespace
+
+Value Zero3Checkpoint::TargetModelStates(int mp, const Zero3Target& t, int d) const {
+  // DP rank 0's file keeps rank-0-only fields (shared_params).
+  Value model = ranks_[mp].model_states[d == 0 ? 0 : std::min(1, dp_ - 1)];
+  Set(model, "dp_world_size", Value::Int(t.dp));
+  std::vector<Value> shapes;
+  for (const auto& group : t.sub_groups) {
+    Items items;
+    for (const Zero3Param& p : group) items.emplace_back(Value::String(p.name), MakeTorchSize(p.shape));
+    shapes.push_back(MakeOrderedDict(std::move(items)));
+  }
+  Set(model, "param_shapes", Value::MakeList(std::move(shapes)));
+  return model;
+}
+
+Value Zero3Checkpoint::TargetOptimizer(int mp, const Zero3Target& t, const WholeStates& whole,
+                                       int d) const {
+  const Value& source = ranks_[mp].optimizer[0];
+  Value opt = source;
+  Value& osd = *FindMutable(opt, "optimizer_state_dict");
+  Set(osd, "partition_count", Value::Int(t.dp));
+  Items state_items;
+  std::vector<Value> masters;
+  for (size_t sg = 0; sg < t.sub_groups.size(); ++sg) {
+    Value per_group = *SubGroupState(source, t.scalar_source[sg]);
+    for (size_t s = 1; s < states_.size(); ++s) {
+      Set(per_group, states_[s], FloatTensor(TargetFlat(t.sub_groups[sg], whole, states_[s], d, t.dp)));
+    }
+    state_items.emplace_back(Value::Int(static_cast<int64_t>(sg)), std::move(per_group));
+    masters.push_back(FloatTensor(TargetFlat(t.sub_groups[sg], whole, kMasterState, d, t.dp)));
+  }
+  Value& torch_sd = *FindMutable(osd, "optimizer_state_dict");
+  Set(torch_sd, "state", Value::MakeDict(std::move(state_items)));
+  Value& groups = *FindMutable(torch_sd, "param_groups");
+  for (size_t g = 0; g < groups.as_list().items.size(); ++g) {
+    std::vector<Value> ids;
+    for (int64_t id : t.group_ids[g]) ids.push_back(Value::Int(id));
+    Set(groups.as_list().items[g], "params", Value::MakeList(std::move(ids)));
+  }
+  Set(osd, "fp32_flat_groups", Value::MakeList(std::move(masters)));
+  return opt;
+}
+
 Result<int64_t> Zero3Checkpoint::Write(int target_dp, const std::string& dir, bool bf16_prefix) const {
   int64_t files = 0;
   for (int mp = 0; mp < this->mp(); ++mp) {
-    const Zero3Rank& rank = ranks_[mp];
-    // Target sub-groups, group by group, and which source sub-group lends its scalars (step).
-    std::vector<std::vector<Zero3Param>> sub_groups;
-    std::vector<std::vector<int64_t>> group_ids;
-    std::vector<int> scalar_source;
-    for (const std::vector<int>& ids : rank.group_sub_groups) {
-      std::vector<Zero3Param> params;
-      for (int id : ids) params.insert(params.end(), rank.sub_groups[id].begin(), rank.sub_groups[id].end());
-      group_ids.emplace_back();
-      for (auto& cut : CutSubGroups(params, target_dp, sub_group_size_)) {
-        group_ids.back().push_back(static_cast<int64_t>(sub_groups.size()));
-        sub_groups.push_back(std::move(cut));
-        scalar_source.push_back(ids.empty() ? 0 : ids[0]);
-      }
-    }
-    // Whole states of every parameter, then the target flats of every rank.
-    std::map<std::string, std::map<std::string, std::vector<float>>> whole;
-    for (const auto& group : sub_groups) {
+    const Zero3Target target = Retarget(mp, target_dp);
+    WholeStates whole;
+    for (const auto& group : target.sub_groups) {
       for (const Zero3Param& p : group) {
         for (const std::string& state : states_) {
           RESHARD_ASSIGN_OR_RETURN(whole[p.name][state], Gather(mp, p.name, state));
         }
       }
     }
+    const std::string rank = "_" + ModelStatesName(mp);
     for (int d = 0; d < target_dp; ++d) {
-      // The model states: DP rank 0's file keeps rank-0-only fields (shared_params).
-      Value model = rank.model_states[d == 0 ? 0 : std::min(1, dp_ - 1)];
-      Set(model, "dp_world_size", Value::Int(target_dp));
-      std::vector<Value> shapes;
-      for (const auto& group : sub_groups) {
-        Items items;
-        for (const Zero3Param& p : group) items.emplace_back(Value::String(p.name), MakeTorchSize(p.shape));
-        shapes.push_back(MakeOrderedDict(std::move(items)));
-      }
-      Set(model, "param_shapes", Value::MakeList(std::move(shapes)));
+      const std::string dp_rank = "zero_pp_rank_" + std::to_string(d);
+      RESHARD_RETURN_IF_ERROR(WriteTorchFile(dir + "/" + dp_rank + rank + "_model_states.pt",
+                                             TargetModelStates(mp, target, d)));
       RESHARD_RETURN_IF_ERROR(WriteTorchFile(
-          dir + "/zero_pp_rank_" + std::to_string(d) + "_" + ModelStatesName(mp) + "_model_states.pt", model));
-
-      Value opt = rank.optimizer[0];
-      Value& osd = *FindMutable(opt, "optimizer_state_dict");
-      Set(osd, "partition_count", Value::Int(target_dp));
-      Value& torch_sd = *FindMutable(osd, "optimizer_state_dict");
-      Items state_items;
-      std::vector<Value> masters;
-      for (size_t sg = 0; sg < sub_groups.size(); ++sg) {
-        std::map<std::string, std::vector<float>> flats;
-        for (const Zero3Param& p : sub_groups[sg]) {
-          const int64_t slice = CeilDiv(p.numel, target_dp);
-          for (const std::string& state : states_) {
-            std::vector<float>& flat = flats[state];
-            const std::vector<float>& src = whole[p.name][state];
-            const int64_t begin = std::min<int64_t>(d * slice, p.numel);
-            const int64_t end = std::min<int64_t>(begin + slice, p.numel);
-            flat.insert(flat.end(), src.begin() + begin, src.begin() + end);
-            flat.resize(flat.size() + (slice - (end - begin)), 0.0f);  // ZeRO-3 padding
-          }
-        }
-        Value per_group = *SubGroupState(rank.optimizer[0], scalar_source[sg]);
-        for (size_t s = 1; s < states_.size(); ++s) Set(per_group, states_[s], FloatTensor(flats[states_[s]]));
-        state_items.emplace_back(Value::Int(static_cast<int64_t>(sg)), std::move(per_group));
-        masters.push_back(FloatTensor(flats[kMasterState]));
-      }
-      Set(torch_sd, "state", Value::MakeDict(std::move(state_items)));
-      Value& groups = *FindMutable(torch_sd, "param_groups");
-      for (size_t g = 0; g < groups.as_list().items.size(); ++g) {
-        std::vector<Value> ids;
-        for (int64_t id : group_ids[g]) ids.push_back(Value::Int(id));
-        Set(groups.as_list().items[g], "params", Value::MakeList(std::move(ids)));
-      }
-      Set(osd, "fp32_flat_groups", Value::MakeList(std::move(masters)));
-      RESHARD_RETURN_IF_ERROR(WriteTorchFile(
-          dir + "/" + (bf16_prefix ? "bf16_" : "") + "zero_pp_rank_" + std::to_string(d) + "_" +
-              ModelStatesName(mp) + "_optim_states.pt",
-          opt));
+          dir + "/" + (bf16_prefix ? "bf16_" : "") + dp_rank + rank + "_optim_states.pt",
+          TargetOptimizer(mp, target, whole, d)));
       files += 2;
     }
   }

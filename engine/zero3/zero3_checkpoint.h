@@ -24,6 +24,8 @@
 
 namespace reshard {
 
+struct Zero3Target;
+
 struct Zero3Param {
   std::string name;
   std::vector<int64_t> shape;
@@ -65,6 +67,12 @@ class Zero3Checkpoint {
 
  private:
   Status LoadRank(int mp, const std::set<std::string>& allowed_classes);
+  // Sub-groups of rank `mp` re-cut for `target_dp`, parameter group by group.
+  Zero3Target Retarget(int mp, int target_dp) const;
+  Value TargetModelStates(int mp, const Zero3Target& target, int d) const;
+  Value TargetOptimizer(int mp, const Zero3Target& target,
+                        const std::map<std::string, std::map<std::string, std::vector<float>>>& whole,
+                        int d) const;
   const Value* Flat(int mp, int d, int sub_group, const std::string& state) const;
 
   CheckpointFiles files_;

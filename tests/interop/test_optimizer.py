@@ -658,6 +658,45 @@ class PolicyTest(OptimizerTestCase):
         run_ok('convert', a_tag, c_tag, '--tp', 1, '--pp', 2, '--replicated', 'average', '-q')
         self.assert_no_problems(mf.structural_problems(c_tag, cfg), 'average: bf16(master) == weight')
 
+    def test_mixed_optimizer_steps_refused(self):
+        """Shards whose param_groups disagree on the step come from different iterations (a mixed
+        checkpoint): refused like mixed iterations of the weights, not resolved by taking one."""
+        cfg = make_cfg('bs_bloom', (2, 2, 2))
+        tmp = self.tmpdir()
+        a_tag = mf.write_checkpoint(os.path.join(tmp, 'a'), cfg)['tag_dir']
+        def change(obj):
+            for pg in obj['optimizer_state_dict']['base_optimizer_state']['param_groups']:
+                pg['step'] += 1
+        rewrite(os.path.join(a_tag, zero_files(a_tag)[(1, 3)]), change)
+        self.assert_refused(run('convert', a_tag, os.path.join(tmp, 'b', cfg.tag), '--tp', 1, '--pp', 1), 'step')
+
+    def test_round_robin_gradients(self):
+        """ZeRO-1/2 with round_robin_gradients flattens each group in DeepSpeed's round-robin order
+        for the DP size (stage_1_and_2.py _round_robin_reorder), so a DP change reorders the flat
+        buffer.  reshard must refuse such a checkpoint, or write param_shapes in the target's
+        round-robin order -- never the plain order under a config that says round robin."""
+        cfg = make_cfg('ms_gpt2', (2, 2, 2), optimizer='zero1')
+        tmp = self.tmpdir()
+        a_tag = mf.write_checkpoint(os.path.join(tmp, 'a'), cfg)['tag_dir']
+        for fname in os.listdir(a_tag):
+            if fname.startswith('mp_rank_') or ZERO_RE.match(fname):
+                def change(obj):
+                    obj['ds_config']['zero_optimization']['round_robin_gradients'] = True
+                    if 'args' in obj:
+                        obj['args'].deepspeed_config_dict['zero_optimization']['round_robin_gradients'] = True
+                rewrite(os.path.join(a_tag, fname), change)
+        b_tag = os.path.join(tmp, 'b', cfg.tag)
+        proc = run('convert', a_tag, b_tag, '--tp', 1, '--pp', 1, '--dp', 3, '-q')
+        if proc.returncode != 0:
+            self.assert_refused(proc, 'round_robin')
+            return
+        plain = load(mp_file(mf.write_checkpoint(os.path.join(tmp, 'ref'), at_layout(cfg, (1, 1, 3)))['tag_dir'], 0))
+        for g, group in enumerate(plain['param_shapes']):
+            names = list(group)
+            want = [n for j in range(3) for i, n in enumerate(names) if i % 3 == j]
+            self.assertEqual(list(load(mp_file(b_tag, 0))['param_shapes'][g]), want,
+                             'written in plain order under round_robin_gradients=True')
+
     def test_extra_state_tensors_and_scalars(self):
         """Per-parameter state beyond Adam's two moments (amsgrad's max_exp_avg_sq) follows the
         parameter's rule; a per-group scalar (torch Adam's `step`) is carried."""
