@@ -24,7 +24,6 @@ import glob
 import hashlib
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import types
@@ -35,7 +34,7 @@ import torch
 from fixtures import megatron_fixture as mf
 from fixtures.megatron_fixture import FixtureConfig
 
-RESHARD = None  # path of the binary, from --reshard
+import interop_support as support
 
 ERROR_PREFIX = 'reshard: error: '
 
@@ -44,9 +43,7 @@ ERROR_PREFIX = 'reshard: error: '
 # Helpers
 # ---------------------------------------------------------------------------------------------
 
-def run(*args):
-    """Runs reshard with ``args``; returns the CompletedProcess (text mode)."""
-    return subprocess.run([RESHARD, *map(str, args)], capture_output=True, text=True, timeout=120)
+run = support.reshard
 
 
 def make_fixture(root, **kw):
@@ -655,28 +652,5 @@ class OutputPlacementTests(ReshardTestCase):
         self.assertIn('latest_checkpointed_iteration.txt', outs['from_root'])
 
 
-def _take_reshard_arg(argv):
-    """Removes ``--reshard PATH`` / ``--reshard=PATH`` from argv; returns the path."""
-    path = os.environ.get('RESHARD')
-    rest = [argv[0]]
-    i = 1
-    while i < len(argv):
-        if argv[i] == '--reshard' and i + 1 < len(argv):
-            path = argv[i + 1]
-            i += 2
-            continue
-        if argv[i].startswith('--reshard='):
-            path = argv[i].split('=', 1)[1]
-        else:
-            rest.append(argv[i])
-        i += 1
-    return path, rest
-
-
 if __name__ == '__main__':
-    RESHARD, _argv = _take_reshard_arg(sys.argv)
-    if not RESHARD or not os.access(RESHARD, os.X_OK):
-        sys.exit(f'usage: {sys.argv[0]} --reshard /path/to/reshard [unittest args] (got {RESHARD!r})')
-    RESHARD = os.path.abspath(RESHARD)
-    mf.install_pickle_shims()
-    unittest.main(argv=_argv, verbosity=2)
+    support.main()

@@ -15,19 +15,16 @@ re-padding.
 
 Run: /usr/bin/python3 tests/interop/test_convert_roundtrip.py --reshard build/reshard
 """
-import argparse
 import os
-import subprocess
-import sys
 import tempfile
 import unittest
 
-import numpy
 import torch
 
 from fixtures import megatron_fixture as mf
 
-RESHARD = None
+import interop_support as support
+from interop_support import differences
 
 SIZES = dict(L=6, h=48, n=12, hd=4, V=100, mvsdb=8)
 FAMILIES = {
@@ -62,7 +59,7 @@ RNG_KEYS = {'random_rng_state', 'np_rng_state', 'torch_rng_state', 'cuda_rng_sta
 
 
 def run_reshard(*args):
-    proc = subprocess.run([RESHARD, *args], capture_output=True, text=True)
+    proc = support.reshard(*args)
     if proc.returncode != 0:
         raise AssertionError(f'reshard {" ".join(args)} failed ({proc.returncode}): {proc.stderr}')
     return proc
@@ -74,29 +71,6 @@ def load(path):
 
 def tag_dir(root, cfg):
     return os.path.join(root, f'global_step{cfg.iteration}')
-
-
-def differences(a, b, where=''):
-    """Structural + bitwise differences between two unpickled objects."""
-    if type(a) is not type(b):
-        return [f'{where}: {type(a).__name__} vs {type(b).__name__}']
-    if isinstance(a, torch.Tensor):
-        if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a, b):
-            return [f'{where}: tensors differ']
-        return []
-    if isinstance(a, dict):
-        if list(a.keys()) != list(b.keys()):
-            return [f'{where}: keys {list(a.keys())} vs {list(b.keys())}']
-        return [d for k in a for d in differences(a[k], b[k], f'{where}.{k}')]
-    if isinstance(a, (list, tuple)):
-        if len(a) != len(b):
-            return [f'{where}: lengths {len(a)} vs {len(b)}']
-        return [d for i, (x, y) in enumerate(zip(a, b)) for d in differences(x, y, f'{where}[{i}]')]
-    if isinstance(a, numpy.ndarray):
-        return [] if numpy.array_equal(a, b) else [f'{where}: arrays differ']
-    if hasattr(a, '__dict__') and not isinstance(a, type):
-        return differences(vars(a), vars(b), where)
-    return [] if a == b else [f'{where}: {a!r} vs {b!r}']
 
 
 class RoundTripTest(unittest.TestCase):
@@ -203,8 +177,4 @@ class ReplicatedPolicyTest(unittest.TestCase):
 
 
 if __name__ == '__main__':
-    parser = argparse.ArgumentParser()
-    parser.add_argument('--reshard', required=True)
-    args, rest = parser.parse_known_args()
-    RESHARD = os.path.abspath(args.reshard)
-    unittest.main(argv=[sys.argv[0], *rest])
+    support.main()

@@ -17,8 +17,6 @@ PYTHONPATH=tests.
 import os
 import re
 import shutil
-import subprocess
-import sys
 import tempfile
 import unittest
 
@@ -27,13 +25,13 @@ import torch
 from fixtures import megatron_fixture as mf
 from fixtures.megatron_fixture import FixtureConfig
 
-RESHARD = None  # path of the binary, from --reshard
+import interop_support as support
+
 RULES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), 'rules')
 BUILTIN_RULE_SETS = ('bigscience-bloom', 'bigscience-glu', 'megatron-gpt2', 'megatron-llama')
 
 
-def run(*args):
-    return subprocess.run([RESHARD, *map(str, args)], capture_output=True, text=True, timeout=120)
+run = support.reshard
 
 
 def make_fixture(root, **kw):
@@ -388,28 +386,5 @@ class CompanionCommandTests(LintTestCase):
         self.assertIn('layer_04/mlp.dense_4h_to_h.weight: 1 of 1024 elements differ', differs[0])
 
 
-def _take_reshard_arg(argv):
-    """Removes ``--reshard PATH`` / ``--reshard=PATH`` from argv; returns the path."""
-    path = os.environ.get('RESHARD')
-    rest = [argv[0]]
-    i = 1
-    while i < len(argv):
-        if argv[i] == '--reshard' and i + 1 < len(argv):
-            path = argv[i + 1]
-            i += 2
-            continue
-        if argv[i].startswith('--reshard='):
-            path = argv[i].split('=', 1)[1]
-        else:
-            rest.append(argv[i])
-        i += 1
-    return path, rest
-
-
 if __name__ == '__main__':
-    RESHARD, _argv = _take_reshard_arg(sys.argv)
-    if not RESHARD or not os.access(RESHARD, os.X_OK):
-        sys.exit(f'usage: {sys.argv[0]} --reshard /path/to/reshard [unittest args] (got {RESHARD!r})')
-    RESHARD = os.path.abspath(RESHARD)
-    mf.install_pickle_shims()
-    unittest.main(argv=_argv, verbosity=2)
+    support.main()

@@ -8,10 +8,7 @@ gives A's files bit for bit. Changing TP or PP is refused with one line.
 
 Run: /usr/bin/python3 tests/interop/test_nonpipe_convert.py --reshard build/reshard
 """
-import argparse
 import os
-import subprocess
-import sys
 import tempfile
 import unittest
 
@@ -20,10 +17,8 @@ import torch
 from fixtures import deepspeed_nonpipe as dn
 from fixtures import megatron_fixture as mf
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_convert_roundtrip import differences  # noqa: E402
-
-RESHARD = None
+import interop_support as support
+from interop_support import differences
 
 # (zero stage, dtype, sub_group_size, DP a, DP b)
 CASES = [
@@ -33,8 +28,7 @@ CASES = [
 ]
 
 
-def reshard(*args):
-    return subprocess.run([RESHARD, *map(str, args)], capture_output=True, text=True)
+reshard = support.reshard
 
 
 class NonPipelineTest(unittest.TestCase):
@@ -95,8 +89,4 @@ class NonPipelineTest(unittest.TestCase):
 
 
 if __name__ == '__main__':
-    parser = argparse.ArgumentParser()
-    parser.add_argument('--reshard', required=True)
-    args, rest = parser.parse_known_args()
-    RESHARD = os.path.abspath(args.reshard)
-    unittest.main(argv=[sys.argv[0], *rest])
+    support.main()
