@@ -74,6 +74,51 @@ Status RunParallel(size_t n, int threads, const std::function<Status(size_t)>& j
   return first_error;
 }
 
+// What one job wrote, for the progress line and the totals.
+struct JobResult {
+  std::string name;
+  int64_t read = 0;
+  int64_t written = 0;
+};
+
+Result<JobResult> LayerJob(const LogicalCheckpoint& src, const LayerFilePlan& file,
+                           const ExecuteOptions& options, const std::string& dir) {
+  JobResult r{file.name};
+  RESHARD_ASSIGN_OR_RETURN(r.read, WriteLayerFile(src, file, options.optimizer, dir));
+  r.written = FileSize(dir + "/" + file.name);
+  return r;
+}
+
+// An mp_rank file; for the FP16_Optimizer format with its optimizer state.
+Result<JobResult> ModelStatesJob(const LogicalCheckpoint& src, const Plan& plan,
+                                 const ModelStatesPlan& ms, bool embedded,
+                                 const ExecuteOptions& options, const std::string& dir) {
+  JobResult r{ms.name};
+  Value root = BuildModelStates(src, plan, ms, options.drop_optimizer);
+  if (embedded) {
+    RESHARD_ASSIGN_OR_RETURN(std::vector<Value> state,
+                             BuildOptimizerState(src, *options.optimizer, plan, ms.pp_rank,
+                                                 ms.tp_rank, &r.read));
+    Set(root, "optimizer", std::move(state[0]));
+  }
+  RESHARD_RETURN_IF_ERROR(WriteTorchFile(dir + "/" + ms.name, root));
+  r.written = FileSize(dir + "/" + ms.name);
+  return r;
+}
+
+// The optimizer shards of every target DP rank of one (pipeline, tensor) rank.
+Result<JobResult> ShardJob(const LogicalCheckpoint& src, const Plan& plan, const ModelStatesPlan& ms,
+                           const ExecuteOptions& options, const std::string& dir) {
+  const int mp = ms.pp_rank * plan.tp + ms.tp_rank;
+  JobResult r{"optimizer shards of " + ModelStatesName(mp)};
+  RESHARD_ASSIGN_OR_RETURN(r.read, WriteOptimizerShards(src, *options.optimizer, plan, ms.pp_rank,
+                                                        ms.tp_rank, dir));
+  for (int d = 0; d < plan.dp; ++d) {
+    r.written += FileSize(dir + "/" + OptimizerFileName(options.optimizer->format(), d, mp));
+  }
+  return r;
+}
+
 }  // namespace
 
 Result<ExecuteStats> ExecutePlan(const LogicalCheckpoint& src, const Plan& plan,
@@ -87,42 +132,20 @@ Result<ExecuteStats> ExecutePlan(const LogicalCheckpoint& src, const Plan& plan,
   std::atomic<int64_t> read{0}, written{0}, done{0};
   std::mutex progress_mu;
   auto job = [&](size_t i) -> Status {
-    std::string name;
-    if (i < layer_jobs) {
-      RESHARD_ASSIGN_OR_RETURN(int64_t r, WriteLayerFile(src, plan.layer_files[i], options.optimizer, dir));
-      read += r;
-      name = plan.layer_files[i].name;
-      written += FileSize(dir + "/" + name);
-    } else if (i < layer_jobs + states_jobs) {
-      const ModelStatesPlan& ms = plan.model_states[i - layer_jobs];
-      name = ms.name;
-      Value root = BuildModelStates(src, plan, ms, options.drop_optimizer);
-      if (embedded) {
-        int64_t r = 0;
-        RESHARD_ASSIGN_OR_RETURN(std::vector<Value> state, BuildOptimizerState(src, *options.optimizer, plan,
-                                                                               ms.pp_rank, ms.tp_rank, &r));
-        read += r;
-        Set(root, "optimizer", std::move(state[0]));
-      }
-      RESHARD_RETURN_IF_ERROR(WriteTorchFile(dir + "/" + name, root));
-      written += FileSize(dir + "/" + name);
-    } else {
-      const ModelStatesPlan& ms = plan.model_states[i - layer_jobs - states_jobs];
-      RESHARD_ASSIGN_OR_RETURN(int64_t r, WriteOptimizerShards(src, *options.optimizer, plan,
-                                                               ms.pp_rank, ms.tp_rank, dir));
-      read += r;
-      const int mp = ms.pp_rank * plan.tp + ms.tp_rank;
-      for (int d = 0; d < plan.dp; ++d) {
-        written += FileSize(dir + "/" + OptimizerFileName(options.optimizer->format(), d, mp));
-      }
-      name = "optimizer shards of " + ModelStatesName(mp);
-    }
+    Result<JobResult> r =
+        i < layer_jobs ? LayerJob(src, plan.layer_files[i], options, dir)
+        : i < layer_jobs + states_jobs
+            ? ModelStatesJob(src, plan, plan.model_states[i - layer_jobs], embedded, options, dir)
+            : ShardJob(src, plan, plan.model_states[i - layer_jobs - states_jobs], options, dir);
+    if (!r.ok()) return r.status();
+    read += r->read;
+    written += r->written;
     const int64_t n = ++done;
     if (options.progress) {
       std::lock_guard<std::mutex> lock(progress_mu);
       char line[256];
       std::snprintf(line, sizeof(line), "[%lld/%zu] %s", static_cast<long long>(n), total,
-                    name.c_str());
+                    r->name.c_str());
       options.progress(line);
     }
     return Status::Ok();
