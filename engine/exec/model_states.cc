@@ -1,5 +1,9 @@
 #include "exec/model_states.h"
 
+#include <cctype>
+
+#include "plan/stages.h"
+
 namespace reshard {
 namespace {
 
@@ -27,6 +31,54 @@ void RewriteArgs(const Plan& plan, Value* args) {
   if (plan.padded_vocab > 0) ReplaceIfPresent(args, "padded_vocab_size", Value::Int(plan.padded_vocab));
 }
 
+// A DeepSpeed universal-checkpoint pattern for a parameter name: the spec id
+// becomes \d+ and dots are escaped ("3.input_layernorm.weight" ->
+// "\d+\.input_layernorm\.weight").
+std::string NamePattern(const std::string& name) {
+  std::string out;
+  size_t i = 0;
+  if (!name.empty() && std::isdigit(static_cast<unsigned char>(name[0]))) {
+    while (i < name.size() && std::isdigit(static_cast<unsigned char>(name[i]))) ++i;
+    out = "\\d+";
+  }
+  for (; i < name.size(); ++i) out += name[i] == '.' ? std::string("\\.") : std::string(1, name[i]);
+  return out;
+}
+
+void AddPattern(const std::string& pattern, std::vector<Value>* list) {
+  for (const Value& v : *list) {
+    if (v.as_string() == pattern) return;
+  }
+  list->push_back(Value::String(pattern));
+}
+
+// DeepSpeed's ds_to_universal merges TP slices by these pattern lists, which
+// Megatron-DeepSpeed writes only when TP > 1. A source saved at TP 1 lacks
+// them; a target with TP > 1 gets them from the rule set.
+void AddUniversalPatterns(const LogicalCheckpoint& src, const Plan& plan, Value* info) {
+  if (info == nullptr || DictItems(*info) == nullptr || plan.tp == 1 ||
+      Find(*info, "tp_replicated_parameter_patterns") != nullptr) {
+    return;
+  }
+  std::vector<Value> replicated, row_parallel, two_parts;
+  for (size_t li = 0; li < src.layers.size(); ++li) {
+    for (size_t ti = 0; ti < src.layers[li].tensors.size(); ++ti) {
+      const ParamRule& rule = *src.layers[li].tensors[ti].rule;
+      if (rule.buffer) continue;
+      const std::string pattern = NamePattern(ParamName(src, static_cast<int>(li), static_cast<int>(ti)));
+      if (rule.policy == ParamRule::Policy::kReplicated) AddPattern(pattern, &replicated);
+      if (rule.policy == ParamRule::Policy::kSplit && rule.dim == 1) AddPattern(pattern, &row_parallel);
+      if (rule.policy == ParamRule::Policy::kSplit && rule.parts == 2) AddPattern(pattern, &two_parts);
+    }
+  }
+  auto add_absent = [info](const char* key, std::vector<Value> list) {
+    if (!list.empty() && Find(*info, key) == nullptr) Set(*info, key, Value::MakeList(std::move(list)));
+  };
+  add_absent("tp_replicated_parameter_patterns", std::move(replicated));
+  add_absent("parameter_with_row_parallelism_patterns", std::move(row_parallel));
+  add_absent("parameter_with_2_sub_params_cat_dim_0", std::move(two_parts));
+}
+
 void RewriteVocabInfo(const Plan& plan, Value* root) {
   if (plan.padded_vocab == 0) return;
   for (const char* key : {"checkpoint_info", "universal_checkpoint_info"}) {
@@ -52,6 +104,7 @@ Value BuildModelStates(const LogicalCheckpoint& src, const Plan& plan, const Mod
   if (drop_optimizer) ReplaceIfPresent(&root, "optimizer", Value::None());
   RewriteArgs(plan, FindMutable(root, "args"));
   RewriteVocabInfo(plan, &root);
+  if (src.pipeline) AddUniversalPatterns(src, plan, FindMutable(root, "universal_checkpoint_info"));
   Value* dims = FindMutable(root, "checkpoint_parallel_dimensions");
   ReplaceIfPresent(dims, "tp_degree", Value::Int(plan.tp));
   ReplaceIfPresent(dims, "pp_degree", Value::Int(plan.pp));

@@ -5,7 +5,8 @@
 // Rewritten: mp_world_size (TP*PP), dp_world_size, param_shapes and
 // buffer_names of the target stage, args (parallel sizes, world size, padded
 // vocabulary), checkpoint_info / universal_checkpoint_info padded vocabulary,
-// checkpoint_parallel_dimensions. Kept: iteration, scheduler, counters,
+// checkpoint_parallel_dimensions, and universal_checkpoint_info's TP pattern
+// lists when a TP-1 source (which has none) becomes TP > 1. Kept: iteration, scheduler, counters,
 // configuration. RNG state: the source rank at the same (pipeline, tensor)
 // position, else mp_rank_00's (the plan notes it).
 #pragma once
