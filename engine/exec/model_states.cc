@@ -1,5 +1,6 @@
 #include "exec/model_states.h"
 
+#include <algorithm>
 #include <cctype>
 
 #include "plan/stages.h"
@@ -31,18 +32,13 @@ void RewriteArgs(const Plan& plan, Value* args) {
   if (plan.padded_vocab > 0) ReplaceIfPresent(args, "padded_vocab_size", Value::Int(plan.padded_vocab));
 }
 
-// A DeepSpeed universal-checkpoint pattern for a parameter name: the spec id
-// becomes \d+ and dots are escaped ("3.input_layernorm.weight" ->
-// "\d+\.input_layernorm\.weight").
+// A universal-checkpoint pattern for a parameter name, spelled as
+// Megatron-DeepSpeed spells them: the spec id becomes \d+ and dots stay
+// unescaped ("3.input_layernorm.weight" -> "\d+.input_layernorm.weight").
 std::string NamePattern(const std::string& name) {
-  std::string out;
-  size_t i = 0;
-  if (!name.empty() && std::isdigit(static_cast<unsigned char>(name[0]))) {
-    while (i < name.size() && std::isdigit(static_cast<unsigned char>(name[i]))) ++i;
-    out = "\\d+";
-  }
-  for (; i < name.size(); ++i) out += name[i] == '.' ? std::string("\\.") : std::string(1, name[i]);
-  return out;
+  size_t digits = 0;
+  while (digits < name.size() && std::isdigit(static_cast<unsigned char>(name[digits]))) ++digits;
+  return digits > 0 ? "\\d+" + name.substr(digits) : name;
 }
 
 void AddPattern(const std::string& pattern, std::vector<Value>* list) {
@@ -53,13 +49,21 @@ void AddPattern(const std::string& pattern, std::vector<Value>* list) {
 }
 
 // DeepSpeed's ds_to_universal merges TP slices by these pattern lists, which
-// Megatron-DeepSpeed writes only when TP > 1. A source saved at TP 1 lacks
-// them; a target with TP > 1 gets them from the rule set.
-void AddUniversalPatterns(const LogicalCheckpoint& src, const Plan& plan, Value* info) {
-  if (info == nullptr || DictItems(*info) == nullptr || plan.tp == 1 ||
-      Find(*info, "tp_replicated_parameter_patterns") != nullptr) {
+// Megatron-DeepSpeed writes only when TP > 1: a target at TP 1 drops them, a
+// target with TP > 1 from a TP-1 source (which has none) gets them from the rules.
+void RewriteUniversalPatterns(const LogicalCheckpoint& src, const Plan& plan, Value* info) {
+  Items* items = info != nullptr ? MutableDictItems(*info) : nullptr;
+  if (items == nullptr) return;
+  if (plan.tp == 1) {
+    auto tp_only = [](const std::pair<Value, Value>& item) {
+      return item.first.is(Value::Kind::kString) &&
+             (item.first.as_string() == "tp_replicated_parameter_patterns" ||
+              item.first.as_string() == "parameter_with_row_parallelism_patterns");
+    };
+    items->erase(std::remove_if(items->begin(), items->end(), tp_only), items->end());
     return;
   }
+  if (Find(*info, "tp_replicated_parameter_patterns") != nullptr) return;
   std::vector<Value> replicated, row_parallel, two_parts;
   for (size_t li = 0; li < src.layers.size(); ++li) {
     for (size_t ti = 0; ti < src.layers[li].tensors.size(); ++ti) {
@@ -104,7 +108,7 @@ Value BuildModelStates(const LogicalCheckpoint& src, const Plan& plan, const Mod
   if (drop_optimizer) ReplaceIfPresent(&root, "optimizer", Value::None());
   RewriteArgs(plan, FindMutable(root, "args"));
   RewriteVocabInfo(plan, &root);
-  if (src.pipeline) AddUniversalPatterns(src, plan, FindMutable(root, "universal_checkpoint_info"));
+  if (src.pipeline) RewriteUniversalPatterns(src, plan, FindMutable(root, "universal_checkpoint_info"));
   Value* dims = FindMutable(root, "checkpoint_parallel_dimensions");
   ReplaceIfPresent(dims, "tp_degree", Value::Int(plan.tp));
   ReplaceIfPresent(dims, "pp_degree", Value::Int(plan.pp));

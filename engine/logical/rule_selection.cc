@@ -18,6 +18,7 @@ std::string ScalarString(const Value& v) {
 }
 
 bool ArgMatches(const Value& args, const std::string& field, const std::string& expected) {
+  if (!expected.empty() && expected[0] == '!') return !ArgMatches(args, field, expected.substr(1));
   const Value* v = Find(args, field);
   const bool absent = v == nullptr || v->is_none();
   if (expected == "null") return absent;
@@ -36,7 +37,8 @@ std::string DetectMismatch(const RuleSet& rules, const LogicalCheckpoint& ckpt) 
   }
   for (const auto& [field, expected] : rules.detect().args) {
     if (!ArgMatches(ckpt.args(), field, expected)) {
-      return "args." + field + " is not " + expected;
+      const bool negated = !expected.empty() && expected[0] == '!';
+      return "args." + field + (negated ? " is " + expected.substr(1) : " is not " + expected);
     }
   }
   return "";

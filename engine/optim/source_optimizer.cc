@@ -60,6 +60,15 @@ const Tensor* MasterFlat(const Value& shard, bool embedded, int group) {
   return group < static_cast<int>(items.size()) ? FlatTensor(&items[group]) : nullptr;
 }
 
+// A comparable rendering of a small value; tensors by their bytes.
+std::string ScalarBytes(const Value& v) {
+  if (!v.is(Value::Kind::kTensor)) return v.DebugString(1 << 20);
+  const Tensor& t = v.as_tensor();
+  if (t.storage == nullptr || t.storage->bytes.data == nullptr || !t.IsContiguous()) return v.DebugString();
+  const size_t n = static_cast<size_t>(t.numel()) * ElementSize(t.storage->dtype);
+  return std::string(reinterpret_cast<const char*>(TensorData(t)), n);
+}
+
 int64_t ObjectField(const Value& v, const char* field) {
   int64_t out = -1;
   if (const Value* f = Find(v, field)) ReadInt(*f, &out);
@@ -165,6 +174,48 @@ Result<std::unique_ptr<SourceOptimizer>> SourceOptimizer::Load(
   return opt;
 }
 
+// DeepSpeed's round_robin_gradients flattens parameters in an order that
+// param_shapes does not record: the fragments cannot be placed.
+Status CheckFlatteningOrder(const Value& shard, const std::string& file) {
+  const Value* config = Find(shard, "ds_config");
+  const Value* zero = config != nullptr ? Find(*config, "zero_optimization") : nullptr;
+  const Value* round_robin = zero != nullptr ? Find(*zero, "round_robin_gradients") : nullptr;
+  if (round_robin != nullptr && round_robin->is(Value::Kind::kBool) && round_robin->as_bool()) {
+    return Status::Unsupported(file + " was saved with zero_optimization.round_robin_gradients, whose "
+                               "flattening order reshard cannot reconstruct");
+  }
+  return Status::Ok();
+}
+
+// Everything but the partitions must agree across shards of one save: the
+// hyperparameters and step of every group, and per-group scalar state.
+Status SourceOptimizer::CheckSameScalars(const Value& first, const Value& shard,
+                                         const std::string& file) const {
+  const Value* a = TorchStateDict(first, format_.embedded);
+  const Value* b = TorchStateDict(shard, format_.embedded);
+  const Value* groups_a = a != nullptr ? Find(*a, "param_groups") : nullptr;
+  const Value* groups_b = b != nullptr ? Find(*b, "param_groups") : nullptr;
+  bool same = groups_a != nullptr && groups_b != nullptr &&
+              groups_a->DebugString(1 << 20) == groups_b->DebugString(1 << 20);
+  for (int g = 0; same && g < num_groups_; ++g) {
+    const Value* sa = GroupState(a, g);
+    const Value* sb = GroupState(b, g);
+    const Items* items = sa != nullptr ? DictItems(*sa) : nullptr;
+    for (size_t i = 0; same && items != nullptr && i < items->size(); ++i) {
+      const auto& [key, value] = (*items)[i];
+      if (!key.is(Value::Kind::kString) ||
+          std::find(states_.begin(), states_.end(), key.as_string()) != states_.end()) {
+        continue;  // per-element states differ by design
+      }
+      const Value* other = sb != nullptr ? Find(*sb, key.as_string()) : nullptr;
+      same = other != nullptr && ScalarBytes(value) == ScalarBytes(*other);
+    }
+  }
+  if (same) return Status::Ok();
+  return Status::InvalidInput(file + " records other optimizer hyperparameters or another step "
+                              "than the first shard; the folder mixes shards of different saves");
+}
+
 Status SourceOptimizer::DetectFormat(const Value& shard, const FlatGroup& first_group,
                                      const std::string& path) {
   const Value& osd = *OptimizerStateDict(shard);
@@ -228,7 +279,12 @@ Status SourceOptimizer::LoadStage(const LogicalCheckpoint& src, int mp,
                                  " was saved with elastic_checkpoint; reshard reads the default "
                                  "(non-elastic) ZeRO format only");
     }
-    if (mp == 0 && d == 0) RESHARD_RETURN_IF_ERROR(DetectFormat(shard, stage.groups[0], paths[d]));
+    if (mp == 0 && d == 0) {
+      RESHARD_RETURN_IF_ERROR(DetectFormat(shard, stage.groups[0], paths[d]));
+      RESHARD_RETURN_IF_ERROR(CheckFlatteningOrder(shard, FileName(paths[d])));
+    } else {
+      RESHARD_RETURN_IF_ERROR(CheckSameScalars(stages_[0].shards[0], shard, FileName(paths[d])));
+    }
     for (int g = 0; g < num_groups_; ++g) {
       RESHARD_RETURN_IF_ERROR(AddFlats(shard, format_, states_, g, stage.groups[g], d,
                                        FileName(paths[d]), &stage.flats, num_groups_));

@@ -86,6 +86,7 @@ class SourceOptimizer {
   void DetectStates(const Value& first_shard, const FlatGroup& first_group);
   // Every stage must have the same number of (non-empty) groups as stage 0.
   Status CheckGroupCount(size_t groups, int mp);
+  Status CheckSameScalars(const Value& first, const Value& shard, const std::string& file) const;
 
   OptimizerFormat format_;
   std::vector<std::string> states_;

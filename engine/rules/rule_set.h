@@ -15,7 +15,8 @@
 //     metadata_keys: [universal_checkpoint_info]   # keys present in mp_rank files
 //     absent_metadata_keys: [checkpoint_info]      # keys that must be absent
 //     args: {swiglu: false, glu_activation: null}  # args values; null: absent or None,
-//                                                  # '*': present and not None
+//                                                  # '*': present and not None,
+//                                                  # '!x': anything but x
 //   pipeline:
 //     # The PipelineModule spec list. Each entry is `role: ClassName`.
 //     # `function` and `tied_head` own no file; `block` repeats

@@ -73,6 +73,10 @@ def tag_dir(root, cfg):
     return os.path.join(root, f'global_step{cfg.iteration}')
 
 
+def as_pattern_sets(info):
+    return {k: sorted(v) if isinstance(v, list) else v for k, v in sorted(info.items())}
+
+
 class RoundTripTest(unittest.TestCase):
 
     def check_matches_canonical(self, root, cfg, tp, kept_padding_rows):
@@ -111,7 +115,12 @@ class RoundTripTest(unittest.TestCase):
             rng_source = a if (p < b_pp and t < b_tp) else load(os.path.join(a_tag, 'mp_rank_00_model_states.pt'))
             for key in a:
                 expected = rng_source[key] if key in RNG_KEYS else a[key]
-                self.assertEqual(differences(expected, a2[key], f'{name}:{key}'), [])
+                got = a2[key]
+                if key == 'universal_checkpoint_info':
+                    # Pattern lists are sets to DeepSpeed; a TP-1 middle step drops them
+                    # and the way back rebuilds them from the rules.
+                    expected, got = as_pattern_sets(expected), as_pattern_sets(got)
+                self.assertEqual(differences(expected, got, f'{name}:{key}'), [])
 
     def round_trip(self, family, a_layout, b_layout):
         (a_tp, a_pp), (b_tp, b_pp) = a_layout, b_layout
