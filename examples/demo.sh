@@ -1,7 +1,7 @@
 #!/bin/sh
 # The built-in example: a small BLOOM-style checkpoint trained at TP 2, PP 2,
 # DP 2 with bf16 ZeRO shards and drifted layernorms (as BLOOM's were), written
-# with real torch.save, then linted, inspected, reshaped to
+# with real torch.save, then linted, inspected, reshaped with its optimizer state to
 # TP 4, PP 3 (uneven stages) and verified against the source.
 set -eu
 RESHARD=${1:-build/reshard}
@@ -24,22 +24,22 @@ step "inspect" "reshard inspect $WORK/ckpt | head -25"
 step "a bogus path gets one line and exit 2" "reshard convert /no/such/ckpt $WORK/x --tp 2 --pp 1"
 "$RESHARD" convert /no/such/ckpt "$WORK/x" --tp 2 --pp 1 || echo "(exit $?)"
 
-step "the default refuses drifted replicas" "reshard convert $WORK/ckpt $WORK/tp4pp3/global_step10 --tp 4 --pp 3 --weights-only"
-"$RESHARD" convert "$WORK/ckpt" "$WORK/tp4pp3/global_step10" --tp 4 --pp 3 --weights-only || echo "(exit $?)"
+step "the default refuses drifted replicas" "reshard convert $WORK/ckpt $WORK/tp4pp3/global_step10 --tp 4 --pp 3 --dp 3"
+"$RESHARD" convert "$WORK/ckpt" "$WORK/tp4pp3/global_step10" --tp 4 --pp 3 --dp 3 || echo "(exit $?)"
 
-step "plan it" "reshard convert ... --replicated average --weights-only --dry-run"
-"$RESHARD" convert "$WORK/ckpt" "$WORK/tp4pp3/global_step10" --tp 4 --pp 3 \
-  --replicated average --weights-only --dry-run | head -12
+step "plan it" "reshard convert ... --replicated average --dry-run"
+"$RESHARD" convert "$WORK/ckpt" "$WORK/tp4pp3/global_step10" --tp 4 --pp 3 --dp 3 \
+  --replicated average --dry-run | head -12
 
-step "convert to TP 4, PP 3" "reshard convert $WORK/ckpt $WORK/tp4pp3/global_step10 --tp 4 --pp 3 --replicated average --weights-only -q"
-"$RESHARD" convert "$WORK/ckpt" "$WORK/tp4pp3/global_step10" --tp 4 --pp 3 \
-  --replicated average --weights-only -q
-ls "$WORK/tp4pp3" "$WORK/tp4pp3/global_step10" | head -8
+step "convert to TP 4, PP 3, DP 3 with the optimizer state" "reshard convert $WORK/ckpt $WORK/tp4pp3/global_step10 --tp 4 --pp 3 --dp 3 --replicated average -q"
+"$RESHARD" convert "$WORK/ckpt" "$WORK/tp4pp3/global_step10" --tp 4 --pp 3 --dp 3 \
+  --replicated average -q
+ls "$WORK/tp4pp3/global_step10" | sed -n '1,3p;$p'
 
-step "verify: same model, replicas compared by their mean" "reshard verify $WORK/ckpt $WORK/tp4pp3 --replicated average"
+step "verify every weight and optimizer state, replicas compared by their mean" "reshard verify $WORK/ckpt $WORK/tp4pp3 --replicated average"
 "$RESHARD" verify "$WORK/ckpt" "$WORK/tp4pp3" --replicated average | tail -2
 
-step "to TP 1, PP 4 with rank 0's replicas, then verify against the source" "reshard convert ... --replicated first && reshard verify"
-"$RESHARD" convert "$WORK/ckpt" "$WORK/tp1pp4/global_step10" --tp 1 --pp 4 \
-  --replicated first --weights-only -q
+step "to TP 1, PP 4, DP 8 with rank 0's replicas, then verify against the source" "reshard convert ... --replicated first && reshard verify"
+"$RESHARD" convert "$WORK/ckpt" "$WORK/tp1pp4/global_step10" --tp 1 --pp 4 --dp 8 \
+  --replicated first -q
 "$RESHARD" verify "$WORK/ckpt" "$WORK/tp1pp4" | tail -2

@@ -20,7 +20,20 @@ struct Side {
   int layer_index;
   int tensor_index;
   const LogicalTensor& data;
+  // For weights: the checkpoint's optimizer state, whose averaged masters give
+  // averaged replicated weights exactly as convert writes them. May be null.
+  const SourceOptimizer* masters = nullptr;
 };
+
+// The whole logical tensor of one side, replicas merged by `replicated`.
+void MaterializeWhole(const Side& side, ReplicatedPolicy replicated, std::vector<uint8_t>* out) {
+  const TensorPlan plan = PlanFullTensor(side.ckpt, side.layer_index, side.tensor_index, replicated);
+  if (plan.average && side.masters != nullptr) {
+    Result<bool> from_master = WeightFromMaster(side.ckpt, *side.masters, plan, out);
+    if (from_master.ok() && *from_master) return;
+  }
+  MaterializeTensor(side.data, plan, out);
+}
 
 // "<layer>/<key>" -> (layer index, tensor index).
 std::map<std::string, std::pair<int, int>> Index(const LogicalCheckpoint& ckpt) {
@@ -47,8 +60,8 @@ void CompareWhole(const Side& a, const Side& b, const std::string& label,
     return;
   }
   std::vector<uint8_t> da, db;
-  MaterializeTensor(a.data, PlanFullTensor(a.ckpt, a.layer_index, a.tensor_index, replicated), &da);
-  MaterializeTensor(b.data, PlanFullTensor(b.ckpt, b.layer_index, b.tensor_index, replicated), &db);
+  MaterializeWhole(a, replicated, &da);
+  MaterializeWhole(b, replicated, &db);
   const DType dtype = a.data.dtype;
   const int es = ElementSize(dtype);
   int64_t n = 1;
@@ -73,7 +86,8 @@ void CompareWhole(const Side& a, const Side& b, const std::string& label,
   }
 }
 
-void CompareWeights(const LogicalCheckpoint& a, const LogicalCheckpoint& b,
+void CompareWeights(const LogicalCheckpoint& a, const SourceOptimizer* masters_a,
+                    const LogicalCheckpoint& b, const SourceOptimizer* masters_b,
                     ReplicatedPolicy replicated, VerifyReport* report) {
   const auto index_a = Index(a), index_b = Index(b);
   for (const auto& [label, ref] : index_a) {
@@ -84,7 +98,8 @@ void CompareWeights(const LogicalCheckpoint& a, const LogicalCheckpoint& b,
     }
     const auto [ali, ati] = ref;
     const auto [bli, bti] = other->second;
-    CompareWhole({a, ali, ati, a.layers[ali].tensors[ati]}, {b, bli, bti, b.layers[bli].tensors[bti]},
+    CompareWhole({a, ali, ati, a.layers[ali].tensors[ati], masters_a},
+                 {b, bli, bti, b.layers[bli].tensors[bti], masters_b},
                  label, replicated, report);
   }
   for (const auto& [label, ref] : index_b) {
@@ -257,7 +272,14 @@ Result<VerifyReport> Verify(const std::string& a_path, const std::string& b_path
                                 "reshard compares checkpoints of the same kind");
   }
   if (a->pipeline) {
-    CompareWeights(*a, *b, options.replicated, &report);
+    // Averaged replicas come from the averaged masters where there are masters.
+    auto masters = [&](const LogicalCheckpoint& c) -> std::unique_ptr<SourceOptimizer> {
+      if (options.replicated != ReplicatedPolicy::kAverage || !HasOptimizerState(c)) return nullptr;
+      Result<std::unique_ptr<SourceOptimizer>> r = SourceOptimizer::Load(c, options.allowed_classes);
+      return r.ok() ? std::move(r).value() : nullptr;  // CompareOptimizers reports the error
+    };
+    const std::unique_ptr<SourceOptimizer> masters_a = masters(*a), masters_b = masters(*b);
+    CompareWeights(*a, masters_a.get(), *b, masters_b.get(), options.replicated, &report);
   } else {
     CompareModules(*a, *b, &report);
   }
