@@ -1,8 +1,6 @@
 // reshard::Convert: load, check, plan, execute, commit, update `latest`.
 #include <chrono>
-#include <cstring>
 #include <filesystem>
-#include <thread>
 
 #include "api/common.h"
 #include "exec/executor.h"
@@ -10,7 +8,6 @@
 #include "logical/drift.h"
 #include "optim/source_optimizer.h"
 #include "optim/state_tensor.h"
-#include "plan/stages.h"
 #include "zero3/zero3_checkpoint.h"
 #include "reshard/reshard.h"
 
