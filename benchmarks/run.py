@@ -440,9 +440,13 @@ def main(argv=None) -> int:
             results.append(bench_scale(ns, scale))
     finally:
         if not ns.keep:
+            # Only what this script writes: --workdir may be a folder with other things in it.
             for name in os.listdir(ns.workdir):
-                remove(os.path.join(ns.workdir, name))
-            os.rmdir(ns.workdir)
+                if name.startswith('ckpt-scale') or name in ('cp-out', 'reshard-out', 'ds-universal-out',
+                                                             'latest_universal'):
+                    remove(os.path.join(ns.workdir, name))
+            if not os.listdir(ns.workdir):
+                os.rmdir(ns.workdir)
     print()
     print(f'machine: {machine()}')
     print(f'source: {source_version()} ({ns.reshard})')
