@@ -7,6 +7,7 @@ Every test script is run as `/usr/bin/python3 tests/interop/test_x.py --reshard 
 import os
 import subprocess
 import sys
+import enum
 import unittest
 
 import numpy
@@ -23,16 +24,23 @@ def reshard(*args, timeout=300):
 
 
 def differences(a, b, where=''):
-    """Structural and bitwise differences between two unpickled objects."""
+    """Structural + bitwise differences of two unpickled objects (tensors: dtype, shape, bits;
+    dicts: key order; objects: class and vars())."""
     if type(a) is not type(b):
         return [f'{where}: {type(a).__name__} vs {type(b).__name__}']
     if isinstance(a, torch.Tensor):
-        if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a, b):
-            return [f'{where}: tensors differ']
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return [f'{where}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}']
+        if not torch.equal(a, b):
+            bad = (a != b).nonzero()
+            return [f'{where}: {len(bad)} elements differ, first at {bad[0].tolist()}: '
+                    f'{a[tuple(bad[0])].item()!r} vs {b[tuple(bad[0])].item()!r}']
         return []
+    if isinstance(a, enum.Enum):
+        return [] if a is b else [f'{where}: {a!r} vs {b!r}']
     if isinstance(a, dict):
-        if list(a.keys()) != list(b.keys()):
-            return [f'{where}: keys {list(a.keys())} vs {list(b.keys())}']
+        if list(a) != list(b):
+            return [f'{where}: keys {list(a)} vs {list(b)}']
         return [d for k in a for d in differences(a[k], b[k], f'{where}.{k}')]
     if isinstance(a, (list, tuple)):
         if len(a) != len(b):

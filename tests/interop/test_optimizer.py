@@ -32,24 +32,21 @@ per-group scalars.
 
 Run: /usr/bin/python3 tests/interop/test_optimizer.py --reshard build/reshard  (PYTHONPATH=tests)
 """
-import argparse
 import collections
 import dataclasses
-import enum
 import math
 import os
 import re
-import subprocess
-import sys
 import tempfile
 import unittest
 
-import numpy
 import torch
 
 from fixtures import megatron_fixture as mf
 
-RESHARD = None  # path of the binary, from --reshard
+import interop_support as support
+from interop_support import differences
+
 ERROR_PREFIX = 'reshard: error: '
 
 SIZES = dict(L=6, h=48, n=12, hd=4, V=100, mvsdb=8)
@@ -70,8 +67,7 @@ STATE_KEYS = ('fp32', 'exp_avg', 'exp_avg_sq')
 # Helpers
 # ---------------------------------------------------------------------------------------------
 
-def run(*args):
-    return subprocess.run([RESHARD, *map(str, args)], capture_output=True, text=True, timeout=300)
+run = support.reshard
 
 
 def run_ok(*args):
@@ -113,36 +109,6 @@ def zero_files(tag):
 
 def mp_file(tag, mm):
     return os.path.join(tag, f'mp_rank_{mm:02d}_model_states.pt')
-
-
-def differences(a, b, where=''):
-    """Structural + bitwise differences of two unpickled objects (tensors: dtype, shape, bits;
-    dicts: key order; objects: class and vars())."""
-    if type(a) is not type(b):
-        return [f'{where}: {type(a).__name__} vs {type(b).__name__}']
-    if isinstance(a, torch.Tensor):
-        if a.dtype != b.dtype or a.shape != b.shape:
-            return [f'{where}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}']
-        if not torch.equal(a, b):
-            bad = (a != b).nonzero()
-            return [f'{where}: {len(bad)} elements differ, first at {bad[0].tolist()}: '
-                    f'{a[tuple(bad[0])].item()!r} vs {b[tuple(bad[0])].item()!r}']
-        return []
-    if isinstance(a, enum.Enum):
-        return [] if a is b else [f'{where}: {a!r} vs {b!r}']
-    if isinstance(a, dict):
-        if list(a) != list(b):
-            return [f'{where}: keys {list(a)} vs {list(b)}']
-        return [d for k in a for d in differences(a[k], b[k], f'{where}.{k}')]
-    if isinstance(a, (list, tuple)):
-        if len(a) != len(b):
-            return [f'{where}: lengths {len(a)} vs {len(b)}']
-        return [d for i, (x, y) in enumerate(zip(a, b)) for d in differences(x, y, f'{where}[{i}]')]
-    if isinstance(a, numpy.ndarray):
-        return [] if numpy.array_equal(a, b) else [f'{where}: arrays differ']
-    if hasattr(a, '__dict__') and not isinstance(a, type):
-        return differences(vars(a), vars(b), where)
-    return [] if a == b else [f'{where}: {a!r} vs {b!r}']
 
 
 def group_offsets(group):
@@ -750,8 +716,4 @@ class PolicyTest(OptimizerTestCase):
 
 
 if __name__ == '__main__':
-    parser = argparse.ArgumentParser()
-    parser.add_argument('--reshard', required=True)
-    args, rest = parser.parse_known_args()
-    RESHARD = os.path.abspath(args.reshard)
-    unittest.main(argv=[sys.argv[0], *rest])
+    support.main()
