@@ -61,11 +61,15 @@ int64_t Average(const LogicalTensor& t, uint8_t* dst) {
 }  // namespace
 
 int64_t MaterializeTensor(const LogicalTensor& t, const TensorPlan& plan, std::vector<uint8_t>* out) {
-  out->assign(static_cast<size_t>(plan.numel()) * ElementSize(t.dtype), 0);
-  if (plan.average) return Average(t, out->data());
+  out->resize(static_cast<size_t>(plan.numel()) * ElementSize(t.dtype));
+  return MaterializeInto(t, plan, out->data());
+}
+
+int64_t MaterializeInto(const LogicalTensor& t, const TensorPlan& plan, uint8_t* dst) {
+  if (plan.average) return Average(t, dst);
   int64_t read = 0;
-  for (const SliceCopy& c : plan.copies) read += ApplyCopy(t, c, plan.shape, out->data());
-  for (const SliceFill& f : plan.fills) ApplyFill(t.dtype, f, plan.shape, out->data());
+  for (const SliceCopy& c : plan.copies) read += ApplyCopy(t, c, plan.shape, dst);
+  for (const SliceFill& f : plan.fills) ApplyFill(t.dtype, f, plan.shape, dst);
   return read;
 }
 

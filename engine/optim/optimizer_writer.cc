@@ -11,23 +11,25 @@
 namespace reshard {
 namespace {
 
-// The flat buffers of one target (pipeline, tensor) rank: per state, per group.
+// The flat buffers of one target (pipeline, tensor) rank: per state, per
+// group. Shard tensors view them, so each byte is held once.
+using Buffer = std::shared_ptr<std::vector<uint8_t>>;
 struct StageFlats {
   std::vector<FlatGroup> groups;
-  std::map<std::string, std::vector<std::vector<uint8_t>>> flats;
+  std::map<std::string, std::vector<Buffer>> flats;
 };
 
-// `state` of parameter `name` as target TP rank `t` holds it: the source TP
-// ranks' copies, re-sharded by the plan of the parameter's weight.
-Result<std::vector<uint8_t>> TargetLocalState(const LogicalCheckpoint& src,
-                                              const SourceOptimizer& opt, const Plan& plan,
-                                              const std::string& name, int t,
-                                              const std::string& state, int64_t* read) {
+// Writes `state` of parameter `name` as target TP rank `t` holds it into `dst`:
+// the source TP ranks' copies, re-sharded by the plan of the parameter's weight.
+Status TargetLocalState(const LogicalCheckpoint& src, const SourceOptimizer& opt,
+                        const Plan& plan, const std::string& name, int t,
+                        const std::string& state, uint8_t* dst, int64_t* read) {
   if (!src.pipeline) {
     // The TP layout is unchanged: TP rank t's state is the source rank's own.
     RESHARD_ASSIGN_OR_RETURN(std::vector<uint8_t> same, opt.Gather(name, t, state));
+    std::memcpy(dst, same.data(), same.size());
     *read += static_cast<int64_t>(same.size());
-    return same;
+    return Status::Ok();
   }
   RESHARD_ASSIGN_OR_RETURN(StateTensor source, StateTensor::Gather(src, opt, name, state));
   // Layer files are planned layer by layer, TP rank by TP rank.
@@ -37,9 +39,8 @@ Result<std::vector<uint8_t>> TargetLocalState(const LogicalCheckpoint& src,
   if (state != kMasterState) {
     for (SliceFill& f : tensor_plan.fills) f.value = 0;
   }
-  std::vector<uint8_t> out;
-  *read += MaterializeTensor(source.tensor(), tensor_plan, &out);
-  return out;
+  *read += MaterializeInto(source.tensor(), tensor_plan, dst);
+  return Status::Ok();
 }
 
 Result<StageFlats> BuildStageFlats(const LogicalCheckpoint& src, const SourceOptimizer& opt,
@@ -57,21 +58,21 @@ Result<StageFlats> BuildStageFlats(const LogicalCheckpoint& src, const SourceOpt
   for (const std::string& state : opt.states()) {
     auto& per_group = f.flats[state];
     for (const FlatGroup& group : f.groups) {
-      per_group.emplace_back(static_cast<size_t>(group.padded()) * 4, 0);
+      // Zero-initialised: the alignment tail stays 0.
+      per_group.push_back(std::make_shared<std::vector<uint8_t>>(static_cast<size_t>(group.padded()) * 4, 0));
       for (const FlatSlot& slot : group.slots()) {
-        RESHARD_ASSIGN_OR_RETURN(std::vector<uint8_t> local,
-                                 TargetLocalState(src, opt, plan, slot.name, stage.tp_rank, state, read));
-        std::memcpy(per_group.back().data() + slot.offset * 4, local.data(), local.size());
+        RESHARD_RETURN_IF_ERROR(TargetLocalState(src, opt, plan, slot.name, stage.tp_rank, state,
+                                                 per_group.back()->data() + slot.offset * 4, read));
       }
     }
   }
   return f;
 }
 
-Value FlatSlice(const std::vector<uint8_t>& flat, int64_t start, int64_t numel) {
-  auto bytes = std::make_shared<std::vector<uint8_t>>(flat.begin() + start * 4,
-                                                      flat.begin() + (start + numel) * 4);
-  return MakeOwnedTensor(DType::kFloat32, {numel}, std::move(bytes));
+// A 1-D fp32 tensor viewing elements [start, start + numel) of `flat`.
+Value FlatSlice(const Buffer& flat, int64_t start, int64_t numel) {
+  return MakeTensorOver(DType::kFloat32, {numel},
+                        ByteView{flat, flat->data() + start * 4, static_cast<size_t>(numel) * 4});
 }
 
 // torch_state_dict["state"][group], for editing.

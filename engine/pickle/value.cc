@@ -99,11 +99,18 @@ Object& Object::operator=(const Object& other) {
 
 Value MakeOwnedTensor(DType dtype, const std::vector<int64_t>& shape,
                       std::shared_ptr<std::vector<uint8_t>> bytes, const std::string& location) {
+  const uint8_t* data = bytes->data();
+  const size_t size = bytes->size();
+  return MakeTensorOver(dtype, shape, ByteView{std::move(bytes), data, size}, location);
+}
+
+Value MakeTensorOver(DType dtype, const std::vector<int64_t>& shape, ByteView bytes,
+                     const std::string& location) {
   auto storage = std::make_shared<Storage>();
   storage->dtype = dtype;
-  storage->numel = static_cast<int64_t>(bytes->size()) / ElementSize(dtype);
+  storage->numel = static_cast<int64_t>(bytes.size) / ElementSize(dtype);
   storage->location = location;
-  storage->bytes = ByteView{bytes, bytes->data(), bytes->size()};
+  storage->bytes = std::move(bytes);
   Tensor t;
   t.storage = std::move(storage);
   t.sizes = shape;

@@ -190,8 +190,12 @@ void Set(Value& v, const std::string& key, Value item);
 Value MakeOrderedDict(Items items);
 bool IsOrderedDict(const Value& v);
 
-// A contiguous tensor of `shape` over a new storage owning `bytes`
-// (numel * ElementSize(dtype) of them).
+// A contiguous tensor of `shape` over a new storage holding `bytes`
+// (numel * ElementSize(dtype) of them), which may view part of a larger buffer.
+Value MakeTensorOver(DType dtype, const std::vector<int64_t>& shape, ByteView bytes,
+                     const std::string& location = "cpu");
+
+// The same over a buffer the storage owns.
 Value MakeOwnedTensor(DType dtype, const std::vector<int64_t>& shape,
                       std::shared_ptr<std::vector<uint8_t>> bytes, const std::string& location = "cpu");
 
