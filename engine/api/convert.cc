@@ -8,8 +8,8 @@
 #include "logical/drift.h"
 #include "optim/source_optimizer.h"
 #include "optim/state_tensor.h"
-#include "zero3/zero3_checkpoint.h"
 #include "reshard/reshard.h"
+#include "zero3/zero3_checkpoint.h"
 
 namespace reshard {
 namespace {

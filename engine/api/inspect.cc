@@ -1,15 +1,10 @@
 // reshard::Inspect: a readable description of a checkpoint.
 #include "api/common.h"
+#include "util/human.h"
 #include "zero3/zero3_checkpoint.h"
 
 namespace reshard {
 namespace {
-
-std::string ShapeString(const std::vector<int64_t>& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
-}
 
 std::string MetadataLines(const LogicalCheckpoint& ckpt) {
   std::string out = "metadata (mp_rank_00):\n";

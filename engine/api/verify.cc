@@ -4,11 +4,10 @@
 #include <map>
 
 #include "api/common.h"
-#include "exec/materialize.h"
 #include "logical/drift.h"
 #include "optim/state_tensor.h"
-#include "zero3/zero3_checkpoint.h"
 #include "plan/plan.h"
+#include "zero3/zero3_checkpoint.h"
 
 namespace reshard {
 namespace {
@@ -26,13 +25,9 @@ struct Side {
 };
 
 // The whole logical tensor of one side, replicas merged by `replicated`.
-void MaterializeWhole(const Side& side, ReplicatedPolicy replicated, std::vector<uint8_t>* out) {
+Status MaterializeWhole(const Side& side, ReplicatedPolicy replicated, std::vector<uint8_t>* out) {
   const TensorPlan plan = PlanFullTensor(side.ckpt, side.layer_index, side.tensor_index, replicated);
-  if (plan.average && side.masters != nullptr) {
-    Result<bool> from_master = WeightFromMaster(side.ckpt, *side.masters, plan, out);
-    if (from_master.ok() && *from_master) return;
-  }
-  MaterializeTensor(side.data, plan, out);
+  return MaterializeWeight(side.ckpt, side.masters, side.data, plan, out).status();
 }
 
 // "<layer>/<key>" -> (layer index, tensor index).
@@ -48,7 +43,7 @@ std::map<std::string, std::pair<int, int>> Index(const LogicalCheckpoint& ckpt) 
 }
 
 // Compares two whole logical tensors; vocabulary tensors over the rows both have.
-void CompareWhole(const Side& a, const Side& b, const std::string& label,
+Status CompareWhole(const Side& a, const Side& b, const std::string& label,
                   ReplicatedPolicy replicated, VerifyReport* report) {
   std::vector<int64_t> sa = a.data.full_shape, sb = b.data.full_shape;
   if (a.data.rule->policy == ParamRule::Policy::kVocab && !sa.empty() && !sb.empty()) {
@@ -57,11 +52,11 @@ void CompareWhole(const Side& a, const Side& b, const std::string& label,
   if (a.data.dtype != b.data.dtype || sa != sb) {
     report->differences.push_back(label + ": " + DTypeName(a.data.dtype) + " vs " +
                                   DTypeName(b.data.dtype) + ", shapes differ");
-    return;
+    return Status::Ok();
   }
   std::vector<uint8_t> da, db;
-  MaterializeWhole(a, replicated, &da);
-  MaterializeWhole(b, replicated, &db);
+  RESHARD_RETURN_IF_ERROR(MaterializeWhole(a, replicated, &da));
+  RESHARD_RETURN_IF_ERROR(MaterializeWhole(b, replicated, &db));
   const DType dtype = a.data.dtype;
   const int es = ElementSize(dtype);
   int64_t n = 1;
@@ -84,11 +79,12 @@ void CompareWhole(const Side& a, const Side& b, const std::string& label,
                   static_cast<long long>(differing), static_cast<long long>(n), max_diff);
     report->differences.push_back(label + buf);
   }
+  return Status::Ok();
 }
 
-void CompareWeights(const LogicalCheckpoint& a, const SourceOptimizer* masters_a,
-                    const LogicalCheckpoint& b, const SourceOptimizer* masters_b,
-                    ReplicatedPolicy replicated, VerifyReport* report) {
+Status CompareWeights(const LogicalCheckpoint& a, const SourceOptimizer* masters_a,
+                      const LogicalCheckpoint& b, const SourceOptimizer* masters_b,
+                      ReplicatedPolicy replicated, VerifyReport* report) {
   const auto index_a = Index(a), index_b = Index(b);
   for (const auto& [label, ref] : index_a) {
     auto other = index_b.find(label);
@@ -98,13 +94,14 @@ void CompareWeights(const LogicalCheckpoint& a, const SourceOptimizer* masters_a
     }
     const auto [ali, ati] = ref;
     const auto [bli, bti] = other->second;
-    CompareWhole({a, ali, ati, a.layers[ali].tensors[ati], masters_a},
-                 {b, bli, bti, b.layers[bli].tensors[bti], masters_b},
-                 label, replicated, report);
+    RESHARD_RETURN_IF_ERROR(CompareWhole({a, ali, ati, a.layers[ali].tensors[ati], masters_a},
+                                         {b, bli, bti, b.layers[bli].tensors[bti], masters_b},
+                                         label, replicated, report));
   }
   for (const auto& [label, ref] : index_b) {
     if (!index_a.count(label)) report->differences.push_back(label + ": only in B");
   }
+  return Status::Ok();
 }
 
 // Every tensor of a non-pipeline checkpoint's `module`, by dotted name.
@@ -162,21 +159,27 @@ Status CompareLocalStates(const SourceOptimizer& opt_a, const SourceOptimizer& o
   return Status::Ok();
 }
 
+// The optimizer state verify compares; null when there is none to compare
+// (without pipelining the FP16_Optimizer state is carried whole).
+Result<std::unique_ptr<SourceOptimizer>> ComparableOptimizer(const LogicalCheckpoint& c,
+                                                             const VerifyOptions& options) {
+  if (!HasOptimizerState(c) || (!c.pipeline && c.files.optimizer_files.empty())) {
+    return std::unique_ptr<SourceOptimizer>();
+  }
+  return SourceOptimizer::Load(c, options.allowed_classes);
+}
+
 // Every element of every optimizer state (fp32 masters, moments, ...), per parameter.
-Status CompareOptimizers(const LogicalCheckpoint& a, const LogicalCheckpoint& b,
+Status CompareOptimizers(const LogicalCheckpoint& a, const SourceOptimizer* opt_a,
+                         const LogicalCheckpoint& b, const SourceOptimizer* opt_b,
                          const VerifyOptions& options, VerifyReport* report) {
-  // Without pipelining the FP16_Optimizer state is carried whole, not compared.
-  const bool has_a = HasOptimizerState(a) && (a.pipeline || !a.files.optimizer_files.empty());
-  const bool has_b = HasOptimizerState(b) && (b.pipeline || !b.files.optimizer_files.empty());
-  if (!has_a || !has_b) {
-    if (has_a || has_b) {
+  if (opt_a == nullptr || opt_b == nullptr) {
+    if (opt_a != nullptr || opt_b != nullptr) {
       report->notes.push_back(std::string("optimizer state not compared: only ") +
-                              (has_a ? "A" : "B") + " has optimizer shards");
+                              (opt_a != nullptr ? "A" : "B") + " has optimizer shards");
     }
     return Status::Ok();
   }
-  RESHARD_ASSIGN_OR_RETURN(auto opt_a, SourceOptimizer::Load(a, options.allowed_classes));
-  RESHARD_ASSIGN_OR_RETURN(auto opt_b, SourceOptimizer::Load(b, options.allowed_classes));
   if (opt_a->states() != opt_b->states()) {
     report->differences.push_back("optimizer: A and B hold different per-element states");
     return Status::Ok();
@@ -194,9 +197,10 @@ Status CompareOptimizers(const LogicalCheckpoint& a, const LogicalCheckpoint& b,
       }
       RESHARD_ASSIGN_OR_RETURN(StateTensor sa, StateTensor::Gather(a, *opt_a, name, state));
       RESHARD_ASSIGN_OR_RETURN(StateTensor sb, StateTensor::Gather(b, *opt_b, name, state));
-      CompareWhole({a, sa.layer_index(), sa.tensor_index(), sa.tensor()},
-                   {b, sb.layer_index(), sb.tensor_index(), sb.tensor()},
-                   "optimizer " + state + " " + name, options.replicated, report);
+      RESHARD_RETURN_IF_ERROR(CompareWhole({a, sa.layer_index(), sa.tensor_index(), sa.tensor()},
+                                           {b, sb.layer_index(), sb.tensor_index(), sb.tensor()},
+                                           "optimizer " + state + " " + name, options.replicated,
+                                           report));
     }
   }
   return Status::Ok();
@@ -271,19 +275,18 @@ Result<VerifyReport> Verify(const std::string& a_path, const std::string& b_path
     return Status::InvalidInput("one checkpoint is a pipeline checkpoint and the other is not; "
                                 "reshard compares checkpoints of the same kind");
   }
+  RESHARD_ASSIGN_OR_RETURN(std::unique_ptr<SourceOptimizer> opt_a, ComparableOptimizer(*a, options));
+  RESHARD_ASSIGN_OR_RETURN(std::unique_ptr<SourceOptimizer> opt_b, ComparableOptimizer(*b, options));
   if (a->pipeline) {
     // Averaged replicas come from the averaged masters where there are masters.
-    auto masters = [&](const LogicalCheckpoint& c) -> std::unique_ptr<SourceOptimizer> {
-      if (options.replicated != ReplicatedPolicy::kAverage || !HasOptimizerState(c)) return nullptr;
-      Result<std::unique_ptr<SourceOptimizer>> r = SourceOptimizer::Load(c, options.allowed_classes);
-      return r.ok() ? std::move(r).value() : nullptr;  // CompareOptimizers reports the error
-    };
-    const std::unique_ptr<SourceOptimizer> masters_a = masters(*a), masters_b = masters(*b);
-    CompareWeights(*a, masters_a.get(), *b, masters_b.get(), options.replicated, &report);
+    const bool average = options.replicated == ReplicatedPolicy::kAverage;
+    RESHARD_RETURN_IF_ERROR(CompareWeights(*a, average ? opt_a.get() : nullptr, *b,
+                                           average ? opt_b.get() : nullptr, options.replicated,
+                                           &report));
   } else {
     CompareModules(*a, *b, &report);
   }
-  RESHARD_RETURN_IF_ERROR(CompareOptimizers(*a, *b, options, &report));
+  RESHARD_RETURN_IF_ERROR(CompareOptimizers(*a, opt_a.get(), *b, opt_b.get(), options, &report));
   CompareMetadata(*a, *b, &report);
   if (a->vocab.padded_rows != b->vocab.padded_rows) {
     report.notes.push_back("vocabulary rows compared up to " +

@@ -8,7 +8,6 @@
 #include <mutex>
 #include <thread>
 
-#include "exec/materialize.h"
 #include "exec/model_states.h"
 #include "format/torch_file.h"
 #include "optim/optimizer_writer.h"
@@ -35,11 +34,8 @@ Result<int64_t> WriteLayerFile(const LogicalCheckpoint& src, const LayerFilePlan
   for (const TensorPlan& tp : file.tensors) {
     const LogicalTensor& lt = layer.tensors[tp.tensor_index];
     auto bytes = std::make_shared<std::vector<uint8_t>>();
-    bool from_master = false;
-    if (tp.average && optimizer != nullptr) {
-      RESHARD_ASSIGN_OR_RETURN(from_master, WeightFromMaster(src, *optimizer, tp, bytes.get()));
-    }
-    if (!from_master) read += MaterializeTensor(lt, tp, bytes.get());
+    RESHARD_ASSIGN_OR_RETURN(int64_t r, MaterializeWeight(src, optimizer, lt, tp, bytes.get()));
+    read += r;
     Set(root, lt.key, NewTensor(*lt.shards[0], tp.shape, std::move(bytes)));
   }
   RESHARD_RETURN_IF_ERROR(WriteTorchFile(dir + "/" + file.name, root));

@@ -118,6 +118,8 @@ std::string TwoDigits(int v) {
 
 }  // namespace
 
+std::string BaseName(const std::string& path) { return path.substr(path.rfind('/') + 1); }
+
 std::string LayerName(int layer_id) { return "layer_" + TwoDigits(layer_id); }
 std::string LayerFileName(int layer_id, int tp_rank) {
   return LayerName(layer_id) + "-model_" + TwoDigits(tp_rank) + "-model_states.pt";

@@ -40,6 +40,9 @@ struct CheckpointFiles {
   int LayerTpSize() const;
 };
 
+// "mp_rank_00_model_states.pt" for ".../global_step20/mp_rank_00_model_states.pt".
+std::string BaseName(const std::string& path);
+
 // Names as DeepSpeed spells them (indices zero-padded to two digits).
 std::string LayerName(int layer_id);                    // "layer_04"
 std::string LayerFileName(int layer_id, int tp_rank);   // "layer_04-model_01-model_states.pt"

@@ -6,6 +6,7 @@
 
 #include "format/torch_file.h"
 #include "logical/rule_selection.h"
+#include "util/human.h"
 
 namespace reshard {
 namespace {
@@ -22,18 +23,10 @@ std::string RuleWhere(const RuleSet& rules, const ParamRule& rule) {
   return rules.origin() + ":" + std::to_string(rule.line);
 }
 
-std::string FileName(const std::string& path) { return path.substr(path.rfind('/') + 1); }
-
 PickleReadOptions ReadOptions(const LoadOptions& options) {
   PickleReadOptions read;
   read.allowed_globals = options.allowed_classes;
   return read;
-}
-
-std::string ShapeString(const std::vector<int64_t>& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
 }
 
 int64_t MetadataInt(const Value& root, const char* key, int64_t fallback) {

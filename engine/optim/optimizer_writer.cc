@@ -7,6 +7,7 @@
 #include "format/torch_file.h"
 #include "layout/checkpoint_files.h"
 #include "optim/state_tensor.h"
+#include "optim/torch_state.h"
 
 namespace reshard {
 namespace {
@@ -75,18 +76,6 @@ Value FlatSlice(const Buffer& flat, int64_t start, int64_t numel) {
                         ByteView{flat, flat->data() + start * 4, static_cast<size_t>(numel) * 4});
 }
 
-// torch_state_dict["state"][group], for editing.
-Value* MutableGroupState(Value* torch_state_dict, int group) {
-  Value* state = torch_state_dict != nullptr ? FindMutable(*torch_state_dict, "state") : nullptr;
-  Items* items = state != nullptr ? MutableDictItems(*state) : nullptr;
-  if (items == nullptr) return nullptr;
-  for (auto& [k, v] : *items) {
-    int64_t g;
-    if (ReadInt(k, &g) && g == group) return &v;
-  }
-  return nullptr;
-}
-
 // A fragment_address like the source's, with new numbers.
 Value FragmentAddress(const Value& like, int64_t numel, int64_t start) {
   Value address = like;
@@ -127,7 +116,7 @@ Result<Value> BuildShard(const SourceOptimizer& opt, const StageFlats& f, int d)
   for (size_t g = 0; g < f.groups.size(); ++g) {
     const FlatGroup& group = f.groups[g];
     const int64_t start = d * group.partition();
-    Value* state = MutableGroupState(FindMutable(osd, "base_optimizer_state"), static_cast<int>(g));
+    Value* state = MutableTorchGroupState(FindMutable(osd, "base_optimizer_state"), static_cast<int>(g));
     if (state == nullptr && opt.states().size() > 1) {
       return Status::Internal("the template shard has no state for group " + std::to_string(g));
     }
@@ -161,7 +150,7 @@ Result<Value> BuildEmbedded(const SourceOptimizer& opt, const StageFlats& f) {
   std::vector<Value> masters;
   for (size_t g = 0; g < f.groups.size(); ++g) {
     const int64_t n = f.groups[g].numel();
-    Value* state = MutableGroupState(torch_state, static_cast<int>(g));
+    Value* state = MutableTorchGroupState(torch_state, static_cast<int>(g));
     if (state == nullptr && opt.states().size() > 1) {
       return Status::Internal("the template optimizer has no state for group " + std::to_string(g));
     }

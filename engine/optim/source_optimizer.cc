@@ -5,12 +5,11 @@
 
 #include "format/torch_file.h"
 #include "layout/checkpoint_files.h"
+#include "optim/torch_state.h"
 #include "plan/stages.h"
 
 namespace reshard {
 namespace {
-
-std::string FileName(const std::string& path) { return path.substr(path.rfind('/') + 1); }
 
 // Where each format keeps things. A sharded file's root holds
 // optimizer_state_dict {base_optimizer_state: torch state dict,
@@ -28,18 +27,6 @@ const Value* MasterList(const Value& shard, bool embedded) {
   if (embedded) return Find(shard, "fp32_groups_flat");
   const Value* osd = OptimizerStateDict(shard);
   return osd != nullptr ? Find(*osd, "single_partition_of_fp32_groups") : nullptr;
-}
-
-// torch_state_dict["state"][group] (a dict keyed by the group index).
-const Value* GroupState(const Value* torch_state_dict, int group) {
-  const Value* state = torch_state_dict != nullptr ? Find(*torch_state_dict, "state") : nullptr;
-  const Items* items = state != nullptr ? DictItems(*state) : nullptr;
-  if (items == nullptr) return nullptr;
-  for (const auto& [k, v] : *items) {
-    int64_t g;
-    if (ReadInt(k, &g) && g == group) return &v;
-  }
-  return nullptr;
 }
 
 // A contiguous 1-D fp32 tensor, or null.
@@ -119,7 +106,7 @@ Status AddFlats(const Value& shard, const OptimizerFormat& format,
   }
   (*flats)[kMasterState].resize(num_groups);
   (*flats)[kMasterState][g].push_back(master);
-  const Value* group_state = GroupState(TorchStateDict(shard, format.embedded), g);
+  const Value* group_state = TorchGroupState(TorchStateDict(shard, format.embedded), g);
   for (size_t s = 1; s < states.size(); ++s) {
     const Tensor* flat = FlatTensor(group_state != nullptr ? Find(*group_state, states[s]) : nullptr);
     if (flat == nullptr || flat->numel() != layout.partition()) {
@@ -167,8 +154,11 @@ Result<std::unique_ptr<SourceOptimizer>> SourceOptimizer::Load(
   }
   // Owners: the first pipeline stage holding a name (TP rank 0's view).
   for (int p = src.pp - 1; p >= 0; --p) {
-    for (const FlatGroup& g : opt->stages_[p * src.tp].groups) {
-      for (const FlatSlot& s : g.slots()) opt->owner_[s.name] = p;
+    const auto& groups = opt->stages_[p * src.tp].groups;
+    for (size_t g = 0; g < groups.size(); ++g) {
+      for (size_t s = 0; s < groups[g].slots().size(); ++s) {
+        opt->owner_[groups[g].slots()[s].name] = {p, static_cast<int>(g), static_cast<int>(s)};
+      }
     }
   }
   return opt;
@@ -198,8 +188,8 @@ Status SourceOptimizer::CheckSameScalars(const Value& first, const Value& shard,
   bool same = groups_a != nullptr && groups_b != nullptr &&
               groups_a->DebugString(1 << 20) == groups_b->DebugString(1 << 20);
   for (int g = 0; same && g < num_groups_; ++g) {
-    const Value* sa = GroupState(a, g);
-    const Value* sb = GroupState(b, g);
+    const Value* sa = TorchGroupState(a, g);
+    const Value* sb = TorchGroupState(b, g);
     const Items* items = sa != nullptr ? DictItems(*sa) : nullptr;
     for (size_t i = 0; same && items != nullptr && i < items->size(); ++i) {
       const auto& [key, value] = (*items)[i];
@@ -221,13 +211,13 @@ Status SourceOptimizer::DetectFormat(const Value& shard, const FlatGroup& first_
   const Value& osd = *OptimizerStateDict(shard);
   format_.zero = Find(osd, "zero_stage") != nullptr;
   format_.slice_mappings = Find(osd, "param_slice_mappings") != nullptr;
-  format_.bf16_prefix = FileName(path).rfind("bf16_", 0) == 0;
+  format_.bf16_prefix = BaseName(path).rfind("bf16_", 0) == 0;
   if (Find(osd, "group_paddings") != nullptr) {
     format_.padding_key = "group_paddings";
   } else if (Find(osd, "groups_padding") != nullptr) {
     format_.padding_key = "groups_padding";
   } else {
-    return Status::Unsupported(FileName(path) + " has no group_paddings; reshard does not know this optimizer format");
+    return Status::Unsupported(BaseName(path) + " has no group_paddings; reshard does not know this optimizer format");
   }
   DetectStates(shard, first_group);
   return Status::Ok();
@@ -235,7 +225,7 @@ Status SourceOptimizer::DetectFormat(const Value& shard, const FlatGroup& first_
 
 void SourceOptimizer::DetectStates(const Value& shard, const FlatGroup& first_group) {
   states_ = {kMasterState};
-  const Value* state = GroupState(TorchStateDict(shard, format_.embedded), 0);
+  const Value* state = TorchGroupState(TorchStateDict(shard, format_.embedded), 0);
   if (state == nullptr || DictItems(*state) == nullptr) return;
   for (const auto& [k, v] : *DictItems(*state)) {
     const Tensor* t = FlatTensor(&v);
@@ -275,22 +265,22 @@ Status SourceOptimizer::LoadStage(const LogicalCheckpoint& src, int mp,
       return Status::InvalidInput(paths[d] + " has no optimizer_state_dict.base_optimizer_state");
     }
     if (base->is(Value::Kind::kList)) {
-      return Status::Unsupported(FileName(paths[d]) +
+      return Status::Unsupported(BaseName(paths[d]) +
                                  " was saved with elastic_checkpoint; reshard reads the default "
                                  "(non-elastic) ZeRO format only");
     }
     if (mp == 0 && d == 0) {
       RESHARD_RETURN_IF_ERROR(DetectFormat(shard, stage.groups[0], paths[d]));
-      RESHARD_RETURN_IF_ERROR(CheckFlatteningOrder(shard, FileName(paths[d])));
+      RESHARD_RETURN_IF_ERROR(CheckFlatteningOrder(shard, BaseName(paths[d])));
     } else {
-      RESHARD_RETURN_IF_ERROR(CheckSameScalars(stages_[0].shards[0], shard, FileName(paths[d])));
+      RESHARD_RETURN_IF_ERROR(CheckSameScalars(stages_[0].shards[0], shard, BaseName(paths[d])));
     }
     for (int g = 0; g < num_groups_; ++g) {
       RESHARD_RETURN_IF_ERROR(AddFlats(shard, format_, states_, g, stage.groups[g], d,
-                                       FileName(paths[d]), &stage.flats, num_groups_));
+                                       BaseName(paths[d]), &stage.flats, num_groups_));
       if (format_.slice_mappings) {
         RESHARD_RETURN_IF_ERROR(
-            CheckSliceMappings(*OptimizerStateDict(shard), g, stage.groups[g], d, FileName(paths[d])));
+            CheckSliceMappings(*OptimizerStateDict(shard), g, stage.groups[g], d, BaseName(paths[d])));
       }
     }
     stage.shards.push_back(std::move(shard));
@@ -338,25 +328,27 @@ Result<std::vector<uint8_t>> SourceOptimizer::Gather(const std::string& name, in
   if (owner == owner_.end()) {
     return Status::InvalidInput("parameter " + name + " has no optimizer state in the source shards");
   }
-  const Stage& stage = stages_[owner->second * tp_ + t];
+  const Owner& o = owner->second;
+  const Stage& stage = stages_[o.stage * tp_ + t];
+  const FlatGroup& group = stage.groups[o.group];
   auto flats = stage.flats.find(state);
-  for (size_t g = 0; g < stage.groups.size(); ++g) {
-    const FlatSlot* slot = stage.groups[g].Find(name);
-    if (slot == nullptr) continue;
-    const int64_t partition = stage.groups[g].partition();
-    std::vector<uint8_t> out(static_cast<size_t>(slot->numel) * 4);
-    for (int64_t done = 0; done < slot->numel;) {
-      const int64_t flat_index = slot->offset + done;
-      const int d = static_cast<int>(flat_index / partition);
-      const int64_t in_partition = flat_index - d * partition;
-      const int64_t n = std::min(slot->numel - done, partition - in_partition);
-      std::memcpy(out.data() + done * 4, TensorData(*flats->second[g][d]) + in_partition * 4, n * 4);
-      done += n;
-    }
-    return out;
+  if (flats == stage.flats.end()) return Status::Internal("no optimizer state '" + state + "'");
+  if (o.slot >= static_cast<int>(group.slots().size()) || group.slots()[o.slot].name != name) {
+    return Status::InvalidInput("parameter " + name + " is missing from TP rank " +
+                                std::to_string(t) + "'s optimizer shards");
   }
-  return Status::InvalidInput("parameter " + name + " is missing from TP rank " + std::to_string(t) +
-                              "'s optimizer shards");
+  const FlatSlot& slot = group.slots()[o.slot];
+  const int64_t partition = group.partition();
+  std::vector<uint8_t> out(static_cast<size_t>(slot.numel) * 4);
+  for (int64_t done = 0; done < slot.numel;) {
+    const int64_t flat_index = slot.offset + done;
+    const int d = static_cast<int>(flat_index / partition);
+    const int64_t in_partition = flat_index - d * partition;
+    const int64_t n = std::min(slot.numel - done, partition - in_partition);
+    std::memcpy(out.data() + done * 4, TensorData(*flats->second[o.group][d]) + in_partition * 4, n * 4);
+    done += n;
+  }
+  return out;
 }
 
 }  // namespace reshard

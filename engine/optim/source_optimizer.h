@@ -93,7 +93,14 @@ class SourceOptimizer {
   int num_groups_ = 0;
   int tp_ = 1;
   std::vector<Stage> stages_;          // index = mp rank (p * tp + t)
-  std::map<std::string, int> owner_;   // parameter name -> first pipeline stage holding it
+  // Where a parameter's state is: the first pipeline stage holding it, and its
+  // group and slot there (the same on every TP rank of the stage).
+  struct Owner {
+    int stage = 0;
+    int group = 0;
+    int slot = 0;
+  };
+  std::map<std::string, Owner> owner_;
 };
 
 }  // namespace reshard

@@ -67,4 +67,14 @@ Result<bool> WeightFromMaster(const LogicalCheckpoint& src, const SourceOptimize
   return true;
 }
 
+Result<int64_t> MaterializeWeight(const LogicalCheckpoint& src, const SourceOptimizer* masters,
+                                  const LogicalTensor& weight, const TensorPlan& plan,
+                                  std::vector<uint8_t>* out) {
+  if (plan.average && masters != nullptr) {
+    RESHARD_ASSIGN_OR_RETURN(bool from_master, WeightFromMaster(src, *masters, plan, out));
+    if (from_master) return int64_t{0};
+  }
+  return MaterializeTensor(weight, plan, out);
+}
+
 }  // namespace reshard

@@ -56,4 +56,11 @@ Result<std::vector<StateDrift>> MeasureStateDrift(const LogicalCheckpoint& src,
 Result<bool> WeightFromMaster(const LogicalCheckpoint& src, const SourceOptimizer& opt,
                               const TensorPlan& plan, std::vector<uint8_t>* out);
 
+// The weight `plan` describes: copied from `weight`'s shards, or for an
+// average of replicas with optimizer state (`masters` not null) from the
+// averaged master. Returns the weight bytes read.
+Result<int64_t> MaterializeWeight(const LogicalCheckpoint& src, const SourceOptimizer* masters,
+                                  const LogicalTensor& weight, const TensorPlan& plan,
+                                  std::vector<uint8_t>* out);
+
 }  // namespace reshard

@@ -153,12 +153,6 @@ void AddVocabNote(const LogicalCheckpoint& src, const PlanOptions& o, Plan* plan
   plan->notes.push_back(note);
 }
 
-std::string ShapeString(const std::vector<int64_t>& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
-}
-
 std::string DescribeSources(const TensorPlan& t) {
   if (t.average) return "mean of all TP replicas";
   std::string s;

@@ -16,4 +16,10 @@ std::string HumanBytes(int64_t n) {
   return buf;
 }
 
+std::string ShapeString(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
 }  // namespace reshard

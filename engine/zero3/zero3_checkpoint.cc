@@ -5,12 +5,11 @@
 
 #include "format/torch_file.h"
 #include "optim/source_optimizer.h"
+#include "optim/torch_state.h"
 #include "plan/stages.h"
 
 namespace reshard {
 namespace {
-
-std::string FileName(const std::string& path) { return path.substr(path.rfind('/') + 1); }
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -21,15 +20,7 @@ const Value* TorchStateDict(const Value& root) {
 }
 
 const Value* SubGroupState(const Value& root, int sub_group) {
-  const Value* torch_sd = TorchStateDict(root);
-  const Value* state = torch_sd != nullptr ? Find(*torch_sd, "state") : nullptr;
-  const Items* items = state != nullptr ? DictItems(*state) : nullptr;
-  if (items == nullptr) return nullptr;
-  for (const auto& [k, v] : *items) {
-    int64_t g;
-    if (ReadInt(k, &g) && g == sub_group) return &v;
-  }
-  return nullptr;
+  return TorchGroupState(TorchStateDict(root), sub_group);
 }
 
 int64_t TensorNumel(const Value* v) {
@@ -112,7 +103,7 @@ Status Zero3Checkpoint::LoadRank(int mp, const std::set<std::string>& allowed_cl
     const Value* frozen = Find(model, "frozen_param_fragments");
     const Items* frozen_items = frozen != nullptr ? DictItems(*frozen) : nullptr;
     if (frozen_items != nullptr && !frozen_items->empty()) {
-      return Status::Unsupported(FileName(models->second[d]) +
+      return Status::Unsupported(BaseName(models->second[d]) +
                                  " has frozen parameters, whose ZeRO-3 fragments reshard does not "
                                  "re-slice yet");
     }
@@ -121,7 +112,7 @@ Status Zero3Checkpoint::LoadRank(int mp, const std::set<std::string>& allowed_cl
   }
   std::vector<std::vector<ParamShape>> shapes;
   if (!ReadParamShapes(rank.model_states[0], &shapes)) {
-    return Status::InvalidInput(FileName(models->second[0]) + " records no param_shapes");
+    return Status::InvalidInput(BaseName(models->second[0]) + " records no param_shapes");
   }
   for (const auto& group : shapes) {
     std::vector<Zero3Param> params;
@@ -135,13 +126,13 @@ Status Zero3Checkpoint::LoadRank(int mp, const std::set<std::string>& allowed_cl
   const Value* torch_sd = TorchStateDict(rank.optimizer[0]);
   const Value* groups = torch_sd != nullptr ? Find(*torch_sd, "param_groups") : nullptr;
   if (groups == nullptr || !groups->is(Value::Kind::kList)) {
-    return Status::InvalidInput(FileName(optim[0]) + " has no ZeRO-3 optimizer param_groups");
+    return Status::InvalidInput(BaseName(optim[0]) + " has no ZeRO-3 optimizer param_groups");
   }
   for (const Value& g : groups->as_list().items) {
     std::vector<int64_t> ids;
     const Value* params = Find(g, "params");
     if (params == nullptr || !ReadIntSequence(*params, &ids)) {
-      return Status::InvalidInput(FileName(optim[0]) + ": a param group lists no sub-groups");
+      return Status::InvalidInput(BaseName(optim[0]) + ": a param group lists no sub-groups");
     }
     rank.group_sub_groups.emplace_back(ids.begin(), ids.end());
   }
@@ -162,7 +153,7 @@ Status Zero3Checkpoint::LoadRank(int mp, const std::set<std::string>& allowed_cl
       const int64_t want = FlatLength(rank.sub_groups[sg], dp_);
       for (const std::string& state : states_) {
         if (TensorNumel(Flat(mp, d, static_cast<int>(sg), state)) != want) {
-          return Status::InvalidInput(FileName(optim[d]) + ": '" + state + "' of sub-group " +
+          return Status::InvalidInput(BaseName(optim[d]) + ": '" + state + "' of sub-group " +
                                       std::to_string(sg) + " is not the " + std::to_string(want) +
                                       " elements param_shapes and DP " + std::to_string(dp_) + " give");
         }
