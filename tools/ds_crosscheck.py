@@ -68,19 +68,11 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), 'tests'))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), 'tests', 'interop'))
 from fixtures import megatron_fixture as mf  # noqa: E402
+from interop_support import FAMILIES, differences as obj_diff  # noqa: E402
 
 STATES = ('fp32', 'exp_avg', 'exp_avg_sq', 'step')
-
-SIZES = dict(L=6, h=48, n=12, hd=4, V=100, mvsdb=8)
-FAMILIES = {
-    'bs_bloom': dict(style='bs_bloom', ffn=96, **SIZES),
-    'bs_gpt_glu': dict(style='bs_gpt', glu=True, ffn=96, **SIZES),
-    'ms_gpt2': dict(style='ms_gpt2', ffn=96, **SIZES),
-    'ms_llama': dict(style='ms_llama', nkv=6, ffn=48, **SIZES),
-    'tiny_bloom': dict(style='bs_bloom', L=2, h=8, n=2, ffn=16, V=30, mvsdb=4),
-}
-
 
 @dataclasses.dataclass
 class Case:
@@ -258,29 +250,6 @@ def read_universal(universal: str) -> Tuple[Dict[str, Dict[str, Any]], Any]:
 # ---------------------------------------------------------------------------------------------
 # Comparison
 # ---------------------------------------------------------------------------------------------
-
-def obj_diff(a, b, where='') -> List[str]:
-    if type(a) is not type(b):
-        return [f'{where}: {type(a).__name__} vs {type(b).__name__}']
-    if isinstance(a, torch.Tensor):
-        if a.dtype != b.dtype or a.shape != b.shape:
-            return [f'{where}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}']
-        if not torch.equal(a, b):
-            d = (a.double() - b.double()).abs()
-            return [f'{where}: {int((d != 0).sum())} elements differ (max |d| {float(d.max()):.3g})']
-        return []
-    if isinstance(a, dict):
-        if list(a) != list(b):
-            return [f'{where}: keys {list(a)} vs {list(b)}']
-        return [x for k in a for x in obj_diff(a[k], b[k], f'{where}.{k}')]
-    if isinstance(a, (list, tuple)):
-        if len(a) != len(b):
-            return [f'{where}: length {len(a)} vs {len(b)}']
-        return [x for i, (u, v) in enumerate(zip(a, b)) for x in obj_diff(u, v, f'{where}[{i}]')]
-    if hasattr(a, '__dict__') and not isinstance(a, type) and not isinstance(a, (int, float, str)):
-        return obj_diff(vars(a), vars(b), where)
-    return [] if a == b else [f'{where}: {a!r} vs {b!r}']
-
 
 @dataclasses.dataclass
 class Comparison:

@@ -5,10 +5,13 @@ Every test script is run as `/usr/bin/python3 tests/interop/test_x.py --reshard 
 (with PYTHONPATH=tests) and ends with `interop_support.main()`.
 """
 import os
+import pickletools
 import subprocess
+import tempfile
 import sys
 import enum
 import unittest
+import zipfile
 
 import numpy
 import torch
@@ -17,10 +20,84 @@ from fixtures import megatron_fixture as mf
 
 RESHARD = None  # absolute path of the binary under test, set by main()
 
+# The small models the interop tests convert: every TP in 1, 2, 3, 4, 6 divides
+# their heads (llama: KV groups 1, 2, 3, 6), and 6 blocks give uneven stages.
+SIZES = dict(L=6, h=48, n=12, hd=4, V=100, mvsdb=8)
+FAMILIES = {
+    'bs_bloom': dict(style='bs_bloom', ffn=96, **SIZES),
+    'bs_gpt_rotary': dict(style='bs_gpt', rotary=True, ffn=96, **SIZES),
+    'bs_gpt_glu': dict(style='bs_gpt', glu=True, ffn=96, **SIZES),
+    'ms_gpt2': dict(style='ms_gpt2', ffn=96, **SIZES),
+    'ms_llama': dict(style='ms_llama', nkv=6, ffn=48, **SIZES),
+    # Small enough that the no-decay group of a stage is shorter than 2*DP at DP >= 16.
+    'tiny_bloom': dict(style='bs_bloom', L=2, h=8, n=2, ffn=16, V=30, mvsdb=4),
+}
+
 
 def reshard(*args, timeout=300):
     """Runs the binary; returns the CompletedProcess (text output)."""
     return subprocess.run([RESHARD, *map(str, args)], capture_output=True, text=True, timeout=timeout)
+
+
+def load(path):
+    """torch.load of a trusted, test-made file (pickled DeepSpeed stand-ins included)."""
+    return torch.load(path, map_location='cpu', weights_only=False)
+
+
+def rewrite(path, change):
+    """Loads a test-made file, applies ``change(obj)`` (which may return a replacement), saves it."""
+    obj = load(path)
+    result = change(obj)
+    torch.save(obj if result is None else result, path)
+
+
+def make_fixture(root, **kw):
+    """Writes a Megatron-DeepSpeed fixture at ``root`` (optimizer-free unless asked); returns its tag folder."""
+    kw.setdefault('optimizer', 'none')
+    return mf.write_checkpoint(root, mf.FixtureConfig(**kw))['tag_dir']
+
+
+def layer_file(tag_dir, layer_id, tp_rank):
+    return os.path.join(tag_dir, f'layer_{layer_id:02d}-model_{tp_rank:02d}-model_states.pt')
+
+
+def mp_file(tag_dir, mp):
+    return os.path.join(tag_dir, f'mp_rank_{mp:02d}_model_states.pt')
+
+
+def pickle_globals(path):
+    """(module, name) global references inside a torch.save zip file's data.pkl."""
+    with zipfile.ZipFile(path) as z:
+        data = z.read(next(n for n in z.namelist() if n.endswith('data.pkl')))
+    ops = list(pickletools.genops(data))
+    found = set()
+    for i, (op, arg, _) in enumerate(ops):
+        if op.name == 'GLOBAL':
+            found.add(tuple(arg.split(' ', 1)))
+        elif op.name == 'STACK_GLOBAL':
+            strings = [a for o, a, _ in ops[max(0, i - 6):i] if 'UNICODE' in o.name]
+            found.add(tuple(strings[-2:]))
+    return found
+
+
+class FixtureTestCase(unittest.TestCase):
+    """A test with its own temporary folder and a BLOOM-style fixture at hand."""
+    maxDiff = 4000
+
+    def setUp(self):
+        tmp = tempfile.TemporaryDirectory(prefix='reshard-test-')
+        self.addCleanup(tmp.cleanup)
+        self.tmp = tmp.name
+
+    def path(self, *parts):
+        return os.path.join(self.tmp, *parts)
+
+    def bloom(self, name='src', **kw):
+        """bs_bloom TP 2, PP 2: layer ids 1 (embedding), 3-6 (blocks), 8 (final norm)."""
+        kw.setdefault('style', 'bs_bloom')
+        kw.setdefault('tp', 2)
+        kw.setdefault('pp', 2)
+        return make_fixture(self.path(name), **kw)
 
 
 def differences(a, b, where=''):

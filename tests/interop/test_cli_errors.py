@@ -25,16 +25,13 @@ import hashlib
 import os
 import re
 import sys
-import tempfile
 import types
-import unittest
 
 import torch
 
-from fixtures import megatron_fixture as mf
-from fixtures.megatron_fixture import FixtureConfig
 
 import interop_support as support
+from interop_support import FixtureTestCase, layer_file, make_fixture, mp_file, rewrite
 
 ERROR_PREFIX = 'reshard: error: '
 
@@ -44,13 +41,6 @@ ERROR_PREFIX = 'reshard: error: '
 # ---------------------------------------------------------------------------------------------
 
 run = support.reshard
-
-
-def make_fixture(root, **kw):
-    """Writes a fixture at ``root`` (optimizer-free unless asked) and returns its tag folder."""
-    kw.setdefault('optimizer', 'none')
-    summary = mf.write_checkpoint(root, FixtureConfig(**kw))
-    return summary['tag_dir']
 
 
 def snapshot(path):
@@ -70,21 +60,6 @@ def snapshot(path):
             full = os.path.join(dirpath, f)
             out[os.path.relpath(full, path)] = digest(full)
     return out
-
-
-def rewrite(path, change):
-    """torch.load a (trusted, fixture-made) file, apply ``change(obj)``, torch.save it back."""
-    obj = torch.load(path, map_location='cpu', weights_only=False)
-    result = change(obj)
-    torch.save(obj if result is None else result, path)
-
-
-def layer_file(tag_dir, layer_id, tp_rank):
-    return os.path.join(tag_dir, f'layer_{layer_id:02d}-model_{tp_rank:02d}-model_states.pt')
-
-
-def mp_file(tag_dir, mp):
-    return os.path.join(tag_dir, f'mp_rank_{mp:02d}_model_states.pt')
 
 
 class _RunsSystem:
@@ -116,23 +91,7 @@ GIZMO = f'{THROWAWAY_MODULE}.Gizmo'
 SYSTEM = f'{os.system.__module__}.{os.system.__name__}'  # 'posix.system' on Linux
 
 
-class ReshardTestCase(unittest.TestCase):
-    maxDiff = 4000
-
-    def setUp(self):
-        tmp = tempfile.TemporaryDirectory(prefix='reshard-cli-')
-        self.addCleanup(tmp.cleanup)
-        self.tmp = tmp.name
-
-    def path(self, *parts):
-        return os.path.join(self.tmp, *parts)
-
-    def bloom(self, name='src', **kw):
-        """bs_bloom TP 2, PP 2: layer ids 1 (embedding), 3-6 (blocks), 8 (final norm)."""
-        kw.setdefault('style', 'bs_bloom')
-        kw.setdefault('tp', 2)
-        kw.setdefault('pp', 2)
-        return make_fixture(self.path(name), **kw)
+class ReshardTestCase(FixtureTestCase):
 
     # -- the refusal contract ----------------------------------------------------------------
 

@@ -17,8 +17,6 @@ PYTHONPATH=tests.
 import os
 import re
 import shutil
-import tempfile
-import unittest
 
 import torch
 
@@ -26,6 +24,7 @@ from fixtures import megatron_fixture as mf
 from fixtures.megatron_fixture import FixtureConfig
 
 import interop_support as support
+from interop_support import FixtureTestCase, layer_file, make_fixture, rewrite
 
 RULES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), 'rules')
 BUILTIN_RULE_SETS = ('bigscience-bloom', 'bigscience-glu', 'megatron-gpt2', 'megatron-llama')
@@ -34,42 +33,11 @@ BUILTIN_RULE_SETS = ('bigscience-bloom', 'bigscience-glu', 'megatron-gpt2', 'meg
 run = support.reshard
 
 
-def make_fixture(root, **kw):
-    kw.setdefault('optimizer', 'none')
-    return mf.write_checkpoint(root, FixtureConfig(**kw))['tag_dir']
-
-
-def rewrite(path, change):
-    obj = torch.load(path, map_location='cpu', weights_only=False)
-    result = change(obj)
-    torch.save(obj if result is None else result, path)
-
-
-def layer_file(tag_dir, layer_id, tp_rank):
-    return os.path.join(tag_dir, f'layer_{layer_id:02d}-model_{tp_rank:02d}-model_states.pt')
-
-
 def lines_with(prefix, text):
     return [line for line in text.splitlines() if line.startswith(prefix)]
 
 
-class LintTestCase(unittest.TestCase):
-    maxDiff = 4000
-
-    def setUp(self):
-        tmp = tempfile.TemporaryDirectory(prefix='reshard-lint-')
-        self.addCleanup(tmp.cleanup)
-        self.tmp = tmp.name
-
-    def path(self, *parts):
-        return os.path.join(self.tmp, *parts)
-
-    def bloom(self, name='src', **kw):
-        """bs_bloom TP 2, PP 2: layer ids 1 (embedding), 3-6 (blocks), 8 (final norm)."""
-        kw.setdefault('style', 'bs_bloom')
-        kw.setdefault('tp', 2)
-        kw.setdefault('pp', 2)
-        return make_fixture(self.path(name), **kw)
+class LintTestCase(FixtureTestCase):
 
     def lint(self, *args, code):
         """Runs `reshard lint ARGS`, asserts its exit status, returns the process."""

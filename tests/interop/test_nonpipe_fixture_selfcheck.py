@@ -13,36 +13,21 @@ with PYTHONPATH=tests; ``--reshard`` is accepted and ignored (reshard is not nee
 
 import collections
 import os
-import pickletools
 import subprocess
 import sys
 import tempfile
 import time
 import unittest
-import zipfile
 
 import torch
 
 from fixtures import deepspeed_nonpipe as nf
 from fixtures.deepspeed_nonpipe import NonPipeConfig
 
+from interop_support import pickle_globals
+
 PYTHON = '/usr/bin/python3'
 TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def pickle_globals(path):
-    """(module, name) global references inside a torch.save zip file's data.pkl."""
-    with zipfile.ZipFile(path) as z:
-        data = z.read(next(n for n in z.namelist() if n.endswith('data.pkl')))
-    ops = list(pickletools.genops(data))
-    found = set()
-    for i, (op, arg, _) in enumerate(ops):
-        if op.name == 'GLOBAL':
-            found.add(tuple(arg.split(' ', 1)))
-        elif op.name == 'STACK_GLOBAL':
-            strings = [a for o, a, _ in ops[max(0, i - 6):i] if 'UNICODE' in o.name]
-            found.add(tuple(strings[-2:]))
-    return found
 
 
 class Tmp(unittest.TestCase):

@@ -45,19 +45,9 @@ import torch
 from fixtures import megatron_fixture as mf
 
 import interop_support as support
-from interop_support import differences
+from interop_support import FAMILIES, differences, load, mp_file, rewrite
 
 ERROR_PREFIX = 'reshard: error: '
-
-SIZES = dict(L=6, h=48, n=12, hd=4, V=100, mvsdb=8)
-FAMILIES = {
-    'bs_bloom': dict(style='bs_bloom', ffn=96, **SIZES),
-    'bs_gpt_glu': dict(style='bs_gpt', glu=True, ffn=96, **SIZES),
-    'ms_gpt2': dict(style='ms_gpt2', ffn=96, **SIZES),
-    'ms_llama': dict(style='ms_llama', nkv=6, ffn=48, **SIZES),
-    # Small enough that the no-decay group of a stage is shorter than 2*DP at DP >= 16.
-    'tiny_bloom': dict(style='bs_bloom', L=2, h=8, n=2, ffn=16, V=30, mvsdb=4),
-}
 
 ZERO_RE = re.compile(r'^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$')
 STATE_KEYS = ('fp32', 'exp_avg', 'exp_avg_sq')
@@ -82,10 +72,6 @@ def convert(src, dst_tag, layout, *extra):
     return run_ok('convert', src, dst_tag, '--tp', tp, '--pp', pp, '--dp', dp, '-q', *extra)
 
 
-def load(path):
-    return torch.load(path, map_location='cpu', weights_only=False)
-
-
 def make_cfg(family, layout, **options):
     tp, pp, dp = layout
     return mf.FixtureConfig(tp=tp, pp=pp, dp=dp, **dict(FAMILIES[family], **options))
@@ -105,10 +91,6 @@ def zero_files(tag):
         if m:
             out[(int(m[2]), int(m[3]))] = name
     return out
-
-
-def mp_file(tag, mm):
-    return os.path.join(tag, f'mp_rank_{mm:02d}_model_states.pt')
 
 
 def group_offsets(group):
@@ -544,12 +526,6 @@ class LayoutTest(OptimizerTestCase):
 # ---------------------------------------------------------------------------------------------
 # Refusals, policies, verify
 # ---------------------------------------------------------------------------------------------
-
-def rewrite(path, change):
-    obj = load(path)
-    change(obj)
-    torch.save(obj, path)
-
 
 EPS = 2.0 ** -20  # master drift far below bf16 resolution near 1.0 (2**-7)
 
