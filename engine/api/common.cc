@@ -4,12 +4,12 @@
 
 namespace reshard {
 
-Result<std::unique_ptr<LogicalCheckpoint>> LoadForCommand(const std::string& path,
+Result<std::unique_ptr<LogicalCheckpoint>> LoadForCommand(CheckpointFiles files,
                                                           const CommonOptions& options) {
   LoadOptions load;
   load.rules = options.rules;
   load.allowed_classes = options.allowed_classes;
-  return LoadLogicalCheckpoint(path, load);
+  return LoadLogicalCheckpoint(std::move(files), load);
 }
 
 int ThreadCount(int requested) {

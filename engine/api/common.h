@@ -10,8 +10,8 @@
 
 namespace reshard {
 
-// Loads `path` with the rule set and class allow-list of `options`.
-Result<std::unique_ptr<LogicalCheckpoint>> LoadForCommand(const std::string& path,
+// Loads the checkpoint of `files` with the rule set and class allow-list of `options`.
+Result<std::unique_ptr<LogicalCheckpoint>> LoadForCommand(CheckpointFiles files,
                                                           const CommonOptions& options);
 
 // `requested`, or the number of cores when it is 0.

@@ -176,16 +176,19 @@ Result<ConvertReport> ConvertZero3(const CheckpointFiles& files, const std::stri
 Result<ConvertReport> Convert(const std::string& input, const std::string& output,
                               const ConvertOptions& options) {
   const auto start = std::chrono::steady_clock::now();
+  auto elapsed = [start] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
   if (options.target_tp < 1 || options.target_pp < 1) {
     return Status::InvalidInput("convert needs the target layout: --tp N and --pp N (both >= 1)");
   }
   RESHARD_ASSIGN_OR_RETURN(CheckpointFiles files, ScanCheckpoint(input));
   if (files.IsZero3()) {
     Result<ConvertReport> report = ConvertZero3(files, input, output, options);
-    if (report.ok()) report->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (report.ok()) report->seconds = elapsed();
     return report;
   }
-  RESHARD_ASSIGN_OR_RETURN(std::unique_ptr<LogicalCheckpoint> src, LoadForCommand(input, options));
+  RESHARD_ASSIGN_OR_RETURN(std::unique_ptr<LogicalCheckpoint> src, LoadForCommand(std::move(files), options));
   RESHARD_RETURN_IF_ERROR(src->FirstError());
   ConvertReport report;
   std::unique_ptr<SourceOptimizer> optimizer;
@@ -208,8 +211,7 @@ Result<ConvertReport> Convert(const std::string& input, const std::string& outpu
   if (!options.dry_run) {
     RESHARD_RETURN_IF_ERROR(Execute(*src, plan, optimizer.get(), &out, options, &report));
   }
-  report.seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  report.seconds = elapsed();
   return report;
 }
 

@@ -56,7 +56,7 @@ Result<std::string> Inspect(const std::string& checkpoint, const InspectOptions&
     return out;
   }
   RESHARD_ASSIGN_OR_RETURN(std::unique_ptr<LogicalCheckpoint> ckpt,
-                           LoadForCommand(checkpoint, options));
+                           LoadForCommand(std::move(files), options));
   std::string out = "checkpoint: " + ckpt->files.tag_dir + "\n" + LayoutSummary(*ckpt) + "\n";
   out += MetadataLines(*ckpt);
   out += LayerLines(*ckpt);

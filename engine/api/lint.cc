@@ -148,7 +148,7 @@ Result<LintReport> Lint(const std::string& checkpoint, const LintOptions& option
     return report;
   }
   RESHARD_ASSIGN_OR_RETURN(std::unique_ptr<LogicalCheckpoint> ckpt,
-                           LoadForCommand(checkpoint, options));
+                           LoadForCommand(std::move(files), options));
   LintReport report;
   if (ckpt->pipeline) report.rule_set = ckpt->rules->name();
   report.summary = LayoutSummary(*ckpt);

@@ -262,10 +262,10 @@ Result<VerifyReport> Verify(const std::string& a_path, const std::string& b_path
                                 "compares checkpoints of the same kind");
   }
   if (fa.IsZero3()) return VerifyZero3(fa, fb, options);
-  RESHARD_ASSIGN_OR_RETURN(std::unique_ptr<LogicalCheckpoint> a, LoadForCommand(a_path, options));
+  RESHARD_ASSIGN_OR_RETURN(std::unique_ptr<LogicalCheckpoint> a, LoadForCommand(std::move(fa), options));
   CommonOptions b_options = options;
   if (!options.rules_b.empty()) b_options.rules = options.rules_b;
-  RESHARD_ASSIGN_OR_RETURN(std::unique_ptr<LogicalCheckpoint> b, LoadForCommand(b_path, b_options));
+  RESHARD_ASSIGN_OR_RETURN(std::unique_ptr<LogicalCheckpoint> b, LoadForCommand(std::move(fb), b_options));
   RESHARD_RETURN_IF_ERROR(a->FirstError().WithContext(a_path));
   RESHARD_RETURN_IF_ERROR(b->FirstError().WithContext(b_path));
   VerifyReport report;

@@ -341,8 +341,14 @@ std::string TensorLabel(int layer_id, const std::string& key) {
 
 Result<std::unique_ptr<LogicalCheckpoint>> LoadLogicalCheckpoint(const std::string& path,
                                                                  const LoadOptions& options) {
+  RESHARD_ASSIGN_OR_RETURN(CheckpointFiles files, ScanCheckpoint(path));
+  return LoadLogicalCheckpoint(std::move(files), options);
+}
+
+Result<std::unique_ptr<LogicalCheckpoint>> LoadLogicalCheckpoint(CheckpointFiles files,
+                                                                 const LoadOptions& options) {
   auto ckpt = std::make_unique<LogicalCheckpoint>();
-  RESHARD_ASSIGN_OR_RETURN(ckpt->files, ScanCheckpoint(path));
+  ckpt->files = std::move(files);
   if (ckpt->files.IsZero3()) {
     return Status::Unsupported(ckpt->files.tag_dir +
                                " is a ZeRO-3 checkpoint (zero_pp_rank_*_model_states.pt), which "

@@ -79,6 +79,9 @@ struct LoadOptions {
 // problems with individual tensors are findings.
 Result<std::unique_ptr<LogicalCheckpoint>> LoadLogicalCheckpoint(const std::string& path,
                                                                  const LoadOptions& options);
+// The same for files already found with ScanCheckpoint.
+Result<std::unique_ptr<LogicalCheckpoint>> LoadLogicalCheckpoint(CheckpointFiles files,
+                                                                 const LoadOptions& options);
 
 // First byte of a contiguous tensor's elements (inside its mapped storage).
 const uint8_t* TensorData(const Tensor& t);
