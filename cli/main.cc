@@ -20,7 +20,6 @@ using reshard::Status;
 int ExitCode(const Status& st) {
   switch (st.code()) {
     case Status::Code::kOk: return 0;
-    case Status::Code::kMismatch: return 1;
     case Status::Code::kInvalidInput:
     case Status::Code::kRuleError:
     case Status::Code::kUnsupported: return 2;

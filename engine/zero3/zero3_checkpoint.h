@@ -46,14 +46,12 @@ class Zero3Checkpoint {
   static Result<std::unique_ptr<Zero3Checkpoint>> Load(const CheckpointFiles& files,
                                                        const std::set<std::string>& allowed_classes);
 
-  const CheckpointFiles& files() const { return files_; }
   int mp() const { return static_cast<int>(ranks_.size()); }
   int dp() const { return dp_; }
   int64_t iteration() const;
   // kMasterState ("fp32") then the optimizer's per-element states.
   const std::vector<std::string>& states() const { return states_; }
   const std::vector<Zero3Rank>& ranks() const { return ranks_; }
-  int64_t sub_group_size() const { return sub_group_size_; }
 
   // The whole fp32 `state` of parameter `name` on model-parallel rank `mp`.
   Result<std::vector<float>> Gather(int mp, const std::string& name, const std::string& state) const;

@@ -20,7 +20,6 @@ class Status {
     kRuleError,     // a rule file is malformed or does not explain the checkpoint
     kUnsupported,   // valid input that reshard cannot handle (yet)
     kIoError,       // the operating system refused a read or a write
-    kMismatch,      // verify / lint found a difference or a finding
     kInternal,      // a bug in reshard
   };
 
@@ -30,7 +29,6 @@ class Status {
   static Status RuleError(std::string msg) { return Status(Code::kRuleError, std::move(msg)); }
   static Status Unsupported(std::string msg) { return Status(Code::kUnsupported, std::move(msg)); }
   static Status IoError(std::string msg) { return Status(Code::kIoError, std::move(msg)); }
-  static Status Mismatch(std::string msg) { return Status(Code::kMismatch, std::move(msg)); }
   static Status Internal(std::string msg) { return Status(Code::kInternal, std::move(msg)); }
 
   bool ok() const { return code_ == Code::kOk; }
