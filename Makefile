@@ -5,7 +5,8 @@ BUILD ?= build
 JOBS ?= $(shell nproc)
 PY := /usr/bin/python3
 DEB_PACKAGES := cmake g++ make pkg-config libtorch-dev libyaml-cpp-dev libre2-dev \
-                libcli11-dev libgtest-dev libbenchmark-dev python3-torch
+                libcli11-dev libgtest-dev libbenchmark-dev python3-torch \
+                openmpi-bin libopenmpi-dev
 
 .PHONY: deps build test demo clean
 

@@ -10,8 +10,10 @@
 #include <string>
 #include <vector>
 
+#include "dist/cluster.h"
 #include "reshard/reshard.h"
 #include "rules/rule_set.h"
+#include "util/human.h"
 
 namespace {
 
@@ -71,20 +73,65 @@ int RunInspect(const std::string& ckpt, const reshard::InspectOptions& o) {
   return 0;
 }
 
+// "load 0.4 s, check 0.1 s, ..."
+std::string Phases(const reshard::ConvertReport& r) {
+  std::string out;
+  for (const auto& [name, seconds] : r.phases) {
+    char part[64];
+    std::snprintf(part, sizeof(part), "%s%s %.2f s", out.empty() ? "" : ", ", name.c_str(), seconds);
+    out += part;
+  }
+  return out;
+}
+
+std::string Memory(const reshard::ConvertReport& r) {
+  return "budget " + reshard::HumanBytes(r.memory_budget) + ": " + std::to_string(r.threads) +
+         " thread(s) x " + reshard::HumanBytes(r.buffer_bytes) + " buffers";
+}
+
+void PrintConvertSummary(const std::string& out, const reshard::ConvertReport& r,
+                         const std::string& who) {
+  double write_seconds = 0;
+  for (const auto& [name, seconds] : r.phases) {
+    if (name == "write") write_seconds = seconds;
+  }
+  const int64_t rate = write_seconds > 0 ? static_cast<int64_t>(r.bytes_written / write_seconds) : 0;
+  std::printf("%swrote %lld files, %s (%s of tensors) to %s in %.2f s (writing at %s/s)\n",
+              who.c_str(), static_cast<long long>(r.files), reshard::HumanBytes(r.bytes_written).c_str(),
+              reshard::HumanBytes(r.tensor_bytes).c_str(), out.c_str(), r.seconds,
+              reshard::HumanBytes(rate).c_str());
+  std::printf("%sread %s of tensors (%.2fx the checkpoint's %s); peak memory %s (%s)\n",
+              who.c_str(), reshard::HumanBytes(r.bytes_read).c_str(),
+              r.checkpoint_bytes > 0 ? static_cast<double>(r.bytes_read) / r.checkpoint_bytes : 0.0,
+              reshard::HumanBytes(r.checkpoint_bytes).c_str(), reshard::HumanBytes(r.peak_memory).c_str(),
+              Memory(r).c_str());
+  std::printf("%sphases: %s\n", who.c_str(), Phases(r).c_str());
+}
+
 int RunConvert(const std::string& in, const std::string& out, reshard::ConvertOptions o,
                bool quiet) {
-  if (!quiet) o.progress = [](const std::string& line) { std::cerr << line << "\n"; };
+  reshard::Result<std::unique_ptr<reshard::Cluster>> cluster = reshard::Cluster::Join();
+  if (!cluster.ok()) return Fail(cluster.status());
+  o.cluster = cluster->get();
+  const bool root = o.cluster->rank() == 0;
+  if (!quiet && root) o.progress = [](const std::string& line) { std::cerr << line << "\n"; };
   reshard::Result<reshard::ConvertReport> r = reshard::Convert(in, out, o);
   if (!r.ok()) return Fail(r.status());
-  if (o.dry_run) std::cout << r->plan;
-  for (const std::string& n : r->notes) std::cout << "note: " << n << "\n";
+  const std::string who =
+      o.cluster->size() > 1 ? "rank " + std::to_string(o.cluster->rank()) + ": " : "";
+  if (root && o.dry_run && !quiet) std::cout << r->plan;
+  if (root) {
+    for (const std::string& n : r->notes) std::cout << "note: " << n << "\n";
+  }
   if (o.dry_run) {
-    std::cout << "dry run: nothing written\n";
+    std::printf("%sdry run: nothing written; would write %lld files, %s of tensors (the "
+                "checkpoint holds %s); memory about %s (%s); planned in %.2f s\n",
+                who.c_str(), static_cast<long long>(r->files), reshard::HumanBytes(r->tensor_bytes).c_str(),
+                reshard::HumanBytes(r->checkpoint_bytes).c_str(), reshard::HumanBytes(r->memory_estimate).c_str(),
+                Memory(*r).c_str(), r->seconds);
     return 0;
   }
-  std::printf("wrote %lld files (%.1f MB) to %s in %.2f s; read %.1f MB of tensors\n",
-              static_cast<long long>(r->files_written), r->bytes_written / 1e6, out.c_str(),
-              r->seconds, r->bytes_read / 1e6);
+  PrintConvertSummary(out, *r, who);
   return 0;
 }
 
@@ -168,8 +215,14 @@ int main(int argc, char** argv) {
   convert_cmd->add_flag("--overwrite", convert.overwrite, "Replace a non-empty OUTPUT folder");
   convert_cmd->add_flag("--no-update-latest", no_latest,
                         "Do not write 'latest' next to OUTPUT");
-  convert_cmd->add_flag("--dry-run", convert.dry_run, "Print the plan; write nothing");
-  convert_cmd->add_flag("-q,--quiet", quiet, "Print only the summary");
+  convert_cmd->add_flag("--dry-run", convert.dry_run,
+                        "Print the plan, the files and bytes to write and the memory estimate; "
+                        "write nothing");
+  convert_cmd->add_option("--max-memory", convert.max_memory,
+                          "Resident memory the conversion may use, e.g. 512MiB or 4GiB "
+                          "(default 1GiB); sets each thread's streaming buffer")
+      ->transform(CLI::AsSizeValue(false));
+  convert_cmd->add_flag("-q,--quiet", quiet, "Print only the summary (no progress, no plan)");
   AddCommonOptions(convert_cmd, &convert);
 
   reshard::VerifyOptions verify;

@@ -1,5 +1,7 @@
 #include "api/common.h"
 
+#include <sched.h>
+
 #include <thread>
 
 namespace reshard {
@@ -14,6 +16,9 @@ Result<std::unique_ptr<LogicalCheckpoint>> LoadForCommand(CheckpointFiles files,
 
 int ThreadCount(int requested) {
   if (requested > 0) return requested;
+  // The cores this process may run on: mpirun binds each rank to its own.
+  cpu_set_t cpus;
+  if (::sched_getaffinity(0, sizeof(cpus), &cpus) == 0) return std::max(1, CPU_COUNT(&cpus));
   return std::max(1u, std::thread::hardware_concurrency());
 }
 

@@ -14,7 +14,7 @@ namespace reshard {
 Result<std::unique_ptr<LogicalCheckpoint>> LoadForCommand(CheckpointFiles files,
                                                           const CommonOptions& options);
 
-// `requested`, or the number of cores when it is 0.
+// `requested`, or the number of cores this process may use when it is 0.
 int ThreadCount(int requested);
 
 // "bigscience-bloom (numbering default), TP 2, PP 2, DP 2, iteration 20, ..."

@@ -1,9 +1,12 @@
 // reshard::Convert: load, check, plan, execute, commit, update `latest`.
 #include <chrono>
 #include <filesystem>
+#include <optional>
 
 #include "api/common.h"
+#include "dist/cluster.h"
 #include "exec/executor.h"
+#include "exec/memory_budget.h"
 #include "exec/output_folder.h"
 #include "logical/drift.h"
 #include "optim/source_optimizer.h"
@@ -129,20 +132,70 @@ PlanOptions ToPlanOptions(const ConvertOptions& o) {
   return p;
 }
 
-// Writes the plan into `output` and moves `latest`.
-Status Execute(const LogicalCheckpoint& src, const Plan& plan, const SourceOptimizer* optimizer,
-               OutputFolder* out, const ConvertOptions& options, ConvertReport* report) {
-  RESHARD_RETURN_IF_ERROR(out->Begin());
-  ExecuteOptions exec;
-  exec.threads = ThreadCount(options.threads);
-  exec.drop_optimizer = options.weights_only;
-  exec.progress = options.progress;
-  exec.optimizer = optimizer;
-  RESHARD_ASSIGN_OR_RETURN(ExecuteStats stats, ExecutePlan(src, plan, out->staging_dir(), exec));
-  report->files_written = stats.files;
-  report->bytes_written = stats.bytes_written;
-  report->bytes_read = stats.bytes_read;
-  return Publish(out, src.files, src.iteration, options.update_latest);
+// Times the phases of a conversion.
+class PhaseClock {
+ public:
+  explicit PhaseClock(ConvertReport* report) : report_(report) {}
+  // Ends the current phase under `name`.
+  void End(const std::string& name) {
+    const auto now = std::chrono::steady_clock::now();
+    report_->phases.emplace_back(name, std::chrono::duration<double>(now - last_).count());
+    last_ = now;
+  }
+  double Total() const {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  }
+
+ private:
+  ConvertReport* report_;
+  const std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
+  std::chrono::steady_clock::time_point last_ = start_;
+};
+
+int64_t FolderBytes(const std::string& dir) {
+  namespace fs = std::filesystem;
+  int64_t total = 0;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    if (entry.is_regular_file(ec)) total += static_cast<int64_t>(entry.file_size(ec));
+  }
+  return total;
+}
+
+// Every process of a cluster passes its status and all get the first
+// failure; alone, a process keeps its own.
+Status AllOk(Cluster* cluster, const Status& mine) {
+  return cluster != nullptr ? cluster->AllOk(mine) : mine;
+}
+
+bool IsRoot(const Cluster* cluster) { return cluster == nullptr || cluster->rank() == 0; }
+
+// The staging folder: made by the first process, announced to the others.
+Result<std::string> BeginOutput(OutputFolder* out, Cluster* cluster) {
+  Status begun = IsRoot(cluster) ? out->Begin() : Status::Ok();
+  RESHARD_RETURN_IF_ERROR(AllOk(cluster, begun));
+  if (cluster == nullptr) return out->staging_dir();
+  return cluster->Broadcast(out->staging_dir());
+}
+
+// Writes this process's share of the plan into the staging folder; the first
+// process moves the folder into place and `latest` once every process is done.
+Status Execute(const LogicalCheckpoint& src, const Plan& plan, const ExecuteOptions& exec,
+               OutputFolder* out, const ConvertOptions& options, PhaseClock* clock,
+               ConvertReport* report) {
+  Cluster* cluster = options.cluster;
+  RESHARD_ASSIGN_OR_RETURN(std::string staging, BeginOutput(out, cluster));
+  Result<ExecuteStats> stats = ExecutePlan(src, plan, staging, exec);
+  RESHARD_RETURN_IF_ERROR(AllOk(cluster, stats.status()));
+  clock->End("write");
+  report->files = stats->files;
+  report->tensor_bytes = stats->tensor_bytes;
+  report->bytes_written = stats->bytes_written;
+  report->bytes_read = stats->bytes_read;
+  if (!IsRoot(cluster)) return Status::Ok();
+  RESHARD_RETURN_IF_ERROR(Publish(out, src.files, src.iteration, options.update_latest));
+  clock->End("commit");
+  return Status::Ok();
 }
 
 // ZeRO-3 checkpoints have no layer files: their model layout stays, DP changes.
@@ -166,52 +219,105 @@ Result<ConvertReport> ConvertZero3(const CheckpointFiles& files, const std::stri
   if (options.dry_run) return report;
   RESHARD_RETURN_IF_ERROR(out.Begin());
   const bool bf16 = !files.optimizer_files.empty() && files.optimizer_files[0].bf16;
-  RESHARD_ASSIGN_OR_RETURN(report.files_written, src->Write(dp, out.staging_dir(), bf16));
+  RESHARD_ASSIGN_OR_RETURN(report.files, src->Write(dp, out.staging_dir(), bf16));
   RESHARD_RETURN_IF_ERROR(Publish(&out, files, src->iteration(), options.update_latest));
   return report;
+}
+
+// Everything before writing: load, check, plan, size the buffers. On error,
+// processes of a cluster still meet (see Execute), so it returns a status.
+struct Prepared {
+  std::unique_ptr<LogicalCheckpoint> src;
+  std::unique_ptr<SourceOptimizer> optimizer;
+  Plan plan;
+  ExecuteOptions exec;
+};
+
+Status Prepare(CheckpointFiles files, const std::string& input, const std::string& output,
+               const ConvertOptions& options, PhaseClock* clock, Prepared* p,
+               std::optional<OutputFolder>* out, ConvertReport* report) {
+  report->checkpoint_bytes = FolderBytes(files.tag_dir);
+  RESHARD_ASSIGN_OR_RETURN(p->src, LoadForCommand(std::move(files), options));
+  const LogicalCheckpoint& src = *p->src;
+  RESHARD_RETURN_IF_ERROR(src.FirstError());
+  RESHARD_RETURN_IF_ERROR(LoadOptimizerState(src, options, &p->optimizer, report));
+  clock->End("load");
+  if (options.dry_run) {
+    // Planning reads metadata only, so it takes seconds at any size.
+    report->notes.push_back("dry run: replicated tensors were not compared across TP ranks; "
+                            "`reshard lint` does, and convert refuses drift it is not told to merge");
+  } else {
+    RESHARD_RETURN_IF_ERROR(CheckDrift(src, options.replicated, report));
+    if (p->optimizer && src.pipeline) {
+      RESHARD_RETURN_IF_ERROR(CheckOptimizerDrift(src, *p->optimizer, options.replicated));
+    }
+    clock->End("check");
+  }
+  PlanOptions plan_options = ToPlanOptions(options);
+  plan_options.optimizer = p->optimizer != nullptr && !p->optimizer->format().embedded;
+  RESHARD_ASSIGN_OR_RETURN(p->plan, MakePlan(src, plan_options));
+  report->plan = p->plan.ToString(src, options.dry_run);
+  report->notes.insert(report->notes.end(), p->plan.notes.begin(), p->plan.notes.end());
+  if (p->optimizer != nullptr && p->optimizer->format().embedded) {
+    report->notes.push_back("optimizer: the FP16_Optimizer state inside the mp_rank files is "
+                            "reshaped with the weights (its groups follow DeepSpeed's current "
+                            "stage partition)");
+  }
+  RESHARD_ASSIGN_OR_RETURN(OutputFolder folder, CheckOutput(input, src.files, output, options));
+  out->emplace(std::move(folder));
+  RESHARD_ASSIGN_OR_RETURN(MemoryBudget memory,
+                           MemoryBudget::Plan(options.max_memory, ThreadCount(options.threads)));
+  report->memory_budget = memory.budget;
+  report->memory_estimate = memory.Estimate();
+  report->buffer_bytes = memory.buffer_bytes;
+  report->threads = memory.threads;
+  p->exec.threads = memory.threads;
+  p->exec.buffer_bytes = memory.buffer_bytes;
+  p->exec.drop_optimizer = options.weights_only;
+  p->exec.progress = options.progress;
+  p->exec.optimizer = p->optimizer.get();
+  if (options.cluster != nullptr) {
+    p->exec.rank = options.cluster->rank();
+    p->exec.ranks = options.cluster->size();
+  }
+  RESHARD_ASSIGN_OR_RETURN(ExecuteStats planned, MeasurePlan(src, p->plan, p->exec));
+  report->files = planned.files;
+  report->tensor_bytes = planned.tensor_bytes;
+  clock->End("plan");
+  return Status::Ok();
 }
 
 }  // namespace
 
 Result<ConvertReport> Convert(const std::string& input, const std::string& output,
                               const ConvertOptions& options) {
-  const auto start = std::chrono::steady_clock::now();
-  auto elapsed = [start] {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  };
   if (options.target_tp < 1 || options.target_pp < 1) {
     return Status::InvalidInput("convert needs the target layout: --tp N and --pp N (both >= 1)");
   }
+  ConvertReport report;
+  PhaseClock clock(&report);
   RESHARD_ASSIGN_OR_RETURN(CheckpointFiles files, ScanCheckpoint(input));
   if (files.IsZero3()) {
-    Result<ConvertReport> report = ConvertZero3(files, input, output, options);
-    if (report.ok()) report->seconds = elapsed();
-    return report;
+    if (options.cluster != nullptr && options.cluster->size() > 1) {
+      return Status::Unsupported("a ZeRO-3 checkpoint is converted by one process; run reshard "
+                                 "without mpirun/srun");
+    }
+    Result<ConvertReport> zero3 = ConvertZero3(files, input, output, options);
+    if (zero3.ok()) zero3->seconds = clock.Total();
+    return zero3;
   }
-  RESHARD_ASSIGN_OR_RETURN(std::unique_ptr<LogicalCheckpoint> src, LoadForCommand(std::move(files), options));
-  RESHARD_RETURN_IF_ERROR(src->FirstError());
-  ConvertReport report;
-  std::unique_ptr<SourceOptimizer> optimizer;
-  RESHARD_RETURN_IF_ERROR(LoadOptimizerState(*src, options, &optimizer, &report));
-  RESHARD_RETURN_IF_ERROR(CheckDrift(*src, options.replicated, &report));
-  if (optimizer && src->pipeline) {
-    RESHARD_RETURN_IF_ERROR(CheckOptimizerDrift(*src, *optimizer, options.replicated));
+  Prepared p;
+  std::optional<OutputFolder> out;
+  Status ready = Prepare(std::move(files), input, output, options, &clock, &p, &out, &report);
+  if (options.dry_run) {
+    RESHARD_RETURN_IF_ERROR(ready);
+  } else {
+    RESHARD_RETURN_IF_ERROR(AllOk(options.cluster, ready));
+    RESHARD_RETURN_IF_ERROR(
+        Execute(*p.src, p.plan, p.exec, &*out, options, &clock, &report));
+    report.peak_memory = PeakResidentBytes();
   }
-  PlanOptions plan_options = ToPlanOptions(options);
-  plan_options.optimizer = optimizer != nullptr && !optimizer->format().embedded;
-  RESHARD_ASSIGN_OR_RETURN(Plan plan, MakePlan(*src, plan_options));
-  report.plan = plan.ToString(*src, options.dry_run);
-  report.notes.insert(report.notes.end(), plan.notes.begin(), plan.notes.end());
-  if (optimizer != nullptr && optimizer->format().embedded) {
-    report.notes.push_back("optimizer: the FP16_Optimizer state inside the mp_rank files is "
-                           "reshaped with the weights (its groups follow DeepSpeed's current "
-                           "stage partition)");
-  }
-  RESHARD_ASSIGN_OR_RETURN(OutputFolder out, CheckOutput(input, src->files, output, options));
-  if (!options.dry_run) {
-    RESHARD_RETURN_IF_ERROR(Execute(*src, plan, optimizer.get(), &out, options, &report));
-  }
-  report.seconds = elapsed();
+  report.seconds = clock.Total();
   return report;
 }
 

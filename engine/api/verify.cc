@@ -27,7 +27,7 @@ struct Side {
 // The whole logical tensor of one side, replicas merged by `replicated`.
 Status MaterializeWhole(const Side& side, ReplicatedPolicy replicated, std::vector<uint8_t>* out) {
   const TensorPlan plan = PlanFullTensor(side.ckpt, side.layer_index, side.tensor_index, replicated);
-  return MaterializeWeight(side.ckpt, side.masters, side.data, plan, out).status();
+  return MaterializeWeight(side.ckpt, side.masters, side.data, plan, out);
 }
 
 // "<layer>/<key>" -> (layer index, tensor index).

@@ -2,7 +2,9 @@
 
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <memory>
 #include <mutex>
@@ -12,34 +14,107 @@
 #include "format/torch_file.h"
 #include "optim/optimizer_writer.h"
 #include "optim/state_tensor.h"
+#include "util/human.h"
 
 namespace reshard {
 namespace {
 
-// A new contiguous tensor owning `bytes`, with the source tensor's flags.
-Value NewTensor(const Tensor& like, const std::vector<int64_t>& shape,
-                std::shared_ptr<std::vector<uint8_t>> bytes) {
-  Value v = MakeOwnedTensor(like.storage->dtype, shape, std::move(bytes), like.storage->location);
-  v.as_tensor().requires_grad = like.requires_grad;
-  v.as_tensor().extra_args = like.extra_args;
-  return v;
-}
+// One target file: its tree (big tensors produced while written) and size.
+struct FileJob {
+  std::string name;
+  Value root;
+  int64_t tensor_bytes = 0;
+};
 
-// Builds and writes one layer file; returns the source bytes read.
-Result<int64_t> WriteLayerFile(const LogicalCheckpoint& src, const LayerFilePlan& file,
-                               const SourceOptimizer* optimizer, const std::string& dir) {
+Result<FileJob> LayerFileJob(const LogicalCheckpoint& src, const LayerFilePlan& file,
+                             const SourceOptimizer* optimizer, std::atomic<int64_t>* read) {
   const LogicalLayer& layer = src.layers[file.layer_index];
-  Value root = layer.roots[0];  // keeps the source's container type, key order and extras
-  int64_t read = 0;
+  FileJob job{file.name, layer.roots[0]};  // the source's container type, key order and extras
   for (const TensorPlan& tp : file.tensors) {
     const LogicalTensor& lt = layer.tensors[tp.tensor_index];
-    auto bytes = std::make_shared<std::vector<uint8_t>>();
-    RESHARD_ASSIGN_OR_RETURN(int64_t r, MaterializeWeight(src, optimizer, lt, tp, bytes.get()));
-    read += r;
-    Set(root, lt.key, NewTensor(*lt.shards[0], tp.shape, std::move(bytes)));
+    RESHARD_ASSIGN_OR_RETURN(ByteProducer produce, WeightProducer(src, optimizer, lt, tp, read));
+    Value tensor = MakeProducedTensor(lt.dtype, tp.shape, std::move(produce));
+    const Tensor& like = *lt.shards[0];
+    tensor.as_tensor().storage->location = like.storage->location;
+    tensor.as_tensor().requires_grad = like.requires_grad;
+    tensor.as_tensor().extra_args = like.extra_args;
+    Set(job.root, lt.key, std::move(tensor));
   }
-  RESHARD_RETURN_IF_ERROR(WriteTorchFile(dir + "/" + file.name, root));
-  return read;
+  return job;
+}
+
+// An mp_rank file; for the FP16_Optimizer format with its optimizer state.
+Result<FileJob> ModelStatesJob(const LogicalCheckpoint& src, const Plan& plan,
+                               const ModelStatesPlan& ms, bool embedded,
+                               const ExecuteOptions& options, std::atomic<int64_t>* read) {
+  FileJob job{ms.name, BuildModelStates(src, plan, ms, options.drop_optimizer)};
+  if (embedded) {
+    RESHARD_ASSIGN_OR_RETURN(std::vector<Value> state,
+                             BuildOptimizerState(src, *options.optimizer, plan, ms.pp_rank,
+                                                 ms.tp_rank, read));
+    Set(job.root, "optimizer", std::move(state[0]));
+  }
+  return job;
+}
+
+Status AddShardJobs(const LogicalCheckpoint& src, const Plan& plan, const ModelStatesPlan& ms,
+                    const ExecuteOptions& options, std::atomic<int64_t>* read,
+                    std::vector<FileJob>* jobs) {
+  RESHARD_ASSIGN_OR_RETURN(std::vector<Value> shards,
+                           BuildOptimizerState(src, *options.optimizer, plan, ms.pp_rank,
+                                               ms.tp_rank, read));
+  const int mp = ms.pp_rank * plan.tp + ms.tp_rank;
+  for (size_t d = 0; d < shards.size(); ++d) {
+    jobs->push_back({OptimizerFileName(options.optimizer->format(), static_cast<int>(d), mp),
+                     std::move(shards[d])});
+  }
+  return Status::Ok();
+}
+
+// Every file of the plan, with its tensor bytes.
+Result<std::vector<FileJob>> PrepareJobs(const LogicalCheckpoint& src, const Plan& plan,
+                                         const ExecuteOptions& options,
+                                         std::atomic<int64_t>* read) {
+  // The FP16_Optimizer state lives inside the mp_rank files: no shard files.
+  const bool embedded = options.optimizer != nullptr && options.optimizer->format().embedded;
+  const bool shards = plan.optimizer && options.optimizer != nullptr && !embedded;
+  std::vector<FileJob> jobs;
+  for (const LayerFilePlan& file : plan.layer_files) {
+    RESHARD_ASSIGN_OR_RETURN(FileJob job, LayerFileJob(src, file, options.optimizer, read));
+    jobs.push_back(std::move(job));
+  }
+  for (const ModelStatesPlan& ms : plan.model_states) {
+    RESHARD_ASSIGN_OR_RETURN(FileJob job, ModelStatesJob(src, plan, ms, embedded, options, read));
+    jobs.push_back(std::move(job));
+    if (shards) RESHARD_RETURN_IF_ERROR(AddShardJobs(src, plan, ms, options, read, &jobs));
+  }
+  for (FileJob& job : jobs) {
+    RESHARD_ASSIGN_OR_RETURN(job.tensor_bytes, TensorBytes(job.root));
+  }
+  return jobs;
+}
+
+// Largest first (names break ties), so that every process orders the same
+// way; each job goes to the process with the fewest bytes so far. Returns
+// this process's jobs, still largest first, which also balances its threads.
+std::vector<FileJob> JobsOfRank(std::vector<FileJob> jobs, int rank, int ranks) {
+  std::sort(jobs.begin(), jobs.end(), [](const FileJob& a, const FileJob& b) {
+    return a.tensor_bytes != b.tensor_bytes ? a.tensor_bytes > b.tensor_bytes : a.name < b.name;
+  });
+  std::vector<int64_t> load(ranks, 0);
+  std::vector<FileJob> mine;
+  for (FileJob& job : jobs) {
+    const int r = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
+    load[r] += job.tensor_bytes + 1;  // + 1: empty files are spread too
+    if (r == rank) mine.push_back(std::move(job));
+  }
+  return mine;
+}
+
+Result<std::vector<FileJob>> MyJobs(const LogicalCheckpoint& src, const Plan& plan,
+                                    const ExecuteOptions& options, std::atomic<int64_t>* read) {
+  RESHARD_ASSIGN_OR_RETURN(std::vector<FileJob> all, PrepareJobs(src, plan, options, read));
+  return JobsOfRank(std::move(all), options.rank, std::max(1, options.ranks));
 }
 
 int64_t FileSize(const std::string& path) {
@@ -47,16 +122,16 @@ int64_t FileSize(const std::string& path) {
   return ::stat(path.c_str(), &st) == 0 ? static_cast<int64_t>(st.st_size) : 0;
 }
 
-// Runs jobs 0..n-1 on `threads` workers; stops handing out work after the
-// first failure and returns it.
-Status RunParallel(size_t n, int threads, const std::function<Status(size_t)>& job) {
+// Runs jobs 0..n-1 on `threads` workers (worker w gets w as its second
+// argument); stops handing out work after the first failure and returns it.
+Status RunParallel(size_t n, int threads, const std::function<Status(size_t, int)>& job) {
   std::atomic<size_t> next{0};
   std::atomic<bool> failed{false};
   std::mutex mu;
   Status first_error;
-  auto worker = [&] {
+  auto worker = [&](int w) {
     for (size_t i = next++; i < n && !failed; i = next++) {
-      Status st = job(i);
+      Status st = job(i, w);
       if (!st.ok()) {
         std::lock_guard<std::mutex> lock(mu);
         if (!failed.exchange(true)) first_error = st;
@@ -64,91 +139,86 @@ Status RunParallel(size_t n, int threads, const std::function<Status(size_t)>& j
     }
   };
   std::vector<std::thread> pool;
-  for (int t = 1; t < threads; ++t) pool.emplace_back(worker);
-  worker();
+  for (int t = 1; t < threads; ++t) pool.emplace_back(worker, t);
+  worker(0);
   for (std::thread& t : pool) t.join();
   return first_error;
 }
 
-// What one job wrote, for the progress line and the totals.
-struct JobResult {
-  std::string name;
-  int64_t read = 0;
-  int64_t written = 0;
+// Counts written bytes and files and reports them about once a second.
+class Progress {
+ public:
+  Progress(int64_t files, int64_t bytes, std::function<void(const std::string&)> report)
+      : files_(files), bytes_(bytes), report_(std::move(report)) {}
+
+  void AddBytes(int64_t n) {
+    bytes_done_ += n;
+    MaybeReport(false);
+  }
+  void FileDone() { MaybeReport(++files_done_ == files_); }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  void MaybeReport(bool last) {
+    if (!report_) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    const double t = std::chrono::duration<double>(Clock::now() - start_).count();
+    if (!last && t < next_report_) return;
+    next_report_ = t + 1.0;
+    const double rate = t > 0 ? bytes_done_ / t : 0;
+    const double eta = rate > 0 ? (bytes_ - bytes_done_) / rate : 0;
+    char line[256];
+    std::snprintf(line, sizeof(line), "%lld/%lld files, %s of %s, %s/s, ETA %.0f s",
+                  static_cast<long long>(files_done_.load()), static_cast<long long>(files_),
+                  HumanBytes(bytes_done_).c_str(), HumanBytes(bytes_).c_str(),
+                  HumanBytes(static_cast<int64_t>(rate)).c_str(), eta);
+    report_(line);
+  }
+
+  const int64_t files_, bytes_;
+  std::function<void(const std::string&)> report_;
+  std::atomic<int64_t> files_done_{0}, bytes_done_{0};
+  std::mutex mu_;
+  const Clock::time_point start_ = Clock::now();
+  double next_report_ = 1.0;
 };
-
-Result<JobResult> LayerJob(const LogicalCheckpoint& src, const LayerFilePlan& file,
-                           const ExecuteOptions& options, const std::string& dir) {
-  JobResult r{file.name};
-  RESHARD_ASSIGN_OR_RETURN(r.read, WriteLayerFile(src, file, options.optimizer, dir));
-  r.written = FileSize(dir + "/" + file.name);
-  return r;
-}
-
-// An mp_rank file; for the FP16_Optimizer format with its optimizer state.
-Result<JobResult> ModelStatesJob(const LogicalCheckpoint& src, const Plan& plan,
-                                 const ModelStatesPlan& ms, bool embedded,
-                                 const ExecuteOptions& options, const std::string& dir) {
-  JobResult r{ms.name};
-  Value root = BuildModelStates(src, plan, ms, options.drop_optimizer);
-  if (embedded) {
-    RESHARD_ASSIGN_OR_RETURN(std::vector<Value> state,
-                             BuildOptimizerState(src, *options.optimizer, plan, ms.pp_rank,
-                                                 ms.tp_rank, &r.read));
-    Set(root, "optimizer", std::move(state[0]));
-  }
-  RESHARD_RETURN_IF_ERROR(WriteTorchFile(dir + "/" + ms.name, root));
-  r.written = FileSize(dir + "/" + ms.name);
-  return r;
-}
-
-// The optimizer shards of every target DP rank of one (pipeline, tensor) rank.
-Result<JobResult> ShardJob(const LogicalCheckpoint& src, const Plan& plan, const ModelStatesPlan& ms,
-                           const ExecuteOptions& options, const std::string& dir) {
-  const int mp = ms.pp_rank * plan.tp + ms.tp_rank;
-  JobResult r{"optimizer shards of " + ModelStatesName(mp)};
-  RESHARD_ASSIGN_OR_RETURN(r.read, WriteOptimizerShards(src, *options.optimizer, plan, ms.pp_rank,
-                                                        ms.tp_rank, dir));
-  for (int d = 0; d < plan.dp; ++d) {
-    r.written += FileSize(dir + "/" + OptimizerFileName(options.optimizer->format(), d, mp));
-  }
-  return r;
-}
 
 }  // namespace
 
+Result<ExecuteStats> MeasurePlan(const LogicalCheckpoint& src, const Plan& plan,
+                                 const ExecuteOptions& options) {
+  std::atomic<int64_t> read{0};
+  RESHARD_ASSIGN_OR_RETURN(std::vector<FileJob> jobs, MyJobs(src, plan, options, &read));
+  ExecuteStats stats;
+  stats.files = static_cast<int64_t>(jobs.size());
+  for (const FileJob& job : jobs) stats.tensor_bytes += job.tensor_bytes;
+  return stats;
+}
+
 Result<ExecuteStats> ExecutePlan(const LogicalCheckpoint& src, const Plan& plan,
                                  const std::string& dir, const ExecuteOptions& options) {
-  const size_t layer_jobs = plan.layer_files.size();
-  const size_t states_jobs = plan.model_states.size();
-  // The FP16_Optimizer state lives inside the mp_rank files: no shard jobs.
-  const bool embedded = options.optimizer != nullptr && options.optimizer->format().embedded;
-  const bool shards = plan.optimizer && options.optimizer != nullptr && !embedded;
-  const size_t total = layer_jobs + states_jobs + (shards ? states_jobs : 0);
-  std::atomic<int64_t> read{0}, written{0}, done{0};
-  std::mutex progress_mu;
-  auto job = [&](size_t i) -> Status {
-    Result<JobResult> r =
-        i < layer_jobs ? LayerJob(src, plan.layer_files[i], options, dir)
-        : i < layer_jobs + states_jobs
-            ? ModelStatesJob(src, plan, plan.model_states[i - layer_jobs], embedded, options, dir)
-            : ShardJob(src, plan, plan.model_states[i - layer_jobs - states_jobs], options, dir);
-    if (!r.ok()) return r.status();
-    read += r->read;
-    written += r->written;
-    const int64_t n = ++done;
-    if (options.progress) {
-      std::lock_guard<std::mutex> lock(progress_mu);
-      char line[256];
-      std::snprintf(line, sizeof(line), "[%lld/%zu] %s", static_cast<long long>(n), total,
-                    r->name.c_str());
-      options.progress(line);
-    }
+  std::atomic<int64_t> read{0}, written{0};
+  RESHARD_ASSIGN_OR_RETURN(std::vector<FileJob> jobs, MyJobs(src, plan, options, &read));
+  int64_t total = 0;
+  for (const FileJob& job : jobs) total += job.tensor_bytes;
+  Progress progress(static_cast<int64_t>(jobs.size()), total, options.progress);
+  const int threads = std::max(1, options.threads);
+  std::vector<std::vector<uint8_t>> buffers(threads);
+  auto job = [&](size_t i, int worker) -> Status {
+    std::vector<uint8_t>& buffer = buffers[worker];
+    buffer.resize(static_cast<size_t>(options.buffer_bytes));  // allocated when first used
+    TorchWriteOptions write;
+    write.buffer = &buffer;
+    write.written = [&progress](int64_t n) { progress.AddBytes(n); };
+    const std::string path = dir + "/" + jobs[i].name;
+    RESHARD_RETURN_IF_ERROR(WriteTorchFile(path, jobs[i].root, write));
+    jobs[i].root = Value();  // its producers hold source maps; let them go
+    written += FileSize(path);
+    progress.FileDone();
     return Status::Ok();
   };
-  RESHARD_RETURN_IF_ERROR(RunParallel(total, std::max(1, options.threads), job));
-  const size_t files = layer_jobs + states_jobs + (shards ? states_jobs * plan.dp : 0);
-  return ExecuteStats{static_cast<int64_t>(files), written.load(), read.load()};
+  RESHARD_RETURN_IF_ERROR(RunParallel(jobs.size(), threads, job));
+  return ExecuteStats{static_cast<int64_t>(jobs.size()), total, written.load(), read.load()};
 }
 
 }  // namespace reshard

@@ -1,5 +1,6 @@
 #include "exec/materialize.h"
 
+#include <algorithm>
 #include <cstring>
 
 namespace reshard {
@@ -20,57 +21,117 @@ DimSpan SpanOf(const std::vector<int64_t>& shape, int dim) {
   return s;
 }
 
-int64_t ApplyCopy(const LogicalTensor& t, const SliceCopy& c, const std::vector<int64_t>& dst_shape,
-                  uint8_t* dst) {
-  const int es = ElementSize(t.dtype);
-  const DimSpan s = SpanOf(t.local_shape, c.dim);
-  const DimSpan d = SpanOf(dst_shape, c.dim);
-  const uint8_t* src = TensorData(*t.shards[c.src_rank]);
-  const size_t run = static_cast<size_t>(c.length * s.inner * es);
-  for (int64_t o = 0; o < s.outer; ++o) {
-    std::memcpy(dst + ((o * d.extent + c.dst_start) * d.inner) * es,
-                src + ((o * s.extent + c.src_start) * s.inner) * es, run);
+// Calls f(dst_offset, src_offset, n) for every run of target elements in
+// [begin, end) that slice `c` fills; offsets are element indices of the
+// flattened target and source tensors. A slice fills one block of
+// length * inner elements per outer index.
+template <typename F>
+void ForEachRun(const DimSpan& d, const DimSpan& s, int64_t dst_start, int64_t src_start,
+                int64_t length, int64_t begin, int64_t end, F f) {
+  const int64_t block = length * d.inner;
+  const int64_t stride = d.extent * d.inner;
+  if (block == 0 || stride == 0) return;
+  for (int64_t o = begin / stride; o < d.outer && o * stride < end; ++o) {
+    const int64_t block_begin = o * stride + dst_start * d.inner;
+    const int64_t lo = std::max(begin, block_begin);
+    const int64_t hi = std::min(end, block_begin + block);
+    if (lo >= hi) continue;
+    const int64_t src = (o * s.extent + src_start) * s.inner + (lo - block_begin);
+    f(lo, src, hi - lo);
   }
-  return static_cast<int64_t>(run) * s.outer;
+}
+
+int64_t ApplyCopy(const SourceTensor& t, const SliceCopy& c, const std::vector<int64_t>& dst_shape,
+                  int64_t begin, int64_t end, uint8_t* dst, TouchedPages* pages) {
+  const int es = ElementSize(t.dtype);
+  const SourceShard& shard = t.shards[c.src_rank];
+  int64_t read = 0;
+  ForEachRun(SpanOf(dst_shape, c.dim), SpanOf(t.local_shape, c.dim), c.dst_start, c.src_start,
+             c.length, begin, end, [&](int64_t at, int64_t from, int64_t n) {
+               shard.Copy(from, n, es, dst + (at - begin) * es, pages);
+               read += n * es;
+             });
+  return read;
 }
 
 void ApplyFill(DType dtype, const SliceFill& f, const std::vector<int64_t>& dst_shape,
-               uint8_t* dst) {
+               int64_t begin, int64_t end, uint8_t* dst) {
   const int es = ElementSize(dtype);
+  uint8_t element[8] = {0};
+  StoreFromDouble(dtype, f.value, element);
   const DimSpan d = SpanOf(dst_shape, f.dim);
-  std::vector<uint8_t> element(es, 0);
-  if (f.value != 0) StoreFromDouble(dtype, f.value, element.data());
-  for (int64_t o = 0; o < d.outer; ++o) {
-    uint8_t* row = dst + ((o * d.extent + f.dst_start) * d.inner) * es;
-    for (int64_t i = 0; i < f.length * d.inner; ++i) std::memcpy(row + i * es, element.data(), es);
-  }
+  ForEachRun(d, d, f.dst_start, f.dst_start, f.length, begin, end,
+             [&](int64_t at, int64_t, int64_t n) {
+               uint8_t* out = dst + (at - begin) * es;
+               for (int64_t i = 0; i < n; ++i) std::memcpy(out + i * es, element, es);
+             });
 }
 
-int64_t Average(const LogicalTensor& t, uint8_t* dst) {
+// The element-wise mean of every shard over [begin, end), a block at a time.
+int64_t Average(const SourceTensor& t, int64_t begin, int64_t end, uint8_t* dst,
+                TouchedPages* pages) {
+  constexpr int64_t kBlock = 1 << 14;
   const int es = ElementSize(t.dtype);
-  const int64_t n = t.shards[0]->numel();
-  const double ranks = static_cast<double>(t.shards.size());
-  for (int64_t i = 0; i < n; ++i) {
-    double sum = 0;
-    for (const Tensor* shard : t.shards) sum += LoadAsDouble(t.dtype, TensorData(*shard) + i * es);
-    StoreFromDouble(t.dtype, sum / ranks, dst + i * es);
+  std::vector<uint8_t> replica(static_cast<size_t>(std::min(kBlock, end - begin)) * es);
+  std::vector<double> sum(replica.size() / es);
+  for (int64_t at = begin; at < end; at += kBlock) {
+    const int64_t n = std::min(kBlock, end - at);
+    std::fill(sum.begin(), sum.begin() + n, 0.0);
+    for (const SourceShard& shard : t.shards) {
+      shard.Copy(at, n, es, replica.data(), pages);
+      for (int64_t i = 0; i < n; ++i) sum[i] += LoadAsDouble(t.dtype, replica.data() + i * es);
+    }
+    const double ranks = static_cast<double>(t.shards.size());
+    for (int64_t i = 0; i < n; ++i) StoreFromDouble(t.dtype, sum[i] / ranks, dst + (at - begin + i) * es);
   }
-  return n * es * static_cast<int64_t>(t.shards.size());
+  return (end - begin) * es * static_cast<int64_t>(t.shards.size());
 }
 
 }  // namespace
 
-int64_t MaterializeTensor(const LogicalTensor& t, const TensorPlan& plan, std::vector<uint8_t>* out) {
-  out->resize(static_cast<size_t>(plan.numel()) * ElementSize(t.dtype));
-  return MaterializeInto(t, plan, out->data());
+void SourceShard::Copy(int64_t begin, int64_t n, int element_size, uint8_t* dst,
+                       TouchedPages* pages) const {
+  if (n <= 0) return;
+  auto run = std::upper_bound(runs.begin(), runs.end(), begin,
+                              [](int64_t at, const Run& r) { return at < r.begin; });
+  for (--run; n > 0; ++run) {
+    const int64_t skip = begin - run->begin;
+    const int64_t take = std::min(n, run->numel - skip);
+    const uint8_t* from = run->bytes.data + skip * element_size;
+    const size_t bytes = static_cast<size_t>(take) * element_size;
+    std::memcpy(dst, from, bytes);
+    if (pages != nullptr) pages->Note(run->bytes, from, bytes);
+    dst += bytes;
+    begin += take;
+    n -= take;
+  }
 }
 
-int64_t MaterializeInto(const LogicalTensor& t, const TensorPlan& plan, uint8_t* dst) {
-  if (plan.average) return Average(t, dst);
+SourceTensor SourceTensor::Of(const LogicalTensor& t) {
+  SourceTensor s;
+  s.dtype = t.dtype;
+  s.local_shape = t.local_shape;
+  for (const Tensor* shard : t.shards) {
+    const ByteView& file = shard->storage->bytes;
+    ByteView bytes{file.owner, TensorData(*shard),
+                   static_cast<size_t>(shard->numel() * ElementSize(t.dtype)), file.mapped};
+    s.shards.push_back(SourceShard{{{0, shard->numel(), std::move(bytes)}}});
+  }
+  return s;
+}
+
+int64_t MaterializeRange(const SourceTensor& src, const TensorPlan& plan, int64_t begin,
+                         int64_t end, uint8_t* dst, TouchedPages* pages) {
+  if (plan.average) return Average(src, begin, end, dst, pages);
   int64_t read = 0;
-  for (const SliceCopy& c : plan.copies) read += ApplyCopy(t, c, plan.shape, dst);
-  for (const SliceFill& f : plan.fills) ApplyFill(t.dtype, f, plan.shape, dst);
+  for (const SliceCopy& c : plan.copies) read += ApplyCopy(src, c, plan.shape, begin, end, dst, pages);
+  for (const SliceFill& f : plan.fills) ApplyFill(src.dtype, f, plan.shape, begin, end, dst);
   return read;
+}
+
+int64_t MaterializeTensor(const LogicalTensor& t, const TensorPlan& plan, std::vector<uint8_t>* out) {
+  out->resize(static_cast<size_t>(plan.numel()) * ElementSize(t.dtype));
+  return MaterializeRange(SourceTensor::Of(t), plan, 0, plan.numel(), out->data(), nullptr);
 }
 
 }  // namespace reshard

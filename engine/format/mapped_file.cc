@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <algorithm>
 #include <cstring>
 
 namespace reshard {
@@ -36,6 +37,33 @@ Result<std::shared_ptr<const MappedFile>> MappedFile::Open(const std::string& pa
 
 MappedFile::~MappedFile() {
   if (data_ != nullptr) ::munmap(const_cast<uint8_t*>(data_), size_);
+}
+
+void TouchedPages::Note(const ByteView& view, const uint8_t* data, size_t n) {
+  if (!view.mapped || n == 0) return;
+  // Reads mostly continue where the last one from the same place ended; gaps
+  // of a few pages are released with their neighbours.
+  constexpr size_t kJoin = 1 << 16;
+  for (Range& r : ranges_) {
+    if (data <= r.end + kJoin && data + n + kJoin >= r.begin) {
+      r.begin = std::min(r.begin, data);
+      r.end = std::max(r.end, data + n);
+      return;
+    }
+  }
+  ranges_.push_back({data, data + n});
+}
+
+void TouchedPages::Release() {
+  static const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  for (const Range& r : ranges_) {
+    // Whole pages around the range: they all belong to the mapping, and any
+    // neighbour dropped with them is simply read again.
+    const uintptr_t begin = reinterpret_cast<uintptr_t>(r.begin) & ~(page - 1);
+    const uintptr_t end = (reinterpret_cast<uintptr_t>(r.end) + page - 1) & ~(page - 1);
+    ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
+  }
+  ranges_.clear();
 }
 
 }  // namespace reshard

@@ -6,7 +6,9 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
+#include "pickle/value.h"
 #include "reshard/status.h"
 
 namespace reshard {
@@ -28,6 +30,30 @@ class MappedFile {
   std::string path_;
   const uint8_t* data_;
   size_t size_;
+};
+
+// The pages of mapped source bytes one piece of work has read, so that they
+// can be released when it is done: mapped pages count as the process's
+// resident memory until dropped, and a conversion reads the whole checkpoint.
+// Views that are not file mappings are ignored.
+class TouchedPages {
+ public:
+  TouchedPages() = default;
+  TouchedPages(const TouchedPages&) = delete;
+  TouchedPages& operator=(const TouchedPages&) = delete;
+  ~TouchedPages() { Release(); }
+
+  // Records that [data, data + n) inside `view` was read.
+  void Note(const ByteView& view, const uint8_t* data, size_t n);
+  // Drops the recorded pages from this process (they stay in the page cache).
+  void Release();
+
+ private:
+  struct Range {
+    const uint8_t* begin;
+    const uint8_t* end;
+  };
+  std::vector<Range> ranges_;
 };
 
 }  // namespace reshard

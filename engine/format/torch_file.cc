@@ -1,4 +1,4 @@
-// The only file of the engine that touches LibTorch: the zip container.
+// The only file of the engine that touches LibTorch: reading the zip container.
 #include "format/torch_file.h"
 
 #include <caffe2/serialize/inline_container.h>
@@ -8,6 +8,7 @@
 #include <memory>
 
 #include "format/mapped_file.h"
+#include "format/zip_writer.h"
 #include "pickle/pickle_writer.h"
 
 namespace reshard {
@@ -46,7 +47,7 @@ StorageResolver MakeResolver(caffe2::serialize::PyTorchStreamReader* zip,
       return Status::InvalidInput(file->path() + ": storage '" + record +
                                   "' runs past the end of the file; the file is truncated");
     }
-    storage->bytes = ByteView{file, file->data() + offset, nbytes};
+    storage->bytes = ByteView{file, file->data() + offset, nbytes, /*mapped=*/true};
     return storage;
   };
 }
@@ -73,30 +74,69 @@ Result<Value> ReadTorchFile(const std::string& path, const PickleReadOptions& op
   }
 }
 
-Status WriteTorchFile(const std::string& path, const Value& root) {
-  try {
-    caffe2::serialize::PyTorchStreamWriter zip(path);
-    std::vector<std::pair<std::string, const Storage*>> storages;
-    Result<std::string> pickle =
-        WritePickle(root, [&](const std::string& key, const Storage& storage) {
-          if (storage.bytes.data == nullptr && storage.numel > 0) {
-            return Status::Internal("storage " + key + " has no bytes bound");
-          }
-          storages.emplace_back(key, &storage);
-          return Status::Ok();
-        });
-    if (!pickle.ok()) return pickle.status().WithContext(path);
-    // torch.save's record order: the pickle first, then the storages.
-    zip.writeRecord("data.pkl", pickle->data(), pickle->size());
-    for (const auto& [key, storage] : storages) {
-      zip.writeRecord("data/" + key, storage->bytes.data, storage->bytes.size);
+namespace {
+
+// The storages reachable from `root` with their record keys, in the order
+// the pickle names them.
+Result<std::string> PickleWithStorages(
+    const Value& root, std::vector<std::pair<std::string, const Storage*>>* storages) {
+  return WritePickle(root, [storages](const std::string& key, const Storage& storage) {
+    if (storage.bytes.data == nullptr && !storage.produce && storage.numel > 0) {
+      return Status::Internal("storage " + key + " has no bytes bound");
     }
-    zip.writeEndOfFile();
-  } catch (const std::exception& e) {
-    std::string what = e.what();
-    return Status::IoError("cannot write " + path + ": " + what.substr(0, what.find('\n')));
+    storages->emplace_back(key, &storage);
+    return Status::Ok();
+  });
+}
+
+int64_t StorageBytes(const Storage& s) { return s.numel * ElementSize(s.dtype); }
+
+// Bound bytes are copied a buffer at a time too, so that the source pages
+// they map are released as the copy goes.
+ByteProducer CopyOf(const ByteView& bytes) {
+  return [&bytes](int64_t offset, int64_t length, uint8_t* dst) {
+    TouchedPages pages;
+    std::memcpy(dst, bytes.data + offset, static_cast<size_t>(length));
+    pages.Note(bytes, bytes.data + offset, static_cast<size_t>(length));
+    return Status::Ok();
+  };
+}
+
+}  // namespace
+
+Result<int64_t> TensorBytes(const Value& root) {
+  std::vector<std::pair<std::string, const Storage*>> storages;
+  RESHARD_RETURN_IF_ERROR(PickleWithStorages(root, &storages).status());
+  int64_t total = 0;
+  for (const auto& entry : storages) total += StorageBytes(*entry.second);
+  return total;
+}
+
+Status WriteTorchFile(const std::string& path, const Value& root, const TorchWriteOptions& options) {
+  std::vector<std::pair<std::string, const Storage*>> storages;
+  Result<std::string> pickle = PickleWithStorages(root, &storages);
+  if (!pickle.ok()) return pickle.status().WithContext(path);
+  std::vector<uint8_t> own_buffer;
+  std::vector<uint8_t>* buffer = options.buffer;
+  if (buffer == nullptr || buffer->empty()) {
+    own_buffer.resize(4 << 20);
+    buffer = &own_buffer;
   }
-  return Status::Ok();
+  RESHARD_ASSIGN_OR_RETURN(std::unique_ptr<ZipWriter> zip, ZipWriter::Create(path));
+  // torch.save's record order: the pickle first, then the storages.
+  RESHARD_RETURN_IF_ERROR(zip->Add("data.pkl", reinterpret_cast<const uint8_t*>(pickle->data()),
+                                   static_cast<int64_t>(pickle->size())));
+  for (const auto& [key, storage] : storages) {
+    const ByteProducer& produce = storage->produce ? storage->produce : CopyOf(storage->bytes);
+    auto counted = [&](int64_t offset, int64_t length, uint8_t* dst) {
+      RESHARD_RETURN_IF_ERROR(produce(offset, length, dst));
+      if (options.written) options.written(length);
+      return Status::Ok();
+    };
+    Status st = zip->AddStreamed("data/" + key, StorageBytes(*storage), counted, buffer);
+    if (!st.ok()) return st.WithContext(path);
+  }
+  return zip->Finish();
 }
 
 }  // namespace reshard

@@ -8,7 +8,9 @@
 // a Value tree back in the layout torch.load expects.
 #pragma once
 
+#include <functional>
 #include <string>
+#include <vector>
 
 #include "pickle/pickle_reader.h"
 #include "pickle/value.h"
@@ -20,8 +22,20 @@ namespace reshard {
 // storages are truncated, Unsupported for pickled classes reshard refuses.
 Result<Value> ReadTorchFile(const std::string& path, const PickleReadOptions& options = {});
 
+struct TorchWriteOptions {
+  // The buffer tensor data streams through (reused across files); null or
+  // empty: one of 4 MiB for this file.
+  std::vector<uint8_t>* buffer = nullptr;
+  // Told the tensor bytes written after each buffer.
+  std::function<void(int64_t)> written;
+};
+
 // Writes `root` to `path` (replacing it). Every storage reachable from `root`
-// must have its bytes bound.
-Status WriteTorchFile(const std::string& path, const Value& root);
+// must have its bytes bound or a producer.
+Status WriteTorchFile(const std::string& path, const Value& root,
+                      const TorchWriteOptions& options = {});
+
+// The bytes of every storage reachable from `root` (each counted once).
+Result<int64_t> TensorBytes(const Value& root);
 
 }  // namespace reshard

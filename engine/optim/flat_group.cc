@@ -20,12 +20,19 @@ int64_t FlatGroup::PaddingIn(int d) const {
 }
 
 std::vector<Fragment> FlatGroup::Fragments(int d) const {
-  const int64_t begin = d * partition(), end = begin + partition();
+  return FragmentsIn(d * partition(), (d + 1) * partition());
+}
+
+std::vector<Fragment> FlatGroup::FragmentsIn(int64_t begin, int64_t end) const {
+  // The first slot ending after `begin`: slots are laid back to back.
+  auto first = std::upper_bound(slots_.begin(), slots_.end(), begin,
+                                [](int64_t at, const FlatSlot& s) { return at < s.offset + s.numel; });
   std::vector<Fragment> out;
-  for (size_t i = 0; i < slots_.size(); ++i) {
-    const FlatSlot& s = slots_[i];
-    const int64_t lo = std::max(begin, s.offset), hi = std::min(end, s.offset + s.numel);
-    if (lo < hi) out.push_back({static_cast<int>(i), lo - begin, lo - s.offset, hi - lo});
+  for (auto s = first; s != slots_.end() && s->offset < end; ++s) {
+    const int64_t lo = std::max(begin, s->offset), hi = std::min(end, s->offset + s->numel);
+    if (lo < hi) {
+      out.push_back({static_cast<int>(s - slots_.begin()), lo - begin, lo - s->offset, hi - lo});
+    }
   }
   return out;
 }

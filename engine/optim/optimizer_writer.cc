@@ -1,79 +1,136 @@
 #include "optim/optimizer_writer.h"
 
+#include <atomic>
 #include <cstring>
-#include <map>
+#include <memory>
 
 #include "exec/materialize.h"
-#include "format/torch_file.h"
 #include "layout/checkpoint_files.h"
-#include "optim/state_tensor.h"
+#include "plan/stages.h"
 #include "optim/torch_state.h"
 
 namespace reshard {
 namespace {
 
-// The flat buffers of one target (pipeline, tensor) rank: per state, per
-// group. Shard tensors view them, so each byte is held once.
-using Buffer = std::shared_ptr<std::vector<uint8_t>>;
-struct StageFlats {
-  std::vector<FlatGroup> groups;
-  std::map<std::string, std::vector<Buffer>> flats;
+// The optimizer state of one target (pipeline, tensor) rank, produced on
+// demand: its flat groups, and for every slot where each state's elements
+// come from. Shard tensors produce their ranges from it while they are
+// written, so nothing is held but this map.
+class TargetStage {
+ public:
+  static Result<std::shared_ptr<const TargetStage>> Make(const LogicalCheckpoint& src,
+                                                         const SourceOptimizer& opt,
+                                                         const Plan& plan,
+                                                         const ModelStatesPlan& stage,
+                                                         std::atomic<int64_t>* read);
+
+  const std::vector<FlatGroup>& groups() const { return groups_; }
+
+  // Writes elements [begin, begin + n) of state `s`'s flat buffer of group `g`.
+  Status Produce(int g, int s, int64_t begin, int64_t n, uint8_t* dst) const;
+
+ private:
+  // One parameter of a group: its plan (the weight's, for this TP rank) and
+  // every state's source shards.
+  struct Slot {
+    TensorPlan master_plan;  // new vocabulary rows take the weights' fill
+    TensorPlan moment_plan;  // ... and start at 0 in the moments
+    std::vector<SourceTensor> states;  // by state index
+  };
+  Status AddSlot(const LogicalCheckpoint& src, const SourceOptimizer& opt, const Plan& plan,
+                 int tp_rank, const FlatSlot& flat, std::vector<Slot>* slots);
+
+  std::vector<FlatGroup> groups_;
+  std::vector<std::vector<Slot>> slots_;  // [group][slot]
+  std::atomic<int64_t>* read_ = nullptr;
 };
 
-// Writes `state` of parameter `name` as target TP rank `t` holds it into `dst`:
-// the source TP ranks' copies, re-sharded by the plan of the parameter's weight.
-Status TargetLocalState(const LogicalCheckpoint& src, const SourceOptimizer& opt,
-                        const Plan& plan, const std::string& name, int t,
-                        const std::string& state, uint8_t* dst, int64_t* read) {
-  if (!src.pipeline) {
+Result<std::shared_ptr<const TargetStage>> TargetStage::Make(const LogicalCheckpoint& src,
+                                                             const SourceOptimizer& opt,
+                                                             const Plan& plan,
+                                                             const ModelStatesPlan& stage,
+                                                             std::atomic<int64_t>* read) {
+  auto t = std::make_shared<TargetStage>();
+  t->read_ = read;
+  const int dp = opt.format().embedded ? 1 : plan.dp;  // FP16_Optimizer does not partition
+  for (const auto& params : stage.param_shapes) {
+    t->groups_.emplace_back(params, dp, opt.format().Alignment(dp));
+  }
+  if (static_cast<int>(t->groups_.size()) != opt.num_groups()) {
+    return Status::Unsupported("target stage " + std::to_string(stage.pp_rank) + " has " +
+                               std::to_string(t->groups_.size()) +
+                               " optimizer groups but the source has " +
+                               std::to_string(opt.num_groups()));
+  }
+  for (const FlatGroup& group : t->groups_) {
+    t->slots_.emplace_back();
+    for (const FlatSlot& flat : group.slots()) {
+      RESHARD_RETURN_IF_ERROR(t->AddSlot(src, opt, plan, stage.tp_rank, flat, &t->slots_.back()));
+    }
+  }
+  return std::shared_ptr<const TargetStage>(std::move(t));
+}
+
+Status TargetStage::AddSlot(const LogicalCheckpoint& src, const SourceOptimizer& opt,
+                            const Plan& plan, int tp_rank, const FlatSlot& flat,
+                            std::vector<Slot>* slots) {
+  Slot slot;
+  std::vector<int64_t> local_shape;
+  if (src.pipeline) {
+    int li = 0, ti = 0;
+    if (!ResolveParamName(src, flat.name, &li, &ti)) {
+      return Status::InvalidInput("the optimizer shards hold " + flat.name +
+                                  ", which is not a tensor of the layer files");
+    }
+    // Layer files are planned layer by layer, TP rank by TP rank.
+    slot.master_plan = plan.layer_files[li * plan.tp + tp_rank].tensors[ti];
+    local_shape = src.layers[li].tensors[ti].local_shape;
+  } else {
     // The TP layout is unchanged: TP rank t's state is the source rank's own.
-    RESHARD_ASSIGN_OR_RETURN(std::vector<uint8_t> same, opt.Gather(name, t, state));
-    std::memcpy(dst, same.data(), same.size());
-    *read += static_cast<int64_t>(same.size());
-    return Status::Ok();
+    slot.master_plan.shape = local_shape = {flat.numel};
+    slot.master_plan.copies = {SliceCopy{tp_rank, 0, 0, 0, flat.numel}};
   }
-  RESHARD_ASSIGN_OR_RETURN(StateTensor source, StateTensor::Gather(src, opt, name, state));
-  // Layer files are planned layer by layer, TP rank by TP rank.
-  TensorPlan tensor_plan =
-      plan.layer_files[source.layer_index() * plan.tp + t].tensors[source.tensor_index()];
-  // New vocabulary rows: the master takes the weights' fill, moments start at 0.
-  if (state != kMasterState) {
-    for (SliceFill& f : tensor_plan.fills) f.value = 0;
+  slot.moment_plan = slot.master_plan;
+  for (SliceFill& f : slot.moment_plan.fills) f.value = 0;
+  for (const std::string& state : opt.states()) {
+    SourceTensor source;
+    source.local_shape = local_shape;
+    for (int t = 0; t < src.tp; ++t) {
+      RESHARD_ASSIGN_OR_RETURN(SourceShard shard, opt.Locate(flat.name, t, state));
+      source.shards.push_back(std::move(shard));
+    }
+    slot.states.push_back(std::move(source));
   }
-  *read += MaterializeInto(source.tensor(), tensor_plan, dst);
+  slots->push_back(std::move(slot));
   return Status::Ok();
 }
 
-Result<StageFlats> BuildStageFlats(const LogicalCheckpoint& src, const SourceOptimizer& opt,
-                                   const Plan& plan, const ModelStatesPlan& stage, int64_t* read) {
-  StageFlats f;
-  const int dp = opt.format().embedded ? 1 : plan.dp;  // FP16_Optimizer does not partition
-  for (const auto& params : stage.param_shapes) {
-    f.groups.emplace_back(params, dp, opt.format().Alignment(dp));
+Status TargetStage::Produce(int g, int s, int64_t begin, int64_t n, uint8_t* dst) const {
+  std::memset(dst, 0, static_cast<size_t>(n) * 4);  // the alignment tail stays 0
+  TouchedPages pages;
+  int64_t read = 0;
+  for (const Fragment& f : groups_[g].FragmentsIn(begin, begin + n)) {
+    const Slot& slot = slots_[g][f.slot];
+    read += MaterializeRange(slot.states[s], s == 0 ? slot.master_plan : slot.moment_plan,
+                             f.param_offset, f.param_offset + f.numel,
+                             dst + f.partition_start * 4, &pages);
   }
-  if (static_cast<int>(f.groups.size()) != opt.num_groups()) {
-    return Status::Unsupported("target stage " + std::to_string(stage.pp_rank) + " has " +
-                               std::to_string(f.groups.size()) + " optimizer groups but the source has " +
-                               std::to_string(opt.num_groups()));
-  }
-  for (const std::string& state : opt.states()) {
-    auto& per_group = f.flats[state];
-    for (const FlatGroup& group : f.groups) {
-      // Zero-initialised: the alignment tail stays 0.
-      per_group.push_back(std::make_shared<std::vector<uint8_t>>(static_cast<size_t>(group.padded()) * 4, 0));
-      for (const FlatSlot& slot : group.slots()) {
-        RESHARD_RETURN_IF_ERROR(TargetLocalState(src, opt, plan, slot.name, stage.tp_rank, state,
-                                                 per_group.back()->data() + slot.offset * 4, read));
-      }
-    }
-  }
-  return f;
+  *read_ += read;
+  return Status::Ok();
 }
 
-// A 1-D fp32 tensor viewing elements [start, start + numel) of `flat`.
-Value FlatSlice(const Buffer& flat, int64_t start, int64_t numel) {
-  return MakeTensorOver(DType::kFloat32, {numel},
-                        ByteView{flat, flat->data() + start * 4, static_cast<size_t>(numel) * 4});
+// A 1-D fp32 tensor of elements [start, start + numel) of state `s`'s flat
+// buffer of group `g`, produced while it is written.
+Value FlatSlice(std::shared_ptr<const TargetStage> stage, int g, int s, int64_t start,
+                int64_t numel) {
+  return MakeProducedTensor(
+      DType::kFloat32, {numel},
+      [stage = std::move(stage), g, s, start](int64_t offset, int64_t length, uint8_t* dst) {
+        if (offset % 4 != 0 || length % 4 != 0) {
+          return Status::Internal("optimizer state requested in a range not of whole elements");
+        }
+        return stage->Produce(g, s, start + offset / 4, length / 4, dst);
+      });
 }
 
 // A fragment_address like the source's, with new numbers.
@@ -94,9 +151,9 @@ const Value* FirstFragmentAddress(const Value& osd) {
   return nullptr;
 }
 
-Value SliceMappings(const StageFlats& f, int d, const Value& address_like) {
+Value SliceMappings(const TargetStage& stage, int d, const Value& address_like) {
   std::vector<Value> groups;
-  for (const FlatGroup& group : f.groups) {
+  for (const FlatGroup& group : stage.groups()) {
     Items items;
     for (const Fragment& frag : group.Fragments(d)) {
       items.emplace_back(Value::String(group.slots()[frag.slot].name),
@@ -108,24 +165,25 @@ Value SliceMappings(const StageFlats& f, int d, const Value& address_like) {
 }
 
 // DP rank `d`'s shard: the source template with the layout fields replaced.
-Result<Value> BuildShard(const SourceOptimizer& opt, const StageFlats& f, int d) {
+Result<Value> BuildShard(const SourceOptimizer& opt, const std::shared_ptr<const TargetStage>& stage,
+                         int d) {
   const OptimizerFormat& format = opt.format();
   Value root = opt.Template();
   Value& osd = *FindMutable(root, "optimizer_state_dict");
   std::vector<Value> masters, paddings, counts;
-  for (size_t g = 0; g < f.groups.size(); ++g) {
-    const FlatGroup& group = f.groups[g];
+  for (size_t g = 0; g < stage->groups().size(); ++g) {
+    const FlatGroup& group = stage->groups()[g];
     const int64_t start = d * group.partition();
     Value* state = MutableTorchGroupState(FindMutable(osd, "base_optimizer_state"), static_cast<int>(g));
     if (state == nullptr && opt.states().size() > 1) {
       return Status::Internal("the template shard has no state for group " + std::to_string(g));
     }
     for (size_t s = 1; s < opt.states().size(); ++s) {
-      Set(*state, opt.states()[s], FlatSlice(f.flats.at(opt.states()[s])[g], start, group.partition()));
+      Set(*state, opt.states()[s], FlatSlice(stage, static_cast<int>(g), static_cast<int>(s), start, group.partition()));
     }
     // ZeRO-1/2 store the master partition without its alignment padding.
     const int64_t master_len = format.zero ? group.partition() - group.PaddingIn(d) : group.partition();
-    masters.push_back(FlatSlice(f.flats.at(kMasterState)[g], start, master_len));
+    masters.push_back(FlatSlice(stage, static_cast<int>(g), 0, start, master_len));
     // BF16_Optimizer records the whole padding on the last rank; ZeRO each rank's share.
     const int64_t padding = format.zero ? group.PaddingIn(d)
                                         : (d == group.dp() - 1 ? group.padded() - group.numel() : 0);
@@ -138,26 +196,26 @@ Result<Value> BuildShard(const SourceOptimizer& opt, const StageFlats& f, int d)
   if (format.slice_mappings) {
     const Value* like = FirstFragmentAddress(*Find(opt.Template(), "optimizer_state_dict"));
     if (like == nullptr) return Status::Internal("the template shard has no fragment_address to copy");
-    Set(osd, "param_slice_mappings", SliceMappings(f, d, *like));
+    Set(osd, "param_slice_mappings", SliceMappings(*stage, d, *like));
   }
   return root;
 }
 
 // The FP16_Optimizer dict of an mp_rank file: whole flats, no partitions.
-Result<Value> BuildEmbedded(const SourceOptimizer& opt, const StageFlats& f) {
+Result<Value> BuildEmbedded(const SourceOptimizer& opt, const std::shared_ptr<const TargetStage>& stage) {
   Value optimizer = opt.Template();
   Value* torch_state = FindMutable(optimizer, "optimizer_state_dict");
   std::vector<Value> masters;
-  for (size_t g = 0; g < f.groups.size(); ++g) {
-    const int64_t n = f.groups[g].numel();
+  for (size_t g = 0; g < stage->groups().size(); ++g) {
+    const int64_t n = stage->groups()[g].numel();
     Value* state = MutableTorchGroupState(torch_state, static_cast<int>(g));
     if (state == nullptr && opt.states().size() > 1) {
       return Status::Internal("the template optimizer has no state for group " + std::to_string(g));
     }
     for (size_t s = 1; s < opt.states().size(); ++s) {
-      Set(*state, opt.states()[s], FlatSlice(f.flats.at(opt.states()[s])[g], 0, n));
+      Set(*state, opt.states()[s], FlatSlice(stage, static_cast<int>(g), static_cast<int>(s), 0, n));
     }
-    masters.push_back(FlatSlice(f.flats.at(kMasterState)[g], 0, n));
+    masters.push_back(FlatSlice(stage, static_cast<int>(g), 0, 0, n));
   }
   Set(optimizer, "fp32_groups_flat", Value::MakeList(std::move(masters)));
   return optimizer;
@@ -172,33 +230,21 @@ std::string OptimizerFileName(const OptimizerFormat& format, int dp_rank, int mp
 
 Result<std::vector<Value>> BuildOptimizerState(const LogicalCheckpoint& src,
                                                const SourceOptimizer& opt, const Plan& plan,
-                                               int pp_rank, int tp_rank, int64_t* read) {
+                                               int pp_rank, int tp_rank,
+                                               std::atomic<int64_t>* read) {
   const int mp = pp_rank * plan.tp + tp_rank;
-  RESHARD_ASSIGN_OR_RETURN(StageFlats flats,
-                           BuildStageFlats(src, opt, plan, plan.model_states[mp], read));
+  RESHARD_ASSIGN_OR_RETURN(std::shared_ptr<const TargetStage> stage,
+                           TargetStage::Make(src, opt, plan, plan.model_states[mp], read));
   if (opt.format().embedded) {
-    RESHARD_ASSIGN_OR_RETURN(Value optimizer, BuildEmbedded(opt, flats));
+    RESHARD_ASSIGN_OR_RETURN(Value optimizer, BuildEmbedded(opt, stage));
     return std::vector<Value>{std::move(optimizer)};
   }
   std::vector<Value> shards;
   for (int d = 0; d < plan.dp; ++d) {
-    RESHARD_ASSIGN_OR_RETURN(Value shard, BuildShard(opt, flats, d));
+    RESHARD_ASSIGN_OR_RETURN(Value shard, BuildShard(opt, stage, d));
     shards.push_back(std::move(shard));
   }
   return shards;
-}
-
-Result<int64_t> WriteOptimizerShards(const LogicalCheckpoint& src, const SourceOptimizer& opt,
-                                     const Plan& plan, int pp_rank, int tp_rank,
-                                     const std::string& dir) {
-  int64_t read = 0;
-  RESHARD_ASSIGN_OR_RETURN(std::vector<Value> shards,
-                           BuildOptimizerState(src, opt, plan, pp_rank, tp_rank, &read));
-  for (size_t d = 0; d < shards.size(); ++d) {
-    const std::string name = OptimizerFileName(opt.format(), static_cast<int>(d), pp_rank * plan.tp + tp_rank);
-    RESHARD_RETURN_IF_ERROR(WriteTorchFile(dir + "/" + name, shards[d]));
-  }
-  return read;
 }
 
 }  // namespace reshard

@@ -9,6 +9,7 @@
 // counters and configuration are carried unchanged.
 #pragma once
 
+#include <atomic>
 #include <string>
 
 #include "optim/source_optimizer.h"
@@ -21,16 +22,12 @@ std::string OptimizerFileName(const OptimizerFormat& format, int dp_rank, int mp
 
 // The target optimizer state of stage `pp_rank`, TP rank `tp_rank`: for the
 // sharded formats one file root per target DP rank; for the embedded
-// FP16_Optimizer format the single `optimizer` dict of its mp_rank file.
-// Adds the bytes of source state read to *read.
+// FP16_Optimizer format the single `optimizer` dict of its mp_rank file. The
+// flat tensors are produced from the source shards while they are written,
+// adding the source bytes they read to *read, which must outlive them.
 Result<std::vector<Value>> BuildOptimizerState(const LogicalCheckpoint& src,
                                                const SourceOptimizer& opt, const Plan& plan,
-                                               int pp_rank, int tp_rank, int64_t* read);
-
-// Writes the plan.dp shard files of stage `pp_rank`, TP rank `tp_rank` into
-// `dir` (sharded formats). Returns the bytes of source state read.
-Result<int64_t> WriteOptimizerShards(const LogicalCheckpoint& src, const SourceOptimizer& opt,
-                                     const Plan& plan, int pp_rank, int tp_rank,
-                                     const std::string& dir);
+                                               int pp_rank, int tp_rank,
+                                               std::atomic<int64_t>* read);
 
 }  // namespace reshard

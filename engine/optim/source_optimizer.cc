@@ -322,8 +322,8 @@ std::vector<std::string> SourceOptimizer::ParamNames() const {
   return names;
 }
 
-Result<std::vector<uint8_t>> SourceOptimizer::Gather(const std::string& name, int t,
-                                                     const std::string& state) const {
+Result<SourceShard> SourceOptimizer::Locate(const std::string& name, int t,
+                                            const std::string& state) const {
   auto owner = owner_.find(name);
   if (owner == owner_.end()) {
     return Status::InvalidInput("parameter " + name + " has no optimizer state in the source shards");
@@ -339,15 +339,28 @@ Result<std::vector<uint8_t>> SourceOptimizer::Gather(const std::string& name, in
   }
   const FlatSlot& slot = group.slots()[o.slot];
   const int64_t partition = group.partition();
-  std::vector<uint8_t> out(static_cast<size_t>(slot.numel) * 4);
+  SourceShard shard;
   for (int64_t done = 0; done < slot.numel;) {
     const int64_t flat_index = slot.offset + done;
     const int d = static_cast<int>(flat_index / partition);
     const int64_t in_partition = flat_index - d * partition;
     const int64_t n = std::min(slot.numel - done, partition - in_partition);
-    std::memcpy(out.data() + done * 4, TensorData(*flats->second[o.group][d]) + in_partition * 4, n * 4);
+    const Tensor& flat = *flats->second[o.group][d];
+    const ByteView& file = flat.storage->bytes;
+    shard.runs.push_back({done, n, ByteView{file.owner, TensorData(flat) + in_partition * 4,
+                                            static_cast<size_t>(n) * 4, file.mapped}});
     done += n;
   }
+  return shard;
+}
+
+Result<std::vector<uint8_t>> SourceOptimizer::Gather(const std::string& name, int t,
+                                                     const std::string& state) const {
+  RESHARD_ASSIGN_OR_RETURN(SourceShard shard, Locate(name, t, state));
+  int64_t numel = 0;
+  for (const SourceShard::Run& run : shard.runs) numel += run.numel;
+  std::vector<uint8_t> out(static_cast<size_t>(numel) * 4);
+  shard.Copy(0, numel, 4, out.data(), nullptr);
   return out;
 }
 

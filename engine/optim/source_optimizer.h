@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "exec/materialize.h"
 #include "logical/logical_checkpoint.h"
 #include "optim/flat_group.h"
 
@@ -66,8 +67,12 @@ class SourceOptimizer {
   std::vector<std::string> ParamNames() const;
   bool Has(const std::string& name) const { return owner_.count(name) > 0; }
 
-  // `state` of parameter `name` as TP rank `t` holds it, from the first pipeline
-  // stage that has the parameter (for tied parameters, the embedding's stage).
+  // Where `state` of parameter `name` as TP rank `t` holds it lies in the
+  // shards: the pieces of its flattened elements in each DP partition, from
+  // the first pipeline stage that has the parameter (for tied parameters, the
+  // embedding's stage). Nothing is copied.
+  Result<SourceShard> Locate(const std::string& name, int t, const std::string& state) const;
+  // The same state copied into one buffer.
   Result<std::vector<uint8_t>> Gather(const std::string& name, int t, const std::string& state) const;
 
  private:

@@ -51,30 +51,77 @@ Result<std::vector<StateDrift>> MeasureStateDrift(const LogicalCheckpoint& src,
   return drifts;
 }
 
-Result<bool> WeightFromMaster(const LogicalCheckpoint& src, const SourceOptimizer& opt,
-                              const TensorPlan& plan, std::vector<uint8_t>* out) {
-  const std::string name = ParamName(src, plan.layer_index, plan.tensor_index);
-  if (!opt.Has(name)) return false;
-  RESHARD_ASSIGN_OR_RETURN(StateTensor master, StateTensor::Gather(src, opt, name, kMasterState));
-  std::vector<uint8_t> merged;
-  MaterializeTensor(master.tensor(), plan, &merged);
-  const DType dtype = src.layers[plan.layer_index].tensors[plan.tensor_index].dtype;
-  const int es = ElementSize(dtype);
-  out->assign(merged.size() / 4 * es, 0);
-  for (size_t i = 0; i < merged.size() / 4; ++i) {
-    StoreFromDouble(dtype, LoadAsDouble(DType::kFloat32, merged.data() + 4 * i), out->data() + i * es);
+namespace {
+
+// Element range of a byte range of a tensor of `element_size`-byte elements.
+Status ToElements(int64_t offset, int64_t length, int element_size, int64_t* begin, int64_t* end) {
+  if (offset % element_size != 0 || length % element_size != 0) {
+    return Status::Internal("tensor bytes requested in a range not of whole elements");
   }
-  return true;
+  *begin = offset / element_size;
+  *end = *begin + length / element_size;
+  return Status::Ok();
 }
 
-Result<int64_t> MaterializeWeight(const LogicalCheckpoint& src, const SourceOptimizer* masters,
-                                  const LogicalTensor& weight, const TensorPlan& plan,
-                                  std::vector<uint8_t>* out) {
-  if (plan.average && masters != nullptr) {
-    RESHARD_ASSIGN_OR_RETURN(bool from_master, WeightFromMaster(src, *masters, plan, out));
-    if (from_master) return int64_t{0};
+ByteProducer CopiedWeight(SourceTensor source, TensorPlan plan, std::atomic<int64_t>* read) {
+  return [source = std::move(source), plan = std::move(plan), read](
+             int64_t offset, int64_t length, uint8_t* dst) {
+    int64_t begin = 0, end = 0;
+    RESHARD_RETURN_IF_ERROR(ToElements(offset, length, ElementSize(source.dtype), &begin, &end));
+    TouchedPages pages;
+    *read += MaterializeRange(source, plan, begin, end, dst, &pages);
+    return Status::Ok();
+  };
+}
+
+// The averaged masters, a block at a time, cast to `dtype`.
+ByteProducer WeightOfMaster(SourceTensor master, TensorPlan plan, DType dtype,
+                            std::atomic<int64_t>* read) {
+  return [master = std::move(master), plan = std::move(plan), dtype, read](
+             int64_t offset, int64_t length, uint8_t* dst) {
+    int64_t begin = 0, end = 0;
+    const int es = ElementSize(dtype);
+    RESHARD_RETURN_IF_ERROR(ToElements(offset, length, es, &begin, &end));
+    constexpr int64_t kBlock = 1 << 14;
+    std::vector<uint8_t> fp32(static_cast<size_t>(std::min(kBlock, end - begin)) * 4);
+    TouchedPages pages;
+    for (int64_t at = begin; at < end; at += kBlock) {
+      const int64_t n = std::min(kBlock, end - at);
+      *read += MaterializeRange(master, plan, at, at + n, fp32.data(), &pages);
+      for (int64_t i = 0; i < n; ++i) {
+        StoreFromDouble(dtype, LoadAsDouble(DType::kFloat32, fp32.data() + 4 * i),
+                        dst + (at - begin + i) * es);
+      }
+    }
+    return Status::Ok();
+  };
+}
+
+}  // namespace
+
+Result<ByteProducer> WeightProducer(const LogicalCheckpoint& src, const SourceOptimizer* masters,
+                                    const LogicalTensor& weight, const TensorPlan& plan,
+                                    std::atomic<int64_t>* read) {
+  const std::string name = ParamName(src, plan.layer_index, plan.tensor_index);
+  if (!plan.average || masters == nullptr || !masters->Has(name)) {
+    return CopiedWeight(SourceTensor::Of(weight), plan, read);
   }
-  return MaterializeTensor(weight, plan, out);
+  SourceTensor master;
+  master.local_shape = weight.local_shape;
+  for (int t = 0; t < src.tp; ++t) {
+    RESHARD_ASSIGN_OR_RETURN(SourceShard shard, masters->Locate(name, t, kMasterState));
+    master.shards.push_back(std::move(shard));
+  }
+  return WeightOfMaster(std::move(master), plan, weight.dtype, read);
+}
+
+Status MaterializeWeight(const LogicalCheckpoint& src, const SourceOptimizer* masters,
+                         const LogicalTensor& weight, const TensorPlan& plan,
+                         std::vector<uint8_t>* out) {
+  std::atomic<int64_t> read{0};
+  RESHARD_ASSIGN_OR_RETURN(ByteProducer produce, WeightProducer(src, masters, weight, plan, &read));
+  out->resize(static_cast<size_t>(plan.numel()) * ElementSize(weight.dtype));
+  return produce(0, static_cast<int64_t>(out->size()), out->data());
 }
 
 }  // namespace reshard

@@ -7,6 +7,7 @@
 // for the weight apply to its optimizer state unchanged.
 #pragma once
 
+#include <atomic>
 #include <string>
 #include <vector>
 
@@ -49,18 +50,19 @@ struct StateDrift {
 Result<std::vector<StateDrift>> MeasureStateDrift(const LogicalCheckpoint& src,
                                                   const SourceOptimizer& opt);
 
-// With optimizer state, a replicated weight merged by averaging is the merged
-// fp32 master cast to the weight's dtype, so that weight == dtype(master)
-// holds in the result as it does in DeepSpeed. Returns false (and leaves
-// `out` alone) for tensors without a master, such as buffers.
-Result<bool> WeightFromMaster(const LogicalCheckpoint& src, const SourceOptimizer& opt,
-                              const TensorPlan& plan, std::vector<uint8_t>* out);
+// The bytes of the weight `plan` describes, produced a range at a time:
+// copied from `weight`'s shards, or — for an average of replicas with
+// optimizer state (`masters` not null) — the averaged fp32 master cast to the
+// weight's dtype, so that weight == dtype(master) holds in the result as it
+// does in DeepSpeed. Adds the source bytes read to *read, which must outlive
+// the producer.
+Result<ByteProducer> WeightProducer(const LogicalCheckpoint& src, const SourceOptimizer* masters,
+                                    const LogicalTensor& weight, const TensorPlan& plan,
+                                    std::atomic<int64_t>* read);
 
-// The weight `plan` describes: copied from `weight`'s shards, or for an
-// average of replicas with optimizer state (`masters` not null) from the
-// averaged master. Returns the weight bytes read.
-Result<int64_t> MaterializeWeight(const LogicalCheckpoint& src, const SourceOptimizer* masters,
-                                  const LogicalTensor& weight, const TensorPlan& plan,
-                                  std::vector<uint8_t>* out);
+// The whole weight into `out`.
+Status MaterializeWeight(const LogicalCheckpoint& src, const SourceOptimizer* masters,
+                         const LogicalTensor& weight, const TensorPlan& plan,
+                         std::vector<uint8_t>* out);
 
 }  // namespace reshard

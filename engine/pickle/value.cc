@@ -104,6 +104,18 @@ Value MakeOwnedTensor(DType dtype, const std::vector<int64_t>& shape,
   return MakeTensorOver(dtype, shape, ByteView{std::move(bytes), data, size}, location);
 }
 
+namespace {
+
+Value ContiguousTensor(std::shared_ptr<Storage> storage, const std::vector<int64_t>& shape) {
+  Tensor t;
+  t.storage = std::move(storage);
+  t.sizes = shape;
+  t.strides = Tensor::ContiguousStrides(shape);
+  return Value::MakeTensor(std::move(t));
+}
+
+}  // namespace
+
 Value MakeTensorOver(DType dtype, const std::vector<int64_t>& shape, ByteView bytes,
                      const std::string& location) {
   auto storage = std::make_shared<Storage>();
@@ -111,11 +123,16 @@ Value MakeTensorOver(DType dtype, const std::vector<int64_t>& shape, ByteView by
   storage->numel = static_cast<int64_t>(bytes.size) / ElementSize(dtype);
   storage->location = location;
   storage->bytes = std::move(bytes);
-  Tensor t;
-  t.storage = std::move(storage);
-  t.sizes = shape;
-  t.strides = Tensor::ContiguousStrides(shape);
-  return Value::MakeTensor(std::move(t));
+  return ContiguousTensor(std::move(storage), shape);
+}
+
+Value MakeProducedTensor(DType dtype, const std::vector<int64_t>& shape, ByteProducer produce) {
+  auto storage = std::make_shared<Storage>();
+  storage->dtype = dtype;
+  storage->numel = 1;
+  for (int64_t d : shape) storage->numel *= d;
+  storage->produce = std::move(produce);
+  return ContiguousTensor(std::move(storage), shape);
 }
 
 Value MakeOrderedDict(Items items) {

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "pickle/dtype.h"
+#include "util/byte_producer.h"
 
 namespace reshard {
 
@@ -32,6 +33,9 @@ struct ByteView {
   std::shared_ptr<const void> owner;
   const uint8_t* data = nullptr;
   size_t size = 0;
+  // The bytes are a read-only file mapping: their pages may be dropped from
+  // memory at any time and are read again from the file when touched.
+  bool mapped = false;
 };
 
 // One PyTorch storage: `numel` elements of `dtype`.
@@ -41,6 +45,9 @@ struct Storage {
   std::string location = "cpu";  // as pickled: "cpu", "cuda:0", ...
   std::string record_key;         // key of `data/<key>` in the source archive; empty for new storages
   ByteView bytes;                 // numel * ElementSize(dtype) bytes once loaded
+  // A storage written by reshard may instead be produced piecewise while it
+  // is written (see ByteProducer); then `bytes` is empty.
+  ByteProducer produce;
 };
 
 // A Python global reference: `module.name` (a class or function).
@@ -194,6 +201,9 @@ bool IsOrderedDict(const Value& v);
 // (numel * ElementSize(dtype) of them), which may view part of a larger buffer.
 Value MakeTensorOver(DType dtype, const std::vector<int64_t>& shape, ByteView bytes,
                      const std::string& location = "cpu");
+
+// A contiguous tensor of `shape` whose bytes `produce` makes while it is written.
+Value MakeProducedTensor(DType dtype, const std::vector<int64_t>& shape, ByteProducer produce);
 
 // The same over a buffer the storage owns.
 Value MakeOwnedTensor(DType dtype, const std::vector<int64_t>& shape,

@@ -34,6 +34,8 @@
 
 namespace reshard {
 
+class Cluster;
+
 // One observation about a checkpoint. Errors make Lint fail and Convert refuse.
 struct Finding {
   enum class Severity { kError, kWarning, kInfo };
@@ -96,14 +98,29 @@ struct ConvertOptions : CommonOptions {
   bool overwrite = false;       // replace a non-empty output folder
   bool update_latest = true;    // write `latest` next to the output folder
   bool dry_run = false;         // plan and report; write nothing
+  // Resident memory the whole conversion may use; it sets the streaming
+  // buffer of each thread. Refused when reading the metadata already needs it.
+  int64_t max_memory = int64_t{1} << 30;
+  // The processes sharing the work (an MPI job); null = this process alone.
+  Cluster* cluster = nullptr;
 };
 
 struct ConvertReport {
   std::string plan;                // the plan, printable (what --dry-run shows)
   std::vector<std::string> notes;  // what was approximated, merged or filled
-  int64_t files_written = 0;
-  int64_t bytes_written = 0;
-  int64_t bytes_read = 0;
+  // Files and tensor bytes this process writes (planned, for a dry run).
+  int64_t files = 0;
+  int64_t tensor_bytes = 0;
+  int64_t bytes_written = 0;  // file sizes (0 for a dry run)
+  int64_t bytes_read = 0;     // source tensor bytes read
+  int64_t checkpoint_bytes = 0;  // size of the source checkpoint's files
+  int64_t memory_budget = 0;
+  int64_t memory_estimate = 0;   // expected peak resident memory
+  int64_t peak_memory = 0;       // measured peak resident memory (0 for a dry run)
+  int64_t buffer_bytes = 0;      // each thread's streaming buffer
+  int threads = 0;
+  // Wall time of each phase in order ("load", "check", "plan", "write", "commit").
+  std::vector<std::pair<std::string, double>> phases;
   double seconds = 0;
 };
 

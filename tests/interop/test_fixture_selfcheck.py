@@ -7,16 +7,20 @@ hand-computed local shards, DeepSpeed's partition examples) and against the gene
 canonical model.
 
 Run by ctest as ``/usr/bin/python3 tests/interop/test_fixture_selfcheck.py --reshard BIN`` with
-PYTHONPATH=tests; ``--reshard`` is accepted and ignored (reshard is not needed here).
+PYTHONPATH=tests; ``--reshard`` is optional: only the shape-only test that runs ``reshard lint``
+needs it (and is skipped without it).
 """
 
 import collections
+import filecmp
 import os
 import subprocess
 import sys
 import tempfile
 import time
 import unittest
+import zipfile
+import zlib
 
 import torch
 
@@ -26,6 +30,7 @@ from fixtures.megatron_fixture import FixtureConfig
 from interop_support import pickle_globals
 
 PYTHON = '/usr/bin/python3'
+RESHARD = None  # the binary given with --reshard, if any (only ShapeOnlyTest uses it)
 TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # (style, extra options) x layouts: every style, several (tp, pp, dp), all optimizer kinds.
@@ -534,10 +539,87 @@ class CommandLineTest(Timed):
         self.assertIn('nkv', res.stderr)
 
 
+class ShapeOnlyTest(Timed):
+    """FixtureConfig(shape_only=True): torch.save's exact container, every pickle as usual,
+    tensor data as sparse zeros (used by benchmarks/plan_at_scale.py for BLOOM-176B shapes)."""
+
+    def test_crc32_of_zeros(self):
+        for n in (0, 1, 3, 64, 4095, 4096, 65537, 1 << 20, 3_000_001):
+            for start in (0, 1, 0xDEADBEEF):
+                self.assertEqual(mf.crc32_of_zeros(n, start), zlib.crc32(bytes(n), start), (n, start))
+
+    def test_same_bytes_as_torch_save(self):
+        """save_shape_only of meta tensors == torch.save of the same tensors filled with zeros,
+        byte for byte: views and shared storages, a real CPU tensor (kept), an empty one."""
+        def obj(device):
+            base = torch.zeros(10, 4, device=device)
+            return collections.OrderedDict(
+                w=torch.zeros(1000, 33, dtype=torch.bfloat16, device=device), view=base[2:5], base=base,
+                t=base.t(), empty=torch.zeros(0, device=device), tiny=torch.zeros(1, dtype=torch.uint8, device=device),
+                rng=torch.Generator().manual_seed(3).get_state(),
+                nested=[{'m': torch.zeros(7, dtype=torch.float16, device=device)}, (1, torch.Size([3, 4]))])
+        # Same base name: torch names the archive's top folder after it.
+        os.makedirs(os.path.join(self.tmp, 'sparse'))
+        real, sparse = os.path.join(self.tmp, 'x.pt'), os.path.join(self.tmp, 'sparse', 'x.pt')
+        torch.save(obj('cpu'), real)
+        mf.save_shape_only(obj('meta'), sparse)
+        self.assertTrue(filecmp.cmp(real, sparse, shallow=False))
+        got = torch.load(sparse)
+        self.assertEqual(got['view'].storage().data_ptr(), got['base'].storage().data_ptr())
+        self.assertTrue(torch.equal(got['rng'], torch.Generator().manual_seed(3).get_state()))
+
+    def test_pickles_match_faithful_fixture(self):
+        """Same files, same zip records at the same offsets, identical data.pkl, valid CRCs;
+        every tensor loads as zeros of the faithful one's shape, dtype and strides."""
+        for style, opts, layout in [('bs_bloom', {}, (2, 2, 2)), ('bs_gpt', {'optimizer': 'zero1'}, (2, 2, 3)),
+                                    ('ms_gpt2', {'optimizer': 'nozero_fp16'}, (2, 2, 2)),
+                                    ('ms_llama', {'legacy_v065': False}, (2, 2, 1))]:
+            with self.subTest(style=style, layout=layout, **{k: str(v) for k, v in opts.items()}):
+                _, root, summary = make(self.tmp, style, layout, **opts)
+                _, sroot, ssummary = make(self.tmp, style, layout, shape_only=True, **opts)
+                self.assertEqual(summary['files'], ssummary['files'])
+                for name in (f for f in summary['files'] if f.endswith('.pt')):
+                    path, spath = os.path.join(root, name), os.path.join(sroot, name)
+                    with zipfile.ZipFile(path) as za, zipfile.ZipFile(spath) as zb:
+                        self.assertEqual([(i.filename, i.header_offset, i.file_size) for i in za.infolist()],
+                                         [(i.filename, i.header_offset, i.file_size) for i in zb.infolist()], name)
+                        pkl = next(n for n in za.namelist() if n.endswith('/data.pkl'))
+                        self.assertEqual(za.read(pkl), zb.read(pkl), name)
+                        self.assertIsNone(zb.testzip(), name)
+                    self.assert_zeros_like(torch.load(path), torch.load(spath), name)
+
+    def assert_zeros_like(self, real, sparse, where):
+        if isinstance(real, torch.Tensor):
+            self.assertEqual((real.shape, real.dtype, real.stride()), (sparse.shape, sparse.dtype, sparse.stride()), where)
+            if real.dtype == torch.uint8:  # RNG states are real CPU tensors: kept
+                self.assertTrue(torch.equal(real, sparse), where)
+            else:
+                self.assertFalse(sparse.any(), where)
+        elif isinstance(real, dict):
+            self.assertEqual(list(real), list(sparse), where)
+            for key in real:
+                self.assert_zeros_like(real[key], sparse[key], f'{where}[{key!r}]')
+        elif isinstance(real, (list, tuple)):
+            for i, (a, b) in enumerate(zip(real, sparse)):
+                self.assert_zeros_like(a, b, f'{where}[{i}]')
+
+    def test_reshard_lint_accepts_shape_only(self):
+        if RESHARD is None:
+            self.skipTest('no --reshard given')
+        _, root, _ = make(self.tmp, 'bs_bloom', (2, 2, 2), shape_only=True)
+        res = subprocess.run([RESHARD, 'lint', root], capture_output=True, text=True, timeout=300)
+        self.assertEqual(res.returncode, 0, res.stdout + res.stderr)
+        self.assertIn('lint: ok', res.stdout)
+
+
 def main(argv):
+    global RESHARD
+    if any(a.startswith('--reshard=') for a in argv):
+        RESHARD = next(a for a in argv if a.startswith('--reshard=')).split('=', 1)[1]
     argv = [a for a in argv if not a.startswith('--reshard=')]
-    if '--reshard' in argv:  # accepted for ctest symmetry; this self-check does not run reshard
+    if '--reshard' in argv:
         i = argv.index('--reshard')
+        RESHARD = argv[i + 1] if i + 1 < len(argv) else None
         del argv[i:i + 2]
     start = time.time()
     program = unittest.main(argv=[argv[0]] + argv[1:], exit=False, verbosity=1)

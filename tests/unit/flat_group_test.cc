@@ -37,6 +37,25 @@ TEST(FlatGroupTest, FragmentsFollowParamSliceMappings) {
   EXPECT_EQ(rank3[0].param_offset, 1);
 }
 
+// Any range of the flat buffer: the pieces of the parameters inside it,
+// offsets counted from the range's start.
+TEST(FlatGroupTest, FragmentsInAnyRange) {
+  const FlatGroup g = WorkedExample();
+  const std::vector<Fragment> f = g.FragmentsIn(8, 20);
+  ASSERT_EQ(f.size(), 3u);
+  EXPECT_EQ(g.slots()[f[0].slot].name, "A");
+  EXPECT_EQ(f[0].partition_start, 0);
+  EXPECT_EQ(f[0].param_offset, 8);
+  EXPECT_EQ(f[0].numel, 2);
+  EXPECT_EQ(g.slots()[f[1].slot].name, "B");
+  EXPECT_EQ(f[1].partition_start, 2);
+  EXPECT_EQ(f[1].numel, 7);
+  EXPECT_EQ(f[2].partition_start, 9);
+  EXPECT_EQ(f[2].param_offset, 0);
+  EXPECT_EQ(f[2].numel, 3);
+  EXPECT_TRUE(g.FragmentsIn(22, 24).empty());  // the alignment tail
+}
+
 // A small group at large DP: the padding is longer than a partition and the
 // last ranks hold nothing but padding.
 TEST(FlatGroupTest, PaddingLongerThanAPartition) {

@@ -1,0 +1,64 @@
+#include "exec/memory_budget.h"
+
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+
+#include "util/human.h"
+
+namespace reshard {
+namespace {
+
+constexpr int64_t kMiB = int64_t{1} << 20;
+// Pickles, zip headers, thread stacks and allocator slack while writing.
+constexpr int64_t kSlack = 48 * kMiB;
+// Per worker: the buffer, the source pages read into it, and block-sized
+// scratch space (averages, dtype casts).
+constexpr int64_t kBuffersPerWorker = 2;
+constexpr int64_t kScratchPerWorker = 1 * kMiB;
+constexpr int64_t kMinBuffer = 1 * kMiB;
+constexpr int64_t kMaxBuffer = 64 * kMiB;
+
+}  // namespace
+
+int64_t MemoryBudget::Estimate() const {
+  return baseline + kSlack + threads * (kBuffersPerWorker * buffer_bytes + kScratchPerWorker);
+}
+
+Result<MemoryBudget> MemoryBudget::Plan(int64_t budget, int threads) {
+  MemoryBudget m;
+  m.budget = budget;
+  m.baseline = ResidentBytes();
+  m.threads = std::max(1, threads);
+  const int64_t per_worker = (budget - m.baseline - kSlack) / m.threads - kScratchPerWorker;
+  const int64_t buffer = std::min(kMaxBuffer, per_worker / kBuffersPerWorker) / kMiB * kMiB;
+  if (buffer < kMinBuffer) {
+    m.buffer_bytes = kMinBuffer;
+    return Status::InvalidInput(
+        "--max-memory " + HumanBytes(budget) + " is too small: reshard holds " +
+        HumanBytes(m.baseline) + " after reading the checkpoint's metadata, and " +
+        std::to_string(m.threads) + " worker thread(s) need more; allow at least " +
+        HumanBytes(m.Estimate()) + " or pass fewer --threads");
+  }
+  m.buffer_bytes = buffer;
+  return m;
+}
+
+int64_t ResidentBytes() {
+  long pages_total = 0, pages_resident = 0;
+  FILE* f = std::fopen("/proc/self/statm", "r");
+  if (f == nullptr) return 0;
+  const bool ok = std::fscanf(f, "%ld %ld", &pages_total, &pages_resident) == 2;
+  std::fclose(f);
+  return ok ? static_cast<int64_t>(pages_resident) * ::sysconf(_SC_PAGESIZE) : 0;
+}
+
+int64_t PeakResidentBytes() {
+  struct rusage usage;
+  if (::getrusage(RUSAGE_SELF, &usage) != 0) return 0;
+  return static_cast<int64_t>(usage.ru_maxrss) * 1024;  // kilobytes on Linux
+}
+
+}  // namespace reshard

@@ -1,0 +1,48 @@
+// Run as `mpirun -np 2 cluster_mpi_probe` (CTest: cluster.mpirun_np2). Checks
+// that Cluster joins the launcher's group, broadcasts rank 0's string and
+// carries rank 1's failure to every rank. Each rank prints one line; any
+// mismatch makes it exit 1.
+#include <cstdio>
+#include <string>
+
+#include "dist/cluster.h"
+
+namespace {
+
+using reshard::Cluster;
+using reshard::Status;
+
+// Empty when every check passed, else what went wrong.
+std::string Check(Cluster& cluster) {
+  if (cluster.size() != 2) return "size " + std::to_string(cluster.size()) + ", want 2";
+
+  const std::string sent = cluster.rank() == 0 ? "from rank 0" : "not this";
+  reshard::Result<std::string> got = cluster.Broadcast(sent);
+  if (!got.ok()) return "Broadcast: " + got.status().message();
+  if (*got != "from rank 0") return "Broadcast gave '" + *got + "'";
+
+  Status all = cluster.AllOk(Status::Ok());
+  if (!all.ok()) return "AllOk of two Oks: " + all.message();
+
+  // Rank 1 fails; rank 0's own status is Ok, so it must learn of it from rank 1.
+  const Status mine = cluster.rank() == 1 ? Status::IoError("disk full") : Status::Ok();
+  all = cluster.AllOk(mine);
+  if (all.code() != Status::Code::kIoError || all.message() != "rank 1: disk full") {
+    return "AllOk gave '" + all.message() + "'";
+  }
+  return "";
+}
+
+}  // namespace
+
+int main() {
+  reshard::Result<std::unique_ptr<Cluster>> cluster = Cluster::Join();
+  if (!cluster.ok()) {
+    std::printf("cluster_mpi_probe: Join: %s\n", cluster.status().message().c_str());
+    return 1;
+  }
+  const std::string problem = Check(**cluster);
+  std::printf("cluster_mpi_probe: rank %d of %d: %s\n", (*cluster)->rank(), (*cluster)->size(),
+              problem.empty() ? "ok" : problem.c_str());
+  return problem.empty() ? 0 : 1;
+}
