@@ -39,7 +39,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 PYTHON = '/usr/bin/python3'
 TARGET = ['--tp', '1', '--pp', '4', '--dp', '4']
-WROTE = re.compile(r'wrote (\d+) files \(([\d.]+) MB\) to .* in ([\d.]+) s; read ([\d.]+) MB of tensors')
+WROTE = re.compile(r'wrote (\d+) files, .* \((\d+) bytes, \d+ of tensors\) to .* in ([\d.]+) s .*\n'
+                   r'read .* \((\d+) bytes, .*peak memory ([\d.]+ \w+)')
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,8 +244,9 @@ def bench_scale(ns, scale: float) -> Dict:
                 m = WROTE.search(r['stdout'])
                 if m is None:
                     raise RuntimeError(f'unexpected reshard output:\n{r["stdout"]}')
-                r.update(files=int(m.group(1)), reported_written_mb=float(m.group(2)),
-                         reported_seconds=float(m.group(3)), reported_read_mb=float(m.group(4)))
+                r.update(files=int(m.group(1)), reported_written_mb=int(m.group(2)) / 1e6,
+                         reported_seconds=float(m.group(3)), reported_read_mb=int(m.group(4)) / 1e6,
+                         reported_peak=m.group(5))
                 out_bytes = folder_bytes(out)
             runs[what].append(r)
             print(f'  scale {scale:g} run {i + 1}/{ns.runs} {what:8s} {r["seconds"]:7.2f} s '

@@ -96,12 +96,14 @@ void PrintConvertSummary(const std::string& out, const reshard::ConvertReport& r
     if (name == "write") write_seconds = seconds;
   }
   const int64_t rate = write_seconds > 0 ? static_cast<int64_t>(r.bytes_written / write_seconds) : 0;
-  std::printf("%swrote %lld files, %s (%s of tensors) to %s in %.2f s (writing at %s/s)\n",
+  std::printf("%swrote %lld files, %s (%lld bytes, %lld of tensors) to %s in %.2f s (writing at "
+              "%s/s)\n",
               who.c_str(), static_cast<long long>(r.files), reshard::HumanBytes(r.bytes_written).c_str(),
-              reshard::HumanBytes(r.tensor_bytes).c_str(), out.c_str(), r.seconds,
-              reshard::HumanBytes(rate).c_str());
-  std::printf("%sread %s of tensors (%.2fx the checkpoint's %s); peak memory %s (%s)\n",
+              static_cast<long long>(r.bytes_written), static_cast<long long>(r.tensor_bytes),
+              out.c_str(), r.seconds, reshard::HumanBytes(rate).c_str());
+  std::printf("%sread %s of tensors (%lld bytes, %.2fx the checkpoint's %s); peak memory %s (%s)\n",
               who.c_str(), reshard::HumanBytes(r.bytes_read).c_str(),
+              static_cast<long long>(r.bytes_read),
               r.checkpoint_bytes > 0 ? static_cast<double>(r.bytes_read) / r.checkpoint_bytes : 0.0,
               reshard::HumanBytes(r.checkpoint_bytes).c_str(), reshard::HumanBytes(r.peak_memory).c_str(),
               Memory(r).c_str());
@@ -124,11 +126,12 @@ int RunConvert(const std::string& in, const std::string& out, reshard::ConvertOp
     for (const std::string& n : r->notes) std::cout << "note: " << n << "\n";
   }
   if (o.dry_run) {
-    std::printf("%sdry run: nothing written; would write %lld files, %s of tensors (the "
-                "checkpoint holds %s); memory about %s (%s); planned in %.2f s\n",
-                who.c_str(), static_cast<long long>(r->files), reshard::HumanBytes(r->tensor_bytes).c_str(),
-                reshard::HumanBytes(r->checkpoint_bytes).c_str(), reshard::HumanBytes(r->memory_estimate).c_str(),
-                Memory(*r).c_str(), r->seconds);
+    std::printf("%sdry run: nothing written; would write %lld files, %lld bytes of tensors (%s; "
+                "the checkpoint holds %s); memory about %s (%s); planned in %.2f s\n",
+                who.c_str(), static_cast<long long>(r->files), static_cast<long long>(r->tensor_bytes),
+                reshard::HumanBytes(r->tensor_bytes).c_str(),
+                reshard::HumanBytes(r->checkpoint_bytes).c_str(),
+                reshard::HumanBytes(r->memory_estimate).c_str(), Memory(*r).c_str(), r->seconds);
     return 0;
   }
   PrintConvertSummary(out, *r, who);

@@ -1,6 +1,5 @@
 #include "exec/memory_budget.h"
 
-#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -12,14 +11,15 @@ namespace reshard {
 namespace {
 
 constexpr int64_t kMiB = int64_t{1} << 20;
+constexpr int64_t kGranule = 64 << 10;
 // Pickles, zip headers, thread stacks and allocator slack while writing.
 constexpr int64_t kSlack = 48 * kMiB;
 // Per worker: the buffer, the source pages read into it, and block-sized
 // scratch space (averages, dtype casts).
 constexpr int64_t kBuffersPerWorker = 2;
 constexpr int64_t kScratchPerWorker = 1 * kMiB;
-constexpr int64_t kMinBuffer = 1 * kMiB;
-constexpr int64_t kMaxBuffer = 64 * kMiB;
+constexpr int64_t kMinBuffer = 256 << 10;
+constexpr int64_t kMaxBuffer = 1 * kMiB;
 
 }  // namespace
 
@@ -33,7 +33,7 @@ Result<MemoryBudget> MemoryBudget::Plan(int64_t budget, int threads) {
   m.baseline = ResidentBytes();
   m.threads = std::max(1, threads);
   const int64_t per_worker = (budget - m.baseline - kSlack) / m.threads - kScratchPerWorker;
-  const int64_t buffer = std::min(kMaxBuffer, per_worker / kBuffersPerWorker) / kMiB * kMiB;
+  const int64_t buffer = std::min(kMaxBuffer, per_worker / kBuffersPerWorker) / kGranule * kGranule;
   if (buffer < kMinBuffer) {
     m.buffer_bytes = kMinBuffer;
     return Status::InvalidInput(
@@ -56,9 +56,17 @@ int64_t ResidentBytes() {
 }
 
 int64_t PeakResidentBytes() {
-  struct rusage usage;
-  if (::getrusage(RUSAGE_SELF, &usage) != 0) return 0;
-  return static_cast<int64_t>(usage.ru_maxrss) * 1024;  // kilobytes on Linux
+  // VmHWM, not getrusage: ru_maxrss also counts the parent's memory, which a
+  // forked child holds until it execs reshard.
+  FILE* f = std::fopen("/proc/self/status", "r");
+  if (f == nullptr) return 0;
+  char line[256];
+  long kb = 0;
+  while (std::fgets(line, sizeof(line), f) != nullptr) {
+    if (std::sscanf(line, "VmHWM: %ld kB", &kb) == 1) break;
+  }
+  std::fclose(f);
+  return static_cast<int64_t>(kb) * 1024;
 }
 
 }  // namespace reshard

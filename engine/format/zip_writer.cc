@@ -274,8 +274,8 @@ Status ZipWriter::IoError(int err) const {
   return Status::IoError("cannot write " + path_ + ": " + std::strerror(err));
 }
 
-// zlib's CRC (braided, ~4 GB/s on the machines we measured) keeps well ahead
-// of the disks; miniz's, which PyTorchStreamWriter uses, is slower.
+// zlib's braided CRC: about 4 GB/s on the machine it was measured on
+// (PyTorchStreamWriter, CRC included, managed 2.9 GB/s into a null sink).
 uint32_t Crc32(uint32_t crc, const uint8_t* data, size_t n) {
   if (n == 0) return crc;  // zlib would answer a null `data` with 0
   return static_cast<uint32_t>(::crc32_z(crc, data, n));

@@ -1,14 +1,15 @@
 // ZipWriter: writes the zip container of a torch.save file front to back,
 // streaming each record through a caller-owned buffer.
 //
-// The layout is the one PyTorch 1.13's writer produces, so torch.load (and
+// The layout follows PyTorch 1.13's writer, so torch.load (and
 // PyTorchStreamReader) read it: every record is stored uncompressed under
 // `<archive>/`, its data aligned to 64 bytes by an "FB" local extra field
 // padded with 'Z', and the file ends with the `<archive>/version` record.
-// Sizes are given before the data, so each local header is complete when it
-// is written except for the CRC, which is patched in once the data has passed.
-// ZIP64 fields are written only where a size or an offset needs them. The
-// output is deterministic: timestamps are zero, as PyTorch writes them.
+// Unlike PyTorch's, it needs no data descriptors: sizes are given before the
+// data, so each local header is complete when it is written except for the
+// CRC, which is patched in once the data has passed. ZIP64 fields and end
+// records are written only where a size, an offset or the entry count needs
+// them. The output is deterministic: timestamps are zero, as in PyTorch's.
 //
 // After any error the writer must only be destroyed; the file is incomplete.
 #pragma once

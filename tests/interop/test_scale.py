@@ -1,0 +1,119 @@
+"""Conversion at scale, tested small: several processes, the memory budget, dry-run figures.
+
+* ``mpirun -np 2 reshard convert`` writes the same files, byte for byte, as one process, and
+  ``latest`` once (rank 0, after both ranks finished).
+* ``--max-memory`` holds: converting a checkpoint larger than the budget keeps the process's
+  peak resident memory (the kernel's high-water mark, mapped file pages included) under it.
+* ``--dry-run`` announces exactly the files and tensor bytes the real run then writes, and a
+  memory estimate within the budget.
+
+Run: /usr/bin/python3 tests/interop/test_scale.py --reshard build/reshard
+"""
+import filecmp
+import os
+import re
+import shutil
+import subprocess
+import sys
+import unittest
+
+from fixtures import megatron_fixture as mf
+
+import interop_support as support
+
+MiB = 1 << 20
+# Runs argv[1:] and prints its output, then "peak <bytes>" (wait4's high-water mark).
+LAUNCHER = """
+import os, subprocess, sys
+p = subprocess.Popen(sys.argv[1:], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+out = p.stdout.read()
+_, status, usage = os.wait4(p.pid, 0)
+sys.stdout.write(out + 'peak %d' % (usage.ru_maxrss * 1024))
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+MPI_ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT='1', OMPI_ALLOW_RUN_AS_ROOT_CONFIRM='1',
+               OMPI_MCA_rmaps_base_oversubscribe='1')
+
+
+def same_tree(a, b):
+    """Names in folder a or b that are not the same file in both (folders always count)."""
+    names = sorted(set(os.listdir(a)) | set(os.listdir(b)))
+    return [n for n in names
+            if not (os.path.isfile(os.path.join(a, n)) and os.path.isfile(os.path.join(b, n))
+                    and filecmp.cmp(os.path.join(a, n), os.path.join(b, n), shallow=False))]
+
+
+class ScaleTest(support.FixtureTestCase):
+
+    @unittest.skipUnless(shutil.which('mpirun'), 'Open MPI (mpirun) is not installed')
+    def test_two_processes_write_what_one_does(self):
+        src = support.make_fixture(self.path('src'), optimizer='bf16_zero', tp=2, pp=2, dp=2,
+                                   **support.FAMILIES['ms_gpt2'])
+        target = ['--tp', 1, '--pp', 3, '--dp', 3, '-q']
+        one = support.reshard('convert', src, self.path('one', 'out'), *target)
+        self.assertEqual(one.returncode, 0, one.stderr)
+        mpi = subprocess.run(['mpirun', '-np', '2', support.RESHARD, 'convert', src,
+                              self.path('two', 'out'), *map(str, target)],
+                             env=MPI_ENV, capture_output=True, text=True, timeout=300)
+        self.assertEqual(mpi.returncode, 0, mpi.stdout + mpi.stderr)
+        self.assertIn('rank 0: wrote', mpi.stdout)
+        self.assertIn('rank 1: wrote', mpi.stdout)
+        self.assertEqual(same_tree(self.path('one', 'out'), self.path('two', 'out')), [])
+        # latest (and latest_checkpointed_iteration.txt) as one process writes them
+        self.assertEqual(same_tree(self.path('one'), self.path('two')), ['out'])
+        with open(self.path('two', 'latest')) as f:
+            self.assertEqual(f.read().strip(), 'out')
+        files = [int(n) for n in re.findall(r'rank \d: wrote (\d+) files', mpi.stdout)]
+        self.assertEqual(sum(files), len(os.listdir(self.path('one', 'out'))))
+        self.assertTrue(all(n > 0 for n in files), mpi.stdout)
+
+
+class MemoryBudgetTest(support.FixtureTestCase):
+    """One checkpoint of ~400 MB (a 32k vocabulary at hidden 512 with Adam state)."""
+    BUDGET = 320 * MiB
+    MODEL = dict(style='ms_gpt2', L=4, h=512, n=8, ffn=2048, V=32000, mvsdb=128, dtype='bf16',
+                 optimizer='bf16_zero')
+
+    def setUp(self):
+        super().setUp()
+        self.src = support.make_fixture(self.path('src'), tp=2, pp=2, dp=2, **self.MODEL)
+        self.size = sum(os.path.getsize(os.path.join(self.src, n)) for n in os.listdir(self.src))
+
+    def convert(self, out, *extra):
+        """Runs the conversion; returns its output and its peak resident memory in bytes."""
+        args = [support.RESHARD, 'convert', self.src, out, '--tp', 1, '--pp', 4, '--dp', 4,
+                '--max-memory', self.BUDGET, '-q', *extra]
+        # A small launcher: a forked child's ru_maxrss includes the parent's memory at the fork
+        # (this test process holds torch), the launcher's is a few MiB.
+        p = subprocess.run([sys.executable, '-c', LAUNCHER, *map(str, args)], capture_output=True,
+                           text=True, timeout=600)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        output, peak = p.stdout.rsplit('peak ', 1)
+        return output, int(peak)
+
+    def test_budget_holds_and_dry_run_figures_match(self):
+        self.assertGreater(self.size, self.BUDGET)  # holding the checkpoint would not fit
+        plan, _ = self.convert(self.path('dry'), '--dry-run')
+        planned = re.search(r'would write (\d+) files, (\d+) bytes of tensors.*memory about '
+                            r'([\d.]+) MiB', plan)
+        self.assertIsNotNone(planned, plan)
+        self.assertLessEqual(float(planned.group(3)) * MiB, self.BUDGET)
+        self.assertFalse(os.path.exists(self.path('dry')))
+
+        summary, peak = self.convert(self.path('out'))
+        self.assertLessEqual(peak, self.BUDGET, summary)
+        wrote = re.search(r'wrote (\d+) files, .* \(\d+ bytes, (\d+) of tensors\)', summary)
+        self.assertIsNotNone(wrote, summary)
+        self.assertEqual(wrote.groups(), planned.groups()[:2])
+        names = os.listdir(self.path('out'))
+        self.assertEqual(len(names), int(wrote.group(1)))
+        on_disk = sum(os.path.getsize(self.path('out', n)) for n in names)
+        self.assertGreaterEqual(on_disk, int(wrote.group(2)))
+        self.assertLess(on_disk, int(wrote.group(2)) * 1.01 + MiB)
+        # The result is the same model and optimizer state.
+        cfg = mf.FixtureConfig(tp=1, pp=4, dp=4, **self.MODEL)
+        self.assertEqual(mf.compare_with_canonical(mf.load_logical(self.path('out'), cfg), cfg), [])
+
+
+if __name__ == '__main__':
+    support.main()
