@@ -57,7 +57,7 @@ void BM_StoreFromDouble(benchmark::State& state) {
   state.SetLabel(DTypeName(dtype));
 }
 
-// The round trip WeightFromMaster does: fp32 master -> double -> bf16 weight.
+// The round trip of a weight rebuilt from its averaged master: fp32 -> double -> bf16.
 void BM_Fp32ToBf16ViaDouble(benchmark::State& state) {
   const std::vector<uint8_t> in = Values(DType::kFloat32);
   std::vector<uint8_t> out(kElements * 2);

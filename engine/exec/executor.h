@@ -22,7 +22,7 @@ namespace reshard {
 
 struct ExecuteOptions {
   int threads = 1;
-  int64_t buffer_bytes = 8 << 20;  // each worker's streaming buffer
+  int64_t buffer_bytes = 1 << 20;  // each worker's streaming buffer
   bool drop_optimizer = false;     // see BuildModelStates
   // The source's optimizer state: written as shards when the plan says so, or
   // into the mp_rank files for the embedded FP16_Optimizer format.

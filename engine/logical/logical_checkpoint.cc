@@ -122,12 +122,6 @@ std::vector<std::string> KeysOf(const Value& root) {
   return keys;
 }
 
-int64_t Product(const std::vector<int64_t>& v) {
-  int64_t p = 1;
-  for (int64_t x : v) p *= x;
-  return p;
-}
-
 // Checks one tensor of one layer across ranks and fills its full shape.
 // Returns false (after adding findings) when it cannot be reshaped.
 bool DescribeTensor(const LogicalLayer& layer, LogicalCheckpoint* ckpt, LogicalTensor* lt) {
