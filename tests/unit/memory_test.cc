@@ -28,7 +28,7 @@ TEST(MemoryBudgetTest, BuffersFitTheBudget) {
 TEST(MemoryBudgetTest, BuffersAreCappedUnderALargeBudget) {
   Result<MemoryBudget> m = MemoryBudget::Plan(int64_t{64} << 30, 2);
   ASSERT_TRUE(m.ok());
-  EXPECT_EQ(m->buffer_bytes, 64 * kMiB);
+  EXPECT_EQ(m->buffer_bytes, kMiB);  // larger buffers fall out of the CPU caches
 }
 
 TEST(MemoryBudgetTest, ABudgetBelowWhatIsHeldIsRefused) {
