@@ -180,16 +180,13 @@ Result<std::string> BeginOutput(OutputFolder* out, Cluster* cluster) {
 
 // Writes this process's share of the plan into the staging folder; the first
 // process moves the folder into place and `latest` once every process is done.
-Status Execute(const LogicalCheckpoint& src, const Plan& plan, const ExecuteOptions& exec,
-               OutputFolder* out, const ConvertOptions& options, PhaseClock* clock,
-               ConvertReport* report) {
+Status Execute(const LogicalCheckpoint& src, Execution* execution, OutputFolder* out,
+               const ConvertOptions& options, PhaseClock* clock, ConvertReport* report) {
   Cluster* cluster = options.cluster;
   RESHARD_ASSIGN_OR_RETURN(std::string staging, BeginOutput(out, cluster));
-  Result<ExecuteStats> stats = ExecutePlan(src, plan, staging, exec);
+  Result<ExecuteStats> stats = execution->Write(staging);
   RESHARD_RETURN_IF_ERROR(AllOk(cluster, stats.status()));
   clock->End("write");
-  report->files = stats->files;
-  report->tensor_bytes = stats->tensor_bytes;
   report->bytes_written = stats->bytes_written;
   report->bytes_read = stats->bytes_read;
   if (!IsRoot(cluster)) return Status::Ok();
@@ -224,13 +221,35 @@ Result<ConvertReport> ConvertZero3(const CheckpointFiles& files, const std::stri
   return report;
 }
 
+// Threads and buffers from the memory budget, and this process's share.
+Result<ExecuteOptions> ExecutionOptions(const ConvertOptions& options,
+                                        const SourceOptimizer* optimizer, ConvertReport* report) {
+  RESHARD_ASSIGN_OR_RETURN(MemoryBudget memory,
+                           MemoryBudget::Plan(options.max_memory, ThreadCount(options.threads)));
+  report->memory_budget = memory.budget;
+  report->memory_estimate = memory.Estimate();
+  report->buffer_bytes = memory.buffer_bytes;
+  report->threads = memory.threads;
+  ExecuteOptions exec;
+  exec.threads = memory.threads;
+  exec.buffer_bytes = memory.buffer_bytes;
+  exec.drop_optimizer = options.weights_only;
+  exec.progress = options.progress;
+  exec.optimizer = optimizer;
+  if (options.cluster != nullptr) {
+    exec.rank = options.cluster->rank();
+    exec.ranks = options.cluster->size();
+  }
+  return exec;
+}
+
 // Everything before writing: load, check, plan, size the buffers. On error,
 // processes of a cluster still meet (see Execute), so it returns a status.
 struct Prepared {
   std::unique_ptr<LogicalCheckpoint> src;
   std::unique_ptr<SourceOptimizer> optimizer;
   Plan plan;
-  ExecuteOptions exec;
+  std::unique_ptr<Execution> execution;
 };
 
 Status Prepare(CheckpointFiles files, const std::string& input, const std::string& output,
@@ -265,24 +284,11 @@ Status Prepare(CheckpointFiles files, const std::string& input, const std::strin
   }
   RESHARD_ASSIGN_OR_RETURN(OutputFolder folder, CheckOutput(input, src.files, output, options));
   out->emplace(std::move(folder));
-  RESHARD_ASSIGN_OR_RETURN(MemoryBudget memory,
-                           MemoryBudget::Plan(options.max_memory, ThreadCount(options.threads)));
-  report->memory_budget = memory.budget;
-  report->memory_estimate = memory.Estimate();
-  report->buffer_bytes = memory.buffer_bytes;
-  report->threads = memory.threads;
-  p->exec.threads = memory.threads;
-  p->exec.buffer_bytes = memory.buffer_bytes;
-  p->exec.drop_optimizer = options.weights_only;
-  p->exec.progress = options.progress;
-  p->exec.optimizer = p->optimizer.get();
-  if (options.cluster != nullptr) {
-    p->exec.rank = options.cluster->rank();
-    p->exec.ranks = options.cluster->size();
-  }
-  RESHARD_ASSIGN_OR_RETURN(ExecuteStats planned, MeasurePlan(src, p->plan, p->exec));
-  report->files = planned.files;
-  report->tensor_bytes = planned.tensor_bytes;
+  RESHARD_ASSIGN_OR_RETURN(ExecuteOptions exec,
+                           ExecutionOptions(options, p->optimizer.get(), report));
+  RESHARD_ASSIGN_OR_RETURN(p->execution, Execution::Prepare(src, p->plan, exec));
+  report->files = p->execution->files();
+  report->tensor_bytes = p->execution->tensor_bytes();
   clock->End("plan");
   return Status::Ok();
 }
@@ -314,7 +320,7 @@ Result<ConvertReport> Convert(const std::string& input, const std::string& outpu
   } else {
     RESHARD_RETURN_IF_ERROR(AllOk(options.cluster, ready));
     RESHARD_RETURN_IF_ERROR(
-        Execute(*p.src, p.plan, p.exec, &*out, options, &clock, &report));
+        Execute(*p.src, p.execution.get(), &*out, options, &clock, &report));
     report.peak_memory = PeakResidentBytes();
   }
   report.seconds = clock.Total();

@@ -17,19 +17,20 @@
 #include "util/human.h"
 
 namespace reshard {
-namespace {
 
 // One target file: its tree (big tensors produced while written) and size.
-struct FileJob {
+struct PreparedFile {
   std::string name;
   Value root;
   int64_t tensor_bytes = 0;
 };
 
-Result<FileJob> LayerFileJob(const LogicalCheckpoint& src, const LayerFilePlan& file,
-                             const SourceOptimizer* optimizer, std::atomic<int64_t>* read) {
+namespace {
+
+Result<PreparedFile> LayerFile(const LogicalCheckpoint& src, const LayerFilePlan& file,
+                               const SourceOptimizer* optimizer, std::atomic<int64_t>* read) {
   const LogicalLayer& layer = src.layers[file.layer_index];
-  FileJob job{file.name, layer.roots[0]};  // the source's container type, key order and extras
+  PreparedFile job{file.name, layer.roots[0]};  // the source's container type, key order and extras
   for (const TensorPlan& tp : file.tensors) {
     const LogicalTensor& lt = layer.tensors[tp.tensor_index];
     RESHARD_ASSIGN_OR_RETURN(ByteProducer produce, WeightProducer(src, optimizer, lt, tp, read));
@@ -44,10 +45,10 @@ Result<FileJob> LayerFileJob(const LogicalCheckpoint& src, const LayerFilePlan& 
 }
 
 // An mp_rank file; for the FP16_Optimizer format with its optimizer state.
-Result<FileJob> ModelStatesJob(const LogicalCheckpoint& src, const Plan& plan,
-                               const ModelStatesPlan& ms, bool embedded,
-                               const ExecuteOptions& options, std::atomic<int64_t>* read) {
-  FileJob job{ms.name, BuildModelStates(src, plan, ms, options.drop_optimizer)};
+Result<PreparedFile> ModelStatesFile(const LogicalCheckpoint& src, const Plan& plan,
+                                     const ModelStatesPlan& ms, bool embedded,
+                                     const ExecuteOptions& options, std::atomic<int64_t>* read) {
+  PreparedFile job{ms.name, BuildModelStates(src, plan, ms, options.drop_optimizer)};
   if (embedded) {
     RESHARD_ASSIGN_OR_RETURN(std::vector<Value> state,
                              BuildOptimizerState(src, *options.optimizer, plan, ms.pp_rank,
@@ -57,38 +58,38 @@ Result<FileJob> ModelStatesJob(const LogicalCheckpoint& src, const Plan& plan,
   return job;
 }
 
-Status AddShardJobs(const LogicalCheckpoint& src, const Plan& plan, const ModelStatesPlan& ms,
-                    const ExecuteOptions& options, std::atomic<int64_t>* read,
-                    std::vector<FileJob>* jobs) {
+Status AddShardFiles(const LogicalCheckpoint& src, const Plan& plan, const ModelStatesPlan& ms,
+                     const ExecuteOptions& options, std::atomic<int64_t>* read,
+                     std::vector<PreparedFile>* files) {
   RESHARD_ASSIGN_OR_RETURN(std::vector<Value> shards,
                            BuildOptimizerState(src, *options.optimizer, plan, ms.pp_rank,
                                                ms.tp_rank, read));
   const int mp = ms.pp_rank * plan.tp + ms.tp_rank;
   for (size_t d = 0; d < shards.size(); ++d) {
-    jobs->push_back({OptimizerFileName(options.optimizer->format(), static_cast<int>(d), mp),
+    files->push_back({OptimizerFileName(options.optimizer->format(), static_cast<int>(d), mp),
                      std::move(shards[d])});
   }
   return Status::Ok();
 }
 
 // Every file of the plan, with its tensor bytes.
-Result<std::vector<FileJob>> PrepareJobs(const LogicalCheckpoint& src, const Plan& plan,
-                                         const ExecuteOptions& options,
-                                         std::atomic<int64_t>* read) {
+Result<std::vector<PreparedFile>> PrepareFiles(const LogicalCheckpoint& src, const Plan& plan,
+                                               const ExecuteOptions& options,
+                                               std::atomic<int64_t>* read) {
   // The FP16_Optimizer state lives inside the mp_rank files: no shard files.
   const bool embedded = options.optimizer != nullptr && options.optimizer->format().embedded;
   const bool shards = plan.optimizer && options.optimizer != nullptr && !embedded;
-  std::vector<FileJob> jobs;
+  std::vector<PreparedFile> jobs;
   for (const LayerFilePlan& file : plan.layer_files) {
-    RESHARD_ASSIGN_OR_RETURN(FileJob job, LayerFileJob(src, file, options.optimizer, read));
+    RESHARD_ASSIGN_OR_RETURN(PreparedFile job, LayerFile(src, file, options.optimizer, read));
     jobs.push_back(std::move(job));
   }
   for (const ModelStatesPlan& ms : plan.model_states) {
-    RESHARD_ASSIGN_OR_RETURN(FileJob job, ModelStatesJob(src, plan, ms, embedded, options, read));
+    RESHARD_ASSIGN_OR_RETURN(PreparedFile job, ModelStatesFile(src, plan, ms, embedded, options, read));
     jobs.push_back(std::move(job));
-    if (shards) RESHARD_RETURN_IF_ERROR(AddShardJobs(src, plan, ms, options, read, &jobs));
+    if (shards) RESHARD_RETURN_IF_ERROR(AddShardFiles(src, plan, ms, options, read, &jobs));
   }
-  for (FileJob& job : jobs) {
+  for (PreparedFile& job : jobs) {
     RESHARD_ASSIGN_OR_RETURN(job.tensor_bytes, TensorBytes(job.root));
   }
   return jobs;
@@ -97,24 +98,18 @@ Result<std::vector<FileJob>> PrepareJobs(const LogicalCheckpoint& src, const Pla
 // Largest first (names break ties), so that every process orders the same
 // way; each job goes to the process with the fewest bytes so far. Returns
 // this process's jobs, still largest first, which also balances its threads.
-std::vector<FileJob> JobsOfRank(std::vector<FileJob> jobs, int rank, int ranks) {
-  std::sort(jobs.begin(), jobs.end(), [](const FileJob& a, const FileJob& b) {
+std::vector<PreparedFile> FilesOfRank(std::vector<PreparedFile> jobs, int rank, int ranks) {
+  std::sort(jobs.begin(), jobs.end(), [](const PreparedFile& a, const PreparedFile& b) {
     return a.tensor_bytes != b.tensor_bytes ? a.tensor_bytes > b.tensor_bytes : a.name < b.name;
   });
   std::vector<int64_t> load(ranks, 0);
-  std::vector<FileJob> mine;
-  for (FileJob& job : jobs) {
+  std::vector<PreparedFile> mine;
+  for (PreparedFile& job : jobs) {
     const int r = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
     load[r] += job.tensor_bytes + 1;  // + 1: empty files are spread too
     if (r == rank) mine.push_back(std::move(job));
   }
   return mine;
-}
-
-Result<std::vector<FileJob>> MyJobs(const LogicalCheckpoint& src, const Plan& plan,
-                                    const ExecuteOptions& options, std::atomic<int64_t>* read) {
-  RESHARD_ASSIGN_OR_RETURN(std::vector<FileJob> all, PrepareJobs(src, plan, options, read));
-  return JobsOfRank(std::move(all), options.rank, std::max(1, options.ranks));
 }
 
 int64_t FileSize(const std::string& path) {
@@ -185,40 +180,47 @@ class Progress {
 
 }  // namespace
 
-Result<ExecuteStats> MeasurePlan(const LogicalCheckpoint& src, const Plan& plan,
-                                 const ExecuteOptions& options) {
-  std::atomic<int64_t> read{0};
-  RESHARD_ASSIGN_OR_RETURN(std::vector<FileJob> jobs, MyJobs(src, plan, options, &read));
-  ExecuteStats stats;
-  stats.files = static_cast<int64_t>(jobs.size());
-  for (const FileJob& job : jobs) stats.tensor_bytes += job.tensor_bytes;
-  return stats;
+Execution::Execution(const ExecuteOptions& options) : options_(options) {}
+Execution::~Execution() = default;
+
+Result<std::unique_ptr<Execution>> Execution::Prepare(const LogicalCheckpoint& src,
+                                                      const Plan& plan,
+                                                      const ExecuteOptions& options) {
+  std::unique_ptr<Execution> e(new Execution(options));
+  RESHARD_ASSIGN_OR_RETURN(std::vector<PreparedFile> all,
+                           PrepareFiles(src, plan, options, &e->read_));
+  e->files_ = FilesOfRank(std::move(all), options.rank, std::max(1, options.ranks));
+  return e;
 }
 
-Result<ExecuteStats> ExecutePlan(const LogicalCheckpoint& src, const Plan& plan,
-                                 const std::string& dir, const ExecuteOptions& options) {
-  std::atomic<int64_t> read{0}, written{0};
-  RESHARD_ASSIGN_OR_RETURN(std::vector<FileJob> jobs, MyJobs(src, plan, options, &read));
+int64_t Execution::files() const { return static_cast<int64_t>(files_.size()); }
+
+int64_t Execution::tensor_bytes() const {
   int64_t total = 0;
-  for (const FileJob& job : jobs) total += job.tensor_bytes;
-  Progress progress(static_cast<int64_t>(jobs.size()), total, options.progress);
-  const int threads = std::max(1, options.threads);
+  for (const PreparedFile& job : files_) total += job.tensor_bytes;
+  return total;
+}
+
+Result<ExecuteStats> Execution::Write(const std::string& dir) {
+  std::atomic<int64_t> written{0};
+  Progress progress(files(), tensor_bytes(), options_.progress);
+  const int threads = std::max(1, options_.threads);
   std::vector<std::vector<uint8_t>> buffers(threads);
   auto job = [&](size_t i, int worker) -> Status {
     std::vector<uint8_t>& buffer = buffers[worker];
-    buffer.resize(static_cast<size_t>(options.buffer_bytes));  // allocated when first used
+    buffer.resize(static_cast<size_t>(options_.buffer_bytes));  // allocated when first used
     TorchWriteOptions write;
     write.buffer = &buffer;
     write.written = [&progress](int64_t n) { progress.AddBytes(n); };
-    const std::string path = dir + "/" + jobs[i].name;
-    RESHARD_RETURN_IF_ERROR(WriteTorchFile(path, jobs[i].root, write));
-    jobs[i].root = Value();  // its producers hold source maps; let them go
+    const std::string path = dir + "/" + files_[i].name;
+    RESHARD_RETURN_IF_ERROR(WriteTorchFile(path, files_[i].root, write));
+    files_[i].root = Value();  // its producers hold source maps; let them go
     written += FileSize(path);
     progress.FileDone();
     return Status::Ok();
   };
-  RESHARD_RETURN_IF_ERROR(RunParallel(jobs.size(), threads, job));
-  return ExecuteStats{static_cast<int64_t>(jobs.size()), total, written.load(), read.load()};
+  RESHARD_RETURN_IF_ERROR(RunParallel(files_.size(), threads, job));
+  return ExecuteStats{written.load(), read_.load()};
 }
 
 }  // namespace reshard

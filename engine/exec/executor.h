@@ -12,8 +12,11 @@
 // file exactly once, byte for byte what one process writes.
 #pragma once
 
+#include <atomic>
 #include <functional>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "optim/source_optimizer.h"
 #include "plan/plan.h"
@@ -33,20 +36,35 @@ struct ExecuteOptions {
   std::function<void(const std::string&)> progress;
 };
 
-// What executing a plan writes (in this process).
+// What Execution::Write moved.
 struct ExecuteStats {
-  int64_t files = 0;
-  int64_t tensor_bytes = 0;   // tensor data written
   int64_t bytes_written = 0;  // file sizes
   int64_t bytes_read = 0;     // source tensor data read
 };
 
-// The files and tensor bytes ExecutePlan would write, without writing
-// (what --dry-run reports). bytes_written and bytes_read are 0.
-Result<ExecuteStats> MeasurePlan(const LogicalCheckpoint& src, const Plan& plan,
-                                 const ExecuteOptions& options);
+struct PreparedFile;  // one target file's tree and size (executor.cc)
 
-Result<ExecuteStats> ExecutePlan(const LogicalCheckpoint& src, const Plan& plan,
-                                 const std::string& dir, const ExecuteOptions& options);
+// The files of a plan that this process writes, prepared once: their trees,
+// sizes and producers. Preparing reads no tensor data, so its figures are
+// what --dry-run reports; Write then streams exactly these files.
+class Execution {
+ public:
+  static Result<std::unique_ptr<Execution>> Prepare(const LogicalCheckpoint& src, const Plan& plan,
+                                                   const ExecuteOptions& options);
+  ~Execution();
+
+  int64_t files() const;
+  int64_t tensor_bytes() const;
+
+  // Writes every file into `dir`. Call it once.
+  Result<ExecuteStats> Write(const std::string& dir);
+
+ private:
+  explicit Execution(const ExecuteOptions& options);
+
+  ExecuteOptions options_;
+  std::vector<PreparedFile> files_;
+  std::atomic<int64_t> read_{0};  // producers add the source bytes they read
+};
 
 }  // namespace reshard

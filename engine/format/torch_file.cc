@@ -119,7 +119,7 @@ Status WriteTorchFile(const std::string& path, const Value& root, const TorchWri
   std::vector<uint8_t> own_buffer;
   std::vector<uint8_t>* buffer = options.buffer;
   if (buffer == nullptr || buffer->empty()) {
-    own_buffer.resize(4 << 20);
+    own_buffer.resize(1 << 20);
     buffer = &own_buffer;
   }
   RESHARD_ASSIGN_OR_RETURN(std::unique_ptr<ZipWriter> zip, ZipWriter::Create(path));

@@ -24,7 +24,7 @@ Result<Value> ReadTorchFile(const std::string& path, const PickleReadOptions& op
 
 struct TorchWriteOptions {
   // The buffer tensor data streams through (reused across files); null or
-  // empty: one of 4 MiB for this file.
+  // empty: one of 1 MiB for this file.
   std::vector<uint8_t>* buffer = nullptr;
   // Told the tensor bytes written after each buffer.
   std::function<void(int64_t)> written;

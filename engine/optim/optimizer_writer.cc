@@ -106,15 +106,18 @@ Status TargetStage::AddSlot(const LogicalCheckpoint& src, const SourceOptimizer&
 }
 
 Status TargetStage::Produce(int g, int s, int64_t begin, int64_t n, uint8_t* dst) const {
-  std::memset(dst, 0, static_cast<size_t>(n) * 4);  // the alignment tail stays 0
   TouchedPages pages;
-  int64_t read = 0;
+  int64_t read = 0, filled = 0;
+  // Parameters lie back to back, so the fragments fill [0, filled) ...
   for (const Fragment& f : groups_[g].FragmentsIn(begin, begin + n)) {
     const Slot& slot = slots_[g][f.slot];
     read += MaterializeRange(slot.states[s], s == 0 ? slot.master_plan : slot.moment_plan,
                              f.param_offset, f.param_offset + f.numel,
                              dst + f.partition_start * 4, &pages);
+    filled = f.partition_start + f.numel;
   }
+  // ... and the rest is the alignment tail, which is 0.
+  std::memset(dst + filled * 4, 0, static_cast<size_t>(n - filled) * 4);
   *read_ += read;
   return Status::Ok();
 }

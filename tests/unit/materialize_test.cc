@@ -56,12 +56,17 @@ void ExpectRangesAgree(const SourceTensor& t, const TensorPlan& plan) {
   }
 }
 
-TEST(MaterializeRangeTest, MergingColumnsOfRowParallelShards) {
-  // Target [3, 8] = rank 0's [3, 4] beside rank 1's [3, 4] (split dim 1).
-  const SourceTensor t = TwoRanks(3, 4, {5});
+// Target [3, 8] = rank 0's [3, 4] beside rank 1's [3, 4] (split dim 1).
+TensorPlan RowParallelMerge() {
   TensorPlan plan;
   plan.shape = {3, 8};
   plan.copies = {{0, 1, 0, 0, 4}, {1, 1, 0, 4, 4}};
+  return plan;
+}
+
+TEST(MaterializeRangeTest, MergingColumnsOfRowParallelShards) {
+  const SourceTensor t = TwoRanks(3, 4, {5});
+  const TensorPlan plan = RowParallelMerge();
   const std::vector<float> whole = Materialize(t, plan, 0, 24);
   EXPECT_EQ(whole[0], 0.0f);
   EXPECT_EQ(whole[4], 1000.0f);   // row 0, first column of rank 1
@@ -97,11 +102,8 @@ TEST(MaterializeRangeTest, AverageOfReplicas) {
 
 TEST(MaterializeRangeTest, ReadBytesCountOnlyTheRange) {
   const SourceTensor t = TwoRanks(3, 4, {});
-  TensorPlan plan;
-  plan.shape = {3, 8};
-  plan.copies = {{0, 1, 0, 0, 4}, {1, 1, 0, 4, 4}};
   std::vector<float> out(5);
-  EXPECT_EQ(MaterializeRange(t, plan, 2, 7, reinterpret_cast<uint8_t*>(out.data()), nullptr), 5 * 4);
+  EXPECT_EQ(MaterializeRange(t, RowParallelMerge(), 2, 7, reinterpret_cast<uint8_t*>(out.data()), nullptr), 5 * 4);
 }
 
 }  // namespace
