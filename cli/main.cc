@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "dist/cluster.h"
+#include "cluster/cluster.h"
 #include "reshard/reshard.h"
 #include "rules/rule_set.h"
 #include "util/human.h"

@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "format/zip_writer.h"
+#include "container/zip_writer.h"
 
 namespace reshard {
 namespace {

@@ -1,4 +1,4 @@
-// Building one target tensor from its source shards (engine/exec/materialize.h):
+// Building one target tensor from its source shards (engine/plan/materialize.h):
 // the copy loop every converted weight and optimizer state goes through.
 //
 // Synthetic LogicalTensors of GPT-2 355M sizes (h=1024, ffn=4096) on two source
@@ -16,7 +16,7 @@
 #include <memory>
 #include <vector>
 
-#include "exec/materialize.h"
+#include "plan/materialize.h"
 #include "logical/logical_checkpoint.h"
 #include "plan/plan.h"
 

@@ -4,15 +4,15 @@
 #include <optional>
 
 #include "api/common.h"
-#include "dist/cluster.h"
+#include "cluster/cluster.h"
 #include "exec/executor.h"
 #include "exec/memory_budget.h"
 #include "exec/output_folder.h"
 #include "logical/drift.h"
-#include "optim/source_optimizer.h"
-#include "optim/state_tensor.h"
+#include "formats/deepspeed/zero_shard_reader.h"
+#include "formats/deepspeed/state_tensor.h"
 #include "reshard/reshard.h"
-#include "zero3/zero3_checkpoint.h"
+#include "formats/deepspeed/zero3_checkpoint.h"
 
 namespace reshard {
 namespace {

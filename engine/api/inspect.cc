@@ -1,7 +1,7 @@
 // reshard::Inspect: a readable description of a checkpoint.
 #include "api/common.h"
 #include "util/human.h"
-#include "zero3/zero3_checkpoint.h"
+#include "formats/deepspeed/zero3_checkpoint.h"
 
 namespace reshard {
 namespace {

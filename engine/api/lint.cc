@@ -1,11 +1,11 @@
 // reshard::Lint: everything `convert` would object to, without writing.
 #include "api/common.h"
 #include "logical/drift.h"
-#include "optim/source_optimizer.h"
-#include "optim/state_tensor.h"
-#include "zero3/zero3_checkpoint.h"
+#include "formats/deepspeed/zero_shard_reader.h"
+#include "formats/deepspeed/state_tensor.h"
+#include "formats/deepspeed/zero3_checkpoint.h"
 #include "plan/plan.h"
-#include "plan/stages.h"
+#include "formats/deepspeed/stages.h"
 
 namespace reshard {
 namespace {

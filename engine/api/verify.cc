@@ -5,9 +5,9 @@
 
 #include "api/common.h"
 #include "logical/drift.h"
-#include "optim/state_tensor.h"
+#include "formats/deepspeed/state_tensor.h"
 #include "plan/plan.h"
-#include "zero3/zero3_checkpoint.h"
+#include "formats/deepspeed/zero3_checkpoint.h"
 
 namespace reshard {
 namespace {

@@ -10,10 +10,10 @@
 #include <mutex>
 #include <thread>
 
-#include "exec/model_states.h"
-#include "format/torch_file.h"
-#include "optim/optimizer_writer.h"
-#include "optim/state_tensor.h"
+#include "formats/deepspeed/model_states_writer.h"
+#include "container/torch_file.h"
+#include "formats/deepspeed/zero_shard_writer.h"
+#include "formats/deepspeed/state_tensor.h"
 #include "util/human.h"
 
 namespace reshard {
@@ -66,7 +66,7 @@ Status AddShardFiles(const LogicalCheckpoint& src, const Plan& plan, const Model
                                                ms.tp_rank, read));
   const int mp = ms.pp_rank * plan.tp + ms.tp_rank;
   for (size_t d = 0; d < shards.size(); ++d) {
-    files->push_back({OptimizerFileName(options.optimizer->format(), static_cast<int>(d), mp),
+    files->push_back({OptimizerFileName(options.optimizer->format().bf16_prefix, static_cast<int>(d), mp),
                      std::move(shards[d])});
   }
   return Status::Ok();

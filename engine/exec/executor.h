@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "optim/source_optimizer.h"
+#include "formats/deepspeed/zero_shard_reader.h"
 #include "plan/plan.h"
 
 namespace reshard {

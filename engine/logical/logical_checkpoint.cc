@@ -4,7 +4,7 @@
 #include <cstdio>
 #include <map>
 
-#include "format/torch_file.h"
+#include "container/torch_file.h"
 #include "logical/rule_selection.h"
 #include "util/human.h"
 

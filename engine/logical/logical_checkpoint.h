@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "layout/checkpoint_files.h"
+#include "formats/deepspeed/checkpoint_files.h"
 #include "pickle/value.h"
 #include "reshard/reshard.h"
 #include "rules/rule_set.h"

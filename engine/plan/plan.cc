@@ -3,7 +3,7 @@
 #include <cstdio>
 
 #include "plan/slicing.h"
-#include "plan/stages.h"
+#include "formats/deepspeed/stages.h"
 #include "util/human.h"
 
 namespace reshard {

@@ -1,4 +1,4 @@
-#include "layout/checkpoint_files.h"
+#include "formats/deepspeed/checkpoint_files.h"
 
 #include <gtest/gtest.h>
 

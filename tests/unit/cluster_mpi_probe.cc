@@ -5,7 +5,7 @@
 #include <cstdio>
 #include <string>
 
-#include "dist/cluster.h"
+#include "cluster/cluster.h"
 
 namespace {
 

@@ -1,4 +1,4 @@
-#include "dist/cluster.h"
+#include "cluster/cluster.h"
 
 #include <gtest/gtest.h>
 

@@ -1,7 +1,7 @@
 // MaterializeRange: any element range of a target equals that range of the
 // whole target, for splits on either dim, fills, averages and sources cut
 // into several runs (optimizer partitions).
-#include "exec/materialize.h"
+#include "plan/materialize.h"
 
 #include <gtest/gtest.h>
 

@@ -8,7 +8,7 @@
 #include <string>
 
 #include "exec/memory_budget.h"
-#include "format/mapped_file.h"
+#include "container/mapped_file.h"
 #include "test_util.h"
 
 namespace reshard {

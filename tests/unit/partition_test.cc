@@ -1,4 +1,4 @@
-#include "layout/partition.h"
+#include "formats/deepspeed/stage_partition.h"
 
 #include <gtest/gtest.h>
 

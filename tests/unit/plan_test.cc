@@ -9,9 +9,9 @@
 #include <algorithm>
 #include <cstring>
 
-#include "exec/materialize.h"
+#include "plan/materialize.h"
 #include "logical/drift.h"
-#include "plan/stages.h"
+#include "formats/deepspeed/stages.h"
 #include "test_util.h"
 
 namespace reshard {

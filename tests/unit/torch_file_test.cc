@@ -1,4 +1,4 @@
-#include "format/torch_file.h"
+#include "container/torch_file.h"
 
 #include <gtest/gtest.h>
 

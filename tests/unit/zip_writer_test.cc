@@ -1,4 +1,4 @@
-#include "format/zip_writer.h"
+#include "container/zip_writer.h"
 
 #include <gtest/gtest.h>
 
@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "format/torch_file.h"
+#include "container/torch_file.h"
 #include "pickle/pickle_writer.h"
 #include "test_util.h"
 

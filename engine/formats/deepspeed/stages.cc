@@ -1,8 +1,8 @@
-#include "plan/stages.h"
+#include "formats/deepspeed/stages.h"
 
 #include <map>
 
-#include "layout/partition.h"
+#include "formats/deepspeed/stage_partition.h"
 
 namespace reshard {
 namespace {

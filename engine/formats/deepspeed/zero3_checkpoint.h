@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "layout/checkpoint_files.h"
+#include "formats/deepspeed/checkpoint_files.h"
 #include "pickle/value.h"
 #include "plan/plan.h"
 

@@ -17,9 +17,9 @@
 #include <string>
 #include <vector>
 
-#include "exec/materialize.h"
+#include "plan/materialize.h"
 #include "logical/logical_checkpoint.h"
-#include "optim/flat_group.h"
+#include "formats/deepspeed/flat_group.h"
 
 namespace reshard {
 

@@ -1,13 +1,13 @@
-#include "optim/optimizer_writer.h"
+#include "formats/deepspeed/zero_shard_writer.h"
 
 #include <atomic>
 #include <cstring>
 #include <memory>
 
-#include "exec/materialize.h"
-#include "layout/checkpoint_files.h"
-#include "plan/stages.h"
-#include "optim/torch_state.h"
+#include "plan/materialize.h"
+#include "formats/deepspeed/checkpoint_files.h"
+#include "formats/deepspeed/stages.h"
+#include "formats/deepspeed/torch_state.h"
 
 namespace reshard {
 namespace {
@@ -225,11 +225,6 @@ Result<Value> BuildEmbedded(const SourceOptimizer& opt, const std::shared_ptr<co
 }
 
 }  // namespace
-
-std::string OptimizerFileName(const OptimizerFormat& format, int dp_rank, int mp_rank) {
-  return std::string(format.bf16_prefix ? "bf16_" : "") + "zero_pp_rank_" + std::to_string(dp_rank) +
-         "_" + ModelStatesName(mp_rank) + "_optim_states.pt";
-}
 
 Result<std::vector<Value>> BuildOptimizerState(const LogicalCheckpoint& src,
                                                const SourceOptimizer& opt, const Plan& plan,

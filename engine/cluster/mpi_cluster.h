@@ -5,7 +5,7 @@
 
 #include <memory>
 
-#include "dist/cluster.h"
+#include "cluster/cluster.h"
 #include "reshard/status.h"
 
 namespace reshard {

@@ -1,4 +1,4 @@
-#include "optim/flat_group.h"
+#include "formats/deepspeed/flat_group.h"
 
 #include <algorithm>
 

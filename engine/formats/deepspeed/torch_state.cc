@@ -1,4 +1,4 @@
-#include "optim/torch_state.h"
+#include "formats/deepspeed/torch_state.h"
 
 namespace reshard {
 

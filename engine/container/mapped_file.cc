@@ -1,4 +1,4 @@
-#include "format/mapped_file.h"
+#include "container/mapped_file.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>

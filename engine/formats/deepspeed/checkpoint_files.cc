@@ -1,8 +1,6 @@
-#include "layout/checkpoint_files.h"
+#include "formats/deepspeed/checkpoint_files.h"
 
-#include <re2/re2.h>
-
-#include <cstdio>
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -10,23 +8,6 @@
 namespace reshard {
 namespace fs = std::filesystem;
 namespace {
-
-const RE2& LayerFileRegex() {
-  static const RE2 re(R"(layer_(\d+)-model_(\d+)-model_states\.pt)");
-  return re;
-}
-const RE2& MpRankRegex() {
-  static const RE2 re(R"(mp_rank_(\d+)_model_states\.pt)");
-  return re;
-}
-const RE2& Zero3ModelRegex() {
-  static const RE2 re(R"(zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt)");
-  return re;
-}
-const RE2& OptimizerRegex() {
-  static const RE2 re(R"((bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt)");
-  return re;
-}
 
 std::string ReadFirstLine(const fs::path& p) {
   std::ifstream in(p);
@@ -80,18 +61,14 @@ std::string TagFolderHint(const fs::path& dir) {
 }
 
 void Classify(const std::string& name, const std::string& full, CheckpointFiles* files) {
-  int a = 0, b = 0;
-  std::string bf16;
-  if (RE2::FullMatch(name, LayerFileRegex(), &a, &b)) {
-    files->layer_files[a][b] = full;
-  } else if (RE2::FullMatch(name, MpRankRegex(), &a)) {
-    files->mp_rank_files[a] = full;
-  } else if (RE2::FullMatch(name, OptimizerRegex(), &bf16, &a, &b)) {
-    files->optimizer_files.push_back({a, b, !bf16.empty(), full});
-  } else if (RE2::FullMatch(name, Zero3ModelRegex(), &a, &b)) {
-    files->zero3_model_files[b][a] = full;
-  } else {
-    files->other_files.push_back(name);
+  using Kind = DeepSpeedFileName::Kind;
+  const DeepSpeedFileName f = ParseDeepSpeedFileName(name);
+  switch (f.kind) {
+    case Kind::kLayer: files->layer_files[f.layer][f.tp] = full; break;
+    case Kind::kModelStates: files->mp_rank_files[f.mp] = full; break;
+    case Kind::kOptimizer: files->optimizer_files.push_back({f.dp, f.mp, f.bf16, full}); break;
+    case Kind::kZero3ModelStates: files->zero3_model_files[f.mp][f.dp] = full; break;
+    case Kind::kOther: files->other_files.push_back(name); break;
   }
 }
 
@@ -110,22 +87,7 @@ std::set<int> Missing(const std::set<int>& present, int n) {
   return missing;
 }
 
-std::string TwoDigits(int v) {
-  char buf[16];
-  std::snprintf(buf, sizeof(buf), "%02d", v);
-  return buf;
-}
-
 }  // namespace
-
-std::string BaseName(const std::string& path) { return path.substr(path.rfind('/') + 1); }
-
-std::string LayerName(int layer_id) { return "layer_" + TwoDigits(layer_id); }
-std::string LayerFileName(int layer_id, int tp_rank) {
-  return LayerName(layer_id) + "-model_" + TwoDigits(tp_rank) + "-model_states.pt";
-}
-std::string ModelStatesName(int mp_rank) { return "mp_rank_" + TwoDigits(mp_rank); }
-std::string ModelStatesFileName(int mp_rank) { return ModelStatesName(mp_rank) + "_model_states.pt"; }
 
 int CheckpointFiles::LayerTpSize() const {
   std::set<int> ranks;

@@ -1,9 +1,9 @@
-#include "exec/model_states.h"
+#include "formats/deepspeed/model_states_writer.h"
 
 #include <algorithm>
 #include <cctype>
 
-#include "plan/stages.h"
+#include "formats/deepspeed/stages.h"
 
 namespace reshard {
 namespace {

@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "logical/logical_checkpoint.h"
-#include "optim/source_optimizer.h"
+#include "formats/deepspeed/zero_shard_reader.h"
 #include "plan/plan.h"
 
 namespace reshard {

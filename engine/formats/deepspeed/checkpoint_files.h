@@ -9,11 +9,12 @@
 #include <string>
 #include <vector>
 
+#include "formats/deepspeed/file_names.h"
 #include "reshard/status.h"
 
 namespace reshard {
 
-struct OptimizerFileName {
+struct OptimizerShardFile {
   int dp_rank = 0;
   int mp_rank = 0;
   bool bf16 = false;  // bf16_zero_pp_rank_* (vs zero_pp_rank_*)
@@ -28,7 +29,7 @@ struct CheckpointFiles {
   std::map<int, std::map<int, std::string>> layer_files;
   // mp index -> path of mp_rank_{mp}_model_states.pt
   std::map<int, std::string> mp_rank_files;
-  std::vector<OptimizerFileName> optimizer_files;
+  std::vector<OptimizerShardFile> optimizer_files;
   // ZeRO-3: mp index -> DP rank -> path of zero_pp_rank_{d}_mp_rank_{mp}_model_states.pt
   std::map<int, std::map<int, std::string>> zero3_model_files;
   std::vector<std::string> other_files;  // names reshard does not recognise
@@ -39,15 +40,6 @@ struct CheckpointFiles {
   // Number of distinct TP ranks among the layer files (0 without layer files).
   int LayerTpSize() const;
 };
-
-// "mp_rank_00_model_states.pt" for ".../global_step20/mp_rank_00_model_states.pt".
-std::string BaseName(const std::string& path);
-
-// Names as DeepSpeed spells them (indices zero-padded to two digits).
-std::string LayerName(int layer_id);                    // "layer_04"
-std::string LayerFileName(int layer_id, int tp_rank);   // "layer_04-model_01-model_states.pt"
-std::string ModelStatesName(int mp_rank);               // "mp_rank_02"
-std::string ModelStatesFileName(int mp_rank);           // "mp_rank_02_model_states.pt"
 
 // `path` is a tag folder (holding mp_rank_* files) or a checkpoint root whose
 // `latest` file names the tag. Errors are InvalidInput.

@@ -1,4 +1,4 @@
-#include "dist/mpi_cluster.h"
+#include "cluster/mpi_cluster.h"
 
 #include <mpi.h>
 

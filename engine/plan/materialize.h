@@ -10,7 +10,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "format/mapped_file.h"
+#include "container/mapped_file.h"
 #include "plan/plan.h"
 
 namespace reshard {

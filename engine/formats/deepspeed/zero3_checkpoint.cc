@@ -1,12 +1,12 @@
-#include "zero3/zero3_checkpoint.h"
+#include "formats/deepspeed/zero3_checkpoint.h"
 
 #include <algorithm>
 #include <cstring>
 
-#include "format/torch_file.h"
-#include "optim/source_optimizer.h"
-#include "optim/torch_state.h"
-#include "plan/stages.h"
+#include "container/torch_file.h"
+#include "formats/deepspeed/zero_shard_reader.h"
+#include "formats/deepspeed/torch_state.h"
+#include "formats/deepspeed/stages.h"
 
 namespace reshard {
 namespace {
@@ -87,7 +87,7 @@ Status Zero3Checkpoint::LoadRank(int mp, const std::set<std::string>& allowed_cl
                                 std::to_string(mp) + " are missing for some DP ranks");
   }
   std::map<int, std::string> optim;
-  for (const OptimizerFileName& f : files_.optimizer_files) {
+  for (const OptimizerShardFile& f : files_.optimizer_files) {
     if (f.mp_rank == mp) optim[f.dp_rank] = f.path;
   }
   if (static_cast<int>(optim.size()) != dp_ || optim.rbegin()->first != dp_ - 1) {
@@ -315,14 +315,11 @@ Result<int64_t> Zero3Checkpoint::Write(int target_dp, const std::string& dir, bo
         }
       }
     }
-    const std::string rank = "_" + ModelStatesName(mp);
     for (int d = 0; d < target_dp; ++d) {
-      const std::string dp_rank = "zero_pp_rank_" + std::to_string(d);
-      RESHARD_RETURN_IF_ERROR(WriteTorchFile(dir + "/" + dp_rank + rank + "_model_states.pt",
+      RESHARD_RETURN_IF_ERROR(WriteTorchFile(dir + "/" + Zero3ModelStatesFileName(d, mp),
                                              TargetModelStates(mp, target, d)));
-      RESHARD_RETURN_IF_ERROR(WriteTorchFile(
-          dir + "/" + (bf16_prefix ? "bf16_" : "") + dp_rank + rank + "_optim_states.pt",
-          TargetOptimizer(mp, target, whole, d)));
+      RESHARD_RETURN_IF_ERROR(WriteTorchFile(dir + "/" + OptimizerFileName(bf16_prefix, d, mp),
+                                             TargetOptimizer(mp, target, whole, d)));
       files += 2;
     }
   }

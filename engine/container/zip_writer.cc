@@ -1,4 +1,4 @@
-#include "format/zip_writer.h"
+#include "container/zip_writer.h"
 
 #include <fcntl.h>
 #include <unistd.h>

@@ -1,9 +1,9 @@
-#include "optim/state_tensor.h"
+#include "formats/deepspeed/state_tensor.h"
 
 #include <cstring>
 
-#include "exec/materialize.h"
-#include "plan/stages.h"
+#include "plan/materialize.h"
+#include "formats/deepspeed/stages.h"
 
 namespace reshard {
 

@@ -1,11 +1,11 @@
-#include "dist/cluster.h"
+#include "cluster/cluster.h"
 
 #include <cerrno>
 #include <climits>
 #include <cstdlib>
 
 #ifdef RESHARD_WITH_MPI
-#include "dist/mpi_cluster.h"
+#include "cluster/mpi_cluster.h"
 #endif
 
 namespace reshard {

@@ -12,13 +12,10 @@
 #include <atomic>
 #include <string>
 
-#include "optim/source_optimizer.h"
+#include "formats/deepspeed/zero_shard_reader.h"
 #include "plan/plan.h"
 
 namespace reshard {
-
-// "bf16_zero_pp_rank_3_mp_rank_01_optim_states.pt" (DP rank not zero-padded, as DeepSpeed).
-std::string OptimizerFileName(const OptimizerFormat& format, int dp_rank, int mp_rank);
 
 // The target optimizer state of stage `pp_rank`, TP rank `tp_rank`: for the
 // sharded formats one file root per target DP rank; for the embedded

@@ -1,5 +1,5 @@
 // The only file of the engine that touches LibTorch: reading the zip container.
-#include "format/torch_file.h"
+#include "container/torch_file.h"
 
 #include <caffe2/serialize/inline_container.h>
 
@@ -7,8 +7,8 @@
 #include <exception>
 #include <memory>
 
-#include "format/mapped_file.h"
-#include "format/zip_writer.h"
+#include "container/mapped_file.h"
+#include "container/zip_writer.h"
 #include "pickle/pickle_writer.h"
 
 namespace reshard {

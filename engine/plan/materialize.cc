@@ -1,4 +1,4 @@
-#include "exec/materialize.h"
+#include "plan/materialize.h"
 
 #include <algorithm>
 #include <cstring>

@@ -1,12 +1,12 @@
-#include "optim/source_optimizer.h"
+#include "formats/deepspeed/zero_shard_reader.h"
 
 #include <algorithm>
 #include <cstring>
 
-#include "format/torch_file.h"
-#include "layout/checkpoint_files.h"
-#include "optim/torch_state.h"
-#include "plan/stages.h"
+#include "container/torch_file.h"
+#include "formats/deepspeed/checkpoint_files.h"
+#include "formats/deepspeed/torch_state.h"
+#include "formats/deepspeed/stages.h"
 
 namespace reshard {
 namespace {
@@ -143,7 +143,7 @@ Result<std::unique_ptr<SourceOptimizer>> SourceOptimizer::Load(
     }
   } else {
     std::vector<std::vector<std::string>> paths(src.metadata.size());
-    for (const OptimizerFileName& f : src.files.optimizer_files) {
+    for (const OptimizerShardFile& f : src.files.optimizer_files) {
       auto& by_dp = paths[f.mp_rank];
       if (static_cast<int>(by_dp.size()) <= f.dp_rank) by_dp.resize(f.dp_rank + 1);
       by_dp[f.dp_rank] = f.path;

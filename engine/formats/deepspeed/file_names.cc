@@ -1,0 +1,71 @@
+#include "formats/deepspeed/file_names.h"
+
+#include <re2/re2.h>
+
+#include <cstdio>
+
+namespace reshard {
+namespace {
+
+const RE2& LayerFileRegex() {
+  static const RE2 re(R"(layer_(\d+)-model_(\d+)-model_states\.pt)");
+  return re;
+}
+const RE2& MpRankRegex() {
+  static const RE2 re(R"(mp_rank_(\d+)_model_states\.pt)");
+  return re;
+}
+const RE2& Zero3ModelRegex() {
+  static const RE2 re(R"(zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt)");
+  return re;
+}
+const RE2& OptimizerRegex() {
+  static const RE2 re(R"((bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt)");
+  return re;
+}
+
+std::string TwoDigits(int v) {
+  char buf[16];
+  std::snprintf(buf, sizeof(buf), "%02d", v);
+  return buf;
+}
+
+}  // namespace
+
+DeepSpeedFileName ParseDeepSpeedFileName(const std::string& name) {
+  using Kind = DeepSpeedFileName::Kind;
+  DeepSpeedFileName f;
+  std::string bf16;
+  if (RE2::FullMatch(name, LayerFileRegex(), &f.layer, &f.tp)) {
+    f.kind = Kind::kLayer;
+  } else if (RE2::FullMatch(name, MpRankRegex(), &f.mp)) {
+    f.kind = Kind::kModelStates;
+  } else if (RE2::FullMatch(name, OptimizerRegex(), &bf16, &f.dp, &f.mp)) {
+    f.kind = Kind::kOptimizer;
+    f.bf16 = !bf16.empty();
+  } else if (RE2::FullMatch(name, Zero3ModelRegex(), &f.dp, &f.mp)) {
+    f.kind = Kind::kZero3ModelStates;
+  }
+  return f;
+}
+
+std::string LayerName(int layer_id) { return "layer_" + TwoDigits(layer_id); }
+std::string LayerFileName(int layer_id, int tp_rank) {
+  return LayerName(layer_id) + "-model_" + TwoDigits(tp_rank) + "-model_states.pt";
+}
+std::string ModelStatesName(int mp_rank) { return "mp_rank_" + TwoDigits(mp_rank); }
+std::string ModelStatesFileName(int mp_rank) { return ModelStatesName(mp_rank) + "_model_states.pt"; }
+
+std::string OptimizerFileName(bool bf16_prefix, int dp_rank, int mp_rank) {
+  return std::string(bf16_prefix ? "bf16_" : "") + "zero_pp_rank_" + std::to_string(dp_rank) +
+         "_" + ModelStatesName(mp_rank) + "_optim_states.pt";
+}
+
+std::string Zero3ModelStatesFileName(int dp_rank, int mp_rank) {
+  return "zero_pp_rank_" + std::to_string(dp_rank) + "_" + ModelStatesName(mp_rank) +
+         "_model_states.pt";
+}
+
+std::string BaseName(const std::string& path) { return path.substr(path.rfind('/') + 1); }
+
+}  // namespace reshard

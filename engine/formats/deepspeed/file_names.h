@@ -1,0 +1,42 @@
+// DeepSpeed's checkpoint file names, parsed and printed in one place (as
+// LevelDB's filename.h): every name reshard reads or writes in a tag folder.
+//
+//   layer_{LL}-model_{TT}-model_states.pt              weights of one pipeline spec, one TP rank
+//   mp_rank_{MM}_model_states.pt                       metadata of one (pipeline, tensor) rank
+//   [bf16_]zero_pp_rank_{D}_mp_rank_{MM}_optim_states.pt  optimizer shard of one DP rank
+//   zero_pp_rank_{D}_mp_rank_{MM}_model_states.pt      ZeRO-3 model states of one DP rank
+//
+// Two-digit fields are zero-padded to at least two digits; DP ranks are not
+// padded. Parsing reads integers, never sorts strings, so 100+ ranks work.
+#pragma once
+
+#include <string>
+
+namespace reshard {
+
+struct DeepSpeedFileName {
+  enum class Kind { kLayer, kModelStates, kOptimizer, kZero3ModelStates, kOther };
+  Kind kind = Kind::kOther;
+  int layer = 0;  // kLayer: the spec id
+  int tp = 0;     // kLayer: the TP rank
+  int mp = 0;     // kModelStates, kOptimizer, kZero3ModelStates: the (pipeline, tensor) rank
+  int dp = 0;     // kOptimizer, kZero3ModelStates
+  bool bf16 = false;  // kOptimizer: the bf16_ prefix
+};
+
+// What the base name `name` is; kOther for names DeepSpeed does not write.
+DeepSpeedFileName ParseDeepSpeedFileName(const std::string& name);
+
+std::string LayerName(int layer_id);                    // "layer_04"
+std::string LayerFileName(int layer_id, int tp_rank);   // "layer_04-model_01-model_states.pt"
+std::string ModelStatesName(int mp_rank);               // "mp_rank_02"
+std::string ModelStatesFileName(int mp_rank);           // "mp_rank_02_model_states.pt"
+// "bf16_zero_pp_rank_3_mp_rank_01_optim_states.pt"
+std::string OptimizerFileName(bool bf16_prefix, int dp_rank, int mp_rank);
+// "zero_pp_rank_3_mp_rank_01_model_states.pt"
+std::string Zero3ModelStatesFileName(int dp_rank, int mp_rank);
+
+// "mp_rank_00_model_states.pt" for ".../global_step20/mp_rank_00_model_states.pt".
+std::string BaseName(const std::string& path);
+
+}  // namespace reshard
