@@ -18,7 +18,7 @@
 
 #include "plan/materialize.h"
 #include "logical/logical_checkpoint.h"
-#include "plan/plan.h"
+#include "plan/tensor_plan.h"
 
 namespace reshard {
 namespace {
@@ -46,7 +46,10 @@ std::unique_ptr<Fixture> Make(DType dtype, std::vector<int64_t> full, int dim, i
   f->tensor.dtype = dtype;
   f->tensor.local_shape = local;
   f->tensor.full_shape = full;
-  for (const Value& v : f->shard_values) f->tensor.shards.push_back(&v.as_tensor());
+  for (size_t t = 0; t < f->shard_values.size(); ++t) {
+    f->tensor.shards.push_back(
+        SourceShard::Of(f->shard_values[t].as_tensor(), ShardCoords{static_cast<int>(t)}));
+  }
   f->plan.shape = full;
   f->plan.average = average;
   if (!average) {

@@ -10,10 +10,10 @@ namespace {
 
 // Compares one replica with rank 0's; updates `d` when they differ.
 void CompareReplica(const LogicalTensor& t, int rank, Drift* d) {
-  const int64_t n = t.shards[0]->numel();
+  const int64_t n = t.shards[0].numel();
   const int es = ElementSize(t.dtype);
-  const uint8_t* a = TensorData(*t.shards[0]);
-  const uint8_t* b = TensorData(*t.shards[rank]);
+  const uint8_t* a = t.shards[0].runs[0].bytes.data;
+  const uint8_t* b = t.shards[rank].runs[0].bytes.data;
   if (std::memcmp(a, b, static_cast<size_t>(n) * es) == 0) return;
   const bool fp = IsFloatingPoint(t.dtype);
   for (int64_t i = 0; i < n; ++i) {
@@ -58,8 +58,8 @@ std::string DescribeDrift(const LogicalCheckpoint& ckpt, const Drift& d) {
   char buf[160];
   std::snprintf(buf, sizeof(buf), ": max |diff| %.3g (TP rank %d vs 0), %lld of %lld elements differ",
                 d.max_abs_diff, d.worst_rank, static_cast<long long>(d.elements_differing),
-                static_cast<long long>(t.shards[0]->numel()));
-  return TensorLabel(layer.id, t.key) + buf;
+                static_cast<long long>(t.shards[0].numel()));
+  return t.label + buf;
 }
 
 }  // namespace reshard

@@ -46,7 +46,7 @@ std::string DetectMismatch(const RuleSet& rules, const LogicalCheckpoint& ckpt) 
 
 std::set<int> LayerIds(const LogicalCheckpoint& ckpt) {
   std::set<int> ids;
-  for (const auto& [id, by_tp] : ckpt.files.layer_files) ids.insert(id);
+  for (const LogicalLayer& layer : ckpt.layers) ids.insert(layer.id);
   return ids;
 }
 
@@ -76,7 +76,7 @@ int64_t BlockCount(const std::vector<SpecEntry>& specs, const LogicalCheckpoint&
   if (num_layers >= 0) return num_layers;
   int64_t other_files = 0;
   for (const SpecEntry& s : specs) other_files += (s.OwnsFile() && s.role != "block") ? 1 : 0;
-  return static_cast<int64_t>(ckpt.files.layer_files.size()) - other_files;
+  return static_cast<int64_t>(ckpt.layers.size()) - other_files;
 }
 
 // The numbering of `rules` whose file ids equal the checkpoint's, if any.

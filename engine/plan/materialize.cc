@@ -44,7 +44,7 @@ void ForEachRun(const DimSpan& d, const DimSpan& s, int64_t dst_start, int64_t s
 int64_t ApplyCopy(const SourceTensor& t, const SliceCopy& c, const std::vector<int64_t>& dst_shape,
                   int64_t begin, int64_t end, uint8_t* dst, TouchedPages* pages) {
   const int es = ElementSize(t.dtype);
-  const SourceShard& shard = t.shards[c.src_rank];
+  const SourceShard& shard = t.shards[c.src_shard];
   int64_t read = 0;
   ForEachRun(SpanOf(dst_shape, c.dim), SpanOf(t.local_shape, c.dim), c.dst_start, c.src_start,
              c.length, begin, end, [&](int64_t at, int64_t from, int64_t n) {
@@ -89,35 +89,8 @@ int64_t Average(const SourceTensor& t, int64_t begin, int64_t end, uint8_t* dst,
 
 }  // namespace
 
-void SourceShard::Copy(int64_t begin, int64_t n, int element_size, uint8_t* dst,
-                       TouchedPages* pages) const {
-  if (n <= 0) return;
-  auto run = std::upper_bound(runs.begin(), runs.end(), begin,
-                              [](int64_t at, const Run& r) { return at < r.begin; });
-  for (--run; n > 0; ++run) {
-    const int64_t skip = begin - run->begin;
-    const int64_t take = std::min(n, run->numel - skip);
-    const uint8_t* from = run->bytes.data + skip * element_size;
-    const size_t bytes = static_cast<size_t>(take) * element_size;
-    std::memcpy(dst, from, bytes);
-    if (pages != nullptr) pages->Note(run->bytes, from, bytes);
-    dst += bytes;
-    begin += take;
-    n -= take;
-  }
-}
-
 SourceTensor SourceTensor::Of(const LogicalTensor& t) {
-  SourceTensor s;
-  s.dtype = t.dtype;
-  s.local_shape = t.local_shape;
-  for (const Tensor* shard : t.shards) {
-    const ByteView& file = shard->storage->bytes;
-    ByteView bytes{file.owner, TensorData(*shard),
-                   static_cast<size_t>(shard->numel() * ElementSize(t.dtype)), file.mapped};
-    s.shards.push_back(SourceShard{{{0, shard->numel(), std::move(bytes)}}});
-  }
-  return s;
+  return SourceTensor{t.dtype, t.local_shape, t.shards};
 }
 
 int64_t MaterializeRange(const SourceTensor& src, const TensorPlan& plan, int64_t begin,
@@ -127,6 +100,26 @@ int64_t MaterializeRange(const SourceTensor& src, const TensorPlan& plan, int64_
   for (const SliceCopy& c : plan.copies) read += ApplyCopy(src, c, plan.shape, begin, end, dst, pages);
   for (const SliceFill& f : plan.fills) ApplyFill(src.dtype, f, plan.shape, begin, end, dst);
   return read;
+}
+
+Status ElementRange(int64_t offset, int64_t length, int element_size, int64_t* begin, int64_t* end) {
+  if (offset % element_size != 0 || length % element_size != 0) {
+    return Status::Internal("tensor bytes requested in a range not of whole elements");
+  }
+  *begin = offset / element_size;
+  *end = *begin + length / element_size;
+  return Status::Ok();
+}
+
+ByteProducer RangeProducer(SourceTensor source, TensorPlan plan, std::atomic<int64_t>* read) {
+  return [source = std::move(source), plan = std::move(plan), read](
+             int64_t offset, int64_t length, uint8_t* dst) {
+    int64_t begin = 0, end = 0;
+    RESHARD_RETURN_IF_ERROR(ElementRange(offset, length, ElementSize(source.dtype), &begin, &end));
+    TouchedPages pages;
+    *read += MaterializeRange(source, plan, begin, end, dst, &pages);
+    return Status::Ok();
+  };
 }
 
 int64_t MaterializeTensor(const LogicalTensor& t, const TensorPlan& plan, std::vector<uint8_t>* out) {

@@ -1,40 +1,29 @@
 // Building target tensor bytes from source shards, by element range.
 //
-// A TensorPlan says which slices of which source TP ranks' shards fill a
+// A TensorPlan says which slices of which source shards fill a
 // target tensor. Materialising any range of the target's elements needs only
 // the matching source elements, so a writer can produce a tensor of any size
 // a buffer at a time, and an optimizer partition can take just the part of a
 // parameter that falls inside it.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <vector>
 
 #include "container/mapped_file.h"
-#include "plan/plan.h"
+#include "logical/source_shard.h"
+#include "plan/tensor_plan.h"
+#include "util/byte_producer.h"
 
 namespace reshard {
 
-// One source TP rank's local tensor as contiguous runs of elements, in order:
-// a weight is one run inside its layer file; an optimizer state is cut
-// across the DP partitions it was flattened into.
-struct SourceShard {
-  struct Run {
-    int64_t begin = 0;  // first element of the local tensor in this run
-    int64_t numel = 0;
-    ByteView bytes;  // numel elements
-  };
-  std::vector<Run> runs;
-
-  // Copies elements [begin, begin + n) of `element_size` bytes each to `dst`.
-  void Copy(int64_t begin, int64_t n, int element_size, uint8_t* dst, TouchedPages* pages) const;
-};
-
-// What a tensor plan reads: every source TP rank's shard of one tensor.
+// What a tensor plan reads: the shard table of one tensor (a weight, or an
+// optimizer state located in its partitions).
 struct SourceTensor {
   DType dtype = DType::kFloat32;
-  std::vector<int64_t> local_shape;  // the same on every TP rank
-  std::vector<SourceShard> shards;   // by source TP rank
+  std::vector<int64_t> local_shape;  // the same for every shard
+  std::vector<SourceShard> shards;   // SliceCopy::src_shard indexes this
 
   static SourceTensor Of(const LogicalTensor& t);
 };
@@ -44,6 +33,14 @@ struct SourceTensor {
 // Mapped source pages read are noted in `pages`.
 int64_t MaterializeRange(const SourceTensor& src, const TensorPlan& plan, int64_t begin,
                          int64_t end, uint8_t* dst, TouchedPages* pages);
+
+// The target tensor's bytes, produced a range at a time (ranges of whole
+// elements); adds the source bytes read to *read, which must outlive it.
+ByteProducer RangeProducer(SourceTensor source, TensorPlan plan, std::atomic<int64_t>* read);
+
+// The element range [*begin, *end) of the byte range [offset, offset + length)
+// of `element_size`-byte elements; an error for a range of partial elements.
+Status ElementRange(int64_t offset, int64_t length, int element_size, int64_t* begin, int64_t* end);
 
 // The whole target tensor into `out`.
 int64_t MaterializeTensor(const LogicalTensor& t, const TensorPlan& plan, std::vector<uint8_t>* out);

@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "plan/plan.h"
+#include "plan/tensor_plan.h"
 
 namespace reshard {
 

@@ -134,6 +134,9 @@ struct VerifyOptions : CommonOptions {
   // 0's copy) or kAverage (the mean, as `convert --replicated average` writes).
   ReplicatedPolicy replicated = ReplicatedPolicy::kFirst;
   int max_difference_lines = 20;
+  // Resident memory the comparison may use: tensors are compared a buffer
+  // at a time, never built whole.
+  int64_t max_memory = int64_t{1} << 30;
 };
 
 struct VerifyReport {

@@ -2,7 +2,7 @@
 // vocabulary padding, slices of sub-parameters, per-stage parameter names and
 // the replicated-tensor policies. No tensor data is read except by the
 // policy tests.
-#include "plan/plan.h"
+#include "formats/deepspeed/pipeline_plan.h"
 
 #include <gtest/gtest.h>
 
@@ -11,6 +11,7 @@
 
 #include "plan/materialize.h"
 #include "logical/drift.h"
+#include "formats/deepspeed/pipeline_reader.h"
 #include "formats/deepspeed/stages.h"
 #include "test_util.h"
 
@@ -19,13 +20,15 @@ namespace {
 
 class PlanTest : public ::testing::Test {
  protected:
-  std::unique_ptr<LogicalCheckpoint> Load(const std::string& fixture_args) {
+  const LogicalCheckpoint* Load(const std::string& fixture_args) {
     EXPECT_TRUE(MakeFixture(fixture_args, dir_.path() / "ckpt").ok());
-    Result<std::unique_ptr<LogicalCheckpoint>> r =
-        LoadLogicalCheckpoint((dir_.path() / "ckpt").string(), LoadOptions{});
+    Result<CheckpointFiles> files = ScanCheckpoint((dir_.path() / "ckpt").string());
+    EXPECT_TRUE(files.ok()) << files.status().message();
+    Result<std::unique_ptr<DeepSpeedModel>> r = ReadDeepSpeedModel(std::move(*files), "", {});
     EXPECT_TRUE(r.ok()) << r.status().message();
-    EXPECT_FALSE((*r)->HasErrors()) << (*r)->FirstError().message();
-    return std::move(r).value();
+    EXPECT_FALSE((*r)->logical.HasErrors()) << (*r)->logical.FirstError().message();
+    models_.push_back(std::move(r).value());
+    return &models_.back()->logical;
   }
 
   static const LogicalTensor* FindTensor(const LogicalCheckpoint& c, int layer_id, const std::string& key,
@@ -42,7 +45,7 @@ class PlanTest : public ::testing::Test {
     return nullptr;
   }
 
-  static const TensorPlan* FindPlan(const Plan& plan, const std::string& file, const LogicalCheckpoint& c,
+  static const TensorPlan* FindPlan(const DeepSpeedPlan& plan, const std::string& file, const LogicalCheckpoint& c,
                                     const std::string& key) {
     for (const LayerFilePlan& f : plan.layer_files) {
       if (f.name != file) continue;
@@ -54,6 +57,7 @@ class PlanTest : public ::testing::Test {
   }
 
   TempDir dir_;
+  std::vector<std::unique_ptr<DeepSpeedModel>> models_;
 };
 
 TEST_F(PlanTest, BloomStagesVocabularyAndFiles) {
@@ -65,7 +69,7 @@ TEST_F(PlanTest, BloomStagesVocabularyAndFiles) {
   PlanOptions o;
   o.tp = 4;
   o.pp = 2;
-  Result<Plan> plan = MakePlan(*src, o);
+  Result<DeepSpeedPlan> plan = MakePipelinePlan(*src, nullptr, o);
   ASSERT_TRUE(plan.ok()) << plan.status().message();
   EXPECT_EQ(plan->stage_bounds, (std::vector<int>{0, 5, 11}));
   EXPECT_EQ(plan->padded_vocab, 128);  // ceil(100 / (8 * 4)) * 32
@@ -78,7 +82,7 @@ TEST_F(PlanTest, BloomStagesVocabularyAndFiles) {
   ASSERT_NE(emb, nullptr);
   EXPECT_EQ(emb->shape, (std::vector<int64_t>{32, 16}));
   ASSERT_EQ(emb->copies.size(), 1u);
-  EXPECT_EQ(emb->copies[0].src_rank, 1);
+  EXPECT_EQ(emb->copies[0].src_shard, 1);
   EXPECT_EQ(emb->copies[0].src_start, 40);
   EXPECT_EQ(emb->copies[0].length, 16);
   ASSERT_EQ(emb->fills.size(), 1u);
@@ -91,7 +95,7 @@ TEST_F(PlanTest, TiedEmbeddingOnTheLastStageWithoutItsNorm) {
   auto src = Load("--style bs_bloom --tp 1 --pp 1 --optimizer none");
   PlanOptions o;
   o.pp = 2;
-  Result<Plan> plan = MakePlan(*src, o);
+  Result<DeepSpeedPlan> plan = MakePipelinePlan(*src, nullptr, o);
   ASSERT_TRUE(plan.ok());
   auto names = [&](int stage) {
     std::vector<std::string> out;
@@ -117,17 +121,17 @@ TEST_F(PlanTest, SwiGluHalvesAreReshardedSeparately) {
   auto src = Load("--style ms_llama --tp 2 --pp 1 --optimizer none");
   PlanOptions o;
   o.tp = 1;
-  Result<Plan> plan = MakePlan(*src, o);
+  Result<DeepSpeedPlan> plan = MakePipelinePlan(*src, nullptr, o);
   ASSERT_TRUE(plan.ok());
   // ffn 24: every source shard is [gate 12 rows; up 12 rows]. The TP 1 tensor
   // is [gate 0-23; up 0-23], so source rank 1's gate goes to rows 12-23.
   const TensorPlan* h4h = FindPlan(*plan, "layer_02-model_00-model_states.pt", *src, "mlp.dense_h_to_4h.weight");
   ASSERT_NE(h4h, nullptr);
   ASSERT_EQ(h4h->copies.size(), 4u);
-  EXPECT_EQ(h4h->copies[1].src_rank, 1);
+  EXPECT_EQ(h4h->copies[1].src_shard, 1);
   EXPECT_EQ(h4h->copies[1].src_start, 0);
   EXPECT_EQ(h4h->copies[1].dst_start, 12);
-  EXPECT_EQ(h4h->copies[2].src_rank, 0);
+  EXPECT_EQ(h4h->copies[2].src_shard, 0);
   EXPECT_EQ(h4h->copies[2].src_start, 12);
   EXPECT_EQ(h4h->copies[2].dst_start, 24);
 }
@@ -136,21 +140,21 @@ TEST_F(PlanTest, RefusesLayoutsTheModelCannotTake) {
   auto src = Load("--style ms_llama --tp 1 --pp 1 --optimizer none");  // 2 KV groups, 4 blocks
   PlanOptions o;
   o.tp = 4;
-  Result<Plan> bad_tp = MakePlan(*src, o);
+  Result<DeepSpeedPlan> bad_tp = MakePipelinePlan(*src, nullptr, o);
   ASSERT_FALSE(bad_tp.ok());
   EXPECT_NE(bad_tp.status().message().find("cannot split layer_02/self_attention.query_key_value.weight over 4 TP ranks: its 2 blocks"),
             std::string::npos);
   o.tp = 1;
   o.pp = 5;
-  Result<Plan> bad_pp = MakePlan(*src, o);
+  Result<DeepSpeedPlan> bad_pp = MakePipelinePlan(*src, nullptr, o);
   ASSERT_FALSE(bad_pp.ok());
   EXPECT_NE(bad_pp.status().message().find("exceeds the 4 transformer blocks"), std::string::npos);
   o.pp = 2;
   o.layers_per_stage = {1, 2};
-  EXPECT_NE(MakePlan(*src, o).status().message().find("sums to 3 but the model has 4 blocks"),
+  EXPECT_NE(MakePipelinePlan(*src, nullptr, o).status().message().find("sums to 3 but the model has 4 blocks"),
             std::string::npos);
   o.layers_per_stage = {3, 1};
-  Result<Plan> explicit_split = MakePlan(*src, o);
+  Result<DeepSpeedPlan> explicit_split = MakePipelinePlan(*src, nullptr, o);
   ASSERT_TRUE(explicit_split.ok());
   EXPECT_EQ(explicit_split->stage_bounds, (std::vector<int>{0, 5, 9}));
 }
@@ -166,29 +170,29 @@ TEST_F(PlanTest, ReplicatedPolicies) {
   ASSERT_NE(norm, nullptr);
   PlanOptions o;
   o.replicated = ReplicatedPolicy::kAverage;
-  Result<Plan> plan = MakePlan(*src, o);
+  Result<DeepSpeedPlan> plan = MakePipelinePlan(*src, nullptr, o);
   ASSERT_TRUE(plan.ok());
   const TensorPlan* avg = FindPlan(*plan, "layer_03-model_00-model_states.pt", *src, "input_layernorm.weight");
   ASSERT_NE(avg, nullptr);
   EXPECT_TRUE(avg->average);
   std::vector<uint8_t> mean;
   MaterializeTensor(*norm, *avg, &mean);
-  for (int64_t i = 0; i < norm->shards[0]->numel(); ++i) {
-    const double a = LoadAsDouble(DType::kBFloat16, TensorData(*norm->shards[0]) + 2 * i);
-    const double b = LoadAsDouble(DType::kBFloat16, TensorData(*norm->shards[1]) + 2 * i);
+  for (int64_t i = 0; i < norm->shards[0].numel(); ++i) {
+    const double a = LoadAsDouble(DType::kBFloat16, norm->shards[0].runs[0].bytes.data + 2 * i);
+    const double b = LoadAsDouble(DType::kBFloat16, norm->shards[1].runs[0].bytes.data + 2 * i);
     std::vector<uint8_t> expected(2);
     StoreFromDouble(DType::kBFloat16, (a + b) / 2, expected.data());
     EXPECT_EQ(std::memcmp(expected.data(), mean.data() + 2 * i, 2), 0) << "element " << i;
   }
   o.replicated = ReplicatedPolicy::kFirst;
-  Result<Plan> first_plan = MakePlan(*src, o);
+  Result<DeepSpeedPlan> first_plan = MakePipelinePlan(*src, nullptr, o);
   ASSERT_TRUE(first_plan.ok());
   const TensorPlan* first =
       FindPlan(*first_plan, "layer_03-model_00-model_states.pt", *src, "input_layernorm.weight");
   ASSERT_NE(first, nullptr);
   EXPECT_FALSE(first->average);
   ASSERT_EQ(first->copies.size(), 1u);
-  EXPECT_EQ(first->copies[0].src_rank, 0);
+  EXPECT_EQ(first->copies[0].src_shard, 0);
 }
 
 }  // namespace

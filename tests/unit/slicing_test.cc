@@ -28,7 +28,7 @@ void ExpectExactCover(int64_t full, int parts, int src_tp, int dst_tp) {
             dst_full = p.full_start + (c.dst_start + i - p.local_start);
           }
         }
-        for (const Piece& p : sources[c.src_rank]) {
+        for (const Piece& p : sources[c.src_shard]) {
           if (c.src_start + i >= p.local_start && c.src_start + i < p.local_start + p.length) {
             src_full = p.full_start + (c.src_start + i - p.local_start);
           }
@@ -66,7 +66,7 @@ TEST(SlicingTest, VocabularyRowsBeyondTheSourceAreFilled) {
   const auto target = RankPieces(128, 1, 4, 3);
   const auto copies = IntersectPieces(target, AllRanks(112, 1, 2), 0, 112);
   ASSERT_EQ(copies.size(), 1u);
-  EXPECT_EQ(copies[0].src_rank, 1);
+  EXPECT_EQ(copies[0].src_shard, 1);
   EXPECT_EQ(copies[0].src_start, 40);
   EXPECT_EQ(copies[0].length, 16);
   const auto fills = FillsBeyond(target, 0, 112, -1.0);

@@ -2,12 +2,13 @@
 
 #include <algorithm>
 
+#include "util/shape.h"
+
 namespace reshard {
 
 FlatGroup::FlatGroup(const std::vector<ParamShape>& params, int dp, int64_t alignment) : dp_(dp) {
   for (const auto& [name, shape] : params) {
-    int64_t n = 1;
-    for (int64_t d : shape) n *= d;
+    const int64_t n = ShapeNumel(shape);
     slots_.push_back({name, shape, numel_, n});
     numel_ += n;
   }

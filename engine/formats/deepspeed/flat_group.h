@@ -11,11 +11,15 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
-#include "plan/plan.h"
+
 
 namespace reshard {
+
+// A parameter name and its (TP-local) shape, as `param_shapes` records it.
+using ParamShape = std::pair<std::string, std::vector<int64_t>>;
 
 struct FlatSlot {
   std::string name;

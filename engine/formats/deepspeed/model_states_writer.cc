@@ -24,7 +24,7 @@ Value ParamShapesValue(const std::vector<std::vector<ParamShape>>& groups) {
   return Value::MakeList(std::move(list));
 }
 
-void RewriteArgs(const Plan& plan, Value* args) {
+void RewriteArgs(const DeepSpeedPlan& plan, Value* args) {
   ReplaceIfPresent(args, "tensor_model_parallel_size", Value::Int(plan.tp));
   ReplaceIfPresent(args, "pipeline_model_parallel_size", Value::Int(plan.pp));
   ReplaceIfPresent(args, "data_parallel_size", Value::Int(plan.dp));
@@ -51,7 +51,7 @@ void AddPattern(const std::string& pattern, std::vector<Value>* list) {
 // DeepSpeed's ds_to_universal merges TP slices by these pattern lists, which
 // Megatron-DeepSpeed writes only when TP > 1: a target at TP 1 drops them, a
 // target with TP > 1 from a TP-1 source (which has none) gets them from the rules.
-void RewriteUniversalPatterns(const LogicalCheckpoint& src, const Plan& plan, Value* info) {
+void RewriteUniversalPatterns(const LogicalCheckpoint& src, const DeepSpeedPlan& plan, Value* info) {
   Items* items = info != nullptr ? MutableDictItems(*info) : nullptr;
   if (items == nullptr) return;
   if (plan.tp == 1) {
@@ -83,7 +83,7 @@ void RewriteUniversalPatterns(const LogicalCheckpoint& src, const Plan& plan, Va
   add_absent("parameter_with_2_sub_params_cat_dim_0", std::move(two_parts));
 }
 
-void RewriteVocabInfo(const Plan& plan, Value* root) {
+void RewriteVocabInfo(const DeepSpeedPlan& plan, Value* root) {
   if (plan.padded_vocab == 0) return;
   for (const char* key : {"checkpoint_info", "universal_checkpoint_info"}) {
     ReplaceIfPresent(FindMutable(*root, key), "padded_vocab_size", Value::Int(plan.padded_vocab));
@@ -92,8 +92,8 @@ void RewriteVocabInfo(const Plan& plan, Value* root) {
 
 }  // namespace
 
-Value BuildModelStates(const LogicalCheckpoint& src, const Plan& plan, const ModelStatesPlan& ms,
-                       bool drop_optimizer) {
+Value BuildModelStates(const LogicalCheckpoint& src, const DeepSpeedPlan& plan,
+                       const ModelStatesPlan& ms) {
   Value root = src.metadata[ms.source_mp];
   ReplaceIfPresent(&root, "mp_world_size", Value::Int(int64_t{plan.tp} * plan.pp));
   ReplaceIfPresent(&root, "dp_world_size", Value::Int(plan.dp));
@@ -105,10 +105,10 @@ Value BuildModelStates(const LogicalCheckpoint& src, const Plan& plan, const Mod
     for (const std::string& b : ms.buffer_names) names.push_back(Value::String(b));
     Set(root, "buffer_names", Value::MakeList(std::move(names)));
   }
-  if (drop_optimizer) ReplaceIfPresent(&root, "optimizer", Value::None());
+  if (plan.drop_embedded_optimizer) ReplaceIfPresent(&root, "optimizer", Value::None());
   RewriteArgs(plan, FindMutable(root, "args"));
   RewriteVocabInfo(plan, &root);
-  if (src.pipeline) RewriteUniversalPatterns(src, plan, FindMutable(root, "universal_checkpoint_info"));
+  if (plan.pipeline) RewriteUniversalPatterns(src, plan, FindMutable(root, "universal_checkpoint_info"));
   Value* dims = FindMutable(root, "checkpoint_parallel_dimensions");
   ReplaceIfPresent(dims, "tp_degree", Value::Int(plan.tp));
   ReplaceIfPresent(dims, "pp_degree", Value::Int(plan.pp));

@@ -11,13 +11,14 @@
 // position, else mp_rank_00's (the plan notes it).
 #pragma once
 
+#include "formats/deepspeed/pipeline_plan.h"
 #include "pickle/value.h"
-#include "plan/plan.h"
 
 namespace reshard {
 
-// `drop_optimizer`: set an embedded optimizer state (fp16 without ZeRO) to None.
-Value BuildModelStates(const LogicalCheckpoint& src, const Plan& plan, const ModelStatesPlan& ms,
-                       bool drop_optimizer);
+// An embedded optimizer state (fp16 without ZeRO) becomes None when the plan
+// drops it (weights only).
+Value BuildModelStates(const LogicalCheckpoint& src, const DeepSpeedPlan& plan,
+                       const ModelStatesPlan& ms);
 
 }  // namespace reshard

@@ -3,6 +3,7 @@
 #include <map>
 
 #include "formats/deepspeed/stage_partition.h"
+#include "util/shape.h"
 
 namespace reshard {
 namespace {
@@ -35,12 +36,6 @@ int TiedLayerId(const LogicalCheckpoint& src) {
   return -1;
 }
 
-int64_t Numel(const std::vector<int64_t>& shape) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  return n;
-}
-
 // Trainable parameter count of each spec, as DeepSpeed's `parameters` method sees it.
 std::vector<SpecWeight> SpecWeights(const LogicalCheckpoint& src, int tp, int64_t padded_vocab) {
   const int tied_id = TiedLayerId(src);
@@ -52,7 +47,7 @@ std::vector<SpecWeight> SpecWeights(const LogicalCheckpoint& src, int tp, int64_
     if (layer != nullptr) {
       for (const LogicalTensor& t : layer->tensors) {
         if (t.rule->buffer || (tied_head && !t.rule->tied)) continue;
-        w.num_params += Numel(TargetShardShape(t, tp, padded_vocab));
+        w.num_params += ShapeNumel(TargetShardShape(t, tp, padded_vocab));
       }
     }
     weights.push_back(w);
@@ -127,16 +122,6 @@ std::vector<std::vector<ParamShape>> GroupParams(const std::vector<ParamShape>& 
 }
 
 }  // namespace
-
-std::vector<int64_t> TargetShardShape(const LogicalTensor& t, int tp, int64_t padded_vocab) {
-  std::vector<int64_t> shape = t.full_shape;
-  switch (t.rule->policy) {
-    case ParamRule::Policy::kReplicated: break;
-    case ParamRule::Policy::kVocab: shape[0] = padded_vocab / tp; break;
-    case ParamRule::Policy::kSplit: shape[t.rule->dim] /= tp; break;
-  }
-  return shape;
-}
 
 Result<std::vector<int>> TargetStageBounds(const LogicalCheckpoint& src, int pp, int tp,
                                            int64_t padded_vocab,

@@ -6,13 +6,11 @@
 #include <string>
 #include <vector>
 
-#include "plan/plan.h"
+#include "formats/deepspeed/flat_group.h"
+#include "logical/logical_checkpoint.h"
+#include "plan/tensor_plan.h"
 
 namespace reshard {
-
-// Shape of TP rank shards of `t` at `tp` ranks; vocab tensors get
-// `padded_vocab` rows in all.
-std::vector<int64_t> TargetShardShape(const LogicalTensor& t, int tp, int64_t padded_vocab);
 
 // Stage bounds for `pp` stages: from `layers_per_stage` when given, else by
 // the partition method recorded in the checkpoint (the rule set says where).

@@ -2,46 +2,59 @@
 
 #include <cstring>
 
-#include "plan/materialize.h"
 #include "formats/deepspeed/stages.h"
+#include "plan/materialize.h"
 
 namespace reshard {
 
-Result<StateTensor> StateTensor::Gather(const LogicalCheckpoint& src, const SourceOptimizer& opt,
-                                        const std::string& name, const std::string& state) {
+Result<StateTensor> LocateState(const LogicalCheckpoint& src, const SourceOptimizer& opt,
+                                const std::string& name, const std::string& state) {
   StateTensor st;
-  if (!ResolveParamName(src, name, &st.layer_index_, &st.tensor_index_)) {
+  if (!ResolveParamName(src, name, &st.layer_index, &st.tensor_index)) {
     return Status::InvalidInput("the optimizer shards hold " + name +
                                 ", which is not a tensor of the layer files");
   }
-  const LogicalTensor& weight = src.layers[st.layer_index_].tensors[st.tensor_index_];
-  st.shards_.reserve(src.tp);
+  st.tensor = src.layers[st.layer_index].tensors[st.tensor_index];
+  st.tensor.dtype = DType::kFloat32;
+  st.tensor.shards.clear();
   for (int t = 0; t < src.tp; ++t) {
-    RESHARD_ASSIGN_OR_RETURN(std::vector<uint8_t> gathered, opt.Gather(name, t, state));
-    auto bytes = std::make_shared<std::vector<uint8_t>>(std::move(gathered));
-    st.shards_.push_back(MakeOwnedTensor(DType::kFloat32, weight.local_shape, bytes).as_tensor());
+    RESHARD_ASSIGN_OR_RETURN(SourceShard shard, opt.Locate(name, t, state));
+    st.tensor.shards.push_back(std::move(shard));
   }
-  st.tensor_ = weight;
-  st.tensor_.dtype = DType::kFloat32;
-  st.tensor_.shards.clear();
-  for (const Tensor& t : st.shards_) st.tensor_.shards.push_back(&t);
   return st;
 }
+
+namespace {
+
+// True when two shards hold the same `n` elements of `element_size` bytes.
+bool SameElements(const SourceShard& a, const SourceShard& b, int64_t n, int element_size) {
+  constexpr int64_t kBlock = 1 << 14;
+  std::vector<uint8_t> da(static_cast<size_t>(kBlock) * element_size), db(da.size());
+  for (int64_t at = 0; at < n; at += kBlock) {
+    const int64_t len = std::min(kBlock, n - at);
+    TouchedPages pages;
+    a.Copy(at, len, element_size, da.data(), &pages);
+    b.Copy(at, len, element_size, db.data(), &pages);
+    if (std::memcmp(da.data(), db.data(), static_cast<size_t>(len) * element_size) != 0) return false;
+  }
+  return true;
+}
+
+}  // namespace
 
 Result<std::vector<StateDrift>> MeasureStateDrift(const LogicalCheckpoint& src,
                                                   const SourceOptimizer& opt) {
   std::vector<StateDrift> drifts;
   for (const std::string& name : opt.ParamNames()) {
     int li = 0, ti = 0;
-    if (!ResolveParamName(src, name, &li, &ti)) continue;  // reported when gathered
+    if (!ResolveParamName(src, name, &li, &ti)) continue;  // reported when located
     const ParamRule* rule = src.layers[li].tensors[ti].rule;
     if (rule->policy != ParamRule::Policy::kReplicated) continue;
     for (const std::string& state : opt.states()) {
-      RESHARD_ASSIGN_OR_RETURN(StateTensor st, StateTensor::Gather(src, opt, name, state));
-      const LogicalTensor& t = st.tensor();
-      const size_t bytes = static_cast<size_t>(t.shards[0]->numel()) * 4;
+      RESHARD_ASSIGN_OR_RETURN(StateTensor st, LocateState(src, opt, name, state));
+      const LogicalTensor& t = st.tensor;
       for (int r = 1; r < src.tp; ++r) {
-        if (std::memcmp(TensorData(*t.shards[0]), TensorData(*t.shards[r]), bytes) != 0) {
+        if (!SameElements(t.shards[0], t.shards[r], t.shards[0].numel(), 4)) {
           drifts.push_back({name, state, rule, r});
           break;
         }
@@ -53,27 +66,6 @@ Result<std::vector<StateDrift>> MeasureStateDrift(const LogicalCheckpoint& src,
 
 namespace {
 
-// Element range of a byte range of a tensor of `element_size`-byte elements.
-Status ToElements(int64_t offset, int64_t length, int element_size, int64_t* begin, int64_t* end) {
-  if (offset % element_size != 0 || length % element_size != 0) {
-    return Status::Internal("tensor bytes requested in a range not of whole elements");
-  }
-  *begin = offset / element_size;
-  *end = *begin + length / element_size;
-  return Status::Ok();
-}
-
-ByteProducer CopiedWeight(SourceTensor source, TensorPlan plan, std::atomic<int64_t>* read) {
-  return [source = std::move(source), plan = std::move(plan), read](
-             int64_t offset, int64_t length, uint8_t* dst) {
-    int64_t begin = 0, end = 0;
-    RESHARD_RETURN_IF_ERROR(ToElements(offset, length, ElementSize(source.dtype), &begin, &end));
-    TouchedPages pages;
-    *read += MaterializeRange(source, plan, begin, end, dst, &pages);
-    return Status::Ok();
-  };
-}
-
 // The averaged masters, a block at a time, cast to `dtype`.
 ByteProducer WeightOfMaster(SourceTensor master, TensorPlan plan, DType dtype,
                             std::atomic<int64_t>* read) {
@@ -81,7 +73,7 @@ ByteProducer WeightOfMaster(SourceTensor master, TensorPlan plan, DType dtype,
              int64_t offset, int64_t length, uint8_t* dst) {
     int64_t begin = 0, end = 0;
     const int es = ElementSize(dtype);
-    RESHARD_RETURN_IF_ERROR(ToElements(offset, length, es, &begin, &end));
+    RESHARD_RETURN_IF_ERROR(ElementRange(offset, length, es, &begin, &end));
     constexpr int64_t kBlock = 1 << 14;
     std::vector<uint8_t> fp32(static_cast<size_t>(std::min(kBlock, end - begin)) * 4);
     TouchedPages pages;
@@ -104,7 +96,7 @@ Result<ByteProducer> WeightProducer(const LogicalCheckpoint& src, const SourceOp
                                     std::atomic<int64_t>* read) {
   const std::string name = ParamName(src, plan.layer_index, plan.tensor_index);
   if (!plan.average || masters == nullptr || !masters->Has(name)) {
-    return CopiedWeight(SourceTensor::Of(weight), plan, read);
+    return RangeProducer(SourceTensor::Of(weight), plan, read);
   }
   SourceTensor master;
   master.local_shape = weight.local_shape;
@@ -113,15 +105,6 @@ Result<ByteProducer> WeightProducer(const LogicalCheckpoint& src, const SourceOp
     master.shards.push_back(std::move(shard));
   }
   return WeightOfMaster(std::move(master), plan, weight.dtype, read);
-}
-
-Status MaterializeWeight(const LogicalCheckpoint& src, const SourceOptimizer* masters,
-                         const LogicalTensor& weight, const TensorPlan& plan,
-                         std::vector<uint8_t>* out) {
-  std::atomic<int64_t> read{0};
-  RESHARD_ASSIGN_OR_RETURN(ByteProducer produce, WeightProducer(src, masters, weight, plan, &read));
-  out->resize(static_cast<size_t>(plan.numel()) * ElementSize(weight.dtype));
-  return produce(0, static_cast<int64_t>(out->size()), out->data());
 }
 
 }  // namespace reshard

@@ -13,30 +13,20 @@
 
 #include "logical/logical_checkpoint.h"
 #include "formats/deepspeed/zero_shard_reader.h"
-#include "plan/plan.h"
+#include "plan/tensor_plan.h"
+#include "util/byte_producer.h"
 
 namespace reshard {
 
-class StateTensor {
- public:
-  // `state` (kMasterState, "exp_avg", ...) of parameter `name`, from every source TP rank.
-  static Result<StateTensor> Gather(const LogicalCheckpoint& src, const SourceOptimizer& opt,
-                                    const std::string& name, const std::string& state);
-
-  StateTensor(StateTensor&&) = default;
-  StateTensor(const StateTensor&) = delete;
-  StateTensor& operator=(const StateTensor&) = delete;
-
-  const LogicalTensor& tensor() const { return tensor_; }
-  int layer_index() const { return layer_index_; }
-  int tensor_index() const { return tensor_index_; }
-
- private:
-  StateTensor() = default;
-  LogicalTensor tensor_;        // shards point into shards_
-  std::vector<Tensor> shards_;  // own their gathered bytes
-  int layer_index_ = 0, tensor_index_ = 0;
+struct StateTensor {
+  LogicalTensor tensor;  // the weight's rule and shapes; fp32; shards in the flat partitions
+  int layer_index = 0, tensor_index = 0;  // the weight's place in the checkpoint
 };
+
+// `state` (kMasterState, "exp_avg", ...) of parameter `name` from every
+// source TP rank, located in the optimizer shards (nothing is copied).
+Result<StateTensor> LocateState(const LogicalCheckpoint& src, const SourceOptimizer& opt,
+                                const std::string& name, const std::string& state);
 
 // A replicated parameter whose optimizer state differs between TP ranks.
 struct StateDrift {
@@ -59,10 +49,5 @@ Result<std::vector<StateDrift>> MeasureStateDrift(const LogicalCheckpoint& src,
 Result<ByteProducer> WeightProducer(const LogicalCheckpoint& src, const SourceOptimizer* masters,
                                     const LogicalTensor& weight, const TensorPlan& plan,
                                     std::atomic<int64_t>* read);
-
-// The whole weight into `out`.
-Status MaterializeWeight(const LogicalCheckpoint& src, const SourceOptimizer* masters,
-                         const LogicalTensor& weight, const TensorPlan& plan,
-                         std::vector<uint8_t>* out);
 
 }  // namespace reshard

@@ -3,10 +3,13 @@
 #include <algorithm>
 #include <cstring>
 
-#include "container/torch_file.h"
-#include "formats/deepspeed/zero_shard_reader.h"
-#include "formats/deepspeed/torch_state.h"
+#include "formats/deepspeed/pipeline_reader.h"
+#include "formats/deepspeed/pipeline_writer.h"
 #include "formats/deepspeed/stages.h"
+#include "formats/deepspeed/torch_state.h"
+#include "formats/deepspeed/zero_shard_reader.h"
+#include "plan/materialize.h"
+#include "util/shape.h"
 
 namespace reshard {
 namespace {
@@ -52,12 +55,6 @@ std::vector<std::vector<Zero3Param>> CutSubGroups(const std::vector<Zero3Param>&
   return out;
 }
 
-Value FloatTensor(std::vector<float> values) {
-  auto bytes = std::make_shared<std::vector<uint8_t>>(values.size() * 4);
-  std::memcpy(bytes->data(), values.data(), bytes->size());
-  return MakeOwnedTensor(DType::kFloat32, {static_cast<int64_t>(values.size())}, std::move(bytes));
-}
-
 int64_t IntOrFloat(const Value* v, int64_t fallback) {
   if (v == nullptr) return fallback;
   if (v->is(Value::Kind::kFloat)) return static_cast<int64_t>(v->as_float());
@@ -94,12 +91,10 @@ Status Zero3Checkpoint::LoadRank(int mp, const std::set<std::string>& allowed_cl
     return Status::InvalidInput(files_.tag_dir + ": ZeRO-3 optimizer shards of mp rank " +
                                 std::to_string(mp) + " do not cover DP ranks 0-" + std::to_string(dp_ - 1));
   }
-  PickleReadOptions read;
-  read.allowed_globals = allowed_classes;
   Zero3Rank& rank = ranks_[mp];
   for (int d = 0; d < dp_; ++d) {
-    RESHARD_ASSIGN_OR_RETURN(Value model, ReadTorchFile(models->second[d], read));
-    RESHARD_ASSIGN_OR_RETURN(Value opt, ReadTorchFile(optim[d], read));
+    RESHARD_ASSIGN_OR_RETURN(Value model, ReadDeepSpeedFile(models->second[d], allowed_classes));
+    RESHARD_ASSIGN_OR_RETURN(Value opt, ReadDeepSpeedFile(optim[d], allowed_classes));
     const Value* frozen = Find(model, "frozen_param_fragments");
     const Items* frozen_items = frozen != nullptr ? DictItems(*frozen) : nullptr;
     if (frozen_items != nullptr && !frozen_items->empty()) {
@@ -116,11 +111,7 @@ Status Zero3Checkpoint::LoadRank(int mp, const std::set<std::string>& allowed_cl
   }
   for (const auto& group : shapes) {
     std::vector<Zero3Param> params;
-    for (const auto& [name, shape] : group) {
-      int64_t n = 1;
-      for (int64_t s : shape) n *= s;
-      params.push_back({name, shape, n});
-    }
+    for (const auto& [name, shape] : group) params.push_back({name, shape, ShapeNumel(shape)});
     rank.sub_groups.push_back(std::move(params));
   }
   const Value* torch_sd = TorchStateDict(rank.optimizer[0]);
@@ -182,22 +173,25 @@ int64_t Zero3Checkpoint::iteration() const {
   return IntOrFloat(Find(ranks_[0].model_states[0], "global_steps"), 0);
 }
 
-Result<std::vector<float>> Zero3Checkpoint::Gather(int mp, const std::string& name,
-                                                   const std::string& state) const {
+Result<SourceShard> Zero3Checkpoint::Locate(int mp, const std::string& name,
+                                            const std::string& state) const {
   const Zero3Rank& rank = ranks_[mp];
   for (size_t sg = 0; sg < rank.sub_groups.size(); ++sg) {
     int64_t offset = 0;
     for (const Zero3Param& p : rank.sub_groups[sg]) {
       const int64_t slice = CeilDiv(p.numel, dp_);
       if (p.name == name) {
-        std::vector<float> out(p.numel);
+        SourceShard shard;
+        shard.at = ShardCoords{mp};
         for (int d = 0; d < dp_; ++d) {
           const int64_t n = std::min(slice, p.numel - d * slice);
           if (n <= 0) break;
           const Tensor& flat = Flat(mp, d, static_cast<int>(sg), state)->as_tensor();
-          std::memcpy(out.data() + d * slice, TensorData(flat) + offset * 4, n * 4);
+          const ByteView& file = flat.storage->bytes;
+          shard.runs.push_back({d * slice, n, ByteView{file.owner, TensorData(flat) + offset * 4,
+                                                       static_cast<size_t>(n) * 4, file.mapped}});
         }
-        return out;
+        return shard;
       }
       offset += slice;
     }
@@ -241,22 +235,42 @@ Zero3Target Zero3Checkpoint::Retarget(int mp, int target_dp) const {
 
 namespace {
 
-using WholeStates = std::map<std::string, std::map<std::string, std::vector<float>>>;
+// Each target parameter's source: its state located in the source flats.
+using LocatedStates = std::map<std::string, std::map<std::string, SourceShard>>;
 
-// DP rank d's flat of `state` for one target sub-group: each parameter's
-// slice, zero-padded to ceil(n/DP).
-std::vector<float> TargetFlat(const std::vector<Zero3Param>& sub_group, const WholeStates& whole,
-                              const std::string& state, int d, int dp) {
-  std::vector<float> flat;
-  for (const Zero3Param& p : sub_group) {
-    const int64_t slice = CeilDiv(p.numel, dp);
-    const std::vector<float>& src = whole.at(p.name).at(state);
-    const int64_t begin = std::min<int64_t>(d * slice, p.numel);
-    const int64_t end = std::min<int64_t>(begin + slice, p.numel);
-    flat.insert(flat.end(), src.begin() + begin, src.begin() + end);
-    flat.resize(flat.size() + (slice - (end - begin)), 0.0f);
-  }
-  return flat;
+// DP rank d's flat of `state` for one target sub-group, produced a range at a
+// time: each parameter's slice, zero-padded to ceil(n/DP).
+ByteProducer TargetFlat(std::vector<Zero3Param> sub_group, std::vector<SourceShard> sources, int d,
+                        int dp, std::atomic<int64_t>* read) {
+  return [sub_group = std::move(sub_group), sources = std::move(sources), d, dp, read](
+             int64_t offset, int64_t length, uint8_t* dst) {
+    int64_t begin = 0, end = 0;
+    RESHARD_RETURN_IF_ERROR(ElementRange(offset, length, 4, &begin, &end));
+    TouchedPages pages;
+    int64_t at = 0;  // where the current parameter's slice starts in the flat
+    for (size_t i = 0; i < sub_group.size() && at < end; ++i) {
+      const int64_t slice = CeilDiv(sub_group[i].numel, dp);
+      const int64_t held = std::clamp<int64_t>(sub_group[i].numel - d * slice, 0, slice);
+      const int64_t lo = std::max(begin, at), hi = std::min(end, at + slice);
+      const int64_t data_hi = std::min(hi, at + held);
+      if (lo < data_hi) {
+        sources[i].Copy(d * slice + (lo - at), data_hi - lo, 4, dst + (lo - begin) * 4, &pages);
+        *read += (data_hi - lo) * 4;
+      }
+      const int64_t zero_lo = std::max(lo, data_hi);
+      if (zero_lo < hi) std::memset(dst + (zero_lo - begin) * 4, 0, static_cast<size_t>(hi - zero_lo) * 4);
+      at += slice;
+    }
+    return Status::Ok();
+  };
+}
+
+Value FlatTensor(const std::vector<Zero3Param>& sub_group, const LocatedStates& sources,
+                 const std::string& state, int d, int dp, std::atomic<int64_t>* read) {
+  std::vector<SourceShard> shards;
+  for (const Zero3Param& p : sub_group) shards.push_back(sources.at(p.name).at(state));
+  return MakeProducedTensor(DType::kFloat32, {FlatLength(sub_group, dp)},
+                            TargetFlat(sub_group, std::move(shards), d, dp, read));
 }
 
 }  // namespace
@@ -275,8 +289,8 @@ Value Zero3Checkpoint::TargetModelStates(int mp, const Zero3Target& t, int d) co
   return model;
 }
 
-Value Zero3Checkpoint::TargetOptimizer(int mp, const Zero3Target& t, const WholeStates& whole,
-                                       int d) const {
+Value Zero3Checkpoint::TargetOptimizer(int mp, const Zero3Target& t, const LocatedStates& sources,
+                                       int d, std::atomic<int64_t>* read) const {
   const Value& source = ranks_[mp].optimizer[0];
   Value opt = source;
   Value& osd = *FindMutable(opt, "optimizer_state_dict");
@@ -286,10 +300,10 @@ Value Zero3Checkpoint::TargetOptimizer(int mp, const Zero3Target& t, const Whole
   for (size_t sg = 0; sg < t.sub_groups.size(); ++sg) {
     Value per_group = *SubGroupState(source, t.scalar_source[sg]);
     for (size_t s = 1; s < states_.size(); ++s) {
-      Set(per_group, states_[s], FloatTensor(TargetFlat(t.sub_groups[sg], whole, states_[s], d, t.dp)));
+      Set(per_group, states_[s], FlatTensor(t.sub_groups[sg], sources, states_[s], d, t.dp, read));
     }
     state_items.emplace_back(Value::Int(static_cast<int64_t>(sg)), std::move(per_group));
-    masters.push_back(FloatTensor(TargetFlat(t.sub_groups[sg], whole, kMasterState, d, t.dp)));
+    masters.push_back(FlatTensor(t.sub_groups[sg], sources, kMasterState, d, t.dp, read));
   }
   Value& torch_sd = *FindMutable(osd, "optimizer_state_dict");
   Set(torch_sd, "state", Value::MakeDict(std::move(state_items)));
@@ -303,27 +317,29 @@ Value Zero3Checkpoint::TargetOptimizer(int mp, const Zero3Target& t, const Whole
   return opt;
 }
 
-Result<int64_t> Zero3Checkpoint::Write(int target_dp, const std::string& dir, bool bf16_prefix) const {
-  int64_t files = 0;
+Result<std::vector<Job>> Zero3Checkpoint::Jobs(int target_dp, bool bf16_prefix,
+                                               std::atomic<int64_t>* read) const {
+  std::vector<Job> jobs;
   for (int mp = 0; mp < this->mp(); ++mp) {
     const Zero3Target target = Retarget(mp, target_dp);
-    WholeStates whole;
+    LocatedStates sources;
     for (const auto& group : target.sub_groups) {
       for (const Zero3Param& p : group) {
         for (const std::string& state : states_) {
-          RESHARD_ASSIGN_OR_RETURN(whole[p.name][state], Gather(mp, p.name, state));
+          RESHARD_ASSIGN_OR_RETURN(sources[p.name][state], Locate(mp, p.name, state));
         }
       }
     }
     for (int d = 0; d < target_dp; ++d) {
-      RESHARD_RETURN_IF_ERROR(WriteTorchFile(dir + "/" + Zero3ModelStatesFileName(d, mp),
-                                             TargetModelStates(mp, target, d)));
-      RESHARD_RETURN_IF_ERROR(WriteTorchFile(dir + "/" + OptimizerFileName(bf16_prefix, d, mp),
-                                             TargetOptimizer(mp, target, whole, d)));
-      files += 2;
+      RESHARD_ASSIGN_OR_RETURN(Job model, TorchFileJob(Zero3ModelStatesFileName(d, mp),
+                                                       TargetModelStates(mp, target, d)));
+      RESHARD_ASSIGN_OR_RETURN(Job optimizer, TorchFileJob(OptimizerFileName(bf16_prefix, d, mp),
+                                                           TargetOptimizer(mp, target, sources, d, read)));
+      jobs.push_back(std::move(model));
+      jobs.push_back(std::move(optimizer));
     }
   }
-  return files;
+  return jobs;
 }
 
 }  // namespace reshard

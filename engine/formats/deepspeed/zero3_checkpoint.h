@@ -18,9 +18,12 @@
 #include <string>
 #include <vector>
 
+#include <atomic>
+
+#include "exec/job.h"
 #include "formats/deepspeed/checkpoint_files.h"
+#include "logical/source_shard.h"
 #include "pickle/value.h"
-#include "plan/plan.h"
 
 namespace reshard {
 
@@ -53,15 +56,17 @@ class Zero3Checkpoint {
   const std::vector<std::string>& states() const { return states_; }
   const std::vector<Zero3Rank>& ranks() const { return ranks_; }
 
-  // The whole fp32 `state` of parameter `name` on model-parallel rank `mp`.
-  Result<std::vector<float>> Gather(int mp, const std::string& name, const std::string& state) const;
+  // Where the fp32 `state` of parameter `name` on model-parallel rank `mp`
+  // lies: its slice in every DP rank's flat (nothing is copied).
+  Result<SourceShard> Locate(int mp, const std::string& name, const std::string& state) const;
 
   // "ZeRO-3, TP 1, DP 4; iteration 10; 8 sub-groups in 2 groups; states fp32, exp_avg"
   std::string Summary() const;
 
-  // Writes every file of the checkpoint at `target_dp` into `dir`. Returns the
-  // number of files written.
-  Result<int64_t> Write(int target_dp, const std::string& dir, bool bf16_prefix) const;
+  // Every file of the checkpoint at `target_dp`, as jobs whose flats are
+  // produced from this checkpoint's while written (adding the bytes read to
+  // *read); this checkpoint must outlive them.
+  Result<std::vector<Job>> Jobs(int target_dp, bool bf16_prefix, std::atomic<int64_t>* read) const;
 
  private:
   Status LoadRank(int mp, const std::set<std::string>& allowed_classes);
@@ -69,8 +74,8 @@ class Zero3Checkpoint {
   Zero3Target Retarget(int mp, int target_dp) const;
   Value TargetModelStates(int mp, const Zero3Target& target, int d) const;
   Value TargetOptimizer(int mp, const Zero3Target& target,
-                        const std::map<std::string, std::map<std::string, std::vector<float>>>& whole,
-                        int d) const;
+                        const std::map<std::string, std::map<std::string, SourceShard>>& sources,
+                        int d, std::atomic<int64_t>* read) const;
   const Value* Flat(int mp, int d, int sub_group, const std::string& state) const;
 
   CheckpointFiles files_;

@@ -3,8 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "container/torch_file.h"
-#include "formats/deepspeed/checkpoint_files.h"
+#include "formats/deepspeed/pipeline_reader.h"
 #include "formats/deepspeed/torch_state.h"
 #include "formats/deepspeed/stages.h"
 
@@ -122,17 +121,18 @@ Status AddFlats(const Value& shard, const OptimizerFormat& format,
 
 }  // namespace
 
-bool HasOptimizerState(const LogicalCheckpoint& src) {
+bool HasEmbeddedOptimizerState(const LogicalCheckpoint& src) {
   const Value* embedded = src.metadata.empty() ? nullptr : Find(src.metadata[0], "optimizer");
-  return !src.files.optimizer_files.empty() || (embedded != nullptr && !embedded->is_none());
+  return embedded != nullptr && !embedded->is_none();
 }
 
 Result<std::unique_ptr<SourceOptimizer>> SourceOptimizer::Load(
-    const LogicalCheckpoint& src, const std::set<std::string>& allowed_classes) {
+    const LogicalCheckpoint& src, const std::vector<OptimizerShardFile>& files,
+    const std::set<std::string>& allowed_classes) {
   auto opt = std::unique_ptr<SourceOptimizer>(new SourceOptimizer());
   opt->tp_ = src.tp;
   opt->stages_.resize(src.metadata.size());
-  if (src.files.optimizer_files.empty()) {
+  if (files.empty()) {
     // FP16_Optimizer without ZeRO keeps its state in the mp_rank files and
     // records no param_shapes: the stage layout is DeepSpeed's partition.
     opt->format_.embedded = true;
@@ -143,7 +143,7 @@ Result<std::unique_ptr<SourceOptimizer>> SourceOptimizer::Load(
     }
   } else {
     std::vector<std::vector<std::string>> paths(src.metadata.size());
-    for (const OptimizerShardFile& f : src.files.optimizer_files) {
+    for (const OptimizerShardFile& f : files) {
       auto& by_dp = paths[f.mp_rank];
       if (static_cast<int>(by_dp.size()) <= f.dp_rank) by_dp.resize(f.dp_rank + 1);
       by_dp[f.dp_rank] = f.path;
@@ -256,10 +256,8 @@ Status SourceOptimizer::LoadStage(const LogicalCheckpoint& src, int mp,
   RESHARD_RETURN_IF_ERROR(CheckGroupCount(groups.size(), mp));
   const int dp = static_cast<int>(paths.size());
   for (const auto& g : groups) stage.groups.emplace_back(g, dp, format_.Alignment(dp));
-  PickleReadOptions read;
-  read.allowed_globals = allowed_classes;
   for (int d = 0; d < dp; ++d) {
-    RESHARD_ASSIGN_OR_RETURN(Value shard, ReadTorchFile(paths[d], read));
+    RESHARD_ASSIGN_OR_RETURN(Value shard, ReadDeepSpeedFile(paths[d], allowed_classes));
     const Value* base = TorchStateDict(shard, false);
     if (base == nullptr) {
       return Status::InvalidInput(paths[d] + " has no optimizer_state_dict.base_optimizer_state");
@@ -340,6 +338,7 @@ Result<SourceShard> SourceOptimizer::Locate(const std::string& name, int t,
   const FlatSlot& slot = group.slots()[o.slot];
   const int64_t partition = group.partition();
   SourceShard shard;
+  shard.at = ShardCoords{t, o.stage, static_cast<int>(slot.offset / partition)};
   for (int64_t done = 0; done < slot.numel;) {
     const int64_t flat_index = slot.offset + done;
     const int d = static_cast<int>(flat_index / partition);

@@ -17,9 +17,10 @@
 #include <string>
 #include <vector>
 
-#include "plan/materialize.h"
-#include "logical/logical_checkpoint.h"
+#include "formats/deepspeed/checkpoint_files.h"
 #include "formats/deepspeed/flat_group.h"
+#include "logical/logical_checkpoint.h"
+#include "plan/materialize.h"
 
 namespace reshard {
 
@@ -43,9 +44,9 @@ struct OptimizerFormat {
   }
 };
 
-// True when the checkpoint holds optimizer state: shard files, or the
-// FP16_Optimizer state inside its mp_rank files.
-bool HasOptimizerState(const LogicalCheckpoint& src);
+// True when the mp_rank files hold an optimizer state (FP16_Optimizer
+// without ZeRO, or a plain torch optimizer).
+bool HasEmbeddedOptimizerState(const LogicalCheckpoint& src);
 
 // The state name of the fp32 master weights (single_partition_of_fp32_groups).
 inline constexpr const char* kMasterState = "fp32";
@@ -53,13 +54,16 @@ inline constexpr const char* kMasterState = "fp32";
 class SourceOptimizer {
  public:
   // Errors name the file and what does not add up.
+  // `files` are the shard files; none: the state inside the mp_rank files.
   static Result<std::unique_ptr<SourceOptimizer>> Load(const LogicalCheckpoint& src,
+                                                       const std::vector<OptimizerShardFile>& files,
                                                        const std::set<std::string>& allowed_classes);
 
   const OptimizerFormat& format() const { return format_; }
   // kMasterState, then the optimizer's per-element states in file order.
   const std::vector<std::string>& states() const { return states_; }
   int num_groups() const { return num_groups_; }
+  int tp() const { return tp_; }
   // The shard of pipeline stage 0, TP rank 0, DP rank 0 (for the embedded
   // format: its `optimizer` dict): what targets are built from.
   const Value& Template() const { return stages_[0].shards[0]; }

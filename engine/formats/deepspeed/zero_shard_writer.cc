@@ -5,8 +5,6 @@
 #include <memory>
 
 #include "plan/materialize.h"
-#include "formats/deepspeed/checkpoint_files.h"
-#include "formats/deepspeed/stages.h"
 #include "formats/deepspeed/torch_state.h"
 
 namespace reshard {
@@ -18,100 +16,53 @@ namespace {
 // written, so nothing is held but this map.
 class TargetStage {
  public:
-  static Result<std::shared_ptr<const TargetStage>> Make(const LogicalCheckpoint& src,
-                                                         const SourceOptimizer& opt,
-                                                         const Plan& plan,
-                                                         const ModelStatesPlan& stage,
+  static Result<std::shared_ptr<const TargetStage>> Make(const SourceOptimizer& opt,
+                                                         const OptimizerStagePlan& plan,
                                                          std::atomic<int64_t>* read);
 
-  const std::vector<FlatGroup>& groups() const { return groups_; }
+  const std::vector<FlatGroup>& groups() const { return plan_.groups; }
 
   // Writes elements [begin, begin + n) of state `s`'s flat buffer of group `g`.
   Status Produce(int g, int s, int64_t begin, int64_t n, uint8_t* dst) const;
 
  private:
-  // One parameter of a group: its plan (the weight's, for this TP rank) and
-  // every state's source shards.
-  struct Slot {
-    TensorPlan master_plan;  // new vocabulary rows take the weights' fill
-    TensorPlan moment_plan;  // ... and start at 0 in the moments
-    std::vector<SourceTensor> states;  // by state index
-  };
-  Status AddSlot(const LogicalCheckpoint& src, const SourceOptimizer& opt, const Plan& plan,
-                 int tp_rank, const FlatSlot& flat, std::vector<Slot>* slots);
-
-  std::vector<FlatGroup> groups_;
-  std::vector<std::vector<Slot>> slots_;  // [group][slot]
+  OptimizerStagePlan plan_;
+  std::vector<std::vector<std::vector<SourceTensor>>> sources_;  // [group][slot][state]
   std::atomic<int64_t>* read_ = nullptr;
 };
 
-Result<std::shared_ptr<const TargetStage>> TargetStage::Make(const LogicalCheckpoint& src,
-                                                             const SourceOptimizer& opt,
-                                                             const Plan& plan,
-                                                             const ModelStatesPlan& stage,
+Result<std::shared_ptr<const TargetStage>> TargetStage::Make(const SourceOptimizer& opt,
+                                                             const OptimizerStagePlan& plan,
                                                              std::atomic<int64_t>* read) {
   auto t = std::make_shared<TargetStage>();
+  t->plan_ = plan;
   t->read_ = read;
-  const int dp = opt.format().embedded ? 1 : plan.dp;  // FP16_Optimizer does not partition
-  for (const auto& params : stage.param_shapes) {
-    t->groups_.emplace_back(params, dp, opt.format().Alignment(dp));
-  }
-  if (static_cast<int>(t->groups_.size()) != opt.num_groups()) {
-    return Status::Unsupported("target stage " + std::to_string(stage.pp_rank) + " has " +
-                               std::to_string(t->groups_.size()) +
-                               " optimizer groups but the source has " +
-                               std::to_string(opt.num_groups()));
-  }
-  for (const FlatGroup& group : t->groups_) {
-    t->slots_.emplace_back();
-    for (const FlatSlot& flat : group.slots()) {
-      RESHARD_RETURN_IF_ERROR(t->AddSlot(src, opt, plan, stage.tp_rank, flat, &t->slots_.back()));
+  for (const std::vector<OptimizerSlotPlan>& group : plan.slots) {
+    t->sources_.emplace_back();
+    for (const OptimizerSlotPlan& slot : group) {
+      std::vector<SourceTensor> states;
+      for (const std::string& state : opt.states()) {
+        SourceTensor source;
+        source.local_shape = slot.source_shape;
+        for (int tp = 0; tp < opt.tp(); ++tp) {
+          RESHARD_ASSIGN_OR_RETURN(SourceShard shard, opt.Locate(slot.source_param, tp, state));
+          source.shards.push_back(std::move(shard));
+        }
+        states.push_back(std::move(source));
+      }
+      t->sources_.back().push_back(std::move(states));
     }
   }
   return std::shared_ptr<const TargetStage>(std::move(t));
-}
-
-Status TargetStage::AddSlot(const LogicalCheckpoint& src, const SourceOptimizer& opt,
-                            const Plan& plan, int tp_rank, const FlatSlot& flat,
-                            std::vector<Slot>* slots) {
-  Slot slot;
-  std::vector<int64_t> local_shape;
-  if (src.pipeline) {
-    int li = 0, ti = 0;
-    if (!ResolveParamName(src, flat.name, &li, &ti)) {
-      return Status::InvalidInput("the optimizer shards hold " + flat.name +
-                                  ", which is not a tensor of the layer files");
-    }
-    // Layer files are planned layer by layer, TP rank by TP rank.
-    slot.master_plan = plan.layer_files[li * plan.tp + tp_rank].tensors[ti];
-    local_shape = src.layers[li].tensors[ti].local_shape;
-  } else {
-    // The TP layout is unchanged: TP rank t's state is the source rank's own.
-    slot.master_plan.shape = local_shape = {flat.numel};
-    slot.master_plan.copies = {SliceCopy{tp_rank, 0, 0, 0, flat.numel}};
-  }
-  slot.moment_plan = slot.master_plan;
-  for (SliceFill& f : slot.moment_plan.fills) f.value = 0;
-  for (const std::string& state : opt.states()) {
-    SourceTensor source;
-    source.local_shape = local_shape;
-    for (int t = 0; t < src.tp; ++t) {
-      RESHARD_ASSIGN_OR_RETURN(SourceShard shard, opt.Locate(flat.name, t, state));
-      source.shards.push_back(std::move(shard));
-    }
-    slot.states.push_back(std::move(source));
-  }
-  slots->push_back(std::move(slot));
-  return Status::Ok();
 }
 
 Status TargetStage::Produce(int g, int s, int64_t begin, int64_t n, uint8_t* dst) const {
   TouchedPages pages;
   int64_t read = 0, filled = 0;
   // Parameters lie back to back, so the fragments fill [0, filled) ...
-  for (const Fragment& f : groups_[g].FragmentsIn(begin, begin + n)) {
-    const Slot& slot = slots_[g][f.slot];
-    read += MaterializeRange(slot.states[s], s == 0 ? slot.master_plan : slot.moment_plan,
+  for (const Fragment& f : plan_.groups[g].FragmentsIn(begin, begin + n)) {
+    const OptimizerSlotPlan& slot = plan_.slots[g][f.slot];
+    read += MaterializeRange(sources_[g][f.slot][s], s == 0 ? slot.master : slot.moment,
                              f.param_offset, f.param_offset + f.numel,
                              dst + f.partition_start * 4, &pages);
     filled = f.partition_start + f.numel;
@@ -226,19 +177,17 @@ Result<Value> BuildEmbedded(const SourceOptimizer& opt, const std::shared_ptr<co
 
 }  // namespace
 
-Result<std::vector<Value>> BuildOptimizerState(const LogicalCheckpoint& src,
-                                               const SourceOptimizer& opt, const Plan& plan,
-                                               int pp_rank, int tp_rank,
+Result<std::vector<Value>> BuildOptimizerState(const SourceOptimizer& opt,
+                                               const OptimizerStagePlan& plan, int dp,
                                                std::atomic<int64_t>* read) {
-  const int mp = pp_rank * plan.tp + tp_rank;
   RESHARD_ASSIGN_OR_RETURN(std::shared_ptr<const TargetStage> stage,
-                           TargetStage::Make(src, opt, plan, plan.model_states[mp], read));
+                           TargetStage::Make(opt, plan, read));
   if (opt.format().embedded) {
     RESHARD_ASSIGN_OR_RETURN(Value optimizer, BuildEmbedded(opt, stage));
     return std::vector<Value>{std::move(optimizer)};
   }
   std::vector<Value> shards;
-  for (int d = 0; d < plan.dp; ++d) {
+  for (int d = 0; d < dp; ++d) {
     RESHARD_ASSIGN_OR_RETURN(Value shard, BuildShard(opt, stage, d));
     shards.push_back(std::move(shard));
   }

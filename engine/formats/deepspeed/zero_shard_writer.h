@@ -12,19 +12,19 @@
 #include <atomic>
 #include <string>
 
+#include "formats/deepspeed/pipeline_plan.h"
 #include "formats/deepspeed/zero_shard_reader.h"
-#include "plan/plan.h"
 
 namespace reshard {
 
-// The target optimizer state of stage `pp_rank`, TP rank `tp_rank`: for the
-// sharded formats one file root per target DP rank; for the embedded
-// FP16_Optimizer format the single `optimizer` dict of its mp_rank file. The
-// flat tensors are produced from the source shards while they are written,
-// adding the source bytes they read to *read, which must outlive them.
-Result<std::vector<Value>> BuildOptimizerState(const LogicalCheckpoint& src,
-                                               const SourceOptimizer& opt, const Plan& plan,
-                                               int pp_rank, int tp_rank,
+// The target optimizer state of one (pipeline, tensor) rank `plan`
+// describes: for the sharded formats one file root per target DP rank (of
+// `dp`); for the embedded FP16_Optimizer format the single `optimizer` dict
+// of its mp_rank file. The flat tensors are produced from the source shards
+// while they are written, adding the source bytes they read to *read, which
+// must outlive them.
+Result<std::vector<Value>> BuildOptimizerState(const SourceOptimizer& opt,
+                                               const OptimizerStagePlan& plan, int dp,
                                                std::atomic<int64_t>* read);
 
 }  // namespace reshard

@@ -1,0 +1,31 @@
+// Job: one unit of streamed work — a file to write, a tensor to compare.
+//
+// The executor knows no format: a job is a name, its size in bytes (which
+// orders the work, splits it between processes and drives progress) and a
+// function that does it through the worker's buffer. Formats turn their
+// plans into jobs.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "reshard/status.h"
+
+namespace reshard {
+
+// What a running job gets from its worker.
+struct JobContext {
+  const std::string& dir;           // the folder files are written into ("" when none)
+  std::vector<uint8_t>& buffer;     // this worker's streaming buffer, at the budgeted size
+  std::function<void(int64_t)> done;  // report bytes of progress
+};
+
+struct Job {
+  std::string name;   // a file's name in `dir`; breaks ties between equal sizes
+  int64_t bytes = 0;  // the tensor bytes it streams
+  std::function<Status(JobContext& ctx)> run;
+};
+
+}  // namespace reshard

@@ -1,0 +1,150 @@
+// A non-pipeline DeepSpeed checkpoint (HF Trainer, Accelerate, Lightning,
+// Megatron-DeepSpeed --no-pipeline-parallel) as a SourceCheckpoint: the whole
+// model sits in each mp_rank file's `module`, and only DP can change.
+#include <map>
+
+#include "formats/deepspeed/deepspeed_source.h"
+#include "formats/deepspeed/file_names.h"
+#include "formats/deepspeed/pipeline_plan.h"
+#include "formats/deepspeed/pipeline_reader.h"
+#include "formats/deepspeed/pipeline_writer.h"
+#include "formats/deepspeed/zero_shard_lint.h"
+#include "plan/materialize.h"
+
+namespace reshard {
+namespace {
+
+
+// Every tensor of a `module`, by dotted name.
+void CollectTensors(const Value& v, const std::string& prefix, std::map<std::string, const Tensor*>* out) {
+  if (v.is(Value::Kind::kTensor)) {
+    (*out)[prefix] = &v.as_tensor();
+    return;
+  }
+  const Items* items = DictItems(v);
+  if (items == nullptr) return;
+  for (const auto& [k, child] : *items) {
+    if (k.is(Value::Kind::kString)) {
+      CollectTensors(child, prefix.empty() ? k.as_string() : prefix + "." + k.as_string(), out);
+    }
+  }
+}
+
+// Comparing one stored shard whole.
+ComparableTensor WholeShard(std::string section, std::string name, DType dtype,
+                            std::vector<int64_t> shape, SourceShard shard, std::atomic<int64_t>* read) {
+  const int64_t numel = shard.numel();
+  SourceTensor source{dtype, {numel}, {std::move(shard)}};
+  return {std::move(section), std::move(name), dtype, std::move(shape), false,
+          RangeProducer(std::move(source), WholeShardPlan(0, numel), read)};
+}
+
+class NonPipelineSource : public SourceCheckpoint {
+ public:
+  NonPipelineSource(std::unique_ptr<DeepSpeedModel> model, const CommonOptions& options)
+      : model_(std::move(model)), optimizer_(model_.get(), options.allowed_classes) {}
+
+  std::string kind() const override { return "non-pipeline"; }
+  const std::string& tag_dir() const override { return model_->files.tag_dir; }
+  const std::string& root_dir() const override { return model_->files.root_dir; }
+  int64_t iteration() const override { return ckpt().iteration; }
+  const std::vector<Finding>& findings() const override { return ckpt().findings; }
+  const Value& metadata() const override { return ckpt().metadata[0]; }
+
+  std::string Summary() const override {
+    return "non-pipeline DeepSpeed checkpoint (the whole model in mp_rank files; only DP can "
+           "change); TP " + std::to_string(ckpt().tp) + ", DP " + std::to_string(ckpt().dp) +
+           "; iteration " + std::to_string(ckpt().iteration) + "; " +
+           std::to_string(shard_files()) + " optimizer shards";
+  }
+
+  // Without pipelining, the FP16_Optimizer state is carried whole: only
+  // shard files are read.
+  void Lint(const LintOptions&, LintReport* report) const override {
+    if (ckpt().HasErrors() || shard_files() == 0) return;
+    Result<const SourceOptimizer*> opt = Optimizer();
+    if (!opt.ok()) {
+      report->findings.push_back({Finding::Severity::kError, "optimizer: " + opt.status().message()});
+      return;
+    }
+    report->findings.push_back(OptimizerFinding(**opt, shard_files()));
+  }
+
+  std::string Describe() const override {
+    std::string out = MetadataLines(ckpt()) + LayerLines(ckpt());
+    for (const Finding& f : ckpt().findings) out += "problem: " + f.message + "\n";
+    return out;
+  }
+
+  Result<std::unique_ptr<TargetPlan>> Plan(const ConvertOptions& options,
+                                           std::vector<std::string>* notes) const override {
+    RESHARD_RETURN_IF_ERROR(ckpt().FirstError());
+    const SourceOptimizer* opt = nullptr;
+    if (options.weights_only && (shard_files() > 0 || HasEmbeddedOptimizerState(ckpt()))) {
+      notes->push_back(WeightsOnlyNote(shard_files() > 0
+                                           ? std::to_string(shard_files()) + " optimizer shard files"
+                                           : "optimizer state inside its mp_rank files"));
+    } else if (shard_files() > 0) {
+      // Every DP rank holds the whole FP16_Optimizer state: a DP change keeps it as is.
+      RESHARD_ASSIGN_OR_RETURN(opt, Optimizer());
+    }
+    if (options.dry_run) {
+      notes->push_back("dry run: replicated tensors were not compared across TP ranks; "
+                       "`reshard lint` does, and convert refuses drift it is not told to merge");
+    }
+    PlanOptions p;
+    p.tp = options.target_tp;
+    p.pp = options.target_pp;
+    p.dp = options.target_dp;
+    p.layers_per_stage = options.layers_per_stage;
+    p.weights_only = options.weights_only;
+    RESHARD_ASSIGN_OR_RETURN(DeepSpeedPlan plan, MakeDataParallelPlan(ckpt(), opt, p));
+    return std::unique_ptr<TargetPlan>(new DeepSpeedTargetPlan(ckpt(), opt, std::move(plan)));
+  }
+
+  // Modules and optimizer state compare rank by rank: the TP layout is kept.
+  Result<std::vector<ComparableTensor>> Comparables(const VerifyOptions&,
+                                                    std::atomic<int64_t>* read) const override {
+    std::vector<ComparableTensor> out;
+    for (int t = 0; t < ckpt().tp; ++t) {
+      std::map<std::string, const Tensor*> tensors;
+      CollectTensors(*Find(ckpt().metadata[t], "module"), "", &tensors);
+      for (const auto& [name, tensor] : tensors) {
+        out.push_back(WholeShard("weights", ModelStatesName(t) + " module." + name,
+                                 tensor->storage->dtype, tensor->sizes,
+                                 SourceShard::Of(*tensor, ShardCoords{t}), read));
+      }
+    }
+    if (shard_files() == 0) return out;
+    RESHARD_ASSIGN_OR_RETURN(const SourceOptimizer* opt, Optimizer());
+    for (int t = 0; t < ckpt().tp; ++t) {
+      for (const std::string& name : opt->ParamNames()) {
+        for (const std::string& state : opt->states()) {
+          RESHARD_ASSIGN_OR_RETURN(SourceShard shard, opt->Locate(name, t, state));
+          const int64_t numel = shard.numel();
+          out.push_back(WholeShard("optimizer", ModelStatesName(t) + " optimizer " + state + " " + name,
+                                   DType::kFloat32, {numel}, std::move(shard), read));
+        }
+      }
+    }
+    return out;
+  }
+
+ private:
+  const LogicalCheckpoint& ckpt() const { return model_->logical; }
+  size_t shard_files() const { return model_->files.optimizer_files.size(); }
+
+  Result<const SourceOptimizer*> Optimizer() const { return optimizer_.Get(); }
+
+  std::unique_ptr<DeepSpeedModel> model_;
+  LazyOptimizer optimizer_;
+};
+
+}  // namespace
+
+std::unique_ptr<SourceCheckpoint> MakeNonPipelineSource(std::unique_ptr<DeepSpeedModel> model,
+                                                        const CommonOptions& options) {
+  return std::make_unique<NonPipelineSource>(std::move(model), options);
+}
+
+}  // namespace reshard

@@ -1,0 +1,315 @@
+// A Megatron-DeepSpeed pipeline checkpoint as a SourceCheckpoint: lint,
+// inspect, plan a TP / PP / DP change, and the tensors verify compares.
+
+#include "formats/deepspeed/deepspeed_source.h"
+#include "formats/deepspeed/file_names.h"
+#include "formats/deepspeed/pipeline_plan.h"
+#include "formats/deepspeed/pipeline_reader.h"
+#include "formats/deepspeed/pipeline_writer.h"
+#include "formats/deepspeed/stages.h"
+#include "formats/deepspeed/state_tensor.h"
+#include "formats/deepspeed/zero_shard_lint.h"
+#include "logical/drift.h"
+#include "plan/materialize.h"
+
+namespace reshard {
+namespace {
+
+
+PlanOptions ToPlanOptions(const ConvertOptions& o) {
+  PlanOptions p;
+  p.tp = o.target_tp;
+  p.pp = o.target_pp;
+  p.dp = o.target_dp;
+  p.layers_per_stage = o.layers_per_stage;
+  p.replicated = o.replicated;
+  p.vocab_size = o.vocab_size;
+  p.vocab_pad_value = o.vocab_pad_value;
+  p.weights_only = o.weights_only;
+  return p;
+}
+
+void Warn(LintReport* report, std::string message) {
+  report->findings.push_back({Finding::Severity::kWarning, std::move(message)});
+}
+
+void ReportDrift(const LogicalCheckpoint& ckpt, int max_lines, LintReport* report) {
+  const std::vector<Drift> drifts = MeasureDrift(ckpt);
+  if (drifts.empty()) return;
+  Warn(report, std::to_string(drifts.size()) +
+                   " replicated tensor(s) differ across TP ranks; convert refuses them unless "
+                   "you choose --replicated average (mean) or --replicated first (TP rank 0)");
+  for (size_t i = 0; i < drifts.size() && static_cast<int>(i) < max_lines; ++i) {
+    Warn(report, "drift: " + DescribeDrift(ckpt, drifts[i]));
+  }
+  if (static_cast<int>(drifts.size()) > max_lines) {
+    Warn(report, "drift: ... and " + std::to_string(drifts.size() - max_lines) + " more");
+  }
+}
+
+// Replicated parameters whose masters or moments differ across TP ranks:
+// convert refuses them under `check`, as it refuses drifted weights.
+void ReportStateDrift(const LogicalCheckpoint& ckpt, const SourceOptimizer& opt, int max_lines,
+                      LintReport* report) {
+  Result<std::vector<StateDrift>> drifts = MeasureStateDrift(ckpt, opt);
+  if (!drifts.ok()) {
+    report->findings.push_back({Finding::Severity::kError, "optimizer: " + drifts.status().message()});
+    return;
+  }
+  if (drifts->empty()) return;
+  Warn(report, std::to_string(drifts->size()) +
+                   " optimizer state(s) of replicated parameters differ across TP ranks; convert "
+                   "refuses them unless you choose --replicated average or --replicated first");
+  for (size_t i = 0; i < drifts->size() && static_cast<int>(i) < max_lines; ++i) {
+    const StateDrift& d = (*drifts)[i];
+    Warn(report, "optimizer drift: '" + d.state + "' of " + d.name + " differs between TP ranks 0 and " +
+                     std::to_string(d.rank));
+  }
+  if (static_cast<int>(drifts->size()) > max_lines) {
+    Warn(report, "optimizer drift: ... and " + std::to_string(drifts->size() - max_lines) + " more");
+  }
+}
+
+std::string FirstDifference(const std::vector<std::vector<ParamShape>>& recorded,
+                            const std::vector<std::vector<ParamShape>>& computed) {
+  if (recorded.size() != computed.size()) {
+    return std::to_string(recorded.size()) + " groups recorded, " +
+           std::to_string(computed.size()) + " computed";
+  }
+  for (size_t g = 0; g < recorded.size(); ++g) {
+    for (size_t i = 0; i < std::max(recorded[g].size(), computed[g].size()); ++i) {
+      const std::string r = i < recorded[g].size() ? recorded[g][i].first : "(nothing)";
+      const std::string c = i < computed[g].size() ? computed[g][i].first : "(nothing)";
+      if (r != c || (i < recorded[g].size() && recorded[g][i].second != computed[g][i].second)) {
+        return "group " + std::to_string(g) + " entry " + std::to_string(i) + ": recorded " + r +
+               ", computed " + c;
+      }
+    }
+  }
+  return "";
+}
+
+// Recomputes every source stage's param_shapes with the rule set and
+// DeepSpeed's current partition algorithm; a difference means convert's
+// stage layout or optimizer groups would not match what wrote the source.
+void CheckStages(const LogicalCheckpoint& ckpt, LintReport* report) {
+  Result<std::vector<int>> bounds =
+      TargetStageBounds(ckpt, ckpt.pp, ckpt.tp, ckpt.vocab.padded_rows, {});
+  if (!bounds.ok()) {
+    Warn(report, "source stages: " + bounds.status().message());
+    return;
+  }
+  for (int p = 0; p < ckpt.pp; ++p) {
+    std::vector<std::vector<ParamShape>> recorded;
+    if (!ReadParamShapes(ckpt.metadata[p * ckpt.tp], &recorded)) continue;
+    const StageParameters computed =
+        StageParams(ckpt, (*bounds)[p], (*bounds)[p + 1], ckpt.tp, ckpt.vocab.padded_rows);
+    const std::string diff = FirstDifference(recorded, computed.groups);
+    if (!diff.empty()) {
+      Warn(report, "param_shapes of pipeline stage " + std::to_string(p) +
+                       " differ from what rule set '" + ckpt.rules->name() +
+                       "' and DeepSpeed's current partition algorithm give (" + diff +
+                       "); converted stages follow the current algorithm unless you pass "
+                       "--layers-per-stage");
+      return;
+    }
+  }
+}
+
+class PipelineSource : public SourceCheckpoint {
+ public:
+  PipelineSource(std::unique_ptr<DeepSpeedModel> model, const CommonOptions& options)
+      : model_(std::move(model)), optimizer_(model_.get(), options.allowed_classes) {}
+
+  std::string kind() const override { return "pipeline"; }
+  const std::string& tag_dir() const override { return model_->files.tag_dir; }
+  const std::string& root_dir() const override { return model_->files.root_dir; }
+  int64_t iteration() const override { return ckpt().iteration; }
+  const std::vector<Finding>& findings() const override { return ckpt().findings; }
+  const Value& metadata() const override { return ckpt().metadata[0]; }
+  int64_t vocab_rows() const override { return ckpt().vocab.padded_rows; }
+
+  std::string Summary() const override {
+    const LogicalCheckpoint& c = ckpt();
+    int blocks = 0;
+    for (const SpecEntry& s : c.specs) blocks += s.role == "block" ? 1 : 0;
+    std::string s = "rule set " + c.rules->name() + " (numbering " + c.numbering + "); TP " +
+                    std::to_string(c.tp) + ", PP " + std::to_string(c.pp) + ", DP " +
+                    std::to_string(c.dp) + "; iteration " + std::to_string(c.iteration) + "; " +
+                    std::to_string(blocks) + " blocks; " +
+                    std::to_string(c.layers.size() * c.tp) + " layer files, " +
+                    std::to_string(c.metadata.size()) + " mp_rank files, " +
+                    std::to_string(model_->files.optimizer_files.size()) + " optimizer shards";
+    if (c.vocab.padded_rows > 0) {
+      s += "; vocabulary " + std::to_string(c.vocab.padded_rows) + " padded rows";
+      if (c.vocab.original_size) s += " (true size " + std::to_string(*c.vocab.original_size) + ")";
+    }
+    return s;
+  }
+
+  void Lint(const LintOptions& options, LintReport* report) const override {
+    report->rule_set = ckpt().rules->name();
+    if (ckpt().HasErrors()) return;
+    ReportDrift(ckpt(), options.max_drift_lines, report);
+    CheckStages(ckpt(), report);
+    if (!HasOptimizerState()) return;
+    Result<const SourceOptimizer*> opt = Optimizer();
+    if (!opt.ok()) {
+      report->findings.push_back({Finding::Severity::kError, "optimizer: " + opt.status().message()});
+      return;
+    }
+    report->findings.push_back(OptimizerFinding(**opt, model_->files.optimizer_files.size()));
+    ReportStateDrift(ckpt(), **opt, options.max_drift_lines, report);
+  }
+
+  std::string Describe() const override {
+    std::string out = MetadataLines(ckpt()) + LayerLines(ckpt());
+    for (const Finding& f : ckpt().findings) out += "problem: " + f.message + "\n";
+    return out;
+  }
+
+  Result<std::unique_ptr<TargetPlan>> Plan(const ConvertOptions& options,
+                                           std::vector<std::string>* notes) const override {
+    RESHARD_RETURN_IF_ERROR(ckpt().FirstError());
+    const SourceOptimizer* opt = nullptr;
+    if (HasOptimizerState()) {
+      if (options.weights_only) {
+        notes->push_back(WeightsOnlyNote(OptimizerWhat()));
+      } else {
+        RESHARD_ASSIGN_OR_RETURN(opt, Optimizer());
+      }
+    }
+    if (options.dry_run) {
+      // Planning reads metadata only, so it takes seconds at any size.
+      notes->push_back("dry run: replicated tensors were not compared across TP ranks; "
+                       "`reshard lint` does, and convert refuses drift it is not told to merge");
+    } else {
+      RESHARD_RETURN_IF_ERROR(CheckDrift(options.replicated, notes));
+      if (opt != nullptr) RESHARD_RETURN_IF_ERROR(CheckOptimizerDrift(*opt, options.replicated));
+    }
+    RESHARD_ASSIGN_OR_RETURN(DeepSpeedPlan plan, MakePipelinePlan(ckpt(), opt, ToPlanOptions(options)));
+    notes->insert(notes->end(), plan.notes.begin(), plan.notes.end());
+    if (opt != nullptr && opt->format().embedded) {
+      notes->push_back("optimizer: the FP16_Optimizer state inside the mp_rank files is "
+                       "reshaped with the weights (its groups follow DeepSpeed's current "
+                       "stage partition)");
+    }
+    return std::unique_ptr<TargetPlan>(new DeepSpeedTargetPlan(ckpt(), opt, std::move(plan)));
+  }
+
+  Result<std::vector<ComparableTensor>> Comparables(const VerifyOptions& options,
+                                                    std::atomic<int64_t>* read) const override {
+    const SourceOptimizer* opt = nullptr;
+    if (HasOptimizerState()) {
+      RESHARD_ASSIGN_OR_RETURN(opt, Optimizer());
+    }
+    std::vector<ComparableTensor> out;
+    const LogicalCheckpoint& c = ckpt();
+    for (size_t li = 0; li < c.layers.size(); ++li) {
+      for (size_t ti = 0; ti < c.layers[li].tensors.size(); ++ti) {
+        const LogicalTensor& t = c.layers[li].tensors[ti];
+        const TensorPlan plan = PlanFullTensor(c, static_cast<int>(li), static_cast<int>(ti), options.replicated);
+        // Averaged replicas come from the averaged masters where there are masters.
+        RESHARD_ASSIGN_OR_RETURN(ByteProducer produce, WeightProducer(c, opt, t, plan, read));
+        out.push_back({"weights", t.name, t.dtype, t.full_shape, IsVocab(t), std::move(produce)});
+      }
+    }
+    if (opt != nullptr) RESHARD_RETURN_IF_ERROR(AddStates(*opt, options.replicated, read, &out));
+    return out;
+  }
+
+  std::vector<std::string> VerifyNotes() const override {
+    std::vector<std::string> notes;
+    for (const Drift& d : MeasureDrift(ckpt())) notes.push_back("replicas differ: " + DescribeDrift(ckpt(), d));
+    return notes;
+  }
+
+ private:
+  const LogicalCheckpoint& ckpt() const { return model_->logical; }
+
+  static bool IsVocab(const LogicalTensor& t) { return t.rule->policy == ParamRule::Policy::kVocab; }
+
+  bool HasOptimizerState() const {
+    return !model_->files.optimizer_files.empty() || HasEmbeddedOptimizerState(ckpt());
+  }
+
+  std::string OptimizerWhat() const {
+    const size_t shards = model_->files.optimizer_files.size();
+    return shards > 0 ? std::to_string(shards) + " optimizer shard files"
+                      : "optimizer state inside its mp_rank files";
+  }
+
+  // Loaded once, when a command first needs it.
+  Result<const SourceOptimizer*> Optimizer() const { return optimizer_.Get(); }
+
+  // Applies the replicated-tensor policy: refuses drift under `check`,
+  // reports what `average` / `first` will merge.
+  Status CheckDrift(ReplicatedPolicy policy, std::vector<std::string>* notes) const {
+    const std::vector<Drift> drifts = MeasureDrift(ckpt());
+    int checked = 0, merged = 0;
+    const Drift* worst_checked = nullptr;
+    for (const Drift& d : drifts) {
+      const ParamRule& rule = *ckpt().layers[d.layer_index].tensors[d.tensor_index].rule;
+      if (PolicyFor(rule, policy) == ReplicatedPolicy::kCheck) {
+        if (worst_checked == nullptr) worst_checked = &d;
+        ++checked;
+      } else {
+        ++merged;
+      }
+    }
+    if (checked > 0) {
+      return Status::InvalidInput(
+          std::to_string(checked) + " replicated tensor(s) differ across TP ranks (largest: " +
+          DescribeDrift(ckpt(), *worst_checked) +
+          "); choose --replicated average (mean of the copies) or --replicated first (TP rank 0's "
+          "copy), or see them all with `reshard lint`");
+    }
+    if (merged > 0) {
+      notes->push_back("replicated: " + std::to_string(merged) +
+                       " tensor(s) differed across TP ranks and were merged by their policy "
+                       "(largest: " + DescribeDrift(ckpt(), drifts.front()) + ")");
+    }
+    return Status::Ok();
+  }
+
+  // Under `check`, replicated parameters' optimizer state must agree across
+  // TP ranks too (masters and moments drift like the weights).
+  Status CheckOptimizerDrift(const SourceOptimizer& opt, ReplicatedPolicy policy) const {
+    RESHARD_ASSIGN_OR_RETURN(std::vector<StateDrift> drifts, MeasureStateDrift(ckpt(), opt));
+    for (const StateDrift& d : drifts) {
+      if (PolicyFor(*d.rule, policy) != ReplicatedPolicy::kCheck) continue;
+      return Status::InvalidInput(
+          "the optimizer state '" + d.state + "' of replicated parameter " + d.name +
+          " differs between TP ranks 0 and " + std::to_string(d.rank) +
+          "; choose --replicated average (mean of the copies) or --replicated first (TP rank 0's)");
+    }
+    return Status::Ok();
+  }
+
+  // Every element of every optimizer state (fp32 masters, moments, ...), per parameter.
+  Status AddStates(const SourceOptimizer& opt, ReplicatedPolicy replicated,
+                   std::atomic<int64_t>* read, std::vector<ComparableTensor>* out) const {
+    for (const std::string& name : opt.ParamNames()) {
+      for (const std::string& state : opt.states()) {
+        RESHARD_ASSIGN_OR_RETURN(StateTensor st, LocateState(ckpt(), opt, name, state));
+        const TensorPlan plan = PlanFullTensor(ckpt(), st.layer_index, st.tensor_index, replicated);
+        out->push_back({"optimizer", "optimizer " + state + " " + st.tensor.name, DType::kFloat32,
+                        st.tensor.full_shape, IsVocab(st.tensor),
+                        RangeProducer(SourceTensor::Of(st.tensor), plan, read)});
+      }
+    }
+    return Status::Ok();
+  }
+
+  std::unique_ptr<DeepSpeedModel> model_;
+  LazyOptimizer optimizer_;
+};
+
+}  // namespace
+
+std::unique_ptr<SourceCheckpoint> MakePipelineSource(std::unique_ptr<DeepSpeedModel> model,
+                                                     const CommonOptions& options) {
+  return std::make_unique<PipelineSource>(std::move(model), options);
+}
+
+}  // namespace reshard

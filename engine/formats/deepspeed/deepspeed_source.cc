@@ -1,0 +1,71 @@
+#include "formats/deepspeed/deepspeed_source.h"
+
+#include "formats/deepspeed/file_names.h"
+#include "formats/deepspeed/pipeline_writer.h"
+#include "util/human.h"
+
+namespace reshard {
+
+Result<std::unique_ptr<SourceCheckpoint>> OpenDeepSpeedCheckpoint(CheckpointFiles files,
+                                                                  const CommonOptions& options) {
+  if (files.IsZero3()) return OpenZero3Source(std::move(files), options);
+  RESHARD_ASSIGN_OR_RETURN(std::unique_ptr<DeepSpeedModel> model,
+                           ReadDeepSpeedModel(std::move(files), options.rules, options.allowed_classes));
+  if (model->pipeline) return MakePipelineSource(std::move(model), options);
+  return MakeNonPipelineSource(std::move(model), options);
+}
+
+std::string DeepSpeedTargetPlan::ToString(bool detail) const { return plan_.ToString(src_, detail); }
+
+Result<std::vector<Job>> DeepSpeedTargetPlan::Jobs(std::atomic<int64_t>* read) const {
+  return DeepSpeedJobs(src_, opt_, plan_, read);
+}
+
+Result<const SourceOptimizer*> LazyOptimizer::Get() const {
+  std::call_once(once_, [this] {
+    Result<std::unique_ptr<SourceOptimizer>> opt =
+        SourceOptimizer::Load(model_->logical, model_->files.optimizer_files, allowed_classes_);
+    if (opt.ok()) {
+      optimizer_ = std::move(*opt);
+    } else {
+      status_ = opt.status();
+    }
+  });
+  if (!status_.ok()) return status_;
+  return static_cast<const SourceOptimizer*>(optimizer_.get());
+}
+
+std::string MetadataLines(const LogicalCheckpoint& ckpt) {
+  std::string out = "metadata (mp_rank_00):\n";
+  for (const auto& [k, v] : *DictItems(ckpt.metadata[0])) {
+    const std::string key = k.is(Value::Kind::kString) ? k.as_string() : k.DebugString();
+    if (key == "args") continue;
+    out += "  " + key + ": " + v.DebugString(100) + "\n";
+  }
+  const Items* args = DictItems(ckpt.args());
+  if (args == nullptr) return out;
+  out += "args (" + std::to_string(args->size()) + " fields):";
+  static const char* kLayoutFields[] = {
+      "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+      "num_key_value_heads", "kv_channels", "max_position_embeddings", "padded_vocab_size",
+      "make_vocab_size_divisible_by", "tensor_model_parallel_size",
+      "pipeline_model_parallel_size", "data_parallel_size", "world_size"};
+  for (const char* field : kLayoutFields) {
+    if (const Value* v = Find(ckpt.args(), field)) out += std::string(" ") + field + "=" + v->DebugString(20);
+  }
+  return out + "\n";
+}
+
+std::string LayerLines(const LogicalCheckpoint& ckpt) {
+  std::string out = "layer files (full logical shapes):\n";
+  for (const LogicalLayer& layer : ckpt.layers) {
+    out += "  " + layer.label + " " + layer.role + " (" + ckpt.specs[layer.id].class_name + ")\n";
+    for (const LogicalTensor& t : layer.tensors) {
+      out += "    " + t.key + "  " + DTypeName(t.dtype) + ShapeString(t.full_shape) + "  " +
+             t.rule->Describe() + "\n";
+    }
+  }
+  return out;
+}
+
+}  // namespace reshard

@@ -1,0 +1,111 @@
+// A ZeRO-3 checkpoint as a SourceCheckpoint: its model layout stays, DP changes.
+#include "formats/deepspeed/deepspeed_source.h"
+#include "formats/deepspeed/file_names.h"
+#include "formats/deepspeed/zero3_checkpoint.h"
+#include "formats/deepspeed/zero_shard_reader.h"
+#include "plan/materialize.h"
+#include "util/human.h"
+
+namespace reshard {
+namespace {
+
+class Zero3Plan : public TargetPlan {
+ public:
+  Zero3Plan(const Zero3Checkpoint& src, int dp, bool bf16_prefix)
+      : src_(src), dp_(dp), bf16_prefix_(bf16_prefix) {}
+  std::string ToString(bool) const override {
+    return src_.Summary() + "\ntarget: DP " + std::to_string(dp_) + "; " +
+           std::to_string(2 * dp_ * src_.mp()) +
+           " files (model states and optimizer shards per DP rank)\n";
+  }
+  Result<std::vector<Job>> Jobs(std::atomic<int64_t>* read) const override {
+    return src_.Jobs(dp_, bf16_prefix_, read);
+  }
+
+ private:
+  const Zero3Checkpoint& src_;
+  int dp_;
+  bool bf16_prefix_;
+};
+
+class Zero3Source : public SourceCheckpoint {
+ public:
+  Zero3Source(CheckpointFiles files, std::unique_ptr<Zero3Checkpoint> ckpt)
+      : files_(std::move(files)), ckpt_(std::move(ckpt)) {}
+
+  std::string kind() const override { return "ZeRO-3"; }
+  const std::string& tag_dir() const override { return files_.tag_dir; }
+  const std::string& root_dir() const override { return files_.root_dir; }
+  int64_t iteration() const override { return ckpt_->iteration(); }
+  std::string Summary() const override { return ckpt_->Summary(); }
+  const std::vector<Finding>& findings() const override { return findings_; }
+  const Value& metadata() const override { return ckpt_->ranks()[0].model_states[0]; }
+
+  // Loading checked every partition and sub-group against param_shapes.
+  void Lint(const LintOptions&, LintReport* report) const override {
+    report->findings.push_back({Finding::Severity::kInfo,
+                                "optimizer: the ZeRO-3 partitions agree with param_shapes"});
+  }
+
+  std::string Describe() const override {
+    std::string out;
+    for (size_t sg = 0; sg < ckpt_->ranks()[0].sub_groups.size(); ++sg) {
+      out += "  sub-group " + std::to_string(sg) + ":";
+      for (const Zero3Param& p : ckpt_->ranks()[0].sub_groups[sg]) out += " " + p.name + ShapeString(p.shape);
+      out += "\n";
+    }
+    return out;
+  }
+
+  Result<std::unique_ptr<TargetPlan>> Plan(const ConvertOptions& options,
+                                           std::vector<std::string>*) const override {
+    if (options.target_tp != ckpt_->mp() || options.target_pp != 1 ||
+        !options.layers_per_stage.empty()) {
+      return Status::InvalidInput("a ZeRO-3 checkpoint keeps its model layout; pass --tp " +
+                                  std::to_string(ckpt_->mp()) + " --pp 1 and choose the new --dp");
+    }
+    if (options.weights_only) {
+      return Status::InvalidInput("a ZeRO-3 checkpoint keeps its weights in the optimizer shards "
+                                  "(fp32 masters); --weights-only does not apply");
+    }
+    const int dp = options.target_dp > 0 ? options.target_dp : ckpt_->dp();
+    const bool bf16 = !files_.optimizer_files.empty() && files_.optimizer_files[0].bf16;
+    return std::unique_ptr<TargetPlan>(new Zero3Plan(*ckpt_, dp, bf16));
+  }
+
+  // Every element of every state of every parameter.
+  Result<std::vector<ComparableTensor>> Comparables(const VerifyOptions&,
+                                                    std::atomic<int64_t>* read) const override {
+    std::vector<ComparableTensor> out;
+    for (int mp = 0; mp < ckpt_->mp(); ++mp) {
+      for (const auto& group : ckpt_->ranks()[mp].sub_groups) {
+        for (const Zero3Param& p : group) {
+          for (const std::string& state : ckpt_->states()) {
+            RESHARD_ASSIGN_OR_RETURN(SourceShard shard, ckpt_->Locate(mp, p.name, state));
+            SourceTensor source{DType::kFloat32, {p.numel}, {std::move(shard)}};
+            out.push_back({"optimizer", ModelStatesName(mp) + " optimizer " + state + " " + p.name,
+                           DType::kFloat32, {p.numel}, false,
+                           RangeProducer(std::move(source), WholeShardPlan(0, p.numel), read)});
+          }
+        }
+      }
+    }
+    return out;
+  }
+
+ private:
+  CheckpointFiles files_;
+  std::unique_ptr<Zero3Checkpoint> ckpt_;
+  std::vector<Finding> findings_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<SourceCheckpoint>> OpenZero3Source(CheckpointFiles files,
+                                                          const CommonOptions& options) {
+  RESHARD_ASSIGN_OR_RETURN(std::unique_ptr<Zero3Checkpoint> ckpt,
+                           Zero3Checkpoint::Load(files, options.allowed_classes));
+  return std::unique_ptr<SourceCheckpoint>(new Zero3Source(std::move(files), std::move(ckpt)));
+}
+
+}  // namespace reshard

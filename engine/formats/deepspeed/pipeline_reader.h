@@ -1,0 +1,37 @@
+// Reading a DeepSpeed tag folder's model files into a LogicalCheckpoint.
+//
+// The mp_rank files give the metadata of every (pipeline, tensor) rank; a
+// pipeline checkpoint's layer files give the weights, one file per spec and
+// TP rank. The rank grid the file names show is cross-checked against what
+// the metadata records. A non-pipeline checkpoint (HF Trainer, Accelerate,
+// --no-pipeline-parallel) keeps the whole model in each mp_rank file's
+// `module`, numbered by TP rank: it has no layers and no rules.
+#pragma once
+
+#include <memory>
+#include <set>
+#include <string>
+
+#include "formats/deepspeed/checkpoint_files.h"
+#include "logical/logical_checkpoint.h"
+#include "pickle/value.h"
+
+namespace reshard {
+
+// A torch.save file of a DeepSpeed checkpoint: the classes DeepSpeed and
+// Megatron pickle are known, `allowed_classes` are carried through unchanged.
+Result<Value> ReadDeepSpeedFile(const std::string& path, const std::set<std::string>& allowed_classes);
+
+struct DeepSpeedModel {
+  CheckpointFiles files;
+  bool pipeline = true;  // false: the whole model in the mp_rank files' `module`
+  LogicalCheckpoint logical;
+};
+
+// Reads the metadata and (for a pipeline checkpoint) the layer files and
+// describes them with the rule set `rules` (a path or name; empty = detect).
+Result<std::unique_ptr<DeepSpeedModel>> ReadDeepSpeedModel(CheckpointFiles files,
+                                                           const std::string& rules,
+                                                           const std::set<std::string>& allowed_classes);
+
+}  // namespace reshard

@@ -1,0 +1,15 @@
+#include "formats/format.h"
+
+#include "formats/deepspeed/deepspeed_source.h"
+
+namespace reshard {
+
+Result<std::unique_ptr<SourceCheckpoint>> OpenCheckpoint(const std::string& path,
+                                                         const CommonOptions& options) {
+  // DeepSpeed tag folders are the only format read so far; a new format
+  // recognises its own folders here, before DeepSpeed's refusal of the rest.
+  RESHARD_ASSIGN_OR_RETURN(CheckpointFiles files, ScanCheckpoint(path));
+  return OpenDeepSpeedCheckpoint(std::move(files), options);
+}
+
+}  // namespace reshard

@@ -1,0 +1,86 @@
+// The seam between on-disk formats and the commands.
+//
+// A format recognises a checkpoint folder and opens it as a
+// SourceCheckpoint: everything `lint`, `inspect`, `convert` and `verify` need
+// of a checkpoint, whatever its files look like. Converting asks the source
+// for a TargetPlan — complete plain data, printable — which becomes jobs for
+// the executor. The commands in engine/api/ use only this interface; a new
+// format is a folder beside formats/deepspeed/ and a line in OpenCheckpoint.
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "exec/job.h"
+#include "pickle/value.h"
+#include "reshard/reshard.h"
+#include "util/byte_producer.h"
+
+namespace reshard {
+
+// What a conversion writes, planned in full before anything is written.
+class TargetPlan {
+ public:
+  virtual ~TargetPlan() = default;
+  // For people: the files and, with `detail`, every slice of every tensor.
+  virtual std::string ToString(bool detail) const = 0;
+  // The files to write. They read the source while they run, adding the
+  // bytes read to *read; the source must outlive them.
+  virtual Result<std::vector<Job>> Jobs(std::atomic<int64_t>* read) const = 0;
+};
+
+// One tensor `verify` compares: the whole logical tensor, made a range at a time.
+struct ComparableTensor {
+  // "weights" or "optimizer": when only one side has a section at all, it is
+  // a note, not a difference (a weights-only conversion is the same model).
+  std::string section;
+  std::string name;  // canonical: what the two sides are matched by
+  DType dtype = DType::kFloat32;
+  std::vector<int64_t> shape;
+  bool vocab = false;  // dim 0 is a padded vocabulary: rows both sides have are compared
+  ByteProducer produce;  // bytes of the whole tensor, row-major
+};
+
+class SourceCheckpoint {
+ public:
+  virtual ~SourceCheckpoint() = default;
+
+  // "pipeline", "non-pipeline", "ZeRO-3": verify compares like with like.
+  virtual std::string kind() const = 0;
+  virtual const std::string& tag_dir() const = 0;   // the folder holding the files
+  virtual const std::string& root_dir() const = 0;  // the folder holding `latest`
+  virtual int64_t iteration() const = 0;
+  // One line: kind, layout, iteration, counts.
+  virtual std::string Summary() const = 0;
+  // Problems found while reading (errors make convert refuse).
+  virtual const std::vector<Finding>& findings() const = 0;
+
+  // Everything convert would object to, and what it would do: rule set,
+  // summary, findings (the reading findings first).
+  virtual void Lint(const LintOptions& options, LintReport* report) const = 0;
+  // The body of `inspect` after its first line.
+  virtual std::string Describe() const = 0;
+  // Checks the source against the options (drift policies, ...) and plans
+  // the target; `notes` receives what the user should know (what was
+  // approximated, merged or filled).
+  virtual Result<std::unique_ptr<TargetPlan>> Plan(const ConvertOptions& options,
+                                                   std::vector<std::string>* notes) const = 0;
+  // Every tensor verify compares, replicas merged by `options.replicated`.
+  virtual Result<std::vector<ComparableTensor>> Comparables(const VerifyOptions& options,
+                                                            std::atomic<int64_t>* read) const = 0;
+  // The metadata verify compares (scheduler, counters): a dict-like value.
+  virtual const Value& metadata() const = 0;
+  // Rows of the vocabulary tensors (0 when none).
+  virtual int64_t vocab_rows() const { return 0; }
+  // Observations verify reports about this side (replicas that differ, ...).
+  virtual std::vector<std::string> VerifyNotes() const { return {}; }
+};
+
+// Opens the checkpoint at `path` (a tag folder, or a root holding `latest`)
+// with the format that recognises it.
+Result<std::unique_ptr<SourceCheckpoint>> OpenCheckpoint(const std::string& path,
+                                                         const CommonOptions& options);
+
+}  // namespace reshard

@@ -1,0 +1,49 @@
+// SourceShard: one stored piece of a logical tensor, and where it came from.
+//
+// A logical tensor is assembled from shards: a weight from one file per TP
+// rank, an optimizer state from the DP partitions it was flattened into. A
+// shard is the tensor's local elements as contiguous runs of bytes inside
+// the mapped source files, in element order, plus its coordinates in the
+// source's parallel grid. Plans name shards by their index in a tensor's
+// shard table, so a new axis (expert parallelism) or a source that is not a
+// TP file adds coordinates, not planner code.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "container/mapped_file.h"
+#include "pickle/value.h"
+
+namespace reshard {
+
+// Where a shard sits in the source's parallel grid.
+struct ShardCoords {
+  int tp = 0;
+  int pp = 0;
+  int dp = 0;  // the first DP rank holding part of it (optimizer partitions)
+  int ep = 0;  // expert-parallel rank (reserved: no source has experts yet)
+};
+
+struct SourceShard {
+  struct Run {
+    int64_t begin = 0;  // first element of the local tensor in this run
+    int64_t numel = 0;
+    ByteView bytes;     // numel elements
+  };
+  ShardCoords at;
+  std::vector<Run> runs;
+
+  // One run: the elements of a contiguous tensor inside its storage.
+  static SourceShard Of(const Tensor& tensor, ShardCoords at);
+
+  int64_t numel() const;
+  // Copies elements [begin, begin + n) of `element_size` bytes each to `dst`;
+  // the mapped pages read are noted in `pages` (may be null).
+  void Copy(int64_t begin, int64_t n, int element_size, uint8_t* dst, TouchedPages* pages) const;
+};
+
+// First byte of a contiguous tensor's elements (inside its mapped storage).
+const uint8_t* TensorData(const Tensor& t);
+
+}  // namespace reshard

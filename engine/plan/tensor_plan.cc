@@ -1,0 +1,126 @@
+#include "plan/tensor_plan.h"
+
+#include "plan/slicing.h"
+#include "util/shape.h"
+
+
+namespace reshard {
+
+int64_t TensorPlan::numel() const { return ShapeNumel(shape); }
+
+ReplicatedPolicy PolicyFor(const ParamRule& rule, ReplicatedPolicy command_line) {
+  return rule.drift ? *rule.drift : command_line;
+}
+
+Result<int64_t> TargetPaddedVocab(const LogicalCheckpoint& src, int tp,
+                                  std::optional<int64_t> vocab_size) {
+  const VocabInfo& vocab = src.vocab;
+  if (vocab.padded_rows == 0 || tp == src.tp) return vocab.padded_rows;
+  const std::optional<int64_t> true_size = vocab_size ? vocab_size : vocab.original_size;
+  if (vocab.pad_to) {
+    if (*vocab.pad_to % tp != 0) {
+      return Status::InvalidInput("args.pad_vocab_size_to = " + std::to_string(*vocab.pad_to) +
+                                  " does not divide by the target TP " + std::to_string(tp));
+    }
+    return *vocab.pad_to;
+  }
+  if (!true_size) {
+    return Status::InvalidInput(
+        "the checkpoint does not record its true vocabulary size (no checkpoint_info or "
+        "universal_checkpoint_info), so the padding for TP " + std::to_string(tp) +
+        " is unknown; pass --vocab-size N (the tokenizer's size)");
+  }
+  if (!vocab.divisible_by || *vocab.divisible_by < 1) {
+    return Status::InvalidInput("args.make_vocab_size_divisible_by is not recorded; it is needed "
+                                "to pad the vocabulary for the target TP");
+  }
+  const int64_t multiple = *vocab.divisible_by * tp;
+  return (*true_size + multiple - 1) / multiple * multiple;
+}
+
+std::vector<int64_t> TargetShardShape(const LogicalTensor& t, int tp, int64_t padded_vocab) {
+  std::vector<int64_t> shape = t.full_shape;
+  switch (t.rule->policy) {
+    case ParamRule::Policy::kReplicated: break;
+    case ParamRule::Policy::kVocab: shape[0] = padded_vocab / tp; break;
+    case ParamRule::Policy::kSplit: shape[t.rule->dim] /= tp; break;
+  }
+  return shape;
+}
+
+Status CheckSplittable(const LogicalTensor& t, int tp) {
+  if (t.rule->policy != ParamRule::Policy::kSplit) return Status::Ok();
+  const int64_t full = t.full_shape[t.rule->dim];
+  const bool even = full % (static_cast<int64_t>(t.rule->parts) * tp) == 0;
+  const bool whole_blocks = t.rule->blocks.empty() || t.blocks % tp == 0;
+  if (even && whole_blocks) return Status::Ok();
+  std::string why = !even ? "its " + std::to_string(full / t.rule->parts) + " rows per part"
+                        : "its " + std::to_string(t.blocks) + " blocks (" +
+                              t.rule->blocks.ToString() + ")";
+  return Status::InvalidInput("cannot split " + t.label + " over " + std::to_string(tp) +
+                              " TP ranks: " + why + " do not divide by " + std::to_string(tp));
+}
+
+TensorPlan PlanTensor(const LogicalCheckpoint& src, int layer_index, int tensor_index, int rank,
+                      const TensorTarget& target) {
+  const LogicalTensor& t = src.layers[layer_index].tensors[tensor_index];
+  TensorPlan plan;
+  plan.layer_index = layer_index;
+  plan.tensor_index = tensor_index;
+  plan.shape = TargetShardShape(t, target.tp, target.padded_vocab);
+  const ParamRule& rule = *t.rule;
+  if (rule.policy == ParamRule::Policy::kReplicated) {
+    if (PolicyFor(rule, target.replicated) == ReplicatedPolicy::kAverage && t.shards.size() > 1 &&
+        IsFloatingPoint(t.dtype)) {
+      plan.average = true;
+    } else {
+      plan.copies.push_back({0, 0, 0, 0, plan.shape.empty() ? 1 : plan.shape[0]});
+    }
+    return plan;
+  }
+  const bool vocab = rule.policy == ParamRule::Policy::kVocab;
+  const int dim = vocab ? 0 : rule.dim;
+  const int parts = vocab ? 1 : rule.parts;
+  const int64_t src_full = t.full_shape[dim];
+  const int64_t dst_full = vocab ? target.padded_vocab : src_full;
+  const int src_tp = static_cast<int>(t.shards.size());
+  std::vector<std::vector<Piece>> sources;  // by shard index; shard s is source TP rank s
+  for (const SourceShard& shard : t.shards) sources.push_back(RankPieces(src_full, parts, src_tp, shard.at.tp));
+  const std::vector<Piece> pieces = RankPieces(dst_full, parts, target.tp, rank);
+  plan.copies = IntersectPieces(pieces, sources, dim, std::min(src_full, dst_full));
+  if (vocab) plan.fills = FillsBeyond(pieces, dim, src_full, target.vocab_pad_value);
+  return plan;
+}
+
+TensorPlan PlanFullTensor(const LogicalCheckpoint& src, int layer_index, int tensor_index,
+                          ReplicatedPolicy replicated) {
+  TensorTarget whole;
+  whole.tp = 1;
+  whole.padded_vocab = src.vocab.padded_rows;
+  whole.replicated = replicated;
+  return PlanTensor(src, layer_index, tensor_index, 0, whole);
+}
+
+TensorPlan WholeShardPlan(int shard, int64_t numel) {
+  TensorPlan plan;
+  plan.shape = {numel};
+  plan.copies = {SliceCopy{shard, 0, 0, 0, numel}};
+  return plan;
+}
+
+std::string DescribeSources(const TensorPlan& t) {
+  if (t.average) return "mean of all TP replicas";
+  std::string s;
+  for (const SliceCopy& c : t.copies) {
+    s += (s.empty() ? "" : ", ") + std::string("[") + std::to_string(c.dst_start) + "," +
+         std::to_string(c.dst_start + c.length) + ") <- tp" + std::to_string(c.src_shard) + "[" +
+         std::to_string(c.src_start) + "," + std::to_string(c.src_start + c.length) + ")";
+  }
+  for (const SliceFill& f : t.fills) {
+    s += ", [" + std::to_string(f.dst_start) + "," + std::to_string(f.dst_start + f.length) +
+         ") = " + std::to_string(f.value);
+  }
+  return s;
+}
+
+}  // namespace reshard

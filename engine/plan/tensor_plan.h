@@ -1,0 +1,87 @@
+// TensorPlan: how one target tensor is made from a logical tensor's shards,
+// as plain data.
+//
+// A target shard is filled by slices copied from source shards (SliceCopy,
+// naming the shard by its index in the logical tensor's shard table), by new
+// padding rows (SliceFill), or is the element-wise mean of all replicas.
+// Making a plan reads no tensor data; materialize.h executes one.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "logical/logical_checkpoint.h"
+#include "reshard/reshard.h"
+
+namespace reshard {
+
+// Copies indices [src_start, src_start + length) of `dim` of source shard
+// `src_shard` into [dst_start, dst_start + length) of the target tensor;
+// every other dimension is taken whole.
+struct SliceCopy {
+  int src_shard = 0;
+  int dim = 0;
+  int64_t src_start = 0;
+  int64_t dst_start = 0;
+  int64_t length = 0;
+};
+
+// Sets indices [dst_start, dst_start + length) of `dim` to `value`.
+struct SliceFill {
+  int dim = 0;
+  int64_t dst_start = 0;
+  int64_t length = 0;
+  double value = 0;
+};
+
+struct TensorPlan {
+  int layer_index = 0;   // the source tensor: LogicalCheckpoint::layers[layer_index]
+  int tensor_index = 0;  //   .tensors[tensor_index]
+  std::vector<int64_t> shape;  // the target shard's shape
+  bool average = false;  // element-wise mean of all source replicas (no copies)
+  std::vector<SliceCopy> copies;
+  std::vector<SliceFill> fills;
+  int64_t numel() const;
+};
+
+// The target layout tensors are planned for.
+struct TensorTarget {
+  int tp = 1;
+  int64_t padded_vocab = 0;  // rows of vocabulary tensors in all
+  ReplicatedPolicy replicated = ReplicatedPolicy::kCheck;
+  double vocab_pad_value = 0;  // new vocabulary padding rows
+};
+
+// The effective drift policy of a replicated tensor.
+ReplicatedPolicy PolicyFor(const ParamRule& rule, ReplicatedPolicy command_line);
+
+// Rows of the target vocabulary tensors: the true vocabulary padded to a
+// multiple of make_vocab_size_divisible_by x TP, as Megatron computes it.
+Result<int64_t> TargetPaddedVocab(const LogicalCheckpoint& src, int tp,
+                                  std::optional<int64_t> vocab_size);
+
+// Shape of TP rank shards of `t` at `tp` ranks; vocab tensors get
+// `padded_vocab` rows in all.
+std::vector<int64_t> TargetShardShape(const LogicalTensor& t, int tp, int64_t padded_vocab);
+
+// Refuses a target TP the tensor's structure cannot take.
+Status CheckSplittable(const LogicalTensor& t, int tp);
+
+// Target TP rank `rank`'s shard of tensor (layer_index, tensor_index).
+TensorPlan PlanTensor(const LogicalCheckpoint& src, int layer_index, int tensor_index, int rank,
+                      const TensorTarget& target);
+
+// The whole logical tensor (TP 1, replicas merged by `replicated`, source
+// padding kept), for comparing checkpoints of different layouts.
+TensorPlan PlanFullTensor(const LogicalCheckpoint& src, int layer_index, int tensor_index,
+                          ReplicatedPolicy replicated);
+
+// A 1-D target of `numel` elements copied whole from shard `shard`.
+TensorPlan WholeShardPlan(int shard, int64_t numel);
+
+// "[0,8) <- shard 1[0,8), [8,12) = 0.000000"
+std::string DescribeSources(const TensorPlan& t);
+
+}  // namespace reshard
