@@ -10,10 +10,8 @@
 #include <string>
 #include <vector>
 
-#include "cluster/cluster.h"
+#include "reshard/cluster.h"
 #include "reshard/reshard.h"
-#include "rules/rule_set.h"
-#include "util/human.h"
 
 namespace {
 
@@ -150,15 +148,15 @@ int RunVerify(const std::string& a, const std::string& b, const reshard::VerifyO
 
 int RunRules(const std::string& file) {
   if (!file.empty()) {
-    reshard::Result<reshard::RuleSet> r = reshard::RuleSet::LoadFile(file);
+    reshard::Result<reshard::RuleSetInfo> r = reshard::CheckRuleFile(file);
     if (!r.ok()) return Fail(r.status());
-    std::cout << file << ": ok (rule set '" << r->name() << "')\n";
+    std::cout << file << ": ok (rule set '" << r->name << "')\n";
     return 0;
   }
-  reshard::Result<std::vector<reshard::RuleSet>> all = reshard::LoadBuiltinRuleSets();
+  reshard::Result<std::vector<reshard::RuleSetInfo>> all = reshard::ListRuleSets();
   if (!all.ok()) return Fail(all.status());
-  for (const reshard::RuleSet& r : *all) {
-    std::cout << r.name() << "  " << r.description() << "\n    " << r.origin() << "\n";
+  for (const reshard::RuleSetInfo& r : *all) {
+    std::cout << r.name << "  " << r.description << "\n    " << r.origin << "\n";
   }
   return 0;
 }
@@ -235,6 +233,9 @@ int main(int argc, char** argv) {
   verify_cmd->add_option("B", second, "Second checkpoint")->required();
   AddCommonOptions(verify_cmd, &verify);
   verify_cmd->add_option("--rules-b", verify.rules_b, "Rule set for B (default: as for A)");
+  verify_cmd->add_option("--max-memory", verify.max_memory,
+                         "Resident memory the comparison may use, e.g. 512MiB (default 1GiB)")
+      ->transform(CLI::AsSizeValue(false));
   std::string verify_replicated = "first";
   verify_cmd->add_option("--replicated", verify_replicated,
                          "Merge TP replicas before comparing: first (TP rank 0) or average")

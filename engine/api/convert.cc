@@ -7,7 +7,7 @@
 #include <optional>
 
 #include "api/common.h"
-#include "cluster/cluster.h"
+#include "reshard/cluster.h"
 #include "exec/executor.h"
 #include "exec/memory_budget.h"
 #include "exec/output_folder.h"

@@ -1,4 +1,4 @@
-#include "cluster/cluster.h"
+#include "reshard/cluster.h"
 
 #include <cerrno>
 #include <climits>

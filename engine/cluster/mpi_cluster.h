@@ -5,7 +5,7 @@
 
 #include <memory>
 
-#include "cluster/cluster.h"
+#include "reshard/cluster.h"
 #include "reshard/status.h"
 
 namespace reshard {

@@ -30,11 +30,10 @@
 #include <string>
 #include <vector>
 
+#include "reshard/cluster.h"
 #include "reshard/status.h"
 
 namespace reshard {
-
-class Cluster;
 
 // One observation about a checkpoint. Errors make Lint fail and Convert refuse.
 struct Finding {
@@ -149,5 +148,20 @@ struct VerifyReport {
 
 Result<VerifyReport> Verify(const std::string& a, const std::string& b,
                             const VerifyOptions& options);
+
+// A rule set, as `reshard rules` lists it.
+struct RuleSetInfo {
+  std::string name;
+  std::string description;
+  std::string origin;  // the file it was read from
+};
+
+// The built-in rule sets (rules/*.yaml), each loaded and validated.
+Result<std::vector<RuleSetInfo>> ListRuleSets();
+// Loads and validates the rule file at `path`; errors name the file and line.
+Result<RuleSetInfo> CheckRuleFile(const std::string& path);
+
+// "1.50 GiB", "3.20 MiB": byte counts as reshard's reports print them.
+std::string HumanBytes(int64_t bytes);
 
 }  // namespace reshard

@@ -5,7 +5,7 @@
 #include <cstdio>
 #include <string>
 
-#include "cluster/cluster.h"
+#include "reshard/cluster.h"
 
 namespace {
 

@@ -122,7 +122,7 @@ class NonPipelineSource : public SourceCheckpoint {
         for (const std::string& state : opt->states()) {
           RESHARD_ASSIGN_OR_RETURN(SourceShard shard, opt->Locate(name, t, state));
           const int64_t numel = shard.numel();
-          out.push_back(WholeShard("optimizer", ModelStatesName(t) + " optimizer " + state + " " + name,
+          out.push_back(WholeShard("optimizer", StateName(state, name, t, ckpt().tp),
                                    DType::kFloat32, {numel}, std::move(shard), read));
         }
       }

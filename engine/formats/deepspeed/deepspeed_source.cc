@@ -35,6 +35,10 @@ Result<const SourceOptimizer*> LazyOptimizer::Get() const {
   return static_cast<const SourceOptimizer*>(optimizer_.get());
 }
 
+std::string StateName(const std::string& state, const std::string& param, int mp, int mp_ranks) {
+  return "optimizer " + state + " " + param + (mp_ranks > 1 ? " on " + ModelStatesName(mp) : "");
+}
+
 std::string MetadataLines(const LogicalCheckpoint& ckpt) {
   std::string out = "metadata (mp_rank_00):\n";
   for (const auto& [k, v] : *DictItems(ckpt.metadata[0])) {

@@ -65,6 +65,10 @@ class LazyOptimizer {
   mutable Status status_;
 };
 
+// "optimizer exp_avg <param>", with " on mp_rank_MM" when there are several
+// model-parallel ranks: how verify names a state compared rank by rank.
+std::string StateName(const std::string& state, const std::string& param, int mp, int mp_ranks);
+
 // Lines shared by the kinds' `inspect` output.
 std::string MetadataLines(const LogicalCheckpoint& ckpt);
 std::string LayerLines(const LogicalCheckpoint& ckpt);
