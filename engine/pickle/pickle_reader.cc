@@ -7,6 +7,8 @@
 #include <map>
 #include <vector>
 
+#include "pickle/opcodes.h"
+
 namespace reshard {
 
 // ---- The allow-list -------------------------------------------------------------
@@ -317,31 +319,6 @@ bool NodeInts(const Node* n, std::vector<int64_t>* out) {
   return true;
 }
 
-const char* OpcodeName(uint8_t op) {
-  // clang-format off
-  static const std::map<uint8_t, const char*> names = {
-      {0x80, "PROTO"}, {0x95, "FRAME"}, {'.', "STOP"}, {'(', "MARK"}, {'0', "POP"},
-      {'1', "POP_MARK"}, {'2', "DUP"}, {'N', "NONE"}, {0x88, "NEWTRUE"}, {0x89, "NEWFALSE"},
-      {'I', "INT"}, {'J', "BININT"}, {'K', "BININT1"}, {'M', "BININT2"}, {'L', "LONG"},
-      {0x8a, "LONG1"}, {0x8b, "LONG4"}, {'F', "FLOAT"}, {'G', "BINFLOAT"}, {'S', "STRING"},
-      {'T', "BINSTRING"}, {'U', "SHORT_BINSTRING"}, {'V', "UNICODE"}, {'X', "BINUNICODE"},
-      {0x8c, "SHORT_BINUNICODE"}, {0x8d, "BINUNICODE8"}, {'B', "BINBYTES"},
-      {'C', "SHORT_BINBYTES"}, {0x8e, "BINBYTES8"}, {0x96, "BYTEARRAY8"}, {']', "EMPTY_LIST"},
-      {'l', "LIST"}, {'a', "APPEND"}, {'e', "APPENDS"}, {')', "EMPTY_TUPLE"}, {'t', "TUPLE"},
-      {0x85, "TUPLE1"}, {0x86, "TUPLE2"}, {0x87, "TUPLE3"}, {'}', "EMPTY_DICT"}, {'d', "DICT"},
-      {'s', "SETITEM"}, {'u', "SETITEMS"}, {0x8f, "EMPTY_SET"}, {0x90, "ADDITEMS"},
-      {0x91, "FROZENSET"}, {'c', "GLOBAL"}, {0x93, "STACK_GLOBAL"}, {'R', "REDUCE"},
-      {0x81, "NEWOBJ"}, {0x92, "NEWOBJ_EX"}, {'b', "BUILD"}, {'p', "PUT"}, {'q', "BINPUT"},
-      {'r', "LONG_BINPUT"}, {0x94, "MEMOIZE"}, {'g', "GET"}, {'h', "BINGET"},
-      {'j', "LONG_BINGET"}, {'P', "PERSID"}, {'Q', "BINPERSID"}, {'i', "INST"}, {'o', "OBJ"},
-      {0x82, "EXT1"}, {0x83, "EXT2"}, {0x84, "EXT4"}, {0x97, "NEXT_BUFFER"},
-      {0x98, "READONLY_BUFFER"},
-  };
-  // clang-format on
-  auto it = names.find(op);
-  return it == names.end() ? "unknown" : it->second;
-}
-
 // Values a stream may expand to per input byte (plus a fixed allowance):
 // memo references make copies, and nested references could otherwise
 // expand a few hundred bytes into billions of values.
@@ -554,84 +531,85 @@ Status Parser::Get(uint64_t index) {
 Status Parser::Step(bool* stop) {
   uint64_t u;
   switch (op_) {
-    case 0x80: return Proto();
-    case 0x95: return Frame();
-    case '.': *stop = true; return Status::Ok();
-    case '(': marks_.push_back(stack_.size()); return Status::Ok();
-    case '0': return PopOp();
-    case '1': {
+    case op::kProto: return Proto();
+    case op::kFrame: return Frame();
+    case op::kStop: *stop = true; return Status::Ok();
+    case op::kMark: marks_.push_back(stack_.size()); return Status::Ok();
+    case op::kPop: return PopOp();
+    case op::kPopMark: {
       std::vector<Node*> discard;
       return PopMark(&discard);
     }
-    case '2': return Dup();
-    case 'N': Push(NewLeaf(Value::None())); return Status::Ok();
-    case 0x88: Push(NewLeaf(Value::Bool(true))); return Status::Ok();
-    case 0x89: Push(NewLeaf(Value::Bool(false))); return Status::Ok();
-    case 'I': return IntLine();
-    case 'J':
+    case op::kDup: return Dup();
+    case op::kNone: Push(NewLeaf(Value::None())); return Status::Ok();
+    case op::kNewTrue: Push(NewLeaf(Value::Bool(true))); return Status::Ok();
+    case op::kNewFalse: Push(NewLeaf(Value::Bool(false))); return Status::Ok();
+    case op::kInt: return IntLine();
+    case op::kBinInt:
       RESHARD_RETURN_IF_ERROR(ReadUInt(4, &u));
       Push(NewLeaf(Value::Int(static_cast<int32_t>(static_cast<uint32_t>(u)))));
       return Status::Ok();
-    case 'K':
-    case 'M':
-      RESHARD_RETURN_IF_ERROR(ReadUInt(op_ == 'K' ? 1 : 2, &u));
+    case op::kBinInt1:
+    case op::kBinInt2:
+      RESHARD_RETURN_IF_ERROR(ReadUInt(op_ == op::kBinInt1 ? 1 : 2, &u));
       Push(NewLeaf(Value::Int(static_cast<int64_t>(u))));
       return Status::Ok();
-    case 'L': return LongLine();
-    case 0x8a: return LongN(1);
-    case 0x8b: return LongN(4);
-    case 'F': return FloatLine();
-    case 'G': return BinFloat();
-    case 'S': return QuotedString();
-    case 'V': return UnicodeLine();
+    case op::kLong: return LongLine();
+    case op::kLong1: return LongN(1);
+    case op::kLong4: return LongN(4);
+    case op::kFloat: return FloatLine();
+    case op::kBinFloat: return BinFloat();
+    case op::kString: return QuotedString();
+    case op::kUnicode: return UnicodeLine();
     // Python 2 str (BINSTRING) loads as str, as torch.load's encoding='utf-8' does.
-    case 'T': return Counted(4, Value::Kind::kString);
-    case 'U': return Counted(1, Value::Kind::kString);
-    case 'X': return Counted(4, Value::Kind::kString);
-    case 0x8c: return Counted(1, Value::Kind::kString);
-    case 0x8d: return Counted(8, Value::Kind::kString);
-    case 'B': return Counted(4, Value::Kind::kBytes);
-    case 'C': return Counted(1, Value::Kind::kBytes);
-    case 0x8e: return Counted(8, Value::Kind::kBytes);
-    case 0x96: return Counted(8, Value::Kind::kBytes);  // a bytearray; its bytes are what matter
-    case ']': Push(New(Node::Kind::kList)); return Status::Ok();
-    case 'l': return Collect(Node::Kind::kList);
-    case 'a': return Append();
-    case 'e': return Appends();
-    case ')': Push(New(Node::Kind::kTuple)); return Status::Ok();
-    case 't': return Collect(Node::Kind::kTuple);
-    case 0x85: return TupleN(1);
-    case 0x86: return TupleN(2);
-    case 0x87: return TupleN(3);
-    case '}': Push(New(Node::Kind::kDict)); return Status::Ok();
-    case 'd': return Collect(Node::Kind::kDict);
-    case 's': return SetItem();
-    case 'u': return SetItems();
-    case 0x8f: Push(New(Node::Kind::kSet)); return Status::Ok();
-    case 0x90: return AddItems();
-    case 0x91: return Collect(Node::Kind::kFrozenSet);
-    case 'c': return GlobalLines();
-    case 0x93: return StackGlobal();
-    case 'R': return Reduce();
-    case 0x81: return NewObj(false);
-    case 0x92: return NewObj(true);
-    case 'b': return Build();
-    case 'p': RESHARD_RETURN_IF_ERROR(ReadIndexLine(&u)); return Put(u);
-    case 'q': RESHARD_RETURN_IF_ERROR(ReadUInt(1, &u)); return Put(u);
-    case 'r': RESHARD_RETURN_IF_ERROR(ReadUInt(4, &u)); return Put(u);
-    case 0x94: return Put(memo_count_);
-    case 'g': RESHARD_RETURN_IF_ERROR(ReadIndexLine(&u)); return Get(u);
-    case 'h': RESHARD_RETURN_IF_ERROR(ReadUInt(1, &u)); return Get(u);
-    case 'j': RESHARD_RETURN_IF_ERROR(ReadUInt(4, &u)); return Get(u);
-    case 'P': return PersId();
-    case 'Q': return BinPersId();
-    case 'i':
-    case 'o':
-    case 0x82:
-    case 0x83:
-    case 0x84:
-    case 0x97:
-    case 0x98:
+    case op::kBinString: return Counted(4, Value::Kind::kString);
+    case op::kShortBinString: return Counted(1, Value::Kind::kString);
+    case op::kBinUnicode: return Counted(4, Value::Kind::kString);
+    case op::kShortBinUnicode: return Counted(1, Value::Kind::kString);
+    case op::kBinUnicode8: return Counted(8, Value::Kind::kString);
+    case op::kBinBytes: return Counted(4, Value::Kind::kBytes);
+    case op::kShortBinBytes: return Counted(1, Value::Kind::kBytes);
+    case op::kBinBytes8: return Counted(8, Value::Kind::kBytes);
+    // A bytearray: its bytes are what matter.
+    case op::kByteArray8: return Counted(8, Value::Kind::kBytes);
+    case op::kEmptyList: Push(New(Node::Kind::kList)); return Status::Ok();
+    case op::kList: return Collect(Node::Kind::kList);
+    case op::kAppend: return Append();
+    case op::kAppends: return Appends();
+    case op::kEmptyTuple: Push(New(Node::Kind::kTuple)); return Status::Ok();
+    case op::kTuple: return Collect(Node::Kind::kTuple);
+    case op::kTuple1: return TupleN(1);
+    case op::kTuple2: return TupleN(2);
+    case op::kTuple3: return TupleN(3);
+    case op::kEmptyDict: Push(New(Node::Kind::kDict)); return Status::Ok();
+    case op::kDict: return Collect(Node::Kind::kDict);
+    case op::kSetItem: return SetItem();
+    case op::kSetItems: return SetItems();
+    case op::kEmptySet: Push(New(Node::Kind::kSet)); return Status::Ok();
+    case op::kAddItems: return AddItems();
+    case op::kFrozenSet: return Collect(Node::Kind::kFrozenSet);
+    case op::kGlobal: return GlobalLines();
+    case op::kStackGlobal: return StackGlobal();
+    case op::kReduce: return Reduce();
+    case op::kNewObj: return NewObj(false);
+    case op::kNewObjEx: return NewObj(true);
+    case op::kBuild: return Build();
+    case op::kPut: RESHARD_RETURN_IF_ERROR(ReadIndexLine(&u)); return Put(u);
+    case op::kBinPut: RESHARD_RETURN_IF_ERROR(ReadUInt(1, &u)); return Put(u);
+    case op::kLongBinPut: RESHARD_RETURN_IF_ERROR(ReadUInt(4, &u)); return Put(u);
+    case op::kMemoize: return Put(memo_count_);
+    case op::kGet: RESHARD_RETURN_IF_ERROR(ReadIndexLine(&u)); return Get(u);
+    case op::kBinGet: RESHARD_RETURN_IF_ERROR(ReadUInt(1, &u)); return Get(u);
+    case op::kLongBinGet: RESHARD_RETURN_IF_ERROR(ReadUInt(4, &u)); return Get(u);
+    case op::kPersId: return PersId();
+    case op::kBinPersId: return BinPersId();
+    case op::kInst:
+    case op::kObj:
+    case op::kExt1:
+    case op::kExt2:
+    case op::kExt4:
+    case op::kNextBuffer:
+    case op::kReadOnlyBuffer:
       return Status::Unsupported(std::string("pickle opcode ") + OpcodeName(op_) + " at byte " +
                                  std::to_string(op_pos_) + " is not supported by reshard");
     default: return Fail("unknown opcode");
