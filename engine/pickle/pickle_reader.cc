@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "pickle/opcodes.h"
+#include "pickle/text_codecs.h"
 
 namespace reshard {
 
@@ -95,158 +96,6 @@ Value IntFromLE(const std::string& le) {
     bits |= uint64_t{static_cast<uint8_t>(le[i])} << (8 * i);
   }
   return Value::Int(static_cast<int64_t>(bits));
-}
-
-// Python's own limit on converting decimal text to int; conversion takes
-// quadratic time, so longer text is refused.
-constexpr size_t kMaxDecimalDigits = 4300;
-
-// Parses an optionally signed decimal integer (protocol 0 INT and LONG).
-bool DecimalToValue(const std::string& text, Value* out) {
-  size_t i = 0;
-  const bool negative = !text.empty() && text[0] == '-';
-  if (!text.empty() && (text[0] == '-' || text[0] == '+')) i = 1;
-  if (i == text.size() || text.size() - i > kMaxDecimalDigits) return false;
-  std::vector<uint8_t> mag;  // little-endian magnitude
-  for (; i < text.size(); ++i) {
-    if (text[i] < '0' || text[i] > '9') return false;
-    unsigned carry = static_cast<unsigned>(text[i] - '0');
-    for (uint8_t& b : mag) {
-      const unsigned cur = b * 10u + carry;
-      b = static_cast<uint8_t>(cur);
-      carry = cur >> 8;
-    }
-    if (carry) mag.push_back(static_cast<uint8_t>(carry));
-  }
-  if (!mag.empty() && (mag.back() & 0x80)) mag.push_back(0);  // room for the sign bit
-  if (negative) {
-    unsigned carry = 1;
-    for (uint8_t& b : mag) {
-      const unsigned sum = static_cast<uint8_t>(~b) + carry;
-      b = static_cast<uint8_t>(sum);
-      carry = sum >> 8;
-    }
-  }
-  *out = IntFromLE(std::string(mag.begin(), mag.end()));
-  return true;
-}
-
-void AppendUtf8(uint32_t cp, std::string* out) {
-  if (cp < 0x80) {
-    out->push_back(static_cast<char>(cp));
-  } else if (cp < 0x800) {
-    out->push_back(static_cast<char>(0xc0 | (cp >> 6)));
-    out->push_back(static_cast<char>(0x80 | (cp & 0x3f)));
-  } else if (cp < 0x10000) {
-    out->push_back(static_cast<char>(0xe0 | (cp >> 12)));
-    out->push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3f)));
-    out->push_back(static_cast<char>(0x80 | (cp & 0x3f)));
-  } else {
-    out->push_back(static_cast<char>(0xf0 | (cp >> 18)));
-    out->push_back(static_cast<char>(0x80 | ((cp >> 12) & 0x3f)));
-    out->push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3f)));
-    out->push_back(static_cast<char>(0x80 | (cp & 0x3f)));
-  }
-}
-
-bool ParseHex(const std::string& s, size_t pos, size_t n, uint32_t* out) {
-  if (pos + n > s.size()) return false;
-  uint32_t v = 0;
-  for (size_t i = pos; i < pos + n; ++i) {
-    const char c = s[i];
-    const int digit = c >= '0' && c <= '9'   ? c - '0'
-                      : c >= 'a' && c <= 'f' ? c - 'a' + 10
-                      : c >= 'A' && c <= 'F' ? c - 'A' + 10
-                                             : -1;
-    if (digit < 0) return false;
-    v = v * 16 + static_cast<uint32_t>(digit);
-  }
-  *out = v;
-  return true;
-}
-
-// Protocol 0 UNICODE: latin-1 text with \uXXXX and \UXXXXXXXX escapes.
-bool DecodeRawUnicodeEscape(const std::string& in, std::string* out) {
-  for (size_t i = 0; i < in.size(); ++i) {
-    const bool escape =
-        in[i] == '\\' && i + 1 < in.size() && (in[i + 1] == 'u' || in[i + 1] == 'U');
-    if (!escape) {
-      AppendUtf8(static_cast<uint8_t>(in[i]), out);
-      continue;
-    }
-    const size_t n = in[i + 1] == 'u' ? 4 : 8;
-    uint32_t cp;
-    if (!ParseHex(in, i + 2, n, &cp) || cp > 0x10ffff) return false;
-    AppendUtf8(cp, out);
-    i += 1 + n;
-  }
-  return true;
-}
-
-// The character a one-letter escape (\n, \', ...) stands for; 0 for others.
-char SimpleEscape(char c) {
-  switch (c) {
-    case '\\':
-    case '\'':
-    case '"': return c;
-    case 'a': return '\a';
-    case 'b': return '\b';
-    case 'f': return '\f';
-    case 'n': return '\n';
-    case 'r': return '\r';
-    case 't': return '\t';
-    case 'v': return '\v';
-    default: return 0;
-  }
-}
-
-// Protocol 0 STRING: a Python 2 string literal in quotes, with backslash escapes.
-bool DecodeQuotedString(const std::string& in, std::string* out) {
-  if (in.size() < 2 || (in[0] != '\'' && in[0] != '"') || in.back() != in[0]) return false;
-  const std::string body = in.substr(1, in.size() - 2);
-  for (size_t i = 0; i < body.size(); ++i) {
-    if (body[i] != '\\' || i + 1 == body.size()) {
-      out->push_back(body[i]);
-      continue;
-    }
-    const char c = body[++i];
-    uint32_t code;
-    if (SimpleEscape(c) != 0) {
-      out->push_back(SimpleEscape(c));
-    } else if (c == 'x' && ParseHex(body, i + 1, 2, &code)) {
-      out->push_back(static_cast<char>(code));
-      i += 2;
-    } else if (c >= '0' && c <= '7') {  // up to three octal digits
-      code = 0;
-      size_t end = i;
-      for (; end < i + 3 && end < body.size() && body[end] >= '0' && body[end] <= '7'; ++end) {
-        code = code * 8 + static_cast<uint32_t>(body[end] - '0');
-      }
-      out->push_back(static_cast<char>(code));
-      i = end - 1;
-    } else if (c != '\n') {  // backslash-newline is a line continuation
-      out->push_back('\\');
-      out->push_back(c);
-    }
-  }
-  return true;
-}
-
-// The str Python's _codecs.encode(s, 'latin1') was given, back as bytes.
-bool Utf8ToLatin1(const std::string& s, std::string* out) {
-  for (size_t i = 0; i < s.size(); ++i) {
-    const uint8_t c = static_cast<uint8_t>(s[i]);
-    if (c < 0x80) {
-      out->push_back(static_cast<char>(c));
-      continue;
-    }
-    if ((c & 0xe0) != 0xc0 || i + 1 == s.size()) return false;
-    const uint8_t c2 = static_cast<uint8_t>(s[++i]);
-    const uint32_t cp = ((c & 0x1fu) << 6) | (c2 & 0x3fu);
-    if ((c2 & 0xc0) != 0x80 || cp < 0x80 || cp > 0xff) return false;
-    out->push_back(static_cast<char>(cp));
-  }
-  return true;
 }
 
 // While parsing, every object lives in one Node that the stack, the memo and
@@ -364,6 +213,7 @@ class Parser {
   Status Dup();
   Status IntLine();
   Status LongLine();
+  Status PushDecimal(const std::string& line);
   Status LongN(size_t len_size);
   Status FloatLine();
   Status BinFloat();
@@ -652,23 +502,24 @@ Status Parser::Dup() {
 Status Parser::IntLine() {
   std::string line;
   RESHARD_RETURN_IF_ERROR(ReadLine(&line));
-  Value v;
   if (line == "00" || line == "01") {  // protocol 0 booleans
-    v = Value::Bool(line == "01");
-  } else if (!DecimalToValue(line, &v)) {
-    return Fail("bad integer " + Excerpt(line));
+    Push(NewLeaf(Value::Bool(line == "01")));
+    return Status::Ok();
   }
-  Push(NewLeaf(std::move(v)));
-  return Status::Ok();
+  return PushDecimal(line);
 }
 
 Status Parser::LongLine() {
   std::string line;
   RESHARD_RETURN_IF_ERROR(ReadLine(&line));
   if (!line.empty() && line.back() == 'L') line.pop_back();
-  Value v;
-  if (!DecimalToValue(line, &v)) return Fail("bad integer " + Excerpt(line));
-  Push(NewLeaf(std::move(v)));
+  return PushDecimal(line);
+}
+
+Status Parser::PushDecimal(const std::string& line) {
+  std::string le;
+  if (!DecimalToTwosComplement(line, &le)) return Fail("bad integer " + Excerpt(line));
+  Push(NewLeaf(IntFromLE(le)));
   return Status::Ok();
 }
 

@@ -4,6 +4,7 @@
 #include <map>
 
 #include "pickle/opcodes.h"
+#include "pickle/text_codecs.h"
 
 namespace reshard {
 namespace {
@@ -14,21 +15,6 @@ std::string Py2Module(const std::string& module) {
   if (module == "builtins") return "__builtin__";
   if (module == "copyreg") return "copy_reg";
   return module;
-}
-
-// Bytes as the str Python's _codecs.encode(str, 'latin1') turns back into them.
-std::string Latin1ToUtf8(const std::string& bytes) {
-  std::string s;
-  s.reserve(bytes.size());
-  for (unsigned char c : bytes) {
-    if (c < 0x80) {
-      s.push_back(static_cast<char>(c));
-    } else {
-      s.push_back(static_cast<char>(0xc0 | (c >> 6)));
-      s.push_back(static_cast<char>(0x80 | (c & 0x3f)));
-    }
-  }
-  return s;
 }
 
 class Writer {
