@@ -5,6 +5,7 @@
 #include <map>
 
 #include "format/torch_file.h"
+#include "formats/deepspeed/known_classes.h"
 #include "logical/rule_selection.h"
 #include "util/human.h"
 
@@ -25,6 +26,7 @@ std::string RuleWhere(const RuleSet& rules, const ParamRule& rule) {
 
 PickleReadOptions ReadOptions(const LoadOptions& options) {
   PickleReadOptions read;
+  read.known_classes = &DeepSpeedKnownClasses();
   read.allowed_globals = options.allowed_classes;
   return read;
 }

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "format/torch_file.h"
+#include "formats/deepspeed/known_classes.h"
 #include "layout/checkpoint_files.h"
 #include "optim/torch_state.h"
 #include "plan/stages.h"
@@ -257,6 +258,7 @@ Status SourceOptimizer::LoadStage(const LogicalCheckpoint& src, int mp,
   const int dp = static_cast<int>(paths.size());
   for (const auto& g : groups) stage.groups.emplace_back(g, dp, format_.Alignment(dp));
   PickleReadOptions read;
+  read.known_classes = &DeepSpeedKnownClasses();
   read.allowed_globals = allowed_classes;
   for (int d = 0; d < dp; ++d) {
     RESHARD_ASSIGN_OR_RETURN(Value shard, ReadTorchFile(paths[d], read));

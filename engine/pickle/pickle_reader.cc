@@ -16,6 +16,8 @@ namespace reshard {
 
 namespace {
 
+// Classes any torch.save checkpoint may hold. A checkpoint format adds its
+// own through PickleReadOptions::known_classes.
 const std::set<std::string>& KnownGlobals() {
   static const std::set<std::string> known = [] {
     // clang-format off
@@ -38,19 +40,6 @@ const std::set<std::string>& KnownGlobals() {
         // NumPy arrays and scalars (the NumPy RNG state); numpy._core is NumPy >= 2.
         "numpy.core.multiarray._reconstruct", "numpy.core.multiarray.scalar", "numpy.ndarray",
         "numpy.dtype", "numpy._core.multiarray._reconstruct", "numpy._core.multiarray.scalar",
-        // DeepSpeed: optimizer fragments, ZeRO stage, fp16 loss scalers, and the
-        // universal checkpoint's sub-parameter shapes.
-        "deepspeed.utils.tensor_fragment.fragment_address",
-        "deepspeed.runtime.zero.config.ZeroStageEnum",
-        "deepspeed.runtime.fp16.loss_scaler.LossScaler",
-        "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
-        "deepspeed.checkpoint.universal_checkpoint.SubparamShape",
-        // Megatron enums in `args`: BigScience's megatron.enums and
-        // Microsoft's megatron.model.enums.
-        "megatron.enums.PositionEmbeddingType", "megatron.enums.AttnMaskType",
-        "megatron.enums.LayerType", "megatron.enums.AttnType",
-        "megatron.model.enums.PositionEmbeddingType", "megatron.model.enums.AttnMaskType",
-        "megatron.model.enums.LayerType", "megatron.model.enums.AttnType",
     };
     // clang-format on
     for (int d = 0; d <= static_cast<int>(DType::kComplex128); ++d) {  // the last DType
@@ -65,6 +54,17 @@ const std::set<std::string>& KnownGlobals() {
 }  // namespace
 
 bool IsKnownGlobal(const std::string& qualified) { return KnownGlobals().count(qualified) > 0; }
+
+namespace {
+
+// The built-in list, the format's and the user's are accepted alike.
+bool IsAccepted(const std::string& qualified, const PickleReadOptions& options) {
+  return IsKnownGlobal(qualified) ||
+         (options.known_classes != nullptr && options.known_classes->count(qualified) > 0) ||
+         options.allowed_globals.count(qualified) > 0;
+}
+
+}  // namespace
 
 // ---- Parsing --------------------------------------------------------------------
 
@@ -690,7 +690,7 @@ Status Parser::StackGlobal() {
 Status Parser::PushGlobal(std::string module, std::string name) {
   Global g{Py3Module(module), std::move(name)};
   const std::string q = g.Qualified();
-  if (!IsKnownGlobal(q) && !options_.allow_all_globals && options_.allowed_globals.count(q) == 0) {
+  if (!IsAccepted(q, options_)) {
     return Status::Unsupported("pickle refers to class '" + q +
                                "', which reshard does not know; reshard never runs code from "
                                "checkpoints. Pass --allow-class " +

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "format/torch_file.h"
+#include "formats/deepspeed/known_classes.h"
 #include "optim/source_optimizer.h"
 #include "optim/torch_state.h"
 #include "plan/stages.h"
@@ -95,6 +96,7 @@ Status Zero3Checkpoint::LoadRank(int mp, const std::set<std::string>& allowed_cl
                                 std::to_string(mp) + " do not cover DP ranks 0-" + std::to_string(dp_ - 1));
   }
   PickleReadOptions read;
+  read.known_classes = &DeepSpeedKnownClasses();
   read.allowed_globals = allowed_classes;
   Zero3Rank& rank = ranks_[mp];
   for (int d = 0; d < dp_; ++d) {
