@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "formats/deepspeed/known_classes.h"
 #include "pickle/pickle_reader.h"
 #include "pickle/pickle_writer.h"
 #include "pickle/value.h"
@@ -71,7 +72,9 @@ std::string Serialise(const Value& root) {
 
 void BM_PickleParse(benchmark::State& state) {
   const std::string bytes = Serialise(StateDict(static_cast<int>(state.range(0))));
-  PickleReader reader(PickleReadOptions{}, StorageResolver{});
+  PickleReadOptions options;
+  options.known_classes = &DeepSpeedKnownClasses();  // fragment_address
+  PickleReader reader(options, StorageResolver{});
   for (auto _ : state) {
     Result<Value> root = reader.Parse(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size());
     if (!root.ok()) {

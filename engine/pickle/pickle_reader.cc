@@ -7,12 +7,17 @@
 #include <map>
 #include <vector>
 
+#include "pickle/opcodes.h"
+#include "pickle/text_codecs.h"
+
 namespace reshard {
 
 // ---- The allow-list -------------------------------------------------------------
 
 namespace {
 
+// Classes any torch.save checkpoint may hold. A checkpoint format adds its
+// own through PickleReadOptions::known_classes.
 const std::set<std::string>& KnownGlobals() {
   static const std::set<std::string> known = [] {
     // clang-format off
@@ -35,19 +40,6 @@ const std::set<std::string>& KnownGlobals() {
         // NumPy arrays and scalars (the NumPy RNG state); numpy._core is NumPy >= 2.
         "numpy.core.multiarray._reconstruct", "numpy.core.multiarray.scalar", "numpy.ndarray",
         "numpy.dtype", "numpy._core.multiarray._reconstruct", "numpy._core.multiarray.scalar",
-        // DeepSpeed: optimizer fragments, ZeRO stage, fp16 loss scalers, and the
-        // universal checkpoint's sub-parameter shapes.
-        "deepspeed.utils.tensor_fragment.fragment_address",
-        "deepspeed.runtime.zero.config.ZeroStageEnum",
-        "deepspeed.runtime.fp16.loss_scaler.LossScaler",
-        "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
-        "deepspeed.checkpoint.universal_checkpoint.SubparamShape",
-        // Megatron enums in `args`: BigScience's megatron.enums and
-        // Microsoft's megatron.model.enums.
-        "megatron.enums.PositionEmbeddingType", "megatron.enums.AttnMaskType",
-        "megatron.enums.LayerType", "megatron.enums.AttnType",
-        "megatron.model.enums.PositionEmbeddingType", "megatron.model.enums.AttnMaskType",
-        "megatron.model.enums.LayerType", "megatron.model.enums.AttnType",
     };
     // clang-format on
     for (int d = 0; d <= static_cast<int>(DType::kComplex128); ++d) {  // the last DType
@@ -62,6 +54,17 @@ const std::set<std::string>& KnownGlobals() {
 }  // namespace
 
 bool IsKnownGlobal(const std::string& qualified) { return KnownGlobals().count(qualified) > 0; }
+
+namespace {
+
+// The built-in list, the format's and the user's are accepted alike.
+bool IsAccepted(const std::string& qualified, const PickleReadOptions& options) {
+  return IsKnownGlobal(qualified) ||
+         (options.known_classes != nullptr && options.known_classes->count(qualified) > 0) ||
+         options.allowed_globals.count(qualified) > 0;
+}
+
+}  // namespace
 
 // ---- Parsing --------------------------------------------------------------------
 
@@ -93,158 +96,6 @@ Value IntFromLE(const std::string& le) {
     bits |= uint64_t{static_cast<uint8_t>(le[i])} << (8 * i);
   }
   return Value::Int(static_cast<int64_t>(bits));
-}
-
-// Python's own limit on converting decimal text to int; conversion takes
-// quadratic time, so longer text is refused.
-constexpr size_t kMaxDecimalDigits = 4300;
-
-// Parses an optionally signed decimal integer (protocol 0 INT and LONG).
-bool DecimalToValue(const std::string& text, Value* out) {
-  size_t i = 0;
-  const bool negative = !text.empty() && text[0] == '-';
-  if (!text.empty() && (text[0] == '-' || text[0] == '+')) i = 1;
-  if (i == text.size() || text.size() - i > kMaxDecimalDigits) return false;
-  std::vector<uint8_t> mag;  // little-endian magnitude
-  for (; i < text.size(); ++i) {
-    if (text[i] < '0' || text[i] > '9') return false;
-    unsigned carry = static_cast<unsigned>(text[i] - '0');
-    for (uint8_t& b : mag) {
-      const unsigned cur = b * 10u + carry;
-      b = static_cast<uint8_t>(cur);
-      carry = cur >> 8;
-    }
-    if (carry) mag.push_back(static_cast<uint8_t>(carry));
-  }
-  if (!mag.empty() && (mag.back() & 0x80)) mag.push_back(0);  // room for the sign bit
-  if (negative) {
-    unsigned carry = 1;
-    for (uint8_t& b : mag) {
-      const unsigned sum = static_cast<uint8_t>(~b) + carry;
-      b = static_cast<uint8_t>(sum);
-      carry = sum >> 8;
-    }
-  }
-  *out = IntFromLE(std::string(mag.begin(), mag.end()));
-  return true;
-}
-
-void AppendUtf8(uint32_t cp, std::string* out) {
-  if (cp < 0x80) {
-    out->push_back(static_cast<char>(cp));
-  } else if (cp < 0x800) {
-    out->push_back(static_cast<char>(0xc0 | (cp >> 6)));
-    out->push_back(static_cast<char>(0x80 | (cp & 0x3f)));
-  } else if (cp < 0x10000) {
-    out->push_back(static_cast<char>(0xe0 | (cp >> 12)));
-    out->push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3f)));
-    out->push_back(static_cast<char>(0x80 | (cp & 0x3f)));
-  } else {
-    out->push_back(static_cast<char>(0xf0 | (cp >> 18)));
-    out->push_back(static_cast<char>(0x80 | ((cp >> 12) & 0x3f)));
-    out->push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3f)));
-    out->push_back(static_cast<char>(0x80 | (cp & 0x3f)));
-  }
-}
-
-bool ParseHex(const std::string& s, size_t pos, size_t n, uint32_t* out) {
-  if (pos + n > s.size()) return false;
-  uint32_t v = 0;
-  for (size_t i = pos; i < pos + n; ++i) {
-    const char c = s[i];
-    const int digit = c >= '0' && c <= '9'   ? c - '0'
-                      : c >= 'a' && c <= 'f' ? c - 'a' + 10
-                      : c >= 'A' && c <= 'F' ? c - 'A' + 10
-                                             : -1;
-    if (digit < 0) return false;
-    v = v * 16 + static_cast<uint32_t>(digit);
-  }
-  *out = v;
-  return true;
-}
-
-// Protocol 0 UNICODE: latin-1 text with \uXXXX and \UXXXXXXXX escapes.
-bool DecodeRawUnicodeEscape(const std::string& in, std::string* out) {
-  for (size_t i = 0; i < in.size(); ++i) {
-    const bool escape =
-        in[i] == '\\' && i + 1 < in.size() && (in[i + 1] == 'u' || in[i + 1] == 'U');
-    if (!escape) {
-      AppendUtf8(static_cast<uint8_t>(in[i]), out);
-      continue;
-    }
-    const size_t n = in[i + 1] == 'u' ? 4 : 8;
-    uint32_t cp;
-    if (!ParseHex(in, i + 2, n, &cp) || cp > 0x10ffff) return false;
-    AppendUtf8(cp, out);
-    i += 1 + n;
-  }
-  return true;
-}
-
-// The character a one-letter escape (\n, \', ...) stands for; 0 for others.
-char SimpleEscape(char c) {
-  switch (c) {
-    case '\\':
-    case '\'':
-    case '"': return c;
-    case 'a': return '\a';
-    case 'b': return '\b';
-    case 'f': return '\f';
-    case 'n': return '\n';
-    case 'r': return '\r';
-    case 't': return '\t';
-    case 'v': return '\v';
-    default: return 0;
-  }
-}
-
-// Protocol 0 STRING: a Python 2 string literal in quotes, with backslash escapes.
-bool DecodeQuotedString(const std::string& in, std::string* out) {
-  if (in.size() < 2 || (in[0] != '\'' && in[0] != '"') || in.back() != in[0]) return false;
-  const std::string body = in.substr(1, in.size() - 2);
-  for (size_t i = 0; i < body.size(); ++i) {
-    if (body[i] != '\\' || i + 1 == body.size()) {
-      out->push_back(body[i]);
-      continue;
-    }
-    const char c = body[++i];
-    uint32_t code;
-    if (SimpleEscape(c) != 0) {
-      out->push_back(SimpleEscape(c));
-    } else if (c == 'x' && ParseHex(body, i + 1, 2, &code)) {
-      out->push_back(static_cast<char>(code));
-      i += 2;
-    } else if (c >= '0' && c <= '7') {  // up to three octal digits
-      code = 0;
-      size_t end = i;
-      for (; end < i + 3 && end < body.size() && body[end] >= '0' && body[end] <= '7'; ++end) {
-        code = code * 8 + static_cast<uint32_t>(body[end] - '0');
-      }
-      out->push_back(static_cast<char>(code));
-      i = end - 1;
-    } else if (c != '\n') {  // backslash-newline is a line continuation
-      out->push_back('\\');
-      out->push_back(c);
-    }
-  }
-  return true;
-}
-
-// The str Python's _codecs.encode(s, 'latin1') was given, back as bytes.
-bool Utf8ToLatin1(const std::string& s, std::string* out) {
-  for (size_t i = 0; i < s.size(); ++i) {
-    const uint8_t c = static_cast<uint8_t>(s[i]);
-    if (c < 0x80) {
-      out->push_back(static_cast<char>(c));
-      continue;
-    }
-    if ((c & 0xe0) != 0xc0 || i + 1 == s.size()) return false;
-    const uint8_t c2 = static_cast<uint8_t>(s[++i]);
-    const uint32_t cp = ((c & 0x1fu) << 6) | (c2 & 0x3fu);
-    if ((c2 & 0xc0) != 0x80 || cp < 0x80 || cp > 0xff) return false;
-    out->push_back(static_cast<char>(cp));
-  }
-  return true;
 }
 
 // While parsing, every object lives in one Node that the stack, the memo and
@@ -317,31 +168,6 @@ bool NodeInts(const Node* n, std::vector<int64_t>* out) {
   return true;
 }
 
-const char* OpcodeName(uint8_t op) {
-  // clang-format off
-  static const std::map<uint8_t, const char*> names = {
-      {0x80, "PROTO"}, {0x95, "FRAME"}, {'.', "STOP"}, {'(', "MARK"}, {'0', "POP"},
-      {'1', "POP_MARK"}, {'2', "DUP"}, {'N', "NONE"}, {0x88, "NEWTRUE"}, {0x89, "NEWFALSE"},
-      {'I', "INT"}, {'J', "BININT"}, {'K', "BININT1"}, {'M', "BININT2"}, {'L', "LONG"},
-      {0x8a, "LONG1"}, {0x8b, "LONG4"}, {'F', "FLOAT"}, {'G', "BINFLOAT"}, {'S', "STRING"},
-      {'T', "BINSTRING"}, {'U', "SHORT_BINSTRING"}, {'V', "UNICODE"}, {'X', "BINUNICODE"},
-      {0x8c, "SHORT_BINUNICODE"}, {0x8d, "BINUNICODE8"}, {'B', "BINBYTES"},
-      {'C', "SHORT_BINBYTES"}, {0x8e, "BINBYTES8"}, {0x96, "BYTEARRAY8"}, {']', "EMPTY_LIST"},
-      {'l', "LIST"}, {'a', "APPEND"}, {'e', "APPENDS"}, {')', "EMPTY_TUPLE"}, {'t', "TUPLE"},
-      {0x85, "TUPLE1"}, {0x86, "TUPLE2"}, {0x87, "TUPLE3"}, {'}', "EMPTY_DICT"}, {'d', "DICT"},
-      {'s', "SETITEM"}, {'u', "SETITEMS"}, {0x8f, "EMPTY_SET"}, {0x90, "ADDITEMS"},
-      {0x91, "FROZENSET"}, {'c', "GLOBAL"}, {0x93, "STACK_GLOBAL"}, {'R', "REDUCE"},
-      {0x81, "NEWOBJ"}, {0x92, "NEWOBJ_EX"}, {'b', "BUILD"}, {'p', "PUT"}, {'q', "BINPUT"},
-      {'r', "LONG_BINPUT"}, {0x94, "MEMOIZE"}, {'g', "GET"}, {'h', "BINGET"},
-      {'j', "LONG_BINGET"}, {'P', "PERSID"}, {'Q', "BINPERSID"}, {'i', "INST"}, {'o', "OBJ"},
-      {0x82, "EXT1"}, {0x83, "EXT2"}, {0x84, "EXT4"}, {0x97, "NEXT_BUFFER"},
-      {0x98, "READONLY_BUFFER"},
-  };
-  // clang-format on
-  auto it = names.find(op);
-  return it == names.end() ? "unknown" : it->second;
-}
-
 // Values a stream may expand to per input byte (plus a fixed allowance):
 // memo references make copies, and nested references could otherwise
 // expand a few hundred bytes into billions of values.
@@ -387,6 +213,7 @@ class Parser {
   Status Dup();
   Status IntLine();
   Status LongLine();
+  Status PushDecimal(const std::string& line);
   Status LongN(size_t len_size);
   Status FloatLine();
   Status BinFloat();
@@ -554,84 +381,85 @@ Status Parser::Get(uint64_t index) {
 Status Parser::Step(bool* stop) {
   uint64_t u;
   switch (op_) {
-    case 0x80: return Proto();
-    case 0x95: return Frame();
-    case '.': *stop = true; return Status::Ok();
-    case '(': marks_.push_back(stack_.size()); return Status::Ok();
-    case '0': return PopOp();
-    case '1': {
+    case op::kProto: return Proto();
+    case op::kFrame: return Frame();
+    case op::kStop: *stop = true; return Status::Ok();
+    case op::kMark: marks_.push_back(stack_.size()); return Status::Ok();
+    case op::kPop: return PopOp();
+    case op::kPopMark: {
       std::vector<Node*> discard;
       return PopMark(&discard);
     }
-    case '2': return Dup();
-    case 'N': Push(NewLeaf(Value::None())); return Status::Ok();
-    case 0x88: Push(NewLeaf(Value::Bool(true))); return Status::Ok();
-    case 0x89: Push(NewLeaf(Value::Bool(false))); return Status::Ok();
-    case 'I': return IntLine();
-    case 'J':
+    case op::kDup: return Dup();
+    case op::kNone: Push(NewLeaf(Value::None())); return Status::Ok();
+    case op::kNewTrue: Push(NewLeaf(Value::Bool(true))); return Status::Ok();
+    case op::kNewFalse: Push(NewLeaf(Value::Bool(false))); return Status::Ok();
+    case op::kInt: return IntLine();
+    case op::kBinInt:
       RESHARD_RETURN_IF_ERROR(ReadUInt(4, &u));
       Push(NewLeaf(Value::Int(static_cast<int32_t>(static_cast<uint32_t>(u)))));
       return Status::Ok();
-    case 'K':
-    case 'M':
-      RESHARD_RETURN_IF_ERROR(ReadUInt(op_ == 'K' ? 1 : 2, &u));
+    case op::kBinInt1:
+    case op::kBinInt2:
+      RESHARD_RETURN_IF_ERROR(ReadUInt(op_ == op::kBinInt1 ? 1 : 2, &u));
       Push(NewLeaf(Value::Int(static_cast<int64_t>(u))));
       return Status::Ok();
-    case 'L': return LongLine();
-    case 0x8a: return LongN(1);
-    case 0x8b: return LongN(4);
-    case 'F': return FloatLine();
-    case 'G': return BinFloat();
-    case 'S': return QuotedString();
-    case 'V': return UnicodeLine();
+    case op::kLong: return LongLine();
+    case op::kLong1: return LongN(1);
+    case op::kLong4: return LongN(4);
+    case op::kFloat: return FloatLine();
+    case op::kBinFloat: return BinFloat();
+    case op::kString: return QuotedString();
+    case op::kUnicode: return UnicodeLine();
     // Python 2 str (BINSTRING) loads as str, as torch.load's encoding='utf-8' does.
-    case 'T': return Counted(4, Value::Kind::kString);
-    case 'U': return Counted(1, Value::Kind::kString);
-    case 'X': return Counted(4, Value::Kind::kString);
-    case 0x8c: return Counted(1, Value::Kind::kString);
-    case 0x8d: return Counted(8, Value::Kind::kString);
-    case 'B': return Counted(4, Value::Kind::kBytes);
-    case 'C': return Counted(1, Value::Kind::kBytes);
-    case 0x8e: return Counted(8, Value::Kind::kBytes);
-    case 0x96: return Counted(8, Value::Kind::kBytes);  // a bytearray; its bytes are what matter
-    case ']': Push(New(Node::Kind::kList)); return Status::Ok();
-    case 'l': return Collect(Node::Kind::kList);
-    case 'a': return Append();
-    case 'e': return Appends();
-    case ')': Push(New(Node::Kind::kTuple)); return Status::Ok();
-    case 't': return Collect(Node::Kind::kTuple);
-    case 0x85: return TupleN(1);
-    case 0x86: return TupleN(2);
-    case 0x87: return TupleN(3);
-    case '}': Push(New(Node::Kind::kDict)); return Status::Ok();
-    case 'd': return Collect(Node::Kind::kDict);
-    case 's': return SetItem();
-    case 'u': return SetItems();
-    case 0x8f: Push(New(Node::Kind::kSet)); return Status::Ok();
-    case 0x90: return AddItems();
-    case 0x91: return Collect(Node::Kind::kFrozenSet);
-    case 'c': return GlobalLines();
-    case 0x93: return StackGlobal();
-    case 'R': return Reduce();
-    case 0x81: return NewObj(false);
-    case 0x92: return NewObj(true);
-    case 'b': return Build();
-    case 'p': RESHARD_RETURN_IF_ERROR(ReadIndexLine(&u)); return Put(u);
-    case 'q': RESHARD_RETURN_IF_ERROR(ReadUInt(1, &u)); return Put(u);
-    case 'r': RESHARD_RETURN_IF_ERROR(ReadUInt(4, &u)); return Put(u);
-    case 0x94: return Put(memo_count_);
-    case 'g': RESHARD_RETURN_IF_ERROR(ReadIndexLine(&u)); return Get(u);
-    case 'h': RESHARD_RETURN_IF_ERROR(ReadUInt(1, &u)); return Get(u);
-    case 'j': RESHARD_RETURN_IF_ERROR(ReadUInt(4, &u)); return Get(u);
-    case 'P': return PersId();
-    case 'Q': return BinPersId();
-    case 'i':
-    case 'o':
-    case 0x82:
-    case 0x83:
-    case 0x84:
-    case 0x97:
-    case 0x98:
+    case op::kBinString: return Counted(4, Value::Kind::kString);
+    case op::kShortBinString: return Counted(1, Value::Kind::kString);
+    case op::kBinUnicode: return Counted(4, Value::Kind::kString);
+    case op::kShortBinUnicode: return Counted(1, Value::Kind::kString);
+    case op::kBinUnicode8: return Counted(8, Value::Kind::kString);
+    case op::kBinBytes: return Counted(4, Value::Kind::kBytes);
+    case op::kShortBinBytes: return Counted(1, Value::Kind::kBytes);
+    case op::kBinBytes8: return Counted(8, Value::Kind::kBytes);
+    // A bytearray: its bytes are what matter.
+    case op::kByteArray8: return Counted(8, Value::Kind::kBytes);
+    case op::kEmptyList: Push(New(Node::Kind::kList)); return Status::Ok();
+    case op::kList: return Collect(Node::Kind::kList);
+    case op::kAppend: return Append();
+    case op::kAppends: return Appends();
+    case op::kEmptyTuple: Push(New(Node::Kind::kTuple)); return Status::Ok();
+    case op::kTuple: return Collect(Node::Kind::kTuple);
+    case op::kTuple1: return TupleN(1);
+    case op::kTuple2: return TupleN(2);
+    case op::kTuple3: return TupleN(3);
+    case op::kEmptyDict: Push(New(Node::Kind::kDict)); return Status::Ok();
+    case op::kDict: return Collect(Node::Kind::kDict);
+    case op::kSetItem: return SetItem();
+    case op::kSetItems: return SetItems();
+    case op::kEmptySet: Push(New(Node::Kind::kSet)); return Status::Ok();
+    case op::kAddItems: return AddItems();
+    case op::kFrozenSet: return Collect(Node::Kind::kFrozenSet);
+    case op::kGlobal: return GlobalLines();
+    case op::kStackGlobal: return StackGlobal();
+    case op::kReduce: return Reduce();
+    case op::kNewObj: return NewObj(false);
+    case op::kNewObjEx: return NewObj(true);
+    case op::kBuild: return Build();
+    case op::kPut: RESHARD_RETURN_IF_ERROR(ReadIndexLine(&u)); return Put(u);
+    case op::kBinPut: RESHARD_RETURN_IF_ERROR(ReadUInt(1, &u)); return Put(u);
+    case op::kLongBinPut: RESHARD_RETURN_IF_ERROR(ReadUInt(4, &u)); return Put(u);
+    case op::kMemoize: return Put(memo_count_);
+    case op::kGet: RESHARD_RETURN_IF_ERROR(ReadIndexLine(&u)); return Get(u);
+    case op::kBinGet: RESHARD_RETURN_IF_ERROR(ReadUInt(1, &u)); return Get(u);
+    case op::kLongBinGet: RESHARD_RETURN_IF_ERROR(ReadUInt(4, &u)); return Get(u);
+    case op::kPersId: return PersId();
+    case op::kBinPersId: return BinPersId();
+    case op::kInst:
+    case op::kObj:
+    case op::kExt1:
+    case op::kExt2:
+    case op::kExt4:
+    case op::kNextBuffer:
+    case op::kReadOnlyBuffer:
       return Status::Unsupported(std::string("pickle opcode ") + OpcodeName(op_) + " at byte " +
                                  std::to_string(op_pos_) + " is not supported by reshard");
     default: return Fail("unknown opcode");
@@ -674,23 +502,24 @@ Status Parser::Dup() {
 Status Parser::IntLine() {
   std::string line;
   RESHARD_RETURN_IF_ERROR(ReadLine(&line));
-  Value v;
   if (line == "00" || line == "01") {  // protocol 0 booleans
-    v = Value::Bool(line == "01");
-  } else if (!DecimalToValue(line, &v)) {
-    return Fail("bad integer " + Excerpt(line));
+    Push(NewLeaf(Value::Bool(line == "01")));
+    return Status::Ok();
   }
-  Push(NewLeaf(std::move(v)));
-  return Status::Ok();
+  return PushDecimal(line);
 }
 
 Status Parser::LongLine() {
   std::string line;
   RESHARD_RETURN_IF_ERROR(ReadLine(&line));
   if (!line.empty() && line.back() == 'L') line.pop_back();
-  Value v;
-  if (!DecimalToValue(line, &v)) return Fail("bad integer " + Excerpt(line));
-  Push(NewLeaf(std::move(v)));
+  return PushDecimal(line);
+}
+
+Status Parser::PushDecimal(const std::string& line) {
+  std::string le;
+  if (!DecimalToTwosComplement(line, &le)) return Fail("bad integer " + Excerpt(line));
+  Push(NewLeaf(IntFromLE(le)));
   return Status::Ok();
 }
 
@@ -861,7 +690,7 @@ Status Parser::StackGlobal() {
 Status Parser::PushGlobal(std::string module, std::string name) {
   Global g{Py3Module(module), std::move(name)};
   const std::string q = g.Qualified();
-  if (!IsKnownGlobal(q) && !options_.allow_all_globals && options_.allowed_globals.count(q) == 0) {
+  if (!IsAccepted(q, options_)) {
     return Status::Unsupported("pickle refers to class '" + q +
                                "', which reshard does not know; reshard never runs code from "
                                "checkpoints. Pass --allow-class " +

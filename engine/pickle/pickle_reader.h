@@ -3,9 +3,10 @@
 //
 // Supported: protocols 0-5 opcodes that torch.save and DeepSpeed produce
 // (protocol 2 in practice), persistent ids for tensor storages, memo
-// references. Every global the stream names is checked against an allow-list
-// of classes known to appear in DeepSpeed / Megatron checkpoints; an unknown
-// global is refused unless the caller allows it, in which case it is carried
+// references. Every global the stream names must be on an allow-list: the
+// generic classes built in here (Python builtins, torch, NumPy), the classes
+// of the checkpoint format being read, or classes the user allows. Any other
+// global is refused; an allowed one the reader does not interpret is carried
 // through as an opaque Object and never called.
 //
 //   PickleReader reader(options, resolver);
@@ -25,10 +26,12 @@
 namespace reshard {
 
 struct PickleReadOptions {
-  // Extra globals ("module.name") to accept as opaque objects.
+  // The classes ("module.name") of the checkpoint format being read, e.g.
+  // &DeepSpeedKnownClasses(); not owned, must outlive the reader.
+  const std::set<std::string>* known_classes = nullptr;
+  // Classes the user allows (--allow-class). Both lists are accepted like the
+  // built-in one; they differ only in who vouches for a class.
   std::set<std::string> allowed_globals;
-  // Accept every global as an opaque object (inspection of unknown files).
-  bool allow_all_globals = false;
   // Refuse streams nested deeper than this (protects the stack).
   int max_depth = 1000;
 };
@@ -38,7 +41,8 @@ struct PickleReadOptions {
 using StorageResolver = std::function<Result<std::shared_ptr<Storage>>(
     const std::string& key, DType dtype, int64_t numel, const std::string& location)>;
 
-// True when `qualified` ("module.name") is on reshard's built-in allow-list.
+// True when `qualified` ("module.name") is on the reader's built-in list of
+// generic classes (not a format's known_classes).
 bool IsKnownGlobal(const std::string& qualified);
 
 class PickleReader {

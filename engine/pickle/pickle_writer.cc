@@ -3,35 +3,11 @@
 #include <cstring>
 #include <map>
 
+#include "pickle/opcodes.h"
+#include "pickle/text_codecs.h"
+
 namespace reshard {
 namespace {
-
-// Protocol 2 opcodes.
-constexpr char kProto = '\x80';
-constexpr char kStop = '.';
-constexpr char kMark = '(';
-constexpr char kNone = 'N';
-constexpr char kNewTrue = '\x88';
-constexpr char kNewFalse = '\x89';
-constexpr char kBinInt = 'J';
-constexpr char kBinInt1 = 'K';
-constexpr char kBinInt2 = 'M';
-constexpr char kLong1 = '\x8a';
-constexpr char kLong4 = '\x8b';
-constexpr char kBinFloat = 'G';
-constexpr char kBinUnicode = 'X';
-constexpr char kEmptyList = ']';
-constexpr char kAppends = 'e';
-constexpr char kEmptyTuple = ')';
-constexpr char kTuple = 't';
-constexpr char kTuple1 = '\x85';
-constexpr char kEmptyDict = '}';
-constexpr char kSetItems = 'u';
-constexpr char kGlobal = 'c';
-constexpr char kReduce = 'R';
-constexpr char kNewObj = '\x81';
-constexpr char kBuild = 'b';
-constexpr char kBinPersId = 'Q';
 
 // Protocol 2 names Python 3 modules by their Python 2 names, as Python's
 // pickler does (fix_imports); Python 3 maps them back when loading.
@@ -41,38 +17,23 @@ std::string Py2Module(const std::string& module) {
   return module;
 }
 
-// Bytes as the str Python's _codecs.encode(str, 'latin1') turns back into them.
-std::string Latin1ToUtf8(const std::string& bytes) {
-  std::string s;
-  s.reserve(bytes.size());
-  for (unsigned char c : bytes) {
-    if (c < 0x80) {
-      s.push_back(static_cast<char>(c));
-    } else {
-      s.push_back(static_cast<char>(0xc0 | (c >> 6)));
-      s.push_back(static_cast<char>(0x80 | (c & 0x3f)));
-    }
-  }
-  return s;
-}
-
 class Writer {
  public:
   explicit Writer(const StorageSink& sink) : sink_(sink) {}
 
   Result<std::string> Run(const Value& root) {
-    out_ += kProto;
+    Op(op::kProto);
     out_ += '\x02';
     RESHARD_RETURN_IF_ERROR(Write(root));
-    out_ += kStop;
+    Op(op::kStop);
     return std::move(out_);
   }
 
  private:
   Status Write(const Value& v) {
     switch (v.kind()) {
-      case Value::Kind::kNone: out_ += kNone; return Status::Ok();
-      case Value::Kind::kBool: out_ += v.as_bool() ? kNewTrue : kNewFalse; return Status::Ok();
+      case Value::Kind::kNone: Op(op::kNone); return Status::Ok();
+      case Value::Kind::kBool: Op(v.as_bool() ? op::kNewTrue : op::kNewFalse); return Status::Ok();
       case Value::Kind::kInt: Int(v.as_int()); return Status::Ok();
       case Value::Kind::kBigInt: Long(v.as_bigint().le_bytes); return Status::Ok();
       case Value::Kind::kFloat: Float(v.as_float()); return Status::Ok();
@@ -90,19 +51,21 @@ class Writer {
     return Status::Internal("pickle writer: unknown value kind");
   }
 
+  void Op(uint8_t opcode) { out_ += static_cast<char>(opcode); }
+
   void LittleEndian(uint64_t v, int n) {
     for (int i = 0; i < n; ++i) out_ += static_cast<char>(v >> (8 * i));
   }
 
   void Int(int64_t i) {
     if (i >= 0 && i < 0x100) {
-      out_ += kBinInt1;
+      Op(op::kBinInt1);
       LittleEndian(static_cast<uint64_t>(i), 1);
     } else if (i >= 0 && i < 0x10000) {
-      out_ += kBinInt2;
+      Op(op::kBinInt2);
       LittleEndian(static_cast<uint64_t>(i), 2);
     } else if (i >= INT32_MIN && i <= INT32_MAX) {
-      out_ += kBinInt;
+      Op(op::kBinInt);
       LittleEndian(static_cast<uint64_t>(i), 4);
     } else {
       // The shortest two's complement form, as Python writes it: drop top
@@ -121,10 +84,10 @@ class Writer {
 
   void Long(const std::string& le) {
     if (le.size() < 0x100) {
-      out_ += kLong1;
+      Op(op::kLong1);
       LittleEndian(le.size(), 1);
     } else {
-      out_ += kLong4;
+      Op(op::kLong4);
       LittleEndian(le.size(), 4);
     }
     out_ += le;
@@ -133,14 +96,14 @@ class Writer {
   void Float(double d) {
     uint64_t bits;
     std::memcpy(&bits, &d, 8);
-    out_ += kBinFloat;
+    Op(op::kBinFloat);
     for (int i = 7; i >= 0; --i) out_ += static_cast<char>(bits >> (8 * i));  // big-endian
   }
 
   Status Unicode(const std::string& s) {
     if (s.size() > UINT32_MAX)
       return Status::InvalidInput("pickle writer: string longer than 4 GiB");
-    out_ += kBinUnicode;
+    Op(op::kBinUnicode);
     LittleEndian(s.size(), 4);
     out_ += s;
     return Status::Ok();
@@ -152,8 +115,8 @@ class Writer {
     RESHARD_RETURN_IF_ERROR(GlobalOp({"_codecs", "encode"}));
     RESHARD_RETURN_IF_ERROR(Unicode(Latin1ToUtf8(b)));
     RESHARD_RETURN_IF_ERROR(Unicode("latin1"));
-    out_ += '\x86';  // TUPLE2
-    out_ += kReduce;
+    Op(op::kTuple2);
+    Op(op::kReduce);
     return Status::Ok();
   }
 
@@ -164,43 +127,44 @@ class Writer {
 
   Status Tuple(const std::vector<Value>& items) {
     if (items.empty()) {
-      out_ += kEmptyTuple;
+      Op(op::kEmptyTuple);
       return Status::Ok();
     }
-    if (items.size() > 3) out_ += kMark;
+    static constexpr uint8_t kSmallTuple[] = {op::kTuple1, op::kTuple2, op::kTuple3};
+    if (items.size() > 3) Op(op::kMark);
     RESHARD_RETURN_IF_ERROR(Each(items));
-    out_ += items.size() > 3 ? kTuple : static_cast<char>(kTuple1 + items.size() - 1);
+    Op(items.size() > 3 ? op::kTuple : kSmallTuple[items.size() - 1]);
     return Status::Ok();
   }
 
   // MARK items APPENDS onto the list or object on top of the stack.
   Status Appends(const std::vector<Value>& items) {
     if (items.empty()) return Status::Ok();
-    out_ += kMark;
+    Op(op::kMark);
     RESHARD_RETURN_IF_ERROR(Each(items));
-    out_ += kAppends;
+    Op(op::kAppends);
     return Status::Ok();
   }
 
   // MARK key value ... SETITEMS onto the dict or object on top of the stack.
   Status SetItems(const Items& items) {
     if (items.empty()) return Status::Ok();
-    out_ += kMark;
+    Op(op::kMark);
     for (const auto& [key, value] : items) {
       RESHARD_RETURN_IF_ERROR(Write(key));
       RESHARD_RETURN_IF_ERROR(Write(value));
     }
-    out_ += kSetItems;
+    Op(op::kSetItems);
     return Status::Ok();
   }
 
   Status List(const std::vector<Value>& items) {
-    out_ += kEmptyList;
+    Op(op::kEmptyList);
     return Appends(items);
   }
 
   Status Dict(const Items& items) {
-    out_ += kEmptyDict;
+    Op(op::kEmptyDict);
     return SetItems(items);
   }
 
@@ -208,8 +172,8 @@ class Writer {
   Status SetLike(const char* name, const std::vector<Value>& items) {
     RESHARD_RETURN_IF_ERROR(GlobalOp({"builtins", name}));
     RESHARD_RETURN_IF_ERROR(List(items));
-    out_ += kTuple1;
-    out_ += kReduce;
+    Op(op::kTuple1);
+    Op(op::kReduce);
     return Status::Ok();
   }
 
@@ -219,7 +183,7 @@ class Writer {
       return Status::InvalidInput("pickle writer: class name '" + g.Qualified() +
                                   "' contains a newline");
     }
-    out_ += kGlobal;
+    Op(op::kGlobal);
     out_ += module + "\n" + g.name + "\n";
     return Status::Ok();
   }
@@ -228,12 +192,12 @@ class Writer {
   Status ObjectOp(const Object& o) {
     RESHARD_RETURN_IF_ERROR(GlobalOp(o.cls));
     RESHARD_RETURN_IF_ERROR(Tuple(o.args));
-    out_ += o.construct == Object::Construct::kNewObj ? kNewObj : kReduce;
+    Op(o.construct == Object::Construct::kNewObj ? op::kNewObj : op::kReduce);
     RESHARD_RETURN_IF_ERROR(Appends(o.list_items));
     RESHARD_RETURN_IF_ERROR(SetItems(o.dict_items));
     if (o.state) {
       RESHARD_RETURN_IF_ERROR(Write(*o.state));
-      out_ += kBuild;
+      Op(op::kBuild);
     }
     return Status::Ok();
   }
@@ -251,32 +215,32 @@ class Writer {
     std::string key;
     RESHARD_RETURN_IF_ERROR(StorageKey(*t.storage, &key));
     RESHARD_RETURN_IF_ERROR(GlobalOp({"torch._utils", "_rebuild_tensor_v2"}));
-    out_ += kMark;
+    Op(op::kMark);
     RESHARD_RETURN_IF_ERROR(PersistentId(*t.storage, key));
     Int(t.storage_offset);
     RESHARD_RETURN_IF_ERROR(Ints(t.sizes));
     RESHARD_RETURN_IF_ERROR(Ints(t.strides));
-    out_ += t.requires_grad ? kNewTrue : kNewFalse;
+    Op(t.requires_grad ? op::kNewTrue : op::kNewFalse);
     if (t.extra_args.empty()) {
       RESHARD_RETURN_IF_ERROR(ObjectOp(MakeOrderedDict({}).as_object()));  // no backward hooks
     } else {
       RESHARD_RETURN_IF_ERROR(Each(t.extra_args));
     }
-    out_ += kTuple;
-    out_ += kReduce;
+    Op(op::kTuple);
+    Op(op::kReduce);
     return Status::Ok();
   }
 
   // ('storage', torch.<X>Storage, key, location, numel), as torch.save writes it.
   Status PersistentId(const Storage& s, const std::string& key) {
-    out_ += kMark;
+    Op(op::kMark);
     RESHARD_RETURN_IF_ERROR(Unicode("storage"));
     RESHARD_RETURN_IF_ERROR(GlobalOp({"torch", StorageClassName(s.dtype)}));
     RESHARD_RETURN_IF_ERROR(Unicode(key));
     RESHARD_RETURN_IF_ERROR(Unicode(s.location));
     Int(s.numel);
-    out_ += kTuple;
-    out_ += kBinPersId;
+    Op(op::kTuple);
+    Op(op::kBinPersId);
     return Status::Ok();
   }
 

@@ -6,6 +6,8 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include "pickle/text_codecs.h"
+
 namespace reshard {
 
 // ---- Tensor -----------------------------------------------------------------
@@ -191,31 +193,7 @@ namespace {
 // is quadratic, so huge ones are only sized.
 std::string BigIntToDecimal(const std::string& le) {
   if (le.size() > 1024) return "<int of " + std::to_string(le.size()) + " bytes>";
-  std::vector<uint8_t> mag(le.begin(), le.end());  // little-endian magnitude
-  const bool negative = !mag.empty() && (mag.back() & 0x80);
-  if (negative) {  // two's complement negation: invert and add one
-    unsigned carry = 1;
-    for (uint8_t& b : mag) {
-      const unsigned sum = static_cast<uint8_t>(~b) + carry;
-      b = static_cast<uint8_t>(sum);
-      carry = sum >> 8;
-    }
-  }
-  std::string digits;
-  while (true) {
-    unsigned rem = 0;
-    bool nonzero = false;
-    for (size_t i = mag.size(); i-- > 0;) {  // divide by 10, most significant byte first
-      const unsigned cur = (rem << 8) | mag[i];
-      mag[i] = static_cast<uint8_t>(cur / 10);
-      rem = cur % 10;
-      nonzero = nonzero || mag[i] != 0;
-    }
-    digits.push_back(static_cast<char>('0' + rem));
-    if (!nonzero) break;
-  }
-  if (negative) digits.push_back('-');
-  return std::string(digits.rbegin(), digits.rend());
+  return TwosComplementToDecimal(le);
 }
 
 // Python's repr: the shortest digits that read back exactly, positional

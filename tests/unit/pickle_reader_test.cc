@@ -4,9 +4,11 @@
 
 #include <map>
 #include <random>
+#include <set>
 #include <string>
 #include <vector>
 
+#include "formats/deepspeed/known_classes.h"
 #include "pickle_test_support.h"
 
 namespace reshard {
@@ -230,9 +232,10 @@ TEST(PickleReaderTest, UnknownGlobalIsRefused) {
 TEST(PickleReaderTest, AllowedGlobalIsCarriedAsObject) {
   PickleReadOptions named;
   named.allowed_globals = {"mymod.Thing"};
-  PickleReadOptions all;
-  all.allow_all_globals = true;
-  for (const PickleReadOptions& options : {named, all}) {
+  const std::set<std::string> format_classes = {"mymod.Thing"};
+  PickleReadOptions known;
+  known.known_classes = &format_classes;
+  for (const PickleReadOptions& options : {named, known}) {
     Result<Value> root = ParseFixture(testing_pickle::kUnknownClassPkl, options);
     ASSERT_TRUE(root.ok()) << root.status().message();
     const Value& thing = At(*root, "x");
@@ -243,17 +246,22 @@ TEST(PickleReaderTest, AllowedGlobalIsCarriedAsObject) {
 }
 
 TEST(PickleReaderTest, KnownGlobals) {
-  for (const char* name :
-       {"collections.OrderedDict", "torch._utils._rebuild_tensor_v2", "torch.BFloat16Storage",
-        "torch.ComplexDoubleStorage", "torch.bfloat16", "torch.float", "argparse.Namespace",
-        "numpy.dtype", "deepspeed.runtime.zero.config.ZeroStageEnum",
-        "deepspeed.checkpoint.universal_checkpoint.SubparamShape",
-        "megatron.model.enums.AttnMaskType"}) {
+  for (const char* name : {"collections.OrderedDict", "torch._utils._rebuild_tensor_v2",
+                           "torch.BFloat16Storage", "torch.ComplexDoubleStorage", "torch.bfloat16",
+                           "torch.float", "argparse.Namespace", "numpy.dtype"}) {
     EXPECT_TRUE(IsKnownGlobal(name)) << name;
+  }
+  // DeepSpeed's and Megatron's classes come from the format, not the reader.
+  for (const char* name : {"deepspeed.runtime.zero.config.ZeroStageEnum",
+                           "deepspeed.checkpoint.universal_checkpoint.SubparamShape",
+                           "megatron.model.enums.AttnMaskType"}) {
+    EXPECT_EQ(DeepSpeedKnownClasses().count(name), 1u) << name;
+    EXPECT_FALSE(IsKnownGlobal(name)) << name;
   }
   for (const char* name : {"os.system", "builtins.eval", "builtins.exec", "subprocess.Popen",
                            "torch.load", "mymod.Thing", "collections.OrderedDictX"}) {
     EXPECT_FALSE(IsKnownGlobal(name)) << name;
+    EXPECT_EQ(DeepSpeedKnownClasses().count(name), 0u) << name;
   }
 }
 

@@ -126,6 +126,7 @@
 #include <string>
 #include <vector>
 
+#include "formats/deepspeed/known_classes.h"
 #include "pickle/pickle_reader.h"
 #include "pickle/value.h"
 
@@ -391,14 +392,24 @@ inline constexpr uint8_t kPlainProto5[] = {
 };
 // clang-format on
 
+// The fixtures name DeepSpeed and Megatron classes, so by default they are
+// read as reshard's DeepSpeed readers read them.
+inline PickleReadOptions DeepSpeedReadOptions() {
+  PickleReadOptions options;
+  options.known_classes = &DeepSpeedKnownClasses();
+  return options;
+}
+
 template <size_t N>
-Result<Value> ParseFixture(const uint8_t (&bytes)[N], PickleReadOptions options = {},
+Result<Value> ParseFixture(const uint8_t (&bytes)[N],
+                           PickleReadOptions options = DeepSpeedReadOptions(),
                            StorageResolver resolver = nullptr) {
   PickleReader reader(std::move(options), std::move(resolver));
   return reader.Parse(bytes, N);
 }
 
-inline Result<Value> ParseString(const std::string& bytes, PickleReadOptions options = {}) {
+inline Result<Value> ParseString(const std::string& bytes,
+                                 PickleReadOptions options = DeepSpeedReadOptions()) {
   PickleReader reader(std::move(options), nullptr);
   return reader.Parse(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size());
 }

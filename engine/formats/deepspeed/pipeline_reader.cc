@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "container/torch_file.h"
+#include "formats/deepspeed/known_classes.h"
 
 namespace reshard {
 namespace {
@@ -88,6 +89,7 @@ Status ReadLayerFiles(const std::set<std::string>& allowed, DeepSpeedModel* m) {
 
 Result<Value> ReadDeepSpeedFile(const std::string& path, const std::set<std::string>& allowed_classes) {
   PickleReadOptions read;
+  read.known_classes = &DeepSpeedKnownClasses();
   read.allowed_globals = allowed_classes;
   return ReadTorchFile(path, read);
 }
