@@ -10,6 +10,7 @@
 #include <set>
 
 #include "pickle/value.h"
+#include "rules/builtin_rules.h"
 
 namespace reshard {
 namespace {
