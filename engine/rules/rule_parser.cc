@@ -49,7 +49,8 @@ const std::vector<std::string> kDetectFields = {"metadata_keys", "absent_metadat
 const std::vector<std::string> kPipelineFields = {"specs", "partition_method", "tied_module"};
 const std::vector<std::string> kPartitionFields = {"arg", "default"};
 const std::vector<std::string> kVocabFields = {"original_size", "divisible_by", "pad_to"};
-const std::vector<std::string> kRuleFields = {"key", "split", "replicated", "optional", "tied", "buffer"};
+const std::vector<std::string> kRuleFields = {"key",      "name", "split", "replicated",
+                                               "optional", "tied", "buffer"};
 const std::vector<std::string> kSplitFields = {"dim", "parts", "blocks", "vocab"};
 const std::vector<std::string> kReplicatedFields = {"drift"};
 const std::vector<std::string> kSplitNames = {"column", "row", "vocab"};
@@ -452,6 +453,8 @@ class RuleSetParser {
     } else {
       Fail(f, "rule without 'key'; add key: '<RE2 pattern of the tensor name>'");
     }
+    // The name's capture groups are checked against the key's.
+    if (rule.key_regex) ParseNameTemplate(Get(*fields, "name"), &rule);
     const Field* split = Get(*fields, "split");
     const Field* replicated = Get(*fields, "replicated");
     if (split && replicated) {
@@ -483,6 +486,96 @@ class RuleSetParser {
       return;
     }
     rule->key_regex = std::move(re);
+  }
+
+  // `name:`, or the default when it is absent.
+  void ParseNameTemplate(const Field* f, ParamRule* rule) {
+    if (f == nullptr) {
+      rule->name_template = rule->role == "block" ? "layers.{block}.{key}" : rule->role + ".{key}";
+    } else if (f->node.IsScalar() && !f->node.Scalar().empty()) {
+      rule->name_template = f->node.Scalar();
+    } else {
+      // Unquoted, `name: {key}` is a YAML mapping.
+      Fail(*f, "name must be a non-empty string; quote a template that starts with '{', e.g. name: '{key}'");
+      return;
+    }
+    int line = f ? f->line : rule->line;
+    if (!SplitNameTemplate(line, rule)) return;
+    if (rule->role == "block" && !NameUses(*rule, NamePiece::Kind::kBlock) &&
+        !NameUses(*rule, NamePiece::Kind::kLayer)) {
+      Fail(line, "name '" + rule->name_template + "' is the same in every block; add {block}, e.g. " +
+                     "layers.{block}." + rule->name_template);
+    }
+  }
+
+  // Splits the template at its placeholders into rule->name_pieces. Braces
+  // have no other use, so an unmatched one is an error.
+  bool SplitNameTemplate(int line, ParamRule* rule) {
+    const std::string& t = rule->name_template;
+    for (size_t pos = 0; pos < t.size();) {
+      size_t brace = std::min(t.find_first_of("{}", pos), t.size());
+      if (brace > pos) {
+        rule->name_pieces.push_back({NamePiece::Kind::kText, t.substr(pos, brace - pos)});
+        pos = brace;
+        continue;
+      }
+      size_t close = t.find_first_of("{}", pos + 1);
+      if (t[pos] == '}' || close == std::string::npos || t[close] == '{') {
+        Fail(line, "name '" + t + "': the '" + t[pos] + "' at character " + std::to_string(pos + 1) +
+                       " has no matching '" + (t[pos] == '{' ? "}" : "{") + "'; placeholders are " +
+                       Join(Placeholders(*rule), ", "));
+        return false;
+      }
+      std::optional<NamePiece> piece = ParsePlaceholder(line, t.substr(pos + 1, close - pos - 1), *rule);
+      if (!piece) return false;
+      rule->name_pieces.push_back(*piece);
+      pos = close + 1;
+    }
+    return true;
+  }
+
+  // `word` is what stands between the braces.
+  std::optional<NamePiece> ParsePlaceholder(int line, const std::string& word, const ParamRule& rule) {
+    const std::string name = "name '" + rule.name_template + "'";
+    int64_t group = 0;
+    if (word == "block" && rule.role != "block") {
+      Fail(line, name + " uses {block} in a layers." + rule.role +
+                     " rule; only block rules have a block number, use {layer} or remove it");
+    } else if (word == "block") {
+      return NamePiece{NamePiece::Kind::kBlock};
+    } else if (word == "layer") {
+      return NamePiece{NamePiece::Kind::kLayer};
+    } else if (word == "key") {
+      return NamePiece{NamePiece::Kind::kKey};
+    } else if (!ParseInt(word, &group)) {
+      Fail(line, name + " has an unknown placeholder '{" + word + "}'; " +
+                     Hint("{" + word + "}", Placeholders(rule)));
+    } else if (group < 1) {
+      Fail(line, name + ": {" + word + "} is not a capture group, they count from 1; {key} is the whole key");
+    } else if (const int groups = rule.key_regex->NumberOfCapturingGroups(); group > groups) {
+      Fail(line, name + " uses {" + word + "} but key '" + rule.key_pattern + "' has " +
+                     std::to_string(groups) + " capture group" + (groups == 1 ? "" : "s") +
+                     "; put the part to copy in parentheses or use a lower number");
+    } else {
+      return NamePiece{NamePiece::Kind::kGroup, "", static_cast<int>(group)};
+    }
+    return std::nullopt;
+  }
+
+  // The placeholders a name of `rule` may use.
+  static std::vector<std::string> Placeholders(const ParamRule& rule) {
+    std::vector<std::string> out;
+    if (rule.role == "block") out.push_back("{block}");
+    out.insert(out.end(), {"{layer}", "{key}"});
+    for (int i = 1; i <= rule.key_regex->NumberOfCapturingGroups(); ++i) {
+      out.push_back("{" + std::to_string(i) + "}");
+    }
+    return out;
+  }
+
+  static bool NameUses(const ParamRule& rule, NamePiece::Kind kind) {
+    return std::any_of(rule.name_pieces.begin(), rule.name_pieces.end(),
+                       [&](const NamePiece& p) { return p.kind == kind; });
   }
 
   void ParseFlag(const Fields& fields, const std::string& name, bool* out) {
@@ -575,6 +668,7 @@ class RuleSetParser {
     CheckLayerRoles();
     CheckTies();
     CheckVocab();
+    CheckFixedNames();
   }
 
   // Every role that owns files needs rules, and every set of rules a role that owns files.
@@ -625,6 +719,27 @@ class RuleSetParser {
                               "' splits the vocabulary; set vocab.original_size and vocab.divisible_by");
           return;
         }
+      }
+    }
+  }
+
+  // A name without {key} or a group is the same for every key its rule
+  // matches. Two such rules with one template name two tensors alike: in the
+  // same file (one role), or in any two files when the name has no {layer}.
+  // Names built from keys can only be checked against the keys, by callers.
+  void CheckFixedNames() {
+    std::map<std::pair<std::string, std::string>, const ParamRule*> seen;  // (scope, template)
+    for (const auto& [role, rules] : rs_->layers_) {
+      for (const ParamRule& rule : rules) {
+        if (NameUses(rule, NamePiece::Kind::kKey) || NameUses(rule, NamePiece::Kind::kGroup)) continue;
+        std::string scope = NameUses(rule, NamePiece::Kind::kLayer) ? role : "";
+        auto [it, inserted] = seen.emplace(std::make_pair(scope, rule.name_template), &rule);
+        if (inserted) continue;
+        const int first = std::min(it->second->line, rule.line);
+        const int second = std::max(it->second->line, rule.line);
+        Fail(second, "rules at lines " + std::to_string(first) + " and " + std::to_string(second) +
+                         " both name their tensors '" + rule.name_template +
+                         "'; give each its own name or add {key}");
       }
     }
   }

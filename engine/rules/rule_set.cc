@@ -1,5 +1,5 @@
-// The rule model: drift policy names, metadata sizes, rule descriptions and
-// key matching. Parsing is in rule_parser.cc.
+// The rule model: drift policy names, metadata sizes, rule descriptions,
+// canonical names and key matching. Parsing is in rule_parser.cc.
 #include "rules/rule_set.h"
 
 #include <re2/re2.h>
@@ -22,6 +22,20 @@ const Value* WalkPath(const Value& root, const std::string& path) {
     if (dot == std::string::npos) return v;
     start = dot + 1;
   }
+}
+
+// The capture groups of `key`, which fully matches `re`; "" for a group that
+// took no part in the match.
+std::vector<std::string> CaptureGroups(const RE2& re, const std::string& key) {
+  const int n = re.NumberOfCapturingGroups();
+  std::vector<std::string> groups(n);
+  std::vector<RE2::Arg> args;
+  std::vector<const RE2::Arg*> arg_ptrs;
+  args.reserve(n);
+  for (std::string& group : groups) args.emplace_back(&group);
+  for (const RE2::Arg& arg : args) arg_ptrs.push_back(&arg);
+  RE2::FullMatchN(key, re, arg_ptrs.data(), n);
+  return groups;
 }
 
 }  // namespace
@@ -79,6 +93,24 @@ std::string ParamRule::Describe() const {
   if (!blocks.empty()) details.push_back("blocks " + blocks.ToString());
   std::string out = "split dim " + std::to_string(dim);
   return details.empty() ? out : out + " (" + Join(details, ", ") + ")";
+}
+
+std::string ParamRule::CanonicalName(const std::string& key, int layer_id, int block) const {
+  std::string name;
+  std::vector<std::string> groups;  // matched only when a piece needs them
+  for (const NamePiece& piece : name_pieces) {
+    switch (piece.kind) {
+      case NamePiece::Kind::kText: name += piece.text; break;
+      case NamePiece::Kind::kBlock: name += std::to_string(block); break;
+      case NamePiece::Kind::kLayer: name += std::to_string(layer_id); break;
+      case NamePiece::Kind::kKey: name += key; break;
+      case NamePiece::Kind::kGroup:
+        if (groups.empty()) groups = CaptureGroups(*key_regex, key);
+        name += groups[piece.group - 1];
+        break;
+    }
+  }
+  return name;
 }
 
 Result<const ParamRule*> RuleSet::Match(const std::string& role, const std::string& key) const {

@@ -3,9 +3,9 @@
 // A rule set tells reshard what it needs to know about a Megatron-DeepSpeed
 // model family: the pipeline spec list (which positions own a `layer_NN` file
 // and what kind of layer they are), how each tensor in a layer file is laid
-// out across tensor-parallel ranks, and where the sizes it depends on live in
-// the checkpoint's metadata. Adding a model family means writing one of these
-// files.
+// out across tensor-parallel ranks, where the sizes it depends on live in the
+// checkpoint's metadata, and the canonical, layout-independent name of every
+// tensor. Adding a model family means writing one of these files.
 //
 // docs/rules.md documents the format field by field, with a guide and a
 // worked example. In short:
@@ -15,7 +15,7 @@
 //                               tied module
 //   vocab, optimizer_groups     where the vocabulary sizes are; optimizer group order
 //   layers: {role: [rule]}      per tensor key (RE2, full match): split or
-//                               replicated, optional, tied, buffer
+//                               replicated, canonical name, optional, tied, buffer
 //
 // This header is the model. The parser (RuleSet::LoadFile, LoadString) is in
 // rule_parser.cc; the files shipped in rules/ are found by builtin_rules.h.
@@ -58,6 +58,14 @@ struct MetaRef {
   std::string ToString() const;
 };
 
+// A piece of a canonical-name template: literal text or a placeholder.
+struct NamePiece {
+  enum class Kind { kText, kBlock, kLayer, kKey, kGroup };
+  Kind kind = Kind::kText;
+  std::string text;  // kText
+  int group = 0;     // kGroup: capture group of the key regex, from 1
+};
+
 struct ParamRule {
   enum class Policy { kSplit, kVocab, kReplicated };
 
@@ -75,9 +83,22 @@ struct ParamRule {
   bool tied = false;    // also owned by the tied head on the last pipeline stage
   bool buffer = false;  // persistent buffer, not an optimizer parameter
 
+  // The canonical-name template as written (`name:`) or the default
+  // (`layers.{block}.{key}` in block rules, `<role>.{key}` elsewhere), and
+  // the same split at its placeholders.
+  std::string name_template;
+  std::vector<NamePiece> name_pieces;
+
   // "split dim 0 (2 parts, blocks args.num_attention_heads)", "replicated", "vocab".
   std::string Describe() const;
 
+  // The canonical name of the tensor `key`, which this rule matches, in the
+  // file of spec `layer_id`; `block` is the 0-based transformer block, -1
+  // outside block rules. The parser rejects names that are the same for two
+  // tensors whatever the keys are; names built from keys can still meet (a
+  // name of one rule equal to the default of another), so code that uses
+  // them as identities checks that those of one checkpoint are unique.
+  std::string CanonicalName(const std::string& key, int layer_id, int block) const;
 };
 
 // One entry of the pipeline spec list.
