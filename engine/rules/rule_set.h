@@ -1,66 +1,24 @@
 // RuleSet: a model family's declarative description, read from a YAML file.
 //
-// A rule set tells reshard three things about a Megatron-DeepSpeed model
-// family: the pipeline spec list (which positions own a `layer_NN` file and
-// what kind of layer they are), how each tensor in a layer file is laid out
-// across tensor-parallel ranks, and where the sizes it depends on live in the
-// checkpoint's metadata. Adding a model family means writing one of these
-// files; see docs/rules.md for the guide and a worked example.
+// A rule set tells reshard what it needs to know about a Megatron-DeepSpeed
+// model family: the pipeline spec list (which positions own a `layer_NN` file
+// and what kind of layer they are), how each tensor in a layer file is laid
+// out across tensor-parallel ranks, where the sizes it depends on live in the
+// checkpoint's metadata, and the canonical, layout-independent name of every
+// tensor. Adding a model family means writing one of these files.
 //
-// Format (every field documented; `#` comments allowed):
+// docs/rules.md documents the format field by field, with a guide and a
+// worked example. In short:
 //
-//   name: megatron-gpt2                      # unique, used by --rules NAME
-//   description: GPT-2 style models of microsoft/Megatron-DeepSpeed
-//   detect:                                  # auto-detection; all conditions must hold
-//     metadata_keys: [universal_checkpoint_info]   # keys present in mp_rank files
-//     absent_metadata_keys: [checkpoint_info]      # keys that must be absent
-//     args: {swiglu: false, glu_activation: null}  # args values; null: absent or None,
-//                                                  # '*': present and not None,
-//                                                  # '!x': anything but x
-//   pipeline:
-//     # The PipelineModule spec list. Each entry is `role: ClassName`.
-//     # `function` and `tied_head` own no file; `block` repeats
-//     # args.num_layers times; every other role owns one layer file whose
-//     # tensors are described under `layers.<role>`. A layer file's id is
-//     # its entry's position in this list. Several numberings may be given
-//     # as a map of name -> list; the one matching the files is used.
-//     specs:
-//       current: [{function: _to_float16}, {embedding: EmbeddingPipe},
-//                 {block: ParallelTransformerLayerPipe}, {final_norm: MixedFusedLayerNorm},
-//                 {tied_head: EmbeddingPipe}, {function: float16_to_fp32}]
-//     partition_method: {arg: pp_partition_method, default: "type:transformer"}
-//     tied_module: embed              # optimizer names tied_modules.embed.<key>
-//   vocab:
-//     original_size: [checkpoint_info.original_vocab_size, universal_checkpoint_info.original_vocab_size]
-//     divisible_by: [args.make_vocab_size_divisible_by]
-//     pad_to: [args.pad_vocab_size_to]        # optional explicit padded size
-//   optimizer_groups: decay_no_decay          # or split_decay (BigScience: decay halves)
-//   layers:
-//     embedding:
-//       - key: 'word_embeddings\.weight'     # RE2, full match on the file's key
-//         split: vocab                       # vocab-parallel rows with padding
-//         tied: true                         # also owned by the tied head
-//       - key: 'word_embeddings\.norm\.(weight|bias)'
-//         replicated: true
-//         optional: true                     # present only in some configurations
-//     block:
-//       - key: 'self_attention\.query_key_value\.(weight|bias)'
-//         split: {dim: 0, blocks: [args.num_key_value_heads, args.num_attention_heads]}
-//       - key: 'mlp\.dense_h_to_4h\.(weight|bias)'
-//         split: {dim: 0, parts: 2}          # SwiGLU: [gate; up] in every shard
-//       - key: 'self_attention\.dense\.weight'
-//         split: row                         # = {dim: 1}
-//       - key: 'self_attention\.rotary_emb\.inv_freq'
-//         replicated: {drift: first}         # per-rule drift policy
-//         buffer: true                       # not a parameter: no optimizer state
+//   name, description, detect   what the set is called; which checkpoints it fits
+//   pipeline                    spec list(s) of {role: ClassName}, partition method,
+//                               tied module
+//   vocab, optimizer_groups     where the vocabulary sizes are; optimizer group order
+//   layers: {role: [rule]}      per tensor key (RE2, full match): split or
+//                               replicated, canonical name, optional, tied, buffer
 //
-// `split:` is column (= {dim: 0}), row (= {dim: 1}), vocab (= {vocab: true}:
-// dim 0 with vocabulary padding) or a map {dim, parts, blocks, vocab};
-// `replicated:` is true or a map {drift: check|average|first}.
-//
-// Sizes (`blocks`, vocab entries) are lists of alternatives; each is an
-// integer or a dotted path into the mp_rank metadata (`args.<field>`); the
-// first one present and not None is used.
+// This header is the model. The parser (RuleSet::LoadFile, LoadString) is in
+// rule_parser.cc; the files shipped in rules/ are found by builtin_rules.h.
 #pragma once
 
 #include <map>
@@ -71,6 +29,7 @@
 
 #include "reshard/reshard.h"
 #include "reshard/status.h"
+#include "rules/builtin_rules.h"  // LoadRuleSet, for the callers that include only this header
 
 namespace re2 {
 class RE2;
@@ -99,6 +58,14 @@ struct MetaRef {
   std::string ToString() const;
 };
 
+// A piece of a canonical-name template: literal text or a placeholder.
+struct NamePiece {
+  enum class Kind { kText, kBlock, kLayer, kKey, kGroup };
+  Kind kind = Kind::kText;
+  std::string text;  // kText
+  int group = 0;     // kGroup: capture group of the key regex, from 1
+};
+
 struct ParamRule {
   enum class Policy { kSplit, kVocab, kReplicated };
 
@@ -116,8 +83,22 @@ struct ParamRule {
   bool tied = false;    // also owned by the tied head on the last pipeline stage
   bool buffer = false;  // persistent buffer, not an optimizer parameter
 
+  // The canonical-name template as written (`name:`) or the default
+  // (`layers.{block}.{key}` in block rules, `<role>.{key}` elsewhere), and
+  // the same split at its placeholders.
+  std::string name_template;
+  std::vector<NamePiece> name_pieces;
+
   // "split dim 0 (2 parts, blocks args.num_attention_heads)", "replicated", "vocab".
   std::string Describe() const;
+
+  // The canonical name of the tensor `key`, which this rule matches, in the
+  // file of spec `layer_id`; `block` is the 0-based transformer block, -1
+  // outside block rules. The parser rejects names that are the same for two
+  // tensors whatever the keys are; names built from keys can still meet (a
+  // name of one rule equal to the default of another), so code that uses
+  // them as identities checks that those of one checkpoint are unique.
+  std::string CanonicalName(const std::string& key, int layer_id, int block) const;
 };
 
 // One entry of the pipeline spec list.
@@ -179,12 +160,5 @@ class RuleSet {
   OptimizerGroups optimizer_groups_ = OptimizerGroups::kDecayNoDecay;
   std::map<std::string, std::vector<ParamRule>> layers_;
 };
-
-// The rule files shipped in rules/ (found next to the binary's source tree or
-// in RESHARD_RULES_DIR), loaded and validated.
-Result<std::vector<RuleSet>> LoadBuiltinRuleSets();
-
-// `spec` is a path to a YAML file or the name of a built-in rule set.
-Result<RuleSet> LoadRuleSet(const std::string& spec);
 
 }  // namespace reshard

@@ -10,6 +10,7 @@
 #include <set>
 
 #include "pickle/value.h"
+#include "rules/builtin_rules.h"
 
 namespace reshard {
 namespace {
@@ -304,6 +305,55 @@ const BadCase kBadCases[] = {
      {{21, "detect: {args: {swiglu: [1, 2]}}"}},
      {"t.yaml:21: detect.args.swiglu must be a scalar"}},
     {"yaml_syntax", {{16, "    - {key: 'unterminated"}}, {"t.yaml:", "YAML syntax error"}},
+    {"name_placeholder_typo",
+     {{17, "    - {key: 'attn\\.dense\\.weight', name: 'layers.{blok}.o', split: row}"}},
+     {"t.yaml:17: name 'layers.{blok}.o' has an unknown placeholder '{blok}'; did you mean '{block}'?"}},
+    {"name_unknown_placeholder",
+     {{17, "    - {key: 'attn\\.dense\\.(weight)', name: 'layers.{block}.{tensor}', split: row}"}},
+     {"t.yaml:17: name 'layers.{block}.{tensor}' has an unknown placeholder '{tensor}'; "
+      "expected one of: {block}, {layer}, {key}, {1}"}},
+    {"name_block_outside_block_rules",
+     {{20, "    - {key: 'weight', name: 'final.{block}', replicated: true}"}},
+     {"t.yaml:20: name 'final.{block}' uses {block} in a layers.final_norm rule", "use {layer}"}},
+    {"name_group_beyond_the_key",
+     {{18, "    - {key: 'norm\\.(weight|bias)', name: 'layers.{block}.norm.{2}', replicated: true}"}},
+     {"t.yaml:18: name 'layers.{block}.norm.{2}' uses {2} but key 'norm\\.(weight|bias)' has 1 capture "
+      "group;"}},
+    {"name_group_without_groups",
+     {{20, "    - {key: 'weight', name: 'final.{1}', replicated: true}"}},
+     {"t.yaml:20: name 'final.{1}' uses {1} but key 'weight' has 0 capture groups"}},
+    {"name_group_zero",
+     {{20, "    - {key: 'weight', name: 'final.{0}', replicated: true}"}},
+     {"t.yaml:20: name 'final.{0}': {0} is not a capture group", "{key} is the whole key"}},
+    {"name_unclosed_brace",
+     {{17, "    - {key: 'attn\\.dense\\.weight', name: 'layers.{block.o', split: row}"}},
+     {"t.yaml:17: name 'layers.{block.o': the '{' at character 8 has no matching '}'; "
+      "placeholders are {block}, {layer}, {key}"}},
+    {"name_nested_brace",
+     {{17, "    - {key: 'attn\\.dense\\.weight', name: 'layers.{b{block}', split: row}"}},
+     {"t.yaml:17: name 'layers.{b{block}': the '{' at character 8 has no matching '}'"}},
+    {"name_unopened_brace",
+     {{20, "    - {key: 'weight', name: 'final}.weight', replicated: true}"}},
+     {"t.yaml:20: name 'final}.weight': the '}' at character 6 has no matching '{'"}},
+    {"name_unquoted_placeholder",
+     {{20, "    - {key: 'weight', name: {key}, replicated: true}"}},
+     {"t.yaml:20: name must be a non-empty string; quote a template that starts with '{'"}},
+    {"name_empty",
+     {{20, "    - {key: 'weight', name: '', replicated: true}"}},
+     {"t.yaml:20: name must be a non-empty string"}},
+    {"name_same_in_every_block",
+     {{17, "    - {key: 'attn\\.dense\\.weight', name: 'attn.o.weight', split: row}"}},
+     {"t.yaml:17: name 'attn.o.weight' is the same in every block; add {block}, e.g. "
+      "layers.{block}.attn.o.weight"}},
+    {"name_fixed_twice_in_a_role",
+     {{17, "    - {key: 'attn\\.dense\\.weight', name: 'layers.{block}.o', split: row}"},
+      {18, "    - {key: 'norm\\.(weight|bias)', name: 'layers.{block}.o', replicated: true}"}},
+     {"t.yaml:18: rules at lines 17 and 18 both name their tensors 'layers.{block}.o'; give each its own "
+      "name or add {key}"}},
+    {"name_fixed_twice_across_roles",
+     {{14, "    - {key: 'word_embeddings\\.weight', name: 'w', split: vocab, tied: true}"},
+      {20, "    - {key: 'weight', name: 'w', replicated: true}"}},
+     {"t.yaml:20: rules at lines 14 and 20 both name their tensors 'w'"}},
 };
 // clang-format on
 
@@ -352,6 +402,51 @@ TEST(RuleSetMatch, AmbiguousKeyNamesBothLines) {
   EXPECT_EQ(rule.status().message(),
             "t.yaml: key 'attn.dense.weight' in block files matches rules at lines 17 and 18; "
             "make the patterns disjoint");
+}
+
+// ---- canonical names ---------------------------------------------------------
+
+TEST(RuleSetNames, EveryPlaceholderExpands) {
+  Result<RuleSet> rs = RuleSet::LoadString(
+      Tiny({{16, "    - {key: 'attn\\.(q|k)_(w|b)', name: 'layers.{block}.attn.{1}.{2}', split: row}"},
+            {17, "    - {key: 'attn\\.dense\\.weight', name: 'file{layer}.block{block}.{key}', split: row}"},
+            {18, "    - {key: 'norm(_extra)?\\.weight', name: 'layers.{block}.norm{1}', replicated: true}"},
+            {20, "    - {key: 'weight', name: 'final_layernorm.{layer}.{key}', replicated: true}"}}),
+      "t.yaml");
+  ASSERT_TRUE(rs.ok()) << rs.status().message();
+  const std::vector<ParamRule>& block = rs->layers().at("block");
+  EXPECT_EQ(block[0].CanonicalName("attn.k_b", 5, 2), "layers.2.attn.k.b");
+  EXPECT_EQ(block[0].CanonicalName("attn.q_w", 3, 0), "layers.0.attn.q.w");
+  EXPECT_EQ(block[1].CanonicalName("attn.dense.weight", 12, 9), "file12.block9.attn.dense.weight");
+  EXPECT_EQ(block[2].CanonicalName("norm_extra.weight", 4, 1), "layers.1.norm_extra");
+  EXPECT_EQ(block[2].CanonicalName("norm.weight", 4, 1), "layers.1.norm");  // group took no part
+  EXPECT_EQ(rs->layers().at("final_norm")[0].CanonicalName("weight", 7, -1), "final_layernorm.7.weight");
+  EXPECT_EQ(block[0].name_template, "layers.{block}.attn.{1}.{2}");
+}
+
+TEST(RuleSetNames, DefaultsFollowTheRole) {
+  Result<RuleSet> rs = RuleSet::LoadString(Tiny(), "t.yaml");
+  ASSERT_TRUE(rs.ok()) << rs.status().message();
+  const ParamRule& qkv = rs->layers().at("block")[0];
+  EXPECT_EQ(qkv.name_template, "layers.{block}.{key}");
+  EXPECT_EQ(qkv.CanonicalName("attn.qkv.weight", 4, 2), "layers.2.attn.qkv.weight");
+  const ParamRule& embedding = rs->layers().at("embedding")[0];
+  EXPECT_EQ(embedding.name_template, "embedding.{key}");
+  EXPECT_EQ(embedding.CanonicalName("word_embeddings.weight", 1, -1), "embedding.word_embeddings.weight");
+  EXPECT_EQ(rs->layers().at("final_norm")[0].CanonicalName("weight", 5, -1), "final_norm.weight");
+}
+
+TEST(RuleSetNames, RepeatsThatNameDifferentTensorsAreAllowed) {
+  // {layer} tells the files of two roles apart; {key} and groups the tensors of one.
+  Result<RuleSet> rs = RuleSet::LoadString(
+      Tiny({{14, "    - {key: 'word_embeddings\\.weight', name: 'stage{layer}', split: vocab, tied: true}"},
+            {17, "    - {key: 'attn\\.dense\\.weight', name: 'layers.{block}.{key}', split: row}"},
+            {18, "    - {key: 'norm\\.(weight|bias)', name: 'layers.{block}.{key}', replicated: true}"},
+            {20, "    - {key: 'weight', name: 'stage{layer}', replicated: true}"}}),
+      "t.yaml");
+  ASSERT_TRUE(rs.ok()) << rs.status().message();
+  EXPECT_EQ(rs->layers().at("embedding")[0].CanonicalName("word_embeddings.weight", 1, -1), "stage1");
+  EXPECT_EQ(rs->layers().at("final_norm")[0].CanonicalName("weight", 5, -1), "stage5");
 }
 
 // ---- metadata references -----------------------------------------------------
@@ -532,6 +627,40 @@ TEST(RuleSetBuiltin, TensorParallelLayouts) {
   EXPECT_EQ(Layout("bigscience-bloom", "embedding", "word_embeddings.norm.weight"), "replicated");
 }
 
+// The convention of the built-in files (docs/rules.md, "Canonical names"):
+// Megatron's module paths without the language_model(.encoder) prefix.
+std::string ConventionalName(const std::string& role, const std::string& key, int block) {
+  if (role == "embedding") return "embedding." + key;
+  if (role == "block") return "layers." + std::to_string(block) + "." + key;
+  if (role == "final_norm") return "final_layernorm." + key;
+  return key;  // the untied head: lm_head.weight
+}
+
+TEST(RuleSetBuiltin, EveryRuleNamesItsTensorsByTheConvention) {
+  for (const Inventory& inv : kInventories) {
+    SCOPED_TRACE(inv.rules);
+    Result<RuleSet> rs = LoadRuleSet(inv.rules);
+    ASSERT_TRUE(rs.ok()) << rs.status().message();
+    for (const auto& [role, rules] : rs->layers()) {
+      for (const ParamRule& rule : rules) {
+        // Written out in the file, not the default built from the key.
+        EXPECT_EQ(rule.name_template.find("{key}"), std::string::npos) << rule.key_pattern;
+      }
+    }
+    std::set<std::string> names;
+    for (const auto& [role, keys] : inv.keys) {
+      const int block = role == "block" ? 3 : -1;
+      for (const std::string& key : keys) {
+        const ParamRule* rule = rs->Match(role, key).value();
+        ASSERT_NE(rule, nullptr) << key;
+        std::string name = rule->CanonicalName(key, 5, block);
+        EXPECT_EQ(name, ConventionalName(role, key, block)) << role << " key " << key;
+        EXPECT_TRUE(names.insert(name).second) << "two tensors named " << name;
+      }
+    }
+  }
+}
+
 TEST(RuleSetBuiltin, FamilyFacts) {
   Result<RuleSet> gpt2 = LoadRuleSet("megatron-gpt2");
   ASSERT_TRUE(gpt2.ok()) << gpt2.status().message();
@@ -613,6 +742,10 @@ TEST(RuleSetBuiltin, DocsWorkedExampleLoads) {
   Result<const ParamRule*> qk = rs->Match("block", "self_attention.k_norm.weight");
   ASSERT_TRUE(qk.ok() && *qk != nullptr);
   EXPECT_EQ((*qk)->Describe(), "replicated");
+  EXPECT_EQ((*qk)->CanonicalName("self_attention.k_norm.weight", 7, 4),
+            "layers.4.self_attention.k_norm.weight");
+  EXPECT_EQ(rs->layers().at("pre_norm")[0].CanonicalName("weight", 2, -1),
+            "embedding.word_embeddings.norm.weight");
   EXPECT_EQ(rs->numberings().at("default")[2].role, "pre_norm");
 }
 

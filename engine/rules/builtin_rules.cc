@@ -1,0 +1,67 @@
+#include "rules/builtin_rules.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+
+#include "rules/rule_set.h"
+#include "util/strings.h"
+
+namespace reshard {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string BuiltinRulesDir() {
+  const char* env = std::getenv("RESHARD_RULES_DIR");
+  return env != nullptr && *env != '\0' ? env : RESHARD_RULES_DIR;
+}
+
+}  // namespace
+
+Result<std::vector<RuleSet>> LoadBuiltinRuleSets() {
+  std::string dir = BuiltinRulesDir();
+  std::error_code ec;
+  std::vector<fs::path> files;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    if (entry.path().extension() == ".yaml") files.push_back(entry.path());
+  }
+  if (ec)
+    return Status::IoError("cannot list rules directory '" + dir + "': " + ec.message() +
+                           "; set RESHARD_RULES_DIR");
+  if (files.empty()) return Status::RuleError("no *.yaml rule files in '" + dir + "'; set RESHARD_RULES_DIR");
+  std::sort(files.begin(), files.end(),
+            [](const fs::path& a, const fs::path& b) { return a.filename() < b.filename(); });
+
+  std::vector<RuleSet> sets;
+  for (const fs::path& file : files) {
+    RESHARD_ASSIGN_OR_RETURN(RuleSet rs, RuleSet::LoadFile(file.string()));
+    for (const RuleSet& other : sets) {
+      if (other.name() == rs.name()) {
+        return Status::RuleError(rs.origin() + ": rule set name '" + rs.name() + "' is already used by " +
+                                 other.origin() + "; rename one");
+      }
+    }
+    sets.push_back(std::move(rs));
+  }
+  return sets;
+}
+
+Result<RuleSet> LoadRuleSet(const std::string& spec) {
+  std::error_code ec;
+  if (fs::is_regular_file(spec, ec)) return RuleSet::LoadFile(spec);
+  fs::path as_path(spec);
+  if (as_path.has_parent_path() || as_path.extension() == ".yaml" || as_path.extension() == ".yml") {
+    return Status::InvalidInput("rule file '" + spec + "' not found");
+  }
+  RESHARD_ASSIGN_OR_RETURN(std::vector<RuleSet> builtin, LoadBuiltinRuleSets());
+  std::vector<std::string> names;
+  for (RuleSet& rs : builtin) {
+    if (rs.name() == spec) return std::move(rs);
+    names.push_back(rs.name());
+  }
+  return Status::InvalidInput("unknown rule set '" + spec + "'; built-in: " + Join(names, ", ") +
+                              "; or pass the path of a rule file");
+}
+
+}  // namespace reshard

@@ -1,0 +1,25 @@
+// The built-in rule sets: the files shipped in rules/, and choosing a rule set
+// by name or by path (--rules).
+//
+// The directory is the source tree's rules/ (compiled in), or the one named
+// by the environment variable RESHARD_RULES_DIR when it is set and not empty.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "reshard/status.h"
+
+namespace reshard {
+
+class RuleSet;
+
+// Every *.yaml file of the rules directory, loaded and validated, in file
+// name order. Fails on the first file that does not load and when two files
+// use the same rule set name.
+Result<std::vector<RuleSet>> LoadBuiltinRuleSets();
+
+// `spec` is a path to a YAML file or the name of a built-in rule set.
+Result<RuleSet> LoadRuleSet(const std::string& spec);
+
+}  // namespace reshard

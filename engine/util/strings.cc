@@ -1,0 +1,47 @@
+#include "util/strings.h"
+
+#include <algorithm>
+#include <charconv>
+
+namespace reshard {
+
+std::string Join(const std::vector<std::string>& items, const std::string& sep) {
+  std::string out;
+  for (size_t i = 0; i < items.size(); ++i) out += (i ? sep : "") + items[i];
+  return out;
+}
+
+bool ParseInt(const std::string& s, int64_t* out) {
+  const char* end = s.data() + s.size();
+  auto [ptr, ec] = std::from_chars(s.data(), end, *out);
+  return !s.empty() && ec == std::errc() && ptr == end;
+}
+
+size_t EditDistance(const std::string& a, const std::string& b) {
+  // One row of the dynamic-programming table at a time.
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      size_t above = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] != b[j - 1])});
+      diagonal = above;
+    }
+  }
+  return row[b.size()];
+}
+
+std::string Hint(const std::string& word, const std::vector<std::string>& allowed) {
+  const std::string* best = nullptr;
+  size_t best_distance = 3;  // more than two edits away is not a typo
+  for (const std::string& a : allowed) {
+    size_t d = EditDistance(word, a);
+    if (d < best_distance) best = &a, best_distance = d;
+  }
+  if (best) return "did you mean '" + *best + "'?";
+  return "expected one of: " + Join(allowed, ", ");
+}
+
+}  // namespace reshard

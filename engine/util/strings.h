@@ -1,0 +1,29 @@
+// Small string helpers shared across the engine: joining lists, parsing
+// integers written as text, and the "did you mean" suggestion that messages
+// about a misspelt name end with.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace reshard {
+
+// "a, b, c" for Join({"a", "b", "c"}, ", "); "" for an empty list.
+std::string Join(const std::vector<std::string>& items, const std::string& sep);
+
+// True when all of `s` is a decimal integer that fits ("12", "-3"; not
+// "", "+1", "1e3" or "12 "), stored in *out.
+bool ParseInt(const std::string& s, int64_t* out);
+
+// The Levenshtein distance: insertions, deletions and substitutions needed
+// to turn `a` into `b`.
+size_t EditDistance(const std::string& a, const std::string& b);
+
+// The end of a message about an unknown `word`: "did you mean 'x'?" for the
+// closest of `allowed` when it is at most two edits away (a typo), else
+// "expected one of: a, b, c".
+std::string Hint(const std::string& word, const std::vector<std::string>& allowed);
+
+}  // namespace reshard
