@@ -37,6 +37,7 @@ struct ComparableTensor {
   // a note, not a difference (a weights-only conversion is the same model).
   std::string section;
   std::string name;  // canonical: what the two sides are matched by
+  std::string where;  // where it lies in this checkpoint, for messages ("" = the name says it)
   DType dtype = DType::kFloat32;
   std::vector<int64_t> shape;
   bool vocab = false;  // dim 0 is a padded vocabulary: rows both sides have are compared

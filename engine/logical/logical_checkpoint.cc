@@ -92,6 +92,30 @@ bool DescribeTensor(const LogicalLayer& layer, LogicalCheckpoint* ckpt, LogicalT
   return true;
 }
 
+// The 0-based transformer block spec `id` is, or -1 when it is not a block.
+int BlockIndex(const LogicalCheckpoint& ckpt, int id) {
+  if (ckpt.specs[id].role != "block") return -1;
+  int block = 0;
+  for (int i = 0; i < id; ++i) block += ckpt.specs[i].role == "block" ? 1 : 0;
+  return block;
+}
+
+// Two tensors of one checkpoint never share a canonical name: verify and
+// the exports address tensors by it.
+void CheckNamesUnique(LogicalCheckpoint* ckpt) {
+  std::map<std::string, const LogicalTensor*> seen;
+  for (const LogicalLayer& layer : ckpt->layers) {
+    for (const LogicalTensor& t : layer.tensors) {
+      auto [it, inserted] = seen.emplace(t.name, &t);
+      if (!inserted) {
+        AddError(ckpt, t.label + " and " + it->second->label + " get the same canonical name '" +
+                           t.name + "'; give one of their rules another `name:` template in " +
+                           ckpt->rules->origin());
+      }
+    }
+  }
+}
+
 // Matches every key of a layer against the rule set; reports unknown keys and
 // required rules no key matched.
 void DescribeLayer(LogicalLayer* layer, LogicalCheckpoint* ckpt) {
@@ -122,7 +146,7 @@ void DescribeLayer(LogicalLayer* layer, LogicalCheckpoint* ckpt) {
     LogicalTensor lt;
     lt.key = key;
     lt.label = layer->label + "/" + key;
-    lt.name = lt.label;
+    lt.name = (*rule)->CanonicalName(key, layer->id, BlockIndex(*ckpt, layer->id));
     lt.rule = *rule;
     if (DescribeTensor(*layer, ckpt, &lt)) layer->tensors.push_back(std::move(lt));
   }
@@ -256,6 +280,7 @@ Status DescribeCheckpoint(const std::string& rules, LogicalCheckpoint* ckpt) {
     if (ckpt->findings.size() == findings_before) clean.insert(layer.id);
   }
   CheckSameKeysPerRole(clean, ckpt);
+  CheckNamesUnique(ckpt);
   DescribeVocab(ckpt);
   return Status::Ok();
 }

@@ -35,7 +35,7 @@ ComparableTensor WholeShard(std::string section, std::string name, DType dtype,
                             std::vector<int64_t> shape, SourceShard shard, std::atomic<int64_t>* read) {
   const int64_t numel = shard.numel();
   SourceTensor source{dtype, {numel}, {std::move(shard)}};
-  return {std::move(section), std::move(name), dtype, std::move(shape), false,
+  return {std::move(section), std::move(name), "", dtype, std::move(shape), false,
           RangeProducer(std::move(source), WholeShardPlan(0, numel), read)};
 }
 

@@ -211,7 +211,7 @@ class PipelineSource : public SourceCheckpoint {
         const TensorPlan plan = PlanFullTensor(c, static_cast<int>(li), static_cast<int>(ti), options.replicated);
         // Averaged replicas come from the averaged masters where there are masters.
         RESHARD_ASSIGN_OR_RETURN(ByteProducer produce, WeightProducer(c, opt, t, plan, read));
-        out.push_back({"weights", t.name, t.dtype, t.full_shape, IsVocab(t), std::move(produce)});
+        out.push_back({"weights", t.name, t.label, t.dtype, t.full_shape, IsVocab(t), std::move(produce)});
       }
     }
     if (opt != nullptr) RESHARD_RETURN_IF_ERROR(AddStates(*opt, options.replicated, read, &out));
@@ -293,7 +293,8 @@ class PipelineSource : public SourceCheckpoint {
       for (const std::string& state : opt.states()) {
         RESHARD_ASSIGN_OR_RETURN(StateTensor st, LocateState(ckpt(), opt, name, state));
         const TensorPlan plan = PlanFullTensor(ckpt(), st.layer_index, st.tensor_index, replicated);
-        out->push_back({"optimizer", "optimizer " + state + " " + st.tensor.name, DType::kFloat32,
+        out->push_back({"optimizer", "optimizer " + state + " " + st.tensor.name,
+                        "optimizer " + state + " " + name, DType::kFloat32,
                         st.tensor.full_shape, IsVocab(st.tensor),
                         RangeProducer(SourceTensor::Of(st.tensor), plan, read)});
       }

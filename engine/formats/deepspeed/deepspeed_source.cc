@@ -66,7 +66,7 @@ std::string LayerLines(const LogicalCheckpoint& ckpt) {
     out += "  " + layer.label + " " + layer.role + " (" + ckpt.specs[layer.id].class_name + ")\n";
     for (const LogicalTensor& t : layer.tensors) {
       out += "    " + t.key + "  " + DTypeName(t.dtype) + ShapeString(t.full_shape) + "  " +
-             t.rule->Describe() + "\n";
+             t.rule->Describe() + "  name " + t.name + "\n";
     }
   }
   return out;

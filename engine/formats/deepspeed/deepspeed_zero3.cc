@@ -83,7 +83,7 @@ class Zero3Source : public SourceCheckpoint {
           for (const std::string& state : ckpt_->states()) {
             RESHARD_ASSIGN_OR_RETURN(SourceShard shard, ckpt_->Locate(mp, p.name, state));
             SourceTensor source{DType::kFloat32, {p.numel}, {std::move(shard)}};
-            out.push_back({"optimizer", StateName(state, p.name, mp, ckpt_->mp()),
+            out.push_back({"optimizer", StateName(state, p.name, mp, ckpt_->mp()), "",
                            DType::kFloat32, {p.numel}, false,
                            RangeProducer(std::move(source), WholeShardPlan(0, p.numel), read)});
           }
