@@ -158,6 +158,7 @@ Status Execute(Prepared* p, const ConvertOptions& options, PhaseClock* clock,
   Cluster* cluster = options.cluster;
   RESHARD_ASSIGN_OR_RETURN(p->exec.dir, BeginOutput(&*p->out, cluster));
   Status written = reshard::Execute(p->jobs, p->exec);
+  if (written.ok()) written = SyncFiles(p->exec.dir);
   RESHARD_RETURN_IF_ERROR(AllOk(cluster, written));
   clock->End("write");
   report->bytes_written = WrittenBytes(p->exec.dir, p->jobs);

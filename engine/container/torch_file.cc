@@ -122,9 +122,7 @@ Status WriteTorchFile(const std::string& path, const Value& root, const TorchWri
     own_buffer.resize(1 << 20);
     buffer = &own_buffer;
   }
-  ZipWriterOptions zip_options;
-  zip_options.sync = options.sync;
-  RESHARD_ASSIGN_OR_RETURN(std::unique_ptr<ZipWriter> zip, ZipWriter::Create(path, zip_options));
+  RESHARD_ASSIGN_OR_RETURN(std::unique_ptr<ZipWriter> zip, ZipWriter::Create(path));
   // torch.save's record order: the pickle first, then the storages.
   RESHARD_RETURN_IF_ERROR(zip->Add("data.pkl", reinterpret_cast<const uint8_t*>(pickle->data()),
                                    static_cast<int64_t>(pickle->size())));

@@ -28,8 +28,6 @@ struct TorchWriteOptions {
   std::vector<uint8_t>* buffer = nullptr;
   // Told the tensor bytes written after each buffer.
   std::function<void(int64_t)> written;
-  // Flush the file to the disk before closing it (ZipWriterOptions::sync).
-  bool sync = false;
 };
 
 // Writes `root` to `path` (replacing it). Every storage reachable from `root`

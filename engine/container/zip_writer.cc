@@ -115,11 +115,6 @@ Status ZipWriter::Finish() {
   RESHARD_RETURN_IF_ERROR(Flush());
   const int fd = fd_;
   fd_ = -1;
-  if (options_.sync && ::fdatasync(fd) != 0) {
-    const int err = errno;
-    ::close(fd);
-    return IoError(err);
-  }
   if (::close(fd) != 0) return IoError(errno);
   return Status::Ok();
 }

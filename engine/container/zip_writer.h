@@ -29,10 +29,6 @@ struct ZipWriterOptions {
   // Sizes and offsets at or above this are written as ZIP64 fields. Only
   // tests lower it, to get ZIP64 files without writing 4 GiB.
   uint64_t zip64_threshold = 0xFFFFFFFF;
-  // Finish flushes the file to the disk (fdatasync) before closing it, so
-  // that a folder renamed into place afterwards holds its bytes even after
-  // a power loss.
-  bool sync = false;
 };
 
 class ZipWriter {

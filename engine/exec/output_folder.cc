@@ -1,6 +1,10 @@
 #include "exec/output_folder.h"
 
+#include <fcntl.h>
 #include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 
 #include <filesystem>
 #include <fstream>
@@ -23,6 +27,18 @@ fs::path Canonical(const std::string& path) {
   return abs.lexically_normal();
 }
 
+// Flushes a file or a folder's entries to the disk: a rename is durable only
+// once the folder holding it is.
+Status SyncPath(const fs::path& path, bool directory) {
+  const int fd = ::open(path.c_str(), (directory ? O_RDONLY | O_DIRECTORY : O_WRONLY) | O_CLOEXEC);
+  if (fd < 0) return Status::IoError("cannot open " + path.string() + " to sync it: " + std::strerror(errno));
+  const int rc = ::fsync(fd);
+  const int err = errno;
+  ::close(fd);
+  if (rc != 0) return Status::IoError("cannot sync " + path.string() + ": " + std::strerror(err));
+  return Status::Ok();
+}
+
 Status WriteFileAtomically(const fs::path& path, const std::string& content) {
   const fs::path tmp = path.string() + ".reshard-tmp-" + std::to_string(::getpid());
   {
@@ -30,10 +46,11 @@ Status WriteFileAtomically(const fs::path& path, const std::string& content) {
     out << content;
     if (!out.good()) return Status::IoError("cannot write " + tmp.string());
   }
+  RESHARD_RETURN_IF_ERROR(SyncPath(tmp, false));
   std::error_code ec;
   fs::rename(tmp, path, ec);
   if (ec) return Status::IoError("cannot rename " + tmp.string() + " to " + path.string() + ": " + ec.message());
-  return Status::Ok();
+  return SyncPath(path.parent_path(), true);
 }
 
 }  // namespace
@@ -91,6 +108,8 @@ Status OutputFolder::Begin() {
 }
 
 Status OutputFolder::Commit() {
+  // The files were flushed by SyncFiles; their names are flushed here.
+  RESHARD_RETURN_IF_ERROR(SyncPath(staging_, true));
   std::error_code ec;
   const std::string old = out_ + ".reshard-old-" + std::to_string(::getpid());
   const bool replace = fs::exists(out_, ec);
@@ -102,6 +121,16 @@ Status OutputFolder::Commit() {
   if (ec) return Status::IoError("cannot rename " + staging_ + " to " + out_ + ": " + ec.message());
   committed_ = true;
   if (replace) fs::remove_all(old, ec);
+  return SyncPath(fs::path(out_).parent_path(), true);
+}
+
+Status SyncFiles(const std::string& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return Status::IoError("cannot open " + dir + " to sync it: " + std::strerror(errno));
+  const int rc = ::syncfs(fd);
+  const int err = errno;
+  ::close(fd);
+  if (rc != 0) return Status::IoError("cannot sync the files in " + dir + ": " + std::strerror(err));
   return Status::Ok();
 }
 

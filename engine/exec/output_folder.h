@@ -4,6 +4,10 @@
 // (`OUT.reshard-partial-<pid>`), which is renamed to OUT only when everything
 // succeeded; a failed or interrupted run leaves OUT untouched. `latest` is
 // written after the rename, itself through a temporary file and a rename.
+// Each step is flushed to the disk before the next (the files, by
+// SyncFileSystem once all are written, then the staging folder, the renamed
+// folder's parent, `latest` and its folder), so what a power loss leaves is
+// the old state or the new.
 #pragma once
 
 #include <optional>
@@ -39,6 +43,12 @@ class OutputFolder {
   std::string staging_;
   bool committed_ = false;
 };
+
+// Flushes every file written into `dir` (a staging folder) to the disk. One
+// flush of the file system after all writes lets the kernel write back in
+// bulk; a flush per file would wait for the disk between files. Every
+// process that wrote files calls it before the folder is committed.
+Status SyncFiles(const std::string& dir);
 
 // Writes `<root>/latest` = tag and, when `iteration` is given,
 // `<root>/latest_checkpointed_iteration.txt`, each atomically.

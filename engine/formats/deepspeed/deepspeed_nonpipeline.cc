@@ -39,17 +39,11 @@ ComparableTensor WholeShard(std::string section, std::string name, DType dtype,
           RangeProducer(std::move(source), WholeShardPlan(0, numel), read)};
 }
 
-class NonPipelineSource : public SourceCheckpoint {
+class NonPipelineSource : public DeepSpeedModelSource {
  public:
-  NonPipelineSource(std::unique_ptr<DeepSpeedModel> model, const CommonOptions& options)
-      : model_(std::move(model)), optimizer_(model_.get(), options.allowed_classes) {}
+  using DeepSpeedModelSource::DeepSpeedModelSource;
 
   std::string kind() const override { return "non-pipeline"; }
-  const std::string& tag_dir() const override { return model_->files.tag_dir; }
-  const std::string& root_dir() const override { return model_->files.root_dir; }
-  int64_t iteration() const override { return ckpt().iteration; }
-  const std::vector<Finding>& findings() const override { return ckpt().findings; }
-  const Value& metadata() const override { return ckpt().metadata[0]; }
 
   std::string Summary() const override {
     return "non-pipeline DeepSpeed checkpoint (the whole model in mp_rank files; only DP can "
@@ -70,35 +64,21 @@ class NonPipelineSource : public SourceCheckpoint {
     report->findings.push_back(OptimizerFinding(**opt, shard_files()));
   }
 
-  std::string Describe() const override {
-    std::string out = MetadataLines(ckpt()) + LayerLines(ckpt());
-    for (const Finding& f : ckpt().findings) out += "problem: " + f.message + "\n";
-    return out;
-  }
-
   Result<std::unique_ptr<TargetPlan>> Plan(const ConvertOptions& options,
                                            std::vector<std::string>* notes) const override {
     RESHARD_RETURN_IF_ERROR(ckpt().FirstError());
     const SourceOptimizer* opt = nullptr;
-    if (options.weights_only && (shard_files() > 0 || HasEmbeddedOptimizerState(ckpt()))) {
-      notes->push_back(WeightsOnlyNote(shard_files() > 0
-                                           ? std::to_string(shard_files()) + " optimizer shard files"
-                                           : "optimizer state inside its mp_rank files"));
+    if (options.weights_only && HasOptimizerState()) {
+      notes->push_back(WeightsOnlyNote(OptimizerWhat()));
     } else if (shard_files() > 0) {
       // Every DP rank holds the whole FP16_Optimizer state: a DP change keeps it as is.
       RESHARD_ASSIGN_OR_RETURN(opt, Optimizer());
     }
     if (options.dry_run) {
-      notes->push_back("dry run: replicated tensors were not compared across TP ranks; "
-                       "`reshard lint` does, and convert refuses drift it is not told to merge");
+      notes->push_back(kDryRunNote);
     }
-    PlanOptions p;
-    p.tp = options.target_tp;
-    p.pp = options.target_pp;
-    p.dp = options.target_dp;
-    p.layers_per_stage = options.layers_per_stage;
-    p.weights_only = options.weights_only;
-    RESHARD_ASSIGN_OR_RETURN(DeepSpeedPlan plan, MakeDataParallelPlan(ckpt(), opt, p));
+    RESHARD_ASSIGN_OR_RETURN(DeepSpeedPlan plan,
+                             MakeDataParallelPlan(ckpt(), opt, PlanOptionsFrom(options)));
     return std::unique_ptr<TargetPlan>(new DeepSpeedTargetPlan(ckpt(), opt, std::move(plan)));
   }
 
@@ -130,14 +110,6 @@ class NonPipelineSource : public SourceCheckpoint {
     return out;
   }
 
- private:
-  const LogicalCheckpoint& ckpt() const { return model_->logical; }
-  size_t shard_files() const { return model_->files.optimizer_files.size(); }
-
-  Result<const SourceOptimizer*> Optimizer() const { return optimizer_.Get(); }
-
-  std::unique_ptr<DeepSpeedModel> model_;
-  LazyOptimizer optimizer_;
 };
 
 }  // namespace

@@ -16,19 +16,6 @@ namespace reshard {
 namespace {
 
 
-PlanOptions ToPlanOptions(const ConvertOptions& o) {
-  PlanOptions p;
-  p.tp = o.target_tp;
-  p.pp = o.target_pp;
-  p.dp = o.target_dp;
-  p.layers_per_stage = o.layers_per_stage;
-  p.replicated = o.replicated;
-  p.vocab_size = o.vocab_size;
-  p.vocab_pad_value = o.vocab_pad_value;
-  p.weights_only = o.weights_only;
-  return p;
-}
-
 void Warn(LintReport* report, std::string message) {
   report->findings.push_back({Finding::Severity::kWarning, std::move(message)});
 }
@@ -116,17 +103,11 @@ void CheckStages(const LogicalCheckpoint& ckpt, LintReport* report) {
   }
 }
 
-class PipelineSource : public SourceCheckpoint {
+class PipelineSource : public DeepSpeedModelSource {
  public:
-  PipelineSource(std::unique_ptr<DeepSpeedModel> model, const CommonOptions& options)
-      : model_(std::move(model)), optimizer_(model_.get(), options.allowed_classes) {}
+  using DeepSpeedModelSource::DeepSpeedModelSource;
 
   std::string kind() const override { return "pipeline"; }
-  const std::string& tag_dir() const override { return model_->files.tag_dir; }
-  const std::string& root_dir() const override { return model_->files.root_dir; }
-  int64_t iteration() const override { return ckpt().iteration; }
-  const std::vector<Finding>& findings() const override { return ckpt().findings; }
-  const Value& metadata() const override { return ckpt().metadata[0]; }
   int64_t vocab_rows() const override { return ckpt().vocab.padded_rows; }
 
   std::string Summary() const override {
@@ -139,7 +120,7 @@ class PipelineSource : public SourceCheckpoint {
                     std::to_string(blocks) + " blocks; " +
                     std::to_string(c.layers.size() * c.tp) + " layer files, " +
                     std::to_string(c.metadata.size()) + " mp_rank files, " +
-                    std::to_string(model_->files.optimizer_files.size()) + " optimizer shards";
+                    std::to_string(shard_files()) + " optimizer shards";
     if (c.vocab.padded_rows > 0) {
       s += "; vocabulary " + std::to_string(c.vocab.padded_rows) + " padded rows";
       if (c.vocab.original_size) s += " (true size " + std::to_string(*c.vocab.original_size) + ")";
@@ -158,14 +139,8 @@ class PipelineSource : public SourceCheckpoint {
       report->findings.push_back({Finding::Severity::kError, "optimizer: " + opt.status().message()});
       return;
     }
-    report->findings.push_back(OptimizerFinding(**opt, model_->files.optimizer_files.size()));
+    report->findings.push_back(OptimizerFinding(**opt, shard_files()));
     ReportStateDrift(ckpt(), **opt, options.max_drift_lines, report);
-  }
-
-  std::string Describe() const override {
-    std::string out = MetadataLines(ckpt()) + LayerLines(ckpt());
-    for (const Finding& f : ckpt().findings) out += "problem: " + f.message + "\n";
-    return out;
   }
 
   Result<std::unique_ptr<TargetPlan>> Plan(const ConvertOptions& options,
@@ -181,13 +156,12 @@ class PipelineSource : public SourceCheckpoint {
     }
     if (options.dry_run) {
       // Planning reads metadata only, so it takes seconds at any size.
-      notes->push_back("dry run: replicated tensors were not compared across TP ranks; "
-                       "`reshard lint` does, and convert refuses drift it is not told to merge");
+      notes->push_back(kDryRunNote);
     } else {
       RESHARD_RETURN_IF_ERROR(CheckDrift(options.replicated, notes));
       if (opt != nullptr) RESHARD_RETURN_IF_ERROR(CheckOptimizerDrift(*opt, options.replicated));
     }
-    RESHARD_ASSIGN_OR_RETURN(DeepSpeedPlan plan, MakePipelinePlan(ckpt(), opt, ToPlanOptions(options)));
+    RESHARD_ASSIGN_OR_RETURN(DeepSpeedPlan plan, MakePipelinePlan(ckpt(), opt, PlanOptionsFrom(options)));
     notes->insert(notes->end(), plan.notes.begin(), plan.notes.end());
     if (opt != nullptr && opt->format().embedded) {
       notes->push_back("optimizer: the FP16_Optimizer state inside the mp_rank files is "
@@ -225,22 +199,7 @@ class PipelineSource : public SourceCheckpoint {
   }
 
  private:
-  const LogicalCheckpoint& ckpt() const { return model_->logical; }
-
   static bool IsVocab(const LogicalTensor& t) { return t.rule->policy == ParamRule::Policy::kVocab; }
-
-  bool HasOptimizerState() const {
-    return !model_->files.optimizer_files.empty() || HasEmbeddedOptimizerState(ckpt());
-  }
-
-  std::string OptimizerWhat() const {
-    const size_t shards = model_->files.optimizer_files.size();
-    return shards > 0 ? std::to_string(shards) + " optimizer shard files"
-                      : "optimizer state inside its mp_rank files";
-  }
-
-  // Loaded once, when a command first needs it.
-  Result<const SourceOptimizer*> Optimizer() const { return optimizer_.Get(); }
 
   // Applies the replicated-tensor policy: refuses drift under `check`,
   // reports what `average` / `first` will merge.
@@ -301,9 +260,6 @@ class PipelineSource : public SourceCheckpoint {
     }
     return Status::Ok();
   }
-
-  std::unique_ptr<DeepSpeedModel> model_;
-  LazyOptimizer optimizer_;
 };
 
 }  // namespace

@@ -21,17 +21,30 @@ Result<std::vector<Job>> DeepSpeedTargetPlan::Jobs(std::atomic<int64_t>* read) c
   return DeepSpeedJobs(src_, opt_, plan_, read);
 }
 
-Result<const SourceOptimizer*> LazyOptimizer::Get() const {
-  std::call_once(once_, [this] {
+const char DeepSpeedModelSource::kDryRunNote[] =
+    "dry run: replicated tensors were not compared across TP ranks; `reshard lint` does, and "
+    "convert refuses drift it is not told to merge";
+
+bool DeepSpeedModelSource::HasOptimizerState() const {
+  return shard_files() > 0 || HasEmbeddedOptimizerState(ckpt());
+}
+
+std::string DeepSpeedModelSource::OptimizerWhat() const {
+  return shard_files() > 0 ? std::to_string(shard_files()) + " optimizer shard files"
+                           : "optimizer state inside its mp_rank files";
+}
+
+Result<const SourceOptimizer*> DeepSpeedModelSource::Optimizer() const {
+  std::call_once(optimizer_once_, [this] {
     Result<std::unique_ptr<SourceOptimizer>> opt =
-        SourceOptimizer::Load(model_->logical, model_->files.optimizer_files, allowed_classes_);
+        SourceOptimizer::Load(ckpt(), model_->files.optimizer_files, allowed_classes_);
     if (opt.ok()) {
       optimizer_ = std::move(*opt);
     } else {
-      status_ = opt.status();
+      optimizer_status_ = opt.status();
     }
   });
-  if (!status_.ok()) return status_;
+  if (!optimizer_status_.ok()) return optimizer_status_;
   return static_cast<const SourceOptimizer*>(optimizer_.get());
 }
 
@@ -60,15 +73,16 @@ std::string MetadataLines(const LogicalCheckpoint& ckpt) {
   return out + "\n";
 }
 
-std::string LayerLines(const LogicalCheckpoint& ckpt) {
-  std::string out = "layer files (full logical shapes):\n";
-  for (const LogicalLayer& layer : ckpt.layers) {
-    out += "  " + layer.label + " " + layer.role + " (" + ckpt.specs[layer.id].class_name + ")\n";
+std::string DeepSpeedModelSource::Describe() const {
+  std::string out = MetadataLines(ckpt()) + "layer files (full logical shapes):\n";
+  for (const LogicalLayer& layer : ckpt().layers) {
+    out += "  " + layer.label + " " + layer.role + " (" + ckpt().specs[layer.id].class_name + ")\n";
     for (const LogicalTensor& t : layer.tensors) {
       out += "    " + t.key + "  " + DTypeName(t.dtype) + ShapeString(t.full_shape) + "  " +
              t.rule->Describe() + "  name " + t.name + "\n";
     }
   }
+  for (const Finding& f : ckpt().findings) out += "problem: " + f.message + "\n";
   return out;
 }
 

@@ -49,28 +49,48 @@ class DeepSpeedTargetPlan : public TargetPlan {
   DeepSpeedPlan plan_;
 };
 
-// A model's optimizer shards (or mp_rank optimizer state), read once, when a
-// command first needs them; `model` must outlive it.
-class LazyOptimizer {
+// What the pipeline and non-pipeline kinds share: the model read from the
+// tag folder, and its optimizer state, read once, when a command first
+// needs it.
+class DeepSpeedModelSource : public SourceCheckpoint {
  public:
-  LazyOptimizer(const DeepSpeedModel* model, std::set<std::string> allowed_classes)
-      : model_(model), allowed_classes_(std::move(allowed_classes)) {}
-  Result<const SourceOptimizer*> Get() const;
+  DeepSpeedModelSource(std::unique_ptr<DeepSpeedModel> model, const CommonOptions& options)
+      : model_(std::move(model)), allowed_classes_(options.allowed_classes) {}
+
+  const std::string& tag_dir() const override { return model_->files.tag_dir; }
+  const std::string& root_dir() const override { return model_->files.root_dir; }
+  int64_t iteration() const override { return ckpt().iteration; }
+  const std::vector<Finding>& findings() const override { return ckpt().findings; }
+  const Value& metadata() const override { return ckpt().metadata[0]; }
+  // The metadata, the layer files' tensors and the problems found reading them.
+  std::string Describe() const override;
+
+ protected:
+  // What a dry run says it did not check.
+  static const char kDryRunNote[];
+
+  const LogicalCheckpoint& ckpt() const { return model_->logical; }
+  size_t shard_files() const { return model_->files.optimizer_files.size(); }
+  // Shard files, or optimizer state inside the mp_rank files.
+  bool HasOptimizerState() const;
+  // "4 optimizer shard files", for the weights-only note.
+  std::string OptimizerWhat() const;
+  Result<const SourceOptimizer*> Optimizer() const;
+
+  std::unique_ptr<DeepSpeedModel> model_;
 
  private:
-  const DeepSpeedModel* model_;
   std::set<std::string> allowed_classes_;
-  mutable std::once_flag once_;
+  mutable std::once_flag optimizer_once_;
   mutable std::unique_ptr<SourceOptimizer> optimizer_;
-  mutable Status status_;
+  mutable Status optimizer_status_;
 };
 
 // "optimizer exp_avg <param>", with " on mp_rank_MM" when there are several
 // model-parallel ranks: how verify names a state compared rank by rank.
 std::string StateName(const std::string& state, const std::string& param, int mp, int mp_ranks);
 
-// Lines shared by the kinds' `inspect` output.
+// The metadata and layer lines of `inspect`.
 std::string MetadataLines(const LogicalCheckpoint& ckpt);
-std::string LayerLines(const LogicalCheckpoint& ckpt);
 
 }  // namespace reshard

@@ -182,6 +182,19 @@ std::string OptimizerLines(const DeepSpeedPlan& plan) {
 
 }  // namespace
 
+PlanOptions PlanOptionsFrom(const ConvertOptions& o) {
+  PlanOptions p;
+  p.tp = o.target_tp;
+  p.pp = o.target_pp;
+  p.dp = o.target_dp;
+  p.layers_per_stage = o.layers_per_stage;
+  p.replicated = o.replicated;
+  p.vocab_size = o.vocab_size;
+  p.vocab_pad_value = o.vocab_pad_value;
+  p.weights_only = o.weights_only;
+  return p;
+}
+
 int64_t DeepSpeedPlan::TensorBytes() const {
   int64_t total = 0;
   for (const LayerFilePlan& f : layer_files) total += f.bytes;

@@ -66,6 +66,9 @@ struct PlanOptions {
   bool weights_only = false;          // write no optimizer state
 };
 
+// The plan options a conversion's options give.
+PlanOptions PlanOptionsFrom(const ConvertOptions& options);
+
 struct DeepSpeedPlan {
   int tp = 1, pp = 1, dp = 1;
   bool pipeline = true;          // false: a non-pipeline checkpoint's DP change

@@ -40,7 +40,6 @@ Result<Job> TorchFileJob(std::string name, Value root) {
     TorchWriteOptions write;
     write.buffer = &ctx.buffer;
     write.written = ctx.done;
-    write.sync = true;
     return WriteTorchFile(ctx.dir + "/" + name, *tree, write);
   };
   return job;

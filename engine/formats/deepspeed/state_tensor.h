@@ -3,7 +3,7 @@
 // Masters and moments are elementwise aligned with the parameter, so they
 // have its rule, shapes and shards; only the dtype (fp32) and where the
 // shards come from (flat optimizer partitions instead of layer files)
-// differ. Gathering them into a LogicalTensor lets every tensor plan made
+// differ. Locating them as a LogicalTensor lets every tensor plan made
 // for the weight apply to its optimizer state unchanged.
 #pragma once
 

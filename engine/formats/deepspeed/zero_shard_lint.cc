@@ -1,11 +1,12 @@
 #include "formats/deepspeed/zero_shard_lint.h"
 
+#include "util/strings.h"
+
 namespace reshard {
 
 Finding OptimizerFinding(const SourceOptimizer& opt, size_t shard_files) {
   const OptimizerFormat& f = opt.format();
-  std::string states;
-  for (const std::string& s : opt.states()) states += (states.empty() ? "" : ", ") + s;
+  const std::string states = Join(opt.states(), ", ");
   const std::string where = f.embedded ? std::string("FP16_Optimizer state in the mp_rank files (")
                                        : std::to_string(shard_files) + " shards (" +
                                              (f.zero ? "ZeRO-1/2" : "BF16 optimizer") + ", ";

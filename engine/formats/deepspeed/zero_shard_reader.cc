@@ -353,14 +353,4 @@ Result<SourceShard> SourceOptimizer::Locate(const std::string& name, int t,
   return shard;
 }
 
-Result<std::vector<uint8_t>> SourceOptimizer::Gather(const std::string& name, int t,
-                                                     const std::string& state) const {
-  RESHARD_ASSIGN_OR_RETURN(SourceShard shard, Locate(name, t, state));
-  int64_t numel = 0;
-  for (const SourceShard::Run& run : shard.runs) numel += run.numel;
-  std::vector<uint8_t> out(static_cast<size_t>(numel) * 4);
-  shard.Copy(0, numel, 4, out.data(), nullptr);
-  return out;
-}
-
 }  // namespace reshard

@@ -76,8 +76,6 @@ class SourceOptimizer {
   // the first pipeline stage that has the parameter (for tied parameters, the
   // embedding's stage). Nothing is copied.
   Result<SourceShard> Locate(const std::string& name, int t, const std::string& state) const;
-  // The same state copied into one buffer.
-  Result<std::vector<uint8_t>> Gather(const std::string& name, int t, const std::string& state) const;
 
  private:
   // The flats of one (pipeline, tensor) rank.
