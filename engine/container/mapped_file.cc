@@ -51,16 +51,25 @@ void TouchedPages::Note(const ByteView& view, const uint8_t* data, size_t n) {
       return;
     }
   }
-  ranges_.push_back({data, data + n});
+  const auto* file = static_cast<const MappedFile*>(view.owner.get());
+  ranges_.push_back({data, data + n, file->data(), file->data() + file->size()});
 }
 
 void TouchedPages::Release() {
+  // A page fault maps more than the page it hits: the kernel's fault-around
+  // window (64 KiB by default) and whole large folios (up to 2 MiB) around
+  // it, on both sides. Pages it mapped outside a range that was already
+  // released would stay resident, a few per read, and grow with the
+  // checkpoint; so each range is released out to 2 MiB boundaries, kept
+  // inside its own mapping. A neighbour dropped this way is read again from
+  // the page cache when touched.
+  constexpr uintptr_t kAround = uintptr_t{2} << 20;
   static const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
   for (const Range& r : ranges_) {
-    // Whole pages around the range: they all belong to the mapping, and any
-    // neighbour dropped with them is simply read again.
-    const uintptr_t begin = reinterpret_cast<uintptr_t>(r.begin) & ~(page - 1);
-    const uintptr_t end = (reinterpret_cast<uintptr_t>(r.end) + page - 1) & ~(page - 1);
+    const uintptr_t lo = reinterpret_cast<uintptr_t>(r.mapping_begin);  // page-aligned
+    const uintptr_t hi = (reinterpret_cast<uintptr_t>(r.mapping_end) + page - 1) & ~(page - 1);
+    const uintptr_t begin = std::max(lo, reinterpret_cast<uintptr_t>(r.begin) & ~(kAround - 1));
+    const uintptr_t end = std::min(hi, (reinterpret_cast<uintptr_t>(r.end) + kAround - 1) & ~(kAround - 1));
     ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
   }
   ranges_.clear();

@@ -35,7 +35,8 @@ class MappedFile {
 // The pages of mapped source bytes one piece of work has read, so that they
 // can be released when it is done: mapped pages count as the process's
 // resident memory until dropped, and a conversion reads the whole checkpoint.
-// Views that are not file mappings are ignored.
+// Views that are not file mappings are ignored; those that are must be owned
+// by their MappedFile.
 class TouchedPages {
  public:
   TouchedPages() = default;
@@ -52,6 +53,8 @@ class TouchedPages {
   struct Range {
     const uint8_t* begin;
     const uint8_t* end;
+    const uint8_t* mapping_begin;  // the whole file mapping the range lies in
+    const uint8_t* mapping_end;
   };
   std::vector<Range> ranges_;
 };

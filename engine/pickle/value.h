@@ -35,6 +35,7 @@ struct ByteView {
   size_t size = 0;
   // The bytes are a read-only file mapping: their pages may be dropped from
   // memory at any time and are read again from the file when touched.
+  // `owner` is then the MappedFile (container/mapped_file.h).
   bool mapped = false;
 };
 
