@@ -136,9 +136,14 @@ int RunConvert(const std::string& in, const std::string& out, reshard::ConvertOp
   return 0;
 }
 
-int RunVerify(const std::string& a, const std::string& b, const reshard::VerifyOptions& o) {
+int RunVerify(const std::string& a, const std::string& b, reshard::VerifyOptions o) {
+  reshard::Result<std::unique_ptr<reshard::Cluster>> cluster = reshard::Cluster::Join();
+  if (!cluster.ok()) return Fail(cluster.status());
+  o.cluster = cluster->get();
+  const bool root = o.cluster->rank() == 0;
   reshard::Result<reshard::VerifyReport> r = reshard::Verify(a, b, o);
   if (!r.ok()) return Fail(r.status());
+  if (!root) return r->same() ? 0 : 1;
   for (const std::string& n : r->notes) std::cout << "note: " << n << "\n";
   for (const std::string& d : r->differences) std::cout << "differs: " << d << "\n";
   std::cout << "verify: " << r->tensors_compared << " tensors, " << r->elements_compared

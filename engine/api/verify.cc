@@ -3,18 +3,20 @@
 // Each side lists its tensors by canonical name, each produced a range at a
 // time from its shards; every pair is compared element by element through
 // the executor, a buffer at a time, so memory stays under --max-memory
-// whatever the tensors' size.
+// whatever the tensors' size. Under MPI the processes share the pairs.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <map>
 #include <set>
+#include <sstream>
 
 #include "api/common.h"
 #include "exec/executor.h"
 #include "exec/memory_budget.h"
 #include "formats/format.h"
+#include "reshard/cluster.h"
 #include "util/shape.h"
 
 namespace reshard {
@@ -119,6 +121,37 @@ class Comparison {
     return jobs;
   }
 
+  // What this process's jobs found, for the other processes.
+  std::string EncodeOutcomes() const {
+    std::string out;
+    for (size_t i : compared_) {
+      if (outcomes_[i].differing == 0) continue;
+      char line[96];
+      std::snprintf(line, sizeof(line), "%zu %lld %a\n", i,
+                    static_cast<long long>(outcomes_[i].differing), outcomes_[i].max_diff);
+      out += line;
+    }
+    return out;
+  }
+
+  // Adds what another process's jobs found (each pair ran in one process).
+  Status MergeOutcomes(const std::string& encoded) {
+    std::istringstream in(encoded);
+    std::string line;
+    while (std::getline(in, line)) {
+      size_t i = 0;
+      long long differing = 0;
+      double max_diff = 0;
+      if (std::sscanf(line.c_str(), "%zu %lld %la", &i, &differing, &max_diff) != 3 ||
+          i >= outcomes_.size()) {
+        return Status::Internal("a verify process sent an unreadable outcome: " + line);
+      }
+      outcomes_[i].differing += differing;
+      outcomes_[i].max_diff = std::max(outcomes_[i].max_diff, max_diff);
+    }
+    return Status::Ok();
+  }
+
   // The differences in A's order, after the jobs ran.
   void Report(VerifyReport* report) {
     for (size_t i : compared_) {
@@ -159,7 +192,7 @@ void CompareMetadata(const SourceCheckpoint& a, const SourceCheckpoint& b, Verif
   }
 }
 
-Status RunComparison(std::vector<Job>& jobs, const VerifyOptions& options) {
+Status RunJobs(std::vector<Job>& jobs, const VerifyOptions& options) {
   RESHARD_ASSIGN_OR_RETURN(MemoryBudget memory,
                            MemoryBudget::Plan(options.max_memory, ThreadCount(options.threads)));
   ExecuteOptions exec;
@@ -167,6 +200,21 @@ Status RunComparison(std::vector<Job>& jobs, const VerifyOptions& options) {
   exec.buffer_bytes = memory.buffer_bytes;
   exec.progress = options.progress;
   return Execute(jobs, exec);
+}
+
+// Runs this process's share of the comparisons; afterwards every process
+// of the cluster knows every pair's outcome.
+Status RunComparison(Comparison* comparison, std::vector<Job> all, const VerifyOptions& options) {
+  Cluster* cluster = options.cluster;
+  if (cluster == nullptr || cluster->size() == 1) return RunJobs(all, options);
+  std::vector<Job> mine = JobsOfRank(std::move(all), cluster->rank(), cluster->size());
+  RESHARD_RETURN_IF_ERROR(cluster->AllOk(RunJobs(mine, options)));
+  RESHARD_ASSIGN_OR_RETURN(std::vector<std::string> found,
+                           cluster->AllGather(comparison->EncodeOutcomes()));
+  for (int r = 0; r < cluster->size(); ++r) {
+    if (r != cluster->rank()) RESHARD_RETURN_IF_ERROR(comparison->MergeOutcomes(found[r]));
+  }
+  return Status::Ok();
 }
 
 }  // namespace
@@ -193,8 +241,7 @@ Result<VerifyReport> Verify(const std::string& a_path, const std::string& b_path
   RESHARD_ASSIGN_OR_RETURN(std::vector<ComparableTensor> ta, a->Comparables(options, &read));
   RESHARD_ASSIGN_OR_RETURN(std::vector<ComparableTensor> tb, b->Comparables(options, &read));
   Comparison comparison(std::move(ta), std::move(tb));
-  std::vector<Job> jobs = comparison.Jobs(&report);
-  RESHARD_RETURN_IF_ERROR(RunComparison(jobs, options));
+  RESHARD_RETURN_IF_ERROR(RunComparison(&comparison, comparison.Jobs(&report), options));
   comparison.Report(&report);
   CompareMetadata(*a, *b, &report);
   if (a->vocab_rows() != b->vocab_rows()) {

@@ -17,6 +17,9 @@ class LocalCluster : public Cluster {
   int size() const override { return 1; }
   Status AllOk(const Status& mine) override { return mine; }
   Result<std::string> Broadcast(const std::string& from_root) override { return from_root; }
+  Result<std::vector<std::string>> AllGather(const std::string& mine) override {
+    return std::vector<std::string>{mine};
+  }
 };
 
 // Variables in which launchers announce how many processes they started.

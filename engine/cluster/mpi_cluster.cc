@@ -26,6 +26,7 @@ class MpiCluster : public Cluster {
   int size() const override { return size_; }
   Status AllOk(const Status& mine) override;
   Result<std::string> Broadcast(const std::string& from_root) override;
+  Result<std::vector<std::string>> AllGather(const std::string& mine) override;
 
  private:
   // Replaces `*s` on every rank with its value on `root`.
@@ -65,6 +66,16 @@ Result<std::string> MpiCluster::Broadcast(const std::string& from_root) {
   std::string s = rank_ == 0 ? from_root : std::string();
   BroadcastFrom(0, &s);
   return s;
+}
+
+Result<std::vector<std::string>> MpiCluster::AllGather(const std::string& mine) {
+  // One broadcast per rank: the strings are reports, small beside the work.
+  std::vector<std::string> all(size_);
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_) all[r] = mine;
+    BroadcastFrom(r, &all[r]);
+  }
+  return all;
 }
 
 void MpiCluster::BroadcastFrom(int root, std::string* s) {

@@ -4,12 +4,13 @@
 // the launcher's group and takes its share of the work by rank. Run plainly,
 // reshard is a group of one and none of this costs anything.
 //
-// Every collective call (AllOk, Broadcast) must be made by all ranks in the
+// Every collective call (AllOk, Broadcast, AllGather) must be made by all ranks in the
 // same order, from the thread that called Join.
 #pragma once
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "reshard/status.h"
 
@@ -45,6 +46,9 @@ class Cluster {
   // Returns rank 0's `from_root` on every rank; other ranks' arguments are
   // ignored.
   virtual Result<std::string> Broadcast(const std::string& from_root) = 0;
+
+  // Every rank gets every rank's `mine`, in rank order.
+  virtual Result<std::vector<std::string>> AllGather(const std::string& mine) = 0;
 
  protected:
   Cluster() = default;

@@ -136,6 +136,9 @@ struct VerifyOptions : CommonOptions {
   // Resident memory the comparison may use: tensors are compared a buffer
   // at a time, never built whole.
   int64_t max_memory = int64_t{1} << 30;
+  // The processes sharing the comparisons (an MPI job); null = this process
+  // alone. Every process returns the whole report.
+  Cluster* cluster = nullptr;
 };
 
 struct VerifyReport {

@@ -2,6 +2,7 @@
 
 * ``mpirun -np 2 reshard convert`` writes the same files, byte for byte, as one process, and
   ``latest`` once (rank 0, after both ranks finished).
+* ``mpirun -np 2 reshard verify`` shares the comparisons and prints the report one process does.
 * ``--max-memory`` holds: converting a checkpoint larger than the budget keeps the process's
   peak resident memory (the kernel's high-water mark, mapped file pages included) under it.
 * ``--dry-run`` announces exactly the files and tensor bytes the real run then writes, and a
@@ -66,6 +67,26 @@ class ScaleTest(support.FixtureTestCase):
         files = [int(n) for n in re.findall(r'rank \d: wrote (\d+) files', mpi.stdout)]
         self.assertEqual(sum(files), len(os.listdir(self.path('one', 'out'))))
         self.assertTrue(all(n > 0 for n in files), mpi.stdout)
+
+    @unittest.skipUnless(shutil.which('mpirun'), 'Open MPI (mpirun) is not installed')
+    def test_two_processes_verify_as_one_does(self):
+        model = dict(optimizer='bf16_zero', tp=2, pp=2, dp=2, **support.FAMILIES['ms_gpt2'])
+        src = support.make_fixture(self.path('src'), **model)
+        other = support.make_fixture(self.path('other'), seed=99, **model)
+        converted = self.path('converted', 'out')
+        done = support.reshard('convert', src, converted, '--tp', 1, '--pp', 3, '--dp', 3, '-q')
+        self.assertEqual(done.returncode, 0, done.stderr)
+        for b, code in ((converted, 0), (other, 1)):
+            with self.subTest(b=os.path.basename(os.path.dirname(b))):
+                one = support.reshard('verify', src, b)
+                self.assertEqual(one.returncode, code, one.stdout + one.stderr)
+                mpi = subprocess.run(['mpirun', '-np', '2', support.RESHARD, 'verify', src, b],
+                                     env=MPI_ENV, capture_output=True, text=True, timeout=300)
+                self.assertEqual(mpi.returncode, code, mpi.stdout + mpi.stderr)
+                # Rank 0 alone prints the whole report, every difference in one process's order.
+                self.assertEqual(mpi.stdout, one.stdout)
+                if code:
+                    self.assertGreater(one.stdout.count('differs: '), 10)
 
 
 class MemoryBudgetTest(support.FixtureTestCase):

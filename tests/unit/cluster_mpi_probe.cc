@@ -1,9 +1,10 @@
 // Run as `mpirun -np 2 cluster_mpi_probe` (CTest: cluster.mpirun_np2). Checks
-// that Cluster joins the launcher's group, broadcasts rank 0's string and
-// carries rank 1's failure to every rank. Each rank prints one line; any
+// that Cluster joins the launcher's group, broadcasts rank 0's string,
+// gathers every rank's string and carries rank 1's failure to every rank. Each rank prints one line; any
 // mismatch makes it exit 1.
 #include <cstdio>
 #include <string>
+#include <vector>
 
 #include "reshard/cluster.h"
 
@@ -20,6 +21,11 @@ std::string Check(Cluster& cluster) {
   reshard::Result<std::string> got = cluster.Broadcast(sent);
   if (!got.ok()) return "Broadcast: " + got.status().message();
   if (*got != "from rank 0") return "Broadcast gave '" + *got + "'";
+
+  reshard::Result<std::vector<std::string>> gathered =
+      cluster.AllGather("rank " + std::to_string(cluster.rank()));
+  if (!gathered.ok()) return "AllGather: " + gathered.status().message();
+  if (*gathered != std::vector<std::string>{"rank 0", "rank 1"}) return "AllGather gave other strings";
 
   Status all = cluster.AllOk(Status::Ok());
   if (!all.ok()) return "AllOk of two Oks: " + all.message();
