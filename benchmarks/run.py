@@ -229,25 +229,30 @@ def bench_scale(ns, scale: float) -> Dict:
     reshard_cmd = [ns.reshard, 'convert', src, out] + TARGET + ['-q']
     if ns.threads:
         reshard_cmd += ['--threads', str(ns.threads)]
-    runs = {'cp': [], 'reshard': []}
+    commands = {'cp': ['cp', '-r', src, cp_dst], 'reshard': reshard_cmd}
+    if ns.baseline:
+        commands['baseline'] = [ns.baseline] + reshard_cmd[1:]
+    runs = {what: [] for what in commands}
     out_bytes = 0
     for i in range(ns.runs):
-        order = ('cp', 'reshard') if i % 2 == 0 else ('reshard', 'cp')
+        # Each command goes first, second, ... in turn.
+        names = list(commands)
+        order = names[i % len(names):] + names[:i % len(names)]
         for what in order:
             remove(cp_dst)
             remove(out_root)
-            if what == 'cp':
-                r = measure(['cp', '-r', src, cp_dst], cold=not ns.warm)
-            else:
+            if what != 'cp':
                 os.makedirs(out_root, exist_ok=True)
-                r = measure(reshard_cmd, cold=not ns.warm)
+            r = measure(commands[what], cold=not ns.warm)
+            if what != 'cp':
                 m = WROTE.search(r['stdout'])
                 if m is None:
                     raise RuntimeError(f'unexpected reshard output:\n{r["stdout"]}')
                 r.update(files=int(m.group(1)), reported_written_mb=int(m.group(2)) / 1e6,
                          reported_seconds=float(m.group(3)), reported_read_mb=int(m.group(4)) / 1e6,
                          reported_peak=m.group(5))
-                out_bytes = folder_bytes(out)
+                if what == 'reshard':
+                    out_bytes = folder_bytes(out)
             runs[what].append(r)
             print(f'  scale {scale:g} run {i + 1}/{ns.runs} {what:8s} {r["seconds"]:7.2f} s '
                   f'(+sync {r["seconds_with_sync"]:6.2f} s)  peak tree RSS '
@@ -337,6 +342,10 @@ def summarize(scale, info, src_bytes, out_bytes, runs, verify, peer) -> Dict:
         'runs_cp': [round(r['seconds'], 2) for r in runs['cp']],
         'runs_reshard': [round(r['seconds'], 2) for r in rs],
         'verify': verify, 'deepspeed': peer,
+        'baseline': None if 'baseline' not in runs else {
+            'seconds': med['baseline'], 'seconds_with_sync': med_sync['baseline'],
+            'ratio': med['baseline'] / med['cp'], 'ratio_sync': med_sync['baseline'] / med_sync['cp'],
+            'runs': [round(r['seconds'], 2) for r in runs['baseline']]},
     }
 
 
@@ -393,6 +402,18 @@ def table(results: List[Dict]) -> str:
             f'| h={c["h"]} | {r["cp_sync_s"]:.2f} | {r["reshard_sync_s"]:.2f} | {r["ratio_sync"]:.2f}x | '
             f'{r["reshard_user_s"]:.1f} / {r["reshard_sys_s"]:.1f} | {r["maxrss_gib"]:.2f} GiB | '
             f'{r["out_bytes"] / gb:.2f} GB | {r["runs_cp"]} | {r["runs_reshard"]} |')
+    baselines = [r for r in results if r.get('baseline')]
+    if baselines:
+        lines.append('')
+        lines.append('| checkpoint | baseline (s) | ratio | + sync (s) | ratio with sync | '
+                     'reshard / baseline | with sync | runs baseline |')
+        lines.append('|---|---|---|---|---|---|---|---|')
+        for r in baselines:
+            b = r['baseline']
+            lines.append(f'| h={r["config"]["h"]} | {b["seconds"]:.2f} | {b["ratio"]:.2f}x | '
+                         f'{b["seconds_with_sync"]:.2f} | {b["ratio_sync"]:.2f}x | '
+                         f'{r["reshard_s"] / b["seconds"]:.2f}x | '
+                         f'{r["reshard_sync_s"] / b["seconds_with_sync"]:.2f}x | {b["runs"]} |')
     peers = [r for r in results if r.get('deepspeed')]
     if peers:
         lines.append('')
@@ -428,12 +449,16 @@ def main(argv=None) -> int:
                     help='where checkpoints and outputs go (default /tmp/reshard-bench; needs ~20 GB)')
     ap.add_argument('--keep', action='store_true',
                     help='keep the checkpoints and the last outputs (default: delete everything written)')
+    ap.add_argument('--baseline', help='another reshard binary (e.g. a build of an earlier commit): '
+                    'timed in the same alternation, ratios against cp -r and reshard')
     ap.add_argument('--warm', action='store_true', help='do not drop the page cache before runs')
     ap.add_argument('--verify', action='store_true', help='also run `reshard verify SRC OUT` once (untimed)')
     ap.add_argument('--deepspeed-src', help='a DeepSpeed source tree: also time ds_to_universal.py')
     ap.add_argument('--json', help='write the results here too')
     ns = ap.parse_args(argv)
     ns.reshard = os.path.abspath(ns.reshard)
+    if ns.baseline:
+        ns.baseline = os.path.abspath(ns.baseline)
     os.makedirs(ns.workdir, exist_ok=True)
     results = []
     started = time.monotonic()
