@@ -52,18 +52,5 @@ void BM_FlatGroupFragments(benchmark::State& state) {
 BENCHMARK(BM_FlatGroupFragments)->Args({6, 4})->Args({24, 4})->Args({24, 64})->Args({96, 512})
     ->Unit(benchmark::kMicrosecond);
 
-// Every parameter looked up once by name: O(slots^2) string compares.
-void BM_FlatGroupFindAll(benchmark::State& state) {
-  const FlatGroup group(StageParams(static_cast<int>(state.range(0))), 4, 8);
-  std::vector<std::string> names;
-  for (const FlatSlot& s : group.slots()) names.push_back(s.name);
-  for (auto _ : state) {
-    for (const std::string& n : names) benchmark::DoNotOptimize(group.Find(n));
-  }
-  state.counters["slots"] = static_cast<double>(names.size());
-  state.SetItemsProcessed(state.iterations() * static_cast<int64_t>(names.size()));
-}
-BENCHMARK(BM_FlatGroupFindAll)->Arg(6)->Arg(24)->Arg(96)->Unit(benchmark::kMicrosecond);
-
 }  // namespace
 }  // namespace reshard

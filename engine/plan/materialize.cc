@@ -122,9 +122,4 @@ ByteProducer RangeProducer(SourceTensor source, TensorPlan plan, std::atomic<int
   };
 }
 
-int64_t MaterializeTensor(const LogicalTensor& t, const TensorPlan& plan, std::vector<uint8_t>* out) {
-  out->resize(static_cast<size_t>(plan.numel()) * ElementSize(t.dtype));
-  return MaterializeRange(SourceTensor::Of(t), plan, 0, plan.numel(), out->data(), nullptr);
-}
-
 }  // namespace reshard

@@ -42,7 +42,4 @@ ByteProducer RangeProducer(SourceTensor source, TensorPlan plan, std::atomic<int
 // of `element_size`-byte elements; an error for a range of partial elements.
 Status ElementRange(int64_t offset, int64_t length, int element_size, int64_t* begin, int64_t* end);
 
-// The whole target tensor into `out`.
-int64_t MaterializeTensor(const LogicalTensor& t, const TensorPlan& plan, std::vector<uint8_t>* out);
-
 }  // namespace reshard

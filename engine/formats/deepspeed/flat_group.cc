@@ -38,11 +38,4 @@ std::vector<Fragment> FlatGroup::FragmentsIn(int64_t begin, int64_t end) const {
   return out;
 }
 
-const FlatSlot* FlatGroup::Find(const std::string& name) const {
-  for (const FlatSlot& s : slots_) {
-    if (s.name == name) return &s;
-  }
-  return nullptr;
-}
-
 }  // namespace reshard

@@ -53,8 +53,6 @@ class FlatGroup {
   // Fragments of the parameters inside flat elements [begin, end), in order;
   // partition_start counts from `begin`.
   std::vector<Fragment> FragmentsIn(int64_t begin, int64_t end) const;
-  // The slot of parameter `name`; null when the group does not hold it.
-  const FlatSlot* Find(const std::string& name) const;
 
  private:
   std::vector<FlatSlot> slots_;

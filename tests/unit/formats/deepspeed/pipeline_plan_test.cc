@@ -175,8 +175,8 @@ TEST_F(PlanTest, ReplicatedPolicies) {
   const TensorPlan* avg = FindPlan(*plan, "layer_03-model_00-model_states.pt", *src, "input_layernorm.weight");
   ASSERT_NE(avg, nullptr);
   EXPECT_TRUE(avg->average);
-  std::vector<uint8_t> mean;
-  MaterializeTensor(*norm, *avg, &mean);
+  std::vector<uint8_t> mean(static_cast<size_t>(avg->numel()) * 2);
+  MaterializeRange(SourceTensor::Of(*norm), *avg, 0, avg->numel(), mean.data(), nullptr);
   for (int64_t i = 0; i < norm->shards[0].numel(); ++i) {
     const double a = LoadAsDouble(DType::kBFloat16, norm->shards[0].runs[0].bytes.data + 2 * i);
     const double b = LoadAsDouble(DType::kBFloat16, norm->shards[1].runs[0].bytes.data + 2 * i);

@@ -70,8 +70,9 @@ TEST(FlatGroupTest, PaddingLongerThanAPartition) {
 TEST(FlatGroupTest, NoAlignmentForTheUnpartitionedFp16Optimizer) {
   const FlatGroup g({{"w", {3, 5}}, {"b", {5}}}, 1, 1);
   EXPECT_EQ(g.padded(), 20);
-  EXPECT_EQ(g.Find("b")->offset, 15);
-  EXPECT_EQ(g.Find("missing"), nullptr);
+  ASSERT_EQ(g.slots().size(), 2u);
+  EXPECT_EQ(g.slots()[1].name, "b");
+  EXPECT_EQ(g.slots()[1].offset, 15);
 }
 
 }  // namespace
