@@ -39,6 +39,42 @@ void AddCommonOptions(CLI::App* cmd, reshard::CommonOptions* o) {
   cmd->add_option("--allow-class", o->allowed_classes,
                   "Carry an unknown pickled class (module.name) through unchanged; never executed");
   cmd->add_option("--threads", o->threads, "Worker threads (default: the number of cores)");
+  cmd->add_option_function<std::vector<std::string>>(
+         "--set",
+         [o](const std::vector<std::string>& items) {
+           for (const std::string& item : items) {
+             const size_t eq = item.find('=');
+             o->set[item.substr(0, eq)] = item.substr(eq + 1);
+           }
+         },
+         "A value the rules need that the checkpoint does not record, as PATH=VALUE "
+         "(e.g. num_attention_heads=16, short for args.num_attention_heads); repeatable")
+      ->check([](const std::string& item) {
+        return item.find('=') == std::string::npos || item.front() == '='
+                   ? "--set takes PATH=VALUE, e.g. --set num_attention_heads=16"
+                   : "";
+      });
+}
+
+// --replicated, --weights-only, --vocab-size: what lint and convert are
+// both told about the checkpoint, so that lint checks what convert will do.
+void AddPreflightOptions(CLI::App* cmd, reshard::PreflightOptions* o) {
+  AddCommonOptions(cmd, o);
+  cmd->add_option_function<std::string>(
+         "--replicated",
+         [o](const std::string& policy) {
+           o->replicated = policy == "average" ? reshard::ReplicatedPolicy::kAverage
+                           : policy == "first" ? reshard::ReplicatedPolicy::kFirst
+                                               : reshard::ReplicatedPolicy::kCheck;
+         },
+         "Replicated tensors that differ across TP ranks: check (refuse; the default), "
+         "average, or first (TP rank 0)")
+      ->check(CLI::IsMember({"check", "average", "first"}));
+  cmd->add_flag("--weights-only", o->weights_only,
+                "Only the weights of a checkpoint that has optimizer state: the optimizer state is "
+                "left out");
+  cmd->add_option("--vocab-size", o->vocab_size,
+                  "True vocabulary size, when the checkpoint does not record it");
 }
 
 void PrintFindings(const std::vector<reshard::Finding>& findings) {
@@ -183,7 +219,7 @@ int main(int argc, char** argv) {
   CLI::App* lint_cmd = app.add_subcommand(
       "lint", "Dry run: check that every tensor is explained by the rules and the layout is sound");
   lint_cmd->add_option("CHECKPOINT", ckpt, "Checkpoint to check")->required();
-  AddCommonOptions(lint_cmd, &lint);
+  AddPreflightOptions(lint_cmd, &lint);
   lint_cmd->add_option("--max-drift-lines", lint.max_drift_lines,
                        "How many replicated-tensor drifts to list");
 
@@ -193,7 +229,6 @@ int main(int argc, char** argv) {
   AddCommonOptions(inspect_cmd, &inspect);
 
   reshard::ConvertOptions convert;
-  std::string replicated = "check";
   bool no_latest = false;
   CLI::App* convert_cmd =
       app.add_subcommand("convert", "Write the checkpoint at another TP / PP / DP layout");
@@ -207,15 +242,6 @@ int main(int argc, char** argv) {
   convert_cmd->add_option("--layers-per-stage", convert.layers_per_stage,
                           "Transformer blocks per target stage, e.g. 5,6,6,5 (default: DeepSpeed's partition)")
       ->delimiter(',');
-  convert_cmd->add_option("--replicated", replicated,
-                          "Replicated tensors that differ across TP ranks: check (refuse), "
-                          "average, or first (TP rank 0)")
-      ->check(CLI::IsMember({"check", "average", "first"}));
-  convert_cmd->add_flag("--weights-only", convert.weights_only,
-                        "Convert the weights of a checkpoint that has optimizer state, leaving the "
-                        "optimizer state out");
-  convert_cmd->add_option("--vocab-size", convert.vocab_size,
-                          "True vocabulary size, when the checkpoint does not record it");
   convert_cmd->add_option("--vocab-pad-value", convert.vocab_pad_value,
                           "Value of vocabulary padding rows the target adds (default 0)");
   convert_cmd->add_flag("--overwrite", convert.overwrite, "Replace a non-empty OUTPUT folder");
@@ -229,7 +255,7 @@ int main(int argc, char** argv) {
                           "(default 1GiB); sets each thread's streaming buffer")
       ->transform(CLI::AsSizeValue(false));
   convert_cmd->add_flag("-q,--quiet", quiet, "Print only the summary (no progress, no plan)");
-  AddCommonOptions(convert_cmd, &convert);
+  AddPreflightOptions(convert_cmd, &convert);
 
   reshard::VerifyOptions verify;
   CLI::App* verify_cmd = app.add_subcommand(
@@ -261,9 +287,6 @@ int main(int argc, char** argv) {
   if (lint_cmd->parsed()) return RunLint(ckpt, lint);
   if (inspect_cmd->parsed()) return RunInspect(ckpt, inspect);
   if (convert_cmd->parsed()) {
-    convert.replicated = replicated == "average" ? reshard::ReplicatedPolicy::kAverage
-                         : replicated == "first" ? reshard::ReplicatedPolicy::kFirst
-                                                 : reshard::ReplicatedPolicy::kCheck;
     convert.update_latest = !no_latest;
     return RunConvert(ckpt, out, convert, quiet);
   }

@@ -5,6 +5,7 @@
 #include <map>
 
 #include "logical/rule_selection.h"
+#include "logical/settings.h"
 #include "util/human.h"
 #include "util/shape.h"
 
@@ -74,10 +75,15 @@ bool DescribeTensor(const LogicalLayer& layer, LogicalCheckpoint* ckpt, LogicalT
     return false;
   }
   if (!rule.blocks.empty()) {
-    std::optional<int64_t> blocks = rule.blocks.Resolve(ckpt->metadata[0]);
+    std::optional<int64_t> blocks = rule.blocks.Resolve(ckpt->inputs());
     if (!blocks || *blocks <= 0) {
-      AddError(ckpt, label + ": the rule's block count " + rule.blocks.ToString() +
-                         " is not recorded in the checkpoint metadata");
+      // Once per value, not once per tensor that needs it.
+      const std::string message = "the rules' block count " + rule.blocks.ToString() + " (first needed by " +
+                                  label + ") is " + rule.blocks.HowToGive();
+      const std::string prefix = message.substr(0, message.find(" (first"));
+      const bool reported = std::any_of(ckpt->findings.begin(), ckpt->findings.end(),
+                                        [&](const Finding& f) { return f.message.rfind(prefix, 0) == 0; });
+      if (!reported) AddError(ckpt, message);
       return false;
     }
     lt->blocks = *blocks;
@@ -199,7 +205,7 @@ void CheckSameKeysPerRole(const std::set<int>& clean, LogicalCheckpoint* ckpt) {
 
 void DescribeVocab(LogicalCheckpoint* ckpt) {
   const RuleSet& rules = *ckpt->rules;
-  const Value& meta = ckpt->metadata[0];
+  const RuleInputs inputs = ckpt->inputs();
   for (const LogicalLayer& layer : ckpt->layers) {
     for (const LogicalTensor& t : layer.tensors) {
       if (t.rule->policy != ParamRule::Policy::kVocab) continue;
@@ -212,9 +218,9 @@ void DescribeVocab(LogicalCheckpoint* ckpt) {
       }
     }
   }
-  ckpt->vocab.original_size = rules.vocab_original_size().Resolve(meta);
-  ckpt->vocab.divisible_by = rules.vocab_divisible_by().Resolve(meta);
-  ckpt->vocab.pad_to = rules.vocab_pad_to().Resolve(meta);
+  ckpt->vocab.original_size = rules.vocab_original_size().Resolve(inputs);
+  ckpt->vocab.divisible_by = rules.vocab_divisible_by().Resolve(inputs);
+  ckpt->vocab.pad_to = rules.vocab_pad_to().Resolve(inputs);
   if (ckpt->vocab.padded_rows == 0) return;
   const int64_t recorded = MetadataInt(ckpt->args(), "padded_vocab_size", -1);
   if (recorded >= 0 && recorded != ckpt->vocab.padded_rows) {
@@ -262,12 +268,20 @@ const Value& LogicalCheckpoint::args() const {
   return a != nullptr ? *a : kNone;
 }
 
+RuleInputs LogicalCheckpoint::inputs() const {
+  static const Value kNone;
+  return RuleInputs{metadata.empty() ? kNone : metadata[0], settings};
+}
+
 void LogicalCheckpoint::AddError(std::string message) {
   findings.push_back({Finding::Severity::kError, std::move(message)});
 }
 
-Status DescribeCheckpoint(const std::string& rules, LogicalCheckpoint* ckpt) {
+Status DescribeCheckpoint(const std::string& rules, const std::map<std::string, std::string>& set,
+                          LogicalCheckpoint* ckpt) {
+  RESHARD_ASSIGN_OR_RETURN(ckpt->settings, SettingsValue(set));
   RESHARD_ASSIGN_OR_RETURN(RuleChoice choice, ChooseRuleSet(*ckpt, rules));
+  RESHARD_RETURN_IF_ERROR(CheckSettings(ckpt->settings, *choice.rules, ckpt->inputs().metadata));
   ckpt->rules = choice.rules;
   ckpt->numbering = choice.numbering;
   ckpt->specs = choice.specs;

@@ -9,6 +9,7 @@
 // when any finding is an error.
 #pragma once
 
+#include <map>
 #include <memory>
 #include <optional>
 #include <set>
@@ -58,6 +59,7 @@ struct LogicalCheckpoint {
   int tp = 1, pp = 1, dp = 1;
   int64_t iteration = 0;
   std::vector<Value> metadata;     // per (pipeline, tensor) rank, index = p * tp + t
+  Value settings = Value::MakeDict();  // --set values (logical/settings.h)
   std::vector<LogicalLayer> layers;  // in id order
   VocabInfo vocab;
   std::vector<Finding> findings;
@@ -66,14 +68,18 @@ struct LogicalCheckpoint {
   // First error finding as a Status (ok when there is none).
   Status FirstError() const;
   const Value& args() const;  // metadata[0]["args"] (None when absent)
+  // What rules read values from: metadata[0], then the settings.
+  RuleInputs inputs() const;
   void AddError(std::string message);
 };
 
 // Chooses the rule set (`rules`: a path or built-in name; empty = detect) for
 // the layers a format has read (ids, labels and roots set), and describes
-// every tensor: rule, canonical name, shapes, shards, vocabulary. A Status
-// error means no rule set applies; problems with tensors become findings.
-Status DescribeCheckpoint(const std::string& rules, LogicalCheckpoint* ckpt);
+// every tensor: rule, canonical name, shapes, shards, vocabulary. `set` are
+// the --set values (logical/settings.h). A Status error means no rule set
+// applies or a setting is refused; problems with tensors become findings.
+Status DescribeCheckpoint(const std::string& rules, const std::map<std::string, std::string>& set,
+                          LogicalCheckpoint* ckpt);
 
 // An integer field of a dict-like metadata value, or `fallback`.
 int64_t MetadataInt(const Value& root, const char* key, int64_t fallback);

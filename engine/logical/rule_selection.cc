@@ -3,27 +3,18 @@
 #include <set>
 
 #include "logical/logical_checkpoint.h"
+#include "logical/settings.h"
 #include "pickle/value.h"
 
 namespace reshard {
 namespace {
 
-std::string ScalarString(const Value& v) {
-  switch (v.kind()) {
-    case Value::Kind::kBool: return v.as_bool() ? "true" : "false";
-    case Value::Kind::kInt: return std::to_string(v.as_int());
-    case Value::Kind::kString: return v.as_string();
-    default: return v.DebugString();
-  }
-}
-
-bool ArgMatches(const Value& args, const std::string& field, const std::string& expected) {
-  if (!expected.empty() && expected[0] == '!') return !ArgMatches(args, field, expected.substr(1));
-  const Value* v = Find(args, field);
-  const bool absent = v == nullptr || v->is_none();
-  if (expected == "null") return absent;
-  if (expected == "*") return !absent;
-  return !absent && ScalarString(*v) == expected;
+bool ArgMatches(const RuleInputs& inputs, const std::string& field, const std::string& expected) {
+  if (!expected.empty() && expected[0] == '!') return !ArgMatches(inputs, field, expected.substr(1));
+  const Value* v = inputs.Find("args." + field);
+  if (expected == "null") return v == nullptr;
+  if (expected == "*") return v != nullptr;
+  return v != nullptr && ScalarText(*v) == expected;
 }
 
 // Why `rules` does not apply to the checkpoint's metadata; empty when it does.
@@ -36,7 +27,7 @@ std::string DetectMismatch(const RuleSet& rules, const LogicalCheckpoint& ckpt) 
     if (Find(meta, key) != nullptr) return "the metadata has '" + key + "'";
   }
   for (const auto& [field, expected] : rules.detect().args) {
-    if (!ArgMatches(ckpt.args(), field, expected)) {
+    if (!ArgMatches(ckpt.inputs(), field, expected)) {
       const bool negated = !expected.empty() && expected[0] == '!';
       return "args." + field + (negated ? " is " + expected.substr(1) : " is not " + expected);
     }
@@ -156,7 +147,9 @@ Result<RuleChoice> DetectRuleSet(const LogicalCheckpoint& ckpt) {
   if (fits.empty() && near.size() == 1) return std::move(near[0]);
   if (fits.empty()) {
     return Status::RuleError("no built-in rule set fits this checkpoint (" + rejected +
-                             "); write a rule file for it (see docs/rules.md) and pass --rules FILE");
+                             "); force one with --rules NAME (values it needs that the checkpoint does not record "
+                             "can be given with --set), or write a rule file for it (docs/rules.md) and pass "
+                             "--rules FILE");
   }
   std::string names;
   for (const RuleChoice& c : fits) names += (names.empty() ? "" : ", ") + c.rules->name();

@@ -12,11 +12,25 @@ ReplicatedPolicy PolicyFor(const ParamRule& rule, ReplicatedPolicy command_line)
   return rule.drift ? *rule.drift : command_line;
 }
 
+Status CheckVocabRepaddable(const LogicalCheckpoint& src, std::optional<int64_t> vocab_size) {
+  const VocabInfo& vocab = src.vocab;
+  if (vocab.padded_rows == 0 || vocab.pad_to) return Status::Ok();
+  if (!vocab_size && !vocab.original_size) {
+    return Status::InvalidInput("a TP change pads the vocabulary from its true size, which is " +
+                                src.rules->vocab_original_size().HowToGive() +
+                                " (or --vocab-size N, the tokenizer's size)");
+  }
+  if (!vocab.divisible_by || *vocab.divisible_by < 1) {
+    return Status::InvalidInput("a TP change pads the vocabulary to a multiple of the divisor, which is " +
+                                src.rules->vocab_divisible_by().HowToGive());
+  }
+  return Status::Ok();
+}
+
 Result<int64_t> TargetPaddedVocab(const LogicalCheckpoint& src, int tp,
                                   std::optional<int64_t> vocab_size) {
   const VocabInfo& vocab = src.vocab;
   if (vocab.padded_rows == 0 || tp == src.tp) return vocab.padded_rows;
-  const std::optional<int64_t> true_size = vocab_size ? vocab_size : vocab.original_size;
   if (vocab.pad_to) {
     if (*vocab.pad_to % tp != 0) {
       return Status::InvalidInput("args.pad_vocab_size_to = " + std::to_string(*vocab.pad_to) +
@@ -24,18 +38,10 @@ Result<int64_t> TargetPaddedVocab(const LogicalCheckpoint& src, int tp,
     }
     return *vocab.pad_to;
   }
-  if (!true_size) {
-    return Status::InvalidInput(
-        "the checkpoint does not record its true vocabulary size (no checkpoint_info or "
-        "universal_checkpoint_info), so the padding for TP " + std::to_string(tp) +
-        " is unknown; pass --vocab-size N (the tokenizer's size)");
-  }
-  if (!vocab.divisible_by || *vocab.divisible_by < 1) {
-    return Status::InvalidInput("args.make_vocab_size_divisible_by is not recorded; it is needed "
-                                "to pad the vocabulary for the target TP");
-  }
+  RESHARD_RETURN_IF_ERROR(CheckVocabRepaddable(src, vocab_size));
+  const int64_t true_size = vocab_size ? *vocab_size : *vocab.original_size;
   const int64_t multiple = *vocab.divisible_by * tp;
-  return (*true_size + multiple - 1) / multiple * multiple;
+  return (true_size + multiple - 1) / multiple * multiple;
 }
 
 std::vector<int64_t> TargetShardShape(const LogicalTensor& t, int tp, int64_t padded_vocab) {

@@ -57,6 +57,10 @@ struct TensorTarget {
 // The effective drift policy of a replicated tensor.
 ReplicatedPolicy PolicyFor(const ParamRule& rule, ReplicatedPolicy command_line);
 
+// Whether the values a TP change needs to re-pad the vocabulary are known
+// (`vocab_size` is --vocab-size); the error names the ways to give them.
+Status CheckVocabRepaddable(const LogicalCheckpoint& src, std::optional<int64_t> vocab_size);
+
 // Rows of the target vocabulary tensors: the true vocabulary padded to a
 // multiple of make_vocab_size_divisible_by x TP, as Megatron computes it.
 Result<int64_t> TargetPaddedVocab(const LogicalCheckpoint& src, int tp,

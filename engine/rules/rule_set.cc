@@ -10,20 +10,6 @@
 namespace reshard {
 namespace {
 
-// Walks a dotted path through dict-like values (dict, OrderedDict, Namespace).
-// Null when a step is missing or None.
-const Value* WalkPath(const Value& root, const std::string& path) {
-  const Value* v = &root;
-  size_t start = 0;
-  while (true) {
-    size_t dot = path.find('.', start);
-    v = Find(*v, path.substr(start, dot == std::string::npos ? dot : dot - start));
-    if (v == nullptr || v->is_none()) return nullptr;
-    if (dot == std::string::npos) return v;
-    start = dot + 1;
-  }
-}
-
 // The capture groups of `key`, which fully matches `re`; "" for a group that
 // took no part in the match.
 std::vector<std::string> CaptureGroups(const RE2& re, const std::string& key) {
@@ -39,6 +25,23 @@ std::vector<std::string> CaptureGroups(const RE2& re, const std::string& key) {
 }
 
 }  // namespace
+
+const Value* WalkPath(const Value& root, const std::string& path) {
+  const Value* v = &root;
+  size_t start = 0;
+  while (true) {
+    size_t dot = path.find('.', start);
+    v = Find(*v, path.substr(start, dot == std::string::npos ? dot : dot - start));
+    if (v == nullptr || v->is_none()) return nullptr;
+    if (dot == std::string::npos) return v;
+    start = dot + 1;
+  }
+}
+
+const Value* RuleInputs::Find(const std::string& path) const {
+  const Value* v = WalkPath(metadata, path);
+  return v != nullptr ? v : WalkPath(settings, path);
+}
 
 const char* DriftPolicyName(DriftPolicy p) {
   switch (p) {
@@ -56,23 +59,38 @@ std::optional<DriftPolicy> ParseDriftPolicy(const std::string& s) {
   return std::nullopt;
 }
 
-std::optional<int64_t> MetaRef::Resolve(const Value& metadata) const {
+std::optional<int64_t> MetaRef::Resolve(const RuleInputs& inputs) const {
   for (const std::string& alt : alternatives) {
     int64_t n = 0;
     if (ParseInt(alt, &n)) return n;
-    const Value* v = WalkPath(metadata, alt);
+    const Value* v = inputs.Find(alt);
     if (v != nullptr && ReadInt(*v, &n)) return n;
   }
   return std::nullopt;
 }
 
-const Value* MetaRef::Lookup(const Value& metadata) const {
-  for (const std::string& alt : alternatives) {
-    int64_t unused = 0;
-    if (ParseInt(alt, &unused)) continue;
-    if (const Value* v = WalkPath(metadata, alt)) return v;
+const Value* MetaRef::Lookup(const RuleInputs& inputs) const {
+  for (const std::string& path : Paths()) {
+    if (const Value* v = inputs.Find(path)) return v;
   }
   return nullptr;
+}
+
+std::vector<std::string> MetaRef::Paths() const {
+  std::vector<std::string> paths;
+  for (const std::string& alt : alternatives) {
+    int64_t unused = 0;
+    if (!ParseInt(alt, &unused)) paths.push_back(alt);
+  }
+  return paths;
+}
+
+std::string MetaRef::HowToGive() const {
+  const std::vector<std::string> paths = Paths();
+  if (paths.empty()) return "not given; write it in the rule file as a number";
+  return "not recorded in the checkpoint metadata (" + Join(paths, ", ") +
+         "); give it as a fallback in the rule file ([" + paths.front() + ", N]) or with --set " +
+         paths.front() + "=N";
 }
 
 std::string MetaRef::ToString() const {
@@ -111,6 +129,22 @@ std::string ParamRule::CanonicalName(const std::string& key, int layer_id, int b
     }
   }
   return name;
+}
+
+std::set<std::string> RuleSet::ValuePaths() const {
+  std::set<std::string> paths;
+  auto add = [&paths](const MetaRef& ref) {
+    for (std::string& p : ref.Paths()) paths.insert(std::move(p));
+  };
+  for (const MetaRef* ref : {&partition_method_arg_, &vocab_original_size_, &vocab_divisible_by_,
+                             &vocab_pad_to_}) {
+    add(*ref);
+  }
+  for (const auto& [role, rules] : layers_) {
+    for (const ParamRule& rule : rules) add(rule.blocks);
+  }
+  for (const auto& [field, expected] : detect_.args) paths.insert("args." + field);
+  return paths;
 }
 
 Result<const ParamRule*> RuleSet::Match(const std::string& role, const std::string& key) const {

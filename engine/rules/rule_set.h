@@ -24,6 +24,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -45,18 +46,40 @@ using DriftPolicy = ReplicatedPolicy;
 const char* DriftPolicyName(DriftPolicy p);
 std::optional<DriftPolicy> ParseDriftPolicy(const std::string& s);
 
-// A size taken from the checkpoint's metadata: alternatives tried in order.
+// What rules read values from: the checkpoint's metadata (an mp_rank file's
+// root dict), then the values given on the command line (`--set path=value`,
+// a dict of the same shape) for what the metadata does not record.
+struct RuleInputs {
+  const Value& metadata;
+  const Value& settings;
+  // The value at dotted `path` ("args.num_attention_heads"); null when
+  // neither records it (or records None).
+  const Value* Find(const std::string& path) const;
+};
+
+// A value a rule needs: alternatives tried in order, each a metadata path
+// (read through RuleInputs) or a literal number (a constant, or the fallback
+// when it follows paths).
 struct MetaRef {
   std::vector<std::string> alternatives;  // "12" or "args.num_attention_heads"
   bool empty() const { return alternatives.empty(); }
-  // Resolves against an mp_rank file's root dict. Nullopt when no alternative
-  // is present; `tried` then lists them for the message.
-  std::optional<int64_t> Resolve(const Value& metadata) const;
-  // The first path alternative present and not None, whatever its kind (for
-  // string settings such as the partition method); integers are skipped.
-  const Value* Lookup(const Value& metadata) const;
+  // The first alternative that gives an integer; nullopt when none does.
+  std::optional<int64_t> Resolve(const RuleInputs& inputs) const;
+  // The first path alternative present, whatever its kind (for string
+  // settings such as the partition method); literal numbers are skipped.
+  const Value* Lookup(const RuleInputs& inputs) const;
+  // The path alternatives, for messages and for checking --set keys.
+  std::vector<std::string> Paths() const;
   std::string ToString() const;
+  // Why the value is missing and the ways to give it: "not recorded in the
+  // checkpoint metadata (args.x); give it as a fallback in the rule file
+  // ([args.x, N]) or with --set args.x=N".
+  std::string HowToGive() const;
 };
+
+// Walks a dotted path through dict-like values (dict, OrderedDict, Namespace).
+// Null when a step is missing or None.
+const Value* WalkPath(const Value& root, const std::string& path);
 
 // A piece of a canonical-name template: literal text or a placeholder.
 struct NamePiece {
@@ -143,6 +166,10 @@ class RuleSet {
 
   // Roles with layer files, and their rules in file order.
   const std::map<std::string, std::vector<ParamRule>>& layers() const { return layers_; }
+
+  // Every metadata path a value is read from (sizes, vocabulary, partition
+  // method, detection args): the keys `--set` may give.
+  std::set<std::string> ValuePaths() const;
 
   // The rule whose pattern fully matches `key` in a file of `role`.
   // Returns nullptr when none matches; an error when more than one does.

@@ -25,6 +25,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <optional>
 #include <set>
 #include <string>
@@ -56,13 +57,29 @@ struct CommonOptions {
   // Pickled classes ("module.name") to carry through unchanged although
   // reshard does not know them. They are never executed.
   std::set<std::string> allowed_classes;
+  // Values the rules need that the checkpoint does not record, by metadata
+  // path: {"args.num_attention_heads", "16"} (a key without a dot means
+  // args.<key>). Refused when the checkpoint records another value or no
+  // rule reads it.
+  std::map<std::string, std::string> set;
   // Threads for reading and writing; 0 = the number of cores.
   int threads = 0;
   // Receives progress lines ("12/40 files, 1.2 GB"); may be empty.
   std::function<void(const std::string&)> progress;
 };
 
-struct LintOptions : CommonOptions {
+// What convert is told about the checkpoint, and lint too: lint with the
+// same options reports an error for everything convert would refuse the
+// checkpoint for (a target layout's own limits aside).
+struct PreflightOptions : CommonOptions {
+  ReplicatedPolicy replicated = ReplicatedPolicy::kCheck;
+  // Convert only the model weights of a checkpoint that has optimizer state.
+  bool weights_only = false;
+  // True vocabulary size when the checkpoint does not record it.
+  std::optional<int64_t> vocab_size;
+};
+
+struct LintOptions : PreflightOptions {
   // How many of the largest replicated-tensor drifts to list.
   int max_drift_lines = 10;
 };
@@ -80,18 +97,13 @@ Result<LintReport> Lint(const std::string& checkpoint, const LintOptions& option
 struct InspectOptions : CommonOptions {};
 Result<std::string> Inspect(const std::string& checkpoint, const InspectOptions& options);
 
-struct ConvertOptions : CommonOptions {
+struct ConvertOptions : PreflightOptions {
   int target_tp = 0;  // required, >= 1
   int target_pp = 0;  // required, >= 1
   int target_dp = 0;  // 0 = keep the source's DP size
   // Explicit transformer blocks per target stage (sums to the block count);
   // empty = DeepSpeed's partition method recorded in the checkpoint.
   std::vector<int> layers_per_stage;
-  ReplicatedPolicy replicated = ReplicatedPolicy::kCheck;
-  // Convert only the model weights of a checkpoint that has optimizer state.
-  bool weights_only = false;
-  // True vocabulary size when the checkpoint does not record it.
-  std::optional<int64_t> vocab_size;
   // Value of vocabulary padding rows that the target layout adds.
   double vocab_pad_value = 0.0;
   bool overwrite = false;       // replace a non-empty output folder

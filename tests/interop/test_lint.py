@@ -7,7 +7,7 @@ errors, 2 when the checkpoint or the rule set is unusable.  Findings are printed
 Covered: a clean fixture of every style and the rule set auto-detection picks for it; many mp
 ranks; many DP ranks with optimizer shards (a warning that names --weights-only); unknown keys;
 missing required keys; shapes that differ across TP ranks; mixed iterations; replicated-tensor
-drift (warnings, largest first); a wrong --rules family; `reshard rules` (list, validate, broken
+drift (errors under --replicated check, warnings when merged; largest first); a wrong --rules family; `reshard rules` (list, validate, broken
 file with file:line); `reshard inspect`; `reshard verify` (same model, one tensor changed).
 
 Run by ctest as ``/usr/bin/python3 tests/interop/test_lint.py --reshard BIN`` with
@@ -212,17 +212,24 @@ class FindingTests(LintTestCase):
         p = self.lint(tag, code=1)
         self.assertRegex(p.stdout, r'error: mixed iterations: .*10.*20')
 
-    def test_replicated_drift_warns_largest_first(self):
+    def test_replicated_drift_errs_or_warns_by_policy_largest_first(self):
         # Every replicated tensor drifts by ~0.01 between the two TP ranks; one by 0.25 more.
         tag = self.bloom(tp_drift_eps=0.01)
 
         def bump(sd):
             sd['self_attention.dense.bias'] = (sd['self_attention.dense.bias'].float() + 0.25).to(torch.bfloat16)
         rewrite(layer_file(tag, 5, 1), bump)
-        p = self.lint(tag, code=0)
+        replicated = mf.replicated_names(FixtureConfig(style='bs_bloom', tp=2, pp=2))
+        # Under the default --replicated check, convert refuses the drift: lint errs alike.
+        p = self.lint(tag, code=1)
+        self.assertVerdict(p, False, 'bigscience-bloom')
+        errors = lines_with('error:', p.stdout)
+        self.assertRegex(errors[0], rf'error: {len(replicated)} replicated tensor\(s\) differ across TP ranks')
+        self.assertEqual(len(lines_with('error: drift: ', p.stdout)), 11, p.stdout)
+        # Told to merge (as convert would be), the drifts are warnings.
+        p = self.lint(tag, '--replicated', 'average', code=0)
         self.assertVerdict(p, True, 'bigscience-bloom')
         self.assertEqual(lines_with('error:', p.stdout), [])
-        replicated = mf.replicated_names(FixtureConfig(style='bs_bloom', tp=2, pp=2))
         warnings = lines_with('warning:', p.stdout)
         self.assertRegex(warnings[0], rf'warning: {len(replicated)} replicated tensor\(s\) differ across TP ranks')
         self.assertIn('--replicated average', warnings[0])
@@ -233,7 +240,7 @@ class FindingTests(LintTestCase):
         self.assertEqual(drifts[-1], f'warning: drift: ... and {len(replicated) - 10} more')
         sizes = [float(re.search(r'max \|diff\| (\S+)', d).group(1)) for d in drifts[:-1]]
         self.assertEqual(sizes, sorted(sizes, reverse=True), 'drifts must be listed largest first')
-        p = self.lint(tag, '--max-drift-lines', 3, code=0)
+        p = self.lint(tag, '--replicated', 'first', '--max-drift-lines', 3, code=0)
         drifts = lines_with('warning: drift: ', p.stdout)
         self.assertEqual(len(drifts), 4, p.stdout)
         self.assertIn('layer_05/self_attention.dense.bias', drifts[0])

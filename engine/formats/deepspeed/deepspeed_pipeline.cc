@@ -20,41 +20,67 @@ void Warn(LintReport* report, std::string message) {
   report->findings.push_back({Finding::Severity::kWarning, std::move(message)});
 }
 
-void ReportDrift(const LogicalCheckpoint& ckpt, int max_lines, LintReport* report) {
+// Drift convert refuses (the tensor's policy is `check`) is an error, drift
+// it merges a warning.
+Finding::Severity DriftSeverity(const ParamRule& rule, ReplicatedPolicy policy) {
+  return PolicyFor(rule, policy) == ReplicatedPolicy::kCheck ? Finding::Severity::kError
+                                                             : Finding::Severity::kWarning;
+}
+
+// Lists drifts largest first, `max_lines` of them, each as `describe(i)`,
+// after a summary line; each line as severe as its drift (the summary as
+// the worst).
+template <typename Describe, typename SeverityOf>
+void ReportDrifts(size_t count, const std::string& summary, const std::string& prefix, int max_lines,
+                  Describe describe, SeverityOf severity_of, LintReport* report) {
+  if (count == 0) return;
+  Finding::Severity worst = Finding::Severity::kWarning;
+  for (size_t i = 0; i < count; ++i) {
+    if (severity_of(i) == Finding::Severity::kError) worst = Finding::Severity::kError;
+  }
+  report->findings.push_back({worst, std::to_string(count) + summary});
+  for (size_t i = 0; i < count && static_cast<int>(i) < max_lines; ++i) {
+    report->findings.push_back({severity_of(i), prefix + describe(i)});
+  }
+  if (static_cast<int>(count) > max_lines) {
+    report->findings.push_back({worst, prefix + "... and " + std::to_string(count - max_lines) + " more"});
+  }
+}
+
+void ReportDrift(const LogicalCheckpoint& ckpt, const LintOptions& options, LintReport* report) {
   const std::vector<Drift> drifts = MeasureDrift(ckpt);
-  if (drifts.empty()) return;
-  Warn(report, std::to_string(drifts.size()) +
-                   " replicated tensor(s) differ across TP ranks; convert refuses them unless "
-                   "you choose --replicated average (mean) or --replicated first (TP rank 0)");
-  for (size_t i = 0; i < drifts.size() && static_cast<int>(i) < max_lines; ++i) {
-    Warn(report, "drift: " + DescribeDrift(ckpt, drifts[i]));
-  }
-  if (static_cast<int>(drifts.size()) > max_lines) {
-    Warn(report, "drift: ... and " + std::to_string(drifts.size() - max_lines) + " more");
-  }
+  ReportDrifts(
+      drifts.size(),
+      " replicated tensor(s) differ across TP ranks; convert refuses them unless you choose "
+      "--replicated average (mean) or --replicated first (TP rank 0)",
+      "drift: ", options.max_drift_lines, [&](size_t i) { return DescribeDrift(ckpt, drifts[i]); },
+      [&](size_t i) {
+        const Drift& d = drifts[i];
+        return DriftSeverity(*ckpt.layers[d.layer_index].tensors[d.tensor_index].rule, options.replicated);
+      },
+      report);
 }
 
 // Replicated parameters whose masters or moments differ across TP ranks:
 // convert refuses them under `check`, as it refuses drifted weights.
-void ReportStateDrift(const LogicalCheckpoint& ckpt, const SourceOptimizer& opt, int max_lines,
-                      LintReport* report) {
+void ReportStateDrift(const LogicalCheckpoint& ckpt, const SourceOptimizer& opt,
+                      const LintOptions& options, LintReport* report) {
   Result<std::vector<StateDrift>> drifts = MeasureStateDrift(ckpt, opt);
   if (!drifts.ok()) {
     report->findings.push_back({Finding::Severity::kError, "optimizer: " + drifts.status().message()});
     return;
   }
-  if (drifts->empty()) return;
-  Warn(report, std::to_string(drifts->size()) +
-                   " optimizer state(s) of replicated parameters differ across TP ranks; convert "
-                   "refuses them unless you choose --replicated average or --replicated first");
-  for (size_t i = 0; i < drifts->size() && static_cast<int>(i) < max_lines; ++i) {
-    const StateDrift& d = (*drifts)[i];
-    Warn(report, "optimizer drift: '" + d.state + "' of " + d.name + " differs between TP ranks 0 and " +
-                     std::to_string(d.rank));
-  }
-  if (static_cast<int>(drifts->size()) > max_lines) {
-    Warn(report, "optimizer drift: ... and " + std::to_string(drifts->size() - max_lines) + " more");
-  }
+  const std::vector<StateDrift>& d = *drifts;
+  ReportDrifts(
+      d.size(),
+      " optimizer state(s) of replicated parameters differ across TP ranks; convert refuses them "
+      "unless you choose --replicated average or --replicated first",
+      "optimizer drift: ", options.max_drift_lines,
+      [&](size_t i) {
+        return "'" + d[i].state + "' of " + d[i].name + " differs between TP ranks 0 and " +
+               std::to_string(d[i].rank);
+      },
+      [&](size_t i) { return DriftSeverity(*d[i].rule, options.replicated); }, report);
 }
 
 std::string FirstDifference(const std::vector<std::vector<ParamShape>>& recorded,
@@ -128,19 +154,27 @@ class PipelineSource : public DeepSpeedModelSource {
     return s;
   }
 
+  // Every check of the checkpoint that Plan makes before planning, with the
+  // same options, for a target at any layout.
   void Lint(const LintOptions& options, LintReport* report) const override {
     report->rule_set = ckpt().rules->name();
     if (ckpt().HasErrors()) return;
-    ReportDrift(ckpt(), options.max_drift_lines, report);
+    ReportDrift(ckpt(), options, report);
     CheckStages(ckpt(), report);
+    const Status vocab = CheckVocabRepaddable(ckpt(), options.vocab_size);
+    if (!vocab.ok()) report->findings.push_back({Finding::Severity::kError, vocab.message()});
     if (!HasOptimizerState()) return;
+    if (options.weights_only) {
+      report->findings.push_back({Finding::Severity::kInfo, WeightsOnlyNote(OptimizerWhat())});
+      return;
+    }
     Result<const SourceOptimizer*> opt = Optimizer();
     if (!opt.ok()) {
       report->findings.push_back({Finding::Severity::kError, "optimizer: " + opt.status().message()});
       return;
     }
     report->findings.push_back(OptimizerFinding(**opt, shard_files()));
-    ReportStateDrift(ckpt(), **opt, options.max_drift_lines, report);
+    ReportStateDrift(ckpt(), **opt, options, report);
   }
 
   Result<std::unique_ptr<TargetPlan>> Plan(const ConvertOptions& options,

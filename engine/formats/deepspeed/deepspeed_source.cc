@@ -10,7 +10,7 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenDeepSpeedCheckpoint(CheckpointFile
                                                                   const CommonOptions& options) {
   if (files.IsZero3()) return OpenZero3Source(std::move(files), options);
   RESHARD_ASSIGN_OR_RETURN(std::unique_ptr<DeepSpeedModel> model,
-                           ReadDeepSpeedModel(std::move(files), options.rules, options.allowed_classes));
+                           ReadDeepSpeedModel(std::move(files), options));
   if (model->pipeline) return MakePipelineSource(std::move(model), options);
   return MakeNonPipelineSource(std::move(model), options);
 }

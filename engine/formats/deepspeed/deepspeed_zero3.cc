@@ -3,6 +3,7 @@
 #include "formats/deepspeed/file_names.h"
 #include "formats/deepspeed/zero3_checkpoint.h"
 #include "formats/deepspeed/zero_shard_reader.h"
+#include "logical/settings.h"
 #include "plan/materialize.h"
 #include "util/human.h"
 
@@ -103,6 +104,7 @@ class Zero3Source : public SourceCheckpoint {
 
 Result<std::unique_ptr<SourceCheckpoint>> OpenZero3Source(CheckpointFiles files,
                                                           const CommonOptions& options) {
+  RESHARD_RETURN_IF_ERROR(RefuseSettings(options.set));
   RESHARD_ASSIGN_OR_RETURN(std::unique_ptr<Zero3Checkpoint> ckpt,
                            Zero3Checkpoint::Load(files, options.allowed_classes));
   return std::unique_ptr<SourceCheckpoint>(new Zero3Source(std::move(files), std::move(ckpt)));

@@ -4,6 +4,7 @@
 
 #include "container/torch_file.h"
 #include "formats/deepspeed/known_classes.h"
+#include "logical/settings.h"
 
 namespace reshard {
 namespace {
@@ -95,8 +96,8 @@ Result<Value> ReadDeepSpeedFile(const std::string& path, const std::set<std::str
 }
 
 Result<std::unique_ptr<DeepSpeedModel>> ReadDeepSpeedModel(CheckpointFiles files,
-                                                           const std::string& rules,
-                                                           const std::set<std::string>& allowed_classes) {
+                                                           const CommonOptions& options) {
+  const std::set<std::string>& allowed_classes = options.allowed_classes;
   auto m = std::make_unique<DeepSpeedModel>();
   m->files = std::move(files);
   LogicalCheckpoint& ckpt = m->logical;
@@ -119,8 +120,11 @@ Result<std::unique_ptr<DeepSpeedModel>> ReadDeepSpeedModel(CheckpointFiles files
                   "; reshard does not know what it holds (move it out of the tag "
                   "folder if it does not belong to the checkpoint)");
   }
-  if (!m->pipeline) return m;  // no layer files to explain: only DP can change
-  RESHARD_RETURN_IF_ERROR(DescribeCheckpoint(rules, &ckpt));
+  if (!m->pipeline) {  // no layer files to explain: only DP can change
+    RESHARD_RETURN_IF_ERROR(RefuseSettings(options.set));
+    return m;
+  }
+  RESHARD_RETURN_IF_ERROR(DescribeCheckpoint(options.rules, options.set, &ckpt));
   return m;
 }
 

@@ -29,9 +29,9 @@ struct DeepSpeedModel {
 };
 
 // Reads the metadata and (for a pipeline checkpoint) the layer files and
-// describes them with the rule set `rules` (a path or name; empty = detect).
+// describes them with the rule set `options.rules` (a path or name; empty =
+// detect), the --set values and the allowed classes of `options`.
 Result<std::unique_ptr<DeepSpeedModel>> ReadDeepSpeedModel(CheckpointFiles files,
-                                                           const std::string& rules,
-                                                           const std::set<std::string>& allowed_classes);
+                                                           const CommonOptions& options);
 
 }  // namespace reshard

@@ -9,7 +9,7 @@ namespace reshard {
 namespace {
 
 std::string PartitionMethod(const LogicalCheckpoint& src) {
-  const Value* v = src.rules->partition_method_arg().Lookup(src.metadata[0]);
+  const Value* v = src.rules->partition_method_arg().Lookup(src.inputs());
   return v != nullptr && v->is(Value::Kind::kString) ? v->as_string()
                                                       : src.rules->partition_method_default();
 }

@@ -474,8 +474,9 @@ Value Metadata() {
   });
 }
 
-std::optional<int64_t> Resolve(std::vector<std::string> alternatives) {
-  return MetaRef{std::move(alternatives)}.Resolve(Metadata());
+std::optional<int64_t> Resolve(std::vector<std::string> alternatives, const Value& settings = Value::MakeDict()) {
+  const Value metadata = Metadata();
+  return MetaRef{std::move(alternatives)}.Resolve(RuleInputs{metadata, settings});
 }
 
 TEST(RuleSetMetaRef, ResolvesAlternativesInOrder) {
@@ -495,13 +496,34 @@ TEST(RuleSetMetaRef, UnresolvableGivesNullopt) {
   EXPECT_EQ(Resolve({}), std::nullopt);
 }
 
+// Settings (--set) fill in what the metadata does not record, never what it does.
+TEST(RuleSetMetaRef, SettingsFillOnlyWhatTheMetadataLacks) {
+  const Value settings = Value::MakeDict({{Value::String("args"), Value::MakeDict({
+      {Value::String("num_key_value_heads"), Value::Int(4)},
+      {Value::String("num_attention_heads"), Value::Int(99)},
+  })}});
+  EXPECT_EQ(Resolve({"args.num_key_value_heads"}, settings), 4);  // None in the metadata
+  EXPECT_EQ(Resolve({"args.num_attention_heads"}, settings), 16);
+  EXPECT_EQ(Resolve({"args.num_key_value_heads", "8"}, settings), 4);  // before the fallback
+  EXPECT_EQ(Resolve({"args.num_key_value_heads", "8"}), 8);
+}
+
 TEST(RuleSetMetaRef, LookupReturnsAnyKind) {
   const Value metadata = Metadata();
-  const Value* v = MetaRef{{"args.pp_partition_method"}}.Lookup(metadata);
+  const Value none = Value::MakeDict();
+  const RuleInputs inputs{metadata, none};
+  const Value* v = MetaRef{{"args.pp_partition_method"}}.Lookup(inputs);
   ASSERT_NE(v, nullptr);
   ASSERT_TRUE(v->is(Value::Kind::kString));
   EXPECT_EQ(v->as_string(), "type:transformer|embedding");
-  EXPECT_EQ((MetaRef{{"3", "args.num_key_value_heads"}}.Lookup(metadata)), nullptr);
+  EXPECT_EQ((MetaRef{{"3", "args.num_key_value_heads"}}.Lookup(inputs)), nullptr);
+}
+
+TEST(RuleSetMetaRef, HowToGiveNamesTheRuleFileAndTheCommandLine) {
+  EXPECT_EQ((MetaRef{{"args.num_attention_heads", "4"}}.HowToGive()),
+            "not recorded in the checkpoint metadata (args.num_attention_heads); give it as a "
+            "fallback in the rule file ([args.num_attention_heads, N]) or with --set "
+            "args.num_attention_heads=N");
 }
 
 TEST(RuleSetMetaRef, ToString) {

@@ -24,7 +24,7 @@ class PlanTest : public ::testing::Test {
     EXPECT_TRUE(MakeFixture(fixture_args, dir_.path() / "ckpt").ok());
     Result<CheckpointFiles> files = ScanCheckpoint((dir_.path() / "ckpt").string());
     EXPECT_TRUE(files.ok()) << files.status().message();
-    Result<std::unique_ptr<DeepSpeedModel>> r = ReadDeepSpeedModel(std::move(*files), "", {});
+    Result<std::unique_ptr<DeepSpeedModel>> r = ReadDeepSpeedModel(std::move(*files), CommonOptions{});
     EXPECT_TRUE(r.ok()) << r.status().message();
     EXPECT_FALSE((*r)->logical.HasErrors()) << (*r)->logical.FirstError().message();
     models_.push_back(std::move(r).value());

@@ -1,0 +1,105 @@
+#include "logical/settings.h"
+
+#include <cstdlib>
+
+#include "util/strings.h"
+
+namespace reshard {
+namespace {
+
+std::string FullPath(const std::string& key) {
+  return key.find('.') == std::string::npos ? "args." + key : key;
+}
+
+Value ParseScalar(const std::string& text) {
+  int64_t n = 0;
+  if (ParseInt(text, &n)) return Value::Int(n);
+  if (text == "true" || text == "false") return Value::Bool(text == "true");
+  char* end = nullptr;
+  const double d = std::strtod(text.c_str(), &end);
+  if (!text.empty() && end == text.c_str() + text.size()) return Value::Float(d);
+  return Value::String(text);
+}
+
+// Sets `value` at dotted `path` inside `root`, making the dicts on the way.
+void SetPath(Value* root, const std::string& path, Value value) {
+  const size_t dot = path.find('.');
+  if (dot == std::string::npos) {
+    Set(*root, path, std::move(value));
+    return;
+  }
+  const std::string head = path.substr(0, dot);
+  Value* child = FindMutable(*root, head);
+  if (child == nullptr || DictItems(*child) == nullptr) {
+    Set(*root, head, Value::MakeDict());
+    child = FindMutable(*root, head);
+  }
+  SetPath(child, path.substr(dot + 1), std::move(value));
+}
+
+// Calls f(path, value) for every leaf under `v`.
+template <typename F>
+void ForEachLeaf(const Value& v, const std::string& prefix, F f) {
+  const Items* items = DictItems(v);
+  if (items == nullptr) {
+    f(prefix, v);
+    return;
+  }
+  for (const auto& [key, child] : *items) {
+    ForEachLeaf(child, prefix.empty() ? key.as_string() : prefix + "." + key.as_string(), f);
+  }
+}
+
+}  // namespace
+
+std::string ScalarText(const Value& v) {
+  switch (v.kind()) {
+    case Value::Kind::kBool: return v.as_bool() ? "true" : "false";
+    case Value::Kind::kInt: return std::to_string(v.as_int());
+    case Value::Kind::kString: return v.as_string();
+    default: return v.DebugString();
+  }
+}
+
+Result<Value> SettingsValue(const std::map<std::string, std::string>& set) {
+  Value root = Value::MakeDict();
+  for (const auto& [key, text] : set) {
+    if (key.empty() || key.front() == '.' || key.back() == '.' ||
+        key.find("..") != std::string::npos) {
+      return Status::InvalidInput("--set " + key + "=" + text +
+                                  ": give a metadata path such as args.num_attention_heads=16");
+    }
+    SetPath(&root, FullPath(key), ParseScalar(text));
+  }
+  return root;
+}
+
+Status RefuseSettings(const std::map<std::string, std::string>& set) {
+  if (set.empty()) return Status::Ok();
+  return Status::InvalidInput("--set " + set.begin()->first +
+                              ": this checkpoint has no layer files for rules to describe, so "
+                              "nothing reads it; drop the --set");
+}
+
+Status CheckSettings(const Value& settings, const RuleSet& rules, const Value& metadata) {
+  const std::set<std::string> read = rules.ValuePaths();
+  Status status = Status::Ok();
+  ForEachLeaf(settings, "", [&](const std::string& path, const Value& value) {
+    if (!status.ok()) return;
+    if (!read.count(path)) {
+      status = Status::InvalidInput(
+          "--set " + path + ": rule set " + rules.name() + " reads no such value" +
+          (read.empty() ? "" : " (it reads " + Join(std::vector<std::string>(read.begin(), read.end()), ", ") + ")"));
+      return;
+    }
+    const Value* recorded = WalkPath(metadata, path);
+    if (recorded != nullptr && ScalarText(*recorded) != ScalarText(value)) {
+      status = Status::InvalidInput("--set " + path + "=" + ScalarText(value) +
+                                    " contradicts the checkpoint, which records " + path + " = " +
+                                    ScalarText(*recorded) + "; drop the --set");
+    }
+  });
+  return status;
+}
+
+}  // namespace reshard

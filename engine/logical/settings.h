@@ -1,0 +1,36 @@
+// Settings: values the rules need that a checkpoint does not record, given
+// on the command line as `--set path=value`.
+//
+// A rule reads each value from the first of its alternatives that gives one
+// (rules/rule_set.h, MetaRef): a metadata path is read from the checkpoint's
+// metadata and, where the metadata does not record it, from the settings; a
+// literal number in the rule file is a constant or, after paths, the
+// fallback. A setting never overrides what the checkpoint records: one that
+// contradicts it, or that no rule reads, is refused.
+#pragma once
+
+#include <map>
+#include <string>
+
+#include "pickle/value.h"
+#include "reshard/status.h"
+#include "rules/rule_set.h"
+
+namespace reshard {
+
+// The settings as a dict of the metadata's shape: "args.num_attention_heads"
+// = "4" becomes {"args": {"num_attention_heads": 4}}. A key without a dot
+// means args.<key>; values are ints, true/false, numbers or strings.
+Result<Value> SettingsValue(const std::map<std::string, std::string>& set);
+
+// Refuses settings that `rules` does not read, or that contradict `metadata`.
+Status CheckSettings(const Value& settings, const RuleSet& rules, const Value& metadata);
+
+// Refuses any setting for a checkpoint read without rules (no layer files),
+// where nothing would read it.
+Status RefuseSettings(const std::map<std::string, std::string>& set);
+
+// A scalar as YAML writes it: true, 3, 0.5, alibi.
+std::string ScalarText(const Value& v);
+
+}  // namespace reshard

@@ -1,0 +1,91 @@
+// --set values: parsed into a dict of the metadata's shape, refused when no
+// rule reads them or when they contradict what the checkpoint records.
+#include "logical/settings.h"
+
+#include <gtest/gtest.h>
+
+namespace reshard {
+namespace {
+
+const char kRules[] = R"(
+name: tiny
+detect:
+  args: {swiglu: false}
+pipeline:
+  specs:
+    - block: Block
+vocab:
+  original_size: [universal_checkpoint_info.original_vocab_size, 64]
+layers:
+  block:
+    - key: 'qkv\.weight'
+      split: {dim: 0, blocks: args.num_attention_heads}
+)";
+
+RuleSet Rules() {
+  Result<RuleSet> rules = RuleSet::LoadString(kRules, "tiny.yaml");
+  EXPECT_TRUE(rules.ok()) << rules.status().message();
+  return std::move(*rules);
+}
+
+Value Metadata(Items args) {
+  return Value::MakeDict({{Value::String("args"), Value::MakeDict(std::move(args))}});
+}
+
+TEST(Settings, KeysArePathsAndBareNamesMeanArgs) {
+  Result<Value> v = SettingsValue({{"num_attention_heads", "4"},
+                                   {"universal_checkpoint_info.original_vocab_size", "50257"},
+                                   {"args.swiglu", "false"},
+                                   {"args.pp_partition_method", "type:transformer"}});
+  ASSERT_TRUE(v.ok()) << v.status().message();
+  const Value none = Value::MakeDict();
+  const RuleInputs inputs{none, *v};
+  ASSERT_NE(inputs.Find("args.num_attention_heads"), nullptr);
+  EXPECT_EQ(inputs.Find("args.num_attention_heads")->as_int(), 4);
+  EXPECT_EQ(inputs.Find("universal_checkpoint_info.original_vocab_size")->as_int(), 50257);
+  EXPECT_FALSE(inputs.Find("args.swiglu")->as_bool());
+  EXPECT_EQ(inputs.Find("args.pp_partition_method")->as_string(), "type:transformer");
+}
+
+TEST(Settings, MalformedKeyIsRefused) {
+  for (const char* key : {"", ".x", "args.", "args..x"}) {
+    Result<Value> v = SettingsValue({{key, "1"}});
+    ASSERT_FALSE(v.ok()) << key;
+    EXPECT_NE(v.status().message().find("args.num_attention_heads=16"), std::string::npos);
+  }
+}
+
+TEST(Settings, ReadValuesThatTheCheckpointLacksAreAccepted) {
+  Result<Value> v = SettingsValue({{"num_attention_heads", "4"}, {"swiglu", "false"}});
+  ASSERT_TRUE(v.ok());
+  // The metadata records swiglu with the same value: no contradiction.
+  EXPECT_TRUE(CheckSettings(*v, Rules(), Metadata({{Value::String("swiglu"), Value::Bool(false)}})).ok());
+}
+
+TEST(Settings, ValueNoRuleReadsIsRefusedWithWhatIsRead) {
+  Result<Value> v = SettingsValue({{"num_heads", "4"}});
+  ASSERT_TRUE(v.ok());
+  const Status st = CheckSettings(*v, Rules(), Metadata({}));
+  ASSERT_FALSE(st.ok());
+  EXPECT_EQ(st.message(),
+            "--set args.num_heads: rule set tiny reads no such value (it reads "
+            "args.num_attention_heads, args.swiglu, universal_checkpoint_info.original_vocab_size)");
+}
+
+TEST(Settings, ContradictingTheCheckpointIsRefused) {
+  Result<Value> v = SettingsValue({{"num_attention_heads", "8"}});
+  ASSERT_TRUE(v.ok());
+  const Status st = CheckSettings(*v, Rules(), Metadata({{Value::String("num_attention_heads"), Value::Int(16)}}));
+  ASSERT_FALSE(st.ok());
+  EXPECT_EQ(st.message(),
+            "--set args.num_attention_heads=8 contradicts the checkpoint, which records "
+            "args.num_attention_heads = 16; drop the --set");
+}
+
+TEST(Settings, CheckpointsWithoutRulesReadNone) {
+  EXPECT_TRUE(RefuseSettings({}).ok());
+  EXPECT_FALSE(RefuseSettings({{"num_attention_heads", "4"}}).ok());
+}
+
+}  // namespace
+}  // namespace reshard
