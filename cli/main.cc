@@ -246,7 +246,7 @@ int main(int argc, char** argv) {
                           "Value of vocabulary padding rows the target adds (default 0)");
   convert_cmd->add_flag("--overwrite", convert.overwrite, "Replace a non-empty OUTPUT folder");
   convert_cmd->add_flag("--no-update-latest", no_latest,
-                        "Do not write 'latest' next to OUTPUT");
+                        "Do not write 'latest' (nor the root's zero_to_fp32.py) next to OUTPUT");
   convert_cmd->add_flag("--dry-run", convert.dry_run,
                         "Print the plan, the files and bytes to write and the memory estimate; "
                         "write nothing");

@@ -36,11 +36,18 @@ Result<OutputFolder> CheckOutput(const std::string& input, const SourceCheckpoin
 
 // Moves the finished folder into place, then `latest` (and
 // latest_checkpointed_iteration.txt where the source root has one).
-Status Publish(OutputFolder* out, const SourceCheckpoint& source, bool update_latest) {
+Status Publish(OutputFolder* out, const SourceCheckpoint& source, bool update_latest,
+               std::vector<std::string>* notes) {
   RESHARD_RETURN_IF_ERROR(out->Commit());
   if (!update_latest) return Status::Ok();
   namespace fs = std::filesystem;
   const fs::path out_path(out->path());
+  for (const std::string& name : source.RootFiles()) {
+    const std::string from = (fs::path(source.root_dir()) / name).string();
+    RESHARD_ASSIGN_OR_RETURN(bool copied, CopyIntoRoot(from, out_path.parent_path().string()));
+    notes->push_back(copied ? "copied " + name + " from the source root beside the output"
+                            : name + " already exists beside the output; left as it is");
+  }
   std::optional<int64_t> iteration_file;
   std::error_code ec;
   if (fs::exists(fs::path(source.root_dir()) / "latest_checkpointed_iteration.txt", ec)) {
@@ -164,7 +171,7 @@ Status Execute(Prepared* p, const ConvertOptions& options, PhaseClock* clock,
   report->bytes_written = WrittenBytes(p->exec.dir, p->jobs);
   report->bytes_read = p->read.load();
   if (!IsRoot(cluster)) return Status::Ok();
-  RESHARD_RETURN_IF_ERROR(Publish(&*p->out, *p->src, options.update_latest));
+  RESHARD_RETURN_IF_ERROR(Publish(&*p->out, *p->src, options.update_latest, &report->notes));
   clock->End("commit");
   return Status::Ok();
 }

@@ -8,6 +8,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 
 namespace reshard {
 namespace fs = std::filesystem;
@@ -132,6 +133,18 @@ Status SyncFiles(const std::string& dir) {
   ::close(fd);
   if (rc != 0) return Status::IoError("cannot sync the files in " + dir + ": " + std::strerror(err));
   return Status::Ok();
+}
+
+Result<bool> CopyIntoRoot(const std::string& from, const std::string& root) {
+  const fs::path to = fs::path(root) / fs::path(from).filename();
+  std::error_code ec;
+  if (fs::exists(to, ec)) return false;
+  std::ifstream in(from, std::ios::binary);
+  std::ostringstream content;
+  content << in.rdbuf();
+  if (!in.good()) return Status::IoError("cannot read " + from);
+  RESHARD_RETURN_IF_ERROR(WriteFileAtomically(to, content.str()));
+  return true;
 }
 
 Status UpdateLatest(const std::string& root, const std::string& tag,

@@ -50,6 +50,11 @@ class OutputFolder {
 // process that wrote files calls it before the folder is committed.
 Status SyncFiles(const std::string& dir);
 
+// Copies the file `from` into folder `root` under its own name, atomically,
+// unless `root` has a file of that name already (it is left alone).
+// Returns whether it copied.
+Result<bool> CopyIntoRoot(const std::string& from, const std::string& root);
+
 // Writes `<root>/latest` = tag and, when `iteration` is given,
 // `<root>/latest_checkpointed_iteration.txt`, each atomically.
 Status UpdateLatest(const std::string& root, const std::string& tag,

@@ -77,6 +77,10 @@ class SourceCheckpoint {
   virtual int64_t vocab_rows() const { return 0; }
   // Observations verify reports about this side (replicas that differ, ...).
   virtual std::vector<std::string> VerifyNotes() const { return {}; }
+  // Files beside `latest` in root_dir() that belong with every checkpoint
+  // of the root (DeepSpeed copies its zero_to_fp32.py there): a converted
+  // checkpoint's root gets them too.
+  virtual std::vector<std::string> RootFiles() const { return {}; }
 };
 
 // Opens the checkpoint at `path` (a tag folder, or a root holding `latest`)

@@ -5,6 +5,8 @@
 #include <fstream>
 #include <set>
 
+#include "formats/deepspeed/file_names.h"
+
 namespace reshard {
 namespace fs = std::filesystem;
 namespace {
@@ -105,6 +107,9 @@ Result<CheckpointFiles> ScanCheckpoint(const std::string& path) {
   files.tag_dir = tag_dir.string();
   files.tag = tag_dir.filename().string();
   files.root_dir = tag_dir.parent_path().string();
+  for (const char* script : kRootScripts) {
+    if (fs::is_regular_file(fs::path(files.root_dir) / script, ec)) files.root_scripts.push_back(script);
+  }
   for (const auto& entry : fs::directory_iterator(tag_dir, ec)) {
     const std::string name = entry.path().filename().string();
     if (entry.is_directory()) {

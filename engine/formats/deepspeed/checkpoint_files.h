@@ -33,6 +33,7 @@ struct CheckpointFiles {
   // ZeRO-3: mp index -> DP rank -> path of zero_pp_rank_{d}_mp_rank_{mp}_model_states.pt
   std::map<int, std::map<int, std::string>> zero3_model_files;
   std::vector<std::string> other_files;  // names reshard does not recognise
+  std::vector<std::string> root_scripts;  // kRootScripts present in root_dir
 
   // ZeRO-3 writes per-DP-rank model states instead of mp_rank files.
   bool IsZero3() const { return !zero3_model_files.empty(); }

@@ -37,6 +37,7 @@ class Zero3Source : public SourceCheckpoint {
   std::string kind() const override { return "ZeRO-3"; }
   const std::string& tag_dir() const override { return files_.tag_dir; }
   const std::string& root_dir() const override { return files_.root_dir; }
+  std::vector<std::string> RootFiles() const override { return files_.root_scripts; }
   int64_t iteration() const override { return ckpt_->iteration(); }
   std::string Summary() const override { return ckpt_->Summary(); }
   const std::vector<Finding>& findings() const override { return findings_; }

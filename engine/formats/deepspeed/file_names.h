@@ -24,6 +24,10 @@ struct DeepSpeedFileName {
   bool bf16 = false;  // kOptimizer: the bf16_ prefix
 };
 
+// Scripts DeepSpeed copies beside `latest` in the checkpoint root at every
+// save; they belong with a converted checkpoint's root too.
+inline constexpr const char* kRootScripts[] = {"zero_to_fp32.py"};
+
 // What the base name `name` is; kOther for names DeepSpeed does not write.
 DeepSpeedFileName ParseDeepSpeedFileName(const std::string& name);
 
