@@ -77,6 +77,20 @@ void AddPreflightOptions(CLI::App* cmd, reshard::PreflightOptions* o) {
                   "True vocabulary size, when the checkpoint does not record it");
 }
 
+// --overwrite, --dry-run, --max-memory, -q and the preflight options: what
+// every command that writes a checkpoint takes.
+void AddWriteOptions(CLI::App* cmd, reshard::WriteOptions* o, bool* quiet) {
+  cmd->add_flag("--overwrite", o->overwrite, "Replace a non-empty OUTPUT folder");
+  cmd->add_flag("--dry-run", o->dry_run,
+                "Print the plan, the files and bytes to write and the memory estimate; write nothing");
+  cmd->add_option("--max-memory", o->max_memory,
+                  "Resident memory the run may use, e.g. 512MiB or 4GiB (default 1GiB); sets each "
+                  "thread's streaming buffer")
+      ->transform(CLI::AsSizeValue(false));
+  cmd->add_flag("-q,--quiet", *quiet, "Print only the summary (no progress, no plan)");
+  AddPreflightOptions(cmd, o);
+}
+
 void PrintFindings(const std::vector<reshard::Finding>& findings) {
   for (const reshard::Finding& f : findings) {
     const char* tag = f.severity == reshard::Finding::Severity::kError     ? "error"
@@ -144,14 +158,15 @@ void PrintConvertSummary(const std::string& out, const reshard::ConvertReport& r
   std::printf("%sphases: %s\n", who.c_str(), Phases(r).c_str());
 }
 
-int RunConvert(const std::string& in, const std::string& out, reshard::ConvertOptions o,
-               bool quiet) {
+// convert and export: `run` is reshard::Convert or reshard::Export.
+template <typename Options, typename Run>
+int RunWriter(const std::string& in, const std::string& out, Options o, bool quiet, Run run) {
   reshard::Result<std::unique_ptr<reshard::Cluster>> cluster = reshard::Cluster::Join();
   if (!cluster.ok()) return Fail(cluster.status());
   o.cluster = cluster->get();
   const bool root = o.cluster->rank() == 0;
   if (!quiet && root) o.progress = [](const std::string& line) { std::cerr << line << "\n"; };
-  reshard::Result<reshard::ConvertReport> r = reshard::Convert(in, out, o);
+  reshard::Result<reshard::ConvertReport> r = run(in, out, o);
   if (!r.ok()) return Fail(r.status());
   const std::string who =
       o.cluster->size() > 1 ? "rank " + std::to_string(o.cluster->rank()) + ": " : "";
@@ -244,18 +259,28 @@ int main(int argc, char** argv) {
       ->delimiter(',');
   convert_cmd->add_option("--vocab-pad-value", convert.vocab_pad_value,
                           "Value of vocabulary padding rows the target adds (default 0)");
-  convert_cmd->add_flag("--overwrite", convert.overwrite, "Replace a non-empty OUTPUT folder");
   convert_cmd->add_flag("--no-update-latest", no_latest,
                         "Do not write 'latest' (nor the root's zero_to_fp32.py) next to OUTPUT");
-  convert_cmd->add_flag("--dry-run", convert.dry_run,
-                        "Print the plan, the files and bytes to write and the memory estimate; "
-                        "write nothing");
-  convert_cmd->add_option("--max-memory", convert.max_memory,
-                          "Resident memory the conversion may use, e.g. 512MiB or 4GiB "
-                          "(default 1GiB); sets each thread's streaming buffer")
+  AddWriteOptions(convert_cmd, &convert, &quiet);
+
+  reshard::ExportOptions exporting;
+  CLI::App* export_cmd = app.add_subcommand(
+      "export", "Write the checkpoint in another format: --to consolidated (one state dict of whole tensors)");
+  export_cmd->add_option("INPUT", ckpt, "Source checkpoint")->required();
+  export_cmd->add_option("OUTPUT", out, "Folder to write (new, or empty)")->required();
+  export_cmd->add_option("--to", exporting.to, "Target format: consolidated")
+      ->required()
+      ->check(CLI::IsMember({"consolidated"}));
+  export_cmd->add_option("--format", exporting.file_format,
+                         "Files: safetensors (default) or pt (torch.save)")
+      ->check(CLI::IsMember({"safetensors", "pt"}));
+  export_cmd->add_option("--dtype", exporting.dtype,
+                         "Cast floating tensors: fp32, bf16 or fp16 (default: as stored)")
+      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
+  export_cmd->add_option("--max-shard-size", exporting.max_shard_size,
+                         "Largest file, e.g. 5GB (default); a bigger tensor gets a file of its own")
       ->transform(CLI::AsSizeValue(false));
-  convert_cmd->add_flag("-q,--quiet", quiet, "Print only the summary (no progress, no plan)");
-  AddPreflightOptions(convert_cmd, &convert);
+  AddWriteOptions(export_cmd, &exporting, &quiet);
 
   reshard::VerifyOptions verify;
   CLI::App* verify_cmd = app.add_subcommand(
@@ -288,8 +313,9 @@ int main(int argc, char** argv) {
   if (inspect_cmd->parsed()) return RunInspect(ckpt, inspect);
   if (convert_cmd->parsed()) {
     convert.update_latest = !no_latest;
-    return RunConvert(ckpt, out, convert, quiet);
+    return RunWriter(ckpt, out, convert, quiet, reshard::Convert);
   }
+  if (export_cmd->parsed()) return RunWriter(ckpt, out, exporting, quiet, reshard::Export);
   if (verify_cmd->parsed()) {
     verify.replicated = verify_replicated == "average" ? reshard::ReplicatedPolicy::kAverage
                                                        : reshard::ReplicatedPolicy::kFirst;

@@ -1,4 +1,6 @@
-// reshard::Convert: open, check, plan, execute, commit, update `latest`.
+// The commands that write a checkpoint: open, check, plan, execute, commit,
+// update `latest`. reshard::Convert plans with the source's own format,
+// reshard::Export with another one.
 #include <sys/stat.h>
 
 #include <atomic>
@@ -20,13 +22,14 @@ namespace {
 // Checks the output folder; writing `latest` into the input's root would
 // change which checkpoint the input root names, which is modifying the input.
 Result<OutputFolder> CheckOutput(const std::string& input, const SourceCheckpoint& src,
-                                 const std::string& output, const ConvertOptions& options) {
+                                 const std::string& output, const WriteOptions& options,
+                                 bool update_latest) {
   RESHARD_ASSIGN_OR_RETURN(OutputFolder out,
                            OutputFolder::Check(output, {input, src.tag_dir()}, options.overwrite));
   namespace fs = std::filesystem;
   std::error_code ec;
   const fs::path parent = fs::path(out.path()).parent_path();
-  if (options.update_latest && fs::equivalent(parent, src.root_dir(), ec)) {
+  if (update_latest && fs::equivalent(parent, src.root_dir(), ec)) {
     return Status::InvalidInput("the output folder " + out.path() + " is beside the input in " +
                                 parent.string() + ", whose 'latest' it would replace; choose a "
                                 "folder elsewhere or pass --no-update-latest");
@@ -125,7 +128,7 @@ struct Prepared {
 };
 
 // Threads and buffers from the memory budget.
-Status SizeBuffers(const ConvertOptions& options, ExecuteOptions* exec, ConvertReport* report) {
+Status SizeBuffers(const WriteOptions& options, ExecuteOptions* exec, ConvertReport* report) {
   RESHARD_ASSIGN_OR_RETURN(MemoryBudget memory,
                            MemoryBudget::Plan(options.max_memory, ThreadCount(options.threads)));
   report->memory_budget = memory.budget;
@@ -138,14 +141,20 @@ Status SizeBuffers(const ConvertOptions& options, ExecuteOptions* exec, ConvertR
   return Status::Ok();
 }
 
-Status Prepare(const std::string& input, const std::string& output, const ConvertOptions& options,
-               PhaseClock* clock, Prepared* p, ConvertReport* report) {
+// How a command plans its output from the opened source.
+using PlanMaker = std::function<Result<std::unique_ptr<TargetPlan>>(const SourceCheckpoint& src,
+                                                                      std::vector<std::string>* notes)>;
+
+Status Prepare(const std::string& input, const std::string& output, const WriteOptions& options,
+               bool update_latest, const PlanMaker& make_plan, PhaseClock* clock, Prepared* p,
+               ConvertReport* report) {
   RESHARD_ASSIGN_OR_RETURN(p->src, OpenCheckpoint(input, options));
   report->checkpoint_bytes = FolderBytes(p->src->tag_dir());
   clock->End("load");
-  RESHARD_ASSIGN_OR_RETURN(p->plan, p->src->Plan(options, &report->notes));
+  RESHARD_ASSIGN_OR_RETURN(p->plan, make_plan(*p->src, &report->notes));
   report->plan = p->plan->ToString(options.dry_run);
-  RESHARD_ASSIGN_OR_RETURN(OutputFolder folder, CheckOutput(input, *p->src, output, options));
+  RESHARD_ASSIGN_OR_RETURN(OutputFolder folder,
+                           CheckOutput(input, *p->src, output, options, update_latest));
   p->out.emplace(std::move(folder));
   RESHARD_RETURN_IF_ERROR(SizeBuffers(options, &p->exec, report));
   RESHARD_ASSIGN_OR_RETURN(std::vector<Job> all, p->plan->Jobs(&p->read));
@@ -160,7 +169,7 @@ Status Prepare(const std::string& input, const std::string& output, const Conver
 
 // Writes this process's share of the plan into the staging folder; the first
 // process moves the folder into place and `latest` once every process is done.
-Status Execute(Prepared* p, const ConvertOptions& options, PhaseClock* clock,
+Status Execute(Prepared* p, const WriteOptions& options, bool update_latest, PhaseClock* clock,
                ConvertReport* report) {
   Cluster* cluster = options.cluster;
   RESHARD_ASSIGN_OR_RETURN(p->exec.dir, BeginOutput(&*p->out, cluster));
@@ -171,9 +180,28 @@ Status Execute(Prepared* p, const ConvertOptions& options, PhaseClock* clock,
   report->bytes_written = WrittenBytes(p->exec.dir, p->jobs);
   report->bytes_read = p->read.load();
   if (!IsRoot(cluster)) return Status::Ok();
-  RESHARD_RETURN_IF_ERROR(Publish(&*p->out, *p->src, options.update_latest, &report->notes));
+  RESHARD_RETURN_IF_ERROR(Publish(&*p->out, *p->src, update_latest, &report->notes));
   clock->End("commit");
   return Status::Ok();
+}
+
+// Everything a writing command does once its plan is known.
+Result<ConvertReport> WriteCheckpoint(const std::string& input, const std::string& output,
+                                      const WriteOptions& options, bool update_latest,
+                                      const PlanMaker& make_plan) {
+  ConvertReport report;
+  PhaseClock clock(&report);
+  Prepared p;
+  Status ready = Prepare(input, output, options, update_latest, make_plan, &clock, &p, &report);
+  if (options.dry_run) {
+    RESHARD_RETURN_IF_ERROR(ready);
+  } else {
+    RESHARD_RETURN_IF_ERROR(AllOk(options.cluster, ready));
+    RESHARD_RETURN_IF_ERROR(Execute(&p, options, update_latest, &clock, &report));
+    report.peak_memory = PeakResidentBytes();
+  }
+  report.seconds = clock.Total();
+  return report;
 }
 
 }  // namespace
@@ -183,19 +211,21 @@ Result<ConvertReport> Convert(const std::string& input, const std::string& outpu
   if (options.target_tp < 1 || options.target_pp < 1) {
     return Status::InvalidInput("convert needs the target layout: --tp N and --pp N (both >= 1)");
   }
-  ConvertReport report;
-  PhaseClock clock(&report);
-  Prepared p;
-  Status ready = Prepare(input, output, options, &clock, &p, &report);
-  if (options.dry_run) {
-    RESHARD_RETURN_IF_ERROR(ready);
-  } else {
-    RESHARD_RETURN_IF_ERROR(AllOk(options.cluster, ready));
-    RESHARD_RETURN_IF_ERROR(Execute(&p, options, &clock, &report));
-    report.peak_memory = PeakResidentBytes();
-  }
-  report.seconds = clock.Total();
-  return report;
+  return WriteCheckpoint(input, output, options, options.update_latest,
+                         [&options](const SourceCheckpoint& src, std::vector<std::string>* notes) {
+                           return src.Plan(options, notes);
+                         });
+}
+
+Result<ConvertReport> Export(const std::string& input, const std::string& output,
+                             const ExportOptions& options) {
+  return WriteCheckpoint(
+      input, output, options, /*update_latest=*/false,
+      [&options](const SourceCheckpoint& src, std::vector<std::string>* notes)
+          -> Result<std::unique_ptr<TargetPlan>> {
+        if (!options.dry_run) RESHARD_RETURN_IF_ERROR(src.CheckReplicas(options.replicated, notes));
+        return PlanExport(src, options, notes);
+      });
 }
 
 }  // namespace reshard

@@ -29,7 +29,7 @@ struct Outcome {
 };
 
 // Compares `n` elements of two producers, half of the buffer for each side.
-Status CompareStreams(const ComparableTensor& a, const ComparableTensor& b, int64_t n,
+Status CompareStreams(const FullTensor& a, const FullTensor& b, int64_t n,
                       JobContext& ctx, Outcome* out) {
   const int es = ElementSize(a.dtype);
   const int64_t chunk = std::max<int64_t>(1, static_cast<int64_t>(ctx.buffer.size()) / 2 / es);
@@ -55,20 +55,20 @@ Status CompareStreams(const ComparableTensor& a, const ComparableTensor& b, int6
 }
 
 // The shape both sides are compared over: vocabulary tensors over the rows both have.
-std::vector<int64_t> ComparedShape(const ComparableTensor& a, const ComparableTensor& other) {
+std::vector<int64_t> ComparedShape(const FullTensor& a, const FullTensor& other) {
   std::vector<int64_t> shape = a.shape;
   if (a.vocab && !shape.empty() && !other.shape.empty()) shape[0] = std::min(shape[0], other.shape[0]);
   return shape;
 }
 
 // "layers.1.mlp.dense_4h_to_h.weight at layer_04/mlp.dense_4h_to_h.weight"
-std::string Label(const ComparableTensor& t) {
+std::string Label(const FullTensor& t) {
   return t.where.empty() || t.where == t.name ? t.name : t.name + " at " + t.where;
 }
 
-std::set<std::string> Sections(const std::vector<ComparableTensor>& tensors) {
+std::set<std::string> Sections(const std::vector<FullTensor>& tensors) {
   std::set<std::string> sections;
-  for (const ComparableTensor& t : tensors) sections.insert(t.section);
+  for (const FullTensor& t : tensors) sections.insert(t.section);
   return sections;
 }
 
@@ -76,7 +76,7 @@ std::set<std::string> Sections(const std::vector<ComparableTensor>& tensors) {
 // for a section only one side has, a note.
 class Comparison {
  public:
-  Comparison(std::vector<ComparableTensor> a, std::vector<ComparableTensor> b)
+  Comparison(std::vector<FullTensor> a, std::vector<FullTensor> b)
       : a_(std::move(a)), b_(std::move(b)) {}
 
   std::vector<Job> Jobs(VerifyReport* report) {
@@ -87,19 +87,19 @@ class Comparison {
     for (const std::string& s : sb) {
       if (!sa.count(s)) report->notes.push_back(s + " not compared: only B has " + s + " state");
     }
-    std::map<std::string, const ComparableTensor*> by_name;
-    for (const ComparableTensor& t : b_) by_name[t.name] = &t;
+    std::map<std::string, const FullTensor*> by_name;
+    for (const FullTensor& t : b_) by_name[t.name] = &t;
     std::vector<Job> jobs;
     outcomes_.resize(a_.size());
     for (size_t i = 0; i < a_.size(); ++i) {
-      const ComparableTensor& a = a_[i];
+      const FullTensor& a = a_[i];
       if (!sb.count(a.section)) continue;
       auto other = by_name.find(a.name);
       if (other == by_name.end()) {
         lines_.push_back({i, Label(a) + ": only in A"});
         continue;
       }
-      const ComparableTensor& b = *other->second;
+      const FullTensor& b = *other->second;
       matched_.insert(b.name);
       const std::vector<int64_t> shape = ComparedShape(a, b);
       if (a.dtype != b.dtype || shape != ComparedShape(b, a)) {
@@ -115,7 +115,7 @@ class Comparison {
                         return CompareStreams(a_[i], b, n, ctx, &outcomes_[i]);
                       }});
     }
-    for (const ComparableTensor& b : b_) {
+    for (const FullTensor& b : b_) {
       if (sa.count(b.section) && !matched_.count(b.name)) only_b_.push_back(Label(b) + ": only in B");
     }
     return jobs;
@@ -170,7 +170,7 @@ class Comparison {
   }
 
  private:
-  std::vector<ComparableTensor> a_, b_;
+  std::vector<FullTensor> a_, b_;
   std::vector<Outcome> outcomes_;          // by index into a_
   std::vector<size_t> compared_;
   std::set<std::string> matched_;
@@ -238,8 +238,8 @@ Result<VerifyReport> Verify(const std::string& a_path, const std::string& b_path
   report.notes.push_back("A: " + a->Summary());
   report.notes.push_back("B: " + b->Summary());
   std::atomic<int64_t> read{0};
-  RESHARD_ASSIGN_OR_RETURN(std::vector<ComparableTensor> ta, a->Comparables(options, &read));
-  RESHARD_ASSIGN_OR_RETURN(std::vector<ComparableTensor> tb, b->Comparables(options, &read));
+  RESHARD_ASSIGN_OR_RETURN(std::vector<FullTensor> ta, a->FullTensors(options.replicated, &read));
+  RESHARD_ASSIGN_OR_RETURN(std::vector<FullTensor> tb, b->FullTensors(options.replicated, &read));
   Comparison comparison(std::move(ta), std::move(tb));
   RESHARD_RETURN_IF_ERROR(RunComparison(&comparison, comparison.Jobs(&report), options));
   comparison.Report(&report);

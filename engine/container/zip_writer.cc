@@ -8,6 +8,8 @@
 #include <cerrno>
 #include <cstring>
 
+#include "container/write_fully.h"
+
 namespace reshard {
 namespace {
 
@@ -41,21 +43,6 @@ std::string ArchiveName(const std::string& path) {
   std::string name = path.substr(path.find_last_of('/') + 1);
   name = name.substr(0, name.find_last_of('.'));
   return name.empty() ? "archive" : name;
-}
-
-// Writes all of [data, data + n) at the file position (at < 0) or at `at`.
-// Returns 0 or the errno of the failure.
-int WriteFully(int fd, const uint8_t* data, size_t n, int64_t at) {
-  while (n > 0) {
-    const ssize_t done = at < 0 ? ::write(fd, data, n) : ::pwrite(fd, data, n, at);
-    if (done < 0 && errno == EINTR) continue;
-    if (done < 0) return errno;
-    if (done == 0) return EIO;
-    data += done;
-    n -= static_cast<size_t>(done);
-    if (at >= 0) at += done;
-  }
-  return 0;
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 #include "formats/format.h"
 
+#include "formats/consolidated/consolidated_export.h"
 #include "formats/deepspeed/deepspeed_source.h"
 
 namespace reshard {
@@ -10,6 +11,12 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenCheckpoint(const std::string& path
   // recognises its own folders here, before DeepSpeed's refusal of the rest.
   RESHARD_ASSIGN_OR_RETURN(CheckpointFiles files, ScanCheckpoint(path));
   return OpenDeepSpeedCheckpoint(std::move(files), options);
+}
+
+Result<std::unique_ptr<TargetPlan>> PlanExport(const SourceCheckpoint& src, const ExportOptions& options,
+                                               std::vector<std::string>* notes) {
+  RESHARD_ASSIGN_OR_RETURN(ConsolidatedOptions consolidated, ConsolidatedOptionsFrom(options));
+  return PlanConsolidated(src, consolidated, notes);
 }
 
 }  // namespace reshard

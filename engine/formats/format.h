@@ -4,12 +4,15 @@
 // SourceCheckpoint: everything `lint`, `inspect`, `convert` and `verify` need
 // of a checkpoint, whatever its files look like. Converting asks the source
 // for a TargetPlan — complete plain data, printable — which becomes jobs for
-// the executor. The commands in engine/api/ use only this interface; a new
-// format is a folder beside formats/deepspeed/ and a line in OpenCheckpoint.
+// the executor. Exporting plans the target with another format (PlanExport).
+// The commands in engine/api/ use only this interface; a new format is a
+// folder beside formats/deepspeed/ and a line in OpenCheckpoint (a source)
+// or PlanExport (a target).
 #pragma once
 
 #include <atomic>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -31,12 +34,18 @@ class TargetPlan {
   virtual Result<std::vector<Job>> Jobs(std::atomic<int64_t>* read) const = 0;
 };
 
-// One tensor `verify` compares: the whole logical tensor, made a range at a time.
-struct ComparableTensor {
+// FullTensor::state of the fp32 master weights.
+inline constexpr char kFp32Master[] = "fp32";
+
+// One tensor whole, made a range at a time: what verify compares and what
+// exports write.
+struct FullTensor {
   // "weights" or "optimizer": when only one side has a section at all, it is
   // a note, not a difference (a weights-only conversion is the same model).
   std::string section;
-  std::string name;  // canonical: what the two sides are matched by
+  std::string name;  // unique in the checkpoint: what verify matches the two sides by
+  std::string param;  // the canonical name of the parameter it is (or is a state of)
+  std::string state;  // "" for weights; the optimizer state ("fp32", "exp_avg", ...)
   std::string where;  // where it lies in this checkpoint, for messages ("" = the name says it)
   DType dtype = DType::kFloat32;
   std::vector<int64_t> shape;
@@ -68,15 +77,24 @@ class SourceCheckpoint {
   // approximated, merged or filled).
   virtual Result<std::unique_ptr<TargetPlan>> Plan(const ConvertOptions& options,
                                                    std::vector<std::string>* notes) const = 0;
-  // Every tensor verify compares, replicas merged by `options.replicated`.
-  virtual Result<std::vector<ComparableTensor>> Comparables(const VerifyOptions& options,
-                                                            std::atomic<int64_t>* read) const = 0;
+  // Every tensor, weights and optimizer state, TP replicas merged by
+  // `replicated`. Producers add the bytes they read to *read.
+  virtual Result<std::vector<FullTensor>> FullTensors(ReplicatedPolicy replicated,
+                                                      std::atomic<int64_t>* read) const = 0;
   // The metadata verify compares (scheduler, counters): a dict-like value.
   virtual const Value& metadata() const = 0;
   // Rows of the vocabulary tensors (0 when none).
   virtual int64_t vocab_rows() const { return 0; }
   // Observations verify reports about this side (replicas that differ, ...).
   virtual std::vector<std::string> VerifyNotes() const { return {}; }
+  // Refuses TP replicas that differ where `replicated` says to check them
+  // (convert's own check, for commands that merge replicas through
+  // FullTensors); `notes` learns what will be merged.
+  virtual Status CheckReplicas(ReplicatedPolicy, std::vector<std::string>*) const {
+    return Status::Ok();
+  }
+  // The true vocabulary size (without padding), when the checkpoint records it.
+  virtual std::optional<int64_t> vocab_size() const { return std::nullopt; }
   // Files beside `latest` in root_dir() that belong with every checkpoint
   // of the root (DeepSpeed copies its zero_to_fp32.py there): a converted
   // checkpoint's root gets them too.
@@ -87,5 +105,10 @@ class SourceCheckpoint {
 // with the format that recognises it.
 Result<std::unique_ptr<SourceCheckpoint>> OpenCheckpoint(const std::string& path,
                                                          const CommonOptions& options);
+
+// Plans `src` written in the format `options.to` names. `src` must outlive
+// the plan and its jobs.
+Result<std::unique_ptr<TargetPlan>> PlanExport(const SourceCheckpoint& src, const ExportOptions& options,
+                                               std::vector<std::string>* notes);
 
 }  // namespace reshard

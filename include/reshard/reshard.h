@@ -97,7 +97,18 @@ Result<LintReport> Lint(const std::string& checkpoint, const LintOptions& option
 struct InspectOptions : CommonOptions {};
 Result<std::string> Inspect(const std::string& checkpoint, const InspectOptions& options);
 
-struct ConvertOptions : PreflightOptions {
+// What every command that writes a checkpoint (convert, export) is told.
+struct WriteOptions : PreflightOptions {
+  bool overwrite = false;       // replace a non-empty output folder
+  bool dry_run = false;         // plan and report; write nothing
+  // Resident memory the whole run may use; it sets the streaming buffer of
+  // each thread. Refused when reading the metadata already needs it.
+  int64_t max_memory = int64_t{1} << 30;
+  // The processes sharing the work (an MPI job); null = this process alone.
+  Cluster* cluster = nullptr;
+};
+
+struct ConvertOptions : WriteOptions {
   int target_tp = 0;  // required, >= 1
   int target_pp = 0;  // required, >= 1
   int target_dp = 0;  // 0 = keep the source's DP size
@@ -106,14 +117,18 @@ struct ConvertOptions : PreflightOptions {
   std::vector<int> layers_per_stage;
   // Value of vocabulary padding rows that the target layout adds.
   double vocab_pad_value = 0.0;
-  bool overwrite = false;       // replace a non-empty output folder
   bool update_latest = true;    // write `latest` next to the output folder
-  bool dry_run = false;         // plan and report; write nothing
-  // Resident memory the whole conversion may use; it sets the streaming
-  // buffer of each thread. Refused when reading the metadata already needs it.
-  int64_t max_memory = int64_t{1} << 30;
-  // The processes sharing the work (an MPI job); null = this process alone.
-  Cluster* cluster = nullptr;
+};
+
+// An export to another format: the checkpoint's full tensors, consolidated:
+// from the fp32 masters where the checkpoint has optimizer state, from the
+// weights with `weights_only`.
+struct ExportOptions : WriteOptions {
+  std::string to;  // "consolidated"
+  std::string dtype;  // "fp32", "bf16", "fp16"; empty = as stored
+  // Largest file; a bigger tensor gets a file of its own.
+  int64_t max_shard_size = int64_t{5} * 1000 * 1000 * 1000;
+  std::string file_format = "safetensors";  // or "pt" (torch.save)
 };
 
 struct ConvertReport {
@@ -134,6 +149,11 @@ struct ConvertReport {
   std::vector<std::pair<std::string, double>> phases;
   double seconds = 0;
 };
+
+// Writes the export into `output` (a new folder), atomically. The report is
+// convert's: files, bytes, memory, phases.
+Result<ConvertReport> Export(const std::string& input, const std::string& output,
+                             const ExportOptions& options);
 
 Result<ConvertReport> Convert(const std::string& input, const std::string& output,
                               const ConvertOptions& options);

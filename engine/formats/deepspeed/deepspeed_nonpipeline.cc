@@ -31,12 +31,14 @@ void CollectTensors(const Value& v, const std::string& prefix, std::map<std::str
 }
 
 // Comparing one stored shard whole.
-ComparableTensor WholeShard(std::string section, std::string name, DType dtype,
-                            std::vector<int64_t> shape, SourceShard shard, std::atomic<int64_t>* read) {
+// One TP rank's shard of `param` (a weight, or its optimizer `state`).
+FullTensor WholeShard(std::string name, std::string param, std::string state, DType dtype,
+                      std::vector<int64_t> shape, SourceShard shard, std::atomic<int64_t>* read) {
   const int64_t numel = shard.numel();
   SourceTensor source{dtype, {numel}, {std::move(shard)}};
-  return {std::move(section), std::move(name), "", dtype, std::move(shape), false,
-          RangeProducer(std::move(source), WholeShardPlan(0, numel), read)};
+  std::string section = state.empty() ? "weights" : "optimizer";
+  return {std::move(section), std::move(name), std::move(param), std::move(state), "", dtype,
+          std::move(shape), false, RangeProducer(std::move(source), WholeShardPlan(0, numel), read)};
 }
 
 class NonPipelineSource : public DeepSpeedModelSource {
@@ -83,14 +85,14 @@ class NonPipelineSource : public DeepSpeedModelSource {
   }
 
   // Modules and optimizer state compare rank by rank: the TP layout is kept.
-  Result<std::vector<ComparableTensor>> Comparables(const VerifyOptions&,
-                                                    std::atomic<int64_t>* read) const override {
-    std::vector<ComparableTensor> out;
+  Result<std::vector<FullTensor>> FullTensors(ReplicatedPolicy,
+                                              std::atomic<int64_t>* read) const override {
+    std::vector<FullTensor> out;
     for (int t = 0; t < ckpt().tp; ++t) {
       std::map<std::string, const Tensor*> tensors;
       CollectTensors(*Find(ckpt().metadata[t], "module"), "", &tensors);
       for (const auto& [name, tensor] : tensors) {
-        out.push_back(WholeShard("weights", ModelStatesName(t) + " module." + name,
+        out.push_back(WholeShard(ModelStatesName(t) + " module." + name, name, "",
                                  tensor->storage->dtype, tensor->sizes,
                                  SourceShard::Of(*tensor, ShardCoords{t}), read));
       }
@@ -102,7 +104,7 @@ class NonPipelineSource : public DeepSpeedModelSource {
         for (const std::string& state : opt->states()) {
           RESHARD_ASSIGN_OR_RETURN(SourceShard shard, opt->Locate(name, t, state));
           const int64_t numel = shard.numel();
-          out.push_back(WholeShard("optimizer", StateName(state, name, t, ckpt().tp),
+          out.push_back(WholeShard(StateName(state, name, t, ckpt().tp), name, state,
                                    DType::kFloat32, {numel}, std::move(shard), read));
         }
       }

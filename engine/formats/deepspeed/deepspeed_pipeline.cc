@@ -205,26 +205,36 @@ class PipelineSource : public DeepSpeedModelSource {
     return std::unique_ptr<TargetPlan>(new DeepSpeedTargetPlan(ckpt(), opt, std::move(plan)));
   }
 
-  Result<std::vector<ComparableTensor>> Comparables(const VerifyOptions& options,
-                                                    std::atomic<int64_t>* read) const override {
+  Result<std::vector<FullTensor>> FullTensors(ReplicatedPolicy replicated,
+                                              std::atomic<int64_t>* read) const override {
     const SourceOptimizer* opt = nullptr;
     if (HasOptimizerState()) {
       RESHARD_ASSIGN_OR_RETURN(opt, Optimizer());
     }
-    std::vector<ComparableTensor> out;
+    std::vector<FullTensor> out;
     const LogicalCheckpoint& c = ckpt();
     for (size_t li = 0; li < c.layers.size(); ++li) {
       for (size_t ti = 0; ti < c.layers[li].tensors.size(); ++ti) {
         const LogicalTensor& t = c.layers[li].tensors[ti];
-        const TensorPlan plan = PlanFullTensor(c, static_cast<int>(li), static_cast<int>(ti), options.replicated);
+        const TensorPlan plan = PlanFullTensor(c, static_cast<int>(li), static_cast<int>(ti), replicated);
         // Averaged replicas come from the averaged masters where there are masters.
         RESHARD_ASSIGN_OR_RETURN(ByteProducer produce, WeightProducer(c, opt, t, plan, read));
-        out.push_back({"weights", t.name, t.label, t.dtype, t.full_shape, IsVocab(t), std::move(produce)});
+        out.push_back({"weights", t.name, t.name, "", t.label, t.dtype, t.full_shape, IsVocab(t),
+                       std::move(produce)});
       }
     }
-    if (opt != nullptr) RESHARD_RETURN_IF_ERROR(AddStates(*opt, options.replicated, read, &out));
+    if (opt != nullptr) RESHARD_RETURN_IF_ERROR(AddStates(*opt, replicated, read, &out));
     return out;
   }
+
+  Status CheckReplicas(ReplicatedPolicy replicated, std::vector<std::string>* notes) const override {
+    RESHARD_RETURN_IF_ERROR(CheckDrift(replicated, notes));
+    if (!HasOptimizerState()) return Status::Ok();
+    RESHARD_ASSIGN_OR_RETURN(const SourceOptimizer* opt, Optimizer());
+    return CheckOptimizerDrift(*opt, replicated);
+  }
+
+  std::optional<int64_t> vocab_size() const override { return ckpt().vocab.original_size; }
 
   std::vector<std::string> VerifyNotes() const override {
     std::vector<std::string> notes;
@@ -281,13 +291,13 @@ class PipelineSource : public DeepSpeedModelSource {
 
   // Every element of every optimizer state (fp32 masters, moments, ...), per parameter.
   Status AddStates(const SourceOptimizer& opt, ReplicatedPolicy replicated,
-                   std::atomic<int64_t>* read, std::vector<ComparableTensor>* out) const {
+                   std::atomic<int64_t>* read, std::vector<FullTensor>* out) const {
     for (const std::string& name : opt.ParamNames()) {
       for (const std::string& state : opt.states()) {
         RESHARD_ASSIGN_OR_RETURN(StateTensor st, LocateState(ckpt(), opt, name, state));
         const TensorPlan plan = PlanFullTensor(ckpt(), st.layer_index, st.tensor_index, replicated);
-        out->push_back({"optimizer", "optimizer " + state + " " + st.tensor.name,
-                        "optimizer " + state + " " + name, DType::kFloat32,
+        out->push_back({"optimizer", "optimizer " + state + " " + st.tensor.name, st.tensor.name,
+                        state, "optimizer " + state + " " + name, DType::kFloat32,
                         st.tensor.full_shape, IsVocab(st.tensor),
                         RangeProducer(SourceTensor::Of(st.tensor), plan, read)});
       }

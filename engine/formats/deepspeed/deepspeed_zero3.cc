@@ -76,16 +76,16 @@ class Zero3Source : public SourceCheckpoint {
   }
 
   // Every element of every state of every parameter.
-  Result<std::vector<ComparableTensor>> Comparables(const VerifyOptions&,
-                                                    std::atomic<int64_t>* read) const override {
-    std::vector<ComparableTensor> out;
+  Result<std::vector<FullTensor>> FullTensors(ReplicatedPolicy,
+                                              std::atomic<int64_t>* read) const override {
+    std::vector<FullTensor> out;
     for (int mp = 0; mp < ckpt_->mp(); ++mp) {
       for (const auto& group : ckpt_->ranks()[mp].sub_groups) {
         for (const Zero3Param& p : group) {
           for (const std::string& state : ckpt_->states()) {
             RESHARD_ASSIGN_OR_RETURN(SourceShard shard, ckpt_->Locate(mp, p.name, state));
             SourceTensor source{DType::kFloat32, {p.numel}, {std::move(shard)}};
-            out.push_back({"optimizer", StateName(state, p.name, mp, ckpt_->mp()), "",
+            out.push_back({"optimizer", StateName(state, p.name, mp, ckpt_->mp()), p.name, state, "",
                            DType::kFloat32, {p.numel}, false,
                            RangeProducer(std::move(source), WholeShardPlan(0, p.numel), read)});
           }

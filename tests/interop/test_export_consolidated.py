@@ -1,0 +1,163 @@
+"""`reshard export --to consolidated`: one state dict of whole tensors under canonical names.
+
+The source is a microsoft GPT-2 style checkpoint at TP 2, PP 2, DP 2 with BF16-optimizer shards.
+The reference is the same model (same seed) written by the fixture generator at TP 1, PP 1, DP 1:
+its layer files hold every weight whole (the vocabulary padded) and its optimizer shard every
+fp32 master whole, found by `param_slice_mappings`. Neither is written by reshard. Checked:
+
+* safetensors output (read here with a small parser of the format) equals the reference's fp32
+  masters, vocabulary padding stripped, tied embedding once; `--weights-only` gives the weights;
+  `--dtype bf16` rounds the masters;
+* `--max-shard-size` splits into model-0000K-of-0000N.safetensors plus an index whose weight map
+  names every tensor's file, and the union equals the single file;
+* `--format pt` writes a torch.save file torch.load reads back to the same tensors;
+* refusals: drifted replicas under the default --replicated check, an unknown vocabulary size;
+  nothing is written.
+
+Run: /usr/bin/python3 tests/interop/test_export_consolidated.py --reshard build/reshard
+"""
+import glob
+import json
+import os
+import struct
+
+import torch
+
+import interop_support as support
+from interop_support import FixtureTestCase, make_fixture, rewrite
+
+run = support.reshard
+MODEL = dict(support.FAMILIES['ms_gpt2'], optimizer='bf16_zero')
+L = MODEL['L']
+DTYPES = {'F32': torch.float32, 'BF16': torch.bfloat16, 'F16': torch.float16, 'I64': torch.int64}
+
+
+def read_safetensors(path):
+    """{name: tensor} and the metadata of a .safetensors file."""
+    with open(path, 'rb') as f:
+        data = f.read()
+    (n,) = struct.unpack('<Q', data[:8])
+    header = json.loads(data[8:8 + n])
+    meta = header.pop('__metadata__', {})
+    body = data[8 + n:]
+    out = {}
+    for name, info in header.items():
+        begin, end = info['data_offsets']
+        t = torch.frombuffer(bytearray(body[begin:end]), dtype=DTYPES[info['dtype']]) if end > begin else \
+            torch.empty(0, dtype=DTYPES[info['dtype']])
+        out[name] = t.reshape(info['shape'])
+    return out, meta
+
+
+def canonical_name(layer_id, key):
+    """reshard's canonical name of a key in layer file `layer_id` of the TP 1, PP 1 reference."""
+    if layer_id == 1:
+        return 'embedding.' + key
+    if layer_id == L + 2:
+        return 'final_layernorm.' + key
+    return f'layers.{layer_id - 2}.{key}'
+
+
+class ExportConsolidatedTest(FixtureTestCase):
+
+    def setUp(self):
+        super().setUp()
+        self.src = make_fixture(self.path('src'), tp=2, pp=2, dp=2, **MODEL)
+        self.ref = make_fixture(self.path('ref'), tp=1, pp=1, dp=1, **MODEL)
+
+    def reference(self):
+        """(weights, masters) of the reference by canonical name, vocabulary rows stripped."""
+        weights, shapes = {}, {}
+        for layer_id in range(1, L + 3):
+            sd = support.load(support.layer_file(self.ref, layer_id, 0))
+            for key, value in sd.items():
+                name = canonical_name(layer_id, key)
+                weights[name] = value[:MODEL['V']] if key == 'word_embeddings.weight' else value
+                shapes[name] = (layer_id, key, value.shape)
+        osd = support.load(os.path.join(self.ref, 'bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt'))
+        osd = osd['optimizer_state_dict']
+        masters = {}
+        for flat, mapping in zip(osd['single_partition_of_fp32_groups'], osd['param_slice_mappings']):
+            for param, fragment in mapping.items():
+                layer, key = param.split('.', 1)
+                layer_id = 1 if layer == 'tied_modules' else int(layer)
+                if layer == 'tied_modules':
+                    key = key.split('.', 1)[1]  # tied_modules.embed.<key>
+                name = canonical_name(layer_id, key)
+                value = flat[fragment.start:fragment.start + fragment.numel].reshape(shapes[name][2])
+                masters[name] = value[:MODEL['V']] if key == 'word_embeddings.weight' else value
+        return weights, masters
+
+    def export(self, out, *options, code=0):
+        p = run('export', self.src, out, '--to', 'consolidated', *options)
+        self.assertEqual(p.returncode, code, p.stdout + p.stderr)
+        return p
+
+    def assertSameTensors(self, got, want):
+        self.assertEqual(sorted(got), sorted(want))
+        for name, value in want.items():
+            self.assertEqual(got[name].dtype, value.dtype, name)
+            self.assertEqual(tuple(got[name].shape), tuple(value.shape), name)
+            self.assertTrue(torch.equal(got[name], value), name)
+
+    def test_masters_weights_and_dtype(self):
+        weights, masters = self.reference()
+        self.assertEqual(len(masters), len(weights))  # every weight has a master; embedding tied once
+        for options, want in (((), masters), (('--weights-only',), weights),
+                              (('--dtype', 'bf16'), {n: t.to(torch.bfloat16) for n, t in masters.items()})):
+            with self.subTest(options=options):
+                out = self.path('out_' + '_'.join(o.strip('-') for o in options))
+                self.export(out, *options)
+                self.assertEqual(os.listdir(out), ['model.safetensors'])
+                got, meta = read_safetensors(os.path.join(out, 'model.safetensors'))
+                self.assertEqual(meta, {'format': 'pt'})
+                self.assertSameTensors(got, want)
+
+    def test_shards_and_index(self):
+        _, masters = self.reference()
+        out = self.path('sharded')
+        self.export(out, '--max-shard-size', '40KB')
+        files = sorted(f for f in os.listdir(out) if f.endswith('.safetensors'))
+        self.assertGreater(len(files), 2)
+        self.assertEqual(files, [f'model-{i + 1:05d}-of-{len(files):05d}.safetensors' for i in range(len(files))])
+        with open(os.path.join(out, 'model.safetensors.index.json')) as f:
+            index = json.load(f)
+        union = {}
+        for name in files:
+            tensors, _ = read_safetensors(os.path.join(out, name))
+            for t in tensors:
+                self.assertEqual(index['weight_map'][t], name)
+            union.update(tensors)
+        self.assertSameTensors(union, masters)
+        self.assertEqual(index['metadata']['total_size'], sum(t.numel() * 4 for t in masters.values()))
+
+    def test_torch_format(self):
+        _, masters = self.reference()
+        out = self.path('pt')
+        self.export(out, '--format', 'pt')
+        self.assertEqual(os.listdir(out), ['pytorch_model.bin'])
+        got = torch.load(os.path.join(out, 'pytorch_model.bin'))
+        self.assertSameTensors(dict(got), masters)
+
+    def test_refusals_write_nothing(self):
+        drifted = make_fixture(self.path('drifted'), tp=2, pp=2, dp=2, tp_drift_eps=0.01, **MODEL)
+        out = self.path('refused')
+        p = run('export', drifted, out, '--to', 'consolidated')
+        self.assertEqual(p.returncode, 2)
+        self.assertIn('replicated tensor(s) differ across TP ranks', p.stderr)
+        self.assertIn('--replicated average', p.stderr)
+
+        def forget_vocab(sd):
+            sd.pop('universal_checkpoint_info', None)
+        for path in glob.glob(os.path.join(self.src, 'mp_rank_*_model_states.pt')):
+            rewrite(path, forget_vocab)
+        p = run('export', self.src, out, '--to', 'consolidated', '--rules', 'megatron-gpt2')
+        self.assertEqual(p.returncode, 2)
+        self.assertIn('pass --vocab-size N', p.stderr)
+        self.assertFalse(os.path.exists(out))
+        # Told the size, it exports.
+        self.export(out, '--rules', 'megatron-gpt2', '--vocab-size', MODEL['V'])
+
+
+if __name__ == '__main__':
+    support.main()
