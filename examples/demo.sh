@@ -2,7 +2,8 @@
 # The built-in example: a small BLOOM-style checkpoint trained at TP 2, PP 2,
 # DP 2 with bf16 ZeRO shards and drifted layernorms (as BLOOM's were), written
 # with real torch.save, then linted, inspected, reshaped with its optimizer state to
-# TP 4, PP 3 (uneven stages) and verified against the source.
+# TP 4, PP 3 (uneven stages) and verified against the source, then exported
+# as consolidated weights.
 set -eu
 RESHARD=${1:-build/reshard}
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -15,8 +16,11 @@ step "make the example checkpoint" "python3 -m fixtures.megatron_fixture --style
 PYTHONPATH="$HERE/../tests" /usr/bin/python3 -m fixtures.megatron_fixture --style bs_bloom \
   --tp 2 --pp 2 --dp 2 --drift 0.001 --L 6 "$WORK/ckpt" >/dev/null
 
-step "lint: can it be reshaped?" "reshard lint $WORK/ckpt"
-"$RESHARD" lint "$WORK/ckpt"
+step "lint: can it be reshaped? Not as it is: its replicas drifted" "reshard lint $WORK/ckpt | tail -4"
+"$RESHARD" lint "$WORK/ckpt" | tail -4 || true
+
+step "lint with the policy convert will be given" "reshard lint $WORK/ckpt --replicated average | tail -2"
+"$RESHARD" lint "$WORK/ckpt" --replicated average | tail -2
 
 step "inspect" "reshard inspect $WORK/ckpt | head -25"
 "$RESHARD" inspect "$WORK/ckpt" | head -25
@@ -43,3 +47,7 @@ step "to TP 1, PP 4, DP 8 with rank 0's replicas, then verify against the source
 "$RESHARD" convert "$WORK/ckpt" "$WORK/tp1pp4/global_step10" --tp 1 --pp 4 --dp 8 \
   --replicated first -q
 "$RESHARD" verify "$WORK/ckpt" "$WORK/tp1pp4" | tail -2
+
+step "consolidated weights: every fp32 master whole, in one safetensors file" "reshard export $WORK/ckpt $WORK/model --to consolidated --replicated average -q"
+"$RESHARD" export "$WORK/ckpt" "$WORK/model" --to consolidated --replicated average -q
+ls -l "$WORK/model" | tail -n +2

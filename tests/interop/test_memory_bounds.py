@@ -15,6 +15,8 @@ Commands:
   the embedding and the untied head are [V, h] = 4M / 16M elements each); the result is read
   back by the independent oracle;
 * ``verify`` of that ZeRO-3 source against its conversion;
+* ``export --to consolidated`` of the pipeline checkpoint below (every fp32 master whole in one
+  safetensors file);
 * ``verify`` of a Megatron-DeepSpeed pipeline checkpoint with bf16 ZeRO-1 shards (TP 2, PP 2,
   ~150 MB and ~590 MB) against its conversion to TP 1, PP 2, DP 2 (every tensor whole in one
   file, the optimizer state split over two DP partitions).
@@ -205,6 +207,19 @@ class MemoryBoundsTest(unittest.TestCase):
             self.assertEqual(code, 0, output)
             return self.zero3_source(size), out
         self.assert_verify_flat('verify ZeRO-3 source against its DP change', pair)
+
+    def test_consolidated_export_stays_under_budget_and_flat(self):
+        peaks, sizes = {}, {}
+        for size in SIZES:
+            with self.subTest(size=size):
+                src, _ = self.pipe_pair(size)
+                sizes[size] = tree_bytes(src)
+                out = self.path(f'pipe_{size}_consolidated')
+                code, stdout, stderr, peaks[size] = self.measured(
+                    'export', src, out, '--to', 'consolidated', '--max-memory', BUDGET, '-q')
+                self.assertEqual(code, 0, stdout + stderr)
+                self.assertEqual(os.listdir(out), ['model.safetensors'])
+        self.assert_flat('export --to consolidated of the pipeline checkpoint', peaks, sizes)
 
     def test_verify_pipeline_pair_stays_under_budget_and_flat(self):
         self.assert_verify_flat('verify pipeline TP 2 PP 2 against TP 1 PP 2 DP 2', self.pipe_pair)
