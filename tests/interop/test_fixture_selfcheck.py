@@ -55,6 +55,8 @@ EXTRA_CASES = [  # (style, options, (tp, pp, dp))
     ('bs_gpt', {'pp_method': 'parameters', 'partition_algo': 'lprobe_legacy'}, (2, 2, 1)),
     ('bs_bloom', {'pp_method': 'uniform', 'L': 8}, (1, 2, 1)),
     ('bs_bloom', {'legacy_v065': True}, (2, 2, 3)),                  # mappings rebuilt by readers
+    ('ms_llama', {'optimizer': 'torch_adamw'}, (2, 2, 2)),           # fp32, torch state in mp_rank
+    ('bs_gpt', {'optimizer': 'torch_adamw', 'glu': True}, (2, 3, 1)),
 ]
 
 
@@ -108,6 +110,14 @@ class PartitionTest(unittest.TestCase):
             self.assertIn('embed', [s.kind for s in specs[parts[0]:parts[1]]])
             self.assertEqual({'norm', 'head'} & {s.kind for s in specs[parts[11]:]}, {'norm', 'head'})
 
+    def test_fp32_spec_list_ends_with_the_head(self):
+        """float16_to_fp32 is appended only with fp16/bf16 (section 4.1): `uniform` counts one spec less."""
+        for style in ('bs_bloom', 'ms_gpt2'):
+            fp32 = mf.spec_list(FixtureConfig(style=style, optimizer='torch_adamw'))
+            half = mf.spec_list(FixtureConfig(style=style))
+            self.assertEqual(fp32, half[:-1], style)
+            self.assertEqual(half[-1].typename, 'float16_to_fp32')
+
     def test_small_cases(self):
         self.assertEqual(mf.partition_uniform(3, 5), [0, 1, 2, 3, 3, 3])
         self.assertEqual(mf.partition_uniform(10, 3), [0, 4, 7, 10])
@@ -143,6 +153,8 @@ class ConfigTest(unittest.TestCase):
             (dict(style='ms_gpt2', embed_layernorm=True), 'embed_layernorm'),
             (dict(optimizer='bf16_zero', dtype='fp16'), 'requires dtype bf16'),
             (dict(optimizer='nozero_fp16', dtype='bf16'), 'requires dtype fp16'),
+            (dict(optimizer='torch_adamw', dtype='bf16'), 'requires dtype fp32'),
+            (dict(optimizer='zero1', dtype='fp32'), 'dtype fp32'),
             (dict(qkv_layout='gqa_grouped'), 'BS styles'),
             (dict(style='ms_llama', qkv_layout='mha_interleaved'), 'mha_interleaved'),
             (dict(numbering='ms'), 'bs layer numbering'),
@@ -192,7 +204,7 @@ class WorkedExampleTest(Timed):
                          ['zero_pp_rank_0_mp_rank_00_optim_states.pt', 'zero_pp_rank_1_mp_rank_00_optim_states.pt'])
 
     def test_no_zero_files(self):
-        for opt in ('none', 'nozero_fp16'):
+        for opt in ('none', 'nozero_fp16', 'torch_adamw'):
             cfg, root, _ = make(self.tmp, 'ms_gpt2', (1, 2, 2), optimizer=opt)
             self.assertFalse([f for f in self.tag_files(root) if 'optim' in f], opt)
 
@@ -360,6 +372,33 @@ class MetadataTest(Timed):
         self.assertIn(('deepspeed.runtime.zero.config', 'ZeroStageEnum'), globs)
         self.assertIn(('deepspeed.runtime.fp16.loss_scaler', 'DynamicLossScaler'), globs)
 
+    def test_torch_adamw_state(self):
+        """fp32 without ZeRO: every mp_rank file holds torch AdamW's own state_dict for its stage."""
+        cfg, root, _ = make(self.tmp, 'ms_gpt2', (2, 2, 1), optimizer='torch_adamw')
+        sd = self.load(root, 'mp_rank_02_model_states.pt')
+        self.assertIsNone(sd['param_shapes'])
+        self.assertIsNone(sd['shared_params'])
+        self.assertEqual(sd['ds_config']['zero_optimization'], {'stage': 0})
+        self.assertNotIn('bf16', sd['ds_config'])
+        self.assertNotIn('fp16', sd['ds_config'])
+        self.assertEqual((sd['args'].fp16, sd['args'].bf16, sd['args'].params_dtype), (False, False, torch.float32))
+        opt = sd['optimizer']
+        self.assertEqual(list(opt), ['state', 'param_groups'])
+        self.assertEqual([list(pg) for pg in opt['param_groups']],
+                         [['name', 'wd_mult', 'lr_mult', 'lr', 'betas', 'eps', 'weight_decay', 'amsgrad', 'foreach',
+                           'maximize', 'capturable', 'params']] * 2)
+        self.assertEqual(opt['param_groups'][0]['params'][0], 0)
+        self.assertEqual(opt['param_groups'][1]['params'][0], len(opt['param_groups'][0]['params']))
+        # Stage 1 starts with the tied copies: word embeddings, then the (decayed) positions.
+        first = opt['state'][0]
+        self.assertEqual(list(first), ['step', 'exp_avg', 'exp_avg_sq'])
+        self.assertEqual(first['step'], torch.tensor(10.0))
+        self.assertEqual(first['exp_avg'].shape, (56, 16))  # 112 padded rows / TP 2, h 16
+        layer = torch.load(os.path.join(root, 'global_step10', 'layer_01-model_00-model_states.pt'))
+        self.assertEqual(layer['word_embeddings.weight'].dtype, torch.float32)
+        self.assertTrue(torch.equal(first['exp_avg'], mf._adam_m(layer['word_embeddings.weight'])))
+        self.assertFalse(os.path.exists(os.path.join(root, 'zero_to_fp32.py')))
+
     def test_legacy_v065_shards(self):
         cfg, root, _ = make(self.tmp, 'bs_bloom', (1, 1, 2), legacy_v065=True)
         osd = self.load(root, 'bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt')['optimizer_state_dict']
@@ -404,10 +443,12 @@ class RoundTripTest(Timed):
         if cfg.optimizer == 'none':
             self.assertEqual(logical.optimizer, {})
         else:
-            self.assertTrue(logical.optimizer['fp32'])
+            # A torch state has no fp32 masters: its first moment is 0.1 * the fp32 weight.
+            state, scale = ('exp_avg', 0.1) if cfg.optimizer == 'torch_adamw' else ('fp32', 1)
+            self.assertTrue(logical.optimizer[state])
             for name, value in canon.items():
                 if not name.endswith('inv_freq'):
-                    self.assertTrue(torch.equal(logical.optimizer['fp32'][name], value), name)
+                    self.assertTrue(torch.equal(logical.optimizer[state][name], scale * value), name)
         return cfg, root, logical
 
     def test_matrix(self):

@@ -4,7 +4,9 @@ For ZeRO stages 1, 2 and 3, bf16 and fp16, odd DP sizes, DP >= 10 and groups
 whose alignment padding exceeds a partition: reshard converts A (DP a) to B
 (DP b); the independent oracle reads B back as the canonical model and
 optimizer state and finds no structural problem; converting B back to DP a
-gives A's files bit for bit. Changing TP or PP is refused with one line.
+gives A's files bit for bit. Without ZeRO (fp32, the torch optimizer's state
+inside mp_rank_00) a DP change carries the state and rewrites dp_world_size.
+Changing TP or PP is refused with one line.
 
 Run: /usr/bin/python3 tests/interop/test_nonpipe_convert.py --reshard build/reshard
 """
@@ -60,6 +62,39 @@ class NonPipelineTest(unittest.TestCase):
                     diffs = differences(torch.load(os.path.join(tag_a, name)),
                                         torch.load(os.path.join(tag_a2, name)), name)
                     self.assertEqual(diffs, [])
+
+    def test_without_zero_the_torch_state_is_carried(self):
+        """ZeRO stage 0, fp32: nothing is partitioned over DP, so B is A with B's dp_world_size;
+        verify compares the optimizer state too, and A comes back bit for bit."""
+        for dp_a, dp_b in ((3, 7), (1, 4), (5, 1)):
+            with self.subTest(a=dp_a, b=dp_b):
+                cfg = dn.NonPipeConfig(zero_stage=0, dtype='fp32', dp=dp_a)
+                a, b, a2 = (os.path.join(self.tmp, f'z0{x}{dp_a}{dp_b}') for x in 'abc')
+                dn.write_nonpipe(a, cfg)
+                lint = reshard('lint', a)
+                self.assertEqual(lint.returncode, 0, lint.stdout)
+                self.assertIn('optimizer state inside the mp_rank files is carried unchanged', lint.stdout)
+                self.convert(a, os.path.join(b, 'global_step10'), dp_b)
+                ckpt = dn.load_nonpipe(b)
+                self.assertEqual(dn.compare_nonpipe(ckpt, cfg), [])
+                self.assertEqual(dn.structural_problems_nonpipe(b), [])
+                self.assertEqual(ckpt.meta['dp_world_size'], dp_b)
+                before, after = (torch.load(os.path.join(x, 'global_step10', 'mp_rank_00_model_states.pt'))
+                                 for x in (a, b))
+                self.assertEqual(differences(before['optimizer'], after['optimizer'], 'optimizer'), [])
+                verify = reshard('verify', a, b)
+                self.assertIn('same model', verify.stdout)
+                self.assertRegex(verify.stdout, r'verify: \d+ tensors')
+                self.convert(b, os.path.join(a2, 'global_step10'), dp_a)
+                self.assertEqual(differences(before, torch.load(os.path.join(a2, 'global_step10',
+                                                                             'mp_rank_00_model_states.pt'))), [])
+        # A moment that differs is found.
+        sd = torch.load(os.path.join(b, 'global_step10', 'mp_rank_00_model_states.pt'))
+        sd['optimizer']['state'][2]['exp_avg_sq'].view(-1)[0] += 1
+        torch.save(sd, os.path.join(b, 'global_step10', 'mp_rank_00_model_states.pt'))
+        p = reshard('verify', a, b)
+        self.assertEqual(p.returncode, 1, p.stdout)
+        self.assertIn('differs: mp_rank_00 optimizer.state.2.exp_avg_sq', p.stdout)
 
     def test_layout_changes_are_refused(self):
         for stage in (1, 3):

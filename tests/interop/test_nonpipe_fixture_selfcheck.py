@@ -178,6 +178,8 @@ class RoundTripTest(Tmp):
                  zero3_pad_fill=3.0),
             dict(zero_stage=2, dp=10, qkv_bias=False, rotary_buffer=False, hf_extras=False, L=3, V=50),
             dict(zero_stage=3, dp=13, grouping='single', iteration=123),
+            dict(zero_stage=0, dp=3, dtype='fp32'),                        # no ZeRO: the torch state in mp_rank_00
+            dict(zero_stage=0, dp=1, dtype='fp32', tie_word_embeddings=True),
         ]
         for kw in variants:
             with self.subTest(**{k: str(v) for k, v in kw.items()}):
@@ -216,6 +218,22 @@ class RoundTripTest(Tmp):
         # rank 4 of k_proj.bias (4 elements, 1 per rank) is pure padding.
         self.assertEqual(last['fp32_flat_groups'][5][2].item(), 9.0)
         self.assertEqual(last['optimizer_state_dict']['state'][5]['exp_avg'][2].item(), 0.0)
+
+    def test_zero0_contents_by_hand(self):
+        """No ZeRO: mp_rank_00 alone, fp32 module, the torch state indexing the groups in order."""
+        cfg, root, _ = self.make(zero_stage=0, dp=4, dtype='fp32')
+        self.assertEqual(os.listdir(os.path.join(root, 'global_step10')), ['mp_rank_00_model_states.pt'])
+        self.assertFalse(os.path.exists(os.path.join(root, 'zero_to_fp32.py')))
+        sd = nf._load(self.tag_path(root, 'mp_rank_00_model_states.pt'))
+        self.assertEqual((sd['param_shapes'], sd['shared_params'], sd['dp_world_size']), (None, None, 4))
+        groups = nf.param_group_names(cfg)
+        opt = sd['optimizer']
+        self.assertEqual([pg['params'] for pg in opt['param_groups']],
+                         [list(range(len(groups[0]))), list(range(len(groups[0]), len(groups[0]) + len(groups[1])))])
+        name = groups[1][2]
+        state = opt['state'][len(groups[0]) + 2]
+        self.assertEqual(list(state), ['step', 'exp_avg', 'exp_avg_sq'])
+        self.assertTrue(torch.equal(state['exp_avg'], 0.1 * sd['module'][name]))
 
     def test_zero12_contents_by_hand(self):
         cfg, root, _ = self.make(zero_stage=1, dp=16)

@@ -103,9 +103,9 @@ def group_offsets(group):
     return out
 
 
-def fp16_group_shapes(cfg, layout, mm):
-    """FP16_Optimizer keeps no param_shapes: the groups of stage mm as DeepSpeed builds them
-    (the fixture's stage partition and grouping rules)."""
+def nozero_group_shapes(cfg, layout, mm):
+    """Without ZeRO (FP16_Optimizer, a torch optimizer) there are no param_shapes: the groups of
+    stage mm as DeepSpeed builds them (the fixture's stage partition and grouping rules)."""
     here = at_layout(cfg, layout)
     p, t = divmod(mm, here.tp)
     params = mf._stage_params(mf._Layout.of(here), p)
@@ -117,12 +117,16 @@ def fp16_group_shapes(cfg, layout, mm):
 def stage_states(tag, mm, cfg=None, layout=None):
     """{pipe name: {'fp32', 'exp_avg', 'exp_avg_sq'}} of mp index ``mm``, reassembled from the
     DP shards with param_shapes and the flattening rule (independent of the shards' mappings),
-    or from the FP16_Optimizer state in the mp_rank file (then ``cfg`` and ``layout`` are needed)."""
+    or from the FP16_Optimizer state in the mp_rank file (then ``cfg`` and ``layout`` are needed),
+    or a torch state's per-parameter tensors (no 'fp32'; indexed in group order)."""
     files = {d: name for (d, m), name in zero_files(tag).items() if m == mm}
     if not files:
         opt = load(mp_file(tag, mm))['optimizer']
+        if 'param_groups' in opt:
+            names = [n for group in nozero_group_shapes(cfg, layout, mm) for n in group]
+            return {n: {k: x for k, x in opt['state'][i].items() if k != 'step'} for i, n in enumerate(names)}
         out = {}
-        for g, group in enumerate(fp16_group_shapes(cfg, layout, mm)):
+        for g, group in enumerate(nozero_group_shapes(cfg, layout, mm)):
             flats = {'fp32': opt['fp32_groups_flat'][g], **opt['optimizer_state_dict']['state'][g]}
             for name, (offset, n) in group_offsets(group).items():
                 out[name] = {k: flats[k][offset:offset + n].reshape(group[name]).clone() for k in STATE_KEYS}
@@ -185,6 +189,16 @@ def apply_mask(osd, group_shapes, d, rule, mm):
                         x[a:min(b, x.numel())] = 0
 
 
+def apply_torch_mask(opt, group_shapes, rule, mm):
+    """The same for a torch optimizer state_dict: its per-parameter tensors, indexed in group order."""
+    names = [(n, group[n]) for group in group_shapes for n in group]
+    for index, (name, shape) in enumerate(names):
+        for key, x in opt['state'][index].items():
+            if key != 'step':
+                for lo, hi in rule(mm, name, shape):
+                    x.view(-1)[lo:hi] = 0
+
+
 # ---------------------------------------------------------------------------------------------
 # The checks
 # ---------------------------------------------------------------------------------------------
@@ -215,18 +229,23 @@ class OptimizerTestCase(unittest.TestCase):
         # checked below instead.
         self.assert_no_problems([d for d in diffs if '.padding:' not in d], f'{tag} vs canonical')
         self.assert_no_problems(mf.structural_problems(tag, cfg), f'{tag} structure')
-        fp32, m, v = (logical.optimizer[k] for k in STATE_KEYS)
+        # A plain torch state (torch_adamw) has no fp32 masters: the fp32 weights are checked above.
+        fp32 = logical.optimizer.get('fp32')
+        m, v = logical.optimizer['exp_avg'], logical.optimizer['exp_avg_sq']
         fill = torch.tensor([float(cfg.pad_fill)])
         pad_m, pad_v = mf._adam_m(fill).item(), mf._adam_v(fill).item()  # as the fixture computes them
-        for name in [n for n in fp32 if n.endswith('.padding')]:
+        for name in [n for n in m if n.endswith('.padding')]:
             rows = mf.padded_vocab(cfg, tp) - cfg.V
-            self.assertEqual(fp32[name].shape[0], rows, name)
-            self.assertTrue(torch.equal(fp32[name].to(logical[name].dtype), logical[name]),
-                            f'{name}: fp32 master padding rows do not follow the weight rows')
-            for x, want, new in ((fp32[name], cfg.pad_fill, pad_value), (m[name], pad_m, 0), (v[name], pad_v, 0)):
+            self.assertEqual(m[name].shape[0], rows, name)
+            checks = [(logical[name], cfg.pad_fill, pad_value), (m[name], pad_m, 0), (v[name], pad_v, 0)]
+            if fp32 is not None:
+                self.assertTrue(torch.equal(fp32[name].to(logical[name].dtype), logical[name]),
+                                f'{name}: fp32 master padding rows do not follow the weight rows')
+                checks.append((fp32[name], cfg.pad_fill, pad_value))
+            for x, want, new in checks:
                 self.assertTrue(torch.all(x[:kept_rows] == want), f'{name}: kept padding rows changed')
                 self.assertTrue(torch.all(x[kept_rows:] == new), f'{name}: new padding rows are not {new}')
-        if cfg.optimizer != 'nozero_fp16':  # the oracle reads steps from ZeRO shards only
+        if cfg.optimizer != 'nozero_fp16':  # the oracle reads steps from ZeRO shards and torch states
             self.assertEqual(logical.meta['optimizer_step'], [cfg.iteration])
         return logical
 
@@ -295,11 +314,14 @@ class OptimizerTestCase(unittest.TestCase):
             want_mp, got_mp = load(mp_file(want_tag, mm)), load(mp_file(got_tag, mm))
             shapes = want_mp['param_shapes']
             problems += differences(shapes, got_mp['param_shapes'], f'mp_rank_{mm:02d}:param_shapes')
-            if cfg.optimizer == 'nozero_fp16':  # FP16_Optimizer.state_dict() inside the mp_rank file
-                shapes = fp16_group_shapes(cfg, layout, mm)
+            if cfg.optimizer in ('nozero_fp16', 'torch_adamw'):  # the state inside the mp_rank file
+                shapes = nozero_group_shapes(cfg, layout, mm)
                 want, got = want_mp['optimizer'], got_mp['optimizer']
-                apply_mask(want, shapes, 0, rule, mm)
-                apply_mask(got, shapes, 0, rule, mm)
+                for opt in (want, got):
+                    if cfg.optimizer == 'nozero_fp16':
+                        apply_mask(opt, shapes, 0, rule, mm)
+                    else:
+                        apply_torch_mask(opt, shapes, rule, mm)
                 problems += differences(want, got, f'mp_rank_{mm:02d}:optimizer')
                 continue
             for d in range(dp):
@@ -322,7 +344,7 @@ class OptimizerTestCase(unittest.TestCase):
             copies = [n for n in last if n.startswith('tied_modules.embed.')]
             self.assertIn('tied_modules.embed.word_embeddings.weight', copies)
             for name in copies:
-                for key in STATE_KEYS:
+                for key in first[name]:
                     self.assertTrue(torch.equal(first[name][key], last[name][key]),
                                     f'{tag} tp {t}: last stage {name} {key} != stage 0')
 
@@ -351,6 +373,44 @@ class OptimizerTestCase(unittest.TestCase):
                     problems.append(f'mp_rank_{mm:02d}: optimizer tensor {x.dtype}, compact {mf.is_compact(x)}')
         self.assert_no_problems(problems, f'{tag} FP16_Optimizer state')
 
+    def check_torch_optimizer(self, tag, source_tag, cfg, layout):
+        """A torch optimizer state_dict in every mp_rank file, as torch.load gives it back: the
+        source's hyperparameters per group, `params` indexing the stage's parameters in group
+        order, every parameter with the source's state keys and step; no ZeRO files, no
+        param_shapes; dp_world_size the target's DP.  (structural_problems checks compact fp32
+        tensors with storages of their own.)"""
+        tp, pp, dp = layout
+        self.assertEqual(zero_files(tag), {})
+        src = load(mp_file(source_tag, 0))['optimizer']
+        src_state = src['state'][0]
+        hyper = [{k: v for k, v in pg.items() if k != 'params'} for pg in src['param_groups']]
+        problems = []
+        for mm in range(tp * pp):
+            where = f'mp_rank_{mm:02d}'
+            mp = load(mp_file(tag, mm))
+            if mp['dp_world_size'] != dp or mp['args'].data_parallel_size != dp or mp['param_shapes'] is not None:
+                problems.append(f'{where}: dp_world_size {mp["dp_world_size"]}, args DP '
+                                f'{mp["args"].data_parallel_size}, param_shapes {mp["param_shapes"]!r}')
+            opt = mp['optimizer']
+            if list(opt) != list(src):
+                problems.append(f'{where}: optimizer keys {list(opt)} vs source {list(src)}')
+                continue
+            index = 0
+            for g, (pg, group) in enumerate(zip(opt['param_groups'], nozero_group_shapes(cfg, layout, mm))):
+                problems += differences(hyper[g], {k: v for k, v in pg.items() if k != 'params'},
+                                        f'{where}:param_groups[{g}]')
+                if list(pg) != list(src['param_groups'][g]) or pg['params'] != list(range(index, index + len(group))):
+                    problems.append(f'{where}: param_groups[{g}] keys {list(pg)}, params {pg["params"]}')
+                index += len(group)
+            if len(opt['param_groups']) != len(hyper) or list(opt['state']) != list(range(index)):
+                problems.append(f'{where}: {len(opt["param_groups"])} groups, state indices {list(opt["state"])}')
+            for i, state in opt['state'].items():
+                if list(state) != list(src_state):
+                    problems.append(f'{where}: state[{i}] keys {list(state)} vs source {list(src_state)}')
+                else:
+                    problems += differences(src_state['step'], state['step'], f'{where}:state[{i}].step')
+        self.assert_no_problems(problems, f'{tag} torch optimizer state')
+
     # -- one conversion, fully checked, and its round trip ------------------------------------
 
     def convert_and_check(self, family, a_layout, b_layout, round_trip=True, extra=(), pad_value=0.0,
@@ -369,6 +429,8 @@ class OptimizerTestCase(unittest.TestCase):
         self.check_canonical(b_tag, cfg, b_layout, kept, pad_value)
         if cfg.optimizer == 'nozero_fp16':
             self.check_fp16_optimizer(b_tag, a_tag, b_layout)
+        elif cfg.optimizer == 'torch_adamw':
+            self.check_torch_optimizer(b_tag, a_tag, cfg, b_layout)
         else:
             self.check_shards(b_tag, a_tag)
         self.check_tied_copies(b_tag, cfg, b_layout)

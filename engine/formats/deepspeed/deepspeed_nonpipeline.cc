@@ -15,17 +15,19 @@ namespace reshard {
 namespace {
 
 
-// Every tensor of a `module`, by dotted name.
+// Every tensor of a `module` or an optimizer state, by dotted path (string
+// and integer keys, list positions).
 void CollectTensors(const Value& v, const std::string& prefix, std::map<std::string, const Tensor*>* out) {
+  auto path = [&prefix](const std::string& key) { return prefix.empty() ? key : prefix + "." + key; };
   if (v.is(Value::Kind::kTensor)) {
     (*out)[prefix] = &v.as_tensor();
-    return;
-  }
-  const Items* items = DictItems(v);
-  if (items == nullptr) return;
-  for (const auto& [k, child] : *items) {
-    if (k.is(Value::Kind::kString)) {
-      CollectTensors(child, prefix.empty() ? k.as_string() : prefix + "." + k.as_string(), out);
+  } else if (v.is(Value::Kind::kList)) {
+    const std::vector<Value>& items = v.as_list().items;
+    for (size_t i = 0; i < items.size(); ++i) CollectTensors(items[i], path(std::to_string(i)), out);
+  } else if (const Items* items = DictItems(v)) {
+    for (const auto& [k, child] : *items) {
+      if (k.is(Value::Kind::kString)) CollectTensors(child, path(k.as_string()), out);
+      if (k.is(Value::Kind::kInt)) CollectTensors(child, path(std::to_string(k.as_int())), out);
     }
   }
 }
@@ -54,10 +56,14 @@ class NonPipelineSource : public DeepSpeedModelSource {
            std::to_string(shard_files()) + " optimizer shards";
   }
 
-  // Without pipelining, the FP16_Optimizer state is carried whole: only
-  // shard files are read.
+  // Without pipelining, a state inside the mp_rank files is carried whole:
+  // only shard files are read.
   void Lint(const LintOptions&, LintReport* report) const override {
-    if (ckpt().HasErrors() || shard_files() == 0) return;
+    if (ckpt().HasErrors()) return;
+    if (shard_files() == 0) {
+      if (HasEmbeddedOptimizerState(ckpt())) report->findings.push_back({Finding::Severity::kInfo, kCarriedNote});
+      return;
+    }
     Result<const SourceOptimizer*> opt = Optimizer();
     if (!opt.ok()) {
       report->findings.push_back({Finding::Severity::kError, "optimizer: " + opt.status().message()});
@@ -73,8 +79,9 @@ class NonPipelineSource : public DeepSpeedModelSource {
     if (options.weights_only && HasOptimizerState()) {
       notes->push_back(WeightsOnlyNote(OptimizerWhat()));
     } else if (shard_files() > 0) {
-      // Every DP rank holds the whole FP16_Optimizer state: a DP change keeps it as is.
       RESHARD_ASSIGN_OR_RETURN(opt, Optimizer());
+    } else if (HasEmbeddedOptimizerState(ckpt())) {
+      notes->push_back(kCarriedNote);
     }
     if (options.dry_run) {
       notes->push_back(kDryRunNote);
@@ -89,13 +96,8 @@ class NonPipelineSource : public DeepSpeedModelSource {
                                               std::atomic<int64_t>* read) const override {
     std::vector<FullTensor> out;
     for (int t = 0; t < ckpt().tp; ++t) {
-      std::map<std::string, const Tensor*> tensors;
-      CollectTensors(*Find(ckpt().metadata[t], "module"), "", &tensors);
-      for (const auto& [name, tensor] : tensors) {
-        out.push_back(WholeShard(ModelStatesName(t) + " module." + name, name, "",
-                                 tensor->storage->dtype, tensor->sizes,
-                                 SourceShard::Of(*tensor, ShardCoords{t}), read));
-      }
+      AddWhole("module", "", t, read, &out);
+      if (HasEmbeddedOptimizerState(ckpt())) AddWhole("optimizer", "optimizer", t, read, &out);
     }
     if (shard_files() == 0) return out;
     RESHARD_ASSIGN_OR_RETURN(const SourceOptimizer* opt, Optimizer());
@@ -112,6 +114,27 @@ class NonPipelineSource : public DeepSpeedModelSource {
     return out;
   }
 
+ private:
+  // Without ZeRO the optimizer state sits in the mp_rank files: a DP change
+  // keeps it as it is.
+  static constexpr const char* kCarriedNote =
+      "optimizer: the optimizer state inside the mp_rank files is carried unchanged (without "
+      "ZeRO it is not partitioned over DP ranks)";
+
+  // Every tensor under `key` of TP rank t's mp_rank file, whole: weights
+  // (`state` empty) or optimizer state.
+  void AddWhole(const std::string& key, const std::string& state, int t, std::atomic<int64_t>* read,
+                std::vector<FullTensor>* out) const {
+    const Value* root = Find(ckpt().metadata[t], key);
+    if (root == nullptr) return;
+    std::map<std::string, const Tensor*> tensors;
+    CollectTensors(*root, "", &tensors);
+    for (const auto& [name, tensor] : tensors) {
+      out->push_back(WholeShard(ModelStatesName(t) + " " + key + "." + name, name, state,
+                                tensor->storage->dtype, tensor->sizes,
+                                SourceShard::Of(*tensor, ShardCoords{t}), read));
+    }
+  }
 };
 
 }  // namespace

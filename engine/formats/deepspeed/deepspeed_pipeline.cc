@@ -197,7 +197,12 @@ class PipelineSource : public DeepSpeedModelSource {
     }
     RESHARD_ASSIGN_OR_RETURN(DeepSpeedPlan plan, MakePipelinePlan(ckpt(), opt, PlanOptionsFrom(options)));
     notes->insert(notes->end(), plan.notes.begin(), plan.notes.end());
-    if (opt != nullptr && opt->format().embedded) {
+    if (opt != nullptr && opt->format().per_parameter) {
+      notes->push_back("optimizer: the torch optimizer state inside the mp_rank files is "
+                       "reshaped with the weights (each parameter's states like the parameter, "
+                       "scalar states and group hyperparameters carried; its parameters follow "
+                       "DeepSpeed's current stage partition)");
+    } else if (opt != nullptr && opt->format().embedded) {
       notes->push_back("optimizer: the FP16_Optimizer state inside the mp_rank files is "
                        "reshaped with the weights (its groups follow DeepSpeed's current "
                        "stage partition)");

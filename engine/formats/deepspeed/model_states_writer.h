@@ -16,7 +16,7 @@
 
 namespace reshard {
 
-// An embedded optimizer state (fp16 without ZeRO) becomes None when the plan
+// An embedded optimizer state (no ZeRO) becomes None when the plan
 // drops it (weights only).
 Value BuildModelStates(const LogicalCheckpoint& src, const DeepSpeedPlan& plan,
                        const ModelStatesPlan& ms);

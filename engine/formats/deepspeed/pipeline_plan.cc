@@ -107,7 +107,7 @@ void PlanLocalSlot(int tp_rank, const FlatSlot& flat, OptimizerSlotPlan* slot) {
 
 Status PlanOptimizer(const LogicalCheckpoint& src, const SourceOptimizer& opt, DeepSpeedPlan* plan) {
   plan->optimizer_format = opt.format();
-  const int dp = opt.format().embedded ? 1 : plan->dp;  // FP16_Optimizer does not partition
+  const int dp = opt.format().embedded ? 1 : plan->dp;  // without ZeRO nothing is partitioned
   for (const ModelStatesPlan& ms : plan->model_states) {
     OptimizerStagePlan stage;
     stage.pp_rank = ms.pp_rank;
@@ -174,6 +174,26 @@ std::string OptimizerLines(const DeepSpeedPlan& plan) {
              " partition(s) of " + std::to_string(group.partition()) + "\n";
       for (int d = 0; d < group.dp(); ++d) {
         out += "    dp " + std::to_string(d) + ": " + DescribePartition(group, stage.slots[g], d) + "\n";
+      }
+    }
+  }
+  return out;
+}
+
+// The per-parameter (torch) format: the state index of every parameter of
+// every group; the states themselves are sliced like the weights.
+std::string TorchStateLines(const DeepSpeedPlan& plan) {
+  std::string out;
+  for (const OptimizerStagePlan& stage : plan.optimizer) {
+    const int mp = stage.pp_rank * plan.tp + stage.tp_rank;
+    int64_t index = 0;
+    for (size_t g = 0; g < stage.groups.size(); ++g) {
+      const std::vector<FlatSlot>& slots = stage.groups[g].slots();
+      out += "  optimizer " + ModelStatesName(mp) + " group " + std::to_string(g) + ": torch state of " +
+             std::to_string(slots.size()) + " parameters, " + std::to_string(stage.groups[g].numel()) +
+             " elements per state, each sliced like its weight\n";
+      for (const FlatSlot& slot : slots) {
+        out += "    " + std::to_string(index++) + ": " + slot.name + " " + ShapeString(slot.shape) + "\n";
       }
     }
   }
@@ -289,7 +309,7 @@ std::string DeepSpeedPlan::ToString(const LogicalCheckpoint& src, bool detail) c
     out += "  " + std::to_string(optimizer_files) + " optimizer shards: DP " + std::to_string(dp) +
            " for each of the " + std::to_string(model_states.size()) + " (pipeline, tensor) ranks\n";
   }
-  if (detail) out += OptimizerLines(*this);
+  if (detail) out += optimizer_format.per_parameter ? TorchStateLines(*this) : OptimizerLines(*this);
   out += "total: " + std::to_string(static_cast<int64_t>(layer_files.size() + model_states.size()) +
                                     optimizer_files) +
          " files, " + HumanBytes(TensorBytes()) + " of weights\n";

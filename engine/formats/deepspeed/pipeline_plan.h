@@ -77,7 +77,8 @@ struct DeepSpeedPlan {
   std::vector<LayerFilePlan> layer_files;
   std::vector<ModelStatesPlan> model_states;
   // Optimizer state per model_states entry (empty: none written); in shard
-  // files, or for the FP16_Optimizer format inside the mp_rank files.
+  // files, or for the embedded formats (FP16_Optimizer, torch) inside the
+  // mp_rank files.
   std::vector<OptimizerStagePlan> optimizer;
   OptimizerFormat optimizer_format;
   bool drop_embedded_optimizer = false;  // weights only: the mp_rank `optimizer` becomes None

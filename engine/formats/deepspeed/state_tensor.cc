@@ -95,7 +95,7 @@ Result<ByteProducer> WeightProducer(const LogicalCheckpoint& src, const SourceOp
                                     const LogicalTensor& weight, const TensorPlan& plan,
                                     std::atomic<int64_t>* read) {
   const std::string name = ParamName(src, plan.layer_index, plan.tensor_index);
-  if (!plan.average || masters == nullptr || !masters->Has(name)) {
+  if (!plan.average || masters == nullptr || !masters->HasMasters() || !masters->Has(name)) {
     return RangeProducer(SourceTensor::Of(weight), plan, read);
   }
   SourceTensor master;

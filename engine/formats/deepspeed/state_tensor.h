@@ -41,8 +41,8 @@ Result<std::vector<StateDrift>> MeasureStateDrift(const LogicalCheckpoint& src,
                                                   const SourceOptimizer& opt);
 
 // The bytes of the weight `plan` describes, produced a range at a time:
-// copied from `weight`'s shards, or — for an average of replicas with
-// optimizer state (`masters` not null) — the averaged fp32 master cast to the
+// copied from `weight`'s shards, or — for an average of replicas with fp32
+// masters in the optimizer state (`masters` not null) — the averaged master cast to the
 // weight's dtype, so that weight == dtype(master) holds in the result as it
 // does in DeepSpeed. Adds the source bytes read to *read, which must outlive
 // the producer.

@@ -7,6 +7,15 @@ namespace reshard {
 Finding OptimizerFinding(const SourceOptimizer& opt, size_t shard_files) {
   const OptimizerFormat& f = opt.format();
   const std::string states = Join(opt.states(), ", ");
+  if (f.per_parameter) {
+    const std::string scalars =
+        opt.scalar_states().empty() ? "" : "; scalar states " + Join(opt.scalar_states(), ", ");
+    return {Finding::Severity::kInfo,
+            "optimizer: torch optimizer state in the mp_rank files (" +
+                std::to_string(opt.num_groups()) + " groups, per-parameter states " +
+                (states.empty() ? "none" : states) + scalars +
+                "); its parameters agree with DeepSpeed's stage partition"};
+  }
   const std::string where = f.embedded ? std::string("FP16_Optimizer state in the mp_rank files (")
                                        : std::to_string(shard_files) + " shards (" +
                                              (f.zero ? "ZeRO-1/2" : "BF16 optimizer") + ", ";

@@ -1,11 +1,14 @@
 #include "formats/deepspeed/zero_shard_reader.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 
 #include "formats/deepspeed/pipeline_reader.h"
 #include "formats/deepspeed/torch_state.h"
 #include "formats/deepspeed/stages.h"
+#include "util/human.h"
+#include "util/strings.h"
 
 namespace reshard {
 namespace {
@@ -13,7 +16,8 @@ namespace {
 // Where each format keeps things. A sharded file's root holds
 // optimizer_state_dict {base_optimizer_state: torch state dict,
 // single_partition_of_fp32_groups: [...]}; an embedded FP16_Optimizer dict
-// holds {optimizer_state_dict: torch state dict, fp32_groups_flat: [...]}.
+// holds {optimizer_state_dict: torch state dict, fp32_groups_flat: [...]};
+// the per-parameter format is a torch state dict itself.
 const Value* OptimizerStateDict(const Value& shard) { return Find(shard, "optimizer_state_dict"); }
 
 const Value* TorchStateDict(const Value& shard, bool embedded) {
@@ -53,6 +57,68 @@ std::string ScalarBytes(const Value& v) {
   if (t.storage == nullptr || t.storage->bytes.data == nullptr || !t.IsContiguous()) return v.DebugString();
   const size_t n = static_cast<size_t>(t.numel()) * ElementSize(t.storage->dtype);
   return std::string(reinterpret_cast<const char*>(TensorData(t)), n);
+}
+
+// A small value for messages; one-element tensors by their value.
+std::string ScalarText(const Value* v) {
+  if (v == nullptr) return "missing";
+  if (!v->is(Value::Kind::kTensor)) return v->DebugString(60);
+  const Tensor& t = v->as_tensor();
+  if (t.numel() != 1 || t.storage == nullptr || t.storage->bytes.data == nullptr) return v->DebugString(60);
+  char text[32];
+  std::snprintf(text, sizeof(text), "%g", LoadAsDouble(t.storage->dtype, TensorData(t)));
+  return std::string("tensor(") + text + ")";
+}
+
+// A contiguous fp32 tensor of `shape`, or null.
+const Tensor* ParamTensor(const Value* v, const std::vector<int64_t>& shape) {
+  if (v == nullptr || !v->is(Value::Kind::kTensor)) return nullptr;
+  const Tensor& t = v->as_tensor();
+  if (t.storage == nullptr || t.storage->dtype != DType::kFloat32 || t.sizes != shape ||
+      !t.IsContiguous() || t.storage_offset + t.numel() > t.storage->numel) {
+    return nullptr;
+  }
+  return &t;
+}
+
+// A torch param group's hyperparameters (everything but `params`), comparable.
+std::string Hyperparameters(const Value& group) {
+  std::string out;
+  if (const Items* items = DictItems(group)) {
+    for (const auto& [k, v] : *items) {
+      if (!(k.is(Value::Kind::kString) && k.as_string() == "params")) {
+        out += k.DebugString() + "=" + ScalarBytes(v) + ";";
+      }
+    }
+  }
+  return out;
+}
+
+const std::vector<Value>* ParamGroups(const Value& torch_state_dict) {
+  const Value* groups = Find(torch_state_dict, "param_groups");
+  return groups != nullptr && groups->is(Value::Kind::kList) ? &groups->as_list().items : nullptr;
+}
+
+// A torch param group's `params` must be the indices [first, first + count).
+bool HasIndices(const Value& group, int64_t first, size_t count) {
+  const Value* params = Find(group, "params");
+  if (params == nullptr || !params->is(Value::Kind::kList) || params->as_list().items.size() != count) {
+    return false;
+  }
+  for (size_t i = 0; i < count; ++i) {
+    int64_t index = -1;
+    if (!ReadInt(params->as_list().items[i], &index) || index != first + static_cast<int64_t>(i)) return false;
+  }
+  return true;
+}
+
+// The refusal when a stage's torch optimizer does not hold the parameters
+// the rule set and DeepSpeed's partition give it.
+Status NotThisStage(const std::string& file, const std::string& what) {
+  return Status::InvalidInput(
+      file + ": " + what + " (the stage's parameters follow DeepSpeed's current stage partition "
+      "and the rule set's optimizer_groups; a checkpoint partitioned or grouped otherwise cannot "
+      "be read; --weights-only converts the weights alone)");
 }
 
 int64_t ObjectField(const Value& v, const char* field) {
@@ -133,8 +199,9 @@ Result<std::unique_ptr<SourceOptimizer>> SourceOptimizer::Load(
   opt->tp_ = src.tp;
   opt->stages_.resize(src.metadata.size());
   if (files.empty()) {
-    // FP16_Optimizer without ZeRO keeps its state in the mp_rank files and
-    // records no param_shapes: the stage layout is DeepSpeed's partition.
+    // Without ZeRO (FP16_Optimizer, or a torch optimizer for fp32) the state
+    // is in the mp_rank files, which record no param_shapes: the stage
+    // layout is DeepSpeed's partition.
     opt->format_.embedded = true;
     RESHARD_ASSIGN_OR_RETURN(std::vector<int> bounds,
                              TargetStageBounds(src, src.pp, src.tp, src.vocab.padded_rows, {}));
@@ -297,18 +364,131 @@ Status SourceOptimizer::LoadEmbeddedStage(const LogicalCheckpoint& src, int mp,
   RESHARD_RETURN_IF_ERROR(CheckGroupCount(groups.size(), mp));
   for (const auto& g : groups) stage.groups.emplace_back(g, 1, format_.Alignment(1));
   const Value* optimizer = Find(src.metadata[mp], "optimizer");
-  if (optimizer == nullptr || TorchStateDict(*optimizer, true) == nullptr) {
-    return Status::InvalidInput(ModelStatesFileName(mp) + " has no FP16 optimizer state");
+  if (optimizer == nullptr || optimizer->is_none()) {
+    return Status::InvalidInput(ModelStatesFileName(mp) + " has no optimizer state, but " +
+                                ModelStatesFileName(0) + " has; the folder mixes checkpoints");
   }
   stage.shards.push_back(*optimizer);
-  if (mp == 0) DetectStates(stage.shards[0], stage.groups[0]);
+  if (mp == 0) RESHARD_RETURN_IF_ERROR(DetectEmbeddedFormat(*optimizer, stage.groups[0]));
+  return format_.per_parameter ? AddParamStates(mp, &stage) : AddEmbeddedFlats(mp, &stage);
+}
+
+Status SourceOptimizer::DetectEmbeddedFormat(const Value& optimizer, const FlatGroup& first_group) {
+  if (Find(optimizer, "fp32_groups_flat") != nullptr && OptimizerStateDict(optimizer) != nullptr) {
+    DetectStates(optimizer, first_group);
+    return Status::Ok();
+  }
+  if (Find(optimizer, "state") != nullptr && ParamGroups(optimizer) != nullptr) {
+    format_.per_parameter = true;
+    DetectParamStates(optimizer, first_group);
+    return Status::Ok();
+  }
+  return Status::Unsupported(
+      ModelStatesFileName(0) + " holds an optimizer state that is neither FP16_Optimizer's "
+      "(fp32_groups_flat) nor a torch optimizer state_dict (state, param_groups); reshard cannot "
+      "reshape it (--weights-only converts the weights alone)");
+}
+
+void SourceOptimizer::DetectParamStates(const Value& optimizer, const FlatGroup& first_group) {
+  const Value* first = TorchGroupState(&optimizer, 0);
+  const Items* items = first != nullptr ? DictItems(*first) : nullptr;
+  if (items == nullptr || first_group.slots().empty()) return;  // saved before the first step
+  const std::vector<int64_t>& shape = first_group.slots()[0].shape;
+  for (const auto& [k, v] : *items) {
+    if (!k.is(Value::Kind::kString)) continue;  // refused when the parameter is read
+    const bool per_element = v.is(Value::Kind::kTensor) && !shape.empty() && v.as_tensor().sizes == shape;
+    (per_element ? states_ : scalar_states_).push_back(k.as_string());
+  }
+}
+
+Status SourceOptimizer::AddEmbeddedFlats(int mp, Stage* stage) {
   for (int g = 0; g < num_groups_; ++g) {
-    Status st = AddFlats(stage.shards[0], format_, states_, g, stage.groups[g], 0,
-                         ModelStatesFileName(mp), &stage.flats, num_groups_);
+    Status st = AddFlats(stage->shards[0], format_, states_, g, stage->groups[g], 0,
+                         ModelStatesFileName(mp), &stage->flats, num_groups_);
     if (!st.ok()) {
       return Status::InvalidInput(st.message() +
                                   " (the groups follow DeepSpeed's current stage partition; a "
                                   "checkpoint partitioned otherwise cannot be read)");
+    }
+  }
+  return Status::Ok();
+}
+
+Status SourceOptimizer::AddParamStates(int mp, Stage* stage) {
+  const std::string file = ModelStatesFileName(mp);
+  const Value& optimizer = stage->shards[0];
+  const std::vector<Value>* groups = ParamGroups(optimizer);
+  if (groups == nullptr || static_cast<int>(groups->size()) != num_groups_) {
+    return NotThisStage(file, "its torch optimizer has " +
+                                  std::to_string(groups != nullptr ? groups->size() : 0) +
+                                  " parameter groups, the stage " + std::to_string(num_groups_));
+  }
+  const std::vector<Value>& first_groups = *ParamGroups(stages_[0].shards[0]);
+  int64_t index = 0;
+  for (int g = 0; g < num_groups_; ++g) {
+    const std::vector<FlatSlot>& slots = stage->groups[g].slots();
+    if (!HasIndices((*groups)[g], index, slots.size())) {
+      return NotThisStage(file, "torch optimizer group " + std::to_string(g) +
+                                    " does not list the stage's " + std::to_string(slots.size()) +
+                                    " parameters " + std::to_string(index) + "-" +
+                                    std::to_string(index + static_cast<int64_t>(slots.size()) - 1));
+    }
+    if (Hyperparameters((*groups)[g]) != Hyperparameters(first_groups[g])) {
+      return Status::InvalidInput(file + ": torch optimizer group " + std::to_string(g) +
+                                  " has other hyperparameters than " + ModelStatesFileName(0) +
+                                  "'s; the folder mixes files of different saves");
+    }
+    for (size_t s = 0; s < slots.size(); ++s, ++index) {
+      RESHARD_RETURN_IF_ERROR(AddParamState(TorchGroupState(&optimizer, static_cast<int>(index)),
+                                            slots[s], g, static_cast<int>(s), index, file, stage));
+    }
+  }
+  const Value* state_dict = Find(optimizer, "state");
+  const Items* state = state_dict != nullptr ? DictItems(*state_dict) : nullptr;
+  const size_t with_state = states_.empty() && scalar_states_.empty() ? 0 : static_cast<size_t>(index);
+  if (state == nullptr || state->size() != with_state) {
+    return NotThisStage(file, "its torch optimizer holds the state of " +
+                                  std::to_string(state != nullptr ? state->size() : 0) +
+                                  " parameters, the stage has " + std::to_string(index));
+  }
+  return Status::Ok();
+}
+
+Status SourceOptimizer::AddParamState(const Value* state, const FlatSlot& slot, int group,
+                                      int slot_index, int64_t index, const std::string& file,
+                                      Stage* stage) {
+  const std::string which = "parameter " + slot.name + " (index " + std::to_string(index) + ")";
+  const Items* items = state != nullptr ? DictItems(*state) : nullptr;
+  std::vector<std::string> all = states_;
+  all.insert(all.end(), scalar_states_.begin(), scalar_states_.end());
+  if (all.empty() && (items == nullptr || items->empty())) return Status::Ok();  // not stepped yet
+  if (items == nullptr || items->size() != all.size()) {
+    return Status::InvalidInput(file + ": the optimizer state of " + which +
+                                " is not the first parameter's (" +
+                                (all.empty() ? std::string("none") : Join(all, ", ")) +
+                                "); reshard needs the same states for every parameter");
+  }
+  for (const std::string& name : states_) {
+    const Tensor* t = ParamTensor(Find(*state, name), slot.shape);
+    if (t == nullptr) {
+      return Status::InvalidInput(file + ": optimizer state '" + name + "' of " + which +
+                                  " is not a contiguous fp32 tensor of the parameter's shape " +
+                                  ShapeString(slot.shape));
+    }
+    std::vector<std::vector<const Tensor*>>& by_group = stage->tensors[name];
+    by_group.resize(num_groups_);
+    by_group[group].resize(slot_index + 1);
+    by_group[group][slot_index] = t;
+  }
+  for (const std::string& name : scalar_states_) {
+    const Value* v = Find(*state, name);
+    const Value* want = Find(*TorchGroupState(&stages_[0].shards[0], 0), name);
+    if (v == nullptr || ScalarBytes(*v) != ScalarBytes(*want)) {
+      return Status::InvalidInput(
+          file + ": optimizer state '" + name + "' of " + which + " is " + ScalarText(v) + " but " +
+          ScalarText(want) + " for the first parameter of " + ModelStatesFileName(0) +
+          "; reshard reshapes states shaped like their parameter and carries the others (step), "
+          "which must then agree across parameters and ranks");
     }
   }
   return Status::Ok();
@@ -329,12 +509,15 @@ Result<SourceShard> SourceOptimizer::Locate(const std::string& name, int t,
   const Owner& o = owner->second;
   const Stage& stage = stages_[o.stage * tp_ + t];
   const FlatGroup& group = stage.groups[o.group];
-  auto flats = stage.flats.find(state);
-  if (flats == stage.flats.end()) return Status::Internal("no optimizer state '" + state + "'");
   if (o.slot >= static_cast<int>(group.slots().size()) || group.slots()[o.slot].name != name) {
     return Status::InvalidInput("parameter " + name + " is missing from TP rank " +
                                 std::to_string(t) + "'s optimizer shards");
   }
+  // The per-parameter format keeps each state whole; the others in flats.
+  const auto& by_state = format_.per_parameter ? stage.tensors : stage.flats;
+  auto flats = by_state.find(state);
+  if (flats == by_state.end()) return Status::Internal("no optimizer state '" + state + "'");
+  if (format_.per_parameter) return SourceShard::Of(*flats->second[o.group][o.slot], ShardCoords{t, o.stage});
   const FlatSlot& slot = group.slots()[o.slot];
   const int64_t partition = group.partition();
   SourceShard shard;

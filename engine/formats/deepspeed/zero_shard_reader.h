@@ -9,6 +9,11 @@
 // `param_shapes` and the alignment rule — checking it against the partition
 // sizes and, where the files have them, param_slice_mappings — and gathers
 // any parameter's state back into the TP-local tensor it belongs to.
+//
+// Without ZeRO the state sits in each mp_rank file's `optimizer` instead:
+// FP16_Optimizer's unpartitioned flats, or for fp32 the plain torch
+// optimizer's state_dict, one tensor per parameter and state, which needs no
+// flat layout to be located.
 #pragma once
 
 #include <map>
@@ -36,6 +41,11 @@ struct OptimizerFormat {
   // FP16_Optimizer without ZeRO: the whole state sits in each mp_rank file's
   // `optimizer`, one unpartitioned flat per group (fp32_groups_flat).
   bool embedded = false;
+  // With `embedded`: a plain torch optimizer state_dict instead (fp32 without
+  // ZeRO): per parameter, its per-element states shaped like it and scalar
+  // states such as `step`, the parameters indexed across the groups in
+  // order. There are no fp32 masters: the weights are fp32.
+  bool per_parameter = false;
 
   // Elements the flat buffer of a group is padded to a multiple of.
   int64_t Alignment(int dp) const {
@@ -60,12 +70,17 @@ class SourceOptimizer {
                                                        const std::set<std::string>& allowed_classes);
 
   const OptimizerFormat& format() const { return format_; }
-  // kMasterState, then the optimizer's per-element states in file order.
+  // kMasterState (absent in the per-parameter format), then the optimizer's
+  // per-element states in file order.
   const std::vector<std::string>& states() const { return states_; }
+  bool HasMasters() const { return !states_.empty() && states_[0] == kMasterState; }
+  // The per-parameter format's scalar states (`step`): the same for every
+  // parameter on every rank, carried as they are.
+  const std::vector<std::string>& scalar_states() const { return scalar_states_; }
   int num_groups() const { return num_groups_; }
   int tp() const { return tp_; }
   // The shard of pipeline stage 0, TP rank 0, DP rank 0 (for the embedded
-  // format: its `optimizer` dict): what targets are built from.
+  // formats: its `optimizer` dict): what targets are built from.
   const Value& Template() const { return stages_[0].shards[0]; }
   // Parameter names the shards hold (each once; tied copies under their name).
   std::vector<std::string> ParamNames() const;
@@ -84,19 +99,33 @@ class SourceOptimizer {
     std::vector<Value> shards;  // per DP rank
     // flats[state][group][dp rank]
     std::map<std::string, std::vector<std::vector<const Tensor*>>> flats;
+    // The per-parameter format: tensors[state][group][slot].
+    std::map<std::string, std::vector<std::vector<const Tensor*>>> tensors;
   };
   Status LoadStage(const LogicalCheckpoint& src, int mp, const std::vector<std::string>& paths,
                    const std::set<std::string>& allowed_classes);
   Status LoadEmbeddedStage(const LogicalCheckpoint& src, int mp, const std::vector<int>& bounds);
   Status DetectFormat(const Value& first_shard, const FlatGroup& first_group, const std::string& path);
+  // FP16_Optimizer's flats or a plain torch state_dict, from mp_rank_00's `optimizer`.
+  Status DetectEmbeddedFormat(const Value& optimizer, const FlatGroup& first_group);
   // The per-element states: tensors of group 0's state as long as its partition.
   void DetectStates(const Value& first_shard, const FlatGroup& first_group);
+  // The per-parameter format's states: those of its first parameter shaped
+  // like it are per-element, the others scalar.
+  void DetectParamStates(const Value& optimizer, const FlatGroup& first_group);
+  Status AddEmbeddedFlats(int mp, Stage* stage);
+  Status AddParamStates(int mp, Stage* stage);
+  // One parameter's state in the per-parameter format: the per-element
+  // states recorded in stage->tensors, the scalars checked against the first's.
+  Status AddParamState(const Value* state, const FlatSlot& slot, int group, int slot_index,
+                       int64_t index, const std::string& file, Stage* stage);
   // Every stage must have the same number of (non-empty) groups as stage 0.
   Status CheckGroupCount(size_t groups, int mp);
   Status CheckSameScalars(const Value& first, const Value& shard, const std::string& file) const;
 
   OptimizerFormat format_;
   std::vector<std::string> states_;
+  std::vector<std::string> scalar_states_;
   int num_groups_ = 0;
   int tp_ = 1;
   std::vector<Stage> stages_;          // index = mp rank (p * tp + t)

@@ -1,5 +1,6 @@
 #include "formats/deepspeed/zero_shard_writer.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <memory>
@@ -28,6 +29,7 @@ class TargetStage {
  private:
   OptimizerStagePlan plan_;
   std::vector<std::vector<std::vector<SourceTensor>>> sources_;  // [group][slot][state]
+  bool masters_ = false;  // state 0 is the fp32 master, planned like the weight
   std::atomic<int64_t>* read_ = nullptr;
 };
 
@@ -36,6 +38,7 @@ Result<std::shared_ptr<const TargetStage>> TargetStage::Make(const SourceOptimiz
                                                              std::atomic<int64_t>* read) {
   auto t = std::make_shared<TargetStage>();
   t->plan_ = plan;
+  t->masters_ = opt.HasMasters();
   t->read_ = read;
   for (const std::vector<OptimizerSlotPlan>& group : plan.slots) {
     t->sources_.emplace_back();
@@ -62,7 +65,7 @@ Status TargetStage::Produce(int g, int s, int64_t begin, int64_t n, uint8_t* dst
   // Parameters lie back to back, so the fragments fill [0, filled) ...
   for (const Fragment& f : plan_.groups[g].FragmentsIn(begin, begin + n)) {
     const OptimizerSlotPlan& slot = plan_.slots[g][f.slot];
-    read += MaterializeRange(sources_[g][f.slot][s], s == 0 ? slot.master : slot.moment,
+    read += MaterializeRange(sources_[g][f.slot][s], s == 0 && masters_ ? slot.master : slot.moment,
                              f.param_offset, f.param_offset + f.numel,
                              dst + f.partition_start * 4, &pages);
     filled = f.partition_start + f.numel;
@@ -73,12 +76,12 @@ Status TargetStage::Produce(int g, int s, int64_t begin, int64_t n, uint8_t* dst
   return Status::Ok();
 }
 
-// A 1-D fp32 tensor of elements [start, start + numel) of state `s`'s flat
-// buffer of group `g`, produced while it is written.
+// An fp32 tensor of `shape` holding elements [start, start + its numel) of
+// state `s`'s flat buffer of group `g`, produced while it is written.
 Value FlatSlice(std::shared_ptr<const TargetStage> stage, int g, int s, int64_t start,
-                int64_t numel) {
+                const std::vector<int64_t>& shape) {
   return MakeProducedTensor(
-      DType::kFloat32, {numel},
+      DType::kFloat32, shape,
       [stage = std::move(stage), g, s, start](int64_t offset, int64_t length, uint8_t* dst) {
         if (offset % 4 != 0 || length % 4 != 0) {
           return Status::Internal("optimizer state requested in a range not of whole elements");
@@ -133,11 +136,12 @@ Result<Value> BuildShard(const SourceOptimizer& opt, const std::shared_ptr<const
       return Status::Internal("the template shard has no state for group " + std::to_string(g));
     }
     for (size_t s = 1; s < opt.states().size(); ++s) {
-      Set(*state, opt.states()[s], FlatSlice(stage, static_cast<int>(g), static_cast<int>(s), start, group.partition()));
+      Set(*state, opt.states()[s],
+          FlatSlice(stage, static_cast<int>(g), static_cast<int>(s), start, {group.partition()}));
     }
     // ZeRO-1/2 store the master partition without its alignment padding.
     const int64_t master_len = format.zero ? group.partition() - group.PaddingIn(d) : group.partition();
-    masters.push_back(FlatSlice(stage, static_cast<int>(g), 0, start, master_len));
+    masters.push_back(FlatSlice(stage, static_cast<int>(g), 0, start, {master_len}));
     // BF16_Optimizer records the whole padding on the last rank; ZeRO each rank's share.
     const int64_t padding = format.zero ? group.PaddingIn(d)
                                         : (d == group.dp() - 1 ? group.padded() - group.numel() : 0);
@@ -167,11 +171,69 @@ Result<Value> BuildEmbedded(const SourceOptimizer& opt, const std::shared_ptr<co
       return Status::Internal("the template optimizer has no state for group " + std::to_string(g));
     }
     for (size_t s = 1; s < opt.states().size(); ++s) {
-      Set(*state, opt.states()[s], FlatSlice(stage, static_cast<int>(g), static_cast<int>(s), 0, n));
+      Set(*state, opt.states()[s], FlatSlice(stage, static_cast<int>(g), static_cast<int>(s), 0, {n}));
     }
-    masters.push_back(FlatSlice(stage, static_cast<int>(g), 0, 0, n));
+    masters.push_back(FlatSlice(stage, static_cast<int>(g), 0, 0, {n}));
   }
   Set(optimizer, "fp32_groups_flat", Value::MakeList(std::move(masters)));
+  return optimizer;
+}
+
+// A tensor like `v` over storage of its own (other values are kept): torch
+// optimizers update scalar states such as `step` in place, so parameters
+// must not share one.
+Value OwnStorage(const Value& v) {
+  if (!v.is(Value::Kind::kTensor)) return v;
+  const Tensor& t = v.as_tensor();
+  const ByteView& bytes = t.storage->bytes;
+  Value copy = MakeTensorOver(
+      t.storage->dtype, t.sizes,
+      ByteView{bytes.owner, TensorData(t), static_cast<size_t>(t.numel()) * ElementSize(t.storage->dtype),
+               bytes.mapped},
+      t.storage->location);
+  copy.as_tensor().requires_grad = t.requires_grad;
+  return copy;
+}
+
+// One target parameter's state: the source's first parameter's (key order,
+// scalar states) with its per-element states produced from slot `slot` of group `g`.
+Value ParamState(const SourceOptimizer& opt, const std::shared_ptr<const TargetStage>& stage,
+                 const Value& like, int g, int slot) {
+  const FlatSlot& flat = stage->groups()[g].slots()[slot];
+  Value state = like;
+  for (auto& [key, value] : *MutableDictItems(state)) {
+    const auto s = std::find(opt.states().begin(), opt.states().end(),
+                             key.is(Value::Kind::kString) ? key.as_string() : "");
+    value = s == opt.states().end()
+                ? OwnStorage(value)
+                : FlatSlice(stage, g, static_cast<int>(s - opt.states().begin()), flat.offset, flat.shape);
+  }
+  return state;
+}
+
+// A torch optimizer state_dict of an mp_rank file: per parameter, indexed
+// across the target stage's groups in order; every group's hyperparameters
+// are the source group's.
+Result<Value> BuildTorchState(const SourceOptimizer& opt, const std::shared_ptr<const TargetStage>& stage) {
+  Value optimizer = opt.Template();
+  const Value* like = TorchGroupState(&opt.Template(), 0);  // null before the first step
+  Items* state = MutableDictItems(*FindMutable(optimizer, "state"));
+  std::vector<Value>& groups = FindMutable(optimizer, "param_groups")->as_list().items;
+  if (state == nullptr || groups.size() != stage->groups().size()) {
+    return Status::Internal("the template optimizer does not have the target stage's groups");
+  }
+  state->clear();
+  int64_t index = 0;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    std::vector<Value> params;
+    for (size_t s = 0; s < stage->groups()[g].slots().size(); ++s, ++index) {
+      if (like != nullptr) {
+        state->emplace_back(Value::Int(index), ParamState(opt, stage, *like, static_cast<int>(g), static_cast<int>(s)));
+      }
+      params.push_back(Value::Int(index));
+    }
+    Set(groups[g], "params", Value::MakeList(std::move(params)));
+  }
   return optimizer;
 }
 
@@ -183,7 +245,8 @@ Result<std::vector<Value>> BuildOptimizerState(const SourceOptimizer& opt,
   RESHARD_ASSIGN_OR_RETURN(std::shared_ptr<const TargetStage> stage,
                            TargetStage::Make(opt, plan, read));
   if (opt.format().embedded) {
-    RESHARD_ASSIGN_OR_RETURN(Value optimizer, BuildEmbedded(opt, stage));
+    RESHARD_ASSIGN_OR_RETURN(Value optimizer, opt.format().per_parameter ? BuildTorchState(opt, stage)
+                                                                         : BuildEmbedded(opt, stage));
     return std::vector<Value>{std::move(optimizer)};
   }
   std::vector<Value> shards;

@@ -6,7 +6,9 @@
 // the target stage's parameter groups, aligned to 2·DP and cut into the
 // target DP partitions. Each file is the source's shard with only the
 // layout-dependent fields replaced, so loss scalers, hyperparameters, step
-// counters and configuration are carried unchanged.
+// counters and configuration are carried unchanged. A plain torch state
+// (fp32 without ZeRO) takes each parameter's states as their own tensors,
+// cut from the same flat layout, with param_groups re-indexed.
 #pragma once
 
 #include <atomic>
@@ -19,8 +21,8 @@ namespace reshard {
 
 // The target optimizer state of one (pipeline, tensor) rank `plan`
 // describes: for the sharded formats one file root per target DP rank (of
-// `dp`); for the embedded FP16_Optimizer format the single `optimizer` dict
-// of its mp_rank file. The flat tensors are produced from the source shards
+// `dp`); for the embedded formats (FP16_Optimizer, torch) the single
+// `optimizer` dict of its mp_rank file. The flat tensors are produced from the source shards
 // while they are written, adding the source bytes they read to *read, which
 // must outlive them.
 Result<std::vector<Value>> BuildOptimizerState(const SourceOptimizer& opt,
