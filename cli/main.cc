@@ -265,12 +265,16 @@ int main(int argc, char** argv) {
 
   reshard::ExportOptions exporting;
   CLI::App* export_cmd = app.add_subcommand(
-      "export", "Write the checkpoint in another format: --to consolidated (one state dict of whole tensors)");
+      "export", "Write the checkpoint in another format: --to consolidated (one state dict of whole "
+                "tensors) or universal (DeepSpeed's universal checkpoint)");
   export_cmd->add_option("INPUT", ckpt, "Source checkpoint")->required();
-  export_cmd->add_option("OUTPUT", out, "Folder to write (new, or empty)")->required();
-  export_cmd->add_option("--to", exporting.to, "Target format: consolidated")
+  export_cmd->add_option("OUTPUT", out,
+                         "Folder to write (new, or empty); for universal the tag folder, e.g. "
+                         "ckpts/global_step20_universal, named by latest_universal beside it")
+      ->required();
+  export_cmd->add_option("--to", exporting.to, "Target format: consolidated or universal")
       ->required()
-      ->check(CLI::IsMember({"consolidated"}));
+      ->check(CLI::IsMember({"consolidated", "universal"}));
   export_cmd->add_option("--format", exporting.file_format,
                          "Files: safetensors (default) or pt (torch.save)")
       ->check(CLI::IsMember({"safetensors", "pt"}));

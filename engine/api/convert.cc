@@ -19,17 +19,21 @@
 namespace reshard {
 namespace {
 
+// What names the output beside it once it is in place: nothing, `latest`
+// (and the root's scripts), or `latest_universal`.
+enum class Publication { kNone, kLatest, kLatestUniversal };
+
 // Checks the output folder; writing `latest` into the input's root would
 // change which checkpoint the input root names, which is modifying the input.
 Result<OutputFolder> CheckOutput(const std::string& input, const SourceCheckpoint& src,
                                  const std::string& output, const WriteOptions& options,
-                                 bool update_latest) {
+                                 Publication publish) {
   RESHARD_ASSIGN_OR_RETURN(OutputFolder out,
                            OutputFolder::Check(output, {input, src.tag_dir()}, options.overwrite));
   namespace fs = std::filesystem;
   std::error_code ec;
   const fs::path parent = fs::path(out.path()).parent_path();
-  if (update_latest && fs::equivalent(parent, src.root_dir(), ec)) {
+  if (publish == Publication::kLatest && fs::equivalent(parent, src.root_dir(), ec)) {
     return Status::InvalidInput("the output folder " + out.path() + " is beside the input in " +
                                 parent.string() + ", whose 'latest' it would replace; choose a "
                                 "folder elsewhere or pass --no-update-latest");
@@ -39,12 +43,16 @@ Result<OutputFolder> CheckOutput(const std::string& input, const SourceCheckpoin
 
 // Moves the finished folder into place, then `latest` (and
 // latest_checkpointed_iteration.txt where the source root has one).
-Status Publish(OutputFolder* out, const SourceCheckpoint& source, bool update_latest,
+Status Publish(OutputFolder* out, const SourceCheckpoint& source, Publication publish,
                std::vector<std::string>* notes) {
   RESHARD_RETURN_IF_ERROR(out->Commit());
-  if (!update_latest) return Status::Ok();
+  if (publish == Publication::kNone) return Status::Ok();
   namespace fs = std::filesystem;
   const fs::path out_path(out->path());
+  if (publish == Publication::kLatestUniversal) {
+    return UpdateLatest(out_path.parent_path().string(), out_path.filename().string(), std::nullopt,
+                        "latest_universal");
+  }
   for (const std::string& name : source.RootFiles()) {
     const std::string from = (fs::path(source.root_dir()) / name).string();
     RESHARD_ASSIGN_OR_RETURN(bool copied, CopyIntoRoot(from, out_path.parent_path().string()));
@@ -146,7 +154,7 @@ using PlanMaker = std::function<Result<std::unique_ptr<TargetPlan>>(const Source
                                                                       std::vector<std::string>* notes)>;
 
 Status Prepare(const std::string& input, const std::string& output, const WriteOptions& options,
-               bool update_latest, const PlanMaker& make_plan, PhaseClock* clock, Prepared* p,
+               Publication publish, const PlanMaker& make_plan, PhaseClock* clock, Prepared* p,
                ConvertReport* report) {
   RESHARD_ASSIGN_OR_RETURN(p->src, OpenCheckpoint(input, options));
   report->checkpoint_bytes = FolderBytes(p->src->tag_dir());
@@ -154,7 +162,7 @@ Status Prepare(const std::string& input, const std::string& output, const WriteO
   RESHARD_ASSIGN_OR_RETURN(p->plan, make_plan(*p->src, &report->notes));
   report->plan = p->plan->ToString(options.dry_run);
   RESHARD_ASSIGN_OR_RETURN(OutputFolder folder,
-                           CheckOutput(input, *p->src, output, options, update_latest));
+                           CheckOutput(input, *p->src, output, options, publish));
   p->out.emplace(std::move(folder));
   RESHARD_RETURN_IF_ERROR(SizeBuffers(options, &p->exec, report));
   RESHARD_ASSIGN_OR_RETURN(std::vector<Job> all, p->plan->Jobs(&p->read));
@@ -169,7 +177,7 @@ Status Prepare(const std::string& input, const std::string& output, const WriteO
 
 // Writes this process's share of the plan into the staging folder; the first
 // process moves the folder into place and `latest` once every process is done.
-Status Execute(Prepared* p, const WriteOptions& options, bool update_latest, PhaseClock* clock,
+Status Execute(Prepared* p, const WriteOptions& options, Publication publish, PhaseClock* clock,
                ConvertReport* report) {
   Cluster* cluster = options.cluster;
   RESHARD_ASSIGN_OR_RETURN(p->exec.dir, BeginOutput(&*p->out, cluster));
@@ -180,24 +188,24 @@ Status Execute(Prepared* p, const WriteOptions& options, bool update_latest, Pha
   report->bytes_written = WrittenBytes(p->exec.dir, p->jobs);
   report->bytes_read = p->read.load();
   if (!IsRoot(cluster)) return Status::Ok();
-  RESHARD_RETURN_IF_ERROR(Publish(&*p->out, *p->src, update_latest, &report->notes));
+  RESHARD_RETURN_IF_ERROR(Publish(&*p->out, *p->src, publish, &report->notes));
   clock->End("commit");
   return Status::Ok();
 }
 
 // Everything a writing command does once its plan is known.
 Result<ConvertReport> WriteCheckpoint(const std::string& input, const std::string& output,
-                                      const WriteOptions& options, bool update_latest,
+                                      const WriteOptions& options, Publication publish,
                                       const PlanMaker& make_plan) {
   ConvertReport report;
   PhaseClock clock(&report);
   Prepared p;
-  Status ready = Prepare(input, output, options, update_latest, make_plan, &clock, &p, &report);
+  Status ready = Prepare(input, output, options, publish, make_plan, &clock, &p, &report);
   if (options.dry_run) {
     RESHARD_RETURN_IF_ERROR(ready);
   } else {
     RESHARD_RETURN_IF_ERROR(AllOk(options.cluster, ready));
-    RESHARD_RETURN_IF_ERROR(Execute(&p, options, update_latest, &clock, &report));
+    RESHARD_RETURN_IF_ERROR(Execute(&p, options, publish, &clock, &report));
     report.peak_memory = PeakResidentBytes();
   }
   report.seconds = clock.Total();
@@ -211,7 +219,8 @@ Result<ConvertReport> Convert(const std::string& input, const std::string& outpu
   if (options.target_tp < 1 || options.target_pp < 1) {
     return Status::InvalidInput("convert needs the target layout: --tp N and --pp N (both >= 1)");
   }
-  return WriteCheckpoint(input, output, options, options.update_latest,
+  return WriteCheckpoint(input, output, options,
+                         options.update_latest ? Publication::kLatest : Publication::kNone,
                          [&options](const SourceCheckpoint& src, std::vector<std::string>* notes) {
                            return src.Plan(options, notes);
                          });
@@ -220,7 +229,8 @@ Result<ConvertReport> Convert(const std::string& input, const std::string& outpu
 Result<ConvertReport> Export(const std::string& input, const std::string& output,
                              const ExportOptions& options) {
   return WriteCheckpoint(
-      input, output, options, /*update_latest=*/false,
+      input, output, options,
+      options.to == "universal" ? Publication::kLatestUniversal : Publication::kNone,
       [&options](const SourceCheckpoint& src, std::vector<std::string>* notes)
           -> Result<std::unique_ptr<TargetPlan>> {
         if (!options.dry_run) RESHARD_RETURN_IF_ERROR(src.CheckReplicas(options.replicated, notes));

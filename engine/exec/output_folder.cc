@@ -148,12 +148,12 @@ Result<bool> CopyIntoRoot(const std::string& from, const std::string& root) {
 }
 
 Status UpdateLatest(const std::string& root, const std::string& tag,
-                    std::optional<int64_t> iteration) {
+                    std::optional<int64_t> iteration, const std::string& file) {
   if (iteration) {
     RESHARD_RETURN_IF_ERROR(WriteFileAtomically(fs::path(root) / "latest_checkpointed_iteration.txt",
                                                 std::to_string(*iteration)));
   }
-  return WriteFileAtomically(fs::path(root) / "latest", tag);
+  return WriteFileAtomically(fs::path(root) / file, tag);
 }
 
 }  // namespace reshard

@@ -55,9 +55,9 @@ Status SyncFiles(const std::string& dir);
 // Returns whether it copied.
 Result<bool> CopyIntoRoot(const std::string& from, const std::string& root);
 
-// Writes `<root>/latest` = tag and, when `iteration` is given,
+// Writes `<root>/<file>` = tag and, when `iteration` is given,
 // `<root>/latest_checkpointed_iteration.txt`, each atomically.
 Status UpdateLatest(const std::string& root, const std::string& tag,
-                    std::optional<int64_t> iteration);
+                    std::optional<int64_t> iteration, const std::string& file = "latest");
 
 }  // namespace reshard

@@ -93,6 +93,12 @@ class SourceCheckpoint {
   virtual Status CheckReplicas(ReplicatedPolicy, std::vector<std::string>*) const {
     return Status::Ok();
   }
+  // Plans the source in a format of its own family other than its native
+  // layout, as `options.to` names it (DeepSpeed sources write "universal").
+  virtual Result<std::unique_ptr<TargetPlan>> PlanFamilyFormat(const ExportOptions& options,
+                                                               std::vector<std::string>*) const {
+    return Status::Unsupported("a " + kind() + " checkpoint cannot be exported --to " + options.to);
+  }
   // The true vocabulary size (without padding), when the checkpoint records it.
   virtual std::optional<int64_t> vocab_size() const { return std::nullopt; }
   // Files beside `latest` in root_dir() that belong with every checkpoint

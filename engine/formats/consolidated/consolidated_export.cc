@@ -252,9 +252,6 @@ class ConsolidatedPlan : public TargetPlan {
 }  // namespace
 
 Result<ConsolidatedOptions> ConsolidatedOptionsFrom(const ExportOptions& options) {
-  if (options.to != "consolidated") {
-    return Status::InvalidInput("unknown export format '" + options.to + "'; reshard exports --to consolidated");
-  }
   ConsolidatedOptions out;
   out.replicated = options.replicated;
   out.from_weights = options.weights_only;

@@ -8,6 +8,7 @@
 #include "formats/deepspeed/pipeline_writer.h"
 #include "formats/deepspeed/stages.h"
 #include "formats/deepspeed/state_tensor.h"
+#include "formats/deepspeed/universal_writer.h"
 #include "formats/deepspeed/zero_shard_lint.h"
 #include "logical/drift.h"
 #include "plan/materialize.h"
@@ -240,6 +241,20 @@ class PipelineSource : public DeepSpeedModelSource {
   }
 
   std::optional<int64_t> vocab_size() const override { return ckpt().vocab.original_size; }
+
+  Result<std::unique_ptr<TargetPlan>> PlanFamilyFormat(const ExportOptions& options,
+                                                       std::vector<std::string>* notes) const override {
+    if (options.to != "universal") {
+      return Status::InvalidInput("unknown export format '" + options.to + "'; use consolidated or universal");
+    }
+    if (!HasOptimizerState() || options.weights_only) {
+      return Status::InvalidInput("a universal checkpoint is the optimizer state (fp32 masters and moments) "
+                                  "by parameter, and this checkpoint has none; export --to consolidated "
+                                  "writes its weights");
+    }
+    RESHARD_ASSIGN_OR_RETURN(const SourceOptimizer* opt, Optimizer());
+    return PlanUniversal(ckpt(), *opt, files(), options.replicated, notes);
+  }
 
   std::vector<std::string> VerifyNotes() const override {
     std::vector<std::string> notes;

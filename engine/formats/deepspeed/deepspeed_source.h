@@ -72,6 +72,7 @@ class DeepSpeedModelSource : public SourceCheckpoint {
 
   const LogicalCheckpoint& ckpt() const { return model_->logical; }
   size_t shard_files() const { return model_->files.optimizer_files.size(); }
+  const CheckpointFiles& files() const { return model_->files; }
   // Shard files, or optimizer state inside the mp_rank files.
   bool HasOptimizerState() const;
   // "4 optimizer shard files", for the weights-only note.

@@ -1,0 +1,227 @@
+#include "formats/deepspeed/universal_writer.h"
+
+#include <filesystem>
+#include <fstream>
+
+#include "formats/deepspeed/file_names.h"
+#include "formats/deepspeed/pipeline_writer.h"
+#include "formats/deepspeed/stages.h"
+#include "formats/deepspeed/state_tensor.h"
+#include "plan/materialize.h"
+#include "plan/tensor_plan.h"
+#include "util/human.h"
+#include "util/shape.h"
+#include "util/strings.h"
+
+namespace reshard {
+namespace {
+
+namespace fs = std::filesystem;
+
+// One zero/<param>/<state>.pt file.
+struct StateFile {
+  std::string param;  // the engine's parameter name
+  std::string state;
+  int layer_index = 0, tensor_index = 0;
+  std::vector<int64_t> shape;  // whole, vocabulary padding stripped
+  Items layout;                // cat_dim, param_n_sub_params, vocab_tensor
+};
+
+std::string StatePath(const std::string& param, const std::string& state) {
+  return "zero/" + param + "/" + state + ".pt";
+}
+
+// The layout keys DeepSpeed's loader cuts `rule`'s tensors by.
+Result<Items> LayoutKeys(const ParamRule& rule, const std::string& param) {
+  Items keys;
+  switch (rule.policy) {
+    case ParamRule::Policy::kReplicated: return keys;
+    case ParamRule::Policy::kVocab:
+      keys.emplace_back(Value::String("cat_dim"), Value::Int(0));
+      keys.emplace_back(Value::String("vocab_tensor"), Value::Bool(true));
+      return keys;
+    case ParamRule::Policy::kSplit: break;
+  }
+  if (rule.parts > 2) {
+    return Status::Unsupported(param + " stacks " + std::to_string(rule.parts) +
+                               " sub-parameters, which DeepSpeed's universal metadata (param_n_sub_params) "
+                               "cannot describe beyond 2");
+  }
+  keys.emplace_back(Value::String("cat_dim"), Value::Int(rule.dim));
+  if (rule.parts == 2) keys.emplace_back(Value::String("param_n_sub_params"), Value::Int(2));
+  return keys;
+}
+
+Result<StateFile> MakeStateFile(const LogicalCheckpoint& src, const SourceOptimizer& opt,
+                                const std::string& param, const std::string& state) {
+  RESHARD_ASSIGN_OR_RETURN(StateTensor st, LocateState(src, opt, param, state));
+  StateFile f{param, state, st.layer_index, st.tensor_index, st.tensor.full_shape, {}};
+  RESHARD_ASSIGN_OR_RETURN(f.layout, LayoutKeys(*st.tensor.rule, param));
+  if (st.tensor.rule->policy == ParamRule::Policy::kVocab) {
+    if (!src.vocab.original_size) {
+      return Status::InvalidInput("universal checkpoints store vocabulary tensors without padding, and the "
+                                  "true vocabulary size is " + src.rules->vocab_original_size().HowToGive() +
+                                  " (or --vocab-size N)");
+    }
+    f.shape[0] = *src.vocab.original_size;
+  }
+  return f;
+}
+
+// The optimizer step the first shard records, if any: per-parameter state
+// `step`, else the first group's `step`.
+const Value* FindStep(const Value& osd) {
+  const Value* base = Find(osd, "base_optimizer_state");
+  if (base == nullptr) return nullptr;
+  if (const Value* state = Find(*base, "state")) {
+    const Items* items = DictItems(*state);
+    if (items != nullptr && !items->empty()) {
+      if (const Value* step = Find(items->front().second, "step")) return step;
+    }
+  }
+  const Value* groups = Find(*base, "param_groups");
+  if (groups != nullptr && groups->is(Value::Kind::kList) && !groups->as_list().items.empty()) {
+    return Find(groups->as_list().items.front(), "step");
+  }
+  return nullptr;
+}
+
+// zero/optimizer_state.pt: the first shard's optimizer state without its
+// partitions, with the groups' hyperparameters as `param_groups`.
+Result<Value> OptimizerStateFile(const Value& osd) {
+  const Value* base = Find(osd, "base_optimizer_state");
+  const Value* groups = base != nullptr ? Find(*base, "param_groups") : nullptr;
+  if (groups == nullptr) {
+    return Status::Unsupported("the optimizer shards keep no param_groups in base_optimizer_state, which "
+                               "a universal checkpoint's optimizer_state.pt needs");
+  }
+  Value out = Value::MakeDict();
+  for (const auto& [key, value] : *DictItems(osd)) {
+    const std::string& k = key.as_string();
+    if (k == "base_optimizer_state" || k == "single_partition_of_fp32_groups" || k == "param_slice_mappings") {
+      continue;
+    }
+    Set(out, k, value);
+  }
+  Set(out, "param_groups", *groups);
+  return out;
+}
+
+// A job writing `name` (a path under the output folder) from `root`.
+Result<Job> NestedTorchFileJob(std::string name, Value root) {
+  RESHARD_ASSIGN_OR_RETURN(Job job, TorchFileJob(name, std::move(root)));
+  job.run = [name, run = std::move(job.run)](JobContext& ctx) {
+    std::error_code ec;
+    fs::create_directories(fs::path(ctx.dir) / fs::path(name).parent_path(), ec);
+    if (ec) return Status::IoError("cannot create " + (fs::path(ctx.dir) / name).parent_path().string() + ": " + ec.message());
+    return run(ctx);
+  };
+  return job;
+}
+
+// A job copying the file at `from` into the output folder as `name`.
+Job CopyJob(std::string name, std::string from) {
+  std::error_code ec;
+  const int64_t bytes = static_cast<int64_t>(fs::file_size(from, ec));
+  return {name, ec ? 0 : bytes, [name, from](JobContext& ctx) {
+            std::ifstream in(from, std::ios::binary);
+            std::ofstream out(ctx.dir + "/" + name, std::ios::binary | std::ios::trunc);
+            while (in) {
+              in.read(reinterpret_cast<char*>(ctx.buffer.data()), static_cast<std::streamsize>(ctx.buffer.size()));
+              out.write(reinterpret_cast<const char*>(ctx.buffer.data()), in.gcount());
+              ctx.done(in.gcount());
+            }
+            out.close();
+            if (in.bad() || !out) return Status::IoError("cannot copy " + from + " to " + ctx.dir + "/" + name);
+            return Status::Ok();
+          }};
+}
+
+class UniversalPlan : public TargetPlan {
+ public:
+  UniversalPlan(const LogicalCheckpoint& src, const SourceOptimizer& opt, const CheckpointFiles& files,
+                ReplicatedPolicy replicated, std::vector<StateFile> states, bool has_step)
+      : src_(src), opt_(opt), files_(files), replicated_(replicated), states_(std::move(states)),
+        has_step_(has_step) {}
+
+  std::string ToString(bool detail) const override {
+    int64_t bytes = 0;
+    for (const StateFile& f : states_) bytes += ShapeNumel(f.shape) * 4;
+    std::string out = "universal: " + std::to_string(files_.mp_rank_files.size()) + " mp_rank file(s) copied, " +
+                      std::to_string(states_.size()) + " state files (" + HumanBytes(bytes) + ")" +
+                      (has_step_ ? ", a step.pt per parameter" : "") + ", zero/optimizer_state.pt\n";
+    if (!detail) return out;
+    for (const StateFile& f : states_) {
+      std::string layout;
+      for (const auto& [k, v] : f.layout) layout += " " + k.as_string() + "=" + v.DebugString();
+      out += "  " + StatePath(f.param, f.state) + " " + ShapeString(f.shape) + layout + "\n";
+    }
+    return out;
+  }
+
+  Result<std::vector<Job>> Jobs(std::atomic<int64_t>* read) const override {
+    std::vector<Job> jobs;
+    for (const auto& [mp, path] : files_.mp_rank_files) jobs.push_back(CopyJob(ModelStatesFileName(mp), path));
+    const Value& osd = *Find(opt_.Template(), "optimizer_state_dict");
+    RESHARD_ASSIGN_OR_RETURN(Value optimizer_state, OptimizerStateFile(osd));
+    RESHARD_ASSIGN_OR_RETURN(Job job, NestedTorchFileJob("zero/optimizer_state.pt", std::move(optimizer_state)));
+    jobs.push_back(std::move(job));
+    for (const StateFile& f : states_) {
+      RESHARD_ASSIGN_OR_RETURN(Job state, NestedTorchFileJob(StatePath(f.param, f.state), StateTree(f, read)));
+      jobs.push_back(std::move(state));
+      if (has_step_ && f.state == kMasterState) {
+        RESHARD_ASSIGN_OR_RETURN(Job step, NestedTorchFileJob(StatePath(f.param, "step"), *FindStep(osd)));
+        jobs.push_back(std::move(step));
+      }
+    }
+    return jobs;
+  }
+
+ private:
+  // {'param': the whole tensor, layout keys...}; the vocabulary's true rows
+  // are the first rows, so its producer is the padded tensor's, cut short.
+  Value StateTree(const StateFile& f, std::atomic<int64_t>* read) const {
+    StateTensor st = *LocateState(src_, opt_, f.param, f.state);  // located once at planning
+    const TensorPlan plan = PlanFullTensor(src_, f.layer_index, f.tensor_index, replicated_);
+    Items items;
+    items.emplace_back(Value::String("param"),
+                       MakeProducedTensor(DType::kFloat32, f.shape, RangeProducer(SourceTensor::Of(st.tensor), plan, read)));
+    for (const auto& kv : f.layout) items.push_back(kv);
+    return Value::MakeDict(std::move(items));
+  }
+
+  const LogicalCheckpoint& src_;
+  const SourceOptimizer& opt_;
+  const CheckpointFiles& files_;
+  const ReplicatedPolicy replicated_;
+  const std::vector<StateFile> states_;
+  const bool has_step_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<TargetPlan>> PlanUniversal(const LogicalCheckpoint& src, const SourceOptimizer& opt,
+                                                  const CheckpointFiles& files, ReplicatedPolicy replicated,
+                                                  std::vector<std::string>* notes) {
+  if (opt.format().embedded || !opt.HasMasters()) {
+    return Status::Unsupported("DeepSpeed loads universal checkpoints into ZeRO-1/2 and BF16 optimizers only; "
+                               "this checkpoint keeps its optimizer state in the mp_rank files");
+  }
+  std::vector<StateFile> states;
+  for (const std::string& param : opt.ParamNames()) {
+    for (const std::string& state : opt.states()) {
+      RESHARD_ASSIGN_OR_RETURN(StateFile f, MakeStateFile(src, opt, param, state));
+      states.push_back(std::move(f));
+    }
+  }
+  const Value* osd = Find(opt.Template(), "optimizer_state_dict");
+  if (osd == nullptr) return Status::Internal("the first optimizer shard has no optimizer_state_dict");
+  RESHARD_RETURN_IF_ERROR(OptimizerStateFile(*osd).status());
+  const bool has_step = FindStep(*osd) != nullptr;
+  notes->push_back("universal: " + std::to_string(opt.ParamNames().size()) + " parameters, states " +
+                   Join(opt.states(), ", ") + (has_step ? ", step" : "") +
+                   "; load it with --universal-checkpoint (checkpoint.load_universal)");
+  return std::unique_ptr<TargetPlan>(new UniversalPlan(src, opt, files, replicated, std::move(states), has_step));
+}
+
+}  // namespace reshard
