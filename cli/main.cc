@@ -38,7 +38,8 @@ void AddCommonOptions(CLI::App* cmd, reshard::CommonOptions* o) {
                   "Rule set: a YAML file or a built-in name (default: detected from the checkpoint)");
   cmd->add_option("--allow-class", o->allowed_classes,
                   "Carry an unknown pickled class (module.name) through unchanged; never executed");
-  cmd->add_option("--threads", o->threads, "Worker threads (default: the number of cores)");
+  cmd->add_option("--threads", o->threads, "Worker threads (default: the number of cores)")
+      ->check(CLI::Range(1, 1024));
   cmd->add_option_function<std::vector<std::string>>(
          "--set",
          [o](const std::vector<std::string>& items) {
@@ -219,7 +220,7 @@ int RunRules(const std::string& file) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int Run(int argc, char** argv) {
   CLI::App app{
       "reshard: reshape DeepSpeed / Megatron-DeepSpeed checkpoints between tensor-, pipeline- "
       "and data-parallel layouts, driven by declarative rule files.\n"
@@ -251,9 +252,16 @@ int main(int argc, char** argv) {
   convert_cmd->add_option("OUTPUT", out,
                           "Target tag folder, written exactly here (e.g. out/global_step20)")
       ->required();
-  convert_cmd->add_option("--tp", convert.target_tp, "Target tensor-parallel size")->required();
-  convert_cmd->add_option("--pp", convert.target_pp, "Target pipeline-parallel size")->required();
-  convert_cmd->add_option("--dp", convert.target_dp, "Target data-parallel size (default: the source's)");
+  // Bounds far above any training run, so that a typo cannot ask for a
+  // billion files.
+  convert_cmd->add_option("--tp", convert.target_tp, "Target tensor-parallel size")
+      ->required()
+      ->check(CLI::Range(1, 4096));
+  convert_cmd->add_option("--pp", convert.target_pp, "Target pipeline-parallel size")
+      ->required()
+      ->check(CLI::Range(1, 4096));
+  convert_cmd->add_option("--dp", convert.target_dp, "Target data-parallel size (default: the source's)")
+      ->check(CLI::Range(1, 1 << 20));
   convert_cmd->add_option("--layers-per-stage", convert.layers_per_stage,
                           "Transformer blocks per target stage, e.g. 5,6,6,5 (default: DeepSpeed's partition)")
       ->delimiter(',');
@@ -326,4 +334,17 @@ int main(int argc, char** argv) {
     return RunVerify(ckpt, second, verify);
   }
   return RunRules(rules_file);
+}
+
+int main(int argc, char** argv) {
+  // The engine reports problems as Status; anything thrown past it is a bug
+  // or the system failing under it, and still gets one line, not an abort.
+  try {
+    return Run(argc, argv);
+  } catch (const std::exception& e) {
+    std::cerr << "reshard: error: " << e.what() << " (an internal failure; please report it)\n";
+  } catch (...) {
+    std::cerr << "reshard: error: an unknown internal failure; please report it\n";
+  }
+  return 3;
 }

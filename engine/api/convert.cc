@@ -15,6 +15,7 @@
 #include "exec/output_folder.h"
 #include "formats/format.h"
 #include "reshard/reshard.h"
+#include "util/list_folder.h"
 
 namespace reshard {
 namespace {
@@ -90,8 +91,10 @@ class PhaseClock {
 int64_t FolderBytes(const std::string& dir) {
   namespace fs = std::filesystem;
   int64_t total = 0;
-  std::error_code ec;
-  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+  Result<std::vector<fs::directory_entry>> entries = ListFolder(dir);
+  if (!entries.ok()) return 0;  // only a figure for the report
+  for (const fs::directory_entry& entry : *entries) {
+    std::error_code ec;
     if (entry.is_regular_file(ec)) total += static_cast<int64_t>(entry.file_size(ec));
   }
   return total;
@@ -157,6 +160,7 @@ Status Prepare(const std::string& input, const std::string& output, const WriteO
                Publication publish, const PlanMaker& make_plan, PhaseClock* clock, Prepared* p,
                ConvertReport* report) {
   RESHARD_ASSIGN_OR_RETURN(p->src, OpenCheckpoint(input, options));
+  RESHARD_RETURN_IF_ERROR(CheckVocabSize(*p->src, options.vocab_size));
   report->checkpoint_bytes = FolderBytes(p->src->tag_dir());
   clock->End("load");
   RESHARD_ASSIGN_OR_RETURN(p->plan, make_plan(*p->src, &report->notes));

@@ -1,4 +1,5 @@
 // reshard::Lint: everything `convert` would object to, without writing.
+#include "api/common.h"
 #include "formats/format.h"
 #include "reshard/reshard.h"
 
@@ -13,6 +14,7 @@ bool LintReport::ok() const {
 
 Result<LintReport> Lint(const std::string& checkpoint, const LintOptions& options) {
   RESHARD_ASSIGN_OR_RETURN(std::unique_ptr<SourceCheckpoint> src, OpenCheckpoint(checkpoint, options));
+  RESHARD_RETURN_IF_ERROR(CheckVocabSize(*src, options.vocab_size));
   LintReport report;
   report.summary = src->Summary();
   report.findings = src->findings();

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdio>
 #include <mutex>
+#include <system_error>
 #include <thread>
 
 #include "util/human.h"
@@ -29,7 +30,13 @@ Status RunParallel(size_t n, int threads, const std::function<Status(size_t, int
     }
   };
   std::vector<std::thread> pool;
-  for (int t = 1; t < threads; ++t) pool.emplace_back(worker, t);
+  for (int t = 1; t < threads; ++t) {
+    try {
+      pool.emplace_back(worker, t);
+    } catch (const std::system_error&) {
+      break;  // the process may start no more threads: the ones running share the work
+    }
+  }
   worker(0);
   for (std::thread& t : pool) t.join();
   return first_error;
@@ -97,7 +104,9 @@ int64_t JobBytes(const std::vector<Job>& jobs) {
 
 Status Execute(std::vector<Job>& jobs, const ExecuteOptions& options) {
   Progress progress(static_cast<int64_t>(jobs.size()), JobBytes(jobs), options.progress);
-  const int threads = std::max(1, options.threads);
+  // More workers than jobs would only hold buffers.
+  const int threads = static_cast<int>(std::clamp<size_t>(static_cast<size_t>(std::max(1, options.threads)), 1,
+                                                          std::max<size_t>(1, jobs.size())));
   std::vector<std::vector<uint8_t>> buffers(threads);
   auto run = [&](size_t i, int worker) -> Status {
     std::vector<uint8_t>& buffer = buffers[worker];

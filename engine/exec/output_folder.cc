@@ -22,10 +22,12 @@ bool IsInside(const fs::path& child, const fs::path& parent) {
   return true;
 }
 
+// Absolute, symlinks resolved as far as the path exists, without `.`, `..`
+// or a trailing slash.
 fs::path Canonical(const std::string& path) {
   std::error_code ec;
-  fs::path abs = fs::weakly_canonical(fs::absolute(path, ec), ec);
-  return abs.lexically_normal();
+  fs::path abs = fs::weakly_canonical(fs::absolute(path, ec), ec).lexically_normal();
+  return abs.has_filename() ? abs : abs.parent_path();
 }
 
 // Flushes a file or a folder's entries to the disk: a rename is durable only

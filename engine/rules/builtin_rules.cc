@@ -5,6 +5,7 @@
 #include <filesystem>
 
 #include "rules/rule_set.h"
+#include "util/list_folder.h"
 #include "util/strings.h"
 
 namespace reshard {
@@ -21,14 +22,12 @@ std::string BuiltinRulesDir() {
 
 Result<std::vector<RuleSet>> LoadBuiltinRuleSets() {
   std::string dir = BuiltinRulesDir();
-  std::error_code ec;
+  Result<std::vector<fs::directory_entry>> entries = ListFolder(dir);
+  if (!entries.ok()) return Status::IoError(entries.status().message() + "; set RESHARD_RULES_DIR");
   std::vector<fs::path> files;
-  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+  for (const fs::directory_entry& entry : *entries) {
     if (entry.path().extension() == ".yaml") files.push_back(entry.path());
   }
-  if (ec)
-    return Status::IoError("cannot list rules directory '" + dir + "': " + ec.message() +
-                           "; set RESHARD_RULES_DIR");
   if (files.empty()) return Status::RuleError("no *.yaml rule files in '" + dir + "'; set RESHARD_RULES_DIR");
   std::sort(files.begin(), files.end(),
             [](const fs::path& a, const fs::path& b) { return a.filename() < b.filename(); });

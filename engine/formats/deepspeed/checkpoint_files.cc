@@ -6,6 +6,7 @@
 #include <set>
 
 #include "formats/deepspeed/file_names.h"
+#include "util/list_folder.h"
 
 namespace reshard {
 namespace fs = std::filesystem;
@@ -49,9 +50,11 @@ Result<fs::path> ResolveTagDir(const fs::path& path) {
 // Lists subfolders that look like tags, for the "which one?" hint.
 std::string TagFolderHint(const fs::path& dir) {
   std::vector<std::string> tags;
-  std::error_code ec;
-  for (const auto& entry : fs::directory_iterator(dir, ec)) {
-    if (entry.is_directory() && fs::exists(entry.path() / "mp_rank_00_model_states.pt")) {
+  Result<std::vector<fs::directory_entry>> entries = ListFolder(dir.string());
+  if (!entries.ok()) return "";
+  for (const fs::directory_entry& entry : *entries) {
+    std::error_code ec;
+    if (entry.is_directory(ec) && fs::exists(entry.path() / "mp_rank_00_model_states.pt", ec)) {
       tags.push_back(entry.path().filename().string());
     }
   }
@@ -102,7 +105,10 @@ int CheckpointFiles::LayerTpSize() const {
 Result<CheckpointFiles> ScanCheckpoint(const std::string& path) {
   RESHARD_ASSIGN_OR_RETURN(fs::path tag_dir, ResolveTagDir(fs::path(path)));
   std::error_code ec;
-  tag_dir = fs::absolute(tag_dir, ec).lexically_normal();
+  // Canonical (no symlink, `.`, `..` or trailing slash), so that the root is
+  // the folder that really holds the tag and its `latest`.
+  tag_dir = fs::canonical(tag_dir, ec);
+  if (ec) return Status::IoError("cannot resolve " + path + ": " + ec.message());
   CheckpointFiles files;
   files.tag_dir = tag_dir.string();
   files.tag = tag_dir.filename().string();
@@ -110,15 +116,15 @@ Result<CheckpointFiles> ScanCheckpoint(const std::string& path) {
   for (const char* script : kRootScripts) {
     if (fs::is_regular_file(fs::path(files.root_dir) / script, ec)) files.root_scripts.push_back(script);
   }
-  for (const auto& entry : fs::directory_iterator(tag_dir, ec)) {
+  RESHARD_ASSIGN_OR_RETURN(std::vector<fs::directory_entry> entries, ListFolder(files.tag_dir));
+  for (const fs::directory_entry& entry : entries) {
     const std::string name = entry.path().filename().string();
-    if (entry.is_directory()) {
+    if (entry.is_directory(ec)) {
       files.other_files.push_back(name + "/");
     } else {
       Classify(name, entry.path().string(), &files);
     }
   }
-  if (ec) return Status::IoError("cannot list " + files.tag_dir + ": " + ec.message());
   if (files.mp_rank_files.empty() && !files.IsZero3()) {
     return Status::InvalidInput(files.tag_dir +
                                 " has no mp_rank_*_model_states.pt files, so it is not a DeepSpeed "
