@@ -34,6 +34,10 @@ Result<OutputFolder> CheckOutput(const std::string& input, const SourceCheckpoin
   namespace fs = std::filesystem;
   std::error_code ec;
   const fs::path parent = fs::path(out.path()).parent_path();
+  if (publish != Publication::kNone) {
+    RESHARD_RETURN_IF_ERROR(CheckLatestReplaceable(
+        parent.string(), publish == Publication::kLatest ? "latest" : "latest_universal"));
+  }
   if (publish == Publication::kLatest && fs::equivalent(parent, src.root_dir(), ec)) {
     return Status::InvalidInput("the output folder " + out.path() + " is beside the input in " +
                                 parent.string() + ", whose 'latest' it would replace; choose a "
@@ -185,6 +189,9 @@ Status Execute(Prepared* p, const WriteOptions& options, Publication publish, Ph
                ConvertReport* report) {
   Cluster* cluster = options.cluster;
   RESHARD_ASSIGN_OR_RETURN(p->exec.dir, BeginOutput(&*p->out, cluster));
+  for (const std::string& left : p->out->leftovers()) {
+    report->notes.push_back("removed " + left + ", left beside the output by a run that was killed");
+  }
   Status written = reshard::Execute(p->jobs, p->exec);
   if (written.ok()) written = SyncFiles(p->exec.dir);
   RESHARD_RETURN_IF_ERROR(AllOk(cluster, written));

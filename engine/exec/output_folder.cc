@@ -1,6 +1,8 @@
 #include "exec/output_folder.h"
 
 #include <fcntl.h>
+#include <signal.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -9,6 +11,8 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+
+#include "util/list_folder.h"
 
 namespace reshard {
 namespace fs = std::filesystem;
@@ -42,18 +46,62 @@ Status SyncPath(const fs::path& path, bool directory) {
   return Status::Ok();
 }
 
-Status WriteFileAtomically(const fs::path& path, const std::string& content) {
-  const fs::path tmp = path.string() + ".reshard-tmp-" + std::to_string(::getpid());
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    out << content;
-    if (!out.good()) return Status::IoError("cannot write " + tmp.string());
+// A file written and flushed beside its destination, not yet in place; the
+// destructor removes it unless Publish moved it.
+class PendingFile {
+ public:
+  explicit PendingFile(fs::path path)
+      : path_(std::move(path)), tmp_(path_.string() + ".reshard-tmp-" + std::to_string(::getpid())) {}
+  ~PendingFile() {
+    std::error_code ec;
+    if (!published_) fs::remove(tmp_, ec);
   }
-  RESHARD_RETURN_IF_ERROR(SyncPath(tmp, false));
-  std::error_code ec;
-  fs::rename(tmp, path, ec);
-  if (ec) return Status::IoError("cannot rename " + tmp.string() + " to " + path.string() + ": " + ec.message());
-  return SyncPath(path.parent_path(), true);
+  PendingFile(const PendingFile&) = delete;
+  PendingFile& operator=(const PendingFile&) = delete;
+
+  Status Write(const std::string& content) {
+    std::error_code ec;
+    if (fs::is_directory(path_, ec)) {
+      return Status::IoError("cannot replace " + path_.string() + ": it is a folder; move it away");
+    }
+    {
+      std::ofstream out(tmp_, std::ios::trunc);
+      out << content;
+      if (!out.good()) return Status::IoError("cannot write " + tmp_.string());
+    }
+    return SyncPath(tmp_, false);
+  }
+
+  Status Publish() {
+    std::error_code ec;
+    fs::rename(tmp_, path_, ec);
+    if (ec) return Status::IoError("cannot rename " + tmp_.string() + " to " + path_.string() + ": " + ec.message());
+    published_ = true;
+    return SyncPath(path_.parent_path(), true);
+  }
+
+ private:
+  const fs::path path_, tmp_;
+  bool published_ = false;
+};
+
+Status WriteFileAtomically(const fs::path& path, const std::string& content) {
+  PendingFile file(path);
+  RESHARD_RETURN_IF_ERROR(file.Write(content));
+  return file.Publish();
+}
+
+// `<base>.reshard-partial-<pid>` / `.reshard-old-<pid>` beside OUT whose
+// process is gone: what a killed run left.
+bool IsLeftover(const std::string& name, const std::string& base) {
+  for (const char* kind : {".reshard-partial-", ".reshard-old-"}) {
+    const std::string prefix = base + kind;
+    if (name.rfind(prefix, 0) != 0) continue;
+    const std::string pid = name.substr(prefix.size());
+    if (pid.empty() || pid.find_first_not_of("0123456789") != std::string::npos) return false;
+    return ::kill(static_cast<pid_t>(std::stol(pid)), 0) != 0 && errno == ESRCH;
+  }
+  return false;
 }
 
 }  // namespace
@@ -65,14 +113,64 @@ OutputFolder::OutputFolder(std::string out) : out_(std::move(out)) {
 OutputFolder::OutputFolder(OutputFolder&& other) noexcept
     : out_(std::move(other.out_)),
       staging_(std::move(other.staging_)),
-      committed_(other.committed_) {
+      overwrite_(other.overwrite_),
+      committed_(other.committed_),
+      lock_fd_(other.lock_fd_),
+      leftovers_(std::move(other.leftovers_)) {
   other.committed_ = true;  // the moved-from object owns nothing
+  other.lock_fd_ = -1;
 }
 
 OutputFolder::~OutputFolder() {
-  if (committed_ || staging_.empty()) return;
   std::error_code ec;
-  fs::remove_all(staging_, ec);
+  if (!committed_ && !staging_.empty()) fs::remove_all(staging_, ec);
+  Unlock();
+}
+
+std::string OutputFolder::LockPath() const {
+  const fs::path out(out_);
+  return (out.parent_path() / ("." + out.filename().string() + ".reshard-lock")).string();
+}
+
+Status OutputFolder::Lock() {
+  const std::string path = LockPath();
+  lock_fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (lock_fd_ < 0) return Status::IoError("cannot create " + path + ": " + std::strerror(errno));
+  if (::flock(lock_fd_, LOCK_EX | LOCK_NB) != 0) {
+    ::close(lock_fd_);
+    lock_fd_ = -1;
+    return Status::InvalidInput("another reshard is writing " + out_ + " (it holds " + path +
+                                "); wait for it to finish or choose another output folder");
+  }
+  return Status::Ok();
+}
+
+void OutputFolder::Unlock() {
+  if (lock_fd_ < 0) return;
+  ::unlink(LockPath().c_str());  // while still held, so no other run takes a removed file
+  ::close(lock_fd_);
+  lock_fd_ = -1;
+}
+
+Status OutputFolder::CheckStillEmpty() const {
+  std::error_code ec;
+  if (overwrite_ || !fs::exists(out_, ec) || fs::is_empty(out_, ec)) return Status::Ok();
+  return Status::InvalidInput("the output folder " + out_ +
+                              " is no longer empty (something wrote into it during this run); "
+                              "pass --overwrite to replace it");
+}
+
+void OutputFolder::RemoveLeftovers() {
+  const fs::path out(out_);
+  Result<std::vector<fs::directory_entry>> entries = ListFolder(out.parent_path().string());
+  if (!entries.ok()) return;
+  for (const fs::directory_entry& entry : *entries) {
+    const std::string name = entry.path().filename().string();
+    if (!IsLeftover(name, out.filename().string())) continue;
+    std::error_code ec;
+    fs::remove_all(entry.path(), ec);
+    if (!ec) leftovers_.push_back(name);
+  }
 }
 
 Result<OutputFolder> OutputFolder::Check(const std::string& out, const std::vector<std::string>& inputs,
@@ -97,13 +195,18 @@ Result<OutputFolder> OutputFolder::Check(const std::string& out, const std::vect
                                   " is not empty; pass --overwrite to replace it");
     }
   }
-  return OutputFolder(target.string());
+  OutputFolder folder(target.string());
+  folder.overwrite_ = overwrite;
+  return folder;
 }
 
 Status OutputFolder::Begin() {
   std::error_code ec;
   fs::create_directories(fs::path(out_).parent_path(), ec);
   if (ec) return Status::IoError("cannot create " + fs::path(out_).parent_path().string() + ": " + ec.message());
+  RESHARD_RETURN_IF_ERROR(Lock());
+  RESHARD_RETURN_IF_ERROR(CheckStillEmpty());
+  RemoveLeftovers();
   fs::remove_all(staging_, ec);
   fs::create_directory(staging_, ec);
   if (ec) return Status::IoError("cannot create " + staging_ + ": " + ec.message());
@@ -113,18 +216,23 @@ Status OutputFolder::Begin() {
 Status OutputFolder::Commit() {
   // The files were flushed by SyncFiles; their names are flushed here.
   RESHARD_RETURN_IF_ERROR(SyncPath(staging_, true));
+  RESHARD_RETURN_IF_ERROR(CheckStillEmpty());
   std::error_code ec;
-  const std::string old = out_ + ".reshard-old-" + std::to_string(::getpid());
-  const bool replace = fs::exists(out_, ec);
-  if (replace) {
-    fs::rename(out_, old, ec);
-    if (ec) return Status::IoError("cannot move the old " + out_ + " aside: " + ec.message());
+  if (fs::exists(out_, ec)) {
+    // One atomic exchange: at every instant OUT is the old folder or the new.
+    if (::renameat2(AT_FDCWD, staging_.c_str(), AT_FDCWD, out_.c_str(), RENAME_EXCHANGE) != 0) {
+      return Status::IoError("cannot exchange " + staging_ + " with " + out_ + ": " + std::strerror(errno));
+    }
+    committed_ = true;
+    fs::remove_all(staging_, ec);  // now the old OUT
+  } else {
+    fs::rename(staging_, out_, ec);
+    if (ec) return Status::IoError("cannot rename " + staging_ + " to " + out_ + ": " + ec.message());
+    committed_ = true;
   }
-  fs::rename(staging_, out_, ec);
-  if (ec) return Status::IoError("cannot rename " + staging_ + " to " + out_ + ": " + ec.message());
-  committed_ = true;
-  if (replace) fs::remove_all(old, ec);
-  return SyncPath(fs::path(out_).parent_path(), true);
+  RESHARD_RETURN_IF_ERROR(SyncPath(fs::path(out_).parent_path(), true));
+  Unlock();
+  return Status::Ok();
 }
 
 Status SyncFiles(const std::string& dir) {
@@ -149,13 +257,29 @@ Result<bool> CopyIntoRoot(const std::string& from, const std::string& root) {
   return true;
 }
 
+Status CheckLatestReplaceable(const std::string& root, const std::string& file) {
+  for (const std::string& name : {file, std::string("latest_checkpointed_iteration.txt")}) {
+    std::error_code ec;
+    const fs::path path = fs::path(root) / name;
+    if (fs::is_directory(path, ec)) {
+      return Status::InvalidInput("cannot replace " + path.string() + ": it is a folder; move it away");
+    }
+  }
+  return Status::Ok();
+}
+
 Status UpdateLatest(const std::string& root, const std::string& tag,
                     std::optional<int64_t> iteration, const std::string& file) {
+  // Both written before either is renamed, so a failure writing them
+  // changes nothing; `latest` goes last.
+  PendingFile latest(fs::path(root) / file);
+  RESHARD_RETURN_IF_ERROR(latest.Write(tag));
   if (iteration) {
-    RESHARD_RETURN_IF_ERROR(WriteFileAtomically(fs::path(root) / "latest_checkpointed_iteration.txt",
-                                                std::to_string(*iteration)));
+    PendingFile iteration_file(fs::path(root) / "latest_checkpointed_iteration.txt");
+    RESHARD_RETURN_IF_ERROR(iteration_file.Write(std::to_string(*iteration)));
+    RESHARD_RETURN_IF_ERROR(iteration_file.Publish());
   }
-  return WriteFileAtomically(fs::path(root) / file, tag);
+  return latest.Publish();
 }
 
 }  // namespace reshard

@@ -29,19 +29,33 @@ class OutputFolder {
   OutputFolder& operator=(OutputFolder&&) = delete;
   ~OutputFolder();  // removes the staging folder unless committed
 
-  // Creates the staging folder (and OUT's parents).
+  // Takes the lock on OUT (a second run writing OUT is refused until this
+  // one ends), re-checks that OUT is still empty, removes what killed runs
+  // left beside OUT, and creates the staging folder (and OUT's parents).
   Status Begin();
   const std::string& staging_dir() const { return staging_; }
-  // Moves the staging folder to OUT (replacing an old OUT when overwriting).
+  // Moves the staging folder to OUT: a rename, or with an old OUT one atomic
+  // exchange, after which the old folder is removed. Releases the lock.
   Status Commit();
 
   const std::string& path() const { return out_; }
+  // The staging folders of killed runs that Begin removed (names in OUT's parent).
+  const std::vector<std::string>& leftovers() const { return leftovers_; }
 
  private:
   explicit OutputFolder(std::string out);
+  std::string LockPath() const;  // `.<OUT name>.reshard-lock` beside OUT
+  Status Lock();
+  void Unlock();
+  Status CheckStillEmpty() const;
+  void RemoveLeftovers();
+
   std::string out_;
   std::string staging_;
+  bool overwrite_ = false;
   bool committed_ = false;
+  int lock_fd_ = -1;
+  std::vector<std::string> leftovers_;
 };
 
 // Flushes every file written into `dir` (a staging folder) to the disk. One
@@ -54,6 +68,10 @@ Status SyncFiles(const std::string& dir);
 // unless `root` has a file of that name already (it is left alone).
 // Returns whether it copied.
 Result<bool> CopyIntoRoot(const std::string& from, const std::string& root);
+
+// Refuses before anything is written when `<root>/<file>` (or the
+// iteration file beside it) could not be replaced: a folder stands there.
+Status CheckLatestReplaceable(const std::string& root, const std::string& file);
 
 // Writes `<root>/<file>` = tag and, when `iteration` is given,
 // `<root>/latest_checkpointed_iteration.txt`, each atomically.
