@@ -628,11 +628,14 @@ class PolicyTest(OptimizerTestCase):
         cfg, tmp, a_tag = self.drifted_masters(EPS)
         proc = run('convert', a_tag, os.path.join(tmp, 'b', cfg.tag), '--tp', 1, '--pp', 1)
         self.assert_refused(proc, 'input_layernorm', '--replicated')
-        # Like drifted weights, `lint` lists what convert would refuse.
-        proc = run('lint', a_tag)
-        warnings = [line for line in proc.stdout.splitlines() if line.startswith('warning:')]
-        self.assertTrue(any('input_layernorm' in line for line in warnings),
-                        f'lint does not list the drifted optimizer state:\n{proc.stdout}')
+        # Like drifted weights, `lint` lists what convert would refuse: as errors under the same
+        # default policy, as warnings when told to merge.
+        for options, tag, code in (((), 'error:', 1), (('--replicated', 'first'), 'warning:', 0)):
+            proc = run('lint', a_tag, *options)
+            self.assertEqual(proc.returncode, code, proc.stdout + proc.stderr)
+            listed = [line for line in proc.stdout.splitlines() if line.startswith(tag)]
+            self.assertTrue(any('input_layernorm' in line for line in listed),
+                            f'lint {options} does not list the drifted optimizer state:\n{proc.stdout}')
 
     def test_master_drift_first_and_average(self):
         cfg, tmp, a_tag = self.drifted_masters(EPS)
