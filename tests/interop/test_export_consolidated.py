@@ -11,6 +11,8 @@ fp32 master whole, found by `param_slice_mappings`. Neither is written by reshar
 * `--max-shard-size` splits into model-0000K-of-0000N.safetensors plus an index whose weight map
   names every tensor's file, and the union equals the single file;
 * `--format pt` writes a torch.save file torch.load reads back to the same tensors;
+* non-pipeline ZeRO-2 and ZeRO-3 folders (HF Trainer style) export under the module's own names,
+  equal to the fixture oracle's fp32 masters (and buffers, where the checkpoint keeps them);
 * refusals: drifted replicas under the default --replicated check, an unknown vocabulary size;
   nothing is written.
 
@@ -22,6 +24,8 @@ import os
 import struct
 
 import torch
+
+from fixtures import deepspeed_nonpipe as dn
 
 import interop_support as support
 from interop_support import FixtureTestCase, make_fixture, rewrite
@@ -138,6 +142,26 @@ class ExportConsolidatedTest(FixtureTestCase):
         self.assertEqual(os.listdir(out), ['pytorch_model.bin'])
         got = torch.load(os.path.join(out, 'pytorch_model.bin'))
         self.assertSameTensors(dict(got), masters)
+
+    def test_non_pipeline_and_zero3_under_module_names(self):
+        """HF-Trainer-style folders: the module's own names, masters from the oracle's model."""
+        for stage in (2, 3):
+            with self.subTest(zero_stage=stage):
+                cfg = dn.NonPipeConfig(zero_stage=stage, dtype='bf16', dp=2, L=2, n_heads=4, n_kv=2,
+                                       head_dim=16, ffn=64, h=64, V=128)
+                src = self.path(f'z{stage}')
+                dn.write_nonpipe(src, cfg)
+                out = self.path(f'z{stage}_out')
+                p = run('export', src, out, '--to', 'consolidated')
+                self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+                got, _ = read_safetensors(os.path.join(out, 'model.safetensors'))
+                want = dn.expected_nonpipe_state(cfg)
+                expected = dict(want['fp32'])
+                if stage == 3:
+                    self.assertIn('lists its fp32 masters only', p.stdout)
+                else:
+                    expected.update(want['buffers'])  # stored in the training dtype, as saved
+                self.assertSameTensors(got, expected)
 
     def test_refusals_write_nothing(self):
         drifted = make_fixture(self.path('drifted'), tp=2, pp=2, dp=2, tp_drift_eps=0.01, **MODEL)

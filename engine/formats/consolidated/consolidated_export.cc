@@ -1,5 +1,6 @@
 #include "formats/consolidated/consolidated_export.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <map>
@@ -57,12 +58,24 @@ class TensorChoice {
   }
 
   Result<std::vector<ExportTensor>> Choose(const std::string& kind, std::vector<std::string>* notes) const {
+    // A source that lists no weights (ZeRO-3 keeps only placeholders) gives
+    // its masters as the weights.
+    const bool has_weights = std::any_of(all_.begin(), all_.end(),
+                                         [](const FullTensor& t) { return t.section == "weights"; });
+    if (!has_weights && options_.from_weights) {
+      return Status::InvalidInput("a " + kind + " checkpoint keeps its weights only as fp32 masters; "
+                                  "drop --weights-only");
+    }
+    if (!has_weights && !masters_.empty()) {
+      notes->push_back("consolidated: a " + kind + " checkpoint lists its fp32 masters only; buffers and "
+                       "frozen parameters, where it has any, are not exported");
+    }
     std::vector<ExportTensor> out;
     std::set<std::string> seen;
     int from_masters = 0;
     for (size_t i = 0; i < all_.size(); ++i) {
       const FullTensor& w = all_[i];
-      if (w.section != "weights") continue;
+      if (w.section != "weights" && !(!has_weights && w.state == kFp32Master)) continue;
       if (!seen.insert(w.param).second) {
         return Status::Unsupported("a " + kind + " checkpoint lists " + w.param +
                                    " once per rank, not whole; consolidated export reads "
