@@ -339,6 +339,7 @@ int Run(int argc, char** argv) {
 int main(int argc, char** argv) {
   // The engine reports problems as Status; anything thrown past it is a bug
   // or the system failing under it, and still gets one line, not an abort.
+  reshard::CleanUpOnSignals();
   try {
     return Run(argc, argv);
   } catch (const std::exception& e) {

@@ -10,6 +10,8 @@
 
 #include <filesystem>
 #include <fstream>
+#include <mutex>
+#include <set>
 #include <sstream>
 
 #include "util/list_folder.h"
@@ -104,7 +106,32 @@ bool IsLeftover(const std::string& name, const std::string& base) {
   return false;
 }
 
+// The staging folders and lock files of outputs in progress, for
+// RemoveStagingFolders.
+std::mutex staging_mu;
+std::set<std::string>& StagingFolders() {
+  static std::set<std::string>* folders = new std::set<std::string>;  // never destroyed: used at exit
+  return *folders;
+}
+
+void Track(const std::string& path, bool in_progress) {
+  std::lock_guard<std::mutex> lock(staging_mu);
+  if (in_progress) {
+    StagingFolders().insert(path);
+  } else {
+    StagingFolders().erase(path);
+  }
+}
+
 }  // namespace
+
+void RemoveStagingFolders() {
+  std::lock_guard<std::mutex> lock(staging_mu);
+  for (const std::string& staging : StagingFolders()) {
+    std::error_code ec;
+    fs::remove_all(staging, ec);
+  }
+}
 
 OutputFolder::OutputFolder(std::string out) : out_(std::move(out)) {
   staging_ = out_ + ".reshard-partial-" + std::to_string(::getpid());
@@ -123,7 +150,10 @@ OutputFolder::OutputFolder(OutputFolder&& other) noexcept
 
 OutputFolder::~OutputFolder() {
   std::error_code ec;
-  if (!committed_ && !staging_.empty()) fs::remove_all(staging_, ec);
+  if (!committed_ && !staging_.empty()) {
+    fs::remove_all(staging_, ec);
+    Track(staging_, false);
+  }
   Unlock();
 }
 
@@ -142,12 +172,14 @@ Status OutputFolder::Lock() {
     return Status::InvalidInput("another reshard is writing " + out_ + " (it holds " + path +
                                 "); wait for it to finish or choose another output folder");
   }
+  Track(path, true);
   return Status::Ok();
 }
 
 void OutputFolder::Unlock() {
   if (lock_fd_ < 0) return;
   ::unlink(LockPath().c_str());  // while still held, so no other run takes a removed file
+  Track(LockPath(), false);
   ::close(lock_fd_);
   lock_fd_ = -1;
 }
@@ -208,6 +240,7 @@ Status OutputFolder::Begin() {
   RESHARD_RETURN_IF_ERROR(CheckStillEmpty());
   RemoveLeftovers();
   fs::remove_all(staging_, ec);
+  Track(staging_, true);
   fs::create_directory(staging_, ec);
   if (ec) return Status::IoError("cannot create " + staging_ + ": " + ec.message());
   return Status::Ok();
@@ -224,11 +257,13 @@ Status OutputFolder::Commit() {
       return Status::IoError("cannot exchange " + staging_ + " with " + out_ + ": " + std::strerror(errno));
     }
     committed_ = true;
+    Track(staging_, false);
     fs::remove_all(staging_, ec);  // now the old OUT
   } else {
     fs::rename(staging_, out_, ec);
     if (ec) return Status::IoError("cannot rename " + staging_ + " to " + out_ + ": " + ec.message());
     committed_ = true;
+    Track(staging_, false);
   }
   RESHARD_RETURN_IF_ERROR(SyncPath(fs::path(out_).parent_path(), true));
   Unlock();

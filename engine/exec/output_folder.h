@@ -58,6 +58,10 @@ class OutputFolder {
   std::vector<std::string> leftovers_;
 };
 
+// Removes the staging folders and lock files of every OutputFolder begun
+// and not yet committed or destroyed in this process (for an interrupted run).
+void RemoveStagingFolders();
+
 // Flushes every file written into `dir` (a staging folder) to the disk. One
 // flush of the file system after all writes lets the kernel write back in
 // bulk; a flush per file would wait for the disk between files. Every

@@ -150,6 +150,13 @@ struct ConvertReport {
   double seconds = 0;
 };
 
+// Makes an interrupted run leave nothing behind: on SIGINT, SIGTERM or
+// SIGHUP the staging folders of outputs in progress are removed before the
+// process dies of the signal, and a file-size limit (SIGXFSZ) fails the
+// write that hits it with a clean error instead of killing the process.
+// Call once from main, before any other thread starts.
+void CleanUpOnSignals();
+
 // Writes the export into `output` (a new folder), atomically. The report is
 // convert's: files, bytes, memory, phases.
 Result<ConvertReport> Export(const std::string& input, const std::string& output,

@@ -7,6 +7,8 @@
 * `--overwrite` replaces OUT in one exchange and leaves nothing beside it.
 * What a killed run left beside OUT (its staging folder) is removed by the next run, and said.
 * A second run writing the same OUT while one holds it is refused.
+* SIGINT, SIGTERM or SIGHUP during a conversion: the process dies of the signal and leaves
+  nothing beside OUT; a file-size limit (SIGXFSZ) is a clean I/O error.
 * When `latest` cannot be replaced, the run is refused before writing anything: the root's state
   (latest_checkpointed_iteration.txt included) is unchanged and no temporary file is left.
 
@@ -17,6 +19,9 @@ Run: /usr/bin/python3 tests/interop/test_output_safety.py --reshard build/reshar
 import fcntl
 import hashlib
 import os
+import signal
+import subprocess
+import time
 
 import interop_support as support
 from interop_support import FixtureTestCase, make_fixture
@@ -127,6 +132,35 @@ class OutputSafetyTest(FixtureTestCase):
         with open(os.path.join(out_root, 'latest_checkpointed_iteration.txt')) as f:
             self.assertEqual(f.read(), '5')
         self.assertEqual(sorted(n for n in os.listdir(out_root) if 'reshard-tmp' in n), [])
+
+    def test_interrupted_runs_leave_nothing(self):
+        # Big enough that the run is still writing when the signal comes (~100 MB of tensors).
+        tag = make_fixture(self.path('big'), **dict(MODEL, h=512, ffn=1024, n=8, V=8192, L=4))
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            with self.subTest(signal=sig.name):
+                out = self.path(f'out_{sig.name}', 'global_step10')
+                proc = subprocess.Popen([support.RESHARD, 'convert', tag, out, '--tp', '1', '--pp', '1',
+                                         '--threads', '1', '--max-memory', '256MiB', '-q'],
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                parent = os.path.dirname(out)
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline and not (
+                        os.path.isdir(parent) and any('reshard-partial' in n for n in os.listdir(parent))):
+                    time.sleep(0.002)
+                proc.send_signal(sig)
+                proc.communicate(timeout=60)
+                if proc.returncode == 0:
+                    self.skipTest('the conversion finished before the signal')
+                self.assertEqual(proc.returncode, -sig)  # it dies of the signal
+                self.assertEqual(os.listdir(parent), [], f'{sig.name} left {os.listdir(parent)}')
+
+    def test_file_size_limit_is_a_clean_error(self):
+        out = self.path('out', 'global_step10')
+        limit = 'ulimit -f 100 && exec "$@"'  # 100 blocks of 512 bytes: the first big file fails
+        p = subprocess.run(['sh', '-c', limit, 'sh', support.RESHARD, 'convert', self.tag, out,
+                            '--tp', '1', '--pp', '1', '-q'], capture_output=True, text=True, timeout=120)
+        self.assertRefused(p, 'File too large', code=3)
+        self.assertEqual(os.listdir(self.path('out')) if os.path.exists(self.path('out')) else [], [])
 
 
 if __name__ == '__main__':
