@@ -10,6 +10,7 @@
 
 #include "api/common.h"
 #include "reshard/cluster.h"
+#include "container/mapped_file.h"
 #include "exec/executor.h"
 #include "exec/memory_budget.h"
 #include "exec/output_folder.h"
@@ -194,6 +195,7 @@ Status Execute(Prepared* p, const WriteOptions& options, Publication publish, Ph
   }
   Status written = reshard::Execute(p->jobs, p->exec);
   if (written.ok()) written = SyncFiles(p->exec.dir);
+  if (written.ok()) written = CheckMappedFilesUnchanged();
   RESHARD_RETURN_IF_ERROR(AllOk(cluster, written));
   clock->End("write");
   report->bytes_written = WrittenBytes(p->exec.dir, p->jobs);

@@ -9,12 +9,14 @@
 
 #include <thread>
 
+#include "container/mapped_file.h"
 #include "exec/output_folder.h"
 #include "reshard/reshard.h"
 
 namespace reshard {
 
 void CleanUpOnSignals() {
+  ReportBusErrorsOnMappedFiles();
   // Writes past RLIMIT_FSIZE then fail with EFBIG, reported like any I/O error.
   ::signal(SIGXFSZ, SIG_IGN);
   sigset_t set;

@@ -1,15 +1,105 @@
 #include "container/mapped_file.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <cerrno>
 #include <algorithm>
+#include <atomic>
+#include <cerrno>
 #include <cstring>
+#include <mutex>
 
 namespace reshard {
+namespace {
+
+// Every file mapped in this process, for the SIGBUS handler (which may only
+// read) and for CheckMappedFilesUnchanged. Append-only with a fixed capacity,
+// so the handler never sees a half-moved table; an unmapped file's entry is
+// cleared, not removed.
+struct MappedEntry {
+  std::atomic<uintptr_t> begin{0}, end{0};
+  const char* path = nullptr;  // never freed: the handler may still read it
+  off_t size = 0;
+  struct timespec mtime = {};
+};
+constexpr size_t kMaxMapped = 1 << 16;
+MappedEntry mapped_files[kMaxMapped];
+std::atomic<size_t> mapped_count{0};
+std::mutex mapped_mu;  // writers only
+
+void Register(const uint8_t* data, size_t size, const std::string& path, const struct stat& st) {
+  std::lock_guard<std::mutex> lock(mapped_mu);
+  const size_t i = mapped_count.load();
+  if (i == kMaxMapped) return;  // beyond: no report, but still correct
+  MappedEntry& e = mapped_files[i];
+  e.path = ::strdup(path.c_str());
+  e.size = st.st_size;
+  e.mtime = st.st_mtim;
+  e.end = reinterpret_cast<uintptr_t>(data) + size;
+  e.begin = reinterpret_cast<uintptr_t>(data);
+  mapped_count = i + 1;
+}
+
+void Unregister(const uint8_t* data) {
+  std::lock_guard<std::mutex> lock(mapped_mu);
+  for (size_t i = 0; i < mapped_count.load(); ++i) {
+    if (mapped_files[i].begin == reinterpret_cast<uintptr_t>(data)) mapped_files[i].begin = mapped_files[i].end = 0;
+  }
+}
+
+void WriteAll(const char* s) {
+  for (size_t n = std::strlen(s); n > 0;) {
+    const ssize_t done = ::write(STDERR_FILENO, s, n);
+    if (done <= 0) return;
+    s += done;
+    n -= static_cast<size_t>(done);
+  }
+}
+
+void OnBusError(int sig, siginfo_t* info, void*) {
+  const uintptr_t at = reinterpret_cast<uintptr_t>(info->si_addr);
+  for (size_t i = 0; i < mapped_count.load(); ++i) {
+    const MappedEntry& e = mapped_files[i];
+    if (at >= e.begin && at < e.end) {
+      WriteAll("reshard: error: ");
+      WriteAll(e.path);
+      WriteAll(" shrank while reshard was reading it; nothing was published; rerun when nothing "
+               "writes to the checkpoint\n");
+      ::_exit(3);
+    }
+  }
+  ::signal(sig, SIG_DFL);  // not a mapped file: a bug, die of it
+  ::raise(sig);
+}
+
+}  // namespace
+
+Status CheckMappedFilesUnchanged() {
+  std::lock_guard<std::mutex> lock(mapped_mu);
+  for (size_t i = 0; i < mapped_count.load(); ++i) {
+    const MappedEntry& e = mapped_files[i];
+    if (e.begin == 0) continue;
+    struct stat st;
+    const bool same = ::stat(e.path, &st) == 0 && st.st_size == e.size &&
+                      st.st_mtim.tv_sec == e.mtime.tv_sec && st.st_mtim.tv_nsec == e.mtime.tv_nsec;
+    if (!same) {
+      return Status::IoError(std::string(e.path) + " changed while reshard was reading it; nothing was "
+                             "published; rerun when nothing writes to the checkpoint");
+    }
+  }
+  return Status::Ok();
+}
+
+void ReportBusErrorsOnMappedFiles() {
+  struct sigaction action = {};
+  action.sa_sigaction = OnBusError;
+  action.sa_flags = SA_SIGINFO;
+  sigemptyset(&action.sa_mask);
+  ::sigaction(SIGBUS, &action, nullptr);
+}
 
 Result<std::shared_ptr<const MappedFile>> MappedFile::Open(const std::string& path) {
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -30,13 +120,16 @@ Result<std::shared_ptr<const MappedFile>> MappedFile::Open(const std::string& pa
       return Status::IoError("cannot map " + path + ": " + std::strerror(err));
     }
     data = static_cast<const uint8_t*>(p);
+    Register(data, size, path, st);
   }
   ::close(fd);  // the mapping stays valid without the descriptor
   return std::shared_ptr<const MappedFile>(new MappedFile(path, data, size));
 }
 
 MappedFile::~MappedFile() {
-  if (data_ != nullptr) ::munmap(const_cast<uint8_t*>(data_), size_);
+  if (data_ == nullptr) return;
+  Unregister(data_);
+  ::munmap(const_cast<uint8_t*>(data_), size_);
 }
 
 void TouchedPages::Note(const ByteView& view, const uint8_t* data, size_t n) {

@@ -32,6 +32,15 @@ class MappedFile {
   size_t size_;
 };
 
+// Whether every file mapped now is as it was when it was mapped (size and
+// modification time): a checkpoint rewritten under a run must not yield an
+// output that looks good.
+Status CheckMappedFilesUnchanged();
+
+// Makes a read past the end of a mapped file that shrank under the run
+// (SIGBUS) end the process with one line naming the file, exit status 3.
+void ReportBusErrorsOnMappedFiles();
+
 // The pages of mapped source bytes one piece of work has read, so that they
 // can be released when it is done: mapped pages count as the process's
 // resident memory until dropped, and a conversion reads the whole checkpoint.

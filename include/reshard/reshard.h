@@ -153,7 +153,9 @@ struct ConvertReport {
 // Makes an interrupted run leave nothing behind: on SIGINT, SIGTERM or
 // SIGHUP the staging folders of outputs in progress are removed before the
 // process dies of the signal, and a file-size limit (SIGXFSZ) fails the
-// write that hits it with a clean error instead of killing the process.
+// write that hits it with a clean error instead of killing the process. An
+// input file that shrinks under the run (SIGBUS) ends it with one line
+// naming the file.
 // Call once from main, before any other thread starts.
 void CleanUpOnSignals();
 

@@ -9,6 +9,8 @@
 * A second run writing the same OUT while one holds it is refused.
 * SIGINT, SIGTERM or SIGHUP during a conversion: the process dies of the signal and leaves
   nothing beside OUT; a file-size limit (SIGXFSZ) is a clean I/O error.
+* An input file that shrinks or is rewritten during the run: exit 3, a line naming it, OUT not
+  published (a read past the new end is a SIGBUS, reported; other changes are found at commit).
 * When `latest` cannot be replaced, the run is refused before writing anything: the root's state
   (latest_checkpointed_iteration.txt included) is unchanged and no temporary file is left.
 
@@ -134,25 +136,47 @@ class OutputSafetyTest(FixtureTestCase):
         self.assertEqual(sorted(n for n in os.listdir(out_root) if 'reshard-tmp' in n), [])
 
     def test_interrupted_runs_leave_nothing(self):
-        # Big enough that the run is still writing when the signal comes (~100 MB of tensors).
-        tag = make_fixture(self.path('big'), **dict(MODEL, h=512, ffn=1024, n=8, V=8192, L=4))
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             with self.subTest(signal=sig.name):
-                out = self.path(f'out_{sig.name}', 'global_step10')
-                proc = subprocess.Popen([support.RESHARD, 'convert', tag, out, '--tp', '1', '--pp', '1',
-                                         '--threads', '1', '--max-memory', '256MiB', '-q'],
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                proc, out, _ = self.start_big_conversion(sig.name)
                 parent = os.path.dirname(out)
-                deadline = time.monotonic() + 30
-                while time.monotonic() < deadline and not (
-                        os.path.isdir(parent) and any('reshard-partial' in n for n in os.listdir(parent))):
-                    time.sleep(0.002)
                 proc.send_signal(sig)
                 proc.communicate(timeout=60)
                 if proc.returncode == 0:
                     self.skipTest('the conversion finished before the signal')
                 self.assertEqual(proc.returncode, -sig)  # it dies of the signal
                 self.assertEqual(os.listdir(parent), [], f'{sig.name} left {os.listdir(parent)}')
+
+    def start_big_conversion(self, name):
+        """A conversion still writing when this returns: (process, OUT, the tag it reads)."""
+        tag = make_fixture(self.path(name), **dict(MODEL, h=512, ffn=1024, n=8, V=8192, L=4))
+        out = self.path(f'{name}_out', 'global_step10')
+        proc = subprocess.Popen([support.RESHARD, 'convert', tag, out, '--tp', '1', '--pp', '1',
+                                 '--threads', '1', '--max-memory', '256MiB', '-q'],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        parent = os.path.dirname(out)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not (
+                os.path.isdir(parent) and any('reshard-partial' in n for n in os.listdir(parent))):
+            time.sleep(0.002)
+        return proc, out, tag
+
+    def test_an_input_changed_during_the_run_is_not_published(self):
+        for change in ('shrink', 'touch'):
+            with self.subTest(change=change):
+                proc, out, tag = self.start_big_conversion(change)
+                victim = os.path.join(tag, 'layer_01-model_01-model_states.pt')  # the embedding, read late
+                if change == 'shrink':
+                    os.truncate(victim, 4096)
+                else:
+                    os.utime(victim, ns=(time.time_ns(), time.time_ns() + 10 ** 9))
+                _, err = proc.communicate(timeout=120)
+                if proc.returncode == 0:
+                    self.skipTest('the conversion finished before the change')
+                self.assertEqual(proc.returncode, 3, err)
+                self.assertIn(victim, err)
+                self.assertIn('while reshard was reading it; nothing was published', err)
+                self.assertFalse(os.path.exists(out))
 
     def test_file_size_limit_is_a_clean_error(self):
         out = self.path('out', 'global_step10')
