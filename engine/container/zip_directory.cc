@@ -152,8 +152,10 @@ Status Parser::ReadEntry(const End& end, uint64_t* at, Entry* e) const {
   e->size = Le(p + 24, 4);
   e->local = Le(p + 42, 4);
   e->name.assign(reinterpret_cast<const char*>(p + kCentralSize), name_length);
-  if (!ApplyZip64(p + kCentralSize + name_length, extra_length, {&e->size, &e->compressed, &e->local})) {
-    return RecordError(e->name, "lacks the ZIP64 sizes its directory entry calls for; the file is damaged");
+  const uint8_t* extra = p + kCentralSize + name_length;
+  if (!ApplyZip64(extra, extra_length, {&e->size, &e->compressed, &e->local})) {
+    return RecordError(e->name, "lacks the ZIP64 sizes its directory entry calls for; the file "
+                                "is damaged");
   }
   *at += length;
   return Status::Ok();
@@ -161,7 +163,7 @@ Status Parser::ReadEntry(const End& end, uint64_t* at, Entry* e) const {
 
 // The entry's local header agrees with it and its data lies before the
 // directory. torch.save's local headers leave the sizes and CRC to a data
-// descriptor after the data; reshard's give them.
+// descriptor after the data (and hold zeros); reshard's give them.
 Status Parser::CheckEntry(const Entry& e, const End& end, ZipRecord* record) const {
   if (e.flags & kEncrypted) return RecordError(e.name, "is encrypted, which torch.save never does");
   if (e.method != 0 || e.compressed != e.size) {
@@ -169,26 +171,32 @@ Status Parser::CheckEntry(const Entry& e, const End& end, ZipRecord* record) con
                                    "), but torch.save stores records uncompressed and reshard "
                                    "reads them in place; re-save the file with torch.save");
   }
-  const Status mismatch = RecordError(
-      e.name, "does not match its local header; the file is damaged or was not written by torch.save");
+  const Status mismatch = RecordError(e.name,
+                                      "does not match its local header; the file is damaged or "
+                                      "was not written by torch.save");
   if (!Inside(e.local, kLocalSize, end.offset)) return mismatch;
   const uint8_t* p = data_ + e.local;
   const uint64_t name_length = Le(p + 26, 2), extra_length = Le(p + 28, 2);
-  if (Le(p, 4) != kLocalSignature || !Inside(e.local + kLocalSize, name_length + extra_length, end.offset) ||
-      e.name.compare(0, std::string::npos, reinterpret_cast<const char*>(p + kLocalSize), name_length) != 0 ||
+  const uint8_t* name = p + kLocalSize;
+  if (Le(p, 4) != kLocalSignature ||
+      !Inside(e.local + kLocalSize, name_length + extra_length, end.offset) ||
+      std::string(reinterpret_cast<const char*>(name), name_length) != e.name ||
       Le(p + 8, 2) != e.method) {
     return mismatch;
   }
   uint64_t crc = Le(p + 14, 4), compressed = Le(p + 18, 4), size = Le(p + 22, 4);
-  if (!ApplyZip64(p + kLocalSize + name_length, extra_length, {&size, &compressed})) return mismatch;
-  const bool described = (Le(p + 6, 2) & kDataDescriptor) && crc == 0 && compressed == 0 && size == 0;
-  if (!described && (crc != e.crc || compressed != e.compressed || size != e.size)) return mismatch;
+  if (!ApplyZip64(name + name_length, extra_length, {&size, &compressed})) return mismatch;
+  const bool described =
+      (Le(p + 6, 2) & kDataDescriptor) && crc == 0 && compressed == 0 && size == 0;
+  if (!described && (crc != e.crc || compressed != e.compressed || size != e.size)) {
+    return mismatch;
+  }
   record->data_offset = e.local + kLocalSize + name_length + extra_length;
   record->size = e.size;
-  record->crc = static_cast<uint32_t>(e.crc);
   if (!Inside(record->data_offset, record->size, end.offset)) {
-    return RecordError(e.name, "runs past the end of its data (" + std::to_string(record->size) +
+    return RecordError(e.name, "runs past the records' end (" + std::to_string(record->size) +
                                    " bytes at offset " + std::to_string(record->data_offset) +
+                                   ", the zip directory at " + std::to_string(end.offset) +
                                    "); the file is truncated or damaged");
   }
   return Status::Ok();

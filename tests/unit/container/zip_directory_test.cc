@@ -79,7 +79,6 @@ TEST(ZipDirectoryTest, FindsRecordsInTheArchiveFolder) {
     EXPECT_EQ(b->size, 5u);
     EXPECT_EQ(bytes.substr(b->data_offset, 5), "hello");
     EXPECT_EQ(b->data_offset % 64, 0u);
-    EXPECT_EQ(b->crc, Crc32(0, reinterpret_cast<const uint8_t*>("hello"), 5));
     EXPECT_NE(zip->Find("version"), nullptr);
     EXPECT_EQ(zip->Find("x/b"), nullptr);
     EXPECT_EQ(zip->Find("c"), nullptr);
@@ -128,7 +127,7 @@ TEST(ZipDirectoryTest, SizesAndOffsetsMustLieInsideTheFile) {
   Put(&long_record, 22, 0xFFFFFFF0, 4);
   Put(&long_record, at.central + 20, 0xFFFFFFF0, 4);
   Put(&long_record, at.central + 24, 0xFFFFFFF0, 4);
-  ExpectRefused(ReadBytes(path, long_record), "zip record 'x/a' runs past the end of its data");
+  ExpectRefused(ReadBytes(path, long_record), "zip record 'x/a' runs past the records' end");
   // A local header offset beyond the file.
   std::string far = good;
   Put(&far, at.central + 42, 0xFFFFFF00, 4);
