@@ -48,7 +48,7 @@ const char* Shape(Use use) {
   switch (use) {
     case Use::kName: return "as a name, never called";
     case Use::kOrderedDict: return "as OrderedDict()";
-    case Use::kRecord: return "built by NEWOBJ of no arguments, its attributes set by BUILD";
+    case Use::kRecord: return "as Class.__new__(Class) (NEWOBJ of no arguments), then BUILD";
     case Use::kSet: return "as set() or set(list)";
     case Use::kBytes: return "as bytes()";
     case Use::kEncode: return "as _codecs.encode(str, 'latin1')";
