@@ -1,4 +1,6 @@
 // The only file of the engine that touches LibTorch: reading the zip container.
+// PyTorchStreamReader opens the archive as torch.load does and reads data.pkl;
+// storages are bound through ZipDirectory, which checks each record first.
 #include "container/torch_file.h"
 
 #include <caffe2/serialize/inline_container.h>
@@ -8,6 +10,7 @@
 #include <memory>
 
 #include "container/mapped_file.h"
+#include "container/zip_directory.h"
 #include "container/zip_writer.h"
 #include "pickle/pickle_writer.h"
 
@@ -25,29 +28,36 @@ Status CheckZipMagic(const MappedFile& file) {
   return Status::Ok();
 }
 
-// Binds storages to their records inside the mapped file.
-StorageResolver MakeResolver(caffe2::serialize::PyTorchStreamReader* zip,
+// Binds storages to their records inside the mapped file. A record holds
+// exactly its storage's bytes (torch.save writes no more), so a numel the
+// pickle declares that the record does not hold is refused here, before any
+// later stage indexes the bytes with it.
+StorageResolver MakeResolver(std::shared_ptr<const ZipDirectory> zip,
                              std::shared_ptr<const MappedFile> file) {
   return [zip, file](const std::string& key, DType dtype, int64_t numel,
                      const std::string& location) -> Result<std::shared_ptr<Storage>> {
+    const std::string record = "data/" + key;
+    const ZipRecord* found = zip->Find(record);
+    if (found == nullptr) {
+      return Status::InvalidInput("storage record '" + record +
+                                  "' is missing; the file is truncated or damaged");
+    }
+    uint64_t nbytes = 0;
+    if (numel < 0 || __builtin_mul_overflow(static_cast<uint64_t>(numel),
+                                            static_cast<uint64_t>(ElementSize(dtype)), &nbytes) ||
+        nbytes != found->size) {
+      return Status::InvalidInput("storage '" + record + "' declares " +
+                                  std::to_string(numel) + " " + DTypeName(dtype) +
+                                  " elements, but its record holds " + std::to_string(found->size) +
+                                  " bytes; the file is damaged");
+    }
     auto storage = std::make_shared<Storage>();
     storage->dtype = dtype;
     storage->numel = numel;
     storage->location = location;
     storage->record_key = key;
-    const std::string record = "data/" + key;
-    if (numel < 0) return Status::InvalidInput(file->path() + ": negative storage size");
-    const size_t nbytes = static_cast<size_t>(numel) * ElementSize(dtype);
-    if (!zip->hasRecord(record)) {
-      return Status::InvalidInput(file->path() + ": storage record '" + record +
-                                  "' is missing; the file is truncated or damaged");
-    }
-    size_t offset = zip->getRecordOffset(record);
-    if (offset > file->size() || nbytes > file->size() - offset) {
-      return Status::InvalidInput(file->path() + ": storage '" + record +
-                                  "' runs past the end of the file; the file is truncated");
-    }
-    storage->bytes = ByteView{file, file->data() + offset, nbytes, /*mapped=*/true};
+    storage->bytes = ByteView{file, file->data() + found->data_offset, static_cast<size_t>(nbytes),
+                              /*mapped=*/true};
     return storage;
   };
 }
@@ -57,13 +67,15 @@ StorageResolver MakeResolver(caffe2::serialize::PyTorchStreamReader* zip,
 Result<Value> ReadTorchFile(const std::string& path, const PickleReadOptions& options) {
   RESHARD_ASSIGN_OR_RETURN(std::shared_ptr<const MappedFile> file, MappedFile::Open(path));
   RESHARD_RETURN_IF_ERROR(CheckZipMagic(*file));
+  RESHARD_ASSIGN_OR_RETURN(ZipDirectory directory, ZipDirectory::Read(*file));
+  auto records = std::make_shared<const ZipDirectory>(std::move(directory));
   try {
     caffe2::serialize::PyTorchStreamReader zip(path);
     if (!zip.hasRecord("data.pkl")) {
       return Status::InvalidInput(path + " has no data.pkl; it is not a torch.save file");
     }
     auto [pickle, size] = zip.getRecord("data.pkl");
-    PickleReader reader(options, MakeResolver(&zip, file));
+    PickleReader reader(options, MakeResolver(records, file));
     Result<Value> root = reader.Parse(static_cast<const uint8_t*>(pickle.get()), size);
     if (!root.ok()) return root.status().WithContext(path);
     return root;

@@ -18,8 +18,10 @@
 
 namespace reshard {
 
-// Errors: InvalidInput for a file that is not a torch.save zip or whose
-// storages are truncated, Unsupported for pickled classes reshard refuses.
+// Errors: InvalidInput for a file that is not a torch.save zip, whose
+// records are compressed or disagree with the zip directory, or whose
+// storages do not fill their records exactly; Unsupported for pickled
+// classes and calls reshard refuses.
 Result<Value> ReadTorchFile(const std::string& path, const PickleReadOptions& options = {});
 
 struct TorchWriteOptions {

@@ -64,7 +64,10 @@ std::string RangesString(const std::set<int>& ids) {
 int64_t BlockCount(const std::vector<SpecEntry>& specs, const LogicalCheckpoint& ckpt) {
   int64_t num_layers = -1;
   if (const Value* v = Find(ckpt.args(), "num_layers")) ReadInt(*v, &num_layers);
-  if (num_layers >= 0) return num_layers;
+  // More blocks than layer files match no numbering, and would be expanded
+  // into as many specs: the files are counted instead, and CheckBlockCount
+  // (logical_checkpoint.cc) reports the recorded number.
+  if (num_layers >= 0 && num_layers <= static_cast<int64_t>(ckpt.layers.size())) return num_layers;
   int64_t other_files = 0;
   for (const SpecEntry& s : specs) other_files += (s.OwnsFile() && s.role != "block") ? 1 : 0;
   return static_cast<int64_t>(ckpt.layers.size()) - other_files;

@@ -1,10 +1,12 @@
 #include "pickle/pickle_reader.h"
 
 #include <algorithm>
+#include <cctype>
 #include <charconv>
 #include <cstdio>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <vector>
 
 #include "pickle/opcodes.h"
@@ -12,56 +14,124 @@
 
 namespace reshard {
 
-// ---- The allow-list -------------------------------------------------------------
+// ---- The allow-list and the calls it allows ---------------------------------------
 
 namespace {
 
-// Classes any torch.save checkpoint may hold. A checkpoint format adds its
+// How a pickle may use a global: the one shape of call torch.save and
+// Python's pickler make of it (see the header for why no other is accepted).
+enum class Use {
+  kName,           // only named, never called: dtypes, storage types, torch.Tensor
+  kOrderedDict,    // OrderedDict(); then SETITEMS, and BUILD of its attributes
+  kRecord,         // NEWOBJ of no arguments, then BUILD of its attributes
+  kSet,            // set() or set(list); frozenset likewise
+  kBytes,          // bytes(): b'' in protocol 2
+  kEncode,         // _codecs.encode(str, 'latin1'): bytes in protocol 2
+  kByteArray,      // bytearray(bytes), or bytearray(str, 'latin-1') in protocol 2
+  kSlice,          // slice(start, stop, step) of ints and Nones
+  kComplex,        // complex(real, imag)
+  kGetAttr,        // getattr(EnumClass, 'member'): an enum member since Python 3.11
+  kRebuildTensor,  // _rebuild_tensor_v2(storage, offset, size, stride, requires_grad, hooks[, metadata])
+  kTypedTensor,    // _rebuild_from_type_v2(_rebuild_tensor_v2, torch.Tensor, args, None)
+  kParameter,      // _rebuild_parameter(tensor, requires_grad, hooks)
+  kSize,           // torch.Size(ints)
+  kDevice,         // torch.device(type[, index])
+  kNumpyArray,     // _reconstruct(numpy.ndarray, shape, bytes); then BUILD of a state tuple
+  kNumpyDType,     // numpy.dtype(str, bool, bool); then BUILD of a state tuple
+  kNumpyScalar,    // scalar(numpy.dtype, bytes)
+  kEnum,           // a format's enum (KnownClass::Kind::kEnum)
+  kUser,           // allowed by the user: any call, on the user's word
+};
+
+// The accepted call of each use, for messages.
+const char* Shape(Use use) {
+  switch (use) {
+    case Use::kName: return "as a name, never called";
+    case Use::kOrderedDict: return "as OrderedDict()";
+    case Use::kRecord: return "as Class.__new__(Class) (NEWOBJ of no arguments), then BUILD";
+    case Use::kSet: return "as set() or set(list)";
+    case Use::kBytes: return "as bytes()";
+    case Use::kEncode: return "as _codecs.encode(str, 'latin1')";
+    case Use::kByteArray: return "as bytearray(bytes)";
+    case Use::kSlice: return "as slice() of ints and Nones";
+    case Use::kComplex: return "as complex(real, imag)";
+    case Use::kGetAttr: return "as getattr(EnumClass, 'member') for an enum class it knows";
+    case Use::kRebuildTensor: return "around a torch storage, with no backward hooks";
+    case Use::kTypedTensor:
+      return "as _rebuild_from_type_v2(torch._utils._rebuild_tensor_v2, torch.Tensor, args, None)";
+    case Use::kParameter: return "as _rebuild_parameter(tensor, bool, OrderedDict())";
+    case Use::kSize: return "as torch.Size(ints)";
+    case Use::kDevice: return "as torch.device(str[, int])";
+    case Use::kNumpyArray: return "as _reconstruct(numpy.ndarray, shape, bytes)";
+    case Use::kNumpyDType: return "as numpy.dtype(str, bool, bool)";
+    case Use::kNumpyScalar: return "as scalar(numpy.dtype, bytes)";
+    case Use::kEnum: return "as EnumClass(value) or getattr(EnumClass, 'member')";
+    case Use::kUser: return "in any call";
+  }
+  return "";
+}
+
+// Globals any torch.save checkpoint may hold. A checkpoint format adds its
 // own through PickleReadOptions::known_classes.
-const std::set<std::string>& KnownGlobals() {
-  static const std::set<std::string> known = [] {
+const std::map<std::string, Use>& GenericGlobals() {
+  static const std::map<std::string, Use> known = [] {
     // clang-format off
-    std::set<std::string> s = {
-        // Plain data. Protocol 2 pickles bytes as _codecs.encode(str, 'latin1'),
-        // b'' as builtins.bytes() and bytearray as builtins.bytearray(bytes).
-        "collections.OrderedDict", "builtins.set", "builtins.frozenset", "builtins.slice",
-        "builtins.complex", "builtins.bytes", "builtins.bytearray", "_codecs.encode",
-        "codecs.encode", "argparse.Namespace",
-        // Python >= 3.11 pickles an enum member as getattr(EnumClass, 'name').
-        // Safe to accept: its first argument is itself a checked global, and
-        // a getattr result cannot be called, as REDUCE only applies globals.
-        "builtins.getattr",
+    std::map<std::string, Use> m = {
+        // Plain data.
+        {"collections.OrderedDict", Use::kOrderedDict}, {"argparse.Namespace", Use::kRecord},
+        {"builtins.set", Use::kSet}, {"builtins.frozenset", Use::kSet},
+        {"builtins.slice", Use::kSlice}, {"builtins.complex", Use::kComplex},
+        {"builtins.bytes", Use::kBytes}, {"builtins.bytearray", Use::kByteArray},
+        {"_codecs.encode", Use::kEncode}, {"codecs.encode", Use::kEncode},
+        {"builtins.getattr", Use::kGetAttr},
         // Tensors and their metadata.
-        "torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_parameter",
-        "torch._tensor._rebuild_from_type_v2", "torch.nn.parameter.Parameter", "torch.Tensor",
-        "torch.Size", "torch.device",
+        {"torch._utils._rebuild_tensor_v2", Use::kRebuildTensor},
+        {"torch._tensor._rebuild_from_type_v2", Use::kTypedTensor},
+        {"torch._utils._rebuild_parameter", Use::kParameter},
+        {"torch.nn.parameter.Parameter", Use::kName}, {"torch.Tensor", Use::kName},
+        {"torch.Size", Use::kSize}, {"torch.device", Use::kDevice},
         // dtype aliases; the canonical names (torch.float32, ...) are added below.
-        "torch.float", "torch.half", "torch.long", "torch.int", "torch.double",
+        {"torch.float", Use::kName}, {"torch.half", Use::kName}, {"torch.long", Use::kName},
+        {"torch.int", Use::kName}, {"torch.double", Use::kName},
         // NumPy arrays and scalars (the NumPy RNG state); numpy._core is NumPy >= 2.
-        "numpy.core.multiarray._reconstruct", "numpy.core.multiarray.scalar", "numpy.ndarray",
-        "numpy.dtype", "numpy._core.multiarray._reconstruct", "numpy._core.multiarray.scalar",
+        {"numpy.core.multiarray._reconstruct", Use::kNumpyArray},
+        {"numpy._core.multiarray._reconstruct", Use::kNumpyArray},
+        {"numpy.core.multiarray.scalar", Use::kNumpyScalar},
+        {"numpy._core.multiarray.scalar", Use::kNumpyScalar},
+        {"numpy.ndarray", Use::kName}, {"numpy.dtype", Use::kNumpyDType},
     };
     // clang-format on
     for (int d = 0; d <= static_cast<int>(DType::kComplex128); ++d) {  // the last DType
-      s.insert(std::string("torch.") + StorageClassName(static_cast<DType>(d)));
-      s.insert(std::string("torch.") + DTypeName(static_cast<DType>(d)));
+      m.emplace(std::string("torch.") + StorageClassName(static_cast<DType>(d)), Use::kName);
+      m.emplace(std::string("torch.") + DTypeName(static_cast<DType>(d)), Use::kName);
     }
-    return s;
+    return m;
   }();
   return known;
 }
 
 }  // namespace
 
-bool IsKnownGlobal(const std::string& qualified) { return KnownGlobals().count(qualified) > 0; }
+bool IsKnownGlobal(const std::string& qualified) { return GenericGlobals().count(qualified) > 0; }
 
 namespace {
 
-// The built-in list, the format's and the user's are accepted alike.
-bool IsAccepted(const std::string& qualified, const PickleReadOptions& options) {
-  return IsKnownGlobal(qualified) ||
-         (options.known_classes != nullptr && options.known_classes->count(qualified) > 0) ||
-         options.allowed_globals.count(qualified) > 0;
+// The use of `qualified`, or null when it is on no list. Generic globals keep
+// their shapes whatever the user allows: they are what calls compose from.
+std::optional<Use> UseOf(const std::string& qualified, const PickleReadOptions& options) {
+  if (auto it = GenericGlobals().find(qualified); it != GenericGlobals().end()) return it->second;
+  if (options.allowed_globals.count(qualified) > 0) return Use::kUser;
+  if (options.known_classes == nullptr) return std::nullopt;
+  auto it = options.known_classes->find(qualified);
+  if (it == options.known_classes->end()) return std::nullopt;
+  return it->second.kind == KnownClass::Kind::kEnum ? Use::kEnum : Use::kRecord;
+}
+
+// A name a class's public attribute may have: no dunder, nothing private.
+bool IsPublicName(const std::string& name) {
+  if (name.empty() || !std::isalpha(static_cast<unsigned char>(name[0]))) return false;
+  return std::all_of(name.begin(), name.end(),
+                     [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; });
 }
 
 }  // namespace
@@ -98,6 +168,15 @@ Value IntFromLE(const std::string& le) {
   return Value::Int(static_cast<int64_t>(bits));
 }
 
+// What may be applied to an object after the call that made it (Node::then).
+enum Then : uint8_t {
+  kThenSetItems = 1,     // SETITEM(S)
+  kThenAppends = 2,      // APPEND(S)
+  kThenAttributes = 4,   // BUILD of a dict of attribute names
+  kThenStateTuple = 8,   // BUILD of a tuple (NumPy's __setstate__)
+  kThenAnyState = 16,    // BUILD of anything
+};
+
 // While parsing, every object lives in one Node that the stack, the memo and
 // the containers holding it all point to, so SETITEMS, APPENDS and BUILD on an
 // object also reach the copies the memo hands out. Values are materialised
@@ -113,6 +192,7 @@ struct Node {
   std::vector<Node*> appends;        // kObject: APPEND(S)
   std::vector<std::pair<Node*, Node*>> pairs;  // kDict: items; kObject: SETITEM(S)
   Node* state = nullptr;                       // kObject: BUILD
+  uint8_t then = 0;                            // kObject: Then bits its call's shape allows
   bool visiting = false;                       // being materialised (finds cycles)
 };
 
@@ -166,6 +246,111 @@ bool NodeInts(const Node* n, std::vector<int64_t>* out) {
     out->push_back(v);
   }
   return true;
+}
+
+bool IsGlobalLeaf(const Node* n, const char* module, const char* name) {
+  return IsLeaf(n, Value::Kind::kGlobal) && n->leaf.as_global().Is(module, name);
+}
+
+bool IsObjectOf(const Node* n, const char* module, const char* name) {
+  return n->kind == Node::Kind::kObject && n->leaf.as_object().cls.Is(module, name);
+}
+
+// A constant: a leaf that is not a global.
+bool IsConstant(const Node* n) {
+  return n->kind == Node::Kind::kLeaf && !n->leaf.is(Value::Kind::kGlobal);
+}
+
+bool IsIntOrNone(const Node* n) {
+  return IsLeaf(n, Value::Kind::kInt) || IsLeaf(n, Value::Kind::kNone);
+}
+
+bool IsNumber(const Node* n) {
+  return IsLeaf(n, Value::Kind::kInt) || IsLeaf(n, Value::Kind::kFloat);
+}
+
+bool IsFlag(const Node* n) {
+  return IsLeaf(n, Value::Kind::kBool) || IsLeaf(n, Value::Kind::kInt);
+}
+
+bool IsInts(const Node* n) {
+  std::vector<int64_t> ints;
+  return (n->kind == Node::Kind::kTuple || n->kind == Node::Kind::kList) && NodeInts(n, &ints);
+}
+
+bool IsLatin1Name(const Node* n) {
+  std::string encoding;
+  return LeafString(n, &encoding) && (encoding == "latin1" || encoding == "latin-1");
+}
+
+// The bytes _codecs.encode(text, 'latin1') gives; false for any other call.
+bool EncodedBytes(const std::vector<Node*>& args, std::string* bytes) {
+  std::string text;
+  return args.size() == 2 && LeafString(args[0], &text) && IsLatin1Name(args[1]) &&
+         Utf8ToLatin1(text, bytes);
+}
+
+// OrderedDict() with nothing in it: the backward hooks torch.save writes.
+bool IsEmptyOrderedDict(const Node* n) {
+  return IsObjectOf(n, "collections", "OrderedDict") && n->items.empty() && n->pairs.empty() &&
+         n->appends.empty() && n->state == nullptr;
+}
+
+// A dict of constants by string keys, or None: _rebuild_tensor_v2's metadata.
+bool IsConstantDictOrNone(const Node* n) {
+  if (IsLeaf(n, Value::Kind::kNone)) return true;
+  if (n->kind != Node::Kind::kDict) return false;
+  return std::all_of(n->pairs.begin(), n->pairs.end(), [](const auto& kv) {
+    return IsLeaf(kv.first, Value::Kind::kString) && IsConstant(kv.second);
+  });
+}
+
+// BUILD state that only sets attributes: string keys, none of them dunder.
+bool IsAttributeDict(const Node* n) {
+  if (n->kind != Node::Kind::kDict) return false;
+  return std::all_of(n->pairs.begin(), n->pairs.end(), [](const auto& kv) {
+    std::string key;
+    return LeafString(kv.first, &key) && key.rfind("__", 0) != 0;
+  });
+}
+
+bool StateFits(const Node* target, const Node* state) {
+  if (target->then & kThenAnyState) return true;
+  if (target->then & kThenStateTuple) return state->kind == Node::Kind::kTuple;
+  return (target->then & kThenAttributes) && IsAttributeDict(state);
+}
+
+uint8_t ThenOf(Use use) {
+  switch (use) {
+    case Use::kOrderedDict: return kThenSetItems | kThenAttributes;
+    case Use::kRecord: return kThenAttributes;
+    case Use::kNumpyArray:
+    case Use::kNumpyDType: return kThenStateTuple;
+    case Use::kUser: return kThenSetItems | kThenAppends | kThenAnyState;
+    default: return 0;
+  }
+}
+
+// A short rendering of a node for messages (nodes are not Values yet).
+std::string Describe(const Node* n) {
+  switch (n->kind) {
+    case Node::Kind::kLeaf: return n->leaf.DebugString(60);
+    case Node::Kind::kObject: return n->leaf.as_object().cls.Qualified() + "(...)";
+    case Node::Kind::kTensor: return "a tensor";
+    case Node::Kind::kStorage: return "a storage";
+    case Node::Kind::kList: return n->items.empty() ? "[]" : "[...]";
+    case Node::Kind::kTuple: return n->items.empty() ? "()" : "(...)";
+    case Node::Kind::kDict: return n->pairs.empty() ? "{}" : "{...}";
+    case Node::Kind::kSet:
+    case Node::Kind::kFrozenSet: return "a set";
+  }
+  return "";
+}
+
+std::string DescribeCall(const Global& g, const std::vector<Node*>& args) {
+  std::string out = g.Qualified() + "(";
+  for (size_t i = 0; i < args.size(); ++i) out += (i > 0 ? ", " : "") + Describe(args[i]);
+  return out + ")";
 }
 
 // Values a stream may expand to per input byte (plus a fixed allowance):
@@ -239,8 +424,16 @@ class Parser {
   Status BinPersId();
 
   // ---- Torch and Python semantics
-  Status Call(const Global& g, const std::vector<Node*>& args, Node** out);
+  Status Call(const Global& g, Object::Construct how, const std::vector<Node*>& args, Node** out);
+  bool ArgsFit(Use use, const std::vector<Node*>& args) const;
+  Status GetAttr(const Global& g, const std::vector<Node*>& args, Node** out);
+  bool IsEnumMember(const Global& cls, const std::string& member) const;
+  Status TypedTensor(const Global& g, const std::vector<Node*>& args, Node** out);
   Status RebuildTensor(const std::vector<Node*>& args, Node** out);
+  Status Refuse(const std::string& what, const std::string& allow = "") const;
+  Status RefuseCall(Use use, const Global& g, const std::vector<Node*>& args,
+                    Object::Construct how) const;
+  std::string FormatClass(const Global& g) const;
   Status CheckTensorBounds(const Tensor& t);
   Status ResolveStorage(const Node* pid, Node** out);
   Status LookupStorage(const std::string& key, DType dtype, int64_t numel,
@@ -628,6 +821,12 @@ Status Parser::AppendTo(Node* target, const std::vector<Node*>& items) {
                              : target->kind == Node::Kind::kObject ? &target->appends
                                                                    : nullptr;
   if (dest == nullptr) return Fail("appending to something that is not a list or an object");
+  if (target->kind == Node::Kind::kObject && !(target->then & kThenAppends)) {
+    const Global& cls = target->leaf.as_object().cls;
+    return Refuse("appends items to " + Describe(target) + ", which " + cls.Qualified() +
+                      " does not take",
+                  FormatClass(cls));
+  }
   dest->insert(dest->end(), items.begin(), items.end());
   return Status::Ok();
 }
@@ -655,6 +854,12 @@ Status Parser::SetPairs(Node* target, const std::vector<Node*>& flat) {
     return Fail("setting items on something that is not a dict or an object");
   }
   if (flat.size() % 2 != 0) return Fail("odd number of items for key/value pairs");
+  if (target->kind == Node::Kind::kObject && !(target->then & kThenSetItems)) {
+    const Global& cls = target->leaf.as_object().cls;
+    return Refuse("sets items on " + Describe(target) + ", which " + cls.Qualified() +
+                      " does not take",
+                  FormatClass(cls));
+  }
   for (size_t i = 0; i < flat.size(); i += 2) target->pairs.emplace_back(flat[i], flat[i + 1]);
   return Status::Ok();
 }
@@ -690,7 +895,7 @@ Status Parser::StackGlobal() {
 Status Parser::PushGlobal(std::string module, std::string name) {
   Global g{Py3Module(module), std::move(name)};
   const std::string q = g.Qualified();
-  if (!IsAccepted(q, options_)) {
+  if (!UseOf(q, options_)) {
     return Status::Unsupported("pickle refers to class '" + q +
                                "', which reshard does not know; reshard never runs code from "
                                "checkpoints. Pass --allow-class " +
@@ -709,7 +914,8 @@ Status Parser::Reduce() {
     return Fail("REDUCE applies something that is not a class or function");
   if (args->kind != Node::Kind::kTuple) return Fail("REDUCE arguments are not a tuple");
   Node* result = nullptr;
-  RESHARD_RETURN_IF_ERROR(Call(callable->leaf.as_global(), args->items, &result));
+  RESHARD_RETURN_IF_ERROR(
+      Call(callable->leaf.as_global(), Object::Construct::kReduce, args->items, &result));
   Push(result);
   return Status::Ok();
 }
@@ -729,7 +935,10 @@ Status Parser::NewObj(bool with_kwargs) {
     return Status::Unsupported("pickle constructs '" + cls->leaf.as_global().Qualified() +
                                "' with keyword arguments, which reshard does not support");
   }
-  Push(NewObject(cls->leaf.as_global(), Object::Construct::kNewObj, args->items));
+  Node* result = nullptr;
+  RESHARD_RETURN_IF_ERROR(
+      Call(cls->leaf.as_global(), Object::Construct::kNewObj, args->items, &result));
+  Push(result);
   return Status::Ok();
 }
 
@@ -739,10 +948,15 @@ Status Parser::Build() {
   RESHARD_RETURN_IF_ERROR(Pop(&state));
   RESHARD_RETURN_IF_ERROR(Top(&target));
   if (target->kind != Node::Kind::kObject) return Fail("BUILD on something that is not an object");
+  const Global& cls = target->leaf.as_object().cls;
   if (target->state != nullptr) {
-    return Status::Unsupported("pickle sets the state of '" +
-                               target->leaf.as_object().cls.Qualified() +
+    return Status::Unsupported("pickle sets the state of '" + cls.Qualified() +
                                "' twice, which reshard does not support");
+  }
+  if (!StateFits(target, state)) {
+    return Refuse("sets the state of " + Describe(target) + " to " + Describe(state) + ", which " +
+                      cls.Qualified() + " does not take",
+                  FormatClass(cls));
   }
   target->state = state;
   return Status::Ok();
@@ -779,27 +993,151 @@ Node* Parser::NewObject(const Global& g, Object::Construct construct,
   return n;
 }
 
-// The result of calling `g(*args)`, for the calls whose result is plain data
-// (tensors, bytes, sets); every other call stays an Object.
-Status Parser::Call(const Global& g, const std::vector<Node*>& args, Node** out) {
-  if (g.Is("torch._utils", "_rebuild_tensor_v2")) return RebuildTensor(args, out);
-  std::string text, encoding, bytes;
-  const bool latin1 = (g.Is("_codecs", "encode") || g.Is("codecs", "encode")) && args.size() == 2 &&
-                      LeafString(args[0], &text) && LeafString(args[1], &encoding) &&
-                      (encoding == "latin1" || encoding == "latin-1") && Utf8ToLatin1(text, &bytes);
-  if (latin1) {
+// The call `g(*args)` (NEWOBJ: `g.__new__(g, *args)`) as torch.load would
+// make it, if it has the shape of g's use: its result as plain data where
+// that is what it gives (tensors, bytes, sets), else as an Object.
+Status Parser::Call(const Global& g, Object::Construct how, const std::vector<Node*>& args,
+                    Node** out) {
+  const Use use = *UseOf(g.Qualified(), options_);  // PushGlobal accepted g
+  const bool newobj = how == Object::Construct::kNewObj;
+  if (use != Use::kUser && newobj != (use == Use::kRecord)) return RefuseCall(use, g, args, how);
+  switch (use) {
+    case Use::kRebuildTensor: return RebuildTensor(args, out);
+    case Use::kTypedTensor: return TypedTensor(g, args, out);
+    case Use::kGetAttr: return GetAttr(g, args, out);
+    default: break;
+  }
+  if (!ArgsFit(use, args)) return RefuseCall(use, g, args, how);
+  std::string bytes;
+  if (use == Use::kEncode && EncodedBytes(args, &bytes)) {
     *out = NewLeaf(Value::MakeBytes(std::move(bytes)));
-  } else if (g.Is("builtins", "bytes") && args.empty()) {
+  } else if (use == Use::kBytes) {
     *out = NewLeaf(Value::MakeBytes(""));
-  } else if ((g.Is("builtins", "set") || g.Is("builtins", "frozenset")) &&
-             (args.empty() || (args.size() == 1 && (args[0]->kind == Node::Kind::kList ||
-                                                    args[0]->kind == Node::Kind::kTuple)))) {
+  } else if (use == Use::kSet) {
     *out = New(g.name == "set" ? Node::Kind::kSet : Node::Kind::kFrozenSet);
     if (!args.empty()) (*out)->items = args[0]->items;
   } else {
-    *out = NewObject(g, Object::Construct::kReduce, args);
+    *out = NewObject(g, how, args);
+    (*out)->then = ThenOf(use);
   }
   return Status::Ok();
+}
+
+// Whether `a` are the arguments torch.save or Python's pickler pass to a
+// global of `use` (the uses Call does not hand on).
+bool Parser::ArgsFit(Use use, const std::vector<Node*>& a) const {
+  switch (use) {
+    case Use::kOrderedDict:
+    case Use::kRecord:
+    case Use::kBytes: return a.empty();
+    case Use::kSet:
+      return a.empty() || (a.size() == 1 && (a[0]->kind == Node::Kind::kList ||
+                                             a[0]->kind == Node::Kind::kTuple));
+    case Use::kEncode: {
+      std::string bytes;
+      return EncodedBytes(a, &bytes);
+    }
+    case Use::kByteArray:
+      return (a.size() == 1 && IsLeaf(a[0], Value::Kind::kBytes)) ||
+             (a.size() == 2 && IsLeaf(a[0], Value::Kind::kString) && IsLatin1Name(a[1]));
+    case Use::kSlice:
+      return !a.empty() && a.size() <= 3 && std::all_of(a.begin(), a.end(), IsIntOrNone);
+    case Use::kComplex:
+      return !a.empty() && a.size() <= 2 && std::all_of(a.begin(), a.end(), IsNumber);
+    case Use::kSize: return a.size() == 1 && IsInts(a[0]);
+    case Use::kDevice:
+      return (a.size() == 1 || a.size() == 2) && IsLeaf(a[0], Value::Kind::kString) &&
+             (a.size() == 1 || IsLeaf(a[1], Value::Kind::kInt));
+    case Use::kParameter:
+      return a.size() == 3 && a[0]->kind == Node::Kind::kTensor &&
+             IsLeaf(a[1], Value::Kind::kBool) && IsEmptyOrderedDict(a[2]);
+    case Use::kNumpyArray:
+      return a.size() == 3 && IsGlobalLeaf(a[0], "numpy", "ndarray") && IsInts(a[1]) &&
+             IsLeaf(a[2], Value::Kind::kBytes);
+    case Use::kNumpyDType:
+      return a.size() == 3 && IsLeaf(a[0], Value::Kind::kString) && IsFlag(a[1]) && IsFlag(a[2]);
+    case Use::kNumpyScalar:
+      return a.size() == 2 && IsObjectOf(a[0], "numpy", "dtype") && IsLeaf(a[1], Value::Kind::kBytes);
+    case Use::kEnum: return a.size() == 1 && IsConstant(a[0]);
+    case Use::kUser: return true;
+    default: return false;  // kName: never called
+  }
+}
+
+// getattr(EnumClass, 'member'): how Python >= 3.11 pickles an enum member.
+// Anything else getattr reaches (a function's __globals__, a bound method)
+// is how pickles get at eval, so only members of enums are accepted.
+Status Parser::GetAttr(const Global& g, const std::vector<Node*>& args, Node** out) {
+  std::string member;
+  std::optional<Use> of;
+  if (args.size() == 2 && IsLeaf(args[0], Value::Kind::kGlobal) && LeafString(args[1], &member)) {
+    of = UseOf(args[0]->leaf.as_global().Qualified(), options_);
+  }
+  if (!of || (*of != Use::kEnum && *of != Use::kUser) || !IsPublicName(member)) {
+    return RefuseCall(Use::kGetAttr, g, args, Object::Construct::kReduce);
+  }
+  const Global& cls = args[0]->leaf.as_global();
+  if (*of == Use::kEnum && !IsEnumMember(cls, member)) {
+    std::string members;
+    for (const std::string& m : options_.known_classes->at(cls.Qualified()).members) {
+      members += (members.empty() ? "" : ", ") + m;
+    }
+    return Refuse("reads '" + member + "' of the enum " + cls.Qualified() +
+                      ", which is not one of the members reshard knows (" + members + ")",
+                  cls.Qualified() + "." + member);
+  }
+  *out = NewObject(g, Object::Construct::kReduce, args);
+  return Status::Ok();
+}
+
+bool Parser::IsEnumMember(const Global& cls, const std::string& member) const {
+  const std::string q = cls.Qualified();
+  return options_.known_classes->at(q).members.count(member) > 0 ||
+         options_.allowed_globals.count(q + "." + member) > 0;
+}
+
+// _rebuild_from_type_v2(func, new_type, args, state) calls func(*args), so
+// func must be the tensor rebuild. torch.save writes it for a tensor with
+// Python attributes, which reshard cannot carry; without them it is the
+// plain tensor.
+Status Parser::TypedTensor(const Global& g, const std::vector<Node*>& args, Node** out) {
+  if (args.size() != 4 || !IsGlobalLeaf(args[0], "torch._utils", "_rebuild_tensor_v2") ||
+      !IsGlobalLeaf(args[1], "torch", "Tensor") || args[2]->kind != Node::Kind::kTuple) {
+    return RefuseCall(Use::kTypedTensor, g, args, Object::Construct::kReduce);
+  }
+  if (!IsLeaf(args[3], Value::Kind::kNone) &&
+      !(args[3]->kind == Node::Kind::kDict && args[3]->pairs.empty())) {
+    return Status::Unsupported("pickle rebuilds a tensor with Python attributes " +
+                               Describe(args[3]) +
+                               " (torch._tensor._rebuild_from_type_v2), which reshard does not "
+                               "carry; save the tensor without them");
+  }
+  return RebuildTensor(args[2]->items, out);
+}
+
+// The class a format knows under `g` (so that --allow-class can stand in for
+// a shape of call the format does not expect); empty for generic globals.
+std::string Parser::FormatClass(const Global& g) const {
+  const std::optional<Use> use = UseOf(g.Qualified(), options_);
+  return use == Use::kEnum || (use == Use::kRecord && !IsKnownGlobal(g.Qualified()))
+             ? g.Qualified()
+             : "";
+}
+
+Status Parser::Refuse(const std::string& what, const std::string& allow) const {
+  std::string message = "pickle " + what +
+                        "; reshard never executes pickled code and refuses calls that could run "
+                        "code when the file is loaded";
+  if (!allow.empty()) message += ". Pass --allow-class " + allow + " to carry it through unchanged";
+  return Status::Unsupported(message);
+}
+
+Status Parser::RefuseCall(Use use, const Global& g, const std::vector<Node*>& args,
+                          Object::Construct how) const {
+  const bool newobj = how == Object::Construct::kNewObj;
+  return Refuse(std::string(newobj ? "builds " : "calls ") + DescribeCall(g, args) +
+                    (newobj ? " with NEWOBJ" : "") + ", which reshard accepts only " + Shape(use),
+                FormatClass(g));
 }
 
 // torch._utils._rebuild_tensor_v2(storage, offset, size, stride, requires_grad, hooks, ...).
@@ -814,6 +1152,16 @@ Status Parser::RebuildTensor(const std::vector<Node*>& args, Node** out) {
   if (!NodeInts(args[3], &t.strides)) return Fail("tensor stride is not a tuple of ints");
   if (!IsLeaf(args[4], Value::Kind::kBool)) return Fail("tensor requires_grad is not a bool");
   t.requires_grad = args[4]->leaf.as_bool();
+  // torch.save never pickles backward hooks (it writes an empty OrderedDict,
+  // sealed here so that no later SETITEMS fills it) and torch >= 2 adds a
+  // dict of flags; anything more is not a tensor torch.save wrote.
+  const bool extra_fit = args.size() <= 7 && (args.size() < 6 || IsEmptyOrderedDict(args[5])) &&
+                         (args.size() < 7 || IsConstantDictOrNone(args[6]));
+  if (!extra_fit) {
+    return RefuseCall(Use::kRebuildTensor, {"torch._utils", "_rebuild_tensor_v2"}, args,
+                      Object::Construct::kReduce);
+  }
+  if (args.size() >= 6) args[5]->then = 0;
   RESHARD_RETURN_IF_ERROR(CheckTensorBounds(t));
   *out = New(Node::Kind::kTensor);
   (*out)->leaf = Value::MakeTensor(std::move(t));
@@ -821,15 +1169,24 @@ Status Parser::RebuildTensor(const std::vector<Node*>& args, Node** out) {
   return Status::Ok();
 }
 
-// Later stages index storages with these numbers, so a tensor must stay
-// inside its storage.
+// Later stages index storages with these numbers and multiply them, so a
+// tensor must stay inside its storage, and its element and byte counts must
+// fit int64: with zero strides a tensor has more elements than its storage.
 Status Parser::CheckTensorBounds(const Tensor& t) {
   if (t.sizes.size() != t.strides.size()) return Fail("tensor size and stride differ in length");
   if (t.storage_offset < 0) return Fail("negative tensor storage offset");
-  int64_t last = t.storage_offset;  // element offset of the last element
+  int64_t numel = 1;
   for (size_t i = 0; i < t.sizes.size(); ++i) {
     if (t.sizes[i] < 0 || t.strides[i] < 0) return Fail("negative tensor size or stride");
-    if (t.sizes[i] == 0) return Status::Ok();  // no elements
+    if (__builtin_mul_overflow(numel, t.sizes[i], &numel)) return Fail("tensor size overflows");
+  }
+  int64_t bytes;
+  if (__builtin_mul_overflow(numel, ElementSize(t.storage->dtype), &bytes)) {
+    return Fail("tensor of " + std::to_string(numel) + " elements overflows its byte count");
+  }
+  if (numel == 0) return Status::Ok();
+  int64_t last = t.storage_offset;  // element offset of the last element
+  for (size_t i = 0; i < t.sizes.size(); ++i) {
     int64_t span;
     if (__builtin_mul_overflow(t.sizes[i] - 1, t.strides[i], &span) ||
         __builtin_add_overflow(last, span, &last)) {

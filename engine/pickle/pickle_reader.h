@@ -6,8 +6,16 @@
 // references. Every global the stream names must be on an allow-list: the
 // generic classes built in here (Python builtins, torch, NumPy), the classes
 // of the checkpoint format being read, or classes the user allows. Any other
-// global is refused; an allowed one the reader does not interpret is carried
-// through as an opaque Object and never called.
+// global is refused.
+//
+// reshard never makes a pickle's calls, but torch.load makes them when it
+// loads a file reshard wrote, and allowed calls compose into code execution
+// (getattr of a function's __globals__ reaches eval). So each allowed global
+// is accepted only in the shape of call torch.save and Python's pickler make
+// of it, with data for arguments, and BUILD, SETITEMS and APPENDS only on the
+// objects whose class takes them. A call of another shape is refused; an
+// accepted call the reader does not interpret is carried through as an
+// opaque Object.
 //
 //   PickleReader reader(options, resolver);
 //   Result<Value> root = reader.Parse(bytes, size);
@@ -17,6 +25,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <map>
 #include <set>
 #include <string>
 
@@ -25,12 +34,32 @@
 
 namespace reshard {
 
+// A class of a checkpoint format, and so the calls a pickle may make of it.
+struct KnownClass {
+  enum class Kind {
+    // An enum: Class(value) with one constant (Python < 3.11), or
+    // getattr(Class, 'member') naming one of `members` (Python >= 3.11).
+    kEnum,
+    // A plain class (a dataclass, an attribute bag): built by NEWOBJ of no
+    // arguments, then BUILD with a dict of its attributes.
+    kRecord,
+  };
+  Kind kind = Kind::kRecord;
+  std::set<std::string> members;  // kEnum: the member names
+};
+
+// By "module.name".
+using KnownClasses = std::map<std::string, KnownClass>;
+
 struct PickleReadOptions {
-  // The classes ("module.name") of the checkpoint format being read, e.g.
+  // The classes of the checkpoint format being read, e.g.
   // &DeepSpeedKnownClasses(); not owned, must outlive the reader.
-  const std::set<std::string>* known_classes = nullptr;
-  // Classes the user allows (--allow-class). Both lists are accepted like the
-  // built-in one; they differ only in who vouches for a class.
+  const KnownClasses* known_classes = nullptr;
+  // Classes the user allows (--allow-class "module.name"): any call of them
+  // is carried through unchanged, on the user's word. They override a
+  // format's class of the same name, never a generic one. "module.Enum.member"
+  // allows getattr(module.Enum, 'member') for a member of a format's enum
+  // that KnownClass::members does not list.
   std::set<std::string> allowed_globals;
   // Refuse streams nested deeper than this (protects the stack).
   int max_depth = 1000;

@@ -40,8 +40,16 @@ Result<int64_t> TargetPaddedVocab(const LogicalCheckpoint& src, int tp,
   }
   RESHARD_RETURN_IF_ERROR(CheckVocabRepaddable(src, vocab_size));
   const int64_t true_size = vocab_size ? *vocab_size : *vocab.original_size;
-  const int64_t multiple = *vocab.divisible_by * tp;
-  return (true_size + multiple - 1) / multiple * multiple;
+  // The divisor is read from the checkpoint: a wrapped product would divide by zero.
+  int64_t multiple, rounded_up;
+  if (__builtin_mul_overflow(*vocab.divisible_by, int64_t{tp}, &multiple) ||
+      __builtin_add_overflow(true_size, multiple - 1, &rounded_up)) {
+    return Status::InvalidInput("padding the vocabulary of " + std::to_string(true_size) +
+                                " rows to a multiple of " + std::to_string(*vocab.divisible_by) +
+                                " times TP " + std::to_string(tp) +
+                                " overflows 64 bits; the recorded divisor cannot be right");
+  }
+  return rounded_up / multiple * multiple;
 }
 
 std::vector<int64_t> TargetShardShape(const LogicalTensor& t, int tp, int64_t padded_vocab) {

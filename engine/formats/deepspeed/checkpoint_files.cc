@@ -35,8 +35,15 @@ Result<fs::path> ResolveTagDir(const fs::path& path) {
   const fs::path latest = path / "latest";
   if (fs::is_regular_file(latest, ec)) {
     const std::string tag = ReadFirstLine(latest);
-    if (tag.empty() || tag.find('/') != std::string::npos) {
-      return Status::InvalidInput(latest.string() + " does not name a tag folder");
+    // A tag is one folder inside the root: `..` or a path would read a
+    // folder elsewhere as the checkpoint.
+    if (tag.empty() || tag == "." || tag == ".." || tag.find('/') != std::string::npos ||
+        tag.find('\0') != std::string::npos) {
+      return Status::InvalidInput(latest.string() + " names '" + tag +
+                                  "', which is not a tag folder name (one folder inside " +
+                                  path.string() +
+                                  ", not '.' or '..'); pass the tag folder itself, or write its "
+                                  "name into latest");
     }
     if (!fs::is_directory(path / tag, ec)) {
       return Status::InvalidInput(latest.string() + " names '" + tag +
@@ -65,9 +72,23 @@ std::string TagFolderHint(const fs::path& dir) {
   return hint + " (pass one of them, or add a 'latest' file)";
 }
 
-void Classify(const std::string& name, const std::string& full, CheckpointFiles* files) {
+// Sorts `name` into its family. `ranks` maps each RankFileName seen to the
+// file that had it: a second file of the same rank would silently replace
+// the first, so it is refused.
+Status Classify(const std::string& name, const std::string& full, CheckpointFiles* files,
+                std::map<std::string, std::string>* ranks) {
   using Kind = DeepSpeedFileName::Kind;
   const DeepSpeedFileName f = ParseDeepSpeedFileName(name);
+  if (f.kind != Kind::kOther) {
+    const std::string rank = RankFileName(f);
+    auto [seen, fresh] = ranks->emplace(rank, name);
+    if (!fresh) {
+      const auto [first, second] = std::minmax(seen->second, name);
+      return Status::InvalidInput(files->tag_dir + " holds both " + first + " and " + second +
+                                  ", which are the same rank file (" + rank +
+                                  "); remove the one that does not belong to this checkpoint");
+    }
+  }
   switch (f.kind) {
     case Kind::kLayer: files->layer_files[f.layer][f.tp] = full; break;
     case Kind::kModelStates: files->mp_rank_files[f.mp] = full; break;
@@ -75,6 +96,7 @@ void Classify(const std::string& name, const std::string& full, CheckpointFiles*
     case Kind::kZero3ModelStates: files->zero3_model_files[f.mp][f.dp] = full; break;
     case Kind::kOther: files->other_files.push_back(name); break;
   }
+  return Status::Ok();
 }
 
 std::string Join(const std::set<int>& values) {
@@ -117,12 +139,13 @@ Result<CheckpointFiles> ScanCheckpoint(const std::string& path) {
     if (fs::is_regular_file(fs::path(files.root_dir) / script, ec)) files.root_scripts.push_back(script);
   }
   RESHARD_ASSIGN_OR_RETURN(std::vector<fs::directory_entry> entries, ListFolder(files.tag_dir));
+  std::map<std::string, std::string> ranks;
   for (const fs::directory_entry& entry : entries) {
     const std::string name = entry.path().filename().string();
     if (entry.is_directory(ec)) {
       files.other_files.push_back(name + "/");
     } else {
-      Classify(name, entry.path().string(), &files);
+      RESHARD_RETURN_IF_ERROR(Classify(name, entry.path().string(), &files, &ranks));
     }
   }
   if (files.mp_rank_files.empty() && !files.IsZero3()) {

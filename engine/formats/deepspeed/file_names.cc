@@ -66,6 +66,18 @@ std::string Zero3ModelStatesFileName(int dp_rank, int mp_rank) {
          "_model_states.pt";
 }
 
+std::string RankFileName(const DeepSpeedFileName& f) {
+  using Kind = DeepSpeedFileName::Kind;
+  switch (f.kind) {
+    case Kind::kLayer: return LayerFileName(f.layer, f.tp);
+    case Kind::kModelStates: return ModelStatesFileName(f.mp);
+    case Kind::kOptimizer: return OptimizerFileName(false, f.dp, f.mp);
+    case Kind::kZero3ModelStates: return Zero3ModelStatesFileName(f.dp, f.mp);
+    case Kind::kOther: break;
+  }
+  return "";
+}
+
 std::string BaseName(const std::string& path) { return path.substr(path.rfind('/') + 1); }
 
 }  // namespace reshard

@@ -40,6 +40,12 @@ std::string OptimizerFileName(bool bf16_prefix, int dp_rank, int mp_rank);
 // "zero_pp_rank_3_mp_rank_01_model_states.pt"
 std::string Zero3ModelStatesFileName(int dp_rank, int mp_rank);
 
+// The name DeepSpeed writes for the rank file `f` parses as (kind and
+// numbers; an optimizer shard's without its bf16_ prefix), "" for kOther.
+// Two files of a tag folder with one RankFileName hold the same rank:
+// "mp_rank_000_model_states.pt" and "mp_rank_00_model_states.pt" do.
+std::string RankFileName(const DeepSpeedFileName& f);
+
 // "mp_rank_00_model_states.pt" for ".../global_step20/mp_rank_00_model_states.pt".
 std::string BaseName(const std::string& path);
 

@@ -167,9 +167,13 @@ bool ReadParamShapes(const Value& metadata, std::vector<std::vector<ParamShape>>
     const Items* items = DictItems(group);
     if (items == nullptr) return false;
     std::vector<ParamShape> g;
+    int64_t total = 0;  // bounded, as flat group layouts add and pad these counts
     for (const auto& [k, v] : *items) {
       std::vector<int64_t> dims;
       if (!k.is(Value::Kind::kString) || !ReadIntSequence(v, &dims)) return false;
+      const int64_t n = CheckedShapeNumel(dims);
+      if (n < 0 || n > kMaxElements - total) return false;
+      total += n;
       g.emplace_back(k.as_string(), dims);
     }
     out->push_back(std::move(g));

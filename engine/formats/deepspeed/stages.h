@@ -31,7 +31,8 @@ StageParameters StageParams(const LogicalCheckpoint& src, int begin, int end, in
                             int64_t padded_vocab);
 
 // The `param_shapes` an mp_rank file records, as (name, shape) groups; false
-// when it has none or they are malformed.
+// when it has none or they are malformed (a negative dim, or a count of a
+// shape or a group above kMaxElements).
 bool ReadParamShapes(const Value& metadata, std::vector<std::vector<ParamShape>>* out);
 
 // The optimizer's name of a layer tensor: tied_modules.<m>.<key> for the tied

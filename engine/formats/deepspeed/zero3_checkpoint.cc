@@ -106,7 +106,7 @@ Status Zero3Checkpoint::LoadRank(int mp, const std::set<std::string>& allowed_cl
     rank.optimizer.push_back(std::move(opt));
   }
   std::vector<std::vector<ParamShape>> shapes;
-  if (!ReadParamShapes(rank.model_states[0], &shapes)) {
+  if (!ReadParamShapes(rank.model_states[0], &shapes) || shapes.empty()) {
     return Status::InvalidInput(BaseName(models->second[0]) + " records no param_shapes");
   }
   for (const auto& group : shapes) {
@@ -124,6 +124,13 @@ Status Zero3Checkpoint::LoadRank(int mp, const std::set<std::string>& allowed_cl
     const Value* params = Find(g, "params");
     if (params == nullptr || !ReadIntSequence(*params, &ids)) {
       return Status::InvalidInput(BaseName(optim[0]) + ": a param group lists no sub-groups");
+    }
+    for (int64_t id : ids) {
+      if (id < 0 || id >= static_cast<int64_t>(rank.sub_groups.size())) {
+        return Status::InvalidInput(BaseName(optim[0]) + ": a param group lists sub-group " +
+                                    std::to_string(id) + ", but param_shapes has " +
+                                    std::to_string(rank.sub_groups.size()));
+      }
     }
     rank.group_sub_groups.emplace_back(ids.begin(), ids.end());
   }

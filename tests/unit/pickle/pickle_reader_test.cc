@@ -232,7 +232,7 @@ TEST(PickleReaderTest, UnknownGlobalIsRefused) {
 TEST(PickleReaderTest, AllowedGlobalIsCarriedAsObject) {
   PickleReadOptions named;
   named.allowed_globals = {"mymod.Thing"};
-  const std::set<std::string> format_classes = {"mymod.Thing"};
+  const KnownClasses format_classes = {{"mymod.Thing", {KnownClass::Kind::kRecord, {}}}};
   PickleReadOptions known;
   known.known_classes = &format_classes;
   for (const PickleReadOptions& options : {named, known}) {
@@ -479,6 +479,150 @@ TEST(PickleReaderTest, NonStoragePersistentIdsAreUnsupported) {
     ASSERT_FALSE(v.ok());
     EXPECT_EQ(v.status().code(), Status::Code::kUnsupported) << v.status().message();
   }
+}
+
+// ---- Calls that could run code when torch.load replays them ------------------------
+
+// Protocol 0 pieces: GLOBAL, a str, a tensor of 4 floats with its arguments.
+std::string G(const std::string& module, const std::string& name) {
+  return "c" + module + "\n" + name + "\n";
+}
+std::string Str(const std::string& s) { return "V" + s + "\n"; }
+const std::string kRebuild = G("torch._utils", "_rebuild_tensor_v2");
+const std::string kNoHooks = G("collections", "OrderedDict") + ")R";
+std::string TensorArgs(const std::string& hooks) {
+  return "((" + Str("storage") + G("torch", "FloatStorage") + Str("0") + Str("cpu") +
+         "I4\ntQI0\n(I4\nt(I1\ntI00\n" + hooks + "t";
+}
+const std::string kZeroStage = G("deepspeed.runtime.zero.config", "ZeroStageEnum");
+
+void ExpectRefused(const std::string& bytes, const std::string& fragment,
+                   PickleReadOptions options = testing_pickle::DeepSpeedReadOptions()) {
+  Result<Value> v = ParseString(bytes, options);
+  ASSERT_FALSE(v.ok()) << "accepted " << v->DebugString();
+  EXPECT_EQ(v.status().code(), Status::Code::kUnsupported) << v.status().message();
+  EXPECT_NE(v.status().message().find(fragment), std::string::npos) << v.status().message();
+  EXPECT_NE(v.status().message().find("reshard never executes pickled code"), std::string::npos)
+      << v.status().message();
+}
+
+TEST(PickleReaderCallShapeTest, GetAttrReachingAFunctionsGlobalsIsRefused) {
+  // The first step of getattr(_rebuild_tensor_v2, '__globals__')['__builtins__']['eval'].
+  for (const char* module : {"builtins", "__builtin__"}) {
+    ExpectRefused(G(module, "getattr") + "(" + kRebuild + Str("__globals__") + "tR.",
+                  "pickle calls builtins.getattr(torch._utils._rebuild_tensor_v2, '__globals__'), "
+                  "which reshard accepts only as getattr(EnumClass, 'member')");
+  }
+  ExpectRefused(G("builtins", "getattr") + "(" + G("argparse", "Namespace") + Str("x") + "tR.",
+                "calls builtins.getattr(argparse.Namespace, 'x')");
+  ExpectRefused(G("builtins", "getattr") + "(" + kZeroStage + Str("__class__") + "tR.",
+                "calls builtins.getattr(deepspeed.runtime.zero.config.ZeroStageEnum, '__class__')");
+}
+
+TEST(PickleReaderCallShapeTest, RebuildFromTypeOnlyWrapsTheTensorRebuild) {
+  const std::string from_type = G("torch._tensor", "_rebuild_from_type_v2");
+  // _rebuild_from_type_v2(f, torch.Tensor, args, None) calls f(*args).
+  ExpectRefused(from_type + "(" + G("builtins", "getattr") + G("torch", "Tensor") + "(" +
+                    kZeroStage + Str("weights") + "tNtR.",
+                "calls torch._tensor._rebuild_from_type_v2(builtins.getattr, torch.Tensor, (...), "
+                "None), which reshard accepts only as _rebuild_from_type_v2(torch._utils."
+                "_rebuild_tensor_v2, torch.Tensor, args, None)");
+  ExpectRefused(from_type + "(" + kRebuild + G("torch.nn.parameter", "Parameter") +
+                    TensorArgs(kNoHooks) + "NtR.",
+                "calls torch._tensor._rebuild_from_type_v2(");
+  // Around the tensor rebuild it is the tensor; attributes cannot be carried.
+  Result<Value> v = ParseString(from_type + "(" + kRebuild + G("torch", "Tensor") +
+                                TensorArgs(kNoHooks) + "NtR.");
+  ASSERT_TRUE(v.ok()) << v.status().message();
+  EXPECT_EQ(v->DebugString(), "tensor(float32, [4])");
+  Result<Value> attributed = ParseString(from_type + "(" + kRebuild + G("torch", "Tensor") +
+                                         TensorArgs(kNoHooks) + "}" + Str("a") + "I1\nstR.");
+  ASSERT_FALSE(attributed.ok());
+  EXPECT_EQ(attributed.status().message(),
+            "pickle rebuilds a tensor with Python attributes {...} "
+            "(torch._tensor._rebuild_from_type_v2), which reshard does not carry; save the "
+            "tensor without them");
+}
+
+TEST(PickleReaderCallShapeTest, EnumMembers) {
+  Result<Value> member = ParseString(G("builtins", "getattr") + "(" + kZeroStage + Str("weights") + "tR.");
+  ASSERT_TRUE(member.ok()) << member.status().message();
+  Result<Value> by_value = ParseString(kZeroStage + "(I1\ntR.");  // Python < 3.11
+  ASSERT_TRUE(by_value.ok()) << by_value.status().message();
+  EXPECT_EQ(by_value->DebugString(), "deepspeed.runtime.zero.config.ZeroStageEnum(1)");
+  ExpectRefused(kZeroStage + "(" + kRebuild + "tR.",
+                "calls deepspeed.runtime.zero.config.ZeroStageEnum(torch._utils._rebuild_tensor_v2)");
+
+  // A member the format does not list: refused, unless the user allows it.
+  const std::string newer = G("builtins", "getattr") + "(" + kZeroStage + Str("offload") + "tR.";
+  ExpectRefused(newer,
+                "pickle reads 'offload' of the enum deepspeed.runtime.zero.config.ZeroStageEnum, "
+                "which is not one of the members reshard knows (disabled, gradients, max_stage, "
+                "optimizer_states, weights); reshard never executes pickled code and refuses calls "
+                "that could run code when the file is loaded. Pass --allow-class "
+                "deepspeed.runtime.zero.config.ZeroStageEnum.offload to carry it through unchanged");
+  PickleReadOptions allowed = testing_pickle::DeepSpeedReadOptions();
+  allowed.allowed_globals = {"deepspeed.runtime.zero.config.ZeroStageEnum.offload"};
+  EXPECT_TRUE(ParseString(newer, allowed).ok());
+
+  // Of a class the user allows, any public name.
+  PickleReadOptions user;
+  user.allowed_globals = {"mymod.Color"};
+  EXPECT_TRUE(ParseString(G("builtins", "getattr") + "(" + G("mymod", "Color") + Str("red") + "tR.", user).ok());
+  ExpectRefused(G("builtins", "getattr") + "(" + G("mymod", "Color") + Str("_red") + "tR.",
+                "calls builtins.getattr(mymod.Color, '_red')", user);
+}
+
+TEST(PickleReaderCallShapeTest, StateAndItemsOnlyWhereTheClassTakesThem) {
+  const std::string member = G("builtins", "getattr") + "(" + kZeroStage + Str("weights") + "tR";
+  ExpectRefused(member + "}" + Str("value") + "I1\nsb.",
+                "sets the state of builtins.getattr(...) to {...}, which builtins.getattr does not take");
+  const std::string fragment = G("deepspeed.utils.tensor_fragment", "fragment_address") + ")\x81";
+  EXPECT_TRUE(ParseString(fragment + "}" + Str("numel") + "I1\nsb.").ok());
+  ExpectRefused(fragment + Str("k") + "I1\ns.",
+                "sets items on deepspeed.utils.tensor_fragment.fragment_address(...), which "
+                "deepspeed.utils.tensor_fragment.fragment_address does not take");
+  ExpectRefused(fragment + "(I1\nI2\ntb.", "sets the state of");
+  ExpectRefused(fragment + "}" + Str("__class__") + "I1\nsb.", "sets the state of");
+  ExpectRefused(fragment + "Na.", "appends items to");
+  // A format's class called another way: the user may vouch for it.
+  ExpectRefused(G("deepspeed.utils.tensor_fragment", "fragment_address") + "(I1\nI2\ntR.",
+                "Pass --allow-class deepspeed.utils.tensor_fragment.fragment_address to carry it");
+  // Generic classes have no such way out.
+  Result<Value> od = ParseString(G("collections", "OrderedDict") + "(I1\ntR.");
+  ASSERT_FALSE(od.ok());
+  EXPECT_EQ(od.status().message().find("--allow-class"), std::string::npos) << od.status().message();
+  ExpectRefused(G("collections", "OrderedDict") + ")\x81.", "builds collections.OrderedDict() with NEWOBJ");
+  ExpectRefused(G("torch", "float32") + ")R.", "calls torch.float32(), which reshard accepts only as a name");
+  ExpectRefused(G("_codecs", "encode") + "(" + Str("x") + Str("rot13") + "tR.", "calls _codecs.encode('x', 'rot13')");
+}
+
+TEST(PickleReaderCallShapeTest, BackwardHooksStayEmpty) {
+  ExpectRefused(kRebuild + TensorArgs(G("collections", "OrderedDict") + ")R" + Str("h") +
+                                      G("builtins", "getattr") + "s") + "R.",
+                "calls torch._utils._rebuild_tensor_v2(a storage, 0, (...), (...), False, "
+                "collections.OrderedDict(...)), which reshard accepts only around a torch storage, "
+                "with no backward hooks");
+  // Filled through the memo after the tensor took it.
+  ExpectRefused("(" + kRebuild + TensorArgs(kNoHooks + "p0\n") + "Rg0\n" + Str("h") +
+                    G("builtins", "getattr") + "st.",
+                "sets items on collections.OrderedDict(...)");
+  // torch >= 2 adds a dict of flags; nothing follows it.
+  EXPECT_TRUE(ParseString(kRebuild + TensorArgs(kNoHooks + "}") + "R.").ok());
+  ExpectRefused(kRebuild + TensorArgs(kNoHooks + "}N") + "R.", "calls torch._utils._rebuild_tensor_v2(");
+}
+
+TEST(PickleReaderCallShapeTest, TensorCountsMustFitInt64) {
+  auto tensor = [](const std::string& size, const std::string& stride) {
+    return kRebuild + "((" + Str("storage") + G("torch", "FloatStorage") + Str("0") + Str("cpu") +
+           "I4\ntQI0\n" + size + stride + "I00\ntR.";
+  };
+  ExpectInvalid(tensor("(I1099511627776\nI1099511627776\nt", "(I0\nI0\nt"), "tensor size overflows");
+  ExpectInvalid(tensor("(I2305843009213693952\nt", "(I0\nt"), "overflows its byte count");
+  ExpectInvalid(tensor("(I0\nI-1\nt", "(I1\nI1\nt"), "negative tensor size or stride");
+  Result<Value> expanded = ParseString(tensor("(I3\nI4\nt", "(I0\nI1\nt"));
+  ASSERT_TRUE(expanded.ok()) << expanded.status().message();
+  EXPECT_EQ(expanded->as_tensor().numel(), 12);
 }
 
 }  // namespace

@@ -2,8 +2,10 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <vector>
 
 #include "test_util.h"
 
@@ -66,6 +68,51 @@ TEST(CheckpointFilesTest, LatestNamingAMissingFolder) {
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.status().message().find("names 'global_step9', but there is no such folder"),
             std::string::npos);
+}
+
+// A tag is one folder inside the root; `latest` cannot point elsewhere.
+TEST(CheckpointFilesTest, LatestNamingAPathIsRefused) {
+  TempDir dir;
+  fs::create_directory(dir.path() / "root");
+  fs::create_directory(dir.path() / "root" / "sub");
+  Touch(dir.path() / "mp_rank_00_model_states.pt");  // in the root's parent
+  Touch(dir.path() / "root" / "mp_rank_00_model_states.pt");
+  const std::vector<std::string> tags = {"..", ".", "../root", "sub/..", "/tmp", std::string("..\0x", 4)};
+  for (const std::string& tag : tags) {
+    Touch(dir.path() / "root" / "latest", tag + "\n");
+    Result<CheckpointFiles> r = ScanCheckpoint((dir.path() / "root").string());
+    ASSERT_FALSE(r.ok()) << tag << " accepted: " << r->tag_dir;
+    EXPECT_EQ(r.status().code(), Status::Code::kInvalidInput);
+    EXPECT_NE(r.status().message().find("latest names '" + tag + "', which is not a tag folder name"),
+              std::string::npos)
+        << r.status().message();
+  }
+}
+
+// Two names of one rank: one would silently replace the other.
+TEST(CheckpointFilesTest, AliasedRankFilesAreRefused) {
+  const std::vector<std::pair<std::string, std::string>> aliases = {
+      {"mp_rank_00_model_states.pt", "mp_rank_000_model_states.pt"},
+      {"layer_03-model_00-model_states.pt", "layer_003-model_00-model_states.pt"},
+      {"layer_03-model_00-model_states.pt", "layer_3-model_000-model_states.pt"},
+      {"zero_pp_rank_1_mp_rank_00_optim_states.pt", "zero_pp_rank_01_mp_rank_00_optim_states.pt"},
+      {"zero_pp_rank_1_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"},
+      {"zero_pp_rank_1_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_000_model_states.pt"},
+  };
+  for (const auto& [canonical, alias] : aliases) {
+    TempDir dir;
+    Touch(dir.path() / "mp_rank_00_model_states.pt");
+    Touch(dir.path() / canonical);
+    Touch(dir.path() / alias);
+    Result<CheckpointFiles> r = ScanCheckpoint(dir.path().string());
+    ASSERT_FALSE(r.ok()) << alias;
+    EXPECT_EQ(r.status().code(), Status::Code::kInvalidInput);
+    const auto [first, second] = std::minmax(canonical, alias);
+    EXPECT_NE(r.status().message().find(" holds both " + first + " and " + second +
+                                        ", which are the same rank file"),
+              std::string::npos)
+        << r.status().message();
+  }
 }
 
 // Integers are parsed from names, never string-sorted: rank 100 follows 99.

@@ -1,0 +1,44 @@
+// ZipDirectory: the records of a torch.save zip file as its central
+// directory lists them, each checked against the file before it is used.
+//
+// PyTorchStreamReader (what torch.load reads with) opens the archive and
+// reads data.pkl, but storages are used straight from a memory map of the
+// file at their records' offsets, so nothing about a record may be taken on
+// trust: each must be stored uncompressed, as torch.save writes every record
+// (the bytes of a compressed one are not the storage); its local header must
+// agree with the directory (name, method, sizes); its data must lie inside
+// the file, before the directory; and no name may appear twice. Sizes and
+// offsets may be ZIP64's, and every sum of them is checked for overflow.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+
+#include "container/mapped_file.h"
+#include "reshard/status.h"
+
+namespace reshard {
+
+// Not checked: the records' CRC-32s, which would mean reading every byte
+// when the file is opened; a damaged byte inside a record goes unnoticed.
+struct ZipRecord {
+  uint64_t data_offset = 0;  // of the record's first byte in the file
+  uint64_t size = 0;
+};
+
+class ZipDirectory {
+ public:
+  // Errors are InvalidInput naming `file` and the problem.
+  static Result<ZipDirectory> Read(const MappedFile& file);
+
+  // The record `<archive>/<name>`, or null. The archive folder is that of the
+  // first record, as PyTorchStreamReader takes it.
+  const ZipRecord* Find(const std::string& name) const;
+
+ private:
+  std::string archive_;                       // with its trailing '/'
+  std::map<std::string, ZipRecord> records_;  // by full name
+};
+
+}  // namespace reshard
