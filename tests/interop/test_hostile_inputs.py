@@ -16,7 +16,7 @@ inconsistency as an error finding (exit 1):
   * a valid DEFLATE-compressed zip, which torch.load reads but whose records are not the
     storages' bytes;
   * two file names of one rank (``mp_rank_000`` beside ``mp_rank_00``, ``layer_003`` beside
-    ``layer_03``);
+    ``layer_03``), and a stray rank number of 2e9 (counted, not enumerated);
   * ``latest`` naming ``..``, ``.`` or a path instead of a tag folder.
 
 This script never unpickles the malicious files itself.
@@ -260,6 +260,13 @@ class FileNameTests(HostileTestCase):
         self.assertAllRefuse(tag, ['holds both layer_003-model_00-model_states.pt and '
                                    'layer_03-model_00-model_states.pt, which are the same rank file '
                                    '(layer_03-model_00-model_states.pt)'])
+
+    def test_a_stray_rank_number_is_counted_not_enumerated(self):
+        # An empty file naming rank 2e9 must not make reshard list 2e9 missing ranks.
+        tag = self.bloom()
+        open(os.path.join(tag, 'mp_rank_2000000000_model_states.pt'), 'w').close()
+        self.assertAllRefuse(tag, ['mp_rank file(s) 4, 5, 6, 7, 8 and 1999999991 more of 2000000001 '
+                                   'are missing'])
 
 
 class LatestTests(HostileTestCase):

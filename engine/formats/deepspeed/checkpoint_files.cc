@@ -7,6 +7,7 @@
 
 #include "formats/deepspeed/file_names.h"
 #include "util/list_folder.h"
+#include "util/strings.h"
 
 namespace reshard {
 namespace fs = std::filesystem;
@@ -99,19 +100,21 @@ Status Classify(const std::string& name, const std::string& full, CheckpointFile
   return Status::Ok();
 }
 
-std::string Join(const std::set<int>& values) {
-  std::string out;
-  for (int v : values) out += (out.empty() ? "" : ", ") + std::to_string(v);
-  return out;
-}
-
-// Names the indices of 0..n-1 missing from `present`.
-std::set<int> Missing(const std::set<int>& present, int n) {
-  std::set<int> missing;
-  for (int i = 0; i < n; ++i) {
-    if (!present.count(i)) missing.insert(i);
+// The first few of 0..n-1 missing from `present` ("3, 7, 8 and 1999999994
+// more"); "" when none is. Counted before listed: a stray file name can make
+// n absurd.
+std::string MissingRanks(const std::set<int>& present, int n) {
+  const int64_t inside = std::count_if(present.begin(), present.end(), [n](int r) { return r >= 0 && r < n; });
+  const int64_t missing = n - inside;
+  if (missing <= 0) return "";
+  constexpr int kListed = 5;
+  std::vector<std::string> first;
+  for (int i = 0; i < n && static_cast<int>(first.size()) < kListed; ++i) {
+    if (!present.count(i)) first.push_back(std::to_string(i));
   }
-  return missing;
+  std::string out = Join(first, ", ");
+  if (missing > kListed) out += " and " + std::to_string(missing - kListed) + " more";
+  return out;
 }
 
 }  // namespace
@@ -163,18 +166,18 @@ Status CheckRankGrid(const CheckpointFiles& files, int* tp, int* pp, int* dp) {
   for (const auto& [id, by_tp] : files.layer_files) {
     std::set<int> ranks;
     for (const auto& [t, p] : by_tp) ranks.insert(t);
-    std::set<int> missing = Missing(ranks, *tp);
+    const std::string missing = MissingRanks(ranks, *tp);
     if (!missing.empty() || static_cast<int>(ranks.size()) != *tp) {
       return Status::InvalidInput("layer " + std::to_string(id) + " is missing TP rank file(s) " +
-                                  Join(missing) + " (other layers have " + std::to_string(*tp) +
+                                  missing + " (other layers have " + std::to_string(*tp) +
                                   " TP ranks); the checkpoint is incomplete");
     }
   }
   const int mp = static_cast<int>(files.mp_rank_files.rbegin()->first) + 1;
   std::set<int> mp_ranks;
   for (const auto& [m, p] : files.mp_rank_files) mp_ranks.insert(m);
-  if (std::set<int> missing = Missing(mp_ranks, mp); !missing.empty()) {
-    return Status::InvalidInput("mp_rank file(s) " + Join(missing) + " of " + std::to_string(mp) +
+  if (const std::string missing = MissingRanks(mp_ranks, mp); !missing.empty()) {
+    return Status::InvalidInput("mp_rank file(s) " + missing + " of " + std::to_string(mp) +
                                 " are missing; the checkpoint is incomplete");
   }
   if (mp % *tp != 0) {
@@ -191,9 +194,9 @@ Status CheckRankGrid(const CheckpointFiles& files, int* tp, int* pp, int* dp) {
     max_dp = std::max(max_dp, f.dp_rank + 1);
   }
   for (int m = 0; m < mp; ++m) {
-    std::set<int> missing = Missing(dp_by_mp[m], max_dp);
+    const std::string missing = MissingRanks(dp_by_mp[m], max_dp);
     if (!missing.empty()) {
-      return Status::InvalidInput("optimizer shard(s) for DP rank(s) " + Join(missing) +
+      return Status::InvalidInput("optimizer shard(s) for DP rank(s) " + missing +
                                   " of mp_rank " + std::to_string(m) +
                                   " are missing; the checkpoint is incomplete");
     }
