@@ -6,9 +6,13 @@ JOBS ?= $(shell nproc)
 PY := /usr/bin/python3
 DEB_PACKAGES := cmake g++ make pkg-config libtorch-dev libyaml-cpp-dev libre2-dev \
                 libcli11-dev libgtest-dev libbenchmark-dev python3-torch \
-                openmpi-bin libopenmpi-dev
+                openmpi-bin libopenmpi-dev clang libclang-rt-14-dev
+FUZZ_BUILD ?= build-fuzz
+# Seconds per fuzz target: short in `make test`, longer by hand (make fuzz FUZZ_SECONDS=3600).
+FUZZ_SECONDS ?= 40
+FUZZERS := pickle zip rules
 
-.PHONY: deps build test demo clean
+.PHONY: deps build test demo fuzz clean
 
 deps:
 	@missing=$$(for p in $(DEB_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
@@ -25,9 +29,27 @@ build: deps
 
 test: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
+	$(MAKE) fuzz
+
+# libFuzzer with AddressSanitizer and UBSan on the parsers of untrusted bytes
+# (tests/fuzz/). Each run starts from the seeds in tests/fuzz/corpus/ and
+# keeps what it finds in $(FUZZ_BUILD)/corpus/; a crash fails the target and
+# leaves its input as $(FUZZ_BUILD)/crash-*.
+fuzz: deps
+	cmake -S tests/fuzz -B $(FUZZ_BUILD) -DCMAKE_CXX_COMPILER=clang++ >/dev/null
+	cmake --build $(FUZZ_BUILD) -j $(JOBS)
+	@for f in $(FUZZERS); do \
+	  mkdir -p $(FUZZ_BUILD)/corpus/$$f; \
+	  echo "fuzzing $$f for $(FUZZ_SECONDS) s"; \
+	  $(FUZZ_BUILD)/$${f}_fuzz -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 \
+	    -artifact_prefix=$(FUZZ_BUILD)/ $(FUZZ_BUILD)/corpus/$$f tests/fuzz/corpus/$$f \
+	    > $(FUZZ_BUILD)/$$f.log 2>&1; status=$$?; \
+	  grep -E "^(Done|stat::number_of_executed_units)" $(FUZZ_BUILD)/$$f.log; \
+	  if [ $$status -ne 0 ]; then tail -n 40 $(FUZZ_BUILD)/$$f.log; exit 1; fi; \
+	done
 
 demo: build
 	examples/demo.sh $(BUILD)/reshard
 
 clean:
-	rm -rf $(BUILD)
+	rm -rf $(BUILD) $(FUZZ_BUILD)
