@@ -2,24 +2,17 @@
 
 #include <initializer_list>
 
+#include "container/zip_format.h"
+
 namespace reshard {
 namespace {
 
-constexpr uint32_t kLocalSignature = 0x04034b50;
-constexpr uint32_t kCentralSignature = 0x02014b50;
-constexpr uint32_t kEndSignature = 0x06054b50;
-constexpr uint32_t kZip64EndSignature = 0x06064b50;
-constexpr uint32_t kZip64LocatorSignature = 0x07064b50;
-constexpr uint64_t kLocalSize = 30;
 constexpr uint64_t kCentralSize = 46;
 constexpr uint64_t kEndSize = 22;
 constexpr uint64_t kZip64EndSize = 56;
 constexpr uint64_t kZip64LocatorSize = 20;
-constexpr uint16_t kZip64ExtraId = 0x0001;
 constexpr uint64_t kEncrypted = 1;
 constexpr uint64_t kDataDescriptor = 1 << 3;  // sizes and CRC follow the data
-constexpr uint64_t kMax16 = 0xFFFF;
-constexpr uint64_t kMax32 = 0xFFFFFFFF;  // also what a field moved to ZIP64 holds
 
 uint64_t Le(const uint8_t* p, int n) {
   uint64_t v = 0;
@@ -32,12 +25,12 @@ bool Inside(uint64_t offset, uint64_t n, uint64_t limit) {
   return offset <= limit && n <= limit - offset;
 }
 
-// Replaces the fields that hold kMax32 by the values of the ZIP64 extra
+// Replaces the fields that hold kZipMax32 by the values of the ZIP64 extra
 // field in `extra`, which come in the order of `fields` (uncompressed size,
 // compressed size, local header offset). False when they are not there.
 bool ApplyZip64(const uint8_t* extra, uint64_t length, std::initializer_list<uint64_t*> fields) {
   bool needed = false;
-  for (const uint64_t* f : fields) needed = needed || *f == kMax32;
+  for (const uint64_t* f : fields) needed = needed || *f == kZipMax32;
   if (!needed) return true;
   for (uint64_t at = 0; at + 4 <= length;) {
     const uint64_t id = Le(extra + at, 2), n = Le(extra + at + 2, 2);
@@ -45,7 +38,7 @@ bool ApplyZip64(const uint8_t* extra, uint64_t length, std::initializer_list<uin
     if (id == kZip64ExtraId) {
       uint64_t used = 0;
       for (uint64_t* f : fields) {
-        if (*f != kMax32) continue;
+        if (*f != kZipMax32) continue;
         if (!Inside(used, 8, n)) return false;
         *f = Le(extra + at + 4 + used, 8);
         used += 8;
@@ -100,10 +93,10 @@ Status Parser::FindEnd(End* end) const {
   const Status damaged = Error(
       "no zip end record, so it is not a complete torch.save file; it is truncated or damaged");
   if (size_ < kEndSize) return damaged;
-  const uint64_t lowest = size_ - kEndSize > kMax16 ? size_ - kEndSize - kMax16 : 0;
+  const uint64_t lowest = size_ - kEndSize > kZipMax16 ? size_ - kEndSize - kZipMax16 : 0;
   for (uint64_t at = size_ - kEndSize + 1; at-- > lowest;) {
     const uint8_t* p = data_ + at;
-    if (Le(p, 4) != kEndSignature || at + kEndSize + Le(p + 20, 2) != size_) continue;
+    if (Le(p, 4) != kZipEndSignature || at + kEndSize + Le(p + 20, 2) != size_) continue;
     if (Le(p + 4, 2) != 0 || Le(p + 6, 2) != 0 || Le(p + 8, 2) != Le(p + 10, 2)) {
       return Error("a zip archive split over several disks is not a torch.save file");
     }
@@ -111,7 +104,7 @@ Status Parser::FindEnd(End* end) const {
     end->size = Le(p + 12, 4);
     end->offset = Le(p + 16, 4);
     end->limit = at;
-    if (end->count == kMax16 || end->size == kMax32 || end->offset == kMax32) {
+    if (end->count == kZipMax16 || end->size == kZipMax32 || end->offset == kZipMax32) {
       return ReadZip64End(at, end);
     }
     return Status::Ok();
@@ -141,7 +134,7 @@ Status Parser::ReadEntry(const End& end, uint64_t* at, Entry* e) const {
   const Status damaged = Error("its zip central directory is damaged");
   if (!Inside(*at, kCentralSize, directory_end)) return damaged;
   const uint8_t* p = data_ + *at;
-  if (Le(p, 4) != kCentralSignature) return damaged;
+  if (Le(p, 4) != kZipCentralSignature) return damaged;
   const uint64_t name_length = Le(p + 28, 2), extra_length = Le(p + 30, 2);
   const uint64_t length = kCentralSize + name_length + extra_length + Le(p + 32, 2);
   if (!Inside(*at, length, directory_end)) return damaged;
@@ -174,12 +167,12 @@ Status Parser::CheckEntry(const Entry& e, const End& end, ZipRecord* record) con
   const Status mismatch = RecordError(e.name,
                                       "does not match its local header; the file is damaged or "
                                       "was not written by torch.save");
-  if (!Inside(e.local, kLocalSize, end.offset)) return mismatch;
+  if (!Inside(e.local, kZipLocalSize, end.offset)) return mismatch;
   const uint8_t* p = data_ + e.local;
   const uint64_t name_length = Le(p + 26, 2), extra_length = Le(p + 28, 2);
-  const uint8_t* name = p + kLocalSize;
-  if (Le(p, 4) != kLocalSignature ||
-      !Inside(e.local + kLocalSize, name_length + extra_length, end.offset) ||
+  const uint8_t* name = p + kZipLocalSize;
+  if (Le(p, 4) != kZipLocalSignature ||
+      !Inside(e.local + kZipLocalSize, name_length + extra_length, end.offset) ||
       std::string(reinterpret_cast<const char*>(name), name_length) != e.name ||
       Le(p + 8, 2) != e.method) {
     return mismatch;
@@ -191,7 +184,7 @@ Status Parser::CheckEntry(const Entry& e, const End& end, ZipRecord* record) con
   if (!described && (crc != e.crc || compressed != e.compressed || size != e.size)) {
     return mismatch;
   }
-  record->data_offset = e.local + kLocalSize + name_length + extra_length;
+  record->data_offset = e.local + kZipLocalSize + name_length + extra_length;
   record->size = e.size;
   if (!Inside(record->data_offset, record->size, end.offset)) {
     return RecordError(e.name, "runs past the records' end (" + std::to_string(record->size) +

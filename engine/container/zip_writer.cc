@@ -9,23 +9,15 @@
 #include <cstring>
 
 #include "container/write_fully.h"
+#include "container/zip_format.h"
 
 namespace reshard {
 namespace {
 
-constexpr uint32_t kLocalHeaderSignature = 0x04034b50;
-constexpr uint32_t kCentralHeaderSignature = 0x02014b50;
-constexpr uint32_t kZip64EndSignature = 0x06064b50;
-constexpr uint32_t kZip64LocatorSignature = 0x07064b50;
-constexpr uint32_t kEndSignature = 0x06054b50;
-constexpr uint64_t kLocalHeaderSize = 30;
 constexpr uint64_t kCrcOffset = 14;         // of the CRC inside a local header
-constexpr uint16_t kZip64ExtraId = 0x0001;
 constexpr uint16_t kUtf8Names = 1 << 11;    // general purpose flag, as PyTorch sets it
 constexpr uint16_t kVersion20 = 20;         // "version needed": stored files
 constexpr uint16_t kVersion45 = 45;         // ... with ZIP64 fields
-constexpr uint64_t kMax16 = 0xFFFF;
-constexpr uint64_t kMax32 = 0xFFFFFFFF;     // also what a field moved to ZIP64 holds
 constexpr uint64_t kAlignment = 64;         // of record data, as in PyTorch
 constexpr size_t kBufferCapacity = 64 << 10;
 // Add hands in-memory records over a piece at a time, so that each piece is
@@ -112,22 +104,22 @@ Status ZipWriter::BeginRecord(const std::string& name, int64_t size) {
   const std::string full_name = archive_ + "/" + name;
   if (fd_ < 0) return Status::Internal("ZipWriter: record " + name + " added after Finish");
   if (size < 0) return Status::Internal("ZipWriter: negative size for record " + name);
-  if (full_name.size() > kMax16) return Status::InvalidInput("record name too long: " + name);
+  if (full_name.size() > kZipMax16) return Status::InvalidInput("record name too long: " + name);
   const uint64_t offset = bytes_written();
   const bool zip64 = Zip64(static_cast<uint64_t>(size));
   const uint64_t zip64_extra = zip64 ? 4 + 16 : 0;
-  const uint64_t unpadded = offset + kLocalHeaderSize + full_name.size() + zip64_extra + 4;
+  const uint64_t unpadded = offset + kZipLocalSize + full_name.size() + zip64_extra + 4;
   const uint64_t padding = (kAlignment - unpadded % kAlignment) % kAlignment;
 
   std::string header;
-  Put(&header, kLocalHeaderSignature, 4);
+  Put(&header, kZipLocalSignature, 4);
   Put(&header, zip64 ? kVersion45 : kVersion20, 2);
   Put(&header, kUtf8Names, 2);
   Put(&header, 0, 2);  // method: stored
   Put(&header, 0, 4);  // time and date: none, for reproducible files
   Put(&header, 0, 4);  // CRC, patched by EndRecord
-  Put(&header, zip64 ? kMax32 : size, 4);  // compressed size
-  Put(&header, zip64 ? kMax32 : size, 4);  // uncompressed size
+  Put(&header, zip64 ? kZipMax32 : size, 4);  // compressed size
+  Put(&header, zip64 ? kZipMax32 : size, 4);  // uncompressed size
   Put(&header, full_name.size(), 2);
   Put(&header, zip64_extra + 4 + padding, 2);
   header += full_name;
@@ -154,7 +146,7 @@ Status ZipWriter::EndRecord(uint32_t crc) {
 Status ZipWriter::WriteCentralHeader(const Entry& entry) {
   const bool zip64_size = Zip64(entry.size);
   const bool zip64_offset = Zip64(entry.offset);
-  // The ZIP64 field holds just the values whose 32-bit fields say kMax32.
+  // The ZIP64 field holds just the values whose 32-bit fields say kZipMax32.
   std::string zip64;
   if (zip64_size) {
     Put(&zip64, entry.size, 8);  // uncompressed
@@ -164,22 +156,22 @@ Status ZipWriter::WriteCentralHeader(const Entry& entry) {
   const uint16_t version = zip64.empty() ? kVersion20 : kVersion45;
 
   std::string header;
-  Put(&header, kCentralHeaderSignature, 4);
+  Put(&header, kZipCentralSignature, 4);
   Put(&header, version, 2);  // made by (MS-DOS: no file attributes)
   Put(&header, version, 2);  // needed to extract
   Put(&header, kUtf8Names, 2);
   Put(&header, 0, 2);  // method: stored
   Put(&header, 0, 4);  // time and date
   Put(&header, entry.crc, 4);
-  Put(&header, zip64_size ? kMax32 : entry.size, 4);
-  Put(&header, zip64_size ? kMax32 : entry.size, 4);
+  Put(&header, zip64_size ? kZipMax32 : entry.size, 4);
+  Put(&header, zip64_size ? kZipMax32 : entry.size, 4);
   Put(&header, entry.name.size(), 2);
   Put(&header, zip64.empty() ? 0 : 4 + zip64.size(), 2);
   Put(&header, 0, 2);  // comment length
   Put(&header, 0, 2);  // disk
   Put(&header, 0, 2);  // internal attributes
   Put(&header, 0, 4);  // external attributes
-  Put(&header, zip64_offset ? kMax32 : entry.offset, 4);
+  Put(&header, zip64_offset ? kZipMax32 : entry.offset, 4);
   header += entry.name;
   if (!zip64.empty()) {
     Put(&header, kZip64ExtraId, 2);
@@ -191,7 +183,7 @@ Status ZipWriter::WriteCentralHeader(const Entry& entry) {
 
 Status ZipWriter::WriteEndRecords(uint64_t directory_offset, uint64_t directory_size) {
   const uint64_t count = entries_.size();
-  const bool zip64_count = count >= kMax16 || Zip64(count);
+  const bool zip64_count = count >= kZipMax16 || Zip64(count);
   const bool zip64_size = Zip64(directory_size);
   const bool zip64_offset = Zip64(directory_offset);
   std::string end;
@@ -212,13 +204,13 @@ Status ZipWriter::WriteEndRecords(uint64_t directory_offset, uint64_t directory_
     Put(&end, record_offset, 8);
     Put(&end, 1, 4);  // disks
   }
-  Put(&end, kEndSignature, 4);
+  Put(&end, kZipEndSignature, 4);
   Put(&end, 0, 2);  // this disk
   Put(&end, 0, 2);  // the directory's disk
-  Put(&end, zip64_count ? kMax16 : count, 2);
-  Put(&end, zip64_count ? kMax16 : count, 2);
-  Put(&end, zip64_size ? kMax32 : directory_size, 4);
-  Put(&end, zip64_offset ? kMax32 : directory_offset, 4);
+  Put(&end, zip64_count ? kZipMax16 : count, 2);
+  Put(&end, zip64_count ? kZipMax16 : count, 2);
+  Put(&end, zip64_size ? kZipMax32 : directory_size, 4);
+  Put(&end, zip64_offset ? kZipMax32 : directory_offset, 4);
   Put(&end, 0, 2);  // comment length
   return Write(end.data(), end.size());
 }
