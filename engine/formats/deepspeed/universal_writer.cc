@@ -22,7 +22,7 @@ namespace fs = std::filesystem;
 struct StateFile {
   std::string param;  // the engine's parameter name
   std::string state;
-  int layer_index = 0, tensor_index = 0;
+  StateTensor source;          // the state as a tensor of the source's shards
   std::vector<int64_t> shape;  // whole, vocabulary padding stripped
   Items layout;                // cat_dim, param_n_sub_params, vocab_tensor
 };
@@ -55,7 +55,7 @@ Result<Items> LayoutKeys(const ParamRule& rule, const std::string& param) {
 Result<StateFile> MakeStateFile(const LogicalCheckpoint& src, const SourceOptimizer& opt,
                                 const std::string& param, const std::string& state) {
   RESHARD_ASSIGN_OR_RETURN(StateTensor st, LocateState(src, opt, param, state));
-  StateFile f{param, state, st.layer_index, st.tensor_index, st.tensor.full_shape, {}};
+  StateFile f{param, state, st, st.tensor.full_shape, {}};
   RESHARD_ASSIGN_OR_RETURN(f.layout, LayoutKeys(*st.tensor.rule, param));
   if (st.tensor.rule->policy == ParamRule::Policy::kVocab) {
     if (!src.vocab.original_size) {
@@ -181,8 +181,8 @@ class UniversalPlan : public TargetPlan {
   // {'param': the whole tensor, layout keys...}; the vocabulary's true rows
   // are the first rows, so its producer is the padded tensor's, cut short.
   Value StateTree(const StateFile& f, std::atomic<int64_t>* read) const {
-    StateTensor st = *LocateState(src_, opt_, f.param, f.state);  // located once at planning
-    const TensorPlan plan = PlanFullTensor(src_, f.layer_index, f.tensor_index, replicated_);
+    const StateTensor& st = f.source;
+    const TensorPlan plan = PlanFullTensor(src_, st.layer_index, st.tensor_index, replicated_);
     Items items;
     items.emplace_back(Value::String("param"),
                        MakeProducedTensor(DType::kFloat32, f.shape, RangeProducer(SourceTensor::Of(st.tensor), plan, read)));
