@@ -11,13 +11,16 @@ about 4x smaller) this script
     process tree (sampled from /proc every 20 ms, split into anonymous and file-backed
     pages, plus the kernel's high-water mark from wait4), and the bytes the process read from
     and wrote to storage (/proc io accounting) against the on-disk size of SRC and OUT,
+  * optionally times another reshard binary (--baseline) and the exports (--exports: `export
+    --to universal` and `--to consolidated`) in the same alternation, each against cp -r,
   * optionally times DeepSpeed's ds_to_universal.py on the same input (--deepspeed-src, a
     DeepSpeed source tree fetched separately; it is never part of this repository),
 and prints one table, with the ratio reshard / cp that the throughput target is about
 (at most 1.2).  Figures only: nothing here passes or fails.
 
   /usr/bin/python3 benchmarks/run.py --reshard build-bench/reshard [--runs 5] [--threads N]
-      [--scales 1,0.25] [--workdir /tmp/reshard-bench] [--keep] [--verify]
+      [--scales 1,0.25] [--workdir /tmp/reshard-bench] [--keep] [--verify] [--exports]
+      [--baseline OTHER_RESHARD]
       [--deepspeed-src DIR] [--json results.json]
 """
 
@@ -232,6 +235,9 @@ def bench_scale(ns, scale: float) -> Dict:
     commands = {'cp': ['cp', '-r', src, cp_dst], 'reshard': reshard_cmd}
     if ns.baseline:
         commands['baseline'] = [ns.baseline] + reshard_cmd[1:]
+    if ns.exports:
+        for to, name in (('universal', os.path.basename(src) + '_universal'), ('consolidated', 'model')):
+            commands[to] = [ns.reshard, 'export', src, os.path.join(out_root, name), '--to', to, '-q']
     runs = {what: [] for what in commands}
     out_bytes = 0
     for i in range(ns.runs):
@@ -342,10 +348,14 @@ def summarize(scale, info, src_bytes, out_bytes, runs, verify, peer) -> Dict:
         'runs_cp': [round(r['seconds'], 2) for r in runs['cp']],
         'runs_reshard': [round(r['seconds'], 2) for r in rs],
         'verify': verify, 'deepspeed': peer,
-        'baseline': None if 'baseline' not in runs else {
-            'seconds': med['baseline'], 'seconds_with_sync': med_sync['baseline'],
-            'ratio': med['baseline'] / med['cp'], 'ratio_sync': med_sync['baseline'] / med_sync['cp'],
-            'runs': [round(r['seconds'], 2) for r in runs['baseline']]},
+        # Every other command of the alternation (--baseline, --exports), against cp -r.
+        'others': {what: {
+            'seconds': med[what], 'seconds_with_sync': med_sync[what],
+            'ratio': med[what] / med['cp'], 'ratio_sync': med_sync[what] / med_sync['cp'],
+            'written_mb': statistics.median(r['reported_written_mb'] for r in runs[what]),
+            'peak_tree_gib': max(r['peak_tree_kib']['VmRSS'] for r in runs[what]) / 2**20,
+            'runs': [round(r['seconds'], 2) for r in runs[what]]}
+            for what in runs if what not in ('cp', 'reshard')},
     }
 
 
@@ -402,18 +412,19 @@ def table(results: List[Dict]) -> str:
             f'| h={c["h"]} | {r["cp_sync_s"]:.2f} | {r["reshard_sync_s"]:.2f} | {r["ratio_sync"]:.2f}x | '
             f'{r["reshard_user_s"]:.1f} / {r["reshard_sys_s"]:.1f} | {r["maxrss_gib"]:.2f} GiB | '
             f'{r["out_bytes"] / gb:.2f} GB | {r["runs_cp"]} | {r["runs_reshard"]} |')
-    baselines = [r for r in results if r.get('baseline')]
-    if baselines:
+    others = [r for r in results if r.get('others')]
+    if others:
         lines.append('')
-        lines.append('| checkpoint | baseline (s) | ratio | + sync (s) | ratio with sync | '
-                     'reshard / baseline | with sync | runs baseline |')
-        lines.append('|---|---|---|---|---|---|---|---|')
-        for r in baselines:
-            b = r['baseline']
-            lines.append(f'| h={r["config"]["h"]} | {b["seconds"]:.2f} | {b["ratio"]:.2f}x | '
-                         f'{b["seconds_with_sync"]:.2f} | {b["ratio_sync"]:.2f}x | '
-                         f'{r["reshard_s"] / b["seconds"]:.2f}x | '
-                         f'{r["reshard_sync_s"] / b["seconds_with_sync"]:.2f}x | {b["runs"]} |')
+        lines.append('| checkpoint | command | time (s) | vs cp -r | + sync (s) | vs cp -r + sync | written | '
+                     'peak RSS tree | vs reshard convert (+ sync) | runs |')
+        lines.append('|---|---|---|---|---|---|---|---|---|---|')
+        for r in others:
+            for what, o in r['others'].items():
+                lines.append(f'| h={r["config"]["h"]} | {what} | {o["seconds"]:.2f} | {o["ratio"]:.2f}x | '
+                             f'{o["seconds_with_sync"]:.2f} | {o["ratio_sync"]:.2f}x | '
+                             f'{o["written_mb"] / 1e3:.2f} GB | {o["peak_tree_gib"]:.2f} GiB | '
+                             f'{o["seconds"] / r["reshard_s"]:.2f}x ({o["seconds_with_sync"] / r["reshard_sync_s"]:.2f}x) | '
+                             f'{o["runs"]} |')
     peers = [r for r in results if r.get('deepspeed')]
     if peers:
         lines.append('')
@@ -449,6 +460,9 @@ def main(argv=None) -> int:
                     help='where checkpoints and outputs go (default /tmp/reshard-bench; needs ~20 GB)')
     ap.add_argument('--keep', action='store_true',
                     help='keep the checkpoints and the last outputs (default: delete everything written)')
+    ap.add_argument('--exports', action='store_true',
+                    help='also time `export --to universal` and `export --to consolidated` of SRC in the '
+                         'same alternation')
     ap.add_argument('--baseline', help='another reshard binary (e.g. a build of an earlier commit): '
                     'timed in the same alternation, ratios against cp -r and reshard')
     ap.add_argument('--warm', action='store_true', help='do not drop the page cache before runs')
