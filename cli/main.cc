@@ -238,6 +238,8 @@ int Run(int argc, char** argv) {
   AddPreflightOptions(lint_cmd, &lint);
   lint_cmd->add_option("--max-drift-lines", lint.max_drift_lines,
                        "How many replicated-tensor drifts to list");
+  lint_cmd->add_flag("--deep", lint.deep,
+                     "Also read every byte of every file and check each record's CRC-32");
 
   reshard::InspectOptions inspect;
   CLI::App* inspect_cmd = app.add_subcommand("inspect", "Describe a checkpoint's layout, metadata and tensors");

@@ -1,8 +1,10 @@
 #include "container/zip_directory.h"
 
+#include <algorithm>
 #include <initializer_list>
 
 #include "container/zip_format.h"
+#include "container/zip_writer.h"  // Crc32
 
 namespace reshard {
 namespace {
@@ -186,6 +188,7 @@ Status Parser::CheckEntry(const Entry& e, const End& end, ZipRecord* record) con
   }
   record->data_offset = e.local + kZipLocalSize + name_length + extra_length;
   record->size = e.size;
+  record->crc = static_cast<uint32_t>(e.crc);
   if (!Inside(record->data_offset, record->size, end.offset)) {
     return RecordError(e.name, "runs past the records' end (" + std::to_string(record->size) +
                                    " bytes at offset " + std::to_string(record->data_offset) +
@@ -232,6 +235,28 @@ Result<ZipDirectory> ZipDirectory::Read(const MappedFile& file) {
 const ZipRecord* ZipDirectory::Find(const std::string& name) const {
   auto it = records_.find(archive_ + name);
   return it == records_.end() ? nullptr : &it->second;
+}
+
+Status ZipDirectory::CheckCrcs(const MappedFile& file) const {
+  // A view of the mapping that does not own it, for TouchedPages.
+  const ByteView view{std::shared_ptr<const void>(std::shared_ptr<const void>(), &file), file.data(),
+                      file.size(), /*mapped=*/true};
+  constexpr uint64_t kPiece = 4 << 20;
+  for (const auto& [name, record] : records_) {
+    uint32_t crc = 0;
+    for (uint64_t done = 0; done < record.size; done += kPiece) {
+      const uint8_t* at = file.data() + record.data_offset + done;
+      const size_t n = static_cast<size_t>(std::min(kPiece, record.size - done));
+      crc = Crc32(crc, at, n);
+      TouchedPages pages;
+      pages.Note(view, at, n);
+    }
+    if (crc != record.crc) {
+      return Status::InvalidInput(file.path() + ": record " + name + " does not have the CRC-32 its zip "
+                                  "directory records; its bytes are damaged");
+    }
+  }
+  return Status::Ok();
 }
 
 }  // namespace reshard

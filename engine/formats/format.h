@@ -101,6 +101,8 @@ class SourceCheckpoint {
   }
   // The true vocabulary size (without padding), when the checkpoint records it.
   virtual std::optional<int64_t> vocab_size() const { return std::nullopt; }
+  // Every file of the checkpoint (for checks of their bytes: `lint --deep`).
+  virtual std::vector<std::string> Files() const = 0;
   // Files beside `latest` in root_dir() that belong with every checkpoint
   // of the root (DeepSpeed copies its zero_to_fp32.py there): a converted
   // checkpoint's root gets them too.

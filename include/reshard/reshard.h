@@ -80,6 +80,8 @@ struct PreflightOptions : CommonOptions {
 };
 
 struct LintOptions : PreflightOptions {
+  // Also read every byte of every file and check each record's CRC-32.
+  bool deep = false;
   // How many of the largest replicated-tensor drifts to list.
   int max_drift_lines = 10;
 };

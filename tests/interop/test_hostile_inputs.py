@@ -14,7 +14,7 @@ inconsistency as an error finding (exit 1):
   * counts in ``args`` that would be allocated (``num_layers`` = 2**62) or whose product wraps
     to a zero divisor (``make_vocab_size_divisible_by`` = 2**62 at TP 4);
   * a valid DEFLATE-compressed zip, which torch.load reads but whose records are not the
-    storages' bytes;
+    storages' bytes; a damaged byte inside a record, which `lint --deep` finds by its CRC-32;
   * two file names of one rank (``mp_rank_000`` beside ``mp_rank_00``, ``layer_003`` beside
     ``layer_03``), and a stray rank number of 2e9 (counted, not enumerated);
   * ``latest`` naming ``..``, ``.`` or a path instead of a tag folder.
@@ -244,6 +244,25 @@ class ZipContainerTests(HostileTestCase):
             f.write(data)
         self.assertAllRefuse(tag, ['layer_04-model_01-model_states.pt', "data/0' does not match its "
                                    'local header'])
+
+    def test_a_damaged_byte_is_found_by_lint_deep(self):
+        tag = self.bloom()
+        path = layer_file(tag, 3, 1)
+        with zipfile.ZipFile(path) as z:
+            info = next(i for i in z.infolist() if '/data/' in i.filename and i.file_size >= 64)
+        with open(path, 'r+b') as f:  # the record's data follows its 30-byte header, name and extra
+            f.seek(info.header_offset + 26)
+            name_length, extra_length = struct.unpack('<HH', f.read(4))
+            at = info.header_offset + 30 + name_length + extra_length + 17
+            f.seek(at)
+            byte = f.read(1)
+            f.seek(at)
+            f.write(bytes([byte[0] ^ 0x40]))
+        self.assertEqual(support.reshard('lint', tag, '--replicated', 'first').returncode, 0)  # CRCs not read
+        p = support.reshard('lint', tag, '--replicated', 'first', '--deep')
+        self.assertEqual(p.returncode, 1, p.stdout + p.stderr)
+        self.assertIn(f'error: {path}: record {info.filename} does not have the CRC-32 its zip directory '
+                      'records; its bytes are damaged', p.stdout)
 
 
 class FileNameTests(HostileTestCase):

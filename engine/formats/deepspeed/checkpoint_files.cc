@@ -119,6 +119,19 @@ std::string MissingRanks(const std::set<int>& present, int n) {
 
 }  // namespace
 
+std::vector<std::string> CheckpointFiles::Paths() const {
+  std::vector<std::string> paths;
+  for (const auto& [id, by_tp] : layer_files) {
+    for (const auto& [tp, path] : by_tp) paths.push_back(path);
+  }
+  for (const auto& [mp, path] : mp_rank_files) paths.push_back(path);
+  for (const OptimizerShardFile& f : optimizer_files) paths.push_back(f.path);
+  for (const auto& [mp, by_dp] : zero3_model_files) {
+    for (const auto& [dp, path] : by_dp) paths.push_back(path);
+  }
+  return paths;
+}
+
 int CheckpointFiles::LayerTpSize() const {
   std::set<int> ranks;
   for (const auto& [id, by_tp] : layer_files) {

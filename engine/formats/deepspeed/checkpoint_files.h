@@ -35,6 +35,9 @@ struct CheckpointFiles {
   std::vector<std::string> other_files;  // names reshard does not recognise
   std::vector<std::string> root_scripts;  // kRootScripts present in root_dir
 
+  // Every file above, as paths.
+  std::vector<std::string> Paths() const;
+
   // ZeRO-3 writes per-DP-rank model states instead of mp_rank files.
   bool IsZero3() const { return !zero3_model_files.empty(); }
 

@@ -60,6 +60,7 @@ class DeepSpeedModelSource : public SourceCheckpoint {
   const std::string& tag_dir() const override { return model_->files.tag_dir; }
   const std::string& root_dir() const override { return model_->files.root_dir; }
   std::vector<std::string> RootFiles() const override { return model_->files.root_scripts; }
+  std::vector<std::string> Files() const override { return model_->files.Paths(); }
   int64_t iteration() const override { return ckpt().iteration; }
   const std::vector<Finding>& findings() const override { return ckpt().findings; }
   const Value& metadata() const override { return ckpt().metadata[0]; }

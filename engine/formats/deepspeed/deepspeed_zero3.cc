@@ -38,6 +38,7 @@ class Zero3Source : public SourceCheckpoint {
   const std::string& tag_dir() const override { return files_.tag_dir; }
   const std::string& root_dir() const override { return files_.root_dir; }
   std::vector<std::string> RootFiles() const override { return files_.root_scripts; }
+  std::vector<std::string> Files() const override { return files_.Paths(); }
   int64_t iteration() const override { return ckpt_->iteration(); }
   std::string Summary() const override { return ckpt_->Summary(); }
   const std::vector<Finding>& findings() const override { return findings_; }
