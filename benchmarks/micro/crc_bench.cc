@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "container/zip_writer.h"
+#include "container/crc32.h"
 
 namespace reshard {
 namespace {

@@ -4,7 +4,7 @@
 #include <initializer_list>
 
 #include "container/zip_format.h"
-#include "container/zip_writer.h"  // Crc32
+#include "container/crc32.h"
 
 namespace reshard {
 namespace {

@@ -86,8 +86,4 @@ class ZipWriter {
   std::vector<Entry> entries_;
 };
 
-// The zip (IEEE 802.3) CRC-32 of [data, data + n) continued from `crc`:
-// Crc32(0, ...) starts a new one, and Crc32(Crc32(0, a), b) is that of a then b.
-uint32_t Crc32(uint32_t crc, const uint8_t* data, size_t n);
-
 }  // namespace reshard

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "container/crc32.h"
 #include "container/torch_file.h"
 #include "pickle/pickle_writer.h"
 #include "test_util.h"
