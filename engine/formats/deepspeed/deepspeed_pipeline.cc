@@ -193,8 +193,9 @@ class PipelineSource : public DeepSpeedModelSource {
       // Planning reads metadata only, so it takes seconds at any size.
       notes->push_back(kDryRunNote);
     } else {
-      RESHARD_RETURN_IF_ERROR(CheckDrift(options.replicated, notes));
-      if (opt != nullptr) RESHARD_RETURN_IF_ERROR(CheckOptimizerDrift(*opt, options.replicated));
+      // The optimizer's replicas too, unless it is left out.
+      RESHARD_RETURN_IF_ERROR(opt != nullptr ? CheckReplicas(options.replicated, notes)
+                                             : CheckDrift(options.replicated, notes));
     }
     RESHARD_ASSIGN_OR_RETURN(DeepSpeedPlan plan, MakePipelinePlan(ckpt(), opt, PlanOptionsFrom(options)));
     notes->insert(notes->end(), plan.notes.begin(), plan.notes.end());
