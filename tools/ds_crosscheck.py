@@ -38,6 +38,10 @@ same way on both sides, and the table says so:
   * BF16 group padding longer than one partition (large DP): ``narrow(): length must be
     non-negative``; rerun with ``strip_tensor_paddings=False`` (DS PR #7426's workaround).
 
+``import_ds_to_universal`` and ``run_universal`` are shared with tools/make_ds_universal_data.py
+(regenerates tests/data/ds_universal) and tools/ds_universal_load_check.py (runs DeepSpeed's
+universal *loading* code on reshard's ``export --to universal`` output).
+
 Usage (PYTHONPATH must reach the repository's tests/ folder):
 
     PYTHONPATH=tests /usr/bin/python3 tools/ds_crosscheck.py --reshard build/reshard \
