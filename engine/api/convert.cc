@@ -93,14 +93,13 @@ class PhaseClock {
   std::chrono::steady_clock::time_point last_ = start_;
 };
 
-int64_t FolderBytes(const std::string& dir) {
-  namespace fs = std::filesystem;
+// The bytes of the checkpoint files at `paths`, for the report.
+int64_t FilesBytes(const std::vector<std::string>& paths) {
   int64_t total = 0;
-  Result<std::vector<fs::directory_entry>> entries = ListFolder(dir);
-  if (!entries.ok()) return 0;  // only a figure for the report
-  for (const fs::directory_entry& entry : *entries) {
+  for (const std::string& path : paths) {
     std::error_code ec;
-    if (entry.is_regular_file(ec)) total += static_cast<int64_t>(entry.file_size(ec));
+    const auto size = std::filesystem::file_size(path, ec);
+    if (!ec) total += static_cast<int64_t>(size);  // only a figure for the report
   }
   return total;
 }
@@ -166,7 +165,7 @@ Status Prepare(const std::string& input, const std::string& output, const WriteO
                ConvertReport* report) {
   RESHARD_ASSIGN_OR_RETURN(p->src, OpenCheckpoint(input, options));
   RESHARD_RETURN_IF_ERROR(CheckVocabSize(*p->src, options.vocab_size));
-  report->checkpoint_bytes = FolderBytes(p->src->tag_dir());
+  report->checkpoint_bytes = FilesBytes(p->src->Files());
   clock->End("load");
   RESHARD_ASSIGN_OR_RETURN(p->plan, make_plan(*p->src, &report->notes));
   report->plan = p->plan->ToString(options.dry_run);

@@ -15,7 +15,10 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenCheckpoint(const std::string& path
 
 Result<std::unique_ptr<TargetPlan>> PlanExport(const SourceCheckpoint& src, const ExportOptions& options,
                                                std::vector<std::string>* notes) {
-  if (options.to != "consolidated") return src.PlanFamilyFormat(options, notes);
+  if (options.to == "universal") return src.PlanFamilyFormat(options, notes);
+  if (options.to != "consolidated") {
+    return Status::InvalidInput("unknown export format '" + options.to + "'; use consolidated or universal");
+  }
   RESHARD_ASSIGN_OR_RETURN(ConsolidatedOptions consolidated, ConsolidatedOptionsFrom(options));
   return PlanConsolidated(src, consolidated, notes);
 }

@@ -94,7 +94,7 @@ class SourceCheckpoint {
     return Status::Ok();
   }
   // Plans the source in a format of its own family other than its native
-  // layout, as `options.to` names it (DeepSpeed sources write "universal").
+  // layout, as `options.to` names it: "universal" (DeepSpeed's), the only one.
   virtual Result<std::unique_ptr<TargetPlan>> PlanFamilyFormat(const ExportOptions& options,
                                                                std::vector<std::string>*) const {
     return Status::Unsupported("a " + kind() + " checkpoint cannot be exported --to " + options.to);

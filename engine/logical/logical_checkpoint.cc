@@ -223,7 +223,14 @@ void DescribeVocab(LogicalCheckpoint* ckpt) {
   ckpt->vocab.pad_to = rules.vocab_pad_to().Resolve(inputs);
   if (ckpt->vocab.padded_rows == 0) return;
   const int64_t recorded = MetadataInt(ckpt->args(), "padded_vocab_size", -1);
-  if (recorded >= 0 && recorded != ckpt->vocab.padded_rows) {
+  if (ckpt->vocab.padding_stripped) {
+    if (!ckpt->vocab.original_size) ckpt->vocab.original_size = ckpt->vocab.padded_rows;
+    if (*ckpt->vocab.original_size != ckpt->vocab.padded_rows) {
+      AddError(ckpt, "the vocabulary tensors hold " + std::to_string(ckpt->vocab.padded_rows) +
+                         " rows without padding, but the recorded vocabulary size is " +
+                         std::to_string(*ckpt->vocab.original_size));
+    }
+  } else if (recorded >= 0 && recorded != ckpt->vocab.padded_rows) {
     AddError(ckpt, "args.padded_vocab_size is " + std::to_string(recorded) +
                        " but the vocabulary tensors have " +
                        std::to_string(ckpt->vocab.padded_rows) + " rows");

@@ -50,6 +50,9 @@ struct VocabInfo {
   std::optional<int64_t> original_size;  // true vocabulary size, when recorded
   std::optional<int64_t> divisible_by;
   std::optional<int64_t> pad_to;
+  // The vocabulary tensors hold the true rows only (a universal checkpoint):
+  // args.padded_vocab_size describes the checkpoint they were taken from.
+  bool padding_stripped = false;
 };
 
 struct LogicalCheckpoint {
@@ -62,12 +65,20 @@ struct LogicalCheckpoint {
   Value settings = Value::MakeDict();  // --set values (logical/settings.h)
   std::vector<LogicalLayer> layers;  // in id order
   VocabInfo vocab;
+  // Set when the source stores no weights of its own (a universal
+  // checkpoint): the tensors' shards are the fp32 masters, and each weight is
+  // its master cast to this dtype, as DeepSpeed makes them when it loads one.
+  std::optional<DType> weights_from_masters;
   std::vector<Finding> findings;
 
   bool HasErrors() const;
   // First error finding as a Status (ok when there is none).
   Status FirstError() const;
   const Value& args() const;  // metadata[0]["args"] (None when absent)
+  // The dtype `t` is written in as a weight.
+  DType WeightDType(const LogicalTensor& t) const {
+    return weights_from_masters && IsFloatingPoint(t.dtype) ? *weights_from_masters : t.dtype;
+  }
   // What rules read values from: metadata[0], then the settings.
   RuleInputs inputs() const;
   void AddError(std::string message);

@@ -30,7 +30,8 @@ Status CheckVocabRepaddable(const LogicalCheckpoint& src, std::optional<int64_t>
 Result<int64_t> TargetPaddedVocab(const LogicalCheckpoint& src, int tp,
                                   std::optional<int64_t> vocab_size) {
   const VocabInfo& vocab = src.vocab;
-  if (vocab.padded_rows == 0 || tp == src.tp) return vocab.padded_rows;
+  // The same TP keeps the padding, unless it was stripped.
+  if (vocab.padded_rows == 0 || (tp == src.tp && !vocab.padding_stripped)) return vocab.padded_rows;
   if (vocab.pad_to) {
     if (*vocab.pad_to % tp != 0) {
       return Status::InvalidInput("args.pad_vocab_size_to = " + std::to_string(*vocab.pad_to) +

@@ -23,6 +23,8 @@ import os
 
 import torch
 
+from fixtures import deepspeed_nonpipe as dn
+
 import interop_support as support
 from interop_support import FixtureTestCase, make_fixture
 
@@ -123,6 +125,28 @@ class ExportUniversalTest(FixtureTestCase):
                     self.assertEqual(f.read().strip(), 'global_step10_universal')
                 with open(os.path.join(root, 'latest')) as f:
                     self.assertEqual(f.read().strip(), 'global_step10')
+
+    def test_non_pipeline_under_module_names(self):
+        """An HF-Trainer-style ZeRO-2 folder at TP 1: every trainable parameter's states whole,
+        under the module's names, shaped as param_shapes records, no layout keys (nothing split).
+        Reading such a universal checkpoint back is refused with one line (pipeline models only)."""
+        cfg = dn.NonPipeConfig(zero_stage=2, dtype='bf16', dp=2, L=2, n_heads=4, n_kv=2, head_dim=16, ffn=64,
+                               h=64, V=128)
+        src = self.path('hf')
+        dn.write_nonpipe(src, cfg)
+        out = self.path('hf_universal')
+        p = run('export', src, out, '--to', 'universal')
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        want = dn.expected_nonpipe_state(cfg)
+        self.assertEqual(sorted(os.listdir(os.path.join(out, 'zero'))), sorted(list(want['fp32']) + ['optimizer_state.pt']))
+        for param in want['fp32']:
+            for state in STATES:
+                saved = torch.load(os.path.join(out, 'zero', param, state + '.pt'))
+                self.assertEqual(list(saved), ['param'], f'{param} {state}')
+                self.assertTrue(torch.equal(saved['param'], want[state][param]), f'{param} {state}')
+        p = run('export', os.path.join(out), self.path('again'), '--to', 'universal')
+        self.assertEqual(p.returncode, 2, p.stdout + p.stderr)  # not a pipeline model: not read back yet
+        self.assertIn('not a pipeline parameter name', p.stderr)
 
     def test_refusals_write_nothing(self):
         weights_only = make_fixture(self.path('weights'), tp=2, pp=2, dp=1, **dict(FAMILIES['ms_gpt2'], optimizer='none'))

@@ -129,6 +129,7 @@ std::vector<std::string> CheckpointFiles::Paths() const {
   for (const auto& [mp, by_dp] : zero3_model_files) {
     for (const auto& [dp, path] : by_dp) paths.push_back(path);
   }
+  paths.insert(paths.end(), universal_files.begin(), universal_files.end());
   return paths;
 }
 
@@ -158,7 +159,9 @@ Result<CheckpointFiles> ScanCheckpoint(const std::string& path) {
   std::map<std::string, std::string> ranks;
   for (const fs::directory_entry& entry : entries) {
     const std::string name = entry.path().filename().string();
-    if (entry.is_directory(ec)) {
+    if (entry.is_directory(ec) && name == "zero") {
+      files.universal_dir = entry.path().string();
+    } else if (entry.is_directory(ec)) {
       files.other_files.push_back(name + "/");
     } else {
       RESHARD_RETURN_IF_ERROR(Classify(name, entry.path().string(), &files, &ranks));

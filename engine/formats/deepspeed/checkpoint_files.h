@@ -32,6 +32,10 @@ struct CheckpointFiles {
   std::vector<OptimizerShardFile> optimizer_files;
   // ZeRO-3: mp index -> DP rank -> path of zero_pp_rank_{d}_mp_rank_{mp}_model_states.pt
   std::map<int, std::map<int, std::string>> zero3_model_files;
+  // A universal checkpoint's zero/ folder ("" for other checkpoints), and
+  // the files in it (listed by universal_reader.h).
+  std::string universal_dir;
+  std::vector<std::string> universal_files;
   std::vector<std::string> other_files;  // names reshard does not recognise
   std::vector<std::string> root_scripts;  // kRootScripts present in root_dir
 
@@ -40,6 +44,9 @@ struct CheckpointFiles {
 
   // ZeRO-3 writes per-DP-rank model states instead of mp_rank files.
   bool IsZero3() const { return !zero3_model_files.empty(); }
+  // DeepSpeed's universal checkpoint: per-parameter files under zero/ beside
+  // the mp_rank files, no layer or optimizer shard files.
+  bool IsUniversal() const { return !universal_dir.empty() && layer_files.empty() && optimizer_files.empty(); }
 
   // Number of distinct TP ranks among the layer files (0 without layer files).
   int LayerTpSize() const;

@@ -8,6 +8,7 @@
 #include "formats/deepspeed/pipeline_plan.h"
 #include "formats/deepspeed/pipeline_reader.h"
 #include "formats/deepspeed/pipeline_writer.h"
+#include "formats/deepspeed/universal_writer.h"
 #include "formats/deepspeed/zero_shard_lint.h"
 #include "plan/materialize.h"
 
@@ -112,6 +113,17 @@ class NonPipelineSource : public DeepSpeedModelSource {
       }
     }
     return out;
+  }
+
+  Result<std::unique_ptr<TargetPlan>> PlanFamilyFormat(const ExportOptions& options,
+                                                       std::vector<std::string>* notes) const override {
+    if (shard_files() == 0 || options.weights_only) {
+      return Status::InvalidInput("a universal checkpoint is the optimizer state (fp32 masters and moments) "
+                                  "by parameter, and this checkpoint has no optimizer shards; export --to "
+                                  "consolidated writes its weights");
+    }
+    RESHARD_ASSIGN_OR_RETURN(const SourceOptimizer* opt, Optimizer());
+    return PlanUniversalUnsplit(ckpt(), *opt, files(), notes);
   }
 
  private:

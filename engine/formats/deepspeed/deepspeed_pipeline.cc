@@ -141,15 +141,21 @@ class PipelineSource : public DeepSpeedModelSource {
     const LogicalCheckpoint& c = ckpt();
     int blocks = 0;
     for (const SpecEntry& s : c.specs) blocks += s.role == "block" ? 1 : 0;
-    std::string s = "rule set " + c.rules->name() + " (numbering " + c.numbering + "); TP " +
-                    std::to_string(c.tp) + ", PP " + std::to_string(c.pp) + ", DP " +
-                    std::to_string(c.dp) + "; iteration " + std::to_string(c.iteration) + "; " +
-                    std::to_string(blocks) + " blocks; " +
-                    std::to_string(c.layers.size() * c.tp) + " layer files, " +
-                    std::to_string(c.metadata.size()) + " mp_rank files, " +
-                    std::to_string(shard_files()) + " optimizer shards";
+    std::string s = "rule set " + c.rules->name() + " (numbering " + c.numbering + "); ";
+    if (model_->universal) {
+      s += "universal checkpoint of DP " + std::to_string(c.dp) + "; iteration " + std::to_string(c.iteration) +
+           "; " + std::to_string(blocks) + " blocks; " + std::to_string(files().universal_files.size()) +
+           " files in zero/, " + std::to_string(c.metadata.size()) + " mp_rank files; weights are the fp32 "
+           "masters as " + DTypeName(*c.weights_from_masters);
+    } else {
+      s += "TP " + std::to_string(c.tp) + ", PP " + std::to_string(c.pp) + ", DP " + std::to_string(c.dp) +
+           "; iteration " + std::to_string(c.iteration) + "; " + std::to_string(blocks) + " blocks; " +
+           std::to_string(c.layers.size() * c.tp) + " layer files, " + std::to_string(c.metadata.size()) +
+           " mp_rank files, " + std::to_string(shard_files()) + " optimizer shards";
+    }
     if (c.vocab.padded_rows > 0) {
-      s += "; vocabulary " + std::to_string(c.vocab.padded_rows) + " padded rows";
+      s += "; vocabulary " + std::to_string(c.vocab.padded_rows) +
+           (c.vocab.padding_stripped ? " rows (padding stripped)" : " padded rows");
       if (c.vocab.original_size) s += " (true size " + std::to_string(*c.vocab.original_size) + ")";
     }
     return s;
@@ -161,7 +167,8 @@ class PipelineSource : public DeepSpeedModelSource {
     report->rule_set = ckpt().rules->name();
     if (ckpt().HasErrors()) return;
     ReportDrift(ckpt(), options, report);
-    CheckStages(ckpt(), report);
+    // A universal checkpoint's param_shapes are those of the checkpoint it was made from.
+    if (!model_->universal) CheckStages(ckpt(), report);
     const Status vocab = CheckVocabRepaddable(ckpt(), options.vocab_size);
     if (!vocab.ok()) report->findings.push_back({Finding::Severity::kError, vocab.message()});
     if (!HasOptimizerState()) return;
@@ -174,7 +181,8 @@ class PipelineSource : public DeepSpeedModelSource {
       report->findings.push_back({Finding::Severity::kError, "optimizer: " + opt.status().message()});
       return;
     }
-    report->findings.push_back(OptimizerFinding(**opt, shard_files()));
+    report->findings.push_back(model_->universal ? UniversalOptimizerFinding(**opt)
+                                                 : OptimizerFinding(**opt, shard_files()));
     ReportStateDrift(ckpt(), **opt, options, report);
   }
 
@@ -226,7 +234,7 @@ class PipelineSource : public DeepSpeedModelSource {
         const TensorPlan plan = PlanFullTensor(c, static_cast<int>(li), static_cast<int>(ti), replicated);
         // Averaged replicas come from the averaged masters where there are masters.
         RESHARD_ASSIGN_OR_RETURN(ByteProducer produce, WeightProducer(c, opt, t, plan, read));
-        out.push_back({"weights", t.name, t.name, "", t.label, t.dtype, t.full_shape, IsVocab(t),
+        out.push_back({"weights", t.name, t.name, "", t.label, c.WeightDType(t), t.full_shape, IsVocab(t),
                        std::move(produce)});
       }
     }
@@ -245,9 +253,6 @@ class PipelineSource : public DeepSpeedModelSource {
 
   Result<std::unique_ptr<TargetPlan>> PlanFamilyFormat(const ExportOptions& options,
                                                        std::vector<std::string>* notes) const override {
-    if (options.to != "universal") {
-      return Status::InvalidInput("unknown export format '" + options.to + "'; use consolidated or universal");
-    }
     if (!HasOptimizerState() || options.weights_only) {
       return Status::InvalidInput("a universal checkpoint is the optimizer state (fp32 masters and moments) "
                                   "by parameter, and this checkpoint has none; export --to consolidated "
@@ -332,6 +337,11 @@ class PipelineSource : public DeepSpeedModelSource {
 std::unique_ptr<SourceCheckpoint> MakePipelineSource(std::unique_ptr<DeepSpeedModel> model,
                                                      const CommonOptions& options) {
   return std::make_unique<PipelineSource>(std::move(model), options);
+}
+
+std::unique_ptr<SourceCheckpoint> MakeUniversalSource(UniversalCheckpoint universal,
+                                                      const CommonOptions& options) {
+  return std::make_unique<PipelineSource>(std::move(universal), options);
 }
 
 }  // namespace reshard

@@ -9,6 +9,10 @@ namespace reshard {
 Result<std::unique_ptr<SourceCheckpoint>> OpenDeepSpeedCheckpoint(CheckpointFiles files,
                                                                   const CommonOptions& options) {
   if (files.IsZero3()) return OpenZero3Source(std::move(files), options);
+  if (files.IsUniversal()) {
+    RESHARD_ASSIGN_OR_RETURN(UniversalCheckpoint universal, ReadUniversalCheckpoint(std::move(files), options));
+    return MakeUniversalSource(std::move(universal), options);
+  }
   RESHARD_ASSIGN_OR_RETURN(std::unique_ptr<DeepSpeedModel> model,
                            ReadDeepSpeedModel(std::move(files), options));
   if (model->pipeline) return MakePipelineSource(std::move(model), options);
@@ -26,18 +30,20 @@ const char DeepSpeedModelSource::kDryRunNote[] =
     "convert refuses drift it is not told to merge";
 
 bool DeepSpeedModelSource::HasOptimizerState() const {
-  return shard_files() > 0 || HasEmbeddedOptimizerState(ckpt());
+  return model_->universal || shard_files() > 0 || HasEmbeddedOptimizerState(ckpt());
 }
 
 std::string DeepSpeedModelSource::OptimizerWhat() const {
+  if (model_->universal) return "optimizer state of its zero/ files";
   return shard_files() > 0 ? std::to_string(shard_files()) + " optimizer shard files"
                            : "optimizer state inside its mp_rank files";
 }
 
 Result<const SourceOptimizer*> DeepSpeedModelSource::Optimizer() const {
   std::call_once(optimizer_once_, [this] {
+    if (model_->universal) return;  // read with the model
     Result<std::unique_ptr<SourceOptimizer>> opt =
-        SourceOptimizer::Load(ckpt(), model_->files.optimizer_files, allowed_classes_);
+        ShardOptimizer::Load(ckpt(), model_->files.optimizer_files, allowed_classes_);
     if (opt.ok()) {
       optimizer_ = std::move(*opt);
     } else {
@@ -78,7 +84,7 @@ std::string DeepSpeedModelSource::Describe() const {
   for (const LogicalLayer& layer : ckpt().layers) {
     out += "  " + layer.label + " " + layer.role + " (" + ckpt().specs[layer.id].class_name + ")\n";
     for (const LogicalTensor& t : layer.tensors) {
-      out += "    " + t.key + "  " + DTypeName(t.dtype) + ShapeString(t.full_shape) + "  " +
+      out += "    " + t.key + "  " + DTypeName(ckpt().WeightDType(t)) + ShapeString(t.full_shape) + "  " +
              t.rule->Describe() + "  name " + t.name + "\n";
     }
   }

@@ -17,6 +17,7 @@
 #include "formats/deepspeed/checkpoint_files.h"
 #include "formats/deepspeed/pipeline_plan.h"
 #include "formats/deepspeed/pipeline_reader.h"
+#include "formats/deepspeed/universal_reader.h"
 #include "formats/deepspeed/zero_shard_reader.h"
 #include "formats/format.h"
 #include "logical/logical_checkpoint.h"
@@ -29,6 +30,9 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenDeepSpeedCheckpoint(CheckpointFile
 // Each kind's constructor (deepspeed_pipeline.cc, deepspeed_nonpipeline.cc, deepspeed_zero3.cc).
 std::unique_ptr<SourceCheckpoint> MakePipelineSource(std::unique_ptr<DeepSpeedModel> model,
                                                      const CommonOptions& options);
+// A universal checkpoint read by universal_reader.h.
+std::unique_ptr<SourceCheckpoint> MakeUniversalSource(UniversalCheckpoint universal,
+                                                      const CommonOptions& options);
 std::unique_ptr<SourceCheckpoint> MakeNonPipelineSource(std::unique_ptr<DeepSpeedModel> model,
                                                         const CommonOptions& options);
 Result<std::unique_ptr<SourceCheckpoint>> OpenZero3Source(CheckpointFiles files,
@@ -56,6 +60,10 @@ class DeepSpeedModelSource : public SourceCheckpoint {
  public:
   DeepSpeedModelSource(std::unique_ptr<DeepSpeedModel> model, const CommonOptions& options)
       : model_(std::move(model)), allowed_classes_(options.allowed_classes) {}
+  // A universal checkpoint, whose optimizer state was read with the model.
+  DeepSpeedModelSource(UniversalCheckpoint universal, const CommonOptions& options)
+      : model_(std::move(universal.model)), allowed_classes_(options.allowed_classes),
+        optimizer_(std::move(universal.optimizer)), optimizer_status_(universal.optimizer_status) {}
 
   const std::string& tag_dir() const override { return model_->files.tag_dir; }
   const std::string& root_dir() const override { return model_->files.root_dir; }
@@ -74,7 +82,7 @@ class DeepSpeedModelSource : public SourceCheckpoint {
   const LogicalCheckpoint& ckpt() const { return model_->logical; }
   size_t shard_files() const { return model_->files.optimizer_files.size(); }
   const CheckpointFiles& files() const { return model_->files; }
-  // Shard files, or optimizer state inside the mp_rank files.
+  // Shard files, optimizer state inside the mp_rank files, or a universal checkpoint.
   bool HasOptimizerState() const;
   // "4 optimizer shard files", for the weights-only note.
   std::string OptimizerWhat() const;

@@ -9,7 +9,7 @@
 namespace reshard {
 namespace {
 
-Status ReadMetadata(const std::set<std::string>& allowed, DeepSpeedModel* m) {
+Status ReadMetadataFiles(const std::set<std::string>& allowed, DeepSpeedModel* m) {
   for (const auto& [mp, path] : m->files.mp_rank_files) {
     RESHARD_ASSIGN_OR_RETURN(Value root, ReadDeepSpeedFile(path, allowed));
     if (DictItems(root) == nullptr) {
@@ -88,6 +88,12 @@ Status ReadLayerFiles(const std::set<std::string>& allowed, DeepSpeedModel* m) {
 
 }  // namespace
 
+Status ReadMetadata(const std::set<std::string>& allowed_classes, DeepSpeedModel* m) {
+  RESHARD_RETURN_IF_ERROR(ReadMetadataFiles(allowed_classes, m));
+  CheckIterations(&m->logical);
+  return Status::Ok();
+}
+
 Result<Value> ReadDeepSpeedFile(const std::string& path, const std::set<std::string>& allowed_classes) {
   PickleReadOptions read;
   read.known_classes = &DeepSpeedKnownClasses();
@@ -102,7 +108,7 @@ Result<std::unique_ptr<DeepSpeedModel>> ReadDeepSpeedModel(CheckpointFiles files
   m->files = std::move(files);
   LogicalCheckpoint& ckpt = m->logical;
   RESHARD_RETURN_IF_ERROR(CheckRankGrid(m->files, &ckpt.tp, &ckpt.pp, &ckpt.dp));
-  RESHARD_RETURN_IF_ERROR(ReadMetadata(allowed_classes, m.get()));
+  RESHARD_RETURN_IF_ERROR(ReadMetadataFiles(allowed_classes, m.get()));
   const Value* module = Find(ckpt.metadata[0], "module");
   m->pipeline = !m->files.layer_files.empty() || module == nullptr || module->is_none();
   if (m->pipeline) {
@@ -114,6 +120,7 @@ Result<std::unique_ptr<DeepSpeedModel>> ReadDeepSpeedModel(CheckpointFiles files
   }
   CheckIterations(&ckpt);
   CrossCheckDegrees(&ckpt);
+  if (!m->files.universal_dir.empty()) m->files.other_files.push_back("zero/");
   if (ckpt.dp == 0) ckpt.dp = std::max<int64_t>(1, MetadataInt(ckpt.metadata[0], "dp_world_size", 1));
   for (const std::string& other : m->files.other_files) {
     ckpt.AddError("unrecognised file '" + other + "' in " + m->files.tag_dir +

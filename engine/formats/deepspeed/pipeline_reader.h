@@ -25,8 +25,13 @@ Result<Value> ReadDeepSpeedFile(const std::string& path, const std::set<std::str
 struct DeepSpeedModel {
   CheckpointFiles files;
   bool pipeline = true;  // false: the whole model in the mp_rank files' `module`
+  bool universal = false;  // a universal checkpoint (universal_reader.h)
   LogicalCheckpoint logical;
 };
+
+// Reads the mp_rank files into m->logical.metadata and checks that they are
+// of one save (iteration).
+Status ReadMetadata(const std::set<std::string>& allowed_classes, DeepSpeedModel* m);
 
 // Reads the metadata and (for a pipeline checkpoint) the layer files and
 // describes them with the rule set `options.rules` (a path or name; empty =

@@ -18,7 +18,7 @@ Result<Value> LayerFileTree(const LogicalCheckpoint& src, const SourceOptimizer*
   for (const TensorPlan& tp : file.tensors) {
     const LogicalTensor& lt = layer.tensors[tp.tensor_index];
     RESHARD_ASSIGN_OR_RETURN(ByteProducer produce, WeightProducer(src, opt, lt, tp, read));
-    Value tensor = MakeProducedTensor(lt.dtype, tp.shape, std::move(produce));
+    Value tensor = MakeProducedTensor(src.WeightDType(lt), tp.shape, std::move(produce));
     const Tensor& like = Find(root, lt.key)->as_tensor();
     tensor.as_tensor().storage->location = like.storage->location;
     tensor.as_tensor().requires_grad = like.requires_grad;

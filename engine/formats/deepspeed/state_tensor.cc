@@ -66,7 +66,8 @@ Result<std::vector<StateDrift>> MeasureStateDrift(const LogicalCheckpoint& src,
 
 namespace {
 
-// The averaged masters, a block at a time, cast to `dtype`.
+// The masters `plan` makes a weight of (averaged, or a universal
+// checkpoint's whole ones), a block at a time, cast to `dtype`.
 ByteProducer WeightOfMaster(SourceTensor master, TensorPlan plan, DType dtype,
                             std::atomic<int64_t>* read) {
   return [master = std::move(master), plan = std::move(plan), dtype, read](
@@ -94,6 +95,9 @@ ByteProducer WeightOfMaster(SourceTensor master, TensorPlan plan, DType dtype,
 Result<ByteProducer> WeightProducer(const LogicalCheckpoint& src, const SourceOptimizer* masters,
                                     const LogicalTensor& weight, const TensorPlan& plan,
                                     std::atomic<int64_t>* read) {
+  if (src.weights_from_masters && IsFloatingPoint(weight.dtype)) {  // its shards are its master
+    return WeightOfMaster(SourceTensor::Of(weight), plan, src.WeightDType(weight), read);
+  }
   const std::string name = ParamName(src, plan.layer_index, plan.tensor_index);
   if (!plan.average || masters == nullptr || !masters->HasMasters() || !masters->Has(name)) {
     return RangeProducer(SourceTensor::Of(weight), plan, read);

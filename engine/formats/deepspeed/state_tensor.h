@@ -44,8 +44,9 @@ Result<std::vector<StateDrift>> MeasureStateDrift(const LogicalCheckpoint& src,
 // copied from `weight`'s shards, or — for an average of replicas with fp32
 // masters in the optimizer state (`masters` not null) — the averaged master cast to the
 // weight's dtype, so that weight == dtype(master) holds in the result as it
-// does in DeepSpeed. Adds the source bytes read to *read, which must outlive
-// the producer.
+// does in DeepSpeed; for a source whose shards are the masters
+// (src.weights_from_masters), the master cast. Adds the source bytes read to
+// *read, which must outlive the producer.
 Result<ByteProducer> WeightProducer(const LogicalCheckpoint& src, const SourceOptimizer* masters,
                                     const LogicalTensor& weight, const TensorPlan& plan,
                                     std::atomic<int64_t>* read);

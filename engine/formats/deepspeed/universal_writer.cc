@@ -1,6 +1,7 @@
 #include "formats/deepspeed/universal_writer.h"
 
 #include <filesystem>
+#include <functional>
 #include <fstream>
 
 #include "formats/deepspeed/file_names.h"
@@ -22,9 +23,11 @@ namespace fs = std::filesystem;
 struct StateFile {
   std::string param;  // the engine's parameter name
   std::string state;
-  StateTensor source;          // the state as a tensor of the source's shards
   std::vector<int64_t> shape;  // whole, vocabulary padding stripped
   Items layout;                // cat_dim, param_n_sub_params, vocab_tensor
+  // The whole tensor's bytes, made from the source's shards while it is
+  // written; they add the bytes they read to *read.
+  std::function<ByteProducer(std::atomic<int64_t>* read)> produce;
 };
 
 std::string StatePath(const std::string& param, const std::string& state) {
@@ -52,10 +55,17 @@ Result<Items> LayoutKeys(const ParamRule& rule, const std::string& param) {
   return keys;
 }
 
+// A pipeline parameter's state, merged over TP by `replicated`; the
+// vocabulary's true rows are the first rows, so its producer is the padded
+// tensor's, cut short.
 Result<StateFile> MakeStateFile(const LogicalCheckpoint& src, const SourceOptimizer& opt,
-                                const std::string& param, const std::string& state) {
+                                ReplicatedPolicy replicated, const std::string& param, const std::string& state) {
   RESHARD_ASSIGN_OR_RETURN(StateTensor st, LocateState(src, opt, param, state));
-  StateFile f{param, state, st, st.tensor.full_shape, {}};
+  StateFile f{param, state, st.tensor.full_shape, {}, nullptr};
+  const TensorPlan plan = PlanFullTensor(src, st.layer_index, st.tensor_index, replicated);
+  f.produce = [source = SourceTensor::Of(st.tensor), plan](std::atomic<int64_t>* read) {
+    return RangeProducer(source, plan, read);
+  };
   RESHARD_ASSIGN_OR_RETURN(f.layout, LayoutKeys(*st.tensor.rule, param));
   if (st.tensor.rule->policy == ParamRule::Policy::kVocab) {
     if (!src.vocab.original_size) {
@@ -139,10 +149,9 @@ Job CopyJob(std::string name, std::string from) {
 
 class UniversalPlan : public TargetPlan {
  public:
-  UniversalPlan(const LogicalCheckpoint& src, const SourceOptimizer& opt, const CheckpointFiles& files,
-                ReplicatedPolicy replicated, std::vector<StateFile> states, bool has_step)
-      : src_(src), opt_(opt), files_(files), replicated_(replicated), states_(std::move(states)),
-        has_step_(has_step) {}
+  UniversalPlan(const SourceOptimizer& opt, const CheckpointFiles& files, std::vector<StateFile> states,
+                bool has_step)
+      : opt_(opt), files_(files), states_(std::move(states)), has_step_(has_step) {}
 
   std::string ToString(bool detail) const override {
     int64_t bytes = 0;
@@ -178,42 +187,23 @@ class UniversalPlan : public TargetPlan {
   }
 
  private:
-  // {'param': the whole tensor, layout keys...}; the vocabulary's true rows
-  // are the first rows, so its producer is the padded tensor's, cut short.
-  Value StateTree(const StateFile& f, std::atomic<int64_t>* read) const {
-    const StateTensor& st = f.source;
-    const TensorPlan plan = PlanFullTensor(src_, st.layer_index, st.tensor_index, replicated_);
+  // {'param': the whole tensor, layout keys...}.
+  static Value StateTree(const StateFile& f, std::atomic<int64_t>* read) {
     Items items;
-    items.emplace_back(Value::String("param"),
-                       MakeProducedTensor(DType::kFloat32, f.shape, RangeProducer(SourceTensor::Of(st.tensor), plan, read)));
+    items.emplace_back(Value::String("param"), MakeProducedTensor(DType::kFloat32, f.shape, f.produce(read)));
     for (const auto& kv : f.layout) items.push_back(kv);
     return Value::MakeDict(std::move(items));
   }
 
-  const LogicalCheckpoint& src_;
   const SourceOptimizer& opt_;
   const CheckpointFiles& files_;
-  const ReplicatedPolicy replicated_;
   const std::vector<StateFile> states_;
   const bool has_step_;
 };
 
-}  // namespace
-
-Result<std::unique_ptr<TargetPlan>> PlanUniversal(const LogicalCheckpoint& src, const SourceOptimizer& opt,
-                                                  const CheckpointFiles& files, ReplicatedPolicy replicated,
-                                                  std::vector<std::string>* notes) {
-  if (opt.format().embedded || !opt.HasMasters()) {
-    return Status::Unsupported("DeepSpeed loads universal checkpoints into ZeRO-1/2 and BF16 optimizers only; "
-                               "this checkpoint keeps its optimizer state in the mp_rank files");
-  }
-  std::vector<StateFile> states;
-  for (const std::string& param : opt.ParamNames()) {
-    for (const std::string& state : opt.states()) {
-      RESHARD_ASSIGN_OR_RETURN(StateFile f, MakeStateFile(src, opt, param, state));
-      states.push_back(std::move(f));
-    }
-  }
+// What every universal plan checks and notes, and the plan of `states`.
+Result<std::unique_ptr<TargetPlan>> PlanStates(const SourceOptimizer& opt, const CheckpointFiles& files,
+                                               std::vector<StateFile> states, std::vector<std::string>* notes) {
   const Value* osd = Find(opt.Template(), "optimizer_state_dict");
   if (osd == nullptr) return Status::Internal("the first optimizer shard has no optimizer_state_dict");
   RESHARD_RETURN_IF_ERROR(OptimizerStateFile(*osd).status());
@@ -221,7 +211,61 @@ Result<std::unique_ptr<TargetPlan>> PlanUniversal(const LogicalCheckpoint& src, 
   notes->push_back("universal: " + std::to_string(opt.ParamNames().size()) + " parameters, states " +
                    Join(opt.states(), ", ") + (has_step ? ", step" : "") +
                    "; load it with --universal-checkpoint (checkpoint.load_universal)");
-  return std::unique_ptr<TargetPlan>(new UniversalPlan(src, opt, files, replicated, std::move(states), has_step));
+  return std::unique_ptr<TargetPlan>(new UniversalPlan(opt, files, std::move(states), has_step));
+}
+
+Status CheckShards(const SourceOptimizer& opt) {
+  if (opt.format().embedded || !opt.HasMasters()) {
+    return Status::Unsupported("DeepSpeed loads universal checkpoints into ZeRO-1/2 and BF16 optimizers only; "
+                               "this checkpoint keeps its optimizer state in the mp_rank files");
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<std::unique_ptr<TargetPlan>> PlanUniversal(const LogicalCheckpoint& src, const SourceOptimizer& opt,
+                                                  const CheckpointFiles& files, ReplicatedPolicy replicated,
+                                                  std::vector<std::string>* notes) {
+  RESHARD_RETURN_IF_ERROR(CheckShards(opt));
+  std::vector<StateFile> states;
+  for (const std::string& param : opt.ParamNames()) {
+    for (const std::string& state : opt.states()) {
+      RESHARD_ASSIGN_OR_RETURN(StateFile f, MakeStateFile(src, opt, replicated, param, state));
+      states.push_back(std::move(f));
+    }
+  }
+  return PlanStates(opt, files, std::move(states), notes);
+}
+
+Result<std::unique_ptr<TargetPlan>> PlanUniversalUnsplit(const LogicalCheckpoint& src, const SourceOptimizer& opt,
+                                                         const CheckpointFiles& files,
+                                                         std::vector<std::string>* notes) {
+  RESHARD_RETURN_IF_ERROR(CheckShards(opt));
+  if (src.tp != 1) {
+    return Status::Unsupported("a non-pipeline checkpoint at TP " + std::to_string(src.tp) +
+                               " has no rules to merge its TP shards by; reshard writes universal checkpoints "
+                               "of non-pipeline models at TP 1");
+  }
+  std::vector<std::vector<ParamShape>> groups;
+  if (!ReadParamShapes(src.metadata[0], &groups)) {
+    return Status::Unsupported(ModelStatesFileName(0) + " records no param_shapes, which give the universal "
+                               "checkpoint's tensors their shapes");
+  }
+  std::vector<StateFile> states;
+  for (const auto& group : groups) {
+    for (const auto& [param, shape] : group) {
+      for (const std::string& state : opt.states()) {
+        RESHARD_ASSIGN_OR_RETURN(SourceShard shard, opt.Locate(param, 0, state));
+        const int64_t numel = shard.numel();
+        StateFile f{param, state, shape, {}, nullptr};
+        f.produce = [source = SourceTensor{DType::kFloat32, {numel}, {std::move(shard)}},
+                     numel](std::atomic<int64_t>* read) { return RangeProducer(source, WholeShardPlan(0, numel), read); };
+        states.push_back(std::move(f));
+      }
+    }
+  }
+  return PlanStates(opt, files, std::move(states), notes);
 }
 
 }  // namespace reshard

@@ -1,5 +1,5 @@
-// DeepSpeed's universal checkpoint, written from a pipeline checkpoint with
-// ZeRO-1/2 or BF16-optimizer shards (reference §14):
+// DeepSpeed's universal checkpoint, written from a checkpoint with ZeRO-1/2
+// or BF16-optimizer shards (reference §14):
 //
 //   OUT/mp_rank_XX_model_states.pt      the source's, copied as they are
 //   OUT/zero/optimizer_state.pt         the first shard's optimizer state without its
@@ -14,8 +14,10 @@
 // tensors (1 for row-parallel ones, whatever the source TP), with
 // `param_n_sub_params` for tensors of stacked sub-parameters, and
 // `vocab_tensor` for vocabulary tensors, stored without padding rows;
-// replicated tensors carry none. Every tensor is produced from the shards
-// while its file is written.
+// replicated tensors carry none. A non-pipeline checkpoint (HF Trainer,
+// Accelerate) at TP 1 writes its parameters under the module's names,
+// without layout keys: nothing is split. Every tensor is produced from the
+// shards while its file is written.
 #pragma once
 
 #include <memory>
@@ -33,5 +35,9 @@ namespace reshard {
 Result<std::unique_ptr<TargetPlan>> PlanUniversal(const LogicalCheckpoint& src, const SourceOptimizer& opt,
                                                   const CheckpointFiles& files, ReplicatedPolicy replicated,
                                                   std::vector<std::string>* notes);
+// The same for a non-pipeline checkpoint at TP 1, its shapes from param_shapes.
+Result<std::unique_ptr<TargetPlan>> PlanUniversalUnsplit(const LogicalCheckpoint& src, const SourceOptimizer& opt,
+                                                         const CheckpointFiles& files,
+                                                         std::vector<std::string>* notes);
 
 }  // namespace reshard

@@ -192,10 +192,10 @@ bool HasEmbeddedOptimizerState(const LogicalCheckpoint& src) {
   return embedded != nullptr && !embedded->is_none();
 }
 
-Result<std::unique_ptr<SourceOptimizer>> SourceOptimizer::Load(
+Result<std::unique_ptr<SourceOptimizer>> ShardOptimizer::Load(
     const LogicalCheckpoint& src, const std::vector<OptimizerShardFile>& files,
     const std::set<std::string>& allowed_classes) {
-  auto opt = std::unique_ptr<SourceOptimizer>(new SourceOptimizer());
+  auto opt = std::unique_ptr<ShardOptimizer>(new ShardOptimizer());
   opt->tp_ = src.tp;
   opt->stages_.resize(src.metadata.size());
   if (files.empty()) {
@@ -228,7 +228,7 @@ Result<std::unique_ptr<SourceOptimizer>> SourceOptimizer::Load(
       }
     }
   }
-  return opt;
+  return std::unique_ptr<SourceOptimizer>(std::move(opt));
 }
 
 // DeepSpeed's round_robin_gradients flattens parameters in an order that
@@ -246,7 +246,7 @@ Status CheckFlatteningOrder(const Value& shard, const std::string& file) {
 
 // Everything but the partitions must agree across shards of one save: the
 // hyperparameters and step of every group, and per-group scalar state.
-Status SourceOptimizer::CheckSameScalars(const Value& first, const Value& shard,
+Status ShardOptimizer::CheckSameScalars(const Value& first, const Value& shard,
                                          const std::string& file) const {
   const Value* a = TorchStateDict(first, format_.embedded);
   const Value* b = TorchStateDict(shard, format_.embedded);
@@ -273,7 +273,7 @@ Status SourceOptimizer::CheckSameScalars(const Value& first, const Value& shard,
                               "than the first shard; the folder mixes shards of different saves");
 }
 
-Status SourceOptimizer::DetectFormat(const Value& shard, const FlatGroup& first_group,
+Status ShardOptimizer::DetectFormat(const Value& shard, const FlatGroup& first_group,
                                      const std::string& path) {
   const Value& osd = *OptimizerStateDict(shard);
   format_.zero = Find(osd, "zero_stage") != nullptr;
@@ -290,7 +290,7 @@ Status SourceOptimizer::DetectFormat(const Value& shard, const FlatGroup& first_
   return Status::Ok();
 }
 
-void SourceOptimizer::DetectStates(const Value& shard, const FlatGroup& first_group) {
+void ShardOptimizer::DetectStates(const Value& shard, const FlatGroup& first_group) {
   states_ = {kMasterState};
   const Value* state = TorchGroupState(TorchStateDict(shard, format_.embedded), 0);
   if (state == nullptr || DictItems(*state) == nullptr) return;
@@ -302,7 +302,7 @@ void SourceOptimizer::DetectStates(const Value& shard, const FlatGroup& first_gr
   }
 }
 
-Status SourceOptimizer::CheckGroupCount(size_t groups, int mp) {
+Status ShardOptimizer::CheckGroupCount(size_t groups, int mp) {
   if (mp == 0) num_groups_ = static_cast<int>(groups);
   if (static_cast<int>(groups) == num_groups_ && num_groups_ > 0) return Status::Ok();
   return Status::Unsupported(ModelStatesFileName(mp) + " has " + std::to_string(groups) +
@@ -311,7 +311,7 @@ Status SourceOptimizer::CheckGroupCount(size_t groups, int mp) {
                              "; reshard needs the same non-empty groups on every stage");
 }
 
-Status SourceOptimizer::LoadStage(const LogicalCheckpoint& src, int mp,
+Status ShardOptimizer::LoadStage(const LogicalCheckpoint& src, int mp,
                                   const std::vector<std::string>& paths,
                                   const std::set<std::string>& allowed_classes) {
   Stage& stage = stages_[mp];
@@ -353,7 +353,7 @@ Status SourceOptimizer::LoadStage(const LogicalCheckpoint& src, int mp,
   return Status::Ok();
 }
 
-Status SourceOptimizer::LoadEmbeddedStage(const LogicalCheckpoint& src, int mp,
+Status ShardOptimizer::LoadEmbeddedStage(const LogicalCheckpoint& src, int mp,
                                           const std::vector<int>& bounds) {
   Stage& stage = stages_[mp];
   const int p = mp / src.tp;
@@ -373,7 +373,7 @@ Status SourceOptimizer::LoadEmbeddedStage(const LogicalCheckpoint& src, int mp,
   return format_.per_parameter ? AddParamStates(mp, &stage) : AddEmbeddedFlats(mp, &stage);
 }
 
-Status SourceOptimizer::DetectEmbeddedFormat(const Value& optimizer, const FlatGroup& first_group) {
+Status ShardOptimizer::DetectEmbeddedFormat(const Value& optimizer, const FlatGroup& first_group) {
   if (Find(optimizer, "fp32_groups_flat") != nullptr && OptimizerStateDict(optimizer) != nullptr) {
     DetectStates(optimizer, first_group);
     return Status::Ok();
@@ -389,7 +389,7 @@ Status SourceOptimizer::DetectEmbeddedFormat(const Value& optimizer, const FlatG
       "reshape it (--weights-only converts the weights alone)");
 }
 
-void SourceOptimizer::DetectParamStates(const Value& optimizer, const FlatGroup& first_group) {
+void ShardOptimizer::DetectParamStates(const Value& optimizer, const FlatGroup& first_group) {
   const Value* first = TorchGroupState(&optimizer, 0);
   const Items* items = first != nullptr ? DictItems(*first) : nullptr;
   if (items == nullptr || first_group.slots().empty()) return;  // saved before the first step
@@ -401,7 +401,7 @@ void SourceOptimizer::DetectParamStates(const Value& optimizer, const FlatGroup&
   }
 }
 
-Status SourceOptimizer::AddEmbeddedFlats(int mp, Stage* stage) {
+Status ShardOptimizer::AddEmbeddedFlats(int mp, Stage* stage) {
   for (int g = 0; g < num_groups_; ++g) {
     Status st = AddFlats(stage->shards[0], format_, states_, g, stage->groups[g], 0,
                          ModelStatesFileName(mp), &stage->flats, num_groups_);
@@ -414,7 +414,7 @@ Status SourceOptimizer::AddEmbeddedFlats(int mp, Stage* stage) {
   return Status::Ok();
 }
 
-Status SourceOptimizer::AddParamStates(int mp, Stage* stage) {
+Status ShardOptimizer::AddParamStates(int mp, Stage* stage) {
   const std::string file = ModelStatesFileName(mp);
   const Value& optimizer = stage->shards[0];
   const std::vector<Value>* groups = ParamGroups(optimizer);
@@ -454,7 +454,7 @@ Status SourceOptimizer::AddParamStates(int mp, Stage* stage) {
   return Status::Ok();
 }
 
-Status SourceOptimizer::AddParamState(const Value* state, const FlatSlot& slot, int group,
+Status ShardOptimizer::AddParamState(const Value* state, const FlatSlot& slot, int group,
                                       int slot_index, int64_t index, const std::string& file,
                                       Stage* stage) {
   const std::string which = "parameter " + slot.name + " (index " + std::to_string(index) + ")";
@@ -494,13 +494,13 @@ Status SourceOptimizer::AddParamState(const Value* state, const FlatSlot& slot, 
   return Status::Ok();
 }
 
-std::vector<std::string> SourceOptimizer::ParamNames() const {
+std::vector<std::string> ShardOptimizer::ParamNames() const {
   std::vector<std::string> names;
   for (const auto& [name, p] : owner_) names.push_back(name);
   return names;
 }
 
-Result<SourceShard> SourceOptimizer::Locate(const std::string& name, int t,
+Result<SourceShard> ShardOptimizer::Locate(const std::string& name, int t,
                                             const std::string& state) const {
   auto owner = owner_.find(name);
   if (owner == owner_.end()) {

@@ -1,10 +1,10 @@
-// SourceOptimizer: the optimizer shards of a source checkpoint, read per
-// parameter.
+// ShardOptimizer: the optimizer state of a DeepSpeed tag folder, read per
+// parameter (a SourceOptimizer).
 //
 // DeepSpeed's BF16 optimizer and ZeRO-1/2 store, per (pipeline, tensor) rank
 // and DP rank, one flat fp32 partition per parameter group for the master
 // weights and one for every per-element optimizer state (Adam's exp_avg and
-// exp_avg_sq, a momentum buffer, ...). SourceOptimizer opens those files
+// exp_avg_sq, a momentum buffer, ...). ShardOptimizer opens those files
 // (tensor data stays memory-mapped), rebuilds every group's flat layout from
 // `param_shapes` and the alignment rule — checking it against the partition
 // sizes and, where the files have them, param_slice_mappings — and gathers
@@ -24,44 +24,17 @@
 
 #include "formats/deepspeed/checkpoint_files.h"
 #include "formats/deepspeed/flat_group.h"
+#include "formats/deepspeed/source_optimizer.h"
 #include "logical/logical_checkpoint.h"
 #include "plan/materialize.h"
 
 namespace reshard {
 
-struct OptimizerFormat {
-  // DeepSpeedZeroOptimizer (ZeRO-1/2): fp32 partitions stored without their
-  // alignment padding, and each rank's own share of it in the paddings.
-  // Otherwise BF16_Optimizer: padded fp32 partitions, the whole padding
-  // recorded on the last DP rank.
-  bool zero = false;
-  std::string padding_key = "group_paddings";  // DeepSpeed 0.6.5: "groups_padding"
-  bool slice_mappings = false;                 // param_slice_mappings present
-  bool bf16_prefix = false;                    // bf16_zero_pp_rank_* file names
-  // FP16_Optimizer without ZeRO: the whole state sits in each mp_rank file's
-  // `optimizer`, one unpartitioned flat per group (fp32_groups_flat).
-  bool embedded = false;
-  // With `embedded`: a plain torch optimizer state_dict instead (fp32 without
-  // ZeRO): per parameter, its per-element states shaped like it and scalar
-  // states such as `step`, the parameters indexed across the groups in
-  // order. There are no fp32 masters: the weights are fp32.
-  bool per_parameter = false;
-
-  // Elements the flat buffer of a group is padded to a multiple of.
-  int64_t Alignment(int dp) const {
-    // 2 fp16 elements per 4 bytes, times DP (DeepSpeed's nccl_start_alignment_factor).
-    return embedded ? 1 : 2 * static_cast<int64_t>(dp);
-  }
-};
-
 // True when the mp_rank files hold an optimizer state (FP16_Optimizer
 // without ZeRO, or a plain torch optimizer).
 bool HasEmbeddedOptimizerState(const LogicalCheckpoint& src);
 
-// The state name of the fp32 master weights (single_partition_of_fp32_groups).
-inline constexpr const char* kMasterState = "fp32";
-
-class SourceOptimizer {
+class ShardOptimizer : public SourceOptimizer {
  public:
   // Errors name the file and what does not add up.
   // `files` are the shard files; none: the state inside the mp_rank files.
@@ -69,28 +42,18 @@ class SourceOptimizer {
                                                        const std::vector<OptimizerShardFile>& files,
                                                        const std::set<std::string>& allowed_classes);
 
-  const OptimizerFormat& format() const { return format_; }
-  // kMasterState (absent in the per-parameter format), then the optimizer's
-  // per-element states in file order.
-  const std::vector<std::string>& states() const { return states_; }
-  bool HasMasters() const { return !states_.empty() && states_[0] == kMasterState; }
-  // The per-parameter format's scalar states (`step`): the same for every
-  // parameter on every rank, carried as they are.
-  const std::vector<std::string>& scalar_states() const { return scalar_states_; }
-  int num_groups() const { return num_groups_; }
-  int tp() const { return tp_; }
-  // The shard of pipeline stage 0, TP rank 0, DP rank 0 (for the embedded
-  // formats: its `optimizer` dict): what targets are built from.
-  const Value& Template() const { return stages_[0].shards[0]; }
-  // Parameter names the shards hold (each once; tied copies under their name).
-  std::vector<std::string> ParamNames() const;
-  bool Has(const std::string& name) const { return owner_.count(name) > 0; }
-
-  // Where `state` of parameter `name` as TP rank `t` holds it lies in the
-  // shards: the pieces of its flattened elements in each DP partition, from
-  // the first pipeline stage that has the parameter (for tied parameters, the
-  // embedding's stage). Nothing is copied.
-  Result<SourceShard> Locate(const std::string& name, int t, const std::string& state) const;
+  const OptimizerFormat& format() const override { return format_; }
+  const std::vector<std::string>& states() const override { return states_; }
+  const std::vector<std::string>& scalar_states() const override { return scalar_states_; }
+  int num_groups() const override { return num_groups_; }
+  int tp() const override { return tp_; }
+  const Value& Template() const override { return stages_[0].shards[0]; }
+  std::vector<std::string> ParamNames() const override;
+  bool Has(const std::string& name) const override { return owner_.count(name) > 0; }
+  // The pieces of the flattened elements in each DP partition, from the
+  // first pipeline stage that has the parameter (for tied parameters, the
+  // embedding's stage).
+  Result<SourceShard> Locate(const std::string& name, int t, const std::string& state) const override;
 
  private:
   // The flats of one (pipeline, tensor) rank.

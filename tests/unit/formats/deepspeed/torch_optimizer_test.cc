@@ -65,7 +65,7 @@ class TorchOptimizerTest : public ::testing::Test {
 
 TEST_F(TorchOptimizerTest, StatesShapedLikeTheParameterArePerElementTheRestScalar) {
   const LogicalCheckpoint& src = Load();
-  Result<std::unique_ptr<SourceOptimizer>> opt = SourceOptimizer::Load(src, {}, {});
+  Result<std::unique_ptr<SourceOptimizer>> opt = ShardOptimizer::Load(src, {}, {});
   ASSERT_TRUE(opt.ok()) << opt.status().message();
   const SourceOptimizer& o = **opt;
   EXPECT_TRUE(o.format().embedded);
@@ -94,7 +94,7 @@ TEST_F(TorchOptimizerTest, StatesShapedLikeTheParameterArePerElementTheRestScala
 
 TEST_F(TorchOptimizerTest, TargetStageIsReindexedWithScalarsOfItsOwn) {
   const LogicalCheckpoint& src = Load();
-  Result<std::unique_ptr<SourceOptimizer>> opt = SourceOptimizer::Load(src, {}, {});
+  Result<std::unique_ptr<SourceOptimizer>> opt = ShardOptimizer::Load(src, {}, {});
   ASSERT_TRUE(opt.ok()) << opt.status().message();
   PlanOptions options;  // TP 1, PP 1
   Result<DeepSpeedPlan> plan = MakePipelinePlan(src, opt->get(), options);
@@ -152,7 +152,7 @@ TEST_F(TorchOptimizerTest, TargetStageIsReindexedWithScalarsOfItsOwn) {
 
 TEST_F(TorchOptimizerTest, RefusesStepsThatDisagree) {
   const LogicalCheckpoint& src = Load("if mp == 1: sd['optimizer']['state'][7]['step'] = torch.tensor(9.)");
-  Result<std::unique_ptr<SourceOptimizer>> opt = SourceOptimizer::Load(src, {}, {});
+  Result<std::unique_ptr<SourceOptimizer>> opt = ShardOptimizer::Load(src, {}, {});
   ASSERT_FALSE(opt.ok());
   const std::string& m = opt.status().message();
   EXPECT_NE(m.find("mp_rank_01_model_states.pt"), std::string::npos) << m;
@@ -163,7 +163,7 @@ TEST_F(TorchOptimizerTest, RefusesStepsThatDisagree) {
 TEST_F(TorchOptimizerTest, RefusesGroupsThatDoNotHoldTheStage) {
   const LogicalCheckpoint& src = Load(
       "if mp == 2: sd['optimizer']['param_groups'][1]['params'].append(99)");
-  Result<std::unique_ptr<SourceOptimizer>> opt = SourceOptimizer::Load(src, {}, {});
+  Result<std::unique_ptr<SourceOptimizer>> opt = ShardOptimizer::Load(src, {}, {});
   ASSERT_FALSE(opt.ok());
   const std::string& m = opt.status().message();
   EXPECT_NE(m.find("mp_rank_02_model_states.pt: torch optimizer group 1"), std::string::npos) << m;
