@@ -276,15 +276,23 @@ int Run(int argc, char** argv) {
   reshard::ExportOptions exporting;
   CLI::App* export_cmd = app.add_subcommand(
       "export", "Write the checkpoint in another format: --to consolidated (one state dict of whole "
-                "tensors) or universal (DeepSpeed's universal checkpoint)");
+                "tensors), hf (a Hugging Face transformers folder) or universal (DeepSpeed's universal "
+                "checkpoint)");
   export_cmd->add_option("INPUT", ckpt, "Source checkpoint")->required();
   export_cmd->add_option("OUTPUT", out,
                          "Folder to write (new, or empty); for universal the tag folder, e.g. "
                          "ckpts/global_step20_universal, named by latest_universal beside it")
       ->required();
-  export_cmd->add_option("--to", exporting.to, "Target format: consolidated or universal")
+  export_cmd->add_option("--to", exporting.to, "Target format: consolidated, hf or universal")
       ->required()
-      ->check(CLI::IsMember({"consolidated", "universal"}));
+      ->check(CLI::IsMember({"consolidated", "hf", "universal"}));
+  export_cmd->add_option("--from", exporting.from,
+                         "Tensors from the fp32 masters or the weights (default: consolidated masters, "
+                         "hf weights)")
+      ->check(CLI::IsMember({"masters", "weights"}));
+  export_cmd->add_option("--tokenizer", exporting.tokenizer,
+                         "hf: folder whose tokenizer files (tokenizer.json, vocab.json, ...) are copied "
+                         "beside the model");
   export_cmd->add_option("--format", exporting.file_format,
                          "Files: safetensors (default) or pt (torch.save)")
       ->check(CLI::IsMember({"safetensors", "pt"}));

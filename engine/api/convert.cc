@@ -143,9 +143,10 @@ struct Prepared {
 };
 
 // Threads and buffers from the memory budget.
-Status SizeBuffers(const WriteOptions& options, ExecuteOptions* exec, ConvertReport* report) {
-  RESHARD_ASSIGN_OR_RETURN(MemoryBudget memory,
-                           MemoryBudget::Plan(options.max_memory, ThreadCount(options.threads)));
+Status SizeBuffers(const WriteOptions& options, int64_t scratch_bytes, ExecuteOptions* exec,
+                   ConvertReport* report) {
+  RESHARD_ASSIGN_OR_RETURN(MemoryBudget memory, MemoryBudget::Plan(options.max_memory, ThreadCount(options.threads),
+                                                                   scratch_bytes));
   report->memory_budget = memory.budget;
   report->memory_estimate = memory.Estimate();
   report->buffer_bytes = memory.buffer_bytes;
@@ -172,7 +173,7 @@ Status Prepare(const std::string& input, const std::string& output, const WriteO
   RESHARD_ASSIGN_OR_RETURN(OutputFolder folder,
                            CheckOutput(input, *p->src, output, options, publish));
   p->out.emplace(std::move(folder));
-  RESHARD_RETURN_IF_ERROR(SizeBuffers(options, &p->exec, report));
+  RESHARD_RETURN_IF_ERROR(SizeBuffers(options, p->plan->ScratchBytes(), &p->exec, report));
   RESHARD_ASSIGN_OR_RETURN(std::vector<Job> all, p->plan->Jobs(&p->read));
   const Cluster* cluster = options.cluster;
   p->jobs = JobsOfRank(std::move(all), cluster != nullptr ? cluster->rank() : 0,

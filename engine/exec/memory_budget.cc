@@ -24,22 +24,25 @@ constexpr int64_t kMaxBuffer = 1 * kMiB;
 }  // namespace
 
 int64_t MemoryBudget::Estimate() const {
-  return baseline + kSlack + threads * (kBuffersPerWorker * buffer_bytes + kScratchPerWorker);
+  return baseline + kSlack + threads * (kBuffersPerWorker * buffer_bytes + kScratchPerWorker + scratch_bytes);
 }
 
-Result<MemoryBudget> MemoryBudget::Plan(int64_t budget, int threads) {
+Result<MemoryBudget> MemoryBudget::Plan(int64_t budget, int threads, int64_t scratch_bytes) {
   MemoryBudget m;
   m.budget = budget;
   m.baseline = ResidentBytes();
   m.threads = std::max(1, threads);
-  const int64_t per_worker = (budget - m.baseline - kSlack) / m.threads - kScratchPerWorker;
+  m.scratch_bytes = scratch_bytes;
+  const int64_t per_worker = (budget - m.baseline - kSlack) / m.threads - kScratchPerWorker - scratch_bytes;
   const int64_t buffer = std::min(kMaxBuffer, per_worker / kBuffersPerWorker) / kGranule * kGranule;
   if (buffer < kMinBuffer) {
     m.buffer_bytes = kMinBuffer;
     return Status::InvalidInput(
         "--max-memory " + HumanBytes(budget) + " is too small: reshard holds " +
         HumanBytes(m.baseline) + " after reading the checkpoint's metadata, and " +
-        std::to_string(m.threads) + " worker thread(s) need more; allow at least " +
+        std::to_string(m.threads) + " worker thread(s) need more" +
+        (scratch_bytes > 0 ? " (each builds tensors of up to " + HumanBytes(scratch_bytes) + " whole)" : "") +
+        "; allow at least " +
         HumanBytes(m.Estimate()) + " or pass fewer --threads");
   }
   m.buffer_bytes = buffer;

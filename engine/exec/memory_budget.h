@@ -19,13 +19,14 @@ struct MemoryBudget {
   int64_t baseline = 0;  // resident when planned
   int threads = 1;
   int64_t buffer_bytes = 0;  // each worker's streaming buffer
+  int64_t scratch_bytes = 0;  // each worker's memory beyond its buffer (a tensor built whole)
 
   // Expected peak resident memory while writing.
   int64_t Estimate() const;
 
   // Splits what `budget` leaves after the current resident memory over
-  // `threads` workers.
-  static Result<MemoryBudget> Plan(int64_t budget, int threads);
+  // `threads` workers, each of which also holds `scratch_bytes`.
+  static Result<MemoryBudget> Plan(int64_t budget, int threads, int64_t scratch_bytes = 0);
 };
 
 // Resident memory of this process now, and its peak so far, in bytes.

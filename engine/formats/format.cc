@@ -2,8 +2,14 @@
 
 #include "formats/consolidated/consolidated_export.h"
 #include "formats/deepspeed/deepspeed_source.h"
+#include "formats/hf/hf_export.h"
 
 namespace reshard {
+
+const Value& SourceCheckpoint::settings() const {
+  static const Value* const none = new Value(Value::MakeDict());
+  return *none;
+}
 
 Result<std::unique_ptr<SourceCheckpoint>> OpenCheckpoint(const std::string& path,
                                                          const CommonOptions& options) {
@@ -16,8 +22,9 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenCheckpoint(const std::string& path
 Result<std::unique_ptr<TargetPlan>> PlanExport(const SourceCheckpoint& src, const ExportOptions& options,
                                                std::vector<std::string>* notes) {
   if (options.to == "universal") return src.PlanFamilyFormat(options, notes);
+  if (options.to == "hf") return PlanHf(src, options, notes);
   if (options.to != "consolidated") {
-    return Status::InvalidInput("unknown export format '" + options.to + "'; use consolidated or universal");
+    return Status::InvalidInput("unknown export format '" + options.to + "'; use consolidated, hf or universal");
   }
   RESHARD_ASSIGN_OR_RETURN(ConsolidatedOptions consolidated, ConsolidatedOptionsFrom(options));
   return PlanConsolidated(src, consolidated, notes);

@@ -19,6 +19,7 @@
 #include "exec/job.h"
 #include "pickle/value.h"
 #include "reshard/reshard.h"
+#include "rules/rule_set.h"
 #include "util/byte_producer.h"
 
 namespace reshard {
@@ -32,6 +33,9 @@ class TargetPlan {
   // The files to write. They read the source while they run, adding the
   // bytes read to *read; the source must outlive them.
   virtual Result<std::vector<Job>> Jobs(std::atomic<int64_t>* read) const = 0;
+  // Bytes a job may hold beyond its worker's buffer (a tensor it must build
+  // whole), which --max-memory must leave room for in every worker.
+  virtual int64_t ScratchBytes() const { return 0; }
 };
 
 // FullTensor::state of the fp32 master weights.
@@ -99,6 +103,10 @@ class SourceCheckpoint {
                                                                std::vector<std::string>*) const {
     return Status::Unsupported("a " + kind() + " checkpoint cannot be exported --to " + options.to);
   }
+  // The rule set that describes the tensors (null for a checkpoint read
+  // without rules), and the --set values its rules read beside the metadata.
+  virtual const RuleSet* rules() const { return nullptr; }
+  virtual const Value& settings() const;
   // The true vocabulary size (without padding), when the checkpoint records it.
   virtual std::optional<int64_t> vocab_size() const { return std::nullopt; }
   // Every file of the checkpoint (for checks of their bytes: `lint --deep`).

@@ -9,14 +9,6 @@
 namespace reshard {
 namespace {
 
-bool ArgMatches(const RuleInputs& inputs, const std::string& field, const std::string& expected) {
-  if (!expected.empty() && expected[0] == '!') return !ArgMatches(inputs, field, expected.substr(1));
-  const Value* v = inputs.Find("args." + field);
-  if (expected == "null") return v == nullptr;
-  if (expected == "*") return v != nullptr;
-  return v != nullptr && ScalarText(*v) == expected;
-}
-
 // Why `rules` does not apply to the checkpoint's metadata; empty when it does.
 std::string DetectMismatch(const RuleSet& rules, const LogicalCheckpoint& ckpt) {
   const Value& meta = ckpt.metadata[0];
@@ -26,13 +18,7 @@ std::string DetectMismatch(const RuleSet& rules, const LogicalCheckpoint& ckpt) 
   for (const std::string& key : rules.detect().absent_metadata_keys) {
     if (Find(meta, key) != nullptr) return "the metadata has '" + key + "'";
   }
-  for (const auto& [field, expected] : rules.detect().args) {
-    if (!ArgMatches(ckpt.inputs(), field, expected)) {
-      const bool negated = !expected.empty() && expected[0] == '!';
-      return "args." + field + (negated ? " is " + expected.substr(1) : " is not " + expected);
-    }
-  }
-  return "";
+  return ArgsMismatch(ckpt.inputs(), rules.detect().args);
 }
 
 std::set<int> LayerIds(const LogicalCheckpoint& ckpt) {

@@ -1,7 +1,5 @@
 #include "logical/settings.h"
 
-#include <cstdlib>
-
 #include "util/strings.h"
 
 namespace reshard {
@@ -9,16 +7,6 @@ namespace {
 
 std::string FullPath(const std::string& key) {
   return key.find('.') == std::string::npos ? "args." + key : key;
-}
-
-Value ParseScalar(const std::string& text) {
-  int64_t n = 0;
-  if (ParseInt(text, &n)) return Value::Int(n);
-  if (text == "true" || text == "false") return Value::Bool(text == "true");
-  char* end = nullptr;
-  const double d = std::strtod(text.c_str(), &end);
-  if (!text.empty() && end == text.c_str() + text.size()) return Value::Float(d);
-  return Value::String(text);
 }
 
 // Sets `value` at dotted `path` inside `root`, making the dicts on the way.
@@ -61,6 +49,23 @@ std::string ScalarText(const Value& v) {
   }
 }
 
+bool ArgHolds(const RuleInputs& inputs, const std::string& field, const std::string& expected) {
+  if (!expected.empty() && expected[0] == '!') return !ArgHolds(inputs, field, expected.substr(1));
+  const Value* v = inputs.Find("args." + field);
+  if (expected == "null") return v == nullptr;
+  if (expected == "*") return v != nullptr;
+  return v != nullptr && ScalarText(*v) == expected;
+}
+
+std::string ArgsMismatch(const RuleInputs& inputs, const ArgConditions& conditions) {
+  for (const auto& [field, expected] : conditions) {
+    if (ArgHolds(inputs, field, expected)) continue;
+    const bool negated = !expected.empty() && expected[0] == '!';
+    return "args." + field + (negated ? " is " + expected.substr(1) : " is not " + expected);
+  }
+  return "";
+}
+
 Result<Value> SettingsValue(const std::map<std::string, std::string>& set) {
   Value root = Value::MakeDict();
   for (const auto& [key, text] : set) {
@@ -69,7 +74,7 @@ Result<Value> SettingsValue(const std::map<std::string, std::string>& set) {
       return Status::InvalidInput("--set " + key + "=" + text +
                                   ": give a metadata path such as args.num_attention_heads=16");
     }
-    SetPath(&root, FullPath(key), ParseScalar(text));
+    SetPath(&root, FullPath(key), ScalarValue(text));
   }
   return root;
 }

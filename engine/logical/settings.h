@@ -33,4 +33,13 @@ Status RefuseSettings(const std::map<std::string, std::string>& set);
 // A scalar as YAML writes it: true, 3, 0.5, alibi.
 std::string ScalarText(const Value& v);
 
+// Whether args.<field> is as `expected` says (the detect.args syntax of
+// rules/rule_set.h: a scalar, "null", "*" or "!x"), read from the metadata,
+// then the settings.
+bool ArgHolds(const RuleInputs& inputs, const std::string& field, const std::string& expected);
+
+// The first of `conditions` that does not hold, as "args.x is not y" (or
+// "args.x is y" for a negation); empty when all hold.
+std::string ArgsMismatch(const RuleInputs& inputs, const ArgConditions& conditions);
+
 }  // namespace reshard

@@ -12,6 +12,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "pickle/value.h"
 #include "util/strings.h"
 
 namespace reshard {
@@ -44,7 +45,7 @@ int LineOf(const YAML::Node& n, int fallback) {
 }
 
 const std::vector<std::string> kTopFields = {"name",  "description",      "detect", "pipeline",
-                                             "vocab", "optimizer_groups", "layers"};
+                                             "vocab", "optimizer_groups", "layers", "hf"};
 const std::vector<std::string> kDetectFields = {"metadata_keys", "absent_metadata_keys", "args"};
 const std::vector<std::string> kPipelineFields = {"specs", "partition_method", "tied_module"};
 const std::vector<std::string> kPartitionFields = {"arg", "default"};
@@ -54,6 +55,12 @@ const std::vector<std::string> kRuleFields = {"key",      "name", "split", "repl
 const std::vector<std::string> kSplitFields = {"dim", "parts", "blocks", "vocab"};
 const std::vector<std::string> kReplicatedFields = {"drift"};
 const std::vector<std::string> kSplitNames = {"column", "row", "vocab"};
+const std::vector<std::string> kHfFields = {"architecture", "requires", "config", "tensors"};
+const std::vector<std::string> kHfTensorFields = {"from", "to", "split_halves", "split_qkv", "transpose"};
+const std::vector<std::string> kHfQkvFields = {"groups", "heads"};
+const std::vector<std::string> kHfCaseFields = {"when", "value"};
+// config.json keys the exporter writes itself, from the checkpoint's tensors.
+const std::vector<std::string> kHfDerivedKeys = {"architectures", "vocab_size", "torch_dtype"};
 
 }  // namespace
 
@@ -205,6 +212,7 @@ class RuleSetParser {
     } else {
       Fail(root, "missing 'layers'; add the tensor rules of every role that owns layer files");
     }
+    if (const Field* f = Get(*fields, "hf")) ParseHf(*f);
     CheckConsistency();
   }
 
@@ -232,22 +240,28 @@ class RuleSetParser {
   }
 
   void ParseDetectArgs(const Field& f) {
+    rs_->detect_.args = ReadArgConditions(f, "detect.args");
+  }
+
+  // A mapping of args field -> expected value (detect.args, hf.requires, a case's when).
+  ArgConditions ReadArgConditions(const Field& f, const std::string& what) {
+    ArgConditions out;
     if (!f.node.IsMap()) {
-      Fail(f, "detect.args must be a mapping of args field -> value, e.g. {swiglu: true}");
-      return;
+      Fail(f, what + " must be a mapping of args field -> value, e.g. {swiglu: true}");
+      return out;
     }
     for (const auto& kv : f.node) {
       Field value{kv.second, LineOf(kv.first, f.line)};
       std::string name = kv.first.IsScalar() ? kv.first.Scalar() : "?";
       if (!IsIdentifier(name)) {
-        Fail(value, "detect.args key '" + name + "' must be an args field name");
+        Fail(value, what + " key '" + name + "' must be an args field name");
       } else if (auto v = DetectValue(value.node)) {
-        rs_->detect_.args[name] = *v;
+        out[name] = *v;
       } else {
-        Fail(value,
-             "detect.args." + name + " must be a scalar, null (absent or None) or '*' (present, not None)");
+        Fail(value, what + "." + name + " must be a scalar, null (absent or None) or '*' (present, not None)");
       }
     }
+    return out;
   }
 
   // detect.args values as the detector compares them: null spelled "null",
@@ -659,6 +673,214 @@ class RuleSetParser {
       if (!rule->drift) {
         Fail(*d, "unknown drift policy '" + *name + "'; use check, average or first");
       }
+    }
+  }
+
+  // ---- the hf section: the HF transformers export ----
+
+  void ParseHf(const Field& f) {
+    auto fields = ReadFields(f, "hf", kHfFields);
+    if (!fields) return;
+    HfExport hf;
+    hf.line = f.line;
+    if (const Field* a = Get(*fields, "architecture")) {
+      auto name = ReadString(*a, "hf.architecture");
+      if (name && !IsIdentifier(*name)) {
+        Fail(*a, "hf.architecture '" + *name + "' must be a transformers class name, e.g. LlamaForCausalLM");
+      } else if (name) {
+        hf.architecture = *name;
+      }
+    } else {
+      Fail(f, "missing hf.architecture; add the transformers class, e.g. architecture: LlamaForCausalLM");
+    }
+    if (const Field* r = Get(*fields, "requires")) hf.requirements = ReadArgConditions(*r, "hf.requires");
+    if (const Field* c = Get(*fields, "config")) hf.config = ParseHfConfig(*c);
+    if (const Field* t = Get(*fields, "tensors")) {
+      hf.tensors = ParseHfTensors(*t);
+    } else {
+      Fail(f, "missing hf.tensors; map every canonical tensor to its HF name ({from: ..., to: ...})");
+    }
+    rs_->hf_ = std::move(hf);
+  }
+
+  std::vector<HfConfigField> ParseHfConfig(const Field& f) {
+    std::vector<HfConfigField> out;
+    if (!f.node.IsMap()) {
+      Fail(f, "hf.config must be a mapping of config.json key -> value, metadata path or list of cases");
+      return out;
+    }
+    std::map<std::string, int> lines;
+    for (const auto& kv : f.node) {
+      HfConfigField field;
+      field.key = kv.first.IsScalar() ? kv.first.Scalar() : "?";
+      field.line = LineOf(kv.first, f.line);
+      const Field value{kv.second, field.line};
+      if (!IsIdentifier(field.key)) {
+        Fail(value, "hf.config key '" + field.key + "' must be a config.json field name");
+        continue;
+      }
+      if (std::find(kHfDerivedKeys.begin(), kHfDerivedKeys.end(), field.key) != kHfDerivedKeys.end()) {
+        Fail(value, "hf.config." + field.key + " is written by reshard from the checkpoint's tensors; remove it");
+        continue;
+      }
+      if (!lines.emplace(field.key, field.line).second) {
+        Fail(value, "hf.config." + field.key + " appears twice (first at line " +
+                        std::to_string(lines[field.key]) + "); keep one");
+        continue;
+      }
+      const bool cases = value.node.IsSequence() && value.node.size() > 0 && value.node[0].IsMap();
+      if (cases ? ParseHfCases(value, &field) : ParseHfValue(value, &field)) out.push_back(std::move(field));
+    }
+    return out;
+  }
+
+  // A literal, a metadata path (a dotted name), or a list of paths that may
+  // end with a literal fallback.
+  bool ParseHfValue(const Field& f, HfConfigField* field) {
+    const std::string what = "hf.config." + field->key;
+    std::vector<Field> items = f.node.IsSequence() ? Items(f) : std::vector<Field>{f};
+    if (items.empty()) Fail(f, what + " is an empty list; give a value or a metadata path");
+    for (const Field& item : items) {
+      if (item.node.IsNull() && !field->literal) {
+        field->literal = std::make_shared<const Value>(Value::None());
+        continue;
+      }
+      if (!item.node.IsScalar()) {
+        Fail(item, what + " must be a value, a metadata path like args.hidden_size, a list of those, "
+                          "or a list of cases {when: {...}, value: ...}");
+        return false;
+      }
+      if (field->literal) {
+        Fail(item, what + ": the literal " + item.node.Scalar() + " comes before another alternative; "
+                          "a literal is the fallback, so it goes last");
+        return false;
+      }
+      const bool quoted = item.node.Tag() == "!";
+      if (!quoted && item.node.Scalar().find('.') != std::string::npos && IsDottedPath(item.node.Scalar())) {
+        field->paths.push_back(item.node.Scalar());
+      } else {
+        field->literal = std::make_shared<const Value>(HfLiteral(item.node));
+      }
+    }
+    return true;
+  }
+
+  bool ParseHfCases(const Field& f, HfConfigField* field) {
+    const std::string what = "hf.config." + field->key;
+    for (const Field& item : Items(f)) {
+      auto fields = ReadFields(item, "a case of " + what, kHfCaseFields);
+      if (!fields) return false;
+      const Field* when = Get(*fields, "when");
+      const Field* value = Get(*fields, "value");
+      if (when == nullptr || value == nullptr || !value->node.IsScalar()) {
+        Fail(item, "a case of " + what + " needs when: {args field: value} and a scalar value");
+        return false;
+      }
+      field->cases.push_back({ReadArgConditions(*when, what + " when"),
+                              std::make_shared<const Value>(HfLiteral(value->node))});
+    }
+    return true;
+  }
+
+  // A YAML scalar as the value it stands for; always a string when quoted.
+  static Value HfLiteral(const YAML::Node& n) {
+    return n.Tag() == "!" ? Value::String(n.Scalar()) : ScalarValue(n.Scalar());
+  }
+
+  std::vector<HfTensorMap> ParseHfTensors(const Field& f) {
+    std::vector<HfTensorMap> out;
+    if (!f.node.IsSequence() || f.node.size() == 0) {
+      Fail(f, "hf.tensors must be a non-empty list of {from: <canonical name>, to: <HF name or names>}");
+      return out;
+    }
+    std::map<std::string, int> froms, tos;
+    for (const Field& item : Items(f)) {
+      std::optional<HfTensorMap> map = ParseHfTensor(item);
+      if (!map) continue;
+      if (!froms.emplace(map->from, item.line).second) {
+        Fail(item, "hf.tensors maps '" + map->from + "' twice (first at line " +
+                       std::to_string(froms[map->from]) + "); keep one");
+        continue;
+      }
+      for (const std::string& to : map->to) {
+        if (!tos.emplace(to, item.line).second) {
+          Fail(item, "hf.tensors writes '" + to + "' twice (first at line " + std::to_string(tos[to]) +
+                         "); give each tensor its own name");
+        }
+      }
+      out.push_back(std::move(*map));
+    }
+    return out;
+  }
+
+  std::optional<HfTensorMap> ParseHfTensor(const Field& f) {
+    const size_t errors_before = errors_.size();
+    auto fields = ReadFields(f, "an hf.tensors entry", kHfTensorFields);
+    if (!fields) return std::nullopt;
+    HfTensorMap map;
+    map.line = f.line;
+    const Field* from = Get(*fields, "from");
+    const Field* to = Get(*fields, "to");
+    if (from == nullptr || to == nullptr) {
+      Fail(f, "an hf.tensors entry needs from: <canonical name> and to: <HF name or list of names>");
+      return std::nullopt;
+    }
+    if (auto s = ReadString(*from, "hf.tensors from")) map.from = *s;
+    map.to = to->node.IsSequence() ? ReadStringList(*to, "hf.tensors to") : std::vector<std::string>{};
+    if (!to->node.IsSequence()) {
+      if (auto s = ReadString(*to, "hf.tensors to")) map.to.push_back(*s);
+    }
+    const bool blocks = CheckHfTemplate(*from, map.from);
+    for (const std::string& name : map.to) {
+      if (CheckHfTemplate(*to, name) != blocks) {
+        Fail(*to, "'" + name + "' and '" + map.from + "' must both use {block} or neither; one tensor per "
+                      "block maps to one per block");
+      }
+    }
+    ParseFlag(*fields, "transpose", &map.transpose);
+    ParseHfSplit(*fields, &map);
+    if (errors_.size() != errors_before) return std::nullopt;
+    return map;
+  }
+
+  // Checks a name template (only {block}); returns whether it uses {block}.
+  bool CheckHfTemplate(const Field& f, const std::string& name) {
+    static const RE2 re("([^{}]|\\{block\\})+");
+    if (!RE2::FullMatch(name, re)) {
+      Fail(f, "hf tensor name '" + name + "': the only placeholder is {block} (the 0-based block)");
+    }
+    return name.find("{block}") != std::string::npos;
+  }
+
+  void ParseHfSplit(const Fields& fields, HfTensorMap* map) {
+    const Field* halves = Get(fields, "split_halves");
+    const Field* qkv = Get(fields, "split_qkv");
+    const Field& where = halves ? *halves : qkv ? *qkv : *Get(fields, "to");
+    if (halves && qkv) {
+      Fail(where, "an hf.tensors entry has split_halves and split_qkv; keep one");
+      return;
+    }
+    if (halves && ReadBool(*halves, "split_halves").value_or(false)) map->split = HfTensorMap::Split::kHalves;
+    if (qkv) {
+      map->split = HfTensorMap::Split::kQkv;
+      auto sizes = ReadFields(*qkv, "split_qkv", kHfQkvFields);
+      const Field* groups = sizes ? Get(*sizes, "groups") : nullptr;
+      const Field* heads = sizes ? Get(*sizes, "heads") : nullptr;
+      if (groups == nullptr || heads == nullptr) {
+        Fail(*qkv, "split_qkv needs groups (KV heads) and heads (attention heads), sizes like "
+                   "args.num_attention_heads");
+        return;
+      }
+      map->groups = ReadMetaRef(*groups, "split_qkv.groups");
+      map->heads = ReadMetaRef(*heads, "split_qkv.heads");
+    }
+    const size_t n = map->to.size();
+    if (map->split == HfTensorMap::Split::kHalves && n != 2) {
+      Fail(where, "split_halves writes two tensors, the first half and the second; list two names in to");
+    } else if (map->split == HfTensorMap::Split::kQkv && n != 1 && n != 3) {
+      Fail(where, "split_qkv writes q, k and v (three names in to) or one tensor [q; k; v] (one name)");
+    } else if (map->split == HfTensorMap::Split::kNone && n != 1) {
+      Fail(where, "to lists " + std::to_string(n) + " names; dividing a tensor needs split_halves or split_qkv");
     }
   }
 

@@ -4,6 +4,8 @@
 
 #include <re2/re2.h>
 
+#include <cstdlib>
+
 #include "pickle/value.h"
 #include "util/strings.h"
 
@@ -25,6 +27,16 @@ std::vector<std::string> CaptureGroups(const RE2& re, const std::string& key) {
 }
 
 }  // namespace
+
+Value ScalarValue(const std::string& text) {
+  int64_t n = 0;
+  if (ParseInt(text, &n)) return Value::Int(n);
+  if (text == "true" || text == "false") return Value::Bool(text == "true");
+  char* end = nullptr;
+  const double d = std::strtod(text.c_str(), &end);
+  if (!text.empty() && end == text.c_str() + text.size()) return Value::Float(d);
+  return Value::String(text);
+}
 
 const Value* WalkPath(const Value& root, const std::string& path) {
   const Value* v = &root;
@@ -131,6 +143,27 @@ std::string ParamRule::CanonicalName(const std::string& key, int layer_id, int b
   return name;
 }
 
+namespace {
+
+// What the HF export reads: its conditions, config fields and split sizes.
+void AddHfPaths(const HfExport& hf, std::set<std::string>* paths) {
+  auto add_args = [paths](const ArgConditions& conditions) {
+    for (const auto& [field, expected] : conditions) paths->insert("args." + field);
+  };
+  add_args(hf.requirements);
+  for (const HfConfigField& field : hf.config) {
+    paths->insert(field.paths.begin(), field.paths.end());
+    for (const HfConfigField::Case& c : field.cases) add_args(c.when);
+  }
+  for (const HfTensorMap& map : hf.tensors) {
+    for (const MetaRef* ref : {&map.groups, &map.heads}) {
+      for (std::string& p : ref->Paths()) paths->insert(std::move(p));
+    }
+  }
+}
+
+}  // namespace
+
 std::set<std::string> RuleSet::ValuePaths() const {
   std::set<std::string> paths;
   auto add = [&paths](const MetaRef& ref) {
@@ -144,6 +177,7 @@ std::set<std::string> RuleSet::ValuePaths() const {
     for (const ParamRule& rule : rules) add(rule.blocks);
   }
   for (const auto& [field, expected] : detect_.args) paths.insert("args." + field);
+  if (hf_) AddHfPaths(*hf_, &paths);
   return paths;
 }
 

@@ -16,6 +16,10 @@
 //   vocab, optimizer_groups     where the vocabulary sizes are; optimizer group order
 //   layers: {role: [rule]}      per tensor key (RE2, full match): split or
 //                               replicated, canonical name, optional, tied, buffer
+//   hf                          the Hugging Face transformers architecture the
+//                               family exports to: conditions, config.json
+//                               fields, and canonical name -> HF name(s) with
+//                               their reordering (HfExport below)
 //
 // This header is the model. The parser (RuleSet::LoadFile, LoadString) is in
 // rule_parser.cc; the files shipped in rules/ are found by builtin_rules.h.
@@ -76,6 +80,10 @@ struct MetaRef {
   // ([args.x, N]) or with --set args.x=N".
   std::string HowToGive() const;
 };
+
+// A scalar written as text (a YAML scalar, a --set value): an integer,
+// true/false, a number, else the string itself.
+Value ScalarValue(const std::string& text);
 
 // Walks a dotted path through dict-like values (dict, OrderedDict, Namespace).
 // Null when a step is missing or None.
@@ -140,6 +148,50 @@ struct DetectRule {
 
 enum class OptimizerGroups { kDecayNoDecay, kSplitDecay };
 
+// Conditions on `args` fields, as detect.args writes them: a YAML scalar,
+// "null" (absent or None), "*" (present) or "!x" (anything but x).
+using ArgConditions = std::map<std::string, std::string>;
+
+// One config.json field of an HF export (`hf.config`).
+struct HfConfigField {
+  std::string key;  // the config.json key
+  int line = 0;
+  // The value: the first of `paths` the checkpoint (or --set) records, else
+  // `literal`; or, with `cases`, the value of the first case that holds.
+  std::vector<std::string> paths;
+  std::shared_ptr<const Value> literal;  // null: none (a missing value is asked for)
+  struct Case {
+    ArgConditions when;
+    std::shared_ptr<const Value> value;
+  };
+  std::vector<Case> cases;
+};
+
+// One canonical tensor and the HF tensor(s) it becomes (`hf.tensors`).
+// Names are templates whose only placeholder is {block}.
+struct HfTensorMap {
+  int line = 0;
+  std::string from;             // canonical name: 'layers.{block}.mlp.dense_h_to_4h.weight'
+  std::vector<std::string> to;  // HF name(s); several: dim 0 divided among them
+  // How dim 0 is divided: `to`'s tensors in order of the halves
+  // (split_halves: [first; second]), or the grouped fused QKV
+  // [groups, heads/groups + 2, hd] (split_qkv: q, k, v; with one name in
+  // `to`, the rows reordered to [q; k; v] in one tensor).
+  enum class Split { kNone, kHalves, kQkv };
+  Split split = Split::kNone;
+  MetaRef groups, heads;  // split_qkv
+  bool transpose = false;  // 2-D [out, in] -> [in, out] (GPT-2's Conv1D)
+};
+
+// What `export --to hf` writes for the family.
+struct HfExport {
+  int line = 0;
+  std::string architecture;      // "LlamaForCausalLM"
+  ArgConditions requirements;    // `requires`: what the architecture computes
+  std::vector<HfConfigField> config;  // in file order
+  std::vector<HfTensorMap> tensors;
+};
+
 class RuleSet {
  public:
   // Parses and validates a rule file. Errors name the file and line:
@@ -166,6 +218,8 @@ class RuleSet {
 
   // Roles with layer files, and their rules in file order.
   const std::map<std::string, std::vector<ParamRule>>& layers() const { return layers_; }
+  // The HF export, when the file declares one.
+  const HfExport* hf() const { return hf_ ? &*hf_ : nullptr; }
 
   // Every metadata path a value is read from (sizes, vocabulary, partition
   // method, detection args): the keys `--set` may give.
@@ -186,6 +240,7 @@ class RuleSet {
   MetaRef vocab_original_size_, vocab_divisible_by_, vocab_pad_to_;
   OptimizerGroups optimizer_groups_ = OptimizerGroups::kDecayNoDecay;
   std::map<std::string, std::vector<ParamRule>> layers_;
+  std::optional<HfExport> hf_;
 };
 
 }  // namespace reshard

@@ -122,15 +122,22 @@ struct ConvertOptions : WriteOptions {
   bool update_latest = true;    // write `latest` next to the output folder
 };
 
-// An export to another format: the checkpoint's full tensors, consolidated:
-// from the fp32 masters where the checkpoint has optimizer state, from the
-// weights with `weights_only`.
+// An export to another format: "consolidated" (the checkpoint's full tensors
+// under their canonical names, from the fp32 masters where the checkpoint has
+// optimizer state, from the weights with `weights_only`), "hf" (a Hugging
+// Face transformers folder, as the rule set's hf section maps it; from the
+// weights unless `from` is "masters") or "universal" (DeepSpeed's).
 struct ExportOptions : WriteOptions {
-  std::string to;  // "consolidated"
+  std::string to;  // "consolidated", "hf" or "universal"
   std::string dtype;  // "fp32", "bf16", "fp16"; empty = as stored
   // Largest file; a bigger tensor gets a file of its own.
   int64_t max_shard_size = int64_t{5} * 1000 * 1000 * 1000;
   std::string file_format = "safetensors";  // or "pt" (torch.save)
+  // Where the tensors come from: "masters" (the fp32 masters), "weights", or
+  // empty for the format's default (consolidated: masters; hf: weights).
+  std::string from;
+  // hf: a folder whose tokenizer files are copied beside the model; empty = none.
+  std::string tokenizer;
 };
 
 struct ConvertReport {

@@ -1,273 +1,13 @@
 #include "formats/consolidated/consolidated_export.h"
 
-#include <algorithm>
-#include <cstdio>
-#include <fstream>
-#include <map>
-#include <set>
-
-#include "container/safetensors_writer.h"
-#include "container/torch_file.h"
-#include "util/human.h"
-#include "util/shape.h"
+#include "formats/state_dict.h"
 
 namespace reshard {
-namespace {
-
-// One tensor of the export and the source tensor it is made from.
-struct ExportTensor {
-  std::string name;  // the parameter's canonical name
-  size_t source = 0;  // index into the source's FullTensors
-  DType dtype = DType::kFloat32;  // as written
-  std::vector<int64_t> shape;     // as written: vocabulary padding stripped
-  bool master = false;            // made from the fp32 master
-
-  int64_t bytes() const { return ShapeNumel(shape) * ElementSize(dtype); }
-};
-
-struct ExportFile {
-  std::string name;
-  std::vector<ExportTensor> tensors;
-  int64_t bytes = 0;
-};
-
-// The bytes of `from` (elements of `src`) as elements of `dst`.
-ByteProducer Cast(ByteProducer from, DType src, DType dst) {
-  return [from = std::move(from), src, dst](int64_t offset, int64_t length, uint8_t* out) {
-    const int se = ElementSize(src), de = ElementSize(dst);
-    if (offset % de != 0 || length % de != 0) {
-      return Status::Internal("tensor bytes requested in a range not of whole elements");
-    }
-    const int64_t begin = offset / de, n = length / de;
-    thread_local std::vector<uint8_t> scratch;
-    scratch.resize(static_cast<size_t>(n * se));
-    RESHARD_RETURN_IF_ERROR(from(begin * se, n * se, scratch.data()));
-    for (int64_t i = 0; i < n; ++i) StoreFromDouble(dst, LoadAsDouble(src, scratch.data() + i * se), out + i * de);
-    return Status::Ok();
-  };
-}
-
-// Which source tensor each exported parameter comes from, and its shape.
-class TensorChoice {
- public:
-  TensorChoice(const std::vector<FullTensor>& all, const ConsolidatedOptions& options)
-      : all_(all), options_(options) {
-    for (size_t i = 0; i < all.size(); ++i) {
-      if (all[i].state == kFp32Master) masters_[all[i].param] = i;
-    }
-  }
-
-  Result<std::vector<ExportTensor>> Choose(const std::string& kind, std::vector<std::string>* notes) const {
-    // A source that lists no weights (ZeRO-3 keeps only placeholders) gives
-    // its masters as the weights.
-    const bool has_weights = std::any_of(all_.begin(), all_.end(),
-                                         [](const FullTensor& t) { return t.section == "weights"; });
-    if (!has_weights && options_.from_weights) {
-      return Status::InvalidInput("a " + kind + " checkpoint keeps its weights only as fp32 masters; "
-                                  "drop --weights-only");
-    }
-    if (!has_weights && !masters_.empty()) {
-      notes->push_back("consolidated: a " + kind + " checkpoint lists its fp32 masters only; buffers and "
-                       "frozen parameters, where it has any, are not exported");
-    }
-    std::vector<ExportTensor> out;
-    std::set<std::string> seen;
-    int from_masters = 0;
-    for (size_t i = 0; i < all_.size(); ++i) {
-      const FullTensor& w = all_[i];
-      if (w.section != "weights" && !(!has_weights && w.state == kFp32Master)) continue;
-      if (!seen.insert(w.param).second) {
-        return Status::Unsupported("a " + kind + " checkpoint lists " + w.param +
-                                   " once per rank, not whole; consolidated export reads "
-                                   "checkpoints whose tensors are described whole by rules");
-      }
-      RESHARD_ASSIGN_OR_RETURN(ExportTensor t, Make(i));
-      from_masters += t.master ? 1 : 0;
-      out.push_back(std::move(t));
-    }
-    if (out.empty()) {
-      return Status::Unsupported("a " + kind + " checkpoint does not list its weights whole; "
-                                 "consolidated export reads checkpoints whose tensors are described "
-                                 "whole by rules");
-    }
-    const int n = static_cast<int>(out.size());
-    notes->push_back("consolidated: " + std::to_string(from_masters) + " of " + std::to_string(n) +
-                     " tensors from the fp32 masters" +
-                     (options_.from_weights   ? " (--weights-only)"
-                      : masters_.empty()      ? " (the checkpoint has no optimizer state)"
-                      : from_masters < n      ? ", the rest (without a master) from the weights"
-                                              : ""));
-    return out;
-  }
-
- private:
-  Result<ExportTensor> Make(size_t weight) const {
-    const FullTensor& w = all_[weight];
-    ExportTensor t{w.param, weight, w.dtype, w.shape, false};
-    auto master = masters_.find(w.param);
-    if (!options_.from_weights && master != masters_.end()) {
-      const FullTensor& m = all_[master->second];
-      if (ShapeNumel(m.shape) != ShapeNumel(w.shape)) {
-        return Status::InvalidInput("the fp32 master of " + w.param + " has " +
-                                    std::to_string(ShapeNumel(m.shape)) + " elements, the weight " +
-                                    std::to_string(ShapeNumel(w.shape)));
-      }
-      t = {w.param, master->second, m.dtype, w.shape, true};
-    }
-    if (w.vocab) RESHARD_RETURN_IF_ERROR(StripVocab(&t));
-    if (options_.dtype && IsFloatingPoint(t.dtype)) t.dtype = *options_.dtype;
-    return t;
-  }
-
-  // Rows are the leading dimension, so the true rows are a prefix of the bytes.
-  Status StripVocab(ExportTensor* t) const {
-    if (!options_.vocab_size) {
-      return Status::InvalidInput(
-          "the checkpoint does not record its true vocabulary size, so " + t->name +
-          "'s padding rows cannot be stripped; pass --vocab-size N (the tokenizer's size) or give "
-          "it with --set (docs/rules.md)");
-    }
-    if (*options_.vocab_size > t->shape[0]) {
-      return Status::InvalidInput("--vocab-size " + std::to_string(*options_.vocab_size) + " exceeds the " +
-                                  std::to_string(t->shape[0]) + " rows of " + t->name);
-    }
-    t->shape[0] = *options_.vocab_size;
-    return Status::Ok();
-  }
-
-  const std::vector<FullTensor>& all_;
-  const ConsolidatedOptions& options_;
-  std::map<std::string, size_t> masters_;  // parameter -> its fp32 master
-};
-
-// Greedy, in order: a file takes tensors until the next would pass the size.
-std::vector<ExportFile> Shard(std::vector<ExportTensor> tensors, int64_t max_bytes, bool torch_format) {
-  std::vector<ExportFile> files;
-  for (ExportTensor& t : tensors) {
-    if (files.empty() || (files.back().bytes > 0 && files.back().bytes + t.bytes() > max_bytes)) {
-      files.emplace_back();
-    }
-    files.back().bytes += t.bytes();
-    files.back().tensors.push_back(std::move(t));
-  }
-  const char* stem = torch_format ? "pytorch_model" : "model";
-  const char* ext = torch_format ? "bin" : "safetensors";
-  for (size_t i = 0; i < files.size(); ++i) {
-    char name[96];
-    if (files.size() == 1) {
-      std::snprintf(name, sizeof(name), "%s.%s", stem, ext);
-    } else {
-      std::snprintf(name, sizeof(name), "%s-%05zu-of-%05zu.%s", stem, i + 1, files.size(), ext);
-    }
-    files[i].name = name;
-  }
-  return files;
-}
-
-std::string IndexName(bool torch_format) {
-  return torch_format ? "pytorch_model.bin.index.json" : "model.safetensors.index.json";
-}
-
-// {"metadata": {"total_size": N}, "weight_map": {name: file, ...}}, names sorted.
-std::string IndexJson(const std::vector<ExportFile>& files) {
-  int64_t total = 0;
-  std::map<std::string, std::string> weight_map;
-  for (const ExportFile& f : files) {
-    total += f.bytes;
-    for (const ExportTensor& t : f.tensors) weight_map[t.name] = f.name;
-  }
-  std::string json = "{\n  \"metadata\": {\n    \"total_size\": " + std::to_string(total) +
-                     "\n  },\n  \"weight_map\": {\n";
-  size_t i = 0;
-  for (const auto& [name, file] : weight_map) {
-    json += "    " + JsonString(name) + ": " + JsonString(file) + (++i < weight_map.size() ? ",\n" : "\n");
-  }
-  return json + "  }\n}\n";
-}
-
-Status WriteText(const std::string& path, const std::string& text) {
-  std::ofstream out(path, std::ios::trunc);
-  out << text;
-  out.close();
-  return out.good() ? Status::Ok() : Status::IoError("cannot write " + path);
-}
-
-class ConsolidatedPlan : public TargetPlan {
- public:
-  ConsolidatedPlan(const SourceCheckpoint& src, ConsolidatedOptions options, std::vector<ExportFile> files)
-      : src_(src), options_(std::move(options)), files_(std::move(files)) {}
-
-  std::string ToString(bool detail) const override {
-    int64_t tensors = 0, bytes = 0;
-    for (const ExportFile& f : files_) {
-      tensors += static_cast<int64_t>(f.tensors.size());
-      bytes += f.bytes;
-    }
-    std::string out = "consolidated: " + std::to_string(files_.size()) + " file(s), " +
-                      std::to_string(tensors) + " tensors, " + HumanBytes(bytes) + "\n";
-    for (const ExportFile& f : files_) {
-      out += "  " + f.name + ": " + std::to_string(f.tensors.size()) + " tensors, " + HumanBytes(f.bytes) + "\n";
-      if (!detail) continue;
-      for (const ExportTensor& t : f.tensors) {
-        out += "    " + t.name + " " + DTypeName(t.dtype) + " " + ShapeString(t.shape) +
-               (t.master ? " (fp32 master)" : " (weights)") + "\n";
-      }
-    }
-    if (files_.size() > 1) out += "  " + IndexName(options_.torch_format) + "\n";
-    return out;
-  }
-
-  Result<std::vector<Job>> Jobs(std::atomic<int64_t>* read) const override {
-    RESHARD_ASSIGN_OR_RETURN(std::vector<FullTensor> all, src_.FullTensors(options_.replicated, read));
-    auto sources = std::make_shared<std::vector<FullTensor>>(std::move(all));
-    std::vector<Job> jobs;
-    for (const ExportFile& file : files_) {
-      jobs.push_back({file.name, file.bytes, [this, &file, sources](JobContext& ctx) {
-                        return WriteFile(file, *sources, ctx);
-                      }});
-    }
-    if (files_.size() > 1) {
-      jobs.push_back({IndexName(options_.torch_format), 0, [this](JobContext& ctx) {
-                        return WriteText(ctx.dir + "/" + IndexName(options_.torch_format), IndexJson(files_));
-                      }});
-    }
-    return jobs;
-  }
-
- private:
-  ByteProducer Producer(const ExportTensor& t, const std::vector<FullTensor>& sources) const {
-    const FullTensor& s = sources[t.source];
-    return t.dtype == s.dtype ? s.produce : Cast(s.produce, s.dtype, t.dtype);
-  }
-
-  Status WriteFile(const ExportFile& file, const std::vector<FullTensor>& sources, JobContext& ctx) const {
-    const std::string path = ctx.dir + "/" + file.name;
-    if (!options_.torch_format) {
-      std::vector<SafetensorsTensor> tensors;
-      for (const ExportTensor& t : file.tensors) tensors.push_back({t.name, t.dtype, t.shape, Producer(t, sources)});
-      return WriteSafetensors(path, tensors, {{"format", "pt"}}, &ctx.buffer, ctx.done);
-    }
-    Items items;
-    for (const ExportTensor& t : file.tensors) {
-      items.emplace_back(Value::String(t.name), MakeProducedTensor(t.dtype, t.shape, Producer(t, sources)));
-    }
-    TorchWriteOptions write;
-    write.buffer = &ctx.buffer;
-    write.written = ctx.done;
-    return WriteTorchFile(path, MakeOrderedDict(std::move(items)), write);
-  }
-
-  const SourceCheckpoint& src_;
-  const ConsolidatedOptions options_;
-  const std::vector<ExportFile> files_;
-};
-
-}  // namespace
 
 Result<ConsolidatedOptions> ConsolidatedOptionsFrom(const ExportOptions& options) {
   ConsolidatedOptions out;
   out.replicated = options.replicated;
-  out.from_weights = options.weights_only;
+  out.from_weights = options.weights_only || options.from == "weights";
   out.vocab_size = options.vocab_size;
   out.max_shard_size = options.max_shard_size;
   if (out.max_shard_size < 1) return Status::InvalidInput("--max-shard-size must be at least 1 byte");
@@ -275,27 +15,25 @@ Result<ConsolidatedOptions> ConsolidatedOptionsFrom(const ExportOptions& options
     return Status::InvalidInput("unknown --format '" + options.file_format + "'; use safetensors or pt");
   }
   out.torch_format = options.file_format == "pt";
-  const std::map<std::string, DType> dtypes = {
-      {"fp32", DType::kFloat32}, {"bf16", DType::kBFloat16}, {"fp16", DType::kFloat16}};
-  if (!options.dtype.empty()) {
-    auto it = dtypes.find(options.dtype);
-    if (it == dtypes.end()) return Status::InvalidInput("unknown --dtype '" + options.dtype + "'; use fp32, bf16 or fp16");
-    out.dtype = it->second;
-  }
+  RESHARD_ASSIGN_OR_RETURN(out.dtype, ExportDType(options.dtype));
   return out;
 }
 
 Result<std::unique_ptr<TargetPlan>> PlanConsolidated(const SourceCheckpoint& src,
                                                      const ConsolidatedOptions& options,
                                                      std::vector<std::string>* notes) {
-  ConsolidatedOptions resolved = options;
-  if (!resolved.vocab_size) resolved.vocab_size = src.vocab_size();
+  TensorChoiceOptions choice{"consolidated", "--weights-only", options.from_weights, options.dtype,
+                             options.vocab_size ? options.vocab_size : src.vocab_size()};
   std::atomic<int64_t> unused{0};  // planning reads no tensor bytes
   RESHARD_ASSIGN_OR_RETURN(std::vector<FullTensor> all, src.FullTensors(options.replicated, &unused));
-  RESHARD_ASSIGN_OR_RETURN(std::vector<ExportTensor> tensors,
-                           TensorChoice(all, resolved).Choose(src.kind(), notes));
-  std::vector<ExportFile> files = Shard(std::move(tensors), resolved.max_shard_size, resolved.torch_format);
-  return std::unique_ptr<TargetPlan>(new ConsolidatedPlan(src, std::move(resolved), std::move(files)));
+  RESHARD_ASSIGN_OR_RETURN(std::vector<ChosenTensor> chosen, ChooseTensors(all, src.kind(), choice, notes));
+  std::vector<StateDictTensor> tensors;
+  for (const ChosenTensor& t : chosen) {
+    tensors.push_back({t.name, t.dtype, t.shape, t.master ? "fp32 master" : "weights",
+                       [t](const std::vector<FullTensor>& sources) { return ChosenBytes(t, sources); }});
+  }
+  StateDictLayout layout{"consolidated", options.replicated, options.max_shard_size, options.torch_format};
+  return PlanStateDict(src, std::move(layout), std::move(tensors), {});
 }
 
 }  // namespace reshard

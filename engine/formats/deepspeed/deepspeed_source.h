@@ -72,6 +72,8 @@ class DeepSpeedModelSource : public SourceCheckpoint {
   int64_t iteration() const override { return ckpt().iteration; }
   const std::vector<Finding>& findings() const override { return ckpt().findings; }
   const Value& metadata() const override { return ckpt().metadata[0]; }
+  const RuleSet* rules() const override { return ckpt().rules.get(); }
+  const Value& settings() const override { return ckpt().settings; }
   // The metadata, the layer files' tensors and the problems found reading them.
   std::string Describe() const override;
 

@@ -1,0 +1,130 @@
+#include "formats/hf/hf_export.h"
+
+#include <algorithm>
+#include <filesystem>
+
+#include "formats/hf/hf_config.h"
+#include "formats/hf/hf_tensors.h"
+#include "formats/state_dict.h"
+#include "logical/settings.h"
+#include "util/list_folder.h"
+
+namespace reshard {
+namespace {
+
+// Files of a tokenizer folder that transformers' AutoTokenizer reads; a
+// model folder passed as --tokenizer keeps its config and weights to itself.
+bool IsTokenizerFile(const std::string& name) {
+  static const char* const kNames[] = {"special_tokens_map.json", "added_tokens.json", "vocab.json",
+                                       "merges.txt", "vocab.txt", "spiece.model", "sentencepiece.bpe.model"};
+  return name.rfind("tokenizer", 0) == 0 ||
+         std::find(std::begin(kNames), std::end(kNames), name) != std::end(kNames);
+}
+
+Result<std::vector<SideFile>> TokenizerFiles(const std::string& dir) {
+  RESHARD_ASSIGN_OR_RETURN(std::vector<std::filesystem::directory_entry> entries, ListFolder(dir));
+  std::vector<SideFile> files;
+  for (const auto& entry : entries) {
+    const std::string name = entry.path().filename().string();
+    std::error_code ec;
+    if (entry.is_regular_file(ec) && IsTokenizerFile(name)) files.push_back({name, "", entry.path().string()});
+  }
+  std::sort(files.begin(), files.end(), [](const SideFile& a, const SideFile& b) { return a.name < b.name; });
+  if (files.empty()) {
+    return Status::InvalidInput("--tokenizer " + dir + " holds no tokenizer files (tokenizer.json, "
+                                "tokenizer_config.json, tokenizer.model, vocab.json and merges.txt, ...); "
+                                "pass the folder the tokenizer was saved in");
+  }
+  return files;
+}
+
+// The family's HF mapping, if the checkpoint is one the architecture computes.
+Result<const HfExport*> FamilyExport(const SourceCheckpoint& src, const RuleInputs& inputs) {
+  const RuleSet* rules = src.rules();
+  if (rules == nullptr) {
+    return Status::Unsupported("a " + src.kind() + " checkpoint is not described by a rule set, so reshard "
+                               "does not know its architecture; export --to consolidated writes its tensors");
+  }
+  const HfExport* hf = rules->hf();
+  if (hf == nullptr) {
+    return Status::Unsupported("rule set " + rules->name() + " (" + rules->description() + ") declares no HF "
+                               "architecture: " + rules->origin() + " has no hf section; add one "
+                               "(docs/rules.md) or export --to consolidated");
+  }
+  const std::string mismatch = ArgsMismatch(inputs, hf->requirements);
+  if (!mismatch.empty()) {
+    return Status::Unsupported(hf->architecture + " does not compute this model: " + mismatch + " (hf.requires "
+                               "in " + rules->origin() + "); if the checkpoint does not record it, give the "
+                               "training value with --set; else export --to consolidated");
+  }
+  return hf;
+}
+
+Result<TensorChoiceOptions> ChoiceOptions(const ExportOptions& options, const std::vector<FullTensor>& all) {
+  if (!options.from.empty() && options.from != "weights" && options.from != "masters") {
+    return Status::InvalidInput("unknown --from '" + options.from + "'; use weights or masters");
+  }
+  const bool masters = options.from == "masters";
+  if (masters && options.weights_only) {
+    return Status::InvalidInput("--from masters and --weights-only contradict each other; keep one");
+  }
+  if (masters && std::none_of(all.begin(), all.end(), [](const FullTensor& t) { return t.state == kFp32Master; })) {
+    return Status::InvalidInput("--from masters: the checkpoint has no optimizer state, so no fp32 masters; "
+                                "drop --from to export its weights");
+  }
+  TensorChoiceOptions choice{"hf", masters ? "" : "--from weights, the default", !masters, std::nullopt,
+                             options.vocab_size};
+  RESHARD_ASSIGN_OR_RETURN(choice.dtype, ExportDType(options.dtype));
+  return choice;
+}
+
+// config.json's vocab_size: the rows of the (stripped) vocabulary tensors.
+Result<int64_t> VocabRows(const std::vector<ChosenTensor>& chosen, const std::vector<FullTensor>& all) {
+  for (const ChosenTensor& t : chosen) {
+    if (all[t.source].vocab) return t.shape[0];
+  }
+  return Status::Unsupported("the checkpoint has no vocabulary tensor, so config.json has no vocab_size");
+}
+
+// config.json's torch_dtype: the dtype of the floating tensors (the first,
+// as stored or cast; they are alike unless a buffer keeps another).
+DType FloatingDType(const std::vector<ChosenTensor>& chosen) {
+  for (const ChosenTensor& t : chosen) {
+    if (IsFloatingPoint(t.dtype)) return t.dtype;
+  }
+  return DType::kFloat32;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<TargetPlan>> PlanHf(const SourceCheckpoint& src, const ExportOptions& options,
+                                           std::vector<std::string>* notes) {
+  const RuleInputs inputs{src.metadata(), src.settings()};
+  RESHARD_ASSIGN_OR_RETURN(const HfExport* hf, FamilyExport(src, inputs));
+  if (options.max_shard_size < 1) return Status::InvalidInput("--max-shard-size must be at least 1 byte");
+  if (options.file_format != "safetensors" && options.file_format != "pt") {
+    return Status::InvalidInput("unknown --format '" + options.file_format + "'; use safetensors or pt");
+  }
+  std::atomic<int64_t> unused{0};  // planning reads no tensor bytes
+  RESHARD_ASSIGN_OR_RETURN(std::vector<FullTensor> all, src.FullTensors(options.replicated, &unused));
+  RESHARD_ASSIGN_OR_RETURN(TensorChoiceOptions choice, ChoiceOptions(options, all));
+  if (!choice.vocab_size) choice.vocab_size = src.vocab_size();
+  RESHARD_ASSIGN_OR_RETURN(std::vector<ChosenTensor> chosen, ChooseTensors(all, src.kind(), choice, notes));
+  StateDictLayout layout{"hf " + hf->architecture, options.replicated, options.max_shard_size,
+                         options.file_format == "pt"};
+  RESHARD_ASSIGN_OR_RETURN(std::vector<StateDictTensor> tensors,
+                           MapHfTensors(*hf, chosen, inputs, &layout.scratch_bytes));
+  RESHARD_ASSIGN_OR_RETURN(int64_t vocab, VocabRows(chosen, all));
+  RESHARD_ASSIGN_OR_RETURN(std::string config, HfConfigJson(*hf, inputs, vocab, FloatingDType(chosen)));
+  std::vector<SideFile> side = {{"config.json", config, ""}};
+  if (!options.tokenizer.empty()) {
+    RESHARD_ASSIGN_OR_RETURN(std::vector<SideFile> tokenizer, TokenizerFiles(options.tokenizer));
+    side.insert(side.end(), tokenizer.begin(), tokenizer.end());
+  } else {
+    notes->push_back("hf: no --tokenizer given, so the folder has no tokenizer files; transformers and "
+                     "lm-eval-harness need them beside config.json");
+  }
+  return PlanStateDict(src, std::move(layout), std::move(tensors), std::move(side));
+}
+
+}  // namespace reshard

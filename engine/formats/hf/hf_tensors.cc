@@ -1,0 +1,201 @@
+#include "formats/hf/hf_tensors.h"
+
+#include <re2/re2.h>
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <memory>
+
+#include "util/human.h"
+#include "util/shape.h"
+
+namespace reshard {
+namespace {
+
+constexpr char kBlock[] = "{block}";
+
+// A name template as a pattern whose one group is the block number.
+std::unique_ptr<RE2> TemplatePattern(const std::string& name) {
+  std::string pattern;
+  size_t pos = 0;
+  for (size_t at; (at = name.find(kBlock, pos)) != std::string::npos; pos = at + std::strlen(kBlock)) {
+    pattern += RE2::QuoteMeta(name.substr(pos, at - pos)) + "([0-9]+)";
+  }
+  return std::make_unique<RE2>(pattern + RE2::QuoteMeta(name.substr(pos)));
+}
+
+// Whether `name` fits the template's pattern; *block learns its block number.
+bool Matches(const RE2& pattern, const std::string& name, std::string* block) {
+  return pattern.NumberOfCapturingGroups() == 0 ? RE2::FullMatch(name, pattern)
+                                                : RE2::FullMatch(name, pattern, block);
+}
+
+std::string Instantiate(std::string name, const std::string& block) {
+  for (size_t at; (at = name.find(kBlock)) != std::string::npos;) name.replace(at, std::strlen(kBlock), block);
+  return name;
+}
+
+// One HF tensor of an entry: its name, the source rows it takes (empty: all,
+// in order) and how many rows that is.
+struct Part {
+  std::string name;
+  std::vector<RowRun> runs;
+  int64_t rows = 0;
+};
+
+// How dim 0 of `t` is divided among the entry's names.
+Result<std::vector<Part>> Divide(const HfTensorMap& map, const ChosenTensor& t, const RuleInputs& inputs,
+                                 const std::string& block) {
+  const int64_t rows = t.shape.empty() ? 1 : t.shape[0];
+  std::vector<Part> parts;
+  for (const std::string& to : map.to) parts.push_back({Instantiate(to, block), {}, rows});
+  if (map.split == HfTensorMap::Split::kHalves) {
+    if (rows % 2 != 0) {
+      return Status::InvalidInput(t.name + " has " + std::to_string(rows) + " rows, which split_halves "
+                                  "cannot halve (line " + std::to_string(map.line) + ")");
+    }
+    for (int half = 0; half < 2; ++half) parts[half] = {parts[half].name, HalfRows(rows, half), rows / 2};
+  }
+  if (map.split != HfTensorMap::Split::kQkv) return parts;
+  const std::optional<int64_t> groups = map.groups.Resolve(inputs), heads = map.heads.Resolve(inputs);
+  if (!groups || !heads) {
+    return Status::InvalidInput("split_qkv of " + t.name + " needs its " + (groups ? "head" : "group") +
+                                " count, which is " + (groups ? map.heads : map.groups).HowToGive());
+  }
+  const int64_t units = *heads + 2 * *groups;
+  if (*groups < 1 || *heads % *groups != 0 || rows % units != 0) {
+    return Status::InvalidInput(t.name + " has " + std::to_string(rows) + " rows, not a fused QKV of " +
+                                std::to_string(*groups) + " KV groups and " + std::to_string(*heads) +
+                                " query heads ((heads + 2 x groups) x head_dim rows)");
+  }
+  std::vector<Part> qkv;
+  for (int part = 0; part < 3; ++part) {
+    qkv.push_back({"", QkvRows(*groups, *heads, rows / units, part), (part == 0 ? *heads : *groups) * (rows / units)});
+  }
+  if (parts.size() == 1) {  // one tensor [q; k; v]
+    Part fused{parts[0].name, {}, rows};
+    for (const Part& p : qkv) fused.runs.insert(fused.runs.end(), p.runs.begin(), p.runs.end());
+    return std::vector<Part>{fused};
+  }
+  for (int part = 0; part < 3; ++part) qkv[part].name = parts[part].name;
+  return qkv;
+}
+
+// The tensor `part` of `t`, transposed when the entry says so.
+Result<StateDictTensor> MakePart(const HfTensorMap& map, const ChosenTensor& t, const Part& part,
+                                 int64_t* scratch_bytes) {
+  std::vector<int64_t> shape = t.shape;
+  if (!shape.empty()) shape[0] = part.rows;
+  const int element = ElementSize(t.dtype);
+  const int64_t row_bytes = (t.shape.empty() || t.shape[0] == 0 ? 1 : ShapeNumel(t.shape) / t.shape[0]) * element;
+  std::string detail = std::string(t.master ? "fp32 master" : "weights") + " " + t.name;
+  if (!part.runs.empty()) detail += ", rows reordered";
+  if (map.transpose && shape.size() != 2) {
+    return Status::InvalidInput("transpose (line " + std::to_string(map.line) + ") needs a matrix, and " +
+                                t.name + " has shape " + ShapeString(t.shape));
+  }
+  StateDictTensor out{part.name, t.dtype, shape, detail, nullptr};
+  if (map.transpose) {
+    out.shape = {shape[1], shape[0]};
+    out.detail += ", transposed";
+    *scratch_bytes = std::max(*scratch_bytes, out.size());
+  }
+  const bool transpose = map.transpose;
+  out.bytes = [t, runs = part.runs, row_bytes, shape, transpose, element](const std::vector<FullTensor>& sources) {
+    ByteProducer bytes = ChosenBytes(t, sources);
+    if (!runs.empty()) bytes = GatherRows(std::move(bytes), row_bytes, runs);
+    return transpose ? Transposed(std::move(bytes), shape[0], shape[1], element) : bytes;
+  };
+  return out;
+}
+
+// Each entry's pattern, and which parameters it found.
+struct Entry {
+  const HfTensorMap* map;
+  std::unique_ptr<RE2> pattern;
+  int found = 0;
+};
+
+}  // namespace
+
+std::vector<RowRun> QkvRows(int64_t groups, int64_t heads, int64_t head_dim, int part) {
+  const int64_t per_group = heads / groups;  // query heads of one KV group
+  const int64_t offset = part == 0 ? 0 : per_group + part - 1;
+  const int64_t count = part == 0 ? per_group : 1;
+  std::vector<RowRun> runs;
+  for (int64_t g = 0; g < groups; ++g) runs.push_back({(g * (per_group + 2) + offset) * head_dim, count * head_dim});
+  return runs;
+}
+
+std::vector<RowRun> HalfRows(int64_t rows, int half) { return {{half * rows / 2, rows / 2}}; }
+
+ByteProducer GatherRows(ByteProducer source, int64_t row_bytes, std::vector<RowRun> runs) {
+  return [source = std::move(source), row_bytes, runs = std::move(runs)](int64_t offset, int64_t length,
+                                                                          uint8_t* dst) {
+    int64_t at = 0;  // output byte where the current run starts
+    for (const RowRun& run : runs) {
+      const int64_t run_bytes = run.count * row_bytes;
+      const int64_t begin = std::max(offset, at), end = std::min(offset + length, at + run_bytes);
+      if (begin < end) {
+        RESHARD_RETURN_IF_ERROR(source(run.first * row_bytes + (begin - at), end - begin, dst + (begin - offset)));
+      }
+      at += run_bytes;
+    }
+    return Status::Ok();
+  };
+}
+
+ByteProducer Transposed(ByteProducer source, int64_t rows, int64_t cols, int element) {
+  // Shared by the copies the writer may make of the producer.
+  auto whole = std::make_shared<std::vector<uint8_t>>();
+  const int64_t total = rows * cols * element;
+  return [source = std::move(source), whole, rows, cols, element, total](int64_t offset, int64_t length,
+                                                                          uint8_t* dst) {
+    if (whole->empty() && total > 0) {
+      whole->resize(static_cast<size_t>(total));
+      constexpr int64_t kChunk = int64_t{1} << 20;  // the source releases its pages per request
+      for (int64_t at = 0; at < total; at += kChunk) {
+        RESHARD_RETURN_IF_ERROR(source(at, std::min(kChunk, total - at), whole->data() + at));
+      }
+    }
+    for (int64_t byte = offset; byte < offset + length; byte += element) {
+      const int64_t i = byte / element, out_row = i / rows, out_col = i % rows;  // out[c][r] = in[r][c]
+      std::memcpy(dst + (byte - offset), whole->data() + (out_col * cols + out_row) * element, element);
+    }
+    if (offset + length == total) std::vector<uint8_t>().swap(*whole);
+    return Status::Ok();
+  };
+}
+
+Result<std::vector<StateDictTensor>> MapHfTensors(const HfExport& hf, const std::vector<ChosenTensor>& chosen,
+                                                  const RuleInputs& inputs, int64_t* scratch_bytes) {
+  std::vector<Entry> entries;
+  for (const HfTensorMap& map : hf.tensors) entries.push_back({&map, TemplatePattern(map.from)});
+  std::vector<StateDictTensor> out;
+  for (const ChosenTensor& t : chosen) {
+    std::string block;
+    auto entry = std::find_if(entries.begin(), entries.end(),
+                              [&](const Entry& e) { return Matches(*e.pattern, t.name, &block); });
+    if (entry == entries.end()) {
+      return Status::Unsupported("the HF export to " + hf.architecture + " has no place for " + t.name +
+                                 " (no hf.tensors entry maps it); the architecture does not compute this "
+                                 "model, or the rule file's hf section lacks an entry");
+    }
+    ++entry->found;
+    RESHARD_ASSIGN_OR_RETURN(std::vector<Part> parts, Divide(*entry->map, t, inputs, block));
+    for (const Part& part : parts) {
+      RESHARD_ASSIGN_OR_RETURN(StateDictTensor tensor, MakePart(*entry->map, t, part, scratch_bytes));
+      out.push_back(std::move(tensor));
+    }
+  }
+  for (const Entry& e : entries) {
+    if (e.found > 0) continue;
+    return Status::Unsupported(hf.architecture + " needs " + Instantiate(e.map->from, "0") +
+                               ", which this checkpoint does not have (hf.tensors line " +
+                               std::to_string(e.map->line) + "); the architecture does not compute this model");
+  }
+  return out;
+}
+
+}  // namespace reshard

@@ -1,0 +1,303 @@
+#include "formats/state_dict.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <set>
+
+#include "container/safetensors_writer.h"
+#include "container/torch_file.h"
+#include "util/human.h"
+#include "util/shape.h"
+
+namespace reshard {
+namespace {
+
+// Which source tensor each exported parameter comes from, and its shape.
+class TensorChoice {
+ public:
+  TensorChoice(const std::vector<FullTensor>& all, const TensorChoiceOptions& options)
+      : all_(all), options_(options) {
+    for (size_t i = 0; i < all.size(); ++i) {
+      if (all[i].state == kFp32Master) masters_[all[i].param] = i;
+    }
+  }
+
+  Result<std::vector<ChosenTensor>> Choose(const std::string& kind, std::vector<std::string>* notes) const {
+    // A source that lists no weights (ZeRO-3 keeps only placeholders) gives
+    // its masters as the weights.
+    const bool has_weights = std::any_of(all_.begin(), all_.end(),
+                                         [](const FullTensor& t) { return t.section == "weights"; });
+    if (!has_weights && options_.from_weights) {
+      return Status::InvalidInput("a " + kind + " checkpoint keeps its weights only as fp32 masters; "
+                                  "drop " + options_.weights_flag);
+    }
+    if (!has_weights && !masters_.empty()) {
+      notes->push_back(options_.what + ": a " + kind + " checkpoint lists its fp32 masters only; buffers "
+                       "and frozen parameters, where it has any, are not exported");
+    }
+    std::vector<ChosenTensor> out;
+    std::set<std::string> seen;
+    int from_masters = 0;
+    for (size_t i = 0; i < all_.size(); ++i) {
+      const FullTensor& w = all_[i];
+      if (w.section != "weights" && !(!has_weights && w.state == kFp32Master)) continue;
+      if (!seen.insert(w.param).second) {
+        return Status::Unsupported("a " + kind + " checkpoint lists " + w.param + " once per rank, not "
+                                   "whole; " + options_.what + " export reads checkpoints whose tensors "
+                                   "are described whole by rules");
+      }
+      RESHARD_ASSIGN_OR_RETURN(ChosenTensor t, Make(i));
+      from_masters += t.master ? 1 : 0;
+      out.push_back(std::move(t));
+    }
+    if (out.empty()) {
+      return Status::Unsupported("a " + kind + " checkpoint does not list its weights whole; " +
+                                 options_.what + " export reads checkpoints whose tensors are described "
+                                 "whole by rules");
+    }
+    const int n = static_cast<int>(out.size());
+    notes->push_back(options_.what + ": " + std::to_string(from_masters) + " of " + std::to_string(n) +
+                     " tensors from the fp32 masters" +
+                     (options_.from_weights ? " (" + options_.weights_flag + ")"
+                      : masters_.empty()    ? std::string(" (the checkpoint has no optimizer state)")
+                      : from_masters < n    ? std::string(", the rest (without a master) from the weights")
+                                            : std::string()));
+    return out;
+  }
+
+ private:
+  Result<ChosenTensor> Make(size_t weight) const {
+    const FullTensor& w = all_[weight];
+    ChosenTensor t{w.param, weight, w.dtype, w.dtype, w.shape, false};
+    auto master = masters_.find(w.param);
+    if (!options_.from_weights && master != masters_.end()) {
+      const FullTensor& m = all_[master->second];
+      if (ShapeNumel(m.shape) != ShapeNumel(w.shape)) {
+        return Status::InvalidInput("the fp32 master of " + w.param + " has " +
+                                    std::to_string(ShapeNumel(m.shape)) + " elements, the weight " +
+                                    std::to_string(ShapeNumel(w.shape)));
+      }
+      t = {w.param, master->second, m.dtype, m.dtype, w.shape, true};
+    }
+    if (w.vocab) RESHARD_RETURN_IF_ERROR(StripVocab(&t));
+    if (options_.dtype && IsFloatingPoint(t.dtype)) t.dtype = *options_.dtype;
+    return t;
+  }
+
+  // Rows are the leading dimension, so the true rows are a prefix of the bytes.
+  Status StripVocab(ChosenTensor* t) const {
+    if (!options_.vocab_size) {
+      return Status::InvalidInput(
+          "the checkpoint does not record its true vocabulary size, so " + t->name +
+          "'s padding rows cannot be stripped; pass --vocab-size N (the tokenizer's size) or give "
+          "it with --set (docs/rules.md)");
+    }
+    if (*options_.vocab_size > t->shape[0]) {
+      return Status::InvalidInput("--vocab-size " + std::to_string(*options_.vocab_size) + " exceeds the " +
+                                  std::to_string(t->shape[0]) + " rows of " + t->name);
+    }
+    t->shape[0] = *options_.vocab_size;
+    return Status::Ok();
+  }
+
+  const std::vector<FullTensor>& all_;
+  const TensorChoiceOptions& options_;
+  std::map<std::string, size_t> masters_;  // parameter -> its fp32 master
+};
+
+struct StateDictFile {
+  std::string name;
+  std::vector<StateDictTensor> tensors;
+  int64_t bytes = 0;
+};
+
+// Greedy, in order: a file takes tensors until the next would pass the size.
+std::vector<StateDictFile> Shard(std::vector<StateDictTensor> tensors, int64_t max_bytes, bool torch_format) {
+  std::vector<StateDictFile> files;
+  for (StateDictTensor& t : tensors) {
+    if (files.empty() || (files.back().bytes > 0 && files.back().bytes + t.size() > max_bytes)) {
+      files.emplace_back();
+    }
+    files.back().bytes += t.size();
+    files.back().tensors.push_back(std::move(t));
+  }
+  const char* stem = torch_format ? "pytorch_model" : "model";
+  const char* ext = torch_format ? "bin" : "safetensors";
+  for (size_t i = 0; i < files.size(); ++i) {
+    char name[96];
+    if (files.size() == 1) {
+      std::snprintf(name, sizeof(name), "%s.%s", stem, ext);
+    } else {
+      std::snprintf(name, sizeof(name), "%s-%05zu-of-%05zu.%s", stem, i + 1, files.size(), ext);
+    }
+    files[i].name = name;
+  }
+  return files;
+}
+
+std::string IndexName(bool torch_format) {
+  return torch_format ? "pytorch_model.bin.index.json" : "model.safetensors.index.json";
+}
+
+// {"metadata": {"total_size": N}, "weight_map": {name: file, ...}}, names sorted.
+std::string IndexJson(const std::vector<StateDictFile>& files) {
+  int64_t total = 0;
+  std::map<std::string, std::string> weight_map;
+  for (const StateDictFile& f : files) {
+    total += f.bytes;
+    for (const StateDictTensor& t : f.tensors) weight_map[t.name] = f.name;
+  }
+  std::string json = "{\n  \"metadata\": {\n    \"total_size\": " + std::to_string(total) +
+                     "\n  },\n  \"weight_map\": {\n";
+  size_t i = 0;
+  for (const auto& [name, file] : weight_map) {
+    json += "    " + JsonString(name) + ": " + JsonString(file) + (++i < weight_map.size() ? ",\n" : "\n");
+  }
+  return json + "  }\n}\n";
+}
+
+Status WriteText(const std::string& path, const std::string& text) {
+  std::ofstream out(path, std::ios::trunc);
+  out << text;
+  out.close();
+  return out.good() ? Status::Ok() : Status::IoError("cannot write " + path);
+}
+
+// Copies `from` to `to` through the worker's buffer.
+Status CopyFile(const std::string& from, const std::string& to, std::vector<uint8_t>* buffer) {
+  std::ifstream in(from, std::ios::binary);
+  if (!in) return Status::IoError("cannot read " + from);
+  std::ofstream out(to, std::ios::binary | std::ios::trunc);
+  char* data = reinterpret_cast<char*>(buffer->data());
+  while (in) {
+    in.read(data, static_cast<std::streamsize>(buffer->size()));
+    out.write(data, in.gcount());
+  }
+  if (in.bad()) return Status::IoError("cannot read " + from);
+  out.close();
+  return out.good() ? Status::Ok() : Status::IoError("cannot write " + to);
+}
+
+class StateDictPlan : public TargetPlan {
+ public:
+  StateDictPlan(const SourceCheckpoint& src, StateDictLayout layout, std::vector<StateDictFile> files,
+                std::vector<SideFile> side)
+      : src_(src), layout_(std::move(layout)), files_(std::move(files)), side_(std::move(side)) {}
+
+  std::string ToString(bool detail) const override {
+    int64_t tensors = 0, bytes = 0;
+    for (const StateDictFile& f : files_) {
+      tensors += static_cast<int64_t>(f.tensors.size());
+      bytes += f.bytes;
+    }
+    std::string out = layout_.title + ": " + std::to_string(files_.size()) + " file(s), " +
+                      std::to_string(tensors) + " tensors, " + HumanBytes(bytes) + "\n";
+    for (const StateDictFile& f : files_) {
+      out += "  " + f.name + ": " + std::to_string(f.tensors.size()) + " tensors, " + HumanBytes(f.bytes) + "\n";
+      if (!detail) continue;
+      for (const StateDictTensor& t : f.tensors) {
+        out += "    " + t.name + " " + DTypeName(t.dtype) + " " + ShapeString(t.shape) + " (" + t.detail + ")\n";
+      }
+    }
+    if (files_.size() > 1) out += "  " + IndexName(layout_.torch_format) + "\n";
+    for (const SideFile& f : side_) out += "  " + f.name + (f.copy_of.empty() ? "" : " (copy of " + f.copy_of + ")") + "\n";
+    return out;
+  }
+
+  int64_t ScratchBytes() const override { return layout_.scratch_bytes; }
+
+  Result<std::vector<Job>> Jobs(std::atomic<int64_t>* read) const override {
+    RESHARD_ASSIGN_OR_RETURN(std::vector<FullTensor> all, src_.FullTensors(layout_.replicated, read));
+    auto sources = std::make_shared<std::vector<FullTensor>>(std::move(all));
+    std::vector<Job> jobs;
+    for (const StateDictFile& file : files_) {
+      jobs.push_back({file.name, file.bytes, [this, &file, sources](JobContext& ctx) {
+                        return WriteFile(file, *sources, ctx);
+                      }});
+    }
+    if (files_.size() > 1) {
+      jobs.push_back({IndexName(layout_.torch_format), 0, [this](JobContext& ctx) {
+                        return WriteText(ctx.dir + "/" + IndexName(layout_.torch_format), IndexJson(files_));
+                      }});
+    }
+    for (const SideFile& f : side_) {
+      jobs.push_back({f.name, 0, [&f](JobContext& ctx) {
+                        const std::string to = ctx.dir + "/" + f.name;
+                        return f.copy_of.empty() ? WriteText(to, f.text) : CopyFile(f.copy_of, to, &ctx.buffer);
+                      }});
+    }
+    return jobs;
+  }
+
+ private:
+  Status WriteFile(const StateDictFile& file, const std::vector<FullTensor>& sources, JobContext& ctx) const {
+    const std::string path = ctx.dir + "/" + file.name;
+    if (!layout_.torch_format) {
+      std::vector<SafetensorsTensor> tensors;
+      for (const StateDictTensor& t : file.tensors) tensors.push_back({t.name, t.dtype, t.shape, t.bytes(sources)});
+      return WriteSafetensors(path, tensors, {{"format", "pt"}}, &ctx.buffer, ctx.done);
+    }
+    Items items;
+    for (const StateDictTensor& t : file.tensors) {
+      items.emplace_back(Value::String(t.name), MakeProducedTensor(t.dtype, t.shape, t.bytes(sources)));
+    }
+    TorchWriteOptions write;
+    write.buffer = &ctx.buffer;
+    write.written = ctx.done;
+    return WriteTorchFile(path, MakeOrderedDict(std::move(items)), write);
+  }
+
+  const SourceCheckpoint& src_;
+  const StateDictLayout layout_;
+  const std::vector<StateDictFile> files_;
+  const std::vector<SideFile> side_;
+};
+
+}  // namespace
+
+Result<std::vector<ChosenTensor>> ChooseTensors(const std::vector<FullTensor>& all, const std::string& kind,
+                                                const TensorChoiceOptions& options,
+                                                std::vector<std::string>* notes) {
+  return TensorChoice(all, options).Choose(kind, notes);
+}
+
+Result<std::optional<DType>> ExportDType(const std::string& name) {
+  const std::map<std::string, DType> dtypes = {
+      {"fp32", DType::kFloat32}, {"bf16", DType::kBFloat16}, {"fp16", DType::kFloat16}};
+  if (name.empty()) return std::optional<DType>();
+  auto it = dtypes.find(name);
+  if (it == dtypes.end()) return Status::InvalidInput("unknown --dtype '" + name + "'; use fp32, bf16 or fp16");
+  return std::optional<DType>(it->second);
+}
+
+ByteProducer CastBytes(ByteProducer from, DType src, DType dst) {
+  return [from = std::move(from), src, dst](int64_t offset, int64_t length, uint8_t* out) {
+    const int se = ElementSize(src), de = ElementSize(dst);
+    if (offset % de != 0 || length % de != 0) {
+      return Status::Internal("tensor bytes requested in a range not of whole elements");
+    }
+    const int64_t begin = offset / de, n = length / de;
+    thread_local std::vector<uint8_t> scratch;
+    scratch.resize(static_cast<size_t>(n * se));
+    RESHARD_RETURN_IF_ERROR(from(begin * se, n * se, scratch.data()));
+    for (int64_t i = 0; i < n; ++i) StoreFromDouble(dst, LoadAsDouble(src, scratch.data() + i * se), out + i * de);
+    return Status::Ok();
+  };
+}
+
+ByteProducer ChosenBytes(const ChosenTensor& t, const std::vector<FullTensor>& sources) {
+  const ByteProducer& produce = sources[t.source].produce;
+  return t.dtype == t.source_dtype ? produce : CastBytes(produce, t.source_dtype, t.dtype);
+}
+
+int64_t StateDictTensor::size() const { return ShapeNumel(shape) * ElementSize(dtype); }
+
+std::unique_ptr<TargetPlan> PlanStateDict(const SourceCheckpoint& src, StateDictLayout layout,
+                                          std::vector<StateDictTensor> tensors, std::vector<SideFile> side) {
+  std::vector<StateDictFile> files = Shard(std::move(tensors), layout.max_shard_size, layout.torch_format);
+  return std::make_unique<StateDictPlan>(src, std::move(layout), std::move(files), std::move(side));
+}
+
+}  // namespace reshard
