@@ -5,7 +5,9 @@ Every test script is run as `/usr/bin/python3 tests/interop/test_x.py --reshard 
 (with PYTHONPATH=tests) and ends with `interop_support.main()`.
 """
 import os
+import json
 import pickletools
+import struct
 import subprocess
 import tempfile
 import sys
@@ -55,6 +57,26 @@ def make_fixture(root, **kw):
     """Writes a Megatron-DeepSpeed fixture at ``root`` (optimizer-free unless asked); returns its tag folder."""
     kw.setdefault('optimizer', 'none')
     return mf.write_checkpoint(root, mf.FixtureConfig(**kw))['tag_dir']
+
+
+SAFETENSORS_DTYPES = {'F32': torch.float32, 'BF16': torch.bfloat16, 'F16': torch.float16, 'I64': torch.int64}
+
+
+def read_safetensors(path):
+    """{name: tensor} and the metadata of a .safetensors file."""
+    with open(path, 'rb') as f:
+        data = f.read()
+    (n,) = struct.unpack('<Q', data[:8])
+    header = json.loads(data[8:8 + n])
+    meta = header.pop('__metadata__', {})
+    body = data[8 + n:]
+    out = {}
+    for name, info in header.items():
+        begin, end = info['data_offsets']
+        t = torch.frombuffer(bytearray(body[begin:end]), dtype=SAFETENSORS_DTYPES[info['dtype']]) if end > begin else \
+            torch.empty(0, dtype=SAFETENSORS_DTYPES[info['dtype']])
+        out[name] = t.reshape(info['shape'])
+    return out, meta
 
 
 def layer_file(tag_dir, layer_id, tp_rank):

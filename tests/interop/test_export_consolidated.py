@@ -21,7 +21,6 @@ Run: /usr/bin/python3 tests/interop/test_export_consolidated.py --reshard build/
 import glob
 import json
 import os
-import struct
 
 import torch
 
@@ -31,28 +30,9 @@ import interop_support as support
 from interop_support import FixtureTestCase, make_fixture, rewrite
 
 run = support.reshard
+read_safetensors = support.read_safetensors
 MODEL = dict(support.FAMILIES['ms_gpt2'], optimizer='bf16_zero')
 L = MODEL['L']
-DTYPES = {'F32': torch.float32, 'BF16': torch.bfloat16, 'F16': torch.float16, 'I64': torch.int64}
-
-
-def read_safetensors(path):
-    """{name: tensor} and the metadata of a .safetensors file."""
-    with open(path, 'rb') as f:
-        data = f.read()
-    (n,) = struct.unpack('<Q', data[:8])
-    header = json.loads(data[8:8 + n])
-    meta = header.pop('__metadata__', {})
-    body = data[8 + n:]
-    out = {}
-    for name, info in header.items():
-        begin, end = info['data_offsets']
-        t = torch.frombuffer(bytearray(body[begin:end]), dtype=DTYPES[info['dtype']]) if end > begin else \
-            torch.empty(0, dtype=DTYPES[info['dtype']])
-        out[name] = t.reshape(info['shape'])
-    return out, meta
-
-
 def canonical_name(layer_id, key):
     """reshard's canonical name of a key in layer file `layer_id` of the TP 1, PP 1 reference."""
     if layer_id == 1:
