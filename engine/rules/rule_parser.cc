@@ -751,8 +751,8 @@ class RuleSetParser {
         return false;
       }
       if (field->literal) {
-        Fail(item, what + ": the literal " + item.node.Scalar() + " comes before another alternative; "
-                          "a literal is the fallback, so it goes last");
+        Fail(item, what + ": '" + item.node.Scalar() + "' follows a literal value; a literal is the "
+                          "fallback, so it goes last");
         return false;
       }
       const bool quoted = item.node.Tag() == "!";

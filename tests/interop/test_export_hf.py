@@ -248,6 +248,17 @@ def read_folder(out):
     return tensors, config
 
 
+HF_LOGITS = {'ms_gpt2': hf_gpt2_logits, 'ms_llama': hf_llama_logits}
+
+
+def megatron_logits(family, tag, tp):
+    """The source's logits by Megatron's semantics (eps 1e-5 and rotary base 10000, as the fixture's args)."""
+    m = megatron_tensors(tag, family['style'], family['L'], tp)
+    if family['style'] == 'ms_gpt2':
+        return megatron_gpt2_logits(m, TOKENS, family['n'], 1e-5, family['V'])
+    return megatron_llama_logits(m, TOKENS, family['n'], family['nkv'], 1e-5, 10000.0, family['V'])
+
+
 class ExportHfTest(FixtureTestCase):
 
     def source(self, name, family, **kw):
@@ -270,6 +281,18 @@ class ExportHfTest(FixtureTestCase):
         self.assertFalse(os.path.exists(out))
         return p.stderr
 
+    def exported(self, name, family, tp, pp):
+        """Exports a fixture at (tp, pp); returns (canonical, exported tensors, config, Megatron logits),
+        having checked that the HF forward on the folder gives those logits."""
+        tag, canon = self.source(name, family, tp=tp, pp=pp)
+        out = self.path(name + '_hf')
+        self.export(tag, out)
+        self.assertEqual(sorted(os.listdir(out)), ['config.json', 'model.safetensors'])
+        tensors, config = read_folder(out)
+        megatron = megatron_logits(family, tag, tp)
+        self.assertLogitsClose(HF_LOGITS[family['style']](tensors, config, TOKENS), megatron)
+        return canon, tensors, config, megatron
+
     def assertSameTensors(self, got, want, dtype):
         self.assertEqual(sorted(got), sorted(want))
         for name, value in want.items():
@@ -288,11 +311,7 @@ class ExportHfTest(FixtureTestCase):
     def test_gpt2_tensors_config_and_logits(self):
         for tp, pp in ((1, 1), (2, 2), (3, 2)):
             with self.subTest(tp=tp, pp=pp):
-                tag, canon = self.source(f'gpt2_{tp}{pp}', GPT2, tp=tp, pp=pp)
-                out = self.path(f'gpt2_{tp}{pp}_hf')
-                self.export(tag, out)
-                self.assertEqual(sorted(os.listdir(out)), ['config.json', 'model.safetensors'])
-                tensors, config = read_folder(out)
+                canon, tensors, config, _ = self.exported(f'gpt2_{tp}{pp}', GPT2, tp, pp)
                 self.assertSameTensors(tensors, expected_gpt2(canon, GPT2['L']), torch.bfloat16)
                 self.assertEqual(config, {
                     'architectures': ['GPT2LMHeadModel'], 'model_type': 'gpt2', 'n_embd': 48, 'n_layer': 6,
@@ -300,18 +319,9 @@ class ExportHfTest(FixtureTestCase):
                     'activation_function': 'gelu_new', 'scale_attn_by_inverse_layer_idx': False,
                     'reorder_and_upcast_attn': False, 'tie_word_embeddings': True, 'vocab_size': 100,
                     'torch_dtype': 'bfloat16'})
-                megatron = megatron_gpt2_logits(megatron_tensors(tag, 'ms_gpt2', GPT2['L'], tp), TOKENS,
-                                                GPT2['n'], 1e-5, GPT2['V'])
-                self.assertLogitsClose(hf_gpt2_logits(tensors, config, TOKENS), megatron)
 
     def test_gpt2_negative_controls(self):
-        tag, _ = self.source('gpt2', GPT2, tp=2, pp=2)
-        out = self.path('gpt2_hf')
-        self.export(tag, out)
-        tensors, config = read_folder(out)
-        megatron = megatron_gpt2_logits(megatron_tensors(tag, 'ms_gpt2', GPT2['L'], 2), TOKENS,
-                                        GPT2['n'], 1e-5, GPT2['V'])
-        self.assertLogitsClose(hf_gpt2_logits(tensors, config, TOKENS), megatron)
+        _, tensors, config, megatron = self.exported('gpt2', GPT2, 2, 2)
         e = config['n_embd']
         swapped = dict(tensors)  # q and k exchanged in every c_attn
         for name in [n for n in tensors if n.endswith('attn.c_attn.weight')]:
@@ -340,10 +350,7 @@ class ExportHfTest(FixtureTestCase):
     def test_llama_tensors_config_and_logits(self):
         for tp, pp in ((1, 1), (2, 2), (3, 1)):
             with self.subTest(tp=tp, pp=pp):
-                tag, canon = self.source(f'llama_{tp}{pp}', LLAMA, tp=tp, pp=pp)
-                out = self.path(f'llama_{tp}{pp}_hf')
-                self.export(tag, out)
-                tensors, config = read_folder(out)
+                canon, tensors, config, _ = self.exported(f'llama_{tp}{pp}', LLAMA, tp, pp)
                 self.assertSameTensors(tensors, expected_llama(canon, LLAMA['L']), torch.bfloat16)
                 self.assertEqual(config, {
                     'architectures': ['LlamaForCausalLM'], 'model_type': 'llama', 'hidden_size': 48,
@@ -351,18 +358,9 @@ class ExportHfTest(FixtureTestCase):
                     'num_key_value_heads': 6, 'max_position_embeddings': 32, 'rms_norm_eps': 1e-5,
                     'rope_theta': 10000, 'rope_scaling': None, 'hidden_act': 'silu', 'attention_bias': False,
                     'tie_word_embeddings': False, 'vocab_size': 100, 'torch_dtype': 'bfloat16'})
-                megatron = megatron_llama_logits(megatron_tensors(tag, 'ms_llama', LLAMA['L'], tp), TOKENS,
-                                                 LLAMA['n'], LLAMA['nkv'], 1e-5, 10000.0, LLAMA['V'])
-                self.assertLogitsClose(hf_llama_logits(tensors, config, TOKENS), megatron)
 
     def test_llama_negative_controls(self):
-        tag, _ = self.source('llama', LLAMA, tp=2, pp=2)
-        out = self.path('llama_hf')
-        self.export(tag, out)
-        tensors, config = read_folder(out)
-        megatron = megatron_llama_logits(megatron_tensors(tag, 'ms_llama', LLAMA['L'], 2), TOKENS,
-                                         LLAMA['n'], LLAMA['nkv'], 1e-5, 10000.0, LLAMA['V'])
-        self.assertLogitsClose(hf_llama_logits(tensors, config, TOKENS), megatron)
+        _, tensors, config, megatron = self.exported('llama', LLAMA, 2, 2)
 
         def exchanged(a, b):
             out = dict(tensors)

@@ -790,5 +790,97 @@ TEST(RuleSetBuiltin, DirectoryFromEnvironment) {
       << dup.status().message();
 }
 
+// ---- the hf section (HfExport) ----------------------------------------------
+
+// kTiny's lines 21.. : an hf section; tests replace numbered lines.
+const std::map<int, std::string> kHf = {
+    {21, "hf:"},
+    {22, "  architecture: TinyForCausalLM"},
+    {23, "  requires: {apply_layernorm_1p: '!true'}"},
+    {24, "  config:"},
+    {25, "    hidden_size: args.hidden_size"},
+    {26, "    num_key_value_heads: [args.num_key_value_heads, args.num_attention_heads]"},
+    {27, "    rope_theta: [args.rope_theta, 10000.0]"},
+    {28, "    hidden_act: silu"},
+    {29, "    activation_function:"},
+    {30, "      - {when: {bias_gelu_fusion: true}, value: gelu_new}"},
+    {31, "      - {when: {bias_gelu_fusion: false}, value: gelu}"},
+    {32, "    rope_scaling: null"},
+    {33, "  tensors:"},
+    {34, "    - {from: 'embedding.w', to: 'wte'}"},
+    {35, "    - from: 'layers.{block}.qkv'"},
+    {36, "      to: ['h.{block}.q', 'h.{block}.k', 'h.{block}.v']"},
+    {37, "      split_qkv: {groups: args.num_key_value_heads, heads: 4}"},
+    {38, "    - {from: 'layers.{block}.fc', to: ['h.{block}.gate', 'h.{block}.up'], split_halves: true}"},
+};
+
+std::string TinyHf(const std::map<int, std::string>& edits = {}) {
+  std::map<int, std::string> lines = kHf;
+  for (const auto& [n, line] : edits) lines[n] = line;
+  return Tiny(lines);
+}
+
+TEST(RuleSetHf, ParsesEveryField) {
+  Result<RuleSet> rs = RuleSet::LoadString(TinyHf(), "t.yaml");
+  ASSERT_TRUE(rs.ok()) << rs.status().message();
+  const HfExport* hf = rs->hf();
+  ASSERT_NE(hf, nullptr);
+  EXPECT_EQ(hf->architecture, "TinyForCausalLM");
+  EXPECT_EQ(hf->requirements, (ArgConditions{{"apply_layernorm_1p", "!true"}}));
+  ASSERT_EQ(hf->config.size(), 6u);
+  EXPECT_EQ(hf->config[0].key, "hidden_size");
+  EXPECT_EQ(hf->config[0].paths, std::vector<std::string>{"args.hidden_size"});
+  EXPECT_EQ(hf->config[0].literal, nullptr);
+  EXPECT_EQ(hf->config[1].paths.size(), 2u);
+  ASSERT_NE(hf->config[2].literal, nullptr);  // a number after the path: the fallback
+  EXPECT_EQ(hf->config[2].literal->as_float(), 10000.0);
+  EXPECT_EQ(hf->config[3].literal->as_string(), "silu");  // no dot: a literal, not a path
+  ASSERT_EQ(hf->config[4].cases.size(), 2u);
+  EXPECT_EQ(hf->config[4].cases[1].when, (ArgConditions{{"bias_gelu_fusion", "false"}}));
+  EXPECT_EQ(hf->config[4].cases[1].value->as_string(), "gelu");
+  EXPECT_TRUE(hf->config[5].literal->is_none());
+  ASSERT_EQ(hf->tensors.size(), 3u);
+  EXPECT_EQ(hf->tensors[1].split, HfTensorMap::Split::kQkv);
+  EXPECT_EQ(hf->tensors[1].to.size(), 3u);
+  EXPECT_EQ(hf->tensors[1].heads.ToString(), "4");
+  EXPECT_EQ(hf->tensors[1].line, 35);
+  EXPECT_EQ(hf->tensors[2].split, HfTensorMap::Split::kHalves);
+  EXPECT_FALSE(hf->tensors[2].transpose);
+  EXPECT_EQ(RuleSet::LoadString(Tiny(), "t.yaml")->hf(), nullptr);
+}
+
+TEST(RuleSetHf, ItsPathsCanBeSet) {
+  Result<RuleSet> rs = RuleSet::LoadString(TinyHf(), "t.yaml");
+  ASSERT_TRUE(rs.ok());
+  const std::set<std::string> paths = rs->ValuePaths();
+  for (const char* path : {"args.hidden_size", "args.rope_theta", "args.bias_gelu_fusion",
+                           "args.apply_layernorm_1p", "args.num_key_value_heads"}) {
+    EXPECT_TRUE(paths.count(path)) << path;
+  }
+}
+
+TEST(RuleSetHf, ErrorsNameTheLine) {
+  const std::vector<std::pair<std::map<int, std::string>, std::string>> cases = {
+      {{{22, "  architecure: X"}}, "t.yaml:22: unknown field 'architecure' in hf; did you mean 'architecture'?"},
+      {{{22, "  tensors_only: true"}}, "t.yaml:21: missing hf.architecture"},
+      {{{25, "    vocab_size: args.padded_vocab_size"}}, "t.yaml:25: hf.config.vocab_size is written by reshard"},
+      {{{27, "    rope_theta: [10000.0, args.rope_theta]"}},
+       "t.yaml:27: hf.config.rope_theta: 'args.rope_theta' follows a literal value"},
+      {{{34, "    - {from: 'embedding.w', to: ['a', 'b']}"}},
+       "t.yaml:34: to lists 2 names; dividing a tensor needs split_halves or split_qkv"},
+      {{{34, "    - {from: 'embedding.w', to: 'h.{block}.wte'}"}}, "must both use {block} or neither"},
+      {{{36, "      to: ['h.{layer}.q', 'h.{block}.k', 'h.{block}.v']"}},
+       "t.yaml:36: hf tensor name 'h.{layer}.q': the only placeholder is {block}"},
+      {{{37, "      split_qkv: {groups: 2}"}}, "t.yaml:37: split_qkv needs groups"},
+      {{{38, "    - {from: 'layers.{block}.fc', to: ['h.{block}.gate'], split_halves: true}"}},
+       "t.yaml:38: split_halves writes two tensors"},
+      {{{38, "    - {from: 'layers.{block}.fc', to: ['h.{block}.q', 'x.{block}'], split_halves: true}"}},
+       "t.yaml:38: hf.tensors writes 'h.{block}.q' twice (first at line 35)"},
+  };
+  for (const auto& [edits, want] : cases) {
+    EXPECT_NE(ErrorOf(TinyHf(edits)).find(want), std::string::npos) << want;
+  }
+}
+
 }  // namespace
 }  // namespace reshard

@@ -1,0 +1,152 @@
+// The HF export's tensor transforms: which rows split_qkv and split_halves
+// take, the gathers and transposes that stream them, and the mapping of
+// canonical tensors to HF tensors.
+#include "formats/hf/hf_tensors.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <numeric>
+
+#include "pickle/value.h"
+
+namespace reshard {
+namespace {
+
+// Bytes 0, 1, 2, ... of a tensor, produced from memory.
+ByteProducer Counting(int64_t n) {
+  auto bytes = std::make_shared<std::vector<uint8_t>>(n);
+  std::iota(bytes->begin(), bytes->end(), 0);
+  return [bytes](int64_t offset, int64_t length, uint8_t* dst) {
+    std::memcpy(dst, bytes->data() + offset, length);
+    return Status::Ok();
+  };
+}
+
+std::vector<uint8_t> Read(const ByteProducer& p, int64_t offset, int64_t length) {
+  std::vector<uint8_t> out(length);
+  EXPECT_TRUE(p(offset, length, out.data()).ok());
+  return out;
+}
+
+TEST(QkvRows, MultiHeadIsPerHeadQkv) {
+  // [heads 2, 3, head_dim 3]: head 0's q, k, v, then head 1's.
+  EXPECT_EQ(QkvRows(2, 2, 3, 0), (std::vector<RowRun>{{0, 3}, {9, 3}}));
+  EXPECT_EQ(QkvRows(2, 2, 3, 1), (std::vector<RowRun>{{3, 3}, {12, 3}}));
+  EXPECT_EQ(QkvRows(2, 2, 3, 2), (std::vector<RowRun>{{6, 3}, {15, 3}}));
+}
+
+TEST(QkvRows, GroupedIsQueriesThenKeyThenValuePerGroup) {
+  // [groups 2, 4/2 + 2, head_dim 1]: q q k v | q q k v.
+  EXPECT_EQ(QkvRows(2, 4, 1, 0), (std::vector<RowRun>{{0, 2}, {4, 2}}));
+  EXPECT_EQ(QkvRows(2, 4, 1, 1), (std::vector<RowRun>{{2, 1}, {6, 1}}));
+  EXPECT_EQ(QkvRows(2, 4, 1, 2), (std::vector<RowRun>{{3, 1}, {7, 1}}));
+}
+
+TEST(HalfRows, FirstAndSecond) {
+  EXPECT_EQ(HalfRows(6, 0), (std::vector<RowRun>{{0, 3}}));
+  EXPECT_EQ(HalfRows(6, 1), (std::vector<RowRun>{{3, 3}}));
+}
+
+TEST(GatherRows, AnyRangeOfTheGatheredRows) {
+  const ByteProducer rows = GatherRows(Counting(6), 2, {{2, 1}, {0, 2}});  // rows of 2 bytes: 2, then 0-1
+  EXPECT_EQ(Read(rows, 0, 6), (std::vector<uint8_t>{4, 5, 0, 1, 2, 3}));
+  EXPECT_EQ(Read(rows, 1, 3), (std::vector<uint8_t>{5, 0, 1}));
+}
+
+TEST(Transposed, ColumnsBecomeRowsInEveryRange) {
+  const ByteProducer t = Transposed(Counting(6), 2, 3, 1);  // [[0 1 2] [3 4 5]]
+  EXPECT_EQ(Read(t, 0, 4), (std::vector<uint8_t>{0, 3, 1, 4}));
+  EXPECT_EQ(Read(t, 4, 2), (std::vector<uint8_t>{2, 5}));  // the last byte frees the copy
+  EXPECT_EQ(Read(t, 0, 6), (std::vector<uint8_t>{0, 3, 1, 4, 2, 5}));  // and a new pass reads it again
+}
+
+TEST(Transposed, WholeElements) {
+  const ByteProducer t = Transposed(Counting(8), 2, 2, 2);  // 2-byte elements [[a b] [c d]]
+  EXPECT_EQ(Read(t, 0, 8), (std::vector<uint8_t>{0, 1, 4, 5, 2, 3, 6, 7}));
+}
+
+// A family with a fused QKV (2 groups, 4 heads) and a GLU MLP, transposed.
+class MapHfTensorsTest : public ::testing::Test {
+ protected:
+  MapHfTensorsTest() {
+    HfTensorMap qkv{1, "layers.{block}.qkv", {"h.{block}.q", "h.{block}.k", "h.{block}.v"}};
+    qkv.split = HfTensorMap::Split::kQkv;
+    qkv.groups = MetaRef{{"args.num_key_value_heads"}};
+    qkv.heads = MetaRef{{"4"}};
+    HfTensorMap fc{2, "layers.{block}.fc", {"h.{block}.gate", "h.{block}.up"}};
+    fc.split = HfTensorMap::Split::kHalves;
+    fc.transpose = true;
+    hf_.architecture = "TinyForCausalLM";
+    hf_.tensors = {qkv, fc, HfTensorMap{3, "norm", {"ln_f"}}};
+    Set(metadata_, "args", Value::MakeDict());
+    Set(*FindMutable(metadata_, "args"), "num_key_value_heads", Value::Int(2));
+  }
+
+  // Canonical tensors of uint8 elements, their bytes counting from 0.
+  void Add(const std::string& name, std::vector<int64_t> shape) {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    chosen_.push_back({name, sources_.size(), DType::kUInt8, DType::kUInt8, shape, false});
+    sources_.push_back({"weights", name, name, "", "", DType::kUInt8, shape, false, Counting(n)});
+  }
+
+  Result<std::vector<StateDictTensor>> Map() {
+    return MapHfTensors(hf_, chosen_, RuleInputs{metadata_, settings_}, &scratch_);
+  }
+
+  std::vector<uint8_t> Bytes(const StateDictTensor& t) { return Read(t.bytes(sources_), 0, t.size()); }
+
+  HfExport hf_;
+  Value metadata_ = Value::MakeDict(), settings_ = Value::MakeDict();
+  std::vector<ChosenTensor> chosen_;
+  std::vector<FullTensor> sources_;
+  int64_t scratch_ = 0;
+};
+
+TEST_F(MapHfTensorsTest, RenamesDividesAndTransposes) {
+  Add("layers.3.qkv", {8, 1});  // 2 groups x (2 q + k + v) x head_dim 1
+  Add("layers.3.fc", {4, 2});   // [gate (2 rows); up (2 rows)] x 2 inputs
+  Add("norm", {3});
+  Result<std::vector<StateDictTensor>> out = Map();
+  ASSERT_TRUE(out.ok()) << out.status().message();
+  ASSERT_EQ(out->size(), 6u);
+  const std::vector<std::string> names = {"h.3.q", "h.3.k", "h.3.v", "h.3.gate", "h.3.up", "ln_f"};
+  for (size_t i = 0; i < names.size(); ++i) EXPECT_EQ((*out)[i].name, names[i]);
+  EXPECT_EQ(Bytes((*out)[0]), (std::vector<uint8_t>{0, 1, 4, 5}));
+  EXPECT_EQ(Bytes((*out)[1]), (std::vector<uint8_t>{2, 6}));
+  EXPECT_EQ(Bytes((*out)[2]), (std::vector<uint8_t>{3, 7}));
+  EXPECT_EQ((*out)[3].shape, (std::vector<int64_t>{2, 2}));  // gate [[0 1] [2 3]] transposed
+  EXPECT_EQ(Bytes((*out)[3]), (std::vector<uint8_t>{0, 2, 1, 3}));
+  EXPECT_EQ(Bytes((*out)[4]), (std::vector<uint8_t>{4, 6, 5, 7}));
+  EXPECT_EQ(Bytes((*out)[5]), (std::vector<uint8_t>{0, 1, 2}));
+  EXPECT_EQ(scratch_, 4);  // the largest transposed tensor, built whole
+}
+
+TEST_F(MapHfTensorsTest, OneNameKeepsQkvFusedInQkvOrder) {
+  hf_.tensors[0].to = {"h.{block}.c_attn"};
+  Add("layers.0.qkv", {8, 1});
+  Add("layers.0.fc", {4, 2});
+  Add("norm", {3});
+  Result<std::vector<StateDictTensor>> out = Map();
+  ASSERT_TRUE(out.ok()) << out.status().message();
+  EXPECT_EQ(Bytes((*out)[0]), (std::vector<uint8_t>{0, 1, 4, 5, 2, 6, 3, 7}));
+}
+
+TEST_F(MapHfTensorsTest, RefusesWhatItCannotPlace) {
+  Add("layers.0.qkv", {8, 1});
+  Add("layers.0.fc", {4, 2});
+  Add("layers.0.rotary", {2});
+  EXPECT_NE(Map().status().message().find("has no place for layers.0.rotary"), std::string::npos);
+  chosen_.pop_back();
+  EXPECT_NE(Map().status().message().find("TinyForCausalLM needs norm, which this checkpoint does not have"),
+            std::string::npos);
+  Add("norm", {3});
+  Set(*FindMutable(metadata_, "args"), "num_key_value_heads", Value::Int(3));
+  EXPECT_NE(Map().status().message().find("not a fused QKV of 3 KV groups and 4 query heads"), std::string::npos);
+  Set(metadata_, "args", Value::MakeDict());
+  EXPECT_NE(Map().status().message().find("--set args.num_key_value_heads=N"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace reshard
