@@ -38,6 +38,18 @@ void ForEachLeaf(const Value& v, const std::string& prefix, F f) {
   }
 }
 
+// An enum member in `args` reads as it was pickled: by name
+// (getattr(Enum, 'alibi'), Python >= 3.11) or by value (Enum(3), before);
+// any other object as its debug form.
+std::string EnumText(const Value& v) {
+  const Object& o = v.as_object();
+  if (o.cls.Is("builtins", "getattr") && o.args.size() == 2 && o.args[1].is(Value::Kind::kString)) {
+    return o.args[1].as_string();
+  }
+  if (o.args.size() == 1 && o.args[0].is(Value::Kind::kInt)) return std::to_string(o.args[0].as_int());
+  return v.DebugString();
+}
+
 }  // namespace
 
 std::string ScalarText(const Value& v) {
@@ -45,12 +57,16 @@ std::string ScalarText(const Value& v) {
     case Value::Kind::kBool: return v.as_bool() ? "true" : "false";
     case Value::Kind::kInt: return std::to_string(v.as_int());
     case Value::Kind::kString: return v.as_string();
+    case Value::Kind::kObject: return EnumText(v);
     default: return v.DebugString();
   }
 }
 
 bool ArgHolds(const RuleInputs& inputs, const std::string& field, const std::string& expected) {
   if (!expected.empty() && expected[0] == '!') return !ArgHolds(inputs, field, expected.substr(1));
+  if (const size_t bar = expected.find('|'); bar != std::string::npos) {
+    return ArgHolds(inputs, field, expected.substr(0, bar)) || ArgHolds(inputs, field, expected.substr(bar + 1));
+  }
   const Value* v = inputs.Find("args." + field);
   if (expected == "null") return v == nullptr;
   if (expected == "*") return v != nullptr;

@@ -30,12 +30,14 @@ Status CheckSettings(const Value& settings, const RuleSet& rules, const Value& m
 // where nothing would read it.
 Status RefuseSettings(const std::map<std::string, std::string>& set);
 
-// A scalar as YAML writes it: true, 3, 0.5, alibi.
+// A scalar as YAML writes it: true, 3, 0.5, alibi (an enum member: its name,
+// or its value when it was pickled by value).
 std::string ScalarText(const Value& v);
 
 // Whether args.<field> is as `expected` says (the detect.args syntax of
-// rules/rule_set.h: a scalar, "null", "*" or "!x"), read from the metadata,
-// then the settings.
+// rules/rule_set.h: a scalar, "null", "*", "x|y" for either, or "!x" for
+// anything but), read from the metadata, then the settings. An enum member
+// reads as its name or, pickled by value, its value.
 bool ArgHolds(const RuleInputs& inputs, const std::string& field, const std::string& expected);
 
 // The first of `conditions` that does not hold, as "args.x is not y" (or

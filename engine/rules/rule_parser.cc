@@ -56,7 +56,7 @@ const std::vector<std::string> kSplitFields = {"dim", "parts", "blocks", "vocab"
 const std::vector<std::string> kReplicatedFields = {"drift"};
 const std::vector<std::string> kSplitNames = {"column", "row", "vocab"};
 const std::vector<std::string> kHfFields = {"architecture", "requires", "config", "tensors"};
-const std::vector<std::string> kHfTensorFields = {"from", "to", "split_halves", "split_qkv", "transpose"};
+const std::vector<std::string> kHfTensorFields = {"from", "to", "split_halves", "split_qkv", "transpose", "shape"};
 const std::vector<std::string> kHfQkvFields = {"groups", "heads"};
 const std::vector<std::string> kHfCaseFields = {"when", "value"};
 // config.json keys the exporter writes itself, from the checkpoint's tensors.
@@ -838,9 +838,23 @@ class RuleSetParser {
       }
     }
     ParseFlag(*fields, "transpose", &map.transpose);
+    if (const Field* shape = Get(*fields, "shape")) map.shape = ReadHfShape(*shape);
     ParseHfSplit(*fields, &map);
     if (errors_.size() != errors_before) return std::nullopt;
     return map;
+  }
+
+  // A list of dims, each an integer, a metadata path or N*path.
+  std::vector<std::string> ReadHfShape(const Field& f) {
+    static const RE2 re("([0-9]+\\*)?[A-Za-z_][A-Za-z0-9_]*(\\.[A-Za-z_][A-Za-z0-9_]*)+|[0-9]+");
+    std::vector<std::string> dims = ReadStringList(f, "hf.tensors shape");
+    for (const std::string& dim : dims) {
+      if (!RE2::FullMatch(dim, re)) {
+        Fail(f, "hf.tensors shape dim '" + dim + "' must be an integer, a metadata path or N*path, "
+                "e.g. 4*args.hidden_size");
+      }
+    }
+    return dims;
   }
 
   // Checks a name template (only {block}); returns whether it uses {block}.

@@ -4,6 +4,7 @@
 
 #include <re2/re2.h>
 
+#include <cctype>
 #include <cstdlib>
 
 #include "pickle/value.h"
@@ -158,6 +159,10 @@ void AddHfPaths(const HfExport& hf, std::set<std::string>* paths) {
   for (const HfTensorMap& map : hf.tensors) {
     for (const MetaRef* ref : {&map.groups, &map.heads}) {
       for (std::string& p : ref->Paths()) paths->insert(std::move(p));
+    }
+    for (const std::string& dim : map.shape) {
+      const std::string path = dim.substr(dim.find('*') + 1);  // npos + 1 == 0: the whole
+      if (!path.empty() && !std::isdigit(static_cast<unsigned char>(path[0]))) paths->insert(path);
     }
   }
 }

@@ -149,7 +149,8 @@ struct DetectRule {
 enum class OptimizerGroups { kDecayNoDecay, kSplitDecay };
 
 // Conditions on `args` fields, as detect.args writes them: a YAML scalar,
-// "null" (absent or None), "*" (present) or "!x" (anything but x).
+// "null" (absent or None), "*" (present), "x|y" (either) or "!x" (anything
+// but x).
 using ArgConditions = std::map<std::string, std::string>;
 
 // One config.json field of an HF export (`hf.config`).
@@ -181,6 +182,10 @@ struct HfTensorMap {
   Split split = Split::kNone;
   MetaRef groups, heads;  // split_qkv
   bool transpose = false;  // 2-D [out, in] -> [in, out] (GPT-2's Conv1D)
+  // The shape the architecture needs the tensor in, when it fixes one the
+  // checkpoint may not have (HF BLOOM's MLP is 4 x hidden): each dim an
+  // integer, a metadata path, or N*path. Empty: any.
+  std::vector<std::string> shape;
 };
 
 // What `export --to hf` writes for the family.

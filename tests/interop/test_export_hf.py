@@ -1,7 +1,7 @@
 """`reshard export --to hf`: a Hugging Face transformers folder from a Megatron-DeepSpeed checkpoint.
 
-Sources are fixture checkpoints (microsoft GPT-2 style and LLaMA style) at several layouts
-(TP 1/2/3, PP 1/2, padded vocabularies). Two independent oracles:
+Sources are fixture checkpoints (microsoft GPT-2 style, LLaMA style, BigScience BLOOM) at several
+layouts (TP 1/2/3/4, PP 1/2, padded vocabularies). Two independent oracles:
 
 * the fixture's canonical tensors (separate q, k, v, gate, up: the fixture builds the fused
   Megatron layouts from them), mapped here by the documented HF conventions: GPT-2's Conv1D
@@ -11,10 +11,11 @@ Sources are fixture checkpoints (microsoft GPT-2 style and LLaMA style) at sever
   Megatron's ranks hold them: fused QKV per head or per KV group, SwiGLU halves per rank, padded
   vocabulary) against a forward written from the HF architectures' definitions (GPT2LMHeadModel:
   LayerNorm, Conv1D, gelu_new; LlamaForCausalLM: RMSNorm, non-interleaved rotary, repeat_kv,
-  SwiGLU) on the exported folder, reading its config.json. Both run in float64, so they agree to
+  SwiGLU; BloomForCausalLM: embedding LayerNorm, ALiBi with HF's slopes for 12 heads, which are
+  not a power of two) on the exported folder, reading its config.json. Both run in float64, so they agree to
   ~1e-13 and the tolerance (1e-9) is far below what a mistake moves: negative controls swap q/k,
-  k/v or gate/up, change the activation or the norm epsilon in a copy and must move the logits
-  by more than 1e-6.
+  k/v or gate/up, reorder QKV, change the activation, the norm epsilon, the rotary base, the
+  ALiBi slopes or the residual in a copy and must move the logits by more than 1e-6.
 
 Also: config.json fields; shards with an index and {"format": "pt"}; --tokenizer copies only
 tokenizer files; replicated drift under --replicated; refusals (a family without an HF
@@ -38,6 +39,7 @@ from interop_support import FixtureTestCase, make_fixture, read_safetensors, rew
 run = support.reshard
 GPT2 = support.FAMILIES['ms_gpt2']
 LLAMA = support.FAMILIES['ms_llama']
+BLOOM = dict(support.FAMILIES['bs_bloom'], ffn=4 * support.SIZES['h'])  # HF BLOOM's MLP is 4 x hidden
 TOLERANCE = 1e-9   # float64 forwards of the same weights
 MOVED = 1e-6       # what a negative control must move the logits by, at least
 TOKENS = torch.tensor([3, 17, 99, 42, 0, 63, 7, 88, 25, 51, 12, 76])
@@ -45,17 +47,19 @@ TOKENS = torch.tensor([3, 17, 99, 42, 0, 63, 7, 88, 25, 51, 12, 76])
 
 # ---- the expected HF tensors, from the fixture's canonical tensors --------------------------------
 
+def renamed(canon, c, h, pairs, kinds=('weight', 'bias')):
+    """{h + hf.kind: canon[c + mg.kind]} for the (hf, mg) module pairs."""
+    return {f'{h}{hf}.{k}': canon[f'{c}{mg}.{k}'] for hf, mg in pairs for k in kinds}
+
+
 def expected_gpt2(canon, L):
     """GPT2LMHeadModel's state dict (without the tied lm_head) from canonical tensors."""
     out = {'transformer.wte.weight': canon['embedding.word_embeddings.weight'],
            'transformer.wpe.weight': canon['embedding.position_embeddings.weight'],
-           'transformer.ln_f.weight': canon['final_norm.weight'],
-           'transformer.ln_f.bias': canon['final_norm.bias']}
+           **renamed(canon, '', 'transformer.', [('ln_f', 'final_norm')])}
     for i in range(L):
         c, h = f'layers.{i}.', f'transformer.h.{i}.'
-        for kind in ('weight', 'bias'):
-            out[h + 'ln_1.' + kind] = canon[c + 'input_layernorm.' + kind]
-            out[h + 'ln_2.' + kind] = canon[c + 'post_attention_layernorm.' + kind]
+        out.update(renamed(canon, c, h, [('ln_1', 'input_layernorm'), ('ln_2', 'post_attention_layernorm')]))
         qkv = [canon[c + f'attn.{p}.weight'] for p in 'qkv']
         out[h + 'attn.c_attn.weight'] = torch.cat(qkv, 0).t().contiguous()  # Conv1D: [in, out]
         out[h + 'attn.c_attn.bias'] = torch.cat([canon[c + f'attn.{p}.bias'] for p in 'qkv'], 0)
@@ -71,13 +75,27 @@ def expected_llama(canon, L):
            'model.norm.weight': canon['final_norm.weight'],
            'lm_head.weight': canon['lm_head.weight']}
     for i in range(L):
-        c, h = f'layers.{i}.', f'model.layers.{i}.'
-        out[h + 'input_layernorm.weight'] = canon[c + 'input_layernorm.weight']
-        out[h + 'post_attention_layernorm.weight'] = canon[c + 'post_attention_layernorm.weight']
-        for hf, mg in (('self_attn.q_proj', 'attn.q'), ('self_attn.k_proj', 'attn.k'),
-                       ('self_attn.v_proj', 'attn.v'), ('self_attn.o_proj', 'attn.o'),
-                       ('mlp.gate_proj', 'mlp.gate'), ('mlp.up_proj', 'mlp.up'), ('mlp.down_proj', 'mlp.down')):
-            out[h + hf + '.weight'] = canon[c + mg + '.weight']
+        out.update(renamed(canon, f'layers.{i}.', f'model.layers.{i}.', [
+            ('input_layernorm', 'input_layernorm'), ('post_attention_layernorm', 'post_attention_layernorm'),
+            ('self_attn.q_proj', 'attn.q'), ('self_attn.k_proj', 'attn.k'), ('self_attn.v_proj', 'attn.v'),
+            ('self_attn.o_proj', 'attn.o'), ('mlp.gate_proj', 'mlp.gate'), ('mlp.up_proj', 'mlp.up'),
+            ('mlp.down_proj', 'mlp.down')], kinds=('weight',)))
+    return out
+
+
+def expected_bloom(canon, L, n, hd):
+    """BloomForCausalLM's state dict (without the tied lm_head): Megatron's own layout."""
+    out = {'transformer.word_embeddings.weight': canon['embedding.word_embeddings.weight'],
+           **renamed(canon, '', 'transformer.', [('word_embeddings_layernorm', 'embedding.word_embeddings.norm'),
+                                                 ('ln_f', 'final_norm')])}
+    for i in range(L):
+        c, h = f'layers.{i}.', f'transformer.h.{i}.'
+        out.update(renamed(canon, c, h, [
+            ('input_layernorm', 'input_layernorm'), ('post_attention_layernorm', 'post_attention_layernorm'),
+            ('self_attention.dense', 'attn.o'), ('mlp.dense_h_to_4h', 'mlp.fc'), ('mlp.dense_4h_to_h', 'mlp.down')]))
+        for kind in ('weight', 'bias'):  # per head [n, 3, hd]
+            qkv = [canon[c + f'attn.{p}.{kind}'].reshape(n, hd, -1) for p in 'qkv']
+            out[h + 'self_attention.query_key_value.' + kind] = torch.stack(qkv, 1).reshape(3 * n * hd, -1).squeeze(-1)
     return out
 
 
@@ -90,7 +108,7 @@ def megatron_tensors(tag, style, L, tp):
         return [support.load(support.layer_file(tag, layer_id, t)) for t in range(tp)]
 
     def merge(key, parts):
-        if key.endswith(('layernorm.weight', 'layernorm.bias', 'dense.bias', 'dense_4h_to_h.bias')) or \
+        if key.endswith(('norm.weight', 'norm.bias', 'dense.bias', 'dense_4h_to_h.bias')) or \
                 key in ('weight', 'bias', 'position_embeddings.weight'):
             return parts[0]  # replicated
         if key in ('self_attention.dense.weight', 'mlp.dense_4h_to_h.weight'):
@@ -104,17 +122,20 @@ def megatron_tensors(tag, style, L, tp):
         files = shards(layer_id)
         return {k: merge(k, [f[k] for f in files]).double() for k in files[0]}
 
+    first, final = (3, L + 4) if style.startswith('bs_') else (2, L + 2)  # the forks' spec numberings
     emb = layer(1)
     out = {'embedding': emb['word_embeddings.weight'], 'positions': emb.get('position_embeddings.weight'),
-           'layers': [layer(2 + i) for i in range(L)], 'final_norm': layer(L + 2)}
+           'embedding_norm': (emb.get('word_embeddings.norm.weight'), emb.get('word_embeddings.norm.bias')),
+           'layers': [layer(first + i) for i in range(L)], 'final_norm': layer(final)}
     out['head'] = layer(L + 3)['lm_head.weight'] if style == 'ms_llama' else out['embedding']
     return out
 
 
-def attention(q, k, v, mask_value):
-    """Causal softmax attention of [s, heads, hd] inputs; returns [s, heads * hd]."""
+def attention(q, k, v, mask_value, bias=0.0):
+    """Causal softmax attention of [s, heads, hd] inputs, `bias` [heads, 1, s] added to the scores;
+    returns [s, heads * hd]."""
     s, _, hd = q.shape
-    scores = torch.einsum('qhd,khd->hqk', q, k) / math.sqrt(hd)
+    scores = torch.einsum('qhd,khd->hqk', q, k) / math.sqrt(hd) + bias
     causal = torch.ones(s, s, dtype=torch.bool).triu(1)
     probs = torch.softmax(scores.masked_fill(causal, mask_value), -1)
     return torch.einsum('hqk,khd->qhd', probs, v).reshape(s, -1)
@@ -177,6 +198,38 @@ def megatron_llama_logits(m, ids, n, nkv, eps, theta, V):
     return (megatron_rms(x, m['final_norm']['weight'], eps) @ m['head'].t())[:, :V]
 
 
+def megatron_alibi_slopes(n):
+    """bigscience Megatron-DeepSpeed's get_slopes (megatron/model/transformer.py)."""
+    def power_of_2(n):
+        start = 2 ** (-2 ** -(math.log2(n) - 3))
+        return [start * start ** i for i in range(n)]
+    if math.log2(n).is_integer():
+        return power_of_2(n)
+    closest = 2 ** math.floor(math.log2(n))
+    return power_of_2(closest) + megatron_alibi_slopes(2 * closest)[0::2][:n - closest]
+
+
+def megatron_bloom_logits(m, ids, n, eps, V):
+    """BS ParallelTransformer with ALiBi: scores q.k/sqrt(hd) + slope x key position (baddbmm with the
+    layer-number scaling undone by the softmax scale), embedding LayerNorm, tanh GeLU, tied head."""
+    s = len(ids)
+    alibi = torch.tensor(megatron_alibi_slopes(n), dtype=torch.float64)[:, None, None] * \
+        torch.arange(s, dtype=torch.float64)[None, None, :]
+    x = m['embedding'][ids]
+    h_size = x.shape[-1]
+    x = F.layer_norm(x, (h_size,), *m['embedding_norm'], eps)
+    for p in m['layers']:
+        h = F.layer_norm(x, (h_size,), p['input_layernorm.weight'], p['input_layernorm.bias'], eps)
+        mixed = h @ p['self_attention.query_key_value.weight'].t() + p['self_attention.query_key_value.bias']
+        q, k, v = mixed.view(s, n, -1).chunk(3, -1)
+        x = x + attention(q, k, v, -10000.0, alibi) @ p['self_attention.dense.weight'].t() + p['self_attention.dense.bias']
+        h = F.layer_norm(x, (h_size,), p['post_attention_layernorm.weight'], p['post_attention_layernorm.bias'], eps)
+        a = megatron_bias_gelu(h @ p['mlp.dense_h_to_4h.weight'].t() + p['mlp.dense_h_to_4h.bias'])
+        x = x + a @ p['mlp.dense_4h_to_h.weight'].t() + p['mlp.dense_4h_to_h.bias']
+    x = F.layer_norm(x, (h_size,), m['final_norm']['weight'], m['final_norm']['bias'], eps)
+    return (x @ m['head'].t())[:, :V]
+
+
 # ---- the HF architectures, on the exported folder -------------------------------------------------
 
 HF_ACT = {'gelu_new': lambda x: 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x.pow(3)))),
@@ -234,12 +287,53 @@ def hf_llama_logits(t, c, ids):
     return hf_rms(x, t['model.norm.weight'], eps) @ t['lm_head.weight'].t()
 
 
+def hf_bloom_alibi(n, s):
+    """transformers' build_alibi_tensor (in float64 here; HF computes the slopes in float32)."""
+    closest = 2 ** math.floor(math.log2(n))
+    base = 2 ** (-(2 ** -(math.log2(closest) - 3)))
+    slopes = torch.tensor(base, dtype=torch.float64) ** torch.arange(1, 1 + closest, dtype=torch.float64)
+    if closest != n:
+        extra_base = 2 ** (-(2 ** -(math.log2(2 * closest) - 3)))
+        extra = torch.arange(1, 1 + 2 * min(closest, n - closest), 2, dtype=torch.float64)
+        slopes = torch.cat([slopes, torch.tensor(extra_base, dtype=torch.float64) ** extra])
+    return slopes[:, None, None] * torch.arange(s, dtype=torch.float64)[None, None, :]
+
+
+def hf_bloom_logits(t, c, ids, alibi=hf_bloom_alibi):
+    """transformers' BloomForCausalLM (eval): fused QKV viewed [s, n, 3, hd], ALiBi, BloomGelu."""
+    t = {k: v.double() for k, v in t.items()}
+    n, e, eps, s = c['n_head'], c['hidden_size'], c['layer_norm_epsilon'], len(ids)
+    bias = alibi(n, s)
+    x = t['transformer.word_embeddings.weight'][ids]
+    x = F.layer_norm(x, (e,), t['transformer.word_embeddings_layernorm.weight'],
+                     t['transformer.word_embeddings_layernorm.bias'], eps)
+    for i in range(c['n_layer']):
+        p = f'transformer.h.{i}.'
+        h = F.layer_norm(x, (e,), t[p + 'input_layernorm.weight'], t[p + 'input_layernorm.bias'], eps)
+        residual = h if c['apply_residual_connection_post_layernorm'] else x
+        fused = (h @ t[p + 'self_attention.query_key_value.weight'].t() + t[p + 'self_attention.query_key_value.bias'])
+        q, k, v = fused.view(s, n, 3, e // n).unbind(2)
+        x = residual + attention(q, k, v, torch.finfo(torch.float64).min, bias) @ \
+            t[p + 'self_attention.dense.weight'].t() + t[p + 'self_attention.dense.bias']
+        h = F.layer_norm(x, (e,), t[p + 'post_attention_layernorm.weight'], t[p + 'post_attention_layernorm.bias'], eps)
+        residual = h if c['apply_residual_connection_post_layernorm'] else x
+        a = HF_ACT['gelu_new'](h @ t[p + 'mlp.dense_h_to_4h.weight'].t() + t[p + 'mlp.dense_h_to_4h.bias'])
+        x = residual + a @ t[p + 'mlp.dense_4h_to_h.weight'].t() + t[p + 'mlp.dense_4h_to_h.bias']
+    x = F.layer_norm(x, (e,), t['transformer.ln_f.weight'], t['transformer.ln_f.bias'], eps)
+    assert c['tie_word_embeddings']
+    return x @ t['transformer.word_embeddings.weight'].t()
+
+
+def read_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
 def read_folder(out):
     """(tensors, config) of an exported folder, shards joined through the index when there is one."""
-    with open(os.path.join(out, 'config.json')) as f:
-        config = json.load(f)
+    config = read_json(os.path.join(out, 'config.json'))
     index = os.path.join(out, 'model.safetensors.index.json')
-    files = sorted(set(json.load(open(index))['weight_map'].values())) if os.path.exists(index) else ['model.safetensors']
+    files = sorted(set(read_json(index)['weight_map'].values())) if os.path.exists(index) else ['model.safetensors']
     tensors = {}
     for name in files:
         got, meta = read_safetensors(os.path.join(out, name))
@@ -248,7 +342,7 @@ def read_folder(out):
     return tensors, config
 
 
-HF_LOGITS = {'ms_gpt2': hf_gpt2_logits, 'ms_llama': hf_llama_logits}
+HF_LOGITS = {'ms_gpt2': hf_gpt2_logits, 'ms_llama': hf_llama_logits, 'bs_bloom': hf_bloom_logits}
 
 
 def megatron_logits(family, tag, tp):
@@ -256,6 +350,8 @@ def megatron_logits(family, tag, tp):
     m = megatron_tensors(tag, family['style'], family['L'], tp)
     if family['style'] == 'ms_gpt2':
         return megatron_gpt2_logits(m, TOKENS, family['n'], 1e-5, family['V'])
+    if family['style'] == 'bs_bloom':
+        return megatron_bloom_logits(m, TOKENS, family['n'], 1e-5, family['V'])
     return megatron_llama_logits(m, TOKENS, family['n'], family['nkv'], 1e-5, 10000.0, family['V'])
 
 
@@ -387,7 +483,7 @@ class ExportHfTest(FixtureTestCase):
         shards = sorted(f for f in os.listdir(out) if f.endswith('.safetensors'))
         self.assertGreater(len(shards), 2)
         self.assertEqual(shards, [f'model-{i + 1:05d}-of-{len(shards):05d}.safetensors' for i in range(len(shards))])
-        index = json.load(open(os.path.join(out, 'model.safetensors.index.json')))
+        index = read_json(os.path.join(out, 'model.safetensors.index.json'))
         self.assertEqual(sorted(index['weight_map']), sorted(want))
         tensors, config = read_folder(out)
         self.assertSameTensors(tensors, want, torch.float32)
@@ -396,6 +492,40 @@ class ExportHfTest(FixtureTestCase):
         self.export(tag, out, '--dtype', 'fp32')
         tensors, config = read_folder(out)
         self.assertSameTensors(tensors, {n: t.to(torch.bfloat16) for n, t in want.items()}, torch.float32)
+
+    # -- BLOOM ------------------------------------------------------------------------------------
+
+    def test_bloom_tensors_config_and_logits(self):
+        """12 heads: ALiBi slopes for a head count that is not a power of two."""
+        for tp, pp in ((1, 1), (2, 2), (4, 2)):
+            with self.subTest(tp=tp, pp=pp):
+                canon, tensors, config, _ = self.exported(f'bloom_{tp}{pp}', BLOOM, tp, pp)
+                self.assertSameTensors(tensors, expected_bloom(canon, BLOOM['L'], BLOOM['n'], BLOOM['hd']),
+                                       torch.bfloat16)
+                self.assertEqual(config, {
+                    'architectures': ['BloomForCausalLM'], 'model_type': 'bloom', 'hidden_size': 48,
+                    'n_layer': 6, 'n_head': 12, 'layer_norm_epsilon': 1e-5,
+                    'apply_residual_connection_post_layernorm': False, 'pretraining_tp': 1,
+                    'slow_but_exact': False, 'tie_word_embeddings': True, 'vocab_size': 100,
+                    'torch_dtype': 'bfloat16'})
+
+    def test_bloom_negative_controls(self):
+        _, tensors, config, megatron = self.exported('bloom', BLOOM, 2, 2)
+        naive = lambda n, s: torch.tensor([2 ** (-8 * (i + 1) / n) for i in range(n)], dtype=torch.float64)[:, None, None] \
+            * torch.arange(s, dtype=torch.float64)[None, None, :]  # the power-of-two formula at any n
+        self.assertLogitsMoved(hf_bloom_logits(tensors, config, TOKENS, alibi=naive), megatron)
+        as_gpt2 = dict(tensors)  # QKV reordered to [3, n, hd] as GPT-2 wants it
+        for name in [n for n in tensors if 'query_key_value' in n]:
+            w = tensors[name]
+            as_gpt2[name] = w.view(BLOOM['n'], 3, -1).transpose(0, 1).reshape(w.shape)
+        self.assertLogitsMoved(hf_bloom_logits(as_gpt2, config, TOKENS), megatron)
+        post = dict(config, apply_residual_connection_post_layernorm=True)
+        self.assertLogitsMoved(hf_bloom_logits(tensors, post, TOKENS), megatron)
+
+    def test_bloom_mlp_width_is_fixed(self):
+        tag, _ = self.source('bloom', support.FAMILIES['bs_bloom'], tp=2, pp=1)
+        self.refused(tag, says='BloomForCausalLM needs layers.0.mlp.dense_h_to_4h.weight of shape [192, 48] '
+                               '(4*args.hidden_size, args.hidden_size')
 
     # -- folder, policies and refusals ------------------------------------------------------------
 
@@ -436,7 +566,7 @@ class ExportHfTest(FixtureTestCase):
         glu, _ = self.source('glu', support.FAMILIES['bs_gpt_glu'], tp=2, pp=1)
         self.refused(glu, says='rule set bigscience-glu')
         rotary, _ = self.source('rotary', support.FAMILIES['bs_gpt_rotary'], tp=1, pp=1)
-        self.refused(rotary, says='declares no HF architecture')
+        self.refused(rotary, says='BloomForCausalLM does not compute this model: args.position_embedding_type is not')
         llama, _ = self.source('llama', LLAMA, tp=2, pp=1)
         self.refused(llama, '--from', 'masters', says='no fp32 masters')
         for mp in range(2):

@@ -9,6 +9,7 @@
 
 #include "util/human.h"
 #include "util/shape.h"
+#include "util/strings.h"
 
 namespace reshard {
 namespace {
@@ -110,6 +111,32 @@ Result<StateDictTensor> MakePart(const HfTensorMap& map, const ChosenTensor& t, 
   return out;
 }
 
+// A dim of an entry's `shape`: N, a path, or N*path.
+Result<int64_t> DimSize(const std::string& dim, const RuleInputs& inputs) {
+  const size_t star = dim.find('*');
+  int64_t factor = 1;
+  if (star != std::string::npos) ParseInt(dim.substr(0, star), &factor);
+  const MetaRef size{{dim.substr(star == std::string::npos ? 0 : star + 1)}};
+  const std::optional<int64_t> n = size.Resolve(inputs);
+  if (!n) return Status::InvalidInput("the size " + dim + " is " + size.HowToGive());
+  return factor * *n;
+}
+
+// Refuses `t` unless it has the shape the entry says the architecture needs.
+Status CheckShape(const HfExport& hf, const HfTensorMap& map, const ChosenTensor& t, const RuleInputs& inputs) {
+  if (map.shape.empty()) return Status::Ok();
+  std::vector<int64_t> want;
+  for (const std::string& dim : map.shape) {
+    RESHARD_ASSIGN_OR_RETURN(int64_t n, DimSize(dim, inputs));
+    want.push_back(n);
+  }
+  if (want == t.shape) return Status::Ok();
+  return Status::Unsupported(hf.architecture + " needs " + t.name + " of shape " + ShapeString(want) + " (" +
+                             Join(map.shape, ", ") + ", hf.tensors line " + std::to_string(map.line) +
+                             "), and the checkpoint's is " + ShapeString(t.shape) +
+                             "; the architecture does not compute this model");
+}
+
 // Each entry's pattern, and which parameters it found.
 struct Entry {
   const HfTensorMap* map;
@@ -183,6 +210,7 @@ Result<std::vector<StateDictTensor>> MapHfTensors(const HfExport& hf, const std:
                                  "model, or the rule file's hf section lacks an entry");
     }
     ++entry->found;
+    RESHARD_RETURN_IF_ERROR(CheckShape(hf, *entry->map, t, inputs));
     RESHARD_ASSIGN_OR_RETURN(std::vector<Part> parts, Divide(*entry->map, t, inputs, block));
     for (const Part& part : parts) {
       RESHARD_ASSIGN_OR_RETURN(StateDictTensor tensor, MakePart(*entry->map, t, part, scratch_bytes));

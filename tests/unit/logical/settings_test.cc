@@ -87,5 +87,34 @@ TEST(Settings, CheckpointsWithoutRulesReadNone) {
   EXPECT_FALSE(RefuseSettings({{"num_attention_heads", "4"}}).ok());
 }
 
+// An enum member as the two pickle forms give it.
+Value EnumMember(const char* how) {
+  Object o;
+  if (std::string(how) == "name") {
+    o.cls = {"builtins", "getattr"};
+    o.args = {Value::MakeGlobal({"megatron.enums", "PositionEmbeddingType"}), Value::String("alibi")};
+  } else {
+    o.cls = {"megatron.enums", "PositionEmbeddingType"};
+    o.args = {Value::Int(3)};
+  }
+  return Value::MakeObject(std::move(o));
+}
+
+TEST(Settings, ArgConditionsReadEnumsAndAlternatives) {
+  Value metadata = Value::MakeDict(), settings = Value::MakeDict();
+  Set(metadata, "args", Value::MakeDict());
+  const RuleInputs inputs{metadata, settings};
+  for (const char* how : {"name", "value"}) {
+    Set(*FindMutable(metadata, "args"), "position_embedding_type", EnumMember(how));
+    EXPECT_TRUE(ArgHolds(inputs, "position_embedding_type", "alibi|3")) << how;
+    EXPECT_FALSE(ArgHolds(inputs, "position_embedding_type", "!alibi|3")) << how;
+    EXPECT_FALSE(ArgHolds(inputs, "position_embedding_type", "rotary|1")) << how;
+  }
+  EXPECT_EQ(ScalarText(EnumMember("name")), "alibi");
+  EXPECT_EQ(ArgsMismatch(inputs, {{"position_embedding_type", "rotary|1"}, {"swiglu", "!true"}}),
+            "args.position_embedding_type is not rotary|1");
+  EXPECT_EQ(ArgsMismatch(inputs, {{"swiglu", "!true"}}), "");
+}
+
 }  // namespace
 }  // namespace reshard

@@ -846,6 +846,11 @@ TEST(RuleSetHf, ParsesEveryField) {
   EXPECT_EQ(hf->tensors[1].line, 35);
   EXPECT_EQ(hf->tensors[2].split, HfTensorMap::Split::kHalves);
   EXPECT_FALSE(hf->tensors[2].transpose);
+  Result<RuleSet> shaped = RuleSet::LoadString(
+      TinyHf({{38, "    - {from: 'layers.{block}.fc', to: 'h.{block}.fc', shape: [4*args.hidden_size, 16]}"}}), "t.yaml");
+  ASSERT_TRUE(shaped.ok()) << shaped.status().message();
+  EXPECT_EQ(shaped->hf()->tensors[2].shape, (std::vector<std::string>{"4*args.hidden_size", "16"}));
+  EXPECT_TRUE(shaped->ValuePaths().count("args.hidden_size"));
   EXPECT_EQ(RuleSet::LoadString(Tiny(), "t.yaml")->hf(), nullptr);
 }
 
@@ -876,6 +881,8 @@ TEST(RuleSetHf, ErrorsNameTheLine) {
        "t.yaml:38: split_halves writes two tensors"},
       {{{38, "    - {from: 'layers.{block}.fc', to: ['h.{block}.q', 'x.{block}'], split_halves: true}"}},
        "t.yaml:38: hf.tensors writes 'h.{block}.q' twice (first at line 35)"},
+      {{{38, "    - {from: 'layers.{block}.fc', to: 'h.{block}.fc', shape: [4*hidden_size]}"}},
+       "t.yaml:38: hf.tensors shape dim '4*hidden_size' must be an integer, a metadata path or N*path"},
   };
   for (const auto& [edits, want] : cases) {
     EXPECT_NE(ErrorOf(TinyHf(edits)).find(want), std::string::npos) << want;

@@ -148,5 +148,20 @@ TEST_F(MapHfTensorsTest, RefusesWhatItCannotPlace) {
   EXPECT_NE(Map().status().message().find("--set args.num_key_value_heads=N"), std::string::npos);
 }
 
+TEST_F(MapHfTensorsTest, ShapeTheArchitectureFixes) {
+  hf_.tensors[1].shape = {"2*args.hidden_size", "args.hidden_size"};
+  Add("layers.0.qkv", {8, 1});
+  Add("layers.0.fc", {4, 2});
+  Add("norm", {3});
+  EXPECT_NE(Map().status().message().find("not recorded in the checkpoint metadata (args.hidden_size)"),
+            std::string::npos);
+  Set(*FindMutable(metadata_, "args"), "hidden_size", Value::Int(2));
+  EXPECT_TRUE(Map().ok());
+  Set(*FindMutable(metadata_, "args"), "hidden_size", Value::Int(3));
+  EXPECT_NE(Map().status().message().find("TinyForCausalLM needs layers.0.fc of shape [6, 3] (2*args.hidden_size, "
+                                          "args.hidden_size, hf.tensors line 2), and the checkpoint's is [4, 2]"),
+            std::string::npos);
+}
+
 }  // namespace
 }  // namespace reshard
