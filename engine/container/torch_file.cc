@@ -146,7 +146,8 @@ Status WriteTorchFile(const std::string& path, const Value& root, const TorchWri
       return Status::Ok();
     };
     Status st = zip->AddStreamed("data/" + key, StorageBytes(*storage), counted, buffer);
-    if (!st.ok()) return st.WithContext(path);
+    // The zip writer's own I/O errors name the file already; a producer's do not.
+    if (!st.ok()) return st.code() == Status::Code::kIoError ? st : st.WithContext(path);
   }
   return zip->Finish();
 }
