@@ -185,11 +185,16 @@ std::string IndexJson(const std::vector<ExportFile>& files) {
   return json + "  }\n}\n";
 }
 
-Status WriteText(const std::string& path, const std::string& text) {
+// Writes `text` as the file `name` of the job's folder.
+Status WriteText(JobContext& ctx, const std::string& name, const std::string& text) {
+  const std::string path = ctx.dir + "/" + name;
   std::ofstream out(path, std::ios::trunc);
   out << text;
   out.close();
-  return out.good() ? Status::Ok() : Status::IoError("cannot write " + path);
+  if (!out.good()) return Status::IoError("cannot write " + path);
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(text.data());
+  if (ctx.wrote) ctx.wrote(name, {static_cast<int64_t>(text.size()), Crc32(0, bytes, text.size())});
+  return Status::Ok();
 }
 
 class ConsolidatedPlan : public TargetPlan {
@@ -228,7 +233,7 @@ class ConsolidatedPlan : public TargetPlan {
     }
     if (files_.size() > 1) {
       jobs.push_back({IndexName(options_.torch_format), 0, [this](JobContext& ctx) {
-                        return WriteText(ctx.dir + "/" + IndexName(options_.torch_format), IndexJson(files_));
+                        return WriteText(ctx, IndexName(options_.torch_format), IndexJson(files_));
                       }});
     }
     return jobs;
@@ -245,7 +250,10 @@ class ConsolidatedPlan : public TargetPlan {
     if (!options_.torch_format) {
       std::vector<SafetensorsTensor> tensors;
       for (const ExportTensor& t : file.tensors) tensors.push_back({t.name, t.dtype, t.shape, Producer(t, sources)});
-      return WriteSafetensors(path, tensors, {{"format", "pt"}}, &ctx.buffer, ctx.done);
+      FileDigest digest;
+      RESHARD_RETURN_IF_ERROR(WriteSafetensors(path, tensors, {{"format", "pt"}}, &ctx.buffer, ctx.done, &digest));
+      if (ctx.wrote) ctx.wrote(file.name, digest);
+      return Status::Ok();
     }
     Items items;
     for (const ExportTensor& t : file.tensors) {
@@ -254,7 +262,11 @@ class ConsolidatedPlan : public TargetPlan {
     TorchWriteOptions write;
     write.buffer = &ctx.buffer;
     write.written = ctx.done;
-    return WriteTorchFile(path, MakeOrderedDict(std::move(items)), write);
+    FileDigest digest;
+    write.digest = &digest;
+    RESHARD_RETURN_IF_ERROR(WriteTorchFile(path, MakeOrderedDict(std::move(items)), write));
+    if (ctx.wrote) ctx.wrote(file.name, digest);
+    return Status::Ok();
   }
 
   const SourceCheckpoint& src_;
