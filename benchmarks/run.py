@@ -12,7 +12,8 @@ about 4x smaller) this script
     pages, plus the kernel's high-water mark from wait4), and the bytes the process read from
     and wrote to storage (/proc io accounting) against the on-disk size of SRC and OUT,
   * optionally times another reshard binary (--baseline) and the exports (--exports: `export
-    --to universal` and `--to consolidated`) in the same alternation, each against cp -r,
+    --to universal` and `--to consolidated`, and `convert` to the same target from the
+    universal checkpoint of SRC) in the same alternation, each against cp -r,
   * optionally times DeepSpeed's ds_to_universal.py on the same input (--deepspeed-src, a
     DeepSpeed source tree fetched separately; it is never part of this repository),
 and prints one table, with the ratio reshard / cp that the throughput target is about
@@ -238,6 +239,12 @@ def bench_scale(ns, scale: float) -> Dict:
     if ns.exports:
         for to, name in (('universal', os.path.basename(src) + '_universal'), ('consolidated', 'model')):
             commands[to] = [ns.reshard, 'export', src, os.path.join(out_root, name), '--to', to, '-q']
+        # The same conversion read from the universal checkpoint of SRC (made once, untimed).
+        universal = src + '_universal'
+        if not os.path.isdir(universal):
+            subprocess.run([ns.reshard, 'export', src, universal, '--to', 'universal', '-q'], check=True,
+                           stdout=subprocess.DEVNULL)
+        commands['from-universal'] = [ns.reshard, 'convert', universal, out] + TARGET + ['-q']
     runs = {what: [] for what in commands}
     out_bytes = 0
     for i in range(ns.runs):

@@ -203,6 +203,20 @@ int RunVerify(const std::string& a, const std::string& b, reshard::VerifyOptions
   return r->same() ? 0 : 1;
 }
 
+int RunVerifyManifest(const std::string& folder, const reshard::CommonOptions& o) {
+  reshard::Result<reshard::ManifestReport> r = reshard::VerifyManifest(folder, o);
+  if (!r.ok()) return Fail(r.status());
+  if (!r->summary.empty()) std::cout << r->summary << "\n";
+  for (const std::string& p : r->problems) std::cout << "problem: " << p << "\n";
+  std::cout << "verify: " << r->files_checked << (r->files_checked == 1 ? " file, " : " files, ")
+            << reshard::HumanBytes(r->bytes_checked)
+            << " checked against the manifest; "
+            << (r->ok() ? "as reshard wrote them" + std::string(r->summary.empty() ? "" : ", and consistent")
+                        : std::string("DIFFERENT"))
+            << "\n";
+  return r->ok() ? 0 : 1;
+}
+
 int RunRules(const std::string& file) {
   if (!file.empty()) {
     reshard::Result<reshard::RuleSetInfo> r = reshard::CheckRuleFile(file);
@@ -219,6 +233,22 @@ int RunRules(const std::string& file) {
 }
 
 }  // namespace
+
+// The command line as a shell would take it back (arguments with spaces or
+// quotes in single quotes), for the output's manifest.
+std::string CommandLine(int argc, char** argv) {
+  std::string line;
+  for (int i = 0; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (arg.empty() || arg.find_first_of(" \t'\"\\$") != std::string::npos) {
+      std::string quoted = "'";
+      for (char c : arg) quoted += c == '\'' ? std::string("'\\''") : std::string(1, c);
+      arg = quoted + "'";
+    }
+    line += (i ? " " : "") + arg;
+  }
+  return line;
+}
 
 int Run(int argc, char** argv) {
   CLI::App app{
@@ -306,9 +336,11 @@ int Run(int argc, char** argv) {
 
   reshard::VerifyOptions verify;
   CLI::App* verify_cmd = app.add_subcommand(
-      "verify", "Check that two checkpoints hold the same model, tensor by tensor, whatever their layouts");
-  verify_cmd->add_option("A", ckpt, "First checkpoint")->required();
-  verify_cmd->add_option("B", second, "Second checkpoint")->required();
+      "verify",
+      "Check that two checkpoints hold the same model, tensor by tensor, whatever their layouts; "
+      "with one folder, check an output of reshard against the manifest written into it");
+  verify_cmd->add_option("A", ckpt, "First checkpoint (alone: an output of reshard)")->required();
+  verify_cmd->add_option("B", second, "Second checkpoint");
   AddCommonOptions(verify_cmd, &verify);
   verify_cmd->add_option("--rules-b", verify.rules_b, "Rule set for B (default: as for A)");
   verify_cmd->add_option("--max-memory", verify.max_memory,
@@ -333,6 +365,7 @@ int Run(int argc, char** argv) {
 
   if (lint_cmd->parsed()) return RunLint(ckpt, lint);
   if (inspect_cmd->parsed()) return RunInspect(ckpt, inspect);
+  convert.command = exporting.command = CommandLine(argc, argv);
   if (convert_cmd->parsed()) {
     convert.update_latest = !no_latest;
     return RunWriter(ckpt, out, convert, quiet, reshard::Convert);
@@ -341,6 +374,7 @@ int Run(int argc, char** argv) {
   if (verify_cmd->parsed()) {
     verify.replicated = verify_replicated == "average" ? reshard::ReplicatedPolicy::kAverage
                                                        : reshard::ReplicatedPolicy::kFirst;
+    if (second.empty()) return RunVerifyManifest(ckpt, verify);
     return RunVerify(ckpt, second, verify);
   }
   return RunRules(rules_file);

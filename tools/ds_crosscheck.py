@@ -39,8 +39,10 @@ same way on both sides, and the table says so:
     non-negative``; rerun with ``strip_tensor_paddings=False`` (DS PR #7426's workaround).
 
 ``import_ds_to_universal`` and ``run_universal`` are shared with tools/make_ds_universal_data.py
-(regenerates tests/data/ds_universal) and tools/ds_universal_load_check.py (runs DeepSpeed's
-universal *loading* code on reshard's ``export --to universal`` output).
+(regenerates tests/data/ds_universal, non-pipeline sources included), tools/ds_universal_compare.py
+(compares reshard's ``export --to universal`` with DeepSpeed's output file by file) and
+tools/ds_universal_load_check.py (runs DeepSpeed's universal *loading* code on reshard's
+``export --to universal`` output).
 
 Usage (PYTHONPATH must reach the repository's tests/ folder):
 
@@ -219,17 +221,24 @@ def bs_universal_info(cfg: mf.FixtureConfig, tag_dir: str) -> dict:
     return info
 
 
-def run_universal(dtu, classes, cfg, tag_dir: str, out_dir: str, work: Workarounds, log) -> str:
-    """ds_to_universal(tag_dir) -> out_dir/global_stepN_universal; returns that folder."""
+def run_universal(dtu, classes, cfg, tag_dir: str, out_dir: str, work: Workarounds, log,
+                  inject_missing_state: bool = False) -> str:
+    """ds_to_universal(tag_dir) -> out_dir/global_stepN_universal; returns that folder.
+
+    ``cfg`` is a megatron_fixture.FixtureConfig (BS sources get their universal_checkpoint_info
+    supplied, see bs_universal_info) or a deepspeed_nonpipe.NonPipeConfig (nothing supplied).
+    ``inject_missing_state`` is ds_to_universal's own ``--inject_missing_state`` option: the
+    only way its ZeRO-1/2 path accepts a checkpoint without universal_checkpoint_info (an
+    HF-Trainer-style one); it adds nothing but the version number."""
     universal = os.path.join(out_dir, os.path.basename(tag_dir.rstrip('/')) + '_universal')
     shutil.rmtree(out_dir, ignore_errors=True)
     os.makedirs(out_dir)
-    injected = bs_universal_info(cfg, tag_dir) if cfg.fork == 'bs' else None
+    injected = bs_universal_info(cfg, tag_dir) if getattr(cfg, 'fork', None) == 'bs' else None
     saved = dtu.DeepSpeedCheckpoint
     dtu.DeepSpeedCheckpoint = make_checkpoint_class(dtu, classes, injected, work)
     args = argparse.Namespace(input_folder=tag_dir, output_folder=universal, num_extract_workers=1,
                               num_merge_workers=1, keep_temp_folder=False, strict=True,
-                              inject_missing_state=False)
+                              inject_missing_state=inject_missing_state)
     try:
         with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
             dtu.main(args)

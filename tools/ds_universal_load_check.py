@@ -354,6 +354,8 @@ def run_data(classes, uc) -> List[Row]:
             continue
         with open(meta_file) as f:
             meta = json.load(f)
+        if meta.get('kind') == 'nonpipe':
+            continue  # HF-Trainer-style names: this check emulates the pipeline models' loading
         cfg = mf.FixtureConfig(**meta['fixture'])
         expected = Expected(cfg)
         universal = os.path.join(DATA, case, meta['universal_folder'])

@@ -6,12 +6,17 @@
 #include <atomic>
 #include <chrono>
 #include <filesystem>
+#include <fstream>
+#include <map>
+#include <mutex>
 #include <optional>
+#include <sstream>
 
 #include "api/common.h"
 #include "reshard/cluster.h"
 #include "container/mapped_file.h"
 #include "exec/executor.h"
+#include "exec/manifest.h"
 #include "exec/memory_budget.h"
 #include "exec/output_folder.h"
 #include "formats/format.h"
@@ -136,7 +141,10 @@ Result<std::string> BeginOutput(OutputFolder* out, Cluster* cluster) {
 struct Prepared {
   std::unique_ptr<SourceCheckpoint> src;
   std::unique_ptr<TargetPlan> plan;
+  std::vector<std::string> files;  // every job's file, of all processes
   std::vector<Job> jobs;  // this process's share
+  std::mutex digests_mu;
+  std::map<std::string, FileDigest> digests;  // of this process's files, as its jobs report them
   ExecuteOptions exec;
   std::atomic<int64_t> read{0};
   std::optional<OutputFolder> out;
@@ -175,6 +183,11 @@ Status Prepare(const std::string& input, const std::string& output, const WriteO
   p->out.emplace(std::move(folder));
   RESHARD_RETURN_IF_ERROR(SizeBuffers(options, p->plan->ScratchBytes(), &p->exec, report));
   RESHARD_ASSIGN_OR_RETURN(std::vector<Job> all, p->plan->Jobs(&p->read));
+  for (const Job& job : all) p->files.push_back(job.name);
+  p->exec.wrote = [p](const std::string& name, const FileDigest& digest) {
+    std::lock_guard<std::mutex> lock(p->digests_mu);
+    p->digests[name] = digest;
+  };
   const Cluster* cluster = options.cluster;
   p->jobs = JobsOfRank(std::move(all), cluster != nullptr ? cluster->rank() : 0,
                        cluster != nullptr ? cluster->size() : 1);
@@ -182,6 +195,40 @@ Status Prepare(const std::string& input, const std::string& output, const WriteO
   report->tensor_bytes = JobBytes(p->jobs);
   clock->End("plan");
   return Status::Ok();
+}
+
+// The digests of every process's files ("crc bytes name" lines between processes).
+Result<std::map<std::string, FileDigest>> GatherDigests(const Prepared& p, Cluster* cluster) {
+  if (cluster == nullptr) return p.digests;
+  std::string mine;
+  for (const auto& [name, d] : p.digests) {
+    mine += std::to_string(d.crc32) + " " + std::to_string(d.bytes) + " " + name + "\n";
+  }
+  RESHARD_ASSIGN_OR_RETURN(std::vector<std::string> all, cluster->AllGather(mine));
+  std::map<std::string, FileDigest> digests;
+  for (const std::string& lines : all) {
+    std::istringstream in(lines);
+    uint32_t crc;
+    int64_t bytes;
+    std::string name;
+    while (in >> crc >> bytes && std::getline(in >> std::ws, name)) digests[name] = {bytes, crc};
+  }
+  return digests;
+}
+
+// reshard-manifest.json in the staging folder, from every file's digest.
+Status WriteManifest(const Prepared& p, const WriteOptions& options,
+                     const std::map<std::string, FileDigest>& digests) {
+  Manifest manifest{std::string("reshard ") + RESHARD_VERSION, options.command, p.src->tag_dir(),
+                    p.src->Summary(), digests};
+  for (const std::string& file : p.files) {
+    if (!digests.count(file)) return Status::Internal("the job writing " + file + " reported no digest");
+  }
+  const std::string path = p.exec.dir + "/" + kManifestName;
+  std::ofstream out(path, std::ios::trunc);
+  out << ManifestJson(manifest);
+  out.close();
+  return out.good() ? Status::Ok() : Status::IoError("cannot write " + path);
 }
 
 // Writes this process's share of the plan into the staging folder; the first
@@ -194,6 +241,9 @@ Status Execute(Prepared* p, const WriteOptions& options, Publication publish, Ph
     report->notes.push_back("removed " + left + ", left beside the output by a run that was killed");
   }
   Status written = reshard::Execute(p->jobs, p->exec);
+  Result<std::map<std::string, FileDigest>> digests = GatherDigests(*p, cluster);  // all processes meet
+  if (written.ok()) written = digests.status();
+  if (written.ok() && IsRoot(cluster)) written = WriteManifest(*p, options, *digests);
   if (written.ok()) written = SyncFiles(p->exec.dir);
   if (written.ok()) written = CheckMappedFilesUnchanged();
   RESHARD_RETURN_IF_ERROR(AllOk(cluster, written));

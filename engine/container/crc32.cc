@@ -11,4 +11,8 @@ uint32_t Crc32(uint32_t crc, const uint8_t* data, size_t n) {
   return static_cast<uint32_t>(::crc32_z(crc, data, n));
 }
 
+uint32_t Crc32Combine(uint32_t first, uint32_t second, int64_t second_bytes) {
+  return static_cast<uint32_t>(::crc32_combine(first, second, static_cast<z_off_t>(second_bytes)));
+}
+
 }  // namespace reshard

@@ -108,7 +108,8 @@ Result<std::string> SafetensorsHeader(const std::vector<SafetensorsTensor>& tens
 
 Status WriteSafetensors(const std::string& path, const std::vector<SafetensorsTensor>& tensors,
                         const std::map<std::string, std::string>& metadata,
-                        std::vector<uint8_t>* buffer, const std::function<void(int64_t)>& written) {
+                        std::vector<uint8_t>* buffer, const std::function<void(int64_t)>& written,
+                        FileDigest* digest) {
   RESHARD_ASSIGN_OR_RETURN(std::string header, SafetensorsHeader(tensors, metadata));
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
   if (fd < 0) return WriteError(path, errno);
@@ -116,9 +117,10 @@ Status WriteSafetensors(const std::string& path, const std::vector<SafetensorsTe
   uint8_t length[8];
   for (int i = 0; i < 8; ++i) length[i] = static_cast<uint8_t>(static_cast<uint64_t>(header.size()) >> (8 * i));
   if (int err = WriteFully(fd, length, sizeof(length))) return WriteError(path, err);
-  if (int err = WriteFully(fd, reinterpret_cast<const uint8_t*>(header.data()), header.size())) {
-    return WriteError(path, err);
-  }
+  const uint8_t* header_bytes = reinterpret_cast<const uint8_t*>(header.data());
+  if (int err = WriteFully(fd, header_bytes, header.size())) return WriteError(path, err);
+  FileDigest file{static_cast<int64_t>(sizeof(length) + header.size()),
+                  Crc32(Crc32(0, length, sizeof(length)), header_bytes, header.size())};
   for (const SafetensorsTensor& t : tensors) {
     const int64_t bytes = SafetensorsBytes(t);
     const int es = ElementSize(t.dtype);
@@ -129,10 +131,13 @@ Status WriteSafetensors(const std::string& path, const std::vector<SafetensorsTe
       const int64_t n = std::min(piece, bytes - done);
       RESHARD_RETURN_IF_ERROR(t.produce(done, n, buffer->data()));
       if (int err = WriteFully(fd, buffer->data(), static_cast<size_t>(n))) return WriteError(path, err);
+      file.crc32 = Crc32(file.crc32, buffer->data(), static_cast<size_t>(n));
+      file.bytes += n;
       if (written) written(n);
       done += n;
     }
   }
+  if (digest != nullptr) *digest = file;
   return Status::Ok();
 }
 

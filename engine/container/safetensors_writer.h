@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "container/crc32.h"
 #include "pickle/dtype.h"
 #include "reshard/status.h"
 #include "util/byte_producer.h"
@@ -33,10 +34,12 @@ Result<std::string> SafetensorsHeader(const std::vector<SafetensorsTensor>& tens
                                       const std::map<std::string, std::string>& metadata);
 
 // Writes the file at `path` through `buffer` (its size is the write size);
-// `written` (may be empty) is told the tensor bytes as they are written.
+// `written` (may be empty) is told the tensor bytes as they are written, and
+// `digest` (may be null) set to the file's size and CRC-32.
 Status WriteSafetensors(const std::string& path, const std::vector<SafetensorsTensor>& tensors,
                         const std::map<std::string, std::string>& metadata,
-                        std::vector<uint8_t>* buffer, const std::function<void(int64_t)>& written);
+                        std::vector<uint8_t>* buffer, const std::function<void(int64_t)>& written,
+                        FileDigest* digest = nullptr);
 
 // `s` as a JSON string literal, quotes included.
 std::string JsonString(const std::string& s);

@@ -146,9 +146,12 @@ Status WriteTorchFile(const std::string& path, const Value& root, const TorchWri
       return Status::Ok();
     };
     Status st = zip->AddStreamed("data/" + key, StorageBytes(*storage), counted, buffer);
-    if (!st.ok()) return st.WithContext(path);
+    // The zip writer's own I/O errors name the file already; a producer's do not.
+    if (!st.ok()) return st.code() == Status::Code::kIoError ? st : st.WithContext(path);
   }
-  return zip->Finish();
+  RESHARD_RETURN_IF_ERROR(zip->Finish());
+  if (options.digest != nullptr) *options.digest = {zip->bytes_written(), zip->file_crc()};
+  return Status::Ok();
 }
 
 }  // namespace reshard

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "container/crc32.h"
 #include "pickle/pickle_reader.h"
 #include "pickle/value.h"
 #include "reshard/status.h"
@@ -30,6 +31,8 @@ struct TorchWriteOptions {
   std::vector<uint8_t>* buffer = nullptr;
   // Told the tensor bytes written after each buffer.
   std::function<void(int64_t)> written;
+  // Set to the file's size and CRC-32 once it is complete (may be null).
+  FileDigest* digest = nullptr;
 };
 
 // Writes `root` to `path` (replacing it). Every storage reachable from `root`

@@ -133,6 +133,8 @@ Status ZipWriter::BeginRecord(const std::string& name, int64_t size) {
   Put(&header, padding, 2);
   header.append(padding, 'Z');
   entries_.push_back({full_name, offset, static_cast<uint64_t>(size), 0});
+  in_record_ = true;
+  open_header_ = header;
   return Write(header.data(), header.size());
 }
 
@@ -140,6 +142,10 @@ Status ZipWriter::EndRecord(uint32_t crc) {
   entries_.back().crc = crc;
   std::string bytes;
   Put(&bytes, crc, 4);
+  open_header_.replace(kCrcOffset, bytes.size(), bytes);
+  file_crc_ = Crc32(file_crc_, reinterpret_cast<const uint8_t*>(open_header_.data()), open_header_.size());
+  file_crc_ = Crc32Combine(file_crc_, crc, static_cast<int64_t>(entries_.back().size));
+  in_record_ = false;
   return Patch(entries_.back().offset + kCrcOffset, bytes.data(), bytes.size());
 }
 
@@ -218,6 +224,7 @@ Status ZipWriter::WriteEndRecords(uint64_t directory_offset, uint64_t directory_
 // Small pieces gather in buffer_; large ones go to the OS directly.
 Status ZipWriter::Write(const void* data, size_t n) {
   const uint8_t* bytes = static_cast<const uint8_t*>(data);
+  if (!in_record_) file_crc_ = Crc32(file_crc_, bytes, n);
   if (buffer_.size() + n > kBufferCapacity) {
     RESHARD_RETURN_IF_ERROR(Flush());
     if (n >= kBufferCapacity) {

@@ -54,6 +54,9 @@ class ZipWriter {
   // and closes the file.
   Status Finish();
 
+  // The CRC-32 of the whole file (valid after Finish), computed as it was
+  // written: each record's header and data are folded in when its CRC is known.
+  uint32_t file_crc() const { return file_crc_; }
   // Bytes of the file so far (including those not yet handed to the OS).
   int64_t bytes_written() const { return static_cast<int64_t>(flushed_ + buffer_.size()); }
   const std::string& archive() const { return archive_; }
@@ -84,6 +87,9 @@ class ZipWriter {
   uint64_t flushed_ = 0;         // bytes handed to the OS; buffer_ follows them
   std::vector<uint8_t> buffer_;  // headers and small pieces of data
   std::vector<Entry> entries_;
+  uint32_t file_crc_ = 0;    // of the bytes before the open record
+  bool in_record_ = false;   // between BeginRecord and EndRecord
+  std::string open_header_;  // the open record's local header, CRC to be patched
 };
 
 }  // namespace reshard

@@ -111,7 +111,7 @@ Status Execute(std::vector<Job>& jobs, const ExecuteOptions& options) {
   auto run = [&](size_t i, int worker) -> Status {
     std::vector<uint8_t>& buffer = buffers[worker];
     buffer.resize(static_cast<size_t>(options.buffer_bytes));  // allocated when first used
-    JobContext ctx{options.dir, buffer, [&progress](int64_t n) { progress.AddBytes(n); }};
+    JobContext ctx{options.dir, buffer, [&progress](int64_t n) { progress.AddBytes(n); }, options.wrote};
     RESHARD_RETURN_IF_ERROR(jobs[i].run(ctx));
     jobs[i].run = nullptr;  // what it captured (source maps, trees) can go
     progress.FileDone();

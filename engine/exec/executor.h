@@ -24,6 +24,8 @@ struct ExecuteOptions {
   std::string dir;                 // passed to every job
   // Receives a progress line (jobs, bytes, rate, ETA) about once a second.
   std::function<void(const std::string&)> progress;
+  // JobContext::wrote of every job (called from the worker threads).
+  std::function<void(const std::string& name, const FileDigest& digest)> wrote;
 };
 
 // The jobs process `rank` of `ranks` runs: largest first (names break ties,

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "container/crc32.h"
 #include "reshard/status.h"
 
 namespace reshard {
@@ -20,6 +21,9 @@ struct JobContext {
   const std::string& dir;           // the folder files are written into ("" when none)
   std::vector<uint8_t>& buffer;     // this worker's streaming buffer, at the budgeted size
   std::function<void(int64_t)> done;  // report bytes of progress
+  // Report each file written into `dir` (its name there) with its digest, for
+  // the output's manifest; may be empty. Called from the worker's thread.
+  std::function<void(const std::string& name, const FileDigest& digest)> wrote;
 };
 
 struct Job {

@@ -93,17 +93,19 @@ Status WriteFileAtomically(const fs::path& path, const std::string& content) {
   return file.Publish();
 }
 
-// `<base>.reshard-partial-<pid>` / `.reshard-old-<pid>` beside OUT whose
-// process is gone: what a killed run left.
+// What a killed run left beside OUT: the folders `<base>.reshard-partial-<pid>`
+// and `.reshard-old-<pid>`, and the PendingFiles `<file>.reshard-tmp-<pid>`
+// (latest, ...), whose process is gone.
 bool IsLeftover(const std::string& name, const std::string& base) {
-  for (const char* kind : {".reshard-partial-", ".reshard-old-"}) {
-    const std::string prefix = base + kind;
-    if (name.rfind(prefix, 0) != 0) continue;
-    const std::string pid = name.substr(prefix.size());
-    if (pid.empty() || pid.find_first_not_of("0123456789") != std::string::npos) return false;
-    return ::kill(static_cast<pid_t>(std::stol(pid)), 0) != 0 && errno == ESRCH;
+  std::string pid;
+  for (const std::string kind : {".reshard-partial-", ".reshard-old-"}) {
+    if (name.rfind(base + kind, 0) == 0) pid = name.substr(base.size() + kind.size());
   }
-  return false;
+  const std::string tmp = ".reshard-tmp-";
+  const size_t at = name.rfind(tmp);
+  if (pid.empty() && at != std::string::npos && at > 0) pid = name.substr(at + tmp.size());
+  if (pid.empty() || pid.size() > 9 || pid.find_first_not_of("0123456789") != std::string::npos) return false;
+  return ::kill(static_cast<pid_t>(std::stol(pid)), 0) != 0 && errno == ESRCH;
 }
 
 // The staging folders and lock files of outputs in progress, for
@@ -143,6 +145,7 @@ OutputFolder::OutputFolder(OutputFolder&& other) noexcept
       overwrite_(other.overwrite_),
       committed_(other.committed_),
       lock_fd_(other.lock_fd_),
+      created_parents_(std::move(other.created_parents_)),
       leftovers_(std::move(other.leftovers_)) {
   other.committed_ = true;  // the moved-from object owns nothing
   other.lock_fd_ = -1;
@@ -155,6 +158,9 @@ OutputFolder::~OutputFolder() {
     Track(staging_, false);
   }
   Unlock();
+  if (committed_) return;
+  // A failed run leaves no folder it made (fs::remove keeps one that is not empty).
+  for (const std::string& parent : created_parents_) fs::remove(parent, ec);
 }
 
 std::string OutputFolder::LockPath() const {
@@ -234,6 +240,9 @@ Result<OutputFolder> OutputFolder::Check(const std::string& out, const std::vect
 
 Status OutputFolder::Begin() {
   std::error_code ec;
+  for (fs::path p = fs::path(out_).parent_path(); !p.empty() && !fs::exists(p, ec); p = p.parent_path()) {
+    created_parents_.push_back(p.string());
+  }
   fs::create_directories(fs::path(out_).parent_path(), ec);
   if (ec) return Status::IoError("cannot create " + fs::path(out_).parent_path().string() + ": " + ec.message());
   RESHARD_RETURN_IF_ERROR(Lock());

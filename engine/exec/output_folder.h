@@ -27,7 +27,7 @@ class OutputFolder {
 
   OutputFolder(OutputFolder&& other) noexcept;
   OutputFolder& operator=(OutputFolder&&) = delete;
-  ~OutputFolder();  // removes the staging folder unless committed
+  ~OutputFolder();  // removes the staging folder and the parents Begin made, unless committed
 
   // Takes the lock on OUT (a second run writing OUT is refused until this
   // one ends), re-checks that OUT is still empty, removes what killed runs
@@ -55,6 +55,7 @@ class OutputFolder {
   bool overwrite_ = false;
   bool committed_ = false;
   int lock_fd_ = -1;
+  std::vector<std::string> created_parents_;  // by Begin, deepest first
   std::vector<std::string> leftovers_;
 };
 

@@ -6,6 +6,7 @@
 #include <map>
 #include <set>
 
+#include "container/crc32.h"
 #include "container/safetensors_writer.h"
 #include "container/torch_file.h"
 #include "util/human.h"
@@ -158,26 +159,37 @@ std::string IndexJson(const std::vector<StateDictFile>& files) {
   return json + "  }\n}\n";
 }
 
-Status WriteText(const std::string& path, const std::string& text) {
+// Writes `text` as the file `name` of the job's folder.
+Status WriteText(JobContext& ctx, const std::string& name, const std::string& text) {
+  const std::string path = ctx.dir + "/" + name;
   std::ofstream out(path, std::ios::trunc);
   out << text;
   out.close();
-  return out.good() ? Status::Ok() : Status::IoError("cannot write " + path);
+  if (!out.good()) return Status::IoError("cannot write " + path);
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(text.data());
+  if (ctx.wrote) ctx.wrote(name, {static_cast<int64_t>(text.size()), Crc32(0, bytes, text.size())});
+  return Status::Ok();
 }
 
-// Copies `from` to `to` through the worker's buffer.
-Status CopyFile(const std::string& from, const std::string& to, std::vector<uint8_t>* buffer) {
+// Copies `from` as the file `name` of the job's folder, through the worker's buffer.
+Status CopyFile(JobContext& ctx, const std::string& from, const std::string& name) {
   std::ifstream in(from, std::ios::binary);
   if (!in) return Status::IoError("cannot read " + from);
+  const std::string to = ctx.dir + "/" + name;
   std::ofstream out(to, std::ios::binary | std::ios::trunc);
-  char* data = reinterpret_cast<char*>(buffer->data());
+  FileDigest digest;
+  char* data = reinterpret_cast<char*>(ctx.buffer.data());
   while (in) {
-    in.read(data, static_cast<std::streamsize>(buffer->size()));
+    in.read(data, static_cast<std::streamsize>(ctx.buffer.size()));
     out.write(data, in.gcount());
+    digest.crc32 = Crc32(digest.crc32, ctx.buffer.data(), static_cast<size_t>(in.gcount()));
+    digest.bytes += in.gcount();
   }
   if (in.bad()) return Status::IoError("cannot read " + from);
   out.close();
-  return out.good() ? Status::Ok() : Status::IoError("cannot write " + to);
+  if (!out.good()) return Status::IoError("cannot write " + to);
+  if (ctx.wrote) ctx.wrote(name, digest);
+  return Status::Ok();
 }
 
 class StateDictPlan : public TargetPlan {
@@ -219,13 +231,12 @@ class StateDictPlan : public TargetPlan {
     }
     if (files_.size() > 1) {
       jobs.push_back({IndexName(layout_.torch_format), 0, [this](JobContext& ctx) {
-                        return WriteText(ctx.dir + "/" + IndexName(layout_.torch_format), IndexJson(files_));
+                        return WriteText(ctx, IndexName(layout_.torch_format), IndexJson(files_));
                       }});
     }
     for (const SideFile& f : side_) {
       jobs.push_back({f.name, 0, [&f](JobContext& ctx) {
-                        const std::string to = ctx.dir + "/" + f.name;
-                        return f.copy_of.empty() ? WriteText(to, f.text) : CopyFile(f.copy_of, to, &ctx.buffer);
+                        return f.copy_of.empty() ? WriteText(ctx, f.name, f.text) : CopyFile(ctx, f.copy_of, f.name);
                       }});
     }
     return jobs;
@@ -237,7 +248,10 @@ class StateDictPlan : public TargetPlan {
     if (!layout_.torch_format) {
       std::vector<SafetensorsTensor> tensors;
       for (const StateDictTensor& t : file.tensors) tensors.push_back({t.name, t.dtype, t.shape, t.bytes(sources)});
-      return WriteSafetensors(path, tensors, {{"format", "pt"}}, &ctx.buffer, ctx.done);
+      FileDigest digest;
+      RESHARD_RETURN_IF_ERROR(WriteSafetensors(path, tensors, {{"format", "pt"}}, &ctx.buffer, ctx.done, &digest));
+      if (ctx.wrote) ctx.wrote(file.name, digest);
+      return Status::Ok();
     }
     Items items;
     for (const StateDictTensor& t : file.tensors) {
@@ -246,7 +260,11 @@ class StateDictPlan : public TargetPlan {
     TorchWriteOptions write;
     write.buffer = &ctx.buffer;
     write.written = ctx.done;
-    return WriteTorchFile(path, MakeOrderedDict(std::move(items)), write);
+    FileDigest digest;
+    write.digest = &digest;
+    RESHARD_RETURN_IF_ERROR(WriteTorchFile(path, MakeOrderedDict(std::move(items)), write));
+    if (ctx.wrote) ctx.wrote(file.name, digest);
+    return Status::Ok();
   }
 
   const SourceCheckpoint& src_;

@@ -8,7 +8,8 @@
 //            and drift between TP-replicated copies.
 //   Inspect  a human-readable description of a checkpoint.
 //   Convert  write the checkpoint at another TP / PP (and DP) layout.
-//   Verify   compare two checkpoints tensor by tensor, whatever their layouts.
+//   Verify   compare two checkpoints tensor by tensor, whatever their layouts;
+//            VerifyManifest: check an output against the manifest reshard wrote into it.
 //
 // Every function takes a checkpoint path that is either a tag folder
 // (`ckpts/global_step20`) or a root holding `latest`. Inputs are never
@@ -108,6 +109,8 @@ struct WriteOptions : PreflightOptions {
   int64_t max_memory = int64_t{1} << 30;
   // The processes sharing the work (an MPI job); null = this process alone.
   Cluster* cluster = nullptr;
+  // The command recorded in the output's manifest (the CLI: its command line).
+  std::string command;
 };
 
 struct ConvertOptions : WriteOptions {
@@ -201,6 +204,21 @@ struct VerifyReport {
 
 Result<VerifyReport> Verify(const std::string& a, const std::string& b,
                             const VerifyOptions& options);
+
+struct ManifestReport {
+  int64_t files_checked = 0;
+  int64_t bytes_checked = 0;
+  std::string summary;  // the checkpoint's, when the folder is one reshard reads ("" otherwise)
+  std::vector<std::string> problems;  // empty = the folder is what reshard wrote, and consistent
+  bool ok() const { return problems.empty(); }
+};
+
+// Checks an output reshard wrote (a tag folder, a root holding `latest`, or
+// an export folder) against its reshard-manifest.json: every file there,
+// none missing or added, each of the recorded size and CRC-32; and, for a
+// checkpoint reshard reads, lint's consistency checks (ranks, shapes,
+// optimizer partitions).
+Result<ManifestReport> VerifyManifest(const std::string& folder, const CommonOptions& options);
 
 // A rule set, as `reshard rules` lists it.
 struct RuleSetInfo {

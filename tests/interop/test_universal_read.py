@@ -4,7 +4,8 @@ Checked with real PyTorch:
 
 * round trips: a native fixture A (TP 2, PP 2, DP 2) exported --to universal U, then
   U -> B (another layout) equals A -> C (the same layout, straight) for every family with
-  universal metadata and both optimizer formats (BF16_Optimizer, fp16 ZeRO-1): layer files
+  universal metadata and each optimizer format (BF16_Optimizer, fp16 ZeRO-1, DeepSpeed 0.6.5's
+  BF16 shards): layer files
   (tensor by tensor; a universal checkpoint does not record their key order), optimizer
   shards bit for bit, mp_rank files but for the RNG states of ranks that have no source rank
   (U is TP 1, PP 1: they take mp_rank_00's). The vocabulary is unpadded at every TP here, so
@@ -94,14 +95,16 @@ class UniversalReadTest(FixtureTestCase):
         self.assertIn('same model', p.stdout)
 
     def test_round_trip_equals_the_straight_conversion(self):
-        families = {'ms_gpt2': 'megatron-gpt2', 'ms_llama': 'megatron-llama', 'bs_bloom': 'bigscience-bloom',
-                    'bs_gpt_glu': 'bigscience-glu'}
+        families = ('ms_gpt2', 'ms_llama', 'bs_bloom', 'bs_gpt_glu')
+        # BF16_Optimizer; fp16 ZeRO-1; DeepSpeed 0.6.5's BF16 shards (no param_slice_mappings).
+        optimizers = {'bf16': dict(optimizer='bf16_zero'), 'fp16': dict(optimizer='zero1', dtype='fp16'),
+                      'v065': dict(optimizer='bf16_zero', legacy_v065=True)}
         for family in families:
-            for optimizer in ('bf16_zero', 'zero1'):
+            for optimizer, kind in optimizers.items():
+                if family != 'ms_gpt2' and optimizer == 'v065':
+                    continue  # the format does not depend on the family
                 with self.subTest(family=family, optimizer=optimizer):
-                    model = dict(FAMILIES[family], optimizer=optimizer, **UNPADDED)
-                    if optimizer == 'zero1':
-                        model['dtype'] = 'fp16'
+                    model = dict(FAMILIES[family], **kind, **UNPADDED)
                     src, uni = self.universal(f'{family}-{optimizer}', **model)
                     for tp, pp, dp in ((1, 4, 4), (3, 1, 1)):
                         b = self.path(f'{family}-{optimizer}', f'b{tp}{pp}{dp}', 'global_step10')
@@ -142,6 +145,8 @@ class UniversalReadTest(FixtureTestCase):
             with self.subTest(case=case):
                 with open(os.path.join(DATA, case, 'case.json')) as f:
                     spec = json.load(f)
+                if spec.get('kind') == 'nonpipe':
+                    continue  # non-pipeline names are not read back (test_export_universal compares them)
                 fixture = dict(spec['fixture'])
                 if spec['dtype'] == 'fp16':
                     fixture['dtype'] = 'fp16'

@@ -5,6 +5,7 @@
 #include <fstream>
 #include <set>
 
+#include "exec/manifest.h"
 #include "formats/deepspeed/file_names.h"
 #include "util/list_folder.h"
 #include "util/strings.h"
@@ -163,6 +164,8 @@ Result<CheckpointFiles> ScanCheckpoint(const std::string& path) {
       files.universal_dir = entry.path().string();
     } else if (entry.is_directory(ec)) {
       files.other_files.push_back(name + "/");
+    } else if (name == kManifestName) {
+      files.manifest = entry.path().string();
     } else {
       RESHARD_RETURN_IF_ERROR(Classify(name, entry.path().string(), &files, &ranks));
     }

@@ -40,7 +40,11 @@ Result<Job> TorchFileJob(std::string name, Value root) {
     TorchWriteOptions write;
     write.buffer = &ctx.buffer;
     write.written = ctx.done;
-    return WriteTorchFile(ctx.dir + "/" + name, *tree, write);
+    FileDigest digest;
+    write.digest = &digest;
+    RESHARD_RETURN_IF_ERROR(WriteTorchFile(ctx.dir + "/" + name, *tree, write));
+    if (ctx.wrote) ctx.wrote(name, digest);
+    return Status::Ok();
   };
   return job;
 }

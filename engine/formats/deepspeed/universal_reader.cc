@@ -233,8 +233,9 @@ Result<std::unique_ptr<SourceOptimizer>> UniversalOptimizer::Make(std::map<std::
   }
   // DeepSpeedZeroOptimizer records its stage; BF16_Optimizer does not.
   opt->format_.zero = Find(optimizer_state, "zero_stage") != nullptr;
+  // DeepSpeed 0.6.5's spelling, from before it recorded param_slice_mappings.
   if (Find(optimizer_state, "groups_padding") != nullptr) opt->format_.padding_key = "groups_padding";
-  opt->format_.slice_mappings = true;
+  opt->format_.slice_mappings = opt->format_.padding_key == "group_paddings";
   opt->format_.bf16_prefix = training_dtype == DType::kBFloat16;
   RESHARD_RETURN_IF_ERROR(opt->MakeTemplate(optimizer_state, metadata, step));
   return std::unique_ptr<SourceOptimizer>(std::move(opt));
@@ -278,7 +279,7 @@ Status UniversalOptimizer::MakeTemplate(const Value& optimizer_state, const Valu
     Set(osd, key.as_string(), value);
     if (key.as_string() == "clip_grad") add_partitions();
   }
-  Set(osd, "param_slice_mappings", std::move(mappings));
+  if (format_.slice_mappings) Set(osd, "param_slice_mappings", std::move(mappings));
   template_ = Value::MakeDict({{Value::String("optimizer_state_dict"), std::move(osd)}});
   for (const char* key : {"ds_config", "ds_version"}) {
     if (const Value* v = Find(metadata, key)) Set(template_, key, *v);

@@ -136,13 +136,17 @@ Job CopyJob(std::string name, std::string from) {
   return {name, ec ? 0 : bytes, [name, from](JobContext& ctx) {
             std::ifstream in(from, std::ios::binary);
             std::ofstream out(ctx.dir + "/" + name, std::ios::binary | std::ios::trunc);
+            FileDigest digest;
             while (in) {
               in.read(reinterpret_cast<char*>(ctx.buffer.data()), static_cast<std::streamsize>(ctx.buffer.size()));
               out.write(reinterpret_cast<const char*>(ctx.buffer.data()), in.gcount());
+              digest.crc32 = Crc32(digest.crc32, ctx.buffer.data(), static_cast<size_t>(in.gcount()));
+              digest.bytes += in.gcount();
               ctx.done(in.gcount());
             }
             out.close();
             if (in.bad() || !out) return Status::IoError("cannot copy " + from + " to " + ctx.dir + "/" + name);
+            if (ctx.wrote) ctx.wrote(name, digest);
             return Status::Ok();
           }};
 }

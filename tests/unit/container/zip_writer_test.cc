@@ -268,6 +268,41 @@ uint32_t Crc32Of(const std::string& s) {
   return Crc32(0, reinterpret_cast<const uint8_t*>(s.data()), s.size());
 }
 
+// The file CRC the writer reports is that of the bytes on disk, whether a
+// record's header was patched in the buffer or in the file, with or
+// without ZIP64 fields.
+TEST(ZipWriterTest, FileCrcIsTheCrcOfTheFile) {
+  for (uint64_t threshold : {uint64_t{0xFFFFFFFF}, uint64_t{0}}) {
+    TempDir dir;
+    const std::string path = (dir.path() / "crc.pt").string();
+    ZipWriterOptions options;
+    options.zip64_threshold = threshold;
+    Result<std::unique_ptr<ZipWriter>> zip = ZipWriter::Create(path, options);
+    ASSERT_TRUE(zip.ok());
+    const std::vector<uint8_t> small = Pattern(3, 1000);
+    ASSERT_TRUE((*zip)->Add("data.pkl", small.data(), static_cast<int64_t>(small.size())).ok());
+    std::vector<uint8_t> buffer(300000);  // larger than the writer's own: written directly
+    ByteProducer produce = [](int64_t offset, int64_t length, uint8_t* dst) {
+      std::vector<uint8_t> bytes = Pattern(offset, length);
+      std::copy(bytes.begin(), bytes.end(), dst);
+      return Status::Ok();
+    };
+    ASSERT_TRUE((*zip)->AddStreamed("data/0", 700001, produce, &buffer).ok());
+    ASSERT_TRUE((*zip)->AddStreamed("data/1", 0, produce, &buffer).ok());
+    ASSERT_TRUE((*zip)->Finish().ok());
+    const std::string bytes = ReadAll(path);
+    EXPECT_EQ((*zip)->file_crc(), Crc32(0, reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()))
+        << "zip64 threshold " << threshold;
+  }
+}
+
+TEST(Crc32Test, CombineIsTheCrcOfTheConcatenation) {
+  const std::string a = "The quick brown fox ", b = "jumps over the lazy dog";
+  const auto crc = [](const std::string& s) { return Crc32(0, reinterpret_cast<const uint8_t*>(s.data()), s.size()); };
+  EXPECT_EQ(Crc32Combine(crc(a), crc(b), static_cast<int64_t>(b.size())), crc(a + b));
+  EXPECT_EQ(Crc32Combine(crc(a), crc(""), 0), crc(a));
+}
+
 TEST(Crc32Test, KnownValues) {
   EXPECT_EQ(Crc32Of(""), 0u);
   EXPECT_EQ(Crc32Of("a"), 0xE8B7BE43u);

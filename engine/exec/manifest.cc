@@ -1,0 +1,68 @@
+#include "exec/manifest.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <cstdio>
+
+#include "container/safetensors_writer.h"
+
+namespace reshard {
+namespace {
+
+std::string Hex(uint32_t crc) {
+  char hex[9];
+  std::snprintf(hex, sizeof(hex), "%08x", crc);
+  return hex;
+}
+
+Status Malformed(const std::string& path, const std::string& what) {
+  return Status::InvalidInput(path + " is not a reshard manifest (" + what + ")");
+}
+
+}  // namespace
+
+std::string ManifestJson(const Manifest& m) {
+  std::string json = "{\n  \"tool\": " + JsonString(m.tool) + ",\n  \"command\": " + JsonString(m.command) +
+                     ",\n  \"source\": " + JsonString(m.source) + ",\n  \"source_summary\": " +
+                     JsonString(m.summary) + ",\n  \"files\": [\n";
+  size_t i = 0;
+  for (const auto& [name, d] : m.files) {
+    json += "    {\"name\": " + JsonString(name) + ", \"bytes\": " + std::to_string(d.bytes) +
+            ", \"crc32\": \"" + Hex(d.crc32) + "\"}" + (++i < m.files.size() ? ",\n" : "\n");
+  }
+  return json + "  ]\n}\n";
+}
+
+// JSON is read with the YAML parser, which accepts it.
+Result<Manifest> ReadManifest(const std::string& path) {
+  YAML::Node root;
+  try {
+    root = YAML::LoadFile(path);
+  } catch (const YAML::Exception& e) {
+    return Malformed(path, e.what());
+  }
+  if (!root.IsMap() || !root["files"] || !root["files"].IsSequence()) return Malformed(path, "no files list");
+  Manifest m;
+  try {
+    m.tool = root["tool"] ? root["tool"].as<std::string>() : "";
+    m.command = root["command"] ? root["command"].as<std::string>() : "";
+    m.source = root["source"] ? root["source"].as<std::string>() : "";
+    m.summary = root["source_summary"] ? root["source_summary"].as<std::string>() : "";
+    for (const YAML::Node& f : root["files"]) {
+      const std::string name = f["name"].as<std::string>();
+      const int64_t bytes = f["bytes"].as<int64_t>();
+      const std::string crc = f["crc32"].as<std::string>();
+      if (name.empty() || bytes < 0 || crc.size() != 8 || crc.find_first_not_of("0123456789abcdef") != std::string::npos) {
+        return Malformed(path, "a bad entry for '" + name + "'");
+      }
+      if (!m.files.emplace(name, FileDigest{bytes, static_cast<uint32_t>(std::stoul(crc, nullptr, 16))}).second) {
+        return Malformed(path, "'" + name + "' listed twice");
+      }
+    }
+  } catch (const YAML::Exception& e) {
+    return Malformed(path, e.what());
+  }
+  return m;
+}
+
+}  // namespace reshard

@@ -1,0 +1,31 @@
+// Manifest: what a writing command put into its output folder, recorded in
+// it as `reshard-manifest.json`: the tool, the command, the source, and each
+// file's size and CRC-32 as computed while the file was written (no second
+// read). `reshard verify OUT` checks a folder against it.
+#pragma once
+
+#include <map>
+#include <string>
+
+#include "container/crc32.h"
+#include "reshard/status.h"
+
+namespace reshard {
+
+inline constexpr char kManifestName[] = "reshard-manifest.json";
+
+struct Manifest {
+  std::string tool;     // "reshard 0.1.0"
+  std::string command;  // as the caller gave it ("" when none)
+  std::string source;   // the input checkpoint's folder
+  std::string summary;  // the source's one-line summary
+  std::map<std::string, FileDigest> files;  // name in the folder -> digest
+};
+
+// The manifest as JSON (files by name; CRCs as 8 hex digits).
+std::string ManifestJson(const Manifest& manifest);
+
+// Reads the manifest at `path`; errors name the file and what is wrong.
+Result<Manifest> ReadManifest(const std::string& path);
+
+}  // namespace reshard
