@@ -41,6 +41,19 @@ def reshard(*args, timeout=300):
     return subprocess.run([RESHARD, *map(str, args)], capture_output=True, text=True, timeout=timeout)
 
 
+MANIFEST = 'reshard-manifest.json'
+
+
+def manifest_files_digest(path):
+    """sha256 of a manifest's file list (names, sizes, CRCs): what must not change between runs
+    of one conversion; the rest (the command line, the source path) names the run."""
+    import hashlib
+    import json
+    with open(path) as f:
+        files = json.load(f)['files']
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+
+
 def load(path):
     """torch.load of a trusted, test-made file (pickled DeepSpeed stand-ins included)."""
     return torch.load(path, map_location='cpu', weights_only=False)

@@ -44,7 +44,8 @@ run = support.reshard
 
 
 def snapshot(path):
-    """{relative path: sha256 | 'DIR'} of everything under ``path`` (or of the file itself)."""
+    """{relative path: sha256 | 'DIR'} of everything under ``path`` (or of the file itself); of a
+    manifest, its file list's."""
     def digest(p):
         with open(p, 'rb') as f:
             return hashlib.sha256(f.read()).hexdigest()
@@ -58,7 +59,7 @@ def snapshot(path):
             out[os.path.relpath(os.path.join(dirpath, d), path) + '/'] = 'DIR'
         for f in filenames:
             full = os.path.join(dirpath, f)
-            out[os.path.relpath(full, path)] = digest(full)
+            out[os.path.relpath(full, path)] = support.manifest_files_digest(full) if f == support.MANIFEST else digest(full)
     return out
 
 
@@ -549,7 +550,7 @@ class UnknownClassTests(ReshardTestCase):
 # Where convert writes (and what --dry-run does not write)
 # ---------------------------------------------------------------------------------------------
 
-LAYER_OR_MP = re.compile(r'^(layer_\d+-model_\d+-model_states\.pt|mp_rank_\d+_model_states\.pt)$')
+LAYER_OR_MP = re.compile(r'^(layer_\d+-model_\d+-model_states\.pt|mp_rank_\d+_model_states\.pt|reshard-manifest\.json)$')
 
 
 class OutputPlacementTests(ReshardTestCase):

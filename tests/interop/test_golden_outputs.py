@@ -357,7 +357,8 @@ def tree_hashes(root):
         dirs.sort()
         for name in sorted(files):
             path = os.path.join(folder, name)
-            out[os.path.relpath(path, root)] = sha256_file(path)
+            digest = support.manifest_files_digest(path) if name == support.MANIFEST else sha256_file(path)
+            out[os.path.relpath(path, root)] = digest
     return out
 
 

@@ -1,6 +1,7 @@
 // A ZeRO-3 checkpoint as a SourceCheckpoint: its model layout stays, DP changes.
 #include "formats/deepspeed/deepspeed_source.h"
 #include "formats/deepspeed/file_names.h"
+#include "formats/deepspeed/universal_writer.h"
 #include "formats/deepspeed/zero3_checkpoint.h"
 #include "formats/deepspeed/zero_shard_reader.h"
 #include "logical/settings.h"
@@ -9,6 +10,9 @@
 
 namespace reshard {
 namespace {
+
+constexpr char kWeightsOnlyRefusal[] =
+    "a ZeRO-3 checkpoint keeps its weights in the optimizer shards (fp32 masters); --weights-only does not apply";
 
 class Zero3Plan : public TargetPlan {
  public:
@@ -68,12 +72,19 @@ class Zero3Source : public SourceCheckpoint {
                                   std::to_string(ckpt_->mp()) + " --pp 1 and choose the new --dp");
     }
     if (options.weights_only) {
-      return Status::InvalidInput("a ZeRO-3 checkpoint keeps its weights in the optimizer shards "
-                                  "(fp32 masters); --weights-only does not apply");
+      return Status::InvalidInput(kWeightsOnlyRefusal);
     }
     const int dp = options.target_dp > 0 ? options.target_dp : ckpt_->dp();
     const bool bf16 = !files_.optimizer_files.empty() && files_.optimizer_files[0].bf16;
     return std::unique_ptr<TargetPlan>(new Zero3Plan(*ckpt_, dp, bf16));
+  }
+
+  Result<std::unique_ptr<TargetPlan>> PlanFamilyFormat(const ExportOptions& options,
+                                                       std::vector<std::string>* notes) const override {
+    if (options.weights_only) {
+      return Status::InvalidInput(kWeightsOnlyRefusal);
+    }
+    return PlanUniversalZero3(*ckpt_, files_, notes);
   }
 
   // Every element of every state of every parameter.

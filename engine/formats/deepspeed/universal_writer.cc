@@ -2,6 +2,7 @@
 
 #include <filesystem>
 #include <functional>
+#include <optional>
 #include <fstream>
 
 #include "formats/deepspeed/file_names.h"
@@ -151,20 +152,30 @@ Job CopyJob(std::string name, std::string from) {
           }};
 }
 
+// Everything a universal checkpoint's folder holds, as plain data.
+struct UniversalFiles {
+  std::vector<std::pair<std::string, std::string>> copies;  // name in the folder, source path
+  Value optimizer_state;       // zero/optimizer_state.pt
+  std::vector<StateFile> states;
+  std::optional<Value> step;   // a step.pt beside each fp32.pt
+  // DeepSpeed's ZeRO-3 form: each state file is the bare flat tensor (no
+  // dict, no layout keys).
+  bool bare = false;
+};
+
 class UniversalPlan : public TargetPlan {
  public:
-  UniversalPlan(const SourceOptimizer& opt, const CheckpointFiles& files, std::vector<StateFile> states,
-                bool has_step)
-      : opt_(opt), files_(files), states_(std::move(states)), has_step_(has_step) {}
+  explicit UniversalPlan(UniversalFiles files) : files_(std::move(files)) {}
 
   std::string ToString(bool detail) const override {
     int64_t bytes = 0;
-    for (const StateFile& f : states_) bytes += ShapeNumel(f.shape) * 4;
-    std::string out = "universal: " + std::to_string(files_.mp_rank_files.size()) + " mp_rank file(s) copied, " +
-                      std::to_string(states_.size()) + " state files (" + HumanBytes(bytes) + ")" +
-                      (has_step_ ? ", a step.pt per parameter" : "") + ", zero/optimizer_state.pt\n";
+    for (const StateFile& f : files_.states) bytes += ShapeNumel(f.shape) * 4;
+    std::string out = std::string("universal") + (files_.bare ? " (ZeRO-3 form)" : "") + ": " +
+                      std::to_string(files_.copies.size()) + " model-states file(s) copied, " +
+                      std::to_string(files_.states.size()) + " state files (" + HumanBytes(bytes) + ")" +
+                      (files_.step ? ", a step.pt per parameter" : "") + ", zero/optimizer_state.pt\n";
     if (!detail) return out;
-    for (const StateFile& f : states_) {
+    for (const StateFile& f : files_.states) {
       std::string layout;
       for (const auto& [k, v] : f.layout) layout += " " + k.as_string() + "=" + v.DebugString();
       out += "  " + StatePath(f.param, f.state) + " " + ShapeString(f.shape) + layout + "\n";
@@ -174,16 +185,14 @@ class UniversalPlan : public TargetPlan {
 
   Result<std::vector<Job>> Jobs(std::atomic<int64_t>* read) const override {
     std::vector<Job> jobs;
-    for (const auto& [mp, path] : files_.mp_rank_files) jobs.push_back(CopyJob(ModelStatesFileName(mp), path));
-    const Value& osd = *Find(opt_.Template(), "optimizer_state_dict");
-    RESHARD_ASSIGN_OR_RETURN(Value optimizer_state, OptimizerStateFile(osd));
-    RESHARD_ASSIGN_OR_RETURN(Job job, NestedTorchFileJob("zero/optimizer_state.pt", std::move(optimizer_state)));
+    for (const auto& [name, path] : files_.copies) jobs.push_back(CopyJob(name, path));
+    RESHARD_ASSIGN_OR_RETURN(Job job, NestedTorchFileJob("zero/optimizer_state.pt", files_.optimizer_state));
     jobs.push_back(std::move(job));
-    for (const StateFile& f : states_) {
+    for (const StateFile& f : files_.states) {
       RESHARD_ASSIGN_OR_RETURN(Job state, NestedTorchFileJob(StatePath(f.param, f.state), StateTree(f, read)));
       jobs.push_back(std::move(state));
-      if (has_step_ && f.state == kMasterState) {
-        RESHARD_ASSIGN_OR_RETURN(Job step, NestedTorchFileJob(StatePath(f.param, "step"), *FindStep(osd)));
+      if (files_.step && f.state == kMasterState) {
+        RESHARD_ASSIGN_OR_RETURN(Job step, NestedTorchFileJob(StatePath(f.param, "step"), *files_.step));
         jobs.push_back(std::move(step));
       }
     }
@@ -191,31 +200,45 @@ class UniversalPlan : public TargetPlan {
   }
 
  private:
-  // {'param': the whole tensor, layout keys...}.
-  static Value StateTree(const StateFile& f, std::atomic<int64_t>* read) {
+  // {'param': the whole tensor, layout keys...}, or the bare tensor.
+  Value StateTree(const StateFile& f, std::atomic<int64_t>* read) const {
+    Value tensor = MakeProducedTensor(DType::kFloat32, f.shape, f.produce(read));
+    if (files_.bare) return tensor;
     Items items;
-    items.emplace_back(Value::String("param"), MakeProducedTensor(DType::kFloat32, f.shape, f.produce(read)));
+    items.emplace_back(Value::String("param"), std::move(tensor));
     for (const auto& kv : f.layout) items.push_back(kv);
     return Value::MakeDict(std::move(items));
   }
 
-  const SourceOptimizer& opt_;
-  const CheckpointFiles& files_;
-  const std::vector<StateFile> states_;
-  const bool has_step_;
+  const UniversalFiles files_;
 };
 
-// What every universal plan checks and notes, and the plan of `states`.
+// A state stored whole in one shard (a TP-1 source), written as `shape`.
+StateFile WholeState(const std::string& param, const std::string& state, std::vector<int64_t> shape,
+                     SourceShard shard) {
+  const int64_t numel = shard.numel();
+  StateFile f{param, state, std::move(shape), {}, nullptr};
+  f.produce = [source = SourceTensor{DType::kFloat32, {numel}, {std::move(shard)}}, numel](std::atomic<int64_t>* read) {
+    return RangeProducer(source, WholeShardPlan(0, numel), read);
+  };
+  return f;
+}
+
+// The ZeRO-1/2 and BF16 form of `states`: the mp_rank files copied, the
+// optimizer state of the template shard, a step.pt where it records a step.
 Result<std::unique_ptr<TargetPlan>> PlanStates(const SourceOptimizer& opt, const CheckpointFiles& files,
                                                std::vector<StateFile> states, std::vector<std::string>* notes) {
   const Value* osd = Find(opt.Template(), "optimizer_state_dict");
   if (osd == nullptr) return Status::Internal("the first optimizer shard has no optimizer_state_dict");
-  RESHARD_RETURN_IF_ERROR(OptimizerStateFile(*osd).status());
-  const bool has_step = FindStep(*osd) != nullptr;
+  UniversalFiles out;
+  for (const auto& [mp, path] : files.mp_rank_files) out.copies.emplace_back(ModelStatesFileName(mp), path);
+  RESHARD_ASSIGN_OR_RETURN(out.optimizer_state, OptimizerStateFile(*osd));
+  if (const Value* step = FindStep(*osd)) out.step = *step;
+  out.states = std::move(states);
   notes->push_back("universal: " + std::to_string(opt.ParamNames().size()) + " parameters, states " +
-                   Join(opt.states(), ", ") + (has_step ? ", step" : "") +
+                   Join(opt.states(), ", ") + (out.step ? ", step" : "") +
                    "; load it with --universal-checkpoint (checkpoint.load_universal)");
-  return std::unique_ptr<TargetPlan>(new UniversalPlan(opt, files, std::move(states), has_step));
+  return std::unique_ptr<TargetPlan>(new UniversalPlan(std::move(out)));
 }
 
 Status CheckShards(const SourceOptimizer& opt) {
@@ -261,15 +284,46 @@ Result<std::unique_ptr<TargetPlan>> PlanUniversalUnsplit(const LogicalCheckpoint
     for (const auto& [param, shape] : group) {
       for (const std::string& state : opt.states()) {
         RESHARD_ASSIGN_OR_RETURN(SourceShard shard, opt.Locate(param, 0, state));
-        const int64_t numel = shard.numel();
-        StateFile f{param, state, shape, {}, nullptr};
-        f.produce = [source = SourceTensor{DType::kFloat32, {numel}, {std::move(shard)}},
-                     numel](std::atomic<int64_t>* read) { return RangeProducer(source, WholeShardPlan(0, numel), read); };
-        states.push_back(std::move(f));
+        states.push_back(WholeState(param, state, shape, std::move(shard)));
       }
     }
   }
   return PlanStates(opt, files, std::move(states), notes);
+}
+
+Result<std::unique_ptr<TargetPlan>> PlanUniversalZero3(const Zero3Checkpoint& src, const CheckpointFiles& files,
+                                                       std::vector<std::string>* notes) {
+  if (src.mp() != 1) {
+    return Status::Unsupported("this ZeRO-3 checkpoint has " + std::to_string(src.mp()) + " model-parallel ranks, "
+                               "which have no rules to merge their shards by; reshard writes universal "
+                               "checkpoints of ZeRO-3 models at TP 1");
+  }
+  UniversalFiles out;
+  out.bare = true;
+  for (const auto& [mp, by_dp] : files.zero3_model_files) {
+    for (const auto& [dp, path] : by_dp) out.copies.emplace_back(Zero3ModelStatesFileName(dp, mp), path);
+  }
+  // DP rank 0's optimizer state, and its groups' hyperparameters beside it.
+  const Value* osd = Find(src.ranks()[0].optimizer[0], "optimizer_state_dict");
+  const Value* torch_sd = osd != nullptr ? Find(*osd, "optimizer_state_dict") : nullptr;
+  const Value* groups = torch_sd != nullptr ? Find(*torch_sd, "param_groups") : nullptr;
+  if (groups == nullptr) return Status::Internal("the ZeRO-3 optimizer state of DP rank 0 has no param_groups");
+  out.optimizer_state = *osd;
+  Set(out.optimizer_state, "param_groups", *groups);
+  int64_t params = 0;
+  for (const auto& group : src.ranks()[0].sub_groups) {
+    for (const Zero3Param& p : group) {
+      ++params;
+      for (const std::string& state : src.states()) {
+        RESHARD_ASSIGN_OR_RETURN(SourceShard shard, src.Locate(0, p.name, state));
+        out.states.push_back(WholeState(p.name, state, {p.numel}, std::move(shard)));
+      }
+    }
+  }
+  notes->push_back("universal (DeepSpeed's ZeRO-3 form): " + std::to_string(params) + " parameters, states " +
+                   Join(src.states(), ", ") + " as flat tensors; the step is in zero/optimizer_state.pt; load it "
+                   "with --universal-checkpoint (checkpoint.load_universal)");
+  return std::unique_ptr<TargetPlan>(new UniversalPlan(std::move(out)));
 }
 
 }  // namespace reshard

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "formats/deepspeed/checkpoint_files.h"
+#include "formats/deepspeed/zero3_checkpoint.h"
 #include "formats/deepspeed/zero_shard_reader.h"
 #include "formats/format.h"
 #include "logical/logical_checkpoint.h"
@@ -36,8 +37,14 @@ Result<std::unique_ptr<TargetPlan>> PlanUniversal(const LogicalCheckpoint& src, 
                                                   const CheckpointFiles& files, ReplicatedPolicy replicated,
                                                   std::vector<std::string>* notes);
 // The same for a non-pipeline checkpoint at TP 1, its shapes from param_shapes.
+// DeepSpeed's ZeRO-3 form, from a ZeRO-3 checkpoint at TP 1 (what its ZeRO-3
+// loader reads): every model-states file copied; each parameter's states as
+// bare flat tensors of its elements, no step.pt; zero/optimizer_state.pt is DP
+// rank 0's optimizer state with the groups' hyperparameters as `param_groups`.
 Result<std::unique_ptr<TargetPlan>> PlanUniversalUnsplit(const LogicalCheckpoint& src, const SourceOptimizer& opt,
                                                          const CheckpointFiles& files,
                                                          std::vector<std::string>* notes);
+Result<std::unique_ptr<TargetPlan>> PlanUniversalZero3(const Zero3Checkpoint& src, const CheckpointFiles& files,
+                                                       std::vector<std::string>* notes);
 
 }  // namespace reshard
