@@ -383,7 +383,7 @@ class ExportHfTest(FixtureTestCase):
         tag, canon = self.source(name, family, tp=tp, pp=pp)
         out = self.path(name + '_hf')
         self.export(tag, out)
-        self.assertEqual(sorted(os.listdir(out)), ['config.json', 'model.safetensors'])
+        self.assertEqual(sorted(os.listdir(out)), ['config.json', 'model.safetensors', support.MANIFEST])
         tensors, config = read_folder(out)
         megatron = megatron_logits(family, tag, tp)
         self.assertLogitsClose(HF_LOGITS[family['style']](tensors, config, TOKENS), megatron)
@@ -539,10 +539,12 @@ class ExportHfTest(FixtureTestCase):
                 f.write('from the tokenizer folder: ' + name)
         out = self.path('hf')
         self.export(tag, out, '--tokenizer', tok)
-        self.assertEqual(sorted(os.listdir(out)), ['config.json', 'merges.txt', 'model.safetensors',
+        self.assertEqual(sorted(os.listdir(out)), ['config.json', 'merges.txt', 'model.safetensors', support.MANIFEST,
                                                    'tokenizer.json', 'tokenizer_config.json', 'vocab.json'])
         with open(os.path.join(out, 'vocab.json')) as f:
             self.assertEqual(f.read(), 'from the tokenizer folder: vocab.json')
+        p = run('verify', out)  # every file, copies included, is in the manifest as written
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         self.assertEqual(read_folder(out)[1]['architectures'], ['GPT2LMHeadModel'])
         self.refused(tag, '--tokenizer', self.path('gpt2'), says='holds no tokenizer files')
 
