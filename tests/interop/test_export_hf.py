@@ -396,6 +396,15 @@ class ExportHfTest(FixtureTestCase):
             self.assertEqual(tuple(got[name].shape), tuple(value.shape), name)
             self.assertTrue(torch.equal(got[name], value.to(dtype)), name)
 
+    def assertExportsAt(self, layouts, family, expected, config):
+        """At each (tp, pp): the exported tensors are expected(canonical) bit for bit, config.json is
+        `config`, and the logits agree (`exported` checks them)."""
+        for tp, pp in layouts:
+            with self.subTest(tp=tp, pp=pp):
+                canon, tensors, got, _ = self.exported(f'{family["style"]}_{tp}{pp}', family, tp, pp)
+                self.assertSameTensors(tensors, expected(canon), torch.bfloat16)
+                self.assertEqual(got, config)
+
     def assertLogitsClose(self, a, b):
         self.assertLess((a - b).abs().max().item(), TOLERANCE)
 
@@ -405,16 +414,12 @@ class ExportHfTest(FixtureTestCase):
     # -- GPT-2 ------------------------------------------------------------------------------------
 
     def test_gpt2_tensors_config_and_logits(self):
-        for tp, pp in ((1, 1), (2, 2), (3, 2)):
-            with self.subTest(tp=tp, pp=pp):
-                canon, tensors, config, _ = self.exported(f'gpt2_{tp}{pp}', GPT2, tp, pp)
-                self.assertSameTensors(tensors, expected_gpt2(canon, GPT2['L']), torch.bfloat16)
-                self.assertEqual(config, {
-                    'architectures': ['GPT2LMHeadModel'], 'model_type': 'gpt2', 'n_embd': 48, 'n_layer': 6,
-                    'n_head': 12, 'n_inner': 96, 'n_positions': 32, 'layer_norm_epsilon': 1e-5,
-                    'activation_function': 'gelu_new', 'scale_attn_by_inverse_layer_idx': False,
-                    'reorder_and_upcast_attn': False, 'tie_word_embeddings': True, 'vocab_size': 100,
-                    'torch_dtype': 'bfloat16'})
+        self.assertExportsAt(((1, 1), (2, 2), (3, 2)), GPT2, lambda canon: expected_gpt2(canon, GPT2['L']), {
+            'architectures': ['GPT2LMHeadModel'], 'model_type': 'gpt2', 'n_embd': 48, 'n_layer': 6,
+            'n_head': 12, 'n_inner': 96, 'n_positions': 32, 'layer_norm_epsilon': 1e-5,
+            'activation_function': 'gelu_new', 'scale_attn_by_inverse_layer_idx': False,
+            'reorder_and_upcast_attn': False, 'tie_word_embeddings': True, 'vocab_size': 100,
+            'torch_dtype': 'bfloat16'})
 
     def test_gpt2_negative_controls(self):
         _, tensors, config, megatron = self.exported('gpt2', GPT2, 2, 2)
@@ -435,8 +440,7 @@ class ExportHfTest(FixtureTestCase):
     def test_gpt2_exact_gelu_recorded(self):
         """--no-bias-gelu-fusion (args.bias_gelu_fusion False) exports activation gelu."""
         tag, _ = self.source('gpt2', GPT2, tp=1, pp=1)
-        for mp in range(1):
-            rewrite(support.mp_file(tag, mp), lambda sd: setattr(sd['args'], 'bias_gelu_fusion', False))
+        rewrite(support.mp_file(tag, 0), lambda sd: setattr(sd['args'], 'bias_gelu_fusion', False))
         out = self.path('gpt2_hf')
         self.export(tag, out)
         self.assertEqual(read_folder(out)[1]['activation_function'], 'gelu')
@@ -444,16 +448,12 @@ class ExportHfTest(FixtureTestCase):
     # -- Llama ------------------------------------------------------------------------------------
 
     def test_llama_tensors_config_and_logits(self):
-        for tp, pp in ((1, 1), (2, 2), (3, 1)):
-            with self.subTest(tp=tp, pp=pp):
-                canon, tensors, config, _ = self.exported(f'llama_{tp}{pp}', LLAMA, tp, pp)
-                self.assertSameTensors(tensors, expected_llama(canon, LLAMA['L']), torch.bfloat16)
-                self.assertEqual(config, {
-                    'architectures': ['LlamaForCausalLM'], 'model_type': 'llama', 'hidden_size': 48,
-                    'intermediate_size': 48, 'num_hidden_layers': 6, 'num_attention_heads': 12,
-                    'num_key_value_heads': 6, 'max_position_embeddings': 32, 'rms_norm_eps': 1e-5,
-                    'rope_theta': 10000, 'rope_scaling': None, 'hidden_act': 'silu', 'attention_bias': False,
-                    'tie_word_embeddings': False, 'vocab_size': 100, 'torch_dtype': 'bfloat16'})
+        self.assertExportsAt(((1, 1), (2, 2), (3, 1)), LLAMA, lambda canon: expected_llama(canon, LLAMA['L']), {
+            'architectures': ['LlamaForCausalLM'], 'model_type': 'llama', 'hidden_size': 48,
+            'intermediate_size': 48, 'num_hidden_layers': 6, 'num_attention_heads': 12,
+            'num_key_value_heads': 6, 'max_position_embeddings': 32, 'rms_norm_eps': 1e-5,
+            'rope_theta': 10000, 'rope_scaling': None, 'hidden_act': 'silu', 'attention_bias': False,
+            'tie_word_embeddings': False, 'vocab_size': 100, 'torch_dtype': 'bfloat16'})
 
     def test_llama_negative_controls(self):
         _, tensors, config, megatron = self.exported('llama', LLAMA, 2, 2)
@@ -497,17 +497,13 @@ class ExportHfTest(FixtureTestCase):
 
     def test_bloom_tensors_config_and_logits(self):
         """12 heads: ALiBi slopes for a head count that is not a power of two."""
-        for tp, pp in ((1, 1), (2, 2), (4, 2)):
-            with self.subTest(tp=tp, pp=pp):
-                canon, tensors, config, _ = self.exported(f'bloom_{tp}{pp}', BLOOM, tp, pp)
-                self.assertSameTensors(tensors, expected_bloom(canon, BLOOM['L'], BLOOM['n'], BLOOM['hd']),
-                                       torch.bfloat16)
-                self.assertEqual(config, {
-                    'architectures': ['BloomForCausalLM'], 'model_type': 'bloom', 'hidden_size': 48,
-                    'n_layer': 6, 'n_head': 12, 'layer_norm_epsilon': 1e-5,
-                    'apply_residual_connection_post_layernorm': False, 'pretraining_tp': 1,
-                    'slow_but_exact': False, 'tie_word_embeddings': True, 'vocab_size': 100,
-                    'torch_dtype': 'bfloat16'})
+        self.assertExportsAt(((1, 1), (2, 2), (4, 2)), BLOOM,
+                             lambda canon: expected_bloom(canon, BLOOM['L'], BLOOM['n'], BLOOM['hd']), {
+            'architectures': ['BloomForCausalLM'], 'model_type': 'bloom', 'hidden_size': 48,
+            'n_layer': 6, 'n_head': 12, 'layer_norm_epsilon': 1e-5,
+            'apply_residual_connection_post_layernorm': False, 'pretraining_tp': 1,
+            'slow_but_exact': False, 'tie_word_embeddings': True, 'vocab_size': 100,
+            'torch_dtype': 'bfloat16'})
 
     def test_bloom_negative_controls(self):
         _, tensors, config, megatron = self.exported('bloom', BLOOM, 2, 2)
