@@ -109,12 +109,15 @@ int64_t FilesBytes(const std::vector<std::string>& paths) {
   return total;
 }
 
-// The sizes of the files `jobs` wrote into `dir`.
-int64_t WrittenBytes(const std::string& dir, const std::vector<Job>& jobs) {
+// The sizes of the files `jobs` wrote into `dir`, and of the manifest when `root`.
+int64_t WrittenBytes(const std::string& dir, const std::vector<Job>& jobs, bool root) {
   int64_t total = 0;
-  for (const Job& job : jobs) {
+  std::vector<std::string> names;
+  for (const Job& job : jobs) names.push_back(job.name);
+  if (root) names.push_back(kManifestName);
+  for (const std::string& name : names) {
     struct stat st;
-    if (::stat((dir + "/" + job.name).c_str(), &st) == 0) total += static_cast<int64_t>(st.st_size);
+    if (::stat((dir + "/" + name).c_str(), &st) == 0) total += static_cast<int64_t>(st.st_size);
   }
   return total;
 }
@@ -191,7 +194,7 @@ Status Prepare(const std::string& input, const std::string& output, const WriteO
   const Cluster* cluster = options.cluster;
   p->jobs = JobsOfRank(std::move(all), cluster != nullptr ? cluster->rank() : 0,
                        cluster != nullptr ? cluster->size() : 1);
-  report->files = static_cast<int64_t>(p->jobs.size());
+  report->files = static_cast<int64_t>(p->jobs.size()) + (IsRoot(cluster) ? 1 : 0);  // and the manifest
   report->tensor_bytes = JobBytes(p->jobs);
   clock->End("plan");
   return Status::Ok();
@@ -248,7 +251,7 @@ Status Execute(Prepared* p, const WriteOptions& options, Publication publish, Ph
   if (written.ok()) written = CheckMappedFilesUnchanged();
   RESHARD_RETURN_IF_ERROR(AllOk(cluster, written));
   clock->End("write");
-  report->bytes_written = WrittenBytes(p->exec.dir, p->jobs);
+  report->bytes_written = WrittenBytes(p->exec.dir, p->jobs, IsRoot(cluster));
   report->bytes_read = p->read.load();
   if (!IsRoot(cluster)) return Status::Ok();
   RESHARD_RETURN_IF_ERROR(Publish(&*p->out, *p->src, publish, &report->notes));

@@ -35,11 +35,15 @@ KILL_POINTS = [('mkdir', 1), ('mkdir', 2)] + [('openat', n) for n in (40, 120, 2
 
 
 def digest(folder):
-    """{relative path: sha256} of every file under `folder` ({} when it is absent)."""
+    """{relative path: sha256} of every file under `folder` ({} when it is absent); of the
+    manifest, of its file list (its command line names the output folder)."""
     out = {}
     for dirpath, _, names in os.walk(folder):
         for name in names:
             path = os.path.join(dirpath, name)
+            if name == support.MANIFEST:
+                out[os.path.relpath(path, folder)] = support.manifest_files_digest(path)
+                continue
             with open(path, 'rb') as f:
                 out[os.path.relpath(path, folder)] = hashlib.sha256(f.read()).hexdigest()
     return out

@@ -16,7 +16,8 @@ Commands:
   back by the independent oracle;
 * ``verify`` of that ZeRO-3 source against its conversion;
 * ``export --to consolidated`` of the pipeline checkpoint below (every fp32 master whole in one
-  safetensors file);
+  safetensors file), ``export --to universal`` of it and ``convert`` from that universal
+  checkpoint;
 * ``verify`` of a Megatron-DeepSpeed pipeline checkpoint with bf16 ZeRO-1 shards (TP 2, PP 2,
   ~150 MB and ~590 MB) against its conversion to TP 1, PP 2, DP 2 (every tensor whole in one
   file, the optimizer state split over two DP partitions).
@@ -192,7 +193,8 @@ class MemoryBoundsTest(unittest.TestCase):
                 tag = os.path.join(out, 'global_step10')
                 self.assertEqual(sorted(os.listdir(tag)), sorted(
                     [f'zero_pp_rank_{d}_mp_rank_00_model_states.pt' for d in range(ZERO3_TARGET_DP)]
-                    + [f'bf16_zero_pp_rank_{d}_mp_rank_00_optim_states.pt' for d in range(ZERO3_TARGET_DP)]))
+                    + [f'bf16_zero_pp_rank_{d}_mp_rank_00_optim_states.pt' for d in range(ZERO3_TARGET_DP)]
+                    + [support.MANIFEST]))
                 # The independent oracle reads the model and all optimizer state back.
                 self.assertEqual(dn.structural_problems_nonpipe(out), [])
                 self.assertEqual(dn.compare_nonpipe(dn.load_nonpipe(out), self.zero3_config(size)), [])
@@ -218,8 +220,27 @@ class MemoryBoundsTest(unittest.TestCase):
                 code, stdout, stderr, peaks[size] = self.measured(
                     'export', src, out, '--to', 'consolidated', '--max-memory', BUDGET, '-q')
                 self.assertEqual(code, 0, stdout + stderr)
-                self.assertEqual(os.listdir(out), ['model.safetensors'])
+                self.assertEqual(sorted(os.listdir(out)), ['model.safetensors', support.MANIFEST])
         self.assert_flat('export --to consolidated of the pipeline checkpoint', peaks, sizes)
+
+    def test_universal_export_and_read_stay_under_budget_and_flat(self):
+        """export --to universal of the pipeline checkpoint, then convert from that universal
+        checkpoint back to a native layout (TP 1, PP 2, DP 2), each under the budget."""
+        export_peaks, read_peaks, sizes = {}, {}, {}
+        for size in SIZES:
+            with self.subTest(size=size):
+                src, _ = self.pipe_pair(size)
+                sizes[size] = tree_bytes(src)
+                universal = self.path(f'pipe_{size}_universal', 'global_step10_universal')
+                code, stdout, stderr, export_peaks[size] = self.measured(
+                    'export', src, universal, '--to', 'universal', '--max-memory', BUDGET, '-q')
+                self.assertEqual(code, 0, stdout + stderr)
+                out = self.path(f'pipe_{size}_from_universal', 'global_step10')
+                code, stdout, stderr, read_peaks[size] = self.measured(
+                    'convert', universal, out, '--tp', '1', '--pp', '2', '--dp', '2', '--max-memory', BUDGET, '-q')
+                self.assertEqual(code, 0, stdout + stderr)
+        self.assert_flat('export --to universal of the pipeline checkpoint', export_peaks, sizes)
+        self.assert_flat('convert from that universal checkpoint to TP 1 PP 2 DP 2', read_peaks, sizes)
 
     def test_verify_pipeline_pair_stays_under_budget_and_flat(self):
         self.assert_verify_flat('verify pipeline TP 2 PP 2 against TP 1 PP 2 DP 2', self.pipe_pair)
