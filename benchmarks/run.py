@@ -12,7 +12,7 @@ about 4x smaller) this script
     pages, plus the kernel's high-water mark from wait4), and the bytes the process read from
     and wrote to storage (/proc io accounting) against the on-disk size of SRC and OUT,
   * optionally times another reshard binary (--baseline) and the exports (--exports: `export
-    --to universal` and `--to consolidated`, and `convert` to the same target from the
+    --to universal`, `--to consolidated` and `--to hf`, and `convert` to the same target from the
     universal checkpoint of SRC) in the same alternation, each against cp -r,
   * optionally times DeepSpeed's ds_to_universal.py on the same input (--deepspeed-src, a
     DeepSpeed source tree fetched separately; it is never part of this repository),
@@ -237,7 +237,8 @@ def bench_scale(ns, scale: float) -> Dict:
     if ns.baseline:
         commands['baseline'] = [ns.baseline] + reshard_cmd[1:]
     if ns.exports:
-        for to, name in (('universal', os.path.basename(src) + '_universal'), ('consolidated', 'model')):
+        for to, name in (('universal', os.path.basename(src) + '_universal'), ('consolidated', 'model'),
+                         ('hf', 'hf-model')):
             commands[to] = [ns.reshard, 'export', src, os.path.join(out_root, name), '--to', to, '-q']
         # The same conversion read from the universal checkpoint of SRC (made once, untimed).
         universal = src + '_universal'
@@ -468,8 +469,8 @@ def main(argv=None) -> int:
     ap.add_argument('--keep', action='store_true',
                     help='keep the checkpoints and the last outputs (default: delete everything written)')
     ap.add_argument('--exports', action='store_true',
-                    help='also time `export --to universal` and `export --to consolidated` of SRC in the '
-                         'same alternation')
+                    help='also time `export --to universal`, `--to consolidated` and `--to hf` of SRC, and '
+                         '`convert` from its universal checkpoint, in the same alternation')
     ap.add_argument('--baseline', help='another reshard binary (e.g. a build of an earlier commit): '
                     'timed in the same alternation, ratios against cp -r and reshard')
     ap.add_argument('--warm', action='store_true', help='do not drop the page cache before runs')
