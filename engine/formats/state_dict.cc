@@ -300,7 +300,7 @@ ByteProducer CastBytes(ByteProducer from, DType src, DType dst) {
     thread_local std::vector<uint8_t> scratch;
     scratch.resize(static_cast<size_t>(n * se));
     RESHARD_RETURN_IF_ERROR(from(begin * se, n * se, scratch.data()));
-    for (int64_t i = 0; i < n; ++i) StoreFromDouble(dst, LoadAsDouble(src, scratch.data() + i * se), out + i * de);
+    ConvertElements(src, scratch.data(), n, dst, out);
     return Status::Ok();
   };
 }

@@ -163,4 +163,28 @@ void StoreFromDouble(DType dtype, double v, uint8_t* p) {
   }
 }
 
+namespace {
+
+// fp32 bits to bf16 bits, rounded to nearest even; a NaN becomes the quiet
+// NaN of its sign, as EncodeSmall makes it.
+uint16_t Bf16OfFloatBits(uint32_t x) {
+  if ((x & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>(((x >> 16) & 0x8000u) | 0x7FC0u);
+  return static_cast<uint16_t>((x + 0x7FFFu + ((x >> 16) & 1u)) >> 16);
+}
+
+}  // namespace
+
+void ConvertElements(DType from, const uint8_t* src, int64_t n, DType to, uint8_t* dst) {
+  if (from == to) {
+    std::memcpy(dst, src, static_cast<size_t>(n) * ElementSize(from));
+    return;
+  }
+  if (from == DType::kFloat32 && to == DType::kBFloat16) {
+    for (int64_t i = 0; i < n; ++i) StoreLE(Bf16OfFloatBits(static_cast<uint32_t>(LoadLE(src + 4 * i, 4))), 2, dst + 2 * i);
+    return;
+  }
+  const int se = ElementSize(from), de = ElementSize(to);
+  for (int64_t i = 0; i < n; ++i) StoreFromDouble(to, LoadAsDouble(from, src + i * se), dst + i * de);
+}
+
 }  // namespace reshard

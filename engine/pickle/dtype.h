@@ -46,4 +46,11 @@ double LoadAsDouble(DType dtype, const uint8_t* p);
 // REQUIRES: IsFloatingPoint(dtype)
 void StoreFromDouble(DType dtype, double v, uint8_t* p);
 
+// Converts `n` elements from `src` (of dtype `from`) to `dst` (of dtype
+// `to`): what LoadAsDouble and StoreFromDouble give element by element, with
+// fp32 to bf16 at memory speed; the same dtype is copied bit for bit (a
+// signalling NaN stays one).
+// REQUIRES: IsFloatingPoint(from) and IsFloatingPoint(to)
+void ConvertElements(DType from, const uint8_t* src, int64_t n, DType to, uint8_t* dst);
+
 }  // namespace reshard

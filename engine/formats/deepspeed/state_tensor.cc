@@ -81,10 +81,7 @@ ByteProducer WeightOfMaster(SourceTensor master, TensorPlan plan, DType dtype,
     for (int64_t at = begin; at < end; at += kBlock) {
       const int64_t n = std::min(kBlock, end - at);
       *read += MaterializeRange(master, plan, at, at + n, fp32.data(), &pages);
-      for (int64_t i = 0; i < n; ++i) {
-        StoreFromDouble(dtype, LoadAsDouble(DType::kFloat32, fp32.data() + 4 * i),
-                        dst + (at - begin + i) * es);
-      }
+      ConvertElements(DType::kFloat32, fp32.data(), n, dtype, dst + (at - begin) * es);
     }
     return Status::Ok();
   };

@@ -165,5 +165,31 @@ TEST(DTypeTest, BFloat16MatchesFloat32BitTrick) {
   }
 }
 
+// ConvertElements gives what StoreFromDouble(LoadAsDouble) gives, element by
+// element: on its fast fp32 -> bf16 path (NaNs, infinities, subnormals,
+// ties and carries into the exponent included) and on the general one; the
+// same dtype keeps every bit.
+TEST(DTypeTest, ConvertElementsMatchesElementByElement) {
+  std::mt19937 rng(5);
+  std::vector<uint32_t> bits = {0x00000000u, 0x80000000u, 0x7F800000u, 0xFF800000u, 0x7FC00000u, 0xFFC00001u,
+                                0x7F800001u, 0x00000001u, 0x007FFFFFu, 0x3F808000u, 0x3F818000u, 0x7F7FFFFFu,
+                                0x3FFF8000u, 0x477FE000u};
+  for (int i = 0; i < 200000; ++i) bits.push_back(rng());
+  std::vector<uint8_t> src(bits.size() * 4);
+  for (size_t i = 0; i < bits.size(); ++i) std::memcpy(&src[4 * i], &bits[i], 4);
+  for (DType to : {DType::kBFloat16, DType::kFloat16, DType::kFloat32, DType::kFloat64}) {
+    const int es = ElementSize(to);
+    std::vector<uint8_t> fast(bits.size() * es), slow(bits.size() * es);
+    ConvertElements(DType::kFloat32, src.data(), static_cast<int64_t>(bits.size()), to, fast.data());
+    for (size_t i = 0; i < bits.size(); ++i) {
+      StoreFromDouble(to, LoadAsDouble(DType::kFloat32, &src[4 * i]), &slow[i * es]);
+    }
+    if (to == DType::kFloat32) slow = src;  // the same dtype: the bits as they are
+    for (size_t i = 0; i < bits.size(); ++i) {
+      ASSERT_EQ(0, std::memcmp(&fast[i * es], &slow[i * es], es)) << DTypeName(to) << " of bits " << std::hex << bits[i];
+    }
+  }
+}
+
 }  // namespace
 }  // namespace reshard
