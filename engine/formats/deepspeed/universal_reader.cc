@@ -241,11 +241,11 @@ Result<std::unique_ptr<SourceOptimizer>> UniversalOptimizer::Make(std::map<std::
   return std::unique_ptr<SourceOptimizer>(std::move(opt));
 }
 
-// The shard targets are built from (zero_shard_writer.h replaces the
-// partitions): zero/optimizer_state.pt's entries, with base_optimizer_state
-// made of its param_groups and one state per group (the step, where the
-// groups do not record it, and the per-element states), in the file the
-// mp_rank files' ds_config and ds_version go with.
+// The template every target shard is built from (zero_shard_writer.h fills
+// in the partitions): zero/optimizer_state.pt's entries, with a
+// base_optimizer_state of its param_groups and one state per group (the
+// step, where the groups do not record it, and the per-element states), and
+// the mp_rank files' ds_config and ds_version beside it.
 Status UniversalOptimizer::MakeTemplate(const Value& optimizer_state, const Value& metadata, const Value* step) {
   const Value* groups = Find(optimizer_state, "param_groups");
   if (groups == nullptr || !groups->is(Value::Kind::kList) || groups->as_list().items.empty()) {
