@@ -3,10 +3,9 @@
 Checked with real PyTorch:
 
 * round trips: a native fixture A (TP 2, PP 2, DP 2) exported --to universal U, then
-  U -> B (another layout) equals A -> C (the same layout, straight) for every family with
-  the families of the interop tests and each optimizer format (BF16_Optimizer, fp16 ZeRO-1, DeepSpeed 0.6.5's
-  BF16 shards): layer files
-  (tensor by tensor; a universal checkpoint does not record their key order), optimizer
+  U -> B (another layout) equals A -> C (the same layout, straight) for four families and
+  each optimizer format (BF16_Optimizer, fp16 ZeRO-1, DeepSpeed 0.6.5's BF16 shards): layer
+  files (tensor by tensor; a universal checkpoint does not record their key order), optimizer
   shards bit for bit, mp_rank files but for the RNG states of ranks that have no source rank
   (U is TP 1, PP 1: they take mp_rank_00's). The vocabulary is unpadded at every TP here, so
   that nothing the universal form drops (padding rows) is compared;
