@@ -21,7 +21,6 @@
 #include "exec/output_folder.h"
 #include "formats/format.h"
 #include "reshard/reshard.h"
-#include "util/list_folder.h"
 
 namespace reshard {
 namespace {
