@@ -421,7 +421,12 @@ def print_table(rows: List[Row]) -> None:
         opts = ','.join(f'{k}={v}' for k, v in r.case.options.items())
         lines.append((r.case.name, r.case.family + (f' [{opts}]' if opts else ''), fmt(r.case.src),
                       fmt(r.case.dst), str(r.params), str(r.tensors), str(r.elements), r.result, note))
-    widths = [max(len(line[i]) for line in lines) for i in range(len(head) - 1)]
+    print_aligned(lines)
+
+
+def print_aligned(lines) -> None:
+    """Prints rows of strings (the first one the heading) in aligned columns; the last column free."""
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]) - 1)]
     for i, line in enumerate(lines):
         print('  '.join(c.ljust(w) for c, w in zip(line, widths)) + '  ' + line[-1])
         if i == 0:

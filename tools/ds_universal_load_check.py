@@ -377,11 +377,7 @@ def print_table(rows: List[Row]) -> None:
                       str(r.params), str(r.slices), str(r.tensors), str(r.elements), str(r.wrong),
                       str(r.errors), r.steps, r.result + ('' if r.decides or r.result == 'SKIP' else ' (info)'),
                       ', '.join(r.wrong_params)))
-    widths = [max(len(line[i]) for line in lines) for i in range(len(head) - 1)]
-    for i, line in enumerate(lines):
-        print('  '.join(c.ljust(w) for c, w in zip(line, widths)) + '  ' + line[-1])
-        if i == 0:
-            print('  '.join('-' * w for w in widths) + '  ' + '-' * 4)
+    dc.print_aligned(lines)
 
 
 def main(argv=None) -> int:

@@ -118,9 +118,7 @@ class NonPipelineSource : public DeepSpeedModelSource {
   Result<std::unique_ptr<TargetPlan>> PlanFamilyFormat(const ExportOptions& options,
                                                        std::vector<std::string>* notes) const override {
     if (shard_files() == 0 || options.weights_only) {
-      return Status::InvalidInput("a universal checkpoint is the optimizer state (fp32 masters and moments) "
-                                  "by parameter, and this checkpoint has no optimizer shards; export --to "
-                                  "consolidated writes its weights");
+      return NoStateForUniversal("optimizer shards");
     }
     RESHARD_ASSIGN_OR_RETURN(const SourceOptimizer* opt, Optimizer());
     return PlanUniversalUnsplit(ckpt(), *opt, files(), notes);

@@ -254,9 +254,7 @@ class PipelineSource : public DeepSpeedModelSource {
   Result<std::unique_ptr<TargetPlan>> PlanFamilyFormat(const ExportOptions& options,
                                                        std::vector<std::string>* notes) const override {
     if (!HasOptimizerState() || options.weights_only) {
-      return Status::InvalidInput("a universal checkpoint is the optimizer state (fp32 masters and moments) "
-                                  "by parameter, and this checkpoint has none; export --to consolidated "
-                                  "writes its weights");
+      return NoStateForUniversal("optimizer state");
     }
     RESHARD_ASSIGN_OR_RETURN(const SourceOptimizer* opt, Optimizer());
     return PlanUniversal(ckpt(), *opt, files(), options.replicated, notes);

@@ -109,19 +109,28 @@ bool ParsePlace(const std::string& name, Place* place) {
   return true;
 }
 
-// The order DeepSpeed registered the parameters in: param_shapes of every
-// stage, group by group. Keys placed in that order keep every group's order,
-// which is what the target's flat groups are built from.
-std::map<std::string, size_t> RegistrationOrder(const std::vector<Value>& metadata) {
+// The parameters the mp_rank files record (param_shapes), each once.
+struct RecordedParams {
+  // The order DeepSpeed registered them in: every stage's groups in turn.
+  // Keys placed in that order keep every group's order, which is what the
+  // target's flat groups are built from.
   std::map<std::string, size_t> order;
+  std::map<std::string, std::vector<int64_t>> shapes;  // TP-local, as the source stored them
+};
+
+RecordedParams ReadRecordedParams(const std::vector<Value>& metadata) {
+  RecordedParams recorded;
   for (const Value& m : metadata) {
     std::vector<std::vector<ParamShape>> groups;
     if (!ReadParamShapes(m, &groups)) continue;
     for (const auto& group : groups) {
-      for (const ParamShape& p : group) order.emplace(p.first, order.size());
+      for (const ParamShape& p : group) {
+        recorded.order.emplace(p.first, recorded.order.size());
+        recorded.shapes.emplace(p.first, p.second);
+      }
     }
   }
-  return order;
+  return recorded;
 }
 
 // The dtype DeepSpeed trained the weights in: Megatron's args, else the
@@ -385,17 +394,9 @@ void CheckComplete(const std::map<std::string, size_t>& order, const std::map<st
 // The whole tensors agree with the TP-local shapes the mp_rank files record
 // (param_shapes) at the TP the checkpoint was made from: the rules' split
 // dim times TP, the vocabulary no more rows than its padded ones.
-void CheckRecordedShapes(const std::vector<Value>& metadata, LogicalCheckpoint* ckpt) {
+void CheckRecordedShapes(const std::map<std::string, std::vector<int64_t>>& recorded, LogicalCheckpoint* ckpt) {
   const int64_t tp = MetadataInt(ckpt->args(), "tensor_model_parallel_size", -1);
   if (tp < 1) return;
-  std::map<std::string, std::vector<int64_t>> recorded;
-  for (const Value& m : metadata) {
-    std::vector<std::vector<ParamShape>> groups;
-    if (!ReadParamShapes(m, &groups)) continue;
-    for (const auto& group : groups) {
-      for (const ParamShape& p : group) recorded.emplace(p.first, p.second);
-    }
-  }
   for (size_t li = 0; li < ckpt->layers.size(); ++li) {
     for (size_t ti = 0; ti < ckpt->layers[li].tensors.size(); ++ti) {
       const LogicalTensor& t = ckpt->layers[li].tensors[ti];
@@ -462,7 +463,8 @@ Result<UniversalCheckpoint> ReadUniversalCheckpoint(CheckpointFiles files, const
                   "; reshard does not know what it holds (move it out of the tag folder if it does not "
                   "belong to the checkpoint)");
   }
-  const std::map<std::string, size_t> order = RegistrationOrder(ckpt.metadata);
+  const RecordedParams recorded = ReadRecordedParams(ckpt.metadata);
+  const std::map<std::string, size_t>& order = recorded.order;
   RESHARD_ASSIGN_OR_RETURN(Layers layers, PlaceTensors(params, order));
   for (const auto& [name, p] : params) {
     const Value* vocab = Find(p.roots.at(kMasterState), "vocab_tensor");
@@ -471,7 +473,7 @@ Result<UniversalCheckpoint> ReadUniversalCheckpoint(CheckpointFiles files, const
   ckpt.weights_from_masters = TrainingDType(ckpt.metadata[0]);
   CheckComplete(order, params, &ckpt);  // before the rules' findings: the more precise line
   RESHARD_RETURN_IF_ERROR(DescribeLayers(layers, options, &ckpt));
-  CheckRecordedShapes(ckpt.metadata, &ckpt);
+  CheckRecordedShapes(recorded.shapes, &ckpt);
   if (optimizer_state) {
     RESHARD_ASSIGN_OR_RETURN(u.optimizer, UniversalOptimizer::Make(std::move(params), *optimizer_state,
                                                                    ckpt.metadata[0], *ckpt.weights_from_masters));

@@ -251,6 +251,12 @@ Status CheckShards(const SourceOptimizer& opt) {
 
 }  // namespace
 
+Status NoStateForUniversal(const std::string& what) {
+  return Status::InvalidInput("a universal checkpoint is the optimizer state (fp32 masters and moments) by "
+                              "parameter, and this checkpoint has no " + what +
+                              "; export --to consolidated writes its weights");
+}
+
 Result<std::unique_ptr<TargetPlan>> PlanUniversal(const LogicalCheckpoint& src, const SourceOptimizer& opt,
                                                   const CheckpointFiles& files, ReplicatedPolicy replicated,
                                                   std::vector<std::string>* notes) {

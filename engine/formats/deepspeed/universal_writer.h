@@ -32,6 +32,9 @@
 
 namespace reshard {
 
+// The refusal for a checkpoint without `what` (its optimizer state).
+Status NoStateForUniversal(const std::string& what);
+
 // `src`, `opt` and `files` must outlive the plan and its jobs.
 Result<std::unique_ptr<TargetPlan>> PlanUniversal(const LogicalCheckpoint& src, const SourceOptimizer& opt,
                                                   const CheckpointFiles& files, ReplicatedPolicy replicated,
