@@ -10,6 +10,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <sstream>
 
 #include "api/common.h"
@@ -108,16 +109,19 @@ int64_t FilesBytes(const std::vector<std::string>& paths) {
   return total;
 }
 
-// The sizes of the files `jobs` wrote into `dir`, and of the manifest when `root`.
-int64_t WrittenBytes(const std::string& dir, const std::vector<Job>& jobs, bool root) {
+// The files `jobs` write, each once (several jobs may write parts of one).
+std::vector<std::string> FilesOf(const std::vector<Job>& jobs) {
+  std::set<std::string> names;
+  for (const Job& job : jobs) names.insert(job.name);
+  return {names.begin(), names.end()};
+}
+
+// The bytes this process wrote into `dir`: its jobs' pieces, and the manifest when `root`.
+int64_t WrittenBytes(const std::string& dir, const std::multimap<std::string, FileDigest>& pieces, bool root) {
   int64_t total = 0;
-  std::vector<std::string> names;
-  for (const Job& job : jobs) names.push_back(job.name);
-  if (root) names.push_back(kManifestName);
-  for (const std::string& name : names) {
-    struct stat st;
-    if (::stat((dir + "/" + name).c_str(), &st) == 0) total += static_cast<int64_t>(st.st_size);
-  }
+  for (const auto& entry : pieces) total += entry.second.bytes;
+  struct stat st;
+  if (root && ::stat((dir + "/" + kManifestName).c_str(), &st) == 0) total += static_cast<int64_t>(st.st_size);
   return total;
 }
 
@@ -146,7 +150,7 @@ struct Prepared {
   std::vector<std::string> files;  // every job's file, of all processes
   std::vector<Job> jobs;  // this process's share
   std::mutex digests_mu;
-  std::map<std::string, FileDigest> digests;  // of this process's files, as its jobs report them
+  std::multimap<std::string, FileDigest> pieces;  // of this process's files, as its jobs report them
   ExecuteOptions exec;
   std::atomic<int64_t> read{0};
   std::optional<OutputFolder> out;
@@ -185,37 +189,36 @@ Status Prepare(const std::string& input, const std::string& output, const WriteO
   p->out.emplace(std::move(folder));
   RESHARD_RETURN_IF_ERROR(SizeBuffers(options, p->plan->ScratchBytes(), &p->exec, report));
   RESHARD_ASSIGN_OR_RETURN(std::vector<Job> all, p->plan->Jobs(&p->read));
-  for (const Job& job : all) p->files.push_back(job.name);
+  p->files = FilesOf(all);
   p->exec.wrote = [p](const std::string& name, const FileDigest& digest) {
     std::lock_guard<std::mutex> lock(p->digests_mu);
-    p->digests[name] = digest;
+    p->pieces.emplace(name, digest);
   };
   const Cluster* cluster = options.cluster;
   p->jobs = JobsOfRank(std::move(all), cluster != nullptr ? cluster->rank() : 0,
                        cluster != nullptr ? cluster->size() : 1);
-  report->files = static_cast<int64_t>(p->jobs.size()) + (IsRoot(cluster) ? 1 : 0);  // and the manifest
+  report->files = static_cast<int64_t>(FilesOf(p->jobs).size()) + (IsRoot(cluster) ? 1 : 0);  // and the manifest
   report->tensor_bytes = JobBytes(p->jobs);
   clock->End("plan");
   return Status::Ok();
 }
 
-// The digests of every process's files ("crc bytes name" lines between processes).
+// The digests of every process's files ("crc bytes offset name" lines between processes).
 Result<std::map<std::string, FileDigest>> GatherDigests(const Prepared& p, Cluster* cluster) {
-  if (cluster == nullptr) return p.digests;
+  if (cluster == nullptr) return WholeFiles(p.pieces);
   std::string mine;
-  for (const auto& [name, d] : p.digests) {
-    mine += std::to_string(d.crc32) + " " + std::to_string(d.bytes) + " " + name + "\n";
+  for (const auto& [name, d] : p.pieces) {
+    mine += std::to_string(d.crc32) + " " + std::to_string(d.bytes) + " " + std::to_string(d.offset) + " " + name + "\n";
   }
   RESHARD_ASSIGN_OR_RETURN(std::vector<std::string> all, cluster->AllGather(mine));
-  std::map<std::string, FileDigest> digests;
+  std::multimap<std::string, FileDigest> pieces;
   for (const std::string& lines : all) {
     std::istringstream in(lines);
-    uint32_t crc;
-    int64_t bytes;
+    FileDigest d;
     std::string name;
-    while (in >> crc >> bytes && std::getline(in >> std::ws, name)) digests[name] = {bytes, crc};
+    while (in >> d.crc32 >> d.bytes >> d.offset && std::getline(in >> std::ws, name)) pieces.emplace(name, d);
   }
-  return digests;
+  return WholeFiles(pieces);
 }
 
 // reshard-manifest.json in the staging folder, from every file's digest.
@@ -250,7 +253,7 @@ Status Execute(Prepared* p, const WriteOptions& options, Publication publish, Ph
   if (written.ok()) written = CheckMappedFilesUnchanged();
   RESHARD_RETURN_IF_ERROR(AllOk(cluster, written));
   clock->End("write");
-  report->bytes_written = WrittenBytes(p->exec.dir, p->jobs, IsRoot(cluster));
+  report->bytes_written = WrittenBytes(p->exec.dir, p->pieces, IsRoot(cluster));
   report->bytes_read = p->read.load();
   if (!IsRoot(cluster)) return Status::Ok();
   RESHARD_RETURN_IF_ERROR(Publish(&*p->out, *p->src, publish, &report->notes));

@@ -12,10 +12,12 @@ namespace reshard {
 uint32_t Crc32(uint32_t crc, const uint8_t* data, size_t n);
 
 // A file as it was written: its size and CRC-32, computed from the bytes
-// on their way out (for the output's manifest).
+// on their way out (for the output's manifest). A file written in pieces by
+// several jobs reports one digest per piece, each at its offset.
 struct FileDigest {
   int64_t bytes = 0;
   uint32_t crc32 = 0;
+  int64_t offset = 0;  // of the piece's first byte; 0 for a whole file
 };
 
 // The CRC-32 of a then b, from Crc32(0, a), Crc32(0, b) and b's length: the

@@ -75,8 +75,11 @@ std::string JsonString(const std::string& s) {
   return out + "\"";
 }
 
-Result<std::string> SafetensorsHeader(const std::vector<SafetensorsTensor>& tensors,
-                                      const std::map<std::string, std::string>& metadata) {
+namespace {
+
+// The JSON header, padded.
+Result<std::string> Header(const std::vector<SafetensorsTensor>& tensors,
+                           const std::map<std::string, std::string>& metadata) {
   std::string json = "{";
   int64_t offset = 0;
   for (const SafetensorsTensor& t : tensors) {
@@ -106,39 +109,79 @@ Result<std::string> SafetensorsHeader(const std::vector<SafetensorsTensor>& tens
   return json;
 }
 
-Status WriteSafetensors(const std::string& path, const std::vector<SafetensorsTensor>& tensors,
-                        const std::map<std::string, std::string>& metadata,
-                        std::vector<uint8_t>* buffer, const std::function<void(int64_t)>& written,
-                        FileDigest* digest) {
-  RESHARD_ASSIGN_OR_RETURN(std::string header, SafetensorsHeader(tensors, metadata));
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+}  // namespace
+
+Result<SafetensorsLayout> LayOutSafetensors(const std::vector<SafetensorsTensor>& tensors,
+                                            const std::map<std::string, std::string>& metadata) {
+  RESHARD_ASSIGN_OR_RETURN(std::string header, Header(tensors, metadata));
+  SafetensorsLayout layout;
+  for (int i = 0; i < 8; ++i) layout.prefix += static_cast<char>(static_cast<uint64_t>(header.size()) >> (8 * i));
+  layout.prefix += header;
+  layout.size = static_cast<int64_t>(layout.prefix.size());
+  for (const SafetensorsTensor& t : tensors) {
+    layout.offsets.push_back(layout.size);
+    layout.size += SafetensorsBytes(t);
+  }
+  return layout;
+}
+
+std::vector<int64_t> SafetensorsCuts(const SafetensorsLayout& layout,
+                                     const std::vector<SafetensorsTensor>& tensors, int64_t part_bytes) {
+  std::vector<int64_t> cuts = {0};
+  size_t t = 0;  // the tensor the next cut falls in
+  for (int64_t at = part_bytes; at < layout.size; at += part_bytes) {
+    while (t + 1 < tensors.size() && layout.offsets[t + 1] <= at) ++t;
+    int64_t cut = at;
+    if (!tensors.empty() && at >= layout.offsets[t]) {
+      const int es = ElementSize(tensors[t].dtype);
+      cut = layout.offsets[t] + (at - layout.offsets[t]) / es * es;
+    }
+    if (cut > cuts.back()) cuts.push_back(cut);
+  }
+  cuts.push_back(layout.size);
+  return cuts;
+}
+
+Result<FileDigest> WriteSafetensorsRange(const std::string& path, const SafetensorsLayout& layout,
+                                         const std::vector<SafetensorsTensor>& tensors, int64_t begin,
+                                         int64_t end, std::vector<uint8_t>* buffer,
+                                         const std::function<void(int64_t)>& written) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0666);
   if (fd < 0) return WriteError(path, errno);
   FileCloser closer(fd);
-  uint8_t length[8];
-  for (int i = 0; i < 8; ++i) length[i] = static_cast<uint8_t>(static_cast<uint64_t>(header.size()) >> (8 * i));
-  if (int err = WriteFully(fd, length, sizeof(length))) return WriteError(path, err);
-  const uint8_t* header_bytes = reinterpret_cast<const uint8_t*>(header.data());
-  if (int err = WriteFully(fd, header_bytes, header.size())) return WriteError(path, err);
-  FileDigest file{static_cast<int64_t>(sizeof(length) + header.size()),
-                  Crc32(Crc32(0, length, sizeof(length)), header_bytes, header.size())};
-  for (const SafetensorsTensor& t : tensors) {
-    const int64_t bytes = SafetensorsBytes(t);
+  FileDigest piece{0, 0, begin};
+  auto put = [&](const uint8_t* data, int64_t n) -> Status {
+    if (int err = WriteFully(fd, data, static_cast<size_t>(n), begin + piece.bytes)) return WriteError(path, err);
+    piece.crc32 = Crc32(piece.crc32, data, static_cast<size_t>(n));
+    piece.bytes += n;
+    return Status::Ok();
+  };
+  const int64_t prefix = static_cast<int64_t>(layout.prefix.size());
+  if (begin < prefix) {
+    const auto* bytes = reinterpret_cast<const uint8_t*>(layout.prefix.data());
+    RESHARD_RETURN_IF_ERROR(put(bytes + begin, std::min(end, prefix) - begin));
+  }
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const SafetensorsTensor& t = tensors[i];
+    const int64_t from = std::max(begin, layout.offsets[i]) - layout.offsets[i];
+    const int64_t to = std::min(end, layout.offsets[i] + SafetensorsBytes(t)) - layout.offsets[i];
     const int es = ElementSize(t.dtype);
+    if (from >= to) continue;
+    if (from % es != 0 || to % es != 0) {
+      return Status::Internal(path + ": a range cuts an element of " + t.name);
+    }
     // Whole elements per piece, so producers that convert values see whole ones.
-    const int64_t piece = std::max<int64_t>(es, static_cast<int64_t>(buffer->size()) / es * es);
-    if (buffer->size() < static_cast<size_t>(piece)) buffer->resize(piece);
-    for (int64_t done = 0; done < bytes;) {
-      const int64_t n = std::min(piece, bytes - done);
+    const int64_t step = std::max<int64_t>(es, static_cast<int64_t>(buffer->size()) / es * es);
+    if (buffer->size() < static_cast<size_t>(step)) buffer->resize(step);
+    for (int64_t done = from; done < to;) {
+      const int64_t n = std::min(step, to - done);
       RESHARD_RETURN_IF_ERROR(t.produce(done, n, buffer->data()));
-      if (int err = WriteFully(fd, buffer->data(), static_cast<size_t>(n))) return WriteError(path, err);
-      file.crc32 = Crc32(file.crc32, buffer->data(), static_cast<size_t>(n));
-      file.bytes += n;
+      RESHARD_RETURN_IF_ERROR(put(buffer->data(), n));
       if (written) written(n);
       done += n;
     }
   }
-  if (digest != nullptr) *digest = file;
-  return Status::Ok();
+  return piece;
 }
 
 }  // namespace reshard

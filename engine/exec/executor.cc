@@ -4,6 +4,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <map>
 #include <mutex>
 #include <system_error>
 #include <thread>
@@ -42,17 +43,27 @@ Status RunParallel(size_t n, int threads, const std::function<Status(size_t, int
   return first_error;
 }
 
-// Counts written bytes and files and reports them about once a second.
+// Counts written bytes and files and reports them about once a second. A
+// file written in parts is done when its last part is.
 class Progress {
  public:
-  Progress(int64_t files, int64_t bytes, std::function<void(const std::string&)> report)
-      : files_(files), bytes_(bytes), report_(std::move(report)) {}
+  Progress(const std::vector<Job>& jobs, std::function<void(const std::string&)> report)
+      : bytes_(JobBytes(jobs)), report_(std::move(report)) {
+    for (const Job& job : jobs) ++parts_left_[job.name];
+    files_ = static_cast<int64_t>(parts_left_.size());
+  }
 
   void AddBytes(int64_t n) {
     bytes_done_ += n;
     MaybeReport(false);
   }
-  void FileDone() { MaybeReport(++files_done_ == files_); }
+  void JobDone(const Job& job) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (--parts_left_[job.name] > 0) return;
+    }
+    MaybeReport(++files_done_ == files_);
+  }
 
  private:
   using Clock = std::chrono::steady_clock;
@@ -72,7 +83,9 @@ class Progress {
     report_(line);
   }
 
-  const int64_t files_, bytes_;
+  const int64_t bytes_;
+  int64_t files_ = 0;
+  std::map<std::string, int> parts_left_;  // by file name
   std::function<void(const std::string&)> report_;
   std::atomic<int64_t> files_done_{0}, bytes_done_{0};
   std::mutex mu_;
@@ -84,7 +97,8 @@ class Progress {
 
 std::vector<Job> JobsOfRank(std::vector<Job> jobs, int rank, int ranks) {
   std::sort(jobs.begin(), jobs.end(), [](const Job& a, const Job& b) {
-    return a.bytes != b.bytes ? a.bytes > b.bytes : a.name < b.name;
+    if (a.bytes != b.bytes) return a.bytes > b.bytes;
+    return a.name != b.name ? a.name < b.name : a.part < b.part;
   });
   std::vector<int64_t> load(std::max(1, ranks), 0);
   std::vector<Job> mine;
@@ -103,7 +117,7 @@ int64_t JobBytes(const std::vector<Job>& jobs) {
 }
 
 Status Execute(std::vector<Job>& jobs, const ExecuteOptions& options) {
-  Progress progress(static_cast<int64_t>(jobs.size()), JobBytes(jobs), options.progress);
+  Progress progress(jobs, options.progress);
   // More workers than jobs would only hold buffers.
   const int threads = static_cast<int>(std::clamp<size_t>(static_cast<size_t>(std::max(1, options.threads)), 1,
                                                           std::max<size_t>(1, jobs.size())));
@@ -114,7 +128,7 @@ Status Execute(std::vector<Job>& jobs, const ExecuteOptions& options) {
     JobContext ctx{options.dir, buffer, [&progress](int64_t n) { progress.AddBytes(n); }, options.wrote};
     RESHARD_RETURN_IF_ERROR(jobs[i].run(ctx));
     jobs[i].run = nullptr;  // what it captured (source maps, trees) can go
-    progress.FileDone();
+    progress.JobDone(jobs[i]);
     return Status::Ok();
   };
   return RunParallel(jobs.size(), threads, run);

@@ -21,8 +21,9 @@ struct JobContext {
   const std::string& dir;           // the folder files are written into ("" when none)
   std::vector<uint8_t>& buffer;     // this worker's streaming buffer, at the budgeted size
   std::function<void(int64_t)> done;  // report bytes of progress
-  // Report each file written into `dir` (its name there) with its digest, for
-  // the output's manifest; may be empty. Called from the worker's thread.
+  // Report each file (or piece of one) written into `dir` (its name there)
+  // with its digest, for the output's manifest; may be empty. Called from
+  // the worker's thread.
   std::function<void(const std::string& name, const FileDigest& digest)> wrote;
 };
 
@@ -30,6 +31,9 @@ struct Job {
   std::string name;   // a file's name in `dir`; breaks ties between equal sizes
   int64_t bytes = 0;  // the tensor bytes it streams
   std::function<Status(JobContext& ctx)> run;
+  // A big file can be written by several jobs of the same name, each a byte
+  // range of it, numbered from 0; each reports its piece's digest.
+  int part = 0;
 };
 
 }  // namespace reshard

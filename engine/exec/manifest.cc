@@ -2,7 +2,9 @@
 
 #include <yaml-cpp/yaml.h>
 
+#include <algorithm>
 #include <cstdio>
+#include <vector>
 
 #include "container/safetensors_writer.h"
 
@@ -31,6 +33,25 @@ std::string ManifestJson(const Manifest& m) {
             ", \"crc32\": \"" + Hex(d.crc32) + "\"}" + (++i < m.files.size() ? ",\n" : "\n");
   }
   return json + "  ]\n}\n";
+}
+
+Result<std::map<std::string, FileDigest>> WholeFiles(const std::multimap<std::string, FileDigest>& pieces) {
+  std::map<std::string, std::vector<FileDigest>> by_file;
+  for (const auto& [name, piece] : pieces) by_file[name].push_back(piece);
+  std::map<std::string, FileDigest> files;
+  for (auto& [name, parts] : by_file) {
+    std::sort(parts.begin(), parts.end(), [](const FileDigest& a, const FileDigest& b) { return a.offset < b.offset; });
+    FileDigest whole;
+    for (const FileDigest& part : parts) {
+      if (part.offset != whole.bytes) {
+        return Status::Internal("the pieces written of " + name + " do not join at byte " + std::to_string(whole.bytes));
+      }
+      whole.crc32 = Crc32Combine(whole.crc32, part.crc32, part.bytes);
+      whole.bytes += part.bytes;
+    }
+    files[name] = whole;
+  }
+  return files;
 }
 
 // JSON is read with the YAML parser, which accepts it.

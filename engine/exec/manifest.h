@@ -25,6 +25,10 @@ struct Manifest {
 // The manifest as JSON (files by name; CRCs as 8 hex digits).
 std::string ManifestJson(const Manifest& manifest);
 
+// Each file's digest from the pieces its jobs reported (in any order); an
+// error if a file's pieces leave a gap or overlap.
+Result<std::map<std::string, FileDigest>> WholeFiles(const std::multimap<std::string, FileDigest>& pieces);
+
 // Reads the manifest at `path`; errors name the file and what is wrong.
 Result<Manifest> ReadManifest(const std::string& path);
 

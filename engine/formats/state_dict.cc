@@ -15,6 +15,25 @@
 namespace reshard {
 namespace {
 
+// The size of the ranges a safetensors file of `bytes` is written in: a
+// quarter of it, so that two workers (or four) share a file that is written
+// alone, but at least 16 MiB, against which a range's open costs nothing,
+// and at most 256 MiB, so that the last ranges of big files balance.
+int64_t PartBytes(int64_t bytes) { return std::clamp<int64_t>(bytes / 4, int64_t{16} << 20, int64_t{256} << 20); }
+
+// The safetensors form of `tensors`, their bytes made from `sources` (or
+// unset, for planning).
+std::vector<SafetensorsTensor> SafetensorsTensors(const std::vector<StateDictTensor>& tensors,
+                                                  const std::vector<FullTensor>* sources) {
+  std::vector<SafetensorsTensor> out;
+  for (const StateDictTensor& t : tensors) {
+    out.push_back({t.name, t.dtype, t.shape, sources != nullptr ? t.bytes(*sources) : ByteProducer()});
+  }
+  return out;
+}
+
+const std::map<std::string, std::string> kSafetensorsMetadata = {{"format", "pt"}};
+
 // Which source tensor each exported parameter comes from, and its shape.
 class TensorChoice {
  public:
@@ -112,7 +131,21 @@ struct StateDictFile {
   std::string name;
   std::vector<StateDictTensor> tensors;
   int64_t bytes = 0;
+  // Safetensors only: where everything lies, and the ranges its jobs write
+  // (offsets from 0 to the file's size).
+  SafetensorsLayout layout;
+  std::vector<int64_t> cuts;
 };
+
+// Lays out each safetensors file and cuts it into ranges.
+Status LayOut(std::vector<StateDictFile>* files) {
+  for (StateDictFile& file : *files) {
+    const std::vector<SafetensorsTensor> tensors = SafetensorsTensors(file.tensors, nullptr);
+    RESHARD_ASSIGN_OR_RETURN(file.layout, LayOutSafetensors(tensors, kSafetensorsMetadata));
+    file.cuts = SafetensorsCuts(file.layout, tensors, PartBytes(file.bytes));
+  }
+  return Status::Ok();
+}
 
 // Greedy, in order: a file takes tensors until the next would pass the size.
 std::vector<StateDictFile> Shard(std::vector<StateDictTensor> tensors, int64_t max_bytes, bool torch_format) {
@@ -207,7 +240,8 @@ class StateDictPlan : public TargetPlan {
     std::string out = layout_.title + ": " + std::to_string(files_.size()) + " file(s), " +
                       std::to_string(tensors) + " tensors, " + HumanBytes(bytes) + "\n";
     for (const StateDictFile& f : files_) {
-      out += "  " + f.name + ": " + std::to_string(f.tensors.size()) + " tensors, " + HumanBytes(f.bytes) + "\n";
+      const std::string ranges = f.cuts.size() > 2 ? ", written as " + std::to_string(f.cuts.size() - 1) + " ranges" : "";
+      out += "  " + f.name + ": " + std::to_string(f.tensors.size()) + " tensors, " + HumanBytes(f.bytes) + ranges + "\n";
       if (!detail) continue;
       for (const StateDictTensor& t : f.tensors) {
         out += "    " + t.name + " " + DTypeName(t.dtype) + " " + ShapeString(t.shape) + " (" + t.detail + ")\n";
@@ -225,8 +259,12 @@ class StateDictPlan : public TargetPlan {
     auto sources = std::make_shared<std::vector<FullTensor>>(std::move(all));
     std::vector<Job> jobs;
     for (const StateDictFile& file : files_) {
-      jobs.push_back({file.name, file.bytes, [this, &file, sources](JobContext& ctx) {
-                        return WriteFile(file, *sources, ctx);
+      if (!layout_.torch_format) {
+        AddSafetensorsJobs(file, sources, &jobs);
+        continue;
+      }
+      jobs.push_back({file.name, file.bytes, [&file, sources](JobContext& ctx) {
+                        return WriteTorchFormat(file, *sources, ctx);
                       }});
     }
     if (files_.size() > 1) {
@@ -243,16 +281,25 @@ class StateDictPlan : public TargetPlan {
   }
 
  private:
-  Status WriteFile(const StateDictFile& file, const std::vector<FullTensor>& sources, JobContext& ctx) const {
-    const std::string path = ctx.dir + "/" + file.name;
-    if (!layout_.torch_format) {
-      std::vector<SafetensorsTensor> tensors;
-      for (const StateDictTensor& t : file.tensors) tensors.push_back({t.name, t.dtype, t.shape, t.bytes(sources)});
-      FileDigest digest;
-      RESHARD_RETURN_IF_ERROR(WriteSafetensors(path, tensors, {{"format", "pt"}}, &ctx.buffer, ctx.done, &digest));
-      if (ctx.wrote) ctx.wrote(file.name, digest);
-      return Status::Ok();
+  // A safetensors file as jobs that each write a range of it, so that
+  // several workers share a big file.
+  static void AddSafetensorsJobs(const StateDictFile& file, std::shared_ptr<const std::vector<FullTensor>> sources,
+                                 std::vector<Job>* jobs) {
+    auto tensors = std::make_shared<const std::vector<SafetensorsTensor>>(SafetensorsTensors(file.tensors, sources.get()));
+    const auto header = static_cast<int64_t>(file.layout.prefix.size());
+    for (size_t i = 0; i + 1 < file.cuts.size(); ++i) {
+      const int64_t begin = file.cuts[i], end = file.cuts[i + 1];
+      auto write = [&file, sources, tensors, begin, end](JobContext& ctx) -> Status {
+        RESHARD_ASSIGN_OR_RETURN(FileDigest piece, WriteSafetensorsRange(ctx.dir + "/" + file.name, file.layout,
+                                                                         *tensors, begin, end, &ctx.buffer, ctx.done));
+        if (ctx.wrote) ctx.wrote(file.name, piece);
+        return Status::Ok();
+      };
+      jobs->push_back({file.name, end - std::max(begin, header), std::move(write), static_cast<int>(i)});
     }
+  }
+
+  static Status WriteTorchFormat(const StateDictFile& file, const std::vector<FullTensor>& sources, JobContext& ctx) {
     Items items;
     for (const StateDictTensor& t : file.tensors) {
       items.emplace_back(Value::String(t.name), MakeProducedTensor(t.dtype, t.shape, t.bytes(sources)));
@@ -262,7 +309,7 @@ class StateDictPlan : public TargetPlan {
     write.written = ctx.done;
     FileDigest digest;
     write.digest = &digest;
-    RESHARD_RETURN_IF_ERROR(WriteTorchFile(path, MakeOrderedDict(std::move(items)), write));
+    RESHARD_RETURN_IF_ERROR(WriteTorchFile(ctx.dir + "/" + file.name, MakeOrderedDict(std::move(items)), write));
     if (ctx.wrote) ctx.wrote(file.name, digest);
     return Status::Ok();
   }
@@ -312,10 +359,12 @@ ByteProducer ChosenBytes(const ChosenTensor& t, const std::vector<FullTensor>& s
 
 int64_t StateDictTensor::size() const { return ShapeNumel(shape) * ElementSize(dtype); }
 
-std::unique_ptr<TargetPlan> PlanStateDict(const SourceCheckpoint& src, StateDictLayout layout,
-                                          std::vector<StateDictTensor> tensors, std::vector<SideFile> side) {
+Result<std::unique_ptr<TargetPlan>> PlanStateDict(const SourceCheckpoint& src, StateDictLayout layout,
+                                                  std::vector<StateDictTensor> tensors, std::vector<SideFile> side) {
   std::vector<StateDictFile> files = Shard(std::move(tensors), layout.max_shard_size, layout.torch_format);
-  return std::make_unique<StateDictPlan>(src, std::move(layout), std::move(files), std::move(side));
+  if (!layout.torch_format) RESHARD_RETURN_IF_ERROR(LayOut(&files));
+  return std::unique_ptr<TargetPlan>(
+      std::make_unique<StateDictPlan>(src, std::move(layout), std::move(files), std::move(side)));
 }
 
 }  // namespace reshard

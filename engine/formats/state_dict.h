@@ -3,8 +3,8 @@
 // vocabulary padding stripped, cast to the asked dtype), and the files —
 // model.safetensors, or model-0000K-of-0000N.safetensors with
 // model.safetensors.index.json past the shard size, or the same as
-// pytorch_model*.bin (torch.save) — each one job that streams its tensors,
-// plus small text files beside them (an HF config.json) and copied files.
+// pytorch_model*.bin (torch.save) — each streamed by its jobs, plus small
+// text files beside them (an HF config.json) and copied files.
 //
 // It sits in formats/ itself, beside format.h, because two format folders
 // share it and may not include each other.
@@ -84,9 +84,10 @@ struct StateDictLayout {
 };
 
 // Plans the files: tensors in order, cut greedily at the shard size, then the
-// index (when there are several files) and the side files. `src` must
-// outlive the plan and its jobs.
-std::unique_ptr<TargetPlan> PlanStateDict(const SourceCheckpoint& src, StateDictLayout layout,
-                                          std::vector<StateDictTensor> tensors, std::vector<SideFile> side);
+// index (when there are several files) and the side files. A safetensors
+// file is written as byte ranges, so that several workers share a big one.
+// `src` must outlive the plan and its jobs.
+Result<std::unique_ptr<TargetPlan>> PlanStateDict(const SourceCheckpoint& src, StateDictLayout layout,
+                                                  std::vector<StateDictTensor> tensors, std::vector<SideFile> side);
 
 }  // namespace reshard

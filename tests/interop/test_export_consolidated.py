@@ -10,6 +10,8 @@ fp32 master whole, found by `param_slice_mappings`. Neither is written by reshar
   `--dtype bf16` rounds the masters;
 * `--max-shard-size` splits into model-0000K-of-0000N.safetensors plus an index whose weight map
   names every tensor's file, and the union equals the single file;
+* a file past 32 MiB is written as byte ranges, by one worker or two, to the same bytes, and
+  `verify` finds its manifest CRC (joined from the ranges' CRCs) right;
 * `--format pt` writes a torch.save file torch.load reads back to the same tensors;
 * non-pipeline ZeRO-2 and ZeRO-3 folders (HF Trainer style) export under the module's own names,
   equal to the fixture oracle's fp32 masters (and buffers, where the checkpoint keeps them);
@@ -21,6 +23,8 @@ Run: /usr/bin/python3 tests/interop/test_export_consolidated.py --reshard build/
 import glob
 import json
 import os
+import re
+import shutil
 
 import torch
 
@@ -142,6 +146,28 @@ class ExportConsolidatedTest(FixtureTestCase):
                 else:
                     expected.update(want['buffers'])  # stored in the training dtype, as saved
                 self.assertSameTensors(got, expected)
+
+    def test_a_big_file_is_written_as_ranges_by_several_workers(self):
+        """A safetensors file past 32 MiB is cut into ranges that the workers write at once."""
+        cfg = dn.NonPipeConfig(zero_stage=2, dtype='bf16', dp=2, L=1, n_heads=4, n_kv=2,
+                               head_dim=16, ffn=64, h=512, V=10240)  # embedding and head 20 MiB each
+        src = self.path('big')
+        dn.write_nonpipe(src, cfg)
+        out = self.path('big_out')
+        plan = run('export', src, out, '--to', 'consolidated', '--dry-run')
+        self.assertEqual(plan.returncode, 0, plan.stdout + plan.stderr)
+        ranges = re.search(r'model\.safetensors: .*, written as (\d+) ranges', plan.stdout)
+        self.assertIsNotNone(ranges, plan.stdout)
+        self.assertGreaterEqual(int(ranges.group(1)), 2)
+        for threads in (1, 2):
+            with self.subTest(threads=threads):
+                shutil.rmtree(out, ignore_errors=True)
+                p = run('export', src, out, '--to', 'consolidated', '--threads', threads)
+                self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+                got, _ = read_safetensors(os.path.join(out, 'model.safetensors'))
+                want = dn.expected_nonpipe_state(cfg)
+                self.assertSameTensors(got, dict(want['fp32'], **want['buffers']))
+                self.assertEqual(run('verify', out).returncode, 0)  # the manifest's CRC, joined from the ranges
 
     def test_refusals_write_nothing(self):
         drifted = make_fixture(self.path('drifted'), tp=2, pp=2, dp=2, tp_drift_eps=0.01, **MODEL)

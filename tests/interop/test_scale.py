@@ -2,6 +2,8 @@
 
 * ``mpirun -np 2 reshard convert`` writes the same files, byte for byte, as one process, and
   ``latest`` once (rank 0, after both ranks finished).
+* ``mpirun -np 2 reshard export --to consolidated`` shares the byte ranges of one big file
+  between the processes and writes what one process does, manifest included.
 * ``mpirun -np 2 reshard verify`` shares the comparisons and prints the report one process does.
 * ``--max-memory`` holds: converting a checkpoint larger than the budget keeps the process's
   peak resident memory (the kernel's high-water mark, mapped file pages included) under it.
@@ -18,6 +20,7 @@ import subprocess
 import sys
 import unittest
 
+from fixtures import deepspeed_nonpipe as dn
 from fixtures import megatron_fixture as mf
 
 import interop_support as support
@@ -72,6 +75,28 @@ class ScaleTest(support.FixtureTestCase):
         files = [int(n) for n in re.findall(r'rank \d: wrote (\d+) files', mpi.stdout)]
         self.assertEqual(sum(files), len(os.listdir(self.path('one', 'out'))))
         self.assertTrue(all(n > 0 for n in files), mpi.stdout)
+
+    @unittest.skipUnless(shutil.which('mpirun'), 'Open MPI (mpirun) is not installed')
+    def test_two_processes_share_the_ranges_of_one_file(self):
+        cfg = dn.NonPipeConfig(zero_stage=2, dtype='bf16', dp=2, L=1, n_heads=4, n_kv=2,
+                               head_dim=16, ffn=64, h=512, V=10240)  # a 42 MB model.safetensors
+        src = self.path('src')
+        dn.write_nonpipe(src, cfg)
+        one = support.reshard('export', src, self.path('one'), '--to', 'consolidated')
+        self.assertEqual(one.returncode, 0, one.stderr)
+        mpi = subprocess.run(['mpirun', '-np', '2', support.RESHARD, 'export', src, self.path('two'),
+                              '--to', 'consolidated', '--threads', '1', '-q'],
+                             env=MPI_ENV, capture_output=True, text=True, timeout=300)
+        self.assertEqual(mpi.returncode, 0, mpi.stdout + mpi.stderr)
+        # Both processes wrote ranges of the one file: their bytes add up to one process's.
+        written = [int(n) for n in re.findall(r'rank \d: wrote \d+ files, .* \((\d+) bytes,', mpi.stdout)]
+        alone = re.search(r'wrote \d+ files, .* \((\d+) bytes,', one.stdout)
+        self.assertEqual(len(written), 2, mpi.stdout)
+        self.assertTrue(all(n > 1 << 20 for n in written), mpi.stdout)
+        manifest = lambda out: os.path.getsize(self.path(out, support.MANIFEST))  # names its command
+        self.assertEqual(sum(written) - manifest('two'), int(alone.group(1)) - manifest('one'))
+        self.assertEqual(same_tree(self.path('one'), self.path('two')), [])
+        self.assertEqual(support.reshard('verify', self.path('two')).returncode, 0)
 
     @unittest.skipUnless(shutil.which('mpirun'), 'Open MPI (mpirun) is not installed')
     def test_two_processes_verify_as_one_does(self):
