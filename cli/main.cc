@@ -88,6 +88,10 @@ void AddWriteOptions(CLI::App* cmd, reshard::WriteOptions* o, bool* quiet) {
                   "Resident memory the run may use, e.g. 512MiB or 4GiB (default 1GiB); sets each "
                   "thread's streaming buffer")
       ->transform(CLI::AsSizeValue(false));
+  cmd->add_option("--buffer-size", o->buffer_size,
+                  "Each thread's streaming buffer and write size, e.g. 256KiB (default: up to 1MiB, as "
+                  "--max-memory allows)")
+      ->transform(CLI::AsSizeValue(false));
   cmd->add_flag("-q,--quiet", *quiet, "Print only the summary (no progress, no plan)");
   AddPreflightOptions(cmd, o);
 }

@@ -160,7 +160,7 @@ struct Prepared {
 Status SizeBuffers(const WriteOptions& options, int64_t scratch_bytes, ExecuteOptions* exec,
                    ConvertReport* report) {
   RESHARD_ASSIGN_OR_RETURN(MemoryBudget memory, MemoryBudget::Plan(options.max_memory, ThreadCount(options.threads),
-                                                                   scratch_bytes));
+                                                                   scratch_bytes, options.buffer_size));
   report->memory_budget = memory.budget;
   report->memory_estimate = memory.Estimate();
   report->buffer_bytes = memory.buffer_bytes;

@@ -20,6 +20,7 @@ constexpr int64_t kBuffersPerWorker = 2;
 constexpr int64_t kScratchPerWorker = 1 * kMiB;
 constexpr int64_t kMinBuffer = 256 << 10;
 constexpr int64_t kMaxBuffer = 1 * kMiB;
+constexpr int64_t kMinAskedBuffer = 4 << 10;  // a page
 
 }  // namespace
 
@@ -27,12 +28,27 @@ int64_t MemoryBudget::Estimate() const {
   return baseline + kSlack + threads * (kBuffersPerWorker * buffer_bytes + kScratchPerWorker + scratch_bytes);
 }
 
-Result<MemoryBudget> MemoryBudget::Plan(int64_t budget, int threads, int64_t scratch_bytes) {
+Result<MemoryBudget> MemoryBudget::Plan(int64_t budget, int threads, int64_t scratch_bytes,
+                                        int64_t buffer_bytes) {
   MemoryBudget m;
   m.budget = budget;
   m.baseline = ResidentBytes();
   m.threads = std::max(1, threads);
   m.scratch_bytes = scratch_bytes;
+  if (buffer_bytes > 0) {
+    if (buffer_bytes < kMinAskedBuffer || buffer_bytes % kMinAskedBuffer != 0) {
+      return Status::InvalidInput("--buffer-size " + HumanBytes(buffer_bytes) +
+                                  " is not a multiple of 4 KiB; pass e.g. 256KiB or 1MiB");
+    }
+    m.buffer_bytes = buffer_bytes;
+    if (m.Estimate() > budget) {
+      return Status::InvalidInput("--buffer-size " + HumanBytes(buffer_bytes) + " needs about " +
+                                  HumanBytes(m.Estimate()) + " with " + std::to_string(m.threads) +
+                                  " thread(s), more than --max-memory " + HumanBytes(budget) +
+                                  "; raise --max-memory or pass a smaller --buffer-size");
+    }
+    return m;
+  }
   const int64_t per_worker = (budget - m.baseline - kSlack) / m.threads - kScratchPerWorker - scratch_bytes;
   const int64_t buffer = std::min(kMaxBuffer, per_worker / kBuffersPerWorker) / kGranule * kGranule;
   if (buffer < kMinBuffer) {

@@ -25,8 +25,12 @@ struct MemoryBudget {
   int64_t Estimate() const;
 
   // Splits what `budget` leaves after the current resident memory over
-  // `threads` workers, each of which also holds `scratch_bytes`.
-  static Result<MemoryBudget> Plan(int64_t budget, int threads, int64_t scratch_bytes = 0);
+  // `threads` workers, each of which also holds `scratch_bytes`. The buffer
+  // is `buffer_bytes` when that is set (> 0), else as big as the budget
+  // allows up to 1 MiB: bigger buffers fall out of the CPU caches between
+  // the copy into them and the write() out of them.
+  static Result<MemoryBudget> Plan(int64_t budget, int threads, int64_t scratch_bytes = 0,
+                                   int64_t buffer_bytes = 0);
 };
 
 // Resident memory of this process now, and its peak so far, in bytes.

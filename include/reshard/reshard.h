@@ -107,6 +107,10 @@ struct WriteOptions : PreflightOptions {
   // Resident memory the whole run may use; it sets the streaming buffer of
   // each thread. Refused when reading the metadata already needs it.
   int64_t max_memory = int64_t{1} << 30;
+  // Each thread's streaming buffer, which is also the size of its writes;
+  // 0 = what the budget allows, up to 1 MiB. Refused if the budget cannot
+  // hold it.
+  int64_t buffer_size = 0;
   // The processes sharing the work (an MPI job); null = this process alone.
   Cluster* cluster = nullptr;
   // The command recorded in the output's manifest (the CLI: its command line).

@@ -31,6 +31,20 @@ TEST(MemoryBudgetTest, BuffersAreCappedUnderALargeBudget) {
   EXPECT_EQ(m->buffer_bytes, kMiB);  // larger buffers fall out of the CPU caches
 }
 
+TEST(MemoryBudgetTest, AnAskedBufferSizeIsUsedWhenTheBudgetHoldsIt) {
+  Result<MemoryBudget> m = MemoryBudget::Plan(int64_t{64} << 30, 2, 0, 16 * kMiB);
+  ASSERT_TRUE(m.ok()) << m.status().message();
+  EXPECT_EQ(m->buffer_bytes, 16 * kMiB);  // past the 1 MiB the budget alone would give
+
+  m = MemoryBudget::Plan(ResidentBytes() + 300 * kMiB, 2, 0, 256 * kMiB);
+  ASSERT_FALSE(m.ok());
+  EXPECT_NE(m.status().message().find("smaller --buffer-size"), std::string::npos);
+
+  m = MemoryBudget::Plan(int64_t{64} << 30, 2, 0, 1000);
+  ASSERT_FALSE(m.ok());
+  EXPECT_NE(m.status().message().find("multiple of 4 KiB"), std::string::npos);
+}
+
 TEST(MemoryBudgetTest, ABudgetBelowWhatIsHeldIsRefused) {
   Result<MemoryBudget> m = MemoryBudget::Plan(ResidentBytes() / 2, 2);
   ASSERT_FALSE(m.ok());
