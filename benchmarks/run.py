@@ -5,13 +5,17 @@ For each checkpoint size (the full ~355M-parameter GPT-2-style checkpoint, ~5.6 
 about 4x smaller) this script
   * writes the checkpoint with benchmarks/make_checkpoint.py (or reuses one it wrote before),
   * alternates `cp -r SRC DST` and `reshard convert SRC OUT --tp 1 --pp 4 --dp 4 -q`
-    (the order flips every run), each after `sync` and, when the page cache can be dropped
-    (root: `echo 3 > /proc/sys/vm/drop_caches`), from a cold cache,
+    (the order flips every run), each after `sync`, in both page-cache modes (--modes): cold,
+    the cache dropped before every command (root: `echo 3 > /proc/sys/vm/drop_caches`), and
+    warm, SRC read into the cache first, as right after training saved it (the time "with
+    sync" is the fair figure there: both commands then have really written their bytes),
   * takes the median wall time of --runs runs of each, the peak resident memory of the
     process tree (sampled from /proc every 20 ms, split into anonymous and file-backed
     pages, plus the kernel's high-water mark from wait4), and the bytes the process read from
     and wrote to storage (/proc io accounting) against the on-disk size of SRC and OUT,
-  * optionally times another reshard binary (--baseline) and the exports (--exports: `export
+  * optionally times reshard with other write sizes (--buffer-sizes), `mpirun -np N` with the
+    same total thread count (--mpi N; its output is compared with one process's, byte for
+    byte), another reshard binary (--baseline) and the exports (--exports: `export
     --to universal`, `--to consolidated` and `--to hf`, and `convert` to the same target from the
     universal checkpoint of SRC) in the same alternation, each against cp -r,
   * optionally times DeepSpeed's ds_to_universal.py on the same input (--deepspeed-src, a
@@ -20,14 +24,15 @@ and prints one table, with the ratio reshard / cp that the throughput target is 
 (at most 1.2).  Figures only: nothing here passes or fails.
 
   /usr/bin/python3 benchmarks/run.py --reshard build-bench/reshard [--runs 5] [--threads N]
-      [--scales 1,0.25] [--workdir /tmp/reshard-bench] [--keep] [--verify] [--exports]
-      [--baseline OTHER_RESHARD]
+      [--scales 1,0.25] [--modes cold,warm] [--workdir /tmp/reshard-bench] [--keep] [--verify]
+      [--exports] [--buffer-sizes 128KiB,4MiB] [--mpi 2] [--baseline OTHER_RESHARD]
       [--deepspeed-src DIR] [--json results.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import filecmp
 import json
 import os
 import re
@@ -43,8 +48,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 PYTHON = '/usr/bin/python3'
 TARGET = ['--tp', '1', '--pp', '4', '--dp', '4']
+# reshard's summary (under mpirun, the first process's: "rank 0: wrote ...").
 WROTE = re.compile(r'wrote (\d+) files, .* \((\d+) bytes, \d+ of tensors\) to .* in ([\d.]+) s .*\n'
-                   r'read .* \((\d+) bytes, .*peak memory ([\d.]+ \w+)')
+                   r'(?:rank \d+: )?read .* \((\d+) bytes, .*peak memory ([\d.]+ \w+)')
+MPI_ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT='1', OMPI_ALLOW_RUN_AS_ROOT_CONFIRM='1',
+               OMPI_MCA_rmaps_base_oversubscribe='1')
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,9 +193,10 @@ def folder_bytes(path: str) -> int:
     return total
 
 
-def ensure_checkpoint(workdir: str, scale: float, reshard: str) -> Dict:
-    """The benchmark checkpoint of `scale` under workdir, written once and reused."""
-    root = os.path.join(workdir, f'ckpt-scale{scale:g}')
+def ensure_checkpoint(workdir: str, scale: float, reshard: str, filled: bool = False) -> Dict:
+    """The benchmark checkpoint of `scale` under workdir, written once and reused; `filled`:
+    make_checkpoint.py --filled (a pattern, not a model)."""
+    root = os.path.join(workdir, f'ckpt-scale{scale:g}' + ('-filled' if filled else ''))
     info_path = os.path.join(root, 'benchmark-checkpoint.json')
     if os.path.exists(info_path):
         with open(info_path) as f:
@@ -196,7 +205,7 @@ def ensure_checkpoint(workdir: str, scale: float, reshard: str) -> Dict:
         return info
     if os.path.exists(root):
         shutil.rmtree(root)
-    cmd = [PYTHON, os.path.join(HERE, 'make_checkpoint.py'), root, '--scale', str(scale)]
+    cmd = [PYTHON, os.path.join(HERE, 'make_checkpoint.py'), root, '--scale', str(scale)] + (['--filled'] if filled else [])
     env = dict(os.environ, PYTHONPATH=os.path.join(REPO, 'tests'))
     print(f'writing the scale-{scale:g} checkpoint: {" ".join(cmd)}', flush=True)
     out = subprocess.run(cmd, env=env, check=True, stdout=subprocess.PIPE, text=True).stdout
@@ -223,19 +232,52 @@ def remove(path: str) -> None:
 # One checkpoint size
 # ---------------------------------------------------------------------------------------------
 
-def bench_scale(ns, scale: float) -> Dict:
+def read_through(path: str) -> None:
+    """Reads every file under path once, so that the page cache holds it."""
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(dirpath, name), 'rb') as f:
+                while f.read(8 << 20):
+                    pass
+
+
+def same_output(a: str, b: str) -> bool:
+    """The two output folders hold the same files, byte for byte (the manifests, which name their
+    command, only the same file list)."""
+    names = sorted(os.listdir(a))
+    if names != sorted(os.listdir(b)):
+        return False
+    for name in names:
+        if name == 'reshard-manifest.json':
+            with open(os.path.join(a, name)) as fa, open(os.path.join(b, name)) as fb:
+                if json.load(fa)['files'] != json.load(fb)['files']:
+                    return False
+        elif not filecmp.cmp(os.path.join(a, name), os.path.join(b, name), shallow=False):
+            return False
+    return True
+
+
+def bench_scale(ns, scale: float, mode: str) -> Dict:
     info = ensure_checkpoint(ns.workdir, scale, ns.reshard)
     src = info['tag_dir']
     src_bytes = folder_bytes(src)
     cp_dst = os.path.join(ns.workdir, 'cp-out')
     out_root = os.path.join(ns.workdir, 'reshard-out')
     out = os.path.join(out_root, os.path.basename(src))
+    mpi_out = os.path.join(ns.workdir, 'mpi-out', os.path.basename(src))
+    threads = ns.threads or os.cpu_count() or 1
     reshard_cmd = [ns.reshard, 'convert', src, out] + TARGET + ['-q']
     if ns.threads:
         reshard_cmd += ['--threads', str(ns.threads)]
     commands = {'cp': ['cp', '-r', src, cp_dst], 'reshard': reshard_cmd}
     if ns.baseline:
         commands['baseline'] = [ns.baseline] + reshard_cmd[1:]
+    for size in filter(None, ns.buffer_sizes.split(',')):
+        commands[f'buffer {size}'] = reshard_cmd + ['--buffer-size', size]
+    if ns.mpi:
+        # The same total thread count as the one process.
+        commands[f'mpirun -np {ns.mpi}'] = (['mpirun', '-np', str(ns.mpi), ns.reshard, 'convert', src, mpi_out] + TARGET
+                                            + ['-q', '--threads', str(max(1, threads // ns.mpi))])
     if ns.exports:
         for to, name in (('universal', os.path.basename(src) + '_universal'), ('consolidated', 'model'),
                          ('hf', 'hf-model')):
@@ -248,6 +290,8 @@ def bench_scale(ns, scale: float) -> Dict:
         commands['from-universal'] = [ns.reshard, 'convert', universal, out] + TARGET + ['-q']
     runs = {what: [] for what in commands}
     out_bytes = 0
+    if mode == 'warm':
+        read_through(src)
     for i in range(ns.runs):
         # Each command goes first, second, ... in turn.
         names = list(commands)
@@ -255,9 +299,11 @@ def bench_scale(ns, scale: float) -> Dict:
         for what in order:
             remove(cp_dst)
             remove(out_root)
+            remove(os.path.dirname(mpi_out))
             if what != 'cp':
                 os.makedirs(out_root, exist_ok=True)
-            r = measure(commands[what], cold=not ns.warm)
+                os.makedirs(os.path.dirname(mpi_out), exist_ok=True)
+            r = measure(commands[what], env=MPI_ENV if what.startswith('mpirun') else None, cold=mode == 'cold')
             if what != 'cp':
                 m = WROTE.search(r['stdout'])
                 if m is None:
@@ -272,6 +318,17 @@ def bench_scale(ns, scale: float) -> Dict:
                   f'(+sync {r["seconds_with_sync"]:6.2f} s)  peak tree RSS '
                   f'{r["peak_tree_kib"]["VmRSS"] / 2**20:5.2f} GiB  read {r["read_bytes"] / 1e9:5.2f} GB  '
                   f'written {r["write_bytes"] / 1e9:5.2f} GB  other CPU {r["other_cpu"]:4.1f} s', flush=True)
+    mpi_same = None
+    if ns.mpi:  # the outputs of both, made again (untimed) and compared
+        for folder in (out_root, os.path.dirname(mpi_out)):
+            remove(folder)
+            os.makedirs(folder)
+        for what in ('reshard', f'mpirun -np {ns.mpi}'):
+            subprocess.run(commands[what], check=True, stdout=subprocess.DEVNULL,
+                           env=MPI_ENV if what.startswith('mpirun') else None)
+        mpi_same = same_output(out, mpi_out)
+        print(f'  mpirun -np {ns.mpi} output {"is" if mpi_same else "is NOT"} byte-identical to one process\'s', flush=True)
+        remove(os.path.dirname(mpi_out))
     verify = None
     if ns.verify:
         remove(out_root)
@@ -282,14 +339,16 @@ def bench_scale(ns, scale: float) -> Dict:
         print(f'  verify: {verify}', flush=True)
     peer = None
     if ns.deepspeed_src:
-        peer = bench_deepspeed(ns, src)
+        peer = bench_deepspeed(ns, src, mode)
     if not ns.keep:
         remove(cp_dst)
         remove(out_root)
-    return summarize(scale, info, src_bytes, out_bytes, runs, verify, peer)
+    result = summarize(scale, info, src_bytes, out_bytes, runs, verify, peer)
+    result.update(mode=mode, mpi_same=mpi_same)
+    return result
 
 
-def bench_deepspeed(ns, src: str) -> Dict:
+def bench_deepspeed(ns, src: str, mode: str) -> Dict:
     """DeepSpeed's ds_to_universal.py on the same input, through ds_to_universal_launcher.py.
 
     It does another job: it writes the universal checkpoint (one folder per parameter with
@@ -308,7 +367,7 @@ def bench_deepspeed(ns, src: str) -> Dict:
     try:
         for i in range(ns.runs):
             remove(dst)
-            r = measure(cmd, cold=not ns.warm)
+            r = measure(cmd, cold=mode == 'cold')
             times.append(r)
             out_bytes = folder_bytes(dst)
             print(f'  ds_to_universal run {i + 1}/{ns.runs} {r["seconds"]:7.2f} s  peak tree RSS '
@@ -402,7 +461,7 @@ def table(results: List[Dict]) -> str:
     lines = [head, '|' + '---|' * (head.count('|') - 1)]
     for r in results:
         c = r['config']
-        name = f'h={c["h"]}, {r["parameters"] / 1e6:.0f}M params'
+        name = f'h={c["h"]}, {r["parameters"] / 1e6:.0f}M params, {r["mode"]}'
         lines.append(
             f'| {name} | {r["src_bytes"] / gb:.2f} GB | {r["cp_s"]:.2f} | {r["reshard_s"]:.2f} | '
             f'{r["ratio"]:.2f}x | {r["reshard_gbps"]:.2f} | {r["cp_gbps"]:.2f} | '
@@ -417,7 +476,7 @@ def table(results: List[Dict]) -> str:
     for r in results:
         c = r['config']
         lines.append(
-            f'| h={c["h"]} | {r["cp_sync_s"]:.2f} | {r["reshard_sync_s"]:.2f} | {r["ratio_sync"]:.2f}x | '
+            f'| h={c["h"]} {r["mode"]} | {r["cp_sync_s"]:.2f} | {r["reshard_sync_s"]:.2f} | {r["ratio_sync"]:.2f}x | '
             f'{r["reshard_user_s"]:.1f} / {r["reshard_sys_s"]:.1f} | {r["maxrss_gib"]:.2f} GiB | '
             f'{r["out_bytes"] / gb:.2f} GB | {r["runs_cp"]} | {r["runs_reshard"]} |')
     others = [r for r in results if r.get('others')]
@@ -428,7 +487,7 @@ def table(results: List[Dict]) -> str:
         lines.append('|---|---|---|---|---|---|---|---|---|---|')
         for r in others:
             for what, o in r['others'].items():
-                lines.append(f'| h={r["config"]["h"]} | {what} | {o["seconds"]:.2f} | {o["ratio"]:.2f}x | '
+                lines.append(f'| h={r["config"]["h"]} {r["mode"]} | {what} | {o["seconds"]:.2f} | {o["ratio"]:.2f}x | '
                              f'{o["seconds_with_sync"]:.2f} | {o["ratio_sync"]:.2f}x | '
                              f'{o["written_mb"] / 1e3:.2f} GB | {o["peak_tree_gib"]:.2f} GiB | '
                              f'{o["seconds"] / r["reshard_s"]:.2f}x ({o["seconds_with_sync"] / r["reshard_sync_s"]:.2f}x) | '
@@ -442,14 +501,20 @@ def table(results: List[Dict]) -> str:
         for r in peers:
             d = r['deepspeed']
             if 'error' in d:
-                lines.append(f'| h={r["config"]["h"]} | failed: {d["error"]} | | | | | | |')
+                lines.append(f'| h={r["config"]["h"]} {r["mode"]} | failed: {d["error"]} | | | | | | |')
             else:
-                lines.append(f'| h={r["config"]["h"]} | {d["seconds"]:.2f} | {d["seconds"] / r["reshard_s"]:.2f}x | '
+                lines.append(f'| h={r["config"]["h"]} {r["mode"]} | {d["seconds"]:.2f} | {d["seconds"] / r["reshard_s"]:.2f}x | '
                              f'{d["seconds"] / r["cp_s"]:.2f}x | {d["peak_tree_gib"]:.2f} GiB | '
                              f'{d["io_read_bytes"] / gb:.2f} / {d["io_write_bytes"] / gb:.2f} GB | '
                              f'{d["out_bytes"] / gb:.2f} GB | {d["runs"]} |')
-    if len(results) >= 2:
-        a, b = results[0], results[-1]
+    for r in results:
+        if r.get('mpi_same') is not None:
+            lines.append('')
+            lines.append(f'h={r["config"]["h"]} {r["mode"]}: the mpirun output is '
+                         f'{"byte-identical to" if r["mpi_same"] else "DIFFERENT from"} one process\'s')
+    same_mode = [r for r in results if r['mode'] == results[0]['mode']]
+    if len(same_mode) >= 2:
+        a, b = same_mode[0], same_mode[-1]
         lines.append('')
         lines.append(f'size ratio {a["src_bytes"] / b["src_bytes"]:.2f}x -> reshard peak RSS ratio '
                      f'{a["peak_rss_gib"] / b["peak_rss_gib"]:.2f}x (anonymous memory '
@@ -473,7 +538,14 @@ def main(argv=None) -> int:
                          '`convert` from its universal checkpoint, in the same alternation')
     ap.add_argument('--baseline', help='another reshard binary (e.g. a build of an earlier commit): '
                     'timed in the same alternation, ratios against cp -r and reshard')
-    ap.add_argument('--warm', action='store_true', help='do not drop the page cache before runs')
+    ap.add_argument('--modes', default='cold,warm',
+                    help='page-cache modes, each a full alternation (default cold,warm): cold drops the cache '
+                         'before every command; warm reads SRC into it first and never drops it')
+    ap.add_argument('--buffer-sizes', default='',
+                    help='also time reshard convert with these --buffer-size values, e.g. 128KiB,4MiB,16MiB')
+    ap.add_argument('--mpi', type=int, default=0, metavar='N',
+                    help='also time `mpirun -np N reshard convert` with the same total thread count, and '
+                         'check that its output is byte-identical')
     ap.add_argument('--verify', action='store_true', help='also run `reshard verify SRC OUT` once (untimed)')
     ap.add_argument('--deepspeed-src', help='a DeepSpeed source tree: also time ds_to_universal.py')
     ap.add_argument('--json', help='write the results here too')
@@ -485,13 +557,14 @@ def main(argv=None) -> int:
     results = []
     started = time.monotonic()
     try:
-        for scale in (float(s) for s in ns.scales.split(',')):
-            results.append(bench_scale(ns, scale))
+        for mode in ns.modes.split(','):
+            for scale in (float(s) for s in ns.scales.split(',')):
+                results.append(bench_scale(ns, scale, mode))
     finally:
         if not ns.keep:
             # Only what this script writes: --workdir may be a folder with other things in it.
             for name in os.listdir(ns.workdir):
-                if name.startswith('ckpt-scale') or name in ('cp-out', 'reshard-out', 'ds-universal-out',
+                if name.startswith('ckpt-scale') or name in ('cp-out', 'reshard-out', 'mpi-out', 'ds-universal-out',
                                                              'latest_universal'):
                     remove(os.path.join(ns.workdir, name))
             if not os.listdir(ns.workdir):
@@ -500,7 +573,7 @@ def main(argv=None) -> int:
     print(f'machine: {machine()}')
     print(f'source: {source_version()} ({ns.reshard})')
     print(f'reshard convert SRC OUT {" ".join(TARGET)} -q{" --threads " + str(ns.threads) if ns.threads else ""}; '
-          f'{ns.runs} alternating runs, medians; cache: {results[0]["cache"]}; '
+          f'{ns.runs} alternating runs, medians; modes: {ns.modes}; '
           f'total {time.monotonic() - started:.0f} s')
     print(table(results))
     if ns.json:
