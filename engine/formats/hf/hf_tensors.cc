@@ -6,6 +6,7 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <mutex>
 
 #include "util/human.h"
 #include "util/shape.h"
@@ -173,24 +174,59 @@ ByteProducer GatherRows(ByteProducer source, int64_t row_bytes, std::vector<RowR
   };
 }
 
-ByteProducer Transposed(ByteProducer source, int64_t rows, int64_t cols, int element) {
-  // Shared by the copies the writer may make of the producer.
-  auto whole = std::make_shared<std::vector<uint8_t>>();
-  const int64_t total = rows * cols * element;
-  return [source = std::move(source), whole, rows, cols, element, total](int64_t offset, int64_t length,
-                                                                          uint8_t* dst) {
-    if (whole->empty() && total > 0) {
-      whole->resize(static_cast<size_t>(total));
+namespace {
+
+// A transposed tensor's source bytes, read whole at the first request and
+// freed once every byte of the transpose has been produced. Several workers
+// may write ranges of one file, so two of them may ask at once.
+class WholeMatrix {
+ public:
+  explicit WholeMatrix(int64_t total) : total_(total) {}
+
+  // The bytes, read from `source` unless already held.
+  Result<const uint8_t*> Get(const ByteProducer& source) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (bytes_.empty() && total_ > 0) {
+      bytes_.resize(static_cast<size_t>(total_));
       constexpr int64_t kChunk = int64_t{1} << 20;  // the source releases its pages per request
-      for (int64_t at = 0; at < total; at += kChunk) {
-        RESHARD_RETURN_IF_ERROR(source(at, std::min(kChunk, total - at), whole->data() + at));
+      for (int64_t at = 0; at < total_; at += kChunk) {
+        Status st = source(at, std::min(kChunk, total_ - at), bytes_.data() + at);
+        if (!st.ok()) {
+          std::vector<uint8_t>().swap(bytes_);
+          return st;
+        }
       }
     }
+    return bytes_.data();
+  }
+
+  // Counts `n` bytes produced from the bytes; the last ones free them.
+  void Produced(int64_t n) {
+    std::lock_guard<std::mutex> lock(mu_);
+    produced_ += n;
+    if (produced_ >= total_) std::vector<uint8_t>().swap(bytes_);
+  }
+
+ private:
+  const int64_t total_;
+  std::mutex mu_;
+  std::vector<uint8_t> bytes_;
+  int64_t produced_ = 0;
+};
+
+}  // namespace
+
+ByteProducer Transposed(ByteProducer source, int64_t rows, int64_t cols, int element) {
+  const int64_t total = rows * cols * element;
+  // Shared by the copies the writer may make of the producer.
+  auto whole = std::make_shared<WholeMatrix>(total);
+  return [source = std::move(source), whole, rows, cols, element](int64_t offset, int64_t length, uint8_t* dst) {
+    RESHARD_ASSIGN_OR_RETURN(const uint8_t* in, whole->Get(source));
     for (int64_t byte = offset; byte < offset + length; byte += element) {
       const int64_t i = byte / element, out_row = i / rows, out_col = i % rows;  // out[c][r] = in[r][c]
-      std::memcpy(dst + (byte - offset), whole->data() + (out_col * cols + out_row) * element, element);
+      std::memcpy(dst + (byte - offset), in + (out_col * cols + out_row) * element, element);
     }
-    if (offset + length == total) std::vector<uint8_t>().swap(*whole);
+    whole->Produced(length);
     return Status::Ok();
   };
 }

@@ -38,7 +38,8 @@ ByteProducer GatherRows(ByteProducer source, int64_t row_bytes, std::vector<RowR
 
 // The [cols, rows] transpose of `source`, a row-major [rows, cols] matrix of
 // `element`-byte elements. The source is read whole at the first request and
-// freed after the last byte is produced.
+// freed once every byte has been produced; requests may come from several
+// threads at once, each byte once.
 ByteProducer Transposed(ByteProducer source, int64_t rows, int64_t cols, int element);
 
 // The HF tensors made from `chosen` (the export's parameters under their

@@ -7,6 +7,7 @@
 
 #include <cstring>
 #include <numeric>
+#include <thread>
 
 #include "pickle/value.h"
 
@@ -64,6 +65,25 @@ TEST(Transposed, ColumnsBecomeRowsInEveryRange) {
 TEST(Transposed, WholeElements) {
   const ByteProducer t = Transposed(Counting(8), 2, 2, 2);  // 2-byte elements [[a b] [c d]]
   EXPECT_EQ(Read(t, 0, 8), (std::vector<uint8_t>{0, 1, 4, 5, 2, 3, 6, 7}));
+}
+
+TEST(Transposed, TwoThreadsMayProduceRangesAtOnce) {
+  constexpr int64_t kRows = 64, kCols = 96, kBytes = kRows * kCols;  // 1-byte elements
+  std::vector<uint8_t> want(kBytes);
+  for (int64_t c = 0; c < kCols; ++c) {
+    for (int64_t r = 0; r < kRows; ++r) want[c * kRows + r] = static_cast<uint8_t>(r * kCols + c);
+  }
+  for (int pass = 0; pass < 50; ++pass) {  // each pass a new producer, as each export makes one
+    const ByteProducer t = Transposed(Counting(kBytes), kRows, kCols, 1);
+    std::vector<uint8_t> got(kBytes);
+    auto half = [&](int64_t begin) {
+      for (int64_t at = begin; at < begin + kBytes / 2; at += 512) EXPECT_TRUE(t(at, 512, got.data() + at).ok());
+    };
+    std::thread other(half, kBytes / 2);
+    half(0);
+    other.join();
+    ASSERT_EQ(got, want) << "pass " << pass;
+  }
 }
 
 // A family with a fused QKV (2 groups, 4 heads) and a GLU MLP, transposed.
