@@ -17,11 +17,13 @@
 #include "reshard/cluster.h"
 #include "container/mapped_file.h"
 #include "exec/executor.h"
+#include "exec/journal.h"
 #include "exec/manifest.h"
 #include "exec/memory_budget.h"
 #include "exec/output_folder.h"
 #include "formats/format.h"
 #include "reshard/reshard.h"
+#include "util/human.h"
 
 namespace reshard {
 namespace {
@@ -133,12 +135,25 @@ Status AllOk(Cluster* cluster, const Status& mine) {
 
 bool IsRoot(const Cluster* cluster) { return cluster == nullptr || cluster->rank() == 0; }
 
-// The staging folder: made by the first process, announced to the others.
-Result<std::string> BeginOutput(OutputFolder* out, Cluster* cluster) {
-  Status begun = IsRoot(cluster) ? out->Begin() : Status::Ok();
+// The staging folder: made (or a killed run's of the same fingerprint taken
+// over, see RunJournal) by the first process, with a new journal when none
+// was taken over, and announced to the others, with whether it was taken over.
+Result<std::pair<std::string, bool>> BeginOutput(OutputFolder* out, const std::string& fingerprint,
+                                                 Cluster* cluster) {
+  Status begun = Status::Ok();
+  if (IsRoot(cluster)) {
+    begun = out->Begin(fingerprint);
+    if (begun.ok() && !fingerprint.empty() && out->resumed().empty()) {
+      begun = RunJournal::Create(out->staging_dir(), fingerprint);
+    }
+  }
   RESHARD_RETURN_IF_ERROR(AllOk(cluster, begun));
-  if (cluster == nullptr) return out->staging_dir();
-  return cluster->Broadcast(out->staging_dir());
+  const std::string mine = (out->resumed().empty() ? "0" : "1") + out->staging_dir();
+  std::string root = mine;
+  if (cluster != nullptr) {
+    RESHARD_ASSIGN_OR_RETURN(root, cluster->Broadcast(mine));
+  }
+  return std::make_pair(root.substr(1), root[0] == '1');
 }
 
 // Everything before writing: open, check, plan, size the buffers, make this
@@ -154,7 +169,37 @@ struct Prepared {
   ExecuteOptions exec;
   std::atomic<int64_t> read{0};
   std::optional<OutputFolder> out;
+  std::string fingerprint;              // of this run, for resuming it ("" = never)
+  std::unique_ptr<RunJournal> journal;  // in the staging folder, when there is a fingerprint
 };
+
+// What makes a rerun the same run, for RunJournal: the command as given
+// (from the same folder), the source files as they are now, and the plan.
+// "" (no resuming) when the caller gave no command line.
+std::string RunFingerprint(const Prepared& p, const WriteOptions& options) {
+  if (options.command.empty()) return "";
+  std::error_code ec;
+  std::string text = std::string("reshard ") + RESHARD_VERSION + "\n" + std::filesystem::current_path(ec).string() +
+                     "\n" + options.command + "\n" + p.src->tag_dir() + "\n" + p.plan->ToString(false);
+  for (const std::string& file : p.src->Files()) {
+    struct stat st;
+    if (::stat(file.c_str(), &st) != 0) return "";
+    text += file + " " + std::to_string(st.st_size) + " " + std::to_string(st.st_mtim.tv_sec) + "." +
+            std::to_string(st.st_mtim.tv_nsec) + "\n";
+  }
+  return Fingerprint(text);
+}
+
+// On a killed run's staging folder: takes out of this process's jobs those
+// whose files are there intact, and counts their pieces as written.
+void ReuseFinishedJobs(Prepared* p, const std::string& resumed, ConvertReport* report) {
+  const size_t planned = p->jobs.size();
+  int64_t bytes = 0;
+  for (auto& [name, digest] : p->journal->Reuse(&p->jobs, &bytes)) p->pieces.emplace(name, digest);
+  report->notes.push_back("resumed the killed run's output (" + resumed + "): " +
+                          std::to_string(planned - p->jobs.size()) + " of " + std::to_string(planned) +
+                          " jobs reused (" + HumanBytes(bytes) + ", each file read back and its CRC checked)");
+}
 
 // Threads and buffers from the memory budget.
 Status SizeBuffers(const WriteOptions& options, int64_t scratch_bytes, ExecuteOptions* exec,
@@ -199,6 +244,7 @@ Status Prepare(const std::string& input, const std::string& output, const WriteO
                        cluster != nullptr ? cluster->size() : 1);
   report->files = static_cast<int64_t>(FilesOf(p->jobs).size()) + (IsRoot(cluster) ? 1 : 0);  // and the manifest
   report->tensor_bytes = JobBytes(p->jobs);
+  if (!options.dry_run) p->fingerprint = RunFingerprint(*p, options);
   clock->End("plan");
   return Status::Ok();
 }
@@ -241,13 +287,20 @@ Status WriteManifest(const Prepared& p, const WriteOptions& options,
 Status Execute(Prepared* p, const WriteOptions& options, Publication publish, PhaseClock* clock,
                ConvertReport* report) {
   Cluster* cluster = options.cluster;
-  RESHARD_ASSIGN_OR_RETURN(p->exec.dir, BeginOutput(&*p->out, cluster));
+  RESHARD_ASSIGN_OR_RETURN(auto staging, BeginOutput(&*p->out, p->fingerprint, cluster));
+  p->exec.dir = staging.first;
   for (const std::string& left : p->out->leftovers()) {
     report->notes.push_back("removed " + left + ", left beside the output by a run that was killed");
+  }
+  if (!p->fingerprint.empty()) {
+    RESHARD_ASSIGN_OR_RETURN(p->journal, RunJournal::Open(p->exec.dir));
+    if (staging.second) ReuseFinishedJobs(p, p->out->resumed().empty() ? "a killed run's" : p->out->resumed(), report);
+    p->journal->RecordWhenDone(&p->jobs);
   }
   Status written = reshard::Execute(p->jobs, p->exec);
   Result<std::map<std::string, FileDigest>> digests = GatherDigests(*p, cluster);  // all processes meet
   if (written.ok()) written = digests.status();
+  if (written.ok() && IsRoot(cluster) && p->journal) written = RunJournal::Remove(p->exec.dir);
   if (written.ok() && IsRoot(cluster)) written = WriteManifest(*p, options, *digests);
   if (written.ok()) written = SyncFiles(p->exec.dir);
   if (written.ok()) written = CheckMappedFilesUnchanged();

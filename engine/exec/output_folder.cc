@@ -14,6 +14,7 @@
 #include <set>
 #include <sstream>
 
+#include "exec/journal.h"
 #include "util/list_folder.h"
 
 namespace reshard {
@@ -146,7 +147,8 @@ OutputFolder::OutputFolder(OutputFolder&& other) noexcept
       committed_(other.committed_),
       lock_fd_(other.lock_fd_),
       created_parents_(std::move(other.created_parents_)),
-      leftovers_(std::move(other.leftovers_)) {
+      leftovers_(std::move(other.leftovers_)),
+      resumed_(std::move(other.resumed_)) {
   other.committed_ = true;  // the moved-from object owns nothing
   other.lock_fd_ = -1;
 }
@@ -198,7 +200,7 @@ Status OutputFolder::CheckStillEmpty() const {
                               "pass --overwrite to replace it");
 }
 
-void OutputFolder::RemoveLeftovers() {
+void OutputFolder::RemoveLeftovers(const std::string& fingerprint) {
   const fs::path out(out_);
   Result<std::vector<fs::directory_entry>> entries = ListFolder(out.parent_path().string());
   if (!entries.ok()) return;
@@ -206,6 +208,16 @@ void OutputFolder::RemoveLeftovers() {
     const std::string name = entry.path().filename().string();
     if (!IsLeftover(name, out.filename().string())) continue;
     std::error_code ec;
+    const bool same_run = !fingerprint.empty() && resumed_.empty() &&
+                          name.rfind(out.filename().string() + ".reshard-partial-", 0) == 0 &&
+                          HoldsJournalOf(entry.path().string(), fingerprint);
+    if (same_run) {
+      fs::rename(entry.path(), staging_, ec);
+      if (!ec) {
+        resumed_ = name;
+        continue;
+      }
+    }
     fs::remove_all(entry.path(), ec);
     if (!ec) leftovers_.push_back(name);
   }
@@ -238,7 +250,7 @@ Result<OutputFolder> OutputFolder::Check(const std::string& out, const std::vect
   return folder;
 }
 
-Status OutputFolder::Begin() {
+Status OutputFolder::Begin(const std::string& fingerprint) {
   std::error_code ec;
   for (fs::path p = fs::path(out_).parent_path(); !p.empty() && !fs::exists(p, ec); p = p.parent_path()) {
     created_parents_.push_back(p.string());
@@ -247,9 +259,10 @@ Status OutputFolder::Begin() {
   if (ec) return Status::IoError("cannot create " + fs::path(out_).parent_path().string() + ": " + ec.message());
   RESHARD_RETURN_IF_ERROR(Lock());
   RESHARD_RETURN_IF_ERROR(CheckStillEmpty());
-  RemoveLeftovers();
   fs::remove_all(staging_, ec);
+  RemoveLeftovers(fingerprint);
   Track(staging_, true);
+  if (!resumed_.empty()) return Status::Ok();
   fs::create_directory(staging_, ec);
   if (ec) return Status::IoError("cannot create " + staging_ + ": " + ec.message());
   return Status::Ok();

@@ -32,7 +32,10 @@ class OutputFolder {
   // Takes the lock on OUT (a second run writing OUT is refused until this
   // one ends), re-checks that OUT is still empty, removes what killed runs
   // left beside OUT, and creates the staging folder (and OUT's parents).
-  Status Begin();
+  // When `fingerprint` is set and a killed run's staging folder holds the
+  // journal of a run with that fingerprint, that folder becomes this run's
+  // staging folder instead (RunJournal says what in it can be reused).
+  Status Begin(const std::string& fingerprint = "");
   const std::string& staging_dir() const { return staging_; }
   // Moves the staging folder to OUT: a rename, or with an old OUT one atomic
   // exchange, after which the old folder is removed. Releases the lock.
@@ -41,6 +44,8 @@ class OutputFolder {
   const std::string& path() const { return out_; }
   // The staging folders of killed runs that Begin removed (names in OUT's parent).
   const std::vector<std::string>& leftovers() const { return leftovers_; }
+  // The killed run's staging folder Begin took over ("" when none).
+  const std::string& resumed() const { return resumed_; }
 
  private:
   explicit OutputFolder(std::string out);
@@ -48,7 +53,7 @@ class OutputFolder {
   Status Lock();
   void Unlock();
   Status CheckStillEmpty() const;
-  void RemoveLeftovers();
+  void RemoveLeftovers(const std::string& fingerprint);
 
   std::string out_;
   std::string staging_;
@@ -57,6 +62,7 @@ class OutputFolder {
   int lock_fd_ = -1;
   std::vector<std::string> created_parents_;  // by Begin, deepest first
   std::vector<std::string> leftovers_;
+  std::string resumed_;
 };
 
 // Removes the staging folders and lock files of every OutputFolder begun

@@ -7,7 +7,8 @@
   --overwrite. After each kill: the input is unchanged; OUT is absent, the old OUT intact, or
   the complete new one (byte for byte the uninterrupted run's); `latest` never names a missing
   or partial folder; the same command run again completes (removing what the killed run left)
-  and gives the uninterrupted run's files.
+  and gives the uninterrupted run's files; run while the killed run was writing files, it reuses
+  the files the killed run finished (its journal, each file's CRC checked again).
 * A full disk (a small tmpfs) and a read-only file system: one line, exit 3, nothing left
   behind; with space freed the rerun succeeds.
 
@@ -16,6 +17,7 @@ Needs root (tmpfs) and strace, as CI has. Run:
 """
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -89,7 +91,7 @@ class FaultTest(FixtureTestCase):
         self.assertEqual(digest(self.path('in')), self.src_digest, f'{where}: the input changed')
 
     def test_sigkill_at_every_point_leaves_a_consistent_state(self):
-        killed = 0
+        killed = resumed = 0
         for i, (syscall, n) in enumerate(KILL_POINTS):
             overwrite = i % 2 == 1
             where = f'{syscall} #{n} ({"--overwrite" if overwrite else "fresh"})'
@@ -107,12 +109,30 @@ class FaultTest(FixtureTestCase):
                     again.append('--overwrite')
                 p = run(*again)
                 self.assertEqual(p.returncode, 0, f'{where}: rerun: {p.stderr}')
+                resumed += 'resumed the killed run' in p.stdout
                 self.assertEqual(digest(os.path.join(root, 'global_step10')), self.new, where)
                 self.assertEqual(read_text(os.path.join(root, 'latest')), 'global_step10', where)
                 left = sorted(n for n in os.listdir(root) if 'reshard' in n)
                 self.assertEqual(left, [], f'{where}: left behind after the rerun')
-        print(f'\n{killed} of {len(KILL_POINTS)} kill points reached', flush=True)
+        print(f'\n{killed} of {len(KILL_POINTS)} kill points reached; {resumed} reruns resumed the killed '
+              'run\'s output', flush=True)
         self.assertGreaterEqual(killed, 20)
+        self.assertGreaterEqual(resumed, 3)  # the same command after a kill while files were written
+
+    def test_a_rerun_reuses_what_the_killed_run_finished(self):
+        root = self.path('resume')
+        self.assertEqual(self.killed_run('write', 20, root, overwrite=False), -9)
+        out = os.path.join(root, 'global_step10')
+        p = run('convert', self.src, out, *LAYOUT, '-q')
+        self.assertEqual(p.returncode, 0, p.stderr)
+        reused = re.search(r'resumed the killed run\'s output \(global_step10\.reshard-partial-\d+\): '
+                           r'(\d+) of (\d+) jobs reused', p.stdout)
+        self.assertIsNotNone(reused, p.stdout)
+        self.assertGreater(int(reused.group(1)), 0)
+        self.assertLess(int(reused.group(1)), int(reused.group(2)))
+        self.assertEqual(digest(out), self.new)  # byte for byte the uninterrupted run's
+        self.assertEqual(sorted(n for n in os.listdir(root) if 'reshard' in n), [])
+        self.assertEqual(run('verify', out).returncode, 0)
 
 
 @unittest.skipUnless(os.geteuid() == 0, 'mounting a tmpfs needs root')
