@@ -132,6 +132,16 @@ MappedFile::~MappedFile() {
   ::munmap(const_cast<uint8_t*>(data_), size_);
 }
 
+void FetchExactly(const uint8_t* data, size_t n) {
+  if (n == 0) return;
+  static const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(data) & ~(page - 1);
+  const uintptr_t end = reinterpret_cast<uintptr_t>(data) + n;
+  // WILLNEED reads exactly these pages (no read-ahead marker is set), and a
+  // fault on a page already in the cache reads nothing around it.
+  ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_WILLNEED);
+}
+
 void TouchedPages::Note(const ByteView& view, const uint8_t* data, size_t n) {
   if (!view.mapped || n == 0) return;
   // Reads mostly continue where the last one from the same place ended; gaps

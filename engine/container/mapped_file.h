@@ -32,6 +32,13 @@ class MappedFile {
   size_t size_;
 };
 
+// Reads the pages of [data, data + n), memory that maps a file, into the page
+// cache, and no more. For small reads scattered over a file (zip headers,
+// the norms and biases of a layer file): a page fault reads the kernel's
+// whole read-around window (read_ahead_kb, 8 MiB on some disks) around the
+// page it hits, which for a file of a few MiB is all of it.
+void FetchExactly(const uint8_t* data, size_t n);
+
 // Whether every file mapped now is as it was when it was mapped (size and
 // modification time): a checkpoint rewritten under a run must not yield an
 // output that looks good.

@@ -5,6 +5,7 @@
 
 #include <caffe2/serialize/inline_container.h>
 
+#include <algorithm>
 #include <cstring>
 #include <exception>
 #include <memory>
@@ -20,6 +21,7 @@ namespace {
 constexpr char kZipMagic[] = "PK\x03\x04";
 
 Status CheckZipMagic(const MappedFile& file) {
+  FetchExactly(file.data(), std::min<size_t>(4, file.size()));  // not the first read_ahead_kb of the file
   if (file.size() < 4 || std::memcmp(file.data(), kZipMagic, 4) != 0) {
     return Status::InvalidInput(file.path() +
                                 " is not a torch.save zip file (empty, truncated, or the legacy "

@@ -96,6 +96,7 @@ Status Parser::FindEnd(End* end) const {
       "no zip end record, so it is not a complete torch.save file; it is truncated or damaged");
   if (size_ < kEndSize) return damaged;
   const uint64_t lowest = size_ - kEndSize > kZipMax16 ? size_ - kEndSize - kZipMax16 : 0;
+  FetchExactly(data_ + lowest, size_ - lowest);
   for (uint64_t at = size_ - kEndSize + 1; at-- > lowest;) {
     const uint8_t* p = data_ + at;
     if (Le(p, 4) != kZipEndSignature || at + kEndSize + Le(p + 20, 2) != size_) continue;
@@ -171,6 +172,8 @@ Status Parser::CheckEntry(const Entry& e, const End& end, ZipRecord* record) con
                                       "was not written by torch.save");
   if (!Inside(e.local, kZipLocalSize, end.offset)) return mismatch;
   const uint8_t* p = data_ + e.local;
+  // With room for the name and torch.save's alignment padding, checked below.
+  FetchExactly(p, static_cast<size_t>(std::min<uint64_t>(kZipLocalSize + 256, end.offset - e.local)));
   const uint64_t name_length = Le(p + 26, 2), extra_length = Le(p + 28, 2);
   const uint8_t* name = p + kZipLocalSize;
   if (Le(p, 4) != kZipLocalSignature ||
@@ -204,6 +207,7 @@ Status Parser::Run(std::string* archive, std::map<std::string, ZipRecord>* recor
   if (!Inside(end.offset, end.size, end.limit)) {
     return Error("its zip central directory lies outside the file; it is truncated or damaged");
   }
+  FetchExactly(data_ + end.offset, end.limit - end.offset);
   uint64_t at = end.offset;
   for (uint64_t i = 0; i < end.count; ++i) {
     Entry entry;

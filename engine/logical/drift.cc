@@ -5,6 +5,8 @@
 #include <cstdio>
 #include <cstring>
 
+#include "container/mapped_file.h"
+
 namespace reshard {
 namespace {
 
@@ -14,6 +16,8 @@ void CompareReplica(const LogicalTensor& t, int rank, Drift* d) {
   const int es = ElementSize(t.dtype);
   const uint8_t* a = t.shards[0].runs[0].bytes.data;
   const uint8_t* b = t.shards[rank].runs[0].bytes.data;
+  if (t.shards[0].runs[0].bytes.mapped) FetchExactly(a, static_cast<size_t>(n) * es);
+  if (t.shards[rank].runs[0].bytes.mapped) FetchExactly(b, static_cast<size_t>(n) * es);
   if (std::memcmp(a, b, static_cast<size_t>(n) * es) == 0) return;
   const bool fp = IsFloatingPoint(t.dtype);
   for (int64_t i = 0; i < n; ++i) {
