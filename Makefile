@@ -11,8 +11,9 @@ FUZZ_BUILD ?= build-fuzz
 # Seconds per fuzz target: short in `make test`, longer by hand (make fuzz FUZZ_SECONDS=3600).
 FUZZ_SECONDS ?= 40
 FUZZERS := pickle zip rules
+SANITIZE_BUILD ?= build-asan
 
-.PHONY: deps build test demo fuzz clean
+.PHONY: deps build test demo fuzz sanitize clean
 
 deps:
 	@missing=$$(for p in $(DEB_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
@@ -30,6 +31,7 @@ build: deps
 test: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
 	$(MAKE) fuzz
+	$(MAKE) sanitize
 
 # libFuzzer with AddressSanitizer and UBSan on the parsers of untrusted bytes
 # (tests/fuzz/). Each run starts from the seeds in tests/fuzz/corpus/ and
@@ -48,8 +50,16 @@ fuzz: deps
 	  if [ $$status -ne 0 ]; then tail -n 40 $(FUZZ_BUILD)/$$f.log; exit 1; fi; \
 	done
 
+# The unit tests built with AddressSanitizer and UBSan (-O1): a memory error,
+# a leak or undefined behaviour fails the run with its report.
+sanitize: deps
+	cmake -S . -B $(SANITIZE_BUILD) -DRESHARD_SANITIZE=ON -DCMAKE_BUILD_TYPE=Debug \
+	  -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g" -DRESHARD_BENCHMARKS=OFF >/dev/null
+	cmake --build $(SANITIZE_BUILD) -j $(JOBS) --target unit_tests
+	$(SANITIZE_BUILD)/tests/unit_tests --gtest_brief=1
+
 demo: build
 	examples/demo.sh $(BUILD)/reshard
 
 clean:
-	rm -rf $(BUILD) $(FUZZ_BUILD)
+	rm -rf $(BUILD) $(FUZZ_BUILD) $(SANITIZE_BUILD)
