@@ -59,9 +59,12 @@ const Items* DictItems(const Value& v) {
   if (!v.is(Value::Kind::kObject)) return nullptr;
   const Object& o = v.as_object();
   // Plain objects (argparse.Namespace, dataclasses) keep their fields in the
-  // BUILD state; dict subclasses (OrderedDict) in their SETITEMS.
+  // BUILD state; dict subclasses (OrderedDict) in their SETITEMS. A state
+  // dict's OrderedDict has a BUILD state too (its `_metadata` attribute),
+  // which is not its items.
+  if (IsOrderedDict(v)) return &o.dict_items;
   if (o.state && o.state->is(Value::Kind::kDict)) return &o.state->as_dict().items;
-  if (IsOrderedDict(v) || !o.dict_items.empty()) return &o.dict_items;
+  if (!o.dict_items.empty()) return &o.dict_items;
   return nullptr;
 }
 

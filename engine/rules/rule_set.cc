@@ -144,6 +144,13 @@ std::string ParamRule::CanonicalName(const std::string& key, int layer_id, int b
   return name;
 }
 
+int ParamRule::ExpertId(const std::string& key) const {
+  if (expert == 0) return -1;
+  int64_t id = -1;
+  const std::vector<std::string> groups = CaptureGroups(*key_regex, key);
+  return ParseInt(groups[expert - 1], &id) ? static_cast<int>(id) : -1;
+}
+
 namespace {
 
 // What the HF export reads: its conditions, config fields and split sizes.
@@ -184,6 +191,23 @@ std::set<std::string> RuleSet::ValuePaths() const {
   for (const auto& [field, expected] : detect_.args) paths.insert("args." + field);
   if (hf_) AddHfPaths(*hf_, &paths);
   return paths;
+}
+
+bool RuleSet::SplitModulePath(const std::string& path, std::string* role, int* block,
+                              std::string* key) const {
+  for (const ModulePath& m : module_paths_) {
+    std::string number;
+    const bool matched = m.regex->NumberOfCapturingGroups() == 2
+                             ? RE2::FullMatch(path, *m.regex, &number, key)
+                             : RE2::FullMatch(path, *m.regex, key);
+    if (!matched) continue;
+    int64_t b = -1;
+    if (!number.empty() && !ParseInt(number, &b)) continue;
+    *role = m.role;
+    *block = static_cast<int>(b);
+    return true;
+  }
+  return false;
 }
 
 Result<const ParamRule*> RuleSet::Match(const std::string& role, const std::string& key) const {
