@@ -54,23 +54,32 @@ std::vector<MoeBlock> FindMoeBlocks(const LogicalCheckpoint& ckpt, const std::ma
   return blocks;
 }
 
-// num_experts of each stage's mp_rank file lists its MoE layers' expert counts.
-Status CheckNumExperts(const LogicalCheckpoint& ckpt, const std::vector<MoeBlock>& blocks) {
+// num_experts of each stage's mp_rank file, one count per MoE layer.
+Result<std::vector<std::vector<int64_t>>> RecordedExperts(const LogicalCheckpoint& ckpt) {
+  std::vector<std::vector<int64_t>> out;
   for (int p = 0; p < ckpt.pp; ++p) {
     const int mp = p * ckpt.tp;
-    std::vector<int64_t> have;
-    for (const MoeBlock& b : blocks) {
-      if (b.stage == p) have.push_back(b.experts);
-    }
     std::vector<int64_t> recorded;
     const Value* v = Find(ckpt.metadata[mp], "num_experts");
     if (v == nullptr || !ReadIntSequence(*v, &recorded)) {
       return Status::InvalidInput(ModelStatesFileName(mp) + " has no num_experts list, but the folder holds "
                                   "expert files; it is not a DeepSpeed MoE save, or the file is damaged");
     }
-    if (recorded != have) {
-      return Status::InvalidInput(ModelStatesFileName(mp) + " records num_experts " + Ints(recorded) +
-                                  " but its tensors show " + Ints(have) +
+    out.push_back(std::move(recorded));
+  }
+  return out;
+}
+
+// The MoE blocks the rules find are the ones num_experts records.
+Status CheckNumExperts(const MoeLayout& layout) {
+  for (size_t p = 0; p < layout.experts_per_stage.size(); ++p) {
+    std::vector<int64_t> have;
+    for (const MoeBlock& b : layout.blocks) {
+      if (b.stage == static_cast<int>(p)) have.push_back(b.experts);
+    }
+    if (layout.experts_per_stage[p] != have) {
+      return Status::InvalidInput("num_experts of stage " + std::to_string(p) + " is " +
+                                  Ints(layout.experts_per_stage[p]) + " but its tensors show " + Ints(have) +
                                   " (experts per MoE layer); the folder is incomplete or mixes checkpoints");
     }
   }
@@ -78,14 +87,14 @@ Status CheckNumExperts(const LogicalCheckpoint& ckpt, const std::vector<MoeBlock
 }
 
 // Every mp rank has one expert file per MoE layer of its stage and global
-// expert, in one of the two forms.
-Status CheckExpertFiles(const CheckpointFiles& files, const LogicalCheckpoint& ckpt,
-                        const std::vector<MoeBlock>& blocks, bool old_form) {
+// expert num_experts records, in one of the two forms (the old one holds an
+// expert of every MoE layer, so they all have as many experts).
+Status CheckExpertFiles(const CheckpointFiles& files, const LogicalCheckpoint& ckpt, const MoeLayout& layout) {
   for (int mp = 0; mp < ckpt.tp * ckpt.pp; ++mp) {
+    const std::vector<int64_t>& experts = layout.experts_per_stage[mp / ckpt.tp];
     std::set<std::pair<int, int>> want, have;
-    for (const MoeBlock& b : blocks) {
-      if (b.stage != mp / ckpt.tp) continue;
-      for (int e = 0; e < b.experts; ++e) want.insert({old_form ? -1 : b.index, e});
+    for (size_t m = 0; m < experts.size(); ++m) {
+      for (int e = 0; e < experts[m]; ++e) want.insert({layout.old_file_form ? -1 : static_cast<int>(m), e});
     }
     auto it = files.expert_files.find(mp);
     if (it != files.expert_files.end()) {
@@ -96,15 +105,15 @@ Status CheckExpertFiles(const CheckpointFiles& files, const LogicalCheckpoint& c
     for (const auto& slot : want) {
       if (!have.count(slot)) {
         return Status::InvalidInput(ExpertFileName(slot.first, slot.second, mp) + " is missing (" +
-                                    ModelStatesFileName(mp) + "'s stage has that MoE layer and expert); "
-                                    "the checkpoint is incomplete");
+                                    ModelStatesFileName(mp) + " records num_experts " + Ints(experts) +
+                                    "); the checkpoint is incomplete");
       }
     }
     for (const auto& slot : have) {
       if (!want.count(slot)) {
         return Status::InvalidInput(files.tag_dir + " holds " + ExpertFileName(slot.first, slot.second, mp) +
-                                    ", an expert the metadata and the other files do not have; remove it "
-                                    "if it does not belong to this checkpoint");
+                                    ", an expert num_experts " + Ints(experts) + " of " + ModelStatesFileName(mp) +
+                                    " does not have; remove it if it does not belong to this checkpoint");
       }
     }
   }
@@ -207,10 +216,12 @@ Status FindExpertParallel(const CheckpointFiles& files, const LogicalCheckpoint&
                                 ") do not divide DP " + std::to_string(ckpt.dp) + "; the folder mixes checkpoints");
   }
   layout->edp = ckpt.dp / ep;
-  for (const MoeBlock& b : layout->blocks) {
-    if (b.experts % ep != 0) {
-      return Status::InvalidInput("MoE layer " + std::to_string(b.index) + " of stage " + std::to_string(b.stage) +
-                                  " has " + std::to_string(b.experts) + " experts, which EP " + std::to_string(ep) +
+  for (size_t p = 0; p < layout->experts_per_stage.size(); ++p) {
+    for (size_t m = 0; m < layout->experts_per_stage[p].size(); ++m) {
+      const int64_t experts = layout->experts_per_stage[p][m];
+      if (experts % ep == 0) continue;
+      return Status::InvalidInput("MoE layer " + std::to_string(m) + " of stage " + std::to_string(p) + " has " +
+                                  std::to_string(experts) + " experts (num_experts), which EP " + std::to_string(ep) +
                                   " (the expp_rank files) does not divide; the folder mixes checkpoints");
     }
   }
@@ -310,28 +321,33 @@ std::string MoeLayout::Describe() const {
   return out;
 }
 
-Result<MoeLayout> DiscoverMoeLayout(const CheckpointFiles& files, const LogicalCheckpoint& ckpt,
-                                    const std::map<int, int>& stage_of_layer, const ExpertOrigins& origins,
-                                    const std::set<std::string>& allowed_classes) {
+Result<MoeLayout> CheckMoeFiles(const CheckpointFiles& files, const LogicalCheckpoint& ckpt,
+                                const std::set<std::string>& allowed_classes) {
   MoeLayout layout;
-  layout.blocks = FindMoeBlocks(ckpt, stage_of_layer);
+  RESHARD_ASSIGN_OR_RETURN(layout.experts_per_stage, RecordedExperts(ckpt));
   layout.old_file_form = OldForm(files);
-  if (layout.blocks.empty()) {
-    return Status::InvalidInput(files.tag_dir + " holds expert files, but no tensor matches an `expert` or `moe` "
-                                "rule of rule set '" + ckpt.rules->name() +
-                                "'; choose the MoE rules with --rules (e.g. megatron-gpt2-moe) or mark the "
-                                "expert tensors' rules with expert: N");
-  }
-  RESHARD_RETURN_IF_ERROR(CheckNumExperts(ckpt, layout.blocks));
-  RESHARD_RETURN_IF_ERROR(CheckExpertFiles(files, ckpt, layout.blocks, layout.old_file_form));
-  RESHARD_RETURN_IF_ERROR(CheckOrigins(ckpt, layout.blocks, origins, layout.old_file_form));
+  RESHARD_RETURN_IF_ERROR(CheckExpertFiles(files, ckpt, layout));
   RESHARD_RETURN_IF_ERROR(FindExpertParallel(files, ckpt, allowed_classes, &layout));
-  layout.expert_interval = ExpertInterval(ckpt, layout.blocks);
-  if (const Value* v = ckpt.inputs().Find("args.enable_expert_tensor_parallelism")) {
-    if (v->is(Value::Kind::kBool)) layout.expert_tp = v->as_bool();
-  }
-  RESHARD_RETURN_IF_ERROR(CheckExpertTp(ckpt, layout.expert_tp));
   return layout;
+}
+
+Status DescribeMoeBlocks(const LogicalCheckpoint& ckpt, const std::map<int, int>& stage_of_layer,
+                         const ExpertOrigins& origins, MoeLayout* layout) {
+  layout->blocks = FindMoeBlocks(ckpt, stage_of_layer);
+  if (layout->blocks.empty()) {
+    return Status::InvalidInput("the folder holds expert files, but no tensor matches an `expert` or `moe` rule of "
+                                "rule set '" + ckpt.rules->name() + "'; choose MoE rules with --rules (e.g. "
+                                "megatron-gpt2-moe) or mark the expert tensors' rules with expert: N");
+  }
+  // Misnamed expert files first: they also make the blocks' keys disagree.
+  RESHARD_RETURN_IF_ERROR(CheckOrigins(ckpt, layout->blocks, origins, layout->old_file_form));
+  if (ckpt.HasErrors()) return Status::Ok();  // the findings say what is wrong with the tensors
+  RESHARD_RETURN_IF_ERROR(CheckNumExperts(*layout));
+  layout->expert_interval = ExpertInterval(ckpt, layout->blocks);
+  if (const Value* v = ckpt.inputs().Find("args.enable_expert_tensor_parallelism")) {
+    if (v->is(Value::Kind::kBool)) layout->expert_tp = v->as_bool();
+  }
+  return CheckExpertTp(ckpt, layout->expert_tp);
 }
 
 }  // namespace reshard

@@ -48,6 +48,7 @@ struct MoeLayout {
   std::vector<MoeBlock> blocks;  // in layer order
   int expert_interval = 0;  // block i is MoE iff (i + 1) % interval == 0; 0: no such interval
   bool old_file_form = false;  // expert_{e}_mp_rank_* files
+  std::vector<std::vector<int64_t>> experts_per_stage;  // num_experts of each stage
   std::optional<bool> expert_tp;  // --enable-expert-tensor-parallelism, when known
 
   // "EP 2 x expert-DP 2; 2 MoE layers of 4 experts (blocks 1, 3; every 2nd block)"
@@ -56,12 +57,19 @@ struct MoeLayout {
   std::string Describe() const;
 };
 
-// Reads and cross-checks the layout of `ckpt` (described by its rules),
-// whose layers sit on the pipeline stages `stage_of_layer` (layer id ->
-// stage) and whose expert tensors came from the files `origins` names.
-// Reads the first optimizer shard of each mp rank for its partition counts.
-Result<MoeLayout> DiscoverMoeLayout(const CheckpointFiles& files, const LogicalCheckpoint& ckpt,
-                                    const std::map<int, int>& stage_of_layer, const ExpertOrigins& origins,
-                                    const std::set<std::string>& allowed_classes);
+// What the files and the metadata say, before the tensors are described:
+// num_experts of every stage, the expert files it implies (either form),
+// EP from the expp_rank files against the experts and the MoE optimizer
+// groups' partition counts (the first optimizer shard of each mp rank is
+// read). `ckpt` has its metadata, tp, pp and dp.
+Result<MoeLayout> CheckMoeFiles(const CheckpointFiles& files, const LogicalCheckpoint& ckpt,
+                                const std::set<std::string>& allowed_classes);
+
+// Completes `layout` from the tensors the rules described: the MoE blocks
+// (layers on the stages `stage_of_layer` names) against num_experts, each
+// expert tensor against the file `origins` says it came from, the expert
+// interval and expert-TP.
+Status DescribeMoeBlocks(const LogicalCheckpoint& ckpt, const std::map<int, int>& stage_of_layer,
+                         const ExpertOrigins& origins, MoeLayout* layout);
 
 }  // namespace reshard

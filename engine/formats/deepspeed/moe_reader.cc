@@ -28,6 +28,22 @@ struct Placed {
 
 std::string KeyString(const Value& k) { return k.is(Value::Kind::kString) ? k.as_string() : k.DebugString(); }
 
+// A key held twice (two expert files of one expert, say) would make one copy
+// silently win.
+Status CheckKeysUnique(const std::vector<Entry>& entries, int mp) {
+  std::map<std::string, const Entry*> seen;
+  for (const Entry& e : entries) {
+    auto [it, fresh] = seen.emplace(e.key, &e);
+    if (fresh) continue;
+    auto where = [mp](const Entry& x) {
+      return x.from ? ExpertFileName(x.from->moe_layer, x.from->expert, mp) : ModelStatesFileName(mp);
+    };
+    return Status::InvalidInput(where(e) + " and " + where(*it->second) + " both hold " + e.key +
+                                "; one of them does not belong to this checkpoint");
+  }
+  return Status::Ok();
+}
+
 // mp rank `mp`'s tensors: its module's, then its expert files'.
 Result<std::vector<Entry>> RankEntries(const DeepSpeedModel& m, int mp, const std::set<std::string>& allowed) {
   std::vector<Entry> entries;
@@ -48,6 +64,7 @@ Result<std::vector<Entry>> RankEntries(const DeepSpeedModel& m, int mp, const st
       }
     }
   }
+  RESHARD_RETURN_IF_ERROR(CheckKeysUnique(entries, mp));
   return entries;
 }
 
@@ -262,6 +279,7 @@ Result<MoeModel> ReadMoeModel(CheckpointFiles files, const CommonOptions& option
   ckpt.pp = static_cast<int>(ranks.size()) / ckpt.tp;
   if (ckpt.dp == 0) ckpt.dp = std::max<int64_t>(1, MetadataInt(ckpt.metadata[0], "dp_world_size", 1));
   RESHARD_RETURN_IF_ERROR(CheckRecordedDegrees(ckpt));
+  RESHARD_ASSIGN_OR_RETURN(out.layout, CheckMoeFiles(m.files, ckpt, allowed));
   std::map<int, int> stage_of_layer;
   ExpertOrigins origins;
   for (int p = 0; p < ckpt.pp; ++p) BuildLayers(ranks, placed, p, ckpt.tp, &out, &stage_of_layer, &origins);
@@ -271,8 +289,7 @@ Result<MoeModel> ReadMoeModel(CheckpointFiles files, const CommonOptions& option
                   "folder if it does not belong to the checkpoint)");
   }
   RESHARD_RETURN_IF_ERROR(DescribeCheckpoint(rules, options.set, &ckpt));
-  if (ckpt.HasErrors()) return out;  // the findings say why; the layout needs described tensors
-  RESHARD_ASSIGN_OR_RETURN(out.layout, DiscoverMoeLayout(m.files, ckpt, stage_of_layer, origins, allowed));
+  RESHARD_RETURN_IF_ERROR(DescribeMoeBlocks(ckpt, stage_of_layer, origins, &out.layout));
   return out;
 }
 
