@@ -1,0 +1,141 @@
+"""The MoE fixture generator (tests/fixtures/deepspeed_moe.py) against the real DeepSpeed saves,
+and reshard reading what it writes.
+
+* Written with the configuration of each real save (``REAL_SAVES``), the generator's folder has
+  the real save's structure exactly: the same files, keys in the same order, tensor dtypes,
+  shapes and places in their storages (module tensors are views into the group flats), object
+  types, fragment addresses, partition counts, paddings, num_experts, world sizes, group names
+  and flags, the module's ``_metadata``.  A layout change (EP 4) and a model change (residual
+  MoE) must make the comparison fail: it can.
+* The oracle (``load_moe``, no reshard) reads the real saves' weights equal to their fp32
+  masters (DeepSpeed's fp32 ZeRO-1 keeps them so), and the generator's fixtures at many layouts
+  back to the canonical model.
+* reshard's lint names the layout each fixture was written with, and verify finds the same
+  model in fixtures of one model at different EP x DP layouts (experts compared by global id).
+
+Run by ctest as ``/usr/bin/python3 tests/interop/test_moe_fixture.py --reshard BIN`` with
+PYTHONPATH=tests.
+"""
+
+import dataclasses
+import os
+
+import torch
+
+from fixtures import deepspeed_moe as dm
+from fixtures.deepspeed_moe import MoeConfig
+
+import interop_support as support
+from interop_support import FixtureTestCase
+
+DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'data', 'deepspeed_moe')
+RULES = {'module': os.path.join(DATA, 'toy-moe-nonpipe.yaml'), 'pipe': os.path.join(DATA, 'toy-moe-pipe.yaml')}
+
+# Layouts beyond the real saves': EP 1 / 4, expert-DP 1..4, PP 1..3 (a stage without MoE
+# layers), more experts, bf16 and fp16, ZeRO-2, residual MoE, module tensors not shared.
+LAYOUTS = [
+    MoeConfig(engine='module', dp=4, ep=1),
+    MoeConfig(engine='module', dp=8, ep=4, num_experts=8, dtype='bf16', zero_stage=2),
+    MoeConfig(engine='module', dp=6, ep=2, dtype='fp16', residual=True),
+    MoeConfig(engine='module', dp=2, ep=2, expert_interval=1, shared_storage=False),
+    MoeConfig(engine='pipe', pp=3, dp=4, ep=4, dtype='bf16'),
+    MoeConfig(engine='pipe', pp=2, dp=4, ep=2, num_layers=6, expert_interval=3, residual=True, zero_stage=2),
+]
+
+run = support.reshard
+
+
+def differences(a, b, where=''):
+    """Paths at which two structures differ (at most a few)."""
+    if a == b:
+        return []
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = [f'{where}/{k}: only in {"the generator" if k in b else "the real save"}'
+               for k in sorted(set(a) ^ set(b), key=str)]
+        for k in (k for k in a if k in b):
+            out += differences(a[k], b[k], f'{where}/{k}')
+        return out[:10]
+    if isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b):
+        out = []
+        for i, (x, y) in enumerate(zip(a, b)):
+            out += differences(x, y, f'{where}[{i}]')
+        return out[:10]
+    return [f'{where}: real {str(a)[:200]} vs generated {str(b)[:200]}']
+
+
+class MoeFixtureTests(FixtureTestCase):
+
+    def write(self, name, cfg):
+        root = self.path(name)
+        dm.write_moe(root, cfg)
+        return root
+
+    def test_structure_is_the_real_saves(self):
+        for name, cfg in dm.REAL_SAVES.items():
+            with self.subTest(save=name):
+                real = dm.structure(os.path.join(DATA, name))
+                ours = dm.structure(self.write(name, cfg))
+                self.assertEqual(differences(real, ours), [])
+
+    def test_the_comparison_sees_layout_and_model_changes(self):
+        name, cfg = 'zero1_fp32_ep2_dp4', dm.REAL_SAVES['zero1_fp32_ep2_dp4']
+        real = dm.structure(os.path.join(DATA, name))
+        for change in ({'ep': 4}, {'residual': True}, {'dp': 2}):
+            with self.subTest(**change):
+                ours = dm.structure(self.write(f'changed_{list(change)[0]}', dataclasses.replace(cfg, **change)))
+                self.assertNotEqual(differences(real, ours), [])
+
+    def test_oracle_reads_real_weights_equal_to_their_masters(self):
+        for name in dm.REAL_SAVES:
+            with self.subTest(save=name):
+                state = dm.load_moe(os.path.join(DATA, name))
+                self.assertEqual(set(state['weights']), set(state['fp32']))
+                for key, weight in state['weights'].items():
+                    self.assertTrue(torch.equal(weight, state['fp32'][key]), key)
+
+    def test_fixtures_read_back_as_the_canonical_model(self):
+        for i, cfg in enumerate(LAYOUTS + list(dm.REAL_SAVES.values())):
+            with self.subTest(layout=i):
+                canon = dm.canonical_tensors(cfg)
+                state = dm.load_moe(self.write(f'f{i}', cfg))
+                self.assertEqual(set(state['weights']), set(canon))
+                for key, value in canon.items():
+                    self.assertTrue(torch.equal(state['weights'][key], value.to(cfg.torch_dtype)), key)
+                    self.assertTrue(torch.equal(state['fp32'][key], value), key)
+                    self.assertTrue(torch.equal(state['exp_avg'][key], 0.1 * value), key)
+                    self.assertTrue(torch.equal(state['exp_avg_sq'][key], value * value + 1e-8), key)
+
+    def test_reshard_lint_names_the_layout_written(self):
+        for i, cfg in enumerate(LAYOUTS):
+            with self.subTest(layout=i):
+                p = run('lint', self.write(f'l{i}', cfg), '--rules', RULES[cfg.engine])
+                self.assertEqual(p.returncode, 1, p.stdout + p.stderr)  # only: convert is not implemented yet
+                blocks = [b for b in range(cfg.num_layers) if cfg.is_moe(b)]
+                self.assertIn(f'info: MoE: EP {cfg.ep} x expert-DP {cfg.edp}; {len(blocks)} MoE layers of '
+                              f'{cfg.num_experts} experts (blocks {", ".join(map(str, blocks))}', p.stdout)
+                self.assertIn(f'TP 1, PP {cfg.pp}, DP {cfg.dp}', p.stdout)
+                errors = [line for line in p.stdout.splitlines() if line.startswith('error:')]
+                self.assertEqual(len(errors), 1, p.stdout)
+                self.assertIn('not implemented yet', errors[0])
+
+    def test_reshard_verify_finds_one_model_across_ep_layouts(self):
+        a = self.write('a', MoeConfig(engine='module', dp=4, ep=2, num_experts=8))
+        b = self.write('b', MoeConfig(engine='module', dp=8, ep=8, num_experts=8, global_samples=16))
+        p = run('verify', a, b, '--rules', RULES['module'])
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        self.assertIn('same model', p.stdout)
+        # One element of one expert changed: verify names that expert by its global id, and only it.
+        f = os.path.join(b, 'global_step2', 'layer_0_expert_7_mp_rank_00_model_states.pt')
+        sd = torch.load(f)
+        key = next(k for k in sd if k.endswith('dense_h_to_4h.weight'))
+        sd[key][1, 2] += 0.5
+        torch.save(sd, f)
+        p = run('verify', a, b, '--rules', RULES['module'])
+        self.assertEqual(p.returncode, 1, p.stdout + p.stderr)
+        differs = [line for line in p.stdout.splitlines() if line.startswith('differs:')]
+        self.assertEqual(len(differs), 1, p.stdout)
+        self.assertIn('layers.1.mlp.deepspeed_moe.experts.deepspeed_experts.7.dense_h_to_4h.weight', differs[0])
+        self.assertIn('1 of 512 elements differ', differs[0])
+
+if __name__ == '__main__':
+    support.main()
