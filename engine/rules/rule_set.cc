@@ -151,6 +151,13 @@ int ParamRule::ExpertId(const std::string& key) const {
   return ParseInt(groups[expert - 1], &id) ? static_cast<int>(id) : -1;
 }
 
+std::string ParamRule::WithExpertId(const std::string& key, int id) const {
+  std::vector<re2::StringPiece> groups(expert + 1);
+  key_regex->Match(key, 0, key.size(), RE2::ANCHOR_BOTH, groups.data(), expert + 1);
+  const size_t begin = groups[expert].data() - key.data();
+  return key.substr(0, begin) + std::to_string(id) + key.substr(begin + groups[expert].size());
+}
+
 namespace {
 
 // What the HF export reads: its conditions, config fields and split sizes.

@@ -145,6 +145,9 @@ struct ParamRule {
   // The global expert id in `key` (which this rule matches); -1 when the
   // rule has no expert axis.
   int ExpertId(const std::string& key) const;
+  // `key` with its expert id replaced by `id` (an EP rank names its experts
+  // by their local ids 0..E/EP-1). REQUIRES: expert > 0.
+  std::string WithExpertId(const std::string& key, int id) const;
 };
 
 // Where one role's tensors are in a non-pipeline (nn.Module) save, whose

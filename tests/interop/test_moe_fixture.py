@@ -11,7 +11,8 @@ and reshard reading what it writes.
   masters (DeepSpeed's fp32 ZeRO-1 keeps them so), and the generator's fixtures at many layouts
   back to the canonical model.
 * reshard's lint names the layout each fixture was written with, and verify finds the same
-  model in fixtures of one model at different EP x DP layouts (experts compared by global id).
+  model in fixtures of one model at different EP x DP layouts (weights and every optimizer
+  state, experts compared by global id), and names the one expert state or weight changed.
 
 Run by ctest as ``/usr/bin/python3 tests/interop/test_moe_fixture.py --reshard BIN`` with
 PYTHONPATH=tests.
@@ -124,6 +125,28 @@ class MoeFixtureTests(FixtureTestCase):
         p = run('verify', a, b, '--rules', RULES['module'])
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         self.assertIn('same model', p.stdout)
+        # Every weight and its fp32 master, exp_avg and exp_avg_sq.
+        params = len(dm.canonical_tensors(MoeConfig(engine='module', num_experts=8)))
+        self.assertIn(f'verify: {4 * params} tensors', p.stdout)
+        # One element of one expert's exp_avg changed, in the expert-DP partition of EP rank 1 on
+        # DP rank 3 (EP 2): named by the global id of the expert it belongs to.
+        f = os.path.join(a, 'global_step2', 'zero_pp_rank_3_mp_rank_00_optim_states.pt')
+        shard = torch.load(f)
+        osd = shard['optimizer_state_dict']
+        moe_wd = next(g for g, group in enumerate(osd['base_optimizer_state']['param_groups'])
+                      if group.get('moe') and group['weight_decay'] > 0)
+        name, frag = next(iter(osd['param_slice_mappings'][moe_wd].items()))
+        osd['base_optimizer_state']['state'][moe_wd]['exp_avg'][frag.start] += 1.0
+        torch.save(shard, f)
+        local = int(name.split('deepspeed_experts.')[1].split('.')[0])
+        glob_name = name.replace(f'deepspeed_experts.{local}.', f'deepspeed_experts.{4 + local}.')
+        p = run('verify', a, b, '--rules', RULES['module'])
+        self.assertEqual(p.returncode, 1, p.stdout + p.stderr)
+        differs = [line for line in p.stdout.splitlines() if line.startswith('differs:')]
+        self.assertEqual(len(differs), 1, p.stdout)
+        self.assertIn('optimizer exp_avg ' + glob_name.replace('language_model.encoder.', ''), differs[0])
+        self.assertIn('1 of ', differs[0])
+        a = self.write('a2', MoeConfig(engine='module', dp=4, ep=2, num_experts=8))  # unchanged again
         # One element of one expert changed: verify names that expert by its global id, and only it.
         f = os.path.join(b, 'global_step2', 'layer_0_expert_7_mp_rank_00_model_states.pt')
         sd = torch.load(f)
@@ -136,6 +159,16 @@ class MoeFixtureTests(FixtureTestCase):
         self.assertEqual(len(differs), 1, p.stdout)
         self.assertIn('layers.1.mlp.deepspeed_moe.experts.deepspeed_experts.7.dense_h_to_4h.weight', differs[0])
         self.assertIn('1 of 512 elements differ', differs[0])
+
+    def test_reshard_verify_finds_one_model_across_pipeline_layouts(self):
+        a = self.write('a', MoeConfig(engine='pipe', pp=2, dp=2, ep=2, dtype='bf16'))
+        b = self.write('b', MoeConfig(engine='pipe', pp=3, dp=8, ep=4, dtype='bf16', zero_stage=2, global_samples=8))
+        p = run('verify', a, b, '--rules', RULES['pipe'])
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        params = len(dm.canonical_tensors(MoeConfig(engine='pipe')))
+        self.assertIn(f'verify: {4 * params} tensors', p.stdout)
+        self.assertIn('same model', p.stdout)
+
 
 if __name__ == '__main__':
     support.main()

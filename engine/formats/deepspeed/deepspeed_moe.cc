@@ -1,12 +1,18 @@
 // A DeepSpeed MoE save as a SourceCheckpoint: lint, inspect and the
-// weights verify compares. Converting it is not done yet: Plan refuses.
+// tensors verify compares (weights and optimizer state, experts by global
+// id). Converting it is not done yet: Plan refuses.
+
+#include <mutex>
 
 #include "formats/deepspeed/deepspeed_source.h"
 #include "formats/deepspeed/drift_lint.h"
+#include "formats/deepspeed/zero_shard_lint.h"
+#include "formats/deepspeed/moe_optimizer.h"
 #include "formats/deepspeed/moe_reader.h"
-#include "formats/deepspeed/state_tensor.h"
-#include "logical/drift.h"
+#include "plan/materialize.h"
 #include "plan/tensor_plan.h"
+#include "util/strings.h"
+#include "logical/drift.h"
 
 namespace reshard {
 namespace {
@@ -15,7 +21,7 @@ class MoeSource : public DeepSpeedModelSource {
  public:
   MoeSource(MoeModel moe, const CommonOptions& options)
       : DeepSpeedModelSource(std::move(moe.model), options), pipeline_names_(moe.pipeline_names),
-        layout_(std::move(moe.layout)) {}
+        layout_(std::move(moe.layout)), allowed_classes_(options.allowed_classes) {}
 
   std::string kind() const override { return "MoE"; }
   int64_t vocab_rows() const override { return ckpt().vocab.padded_rows; }
@@ -42,6 +48,13 @@ class MoeSource : public DeepSpeedModelSource {
     if (ckpt().HasErrors()) return;
     ReportDrift(ckpt(), options, report);
     report->findings.push_back({Finding::Severity::kInfo, "MoE: " + layout_.Summary()});
+    if (shard_files() > 0 && options.weights_only) {
+      report->findings.push_back({Finding::Severity::kInfo, WeightsOnlyNote(OptimizerWhat())});
+    } else if (shard_files() > 0) {
+      Result<const MoeOptimizer*> opt = State();
+      report->findings.push_back(opt.ok() ? StateFinding(**opt)
+                                          : Finding{Finding::Severity::kError, "optimizer: " + opt.status().message()});
+    }
     report->findings.push_back({Finding::Severity::kError, NotYet()});
   }
 
@@ -54,29 +67,20 @@ class MoeSource : public DeepSpeedModelSource {
     return Status::Unsupported(NotYet());
   }
 
-  // The weights (experts under their global ids); the optimizer state is
-  // not compared yet.
+  // The weights and every optimizer state, experts under their global ids.
   Result<std::vector<FullTensor>> FullTensors(ReplicatedPolicy replicated,
                                               std::atomic<int64_t>* read) const override {
     RESHARD_RETURN_IF_ERROR(ckpt().FirstError());
-    std::vector<FullTensor> out;
-    const LogicalCheckpoint& c = ckpt();
-    for (size_t li = 0; li < c.layers.size(); ++li) {
-      for (size_t ti = 0; ti < c.layers[li].tensors.size(); ++ti) {
-        const LogicalTensor& t = c.layers[li].tensors[ti];
-        const TensorPlan plan = PlanFullTensor(c, static_cast<int>(li), static_cast<int>(ti), replicated);
-        RESHARD_ASSIGN_OR_RETURN(ByteProducer produce, WeightProducer(c, nullptr, t, plan, read));
-        out.push_back({"weights", t.name, t.name, "", t.label, c.WeightDType(t), t.full_shape,
-                       t.rule->policy == ParamRule::Policy::kVocab, std::move(produce)});
-      }
-    }
+    RESHARD_ASSIGN_OR_RETURN(std::vector<FullTensor> out, WeightTensors(ckpt(), nullptr, replicated, read));
+    if (shard_files() == 0) return out;
+    RESHARD_ASSIGN_OR_RETURN(const MoeOptimizer* opt, State());
+    RESHARD_RETURN_IF_ERROR(AddStates(*opt, replicated, read, &out));
     return out;
   }
 
   std::vector<std::string> VerifyNotes() const override {
     std::vector<std::string> notes;
     for (const Drift& d : MeasureDrift(ckpt())) notes.push_back("replicas differ: " + DescribeDrift(ckpt(), d));
-    if (HasOptimizerState()) notes.push_back("MoE: the optimizer state is not compared yet; the weights are");
     return notes;
   }
 
@@ -86,8 +90,61 @@ class MoeSource : public DeepSpeedModelSource {
            "verify read them";
   }
 
+  // The optimizer shards, read once, when a command first needs them.
+  Result<const MoeOptimizer*> State() const {
+    std::call_once(state_once_, [this] {
+      Result<std::unique_ptr<MoeOptimizer>> opt = MoeOptimizer::Load(ckpt(), files(), layout_, allowed_classes_);
+      if (opt.ok()) {
+        state_ = std::move(*opt);
+      } else {
+        state_status_ = opt.status();
+      }
+    });
+    if (!state_status_.ok()) return state_status_;
+    return static_cast<const MoeOptimizer*>(state_.get());
+  }
+
+  Finding StateFinding(const MoeOptimizer& opt) const {
+    return {Finding::Severity::kInfo,
+            "optimizer: " + std::to_string(shard_files()) + " shards (" + (opt.format().zero ? "ZeRO-1/2" : "BF16 optimizer") +
+                ", " + std::to_string(opt.num_groups()) + " groups on mp_rank_00, expert groups over expert-DP " +
+                std::to_string(layout_.edp) + ", states " + Join(opt.states(), ", ") +
+                "); every parameter's fragments found, experts by their global ids"};
+  }
+
+  // Every per-element state of every parameter, whole (TP replicas merged by
+  // `replicated` like the weights).
+  Status AddStates(const MoeOptimizer& opt, ReplicatedPolicy replicated, std::atomic<int64_t>* read,
+                   std::vector<FullTensor>* out) const {
+    const LogicalCheckpoint& c = ckpt();
+    for (size_t li = 0; li < c.layers.size(); ++li) {
+      for (size_t ti = 0; ti < c.layers[li].tensors.size(); ++ti) {
+        const LogicalTensor& weight = c.layers[li].tensors[ti];
+        if (weight.rule->buffer) continue;
+        const std::string saved = MoeSaveName(c.layers[li], weight);
+        for (const std::string& state : opt.states()) {
+          LogicalTensor st = weight;
+          st.dtype = DType::kFloat32;
+          for (int t = 0; t < c.tp; ++t) {
+            RESHARD_ASSIGN_OR_RETURN(st.shards[t], opt.Locate(saved, t, state));
+          }
+          const TensorPlan plan = PlanFullTensor(c, static_cast<int>(li), static_cast<int>(ti), replicated);
+          out->push_back({"optimizer", "optimizer " + state + " " + weight.name, weight.name, state,
+                          "optimizer " + state + " " + saved, DType::kFloat32, weight.full_shape,
+                          weight.rule->policy == ParamRule::Policy::kVocab,
+                          RangeProducer(SourceTensor::Of(st), plan, read)});
+        }
+      }
+    }
+    return Status::Ok();
+  }
+
   bool pipeline_names_;
   MoeLayout layout_;
+  std::set<std::string> allowed_classes_;
+  mutable std::once_flag state_once_;
+  mutable std::unique_ptr<MoeOptimizer> state_;
+  mutable Status state_status_;
 };
 
 }  // namespace

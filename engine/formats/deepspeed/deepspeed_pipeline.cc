@@ -163,18 +163,7 @@ class PipelineSource : public DeepSpeedModelSource {
     if (HasOptimizerState()) {
       RESHARD_ASSIGN_OR_RETURN(opt, Optimizer());
     }
-    std::vector<FullTensor> out;
-    const LogicalCheckpoint& c = ckpt();
-    for (size_t li = 0; li < c.layers.size(); ++li) {
-      for (size_t ti = 0; ti < c.layers[li].tensors.size(); ++ti) {
-        const LogicalTensor& t = c.layers[li].tensors[ti];
-        const TensorPlan plan = PlanFullTensor(c, static_cast<int>(li), static_cast<int>(ti), replicated);
-        // Averaged replicas come from the averaged masters where there are masters.
-        RESHARD_ASSIGN_OR_RETURN(ByteProducer produce, WeightProducer(c, opt, t, plan, read));
-        out.push_back({"weights", t.name, t.name, "", t.label, c.WeightDType(t), t.full_shape, IsVocab(t),
-                       std::move(produce)});
-      }
-    }
+    RESHARD_ASSIGN_OR_RETURN(std::vector<FullTensor> out, WeightTensors(ckpt(), opt, replicated, read));
     if (opt != nullptr) RESHARD_RETURN_IF_ERROR(AddStates(*opt, replicated, read, &out));
     return out;
   }

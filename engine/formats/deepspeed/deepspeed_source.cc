@@ -2,6 +2,8 @@
 
 #include "formats/deepspeed/file_names.h"
 #include "formats/deepspeed/pipeline_writer.h"
+#include "formats/deepspeed/state_tensor.h"
+#include "plan/tensor_plan.h"
 #include "util/human.h"
 
 namespace reshard {
@@ -69,6 +71,21 @@ Result<const SourceOptimizer*> DeepSpeedModelSource::Optimizer() const {
   });
   if (!optimizer_status_.ok()) return optimizer_status_;
   return static_cast<const SourceOptimizer*>(optimizer_.get());
+}
+
+Result<std::vector<FullTensor>> WeightTensors(const LogicalCheckpoint& ckpt, const SourceOptimizer* masters,
+                                              ReplicatedPolicy replicated, std::atomic<int64_t>* read) {
+  std::vector<FullTensor> out;
+  for (size_t li = 0; li < ckpt.layers.size(); ++li) {
+    for (size_t ti = 0; ti < ckpt.layers[li].tensors.size(); ++ti) {
+      const LogicalTensor& t = ckpt.layers[li].tensors[ti];
+      const TensorPlan plan = PlanFullTensor(ckpt, static_cast<int>(li), static_cast<int>(ti), replicated);
+      RESHARD_ASSIGN_OR_RETURN(ByteProducer produce, WeightProducer(ckpt, masters, t, plan, read));
+      out.push_back({"weights", t.name, t.name, "", t.label, ckpt.WeightDType(t), t.full_shape,
+                     t.rule->policy == ParamRule::Policy::kVocab, std::move(produce)});
+    }
+  }
+  return out;
 }
 
 std::string StateName(const std::string& state, const std::string& param, int mp, int mp_ranks) {

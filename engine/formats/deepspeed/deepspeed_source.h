@@ -107,6 +107,12 @@ class DeepSpeedModelSource : public SourceCheckpoint {
 // model-parallel ranks: how verify names a state compared rank by rank.
 std::string StateName(const std::string& state, const std::string& param, int mp, int mp_ranks);
 
+// Every weight of `ckpt` whole, TP replicas merged by `replicated`; an
+// average of replicas comes from the averaged fp32 masters of `masters`
+// (may be null). Producers add the bytes they read to *read.
+Result<std::vector<FullTensor>> WeightTensors(const LogicalCheckpoint& ckpt, const SourceOptimizer* masters,
+                                              ReplicatedPolicy replicated, std::atomic<int64_t>* read);
+
 // The metadata lines of `inspect`.
 std::string MetadataLines(const LogicalCheckpoint& ckpt);
 // The tensor lines of `inspect`: every layer's tensors with their rules and

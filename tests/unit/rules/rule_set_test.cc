@@ -436,6 +436,7 @@ TEST(RuleSetMoe, ExpertRuleReadsTheGlobalIdFromItsGroup) {
   EXPECT_EQ(expert->ExpertId("experts.13.b"), 13);
   EXPECT_TRUE(expert->MoeOnly());
   EXPECT_EQ(expert->CanonicalName("experts.13.b", 4, 2), "layers.2.e.13.b");
+  EXPECT_EQ(expert->WithExpertId("experts.13.b", 1), "experts.1.b");
   const ParamRule* norm = *rs->Match("block", "norm.weight");
   EXPECT_EQ(norm->ExpertId("norm.weight"), -1);
   EXPECT_FALSE(norm->MoeOnly());
