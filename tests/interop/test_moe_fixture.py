@@ -12,7 +12,9 @@ and reshard reading what it writes.
   back to the canonical model.
 * reshard's lint names the layout each fixture was written with, and verify finds the same
   model in fixtures of one model at different EP x DP layouts (weights and every optimizer
-  state, experts compared by global id), and names the one expert state or weight changed.
+  state, experts compared by global id), and names the one expert state or weight changed;
+  ``export --to consolidated`` writes the canonical model (from the masters); the universal
+  export refuses.
 
 Run by ctest as ``/usr/bin/python3 tests/interop/test_moe_fixture.py --reshard BIN`` with
 PYTHONPATH=tests.
@@ -20,6 +22,7 @@ PYTHONPATH=tests.
 
 import dataclasses
 import os
+import re
 
 import torch
 
@@ -27,7 +30,7 @@ from fixtures import deepspeed_moe as dm
 from fixtures.deepspeed_moe import MoeConfig
 
 import interop_support as support
-from interop_support import FixtureTestCase
+from interop_support import FixtureTestCase, read_safetensors
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'data', 'deepspeed_moe')
 RULES = {'module': os.path.join(DATA, 'toy-moe-nonpipe.yaml'), 'pipe': os.path.join(DATA, 'toy-moe-pipe.yaml')}
@@ -44,6 +47,16 @@ LAYOUTS = [
 ]
 
 run = support.reshard
+
+
+def rule_name(save_name, cfg):
+    """The canonical name the toy rule files give a tensor saved as `save_name`."""
+    if cfg.engine == 'module':
+        return re.sub(r'^language_model\.(?:encoder\.)?', '', save_name)
+    spec, key = save_name.split('.', 1)
+    if int(spec) == 0:
+        return 'embedding.' + key
+    return key if int(spec) == cfg.num_layers + 1 else f'layers.{int(spec) - 1}.{key}'
 
 
 def differences(a, b, where=''):
@@ -168,6 +181,27 @@ class MoeFixtureTests(FixtureTestCase):
         params = len(dm.canonical_tensors(MoeConfig(engine='pipe')))
         self.assertIn(f'verify: {4 * params} tensors', p.stdout)
         self.assertIn('same model', p.stdout)
+
+
+    def test_consolidated_export_is_the_canonical_model(self):
+        for i, cfg in enumerate([MoeConfig(engine='module', dp=8, ep=4, num_experts=8, dtype='bf16'),
+                                 MoeConfig(engine='pipe', pp=3, dp=4, ep=2, dtype='fp16', residual=True)]):
+            with self.subTest(engine=cfg.engine):
+                out = self.path(f'export{i}')
+                p = run('export', self.write(f'e{i}', cfg), out, '--to', 'consolidated', '--rules', RULES[cfg.engine])
+                self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+                tensors, _ = read_safetensors(os.path.join(out, 'model.safetensors'))
+                canon = {rule_name(k, cfg): v for k, v in dm.canonical_tensors(cfg).items()}
+                self.assertEqual(set(tensors), set(canon))
+                for name, value in canon.items():  # from the fp32 masters
+                    self.assertTrue(torch.equal(tensors[name], value), name)
+
+    def test_other_exports_are_refused(self):
+        root = self.write('x', MoeConfig())
+        p = run('export', root, self.path('u'), '--to', 'universal', '--rules', RULES['module'])
+        self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
+        self.assertIn('exporting a DeepSpeed MoE checkpoint --to universal is not implemented yet', p.stderr)
+        self.assertFalse(os.path.exists(self.path('u')))
 
 
 if __name__ == '__main__':

@@ -78,6 +78,13 @@ class MoeSource : public DeepSpeedModelSource {
     return out;
   }
 
+  Result<std::unique_ptr<TargetPlan>> PlanFamilyFormat(const ExportOptions& options,
+                                                       std::vector<std::string>*) const override {
+    return Status::Unsupported("exporting a DeepSpeed MoE checkpoint --to " + options.to +
+                               " is not implemented yet; --to consolidated writes its whole tensors "
+                               "(experts under their global ids)");
+  }
+
   std::vector<std::string> VerifyNotes() const override {
     std::vector<std::string> notes;
     for (const Drift& d : MeasureDrift(ckpt())) notes.push_back("replicas differ: " + DescribeDrift(ckpt(), d));
