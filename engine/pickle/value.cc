@@ -102,6 +102,19 @@ Object& Object::operator=(const Object& other) {
   return *this;
 }
 
+Value WithOwnStorage(const Value& v) {
+  if (!v.is(Value::Kind::kTensor)) return v;
+  const Tensor& t = v.as_tensor();
+  const ByteView& bytes = t.storage->bytes;
+  const int64_t element = ElementSize(t.storage->dtype);
+  Value copy = MakeTensorOver(t.storage->dtype, t.sizes,
+                              ByteView{bytes.owner, bytes.data + t.storage_offset * element,
+                                       static_cast<size_t>(t.numel() * element), bytes.mapped},
+                              t.storage->location);
+  copy.as_tensor().requires_grad = t.requires_grad;
+  return copy;
+}
+
 Value MakeOwnedTensor(DType dtype, const std::vector<int64_t>& shape,
                       std::shared_ptr<std::vector<uint8_t>> bytes, const std::string& location) {
   const uint8_t* data = bytes->data();

@@ -1,6 +1,6 @@
-// A DeepSpeed MoE save as a SourceCheckpoint: lint, inspect and the
-// tensors verify compares (weights and optimizer state, experts by global
-// id). Converting it is not done yet: Plan refuses.
+// A DeepSpeed MoE save as a SourceCheckpoint: lint, inspect, the tensors
+// verify compares (weights and optimizer state, experts by global id), and
+// conversions to another EP and DP size (moe_plan.h).
 
 #include <mutex>
 
@@ -8,6 +8,8 @@
 #include "formats/deepspeed/drift_lint.h"
 #include "formats/deepspeed/zero_shard_lint.h"
 #include "formats/deepspeed/moe_optimizer.h"
+#include "formats/deepspeed/moe_plan.h"
+#include "formats/deepspeed/pipeline_reader.h"
 #include "formats/deepspeed/moe_reader.h"
 #include "plan/materialize.h"
 #include "plan/tensor_plan.h"
@@ -48,23 +50,41 @@ class MoeSource : public DeepSpeedModelSource {
     if (ckpt().HasErrors()) return;
     ReportDrift(ckpt(), options, report);
     report->findings.push_back({Finding::Severity::kInfo, "MoE: " + layout_.Summary()});
+    const MoeOptimizer* state = nullptr;
     if (shard_files() > 0 && options.weights_only) {
       report->findings.push_back({Finding::Severity::kInfo, WeightsOnlyNote(OptimizerWhat())});
     } else if (shard_files() > 0) {
       Result<const MoeOptimizer*> opt = State();
       report->findings.push_back(opt.ok() ? StateFinding(**opt)
                                           : Finding{Finding::Severity::kError, "optimizer: " + opt.status().message()});
+      state = opt.ok() ? *opt : nullptr;
     }
-    report->findings.push_back({Finding::Severity::kError, NotYet()});
+    if (const Status s = Convertible(state); !s.ok()) report->findings.push_back({Finding::Severity::kError, s.message()});
   }
 
   std::string Describe() const override {
     return MetadataLines(ckpt()) + layout_.Describe() + "tensors (full logical shapes):\n" + TensorLines(ckpt());
   }
 
-  Result<std::unique_ptr<TargetPlan>> Plan(const ConvertOptions&, std::vector<std::string>*) const override {
+  bool HasExperts() const override { return true; }
+
+  Result<std::unique_ptr<TargetPlan>> Plan(const ConvertOptions& options,
+                                           std::vector<std::string>* notes) const override {
     RESHARD_RETURN_IF_ERROR(ckpt().FirstError());
-    return Status::Unsupported(NotYet());
+    const int ep = options.target_ep > 0 ? options.target_ep : layout_.ep;
+    const int dp = options.target_dp > 0 ? options.target_dp : ckpt().dp;
+    RESHARD_RETURN_IF_ERROR(CheckTarget(options, ep, dp));
+    const MoeOptimizer* opt = nullptr;
+    if (shard_files() > 0 && options.weights_only) {
+      notes->push_back(WeightsOnlyNote(OptimizerWhat()));
+    } else if (shard_files() > 0) {
+      RESHARD_ASSIGN_OR_RETURN(opt, State());
+    }
+    RESHARD_RETURN_IF_ERROR(Convertible(opt));
+    if (options.dry_run) notes->push_back(kDryRunNote);
+    RESHARD_ASSIGN_OR_RETURN(MoePlan plan, MakeMoePlan(ckpt(), layout_, opt, ep, dp, options.replicated));
+    notes->insert(notes->end(), plan.notes.begin(), plan.notes.end());
+    return std::unique_ptr<TargetPlan>(new MoeTargetPlan(ckpt(), files(), opt, allowed_classes_, std::move(plan)));
   }
 
   // The weights and every optimizer state, experts under their global ids.
@@ -92,9 +112,49 @@ class MoeSource : public DeepSpeedModelSource {
   }
 
  private:
-  static std::string NotYet() {
-    return "converting DeepSpeed MoE checkpoints (expert files) is not implemented yet; lint, inspect and "
-           "verify read them";
+  // What convert refuses whatever the target: TP > 1, and optimizer state
+  // other than ZeRO-1/2 shards (a run without ZeRO keeps its state in the
+  // expp_rank files).
+  Status Convertible(const MoeOptimizer* opt) const {
+    if (ckpt().tp > 1) {
+      return Status::Unsupported("converting a DeepSpeed MoE checkpoint at TP " + std::to_string(ckpt().tp) +
+                                 " is not implemented yet (TP 1: EP, DP and expert-DP change)");
+    }
+    if (opt != nullptr && !opt->format().zero) {
+      return Status::Unsupported("converting a DeepSpeed MoE checkpoint with BF16_Optimizer shards is not "
+                                 "implemented yet (ZeRO-1/2 shards are)");
+    }
+    for (const auto& [mp, by_ep] : files().expert_optimizer_files) {
+      RESHARD_ASSIGN_OR_RETURN(Value expp, ReadDeepSpeedFile(by_ep.begin()->second, allowed_classes_));
+      const Value* state = Find(expp, "optimizer");
+      if (state == nullptr || !state->is_none()) {
+        return Status::Unsupported(BaseName(by_ep.begin()->second) + " holds an optimizer state (a run without "
+                                   "ZeRO); converting it is not implemented yet (ZeRO-1/2 runs, whose expp_rank "
+                                   "files hold None, are)");
+      }
+    }
+    return Status::Ok();
+  }
+
+  // The target layouts this conversion can write: TP and PP kept, EP
+  // dividing DP and every MoE layer's experts.
+  Status CheckTarget(const ConvertOptions& options, int ep, int dp) const {
+    if (options.target_tp != ckpt().tp || options.target_pp != ckpt().pp || !options.layers_per_stage.empty()) {
+      return Status::Unsupported("changing TP or PP of a DeepSpeed MoE checkpoint is not implemented yet; keep --tp " +
+                                 std::to_string(ckpt().tp) + " --pp " + std::to_string(ckpt().pp) +
+                                 " (EP, DP and expert-DP change)");
+    }
+    if (dp % ep != 0) {
+      return Status::InvalidInput("EP " + std::to_string(ep) + " does not divide DP " + std::to_string(dp) +
+                                  " (expert-DP is DP / EP); choose --ep and --dp so that it does");
+    }
+    for (const MoeBlock& b : layout_.blocks) {
+      if (b.experts % ep == 0) continue;
+      return Status::InvalidInput("EP " + std::to_string(ep) + " does not divide the " + std::to_string(b.experts) +
+                                  " experts of the MoE layer in block " + std::to_string(b.block) +
+                                  "; choose an --ep that does");
+    }
+    return Status::Ok();
   }
 
   // The optimizer shards, read once, when a command first needs them.

@@ -108,8 +108,10 @@ Status MoeOptimizer::LoadRank(int mp, const std::vector<const OptimizerShardFile
   std::vector<int64_t> counts;
   ReadIntSequence(*Find(*Osd(shards_[mp][0]), "partition_count"), &counts);
   if (mp == 0) num_groups_ = static_cast<int>(counts.size());
+  moe_groups_.resize(shards_.size());
   for (int g = 0; g < static_cast<int>(counts.size()); ++g) {
-    RESHARD_RETURN_IF_ERROR(IndexGroup(mp, g, IsMoeGroup(*Osd(shards_[mp][0]), g), shards));
+    moe_groups_[mp].push_back(IsMoeGroup(*Osd(shards_[mp][0]), g));
+    RESHARD_RETURN_IF_ERROR(IndexGroup(mp, g, moe_groups_[mp][g], shards));
   }
   return Status::Ok();
 }
@@ -159,6 +161,31 @@ const Tensor* MoeOptimizer::Partition(int mp, int d, int group, const std::strin
 }
 
 std::vector<std::string> MoeOptimizer::ParamNames() const { return names_; }
+
+std::vector<std::string> MoeOptimizer::GroupOrder(int mp, int group, int ep) const {
+  // Fragments of ascending ranks and starts are in flat order.
+  std::vector<std::pair<std::pair<int, int64_t>, std::string>> firsts;
+  for (const auto& [key, place] : places_) {
+    const auto& [m, name, rank] = key;
+    if (m != mp || rank != ep || place.group != group) continue;
+    firsts.push_back({{place.fragments.front().dp, place.fragments.front().start}, name});
+  }
+  std::sort(firsts.begin(), firsts.end());
+  std::vector<std::string> names;
+  for (auto& [at, name] : firsts) names.push_back(std::move(name));
+  return names;
+}
+
+int MoeOptimizer::GroupOf(const std::string& name, int mp) const {
+  const auto [local, ep] = LocalNameOf(name);
+  auto place = places_.find({mp, local, ep});
+  return place == places_.end() ? -1 : place->second.group;
+}
+
+std::pair<std::string, int> MoeOptimizer::LocalNameOf(const std::string& name) const {
+  auto it = where_.find(name);
+  return it == where_.end() ? std::make_pair(name, -1) : std::make_pair(it->second.name, it->second.ep);
+}
 
 Result<SourceShard> MoeOptimizer::Locate(const std::string& name, int t, const std::string& state) const {
   auto local = where_.find(name);

@@ -14,6 +14,7 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "formats/deepspeed/checkpoint_files.h"
@@ -44,6 +45,20 @@ class MoeOptimizer : public SourceOptimizer {
   std::vector<std::string> ParamNames() const override;
   bool Has(const std::string& name) const override { return where_.count(name) > 0; }
   Result<SourceShard> Locate(const std::string& name, int t, const std::string& state) const override;
+
+  // What a conversion is built from.
+  // DP rank d's shard on mp rank `mp` (a target shard's template).
+  const Value& Shard(int mp, int d) const { return shards_[mp][d]; }
+  int Groups(int mp) const { return static_cast<int>(moe_groups_[mp].size()); }
+  bool IsExpertGroup(int mp, int group) const { return moe_groups_[mp][group]; }
+  // The names (as saved on EP rank `ep`; -1 for the other groups) in group
+  // `group`'s flat on mp rank `mp`, in flat order.
+  std::vector<std::string> GroupOrder(int mp, int group, int ep) const;
+  // The group parameter `name` (saved name, experts by global id) is in on
+  // mp rank `mp`; -1 when it is not there.
+  int GroupOf(const std::string& name, int mp) const;
+  // The name `name` has in the shards, and its EP rank (-1: not an expert).
+  std::pair<std::string, int> LocalNameOf(const std::string& name) const;
 
  private:
   // One DP rank's fragment of a parameter.
@@ -79,6 +94,7 @@ class MoeOptimizer : public SourceOptimizer {
   int tp_ = 1;
   int ep_ = 1;
   std::vector<std::vector<Value>> shards_;  // [mp][dp]
+  std::vector<std::vector<bool>> moe_groups_;  // [mp][group]: an expert group
   // (mp, local name, EP rank or -1) -> place
   std::map<std::tuple<int, std::string, int>, Place> places_;
   std::map<std::string, LocalName> where_;  // saved name (global) -> name in the shards
