@@ -151,12 +151,23 @@ int ParamRule::ExpertId(const std::string& key) const {
   return ParseInt(groups[expert - 1], &id) ? static_cast<int>(id) : -1;
 }
 
-std::string ParamRule::WithExpertId(const std::string& key, int id) const {
-  std::vector<re2::StringPiece> groups(expert + 1);
-  key_regex->Match(key, 0, key.size(), RE2::ANCHOR_BOTH, groups.data(), expert + 1);
-  const size_t begin = groups[expert].data() - key.data();
-  return key.substr(0, begin) + std::to_string(id) + key.substr(begin + groups[expert].size());
+namespace {
+
+// Where capture group `group` of `re` lies in `key` (which it matches).
+std::pair<size_t, size_t> GroupSpan(const RE2& re, const std::string& key, int group) {
+  std::vector<re2::StringPiece> groups(group + 1);
+  re.Match(key, 0, key.size(), RE2::ANCHOR_BOTH, groups.data(), group + 1);
+  return {static_cast<size_t>(groups[group].data() - key.data()), groups[group].size()};
 }
+
+}  // namespace
+
+std::string ParamRule::WithExpertId(const std::string& key, int id) const {
+  const auto [begin, size] = GroupSpan(*key_regex, key, expert);
+  return key.substr(0, begin) + std::to_string(id) + key.substr(begin + size);
+}
+
+size_t ParamRule::ExpertIdOffset(const std::string& key) const { return GroupSpan(*key_regex, key, expert).first; }
 
 namespace {
 

@@ -148,6 +148,8 @@ struct ParamRule {
   // `key` with its expert id replaced by `id` (an EP rank names its experts
   // by their local ids 0..E/EP-1). REQUIRES: expert > 0.
   std::string WithExpertId(const std::string& key, int id) const;
+  // Where the expert id starts in `key`. REQUIRES: expert > 0.
+  size_t ExpertIdOffset(const std::string& key) const;
 };
 
 // Where one role's tensors are in a non-pipeline (nn.Module) save, whose

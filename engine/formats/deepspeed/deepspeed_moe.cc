@@ -84,7 +84,7 @@ class MoeSource : public DeepSpeedModelSource {
     if (options.dry_run) notes->push_back(kDryRunNote);
     RESHARD_ASSIGN_OR_RETURN(MoePlan plan, MakeMoePlan(ckpt(), layout_, opt, ep, dp, options.replicated));
     notes->insert(notes->end(), plan.notes.begin(), plan.notes.end());
-    return std::unique_ptr<TargetPlan>(new MoeTargetPlan(ckpt(), files(), opt, allowed_classes_, std::move(plan)));
+    return std::unique_ptr<TargetPlan>(new MoeTargetPlan(ckpt(), files(), layout_, opt, allowed_classes_, std::move(plan)));
   }
 
   // The weights and every optimizer state, experts under their global ids.

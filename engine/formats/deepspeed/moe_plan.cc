@@ -1,6 +1,8 @@
 #include "formats/deepspeed/moe_plan.h"
 
+#include <algorithm>
 #include <map>
+#include <set>
 #include <utility>
 
 #include "formats/deepspeed/file_names.h"
@@ -127,6 +129,51 @@ void RenameExpertGroups(const OptimizerStagePlan& plan, int source_ep, Value* sh
   }
 }
 
+// The modules of EP rank 0's experts of MoE layer `layer` at `local`
+// experts per EP rank, as state_dict()._metadata lists them: every module on
+// the way to an expert parameter below the experts' container, in order.
+std::vector<std::string> ExpertModules(const LogicalLayer& layer, int local, std::string* container) {
+  std::vector<std::string> paths;
+  std::set<std::string> seen;
+  for (int k = 0; k < local; ++k) {
+    for (const LogicalTensor& t : layer.tensors) {
+      if (t.rule->expert == 0 || t.rule->ExpertId(t.key) != 0) continue;  // expert 0's parameters stand for all
+      const std::string name = ExpertName(layer, t, k);
+      const size_t id = MoeSaveName(layer, t).size() - t.key.size() + t.rule->ExpertIdOffset(t.key);
+      *container = name.substr(0, id - 1);
+      for (size_t dot = name.find('.', id); dot != std::string::npos; dot = name.find('.', dot + 1)) {
+        if (seen.insert(name.substr(0, dot)).second) paths.push_back(name.substr(0, dot));
+      }
+    }
+  }
+  return paths;
+}
+
+// The module's `_metadata` (its BUILD state) lists the modules of EP rank
+// 0's local experts: the target EP rank 0 has other ones.
+void RewriteExpertModules(const LogicalCheckpoint& src, const MoeLayout& layout, int mp, int ep, Value* module) {
+  if (!module->is(Value::Kind::kObject) || module->as_object().state == nullptr) return;
+  Value* meta = FindMutable(*module->as_object().state, "_metadata");
+  Items* items = meta ? MutableDictItems(*meta) : nullptr;
+  if (items == nullptr) return;
+  for (const MoeBlock& b : layout.blocks) {
+    if (b.stage != mp / src.tp) continue;
+    const LogicalLayer& layer = *std::find_if(src.layers.begin(), src.layers.end(),
+                                              [&](const LogicalLayer& l) { return l.id == b.layer_id; });
+    std::string container;
+    const std::vector<std::string> paths = ExpertModules(layer, b.experts / ep, &container);
+    Items out;
+    for (auto& [key, value] : *items) {
+      const std::string path = key.is(Value::Kind::kString) ? key.as_string() : "";
+      if (path.rfind(container + ".", 0) == 0) continue;  // the source's experts
+      out.emplace_back(key, value);
+      if (path != container) continue;
+      for (const std::string& p : paths) out.emplace_back(Value::String(p), value);
+    }
+    *items = std::move(out);
+  }
+}
+
 }  // namespace
 
 Result<MoePlan> MakeMoePlan(const LogicalCheckpoint& src, const MoeLayout& layout, const MoeOptimizer* opt, int ep,
@@ -197,8 +244,10 @@ Status MoeTargetPlan::AddStageJobs(const MoeStagePlan& stage, std::atomic<int64_
   const int mp = stage.mp;
   Value states = src_.metadata[mp];
   Set(states, "dp_world_size", Value::Int(plan_.dp));
-  if (Items* module = MutableDictItems(*FindMutable(states, "module"))) {
-    for (auto& [key, tensor] : *module) tensor = WithOwnStorage(tensor);
+  Value* module = FindMutable(states, "module");
+  if (Items* tensors = module ? MutableDictItems(*module) : nullptr) {
+    for (auto& [key, tensor] : *tensors) tensor = WithOwnStorage(tensor);
+    RewriteExpertModules(src_, layout_, mp, plan_.ep, module);
   }
   RESHARD_ASSIGN_OR_RETURN(Job model, TorchFileJob(ModelStatesFileName(mp), std::move(states)));
   jobs->push_back(std::move(model));

@@ -8,7 +8,8 @@
 // the non-expert groups over the target DP, and per target EP rank r the
 // experts r * E/EP .. (r+1) * E/EP - 1 of every MoE layer, under their new
 // local ids, laid out in the source's order and partitioned over the target
-// expert-DP (DP / EP). One expp_rank file per target EP rank.
+// expert-DP (DP / EP). One expp_rank file per target EP rank. The module's
+// `_metadata` lists the target EP rank 0's expert modules.
 #pragma once
 
 #include <atomic>
@@ -48,9 +49,10 @@ Result<MoePlan> MakeMoePlan(const LogicalCheckpoint& src, const MoeLayout& layou
 // The plan as the TargetPlan convert runs; the arguments must outlive it.
 class MoeTargetPlan : public TargetPlan {
  public:
-  MoeTargetPlan(const LogicalCheckpoint& src, const CheckpointFiles& files, const MoeOptimizer* opt,
-                std::set<std::string> allowed_classes, MoePlan plan)
-      : src_(src), files_(files), opt_(opt), allowed_classes_(std::move(allowed_classes)), plan_(std::move(plan)) {}
+  MoeTargetPlan(const LogicalCheckpoint& src, const CheckpointFiles& files, const MoeLayout& layout,
+                const MoeOptimizer* opt, std::set<std::string> allowed_classes, MoePlan plan)
+      : src_(src), files_(files), layout_(layout), opt_(opt), allowed_classes_(std::move(allowed_classes)),
+        plan_(std::move(plan)) {}
   std::string ToString(bool detail) const override { return plan_.ToString(detail); }
   Result<std::vector<Job>> Jobs(std::atomic<int64_t>* read) const override;
 
@@ -59,6 +61,7 @@ class MoeTargetPlan : public TargetPlan {
 
   const LogicalCheckpoint& src_;
   const CheckpointFiles& files_;
+  const MoeLayout& layout_;
   const MoeOptimizer* opt_;
   std::set<std::string> allowed_classes_;
   MoePlan plan_;

@@ -437,6 +437,7 @@ TEST(RuleSetMoe, ExpertRuleReadsTheGlobalIdFromItsGroup) {
   EXPECT_TRUE(expert->MoeOnly());
   EXPECT_EQ(expert->CanonicalName("experts.13.b", 4, 2), "layers.2.e.13.b");
   EXPECT_EQ(expert->WithExpertId("experts.13.b", 1), "experts.1.b");
+  EXPECT_EQ(expert->ExpertIdOffset("experts.13.b"), 8u);
   const ParamRule* norm = *rs->Match("block", "norm.weight");
   EXPECT_EQ(norm->ExpertId("norm.weight"), -1);
   EXPECT_FALSE(norm->MoeOnly());
