@@ -93,6 +93,16 @@ class MoeConvertTests(FixtureTestCase):
             for key in before[kind]:
                 self.assertTrue(torch.equal(before[kind][key], after[kind][key]), (kind, key))
 
+    def test_dry_run_prints_the_regrouping_and_writes_nothing(self):
+        cfg = MoeConfig(engine='pipe', pp=2, dp=2, ep=2)
+        p = convert(self.write('a', cfg), self.path('out'), cfg, '--ep', '1', '--dp', '4', '--dry-run')
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        self.assertIn('target: TP 1, PP 2, DP 4, EP 1 x expert-DP 4 (source EP 2)', p.stdout)
+        # EP 1 holds every expert under its global id; the source's EP rank 1 named expert 3 "1".
+        self.assertIn('group 2 2.mlp.deepspeed_moe.experts.deepspeed_experts.3.dense_h_to_4h.weight <- '
+                      '2.mlp.deepspeed_moe.experts.deepspeed_experts.3.dense_h_to_4h.weight', p.stdout)
+        self.assertFalse(os.path.exists(self.path('out')))
+
     def test_refusals(self):
         a = self.write('a', MoeConfig(engine='module', dp=4, ep=2))
         cases = [

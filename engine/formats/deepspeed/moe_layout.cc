@@ -313,10 +313,11 @@ std::string MoeLayout::Describe() const {
                                   : "whole on every TP rank") + "\n";
   for (const MoeBlock& b : blocks) {
     const int local = b.experts / ep;
+    const std::string held = local == 1 ? "expert r" : "experts " + std::to_string(local) + "r.." +
+                                                          std::to_string(local) + "r+" + std::to_string(local - 1);
     out += "  block " + std::to_string(b.block) + " (layer " + std::to_string(b.layer_id) + ", stage " +
            std::to_string(b.stage) + ", MoE layer " + std::to_string(b.index) + "): " + std::to_string(b.experts) +
-           " experts, " + std::to_string(local) + " per EP rank (EP rank r holds " + std::to_string(local) +
-           "r.." + std::to_string(local) + "r+" + std::to_string(local - 1) + ")\n";
+           " experts, " + std::to_string(local) + " per EP rank (EP rank r holds " + held + ")\n";
   }
   return out;
 }

@@ -2,6 +2,7 @@
 
 #include <re2/re2.h>
 
+#include <algorithm>
 #include <optional>
 
 #include "formats/deepspeed/file_names.h"
