@@ -298,6 +298,9 @@ int Run(int argc, char** argv) {
       ->check(CLI::Range(1, 4096));
   convert_cmd->add_option("--dp", convert.target_dp, "Target data-parallel size (default: the source's)")
       ->check(CLI::Range(1, 1 << 20));
+  convert_cmd->add_option("--ep", convert.target_ep,
+                          "Target expert-parallel size of a DeepSpeed MoE checkpoint (default: the source's)")
+      ->check(CLI::Range(1, 1 << 20));
   convert_cmd->add_option("--layers-per-stage", convert.layers_per_stage,
                           "Transformer blocks per target stage, e.g. 5,6,6,5 (default: DeepSpeed's partition)")
       ->delimiter(',');

@@ -342,7 +342,13 @@ Result<ConvertReport> Convert(const std::string& input, const std::string& outpu
   }
   return WriteCheckpoint(input, output, options,
                          options.update_latest ? Publication::kLatest : Publication::kNone,
-                         [&options](const SourceCheckpoint& src, std::vector<std::string>* notes) {
+                         [&options](const SourceCheckpoint& src, std::vector<std::string>* notes)
+                             -> Result<std::unique_ptr<TargetPlan>> {
+                           if (options.target_ep > 0 && !src.HasExperts()) {
+                             return Status::InvalidInput("--ep sets the expert-parallel size of a DeepSpeed "
+                                                         "MoE checkpoint, and this " + src.kind() +
+                                                         " checkpoint has no experts; leave it out");
+                           }
                            return src.Plan(options, notes);
                          });
 }

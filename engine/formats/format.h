@@ -109,6 +109,8 @@ class SourceCheckpoint {
   virtual const Value& settings() const;
   // The true vocabulary size (without padding), when the checkpoint records it.
   virtual std::optional<int64_t> vocab_size() const { return std::nullopt; }
+  // DeepSpeed MoE: the checkpoint has experts, whose EP size convert --ep sets.
+  virtual bool HasExperts() const { return false; }
   // Every file of the checkpoint (for checks of their bytes: `lint --deep`).
   virtual std::vector<std::string> Files() const = 0;
   // Files beside `latest` in root_dir() that belong with every checkpoint

@@ -122,6 +122,11 @@ void CheckNamesUnique(LogicalCheckpoint* ckpt) {
   }
 }
 
+// A DeepSpeed MoE block: one with tensors of MoE rules (the gate, experts).
+bool IsMoeLayer(const LogicalLayer& layer) {
+  return std::any_of(layer.tensors.begin(), layer.tensors.end(), [](const LogicalTensor& t) { return t.rule->MoeOnly(); });
+}
+
 // Matches every key of a layer against the rule set; reports unknown keys and
 // required rules no key matched.
 void DescribeLayer(LogicalLayer* layer, LogicalCheckpoint* ckpt) {
@@ -158,8 +163,9 @@ void DescribeLayer(LogicalLayer* layer, LogicalCheckpoint* ckpt) {
   }
   auto it = rules.layers().find(layer->role);
   if (it == rules.layers().end()) return;
+  const bool moe = IsMoeLayer(*layer);
   for (const ParamRule& rule : it->second) {
-    if (!rule.optional && !used.count(&rule)) {
+    if (rule.RequiredIn(moe) && !used.count(&rule)) {
       AddError(ckpt, "missing key: " + layer->label + " (a " + layer->role +
                          " file) has no key matching '" + rule.key_pattern + "', which " +
                          RuleWhere(*ckpt->rules, rule) + " requires; mark the rule optional if the model "
@@ -178,13 +184,14 @@ std::string FirstMissing(const std::vector<std::string>& a, const std::vector<st
 
 // Files of one role (every block, say) hold the same keys: a key missing from
 // one of them means a damaged file, even where the rule is optional or also
-// matches another key. `clean` are the layers whose keys the rules explain
-// (the others have findings already).
+// matches another key. MoE blocks are compared with MoE blocks, the others
+// with the others. `clean` are the layers whose keys the rules explain (the
+// others have findings already).
 void CheckSameKeysPerRole(const std::set<int>& clean, LogicalCheckpoint* ckpt) {
   std::map<std::string, const LogicalLayer*> first_of_role;
   for (const LogicalLayer& layer : ckpt->layers) {
     if (!clean.count(layer.id)) continue;
-    auto [first, inserted] = first_of_role.emplace(layer.role, &layer);
+    auto [first, inserted] = first_of_role.emplace(layer.role + (IsMoeLayer(layer) ? " (MoE)" : ""), &layer);
     if (inserted) continue;
     const std::vector<std::string> want = KeysOf(first->second->roots[0]);
     const std::vector<std::string> have = KeysOf(layer.roots[0]);

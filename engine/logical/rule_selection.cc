@@ -84,6 +84,7 @@ int KeyProblems(const RuleSet& rules, const RuleChoice& choice, const LogicalChe
   for (const LogicalLayer& layer : ckpt.layers) {
     const std::string& role = choice.specs[layer.id].role;
     std::set<const ParamRule*> used;
+    bool moe = false;  // a MoE block: its MoE rules are required
     for (const auto& [k, v] : *DictItems(layer.roots[0])) {
       Result<const ParamRule*> rule =
           rules.Match(role, k.is(Value::Kind::kString) ? k.as_string() : "");
@@ -91,11 +92,12 @@ int KeyProblems(const RuleSet& rules, const RuleChoice& choice, const LogicalChe
         ++problems;
       } else {
         used.insert(*rule);
+        moe = moe || (*rule)->MoeOnly();
       }
     }
     auto it = rules.layers().find(role);
     if (it == rules.layers().end()) continue;
-    for (const ParamRule& r : it->second) problems += (!r.optional && !used.count(&r)) ? 1 : 0;
+    for (const ParamRule& r : it->second) problems += (r.RequiredIn(moe) && !used.count(&r)) ? 1 : 0;
   }
   return problems;
 }

@@ -59,9 +59,12 @@ const Items* DictItems(const Value& v) {
   if (!v.is(Value::Kind::kObject)) return nullptr;
   const Object& o = v.as_object();
   // Plain objects (argparse.Namespace, dataclasses) keep their fields in the
-  // BUILD state; dict subclasses (OrderedDict) in their SETITEMS.
+  // BUILD state; dict subclasses (OrderedDict) in their SETITEMS. A state
+  // dict's OrderedDict has a BUILD state too (its `_metadata` attribute),
+  // which is not its items.
+  if (IsOrderedDict(v)) return &o.dict_items;
   if (o.state && o.state->is(Value::Kind::kDict)) return &o.state->as_dict().items;
-  if (IsOrderedDict(v) || !o.dict_items.empty()) return &o.dict_items;
+  if (!o.dict_items.empty()) return &o.dict_items;
   return nullptr;
 }
 
@@ -97,6 +100,19 @@ Object::Object(const Object& other)
 Object& Object::operator=(const Object& other) {
   if (this != &other) *this = Object(other);
   return *this;
+}
+
+Value WithOwnStorage(const Value& v) {
+  if (!v.is(Value::Kind::kTensor)) return v;
+  const Tensor& t = v.as_tensor();
+  const ByteView& bytes = t.storage->bytes;
+  const int64_t element = ElementSize(t.storage->dtype);
+  Value copy = MakeTensorOver(t.storage->dtype, t.sizes,
+                              ByteView{bytes.owner, bytes.data + t.storage_offset * element,
+                                       static_cast<size_t>(t.numel() * element), bytes.mapped},
+                              t.storage->location);
+  copy.as_tensor().requires_grad = t.requires_grad;
+  return copy;
 }
 
 Value MakeOwnedTensor(DType dtype, const std::vector<int64_t>& shape,

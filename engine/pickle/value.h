@@ -203,6 +203,11 @@ bool IsOrderedDict(const Value& v);
 Value MakeTensorOver(DType dtype, const std::vector<int64_t>& shape, ByteView bytes,
                      const std::string& location = "cpu");
 
+// `v` when it is not a tensor; else the same contiguous tensor over a storage
+// of its own holding just its elements: a view into a larger buffer is then
+// written compact, and no tensor shares a storage another may update in place.
+Value WithOwnStorage(const Value& v);
+
 // A contiguous tensor of `shape` whose bytes `produce` makes while it is written.
 Value MakeProducedTensor(DType dtype, const std::vector<int64_t>& shape, ByteProducer produce);
 

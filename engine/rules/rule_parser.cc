@@ -45,13 +45,14 @@ int LineOf(const YAML::Node& n, int fallback) {
 }
 
 const std::vector<std::string> kTopFields = {"name",  "description",      "detect", "pipeline",
-                                             "vocab", "optimizer_groups", "layers", "hf"};
+                                             "vocab", "optimizer_groups", "layers", "module_paths",
+                                             "hf"};
 const std::vector<std::string> kDetectFields = {"metadata_keys", "absent_metadata_keys", "args"};
 const std::vector<std::string> kPipelineFields = {"specs", "partition_method", "tied_module"};
 const std::vector<std::string> kPartitionFields = {"arg", "default"};
 const std::vector<std::string> kVocabFields = {"original_size", "divisible_by", "pad_to"};
 const std::vector<std::string> kRuleFields = {"key",      "name", "split", "replicated",
-                                               "optional", "tied", "buffer"};
+                                               "optional", "tied", "buffer", "moe", "expert"};
 const std::vector<std::string> kSplitFields = {"dim", "parts", "blocks", "vocab"};
 const std::vector<std::string> kReplicatedFields = {"drift"};
 const std::vector<std::string> kSplitNames = {"column", "row", "vocab"};
@@ -212,6 +213,7 @@ class RuleSetParser {
     } else {
       Fail(root, "missing 'layers'; add the tensor rules of every role that owns layer files");
     }
+    if (const Field* f = Get(*fields, "module_paths")) ParseModulePaths(*f);
     if (const Field* f = Get(*fields, "hf")) ParseHf(*f);
     CheckConsistency();
   }
@@ -484,8 +486,63 @@ class RuleSetParser {
     ParseFlag(*fields, "optional", &rule.optional);
     ParseFlag(*fields, "tied", &rule.tied);
     ParseFlag(*fields, "buffer", &rule.buffer);
+    if (const Field* m = Get(*fields, "moe")) rule.moe = ReadBool(*m, "moe");
+    if (const Field* e = Get(*fields, "expert")) ParseExpert(*e, &rule);
     if (errors_.size() != errors_before) return std::nullopt;
     return rule;
+  }
+
+  // `expert: N`: capture group N of the key is the global expert id.
+  void ParseExpert(const Field& f, ParamRule* rule) {
+    std::optional<int64_t> group = ReadInt(f, "expert");
+    if (!group || !rule->key_regex) return;
+    const int groups = rule->key_regex->NumberOfCapturingGroups();
+    if (*group < 1 || *group > groups) {
+      Fail(f, "expert: " + std::to_string(*group) + " is not a capture group of key '" + rule->key_pattern +
+                  "' (it has " + std::to_string(groups) + "); put the expert id in parentheses, e.g. "
+                  "experts\\.(\\d+)\\., and give its number");
+      return;
+    }
+    if (rule->moe == false) Fail(f, "an expert rule is in MoE blocks only; remove moe: false");
+    rule->expert = static_cast<int>(*group);
+    rule->moe = true;
+    const bool named = std::any_of(rule->name_pieces.begin(), rule->name_pieces.end(), [&](const NamePiece& p) {
+      return p.kind == NamePiece::Kind::kKey || (p.kind == NamePiece::Kind::kGroup && p.group == rule->expert);
+    });
+    if (!named) {
+      Fail(f, "name '" + rule->name_template + "' of an expert rule must hold the expert id {" +
+                  std::to_string(rule->expert) + "}, or every expert gets the same name");
+    }
+  }
+
+  // module_paths: {role: 'RE2 prefix'}; the block's prefix captures the block number.
+  void ParseModulePaths(const Field& f) {
+    if (!f.node.IsMap()) {
+      Fail(f, "module_paths must be a mapping of role -> RE2 prefix of its module path");
+      return;
+    }
+    for (const auto& kv : f.node) {
+      ModulePath m;
+      m.role = kv.first.IsScalar() ? kv.first.Scalar() : "?";
+      Field value{kv.second, LineOf(kv.first, f.line)};
+      m.line = value.line;
+      auto pattern = ReadString(value, "module_paths." + m.role);
+      if (!pattern) continue;
+      m.pattern = *pattern;
+      RE2::Options options;
+      options.set_log_errors(false);
+      m.regex = std::make_shared<RE2>("(?:" + m.pattern + ")(.*)", options);
+      const int want = m.role == "block" ? 1 : 0;
+      if (!m.regex->ok()) {
+        Fail(value, "bad regex '" + m.pattern + "': " + m.regex->error());
+      } else if (m.regex->NumberOfCapturingGroups() - 1 != want) {
+        Fail(value, "module_paths." + m.role + " '" + m.pattern + "' must have " +
+                        (want ? "one capture group, the block number" : "no capture group") +
+                        "; use (?:...) for grouping");
+      } else {
+        rs_->module_paths_.push_back(std::move(m));
+      }
+    }
   }
 
   void ParseKey(const Field& f, ParamRule* rule) {
@@ -902,6 +959,7 @@ class RuleSetParser {
 
   void CheckConsistency() {
     CheckLayerRoles();
+    CheckModulePathRoles();
     CheckTies();
     CheckVocab();
     CheckFixedNames();
@@ -923,6 +981,16 @@ class RuleSetParser {
       if (layer_role_lines_.count(role)) continue;
       Fail(line, "spec role '" + role + "' owns layer files but layers has no '" + role +
                      "' entry; add layers." + role + " (or use role function for a parameter-free entry)");
+    }
+  }
+
+  // A module path names a role with rules.
+  void CheckModulePathRoles() {
+    for (const ModulePath& m : rs_->module_paths_) {
+      if (!layer_role_lines_.count(m.role)) {
+        Fail(m.line, "module_paths." + m.role + ": no layers." + m.role + " rules describe its tensors; "
+                     "fix the role name or add the rules");
+      }
     }
   }
 

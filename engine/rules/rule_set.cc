@@ -144,6 +144,31 @@ std::string ParamRule::CanonicalName(const std::string& key, int layer_id, int b
   return name;
 }
 
+int ParamRule::ExpertId(const std::string& key) const {
+  if (expert == 0) return -1;
+  int64_t id = -1;
+  const std::vector<std::string> groups = CaptureGroups(*key_regex, key);
+  return ParseInt(groups[expert - 1], &id) ? static_cast<int>(id) : -1;
+}
+
+namespace {
+
+// Where capture group `group` of `re` lies in `key` (which it matches).
+std::pair<size_t, size_t> GroupSpan(const RE2& re, const std::string& key, int group) {
+  std::vector<re2::StringPiece> groups(group + 1);
+  re.Match(key, 0, key.size(), RE2::ANCHOR_BOTH, groups.data(), group + 1);
+  return {static_cast<size_t>(groups[group].data() - key.data()), groups[group].size()};
+}
+
+}  // namespace
+
+std::string ParamRule::WithExpertId(const std::string& key, int id) const {
+  const auto [begin, size] = GroupSpan(*key_regex, key, expert);
+  return key.substr(0, begin) + std::to_string(id) + key.substr(begin + size);
+}
+
+size_t ParamRule::ExpertIdOffset(const std::string& key) const { return GroupSpan(*key_regex, key, expert).first; }
+
 namespace {
 
 // What the HF export reads: its conditions, config fields and split sizes.
@@ -184,6 +209,23 @@ std::set<std::string> RuleSet::ValuePaths() const {
   for (const auto& [field, expected] : detect_.args) paths.insert("args." + field);
   if (hf_) AddHfPaths(*hf_, &paths);
   return paths;
+}
+
+bool RuleSet::SplitModulePath(const std::string& path, std::string* role, int* block,
+                              std::string* key) const {
+  for (const ModulePath& m : module_paths_) {
+    std::string number;
+    const bool matched = m.regex->NumberOfCapturingGroups() == 2
+                             ? RE2::FullMatch(path, *m.regex, &number, key)
+                             : RE2::FullMatch(path, *m.regex, key);
+    if (!matched) continue;
+    int64_t b = -1;
+    if (!number.empty() && !ParseInt(number, &b)) continue;
+    *role = m.role;
+    *block = static_cast<int>(b);
+    return true;
+  }
+  return false;
 }
 
 Result<const ParamRule*> RuleSet::Match(const std::string& role, const std::string& key) const {

@@ -15,7 +15,9 @@
 //                               tied module
 //   vocab, optimizer_groups     where the vocabulary sizes are; optimizer group order
 //   layers: {role: [rule]}      per tensor key (RE2, full match): split or
-//                               replicated, canonical name, optional, tied, buffer
+//                               replicated, canonical name, optional, tied, buffer,
+//                               moe / expert (DeepSpeed MoE blocks, the expert axis)
+//   module_paths                non-pipeline saves: the module path of each role
 //   hf                          the Hugging Face transformers architecture the
 //                               family exports to: conditions, config.json
 //                               fields, and canonical name -> HF name(s) with
@@ -113,6 +115,16 @@ struct ParamRule {
   bool optional = false;
   bool tied = false;    // also owned by the tied head on the last pipeline stage
   bool buffer = false;  // persistent buffer, not an optimizer parameter
+  // DeepSpeed MoE blocks (`moe:`): the tensor is only in MoE blocks (true:
+  // the gate), only in the other blocks (false: the dense MLP), or in any
+  // (unset). `expert: N` (implies moe: true): one expert's tensor, capture
+  // group N of the key is its global expert id, the axis experts are
+  // regrouped along when the expert-parallel size changes.
+  std::optional<bool> moe;
+  int expert = 0;
+  bool MoeOnly() const { return moe.value_or(false); }
+  // Whether a block (a MoE block or not) must hold a tensor of this rule.
+  bool RequiredIn(bool moe_block) const { return !optional && (!moe || *moe == moe_block); }
 
   // The canonical-name template as written (`name:`) or the default
   // (`layers.{block}.{key}` in block rules, `<role>.{key}` elsewhere), and
@@ -130,6 +142,25 @@ struct ParamRule {
   // name of one rule equal to the default of another), so code that uses
   // them as identities checks that those of one checkpoint are unique.
   std::string CanonicalName(const std::string& key, int layer_id, int block) const;
+  // The global expert id in `key` (which this rule matches); -1 when the
+  // rule has no expert axis.
+  int ExpertId(const std::string& key) const;
+  // `key` with its expert id replaced by `id` (an EP rank names its experts
+  // by their local ids 0..E/EP-1). REQUIRES: expert > 0.
+  std::string WithExpertId(const std::string& key, int id) const;
+  // Where the expert id starts in `key`. REQUIRES: expert > 0.
+  size_t ExpertIdOffset(const std::string& key) const;
+};
+
+// Where one role's tensors are in a non-pipeline (nn.Module) save, whose
+// keys are module paths: `pattern` (RE2) matches the start of the path; a
+// block's captures its 0-based block number. The rest of the path is the
+// key the role's rules match.
+struct ModulePath {
+  std::string role;
+  std::string pattern;
+  std::shared_ptr<re2::RE2> regex;  // pattern followed by the key, as (?:pattern)(.*)
+  int line = 0;
 };
 
 // One entry of the pipeline spec list.
@@ -223,6 +254,12 @@ class RuleSet {
 
   // Roles with layer files, and their rules in file order.
   const std::map<std::string, std::vector<ParamRule>>& layers() const { return layers_; }
+  // Non-pipeline saves' module paths, in file order (empty: the family has
+  // no non-pipeline form).
+  const std::vector<ModulePath>& module_paths() const { return module_paths_; }
+  // The role, block (-1 outside blocks) and role-relative key of module path
+  // `path`; false when no module path matches it.
+  bool SplitModulePath(const std::string& path, std::string* role, int* block, std::string* key) const;
   // The HF export, when the file declares one.
   const HfExport* hf() const { return hf_ ? &*hf_ : nullptr; }
 
@@ -245,6 +282,7 @@ class RuleSet {
   MetaRef vocab_original_size_, vocab_divisible_by_, vocab_pad_to_;
   OptimizerGroups optimizer_groups_ = OptimizerGroups::kDecayNoDecay;
   std::map<std::string, std::vector<ParamRule>> layers_;
+  std::vector<ModulePath> module_paths_;
   std::optional<HfExport> hf_;
 };
 

@@ -121,6 +121,7 @@ struct ConvertOptions : WriteOptions {
   int target_tp = 0;  // required, >= 1
   int target_pp = 0;  // required, >= 1
   int target_dp = 0;  // 0 = keep the source's DP size
+  int target_ep = 0;  // DeepSpeed MoE: 0 = keep the source's expert-parallel size
   // Explicit transformer blocks per target stage (sums to the block count);
   // empty = DeepSpeed's partition method recorded in the checkpoint.
   std::vector<int> layers_per_stage;

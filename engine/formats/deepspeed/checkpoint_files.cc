@@ -96,6 +96,8 @@ Status Classify(const std::string& name, const std::string& full, CheckpointFile
     case Kind::kModelStates: files->mp_rank_files[f.mp] = full; break;
     case Kind::kOptimizer: files->optimizer_files.push_back({f.dp, f.mp, f.bf16, full}); break;
     case Kind::kZero3ModelStates: files->zero3_model_files[f.mp][f.dp] = full; break;
+    case Kind::kExpert: files->expert_files[f.mp][f.layer][f.expert] = full; break;
+    case Kind::kExpertOptimizer: files->expert_optimizer_files[f.mp][f.ep] = full; break;
     case Kind::kOther: files->other_files.push_back(name); break;
   }
   return Status::Ok();
@@ -129,6 +131,14 @@ std::vector<std::string> CheckpointFiles::Paths() const {
   for (const OptimizerShardFile& f : optimizer_files) paths.push_back(f.path);
   for (const auto& [mp, by_dp] : zero3_model_files) {
     for (const auto& [dp, path] : by_dp) paths.push_back(path);
+  }
+  for (const auto& [mp, by_layer] : expert_files) {
+    for (const auto& [m, by_expert] : by_layer) {
+      for (const auto& [e, path] : by_expert) paths.push_back(path);
+    }
+  }
+  for (const auto& [mp, by_ep] : expert_optimizer_files) {
+    for (const auto& [ep, path] : by_ep) paths.push_back(path);
   }
   paths.insert(paths.end(), universal_files.begin(), universal_files.end());
   return paths;

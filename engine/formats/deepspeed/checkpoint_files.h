@@ -32,6 +32,11 @@ struct CheckpointFiles {
   std::vector<OptimizerShardFile> optimizer_files;
   // ZeRO-3: mp index -> DP rank -> path of zero_pp_rank_{d}_mp_rank_{mp}_model_states.pt
   std::map<int, std::map<int, std::string>> zero3_model_files;
+  // MoE: mp index -> MoE layer of the stage (-1: the old form without one)
+  // -> global expert id -> path of layer_{m}_expert_{e}_mp_rank_{mp}_model_states.pt
+  std::map<int, std::map<int, std::map<int, std::string>>> expert_files;
+  // MoE: mp index -> EP rank -> path of expp_rank_{ep}_mp_rank_{mp}_optim_states.pt
+  std::map<int, std::map<int, std::string>> expert_optimizer_files;
   // A universal checkpoint's zero/ folder ("" for other checkpoints), and
   // the files in it (listed by universal_reader.h).
   std::string universal_dir;
@@ -45,6 +50,9 @@ struct CheckpointFiles {
 
   // ZeRO-3 writes per-DP-rank model states instead of mp_rank files.
   bool IsZero3() const { return !zero3_model_files.empty(); }
+  // DeepSpeed's MoE save: expert files (and expp_rank files) beside mp_rank
+  // files that hold the rest of the model, no layer files.
+  bool IsMoe() const { return !expert_files.empty() || !expert_optimizer_files.empty(); }
   // DeepSpeed's universal checkpoint: per-parameter files under zero/ beside
   // the mp_rank files, no layer or optimizer shard files.
   bool IsUniversal() const { return !universal_dir.empty() && layer_files.empty() && optimizer_files.empty(); }

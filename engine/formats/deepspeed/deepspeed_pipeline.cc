@@ -2,6 +2,7 @@
 // inspect, plan a TP / PP / DP change, and the tensors verify compares.
 
 #include "formats/deepspeed/deepspeed_source.h"
+#include "formats/deepspeed/drift_lint.h"
 #include "formats/deepspeed/file_names.h"
 #include "formats/deepspeed/pipeline_plan.h"
 #include "formats/deepspeed/pipeline_reader.h"
@@ -16,72 +17,8 @@
 namespace reshard {
 namespace {
 
-
 void Warn(LintReport* report, std::string message) {
   report->findings.push_back({Finding::Severity::kWarning, std::move(message)});
-}
-
-// Drift convert refuses (the tensor's policy is `check`) is an error, drift
-// it merges a warning.
-Finding::Severity DriftSeverity(const ParamRule& rule, ReplicatedPolicy policy) {
-  return PolicyFor(rule, policy) == ReplicatedPolicy::kCheck ? Finding::Severity::kError
-                                                             : Finding::Severity::kWarning;
-}
-
-// Lists drifts largest first, `max_lines` of them, each as `describe(i)`,
-// after a summary line; each line as severe as its drift (the summary as
-// the worst).
-template <typename Describe, typename SeverityOf>
-void ReportDrifts(size_t count, const std::string& summary, const std::string& prefix, int max_lines,
-                  Describe describe, SeverityOf severity_of, LintReport* report) {
-  if (count == 0) return;
-  Finding::Severity worst = Finding::Severity::kWarning;
-  for (size_t i = 0; i < count; ++i) {
-    if (severity_of(i) == Finding::Severity::kError) worst = Finding::Severity::kError;
-  }
-  report->findings.push_back({worst, std::to_string(count) + summary});
-  for (size_t i = 0; i < count && static_cast<int>(i) < max_lines; ++i) {
-    report->findings.push_back({severity_of(i), prefix + describe(i)});
-  }
-  if (static_cast<int>(count) > max_lines) {
-    report->findings.push_back({worst, prefix + "... and " + std::to_string(count - max_lines) + " more"});
-  }
-}
-
-void ReportDrift(const LogicalCheckpoint& ckpt, const LintOptions& options, LintReport* report) {
-  const std::vector<Drift> drifts = MeasureDrift(ckpt);
-  ReportDrifts(
-      drifts.size(),
-      " replicated tensor(s) differ across TP ranks; convert refuses them unless you choose "
-      "--replicated average (mean) or --replicated first (TP rank 0)",
-      "drift: ", options.max_drift_lines, [&](size_t i) { return DescribeDrift(ckpt, drifts[i]); },
-      [&](size_t i) {
-        const Drift& d = drifts[i];
-        return DriftSeverity(*ckpt.layers[d.layer_index].tensors[d.tensor_index].rule, options.replicated);
-      },
-      report);
-}
-
-// Replicated parameters whose masters or moments differ across TP ranks:
-// convert refuses them under `check`, as it refuses drifted weights.
-void ReportStateDrift(const LogicalCheckpoint& ckpt, const SourceOptimizer& opt,
-                      const LintOptions& options, LintReport* report) {
-  Result<std::vector<StateDrift>> drifts = MeasureStateDrift(ckpt, opt);
-  if (!drifts.ok()) {
-    report->findings.push_back({Finding::Severity::kError, "optimizer: " + drifts.status().message()});
-    return;
-  }
-  const std::vector<StateDrift>& d = *drifts;
-  ReportDrifts(
-      d.size(),
-      " optimizer state(s) of replicated parameters differ across TP ranks; convert refuses them "
-      "unless you choose --replicated average or --replicated first",
-      "optimizer drift: ", options.max_drift_lines,
-      [&](size_t i) {
-        return "'" + d[i].state + "' of " + d[i].name + " differs between TP ranks 0 and " +
-               std::to_string(d[i].rank);
-      },
-      [&](size_t i) { return DriftSeverity(*d[i].rule, options.replicated); }, report);
 }
 
 std::string FirstDifference(const std::vector<std::vector<ParamShape>>& recorded,
@@ -226,18 +163,7 @@ class PipelineSource : public DeepSpeedModelSource {
     if (HasOptimizerState()) {
       RESHARD_ASSIGN_OR_RETURN(opt, Optimizer());
     }
-    std::vector<FullTensor> out;
-    const LogicalCheckpoint& c = ckpt();
-    for (size_t li = 0; li < c.layers.size(); ++li) {
-      for (size_t ti = 0; ti < c.layers[li].tensors.size(); ++ti) {
-        const LogicalTensor& t = c.layers[li].tensors[ti];
-        const TensorPlan plan = PlanFullTensor(c, static_cast<int>(li), static_cast<int>(ti), replicated);
-        // Averaged replicas come from the averaged masters where there are masters.
-        RESHARD_ASSIGN_OR_RETURN(ByteProducer produce, WeightProducer(c, opt, t, plan, read));
-        out.push_back({"weights", t.name, t.name, "", t.label, c.WeightDType(t), t.full_shape, IsVocab(t),
-                       std::move(produce)});
-      }
-    }
+    RESHARD_ASSIGN_OR_RETURN(std::vector<FullTensor> out, WeightTensors(ckpt(), opt, replicated, read));
     if (opt != nullptr) RESHARD_RETURN_IF_ERROR(AddStates(*opt, replicated, read, &out));
     return out;
   }

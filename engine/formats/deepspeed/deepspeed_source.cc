@@ -2,19 +2,38 @@
 
 #include "formats/deepspeed/file_names.h"
 #include "formats/deepspeed/pipeline_writer.h"
+#include "formats/deepspeed/state_tensor.h"
+#include "plan/tensor_plan.h"
 #include "util/human.h"
 
 namespace reshard {
 
+namespace {
+
+// A MoE save whose expert files were removed (as users do for tools that
+// cannot read them) would read as a model without experts.
+Status RefuseStrippedMoe(const DeepSpeedModel& model) {
+  const Value* experts = Find(model.logical.metadata[0], "num_experts");
+  std::vector<int64_t> counts;
+  if (experts == nullptr || !ReadIntSequence(*experts, &counts) || counts.empty()) return Status::Ok();
+  return Status::InvalidInput("mp_rank_00 records num_experts " + experts->DebugString(60) + " but " +
+                              model.files.tag_dir + " has no layer_*_expert_*_model_states.pt files; put the "
+                              "expert files back (reshard reads them), or the conversion would drop every expert");
+}
+
+}  // namespace
+
 Result<std::unique_ptr<SourceCheckpoint>> OpenDeepSpeedCheckpoint(CheckpointFiles files,
                                                                   const CommonOptions& options) {
   if (files.IsZero3()) return OpenZero3Source(std::move(files), options);
+  if (files.IsMoe()) return OpenMoeSource(std::move(files), options);
   if (files.IsUniversal()) {
     RESHARD_ASSIGN_OR_RETURN(UniversalCheckpoint universal, ReadUniversalCheckpoint(std::move(files), options));
     return MakeUniversalSource(std::move(universal), options);
   }
   RESHARD_ASSIGN_OR_RETURN(std::unique_ptr<DeepSpeedModel> model,
                            ReadDeepSpeedModel(std::move(files), options));
+  RESHARD_RETURN_IF_ERROR(RefuseStrippedMoe(*model));
   if (model->pipeline) return MakePipelineSource(std::move(model), options);
   return MakeNonPipelineSource(std::move(model), options);
 }
@@ -54,6 +73,21 @@ Result<const SourceOptimizer*> DeepSpeedModelSource::Optimizer() const {
   return static_cast<const SourceOptimizer*>(optimizer_.get());
 }
 
+Result<std::vector<FullTensor>> WeightTensors(const LogicalCheckpoint& ckpt, const SourceOptimizer* masters,
+                                              ReplicatedPolicy replicated, std::atomic<int64_t>* read) {
+  std::vector<FullTensor> out;
+  for (size_t li = 0; li < ckpt.layers.size(); ++li) {
+    for (size_t ti = 0; ti < ckpt.layers[li].tensors.size(); ++ti) {
+      const LogicalTensor& t = ckpt.layers[li].tensors[ti];
+      const TensorPlan plan = PlanFullTensor(ckpt, static_cast<int>(li), static_cast<int>(ti), replicated);
+      RESHARD_ASSIGN_OR_RETURN(ByteProducer produce, WeightProducer(ckpt, masters, t, plan, read));
+      out.push_back({"weights", t.name, t.name, "", t.label, ckpt.WeightDType(t), t.full_shape,
+                     t.rule->policy == ParamRule::Policy::kVocab, std::move(produce)});
+    }
+  }
+  return out;
+}
+
 std::string StateName(const std::string& state, const std::string& param, int mp, int mp_ranks) {
   return "optimizer " + state + " " + param + (mp_ranks > 1 ? " on " + ModelStatesName(mp) : "");
 }
@@ -79,17 +113,21 @@ std::string MetadataLines(const LogicalCheckpoint& ckpt) {
   return out + "\n";
 }
 
-std::string DeepSpeedModelSource::Describe() const {
-  std::string out = MetadataLines(ckpt()) + "layer files (full logical shapes):\n";
-  for (const LogicalLayer& layer : ckpt().layers) {
-    out += "  " + layer.label + " " + layer.role + " (" + ckpt().specs[layer.id].class_name + ")\n";
+std::string TensorLines(const LogicalCheckpoint& ckpt) {
+  std::string out;
+  for (const LogicalLayer& layer : ckpt.layers) {
+    out += "  " + layer.label + " " + layer.role + " (" + ckpt.specs[layer.id].class_name + ")\n";
     for (const LogicalTensor& t : layer.tensors) {
-      out += "    " + t.key + "  " + DTypeName(ckpt().WeightDType(t)) + ShapeString(t.full_shape) + "  " +
+      out += "    " + t.key + "  " + DTypeName(ckpt.WeightDType(t)) + ShapeString(t.full_shape) + "  " +
              t.rule->Describe() + "  name " + t.name + "\n";
     }
   }
-  for (const Finding& f : ckpt().findings) out += "problem: " + f.message + "\n";
+  for (const Finding& f : ckpt.findings) out += "problem: " + f.message + "\n";
   return out;
+}
+
+std::string DeepSpeedModelSource::Describe() const {
+  return MetadataLines(ckpt()) + "layer files (full logical shapes):\n" + TensorLines(ckpt());
 }
 
 }  // namespace reshard

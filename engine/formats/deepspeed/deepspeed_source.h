@@ -4,6 +4,8 @@
 //                  and TP rank, rules describe every tensor; TP, PP and DP change.
 //   non-pipeline   the whole model in each mp_rank file's `module`; DP changes.
 //   ZeRO-3         per-DP-rank model states and per-parameter partitions; DP changes.
+//   MoE            DeepSpeed's MoE save: the model in the mp_rank files' `module`,
+//                  experts in files of their own; read, not yet converted.
 //
 // OpenDeepSpeedCheckpoint tells them apart once, from the file names and
 // mp_rank_00; nothing above this folder asks which kind it holds.
@@ -37,6 +39,8 @@ std::unique_ptr<SourceCheckpoint> MakeNonPipelineSource(std::unique_ptr<DeepSpee
                                                         const CommonOptions& options);
 Result<std::unique_ptr<SourceCheckpoint>> OpenZero3Source(CheckpointFiles files,
                                                           const CommonOptions& options);
+// deepspeed_moe.cc
+Result<std::unique_ptr<SourceCheckpoint>> OpenMoeSource(CheckpointFiles files, const CommonOptions& options);
 
 // A DeepSpeedPlan as the TargetPlan convert prints and runs; `src` and `opt`
 // (may be null) must outlive it.
@@ -103,7 +107,16 @@ class DeepSpeedModelSource : public SourceCheckpoint {
 // model-parallel ranks: how verify names a state compared rank by rank.
 std::string StateName(const std::string& state, const std::string& param, int mp, int mp_ranks);
 
-// The metadata and layer lines of `inspect`.
+// Every weight of `ckpt` whole, TP replicas merged by `replicated`; an
+// average of replicas comes from the averaged fp32 masters of `masters`
+// (may be null). Producers add the bytes they read to *read.
+Result<std::vector<FullTensor>> WeightTensors(const LogicalCheckpoint& ckpt, const SourceOptimizer* masters,
+                                              ReplicatedPolicy replicated, std::atomic<int64_t>* read);
+
+// The metadata lines of `inspect`.
 std::string MetadataLines(const LogicalCheckpoint& ckpt);
+// The tensor lines of `inspect`: every layer's tensors with their rules and
+// names, then the problems found.
+std::string TensorLines(const LogicalCheckpoint& ckpt);
 
 }  // namespace reshard

@@ -24,6 +24,19 @@ const RE2& OptimizerRegex() {
   return re;
 }
 
+const RE2& ExpertRegex() {
+  static const RE2 re(R"(layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt)");
+  return re;
+}
+const RE2& OldExpertRegex() {
+  static const RE2 re(R"(expert_(\d+)_mp_rank_(\d+)_model_states\.pt)");
+  return re;
+}
+const RE2& ExpertOptimizerRegex() {
+  static const RE2 re(R"(expp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt)");
+  return re;
+}
+
 std::string TwoDigits(int v) {
   char buf[16];
   std::snprintf(buf, sizeof(buf), "%02d", v);
@@ -45,6 +58,13 @@ DeepSpeedFileName ParseDeepSpeedFileName(const std::string& name) {
     f.bf16 = !bf16.empty();
   } else if (RE2::FullMatch(name, Zero3ModelRegex(), &f.dp, &f.mp)) {
     f.kind = Kind::kZero3ModelStates;
+  } else if (RE2::FullMatch(name, ExpertRegex(), &f.layer, &f.expert, &f.mp)) {
+    f.kind = Kind::kExpert;
+  } else if (RE2::FullMatch(name, OldExpertRegex(), &f.expert, &f.mp)) {
+    f.kind = Kind::kExpert;
+    f.layer = -1;
+  } else if (RE2::FullMatch(name, ExpertOptimizerRegex(), &f.ep, &f.mp)) {
+    f.kind = Kind::kExpertOptimizer;
   }
   return f;
 }
@@ -66,6 +86,15 @@ std::string Zero3ModelStatesFileName(int dp_rank, int mp_rank) {
          "_model_states.pt";
 }
 
+std::string ExpertFileName(int moe_layer, int expert, int mp_rank) {
+  const std::string layer = moe_layer < 0 ? "" : "layer_" + std::to_string(moe_layer) + "_";
+  return layer + "expert_" + std::to_string(expert) + "_" + ModelStatesFileName(mp_rank);
+}
+
+std::string ExpertOptimizerFileName(int ep_rank, int mp_rank) {
+  return "expp_rank_" + std::to_string(ep_rank) + "_" + ModelStatesName(mp_rank) + "_optim_states.pt";
+}
+
 std::string RankFileName(const DeepSpeedFileName& f) {
   using Kind = DeepSpeedFileName::Kind;
   switch (f.kind) {
@@ -73,6 +102,8 @@ std::string RankFileName(const DeepSpeedFileName& f) {
     case Kind::kModelStates: return ModelStatesFileName(f.mp);
     case Kind::kOptimizer: return OptimizerFileName(false, f.dp, f.mp);
     case Kind::kZero3ModelStates: return Zero3ModelStatesFileName(f.dp, f.mp);
+    case Kind::kExpert: return ExpertFileName(f.layer, f.expert, f.mp);
+    case Kind::kExpertOptimizer: return ExpertOptimizerFileName(f.ep, f.mp);
     case Kind::kOther: break;
   }
   return "";

@@ -54,6 +54,16 @@ struct OptimizerStagePlan {
   int pp_rank = 0, tp_rank = 0;
   std::vector<FlatGroup> groups;                      // flat layout and DP partitions
   std::vector<std::vector<OptimizerSlotPlan>> slots;  // [group][slot]
+  // DeepSpeed MoE: the plan is that of EP rank `ep_rank` of `ep`, held by the
+  // DP ranks d with d % ep == ep_rank. Its expert groups (expert_group[g])
+  // hold this EP rank's experts, partitioned over expert-DP: rank d has
+  // partition d / ep of them (the others are partitioned over all DP ranks).
+  int ep = 1, ep_rank = 0;
+  std::vector<bool> expert_group;  // per group; empty: none
+  // The partition of group `g` DP rank `d` holds.
+  int PartitionOf(int g, int d) const {
+    return !expert_group.empty() && expert_group[g] ? d / ep : d;
+  }
 };
 
 struct PlanOptions {

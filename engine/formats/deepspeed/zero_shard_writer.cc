@@ -22,6 +22,7 @@ class TargetStage {
                                                          std::atomic<int64_t>* read);
 
   const std::vector<FlatGroup>& groups() const { return plan_.groups; }
+  const OptimizerStagePlan& plan() const { return plan_; }
 
   // Writes elements [begin, begin + n) of state `s`'s flat buffer of group `g`.
   Status Produce(int g, int s, int64_t begin, int64_t n, uint8_t* dst) const;
@@ -110,9 +111,10 @@ const Value* FirstFragmentAddress(const Value& osd) {
 
 Value SliceMappings(const TargetStage& stage, int d, const Value& address_like) {
   std::vector<Value> groups;
-  for (const FlatGroup& group : stage.groups()) {
+  for (size_t g = 0; g < stage.groups().size(); ++g) {
+    const FlatGroup& group = stage.groups()[g];
     Items items;
-    for (const Fragment& frag : group.Fragments(d)) {
+    for (const Fragment& frag : group.Fragments(stage.plan().PartitionOf(static_cast<int>(g), d))) {
       items.emplace_back(Value::String(group.slots()[frag.slot].name),
                          FragmentAddress(address_like, frag.numel, frag.partition_start));
     }
@@ -121,16 +123,17 @@ Value SliceMappings(const TargetStage& stage, int d, const Value& address_like) 
   return Value::MakeList(std::move(groups));
 }
 
-// DP rank `d`'s shard: the source template with the layout fields replaced.
-Result<Value> BuildShard(const SourceOptimizer& opt, const std::shared_ptr<const TargetStage>& stage,
-                         int d) {
+// DP rank `d`'s shard: the template `like` with the layout fields replaced.
+Result<Value> BuildShard(const SourceOptimizer& opt, const Value& like,
+                         const std::shared_ptr<const TargetStage>& stage, int d) {
   const OptimizerFormat& format = opt.format();
-  Value root = opt.Template();
+  Value root = like;
   Value& osd = *FindMutable(root, "optimizer_state_dict");
   std::vector<Value> masters, paddings, counts;
   for (size_t g = 0; g < stage->groups().size(); ++g) {
     const FlatGroup& group = stage->groups()[g];
-    const int64_t start = d * group.partition();
+    const int part = stage->plan().PartitionOf(static_cast<int>(g), d);
+    const int64_t start = part * group.partition();
     Value* state = MutableTorchGroupState(FindMutable(osd, "base_optimizer_state"), static_cast<int>(g));
     if (state == nullptr && opt.states().size() > 1) {
       return Status::Internal("the template shard has no state for group " + std::to_string(g));
@@ -140,11 +143,11 @@ Result<Value> BuildShard(const SourceOptimizer& opt, const std::shared_ptr<const
           FlatSlice(stage, static_cast<int>(g), static_cast<int>(s), start, {group.partition()}));
     }
     // ZeRO-1/2 store the master partition without its alignment padding.
-    const int64_t master_len = format.zero ? group.partition() - group.PaddingIn(d) : group.partition();
+    const int64_t master_len = format.zero ? group.partition() - group.PaddingIn(part) : group.partition();
     masters.push_back(FlatSlice(stage, static_cast<int>(g), 0, start, {master_len}));
     // BF16_Optimizer records the whole padding on the last rank; ZeRO each rank's share.
-    const int64_t padding = format.zero ? group.PaddingIn(d)
-                                        : (d == group.dp() - 1 ? group.padded() - group.numel() : 0);
+    const int64_t padding = format.zero ? group.PaddingIn(part)
+                                        : (part == group.dp() - 1 ? group.padded() - group.numel() : 0);
     paddings.push_back(Value::Int(padding));
     counts.push_back(Value::Int(group.dp()));
   }
@@ -152,9 +155,9 @@ Result<Value> BuildShard(const SourceOptimizer& opt, const std::shared_ptr<const
   Set(osd, format.padding_key, Value::MakeList(std::move(paddings)));
   Set(osd, "partition_count", Value::MakeList(std::move(counts)));
   if (format.slice_mappings) {
-    const Value* like = FirstFragmentAddress(*Find(opt.Template(), "optimizer_state_dict"));
-    if (like == nullptr) return Status::Internal("the template shard has no fragment_address to copy");
-    Set(osd, "param_slice_mappings", SliceMappings(*stage, d, *like));
+    const Value* address = FirstFragmentAddress(*Find(like, "optimizer_state_dict"));
+    if (address == nullptr) return Status::Internal("the template shard has no fragment_address to copy");
+    Set(osd, "param_slice_mappings", SliceMappings(*stage, d, *address));
   }
   return root;
 }
@@ -179,22 +182,6 @@ Result<Value> BuildEmbedded(const SourceOptimizer& opt, const std::shared_ptr<co
   return optimizer;
 }
 
-// A tensor like `v` over storage of its own (other values are kept): torch
-// optimizers update scalar states such as `step` in place, so parameters
-// must not share one.
-Value OwnStorage(const Value& v) {
-  if (!v.is(Value::Kind::kTensor)) return v;
-  const Tensor& t = v.as_tensor();
-  const ByteView& bytes = t.storage->bytes;
-  Value copy = MakeTensorOver(
-      t.storage->dtype, t.sizes,
-      ByteView{bytes.owner, TensorData(t), static_cast<size_t>(t.numel()) * ElementSize(t.storage->dtype),
-               bytes.mapped},
-      t.storage->location);
-  copy.as_tensor().requires_grad = t.requires_grad;
-  return copy;
-}
-
 // One target parameter's state: the source's first parameter's (key order,
 // scalar states) with its per-element states produced from slot `slot` of group `g`.
 Value ParamState(const SourceOptimizer& opt, const std::shared_ptr<const TargetStage>& stage,
@@ -205,7 +192,7 @@ Value ParamState(const SourceOptimizer& opt, const std::shared_ptr<const TargetS
     const auto s = std::find(opt.states().begin(), opt.states().end(),
                              key.is(Value::Kind::kString) ? key.as_string() : "");
     value = s == opt.states().end()
-                ? OwnStorage(value)
+                ? WithOwnStorage(value)  // torch updates scalar states such as `step` in place
                 : FlatSlice(stage, g, static_cast<int>(s - opt.states().begin()), flat.offset, flat.shape);
   }
   return state;
@@ -241,7 +228,7 @@ Result<Value> BuildTorchState(const SourceOptimizer& opt, const std::shared_ptr<
 
 Result<std::vector<Value>> BuildOptimizerState(const SourceOptimizer& opt,
                                                const OptimizerStagePlan& plan, int dp,
-                                               std::atomic<int64_t>* read) {
+                                               std::atomic<int64_t>* read, const Value* like) {
   RESHARD_ASSIGN_OR_RETURN(std::shared_ptr<const TargetStage> stage,
                            TargetStage::Make(opt, plan, read));
   if (opt.format().embedded) {
@@ -250,8 +237,8 @@ Result<std::vector<Value>> BuildOptimizerState(const SourceOptimizer& opt,
     return std::vector<Value>{std::move(optimizer)};
   }
   std::vector<Value> shards;
-  for (int d = 0; d < dp; ++d) {
-    RESHARD_ASSIGN_OR_RETURN(Value shard, BuildShard(opt, stage, d));
+  for (int d = plan.ep_rank; d < dp; d += plan.ep) {
+    RESHARD_ASSIGN_OR_RETURN(Value shard, BuildShard(opt, like != nullptr ? *like : opt.Template(), stage, d));
     shards.push_back(std::move(shard));
   }
   return shards;

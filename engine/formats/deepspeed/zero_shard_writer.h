@@ -21,12 +21,13 @@ namespace reshard {
 
 // The target optimizer state of one (pipeline, tensor) rank `plan`
 // describes: for the sharded formats one file root per target DP rank (of
-// `dp`); for the embedded formats (FP16_Optimizer, torch) the single
-// `optimizer` dict of its mp_rank file. The flat tensors are produced from the source shards
-// while they are written, adding the source bytes they read to *read, which
-// must outlive them.
+// `dp`; with MoE, the ranks d % plan.ep == plan.ep_rank, in order), made
+// from the shard `like` (null: opt.Template()); for the embedded formats
+// (FP16_Optimizer, torch) the single `optimizer` dict of its mp_rank file.
+// The flat tensors are produced from the source shards while they are
+// written, adding the source bytes they read to *read, which must outlive them.
 Result<std::vector<Value>> BuildOptimizerState(const SourceOptimizer& opt,
                                                const OptimizerStagePlan& plan, int dp,
-                                               std::atomic<int64_t>* read);
+                                               std::atomic<int64_t>* read, const Value* like = nullptr);
 
 }  // namespace reshard

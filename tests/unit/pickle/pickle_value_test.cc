@@ -68,6 +68,17 @@ TEST(PickleValueTest, DictItemsOfDictLikeValues) {
   EXPECT_FALSE(IsOrderedDict(dict));
 }
 
+TEST(PickleValueTest, StateDictItemsAreNotItsMetadataAttribute) {
+  // module.state_dict() pickles its `_metadata` attribute as the OrderedDict's BUILD state.
+  Value sd = MakeOrderedDict({{Str("w"), Value::Int(1)}});
+  sd.as_object().state = std::make_shared<Value>(Value::MakeDict({{Str("_metadata"), Value::MakeDict()}}));
+  ASSERT_NE(DictItems(sd), nullptr);
+  ASSERT_EQ(DictItems(sd)->size(), 1u);
+  EXPECT_EQ(DictItems(sd)->at(0).first.as_string(), "w");
+  EXPECT_NE(Find(sd, "w"), nullptr);
+  EXPECT_EQ(Find(sd, "_metadata"), nullptr);
+}
+
 TEST(PickleValueTest, FindAndSet) {
   Value ns = Namespace({{Str("lr"), Value::Float(0.1)}, {Value::Int(7), Str("not a str key")}});
   EXPECT_EQ(Find(ns, "lr")->as_float(), 0.1);

@@ -354,6 +354,24 @@ const BadCase kBadCases[] = {
      {{14, "    - {key: 'word_embeddings\\.weight', name: 'w', split: vocab, tied: true}"},
       {20, "    - {key: 'weight', name: 'w', replicated: true}"}},
      {"t.yaml:20: rules at lines 14 and 20 both name their tensors 'w'"}},
+    {"expert_group_out_of_range",
+     {{17, "    - {key: 'experts\\.(\\d+)\\.w', name: 'layers.{block}.e.{1}', replicated: true, expert: 2}"}},
+     {"t.yaml:17: expert: 2 is not a capture group of key 'experts\\.(\\d+)\\.w' (it has 1)"}},
+    {"expert_name_without_the_id",
+     {{17, "    - {key: 'experts\\.(\\d+)\\.w', name: 'layers.{block}.e', replicated: true, expert: 1}"}},
+     {"t.yaml:17: name 'layers.{block}.e' of an expert rule must hold the expert id {1}"}},
+    {"expert_in_dense_blocks",
+     {{17, "    - {key: 'experts\\.(\\d+)\\.w', replicated: true, moe: false, expert: 1}"}},
+     {"t.yaml:17: an expert rule is in MoE blocks only; remove moe: false"}},
+    {"moe_not_a_bool",
+     {{17, "    - {key: 'gate', replicated: true, moe: maybe}"}},
+     {"t.yaml:17: moe must be true or false"}},
+    {"module_path_block_without_its_number",
+     {{21, "module_paths: {block: 'model\\.layers\\.\\d+\\.'}"}},
+     {"t.yaml:21: module_paths.block 'model\\.layers\\.\\d+\\.' must have one capture group, the block number"}},
+    {"module_path_of_a_role_without_rules",
+     {{21, "module_paths: {head: 'lm_head\\.'}"}},
+     {"t.yaml:21: module_paths.head: no layers.head rules describe its tensors"}},
 };
 // clang-format on
 
@@ -402,6 +420,64 @@ TEST(RuleSetMatch, AmbiguousKeyNamesBothLines) {
   EXPECT_EQ(rule.status().message(),
             "t.yaml: key 'attn.dense.weight' in block files matches rules at lines 17 and 18; "
             "make the patterns disjoint");
+}
+
+// ---- MoE: the expert axis and module paths -----------------------------------
+
+TEST(RuleSetMoe, ExpertRuleReadsTheGlobalIdFromItsGroup) {
+  Result<RuleSet> rs = RuleSet::LoadString(
+      Tiny({{17, "    - {key: 'experts\\.(\\d+)\\.(w|b)', name: 'layers.{block}.e.{1}.{2}', replicated: true, "
+                 "expert: 1}"},
+            {16, "    - {key: 'gate', replicated: true, moe: true}"}}),
+      "t.yaml");
+  ASSERT_TRUE(rs.ok()) << rs.status().message();
+  const ParamRule* expert = *rs->Match("block", "experts.13.b");
+  ASSERT_NE(expert, nullptr);
+  EXPECT_EQ(expert->ExpertId("experts.13.b"), 13);
+  EXPECT_TRUE(expert->MoeOnly());
+  EXPECT_EQ(expert->CanonicalName("experts.13.b", 4, 2), "layers.2.e.13.b");
+  EXPECT_EQ(expert->WithExpertId("experts.13.b", 1), "experts.1.b");
+  EXPECT_EQ(expert->ExpertIdOffset("experts.13.b"), 8u);
+  const ParamRule* norm = *rs->Match("block", "norm.weight");
+  EXPECT_EQ(norm->ExpertId("norm.weight"), -1);
+  EXPECT_FALSE(norm->MoeOnly());
+}
+
+TEST(RuleSetMoe, RequiredOnlyInTheBlocksTheRuleIsFor) {
+  Result<RuleSet> rs = RuleSet::LoadString(Tiny({{17, "    - {key: 'mlp\\.w', split: row, moe: false}"},
+                                                 {16, "    - {key: 'gate', replicated: true, moe: true}"}}),
+                                           "t.yaml");
+  ASSERT_TRUE(rs.ok()) << rs.status().message();
+  const ParamRule* dense = *rs->Match("block", "mlp.w");
+  const ParamRule* gate = *rs->Match("block", "gate");
+  const ParamRule* norm = *rs->Match("block", "norm.bias");
+  EXPECT_TRUE(dense->RequiredIn(false));
+  EXPECT_FALSE(dense->RequiredIn(true));
+  EXPECT_TRUE(gate->RequiredIn(true));
+  EXPECT_FALSE(gate->RequiredIn(false));
+  EXPECT_TRUE(norm->RequiredIn(true));
+  EXPECT_TRUE(norm->RequiredIn(false));
+}
+
+TEST(RuleSetMoe, ModulePathsNameRoleBlockAndKey) {
+  Result<RuleSet> rs = RuleSet::LoadString(
+      Tiny({{21, "module_paths:"},
+            {22, "  embedding: 'lm\\.embedding\\.'"},
+            {23, "  block: 'lm\\.encoder\\.layers\\.(\\d+)\\.'"},
+            {24, "  final_norm: 'lm\\.encoder\\.(?:final_norm|ln_f)\\.'"}}),
+      "t.yaml");
+  ASSERT_TRUE(rs.ok()) << rs.status().message();
+  std::string role, key;
+  int block = 0;
+  ASSERT_TRUE(rs->SplitModulePath("lm.encoder.layers.12.attn.dense.weight", &role, &block, &key));
+  EXPECT_EQ(role, "block");
+  EXPECT_EQ(block, 12);
+  EXPECT_EQ(key, "attn.dense.weight");
+  ASSERT_TRUE(rs->SplitModulePath("lm.encoder.ln_f.weight", &role, &block, &key));
+  EXPECT_EQ(role, "final_norm");
+  EXPECT_EQ(block, -1);
+  EXPECT_EQ(key, "weight");
+  EXPECT_FALSE(rs->SplitModulePath("lm.decoder.layers.0.w", &role, &block, &key));
 }
 
 // ---- canonical names ---------------------------------------------------------
@@ -545,7 +621,9 @@ TEST(RuleSetBuiltin, EveryFileLoads) {
   ASSERT_TRUE(sets.ok()) << sets.status().message();
   std::vector<std::string> names;
   for (const RuleSet& rs : *sets) names.push_back(rs.name());
-  std::vector<std::string> want = {"bigscience-bloom", "bigscience-glu", "megatron-gpt2", "megatron-llama"};
+  // In file-name order: megatron-gpt2-moe.yaml sorts before megatron-gpt2.yaml.
+  std::vector<std::string> want = {"bigscience-bloom", "bigscience-glu", "megatron-gpt2-moe", "megatron-gpt2",
+                                   "megatron-llama"};
   EXPECT_EQ(names, want);
 }
 
@@ -580,6 +658,21 @@ std::vector<std::string> WithoutKey(std::vector<std::string> keys, const std::st
   return keys;
 }
 
+// A dense block's keys and a (residual) MoE block's (megatron-deepspeed-format.md §6.8).
+std::vector<std::string> MoeBlockKeys() {
+  std::vector<std::string> keys = WithoutKey(kBsBlock, "self_attention.rotary_emb.inv_freq");
+  for (const char* key : {"mlp.deepspeed_moe.gate.wg.weight",
+                          "mlp.deepspeed_moe.experts.deepspeed_experts.0.dense_h_to_4h.weight",
+                          "mlp.deepspeed_moe.experts.deepspeed_experts.0.dense_h_to_4h.bias",
+                          "mlp.deepspeed_moe.experts.deepspeed_experts.11.dense_4h_to_h.weight",
+                          "mlp.deepspeed_moe.experts.deepspeed_experts.11.dense_4h_to_h.bias",
+                          "mlp.mlp.dense_h_to_4h.weight", "mlp.mlp.dense_h_to_4h.bias", "mlp.mlp.dense_4h_to_h.weight",
+                          "mlp.mlp.dense_4h_to_h.bias", "mlp.coefficient.weight", "mlp.coefficient.bias"}) {
+    keys.push_back(key);
+  }
+  return keys;
+}
+
 const Inventory kInventories[] = {
     {"bigscience-bloom",
      {{"embedding", kBsEmbedding}, {"block", kBsBlock}, {"final_norm", {"weight", "bias"}}}},
@@ -590,6 +683,10 @@ const Inventory kInventories[] = {
        {"word_embeddings.weight", "position_embeddings.weight",
         "position_embeddings.local_embeddings.weight"}},
       {"block", WithoutKey(kBsBlock, "self_attention.rotary_emb.inv_freq")},
+      {"final_norm", {"weight", "bias"}}}},
+    {"megatron-gpt2-moe",
+     {{"embedding", {"word_embeddings.weight", "position_embeddings.weight"}},
+      {"block", MoeBlockKeys()},
       {"final_norm", {"weight", "bias"}}}},
     {"megatron-llama",
      {{"embedding", {"word_embeddings.weight"}},
@@ -693,6 +790,21 @@ TEST(RuleSetBuiltin, FamilyFacts) {
   EXPECT_EQ(gpt2->detect().args.at("swiglu"), "false");
   EXPECT_TRUE(gpt2->Match("embedding", "position_embeddings.weight").value()->tied);
 
+  Result<RuleSet> moe = LoadRuleSet("megatron-gpt2-moe");
+  ASSERT_TRUE(moe.ok()) << moe.status().message();
+  EXPECT_EQ(moe->detect().metadata_keys, std::vector<std::string>{"num_experts"});
+  const ParamRule* expert =
+      moe->Match("block", "mlp.deepspeed_moe.experts.deepspeed_experts.5.dense_h_to_4h.weight").value();
+  EXPECT_EQ(expert->ExpertId("mlp.deepspeed_moe.experts.deepspeed_experts.5.dense_h_to_4h.weight"), 5);
+  EXPECT_EQ(expert->policy, ParamRule::Policy::kReplicated);  // whole on every TP rank without expert-TP
+  EXPECT_TRUE(moe->Match("block", "mlp.deepspeed_moe.gate.wg.weight").value()->MoeOnly());
+  EXPECT_FALSE(moe->Match("block", "mlp.dense_h_to_4h.weight").value()->RequiredIn(true));
+  std::string role, key;
+  int block = -1;
+  EXPECT_TRUE(moe->SplitModulePath("language_model.encoder.layers.3.mlp.deepspeed_moe.gate.wg.weight", &role,
+                                   &block, &key));
+  EXPECT_EQ(role + " " + std::to_string(block) + " " + key, "block 3 mlp.deepspeed_moe.gate.wg.weight");
+
   Result<RuleSet> bloom = LoadRuleSet("bigscience-bloom");
   ASSERT_TRUE(bloom.ok()) << bloom.status().message();
   EXPECT_EQ(bloom->optimizer_groups(), OptimizerGroups::kSplitDecay);
@@ -727,8 +839,8 @@ TEST(RuleSetBuiltin, UnknownNameListsTheBuiltins) {
   ASSERT_FALSE(rs.ok());
   EXPECT_EQ(rs.status().code(), Status::Code::kInvalidInput);
   EXPECT_EQ(rs.status().message(),
-            "unknown rule set 'gpt3'; built-in: bigscience-bloom, bigscience-glu, megatron-gpt2, "
-            "megatron-llama; or pass the path of a rule file");
+            "unknown rule set 'gpt3'; built-in: bigscience-bloom, bigscience-glu, megatron-gpt2-moe, "
+            "megatron-gpt2, megatron-llama; or pass the path of a rule file");
 }
 
 TEST(RuleSetBuiltin, MissingFileIsNotTakenForAName) {

@@ -18,6 +18,46 @@ void Touch(const fs::path& p, const std::string& content = "") {
   std::ofstream(p) << content;
 }
 
+TEST(CheckpointFilesTest, MoeFamiliesAreParsedAndSorted) {
+  TempDir dir;
+  for (const char* name : {"mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt",
+                           "layer_0_expert_3_mp_rank_01_model_states.pt", "layer_12_expert_0_mp_rank_00_model_states.pt",
+                           "expert_7_mp_rank_00_model_states.pt", "expp_rank_1_mp_rank_01_optim_states.pt",
+                           "zero_pp_rank_0_mp_rank_00_optim_states.pt"}) {
+    Touch(dir.path() / name);
+  }
+  Result<CheckpointFiles> r = ScanCheckpoint(dir.path().string());
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  EXPECT_TRUE(r->IsMoe());
+  EXPECT_TRUE(r->other_files.empty());
+  EXPECT_EQ(BaseName(r->expert_files.at(1).at(0).at(3)), "layer_0_expert_3_mp_rank_01_model_states.pt");
+  EXPECT_EQ(BaseName(r->expert_files.at(0).at(12).at(0)), "layer_12_expert_0_mp_rank_00_model_states.pt");
+  EXPECT_EQ(BaseName(r->expert_files.at(0).at(-1).at(7)), "expert_7_mp_rank_00_model_states.pt");
+  EXPECT_EQ(BaseName(r->expert_optimizer_files.at(1).at(1)), "expp_rank_1_mp_rank_01_optim_states.pt");
+  EXPECT_EQ(r->optimizer_files.size(), 1u);  // expp_rank files are not ZeRO shards
+  EXPECT_EQ(r->Paths().size(), 7u);
+}
+
+TEST(CheckpointFilesTest, MoeNamesRoundTrip) {
+  for (const std::string name : {"layer_1_expert_13_mp_rank_02_model_states.pt", "expert_4_mp_rank_00_model_states.pt",
+                                 "expp_rank_3_mp_rank_100_optim_states.pt"}) {
+    EXPECT_EQ(RankFileName(ParseDeepSpeedFileName(name)), name);
+  }
+  EXPECT_EQ(ParseDeepSpeedFileName("layer_01-model_00-model_states.pt").kind, DeepSpeedFileName::Kind::kLayer);
+}
+
+TEST(CheckpointFilesTest, TwoSpellingsOfOneExpertFileAreRefused) {
+  TempDir dir;
+  Touch(dir.path() / "mp_rank_00_model_states.pt");
+  Touch(dir.path() / "layer_0_expert_1_mp_rank_00_model_states.pt");
+  Touch(dir.path() / "layer_0_expert_1_mp_rank_000_model_states.pt");
+  Result<CheckpointFiles> r = ScanCheckpoint(dir.path().string());
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("which are the same rank file (layer_0_expert_1_mp_rank_00_model_states.pt)"),
+            std::string::npos)
+      << r.status().message();
+}
+
 TEST(CheckpointFilesTest, BogusPathIsNamed) {
   Result<CheckpointFiles> r = ScanCheckpoint("/nonexistent/ckpt");
   ASSERT_FALSE(r.ok());

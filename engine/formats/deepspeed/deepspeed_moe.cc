@@ -1,0 +1,224 @@
+// A DeepSpeed MoE save as a SourceCheckpoint: lint, inspect, the tensors
+// verify compares (weights and optimizer state, experts by global id), and
+// conversions to another EP and DP size (moe_plan.h).
+
+#include <mutex>
+
+#include "formats/deepspeed/deepspeed_source.h"
+#include "formats/deepspeed/drift_lint.h"
+#include "formats/deepspeed/zero_shard_lint.h"
+#include "formats/deepspeed/moe_optimizer.h"
+#include "formats/deepspeed/moe_plan.h"
+#include "formats/deepspeed/pipeline_reader.h"
+#include "formats/deepspeed/moe_reader.h"
+#include "plan/materialize.h"
+#include "plan/tensor_plan.h"
+#include "util/strings.h"
+#include "logical/drift.h"
+
+namespace reshard {
+namespace {
+
+class MoeSource : public DeepSpeedModelSource {
+ public:
+  MoeSource(MoeModel moe, const CommonOptions& options)
+      : DeepSpeedModelSource(std::move(moe.model), options), pipeline_names_(moe.pipeline_names),
+        layout_(std::move(moe.layout)), allowed_classes_(options.allowed_classes) {}
+
+  std::string kind() const override { return "MoE"; }
+  int64_t vocab_rows() const override { return ckpt().vocab.padded_rows; }
+  std::optional<int64_t> vocab_size() const override { return ckpt().vocab.original_size; }
+
+  std::string Summary() const override {
+    const LogicalCheckpoint& c = ckpt();
+    size_t expert_files = 0;
+    for (const auto& [mp, by_layer] : files().expert_files) {
+      for (const auto& [m, by_expert] : by_layer) expert_files += by_expert.size();
+    }
+    std::string s = std::string("DeepSpeed MoE checkpoint (") +
+                    (pipeline_names_ ? "pipeline engine" : "nn.Module, no pipeline engine") + "); rule set " +
+                    c.rules->name() + " (numbering " + c.numbering + "); TP " + std::to_string(c.tp) + ", PP " +
+                    std::to_string(c.pp) + ", DP " + std::to_string(c.dp) + "; ";
+    if (!layout_.blocks.empty()) s += layout_.Summary() + "; ";
+    return s + "iteration " + std::to_string(c.iteration) + "; " + std::to_string(expert_files) + " expert files, " +
+           std::to_string(c.metadata.size()) + " mp_rank files, " + std::to_string(shard_files()) +
+           " optimizer shards";
+  }
+
+  void Lint(const LintOptions& options, LintReport* report) const override {
+    report->rule_set = ckpt().rules->name();
+    if (ckpt().HasErrors()) return;
+    ReportDrift(ckpt(), options, report);
+    report->findings.push_back({Finding::Severity::kInfo, "MoE: " + layout_.Summary()});
+    const MoeOptimizer* state = nullptr;
+    if (shard_files() > 0 && options.weights_only) {
+      report->findings.push_back({Finding::Severity::kInfo, WeightsOnlyNote(OptimizerWhat())});
+    } else if (shard_files() > 0) {
+      Result<const MoeOptimizer*> opt = State();
+      report->findings.push_back(opt.ok() ? StateFinding(**opt)
+                                          : Finding{Finding::Severity::kError, "optimizer: " + opt.status().message()});
+      state = opt.ok() ? *opt : nullptr;
+    }
+    if (const Status s = Convertible(state); !s.ok()) report->findings.push_back({Finding::Severity::kError, s.message()});
+  }
+
+  std::string Describe() const override {
+    return MetadataLines(ckpt()) + layout_.Describe() + "tensors (full logical shapes):\n" + TensorLines(ckpt());
+  }
+
+  bool HasExperts() const override { return true; }
+
+  Result<std::unique_ptr<TargetPlan>> Plan(const ConvertOptions& options,
+                                           std::vector<std::string>* notes) const override {
+    RESHARD_RETURN_IF_ERROR(ckpt().FirstError());
+    const int ep = options.target_ep > 0 ? options.target_ep : layout_.ep;
+    const int dp = options.target_dp > 0 ? options.target_dp : ckpt().dp;
+    RESHARD_RETURN_IF_ERROR(CheckTarget(options, ep, dp));
+    const MoeOptimizer* opt = nullptr;
+    if (shard_files() > 0 && options.weights_only) {
+      notes->push_back(WeightsOnlyNote(OptimizerWhat()));
+    } else if (shard_files() > 0) {
+      RESHARD_ASSIGN_OR_RETURN(opt, State());
+    }
+    RESHARD_RETURN_IF_ERROR(Convertible(opt));
+    if (options.dry_run) notes->push_back(kDryRunNote);
+    RESHARD_ASSIGN_OR_RETURN(MoePlan plan, MakeMoePlan(ckpt(), layout_, opt, ep, dp, options.replicated));
+    notes->insert(notes->end(), plan.notes.begin(), plan.notes.end());
+    return std::unique_ptr<TargetPlan>(new MoeTargetPlan(ckpt(), files(), layout_, opt, allowed_classes_, std::move(plan)));
+  }
+
+  // The weights and every optimizer state, experts under their global ids.
+  Result<std::vector<FullTensor>> FullTensors(ReplicatedPolicy replicated,
+                                              std::atomic<int64_t>* read) const override {
+    RESHARD_RETURN_IF_ERROR(ckpt().FirstError());
+    RESHARD_ASSIGN_OR_RETURN(std::vector<FullTensor> out, WeightTensors(ckpt(), nullptr, replicated, read));
+    if (shard_files() == 0) return out;
+    RESHARD_ASSIGN_OR_RETURN(const MoeOptimizer* opt, State());
+    RESHARD_RETURN_IF_ERROR(AddStates(*opt, replicated, read, &out));
+    return out;
+  }
+
+  Result<std::unique_ptr<TargetPlan>> PlanFamilyFormat(const ExportOptions& options,
+                                                       std::vector<std::string>*) const override {
+    return Status::Unsupported("exporting a DeepSpeed MoE checkpoint --to " + options.to +
+                               " is not implemented yet; --to consolidated writes its whole tensors "
+                               "(experts under their global ids)");
+  }
+
+  std::vector<std::string> VerifyNotes() const override {
+    std::vector<std::string> notes;
+    for (const Drift& d : MeasureDrift(ckpt())) notes.push_back("replicas differ: " + DescribeDrift(ckpt(), d));
+    return notes;
+  }
+
+ private:
+  // What convert refuses whatever the target: TP > 1, and optimizer state
+  // other than ZeRO-1/2 shards (a run without ZeRO keeps its state in the
+  // expp_rank files).
+  Status Convertible(const MoeOptimizer* opt) const {
+    if (ckpt().tp > 1) {
+      return Status::Unsupported("converting a DeepSpeed MoE checkpoint at TP " + std::to_string(ckpt().tp) +
+                                 " is not implemented yet (TP 1: EP, DP and expert-DP change)");
+    }
+    if (opt != nullptr && !opt->format().zero) {
+      return Status::Unsupported("converting a DeepSpeed MoE checkpoint with BF16_Optimizer shards is not "
+                                 "implemented yet (ZeRO-1/2 shards are)");
+    }
+    for (const auto& [mp, by_ep] : files().expert_optimizer_files) {
+      RESHARD_ASSIGN_OR_RETURN(Value expp, ReadDeepSpeedFile(by_ep.begin()->second, allowed_classes_));
+      const Value* state = Find(expp, "optimizer");
+      if (state == nullptr || !state->is_none()) {
+        return Status::Unsupported(BaseName(by_ep.begin()->second) + " holds an optimizer state (a run without "
+                                   "ZeRO); converting it is not implemented yet (ZeRO-1/2 runs, whose expp_rank "
+                                   "files hold None, are)");
+      }
+    }
+    return Status::Ok();
+  }
+
+  // The target layouts this conversion can write: TP and PP kept, EP
+  // dividing DP and every MoE layer's experts.
+  Status CheckTarget(const ConvertOptions& options, int ep, int dp) const {
+    if (options.target_tp != ckpt().tp || options.target_pp != ckpt().pp || !options.layers_per_stage.empty()) {
+      return Status::Unsupported("changing TP or PP of a DeepSpeed MoE checkpoint is not implemented yet; keep --tp " +
+                                 std::to_string(ckpt().tp) + " --pp " + std::to_string(ckpt().pp) +
+                                 " (EP, DP and expert-DP change)");
+    }
+    if (dp % ep != 0) {
+      return Status::InvalidInput("EP " + std::to_string(ep) + " does not divide DP " + std::to_string(dp) +
+                                  " (expert-DP is DP / EP); choose --ep and --dp so that it does");
+    }
+    for (const MoeBlock& b : layout_.blocks) {
+      if (b.experts % ep == 0) continue;
+      return Status::InvalidInput("EP " + std::to_string(ep) + " does not divide the " + std::to_string(b.experts) +
+                                  " experts of the MoE layer in block " + std::to_string(b.block) +
+                                  "; choose an --ep that does");
+    }
+    return Status::Ok();
+  }
+
+  // The optimizer shards, read once, when a command first needs them.
+  Result<const MoeOptimizer*> State() const {
+    std::call_once(state_once_, [this] {
+      Result<std::unique_ptr<MoeOptimizer>> opt = MoeOptimizer::Load(ckpt(), files(), layout_, allowed_classes_);
+      if (opt.ok()) {
+        state_ = std::move(*opt);
+      } else {
+        state_status_ = opt.status();
+      }
+    });
+    if (!state_status_.ok()) return state_status_;
+    return static_cast<const MoeOptimizer*>(state_.get());
+  }
+
+  Finding StateFinding(const MoeOptimizer& opt) const {
+    return {Finding::Severity::kInfo,
+            "optimizer: " + std::to_string(shard_files()) + " shards (" + (opt.format().zero ? "ZeRO-1/2" : "BF16 optimizer") +
+                ", " + std::to_string(opt.num_groups()) + " groups on mp_rank_00, expert groups over expert-DP " +
+                std::to_string(layout_.edp) + ", states " + Join(opt.states(), ", ") +
+                "); every parameter's fragments found, experts by their global ids"};
+  }
+
+  // Every per-element state of every parameter, whole (TP replicas merged by
+  // `replicated` like the weights).
+  Status AddStates(const MoeOptimizer& opt, ReplicatedPolicy replicated, std::atomic<int64_t>* read,
+                   std::vector<FullTensor>* out) const {
+    const LogicalCheckpoint& c = ckpt();
+    for (size_t li = 0; li < c.layers.size(); ++li) {
+      for (size_t ti = 0; ti < c.layers[li].tensors.size(); ++ti) {
+        const LogicalTensor& weight = c.layers[li].tensors[ti];
+        if (weight.rule->buffer) continue;
+        const std::string saved = MoeSaveName(c.layers[li], weight);
+        for (const std::string& state : opt.states()) {
+          LogicalTensor st = weight;
+          st.dtype = DType::kFloat32;
+          for (int t = 0; t < c.tp; ++t) {
+            RESHARD_ASSIGN_OR_RETURN(st.shards[t], opt.Locate(saved, t, state));
+          }
+          const TensorPlan plan = PlanFullTensor(c, static_cast<int>(li), static_cast<int>(ti), replicated);
+          out->push_back({"optimizer", "optimizer " + state + " " + weight.name, weight.name, state,
+                          "optimizer " + state + " " + saved, DType::kFloat32, weight.full_shape,
+                          weight.rule->policy == ParamRule::Policy::kVocab,
+                          RangeProducer(SourceTensor::Of(st), plan, read)});
+        }
+      }
+    }
+    return Status::Ok();
+  }
+
+  bool pipeline_names_;
+  MoeLayout layout_;
+  std::set<std::string> allowed_classes_;
+  mutable std::once_flag state_once_;
+  mutable std::unique_ptr<MoeOptimizer> state_;
+  mutable Status state_status_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<SourceCheckpoint>> OpenMoeSource(CheckpointFiles files, const CommonOptions& options) {
+  RESHARD_ASSIGN_OR_RETURN(MoeModel moe, ReadMoeModel(std::move(files), options));
+  return std::unique_ptr<SourceCheckpoint>(new MoeSource(std::move(moe), options));
+}
+
+}  // namespace reshard
