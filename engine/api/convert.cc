@@ -190,13 +190,14 @@ std::string RunFingerprint(const Prepared& p, const WriteOptions& options) {
   return Fingerprint(text);
 }
 
-// On a killed run's staging folder: takes out of this process's jobs those
-// whose files are there intact, and counts their pieces as written.
+// On a killed run's staging folder (`resumed`, its name; "" when another
+// process took it over): takes out of this process's jobs those whose files
+// are there intact, and counts their pieces as written.
 void ReuseFinishedJobs(Prepared* p, const std::string& resumed, ConvertReport* report) {
   const size_t planned = p->jobs.size();
   int64_t bytes = 0;
   for (auto& [name, digest] : p->journal->Reuse(&p->jobs, &bytes)) p->pieces.emplace(name, digest);
-  report->notes.push_back("resumed the killed run's output (" + resumed + "): " +
+  report->notes.push_back("resumed the killed run's output" + (resumed.empty() ? "" : " (" + resumed + ")") + ": " +
                           std::to_string(planned - p->jobs.size()) + " of " + std::to_string(planned) +
                           " jobs reused (" + HumanBytes(bytes) + ", each file read back and its CRC checked)");
 }
@@ -294,7 +295,7 @@ Status Execute(Prepared* p, const WriteOptions& options, Publication publish, Ph
   }
   if (!p->fingerprint.empty()) {
     RESHARD_ASSIGN_OR_RETURN(p->journal, RunJournal::Open(p->exec.dir));
-    if (staging.second) ReuseFinishedJobs(p, p->out->resumed().empty() ? "a killed run's" : p->out->resumed(), report);
+    if (staging.second) ReuseFinishedJobs(p, p->out->resumed(), report);  // the name is known to the first process
     p->journal->RecordWhenDone(&p->jobs);
   }
   Status written = reshard::Execute(p->jobs, p->exec);
