@@ -350,6 +350,8 @@ int Run(int argc, char** argv) {
   verify_cmd->add_option("B", second, "Second checkpoint");
   AddCommonOptions(verify_cmd, &verify);
   verify_cmd->add_option("--rules-b", verify.rules_b, "Rule set for B (default: as for A)");
+  verify_cmd->add_flag("--deep", verify.deep,
+                       "Also read every byte of both checkpoints and check each record's CRC-32");
   verify_cmd->add_option("--max-memory", verify.max_memory,
                          "Resident memory the comparison may use, e.g. 512MiB (default 1GiB)")
       ->transform(CLI::AsSizeValue(false));

@@ -3,9 +3,14 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <filesystem>
+#include <mutex>
 #include <string>
 #include <thread>
 
+#include "container/mapped_file.h"
+#include "container/zip_directory.h"
+#include "exec/executor.h"
 #include "formats/format.h"
 
 namespace reshard {
@@ -31,6 +36,35 @@ Status CheckVocabSize(const SourceCheckpoint& src, std::optional<int64_t> given)
                                 " rows of the checkpoint's vocabulary tensors");
   }
   return Status::Ok();
+}
+
+Status CheckRecordCrcs(const SourceCheckpoint& src, int threads,
+                       const std::function<void(const std::string&)>& progress, std::vector<std::string>* damaged) {
+  std::mutex mu;
+  std::vector<Job> jobs;
+  for (const std::string& path : src.Files()) {
+    std::error_code ec;
+    const int64_t bytes = static_cast<int64_t>(std::filesystem::file_size(path, ec));
+    jobs.push_back({path, ec ? 0 : bytes, [path, damaged, &mu](JobContext& ctx) {
+                      Status st = [&]() -> Status {
+                        RESHARD_ASSIGN_OR_RETURN(std::shared_ptr<const MappedFile> file, MappedFile::Open(path));
+                        RESHARD_ASSIGN_OR_RETURN(ZipDirectory directory, ZipDirectory::Read(*file));
+                        RESHARD_RETURN_IF_ERROR(directory.CheckCrcs(*file));
+                        ctx.done(static_cast<int64_t>(file->size()));
+                        return Status::Ok();
+                      }();
+                      if (!st.ok()) {
+                        std::lock_guard<std::mutex> lock(mu);
+                        damaged->push_back(st.message());
+                      }
+                      return Status::Ok();  // every file is checked
+                    }});
+  }
+  ExecuteOptions exec;
+  exec.threads = threads;
+  exec.buffer_bytes = 0;  // the check reads the mapping, not a buffer
+  exec.progress = progress;
+  return Execute(jobs, exec);
 }
 
 }  // namespace reshard

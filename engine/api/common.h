@@ -2,7 +2,10 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
+#include <string>
+#include <vector>
 
 #include "reshard/reshard.h"
 
@@ -17,5 +20,11 @@ int ThreadCount(int requested);
 // rows than its vocabulary tensors hold, or another size than it records
 // (rows past it would be taken for padding, or padding for tokens).
 Status CheckVocabSize(const SourceCheckpoint& src, std::optional<int64_t> given);
+
+// Reads every record of every file of `src` and checks it against its CRC-32,
+// a file per job on `threads` workers; each damaged file adds its one-line
+// message to `damaged` (`lint --deep`, `verify --deep`).
+Status CheckRecordCrcs(const SourceCheckpoint& src, int threads,
+                       const std::function<void(const std::string&)>& progress, std::vector<std::string>* damaged);
 
 }  // namespace reshard

@@ -235,6 +235,13 @@ Result<VerifyReport> Verify(const std::string& a_path, const std::string& b_path
       if (f.severity == Finding::Severity::kError) return Status::InvalidInput(f.message).WithContext(path);
     }
   }
+  if (options.deep) {
+    for (const auto& [src, path] : {std::pair{a.get(), a_path}, std::pair{b.get(), b_path}}) {
+      std::vector<std::string> damaged;
+      RESHARD_RETURN_IF_ERROR(CheckRecordCrcs(*src, ThreadCount(options.threads), nullptr, &damaged));
+      if (!damaged.empty()) return Status::InvalidInput(damaged.front());
+    }
+  }
   VerifyReport report;
   report.notes.push_back("A: " + a->Summary());
   report.notes.push_back("B: " + b->Summary());

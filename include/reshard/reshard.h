@@ -187,6 +187,8 @@ Result<ConvertReport> Convert(const std::string& input, const std::string& outpu
 struct VerifyOptions : CommonOptions {
   // Rule set for the second checkpoint; empty = same as the first.
   std::string rules_b;
+  // Also every record of both checkpoints against its CRC-32 (as lint --deep).
+  bool deep = false;
   // How both sides' TP replicas are merged before comparing: kFirst (TP rank
   // 0's copy) or kAverage (the mean, as `convert --replicated average` writes).
   ReplicatedPolicy replicated = ReplicatedPolicy::kFirst;

@@ -245,8 +245,10 @@ class ZipContainerTests(HostileTestCase):
         self.assertAllRefuse(tag, ['layer_04-model_01-model_states.pt', "data/0' does not match its "
                                    'local header'])
 
-    def test_a_damaged_byte_is_found_by_lint_deep(self):
+    def test_a_damaged_byte_is_found_by_lint_and_verify_deep(self):
         tag = self.bloom()
+        intact = self.path('intact')
+        shutil.copytree(tag, intact)
         path = layer_file(tag, 3, 1)
         with zipfile.ZipFile(path) as z:
             info = next(i for i in z.infolist() if '/data/' in i.filename and i.file_size >= 64)
@@ -263,6 +265,11 @@ class ZipContainerTests(HostileTestCase):
         self.assertEqual(p.returncode, 1, p.stdout + p.stderr)
         self.assertIn(f'error: {path}: record {info.filename} does not have the CRC-32 its zip directory '
                       'records; its bytes are damaged', p.stdout)
+        self.assertEqual(support.reshard('verify', intact, intact, '--deep').returncode, 0)
+        p = support.reshard('verify', intact, tag, '--deep')
+        self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
+        self.assertIn(f'{path}: record {info.filename} does not have the CRC-32 its zip directory records',
+                      p.stderr)
 
 
 class FileNameTests(HostileTestCase):
