@@ -28,7 +28,6 @@ The 4x checkpoint is 22.5 GB and its conversion another 22.5 GB: --workdir needs
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -40,8 +39,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(REPO, 'tests'))
 
-from run import (PYTHON, TARGET, drop_caches, ensure_checkpoint, folder_bytes, machine, measure,  # noqa: E402
-                 remove, source_version)
+from run import (PYTHON, TARGET, drop_caches, ensure_checkpoint, folder_bytes, measure, print_results,  # noqa: E402
+                 remove)
 
 # ZeRO-3 sizes: every tensor-heavy dimension grows 4x from one to the next.
 ZERO3 = dict(zero_stage=3, dtype='bf16', dp=2, n_heads=12, n_kv=12, head_dim=64, ffn=3072, h=768,
@@ -189,17 +188,10 @@ def main(argv=None) -> int:
     if not ns.keep:
         for path in written:
             remove(path)
-    print()
-    print(f'machine: {machine()}')
-    print(f'source: {source_version()} ({ns.reshard})')
-    print(f'{ns.runs} run(s) each; cache: {"warm" if ns.warm else "cold (dropped before each run)"}; '
-          f'fixed cost (reshard --help) {fixed["warm"]:.3f} s warm, {fixed["cold"]:.3f} s cold; '
-          f'total {time.monotonic() - started:.0f} s')
-    print(table(results))
-    if ns.json:
-        with open(ns.json, 'w') as f:
-            json.dump({'machine': machine(), 'source': source_version(), 'startup_s': fixed,
-                       'results': results}, f, indent=1)
+    print_results(ns, f'{ns.runs} run(s) each; cache: {"warm" if ns.warm else "cold (dropped before each run)"}; '
+                      f'fixed cost (reshard --help) {fixed["warm"]:.3f} s warm, {fixed["cold"]:.3f} s cold; '
+                      f'total {time.monotonic() - started:.0f} s',
+                  table(results), results, startup_s=fixed)
     return 0
 
 

@@ -454,6 +454,19 @@ def source_version() -> str:
     return head + (' with uncommitted changes' if dirty else '')
 
 
+def print_results(ns, what: str, table_text: str, results, **extra) -> None:
+    """The run's header (machine, source, what was run), its table, and --json."""
+    print()
+    print(f'machine: {machine()}')
+    print(f'source: {source_version()} ({ns.reshard})')
+    print(what)
+    print(table_text)
+    if ns.json:
+        with open(ns.json, 'w') as f:
+            json.dump(dict({'machine': machine(), 'source': source_version(), 'results': results}, **extra), f,
+                      indent=1)
+
+
 def table(results: List[Dict]) -> str:
     gb = 1e9
     head = ('| checkpoint | size | cp -r (s) | reshard (s) | ratio | reshard GB/s | cp GB/s | '
@@ -569,16 +582,10 @@ def main(argv=None) -> int:
                     remove(os.path.join(ns.workdir, name))
             if not os.listdir(ns.workdir):
                 os.rmdir(ns.workdir)
-    print()
-    print(f'machine: {machine()}')
-    print(f'source: {source_version()} ({ns.reshard})')
-    print(f'reshard convert SRC OUT {" ".join(TARGET)} -q{" --threads " + str(ns.threads) if ns.threads else ""}; '
-          f'{ns.runs} alternating runs, medians; modes: {ns.modes}; '
-          f'total {time.monotonic() - started:.0f} s')
-    print(table(results))
-    if ns.json:
-        with open(ns.json, 'w') as f:
-            json.dump({'machine': machine(), 'source': source_version(), 'results': results}, f, indent=1)
+    print_results(ns, f'reshard convert SRC OUT {" ".join(TARGET)} -q'
+                      f'{" --threads " + str(ns.threads) if ns.threads else ""}; {ns.runs} alternating runs, '
+                      f'medians; modes: {ns.modes}; total {time.monotonic() - started:.0f} s',
+                  table(results), results)
     return 0
 
 
