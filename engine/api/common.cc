@@ -38,11 +38,23 @@ Status CheckVocabSize(const SourceCheckpoint& src, std::optional<int64_t> given)
   return Status::Ok();
 }
 
+namespace {
+
+bool IsTorchSaveName(const std::string& path) {
+  auto ends_with = [&](const std::string& suffix) {
+    return path.size() >= suffix.size() && path.compare(path.size() - suffix.size(), suffix.size(), suffix) == 0;
+  };
+  return ends_with(".pt") || ends_with(".bin");
+}
+
+}  // namespace
+
 Status CheckRecordCrcs(const SourceCheckpoint& src, int threads,
                        const std::function<void(const std::string&)>& progress, std::vector<std::string>* damaged) {
   std::mutex mu;
   std::vector<Job> jobs;
   for (const std::string& path : src.Files()) {
+    if (!IsTorchSaveName(path)) continue;  // safetensors and JSON files keep no CRCs
     std::error_code ec;
     const int64_t bytes = static_cast<int64_t>(std::filesystem::file_size(path, ec));
     jobs.push_back({path, ec ? 0 : bytes, [path, damaged, &mu](JobContext& ctx) {

@@ -21,7 +21,8 @@ int ThreadCount(int requested);
 // (rows past it would be taken for padding, or padding for tokens).
 Status CheckVocabSize(const SourceCheckpoint& src, std::optional<int64_t> given);
 
-// Reads every record of every file of `src` and checks it against its CRC-32,
+// Reads every record of every torch.save file (*.pt, *.bin) of `src` and
+// checks it against its CRC-32,
 // a file per job on `threads` workers; each damaged file adds its one-line
 // message to `damaged` (`lint --deep`, `verify --deep`).
 Status CheckRecordCrcs(const SourceCheckpoint& src, int threads,

@@ -13,25 +13,6 @@
 namespace reshard {
 namespace {
 
-// The safetensors name of `dtype`; null when it has none.
-const char* SafetensorsDType(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat64: return "F64";
-    case DType::kFloat32: return "F32";
-    case DType::kFloat16: return "F16";
-    case DType::kBFloat16: return "BF16";
-    case DType::kInt64: return "I64";
-    case DType::kInt32: return "I32";
-    case DType::kInt16: return "I16";
-    case DType::kInt8: return "I8";
-    case DType::kUInt8: return "U8";
-    case DType::kBool: return "BOOL";
-    case DType::kComplex64:
-    case DType::kComplex128: return nullptr;
-  }
-  return nullptr;
-}
-
 std::string ShapeJson(const std::vector<int64_t>& shape) {
   std::string out = "[";
   for (size_t i = 0; i < shape.size(); ++i) out += (i ? "," : "") + std::to_string(shape[i]);
@@ -83,7 +64,7 @@ Result<std::string> Header(const std::vector<SafetensorsTensor>& tensors,
   std::string json = "{";
   int64_t offset = 0;
   for (const SafetensorsTensor& t : tensors) {
-    const char* dtype = SafetensorsDType(t.dtype);
+    const char* dtype = SafetensorsDTypeName(t.dtype);
     if (dtype == nullptr) {
       return Status::Unsupported(t.name + " is " + DTypeName(t.dtype) + ", which safetensors cannot hold");
     }

@@ -3,6 +3,8 @@
 #include "formats/consolidated/consolidated_export.h"
 #include "formats/deepspeed/deepspeed_source.h"
 #include "formats/hf/hf_export.h"
+#include "formats/hf/hf_folder.h"
+#include "formats/hf/hf_import.h"
 
 namespace reshard {
 
@@ -13,8 +15,13 @@ const Value& SourceCheckpoint::settings() const {
 
 Result<std::unique_ptr<SourceCheckpoint>> OpenCheckpoint(const std::string& path,
                                                          const CommonOptions& options) {
-  // DeepSpeed tag folders are the only format read so far; a new format
-  // recognises its own folders here, before DeepSpeed's refusal of the rest.
+  // A new format recognises its own folders here, before DeepSpeed's
+  // refusal of the rest. An HF folder is read as the pipeline model its
+  // family's rules describe, which converts into DeepSpeed's layout.
+  if (IsHfFolder(path)) {
+    RESHARD_ASSIGN_OR_RETURN(HfImport hf, ReadHfImport(path, options));
+    return MakeImportedSource(std::move(hf.logical), path, std::move(hf.what), std::move(hf.files), options);
+  }
   RESHARD_ASSIGN_OR_RETURN(CheckpointFiles files, ScanCheckpoint(path));
   return OpenDeepSpeedCheckpoint(std::move(files), options);
 }

@@ -9,22 +9,6 @@ std::string FullPath(const std::string& key) {
   return key.find('.') == std::string::npos ? "args." + key : key;
 }
 
-// Sets `value` at dotted `path` inside `root`, making the dicts on the way.
-void SetPath(Value* root, const std::string& path, Value value) {
-  const size_t dot = path.find('.');
-  if (dot == std::string::npos) {
-    Set(*root, path, std::move(value));
-    return;
-  }
-  const std::string head = path.substr(0, dot);
-  Value* child = FindMutable(*root, head);
-  if (child == nullptr || DictItems(*child) == nullptr) {
-    Set(*root, head, Value::MakeDict());
-    child = FindMutable(*root, head);
-  }
-  SetPath(child, path.substr(dot + 1), std::move(value));
-}
-
 // Calls f(path, value) for every leaf under `v`.
 template <typename F>
 void ForEachLeaf(const Value& v, const std::string& prefix, F f) {
@@ -52,6 +36,21 @@ std::string EnumText(const Value& v) {
 
 }  // namespace
 
+void SetPath(Value* root, const std::string& path, Value value) {
+  const size_t dot = path.find('.');
+  if (dot == std::string::npos) {
+    Set(*root, path, std::move(value));
+    return;
+  }
+  const std::string head = path.substr(0, dot);
+  Value* child = FindMutable(*root, head);
+  if (child == nullptr || DictItems(*child) == nullptr) {
+    Set(*root, head, Value::MakeDict());
+    child = FindMutable(*root, head);
+  }
+  SetPath(child, path.substr(dot + 1), std::move(value));
+}
+
 std::string ScalarText(const Value& v) {
   switch (v.kind()) {
     case Value::Kind::kBool: return v.as_bool() ? "true" : "false";
@@ -60,6 +59,16 @@ std::string ScalarText(const Value& v) {
     case Value::Kind::kObject: return EnumText(v);
     default: return v.DebugString();
   }
+}
+
+std::optional<Value> ValueThatHolds(const std::string& expected) {
+  if (expected == "null" || expected == "*") return std::nullopt;
+  if (!expected.empty() && expected[0] == '!') {
+    if (expected == "!true") return Value::Bool(false);
+    if (expected == "!false") return Value::Bool(true);
+    return std::nullopt;
+  }
+  return ScalarValue(expected.substr(0, expected.find('|')));
 }
 
 bool ArgHolds(const RuleInputs& inputs, const std::string& field, const std::string& expected) {

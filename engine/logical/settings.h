@@ -10,6 +10,7 @@
 #pragma once
 
 #include <map>
+#include <optional>
 #include <string>
 
 #include "pickle/value.h"
@@ -33,6 +34,14 @@ Status RefuseSettings(const std::map<std::string, std::string>& set);
 // A scalar as YAML writes it: true, 3, 0.5, alibi (an enum member: its name,
 // or its value when it was pickled by value).
 std::string ScalarText(const Value& v);
+
+// Sets `value` at dotted `path` inside `root` (dict-like), making the dicts on the way.
+void SetPath(Value* root, const std::string& path, Value value);
+
+// A value for which ArgHolds(field, expected) holds, when the condition
+// names one: the scalar, the first of "x|y", false for "!true", true for
+// "!false"; nullopt for "null", "*" and other negations.
+std::optional<Value> ValueThatHolds(const std::string& expected);
 
 // Whether args.<field> is as `expected` says (the detect.args syntax of
 // rules/rule_set.h: a scalar, "null", "*", "x|y" for either, or "!x" for

@@ -12,21 +12,22 @@ struct DTypeInfo {
   int size;
   const char* name;
   const char* storage_class;
+  const char* safetensors;  // null: safetensors has no name for it
 };
 
 constexpr DTypeInfo kDTypes[] = {
-    {DType::kFloat64, 8, "float64", "DoubleStorage"},
-    {DType::kFloat32, 4, "float32", "FloatStorage"},
-    {DType::kFloat16, 2, "float16", "HalfStorage"},
-    {DType::kBFloat16, 2, "bfloat16", "BFloat16Storage"},
-    {DType::kInt64, 8, "int64", "LongStorage"},
-    {DType::kInt32, 4, "int32", "IntStorage"},
-    {DType::kInt16, 2, "int16", "ShortStorage"},
-    {DType::kInt8, 1, "int8", "CharStorage"},
-    {DType::kUInt8, 1, "uint8", "ByteStorage"},
-    {DType::kBool, 1, "bool", "BoolStorage"},
-    {DType::kComplex64, 8, "complex64", "ComplexFloatStorage"},
-    {DType::kComplex128, 16, "complex128", "ComplexDoubleStorage"},
+    {DType::kFloat64, 8, "float64", "DoubleStorage", "F64"},
+    {DType::kFloat32, 4, "float32", "FloatStorage", "F32"},
+    {DType::kFloat16, 2, "float16", "HalfStorage", "F16"},
+    {DType::kBFloat16, 2, "bfloat16", "BFloat16Storage", "BF16"},
+    {DType::kInt64, 8, "int64", "LongStorage", "I64"},
+    {DType::kInt32, 4, "int32", "IntStorage", "I32"},
+    {DType::kInt16, 2, "int16", "ShortStorage", "I16"},
+    {DType::kInt8, 1, "int8", "CharStorage", "I8"},
+    {DType::kUInt8, 1, "uint8", "ByteStorage", "U8"},
+    {DType::kBool, 1, "bool", "BoolStorage", "BOOL"},
+    {DType::kComplex64, 8, "complex64", "ComplexFloatStorage", nullptr},
+    {DType::kComplex128, 16, "complex128", "ComplexDoubleStorage", nullptr},
 };
 
 const DTypeInfo& Info(DType dtype) {
@@ -113,6 +114,15 @@ const char* StorageClassName(DType dtype) { return Info(dtype).storage_class; }
 std::optional<DType> DTypeFromStorageClass(const std::string& class_name) {
   for (const DTypeInfo& info : kDTypes) {
     if (class_name == info.storage_class) return info.dtype;
+  }
+  return std::nullopt;
+}
+
+const char* SafetensorsDTypeName(DType dtype) { return Info(dtype).safetensors; }
+
+std::optional<DType> DTypeFromSafetensorsName(const std::string& name) {
+  for (const DTypeInfo& info : kDTypes) {
+    if (info.safetensors != nullptr && name == info.safetensors) return info.dtype;
   }
   return std::nullopt;
 }

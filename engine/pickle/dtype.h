@@ -35,6 +35,13 @@ const char* StorageClassName(DType dtype);
 // Inverse of StorageClassName; nullopt for a name PyTorch does not use.
 std::optional<DType> DTypeFromStorageClass(const std::string& class_name);
 
+// "F32", "BF16", ...: the dtype's name in a safetensors header; null for
+// the complex types, which safetensors cannot hold.
+const char* SafetensorsDTypeName(DType dtype);
+
+// Inverse of SafetensorsDTypeName; nullopt for a name reshard does not know.
+std::optional<DType> DTypeFromSafetensorsName(const std::string& name);
+
 // True for the floating-point types whose values reshard can average.
 bool IsFloatingPoint(DType dtype);
 

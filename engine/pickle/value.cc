@@ -160,6 +160,14 @@ Value MakeOrderedDict(Items items) {
   return Value::MakeObject(std::move(o));
 }
 
+Value MakeNamespace(Items fields) {
+  Object o;
+  o.cls = {"argparse", "Namespace"};
+  o.construct = Object::Construct::kNewObj;
+  o.state = std::make_shared<Value>(Value::MakeDict(std::move(fields)));
+  return Value::MakeObject(std::move(o));
+}
+
 Value MakeTorchSize(const std::vector<int64_t>& dims) {
   std::vector<Value> ints;
   ints.reserve(dims.size());

@@ -198,6 +198,10 @@ void Set(Value& v, const std::string& key, Value item);
 Value MakeOrderedDict(Items items);
 bool IsOrderedDict(const Value& v);
 
+// argparse.Namespace(**fields), pickled as Python pickles it (NEWOBJ with no
+// arguments, then BUILD with the fields): what Megatron saves as `args`.
+Value MakeNamespace(Items fields);
+
 // A contiguous tensor of `shape` over a new storage holding `bytes`
 // (numel * ElementSize(dtype) of them), which may view part of a larger buffer.
 Value MakeTensorOver(DType dtype, const std::vector<int64_t>& shape, ByteView bytes,

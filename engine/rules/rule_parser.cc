@@ -342,6 +342,7 @@ class RuleSetParser {
     if (block_line == 0) {
       Fail(f, "spec list '" + name + "' has no block entry; add {block: ParallelTransformerLayerPipe}");
     }
+    if (rs_->first_numbering_.empty()) rs_->first_numbering_ = name;
     rs_->numberings_[name] = std::move(specs);
   }
 

@@ -242,6 +242,9 @@ class RuleSet {
 
   // Named spec lists (a single list is named "default").
   const std::map<std::string, std::vector<SpecEntry>>& numberings() const { return numberings_; }
+  // The numbering listed first: the one a checkpoint made from another
+  // format (an HF folder) is written in.
+  const std::string& first_numbering() const { return first_numbering_; }
   // `args.<partition_method.arg>` (read it with Lookup); empty when not set.
   const MetaRef& partition_method_arg() const { return partition_method_arg_; }
   const std::string& partition_method_default() const { return partition_method_default_; }
@@ -276,6 +279,7 @@ class RuleSet {
   std::string name_, description_, origin_;
   DetectRule detect_;
   std::map<std::string, std::vector<SpecEntry>> numberings_;
+  std::string first_numbering_;
   MetaRef partition_method_arg_;
   std::string partition_method_default_ = "type:transformer";
   std::string tied_module_;

@@ -2,6 +2,9 @@
 // inspect, plan a TP / PP / DP change, and the tensors verify compares.
 
 #include "formats/deepspeed/deepspeed_source.h"
+
+#include <filesystem>
+
 #include "formats/deepspeed/drift_lint.h"
 #include "formats/deepspeed/file_names.h"
 #include "formats/deepspeed/pipeline_plan.h"
@@ -79,7 +82,9 @@ class PipelineSource : public DeepSpeedModelSource {
     int blocks = 0;
     for (const SpecEntry& s : c.specs) blocks += s.role == "block" ? 1 : 0;
     std::string s = "rule set " + c.rules->name() + " (numbering " + c.numbering + "); ";
-    if (model_->universal) {
+    if (!model_->foreign.empty()) {
+      s += model_->foreign + "; " + std::to_string(blocks) + " blocks; weights only";
+    } else if (model_->universal) {
       s += "universal checkpoint of DP " + std::to_string(c.dp) + "; iteration " + std::to_string(c.iteration) +
            "; " + std::to_string(blocks) + " blocks; " + std::to_string(files().universal_files.size()) +
            " files in zero/, " + std::to_string(c.metadata.size()) + " mp_rank files; weights are the fp32 "
@@ -104,8 +109,9 @@ class PipelineSource : public DeepSpeedModelSource {
     report->rule_set = ckpt().rules->name();
     if (ckpt().HasErrors()) return;
     ReportDrift(ckpt(), options, report);
-    // A universal checkpoint's param_shapes are those of the checkpoint it was made from.
-    if (!model_->universal) CheckStages(ckpt(), report);
+    // A universal checkpoint's param_shapes are those of the checkpoint it
+    // was made from; an imported model has none.
+    if (!model_->universal && model_->foreign.empty()) CheckStages(ckpt(), report);
     const Status vocab = CheckVocabRepaddable(ckpt(), options.vocab_size);
     if (!vocab.ok()) report->findings.push_back({Finding::Severity::kError, vocab.message()});
     if (!HasOptimizerState()) return;
@@ -261,6 +267,19 @@ class PipelineSource : public DeepSpeedModelSource {
 std::unique_ptr<SourceCheckpoint> MakePipelineSource(std::unique_ptr<DeepSpeedModel> model,
                                                      const CommonOptions& options) {
   return std::make_unique<PipelineSource>(std::move(model), options);
+}
+
+std::unique_ptr<SourceCheckpoint> MakeImportedSource(LogicalCheckpoint logical, const std::string& dir,
+                                                     std::string what, std::vector<std::string> files,
+                                                     const CommonOptions& options) {
+  auto model = std::make_unique<DeepSpeedModel>();
+  model->files.root_dir = dir;
+  model->files.tag_dir = dir;
+  model->files.tag = std::filesystem::path(dir).filename().string();
+  model->files.foreign_files = std::move(files);
+  model->foreign = std::move(what);
+  model->logical = std::move(logical);
+  return MakePipelineSource(std::move(model), options);
 }
 
 std::unique_ptr<SourceCheckpoint> MakeUniversalSource(UniversalCheckpoint universal,

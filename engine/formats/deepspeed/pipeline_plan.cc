@@ -41,6 +41,11 @@ Status PlanLayerFiles(const LogicalCheckpoint& src, const PlanOptions& o, DeepSp
   return Status::Ok();
 }
 
+// Megatron's RNG keys: MS's rng_state list, BS's flat random_rng_state, ...
+bool HasRngState(const Value& metadata) {
+  return Find(metadata, "rng_state") != nullptr || Find(metadata, "random_rng_state") != nullptr;
+}
+
 void PlanModelStates(const LogicalCheckpoint& src, DeepSpeedPlan* plan) {
   int without_source = 0;
   for (int p = 0; p < plan->pp; ++p) {
@@ -60,7 +65,10 @@ void PlanModelStates(const LogicalCheckpoint& src, DeepSpeedPlan* plan) {
       plan->model_states.push_back(std::move(ms));
     }
   }
-  if (without_source > 0) {
+  if (!HasRngState(src.metadata[0])) {
+    plan->notes.push_back("RNG: the source records no RNG state, so the target has none; resume with "
+                          "--no-load-rng (or --finetune)");
+  } else if (without_source > 0) {
     plan->notes.push_back(
         "RNG: " + std::to_string(without_source) +
         " target rank(s) have no source rank at the same (pipeline, tensor) position and got the "

@@ -26,6 +26,9 @@ struct DeepSpeedModel {
   CheckpointFiles files;
   bool pipeline = true;  // false: the whole model in the mp_rank files' `module`
   bool universal = false;  // a universal checkpoint (universal_reader.h)
+  // Set for a model read from another format (an HF folder): what it is,
+  // as the summary names it. Its files are files.foreign_files.
+  std::string foreign;
   LogicalCheckpoint logical;
 };
 

@@ -17,44 +17,40 @@ namespace {
 
 constexpr char kBlock[] = "{block}";
 
-// A name template as a pattern whose one group is the block number.
-std::unique_ptr<RE2> TemplatePattern(const std::string& name) {
+}  // namespace
+
+HfNameTemplate::HfNameTemplate(std::string name) : name_(std::move(name)) {
   std::string pattern;
   size_t pos = 0;
-  for (size_t at; (at = name.find(kBlock, pos)) != std::string::npos; pos = at + std::strlen(kBlock)) {
-    pattern += RE2::QuoteMeta(name.substr(pos, at - pos)) + "([0-9]+)";
+  for (size_t at; (at = name_.find(kBlock, pos)) != std::string::npos; pos = at + std::strlen(kBlock)) {
+    pattern += RE2::QuoteMeta(name_.substr(pos, at - pos)) + "([0-9]+)";
   }
-  return std::make_unique<RE2>(pattern + RE2::QuoteMeta(name.substr(pos)));
+  pattern_ = std::make_unique<RE2>(pattern + RE2::QuoteMeta(name_.substr(pos)));
 }
 
-// Whether `name` fits the template's pattern; *block learns its block number.
-bool Matches(const RE2& pattern, const std::string& name, std::string* block) {
-  return pattern.NumberOfCapturingGroups() == 0 ? RE2::FullMatch(name, pattern)
-                                                : RE2::FullMatch(name, pattern, block);
+HfNameTemplate::~HfNameTemplate() = default;
+
+bool HfNameTemplate::Match(const std::string& name, std::string* block) const {
+  block->clear();
+  return pattern_->NumberOfCapturingGroups() == 0 ? RE2::FullMatch(name, *pattern_)
+                                                  : RE2::FullMatch(name, *pattern_, block);
 }
 
-std::string Instantiate(std::string name, const std::string& block) {
+std::string HfNameTemplate::With(const std::string& block) const {
+  std::string name = name_;
   for (size_t at; (at = name.find(kBlock)) != std::string::npos;) name.replace(at, std::strlen(kBlock), block);
   return name;
 }
 
-// One HF tensor of an entry: its name, the source rows it takes (empty: all,
-// in order) and how many rows that is.
-struct Part {
-  std::string name;
-  std::vector<RowRun> runs;
-  int64_t rows = 0;
-};
-
-// How dim 0 of `t` is divided among the entry's names.
-Result<std::vector<Part>> Divide(const HfTensorMap& map, const ChosenTensor& t, const RuleInputs& inputs,
-                                 const std::string& block) {
-  const int64_t rows = t.shape.empty() ? 1 : t.shape[0];
-  std::vector<Part> parts;
-  for (const std::string& to : map.to) parts.push_back({Instantiate(to, block), {}, rows});
+Result<std::vector<HfPart>> HfParts(const HfTensorMap& map, const std::string& name,
+                                    const std::vector<int64_t>& shape, const RuleInputs& inputs,
+                                    const std::string& block) {
+  const int64_t rows = shape.empty() ? 1 : shape[0];
+  std::vector<HfPart> parts;
+  for (const std::string& to : map.to) parts.push_back({HfNameTemplate(to).With(block), {}, rows});
   if (map.split == HfTensorMap::Split::kHalves) {
     if (rows % 2 != 0) {
-      return Status::InvalidInput(t.name + " has " + std::to_string(rows) + " rows, which split_halves "
+      return Status::InvalidInput(name + " has " + std::to_string(rows) + " rows, which split_halves "
                                   "cannot halve (line " + std::to_string(map.line) + ")");
     }
     for (int half = 0; half < 2; ++half) parts[half] = {parts[half].name, HalfRows(rows, half), rows / 2};
@@ -62,30 +58,62 @@ Result<std::vector<Part>> Divide(const HfTensorMap& map, const ChosenTensor& t, 
   if (map.split != HfTensorMap::Split::kQkv) return parts;
   const std::optional<int64_t> groups = map.groups.Resolve(inputs), heads = map.heads.Resolve(inputs);
   if (!groups || !heads) {
-    return Status::InvalidInput("split_qkv of " + t.name + " needs its " + (groups ? "head" : "group") +
+    return Status::InvalidInput("split_qkv of " + name + " needs its " + (groups ? "head" : "group") +
                                 " count, which is " + (groups ? map.heads : map.groups).HowToGive());
   }
   const int64_t units = *heads + 2 * *groups;
   if (*groups < 1 || *heads % *groups != 0 || rows % units != 0) {
-    return Status::InvalidInput(t.name + " has " + std::to_string(rows) + " rows, not a fused QKV of " +
+    return Status::InvalidInput(name + " has " + std::to_string(rows) + " rows, not a fused QKV of " +
                                 std::to_string(*groups) + " KV groups and " + std::to_string(*heads) +
                                 " query heads ((heads + 2 x groups) x head_dim rows)");
   }
-  std::vector<Part> qkv;
+  std::vector<HfPart> qkv;
   for (int part = 0; part < 3; ++part) {
     qkv.push_back({"", QkvRows(*groups, *heads, rows / units, part), (part == 0 ? *heads : *groups) * (rows / units)});
   }
   if (parts.size() == 1) {  // one tensor [q; k; v]
-    Part fused{parts[0].name, {}, rows};
-    for (const Part& p : qkv) fused.runs.insert(fused.runs.end(), p.runs.begin(), p.runs.end());
-    return std::vector<Part>{fused};
+    HfPart fused{parts[0].name, {}, rows};
+    for (const HfPart& p : qkv) fused.runs.insert(fused.runs.end(), p.runs.begin(), p.runs.end());
+    return std::vector<HfPart>{fused};
   }
   for (int part = 0; part < 3; ++part) qkv[part].name = parts[part].name;
   return qkv;
 }
 
+namespace {
+
+// A dim of an entry's `shape`: N, a path, or N*path.
+Result<int64_t> DimSize(const std::string& dim, const RuleInputs& inputs) {
+  const size_t star = dim.find('*');
+  int64_t factor = 1;
+  if (star != std::string::npos) ParseInt(dim.substr(0, star), &factor);
+  const MetaRef size{{dim.substr(star == std::string::npos ? 0 : star + 1)}};
+  const std::optional<int64_t> n = size.Resolve(inputs);
+  if (!n) return Status::InvalidInput("the size " + dim + " is " + size.HowToGive());
+  return factor * *n;
+}
+
+}  // namespace
+
+Status CheckHfShape(const HfExport& hf, const HfTensorMap& map, const std::string& name,
+                    const std::vector<int64_t>& shape, const RuleInputs& inputs) {
+  if (map.shape.empty()) return Status::Ok();
+  std::vector<int64_t> want;
+  for (const std::string& dim : map.shape) {
+    RESHARD_ASSIGN_OR_RETURN(int64_t n, DimSize(dim, inputs));
+    want.push_back(n);
+  }
+  if (want == shape) return Status::Ok();
+  return Status::Unsupported(hf.architecture + " needs " + name + " of shape " + ShapeString(want) + " (" +
+                             Join(map.shape, ", ") + ", hf.tensors line " + std::to_string(map.line) +
+                             "), and the checkpoint's is " + ShapeString(shape) +
+                             "; the architecture does not compute this model");
+}
+
+namespace {
+
 // The tensor `part` of `t`, transposed when the entry says so.
-Result<StateDictTensor> MakePart(const HfTensorMap& map, const ChosenTensor& t, const Part& part,
+Result<StateDictTensor> MakePart(const HfTensorMap& map, const ChosenTensor& t, const HfPart& part,
                                  int64_t* scratch_bytes) {
   std::vector<int64_t> shape = t.shape;
   if (!shape.empty()) shape[0] = part.rows;
@@ -112,36 +140,10 @@ Result<StateDictTensor> MakePart(const HfTensorMap& map, const ChosenTensor& t, 
   return out;
 }
 
-// A dim of an entry's `shape`: N, a path, or N*path.
-Result<int64_t> DimSize(const std::string& dim, const RuleInputs& inputs) {
-  const size_t star = dim.find('*');
-  int64_t factor = 1;
-  if (star != std::string::npos) ParseInt(dim.substr(0, star), &factor);
-  const MetaRef size{{dim.substr(star == std::string::npos ? 0 : star + 1)}};
-  const std::optional<int64_t> n = size.Resolve(inputs);
-  if (!n) return Status::InvalidInput("the size " + dim + " is " + size.HowToGive());
-  return factor * *n;
-}
-
-// Refuses `t` unless it has the shape the entry says the architecture needs.
-Status CheckShape(const HfExport& hf, const HfTensorMap& map, const ChosenTensor& t, const RuleInputs& inputs) {
-  if (map.shape.empty()) return Status::Ok();
-  std::vector<int64_t> want;
-  for (const std::string& dim : map.shape) {
-    RESHARD_ASSIGN_OR_RETURN(int64_t n, DimSize(dim, inputs));
-    want.push_back(n);
-  }
-  if (want == t.shape) return Status::Ok();
-  return Status::Unsupported(hf.architecture + " needs " + t.name + " of shape " + ShapeString(want) + " (" +
-                             Join(map.shape, ", ") + ", hf.tensors line " + std::to_string(map.line) +
-                             "), and the checkpoint's is " + ShapeString(t.shape) +
-                             "; the architecture does not compute this model");
-}
-
-// Each entry's pattern, and which parameters it found.
+// Each entry's name template, and which parameters it found.
 struct Entry {
   const HfTensorMap* map;
-  std::unique_ptr<RE2> pattern;
+  std::unique_ptr<HfNameTemplate> from;
   int found = 0;
 };
 
@@ -234,28 +236,28 @@ ByteProducer Transposed(ByteProducer source, int64_t rows, int64_t cols, int ele
 Result<std::vector<StateDictTensor>> MapHfTensors(const HfExport& hf, const std::vector<ChosenTensor>& chosen,
                                                   const RuleInputs& inputs, int64_t* scratch_bytes) {
   std::vector<Entry> entries;
-  for (const HfTensorMap& map : hf.tensors) entries.push_back({&map, TemplatePattern(map.from)});
+  for (const HfTensorMap& map : hf.tensors) entries.push_back({&map, std::make_unique<HfNameTemplate>(map.from)});
   std::vector<StateDictTensor> out;
   for (const ChosenTensor& t : chosen) {
     std::string block;
     auto entry = std::find_if(entries.begin(), entries.end(),
-                              [&](const Entry& e) { return Matches(*e.pattern, t.name, &block); });
+                              [&](const Entry& e) { return e.from->Match(t.name, &block); });
     if (entry == entries.end()) {
       return Status::Unsupported("the HF export to " + hf.architecture + " has no place for " + t.name +
                                  " (no hf.tensors entry maps it); the architecture does not compute this "
                                  "model, or the rule file's hf section lacks an entry");
     }
     ++entry->found;
-    RESHARD_RETURN_IF_ERROR(CheckShape(hf, *entry->map, t, inputs));
-    RESHARD_ASSIGN_OR_RETURN(std::vector<Part> parts, Divide(*entry->map, t, inputs, block));
-    for (const Part& part : parts) {
+    RESHARD_RETURN_IF_ERROR(CheckHfShape(hf, *entry->map, t.name, t.shape, inputs));
+    RESHARD_ASSIGN_OR_RETURN(std::vector<HfPart> parts, HfParts(*entry->map, t.name, t.shape, inputs, block));
+    for (const HfPart& part : parts) {
       RESHARD_ASSIGN_OR_RETURN(StateDictTensor tensor, MakePart(*entry->map, t, part, scratch_bytes));
       out.push_back(std::move(tensor));
     }
   }
   for (const Entry& e : entries) {
     if (e.found > 0) continue;
-    return Status::Unsupported(hf.architecture + " needs " + Instantiate(e.map->from, "0") +
+    return Status::Unsupported(hf.architecture + " needs " + e.from->With("0") +
                                ", which this checkpoint does not have (hf.tensors line " +
                                std::to_string(e.map->line) + "); the architecture does not compute this model");
   }

@@ -10,12 +10,33 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
+#include <string>
 #include <vector>
 
 #include "formats/state_dict.h"
 #include "rules/rule_set.h"
 
+namespace re2 {
+class RE2;
+}
+
 namespace reshard {
+
+// A tensor name of an hf.tensors entry, whose one placeholder is {block}.
+class HfNameTemplate {
+ public:
+  explicit HfNameTemplate(std::string name);
+  ~HfNameTemplate();
+  // Whether `name` is this template's for some block; *block learns it ("" without {block}).
+  bool Match(const std::string& name, std::string* block) const;
+  // The name of block `block`.
+  std::string With(const std::string& block) const;
+
+ private:
+  std::string name_;
+  std::unique_ptr<re2::RE2> pattern_;
+};
 
 // `count` rows of the source from row `first`.
 struct RowRun {
@@ -32,6 +53,26 @@ std::vector<RowRun> QkvRows(int64_t groups, int64_t heads, int64_t head_dim, int
 
 // The rows of half `half` (0 or 1) of `rows` rows.
 std::vector<RowRun> HalfRows(int64_t rows, int half);
+
+// One HF tensor of an hf.tensors entry: its name, the rows of the canonical
+// tensor it takes in order (empty: all of them) and how many rows that is.
+struct HfPart {
+  std::string name;
+  std::vector<RowRun> runs;
+  int64_t rows = 0;
+};
+
+// How `map` divides dim 0 of the canonical tensor `name` of `shape` (of
+// block `block`; "" outside blocks) among its HF tensors; `inputs` gives
+// split_qkv's sizes. Refused when the rows do not divide as the entry says.
+Result<std::vector<HfPart>> HfParts(const HfTensorMap& map, const std::string& name,
+                                    const std::vector<int64_t>& shape, const RuleInputs& inputs,
+                                    const std::string& block);
+
+// Refuses the canonical tensor `name` of `shape` unless it has the shape
+// `map` says the architecture needs (its `shape:`; any when it has none).
+Status CheckHfShape(const HfExport& hf, const HfTensorMap& map, const std::string& name,
+                    const std::vector<int64_t>& shape, const RuleInputs& inputs);
 
 // The rows `runs` of `source` (rows of `row_bytes` bytes), one after the other.
 ByteProducer GatherRows(ByteProducer source, int64_t row_bytes, std::vector<RowRun> runs);

@@ -1,0 +1,35 @@
+// A Hugging Face transformers model folder as files: config.json and the
+// weights, in safetensors (model.safetensors, or shards named by
+// model.safetensors.index.json) or torch.save files (pytorch_model.bin and
+// its index), which transformers prefers in that order. Every tensor is
+// bound to its bytes inside a memory map of its file; only the headers (and
+// a .bin file's pickle, read by reshard's own reader) are read here.
+#pragma once
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "pickle/value.h"
+#include "reshard/status.h"
+
+namespace reshard {
+
+struct HfFolder {
+  std::string dir;
+  Value config;                          // config.json
+  std::map<std::string, Value> tensors;  // every weight by name
+  std::vector<std::string> files;        // config.json and the weight files
+};
+
+// Whether `path` is a folder holding config.json and weights transformers
+// reads, and no `latest` (an HF Trainer checkpoint-N/ folder is read as the
+// DeepSpeed checkpoint it holds).
+bool IsHfFolder(const std::string& path);
+
+// Errors name the file and what is wrong with it: a weight index naming a
+// tensor its file lacks (or leaving one out), a name in two files, a file
+// that is not what its name says.
+Result<HfFolder> ReadHfFolder(const std::string& dir);
+
+}  // namespace reshard

@@ -1,0 +1,522 @@
+#include "formats/hf/hf_import.h"
+
+#include <re2/re2.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <set>
+
+#include "formats/hf/hf_folder.h"
+#include "formats/hf/hf_tensors.h"
+#include "logical/rule_selection.h"
+#include "logical/settings.h"
+#include "rules/builtin_rules.h"
+#include "util/human.h"
+#include "util/shape.h"
+#include "util/strings.h"
+
+namespace reshard {
+namespace {
+
+// Megatron's --make-vocab-size-divisible-by default.
+constexpr int64_t kMegatronVocabMultiple = 128;
+
+// ---- the family ------------------------------------------------------------
+
+std::vector<std::string> Architectures(const Value& config) {
+  std::vector<std::string> names;
+  const Value* list = Find(config, "architectures");
+  if (list != nullptr && list->is(Value::Kind::kList)) {
+    for (const Value& v : list->as_list().items) {
+      if (v.is(Value::Kind::kString)) names.push_back(v.as_string());
+    }
+  }
+  return names;
+}
+
+bool Computes(const RuleSet& rules, const std::vector<std::string>& architectures) {
+  return rules.hf() != nullptr && std::find(architectures.begin(), architectures.end(),
+                                            rules.hf()->architecture) != architectures.end();
+}
+
+// The rule set whose hf section is the folder's architecture: `spec` (a
+// --rules name or file), else the one built-in set that exports it.
+Result<RuleSet> ChooseFamily(const Value& config, const std::string& config_path, const std::string& spec) {
+  const std::vector<std::string> architectures = Architectures(config);
+  const std::string named = architectures.empty() ? "no architecture" : Join(architectures, ", ");
+  if (!spec.empty()) {
+    RESHARD_ASSIGN_OR_RETURN(RuleSet rules, LoadRuleSet(spec));
+    if (Computes(rules, architectures)) return rules;
+    return Status::Unsupported(config_path + " names " + named + ", and rule set " + rules.name() + " maps " +
+                               (rules.hf() ? rules.hf()->architecture : "no HF architecture (no hf section)") +
+                               "; choose the rule set whose hf section is the folder's architecture");
+  }
+  RESHARD_ASSIGN_OR_RETURN(std::vector<RuleSet> all, LoadBuiltinRuleSets());
+  std::vector<std::string> known;
+  for (RuleSet& rules : all) {
+    if (Computes(rules, architectures)) return std::move(rules);
+    if (rules.hf() != nullptr) known.push_back(rules.hf()->architecture + " (" + rules.name() + ")");
+  }
+  return Status::Unsupported(config_path + " names " + named + ", which no built-in rule set maps (they map " +
+                             Join(known, ", ") + "); add an hf section to a rule file (docs/rules.md) and pass "
+                             "--rules FILE");
+}
+
+// ---- config.json -> args ----------------------------------------------------
+
+// Numbers compare by value (1 == 1.0); everything else by kind and content.
+bool SameValue(const Value& a, const Value& b) {
+  auto number = [](const Value& v, double* d) {
+    if (v.is(Value::Kind::kInt)) *d = static_cast<double>(v.as_int());
+    else if (v.is(Value::Kind::kFloat)) *d = v.as_float();
+    else return false;
+    return true;
+  };
+  double x = 0, y = 0;
+  if (number(a, &x) && number(b, &y)) return x == y;
+  return a.kind() == b.kind() && a.DebugString() == b.DebugString();
+}
+
+// What the import builds the metadata from, and where it tells of problems.
+struct ConfigReader {
+  const Value& config;
+  const std::string& config_path;
+  const RuleSet& rules;
+  const Value& settings;
+  Value* metadata;
+
+  RuleInputs inputs() const { return RuleInputs{*metadata, settings}; }
+  const Value* Get(const std::string& key) const {
+    const Value* v = Find(config, key);
+    return v != nullptr && !v->is_none() ? v : nullptr;
+  }
+  std::string Where(const HfConfigField& f) const {
+    return "(hf.config line " + std::to_string(f.line) + " of " + rules.origin() + ")";
+  }
+
+  // Sets what `conditions` name where nothing holds them yet.
+  void Satisfy(const ArgConditions& conditions) {
+    for (const auto& [field, expected] : conditions) {
+      if (ArgHolds(inputs(), field, expected) || inputs().Find("args." + field) != nullptr) continue;
+      if (std::optional<Value> v = ValueThatHolds(expected)) SetPath(metadata, "args." + field, *v);
+    }
+  }
+
+  Status Field(const HfConfigField& f) {
+    const Value* v = Get(f.key);
+    if (!f.cases.empty()) return FromCases(f, v);
+    if (!f.paths.empty()) return FromPath(f, v);
+    if (v == nullptr || SameValue(*v, *f.literal)) return Status::Ok();  // absent: transformers' default
+    return Status::Unsupported(config_path + " has " + f.key + " = " + v->DebugString(60) + ", and " +
+                               rules.hf()->architecture + " as rule set " + rules.name() + " maps it computes "
+                               "the model only with " + f.literal->DebugString(60) + " " + Where(f));
+  }
+
+  Status FromCases(const HfConfigField& f, const Value* v) {
+    std::vector<std::string> values;
+    for (const HfConfigField::Case& c : f.cases) {
+      if (v != nullptr && SameValue(*v, *c.value)) {
+        Satisfy(c.when);
+        return Status::Ok();
+      }
+      values.push_back(c.value->DebugString(40));
+    }
+    return Status::Unsupported(config_path + (v ? " has " + f.key + " = " + v->DebugString(60) : " has no " + f.key) +
+                               "; rule set " + rules.name() + " trains the model only with " + Join(values, ", ") +
+                               " " + Where(f));
+  }
+
+  Status FromPath(const HfConfigField& f, const Value* v) {
+    const std::string& path = f.paths.front();
+    if (v != nullptr) {
+      SetPath(metadata, path, *v);
+      return Status::Ok();
+    }
+    // A fallback (another path or a literal) stands for transformers' default.
+    if (f.paths.size() > 1 || f.literal || inputs().Find(path) != nullptr) return Status::Ok();
+    return Status::InvalidInput(config_path + " has no " + f.key + ", which rule set " + rules.name() +
+                                " reads as " + path + " " + Where(f) + "; add it to config.json or give --set " +
+                                (path.rfind("args.", 0) == 0 ? path.substr(5) : path) + "=VALUE");
+  }
+
+  Status Check(const ArgConditions& conditions, const std::string& what) const {
+    const std::string mismatch = ArgsMismatch(inputs(), conditions);
+    if (mismatch.empty()) return Status::Ok();
+    return Status::Unsupported(config_path + " describes a model " + what + " does not compute: " + mismatch +
+                               " (as read from the config and --set)");
+  }
+};
+
+// The mp_rank metadata of a run that has not trained yet, with the fields
+// Megatron-DeepSpeed writes (megatron-deepspeed-format.md §9, §18.6); the
+// writer fills in each target rank's sizes and parameter shapes.
+Value FreshRunMetadata() {
+  const Value none = Value::None(), zero = Value::Int(0);
+  Items items = {
+      {Value::String("module"), none},
+      {Value::String("buffer_names"), Value::MakeList({})},
+      {Value::String("optimizer"), none},
+      {Value::String("param_shapes"), Value::MakeList({})},
+      {Value::String("frozen_param_shapes"), none},
+      {Value::String("shared_params"), Value::MakeDict()},
+      {Value::String("frozen_param_fragments"), none},
+      {Value::String("lr_scheduler"), none},
+      {Value::String("data_sampler"), none},
+      {Value::String("random_ltd"), none},
+      {Value::String("sparse_tensor_module_names"), Value::MakeSet({})},
+      {Value::String("skipped_steps"), zero},
+      {Value::String("global_steps"), zero},
+      {Value::String("global_samples"), zero},
+      {Value::String("dp_world_size"), Value::Int(1)},
+      {Value::String("mp_world_size"), Value::Int(1)},
+      {Value::String("args"), MakeNamespace({})},
+      {Value::String("checkpoint_version"), Value::Float(3.0)},
+      {Value::String("iteration"), zero},
+      {Value::String("tokens"), zero},
+  };
+  return Value::MakeDict(std::move(items));
+}
+
+// The args a layout change rewrites, at the source's layout (TP 1, PP 1, DP 1).
+void SetLayoutArgs(DType dtype, Value* metadata) {
+  for (const char* key : {"tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
+                          "world_size"}) {
+    SetPath(metadata, std::string("args.") + key, Value::Int(1));
+  }
+  SetPath(metadata, "args.bf16", Value::Bool(dtype == DType::kBFloat16));
+  SetPath(metadata, "args.fp16", Value::Bool(dtype == DType::kFloat16));
+  for (const char* key : {"iteration", "consumed_train_samples", "consumed_valid_samples"}) {
+    SetPath(metadata, std::string("args.") + key, Value::Int(0));
+  }
+}
+
+// The metadata keys the rule set detects its checkpoints by (Megatron's
+// checkpoint_info / universal_checkpoint_info), holding the vocabulary sizes
+// where the rules read them.
+void SetVocabInfo(const RuleSet& rules, int64_t vocab, Value* metadata) {
+  for (const std::string& key : rules.detect().metadata_keys) {
+    if (Find(*metadata, key) != nullptr) continue;
+    Set(*metadata, key, Value::MakeDict());
+    // What Megatron-DeepSpeed writes beside the sizes (§9.2).
+    if (key == "universal_checkpoint_info") SetPath(metadata, key + ".universal_checkpoint_version", Value::Float(0.2));
+  }
+  for (const std::string& path : rules.vocab_original_size().Paths()) {
+    SetPath(metadata, path, Value::Int(vocab));
+    const size_t dot = path.rfind('.');
+    if (dot != std::string::npos) SetPath(metadata, path.substr(0, dot) + ".padded_vocab_size", Value::Int(vocab));
+  }
+  SetPath(metadata, "args.padded_vocab_size", Value::Int(vocab));
+}
+
+// ---- HF tensors -> canonical tensors ------------------------------------------
+
+// A canonical tensor made of HF tensors: its shape and dtype, and the
+// bytes themselves when it is one HF tensor as is; else the runs it is made
+// of, which replace the shard DescribeCheckpoint makes of the placeholder.
+struct Joined {
+  Value tensor;
+  std::optional<SourceShard> shard;
+};
+
+// `t` transposed into a buffer of its own: GPT-2's Conv1D [in, out] back to [out, in].
+Value TransposedCopy(const Tensor& t) {
+  const int element = ElementSize(t.storage->dtype);
+  const int64_t rows = t.sizes[0], cols = t.sizes[1];
+  auto bytes = std::make_shared<std::vector<uint8_t>>(static_cast<size_t>(rows * cols * element));
+  const uint8_t* in = TensorData(t);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      std::copy_n(in + (r * cols + c) * element, element, bytes->data() + (c * rows + r) * element);
+    }
+  }
+  return MakeOwnedTensor(t.storage->dtype, {cols, rows}, std::move(bytes));
+}
+
+class TensorJoiner {
+ public:
+  TensorJoiner(const HfFolder& folder, const RuleSet& rules, const RuleInputs& inputs)
+      : folder_(folder), hf_(*rules.hf()), rules_(rules), inputs_(inputs) {}
+
+  // Every canonical tensor the folder's tensors make, by name.
+  Result<std::map<std::string, Joined>> JoinAll() {
+    std::map<std::string, Joined> out;
+    for (const HfTensorMap& map : hf_.tensors) {
+      for (const std::string& block : Blocks(map)) {
+        const std::string name = HfNameTemplate(map.from).With(block);
+        RESHARD_ASSIGN_OR_RETURN(Joined joined, JoinOne(map, name, block));
+        out.emplace(name, std::move(joined));
+      }
+    }
+    for (const auto& [name, tensor] : folder_.tensors) {
+      if (used_.count(name)) continue;
+      return Status::Unsupported("the HF folder's " + name + " is not a tensor of " + hf_.architecture +
+                                 " as rule set " + rules_.name() + " maps it (its hf.tensors); the folder holds "
+                                 "another model, or the rule file's hf section lacks an entry");
+    }
+    return out;
+  }
+
+  int64_t transposed_bytes() const { return transposed_bytes_; }
+
+ private:
+  // The blocks ("" outside blocks) the folder has the entry's first HF tensor for, in order.
+  std::vector<std::string> Blocks(const HfTensorMap& map) const {
+    const HfNameTemplate first(map.to.front());
+    std::vector<std::pair<int64_t, std::string>> blocks;
+    for (const auto& [name, tensor] : folder_.tensors) {
+      std::string block;
+      if (!first.Match(name, &block)) continue;
+      int64_t n = -1;
+      ParseInt(block, &n);
+      blocks.emplace_back(n, block);
+    }
+    std::sort(blocks.begin(), blocks.end());
+    std::vector<std::string> out;
+    for (auto& [n, block] : blocks) out.push_back(std::move(block));
+    return out;
+  }
+
+  // The entry's HF tensors of `block`, transposed back where it says so.
+  Result<std::vector<Value>> Parts(const HfTensorMap& map, const std::string& block) {
+    std::vector<Value> parts;
+    for (const std::string& to : map.to) {
+      const std::string name = HfNameTemplate(to).With(block);
+      auto it = folder_.tensors.find(name);
+      if (it == folder_.tensors.end()) {
+        return Status::InvalidInput("the HF folder has " + HfNameTemplate(map.to.front()).With(block) +
+                                    " but not " + name + ", which " + hf_.architecture + " needs with it");
+      }
+      used_.insert(name);
+      const Tensor& t = it->second.as_tensor();
+      if (map.transpose && t.sizes.size() != 2) {
+        return Status::InvalidInput("the HF folder's " + name + " has shape " + ShapeString(t.sizes) + ", not the "
+                                    "matrix " + hf_.architecture + " stores transposed");
+      }
+      if (map.transpose) transposed_bytes_ += t.numel() * ElementSize(t.storage->dtype);
+      parts.push_back(map.transpose ? TransposedCopy(t) : it->second);
+    }
+    return parts;
+  }
+
+  Result<Joined> JoinOne(const HfTensorMap& map, const std::string& name, const std::string& block) {
+    RESHARD_ASSIGN_OR_RETURN(std::vector<Value> parts, Parts(map, block));
+    const Tensor& first = parts.front().as_tensor();
+    std::vector<int64_t> shape = first.sizes;
+    if (shape.empty()) shape = {1};
+    shape[0] = 0;
+    for (const Value& part : parts) {
+      const Tensor& t = part.as_tensor();
+      std::vector<int64_t> rest = t.sizes.empty() ? std::vector<int64_t>{1} : t.sizes;
+      shape[0] += rest[0];
+      rest[0] = shape[0];
+      if (rest != shape || t.storage->dtype != first.storage->dtype) {
+        return Status::InvalidInput("the HF tensors of " + name + " (" + Join(map.to, ", ") + ") differ in dtype "
+                                    "or in their dims after the first");
+      }
+    }
+    if (first.sizes.empty()) shape = {};
+    RESHARD_RETURN_IF_ERROR(CheckHfShape(hf_, map, name, shape, inputs_));
+    RESHARD_ASSIGN_OR_RETURN(std::vector<HfPart> want, HfParts(map, name, shape, inputs_, block));
+    for (size_t j = 0; j < parts.size(); ++j) {
+      const Tensor& t = parts[j].as_tensor();
+      const int64_t rows = t.sizes.empty() ? 1 : t.sizes[0];
+      if (rows != want[j].rows) {
+        return Status::InvalidInput("config.json disagrees with the tensors: " + want[j].name + " has " +
+                                    std::to_string(rows) + " rows, and the config's sizes give it " +
+                                    std::to_string(want[j].rows) + " of the " + std::to_string(shape[0]) + " of " + name);
+      }
+    }
+    if (parts.size() == 1 && want[0].runs.empty() && !map.transpose) return Joined{parts[0], std::nullopt};
+    // The placeholder only gives the shape and dtype: readers use the shard.
+    auto unread = [name](int64_t, int64_t, uint8_t*) {
+      return Status::Internal(name + " is read through its shard, not its placeholder tensor");
+    };
+    return Joined{MakeProducedTensor(first.storage->dtype, shape, unread), Runs(parts, want, shape)};
+  }
+
+  // The canonical tensor's elements in order, as runs of the parts' bytes:
+  // part j's rows fill, one after another, the canonical rows want[j] names.
+  static SourceShard Runs(const std::vector<Value>& parts, const std::vector<HfPart>& want,
+                          const std::vector<int64_t>& shape) {
+    struct Piece {
+      int64_t first, count;  // canonical rows
+      size_t part;
+      int64_t part_row;
+    };
+    std::vector<Piece> pieces;
+    for (size_t j = 0; j < want.size(); ++j) {
+      const std::vector<RowRun> runs = want[j].runs.empty() ? std::vector<RowRun>{{0, want[j].rows}} : want[j].runs;
+      int64_t at = 0;
+      for (const RowRun& run : runs) {
+        pieces.push_back({run.first, run.count, j, at});
+        at += run.count;
+      }
+    }
+    std::sort(pieces.begin(), pieces.end(), [](const Piece& a, const Piece& b) { return a.first < b.first; });
+    const int64_t row_elements = shape.empty() || shape[0] == 0 ? 1 : ShapeNumel(shape) / shape[0];
+    SourceShard shard;
+    for (const Piece& p : pieces) {
+      const Tensor& t = parts[p.part].as_tensor();
+      const ByteView& file = t.storage->bytes;
+      const size_t element = static_cast<size_t>(ElementSize(t.storage->dtype));
+      const uint8_t* data = TensorData(t) + p.part_row * row_elements * element;
+      shard.runs.push_back({p.first * row_elements, p.count * row_elements,
+                            ByteView{file.owner, data, static_cast<size_t>(p.count * row_elements) * element, file.mapped}});
+    }
+    return shard;
+  }
+
+  const HfFolder& folder_;
+  const HfExport& hf_;
+  const RuleSet& rules_;
+  const RuleInputs inputs_;  // references the metadata and settings, which outlive the joiner
+  std::set<std::string> used_;
+  int64_t transposed_bytes_ = 0;
+};
+
+// ---- canonical tensors -> layers ------------------------------------------------
+
+// The key `rule` matches, when its pattern is a literal (one key only).
+std::optional<std::string> LiteralKey(const ParamRule& rule) {
+  std::string key;
+  for (size_t i = 0; i < rule.key_pattern.size(); ++i) {
+    if (rule.key_pattern[i] == '\\' && i + 1 < rule.key_pattern.size()) ++i;
+    key += rule.key_pattern[i];
+  }
+  if (RE2::QuoteMeta(key) != rule.key_pattern) return std::nullopt;
+  return key;
+}
+
+// Where the HF names for `canonical` would be, for the message when they are missing.
+std::string HfNamesOf(const HfExport& hf, const std::string& canonical) {
+  for (const HfTensorMap& map : hf.tensors) {
+    std::string block;
+    if (!HfNameTemplate(map.from).Match(canonical, &block)) continue;
+    std::vector<std::string> names;
+    for (const std::string& to : map.to) names.push_back(HfNameTemplate(to).With(block));
+    return Join(names, ", ");
+  }
+  return "";
+}
+
+// Lays the canonical tensors out in the layer files of the rule set's first
+// numbering at TP 1; `composite` learns the shards of joined tensors by
+// (layer id, key).
+Result<std::vector<LogicalLayer>> LayOut(const RuleSet& rules, int64_t blocks,
+                                         std::map<std::string, Joined>* joined,
+                                         std::map<std::pair<int, std::string>, SourceShard>* composite) {
+  const std::vector<SpecEntry> specs = ExpandSpecs(rules.numberings().at(rules.first_numbering()), blocks);
+  std::vector<LogicalLayer> layers;
+  std::set<std::string> placed;
+  int block = -1;
+  for (size_t id = 0; id < specs.size(); ++id) {
+    if (specs[id].role == "block") ++block;
+    if (!specs[id].OwnsFile()) continue;
+    auto role = rules.layers().find(specs[id].role);
+    Items items;
+    for (const ParamRule& rule : role == rules.layers().end() ? std::vector<ParamRule>{} : role->second) {
+      std::optional<std::string> key = LiteralKey(rule);
+      if (!key) {
+        return Status::Unsupported("rule set " + rules.name() + " matches " + specs[id].role + " keys with the "
+                                   "pattern '" + rule.key_pattern + "' (line " + std::to_string(rule.line) +
+                                   "), which names no one key; an HF import needs literal keys");
+      }
+      const std::string name = rule.CanonicalName(*key, static_cast<int>(id), specs[id].role == "block" ? block : -1);
+      auto it = joined->find(name);
+      if (it == joined->end()) {
+        if (!rule.RequiredIn(false)) continue;
+        const std::string hf = HfNamesOf(*rules.hf(), name);
+        return Status::InvalidInput("the HF folder lacks " + (hf.empty() ? name : hf) + ", which " + name +
+                                    " of rule set " + rules.name() + " is made of" +
+                                    (hf.empty() ? " (its hf section maps nothing to it)" : ""));
+      }
+      items.emplace_back(Value::String(*key), it->second.tensor);
+      if (it->second.shard) composite->emplace(std::make_pair(static_cast<int>(id), *key), *it->second.shard);
+      placed.insert(name);
+    }
+    LogicalLayer layer;
+    layer.id = static_cast<int>(id);
+    layer.label = "layer_" + std::string(id < 10 ? "0" : "") + std::to_string(id);
+    layer.roots.push_back(MakeOrderedDict(std::move(items)));
+    layers.push_back(std::move(layer));
+  }
+  for (const auto& [name, tensor] : *joined) {
+    if (!placed.count(name)) {
+      return Status::Unsupported("the HF folder makes " + name + ", which no layer of rule set " + rules.name() +
+                                 " holds at " + std::to_string(blocks) + " blocks; the config's layer count "
+                                 "disagrees with the tensors, or the rules lack it");
+    }
+  }
+  return layers;
+}
+
+// The vocabulary rows: those of the first vocabulary-split tensor.
+int64_t VocabRows(const LogicalCheckpoint& ckpt) {
+  for (const LogicalLayer& layer : ckpt.layers) {
+    for (const LogicalTensor& t : layer.tensors) {
+      if (t.rule->policy == ParamRule::Policy::kVocab) return t.full_shape[0];
+    }
+  }
+  return 0;
+}
+
+DType WeightDType(const HfFolder& folder) {
+  for (const auto& [name, v] : folder.tensors) {
+    if (IsFloatingPoint(v.as_tensor().storage->dtype)) return v.as_tensor().storage->dtype;
+  }
+  return DType::kFloat32;
+}
+
+}  // namespace
+
+Result<HfImport> ReadHfImport(const std::string& dir, const CommonOptions& options) {
+  RESHARD_ASSIGN_OR_RETURN(HfFolder folder, ReadHfFolder(dir));
+  const std::string config_path = folder.files.front();
+  RESHARD_ASSIGN_OR_RETURN(RuleSet rules, ChooseFamily(folder.config, config_path, options.rules));
+  const HfExport& hf = *rules.hf();
+  HfImport out;
+  LogicalCheckpoint& ckpt = out.logical;
+  RESHARD_ASSIGN_OR_RETURN(ckpt.settings, SettingsValue(options.set));
+  ckpt.metadata.push_back(FreshRunMetadata());
+  ConfigReader reader{folder.config, config_path, rules, ckpt.settings, &ckpt.metadata[0]};
+  for (const HfConfigField& field : hf.config) RESHARD_RETURN_IF_ERROR(reader.Field(field));
+  reader.Satisfy(hf.requirements);
+  reader.Satisfy(rules.detect().args);
+  RESHARD_RETURN_IF_ERROR(reader.Check(hf.requirements, hf.architecture + " (hf.requires of " + rules.origin() + ")"));
+  RESHARD_RETURN_IF_ERROR(reader.Check(rules.detect().args, "rule set " + rules.name() + " (its detect.args)"));
+  SetLayoutArgs(WeightDType(folder), &ckpt.metadata[0]);
+  const std::vector<std::string> multiple = rules.vocab_divisible_by().Paths();
+  if (!multiple.empty() && !reader.inputs().Find(multiple.front())) {
+    SetPath(&ckpt.metadata[0], multiple.front(), Value::Int(kMegatronVocabMultiple));
+  }
+
+  const std::optional<int64_t> blocks = MetaRef{{"args.num_layers"}}.Resolve(reader.inputs());
+  if (!blocks || *blocks < 1) {
+    return Status::InvalidInput(config_path + " gives no layer count that rule set " + rules.name() + " reads as "
+                                "args.num_layers; give it with --set num_layers=N");
+  }
+  TensorJoiner joiner(folder, rules, reader.inputs());
+  RESHARD_ASSIGN_OR_RETURN(auto joined, joiner.JoinAll());
+  std::map<std::pair<int, std::string>, SourceShard> composite;
+  RESHARD_ASSIGN_OR_RETURN(ckpt.layers, LayOut(rules, *blocks, &joined, &composite));
+  ckpt.vocab.padding_stripped = true;
+  RESHARD_RETURN_IF_ERROR(DescribeCheckpoint(options.rules.empty() ? rules.name() : options.rules, options.set, &ckpt));
+  for (LogicalLayer& layer : ckpt.layers) {
+    for (LogicalTensor& t : layer.tensors) {
+      auto it = composite.find({layer.id, t.key});
+      if (it != composite.end()) t.shards = {it->second};
+    }
+  }
+  SetVocabInfo(rules, VocabRows(ckpt), &ckpt.metadata[0]);
+  out.files = folder.files;
+  out.what = "HF folder (" + hf.architecture + ", " + std::to_string(folder.files.size() - 1) + " weight file" +
+             (folder.files.size() == 2 ? "" : "s") +
+             (joiner.transposed_bytes() > 0 ? ", " + std::to_string(joiner.transposed_bytes() >> 20) +
+                                                  " MiB of transposed matrices held in memory"
+                                            : "") + ")";
+  return out;
+}
+
+}  // namespace reshard

@@ -1,0 +1,44 @@
+// An HF transformers folder read as a Megatron-DeepSpeed pipeline model at
+// TP 1, PP 1, with no optimizer state: what `convert HF_FOLDER OUT --tp T
+// --pp P` writes at any layout, and what lint, inspect, verify and the
+// exports read like any checkpoint.
+//
+// The family is the rule set whose hf section names the folder's
+// architecture (or --rules). That section is read backwards:
+//   tensors   each entry's HF tensors are joined into its canonical tensor:
+//             q, k and v back into the fused per-group QKV, gate and up back
+//             into [gate; up], GPT-2's Conv1D matrices transposed back. A
+//             join of rows is a list of runs into the mapped files, so
+//             nothing is copied; only a transposed matrix is built in memory.
+//   config    a field read from a metadata path sets that path; a literal
+//             must be what config.json says (or be absent from it); a case
+//             sets what its `when` says. hf.requires and the rule set's
+//             detect.args set the args they name, and everything is then
+//             checked as an export would check it.
+// The vocabulary is as the HF tensors hold it, taken as unpadded: convert
+// pads it for the target TP (to a multiple of make_vocab_size_divisible_by,
+// Megatron's default 128 unless --set gives another). The mp_rank metadata
+// is a fresh run's: iteration 0, no optimizer, no RNG state.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "logical/logical_checkpoint.h"
+#include "reshard/reshard.h"
+
+namespace reshard {
+
+struct HfImport {
+  LogicalCheckpoint logical;
+  std::vector<std::string> files;  // config.json and the weight files
+  // "HF folder (LlamaForCausalLM, 2 weight files)": what the source is.
+  std::string what;
+};
+
+// Errors (one line each): an architecture no rule set exports, a tensor the
+// mapping has no place for or lacks, a config.json the tensors or the rules
+// disagree with.
+Result<HfImport> ReadHfImport(const std::string& dir, const CommonOptions& options);
+
+}  // namespace reshard
