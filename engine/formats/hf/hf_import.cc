@@ -318,7 +318,9 @@ class TensorJoiner {
     }
     if (first.sizes.empty()) shape = {};
     RESHARD_RETURN_IF_ERROR(CheckHfShape(hf_, map, name, shape, inputs_));
-    RESHARD_ASSIGN_OR_RETURN(std::vector<HfPart> want, HfParts(map, name, shape, inputs_, block));
+    Result<std::vector<HfPart>> parted = HfParts(map, name, shape, inputs_, block);
+    if (!parted.ok()) return Status::InvalidInput("config.json disagrees with the tensors: " + parted.status().message());
+    const std::vector<HfPart>& want = *parted;
     for (size_t j = 0; j < parts.size(); ++j) {
       const Tensor& t = parts[j].as_tensor();
       const int64_t rows = t.sizes.empty() ? 1 : t.sizes[0];
