@@ -258,7 +258,8 @@ int Run(int argc, char** argv) {
   CLI::App app{
       "reshard: reshape DeepSpeed / Megatron-DeepSpeed checkpoints between tensor-, pipeline- "
       "and data-parallel layouts, driven by declarative rule files.\n"
-      "CHECKPOINT is a tag folder (ckpts/global_step20) or a root holding 'latest'.",
+      "CHECKPOINT is a tag folder (ckpts/global_step20), a root holding 'latest', or a Hugging Face "
+      "transformers folder (config.json and its weights), read as its family's Megatron-DeepSpeed model.",
       "reshard"};
   app.require_subcommand(1);
 
@@ -284,7 +285,7 @@ int Run(int argc, char** argv) {
   bool no_latest = false;
   CLI::App* convert_cmd =
       app.add_subcommand("convert", "Write the checkpoint at another TP / PP / DP layout");
-  convert_cmd->add_option("INPUT", ckpt, "Source checkpoint")->required();
+  convert_cmd->add_option("INPUT", ckpt, "Source checkpoint, or an HF transformers folder to import")->required();
   convert_cmd->add_option("OUTPUT", out,
                           "Target tag folder, written exactly here (e.g. out/global_step20)")
       ->required();
