@@ -20,7 +20,8 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenCheckpoint(const std::string& path
   // family's rules describe, which converts into DeepSpeed's layout.
   if (IsHfFolder(path)) {
     RESHARD_ASSIGN_OR_RETURN(HfImport hf, ReadHfImport(path, options));
-    return MakeImportedSource(std::move(hf.logical), path, std::move(hf.what), std::move(hf.files), options);
+    return MakeImportedSource({std::move(hf.logical), path, std::move(hf.what), std::move(hf.files), std::move(hf.notes)},
+                              options);
   }
   RESHARD_ASSIGN_OR_RETURN(CheckpointFiles files, ScanCheckpoint(path));
   return OpenDeepSpeedCheckpoint(std::move(files), options);

@@ -132,6 +132,7 @@ class PipelineSource : public DeepSpeedModelSource {
   Result<std::unique_ptr<TargetPlan>> Plan(const ConvertOptions& options,
                                            std::vector<std::string>* notes) const override {
     RESHARD_RETURN_IF_ERROR(ckpt().FirstError());
+    notes->insert(notes->end(), model_->foreign_notes.begin(), model_->foreign_notes.end());
     const SourceOptimizer* opt = nullptr;
     if (HasOptimizerState()) {
       if (options.weights_only) {
@@ -269,16 +270,15 @@ std::unique_ptr<SourceCheckpoint> MakePipelineSource(std::unique_ptr<DeepSpeedMo
   return std::make_unique<PipelineSource>(std::move(model), options);
 }
 
-std::unique_ptr<SourceCheckpoint> MakeImportedSource(LogicalCheckpoint logical, const std::string& dir,
-                                                     std::string what, std::vector<std::string> files,
-                                                     const CommonOptions& options) {
+std::unique_ptr<SourceCheckpoint> MakeImportedSource(ImportedModel imported, const CommonOptions& options) {
   auto model = std::make_unique<DeepSpeedModel>();
-  model->files.root_dir = dir;
-  model->files.tag_dir = dir;
-  model->files.tag = std::filesystem::path(dir).filename().string();
-  model->files.foreign_files = std::move(files);
-  model->foreign = std::move(what);
-  model->logical = std::move(logical);
+  model->files.root_dir = imported.dir;
+  model->files.tag_dir = imported.dir;
+  model->files.tag = std::filesystem::path(imported.dir).filename().string();
+  model->files.foreign_files = std::move(imported.files);
+  model->foreign = std::move(imported.what);
+  model->foreign_notes = std::move(imported.notes);
+  model->logical = std::move(imported.logical);
   return MakePipelineSource(std::move(model), options);
 }
 

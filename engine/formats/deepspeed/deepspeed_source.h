@@ -35,12 +35,16 @@ std::unique_ptr<SourceCheckpoint> MakePipelineSource(std::unique_ptr<DeepSpeedMo
 // A universal checkpoint read by universal_reader.h.
 std::unique_ptr<SourceCheckpoint> MakeUniversalSource(UniversalCheckpoint universal,
                                                       const CommonOptions& options);
-// A model another format read into `logical` (a pipeline model at TP 1,
-// PP 1 with its rules; formats/hf/hf_import.h), at `dir`, whose `files` are
-// `files`: `what` says what it is. Converting it writes DeepSpeed's layout.
-std::unique_ptr<SourceCheckpoint> MakeImportedSource(LogicalCheckpoint logical, const std::string& dir,
-                                                     std::string what, std::vector<std::string> files,
-                                                     const CommonOptions& options);
+// A model another format read (formats/hf/hf_import.h): `logical` is a
+// pipeline model at TP 1, PP 1 with its rules, read from `files` in `dir`;
+// `what` says what it is and `notes` what reading it chose. Converting it
+// writes DeepSpeed's layout.
+struct ImportedModel {
+  LogicalCheckpoint logical;
+  std::string dir, what;
+  std::vector<std::string> files, notes;
+};
+std::unique_ptr<SourceCheckpoint> MakeImportedSource(ImportedModel imported, const CommonOptions& options);
 std::unique_ptr<SourceCheckpoint> MakeNonPipelineSource(std::unique_ptr<DeepSpeedModel> model,
                                                         const CommonOptions& options);
 Result<std::unique_ptr<SourceCheckpoint>> OpenZero3Source(CheckpointFiles files,

@@ -27,8 +27,10 @@ struct DeepSpeedModel {
   bool pipeline = true;  // false: the whole model in the mp_rank files' `module`
   bool universal = false;  // a universal checkpoint (universal_reader.h)
   // Set for a model read from another format (an HF folder): what it is,
-  // as the summary names it. Its files are files.foreign_files.
+  // as the summary names it, and what reading it chose for the user to know
+  // (convert's notes). Its files are files.foreign_files.
   std::string foreign;
+  std::vector<std::string> foreign_notes;
   LogicalCheckpoint logical;
 };
 

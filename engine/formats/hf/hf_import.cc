@@ -492,6 +492,10 @@ Result<HfImport> ReadHfImport(const std::string& dir, const CommonOptions& optio
   const std::vector<std::string> multiple = rules.vocab_divisible_by().Paths();
   if (!multiple.empty() && !reader.inputs().Find(multiple.front())) {
     SetPath(&ckpt.metadata[0], multiple.front(), Value::Int(kMegatronVocabMultiple));
+    out.notes.push_back("hf: the vocabulary is padded to a multiple of " + std::to_string(kMegatronVocabMultiple) +
+                        " x TP, Megatron's default; give another with --set " + multiple.front().substr(
+                        multiple.front().rfind('.') + 1) + "=N (what the training run will pass as "
+                        "--make-vocab-size-divisible-by)");
   }
 
   const std::optional<int64_t> blocks = MetaRef{{"args.num_layers"}}.Resolve(reader.inputs());

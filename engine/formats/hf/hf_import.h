@@ -34,6 +34,7 @@ struct HfImport {
   std::vector<std::string> files;  // config.json and the weight files
   // "HF folder (LlamaForCausalLM, 2 weight files)": what the source is.
   std::string what;
+  std::vector<std::string> notes;  // what the import chose that the user should know
 };
 
 // Errors (one line each): an architecture no rule set exports, a tensor the
