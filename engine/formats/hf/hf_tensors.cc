@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <list>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -129,7 +130,7 @@ Result<StateDictTensor> MakePart(const HfTensorMap& map, const ChosenTensor& t, 
   if (map.transpose) {
     out.shape = {shape[1], shape[0]};
     out.detail += ", transposed";
-    *scratch_bytes = std::max(*scratch_bytes, out.size());
+    *scratch_bytes = std::max(*scratch_bytes, TransposeScratchBytes(shape[0], shape[1], element));
   }
   const bool transpose = map.transpose;
   out.bytes = [t, runs = part.runs, row_bytes, shape, transpose, element](const std::vector<FullTensor>& sources) {
@@ -178,57 +179,80 @@ ByteProducer GatherRows(ByteProducer source, int64_t row_bytes, std::vector<RowR
 
 namespace {
 
-// A transposed tensor's source bytes, read whole at the first request and
-// freed once every byte of the transpose has been produced. Several workers
-// may write ranges of one file, so two of them may ask at once.
-class WholeMatrix {
- public:
-  explicit WholeMatrix(int64_t total) : total_(total) {}
+// What one band of a transpose's source holds, about: whole columns of
+// every row. Reading it costs one source request per row.
+constexpr int64_t kBandBytes = int64_t{4} << 20;
+// Bands kept: each of two workers writing ranges of one file walks through its own.
+constexpr size_t kKeptBands = 2;
 
-  // The bytes, read from `source` unless already held.
-  Result<const uint8_t*> Get(const ByteProducer& source) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (bytes_.empty() && total_ > 0) {
-      bytes_.resize(static_cast<size_t>(total_));
-      constexpr int64_t kChunk = int64_t{1} << 20;  // the source releases its pages per request
-      for (int64_t at = 0; at < total_; at += kChunk) {
-        Status st = source(at, std::min(kChunk, total_ - at), bytes_.data() + at);
-        if (!st.ok()) {
-          std::vector<uint8_t>().swap(bytes_);
-          return st;
-        }
+// Columns per band of a [rows, cols] source of `element`-byte elements.
+int64_t BandColumns(int64_t rows, int64_t cols, int element) {
+  return std::max<int64_t>(1, std::min<int64_t>(cols, kBandBytes / std::max<int64_t>(1, rows * element)));
+}
+
+// The source of a transpose in column bands: band b is columns
+// [b * width, (b + 1) * width) of every row, row-major, read at its first
+// use; the kKeptBands used last stay. Several workers may ask at once.
+class ColumnBands {
+ public:
+  ColumnBands(ByteProducer source, int64_t rows, int64_t cols, int element)
+      : source_(std::move(source)), rows_(rows), cols_(cols), element_(element),
+        width_(BandColumns(rows, cols, element)) {}
+
+  int64_t width() const { return width_; }
+  int64_t ColumnsOf(int64_t band) const { return std::min(width_, cols_ - band * width_); }
+
+  Result<std::shared_ptr<const std::vector<uint8_t>>> Get(int64_t band) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto it = kept_.begin(); it != kept_.end(); ++it) {
+        if (it->first != band) continue;
+        auto bytes = it->second;
+        kept_.splice(kept_.begin(), kept_, it);  // most recent first
+        return bytes;
       }
     }
-    return bytes_.data();
-  }
-
-  // Counts `n` bytes produced from the bytes; the last ones free them.
-  void Produced(int64_t n) {
+    const int64_t row_bytes = ColumnsOf(band) * element_;
+    auto bytes = std::make_shared<std::vector<uint8_t>>(static_cast<size_t>(rows_ * row_bytes));
+    for (int64_t r = 0; r < rows_; ++r) {  // read outside the lock: the other worker's band may be ready
+      RESHARD_RETURN_IF_ERROR(source_((r * cols_ + band * width_) * element_, row_bytes, bytes->data() + r * row_bytes));
+    }
     std::lock_guard<std::mutex> lock(mu_);
-    produced_ += n;
-    if (produced_ >= total_) std::vector<uint8_t>().swap(bytes_);
+    kept_.emplace_front(band, bytes);
+    if (kept_.size() > kKeptBands) kept_.pop_back();
+    return std::shared_ptr<const std::vector<uint8_t>>(bytes);
   }
 
  private:
-  const int64_t total_;
+  const ByteProducer source_;
+  const int64_t rows_, cols_;
+  const int element_;
+  const int64_t width_;
   std::mutex mu_;
-  std::vector<uint8_t> bytes_;
-  int64_t produced_ = 0;
+  std::list<std::pair<int64_t, std::shared_ptr<const std::vector<uint8_t>>>> kept_;
 };
 
 }  // namespace
 
+int64_t TransposeScratchBytes(int64_t rows, int64_t cols, int element) {
+  const int64_t band = rows * BandColumns(rows, cols, element) * element;
+  return std::min<int64_t>(rows * cols * element, (kKeptBands + 1) * band);  // kept, and one being read
+}
+
 ByteProducer Transposed(ByteProducer source, int64_t rows, int64_t cols, int element) {
-  const int64_t total = rows * cols * element;
   // Shared by the copies the writer may make of the producer.
-  auto whole = std::make_shared<WholeMatrix>(total);
-  return [source = std::move(source), whole, rows, cols, element](int64_t offset, int64_t length, uint8_t* dst) {
-    RESHARD_ASSIGN_OR_RETURN(const uint8_t* in, whole->Get(source));
-    for (int64_t byte = offset; byte < offset + length; byte += element) {
-      const int64_t i = byte / element, out_row = i / rows, out_col = i % rows;  // out[c][r] = in[r][c]
-      std::memcpy(dst + (byte - offset), in + (out_col * cols + out_row) * element, element);
+  auto bands = std::make_shared<ColumnBands>(std::move(source), rows, cols, element);
+  return [bands, rows, element](int64_t offset, int64_t length, uint8_t* dst) {
+    const int64_t end = (offset + length) / element;  // out[c][r] = in[r][c], element by element
+    for (int64_t i = offset / element; i < end;) {
+      const int64_t band = i / rows / bands->width(), first = band * bands->width();
+      const int64_t width = bands->ColumnsOf(band);
+      RESHARD_ASSIGN_OR_RETURN(std::shared_ptr<const std::vector<uint8_t>> in, bands->Get(band));
+      for (const int64_t stop = std::min(end, (first + width) * rows); i < stop; ++i) {
+        const int64_t c = i / rows - first, r = i % rows;
+        std::memcpy(dst + (i * element - offset), in->data() + (r * width + c) * element, element);
+      }
     }
-    whole->Produced(length);
     return Status::Ok();
   };
 }

@@ -3,10 +3,10 @@
 // HfTensorMap), made a range at a time from the source.
 //
 // Dividing and reordering are gathers of dim-0 rows, which stream: a range
-// of the output is a few contiguous ranges of the source. A transpose does
-// not (every output row needs every source row), so a transposed tensor is
-// read whole into memory once while its file is written; the plan reports
-// the largest such tensor so that --max-memory leaves room for it.
+// of the output is a few contiguous ranges of the source. A transpose needs
+// every source row for each output row, so it reads the source in bands of
+// whole columns (a few MiB, a short piece of every row) and keeps the last
+// two; the plan reports that scratch so that --max-memory leaves room for it.
 #pragma once
 
 #include <cstdint>
@@ -78,10 +78,13 @@ Status CheckHfShape(const HfExport& hf, const HfTensorMap& map, const std::strin
 ByteProducer GatherRows(ByteProducer source, int64_t row_bytes, std::vector<RowRun> runs);
 
 // The [cols, rows] transpose of `source`, a row-major [rows, cols] matrix of
-// `element`-byte elements. The source is read whole at the first request and
-// freed once every byte has been produced; requests may come from several
-// threads at once, each byte once.
+// `element`-byte elements, made a range of whole elements at a time from
+// column bands of the source. Requests may come from several threads at once.
 ByteProducer Transposed(ByteProducer source, int64_t rows, int64_t cols, int element);
+
+// The memory Transposed may hold at once for such a matrix: the bands it
+// keeps and one being read.
+int64_t TransposeScratchBytes(int64_t rows, int64_t cols, int element);
 
 // The HF tensors made from `chosen` (the export's parameters under their
 // canonical names, in order), as `hf` maps them; `inputs` gives split_qkv's
