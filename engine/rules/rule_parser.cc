@@ -56,7 +56,8 @@ const std::vector<std::string> kRuleFields = {"key",      "name", "split", "repl
 const std::vector<std::string> kSplitFields = {"dim", "parts", "blocks", "vocab"};
 const std::vector<std::string> kReplicatedFields = {"drift"};
 const std::vector<std::string> kSplitNames = {"column", "row", "vocab"};
-const std::vector<std::string> kHfFields = {"architecture", "requires", "config", "tensors"};
+const std::vector<std::string> kHfFields = {"architecture", "requires", "config", "tensors",
+                                            "base_model_prefix", "ignore", "tied"};
 const std::vector<std::string> kHfTensorFields = {"from", "to", "split_halves", "split_qkv", "transpose", "shape"};
 const std::vector<std::string> kHfQkvFields = {"groups", "heads"};
 const std::vector<std::string> kHfCaseFields = {"when", "value"};
@@ -758,7 +759,29 @@ class RuleSetParser {
     } else {
       Fail(f, "missing hf.tensors; map every canonical tensor to its HF name ({from: ..., to: ...})");
     }
+    if (const Field* p = Get(*fields, "base_model_prefix")) {
+      auto prefix = ReadString(*p, "hf.base_model_prefix");
+      if (prefix && !IsIdentifier(*prefix)) {
+        Fail(*p, "hf.base_model_prefix '" + *prefix + "' must be the base model's attribute name, e.g. transformer");
+      } else if (prefix) {
+        hf.base_model_prefix = *prefix;
+      }
+    }
+    if (const Field* i = Get(*fields, "ignore")) hf.ignore = ReadStringList(*i, "hf.ignore");
+    if (const Field* t = Get(*fields, "tied")) ParseHfTied(*t, &hf);
     rs_->hf_ = std::move(hf);
+  }
+
+  void ParseHfTied(const Field& f, HfExport* hf) {
+    if (!f.node.IsMap()) {
+      Fail(f, "hf.tied must be a mapping of HF name -> the HF name it is tied to, e.g. {lm_head.weight: transformer.wte.weight}");
+      return;
+    }
+    for (const auto& kv : f.node) {
+      const Field value{kv.second, LineOf(kv.first, f.line)};
+      auto to = ReadString(value, "hf.tied value");
+      if (to && kv.first.IsScalar()) hf->tied.emplace_back(kv.first.Scalar(), *to);
+    }
   }
 
   std::vector<HfConfigField> ParseHfConfig(const Field& f) {

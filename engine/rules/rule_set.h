@@ -32,6 +32,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "reshard/reshard.h"
@@ -226,6 +227,15 @@ struct HfExport {
   ArgConditions requirements;    // `requires`: what the architecture computes
   std::vector<HfConfigField> config;  // in file order
   std::vector<HfTensorMap> tensors;
+  // For reading HF folders (an import). transformers' base_model_prefix: a
+  // folder saved from the base model names its tensors without "<prefix>.".
+  std::string base_model_prefix;
+  // Names (templates with {block}) of tensors some transformers versions
+  // save and the model recomputes when it loads: an import skips them.
+  std::vector<std::string> ignore;
+  // HF name -> the HF name it is tied to (a tied head some savers write
+  // out): an import checks that the two are equal and skips the first.
+  std::vector<std::pair<std::string, std::string>> tied;
 };
 
 class RuleSet {

@@ -378,6 +378,57 @@ class TensorJoiner {
   int64_t transposed_bytes_ = 0;
 };
 
+// The folder's tensors as the architecture names them: "<prefix>." added
+// where the folder was saved from the base model (as transformers loads
+// it), and set aside the buffers it recomputes and tied copies, which must
+// equal what they are tied to. `notes` learns what was set aside.
+Status NameAsArchitecture(const HfExport& hf, HfFolder* folder, std::vector<std::string>* notes) {
+  const std::string prefix = hf.base_model_prefix + ".";
+  const bool base_model = !hf.base_model_prefix.empty() &&
+                          std::none_of(folder->tensors.begin(), folder->tensors.end(),
+                                       [&](const auto& t) { return t.first.rfind(prefix, 0) == 0; });
+  if (base_model) {
+    std::map<std::string, Value> renamed;
+    for (auto& [name, tensor] : folder->tensors) renamed.emplace(prefix + name, std::move(tensor));
+    folder->tensors = std::move(renamed);
+    notes->push_back("hf: the folder was saved from the base model (no '" + prefix + "' prefix); its tensors are "
+                     "read as " + hf.architecture + "'s");
+  }
+  std::vector<std::string> skipped;
+  for (const auto& [name, to] : hf.tied) {
+    auto copy = folder->tensors.find(name);
+    if (copy == folder->tensors.end()) continue;
+    auto target = folder->tensors.find(to);
+    const Tensor& a = copy->second.as_tensor();
+    if (target == folder->tensors.end() || a.sizes != target->second.as_tensor().sizes ||
+        a.storage->dtype != target->second.as_tensor().storage->dtype ||
+        !std::equal(TensorData(a), TensorData(a) + a.numel() * ElementSize(a.storage->dtype),
+                    TensorData(target->second.as_tensor()))) {
+      return Status::InvalidInput("the HF folder's " + name + " is not the same tensor as " + to + ", to which " +
+                                  hf.architecture + " ties it; the folder holds an untied model this "
+                                  "architecture does not compute");
+    }
+    skipped.push_back(name + " (tied to " + to + ")");
+    folder->tensors.erase(copy);
+  }
+  for (const std::string& pattern : hf.ignore) {
+    const HfNameTemplate ignored(pattern);
+    for (auto it = folder->tensors.begin(); it != folder->tensors.end();) {
+      std::string block;
+      if (!ignored.Match(it->first, &block)) {
+        ++it;
+        continue;
+      }
+      if (skipped.empty() || skipped.back() != pattern) skipped.push_back(pattern);
+      it = folder->tensors.erase(it);
+    }
+  }
+  if (!skipped.empty()) {
+    notes->push_back("hf: skipped what " + hf.architecture + " recomputes or ties when it loads: " + Join(skipped, ", "));
+  }
+  return Status::Ok();
+}
+
 // ---- canonical tensors -> layers ------------------------------------------------
 
 // The key `rule` matches, when its pattern is a literal (one key only).
@@ -479,6 +530,7 @@ Result<HfImport> ReadHfImport(const std::string& dir, const CommonOptions& optio
   RESHARD_ASSIGN_OR_RETURN(RuleSet rules, ChooseFamily(folder.config, config_path, options.rules));
   const HfExport& hf = *rules.hf();
   HfImport out;
+  RESHARD_RETURN_IF_ERROR(NameAsArchitecture(hf, &folder, &out.notes));
   LogicalCheckpoint& ckpt = out.logical;
   RESHARD_ASSIGN_OR_RETURN(ckpt.settings, SettingsValue(options.set));
   ckpt.metadata.push_back(FreshRunMetadata());
