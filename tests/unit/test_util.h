@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <string>
 
+#include "pickle/value.h"
 #include "reshard/status.h"
 
 namespace reshard {
@@ -38,6 +39,15 @@ inline Status MakeFixture(const std::string& args, const std::filesystem::path& 
                           root.string() + " > /dev/null";
   if (std::system(cmd.c_str()) != 0) return Status::Internal("fixture generator failed: " + cmd);
   return Status::Ok();
+}
+
+// argparse.Namespace as the pickle reader builds it: NEWOBJ, then BUILD with a dict.
+inline Value MakeNamespace(Items fields) {
+  Object o;
+  o.cls = Global{"argparse", "Namespace"};
+  o.construct = Object::Construct::kNewObj;
+  o.state = std::make_shared<Value>(Value::MakeDict(std::move(fields)));
+  return Value::MakeObject(std::move(o));
 }
 
 }  // namespace reshard

@@ -3,17 +3,10 @@
 #include "formats/megatron/megatron_args.h"
 
 #include <gtest/gtest.h>
+#include "test_util.h"
 
 namespace reshard {
 namespace {
-
-Value Namespace(Items fields) {
-  Object o;
-  o.cls = {"argparse", "Namespace"};
-  o.construct = Object::Construct::kNewObj;
-  o.state = std::make_shared<Value>(Value::MakeDict(std::move(fields)));
-  return Value::MakeObject(std::move(o));
-}
 
 Value Call(Global cls, std::vector<Value> args) {
   Object o;
@@ -40,7 +33,7 @@ const MegatronLayout kLayout{4, 2, 3, 128};
 
 TEST(MegatronArgsTest, TheLayoutIsRewrittenInPlaceOrAdded) {
   std::vector<std::string> notes;
-  const Value out = MegatronArgs(Namespace({{Value::String("num_layers"), Value::Int(6)},
+  const Value out = MegatronArgs(MakeNamespace({{Value::String("num_layers"), Value::Int(6)},
                                             {Value::String("tensor_model_parallel_size"), Value::Int(2)},
                                             {Value::String("padded_vocab_size"), Value::Int(112)}}),
                                  kLayout, &notes);
@@ -59,7 +52,7 @@ TEST(MegatronArgsTest, PlainAndTorchValuesStay) {
   std::vector<std::string> notes;
   Value config = Value::MakeDict({{Value::String("zero_optimization"),
                                    Value::MakeDict({{Value::String("stage"), Value::Int(1)}})}});
-  const Value in = Namespace({{Value::String("params_dtype"), Value::MakeGlobal({"torch", "bfloat16"})},
+  const Value in = MakeNamespace({{Value::String("params_dtype"), Value::MakeGlobal({"torch", "bfloat16"})},
                               {Value::String("deepspeed_config_dict"), config},
                               {Value::String("num_experts"), Value::MakeList({Value::Int(1)})},
                               {Value::String("vocab_file"), Value()}});
@@ -73,7 +66,7 @@ TEST(MegatronArgsTest, PlainAndTorchValuesStay) {
 
 TEST(MegatronArgsTest, TensorsAndForkClassesAreDropped) {
   std::vector<std::string> notes;
-  const Value in = Namespace({{Value::String("attn_mask"), TensorValue()},
+  const Value in = MakeNamespace({{Value::String("attn_mask"), TensorValue()},
                               {Value::String("rotary_pos_emb"), Value::MakeTuple({TensorValue()})},
                               {Value::String("scaler"), Call({"deepspeed.runtime.fp16.loss_scaler", "LossScaler"}, {})},
                               {Value::String("hidden_size"), Value::Int(16)}});
@@ -102,7 +95,8 @@ TEST(MegatronArgsTest, BigSciencePositionTypesBecomeMegatronLmStrings) {
   };
   for (const Case& c : cases) {
     std::vector<std::string> notes;
-    const Value out = MegatronArgs(Namespace({{Value::String("position_embedding_type"), c.type}}), kLayout, &notes);
+    const Value args = MakeNamespace({{Value::String("position_embedding_type"), c.type}});
+    const Value out = MegatronArgs(args, kLayout, &notes);
     EXPECT_EQ(Find(out, "position_embedding_type")->as_string(), c.want);
     EXPECT_EQ(Find(out, "add_position_embedding")->as_bool(), c.add_position_embedding);
     ASSERT_EQ(notes.size(), 1u);
@@ -113,7 +107,7 @@ TEST(MegatronArgsTest, BigSciencePositionTypesBecomeMegatronLmStrings) {
 
 TEST(MegatronArgsTest, ARecordedAddPositionEmbeddingIsKept) {
   std::vector<std::string> notes;
-  const Value out = MegatronArgs(Namespace({{Value::String("position_embedding_type"), BigScienceEnum("rotary")},
+  const Value out = MegatronArgs(MakeNamespace({{Value::String("position_embedding_type"), BigScienceEnum("rotary")},
                                             {Value::String("add_position_embedding"), Value::Bool(true)}}),
                                  kLayout, &notes);
   EXPECT_TRUE(Find(out, "add_position_embedding")->as_bool());
@@ -123,16 +117,15 @@ TEST(MegatronArgsTest, OtherForkEnumsBecomeTheirMemberNames) {
   std::vector<std::string> notes;
   const Value mask = Call({"builtins", "getattr"},
                           {Value::MakeGlobal({"megatron.enums", "AttnMaskType"}), Value::String("causal")});
-  const Value out = MegatronArgs(Namespace({{Value::String("attn_mask_type"), mask}}), kLayout, &notes);
+  const Value out = MegatronArgs(MakeNamespace({{Value::String("attn_mask_type"), mask}}), kLayout, &notes);
   EXPECT_EQ(Find(out, "attn_mask_type")->as_string(), "causal");
   EXPECT_EQ(Find(out, "add_position_embedding"), nullptr);
 }
 
 TEST(MegatronArgsTest, AnEnumValueWhoseMemberIsUnknownIsDropped) {
   std::vector<std::string> notes;
-  const Value out = MegatronArgs(
-      Namespace({{Value::String("position_embedding_type"), Call({"megatron.enums", "PositionEmbeddingType"}, {Value::Int(9)})}}),
-      kLayout, &notes);
+  const Value unknown = Call({"megatron.enums", "PositionEmbeddingType"}, {Value::Int(9)});
+  const Value out = MegatronArgs(MakeNamespace({{Value::String("position_embedding_type"), unknown}}), kLayout, &notes);
   EXPECT_EQ(Find(out, "position_embedding_type"), nullptr);
   ASSERT_EQ(notes.size(), 1u);
 }
