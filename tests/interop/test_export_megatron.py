@@ -351,10 +351,7 @@ class ExportMegatronTest(FixtureTestCase):
             with self.subTest(args=args[1:]):
                 out = self.path(f'refused{i}')
                 p = run('export', args[0], out, *map(str, args[1:]))
-                self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
-                self.assertIn(message, p.stderr)
-                self.assertEqual(len(p.stderr.strip().splitlines()), 1, p.stderr)
-                self.assertFalse(os.path.exists(out))
+                self.assertRefused(p, message, out)
 
 
 if __name__ == '__main__':
