@@ -17,8 +17,9 @@ every file reshard wrote, loaded with real PyTorch, tensor by tensor and bit for
 * `args`: an argparse.Namespace torch.load reads in a Python without any Megatron or DeepSpeed
   module (a subprocess), the layout fields rewritten, BigScience's PositionEmbeddingType made a
   Megatron-LM string, tensors in args dropped;
-* families bs_bloom, bs_gpt (rotary; GLU), ms_gpt2, ms_llama (GQA); sources at TP 1-2, PP 1-2;
-  targets TP 1, 2, 4 and PP 1, 2; the weights (bf16) and `--from masters` (fp32);
+* families bs_bloom, bs_gpt (rotary; GLU), ms_gpt2, ms_llama (GQA); sources at TP 1-2, PP 1-2
+  and a universal checkpoint; targets TP 1, 2, 4 and PP 1, 2; the weights (bf16) and
+  `--from masters` (fp32);
 * negative controls: the naive cuts a converter gets wrong (QKV as [q; k; v] chunks, GLU halves
   cut together) differ from the output, and a changed element is found;
 * refusals (one line, exit 2, nothing written): a PP that does not divide the blocks, a TP that
@@ -73,20 +74,20 @@ def padded_vocab(cfg, tp):
     return -(-cfg.V // multiple) * multiple
 
 
-def target_vocab(cfg, matrix, tp):
-    """The vocabulary matrix of a target TP: the source's rows (its padding rows are pad_fill),
-    zero rows beyond them, cut to the target's padded size."""
-    src_rows, rows = padded_vocab(cfg, cfg.tp), padded_vocab(cfg, tp)
+def target_vocab(cfg, matrix, tp, stripped=False):
+    """The vocabulary matrix of a target TP: the source's rows (its padding rows are pad_fill;
+    none when the source stripped them), zero rows beyond them, cut to the target's padded size."""
+    src_rows, rows = cfg.V if stripped else padded_vocab(cfg, cfg.tp), padded_vocab(cfg, tp)
     pad = torch.full((src_rows - cfg.V, cfg.h), float(cfg.pad_fill))
     zeros = torch.zeros((max(0, rows - src_rows), cfg.h))
     return torch.cat([matrix, pad, zeros], 0)[:rows]
 
 
-def rank_tensors(cfg, canon, tp, t, naive=False):
+def rank_tensors(cfg, canon, tp, t, naive=False, stripped=False):
     """{(role, block or None, module-local key): tensor} of TP rank t, fp32. `naive` cuts the
     fused QKV as [q; k; v] and GLU matrices as [gate; up] before chunking (what Megatron does not)."""
     out = {}
-    emb = target_vocab(cfg, canon['embedding.word_embeddings.weight'], tp)
+    emb = target_vocab(cfg, canon['embedding.word_embeddings.weight'], tp, stripped)
     out[('embedding', None, 'word_embeddings.weight')] = chunk(emb, tp, t)
     for part in ('weight', 'bias'):
         name = f'embedding.word_embeddings.norm.{part}'
@@ -130,15 +131,15 @@ def rank_tensors(cfg, canon, tp, t, naive=False):
         if 'final_norm.' + part in canon:
             out[('final_norm', None, part)] = canon['final_norm.' + part]
     if 'lm_head.weight' in canon:
-        out[('head', None, 'weight')] = chunk(target_vocab(cfg, canon['lm_head.weight'], tp), tp, t)
+        out[('head', None, 'weight')] = chunk(target_vocab(cfg, canon['lm_head.weight'], tp, stripped), tp, t)
     return out
 
 
-def expected_model(cfg, canon, tp, pp, t, p, dtype, naive=False):
+def expected_model(cfg, canon, tp, pp, t, p, dtype, naive=False, stripped=False):
     """{path: tensor} of the `model` dict of rank (t, p), as Megatron-LM nests it."""
     per_stage = cfg.L // pp
     out = {}
-    for (role, block, key), value in rank_tensors(cfg, canon, tp, t, naive).items():
+    for (role, block, key), value in rank_tensors(cfg, canon, tp, t, naive, stripped).items():
         value = value.to(torch.bfloat16 if key.endswith('inv_freq') else dtype)  # a buffer has no master
         if role == 'embedding':
             if p == 0:
@@ -214,7 +215,7 @@ class ExportMegatronTest(FixtureTestCase):
         self.assertEqual(p.returncode, code, p.stdout + p.stderr)
         return p
 
-    def check_export(self, cfg, out, tp, pp, dtype=torch.bfloat16):
+    def check_export(self, cfg, out, tp, pp, dtype=torch.bfloat16, stripped=False):
         """Every file of `out` against the expected Megatron-LM checkpoint; returns the loaded files."""
         want_files = sorted([file_name(t, p, pp) for p in range(pp) for t in range(tp)] +
                             ['latest_checkpointed_iteration.txt', support.MANIFEST])
@@ -237,7 +238,7 @@ class ExportMegatronTest(FixtureTestCase):
                 self.assertEqual(sd['iteration'], ITERATION)
                 self.check_args(cfg, sd['args'], tp, pp)
                 problems = tensor_differences(flatten(sd['model']),
-                                              expected_model(cfg, canon, tp, pp, t, p, dtype))
+                                              expected_model(cfg, canon, tp, pp, t, p, dtype, stripped=stripped))
                 self.assertEqual(problems, [], f'{path}')
                 loaded[(t, p)] = sd
         return loaded
@@ -283,6 +284,16 @@ class ExportMegatronTest(FixtureTestCase):
         out = self.path('masters')
         self.export(src, out, '--tp', 4, '--pp', 2, '--from', 'masters')
         self.check_export(cfg, out, 4, 2, dtype=torch.float32)
+
+    def test_universal_source(self):
+        """From reshard's universal checkpoint: the masters cast to bf16, the vocabulary (stored
+        without padding) padded with zero rows."""
+        cfg, src = self.source('ms_gpt2', 2, 2, optimizer='bf16_zero', dp=2)
+        universal = self.path('universal', 'global_step10_universal')
+        self.assertEqual(run('export', src, universal, '--to', 'universal').returncode, 0)
+        out = self.path('from_universal')
+        self.export(universal, out, '--tp', 2, '--pp', 2)
+        self.check_export(cfg, out, 2, 2, stripped=True)
 
     def test_negative_controls(self):
         """The comparison finds the cuts Megatron does not make, and one changed element."""
