@@ -20,7 +20,8 @@ bool Loadable(const Value& v);
 bool AllLoadable(const std::vector<Value>& items) { return std::all_of(items.begin(), items.end(), Loadable); }
 
 bool AllLoadable(const Items& items) {
-  return std::all_of(items.begin(), items.end(), [](const auto& kv) { return Loadable(kv.first) && Loadable(kv.second); });
+  return std::all_of(items.begin(), items.end(),
+                     [](const auto& kv) { return Loadable(kv.first) && Loadable(kv.second); });
 }
 
 // Whether torch.load in NVIDIA Megatron-LM rebuilds `v`. Tensors would, but
