@@ -284,6 +284,10 @@ class ExportMegatronTest(FixtureTestCase):
         out = self.path('masters')
         self.export(src, out, '--tp', 4, '--pp', 2, '--from', 'masters')
         self.check_export(cfg, out, 4, 2, dtype=torch.float32)
+        # Cast to bf16 the masters are the weights (the fixture's weights are its masters in bf16).
+        out = self.path('masters_bf16')
+        self.export(src, out, '--tp', 4, '--pp', 2, '--from', 'masters', '--dtype', 'bf16')
+        self.check_export(cfg, out, 4, 2)
 
     def test_universal_source(self):
         """From reshard's universal checkpoint: the masters cast to bf16, the vocabulary (stored

@@ -30,7 +30,7 @@ struct MegatronFile {
 };
 
 // Everything the export writes, as plain data.
-struct MegatronLayoutPlan {
+struct MegatronExportPlan {
   TpCut cut;
   int pp = 1;
   int blocks_per_stage = 0;
@@ -71,8 +71,8 @@ Result<TpCut> CutOf(const ExportOptions& options) {
   return TpCut{options.tp, options.replicated, options.vocab_size, options.from == "masters"};
 }
 
-// The source's data-parallel size, kept: Megatron-LM checks the world size
-// against the batch sizes, so it is rewritten from the target TP x PP x DP.
+// The source's data-parallel size, which the export keeps; the world size is
+// then TP x PP x DP of the target (Megatron-LM checks the batch sizes by it).
 int SourceDp(const SourceCheckpoint& src) {
   const Value* args = Find(src.metadata(), "args");
   const int64_t dp = MetadataInt(args != nullptr ? *args : Value(), "data_parallel_size",
@@ -97,7 +97,7 @@ DType WrittenDType(const RankTensor& t, const std::optional<DType>& dtype) {
 // Places every rank tensor in its stage's file; the last stage's copy of a
 // tied embedding (PP > 1) comes after the language model, as Megatron-LM
 // writes it.
-Status PlaceTensors(const TpWeights& weights, MegatronLayoutPlan* plan) {
+Status PlaceTensors(const TpWeights& weights, MegatronExportPlan* plan) {
   const int tp = plan->cut.tp, pp = plan->pp;
   for (int p = 0; p < pp; ++p) {
     for (int t = 0; t < tp; ++t) plan->files.push_back({MegatronFileName(plan->iteration, t, p, pp), t, p, {}, 0});
@@ -141,7 +141,7 @@ void Insert(Value* root, const std::vector<std::string>& path, Value value) {
 
 class MegatronPlan : public TargetPlan {
  public:
-  MegatronPlan(const SourceCheckpoint& src, MegatronLayoutPlan plan) : src_(src), plan_(std::move(plan)) {}
+  MegatronPlan(const SourceCheckpoint& src, MegatronExportPlan plan) : src_(src), plan_(std::move(plan)) {}
 
   std::string ToString(bool detail) const override {
     int64_t bytes = 0;
@@ -192,7 +192,7 @@ class MegatronPlan : public TargetPlan {
   }
 
   const SourceCheckpoint& src_;
-  const MegatronLayoutPlan plan_;
+  const MegatronExportPlan plan_;
 };
 
 }  // namespace
@@ -200,7 +200,7 @@ class MegatronPlan : public TargetPlan {
 Result<std::unique_ptr<TargetPlan>> PlanMegatron(const SourceCheckpoint& src, const ExportOptions& options,
                                                  std::vector<std::string>* notes) {
   RESHARD_RETURN_IF_ERROR(CheckSource(src));
-  MegatronLayoutPlan plan;
+  MegatronExportPlan plan;
   RESHARD_ASSIGN_OR_RETURN(plan.cut, CutOf(options));
   RESHARD_ASSIGN_OR_RETURN(plan.dtype, ExportDType(options.dtype));
   plan.pp = options.pp;
