@@ -12,7 +12,9 @@ namespace {
 
 namespace fs = std::filesystem;
 
+// The folders `name` is in below `dir`; a name without one costs nothing.
 Status MakeParentFolders(const std::string& dir, const std::string& name) {
+  if (name.find('/') == std::string::npos) return Status::Ok();
   const fs::path parent = (fs::path(dir) / name).parent_path();
   std::error_code ec;
   fs::create_directories(parent, ec);
