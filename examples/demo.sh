@@ -3,7 +3,7 @@
 # DP 2 with bf16 ZeRO shards and drifted layernorms (as BLOOM's were), written
 # with real torch.save, then linted, inspected, reshaped with its optimizer state to
 # TP 4, PP 3 (uneven stages) and verified against the source, then exported
-# as consolidated weights.
+# as consolidated weights and as a Megatron-LM checkpoint.
 set -eu
 RESHARD=${1:-build/reshard}
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -51,3 +51,7 @@ step "to TP 1, PP 4, DP 8 with rank 0's replicas, then verify against the source
 step "consolidated weights: every fp32 master whole, in one safetensors file" "reshard export $WORK/ckpt $WORK/model --to consolidated --replicated average -q"
 "$RESHARD" export "$WORK/ckpt" "$WORK/model" --to consolidated --replicated average -q
 ls -l "$WORK/model" | tail -n +2
+
+step "a Megatron-LM (torch format) checkpoint at TP 4, PP 2" "reshard export $WORK/ckpt $WORK/megatron --to megatron --tp 4 --pp 2 --replicated average -q"
+"$RESHARD" export "$WORK/ckpt" "$WORK/megatron" --to megatron --tp 4 --pp 2 --replicated average -q
+(cd "$WORK/megatron" && find . -type f | sort)

@@ -5,6 +5,7 @@
 #include "formats/hf/hf_export.h"
 #include "formats/hf/hf_folder.h"
 #include "formats/hf/hf_import.h"
+#include "formats/megatron/megatron_export.h"
 
 namespace reshard {
 
@@ -29,10 +30,15 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenCheckpoint(const std::string& path
 
 Result<std::unique_ptr<TargetPlan>> PlanExport(const SourceCheckpoint& src, const ExportOptions& options,
                                                std::vector<std::string>* notes) {
+  if (options.to == "megatron") return PlanMegatron(src, options, notes);
+  if (options.tp != 0 || options.pp != 0) {
+    return Status::InvalidInput("--tp and --pp choose the layout of --to megatron; the " + options.to +
+                                " export has none, so leave them out");
+  }
   if (options.to == "universal") return src.PlanFamilyFormat(options, notes);
   if (options.to == "hf") return PlanHf(src, options, notes);
   if (options.to != "consolidated") {
-    return Status::InvalidInput("unknown export format '" + options.to + "'; use consolidated, hf or universal");
+    return Status::InvalidInput("unknown export format '" + options.to + "'; use consolidated, hf, megatron or universal");
   }
   RESHARD_ASSIGN_OR_RETURN(ConsolidatedOptions consolidated, ConsolidatedOptionsFrom(options));
   return PlanConsolidated(src, consolidated, notes);

@@ -57,6 +57,32 @@ struct FullTensor {
   ByteProducer produce;  // bytes of the whole tensor, row-major
 };
 
+// How a source cuts its weights for another tensor-parallel layout
+// (SourceCheckpoint::WeightsForTp).
+struct TpCut {
+  int tp = 1;
+  ReplicatedPolicy replicated = ReplicatedPolicy::kCheck;
+  std::optional<int64_t> vocab_size;  // true vocabulary rows, when the source does not record them
+  bool masters = false;               // the fp32 masters instead of the weights
+};
+
+// One weight as a target TP rank holds it.
+struct RankTensor {
+  const ParamRule* rule = nullptr;  // its rule: layer role, TP policy, tied
+  int block = -1;                   // its transformer block, from 0 (-1 outside blocks)
+  std::string key;                  // its module-local key in the layer ("self_attention.dense.weight")
+  std::string name;                 // canonical
+  DType dtype = DType::kFloat32;
+  std::vector<int64_t> shape;       // the rank's
+  std::string detail;               // where its elements come from, for --dry-run
+  ByteProducer produce;             // bytes of the rank's tensor, row-major
+};
+
+struct TpWeights {
+  int64_t padded_vocab = 0;  // rows of the vocabulary tensors over all ranks (0: none)
+  std::vector<std::vector<RankTensor>> ranks;  // per TP rank, every weight in layer order
+};
+
 class SourceCheckpoint {
  public:
   virtual ~SourceCheckpoint() = default;
@@ -102,6 +128,15 @@ class SourceCheckpoint {
   virtual Result<std::unique_ptr<TargetPlan>> PlanFamilyFormat(const ExportOptions& options,
                                                                std::vector<std::string>*) const {
     return Status::Unsupported("a " + kind() + " checkpoint cannot be exported --to " + options.to);
+  }
+  // Every weight cut for `cut.tp` TP ranks exactly as convert cuts the layer
+  // files (which hold Megatron's own per-rank tensors), the vocabulary padded
+  // for that TP with zero rows; `notes` learns what the re-padding did.
+  // Producers add the bytes they read to *read.
+  virtual Result<TpWeights> WeightsForTp(const TpCut&, std::vector<std::string>*,
+                                         std::atomic<int64_t>*) const {
+    return Status::Unsupported("a " + kind() + " checkpoint has no rule set describing its tensors' "
+                               "tensor-parallel layout, so it cannot be cut for another TP size");
   }
   // The rule set that describes the tensors (null for a checkpoint read
   // without rules), and the --set values its rules read beside the metadata.

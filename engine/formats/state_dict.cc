@@ -9,6 +9,7 @@
 #include "container/crc32.h"
 #include "container/safetensors_writer.h"
 #include "container/torch_file.h"
+#include "formats/file_jobs.h"
 #include "util/human.h"
 #include "util/shape.h"
 
@@ -192,18 +193,6 @@ std::string IndexJson(const std::vector<StateDictFile>& files) {
   return json + "  }\n}\n";
 }
 
-// Writes `text` as the file `name` of the job's folder.
-Status WriteText(JobContext& ctx, const std::string& name, const std::string& text) {
-  const std::string path = ctx.dir + "/" + name;
-  std::ofstream out(path, std::ios::trunc);
-  out << text;
-  out.close();
-  if (!out.good()) return Status::IoError("cannot write " + path);
-  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(text.data());
-  if (ctx.wrote) ctx.wrote(name, {static_cast<int64_t>(text.size()), Crc32(0, bytes, text.size())});
-  return Status::Ok();
-}
-
 // Copies `from` as the file `name` of the job's folder, through the worker's buffer.
 Status CopyFile(JobContext& ctx, const std::string& from, const std::string& name) {
   std::ifstream in(from, std::ios::binary);
@@ -268,14 +257,14 @@ class StateDictPlan : public TargetPlan {
                       }});
     }
     if (files_.size() > 1) {
-      jobs.push_back({IndexName(layout_.torch_format), 0, [this](JobContext& ctx) {
-                        return WriteText(ctx, IndexName(layout_.torch_format), IndexJson(files_));
-                      }});
+      jobs.push_back(TextFileJob(IndexName(layout_.torch_format), IndexJson(files_)));
     }
     for (const SideFile& f : side_) {
-      jobs.push_back({f.name, 0, [&f](JobContext& ctx) {
-                        return f.copy_of.empty() ? WriteText(ctx, f.name, f.text) : CopyFile(ctx, f.copy_of, f.name);
-                      }});
+      if (f.copy_of.empty()) {
+        jobs.push_back(TextFileJob(f.name, f.text));
+        continue;
+      }
+      jobs.push_back({f.name, 0, [&f](JobContext& ctx) { return CopyFile(ctx, f.copy_of, f.name); }});
     }
     return jobs;
   }

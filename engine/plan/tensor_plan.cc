@@ -1,5 +1,7 @@
 #include "plan/tensor_plan.h"
 
+#include <cstdio>
+
 #include "plan/slicing.h"
 #include "util/shape.h"
 
@@ -51,6 +53,16 @@ Result<int64_t> TargetPaddedVocab(const LogicalCheckpoint& src, int tp,
                                 " overflows 64 bits; the recorded divisor cannot be right");
   }
   return rounded_up / multiple * multiple;
+}
+
+std::string VocabPaddingNote(int64_t from, int64_t to, int tp, double pad_value) {
+  if (from == to) return "";
+  std::string note = "vocabulary: " + std::to_string(from) + " padded rows -> " + std::to_string(to) +
+                     " for TP " + std::to_string(tp);
+  if (to < from) return note + "; padding rows " + std::to_string(to) + "-" + std::to_string(from - 1) + " dropped";
+  char value[32];
+  std::snprintf(value, sizeof(value), "%g", pad_value);
+  return note + "; new padding rows " + std::to_string(from) + "-" + std::to_string(to - 1) + " filled with " + value;
 }
 
 std::vector<int64_t> TargetShardShape(const LogicalTensor& t, int tp, int64_t padded_vocab) {

@@ -66,6 +66,11 @@ Status CheckVocabRepaddable(const LogicalCheckpoint& src, std::optional<int64_t>
 Result<int64_t> TargetPaddedVocab(const LogicalCheckpoint& src, int tp,
                                   std::optional<int64_t> vocab_size);
 
+// What re-padding the vocabulary from `from` to `to` rows for TP `tp` does
+// ("vocabulary: 112 padded rows -> 128 for TP 4; new padding rows 112-127
+// filled with 0"); empty when the rows stay.
+std::string VocabPaddingNote(int64_t from, int64_t to, int tp, double pad_value);
+
 // Shape of TP rank shards of `t` at `tp` ranks; vocab tensors get
 // `padded_vocab` rows in all.
 std::vector<int64_t> TargetShardShape(const LogicalTensor& t, int tp, int64_t padded_vocab);

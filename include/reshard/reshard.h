@@ -134,9 +134,14 @@ struct ConvertOptions : WriteOptions {
 // under their canonical names, from the fp32 masters where the checkpoint has
 // optimizer state, from the weights with `weights_only`), "hf" (a Hugging
 // Face transformers folder, as the rule set's hf section maps it; from the
-// weights unless `from` is "masters") or "universal" (DeepSpeed's).
+// weights unless `from` is "masters"), "megatron" (NVIDIA Megatron-LM's
+// legacy torch checkpoint at TP `tp` and PP `pp`; weights unless `from` is
+// "masters") or "universal" (DeepSpeed's).
 struct ExportOptions : WriteOptions {
-  std::string to;  // "consolidated", "hf" or "universal"
+  std::string to;  // "consolidated", "hf", "megatron" or "universal"
+  // megatron: the target tensor- and pipeline-parallel sizes (required there,
+  // refused elsewhere).
+  int tp = 0, pp = 0;
   std::string dtype;  // "fp32", "bf16", "fp16"; empty = as stored
   // Largest file; a bigger tensor gets a file of its own.
   int64_t max_shard_size = int64_t{5} * 1000 * 1000 * 1000;

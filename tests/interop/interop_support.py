@@ -127,6 +127,13 @@ class FixtureTestCase(unittest.TestCase):
     def path(self, *parts):
         return os.path.join(self.tmp, *parts)
 
+    def assertRefused(self, p, message, out):
+        """Exit 2 with one line on stderr that says `message`, and nothing written at `out`."""
+        self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
+        self.assertIn(message, p.stderr)
+        self.assertEqual(len(p.stderr.strip().splitlines()), 1, p.stderr)
+        self.assertFalse(os.path.exists(out))
+
     def bloom(self, name='src', **kw):
         """bs_bloom TP 2, PP 2: layer ids 1 (embedding), 3-6 (blocks), 8 (final norm)."""
         kw.setdefault('style', 'bs_bloom')

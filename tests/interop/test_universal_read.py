@@ -214,10 +214,7 @@ class UniversalReadTest(FixtureTestCase):
                 damage(uni)
                 out = self.path(damage.__name__, 'out', 'global_step10')
                 p = run('convert', uni, out, '--tp', 1, '--pp', 1)
-                self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
-                self.assertIn(message, p.stderr)
-                self.assertEqual(len(p.stderr.strip().splitlines()), 1, p.stderr)
-                self.assertFalse(os.path.exists(out))
+                self.assertRefused(p, message, out)
 
 
 if __name__ == '__main__':

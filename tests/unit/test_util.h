@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <string>
 
+#include "pickle/value.h"
 #include "reshard/status.h"
 
 namespace reshard {

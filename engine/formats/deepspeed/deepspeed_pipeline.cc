@@ -193,6 +193,42 @@ class PipelineSource : public DeepSpeedModelSource {
     return PlanUniversal(ckpt(), *opt, files(), options.replicated, notes);
   }
 
+  Result<TpWeights> WeightsForTp(const TpCut& cut, std::vector<std::string>* notes,
+                                 std::atomic<int64_t>* read) const override {
+    RESHARD_RETURN_IF_ERROR(ckpt().FirstError());
+    const SourceOptimizer* opt = nullptr;
+    if (HasOptimizerState()) {
+      RESHARD_ASSIGN_OR_RETURN(opt, Optimizer());
+    }
+    if (cut.masters && opt == nullptr) {
+      return Status::InvalidInput("--from masters: the checkpoint has no optimizer state, so no fp32 masters; "
+                                  "drop --from to export its weights");
+    }
+    TpWeights out;
+    RESHARD_ASSIGN_OR_RETURN(out.padded_vocab, TargetPaddedVocab(ckpt(), cut.tp, cut.vocab_size));
+    std::string note = VocabPaddingNote(ckpt().vocab.padded_rows, out.padded_vocab, cut.tp, 0);
+    if (!note.empty()) notes->push_back(std::move(note));
+    for (const LogicalLayer& layer : ckpt().layers) {
+      for (const LogicalTensor& t : layer.tensors) RESHARD_RETURN_IF_ERROR(CheckSplittable(t, cut.tp));
+    }
+    const TensorTarget target{cut.tp, out.padded_vocab, cut.replicated, 0};
+    for (int rank = 0; rank < cut.tp; ++rank) {
+      out.ranks.emplace_back();
+      int block = -1;
+      for (size_t li = 0; li < ckpt().layers.size(); ++li) {
+        const LogicalLayer& layer = ckpt().layers[li];
+        block += layer.role == "block" ? 1 : 0;
+        for (size_t ti = 0; ti < layer.tensors.size(); ++ti) {
+          RESHARD_ASSIGN_OR_RETURN(RankTensor r, CutTensor(opt, static_cast<int>(li), static_cast<int>(ti), rank,
+                                                           target, cut.masters, read));
+          r.block = layer.role == "block" ? block : -1;
+          out.ranks.back().push_back(std::move(r));
+        }
+      }
+    }
+    return out;
+  }
+
   std::vector<std::string> VerifyNotes() const override {
     std::vector<std::string> notes;
     for (const Drift& d : MeasureDrift(ckpt())) notes.push_back("replicas differ: " + DescribeDrift(ckpt(), d));
@@ -201,6 +237,25 @@ class PipelineSource : public DeepSpeedModelSource {
 
  private:
   static bool IsVocab(const LogicalTensor& t) { return t.rule->policy == ParamRule::Policy::kVocab; }
+
+  // TP rank `rank`'s tensor (li, ti) at `target`: the weight (an average of
+  // replicas from the averaged masters where there are some), or its fp32
+  // master; a buffer has none and is its weight.
+  Result<RankTensor> CutTensor(const SourceOptimizer* opt, int li, int ti, int rank, const TensorTarget& target,
+                               bool masters, std::atomic<int64_t>* read) const {
+    const LogicalTensor& t = ckpt().layers[li].tensors[ti];
+    const TensorPlan plan = PlanTensor(ckpt(), li, ti, rank, target);
+    RankTensor r{t.rule, -1, t.key, t.name, ckpt().WeightDType(t), plan.shape, DescribeSources(plan), nullptr};
+    if (masters && !t.rule->buffer) {
+      RESHARD_ASSIGN_OR_RETURN(StateTensor st, LocateState(ckpt(), *opt, ParamName(ckpt(), li, ti), kMasterState));
+      r.dtype = DType::kFloat32;
+      r.detail += " (fp32 master)";
+      r.produce = RangeProducer(SourceTensor::Of(st.tensor), plan, read);
+      return r;
+    }
+    RESHARD_ASSIGN_OR_RETURN(r.produce, WeightProducer(ckpt(), opt, t, plan, read));
+    return r;
+  }
 
   // Applies the replicated-tensor policy: refuses drift under `check`,
   // reports what `average` / `first` will merge.

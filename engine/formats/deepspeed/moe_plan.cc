@@ -7,9 +7,9 @@
 
 #include "formats/deepspeed/file_names.h"
 #include "formats/deepspeed/pipeline_reader.h"
-#include "formats/deepspeed/pipeline_writer.h"
 #include "formats/deepspeed/torch_state.h"
 #include "formats/deepspeed/zero_shard_writer.h"
+#include "formats/file_jobs.h"
 #include "util/strings.h"
 
 namespace reshard {

@@ -1,7 +1,5 @@
 #include "formats/deepspeed/pipeline_plan.h"
 
-#include <cstdio>
-
 #include "formats/deepspeed/file_names.h"
 #include "formats/deepspeed/stages.h"
 #include "util/human.h"
@@ -77,19 +75,8 @@ void PlanModelStates(const LogicalCheckpoint& src, DeepSpeedPlan* plan) {
 }
 
 void AddVocabNote(const LogicalCheckpoint& src, const PlanOptions& o, DeepSpeedPlan* plan) {
-  const int64_t from = src.vocab.padded_rows, to = plan->padded_vocab;
-  if (from == to) return;
-  std::string note = "vocabulary: " + std::to_string(from) + " padded rows -> " +
-                     std::to_string(to) + " for TP " + std::to_string(o.tp);
-  if (to > from) {
-    char value[32];
-    std::snprintf(value, sizeof(value), "%g", o.vocab_pad_value);
-    note += "; new padding rows " + std::to_string(from) + "-" + std::to_string(to - 1) +
-            " filled with " + value;
-  } else {
-    note += "; padding rows " + std::to_string(to) + "-" + std::to_string(from - 1) + " dropped";
-  }
-  plan->notes.push_back(note);
+  std::string note = VocabPaddingNote(src.vocab.padded_rows, plan->padded_vocab, o.tp, o.vocab_pad_value);
+  if (!note.empty()) plan->notes.push_back(std::move(note));
 }
 
 // A pipeline slot's optimizer state follows its weight's plan for this TP rank.

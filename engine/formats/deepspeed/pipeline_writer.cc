@@ -1,12 +1,10 @@
 #include "formats/deepspeed/pipeline_writer.h"
 
-#include <memory>
-
-#include "container/torch_file.h"
 #include "formats/deepspeed/file_names.h"
 #include "formats/deepspeed/model_states_writer.h"
 #include "formats/deepspeed/state_tensor.h"
 #include "formats/deepspeed/zero_shard_writer.h"
+#include "formats/file_jobs.h"
 
 namespace reshard {
 namespace {
@@ -29,25 +27,6 @@ Result<Value> LayerFileTree(const LogicalCheckpoint& src, const SourceOptimizer*
 }
 
 }  // namespace
-
-Result<Job> TorchFileJob(std::string name, Value root) {
-  auto tree = std::make_shared<Value>(std::move(root));
-  RESHARD_ASSIGN_OR_RETURN(int64_t bytes, TensorBytes(*tree));
-  Job job;
-  job.name = name;
-  job.bytes = bytes;
-  job.run = [name = std::move(name), tree](JobContext& ctx) {
-    TorchWriteOptions write;
-    write.buffer = &ctx.buffer;
-    write.written = ctx.done;
-    FileDigest digest;
-    write.digest = &digest;
-    RESHARD_RETURN_IF_ERROR(WriteTorchFile(ctx.dir + "/" + name, *tree, write));
-    if (ctx.wrote) ctx.wrote(name, digest);
-    return Status::Ok();
-  };
-  return job;
-}
 
 Result<std::vector<Job>> DeepSpeedJobs(const LogicalCheckpoint& src, const SourceOptimizer* opt,
                                        const DeepSpeedPlan& plan, std::atomic<int64_t>* read) {

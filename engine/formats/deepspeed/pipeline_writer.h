@@ -23,8 +23,4 @@ namespace reshard {
 Result<std::vector<Job>> DeepSpeedJobs(const LogicalCheckpoint& src, const SourceOptimizer* opt,
                                        const DeepSpeedPlan& plan, std::atomic<int64_t>* read);
 
-// A job writing `root` as the torch.save file `name`, its size the bytes of
-// the storages it holds.
-Result<Job> TorchFileJob(std::string name, Value root);
-
 }  // namespace reshard

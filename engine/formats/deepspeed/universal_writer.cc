@@ -6,9 +6,9 @@
 #include <fstream>
 
 #include "formats/deepspeed/file_names.h"
-#include "formats/deepspeed/pipeline_writer.h"
 #include "formats/deepspeed/stages.h"
 #include "formats/deepspeed/state_tensor.h"
+#include "formats/file_jobs.h"
 #include "plan/materialize.h"
 #include "plan/tensor_plan.h"
 #include "util/human.h"
@@ -118,18 +118,6 @@ Result<Value> OptimizerStateFile(const Value& osd) {
   return out;
 }
 
-// A job writing `name` (a path under the output folder) from `root`.
-Result<Job> NestedTorchFileJob(std::string name, Value root) {
-  RESHARD_ASSIGN_OR_RETURN(Job job, TorchFileJob(name, std::move(root)));
-  job.run = [name, run = std::move(job.run)](JobContext& ctx) {
-    std::error_code ec;
-    fs::create_directories(fs::path(ctx.dir) / fs::path(name).parent_path(), ec);
-    if (ec) return Status::IoError("cannot create " + (fs::path(ctx.dir) / name).parent_path().string() + ": " + ec.message());
-    return run(ctx);
-  };
-  return job;
-}
-
 // A job copying the file at `from` into the output folder as `name`.
 Job CopyJob(std::string name, std::string from) {
   std::error_code ec;
@@ -186,13 +174,13 @@ class UniversalPlan : public TargetPlan {
   Result<std::vector<Job>> Jobs(std::atomic<int64_t>* read) const override {
     std::vector<Job> jobs;
     for (const auto& [name, path] : files_.copies) jobs.push_back(CopyJob(name, path));
-    RESHARD_ASSIGN_OR_RETURN(Job job, NestedTorchFileJob("zero/optimizer_state.pt", files_.optimizer_state));
+    RESHARD_ASSIGN_OR_RETURN(Job job, TorchFileJob("zero/optimizer_state.pt", files_.optimizer_state));
     jobs.push_back(std::move(job));
     for (const StateFile& f : files_.states) {
-      RESHARD_ASSIGN_OR_RETURN(Job state, NestedTorchFileJob(StatePath(f.param, f.state), StateTree(f, read)));
+      RESHARD_ASSIGN_OR_RETURN(Job state, TorchFileJob(StatePath(f.param, f.state), StateTree(f, read)));
       jobs.push_back(std::move(state));
       if (files_.step && f.state == kMasterState) {
-        RESHARD_ASSIGN_OR_RETURN(Job step, NestedTorchFileJob(StatePath(f.param, "step"), *files_.step));
+        RESHARD_ASSIGN_OR_RETURN(Job step, TorchFileJob(StatePath(f.param, "step"), *files_.step));
         jobs.push_back(std::move(step));
       }
     }

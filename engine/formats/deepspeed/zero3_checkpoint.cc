@@ -4,10 +4,10 @@
 #include <cstring>
 
 #include "formats/deepspeed/pipeline_reader.h"
-#include "formats/deepspeed/pipeline_writer.h"
 #include "formats/deepspeed/stages.h"
 #include "formats/deepspeed/torch_state.h"
 #include "formats/deepspeed/zero_shard_reader.h"
+#include "formats/file_jobs.h"
 #include "plan/materialize.h"
 #include "util/shape.h"
 

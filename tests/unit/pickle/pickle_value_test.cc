@@ -7,19 +7,12 @@
 #include <vector>
 
 #include "pickle/value.h"
+#include "test_util.h"
 
 namespace reshard {
 namespace {
 
 Value Str(const char* s) { return Value::String(s); }
-
-Value Namespace(Items fields) {
-  Object o;
-  o.cls = {"argparse", "Namespace"};
-  o.construct = Object::Construct::kNewObj;
-  o.state = std::make_shared<Value>(Value::MakeDict(std::move(fields)));
-  return Value::MakeObject(std::move(o));
-}
 
 TEST(PickleValueTest, TensorGeometry) {
   Tensor t;
@@ -56,7 +49,7 @@ TEST(PickleValueTest, TensorGeometry) {
 TEST(PickleValueTest, DictItemsOfDictLikeValues) {
   Value dict = Value::MakeDict({{Str("a"), Value::Int(1)}});
   Value od = MakeOrderedDict({{Str("b"), Value::Int(2)}});
-  Value ns = Namespace({{Str("c"), Value::Int(3)}});
+  Value ns = MakeNamespace({{Str("c"), Value::Int(3)}});
   ASSERT_NE(DictItems(dict), nullptr);
   EXPECT_EQ(DictItems(od)->at(0).first.as_string(), "b");
   EXPECT_EQ(DictItems(ns)->at(0).first.as_string(), "c");
@@ -80,7 +73,7 @@ TEST(PickleValueTest, StateDictItemsAreNotItsMetadataAttribute) {
 }
 
 TEST(PickleValueTest, FindAndSet) {
-  Value ns = Namespace({{Str("lr"), Value::Float(0.1)}, {Value::Int(7), Str("not a str key")}});
+  Value ns = MakeNamespace({{Str("lr"), Value::Float(0.1)}, {Value::Int(7), Str("not a str key")}});
   EXPECT_EQ(Find(ns, "lr")->as_float(), 0.1);
   EXPECT_EQ(Find(ns, "7"), nullptr);
   EXPECT_EQ(Find(ns, "missing"), nullptr);

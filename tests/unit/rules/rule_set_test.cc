@@ -11,6 +11,7 @@
 
 #include "pickle/value.h"
 #include "rules/builtin_rules.h"
+#include "test_util.h"
 
 namespace reshard {
 namespace {
@@ -527,15 +528,6 @@ TEST(RuleSetNames, RepeatsThatNameDifferentTensorsAreAllowed) {
 
 // ---- metadata references -----------------------------------------------------
 
-// argparse.Namespace as the pickle reader builds it: NEWOBJ, then BUILD with a dict.
-Value Namespace(Items fields) {
-  Object o;
-  o.cls = Global{"argparse", "Namespace"};
-  o.construct = Object::Construct::kNewObj;
-  o.state = std::make_shared<Value>(Value::MakeDict(std::move(fields)));
-  return Value::MakeObject(std::move(o));
-}
-
 Value Metadata() {
   Items args = {
       {Value::String("num_attention_heads"), Value::Int(16)},
@@ -545,7 +537,7 @@ Value Metadata() {
   };
   Items info = {{Value::String("original_vocab_size"), Value::Int(250680)}};
   return Value::MakeDict({
-      {Value::String("args"), Namespace(std::move(args))},
+      {Value::String("args"), MakeNamespace(std::move(args))},
       {Value::String("universal_checkpoint_info"), MakeOrderedDict(std::move(info))},
   });
 }

@@ -1,0 +1,24 @@
+// Jobs that each write one whole file of an output folder: a torch.save file
+// of a pickled tree whose tensors are produced while it is written, or a
+// small text file. Every writing format makes its files with these.
+//
+// It sits in formats/ itself, beside format.h, because format folders share
+// it and may not include each other.
+#pragma once
+
+#include <string>
+
+#include "exec/job.h"
+#include "pickle/value.h"
+
+namespace reshard {
+
+// A job writing `root` as the torch.save file `name` (a path under the
+// output folder; its parent folders are made), its size the bytes of the
+// storages it holds.
+Result<Job> TorchFileJob(std::string name, Value root);
+
+// A job writing `text` as the file `name` of the output folder.
+Job TextFileJob(std::string name, std::string text);
+
+}  // namespace reshard

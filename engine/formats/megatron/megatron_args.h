@@ -1,0 +1,33 @@
+// The `args` of an exported Megatron-LM checkpoint: the source run's
+// argparse.Namespace, made loadable by NVIDIA Megatron-LM and rewritten for
+// the target layout.
+//
+// Megatron-LM unpickles `args` with torch.load, so every class in it must be
+// importable there: fields holding a fork's class (BigScience's
+// megatron.enums, DeepSpeed objects) or tensors (Microsoft's CUDA
+// `attn_mask`, `rotary_pos_emb`) cannot stay. Enum members become their
+// names — position_embedding_type in Megatron-LM's spelling — and the rest
+// is dropped; the notes name every field changed or dropped.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "pickle/value.h"
+
+namespace reshard {
+
+// The layout the args describe.
+struct MegatronLayout {
+  int tp = 1, pp = 1, dp = 1;
+  int64_t padded_vocab = 0;  // 0: the model has no vocabulary; the field is kept
+};
+
+// `args` (dict-like: an argparse.Namespace as pickled) for `layout`: the
+// parallel sizes, world size and padded vocabulary rewritten (added when
+// absent, since Megatron-LM compares them at load), fork-only values made
+// plain or dropped. Notes say what was dropped or renamed.
+Value MegatronArgs(const Value& args, const MegatronLayout& layout, std::vector<std::string>* notes);
+
+}  // namespace reshard

@@ -1,0 +1,225 @@
+#include "formats/megatron/megatron_export.h"
+
+#include <algorithm>
+#include <optional>
+
+#include "formats/file_jobs.h"
+#include "formats/megatron/megatron_args.h"
+#include "formats/megatron/megatron_layout.h"
+#include "formats/state_dict.h"
+#include "logical/logical_checkpoint.h"
+#include "util/human.h"
+#include "util/shape.h"
+#include "util/strings.h"
+
+namespace reshard {
+namespace {
+
+// One tensor of a file: a rank tensor at its place in `model`.
+struct FileTensor {
+  std::vector<std::string> path;
+  size_t source = 0;   // index into TpWeights::ranks[tp_rank]
+  std::string detail;  // for --dry-run: dtype, shape and where the elements come from
+};
+
+struct MegatronFile {
+  std::string name;
+  int tp_rank = 0, pp_rank = 0;
+  std::vector<FileTensor> tensors;
+  int64_t bytes = 0;
+};
+
+// Everything the export writes, as plain data.
+struct MegatronExportPlan {
+  TpCut cut;
+  int pp = 1;
+  int blocks_per_stage = 0;
+  int64_t iteration = 0;
+  int64_t padded_vocab = 0;
+  std::optional<DType> dtype;  // floating tensors cast to it; unset = as the source gives them
+  std::optional<Value> args;   // absent when the source records none
+  std::vector<MegatronFile> files;  // stage by stage, TP rank by TP rank
+};
+
+Status CheckSource(const SourceCheckpoint& src) {
+  if (src.HasExperts()) {
+    return Status::Unsupported("export --to megatron: this checkpoint has DeepSpeed MoE experts, which Megatron-LM's "
+                               "legacy GPT model does not lay out; export --to consolidated writes its tensors");
+  }
+  if (src.rules() == nullptr) {
+    return Status::Unsupported("export --to megatron cuts tensors by the rule set that describes a pipeline "
+                               "checkpoint, and this " + src.kind() + " checkpoint is read without one; "
+                               "export --to consolidated writes its tensors");
+  }
+  return Status::Ok();
+}
+
+Result<TpCut> CutOf(const ExportOptions& options) {
+  if (options.tp < 1 || options.pp < 1) {
+    return Status::InvalidInput("export --to megatron needs the target layout: --tp N and --pp N (both >= 1)");
+  }
+  if (!options.from.empty() && options.from != "weights" && options.from != "masters") {
+    return Status::InvalidInput("unknown --from '" + options.from + "'; use weights or masters");
+  }
+  if (options.from == "masters" && options.weights_only) {
+    return Status::InvalidInput("--from masters and --weights-only contradict each other; keep one");
+  }
+  if (!options.tokenizer.empty()) {
+    return Status::InvalidInput("--tokenizer is for --to hf; a Megatron-LM checkpoint holds no tokenizer "
+                                "(Megatron-LM takes --vocab-file / --tokenizer-model at launch)");
+  }
+  return TpCut{options.tp, options.replicated, options.vocab_size, options.from == "masters"};
+}
+
+// The source's data-parallel size, which the export keeps; the world size is
+// then TP x PP x DP of the target (Megatron-LM checks the batch sizes by it).
+int SourceDp(const SourceCheckpoint& src) {
+  const Value* args = Find(src.metadata(), "args");
+  const int64_t dp = MetadataInt(args != nullptr ? *args : Value(), "data_parallel_size",
+                                 MetadataInt(src.metadata(), "dp_world_size", 1));
+  return dp >= 1 ? static_cast<int>(dp) : 1;
+}
+
+int CountBlocks(const std::vector<RankTensor>& tensors) {
+  int blocks = 0;
+  for (const RankTensor& t : tensors) blocks = std::max(blocks, t.block + 1);
+  return blocks;
+}
+
+bool IsTiedVocab(const RankTensor& t) {
+  return t.rule->tied && t.rule->policy == ParamRule::Policy::kVocab && t.rule->role == "embedding";
+}
+
+DType WrittenDType(const RankTensor& t, const std::optional<DType>& dtype) {
+  return dtype && IsFloatingPoint(t.dtype) ? *dtype : t.dtype;
+}
+
+// Places every rank tensor in its stage's file; the last stage's copy of a
+// tied embedding (PP > 1) comes after the language model, as Megatron-LM
+// writes it.
+Status PlaceTensors(const TpWeights& weights, MegatronExportPlan* plan) {
+  const int tp = plan->cut.tp, pp = plan->pp;
+  for (int p = 0; p < pp; ++p) {
+    for (int t = 0; t < tp; ++t) plan->files.push_back({MegatronFileName(plan->iteration, t, p, pp), t, p, {}, 0});
+  }
+  for (int t = 0; t < tp; ++t) {
+    const std::vector<RankTensor>& tensors = weights.ranks[t];
+    std::vector<std::pair<ModelPlace, size_t>> places;
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const RankTensor& r = tensors[i];
+      RESHARD_ASSIGN_OR_RETURN(ModelPlace place, PlaceOf(r.rule->role, r.key, r.block, plan->blocks_per_stage, pp));
+      places.emplace_back(std::move(place), i);
+    }
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      if (pp > 1 && IsTiedVocab(tensors[i])) places.emplace_back(HeadEmbeddingPlace(pp), i);
+    }
+    for (const auto& [at, i] : places) {
+      const RankTensor& r = tensors[i];
+      const DType dtype = WrittenDType(r, plan->dtype);
+      MegatronFile& file = plan->files[at.stage * tp + t];
+      file.tensors.push_back({at.path, i, DTypeName(dtype) + ShapeString(r.shape) + " <- " + r.name + " (" +
+                                              r.rule->Describe() + "): " + r.detail});
+      file.bytes += ShapeNumel(r.shape) * ElementSize(dtype);
+    }
+  }
+  return Status::Ok();
+}
+
+// Sets `value` at `path` under `root`, making the dicts on the way: plain
+// dicts for Megatron's nesting, an OrderedDict (a module's state_dict()) for
+// the one holding the tensor.
+void Insert(Value* root, const std::vector<std::string>& path, Value value) {
+  Value* at = root;
+  for (size_t i = 0; i + 1 < path.size(); ++i) {
+    if (Find(*at, path[i]) == nullptr) {
+      Set(*at, path[i], i + 2 == path.size() ? MakeOrderedDict({}) : Value::MakeDict());
+    }
+    at = FindMutable(*at, path[i]);
+  }
+  Set(*at, path.back(), std::move(value));
+}
+
+class MegatronPlan : public TargetPlan {
+ public:
+  MegatronPlan(const SourceCheckpoint& src, MegatronExportPlan plan) : src_(src), plan_(std::move(plan)) {}
+
+  std::string ToString(bool detail) const override {
+    int64_t bytes = 0;
+    for (const MegatronFile& f : plan_.files) bytes += f.bytes;
+    std::string out = "megatron: TP " + std::to_string(plan_.cut.tp) + ", PP " + std::to_string(plan_.pp) +
+                      ", iteration " + std::to_string(plan_.iteration) + "; " +
+                      std::to_string(plan_.blocks_per_stage) + " blocks per stage";
+    if (plan_.padded_vocab > 0) out += "; padded vocabulary " + std::to_string(plan_.padded_vocab);
+    out += "; " + std::to_string(plan_.files.size()) + " files, " + HumanBytes(bytes) + "\n";
+    for (const MegatronFile& f : plan_.files) {
+      out += "  " + f.name + ": stage " + std::to_string(f.pp_rank) + ", TP rank " + std::to_string(f.tp_rank) + ", " +
+             std::to_string(f.tensors.size()) + " tensors, " + HumanBytes(f.bytes) + "\n";
+      for (size_t i = 0; detail && i < f.tensors.size(); ++i) {
+        out += "    " + Join(f.tensors[i].path, "/") + " " + f.tensors[i].detail + "\n";
+      }
+    }
+    return out + "  " + kLatestIterationFile + "\n";
+  }
+
+  Result<std::vector<Job>> Jobs(std::atomic<int64_t>* read) const override {
+    std::vector<std::string> notes;  // told when planning
+    RESHARD_ASSIGN_OR_RETURN(TpWeights weights, src_.WeightsForTp(plan_.cut, &notes, read));
+    std::vector<Job> jobs;
+    for (const MegatronFile& f : plan_.files) {
+      RESHARD_ASSIGN_OR_RETURN(Job job, TorchFileJob(f.name, FileTree(f, weights.ranks[f.tp_rank])));
+      jobs.push_back(std::move(job));
+    }
+    jobs.push_back(TextFileJob(kLatestIterationFile, std::to_string(plan_.iteration)));
+    return jobs;
+  }
+
+ private:
+  // What Megatron-LM's generate_state_dict holds for one rank, in its order.
+  Value FileTree(const MegatronFile& f, const std::vector<RankTensor>& tensors) const {
+    Value root = Value::MakeDict();
+    if (plan_.args) Set(root, "args", *plan_.args);
+    Set(root, "checkpoint_version", Value::Float(3.0));
+    Set(root, "iteration", Value::Int(plan_.iteration));
+    Value model = Value::MakeDict();
+    for (const FileTensor& t : f.tensors) {
+      const RankTensor& r = tensors[t.source];
+      const DType dtype = WrittenDType(r, plan_.dtype);
+      ByteProducer bytes = dtype == r.dtype ? r.produce : CastBytes(r.produce, r.dtype, dtype);
+      Insert(&model, t.path, MakeProducedTensor(dtype, r.shape, std::move(bytes)));
+    }
+    Set(root, "model", std::move(model));
+    return root;
+  }
+
+  const SourceCheckpoint& src_;
+  const MegatronExportPlan plan_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<TargetPlan>> PlanMegatron(const SourceCheckpoint& src, const ExportOptions& options,
+                                                 std::vector<std::string>* notes) {
+  RESHARD_RETURN_IF_ERROR(CheckSource(src));
+  MegatronExportPlan plan;
+  RESHARD_ASSIGN_OR_RETURN(plan.cut, CutOf(options));
+  RESHARD_ASSIGN_OR_RETURN(plan.dtype, ExportDType(options.dtype));
+  plan.pp = options.pp;
+  plan.iteration = src.iteration();
+  std::atomic<int64_t> unused{0};  // planning reads no tensor bytes
+  RESHARD_ASSIGN_OR_RETURN(TpWeights weights, src.WeightsForTp(plan.cut, notes, &unused));
+  plan.padded_vocab = weights.padded_vocab;
+  RESHARD_ASSIGN_OR_RETURN(plan.blocks_per_stage, BlocksPerStage(CountBlocks(weights.ranks[0]), plan.pp));
+  RESHARD_RETURN_IF_ERROR(PlaceTensors(weights, &plan));
+  const Value* args = Find(src.metadata(), "args");
+  if (args != nullptr && DictItems(*args) != nullptr) {
+    plan.args = MegatronArgs(*args, {plan.cut.tp, plan.pp, SourceDp(src), plan.padded_vocab}, notes);
+  } else {
+    notes->push_back("args: the source records no Megatron args, so the files have none (Megatron-LM then "
+                     "skips its checks of the checkpoint's arguments)");
+  }
+  notes->push_back("megatron: weights only, no optimizer or RNG state; load with --no-load-optim --no-load-rng "
+                   "(or --finetune, which also restarts the iteration count)");
+  return std::unique_ptr<TargetPlan>(new MegatronPlan(src, std::move(plan)));
+}
+
+}  // namespace reshard

@@ -1,0 +1,28 @@
+// `export --to megatron`: NVIDIA Megatron-LM's legacy `torch` checkpoint at
+// a chosen TP and PP, from a source whose rule set describes its tensors'
+// tensor-parallel layout (megatron-deepspeed-format.md §13).
+//
+//   OUT/latest_checkpointed_iteration.txt                  the iteration
+//   OUT/iter_{N:07d}/mp_rank_{t:02d}[_{p:03d}]/model_optim_rng.pt
+//
+// Each file is what Megatron-LM's save_checkpoint writes for its rank, weights
+// only: `args` (megatron_args.h), checkpoint_version 3.0, `iteration` and the
+// nested `model` (megatron_layout.h). The rank tensors are the source's
+// weights cut exactly as convert cuts DeepSpeed layer files
+// (SourceCheckpoint::WeightsForTp), whose per-rank tensors are Megatron's own.
+// No optimizer or RNG state is written.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "formats/format.h"
+
+namespace reshard {
+
+// Plans the folder. `src` must outlive the plan and its jobs.
+Result<std::unique_ptr<TargetPlan>> PlanMegatron(const SourceCheckpoint& src, const ExportOptions& options,
+                                                 std::vector<std::string>* notes);
+
+}  // namespace reshard

@@ -1,0 +1,66 @@
+#include "formats/megatron/megatron_layout.h"
+
+#include <cstdio>
+
+namespace reshard {
+namespace {
+
+// "word_embeddings.norm.weight" -> {"word_embeddings", "norm.weight"}: the
+// module under the spec and the key in that module's state dict.
+Result<std::pair<std::string, std::string>> SplitModule(const std::string& role, const std::string& key) {
+  const size_t dot = key.find('.');
+  if (dot == std::string::npos || dot == 0 || dot + 1 == key.size()) {
+    return Status::Unsupported("the " + role + " tensor '" + key + "' names no module of Megatron-LM's " + role +
+                               " (expected <module>.<parameter>)");
+  }
+  return std::make_pair(key.substr(0, dot), key.substr(dot + 1));
+}
+
+}  // namespace
+
+std::string MegatronFileName(int64_t iteration, int tp_rank, int pp_rank, int pp) {
+  char name[96];
+  if (pp == 1) {
+    std::snprintf(name, sizeof(name), "iter_%07lld/mp_rank_%02d/model_optim_rng.pt",
+                  static_cast<long long>(iteration), tp_rank);
+  } else {
+    std::snprintf(name, sizeof(name), "iter_%07lld/mp_rank_%02d_%03d/model_optim_rng.pt",
+                  static_cast<long long>(iteration), tp_rank, pp_rank);
+  }
+  return name;
+}
+
+Result<int> BlocksPerStage(int blocks, int pp) {
+  if (pp < 1 || blocks < pp || blocks % pp != 0) {
+    return Status::InvalidInput("Megatron-LM gives every pipeline stage the same number of transformer blocks, "
+                                "and " + std::to_string(blocks) + " blocks do not divide into " +
+                                std::to_string(pp) + " stages; choose a --pp that divides " +
+                                std::to_string(blocks));
+  }
+  return blocks / pp;
+}
+
+Result<ModelPlace> PlaceOf(const std::string& role, const std::string& key, int block, int per_stage, int pp) {
+  if (role == "embedding") {
+    // Embedding.state_dict_for_save_checkpoint: each module's own state dict.
+    RESHARD_ASSIGN_OR_RETURN(auto module, SplitModule(role, key));
+    return ModelPlace{0, {"language_model", "embedding", module.first, module.second}};
+  }
+  if (role == "block") {
+    const int stage = block / per_stage;
+    return ModelPlace{stage, {"language_model", "encoder",
+                              "layers." + std::to_string(block - stage * per_stage) + "." + key}};
+  }
+  if (role == "final_norm") return ModelPlace{pp - 1, {"language_model", "encoder", "final_layernorm." + key}};
+  if (role == "head") {
+    // The untied head's module (LMHeadPipe.lm_head) is Megatron-LM's output_layer.
+    RESHARD_ASSIGN_OR_RETURN(auto module, SplitModule(role, key));
+    return ModelPlace{pp - 1, {"language_model", "output_layer", module.second}};
+  }
+  return Status::Unsupported("the rule set's '" + role + "' layers have no place in Megatron-LM's GPT model "
+                             "(embedding, blocks, final norm, output layer)");
+}
+
+ModelPlace HeadEmbeddingPlace(int pp) { return ModelPlace{pp - 1, {"word_embeddings_for_head", "weight"}}; }
+
+}  // namespace reshard

@@ -1,0 +1,43 @@
+// Where NVIDIA Megatron-LM's legacy `torch` checkpoint format puts things
+// (megatron-deepspeed-format.md §13, §5.1): the file of each (tensor,
+// pipeline) rank, the blocks of each pipeline stage, and each weight's place
+// in the nested `model` dict that GPTModel.state_dict_for_save_checkpoint
+// writes.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "reshard/status.h"
+
+namespace reshard {
+
+// The root file naming the checkpoint's iteration.
+inline constexpr char kLatestIterationFile[] = "latest_checkpointed_iteration.txt";
+
+// "iter_0000010/mp_rank_01/model_optim_rng.pt" when pp == 1, else
+// "iter_0000010/mp_rank_01_002/model_optim_rng.pt".
+std::string MegatronFileName(int64_t iteration, int tp_rank, int pp_rank, int pp);
+
+// Blocks per pipeline stage: Megatron-LM gives every stage num_layers / PP
+// consecutive blocks and refuses a PP that does not divide them.
+Result<int> BlocksPerStage(int blocks, int pp);
+
+// Where one weight goes.
+struct ModelPlace {
+  int stage = 0;
+  // Keys from `model` down; the last is the tensor's key in its module's
+  // state dict: {"language_model", "encoder", "layers.0.input_layernorm.weight"}.
+  std::vector<std::string> path;
+};
+
+// The place of the weight `key` (module-local, as in the DeepSpeed layer
+// file) of a layer of `role` — block `block` for blocks, whose ids are local
+// to their stage — with `per_stage` blocks in each of `pp` stages.
+Result<ModelPlace> PlaceOf(const std::string& role, const std::string& key, int block, int per_stage, int pp);
+
+// The last stage's copy of a tied word embedding (PP > 1).
+ModelPlace HeadEmbeddingPlace(int pp);
+
+}  // namespace reshard

@@ -1,0 +1,75 @@
+// Where the Megatron-LM export puts files and tensors: the file of each
+// (tensor, pipeline) rank, the blocks of each stage, each weight's path in
+// the nested model dict.
+#include "formats/megatron/megatron_layout.h"
+
+#include <gtest/gtest.h>
+
+namespace reshard {
+namespace {
+
+using Path = std::vector<std::string>;
+
+TEST(MegatronLayoutTest, FileNamesHaveThePipelineRankOnlyWithPipelining) {
+  EXPECT_EQ(MegatronFileName(10, 0, 0, 1), "iter_0000010/mp_rank_00/model_optim_rng.pt");
+  EXPECT_EQ(MegatronFileName(10, 3, 0, 2), "iter_0000010/mp_rank_03_000/model_optim_rng.pt");
+  EXPECT_EQ(MegatronFileName(1234567, 12, 104, 128), "iter_1234567/mp_rank_12_104/model_optim_rng.pt");
+  EXPECT_EQ(MegatronFileName(12345678, 0, 1, 2), "iter_12345678/mp_rank_00_001/model_optim_rng.pt");
+}
+
+TEST(MegatronLayoutTest, StagesTakeEqualBlocks) {
+  EXPECT_EQ(*BlocksPerStage(24, 4), 6);
+  EXPECT_EQ(*BlocksPerStage(6, 6), 1);
+  Result<int> uneven = BlocksPerStage(6, 4);
+  ASSERT_FALSE(uneven.ok());
+  EXPECT_EQ(uneven.status().message(),
+            "Megatron-LM gives every pipeline stage the same number of transformer blocks, and 6 blocks do not "
+            "divide into 4 stages; choose a --pp that divides 6");
+  EXPECT_FALSE(BlocksPerStage(2, 4).ok());
+}
+
+TEST(MegatronLayoutTest, EmbeddingTensorsAreInTheirModulesOnTheFirstStage) {
+  Result<ModelPlace> word = PlaceOf("embedding", "word_embeddings.weight", -1, 3, 2);
+  EXPECT_EQ(word->stage, 0);
+  EXPECT_EQ(word->path, (Path{"language_model", "embedding", "word_embeddings", "weight"}));
+  // BigScience's embedding LayerNorm lives inside the word embedding module.
+  EXPECT_EQ(PlaceOf("embedding", "word_embeddings.norm.bias", -1, 3, 2)->path,
+            (Path{"language_model", "embedding", "word_embeddings", "norm.bias"}));
+  EXPECT_EQ(PlaceOf("embedding", "position_embeddings.weight", -1, 3, 2)->path,
+            (Path{"language_model", "embedding", "position_embeddings", "weight"}));
+}
+
+TEST(MegatronLayoutTest, BlocksGoToTheirStageUnderLocalIds) {
+  Result<ModelPlace> first = PlaceOf("block", "input_layernorm.weight", 2, 3, 2);
+  EXPECT_EQ(first->stage, 0);
+  EXPECT_EQ(first->path, (Path{"language_model", "encoder", "layers.2.input_layernorm.weight"}));
+  Result<ModelPlace> later = PlaceOf("block", "self_attention.dense.weight", 4, 3, 2);
+  EXPECT_EQ(later->stage, 1);
+  EXPECT_EQ(later->path, (Path{"language_model", "encoder", "layers.1.self_attention.dense.weight"}));
+}
+
+TEST(MegatronLayoutTest, FinalNormAndOutputLayerAreOnTheLastStage) {
+  Result<ModelPlace> norm = PlaceOf("final_norm", "bias", -1, 2, 3);
+  EXPECT_EQ(norm->stage, 2);
+  EXPECT_EQ(norm->path, (Path{"language_model", "encoder", "final_layernorm.bias"}));
+  Result<ModelPlace> head = PlaceOf("head", "lm_head.weight", -1, 2, 3);
+  EXPECT_EQ(head->stage, 2);
+  EXPECT_EQ(head->path, (Path{"language_model", "output_layer", "weight"}));
+  const ModelPlace tied = HeadEmbeddingPlace(3);
+  EXPECT_EQ(tied.stage, 2);
+  EXPECT_EQ(tied.path, (Path{"word_embeddings_for_head", "weight"}));
+}
+
+TEST(MegatronLayoutTest, WhatMegatronHasNoPlaceForIsRefused) {
+  Result<ModelPlace> other = PlaceOf("pooler", "dense.weight", -1, 1, 1);
+  ASSERT_FALSE(other.ok());
+  EXPECT_EQ(other.status().message(), "the rule set's 'pooler' layers have no place in Megatron-LM's GPT model "
+                                      "(embedding, blocks, final norm, output layer)");
+  Result<ModelPlace> bare = PlaceOf("embedding", "weight", -1, 1, 1);
+  ASSERT_FALSE(bare.ok());
+  EXPECT_EQ(bare.status().message(), "the embedding tensor 'weight' names no module of Megatron-LM's embedding "
+                                     "(expected <module>.<parameter>)");
+}
+
+}  // namespace
+}  // namespace reshard
