@@ -14,6 +14,8 @@ index, or pytorch_model.bin. Oracles:
   folder (float64, to 1e-9; test_export_hf's forwards), and a folder with its QKV reordered does not;
 * the round trip HF -> Megatron-DeepSpeed -> HF through reshard's export is bit-exact;
 * `verify` finds the folder and the imported checkpoint the same model;
+* what other savers write imports too: a folder saved from the base model, recomputed buffers,
+  a tied head in a .bin;
 * refusals (exit 2, one line, nothing written): an architecture no rule set maps, a missing and
   an extra tensor, a config that disagrees with the tensors or asks for what the family does
   not compute, a damaged safetensors header.
@@ -231,6 +233,37 @@ class ImportHfTest(FixtureTestCase):
         """(tensors, config) of a folder with one model.safetensors."""
         config = hf.read_json(os.path.join(folder, 'config.json'))
         return read_safetensors(os.path.join(folder, 'model.safetensors'))[0], config
+
+    def test_what_other_savers_write(self):
+        """A folder saved from the base model (no 'transformer.'), with the attention masks older
+        transformers saved and the tied head a .bin holds, imports as the clean folder does; Llama's
+        old rotary frequencies are skipped too. A head that is not the embedding is refused."""
+        def gpt2_base_model(t, c):  # GPT2Model.save_pretrained of older transformers
+            for i in range(S['L']):
+                t[f'transformer.h.{i}.attn.bias'] = torch.ones(1, 1, 32, 32).tril()
+                t[f'transformer.h.{i}.attn.masked_bias'] = torch.tensor(-1e4)
+            for name in list(t):
+                t[name[len('transformer.'):]] = t.pop(name)
+        def gpt2_tied_head(t, c):
+            t['lm_head.weight'] = t['transformer.wte.weight']  # one storage, as torch.save writes tied weights
+        def llama_with_inv_freq(t, c):
+            for i in range(S['L']):
+                t[f'model.layers.{i}.self_attn.rotary_emb.inv_freq'] = torch.ones(S['hd'] // 2)
+        cases = (('base', GPT2, gpt2_base_model, 'safetensors', 'saved from the base model'),
+                 ('tied', GPT2, gpt2_tied_head, 'bin', 'skipped what GPT2LMHeadModel recomputes or ties'),
+                 ('inv_freq', LLAMA, llama_with_inv_freq, 'safetensors', 'skipped what LlamaForCausalLM'))
+        for name, family, change, form, says in cases:
+            with self.subTest(case=name):
+                folder, _ = self.hf_folder(f'old_{name}', family, form, change=change)
+                tag = self.path(f'old_{name}_out', 'global_step0')
+                p = self.convert(folder, tag, 2, 2)
+                self.assertIn(says, p.stderr + p.stdout)
+                self.assertLayerFilesLikeFixture(tag, family, 2, 2)
+
+        def untied(t, c):
+            t['lm_head.weight'] = t['transformer.wte.weight'] + 1
+        folder, _ = self.hf_folder('untied', GPT2, 'bin', change=untied)
+        self.refused(folder, "the HF folder's lm_head.weight is not the same tensor as transformer.wte.weight")
 
     def test_refusals(self):
         def drop(name):
