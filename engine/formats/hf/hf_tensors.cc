@@ -180,8 +180,12 @@ ByteProducer GatherRows(ByteProducer source, int64_t row_bytes, std::vector<RowR
 namespace {
 
 // What one band of a transpose's source holds, about: whole columns of
-// every row. Reading it costs one source request per row.
-constexpr int64_t kBandBytes = int64_t{4} << 20;
+// every row. Reading a band of some columns costs a source request per row,
+// and each request releases the source pages it read, so bands are large:
+// a matrix of up to this size is one band, read front to back.
+constexpr int64_t kBandBytes = int64_t{32} << 20;
+// The requests that read a band of every column, front to back.
+constexpr int64_t kWholeBandRequest = int64_t{1} << 20;
 // Bands kept: each of two workers writing ranges of one file walks through its own.
 constexpr size_t kKeptBands = 2;
 
@@ -192,7 +196,9 @@ int64_t BandColumns(int64_t rows, int64_t cols, int element) {
 
 // The source of a transpose in column bands: band b is columns
 // [b * width, (b + 1) * width) of every row, row-major, read at its first
-// use; the kKeptBands used last stay. Several workers may ask at once.
+// use and dropped once all of its bytes have been produced (or, when
+// requests return to it later, while more than kKeptBands are held).
+// Several workers may ask at once.
 class ColumnBands {
  public:
   ColumnBands(ByteProducer source, int64_t rows, int64_t cols, int element)
@@ -206,30 +212,51 @@ class ColumnBands {
     {
       std::lock_guard<std::mutex> lock(mu_);
       for (auto it = kept_.begin(); it != kept_.end(); ++it) {
-        if (it->first != band) continue;
-        auto bytes = it->second;
+        if (it->band != band) continue;
         kept_.splice(kept_.begin(), kept_, it);  // most recent first
-        return bytes;
+        return kept_.front().bytes;
       }
     }
-    const int64_t row_bytes = ColumnsOf(band) * element_;
-    auto bytes = std::make_shared<std::vector<uint8_t>>(static_cast<size_t>(rows_ * row_bytes));
-    for (int64_t r = 0; r < rows_; ++r) {  // read outside the lock: the other worker's band may be ready
-      RESHARD_RETURN_IF_ERROR(source_((r * cols_ + band * width_) * element_, row_bytes, bytes->data() + r * row_bytes));
+    // Read outside the lock: the other worker's band may be ready first.
+    const int64_t row_bytes = ColumnsOf(band) * element_, total = rows_ * row_bytes;
+    auto bytes = std::make_shared<std::vector<uint8_t>>(static_cast<size_t>(total));
+    if (width_ == cols_) {  // the whole matrix: contiguous
+      for (int64_t at = 0; at < total; at += kWholeBandRequest) {
+        RESHARD_RETURN_IF_ERROR(source_(at, std::min(kWholeBandRequest, total - at), bytes->data() + at));
+      }
+    } else {
+      for (int64_t r = 0; r < rows_; ++r) {
+        RESHARD_RETURN_IF_ERROR(source_((r * cols_ + band * width_) * element_, row_bytes, bytes->data() + r * row_bytes));
+      }
     }
     std::lock_guard<std::mutex> lock(mu_);
-    kept_.emplace_front(band, bytes);
+    kept_.push_front({band, bytes});
     if (kept_.size() > kKeptBands) kept_.pop_back();
     return std::shared_ptr<const std::vector<uint8_t>>(bytes);
   }
 
+  // Counts `n` bytes of band `band` produced; its last ones drop it.
+  void Produced(int64_t band, int64_t n) {
+    std::lock_guard<std::mutex> lock(mu_);
+    int64_t& done = produced_[band];
+    done += n;
+    if (done < rows_ * ColumnsOf(band) * element_) return;
+    produced_.erase(band);  // a new pass over the tensor starts again
+    kept_.remove_if([band](const Kept& k) { return k.band == band; });
+  }
+
  private:
+  struct Kept {
+    int64_t band;
+    std::shared_ptr<const std::vector<uint8_t>> bytes;
+  };
   const ByteProducer source_;
   const int64_t rows_, cols_;
   const int element_;
   const int64_t width_;
   std::mutex mu_;
-  std::list<std::pair<int64_t, std::shared_ptr<const std::vector<uint8_t>>>> kept_;
+  std::list<Kept> kept_;
+  std::map<int64_t, int64_t> produced_;  // bytes of each band produced so far
 };
 
 }  // namespace
@@ -248,10 +275,12 @@ ByteProducer Transposed(ByteProducer source, int64_t rows, int64_t cols, int ele
       const int64_t band = i / rows / bands->width(), first = band * bands->width();
       const int64_t width = bands->ColumnsOf(band);
       RESHARD_ASSIGN_OR_RETURN(std::shared_ptr<const std::vector<uint8_t>> in, bands->Get(band));
+      const int64_t from = i;
       for (const int64_t stop = std::min(end, (first + width) * rows); i < stop; ++i) {
         const int64_t c = i / rows - first, r = i % rows;
         std::memcpy(dst + (i * element - offset), in->data() + (r * width + c) * element, element);
       }
+      bands->Produced(band, (i - from) * element);
     }
     return Status::Ok();
   };

@@ -5,8 +5,9 @@
 // Dividing and reordering are gathers of dim-0 rows, which stream: a range
 // of the output is a few contiguous ranges of the source. A transpose needs
 // every source row for each output row, so it reads the source in bands of
-// whole columns (a few MiB, a short piece of every row) and keeps the last
-// two; the plan reports that scratch so that --max-memory leaves room for it.
+// whole columns (up to 32 MiB: a piece of every row; a smaller matrix is one
+// band) and keeps the last two; the plan reports that scratch so that
+// --max-memory leaves room for it.
 #pragma once
 
 #include <cstdint>

@@ -68,9 +68,9 @@ TEST(Transposed, WholeElements) {
 }
 
 TEST(Transposed, WideMatricesStreamInBandsOfWholeColumns) {
-  // 32 MiB of 1-byte elements: bands of 4 MiB, three of them at most held.
-  constexpr int64_t kRows = 512, kCols = int64_t{1} << 16;
-  EXPECT_EQ(TransposeScratchBytes(kRows, kCols, 1), 3 * (int64_t{4} << 20));
+  // 128 MiB of 1-byte elements: bands of 32 MiB, three of them at most held.
+  constexpr int64_t kRows = 512, kCols = int64_t{1} << 18;
+  EXPECT_EQ(TransposeScratchBytes(kRows, kCols, 1), 3 * (int64_t{32} << 20));
   const ByteProducer t = Transposed(Counting(kRows * kCols), kRows, kCols, 1);
   for (int64_t c : {int64_t{0}, int64_t{12345}, kCols - 1}) {  // out row c is column c
     std::vector<uint8_t> want;
