@@ -259,6 +259,58 @@ class ColumnBands {
   std::map<int64_t, int64_t> produced_;  // bytes of each band produced so far
 };
 
+// Output elements [i, stop) of a transpose, out[c][r] = in[r][c], from the
+// band `in` ([rows, width] holding columns first.. of the source) to `out`,
+// with the element size known to the compiler. Whole output rows go in
+// tiles of kTileRows source rows, so that the cache lines of a tile are read
+// for every column they hold before they are evicted: few enough rows that
+// a power-of-two row stride, which maps them all to one cache set, still
+// fits the set's ways.
+template <typename T>
+void CopyTransposed(const uint8_t* in, int64_t width, int64_t rows, int64_t first, int64_t i, int64_t stop,
+                    uint8_t* out) {
+  constexpr int64_t kTileRows = 8;
+  auto element = [&](int64_t r, int64_t c) { return in + (r * width + c - first) * static_cast<int64_t>(sizeof(T)); };
+  auto part_of_row = [&](int64_t from, int64_t to) {  // output elements [from, to) of one output row
+    const int64_t c = from / rows;
+    for (int64_t k = from; k < to; ++k, out += sizeof(T)) std::memcpy(out, element(k % rows, c), sizeof(T));
+  };
+  const int64_t whole_from = (i + rows - 1) / rows, whole_to = stop / rows;  // whole output rows
+  if (whole_from >= whole_to) {
+    for (int64_t k = i; k < stop;) {
+      const int64_t to = std::min(stop, (k / rows + 1) * rows);
+      part_of_row(k, to);
+      k = to;
+    }
+    return;
+  }
+  part_of_row(i, whole_from * rows);
+  uint8_t* const whole = out;
+  for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
+    const int64_t r1 = std::min(rows, r0 + kTileRows);
+    for (int64_t c = whole_from; c < whole_to; ++c) {
+      uint8_t* o = whole + ((c - whole_from) * rows + r0) * static_cast<int64_t>(sizeof(T));
+      for (int64_t r = r0; r < r1; ++r, o += sizeof(T)) std::memcpy(o, element(r, c), sizeof(T));
+    }
+  }
+  out = whole + (whole_to - whole_from) * rows * static_cast<int64_t>(sizeof(T));
+  part_of_row(whole_to * rows, stop);
+}
+
+void CopyTransposed(const uint8_t* in, int64_t width, int64_t rows, int64_t first, int64_t i, int64_t stop,
+                    int element, uint8_t* out) {
+  switch (element) {
+    case 1: return CopyTransposed<uint8_t>(in, width, rows, first, i, stop, out);
+    case 2: return CopyTransposed<uint16_t>(in, width, rows, first, i, stop, out);
+    case 4: return CopyTransposed<uint32_t>(in, width, rows, first, i, stop, out);
+    case 8: return CopyTransposed<uint64_t>(in, width, rows, first, i, stop, out);
+    default:
+      for (; i < stop; ++i, out += element) {
+        std::memcpy(out, in + ((i % rows) * width + (i / rows - first)) * element, static_cast<size_t>(element));
+      }
+  }
+}
+
 }  // namespace
 
 int64_t TransposeScratchBytes(int64_t rows, int64_t cols, int element) {
@@ -275,12 +327,10 @@ ByteProducer Transposed(ByteProducer source, int64_t rows, int64_t cols, int ele
       const int64_t band = i / rows / bands->width(), first = band * bands->width();
       const int64_t width = bands->ColumnsOf(band);
       RESHARD_ASSIGN_OR_RETURN(std::shared_ptr<const std::vector<uint8_t>> in, bands->Get(band));
-      const int64_t from = i;
-      for (const int64_t stop = std::min(end, (first + width) * rows); i < stop; ++i) {
-        const int64_t c = i / rows - first, r = i % rows;
-        std::memcpy(dst + (i * element - offset), in->data() + (r * width + c) * element, element);
-      }
-      bands->Produced(band, (i - from) * element);
+      const int64_t stop = std::min(end, (first + width) * rows);
+      CopyTransposed(in->data(), width, rows, first, i, stop, element, dst + (i * element - offset));
+      bands->Produced(band, (stop - i) * element);
+      i = stop;
     }
     return Status::Ok();
   };
