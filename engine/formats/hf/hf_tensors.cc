@@ -179,19 +179,14 @@ ByteProducer GatherRows(ByteProducer source, int64_t row_bytes, std::vector<RowR
 
 namespace {
 
-// What one band of a transpose's source holds, about: whole columns of
-// every row. Reading a band of some columns costs a source request per row,
-// and each request releases the source pages it read, so bands are large:
-// a matrix of up to this size is one band, read front to back.
-constexpr int64_t kBandBytes = int64_t{32} << 20;
 // The requests that read a band of every column, front to back.
 constexpr int64_t kWholeBandRequest = int64_t{1} << 20;
 // Bands kept: each of two workers writing ranges of one file walks through its own.
 constexpr size_t kKeptBands = 2;
 
 // Columns per band of a [rows, cols] source of `element`-byte elements.
-int64_t BandColumns(int64_t rows, int64_t cols, int element) {
-  return std::max<int64_t>(1, std::min<int64_t>(cols, kBandBytes / std::max<int64_t>(1, rows * element)));
+int64_t BandColumns(int64_t rows, int64_t cols, int element, int64_t band_bytes) {
+  return std::max<int64_t>(1, std::min<int64_t>(cols, band_bytes / std::max<int64_t>(1, rows * element)));
 }
 
 // The source of a transpose in column bands: band b is columns
@@ -201,9 +196,9 @@ int64_t BandColumns(int64_t rows, int64_t cols, int element) {
 // Several workers may ask at once.
 class ColumnBands {
  public:
-  ColumnBands(ByteProducer source, int64_t rows, int64_t cols, int element)
+  ColumnBands(ByteProducer source, int64_t rows, int64_t cols, int element, int64_t band_bytes)
       : source_(std::move(source)), rows_(rows), cols_(cols), element_(element),
-        width_(BandColumns(rows, cols, element)) {}
+        width_(BandColumns(rows, cols, element, band_bytes)) {}
 
   int64_t width() const { return width_; }
   int64_t ColumnsOf(int64_t band) const { return std::min(width_, cols_ - band * width_); }
@@ -313,14 +308,14 @@ void CopyTransposed(const uint8_t* in, int64_t width, int64_t rows, int64_t firs
 
 }  // namespace
 
-int64_t TransposeScratchBytes(int64_t rows, int64_t cols, int element) {
-  const int64_t band = rows * BandColumns(rows, cols, element) * element;
+int64_t TransposeScratchBytes(int64_t rows, int64_t cols, int element, int64_t band_bytes) {
+  const int64_t band = rows * BandColumns(rows, cols, element, band_bytes) * element;
   return std::min<int64_t>(rows * cols * element, (kKeptBands + 1) * band);  // kept, and one being read
 }
 
-ByteProducer Transposed(ByteProducer source, int64_t rows, int64_t cols, int element) {
+ByteProducer Transposed(ByteProducer source, int64_t rows, int64_t cols, int element, int64_t band_bytes) {
   // Shared by the copies the writer may make of the producer.
-  auto bands = std::make_shared<ColumnBands>(std::move(source), rows, cols, element);
+  auto bands = std::make_shared<ColumnBands>(std::move(source), rows, cols, element, band_bytes);
   return [bands, rows, element](int64_t offset, int64_t length, uint8_t* dst) {
     const int64_t end = (offset + length) / element;  // out[c][r] = in[r][c], element by element
     for (int64_t i = offset / element; i < end;) {

@@ -5,8 +5,8 @@
 // Dividing and reordering are gathers of dim-0 rows, which stream: a range
 // of the output is a few contiguous ranges of the source. A transpose needs
 // every source row for each output row, so it reads the source in bands of
-// whole columns (up to 32 MiB: a piece of every row; a smaller matrix is one
-// band) and keeps the last two; the plan reports that scratch so that
+// whole columns (up to 128 MiB: a piece of every row; a smaller matrix is
+// one band) and keeps the last two; the plan reports that scratch so that
 // --max-memory leaves room for it.
 #pragma once
 
@@ -78,14 +78,23 @@ Status CheckHfShape(const HfExport& hf, const HfTensorMap& map, const std::strin
 // The rows `runs` of `source` (rows of `row_bytes` bytes), one after the other.
 ByteProducer GatherRows(ByteProducer source, int64_t row_bytes, std::vector<RowRun> runs);
 
+// What one band of a transpose's source holds, about: whole columns of every
+// row. Reading a band of some columns costs a source request per row and
+// reads each source page once per band (the 4x benchmark's 39 MiB matrices
+// in two 32 MiB bands took twice the time of one), so bands are large: a
+// matrix of up to this size is one band, read front to back.
+inline constexpr int64_t kTransposeBandBytes = int64_t{128} << 20;
+
 // The [cols, rows] transpose of `source`, a row-major [rows, cols] matrix of
 // `element`-byte elements, made a range of whole elements at a time from
 // column bands of the source. Requests may come from several threads at once.
-ByteProducer Transposed(ByteProducer source, int64_t rows, int64_t cols, int element);
+ByteProducer Transposed(ByteProducer source, int64_t rows, int64_t cols, int element,
+                        int64_t band_bytes = kTransposeBandBytes);
 
 // The memory Transposed may hold at once for such a matrix: the bands it
 // keeps and one being read.
-int64_t TransposeScratchBytes(int64_t rows, int64_t cols, int element);
+int64_t TransposeScratchBytes(int64_t rows, int64_t cols, int element,
+                              int64_t band_bytes = kTransposeBandBytes);
 
 // The HF tensors made from `chosen` (the export's parameters under their
 // canonical names, in order), as `hf` maps them; `inputs` gives split_qkv's

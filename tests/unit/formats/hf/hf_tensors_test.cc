@@ -68,15 +68,20 @@ TEST(Transposed, WholeElements) {
 }
 
 TEST(Transposed, WideMatricesStreamInBandsOfWholeColumns) {
-  // 128 MiB of 1-byte elements: bands of 32 MiB, three of them at most held.
-  constexpr int64_t kRows = 512, kCols = int64_t{1} << 18;
-  EXPECT_EQ(TransposeScratchBytes(kRows, kCols, 1), 3 * (int64_t{32} << 20));
-  const ByteProducer t = Transposed(Counting(kRows * kCols), kRows, kCols, 1);
-  for (int64_t c : {int64_t{0}, int64_t{12345}, kCols - 1}) {  // out row c is column c
-    std::vector<uint8_t> want;
-    for (int64_t r = 0; r < kRows; ++r) want.push_back(static_cast<uint8_t>(r * kCols + c));
-    EXPECT_EQ(Read(t, c * kRows, kRows), want) << c;
+  // 24 rows of 1000 1-byte elements in bands of 42 columns (1 KiB / 24 rows):
+  // 24 bands, three of them at most held.
+  constexpr int64_t kRows = 24, kCols = 1000, kBand = 1024;
+  EXPECT_EQ(TransposeScratchBytes(kRows, kCols, 1, kBand), 3 * kRows * 42);
+  const ByteProducer t = Transposed(Counting(kRows * kCols), kRows, kCols, 1, kBand);
+  std::vector<uint8_t> want(kRows * kCols), got(kRows * kCols);
+  for (int64_t c = 0; c < kCols; ++c) {
+    for (int64_t r = 0; r < kRows; ++r) want[c * kRows + r] = static_cast<uint8_t>(r * kCols + c);
   }
+  for (int64_t at = 0; at < kRows * kCols; at += 700) {  // ranges that cross bands and rows
+    const int64_t n = std::min<int64_t>(700, kRows * kCols - at);
+    ASSERT_TRUE(t(at, n, got.data() + at).ok());
+  }
+  EXPECT_EQ(got, want);
 }
 
 TEST(Transposed, TwoThreadsMayProduceRangesAtOnce) {
