@@ -9,7 +9,7 @@ DEB_PACKAGES := cmake g++ make pkg-config libtorch-dev libyaml-cpp-dev libre2-de
                 openmpi-bin libopenmpi-dev clang libclang-rt-14-dev strace
 FUZZ_BUILD ?= build-fuzz
 # Seconds per fuzz target: short in `make test`, longer by hand (make fuzz FUZZ_SECONDS=3600).
-FUZZ_SECONDS ?= 60
+FUZZ_SECONDS ?= 40
 FUZZERS := pickle zip rules safetensors
 SANITIZE_BUILD ?= build-asan
 
