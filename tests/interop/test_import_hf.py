@@ -265,6 +265,38 @@ class ImportHfTest(FixtureTestCase):
         folder, _ = self.hf_folder('untied', GPT2, 'bin', change=untied)
         self.refused(folder, "the HF folder's lm_head.weight is not the same tensor as transformer.wte.weight")
 
+    def test_megatron_lm_export_of_a_folder(self):
+        """`export --to megatron` of an HF folder writes the tensors the export of the fixture
+        checkpoint writes (the vocabulary's true rows; padding may differ)."""
+        folder, _ = self.hf_folder('mlm_llama', LLAMA)
+        source = make_fixture(self.path('mlm_src'), **dict(LLAMA, tp=2, pp=2))
+        outs = [self.path('mlm_from_hf'), self.path('mlm_from_ckpt')]
+        for src, out in zip((folder, source), outs):
+            p = support.reshard('export', src, out, '--to', 'megatron', '--tp', 2, '--pp', 2,
+                                '--set', f'make_vocab_size_divisible_by={S["mvsdb"]}')
+            self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+
+        def tensors(tree, prefix=''):
+            for key, value in tree.items():
+                if isinstance(value, dict):
+                    yield from tensors(value, prefix + key + '.')
+                else:
+                    yield prefix + key, value
+        # The iterations differ (a fresh run's 0, the fixture's 10): compare rank folders.
+        iters = [os.path.join(o, next(n for n in os.listdir(o) if n.startswith('iter_'))) for o in outs]
+        ranks = sorted(os.listdir(iters[1]))
+        self.assertEqual(sorted(os.listdir(iters[0])), ranks)
+        self.assertEqual(len(ranks), 4)
+        for rank in ranks:
+            got, want = (dict(tensors(support.load(os.path.join(i, rank, 'model_optim_rng.pt'))['model']))
+                         for i in iters)
+            self.assertEqual(sorted(got), sorted(want), rank)
+            tp_rank = int(rank.split('_')[2])
+            for key, t in want.items():
+                vocab = 'word_embeddings' in key or 'output_layer' in key
+                rows = max(0, min(t.shape[0], S['V'] - tp_rank * t.shape[0])) if vocab else t.shape[0]
+                self.assertTrue(torch.equal(got[key][:rows], t[:rows]), (rank, key))
+
     def test_refusals(self):
         def drop(name):
             return lambda t, c: t.pop(name)
