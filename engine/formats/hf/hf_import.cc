@@ -220,17 +220,18 @@ struct Joined {
   std::optional<SourceShard> shard;
 };
 
-// `t` transposed into a buffer of its own: GPT-2's Conv1D [in, out] back to [out, in].
-Value TransposedCopy(const Tensor& t) {
+// `t` transposed into a buffer of its own: GPT-2's Conv1D [in, out] back to
+// [out, in], by the export's own transpose.
+Result<Value> TransposedCopy(const Tensor& t) {
   const int element = ElementSize(t.storage->dtype);
   const int64_t rows = t.sizes[0], cols = t.sizes[1];
   auto bytes = std::make_shared<std::vector<uint8_t>>(static_cast<size_t>(rows * cols * element));
   const uint8_t* in = TensorData(t);
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < cols; ++c) {
-      std::copy_n(in + (r * cols + c) * element, element, bytes->data() + (c * rows + r) * element);
-    }
-  }
+  ByteProducer source = [in](int64_t offset, int64_t length, uint8_t* dst) {
+    std::copy_n(in + offset, length, dst);
+    return Status::Ok();
+  };
+  RESHARD_RETURN_IF_ERROR(Transposed(std::move(source), rows, cols, element)(0, rows * cols * element, bytes->data()));
   return MakeOwnedTensor(t.storage->dtype, {cols, rows}, std::move(bytes));
 }
 
@@ -295,7 +296,12 @@ class TensorJoiner {
                                     "matrix " + hf_.architecture + " stores transposed");
       }
       if (map.transpose) transposed_bytes_ += t.numel() * ElementSize(t.storage->dtype);
-      parts.push_back(map.transpose ? TransposedCopy(t) : it->second);
+      if (!map.transpose) {
+        parts.push_back(it->second);
+        continue;
+      }
+      RESHARD_ASSIGN_OR_RETURN(Value transposed, TransposedCopy(t));
+      parts.push_back(std::move(transposed));
     }
     return parts;
   }

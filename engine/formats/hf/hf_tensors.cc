@@ -18,71 +18,6 @@ namespace {
 
 constexpr char kBlock[] = "{block}";
 
-}  // namespace
-
-HfNameTemplate::HfNameTemplate(std::string name) : name_(std::move(name)) {
-  std::string pattern;
-  size_t pos = 0;
-  for (size_t at; (at = name_.find(kBlock, pos)) != std::string::npos; pos = at + std::strlen(kBlock)) {
-    pattern += RE2::QuoteMeta(name_.substr(pos, at - pos)) + "([0-9]+)";
-  }
-  pattern_ = std::make_unique<RE2>(pattern + RE2::QuoteMeta(name_.substr(pos)));
-}
-
-HfNameTemplate::~HfNameTemplate() = default;
-
-bool HfNameTemplate::Match(const std::string& name, std::string* block) const {
-  block->clear();
-  return pattern_->NumberOfCapturingGroups() == 0 ? RE2::FullMatch(name, *pattern_)
-                                                  : RE2::FullMatch(name, *pattern_, block);
-}
-
-std::string HfNameTemplate::With(const std::string& block) const {
-  std::string name = name_;
-  for (size_t at; (at = name.find(kBlock)) != std::string::npos;) name.replace(at, std::strlen(kBlock), block);
-  return name;
-}
-
-Result<std::vector<HfPart>> HfParts(const HfTensorMap& map, const std::string& name,
-                                    const std::vector<int64_t>& shape, const RuleInputs& inputs,
-                                    const std::string& block) {
-  const int64_t rows = shape.empty() ? 1 : shape[0];
-  std::vector<HfPart> parts;
-  for (const std::string& to : map.to) parts.push_back({HfNameTemplate(to).With(block), {}, rows});
-  if (map.split == HfTensorMap::Split::kHalves) {
-    if (rows % 2 != 0) {
-      return Status::InvalidInput(name + " has " + std::to_string(rows) + " rows, which split_halves "
-                                  "cannot halve (line " + std::to_string(map.line) + ")");
-    }
-    for (int half = 0; half < 2; ++half) parts[half] = {parts[half].name, HalfRows(rows, half), rows / 2};
-  }
-  if (map.split != HfTensorMap::Split::kQkv) return parts;
-  const std::optional<int64_t> groups = map.groups.Resolve(inputs), heads = map.heads.Resolve(inputs);
-  if (!groups || !heads) {
-    return Status::InvalidInput("split_qkv of " + name + " needs its " + (groups ? "head" : "group") +
-                                " count, which is " + (groups ? map.heads : map.groups).HowToGive());
-  }
-  const int64_t units = *heads + 2 * *groups;
-  if (*groups < 1 || *heads % *groups != 0 || rows % units != 0) {
-    return Status::InvalidInput(name + " has " + std::to_string(rows) + " rows, not a fused QKV of " +
-                                std::to_string(*groups) + " KV groups and " + std::to_string(*heads) +
-                                " query heads ((heads + 2 x groups) x head_dim rows)");
-  }
-  std::vector<HfPart> qkv;
-  for (int part = 0; part < 3; ++part) {
-    qkv.push_back({"", QkvRows(*groups, *heads, rows / units, part), (part == 0 ? *heads : *groups) * (rows / units)});
-  }
-  if (parts.size() == 1) {  // one tensor [q; k; v]
-    HfPart fused{parts[0].name, {}, rows};
-    for (const HfPart& p : qkv) fused.runs.insert(fused.runs.end(), p.runs.begin(), p.runs.end());
-    return std::vector<HfPart>{fused};
-  }
-  for (int part = 0; part < 3; ++part) qkv[part].name = parts[part].name;
-  return qkv;
-}
-
-namespace {
-
 // A dim of an entry's `shape`: N, a path, or N*path.
 Result<int64_t> DimSize(const std::string& dim, const RuleInputs& inputs) {
   const size_t star = dim.find('*');
@@ -93,91 +28,6 @@ Result<int64_t> DimSize(const std::string& dim, const RuleInputs& inputs) {
   if (!n) return Status::InvalidInput("the size " + dim + " is " + size.HowToGive());
   return factor * *n;
 }
-
-}  // namespace
-
-Status CheckHfShape(const HfExport& hf, const HfTensorMap& map, const std::string& name,
-                    const std::vector<int64_t>& shape, const RuleInputs& inputs) {
-  if (map.shape.empty()) return Status::Ok();
-  std::vector<int64_t> want;
-  for (const std::string& dim : map.shape) {
-    RESHARD_ASSIGN_OR_RETURN(int64_t n, DimSize(dim, inputs));
-    want.push_back(n);
-  }
-  if (want == shape) return Status::Ok();
-  return Status::Unsupported(hf.architecture + " needs " + name + " of shape " + ShapeString(want) + " (" +
-                             Join(map.shape, ", ") + ", hf.tensors line " + std::to_string(map.line) +
-                             "), and the checkpoint's is " + ShapeString(shape) +
-                             "; the architecture does not compute this model");
-}
-
-namespace {
-
-// The tensor `part` of `t`, transposed when the entry says so.
-Result<StateDictTensor> MakePart(const HfTensorMap& map, const ChosenTensor& t, const HfPart& part,
-                                 int64_t* scratch_bytes) {
-  std::vector<int64_t> shape = t.shape;
-  if (!shape.empty()) shape[0] = part.rows;
-  const int element = ElementSize(t.dtype);
-  const int64_t row_bytes = (t.shape.empty() || t.shape[0] == 0 ? 1 : ShapeNumel(t.shape) / t.shape[0]) * element;
-  std::string detail = std::string(t.master ? "fp32 master" : "weights") + " " + t.name;
-  if (!part.runs.empty()) detail += ", rows reordered";
-  if (map.transpose && shape.size() != 2) {
-    return Status::InvalidInput("transpose (line " + std::to_string(map.line) + ") needs a matrix, and " +
-                                t.name + " has shape " + ShapeString(t.shape));
-  }
-  StateDictTensor out{part.name, t.dtype, shape, detail, nullptr};
-  if (map.transpose) {
-    out.shape = {shape[1], shape[0]};
-    out.detail += ", transposed";
-    *scratch_bytes = std::max(*scratch_bytes, TransposeScratchBytes(shape[0], shape[1], element));
-  }
-  const bool transpose = map.transpose;
-  out.bytes = [t, runs = part.runs, row_bytes, shape, transpose, element](const std::vector<FullTensor>& sources) {
-    ByteProducer bytes = ChosenBytes(t, sources);
-    if (!runs.empty()) bytes = GatherRows(std::move(bytes), row_bytes, runs);
-    return transpose ? Transposed(std::move(bytes), shape[0], shape[1], element) : bytes;
-  };
-  return out;
-}
-
-// Each entry's name template, and which parameters it found.
-struct Entry {
-  const HfTensorMap* map;
-  std::unique_ptr<HfNameTemplate> from;
-  int found = 0;
-};
-
-}  // namespace
-
-std::vector<RowRun> QkvRows(int64_t groups, int64_t heads, int64_t head_dim, int part) {
-  const int64_t per_group = heads / groups;  // query heads of one KV group
-  const int64_t offset = part == 0 ? 0 : per_group + part - 1;
-  const int64_t count = part == 0 ? per_group : 1;
-  std::vector<RowRun> runs;
-  for (int64_t g = 0; g < groups; ++g) runs.push_back({(g * (per_group + 2) + offset) * head_dim, count * head_dim});
-  return runs;
-}
-
-std::vector<RowRun> HalfRows(int64_t rows, int half) { return {{half * rows / 2, rows / 2}}; }
-
-ByteProducer GatherRows(ByteProducer source, int64_t row_bytes, std::vector<RowRun> runs) {
-  return [source = std::move(source), row_bytes, runs = std::move(runs)](int64_t offset, int64_t length,
-                                                                          uint8_t* dst) {
-    int64_t at = 0;  // output byte where the current run starts
-    for (const RowRun& run : runs) {
-      const int64_t run_bytes = run.count * row_bytes;
-      const int64_t begin = std::max(offset, at), end = std::min(offset + length, at + run_bytes);
-      if (begin < end) {
-        RESHARD_RETURN_IF_ERROR(source(run.first * row_bytes + (begin - at), end - begin, dst + (begin - offset)));
-      }
-      at += run_bytes;
-    }
-    return Status::Ok();
-  };
-}
-
-namespace {
 
 // The requests that read a band of every column, front to back.
 constexpr int64_t kWholeBandRequest = int64_t{1} << 20;
@@ -306,7 +156,145 @@ void CopyTransposed(const uint8_t* in, int64_t width, int64_t rows, int64_t firs
   }
 }
 
+// The tensor `part` of `t`, transposed when the entry says so.
+Result<StateDictTensor> MakePart(const HfTensorMap& map, const ChosenTensor& t, const HfPart& part,
+                                 int64_t* scratch_bytes) {
+  std::vector<int64_t> shape = t.shape;
+  if (!shape.empty()) shape[0] = part.rows;
+  const int element = ElementSize(t.dtype);
+  const int64_t row_bytes = (t.shape.empty() || t.shape[0] == 0 ? 1 : ShapeNumel(t.shape) / t.shape[0]) * element;
+  std::string detail = std::string(t.master ? "fp32 master" : "weights") + " " + t.name;
+  if (!part.runs.empty()) detail += ", rows reordered";
+  if (map.transpose && shape.size() != 2) {
+    return Status::InvalidInput("transpose (line " + std::to_string(map.line) + ") needs a matrix, and " +
+                                t.name + " has shape " + ShapeString(t.shape));
+  }
+  StateDictTensor out{part.name, t.dtype, shape, detail, nullptr};
+  if (map.transpose) {
+    out.shape = {shape[1], shape[0]};
+    out.detail += ", transposed";
+    *scratch_bytes = std::max(*scratch_bytes, TransposeScratchBytes(shape[0], shape[1], element));
+  }
+  const bool transpose = map.transpose;
+  out.bytes = [t, runs = part.runs, row_bytes, shape, transpose, element](const std::vector<FullTensor>& sources) {
+    ByteProducer bytes = ChosenBytes(t, sources);
+    if (!runs.empty()) bytes = GatherRows(std::move(bytes), row_bytes, runs);
+    return transpose ? Transposed(std::move(bytes), shape[0], shape[1], element) : bytes;
+  };
+  return out;
+}
+
+// Each entry's name template, and which parameters it found.
+struct Entry {
+  const HfTensorMap* map;
+  std::unique_ptr<HfNameTemplate> from;
+  int found = 0;
+};
+
 }  // namespace
+
+HfNameTemplate::HfNameTemplate(std::string name) : name_(std::move(name)) {
+  std::string pattern;
+  size_t pos = 0;
+  for (size_t at; (at = name_.find(kBlock, pos)) != std::string::npos; pos = at + std::strlen(kBlock)) {
+    pattern += RE2::QuoteMeta(name_.substr(pos, at - pos)) + "([0-9]+)";
+  }
+  pattern_ = std::make_unique<RE2>(pattern + RE2::QuoteMeta(name_.substr(pos)));
+}
+
+HfNameTemplate::~HfNameTemplate() = default;
+
+bool HfNameTemplate::Match(const std::string& name, std::string* block) const {
+  block->clear();
+  return pattern_->NumberOfCapturingGroups() == 0 ? RE2::FullMatch(name, *pattern_)
+                                                  : RE2::FullMatch(name, *pattern_, block);
+}
+
+std::string HfNameTemplate::With(const std::string& block) const {
+  std::string name = name_;
+  for (size_t at; (at = name.find(kBlock)) != std::string::npos;) name.replace(at, std::strlen(kBlock), block);
+  return name;
+}
+
+Result<std::vector<HfPart>> HfParts(const HfTensorMap& map, const std::string& name,
+                                    const std::vector<int64_t>& shape, const RuleInputs& inputs,
+                                    const std::string& block) {
+  const int64_t rows = shape.empty() ? 1 : shape[0];
+  std::vector<HfPart> parts;
+  for (const std::string& to : map.to) parts.push_back({HfNameTemplate(to).With(block), {}, rows});
+  if (map.split == HfTensorMap::Split::kHalves) {
+    if (rows % 2 != 0) {
+      return Status::InvalidInput(name + " has " + std::to_string(rows) + " rows, which split_halves "
+                                  "cannot halve (line " + std::to_string(map.line) + ")");
+    }
+    for (int half = 0; half < 2; ++half) parts[half] = {parts[half].name, HalfRows(rows, half), rows / 2};
+  }
+  if (map.split != HfTensorMap::Split::kQkv) return parts;
+  const std::optional<int64_t> groups = map.groups.Resolve(inputs), heads = map.heads.Resolve(inputs);
+  if (!groups || !heads) {
+    return Status::InvalidInput("split_qkv of " + name + " needs its " + (groups ? "head" : "group") +
+                                " count, which is " + (groups ? map.heads : map.groups).HowToGive());
+  }
+  const int64_t units = *heads + 2 * *groups;
+  if (*groups < 1 || *heads % *groups != 0 || rows % units != 0) {
+    return Status::InvalidInput(name + " has " + std::to_string(rows) + " rows, not a fused QKV of " +
+                                std::to_string(*groups) + " KV groups and " + std::to_string(*heads) +
+                                " query heads ((heads + 2 x groups) x head_dim rows)");
+  }
+  std::vector<HfPart> qkv;
+  for (int part = 0; part < 3; ++part) {
+    qkv.push_back({"", QkvRows(*groups, *heads, rows / units, part), (part == 0 ? *heads : *groups) * (rows / units)});
+  }
+  if (parts.size() == 1) {  // one tensor [q; k; v]
+    HfPart fused{parts[0].name, {}, rows};
+    for (const HfPart& p : qkv) fused.runs.insert(fused.runs.end(), p.runs.begin(), p.runs.end());
+    return std::vector<HfPart>{fused};
+  }
+  for (int part = 0; part < 3; ++part) qkv[part].name = parts[part].name;
+  return qkv;
+}
+
+Status CheckHfShape(const HfExport& hf, const HfTensorMap& map, const std::string& name,
+                    const std::vector<int64_t>& shape, const RuleInputs& inputs) {
+  if (map.shape.empty()) return Status::Ok();
+  std::vector<int64_t> want;
+  for (const std::string& dim : map.shape) {
+    RESHARD_ASSIGN_OR_RETURN(int64_t n, DimSize(dim, inputs));
+    want.push_back(n);
+  }
+  if (want == shape) return Status::Ok();
+  return Status::Unsupported(hf.architecture + " needs " + name + " of shape " + ShapeString(want) + " (" +
+                             Join(map.shape, ", ") + ", hf.tensors line " + std::to_string(map.line) +
+                             "), and the checkpoint's is " + ShapeString(shape) +
+                             "; the architecture does not compute this model");
+}
+
+std::vector<RowRun> QkvRows(int64_t groups, int64_t heads, int64_t head_dim, int part) {
+  const int64_t per_group = heads / groups;  // query heads of one KV group
+  const int64_t offset = part == 0 ? 0 : per_group + part - 1;
+  const int64_t count = part == 0 ? per_group : 1;
+  std::vector<RowRun> runs;
+  for (int64_t g = 0; g < groups; ++g) runs.push_back({(g * (per_group + 2) + offset) * head_dim, count * head_dim});
+  return runs;
+}
+
+std::vector<RowRun> HalfRows(int64_t rows, int half) { return {{half * rows / 2, rows / 2}}; }
+
+ByteProducer GatherRows(ByteProducer source, int64_t row_bytes, std::vector<RowRun> runs) {
+  return [source = std::move(source), row_bytes, runs = std::move(runs)](int64_t offset, int64_t length,
+                                                                          uint8_t* dst) {
+    int64_t at = 0;  // output byte where the current run starts
+    for (const RowRun& run : runs) {
+      const int64_t run_bytes = run.count * row_bytes;
+      const int64_t begin = std::max(offset, at), end = std::min(offset + length, at + run_bytes);
+      if (begin < end) {
+        RESHARD_RETURN_IF_ERROR(source(run.first * row_bytes + (begin - at), end - begin, dst + (begin - offset)));
+      }
+      at += run_bytes;
+    }
+    return Status::Ok();
+  };
+}
 
 int64_t TransposeScratchBytes(int64_t rows, int64_t cols, int element, int64_t band_bytes) {
   const int64_t band = rows * BandColumns(rows, cols, element, band_bytes) * element;
