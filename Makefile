@@ -13,7 +13,7 @@ FUZZ_SECONDS ?= 40
 FUZZERS := pickle zip rules safetensors
 SANITIZE_BUILD ?= build-asan
 
-.PHONY: deps build test demo fuzz sanitize clean
+.PHONY: deps build test demo fuzz sanitize bench clean
 
 deps:
 	@missing=$$(for p in $(DEB_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
@@ -61,5 +61,22 @@ sanitize: deps
 demo: build
 	examples/demo.sh $(BUILD)/reshard
 
+# The performance figures of benchmarks/README.md in one run (~30 minutes, ~50 GB in
+# BENCH_WORKDIR, best as root on an otherwise idle machine): convert against
+# cp -r in both page-cache modes with the exports and mpirun -np 2, then the
+# cost model at three sizes. Never part of `make test`.
+BENCH_BUILD ?= build-bench
+BENCH_WORKDIR ?= /tmp/reshard-bench
+BENCH_LOG ?= $(BENCH_BUILD)/bench.log
+# BENCH_KEEP=--keep keeps the checkpoints (~30 GB) for the next run.
+BENCH_KEEP ?=
+bench: deps
+	cmake -S . -B $(BENCH_BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+	cmake --build $(BENCH_BUILD) -j $(JOBS) --target reshard
+	{ $(PY) benchmarks/run.py --reshard $(BENCH_BUILD)/reshard --scales 1 --runs 3 --exports --mpi 2 \
+	    --buffer-sizes 128KiB,4MiB --workdir $(BENCH_WORKDIR) --keep-checkpoints --json $(BENCH_BUILD)/run.json && \
+	  $(PY) benchmarks/cost_model.py --reshard $(BENCH_BUILD)/reshard --workdir $(BENCH_WORKDIR) $(BENCH_KEEP) \
+	    --json $(BENCH_BUILD)/cost_model.json; } 2>&1 | tee $(BENCH_LOG)
+
 clean:
-	rm -rf $(BUILD) $(FUZZ_BUILD) $(SANITIZE_BUILD)
+	rm -rf $(BUILD) $(FUZZ_BUILD) $(SANITIZE_BUILD) $(BENCH_BUILD)

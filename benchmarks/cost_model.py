@@ -6,7 +6,7 @@ For the benchmark checkpoint at --scales (default 0.25, 1 and 4 times the 5.6 GB
 of a model, because building a 1.5B-parameter model would take ~18 GB of memory) the script
 times, once each (--runs), from a cold page cache when it can drop it:
   * convert SRC OUT --tp 1 --pp 4 --dp 4, then verify SRC OUT,
-  * export --to universal, --to consolidated and --to hf,
+  * export --to universal, --to consolidated, --to hf and --to megatron (TP 1, PP 4),
 and for a ZeRO-3 checkpoint (the HF-Trainer-style fixture, bf16, DP 2; h=768 with 2, 8 and 32
 blocks and a vocabulary of 8k, 32k and 128k, so every size is 4x the last) convert to DP 4.
 
@@ -93,9 +93,9 @@ def pipeline_size(ns, scale: float) -> List[Dict]:
         os.makedirs(out_root)
     results = [timed(ns, 'convert', [ns.reshard, 'convert', src, out] + TARGET + ['-q'], src_bytes, fresh),
                timed(ns, 'verify', [ns.reshard, 'verify', src, out], src_bytes)]
-    for to in ('universal', 'consolidated', 'hf'):
+    for to, layout in (('universal', []), ('consolidated', []), ('hf', []), ('megatron', TARGET[:4])):
         results.append(timed(ns, 'export ' + to,
-                             [ns.reshard, 'export', src, os.path.join(out_root, to), '--to', to, '-q'],
+                             [ns.reshard, 'export', src, os.path.join(out_root, to), '--to', to] + layout + ['-q'],
                              src_bytes, fresh))
     remove(out_root)
     for r in results:

@@ -546,6 +546,8 @@ def main(argv=None) -> int:
                     help='where checkpoints and outputs go (default /tmp/reshard-bench; needs ~20 GB)')
     ap.add_argument('--keep', action='store_true',
                     help='keep the checkpoints and the last outputs (default: delete everything written)')
+    ap.add_argument('--keep-checkpoints', action='store_true',
+                    help='keep the checkpoints only (for cost_model.py to reuse), delete the outputs')
     ap.add_argument('--exports', action='store_true',
                     help='also time `export --to universal`, `--to consolidated` and `--to hf` of SRC, and '
                          '`convert` from its universal checkpoint, in the same alternation')
@@ -577,7 +579,7 @@ def main(argv=None) -> int:
         if not ns.keep:
             # Only what this script writes: --workdir may be a folder with other things in it.
             for name in os.listdir(ns.workdir):
-                if name.startswith('ckpt-scale') or name in ('cp-out', 'reshard-out', 'mpi-out', 'ds-universal-out',
+                if (name.startswith('ckpt-scale') and not ns.keep_checkpoints) or name in ('cp-out', 'reshard-out', 'mpi-out', 'ds-universal-out',
                                                              'latest_universal'):
                     remove(os.path.join(ns.workdir, name))
             if not os.listdir(ns.workdir):
