@@ -191,6 +191,15 @@ class MoeConvertTests(FixtureTestCase):
         self.assertIn('group 2 2.mlp.deepspeed_moe.experts.deepspeed_experts.3.dense_h_to_4h.weight <- '
                       '2.mlp.deepspeed_moe.experts.deepspeed_experts.3.dense_h_to_4h.weight', p.stdout)
         self.assertFalse(os.path.exists(self.path('out')))
+        # A PP change: one stage drawn from both source stages, the second MoE layer renamed layer_1.
+        p = convert(self.path('a'), self.path('out'), dataclasses.replace(cfg, pp=1), '--dry-run')
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        self.assertIn('(source EP 2, PP 2); stage bounds (layer ids) 0 6', p.stdout)
+        self.assertIn('stage 0: module of 20 tensors from mp_rank_00, mp_rank_01, 2 MoE layers (8 expert files)',
+                      p.stdout)
+        self.assertIn('layer_1_expert_3_mp_rank_00_model_states.pt <- layer_0_expert_3_mp_rank_01_model_states.pt',
+                      p.stdout)
+        self.assertFalse(os.path.exists(self.path('out')))
 
     def test_refusals(self):
         a = self.write('a', MoeConfig(engine='module', dp=4, ep=2))

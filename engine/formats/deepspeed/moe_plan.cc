@@ -2,8 +2,8 @@
 
 #include <algorithm>
 #include <limits>
-#include <optional>
 #include <map>
+#include <optional>
 #include <set>
 #include <utility>
 
@@ -417,6 +417,10 @@ Result<MoePlan> MakeMoePlan(const LogicalCheckpoint& src, const CheckpointFiles&
   plan.source_ep = layout.ep;
   plan.stage_bounds = target.stage_bounds;
   const TensorIndex index = IndexTensors(src);
+  std::vector<std::vector<std::string>> kinds(src.tp);  // per TP rank
+  for (int t = 0; opt != nullptr && t < src.tp; ++t) {
+    RESHARD_ASSIGN_OR_RETURN(kinds[t], KindOrder(src, *opt, t));
+  }
   for (int p = 0; p < plan.pp; ++p) {
     const LayerRange range{plan.stage_bounds[p], plan.stage_bounds[p + 1]};
     for (int t = 0; t < src.tp; ++t) {
@@ -431,9 +435,8 @@ Result<MoePlan> MakeMoePlan(const LogicalCheckpoint& src, const CheckpointFiles&
         StageTarget x{src, *opt, index, {}, t, target.ep, target.dp, layout.ep,
                       TensorTarget{src.tp, src.vocab.padded_rows, target.replicated, 0}};
         for (const MoeBlock& b : layout.blocks) x.experts[b.layer_id] = b.experts;
-        RESHARD_ASSIGN_OR_RETURN(const std::vector<std::string> kinds, KindOrder(src, *opt, t));
         for (int r = 0; r < target.ep; ++r) {
-          RESHARD_ASSIGN_OR_RETURN(OptimizerStagePlan o, PlanEpRank(x, kinds, p, range, r, &stage.group_sources));
+          RESHARD_ASSIGN_OR_RETURN(OptimizerStagePlan o, PlanEpRank(x, kinds[t], p, range, r, &stage.group_sources));
           stage.optimizer.push_back(std::move(o));
         }
       }
