@@ -226,6 +226,22 @@ class MoeConvertTests(FixtureTestCase):
                 self.assertEqual(len(p.stderr.strip().splitlines()), 1, p.stderr)
                 self.assertIn(message, p.stderr)
                 self.assertFalse(os.path.exists(self.path('out')))
+        # DeepSpeed's `parameters` partition weighs each rank's local experts only: refused, while
+        # --layers-per-stage gives the split.
+        with open(RULES['pipe']) as f:
+            rules = f.read().replace('partition_method: {default: uniform}', 'partition_method: {default: parameters}')
+        self.assertIn('default: parameters', rules)
+        weighed = self.path('parameters.yaml')
+        with open(weighed, 'w') as f:
+            f.write(rules)
+        p = run('convert', pipe, self.path('out', 'global_step2'), '--tp', '1', '--pp', '1', '--rules', weighed)
+        self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
+        self.assertEqual(len(p.stderr.strip().splitlines()), 1, p.stderr)
+        self.assertIn("DeepSpeed's 'parameters' partition of a MoE model", p.stderr)
+        self.assertFalse(os.path.exists(self.path('out')))
+        p = run('convert', pipe, self.path('split', 'global_step2'), '--tp', '1', '--pp', '1', '--layers-per-stage', '4',
+                '--rules', weighed)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         dense = make_fixture(self.path('dense'), style='ms_gpt2', tp=1, pp=2, dp=2)
         p = run('convert', dense, self.path('out', 'global_step10'), '--tp', '1', '--pp', '2', '--ep', '2')
         self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
