@@ -1,4 +1,4 @@
-"""`reshard convert` of DeepSpeed MoE checkpoints to another EP and DP size (TP and PP kept).
+"""`reshard convert` of DeepSpeed MoE checkpoints to another PP, EP and DP size (TP kept).
 
 Each case writes a fixture A with the MoE generator (tests/fixtures/deepspeed_moe.py), converts it
 to B, and checks B three ways, none of which uses reshard to read it:
@@ -11,9 +11,14 @@ to B, and checks B three ways, none of which uses reshard to read it:
   exp_avg and exp_avg_sq bit for bit;
 * converting B back to A's layout gives A's structure again, and the same values (round trip).
 
-The real non-pipeline save is converted too, and verify finds the same model (weights and every
-optimizer state) at the new layout. Refusals: TP or PP changes, an EP that does not divide the
-experts or DP, --ep on a checkpoint without experts -- one line, exit 2, nothing written.
+PP changes of pipeline-engine saves (each stage numbers its MoE layers from 0; a target stage's
+module, expert files and optimizer groups come from several source stages) are checked the same
+way, with EP and DP changed at the same time, and verify finds A and B the same model; an uneven
+--layers-per-stage split is checked through its round trip. The real saves are converted too (the
+pipeline one to PP 1), and verify finds the same model (weights and every optimizer state) at the
+new layout. Refusals: TP changes, PP changes without the pipeline engine, an EP that does not
+divide the experts or DP, --ep on a checkpoint without experts -- one line, exit 2, nothing
+written.
 
 Run by ctest as ``/usr/bin/python3 tests/interop/test_moe_convert.py --reshard BIN`` with
 PYTHONPATH=tests.
@@ -45,9 +50,28 @@ CASES = [
 ]
 
 
+# (source, target PP, EP, DP) of pipeline-engine saves: PP 2 -> 1, 1 -> 2, 2 -> 4 (a stage
+# without MoE layers), 3 -> 2, 2 -> 3 (stages of one and of two blocks), with EP up, down and kept,
+# DP up and down; fp32 / bf16 / fp16, ZeRO-1 / 2, residual MoE, 8 experts.
+PP_CASES = [
+    (MoeConfig(engine='pipe', pp=2, dp=2, ep=2, megatron_groups=False, client_iteration=False), 1, 2, 2),
+    (MoeConfig(engine='pipe', pp=1, dp=4, ep=2, dtype='bf16', zero_stage=2), 2, 4, 4),
+    (MoeConfig(engine='pipe', pp=2, dp=4, ep=2, num_layers=6, dtype='fp16', residual=True), 4, 1, 2),
+    (MoeConfig(engine='pipe', pp=3, dp=2, ep=2, dtype='bf16'), 2, 2, 6),
+    (MoeConfig(engine='pipe', pp=2, dp=4, ep=4, num_experts=8, zero_stage=2), 3, 2, 2),
+]
+
+
 def convert(src, dst, cfg, *extra):
     return run('convert', src, os.path.join(dst, cfg.tag), '--tp', '1', '--pp', str(cfg.pp),
                '--rules', RULES[cfg.engine], *extra)
+
+
+def layout(cfg, pp, ep, dp):
+    """The generator's config for cfg converted to (pp, ep, dp): module tensors compact, the
+    samples seen kept."""
+    return dataclasses.replace(cfg, pp=pp, ep=ep, dp=dp, shared_storage=False,
+                               global_samples=cfg.iteration * cfg.micro_batch * cfg.dp)
 
 
 class MoeConvertTests(FixtureTestCase):
@@ -76,6 +100,70 @@ class MoeConvertTests(FixtureTestCase):
                 self.assertEqual(differences(dm.structure(self.write(f'a{i}c', compact)), dm.structure(back)), [])
                 self.assertEqual(dm.canonical_differences(back, cfg), [])
 
+    def assert_round_trip(self, a, b, cfg, name, *args):
+        """Converts b back to cfg's layout: cfg's structure (compact) and values again."""
+        back = self.path(name)
+        p = run('convert', b, os.path.join(back, cfg.tag), '--tp', '1', '--pp', str(cfg.pp), '--ep', str(cfg.ep),
+                '--dp', str(cfg.dp), '--rules', RULES[cfg.engine], *args)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        compact = dataclasses.replace(cfg, shared_storage=False)
+        self.assertEqual(differences(dm.structure(self.write(name + 'c', compact)), dm.structure(back)), [])
+        self.assertEqual(dm.canonical_differences(back, cfg), [])
+
+    def assert_same_model(self, a, b, cfg):
+        p = run('verify', a, b, '--rules', RULES[cfg.engine])
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        self.assertIn('same model', p.stdout)
+
+    def test_pp_changes_give_the_fixture_at_the_target_layout(self):
+        for i, (cfg, pp, ep, dp) in enumerate(PP_CASES):
+            with self.subTest(case=i, pp=f'{cfg.pp}->{pp}', ep=f'{cfg.ep}->{ep}', dp=f'{cfg.dp}->{dp}',
+                              dtype=cfg.dtype, zero=cfg.zero_stage):
+                a = self.write(f'a{i}', cfg)
+                b = self.path(f'b{i}')
+                p = convert(a, b, dataclasses.replace(cfg, pp=pp), '--ep', str(ep), '--dp', str(dp))
+                self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+                self.assertIn(f'note: MoE: {cfg.pp} pipeline stages re-cut into {pp}', p.stderr + p.stdout)
+                want = layout(cfg, pp, ep, dp)
+                self.assertEqual(differences(dm.structure(self.write(f'w{i}', want)), dm.structure(b)), [])
+                self.assertEqual(dm.canonical_differences(b, cfg), [])
+                self.assert_same_model(a, b, cfg)
+                self.assert_round_trip(a, b, cfg, f'c{i}')
+
+    def test_layers_per_stage_split_round_trips(self):
+        # 1 + 3 blocks: stage 0 holds the embedding and a dense block, stage 1 both MoE layers
+        # (its layer_0 and layer_1 expert files), a split uniform partitioning does not make.
+        cfg = MoeConfig(engine='pipe', pp=2, dp=4, ep=2, dtype='bf16')
+        a = self.write('a', cfg)
+        b = self.path('b')
+        p = convert(a, b, cfg, '--ep', '4', '--layers-per-stage', '1,3')
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        names = os.listdir(os.path.join(b, cfg.tag))
+        self.assertNotIn('layer_0_expert_0_mp_rank_00_model_states.pt', names)
+        self.assertIn('layer_1_expert_3_mp_rank_01_model_states.pt', names)
+        self.assertEqual(dm.canonical_differences(b, cfg), [])
+        self.assert_same_model(a, b, cfg)
+        # PP kept keeps the source's stages: the way back names DeepSpeed's uniform split.
+        self.assert_round_trip(a, b, cfg, 'c', '--layers-per-stage', '2,2')
+
+    def test_real_pipeline_save_converts_to_one_stage(self):
+        src = os.path.join(DATA, 'pipe_pp2_ep2_dp2')
+        out = self.path('out')
+        p = run('convert', src, os.path.join(out, 'global_step2'), '--tp', '1', '--pp', '1', '--ep', '1',
+                '--dp', '2', '--rules', RULES['pipe'])
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        p = run('verify', src, out, '--rules', RULES['pipe'])
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        self.assertIn('same model', p.stdout)
+        before, after = dm.load_moe(src), dm.load_moe(out)
+        for kind in ('weights', 'fp32', 'exp_avg', 'exp_avg_sq'):
+            self.assertEqual(set(before[kind]), set(after[kind]))
+            for key in before[kind]:
+                self.assertTrue(torch.equal(before[kind][key], after[kind][key]), (kind, key))
+        # Its structure is the generator's at PP 1 (the real save's own config otherwise).
+        want = layout(dm.REAL_SAVES['pipe_pp2_ep2_dp2'], 1, 1, 2)
+        self.assertEqual(differences(dm.structure(self.write('w', want)), dm.structure(out)), [])
+
     def test_real_save_converts_to_the_same_model(self):
         src = os.path.join(DATA, 'zero1_fp32_ep2_dp4')
         out = self.path('out')
@@ -97,17 +185,27 @@ class MoeConvertTests(FixtureTestCase):
         cfg = MoeConfig(engine='pipe', pp=2, dp=2, ep=2)
         p = convert(self.write('a', cfg), self.path('out'), cfg, '--ep', '1', '--dp', '4', '--dry-run')
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
-        self.assertIn('target: TP 1, PP 2, DP 4, EP 1 x expert-DP 4 (source EP 2)', p.stdout)
+        self.assertIn('target: TP 1, PP 2, DP 4, EP 1 x expert-DP 4 (source EP 2, PP 2); stage bounds (layer ids) '
+                      '0 3 6', p.stdout)
         # EP 1 holds every expert under its global id; the source's EP rank 1 named expert 3 "1".
         self.assertIn('group 2 2.mlp.deepspeed_moe.experts.deepspeed_experts.3.dense_h_to_4h.weight <- '
                       '2.mlp.deepspeed_moe.experts.deepspeed_experts.3.dense_h_to_4h.weight', p.stdout)
+        self.assertFalse(os.path.exists(self.path('out')))
+        # A PP change: one stage drawn from both source stages, the second MoE layer renamed layer_1.
+        p = convert(self.path('a'), self.path('out'), dataclasses.replace(cfg, pp=1), '--dry-run')
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        self.assertIn('(source EP 2, PP 2); stage bounds (layer ids) 0 6', p.stdout)
+        self.assertIn('stage 0: module of 20 tensors from mp_rank_00, mp_rank_01, 2 MoE layers (8 expert files)',
+                      p.stdout)
+        self.assertIn('layer_1_expert_3_mp_rank_00_model_states.pt <- layer_0_expert_3_mp_rank_01_model_states.pt',
+                      p.stdout)
         self.assertFalse(os.path.exists(self.path('out')))
 
     def test_refusals(self):
         a = self.write('a', MoeConfig(engine='module', dp=4, ep=2))
         cases = [
-            (('--tp', '2', '--pp', '1'), 'changing TP or PP of a DeepSpeed MoE checkpoint is not implemented yet'),
-            (('--tp', '1', '--pp', '2'), 'changing TP or PP of a DeepSpeed MoE checkpoint is not implemented yet'),
+            (('--tp', '2', '--pp', '1'), 'changing TP of a DeepSpeed MoE checkpoint is not implemented yet'),
+            (('--tp', '1', '--pp', '2'), 'saved without the pipeline engine has one stage'),
             (('--tp', '1', '--pp', '1', '--ep', '3', '--dp', '6'), 'EP 3 does not divide the 4 experts'),
             (('--tp', '1', '--pp', '1', '--ep', '4', '--dp', '6'), 'EP 4 does not divide DP 6'),
         ]
@@ -118,6 +216,32 @@ class MoeConvertTests(FixtureTestCase):
                 self.assertEqual(len(p.stderr.strip().splitlines()), 1, p.stderr)
                 self.assertIn(message, p.stderr)
                 self.assertFalse(os.path.exists(self.path('out')))
+        pipe = self.write('p', MoeConfig(engine='pipe', pp=2, dp=2, ep=2))
+        for args, message in [(('--tp', '2', '--pp', '2'), 'changing TP of a DeepSpeed MoE checkpoint'),
+                              (('--tp', '1', '--pp', '5'), 'target PP 5 exceeds the 4 transformer blocks'),
+                              (('--tp', '1', '--pp', '2', '--layers-per-stage', '1,2'), 'sums to 3')]:
+            with self.subTest(args=args):
+                p = run('convert', pipe, self.path('out', 'global_step2'), '--rules', RULES['pipe'], *args)
+                self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
+                self.assertEqual(len(p.stderr.strip().splitlines()), 1, p.stderr)
+                self.assertIn(message, p.stderr)
+                self.assertFalse(os.path.exists(self.path('out')))
+        # DeepSpeed's `parameters` partition weighs each rank's local experts only: refused, while
+        # --layers-per-stage gives the split.
+        with open(RULES['pipe']) as f:
+            rules = f.read().replace('partition_method: {default: uniform}', 'partition_method: {default: parameters}')
+        self.assertIn('default: parameters', rules)
+        weighed = self.path('parameters.yaml')
+        with open(weighed, 'w') as f:
+            f.write(rules)
+        p = run('convert', pipe, self.path('out', 'global_step2'), '--tp', '1', '--pp', '1', '--rules', weighed)
+        self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
+        self.assertEqual(len(p.stderr.strip().splitlines()), 1, p.stderr)
+        self.assertIn("DeepSpeed's 'parameters' partition of a MoE model", p.stderr)
+        self.assertFalse(os.path.exists(self.path('out')))
+        p = run('convert', pipe, self.path('split', 'global_step2'), '--tp', '1', '--pp', '1', '--layers-per-stage', '4',
+                '--rules', weighed)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         dense = make_fixture(self.path('dense'), style='ms_gpt2', tp=1, pp=2, dp=2)
         p = run('convert', dense, self.path('out', 'global_step10'), '--tp', '1', '--pp', '2', '--ep', '2')
         self.assertEqual(p.returncode, 2, p.stdout + p.stderr)

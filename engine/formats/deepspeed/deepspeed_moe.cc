@@ -1,6 +1,6 @@
 // A DeepSpeed MoE save as a SourceCheckpoint: lint, inspect, the tensors
 // verify compares (weights and optimizer state, experts by global id), and
-// conversions to another EP and DP size (moe_plan.h).
+// conversions to another PP, EP and DP size (moe_plan.h).
 
 #include <mutex>
 
@@ -11,6 +11,7 @@
 #include "formats/deepspeed/moe_plan.h"
 #include "formats/deepspeed/pipeline_reader.h"
 #include "formats/deepspeed/moe_reader.h"
+#include "formats/deepspeed/stages.h"
 #include "plan/materialize.h"
 #include "plan/tensor_plan.h"
 #include "util/strings.h"
@@ -74,6 +75,7 @@ class MoeSource : public DeepSpeedModelSource {
     const int ep = options.target_ep > 0 ? options.target_ep : layout_.ep;
     const int dp = options.target_dp > 0 ? options.target_dp : ckpt().dp;
     RESHARD_RETURN_IF_ERROR(CheckTarget(options, ep, dp));
+    RESHARD_ASSIGN_OR_RETURN(std::vector<int> bounds, TargetBounds(options));
     const MoeOptimizer* opt = nullptr;
     if (shard_files() > 0 && options.weights_only) {
       notes->push_back(WeightsOnlyNote(OptimizerWhat()));
@@ -82,9 +84,10 @@ class MoeSource : public DeepSpeedModelSource {
     }
     RESHARD_RETURN_IF_ERROR(Convertible(opt));
     if (options.dry_run) notes->push_back(kDryRunNote);
-    RESHARD_ASSIGN_OR_RETURN(MoePlan plan, MakeMoePlan(ckpt(), layout_, opt, ep, dp, options.replicated));
+    RESHARD_ASSIGN_OR_RETURN(MoePlan plan,
+                             MakeMoePlan(ckpt(), files(), layout_, opt, MoeTarget{ep, dp, bounds, options.replicated}));
     notes->insert(notes->end(), plan.notes.begin(), plan.notes.end());
-    return std::unique_ptr<TargetPlan>(new MoeTargetPlan(ckpt(), files(), layout_, opt, allowed_classes_, std::move(plan)));
+    return std::unique_ptr<TargetPlan>(new MoeTargetPlan(ckpt(), files(), opt, allowed_classes_, std::move(plan)));
   }
 
   // The weights and every optimizer state, experts under their global ids.
@@ -136,13 +139,25 @@ class MoeSource : public DeepSpeedModelSource {
     return Status::Ok();
   }
 
-  // The target layouts this conversion can write: TP and PP kept, EP
-  // dividing DP and every MoE layer's experts.
+  bool ChangesStages(const ConvertOptions& options) const {
+    return options.target_pp != ckpt().pp || !options.layers_per_stage.empty();
+  }
+
+  // The target layouts this conversion can write: TP kept, PP changed only
+  // for the pipeline engine (whose stages are spec ranges), EP dividing DP
+  // and every MoE layer's experts.
   Status CheckTarget(const ConvertOptions& options, int ep, int dp) const {
-    if (options.target_tp != ckpt().tp || options.target_pp != ckpt().pp || !options.layers_per_stage.empty()) {
-      return Status::Unsupported("changing TP or PP of a DeepSpeed MoE checkpoint is not implemented yet; keep --tp " +
-                                 std::to_string(ckpt().tp) + " --pp " + std::to_string(ckpt().pp) +
-                                 " (EP, DP and expert-DP change)");
+    if (options.target_tp != ckpt().tp) {
+      return Status::Unsupported("changing TP of a DeepSpeed MoE checkpoint is not implemented yet; keep --tp " +
+                                 std::to_string(ckpt().tp) + " (PP, EP, DP and expert-DP change)");
+    }
+    if (ChangesStages(options) && !pipeline_names_) {
+      return Status::InvalidInput("a DeepSpeed MoE checkpoint saved without the pipeline engine has one stage and "
+                                  "no spec ids to cut stages at; keep --pp 1 (EP, DP and expert-DP change)");
+    }
+    if (ChangesStages(options) && layout_.old_file_form) {
+      return Status::Unsupported("changing PP of a MoE checkpoint with old-form expert files (expert_{e}_mp_rank_*) "
+                                 "is not implemented; keep --pp " + std::to_string(ckpt().pp));
     }
     if (dp % ep != 0) {
       return Status::InvalidInput("EP " + std::to_string(ep) + " does not divide DP " + std::to_string(dp) +
@@ -155,6 +170,20 @@ class MoeSource : public DeepSpeedModelSource {
                                   "; choose an --ep that does");
     }
     return Status::Ok();
+  }
+
+  // The target stages: the source's when PP is kept, else DeepSpeed's
+  // partition (or --layers-per-stage). The `parameters` method would weigh
+  // every global expert where a DeepSpeed rank holds only its local ones.
+  Result<std::vector<int>> TargetBounds(const ConvertOptions& options) const {
+    if (!ChangesStages(options)) return SourceStageBounds(ckpt());
+    if (options.layers_per_stage.empty() && PartitionMethod(ckpt()) == "parameters") {
+      return Status::Unsupported("DeepSpeed's 'parameters' partition of a MoE model counts only each rank's local "
+                                 "experts, which reshard does not reproduce yet; give the split with "
+                                 "--layers-per-stage");
+    }
+    return TargetStageBounds(ckpt(), options.target_pp, ckpt().tp, ckpt().vocab.padded_rows,
+                             options.layers_per_stage);
   }
 
   // The optimizer shards, read once, when a command first needs them.

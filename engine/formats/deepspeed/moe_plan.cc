@@ -1,7 +1,9 @@
 #include "formats/deepspeed/moe_plan.h"
 
 #include <algorithm>
+#include <limits>
 #include <map>
+#include <optional>
 #include <set>
 #include <utility>
 
@@ -28,13 +30,20 @@ TensorIndex IndexTensors(const LogicalCheckpoint& src) {
   return index;
 }
 
-// What the planning of one (mp rank, target EP rank) needs.
-struct EpRankTarget {
+// The layers (ids) [lo, hi) of one target stage.
+struct LayerRange {
+  int lo = 0, hi = 0;
+  bool Has(int id) const { return lo <= id && id < hi; }
+};
+constexpr LayerRange kAllLayers{std::numeric_limits<int>::min(), std::numeric_limits<int>::max()};
+
+// What the planning of one target stage's optimizer needs.
+struct StageTarget {
   const LogicalCheckpoint& src;
   const MoeOptimizer& opt;
   const TensorIndex& index;
   std::map<int, int> experts;  // layer id -> global experts
-  int mp = 0, ep = 1, dp = 1, source_ep = 1;
+  int tp_rank = 0, ep = 1, dp = 1, source_ep = 1;
   TensorTarget tensors;
 };
 
@@ -46,17 +55,19 @@ std::string ExpertName(const LogicalLayer& layer, const LogicalTensor& t, int lo
   return MoeSaveName(layer, renamed);
 }
 
-// The experts of EP rank `rank` (of `ep`) in group `group`, in the experts'
-// order: (saved name, name on that rank).
-std::vector<std::pair<std::string, std::string>> ExpertsOf(const EpRankTarget& x, int group, int rank, int ep) {
+// The experts of EP rank `rank` (of `ep`) in group `group` of mp rank `mp`,
+// on the layers `range`, in the experts' order: (saved name, name on that rank).
+std::vector<std::pair<std::string, std::string>> ExpertsOf(const StageTarget& x, int mp, int group, int rank, int ep,
+                                                           LayerRange range) {
   std::vector<std::pair<std::string, std::string>> out;
   for (const LogicalLayer& layer : x.src.layers) {
+    if (!range.Has(layer.id)) continue;
     for (const LogicalTensor& t : layer.tensors) {
       if (t.rule->expert == 0) continue;
       const int local_experts = x.experts.at(layer.id) / ep;
       const int id = t.rule->ExpertId(t.key);
       const std::string saved = MoeSaveName(layer, t);
-      if (id / local_experts != rank || x.opt.GroupOf(saved, x.mp) != group) continue;
+      if (id / local_experts != rank || x.opt.GroupOf(saved, mp) != group) continue;
       out.push_back({saved, ExpertName(layer, t, id % local_experts)});
     }
   }
@@ -65,41 +76,121 @@ std::vector<std::pair<std::string, std::string>> ExpertsOf(const EpRankTarget& x
 
 // The source's expert groups list their experts in that order: the target's
 // are laid out by it.
-Status CheckExpertOrder(const EpRankTarget& x, int group) {
+Status CheckExpertOrder(const StageTarget& x, int mp, int group) {
   for (int r = 0; r < x.source_ep; ++r) {
     std::vector<std::string> want;
-    for (auto& [saved, local] : ExpertsOf(x, group, r, x.source_ep)) want.push_back(std::move(local));
-    if (x.opt.GroupOrder(x.mp, group, r) == want) continue;
+    for (auto& [saved, local] : ExpertsOf(x, mp, group, r, x.source_ep, kAllLayers)) want.push_back(std::move(local));
+    if (x.opt.GroupOrder(mp, group, r) == want) continue;
     return Status::Unsupported("expert group " + std::to_string(group) + " of EP rank " + std::to_string(r) + " on " +
-                               ModelStatesName(x.mp) + " does not hold its experts in their order (layer, "
+                               ModelStatesName(mp) + " does not hold its experts in their order (layer, "
                                "expert, parameter); reshard cannot regroup it");
   }
   return Status::Ok();
 }
 
-Result<OptimizerStagePlan> PlanEpRank(const EpRankTarget& x, int rank) {
+// The torch state_dict inside a ZeRO shard (null when malformed).
+const Value* BaseState(const Value& shard) {
+  const Value* osd = Find(shard, "optimizer_state_dict");
+  return osd != nullptr ? Find(*osd, "base_optimizer_state") : nullptr;
+}
+
+const Value* ParamGroup(const MoeOptimizer& opt, int mp, int group) {
+  const Value* base = BaseState(opt.Shard(mp, 0));
+  const Value* groups = base != nullptr ? Find(*base, "param_groups") : nullptr;
+  if (groups == nullptr || !groups->is(Value::Kind::kList)) return nullptr;
+  const std::vector<Value>& items = groups->as_list().items;
+  return group < static_cast<int>(items.size()) ? &items[group] : nullptr;
+}
+
+// A group's kind: whether it holds experts, and its hyperparameters (all
+// but `params`). A target stage's group of a kind gathers the parameters the
+// source stages had in their group of that kind.
+std::string GroupKind(const MoeOptimizer& opt, int mp, int group) {
+  std::string kind = opt.IsExpertGroup(mp, group) ? "experts" : "dense";
+  const Value* hyper = ParamGroup(opt, mp, group);
+  const Items* items = hyper != nullptr ? DictItems(*hyper) : nullptr;
+  for (size_t i = 0; items != nullptr && i < items->size(); ++i) {
+    const auto& [key, value] = (*items)[i];
+    if (!key.is(Value::Kind::kString) || key.as_string() != "params") {
+      kind += "; " + key.DebugString() + "=" + value.DebugString();
+    }
+  }
+  return kind;
+}
+
+// The kinds of TP rank `t`'s groups over all source stages, in one order
+// that keeps each stage's (DeepSpeed's: the weight-decay split, non-expert
+// groups before expert ones); no stage may have two groups of one kind.
+Result<std::vector<std::string>> KindOrder(const LogicalCheckpoint& src, const MoeOptimizer& opt, int t) {
+  std::vector<std::string> order;
+  for (int s = 0; s < src.pp; ++s) {
+    const int mp = s * src.tp + t;
+    size_t at = 0;
+    std::set<std::string> seen;
+    for (int g = 0; g < opt.Groups(mp); ++g) {
+      const std::string kind = GroupKind(opt, mp, g);
+      if (!seen.insert(kind).second) {
+        return Status::Unsupported("two optimizer groups of " + ModelStatesName(mp) + " have the same "
+                                   "hyperparameters; reshard cannot tell which one a parameter moved from "
+                                   "another stage joins (keep --pp " + std::to_string(src.pp) + ")");
+      }
+      auto it = std::find(order.begin(), order.end(), kind);
+      if (it == order.end()) it = order.insert(order.begin() + static_cast<std::ptrdiff_t>(at), kind);
+      at = static_cast<size_t>(it - order.begin()) + 1;
+    }
+  }
+  return order;
+}
+
+// The members of the target group of kind `kind` on EP rank `rank`:
+// (saved name, target name), from every source stage's group of that kind,
+// on the layers `range`; `source` is set to the first group giving any.
+Result<std::vector<std::pair<std::string, std::string>>> Members(const StageTarget& x, const std::string& kind,
+                                                                 int rank, LayerRange range, MoeGroupSource* source) {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (int s = 0; s < x.src.pp; ++s) {
+    const int mp = s * x.src.tp + x.tp_rank;
+    for (int g = 0; g < x.opt.Groups(mp); ++g) {
+      if (GroupKind(x.opt, mp, g) != kind) continue;
+      const size_t before = out.size();
+      if (x.opt.IsExpertGroup(mp, g)) {
+        RESHARD_RETURN_IF_ERROR(CheckExpertOrder(x, mp, g));
+        for (auto& member : ExpertsOf(x, mp, g, rank, x.ep, range)) out.push_back(std::move(member));
+      } else {
+        for (const std::string& name : x.opt.GroupOrder(mp, g, -1)) {
+          auto at = x.index.find(name);
+          if (at == x.index.end()) {
+            return Status::InvalidInput("the optimizer shards hold state for " + name + ", which no tensor of the "
+                                        "checkpoint is; the shards do not belong to this model");
+          }
+          if (range.Has(x.src.layers[at->second.first].id)) out.push_back({name, name});
+        }
+      }
+      if (before == 0 && !out.empty()) *source = {mp, g};
+    }
+  }
+  return out;
+}
+
+// EP rank `rank`'s optimizer on target stage `pp_rank` (the layers `range`):
+// a group per kind that has members there; `sources` gets where each came from.
+Result<OptimizerStagePlan> PlanEpRank(const StageTarget& x, const std::vector<std::string>& kinds, int pp_rank,
+                                      LayerRange range, int rank, std::vector<MoeGroupSource>* sources) {
   OptimizerStagePlan plan;
-  plan.pp_rank = x.mp / x.src.tp;
-  plan.tp_rank = x.mp % x.src.tp;
+  plan.pp_rank = pp_rank;
+  plan.tp_rank = x.tp_rank;
   plan.ep = x.ep;
   plan.ep_rank = rank;
-  for (int g = 0; g < x.opt.Groups(x.mp); ++g) {
-    const bool expert = x.opt.IsExpertGroup(x.mp, g);
-    std::vector<std::pair<std::string, std::string>> members;  // (saved, target name)
-    if (expert) {
-      RESHARD_RETURN_IF_ERROR(CheckExpertOrder(x, g));
-      members = ExpertsOf(x, g, rank, x.ep);
-    } else {
-      for (const std::string& name : x.opt.GroupOrder(x.mp, g, -1)) members.push_back({name, name});
-    }
+  sources->clear();
+  for (const std::string& kind : kinds) {
+    MoeGroupSource source;
+    RESHARD_ASSIGN_OR_RETURN(auto members, Members(x, kind, rank, range, &source));
+    if (members.empty()) continue;  // DeepSpeed keeps no empty groups
+    const bool expert = x.opt.IsExpertGroup(source.mp, source.group);
     std::vector<ParamShape> shapes;
     std::vector<OptimizerSlotPlan> slots;
     for (const auto& [saved, name] : members) {
       auto at = x.index.find(saved);
-      if (at == x.index.end()) {
-        return Status::InvalidInput("the optimizer shards hold state for " + saved + ", which no tensor of the "
-                                    "checkpoint is; the shards do not belong to this model");
-      }
       const LogicalTensor& t = x.src.layers[at->second.first].tensors[at->second.second];
       shapes.push_back({name, t.local_shape});
       const TensorPlan tensor = PlanTensor(x.src, at->second.first, at->second.second, plan.tp_rank, x.tensors);
@@ -109,6 +200,7 @@ Result<OptimizerStagePlan> PlanEpRank(const EpRankTarget& x, int rank) {
     plan.groups.emplace_back(shapes, over, x.opt.format().Alignment(over));
     plan.slots.push_back(std::move(slots));
     plan.expert_group.push_back(expert);
+    sources->push_back(source);
   }
   return plan;
 }
@@ -151,13 +243,8 @@ std::vector<std::string> ExpertModules(const LogicalLayer& layer, int local, std
 
 // The module's `_metadata` (its BUILD state) lists the modules of EP rank
 // 0's local experts: the target EP rank 0 has other ones.
-void RewriteExpertModules(const LogicalCheckpoint& src, const MoeLayout& layout, int mp, int ep, Value* module) {
-  if (!module->is(Value::Kind::kObject) || module->as_object().state == nullptr) return;
-  Value* meta = FindMutable(*module->as_object().state, "_metadata");
-  Items* items = meta ? MutableDictItems(*meta) : nullptr;
-  if (items == nullptr) return;
-  for (const MoeBlock& b : layout.blocks) {
-    if (b.stage != mp / src.tp) continue;
+void RewriteExpertModules(const LogicalCheckpoint& src, const std::vector<MoeBlock>& blocks, int ep, Items* items) {
+  for (const MoeBlock& b : blocks) {
     const LogicalLayer& layer = *std::find_if(src.layers.begin(), src.layers.end(),
                                               [&](const LogicalLayer& l) { return l.id == b.layer_id; });
     std::string container;
@@ -174,34 +261,196 @@ void RewriteExpertModules(const LogicalCheckpoint& src, const MoeLayout& layout,
   }
 }
 
+// The spec a module path of a pipeline module's `_metadata` (state_dict()'s
+// list of modules) is in: its first component; none for the root,
+// tied_modules and module paths of the engine without pipelining.
+std::optional<int> SpecOfModulePath(const Value& key) {
+  if (!key.is(Value::Kind::kString)) return std::nullopt;
+  const std::string& path = key.as_string();
+  const std::string first = path.substr(0, path.find('.'));
+  if (first.empty() || first.find_first_not_of("0123456789") != std::string::npos) return std::nullopt;
+  return std::stoi(first);
+}
+
+// The `_metadata` of an mp_rank file's module (null when it has none).
+const Items* SavedModules(const Value& states) {
+  const Value* module = Find(states, "module");
+  if (module == nullptr || !module->is(Value::Kind::kObject) || module->as_object().state == nullptr) return nullptr;
+  const Value* meta = Find(*module->as_object().state, "_metadata");
+  return meta != nullptr ? DictItems(*meta) : nullptr;
+}
+
+Items* ModuleMetadata(Value* module) {
+  if (!module->is(Value::Kind::kObject) || module->as_object().state == nullptr) return nullptr;
+  Value* meta = FindMutable(*module->as_object().state, "_metadata");
+  return meta != nullptr ? MutableDictItems(*meta) : nullptr;
+}
+
+// The target stage's MoE layers, numbered as the target stage numbers them.
+std::vector<MoeBlock> StageBlocks(const MoeLayout& layout, int pp_rank, LayerRange range) {
+  std::vector<MoeBlock> out;
+  for (MoeBlock b : layout.blocks) {
+    if (!range.Has(b.layer_id)) continue;
+    b.stage = pp_rank;
+    b.index = static_cast<int>(out.size());
+    out.push_back(b);
+  }
+  return out;
+}
+
+// The source expert files of the stage's MoE layers under their target names.
+Status PlanExpertFiles(const CheckpointFiles& files, const MoeLayout& layout, const LogicalCheckpoint& src, int t,
+                       MoeStagePlan* stage) {
+  for (const MoeBlock& target : stage->blocks) {
+    const MoeBlock& source = *std::find_if(layout.blocks.begin(), layout.blocks.end(),
+                                           [&](const MoeBlock& b) { return b.layer_id == target.layer_id; });
+    const int m = layout.old_file_form ? -1 : source.index;
+    const int source_mp = source.stage * src.tp + t;
+    auto by_layer = files.expert_files.find(source_mp);
+    if (by_layer == files.expert_files.end() || by_layer->second.count(m) == 0) {
+      return Status::InvalidInput(files.tag_dir + " has no expert files of MoE layer " + std::to_string(m) + " on " +
+                                  ModelStatesName(source_mp) + "; the folder is incomplete");
+    }
+    for (const auto& [e, path] : by_layer->second.at(m)) {
+      stage->expert_files.push_back({ExpertFileName(layout.old_file_form ? -1 : target.index, e, stage->mp), path});
+    }
+  }
+  return Status::Ok();
+}
+
+// The target stage's module `_metadata`: the source's entries outside the
+// specs (the root, tied_modules), then every source stage's entries of the
+// stage's specs, in order.
+Items StageModules(const LogicalCheckpoint& src, const MoeStagePlan& stage, LayerRange range) {
+  Items out;
+  const int t = stage.source_mp % src.tp;
+  if (const Items* items = SavedModules(src.metadata[stage.source_mp])) {
+    for (const auto& entry : *items) {
+      if (!SpecOfModulePath(entry.first)) out.push_back(entry);
+    }
+  }
+  for (int s = 0; s < src.pp; ++s) {
+    const Items* items = SavedModules(src.metadata[s * src.tp + t]);
+    for (size_t i = 0; items != nullptr && i < items->size(); ++i) {
+      const std::optional<int> spec = SpecOfModulePath((*items)[i].first);
+      if (spec && range.Has(*spec)) out.push_back((*items)[i]);
+    }
+  }
+  return out;
+}
+
+// The module tensors of the target stage: every source stage's tensors of
+// the layers `range`, in order, as (source mp rank, key).
+Status PlanModule(const LogicalCheckpoint& src, const TensorIndex& index, int t, LayerRange range,
+                  MoeStagePlan* stage) {
+  for (int s = 0; s < src.pp; ++s) {
+    const int mp = s * src.tp + t;
+    const Value* module = Find(src.metadata[mp], "module");
+    const Items* items = module != nullptr ? DictItems(*module) : nullptr;
+    for (size_t i = 0; items != nullptr && i < items->size(); ++i) {
+      const Value& key = (*items)[i].first;
+      auto at = key.is(Value::Kind::kString) ? index.find(key.as_string()) : index.end();
+      if (at == index.end()) {
+        return Status::InvalidInput(ModelStatesName(mp) + "'s module holds " + key.DebugString() + ", which no rule "
+                                    "describes; reshard cannot tell which stage it belongs to");
+      }
+      if (range.Has(src.layers[at->second.first].id)) stage->module_entries.push_back({mp, key.as_string()});
+    }
+  }
+  return Status::Ok();
+}
+
+// A shard to build the stage's shards from: the source's first shard with
+// the param_groups and per-group torch states of the groups' sources (the
+// layout fields are replaced by BuildOptimizerState).
+Value StageTemplate(const MoeOptimizer& opt, const MoeStagePlan& stage) {
+  Value like = opt.Shard(stage.group_sources.empty() ? stage.source_mp : stage.group_sources[0].mp, 0);
+  Value* base = FindMutable(*FindMutable(like, "optimizer_state_dict"), "base_optimizer_state");
+  std::vector<Value> groups;
+  Items states;
+  for (size_t g = 0; g < stage.group_sources.size(); ++g) {
+    const MoeGroupSource& source = stage.group_sources[g];
+    Value group = *ParamGroup(opt, source.mp, source.group);
+    Set(group, "params", Value::MakeList({Value::Int(static_cast<int64_t>(g))}));
+    groups.push_back(std::move(group));
+    if (const Value* state = TorchGroupState(BaseState(opt.Shard(source.mp, 0)), source.group)) {
+      states.emplace_back(Value::Int(static_cast<int64_t>(g)), *state);
+    }
+  }
+  Set(*base, "state", Value::MakeDict(std::move(states)));
+  Set(*base, "param_groups", Value::MakeList(std::move(groups)));
+  return like;
+}
+
 }  // namespace
 
-Result<MoePlan> MakeMoePlan(const LogicalCheckpoint& src, const MoeLayout& layout, const MoeOptimizer* opt, int ep,
-                            int dp, ReplicatedPolicy replicated) {
+Result<std::vector<int>> SourceStageBounds(const LogicalCheckpoint& src) {
+  const TensorIndex index = IndexTensors(src);
+  std::vector<int> bounds;
+  for (int s = 0; s < src.pp; ++s) {
+    int lo = std::numeric_limits<int>::max();
+    const Value* module = Find(src.metadata[s * src.tp], "module");
+    const Items* items = module != nullptr ? DictItems(*module) : nullptr;
+    for (size_t i = 0; items != nullptr && i < items->size(); ++i) {
+      const Value& key = (*items)[i].first;
+      auto at = key.is(Value::Kind::kString) ? index.find(key.as_string()) : index.end();
+      if (at != index.end()) lo = std::min(lo, src.layers[at->second.first].id);
+    }
+    if (lo == std::numeric_limits<int>::max()) {
+      return Status::InvalidInput(ModelStatesName(s * src.tp) + "'s module holds no tensor the rules describe; "
+                                  "reshard cannot tell which layers its stage holds");
+    }
+    bounds.push_back(s == 0 ? std::min(lo, src.layers.front().id) : lo);
+  }
+  bounds.push_back(src.layers.back().id + 1);
+  return bounds;
+}
+
+Result<MoePlan> MakeMoePlan(const LogicalCheckpoint& src, const CheckpointFiles& files, const MoeLayout& layout,
+                            const MoeOptimizer* opt, const MoeTarget& target) {
   MoePlan plan;
   plan.tp = src.tp;
-  plan.pp = src.pp;
-  plan.dp = dp;
-  plan.ep = ep;
+  plan.pp = static_cast<int>(target.stage_bounds.size()) - 1;
+  plan.dp = target.dp;
+  plan.ep = target.ep;
+  plan.source_pp = src.pp;
   plan.source_ep = layout.ep;
+  plan.stage_bounds = target.stage_bounds;
   const TensorIndex index = IndexTensors(src);
-  for (int mp = 0; mp < src.tp * src.pp; ++mp) {
-    MoeStagePlan stage;
-    stage.mp = mp;
-    if (opt != nullptr) {
-      EpRankTarget x{src, *opt, index, {}, mp, ep, dp, layout.ep, TensorTarget{src.tp, src.vocab.padded_rows, replicated, 0}};
-      for (const MoeBlock& b : layout.blocks) x.experts[b.layer_id] = b.experts;
-      for (int r = 0; r < ep; ++r) {
-        RESHARD_ASSIGN_OR_RETURN(OptimizerStagePlan o, PlanEpRank(x, r));
-        stage.optimizer.push_back(std::move(o));
-      }
-    }
-    plan.stages.push_back(std::move(stage));
+  std::vector<std::vector<std::string>> kinds(src.tp);  // per TP rank
+  for (int t = 0; opt != nullptr && t < src.tp; ++t) {
+    RESHARD_ASSIGN_OR_RETURN(kinds[t], KindOrder(src, *opt, t));
   }
-  if (ep != layout.ep) {
+  for (int p = 0; p < plan.pp; ++p) {
+    const LayerRange range{plan.stage_bounds[p], plan.stage_bounds[p + 1]};
+    for (int t = 0; t < src.tp; ++t) {
+      MoeStagePlan stage;
+      stage.mp = p * src.tp + t;
+      stage.pp_rank = p;
+      stage.source_mp = (p < src.pp ? p : 0) * src.tp + t;
+      stage.blocks = StageBlocks(layout, p, range);
+      RESHARD_RETURN_IF_ERROR(PlanModule(src, index, t, range, &stage));
+      RESHARD_RETURN_IF_ERROR(PlanExpertFiles(files, layout, src, t, &stage));
+      if (opt != nullptr) {
+        StageTarget x{src, *opt, index, {}, t, target.ep, target.dp, layout.ep,
+                      TensorTarget{src.tp, src.vocab.padded_rows, target.replicated, 0}};
+        for (const MoeBlock& b : layout.blocks) x.experts[b.layer_id] = b.experts;
+        for (int r = 0; r < target.ep; ++r) {
+          RESHARD_ASSIGN_OR_RETURN(OptimizerStagePlan o, PlanEpRank(x, kinds[t], p, range, r, &stage.group_sources));
+          stage.optimizer.push_back(std::move(o));
+        }
+      }
+      plan.stages.push_back(std::move(stage));
+    }
+  }
+  if (target.ep != layout.ep) {
     plan.notes.push_back("MoE: experts regrouped from EP " + std::to_string(layout.ep) + " to EP " +
-                         std::to_string(ep) + " (EP rank r holds experts r*E/" + std::to_string(ep) +
-                         " to (r+1)*E/" + std::to_string(ep) + "-1 of every MoE layer, under local ids)");
+                         std::to_string(target.ep) + " (EP rank r holds experts r*E/" + std::to_string(target.ep) +
+                         " to (r+1)*E/" + std::to_string(target.ep) + "-1 of every MoE layer, under local ids)");
+  }
+  if (plan.pp != src.pp) {
+    plan.notes.push_back("MoE: " + std::to_string(src.pp) + " pipeline stages re-cut into " + std::to_string(plan.pp) +
+                         "; each stage numbers its MoE layers from 0 in the expert file names");
   }
   return plan;
 }
@@ -209,10 +458,23 @@ Result<MoePlan> MakeMoePlan(const LogicalCheckpoint& src, const MoeLayout& layou
 std::string MoePlan::ToString(bool detail) const {
   std::string out = "target: TP " + std::to_string(tp) + ", PP " + std::to_string(pp) + ", DP " +
                     std::to_string(dp) + ", EP " + std::to_string(ep) + " x expert-DP " + std::to_string(dp / ep) +
-                    " (source EP " + std::to_string(source_ep) + ")\n";
+                    " (source EP " + std::to_string(source_ep) + ", PP " + std::to_string(source_pp) +
+                    "); stage bounds (layer ids)";
+  for (int b : stage_bounds) out += " " + std::to_string(b);
+  out += "\n";
   for (const MoeStagePlan& stage : stages) {
-    out += "  " + ModelStatesFileName(stage.mp) + "  module and expert files kept, " + std::to_string(ep) +
-           " expp_rank files, " + std::to_string(stage.optimizer.empty() ? 0 : dp) + " optimizer shards\n";
+    std::set<int> from;
+    for (const auto& [mp, key] : stage.module_entries) from.insert(mp);
+    std::vector<std::string> sources;
+    for (int mp : from) sources.push_back(ModelStatesName(mp));
+    out += "  " + ModelStatesFileName(stage.mp) + "  stage " + std::to_string(stage.pp_rank) + ": module of " +
+           std::to_string(stage.module_entries.size()) + " tensors from " + Join(sources, ", ") + ", " +
+           std::to_string(stage.blocks.size()) + " MoE layers (" + std::to_string(stage.expert_files.size()) +
+           " expert files), " + std::to_string(ep) + " expp_rank files, " +
+           std::to_string(stage.optimizer.empty() ? 0 : dp) + " optimizer shards\n";
+    if (detail) {
+      for (const MoeExpertFilePlan& f : stage.expert_files) out += "    " + f.name + " <- " + BaseName(f.source) + "\n";
+    }
     for (const OptimizerStagePlan& o : stage.optimizer) {
       out += "    EP rank " + std::to_string(o.ep_rank) + ":";
       for (size_t g = 0; g < o.groups.size(); ++g) {
@@ -239,36 +501,52 @@ Result<std::vector<Job>> MoeTargetPlan::Jobs(std::atomic<int64_t>* read) const {
   return jobs;
 }
 
+Result<Value> MoeTargetPlan::ModelStates(const MoeStagePlan& stage) const {
+  Value states = src_.metadata[stage.source_mp];
+  Set(states, "dp_world_size", Value::Int(plan_.dp));
+  Set(states, "mp_world_size", Value::Int(plan_.tp * plan_.pp));
+  std::vector<Value> experts;
+  for (const MoeBlock& b : stage.blocks) experts.push_back(Value::Int(b.experts));
+  Set(states, "num_experts", Value::MakeList(std::move(experts)));
+  Value* module = FindMutable(states, "module");
+  Items* tensors = module != nullptr ? MutableDictItems(*module) : nullptr;
+  if (tensors == nullptr) {
+    return Status::InvalidInput(ModelStatesName(stage.source_mp) + " has no module dict; it is not a MoE save");
+  }
+  Items out;
+  for (const auto& [mp, key] : stage.module_entries) {
+    out.emplace_back(Value::String(key), WithOwnStorage(*Find(*Find(src_.metadata[mp], "module"), key)));
+  }
+  *tensors = std::move(out);
+  if (Items* meta = ModuleMetadata(module)) {
+    const LayerRange range{plan_.stage_bounds[stage.pp_rank], plan_.stage_bounds[stage.pp_rank + 1]};
+    *meta = StageModules(src_, stage, range);
+    RewriteExpertModules(src_, stage.blocks, plan_.ep, meta);
+  }
+  return states;
+}
+
 Status MoeTargetPlan::AddStageJobs(const MoeStagePlan& stage, std::atomic<int64_t>* read,
                                    std::vector<Job>* jobs) const {
   const int mp = stage.mp;
-  Value states = src_.metadata[mp];
-  Set(states, "dp_world_size", Value::Int(plan_.dp));
-  Value* module = FindMutable(states, "module");
-  if (Items* tensors = module ? MutableDictItems(*module) : nullptr) {
-    for (auto& [key, tensor] : *tensors) tensor = WithOwnStorage(tensor);
-    RewriteExpertModules(src_, layout_, mp, plan_.ep, module);
-  }
+  RESHARD_ASSIGN_OR_RETURN(Value states, ModelStates(stage));
   RESHARD_ASSIGN_OR_RETURN(Job model, TorchFileJob(ModelStatesFileName(mp), std::move(states)));
   jobs->push_back(std::move(model));
-  if (auto experts = files_.expert_files.find(mp); experts != files_.expert_files.end()) {
-    for (const auto& [m, by_expert] : experts->second) {
-      for (const auto& [e, path] : by_expert) {
-        RESHARD_ASSIGN_OR_RETURN(Value root, ReadDeepSpeedFile(path, allowed_classes_));
-        RESHARD_ASSIGN_OR_RETURN(Job job, TorchFileJob(ExpertFileName(m, e, mp), std::move(root)));
-        jobs->push_back(std::move(job));
-      }
-    }
+  for (const MoeExpertFilePlan& f : stage.expert_files) {
+    RESHARD_ASSIGN_OR_RETURN(Value root, ReadDeepSpeedFile(f.source, allowed_classes_));
+    RESHARD_ASSIGN_OR_RETURN(Job job, TorchFileJob(f.name, std::move(root)));
+    jobs->push_back(std::move(job));
   }
-  RESHARD_ASSIGN_OR_RETURN(Value expp, ReadDeepSpeedFile(files_.expert_optimizer_files.at(mp).begin()->second,
+  RESHARD_ASSIGN_OR_RETURN(Value expp, ReadDeepSpeedFile(files_.expert_optimizer_files.at(stage.source_mp).begin()->second,
                                                          allowed_classes_));
   for (int r = 0; r < plan_.ep; ++r) {
     RESHARD_ASSIGN_OR_RETURN(Job job, TorchFileJob(ExpertOptimizerFileName(r, mp), expp));
     jobs->push_back(std::move(job));
   }
+  if (stage.optimizer.empty()) return Status::Ok();
+  const Value like = StageTemplate(*opt_, stage);
   for (const OptimizerStagePlan& o : stage.optimizer) {
-    RESHARD_ASSIGN_OR_RETURN(std::vector<Value> shards,
-                             BuildOptimizerState(*opt_, o, plan_.dp, read, &opt_->Shard(mp, 0)));
+    RESHARD_ASSIGN_OR_RETURN(std::vector<Value> shards, BuildOptimizerState(*opt_, o, plan_.dp, read, &like));
     for (size_t k = 0; k < shards.size(); ++k) {
       RenameExpertGroups(o, plan_.source_ep, &shards[k]);
       const int d = o.ep_rank + static_cast<int>(k) * o.ep;

@@ -1,21 +1,28 @@
-// MoePlan: a DeepSpeed MoE checkpoint at another expert-parallel and
-// data-parallel size, as plain data, and the TargetPlan that writes it.
+// MoePlan: a DeepSpeed MoE checkpoint at another pipeline, expert-parallel
+// and data-parallel size, as plain data, and the TargetPlan that writes it.
 //
-// TP and the pipeline stages are kept, so every mp_rank file keeps its
-// tensors (written compact: DeepSpeed saves them as views into the
-// optimizer's flat buffers) with dp_world_size rewritten, and every expert
-// file (named by global expert id) is carried. The optimizer is re-cut:
-// the non-expert groups over the target DP, and per target EP rank r the
-// experts r * E/EP .. (r+1) * E/EP - 1 of every MoE layer, under their new
-// local ids, laid out in the source's order and partitioned over the target
-// expert-DP (DP / EP). One expp_rank file per target EP rank. The module's
-// `_metadata` lists the target EP rank 0's expert modules.
+// TP is kept. Target stage p owns the layers (spec ids) [b[p], b[p+1]):
+// DeepSpeed's partition of the target PP, or --layers-per-stage, or the
+// source's own stages when PP is kept. Its mp_rank file's module holds those
+// layers' non-expert tensors, drawn from every source stage that had them
+// (written compact: DeepSpeed saves them as views into the optimizer's flat
+// buffers), with dp_world_size, mp_world_size and num_experts rewritten; its
+// expert files are the source's, renamed by the target stage's running MoE
+// index (expert ids are global). The optimizer is re-cut per target stage:
+// the source groups' kinds (hyperparameters) in DeepSpeed's order, each
+// taking its members from every source stage that holds it; the non-expert
+// groups over the target DP, and per target EP rank r the experts
+// r * E/EP .. (r+1) * E/EP - 1 of every MoE layer, under their new local
+// ids, partitioned over the target expert-DP (DP / EP). One expp_rank file
+// per target EP rank. The module's `_metadata` lists the target stage's
+// modules, with the target EP rank 0's expert modules.
 #pragma once
 
 #include <atomic>
 #include <memory>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "formats/deepspeed/checkpoint_files.h"
@@ -26,42 +33,72 @@
 
 namespace reshard {
 
+// An expert file of a target stage: the source file it copies.
+struct MoeExpertFilePlan {
+  std::string name;    // in the target folder
+  std::string source;  // path of the source file
+};
+
+// Where a target optimizer group takes its hyperparameters and torch state
+// template from: group `group` of mp rank `mp`'s shards.
+struct MoeGroupSource {
+  int mp = 0, group = 0;
+};
+
 struct MoeStagePlan {
-  int mp = 0;  // the mp rank, source and target
+  int mp = 0;         // the target mp rank
+  int pp_rank = 0;    // its stage
+  int source_mp = 0;  // the mp rank whose metadata (counters, client state) and expp_rank file it copies
+  std::vector<MoeBlock> blocks;  // its MoE layers; `stage` and `index` as the target numbers them
+  std::vector<std::pair<int, std::string>> module_entries;  // its module's tensors: (source mp rank, key)
+  std::vector<MoeExpertFilePlan> expert_files;
+  std::vector<MoeGroupSource> group_sources;  // per optimizer group
   // Per target EP rank (empty: weights only).
   std::vector<OptimizerStagePlan> optimizer;
 };
 
 struct MoePlan {
   int tp = 1, pp = 1, dp = 1, ep = 1;
-  int source_ep = 1;
+  int source_pp = 1, source_ep = 1;
+  std::vector<int> stage_bounds;  // target stage p owns the layers with ids [b[p], b[p+1])
   std::vector<MoeStagePlan> stages;  // per mp rank
   std::vector<std::string> notes;
   // `--dry-run`'s listing; `detail` adds every fragment of every partition.
   std::string ToString(bool detail) const;
 };
 
-// Plans `src` (read by the MoE reader: `layout`, `files`) at target EP `ep`
-// and DP `dp`; `opt` null: weights only.
-Result<MoePlan> MakeMoePlan(const LogicalCheckpoint& src, const MoeLayout& layout, const MoeOptimizer* opt,
-                            int ep, int dp, ReplicatedPolicy replicated);
+// What a MoE conversion targets.
+struct MoeTarget {
+  int ep = 1, dp = 1;
+  std::vector<int> stage_bounds;  // see MoePlan
+  ReplicatedPolicy replicated = ReplicatedPolicy::kCheck;
+};
+
+// The stage bounds of `src` as saved: stage p's mp_rank module starts at
+// layer b[p]; the last bound is one past the last layer's id.
+Result<std::vector<int>> SourceStageBounds(const LogicalCheckpoint& src);
+
+// Plans `src` (read by the MoE reader: `layout`, `files`) at `target`;
+// `opt` null: weights only.
+Result<MoePlan> MakeMoePlan(const LogicalCheckpoint& src, const CheckpointFiles& files, const MoeLayout& layout,
+                            const MoeOptimizer* opt, const MoeTarget& target);
 
 // The plan as the TargetPlan convert runs; the arguments must outlive it.
 class MoeTargetPlan : public TargetPlan {
  public:
-  MoeTargetPlan(const LogicalCheckpoint& src, const CheckpointFiles& files, const MoeLayout& layout,
-                const MoeOptimizer* opt, std::set<std::string> allowed_classes, MoePlan plan)
-      : src_(src), files_(files), layout_(layout), opt_(opt), allowed_classes_(std::move(allowed_classes)),
-        plan_(std::move(plan)) {}
+  MoeTargetPlan(const LogicalCheckpoint& src, const CheckpointFiles& files, const MoeOptimizer* opt,
+                std::set<std::string> allowed_classes, MoePlan plan)
+      : src_(src), files_(files), opt_(opt), allowed_classes_(std::move(allowed_classes)), plan_(std::move(plan)) {}
   std::string ToString(bool detail) const override { return plan_.ToString(detail); }
   Result<std::vector<Job>> Jobs(std::atomic<int64_t>* read) const override;
 
  private:
   Status AddStageJobs(const MoeStagePlan& stage, std::atomic<int64_t>* read, std::vector<Job>* jobs) const;
+  // The stage's mp_rank file: the source metadata with the stage's module.
+  Result<Value> ModelStates(const MoeStagePlan& stage) const;
 
   const LogicalCheckpoint& src_;
   const CheckpointFiles& files_;
-  const MoeLayout& layout_;
   const MoeOptimizer* opt_;
   std::set<std::string> allowed_classes_;
   MoePlan plan_;

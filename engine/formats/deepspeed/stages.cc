@@ -6,13 +6,14 @@
 #include "util/shape.h"
 
 namespace reshard {
-namespace {
 
 std::string PartitionMethod(const LogicalCheckpoint& src) {
   const Value* v = src.rules->partition_method_arg().Lookup(src.inputs());
   return v != nullptr && v->is(Value::Kind::kString) ? v->as_string()
                                                       : src.rules->partition_method_default();
 }
+
+namespace {
 
 const LogicalLayer* LayerById(const LogicalCheckpoint& src, int id) {
   for (const LogicalLayer& layer : src.layers) {

@@ -12,6 +12,10 @@
 
 namespace reshard {
 
+// The partition method the checkpoint records (the rule set says where), or
+// the rule set's default: "uniform", "parameters" or "type:<regex>".
+std::string PartitionMethod(const LogicalCheckpoint& src);
+
 // Stage bounds for `pp` stages: from `layers_per_stage` when given, else by
 // the partition method recorded in the checkpoint (the rule set says where).
 // Every stage must own at least one transformer block.
