@@ -97,7 +97,7 @@ class ColumnBands {
   Status Read(int64_t band, uint8_t* out) const {
     const int64_t row_bytes = cols_ * element_, slice = ColumnsOf(band) * element_;
     const int64_t rows_per_request = slice == row_bytes ? rows_ : std::max<int64_t>(1, kBandRequest / row_bytes);
-    std::vector<uint8_t> staging;  // freed after the band: a thread may not read another
+    std::vector<uint8_t> staging;  // not thread_local: it would stay resident in every worker
     for (int64_t r = 0; r < rows_; r += rows_per_request) {
       const int64_t n = std::min(rows_per_request, rows_ - r), span = (n - 1) * row_bytes + slice;
       const int64_t from = r * row_bytes + band * width_ * element_;

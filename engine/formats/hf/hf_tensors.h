@@ -79,13 +79,12 @@ Status CheckHfShape(const HfExport& hf, const HfTensorMap& map, const std::strin
 ByteProducer GatherRows(ByteProducer source, int64_t row_bytes, std::vector<RowRun> runs);
 
 // What one band of a transpose's source holds, about: whole columns of every
-// row. A worker holds up to three bands (formats/hf/hf_tensors.cc), so the
-// band bounds a transpose's memory whatever the matrix size; a matrix of
-// more bytes than a band is read once per band (a pass over it in requests
-// of whole rows, from the page cache after the first), so a bigger band
-// costs memory and a smaller one passes. At 8 MiB, the 4h x h bf16 MLP
-// matrices of GPT-2 medium (h = 1024) are one band and those of h = 2208
-// (39 MiB) five.
+// row. The band bounds a transpose's memory whatever the matrix size (the
+// plan counts three a worker); a matrix of more bytes is read once per band,
+// a pass in requests of whole rows, from the page cache after the first. So
+// a bigger band costs memory and a smaller one passes: at 8 MiB, the 4h x h
+// bf16 MLP matrices of h = 1024 are one band, and the 39 MiB ones of h = 2208
+// five (the 4x benchmark's export: ~2 s more CPU than with one band).
 inline constexpr int64_t kTransposeBandBytes = int64_t{8} << 20;
 
 // The [cols, rows] transpose of `source`, a row-major [rows, cols] matrix of

@@ -185,6 +185,20 @@ TEST(Transposed, RowsLongerThanARequestAreReadAsSlices) {
   EXPECT_EQ(std::accumulate(requests.begin(), requests.end(), int64_t{0}), int64_t{6} << 20);
 }
 
+TEST(Transposed, ABandIsDroppedOnceItsLastBytesAreProduced) {
+  // Bands of 4 columns of 4 rows. One worker's range starts inside band 0
+  // and goes on; another's, which ends inside band 0, comes later: band 0 is
+  // read again for it rather than held until then.
+  const Matrix m(4, 8, 1);
+  std::vector<int64_t> requests;
+  const ByteProducer t = Transposed(m.Producer(&requests), m.rows, m.cols, m.element, 16);
+  std::vector<uint8_t> got(32);
+  ASSERT_TRUE(t(8, 24, got.data() + 8).ok());  // band 0's second half, band 1
+  ASSERT_TRUE(t(0, 8, got.data()).ok());       // band 0's first half
+  EXPECT_EQ(got, m.Naive());
+  EXPECT_EQ(requests.size(), 3u);  // band 0, band 1, band 0 again
+}
+
 TEST(Transposed, ScratchIsBoundedByTheBandWhateverTheMatrix) {
   EXPECT_EQ(TransposeScratchBytes(4096, 1024, 2), int64_t{8} << 20);  // one band: the matrix
   for (int64_t side : {int64_t{1} << 12, int64_t{1} << 14, int64_t{1} << 16}) {
