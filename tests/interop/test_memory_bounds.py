@@ -19,7 +19,7 @@ Commands:
   safetensors file), ``export --to universal`` of it and ``convert`` from that universal
   checkpoint;
 * ``export --to hf`` of a one-block GPT-2 checkpoint (~90 MB and ~350 MB) whose larger fused
-  QKV, transposed, is 24 MiB;
+  QKV, transposed, is 24 MiB (under a budget of 320 MiB: the plan counts its bands);
 * ``verify`` of a Megatron-DeepSpeed pipeline checkpoint with bf16 ZeRO-1 shards (TP 2, PP 2,
   ~150 MB and ~590 MB) against its conversion to TP 1, PP 2, DP 2 (every tensor whole in one
   file, the optimizer state split over two DP partitions).
@@ -68,6 +68,9 @@ PIPE = {'small': dict(h=512, ffn=512, V=8192), 'large': dict(h=1024, ffn=1024, V
 HF_COMMON = dict(style='ms_gpt2', L=1, n=8, mvsdb=128, S=32, dtype='bf16', optimizer='bf16_zero',
                  tp=1, pp=1, dp=1, shape_only=True, shape_fill=True)
 HF = {'small': dict(h=1024, ffn=1024, V=1024), 'large': dict(h=2048, ffn=2048, V=2048)}
+# The plan counts three 8 MiB bands per worker beside reshard's ~160 MiB baseline, which
+# BUDGET leaves no room for (refused when the baseline is a little higher, as under ctest -j2).
+HF_BUDGET = 320 * MiB
 
 # Runs argv[1:] with this launcher's stdout and stderr, then appends "peak <bytes>" (the
 # child's ru_maxrss from wait4) as the last line of stderr and exits with the child's status.
@@ -175,20 +178,20 @@ class MemoryBoundsTest(unittest.TestCase):
                 self.assertIn('same model', out)
         self.assert_flat(what, peaks, sizes)
 
-    def assert_flat(self, what, peaks, sizes):
+    def assert_flat(self, what, peaks, sizes, budget=BUDGET):
         """Peaks under the budget, growth within MAX_GROWTH; prints the figures."""
         if set(peaks) != set(SIZES):
             return  # a run failed before measuring (its subtest reports why)
         ratio, idle = peaks['large'] / peaks['small'], self.idle_peak()
         note(f'{what}: checkpoint {mib(sizes["small"]):.0f} MiB -> peak {mib(peaks["small"]):.1f} MiB; '
              f'checkpoint {mib(sizes["large"]):.0f} MiB -> peak {mib(peaks["large"]):.1f} MiB; '
-             f'ratio {ratio:.3f} (budget {mib(BUDGET):.0f} MiB; idle reshard --help '
+             f'ratio {ratio:.3f} (budget {mib(budget):.0f} MiB; idle reshard --help '
              f'{mib(idle):.1f} MiB, so {mib(peaks["small"] - idle):+.1f} / {mib(peaks["large"] - idle):+.1f} '
              f'MiB above idle)')
-        self.assertGreater(sizes['large'], BUDGET)  # holding the larger checkpoint would not fit
+        self.assertGreater(sizes['large'], budget)  # holding the larger checkpoint would not fit
         self.assertGreater(sizes['large'] / sizes['small'], 3.8)
         for size in SIZES:
-            self.assertLess(peaks[size], BUDGET, f'{what}, {size}: peak {mib(peaks[size]):.1f} MiB')
+            self.assertLess(peaks[size], budget, f'{what}, {size}: peak {mib(peaks[size]):.1f} MiB')
         self.assertLessEqual(ratio, MAX_GROWTH, f'{what}: peak grew {ratio:.3f}x with a 4x checkpoint')
 
     def test_zero3_dp_change_stays_under_budget_and_flat(self):
@@ -241,11 +244,11 @@ class MemoryBoundsTest(unittest.TestCase):
                 sizes[size] = tree_bytes(src)
                 out = self.path(f'hf_{size}_out')
                 code, stdout, stderr, peaks[size] = self.measured(
-                    'export', src, out, '--to', 'hf', '--max-memory', BUDGET, '-q')
+                    'export', src, out, '--to', 'hf', '--max-memory', HF_BUDGET, '-q')
                 self.assertEqual(code, 0, stdout + stderr)
                 self.assertIn('model.safetensors', os.listdir(out))
         self.assertGreater(3 * HF['large']['h'] ** 2 * 2, 16 * MiB)  # a matrix of several bands
-        self.assert_flat('export --to hf of a one-block GPT-2 checkpoint', peaks, sizes)
+        self.assert_flat('export --to hf of a one-block GPT-2 checkpoint', peaks, sizes, HF_BUDGET)
 
     def test_universal_export_and_read_stay_under_budget_and_flat(self):
         """export --to universal of the pipeline checkpoint, then convert from that universal
