@@ -20,7 +20,7 @@ Figures only: nothing here passes or fails.
 
   /usr/bin/python3 benchmarks/cost_model.py --reshard build-bench/reshard [--scales 0.25,1,4]
       [--filled-from 4] [--runs 1] [--workdir /tmp/reshard-bench] [--keep] [--warm] [--no-zero3]
-      [--json results.json]
+      [--commands convert,universal,consolidated,hf,megatron] [--json results.json]
 
 The 4x checkpoint is 22.5 GB and its conversion another 22.5 GB: --workdir needs ~50 GB.
 """
@@ -47,6 +47,7 @@ ZERO3 = dict(zero_stage=3, dtype='bf16', dp=2, n_heads=12, n_kv=12, head_dim=64,
              hf_extras=False)
 ZERO3_SIZES = [dict(L=2, V=8000), dict(L=8, V=32000), dict(L=32, V=128000)]
 ZERO3_TARGET_DP = '4'
+EXPORTS = ('universal', 'consolidated', 'hf', 'megatron')
 
 
 def zero3_checkpoint(workdir: str, size: Dict) -> str:
@@ -91,9 +92,12 @@ def pipeline_size(ns, scale: float) -> List[Dict]:
     def fresh():
         remove(out_root)
         os.makedirs(out_root)
-    results = [timed(ns, 'convert', [ns.reshard, 'convert', src, out] + TARGET + ['-q'], src_bytes, fresh),
-               timed(ns, 'verify', [ns.reshard, 'verify', src, out], src_bytes)]
-    for to, layout in (('universal', []), ('consolidated', []), ('hf', []), ('megatron', TARGET[:4])):
+    results = []
+    if 'convert' in ns.commands:  # verify reads its output
+        results += [timed(ns, 'convert', [ns.reshard, 'convert', src, out] + TARGET + ['-q'], src_bytes, fresh),
+                    timed(ns, 'verify', [ns.reshard, 'verify', src, out], src_bytes)]
+    for to in (c for c in EXPORTS if c in ns.commands):
+        layout = TARGET[:4] if to == 'megatron' else []  # --tp 1 --pp 4, as convert
         results.append(timed(ns, 'export ' + to,
                              [ns.reshard, 'export', src, os.path.join(out_root, to), '--to', to] + layout + ['-q'],
                              src_bytes, fresh))
@@ -168,9 +172,16 @@ def main(argv=None) -> int:
     ap.add_argument('--keep', action='store_true', help='keep the checkpoints written')
     ap.add_argument('--warm', action='store_true', help='do not drop the page cache before each run')
     ap.add_argument('--no-zero3', action='store_true', help='skip the ZeRO-3 DP change')
+    ap.add_argument('--commands', default='convert,' + ','.join(EXPORTS),
+                    help='of the pipeline commands, these (default convert,universal,consolidated,hf,megatron; '
+                         'convert includes the verify of its output)')
     ap.add_argument('--json', help='write the results here too')
     ns = ap.parse_args(argv)
     ns.reshard = os.path.abspath(ns.reshard)
+    ns.commands = ns.commands.split(',')
+    unknown = set(ns.commands) - {'convert', *EXPORTS}
+    if unknown:
+        ap.error(f'unknown --commands {",".join(sorted(unknown))}; use convert, {", ".join(EXPORTS)}')
     os.makedirs(ns.workdir, exist_ok=True)
     started = time.monotonic()
     fixed = startup(ns)

@@ -29,8 +29,9 @@ Result<int64_t> DimSize(const std::string& dim, const RuleInputs& inputs) {
   return factor * *n;
 }
 
-// The requests that read a band of every column, front to back.
-constexpr int64_t kWholeBandRequest = int64_t{1} << 20;
+// The most a band read asks of the source at once: each request is a call
+// through the source's producers and a release of the pages it touched.
+constexpr int64_t kBandRequest = int64_t{1} << 20;
 // Bands kept: each of two workers writing ranges of one file walks through its own.
 constexpr size_t kKeptBands = 2;
 
@@ -41,9 +42,13 @@ int64_t BandColumns(int64_t rows, int64_t cols, int element, int64_t band_bytes)
 
 // The source of a transpose in column bands: band b is columns
 // [b * width, (b + 1) * width) of every row, row-major, read at its first
-// use and dropped once all of its bytes have been produced (or, when
-// requests return to it later, while more than kKeptBands are held).
-// Several workers may ask at once.
+// use and dropped once all of its bytes, or its last ones, have been
+// produced (or while more than kKeptBands are held). Several workers may ask
+// at once, each walking forward through its own range of the output: the
+// one that produces a band's last bytes has left it, and a band whose first
+// bytes end another worker's range is read again when that worker gets
+// there rather than held until then (measured: four 8 MiB bands held at
+// once by two workers, not two).
 class ColumnBands {
  public:
   ColumnBands(ByteProducer source, int64_t rows, int64_t cols, int element, int64_t band_bytes)
@@ -63,34 +68,58 @@ class ColumnBands {
       }
     }
     // Read outside the lock: the other worker's band may be ready first.
-    const int64_t row_bytes = ColumnsOf(band) * element_, total = rows_ * row_bytes;
-    auto bytes = std::make_shared<std::vector<uint8_t>>(static_cast<size_t>(total));
-    if (width_ == cols_) {  // the whole matrix: contiguous
-      for (int64_t at = 0; at < total; at += kWholeBandRequest) {
-        RESHARD_RETURN_IF_ERROR(source_(at, std::min(kWholeBandRequest, total - at), bytes->data() + at));
-      }
-    } else {
-      for (int64_t r = 0; r < rows_; ++r) {
-        RESHARD_RETURN_IF_ERROR(source_((r * cols_ + band * width_) * element_, row_bytes, bytes->data() + r * row_bytes));
-      }
-    }
+    auto bytes = std::make_shared<std::vector<uint8_t>>(static_cast<size_t>(rows_ * ColumnsOf(band) * element_));
+    RESHARD_RETURN_IF_ERROR(Read(band, bytes->data()));
     std::lock_guard<std::mutex> lock(mu_);
     kept_.push_front({band, bytes});
     if (kept_.size() > kKeptBands) kept_.pop_back();
     return std::shared_ptr<const std::vector<uint8_t>>(bytes);
   }
 
-  // Counts `n` bytes of band `band` produced; its last ones drop it.
-  void Produced(int64_t band, int64_t n) {
+  // Counts `n` bytes of band `band` produced, `to_end` when they end where
+  // the band does; the band is dropped after all of its bytes or its last.
+  void Produced(int64_t band, int64_t n, bool to_end) {
     std::lock_guard<std::mutex> lock(mu_);
     int64_t& done = produced_[band];
     done += n;
-    if (done < rows_ * ColumnsOf(band) * element_) return;
-    produced_.erase(band);  // a new pass over the tensor starts again
-    kept_.remove_if([band](const Kept& k) { return k.band == band; });
+    const bool all = done >= rows_ * ColumnsOf(band) * element_;
+    if (all) produced_.erase(band);  // a new pass over the tensor starts again
+    if (all || to_end) kept_.remove_if([band](const Kept& k) { return k.band == band; });
   }
 
  private:
+  // Reads band `band` into `out`. A request covers the slices of as many
+  // rows as fit in kBandRequest, with the bytes between them: a request per
+  // row (the 4x benchmark's 39 MiB matrices in 32 MiB bands) took the export
+  // from 7-12 s to 16 s, each row costing a call, a page fault and a release
+  // of the pages around it. So a narrow band costs a pass over the matrix,
+  // from the page cache after the first.
+  Status Read(int64_t band, uint8_t* out) const {
+    const int64_t row_bytes = cols_ * element_, slice = ColumnsOf(band) * element_;
+    const int64_t rows_per_request = slice == row_bytes ? rows_ : std::max<int64_t>(1, kBandRequest / row_bytes);
+    std::vector<uint8_t> staging;  // not thread_local: it would stay resident in every worker
+    for (int64_t r = 0; r < rows_; r += rows_per_request) {
+      const int64_t n = std::min(rows_per_request, rows_ - r), span = (n - 1) * row_bytes + slice;
+      const int64_t from = r * row_bytes + band * width_ * element_;
+      if (n == 1 || slice == row_bytes) {  // the span is the band's bytes
+        RESHARD_RETURN_IF_ERROR(ReadSpan(from, span, out + r * slice));
+        continue;
+      }
+      staging.resize(static_cast<size_t>(span));
+      RESHARD_RETURN_IF_ERROR(source_(from, span, staging.data()));
+      for (int64_t k = 0; k < n; ++k) std::memcpy(out + (r + k) * slice, staging.data() + k * row_bytes, slice);
+    }
+    return Status::Ok();
+  }
+
+  // Source bytes [from, from + n) in requests of at most kBandRequest.
+  Status ReadSpan(int64_t from, int64_t n, uint8_t* out) const {
+    for (int64_t at = 0; at < n; at += kBandRequest) {
+      RESHARD_RETURN_IF_ERROR(source_(from + at, std::min(kBandRequest, n - at), out + at));
+    }
+    return Status::Ok();
+  }
+
   struct Kept {
     int64_t band;
     std::shared_ptr<const std::vector<uint8_t>> bytes;
@@ -310,9 +339,9 @@ ByteProducer Transposed(ByteProducer source, int64_t rows, int64_t cols, int ele
       const int64_t band = i / rows / bands->width(), first = band * bands->width();
       const int64_t width = bands->ColumnsOf(band);
       RESHARD_ASSIGN_OR_RETURN(std::shared_ptr<const std::vector<uint8_t>> in, bands->Get(band));
-      const int64_t stop = std::min(end, (first + width) * rows);
+      const int64_t band_end = (first + width) * rows, stop = std::min(end, band_end);
       CopyTransposed(in->data(), width, rows, first, i, stop, element, dst + (i * element - offset));
-      bands->Produced(band, (stop - i) * element);
+      bands->Produced(band, (stop - i) * element, stop == band_end);
       i = stop;
     }
     return Status::Ok();

@@ -5,7 +5,7 @@
 // Dividing and reordering are gathers of dim-0 rows, which stream: a range
 // of the output is a few contiguous ranges of the source. A transpose needs
 // every source row for each output row, so it reads the source in bands of
-// whole columns (up to 128 MiB: a piece of every row; a smaller matrix is
+// whole columns (up to 8 MiB: a piece of every row; a smaller matrix is
 // one band) and keeps the last two; the plan reports that scratch so that
 // --max-memory leaves room for it.
 #pragma once
@@ -79,11 +79,13 @@ Status CheckHfShape(const HfExport& hf, const HfTensorMap& map, const std::strin
 ByteProducer GatherRows(ByteProducer source, int64_t row_bytes, std::vector<RowRun> runs);
 
 // What one band of a transpose's source holds, about: whole columns of every
-// row. Reading a band of some columns costs a source request per row and
-// reads each source page once per band (the 4x benchmark's 39 MiB matrices
-// in two 32 MiB bands took twice the time of one), so bands are large: a
-// matrix of up to this size is one band, read front to back.
-inline constexpr int64_t kTransposeBandBytes = int64_t{128} << 20;
+// row. The band bounds a transpose's memory whatever the matrix size (the
+// plan counts three a worker); a matrix of more bytes is read once per band,
+// a pass in requests of whole rows, from the page cache after the first. So
+// a bigger band costs memory and a smaller one passes: at 8 MiB, the 4h x h
+// bf16 MLP matrices of h = 1024 are one band, and the 39 MiB ones of h = 2208
+// five (the 4x benchmark's export: ~2 s more CPU than with one band).
+inline constexpr int64_t kTransposeBandBytes = int64_t{8} << 20;
 
 // The [cols, rows] transpose of `source`, a row-major [rows, cols] matrix of
 // `element`-byte elements, made a range of whole elements at a time from

@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <numeric>
 #include <thread>
@@ -100,6 +101,108 @@ TEST(Transposed, TwoThreadsMayProduceRangesAtOnce) {
     half(0);
     other.join();
     ASSERT_EQ(got, want) << "pass " << pass;
+  }
+}
+
+// A [rows, cols] matrix of `element`-byte elements whose bytes are all
+// different (as far as 4 bytes tell), produced from memory; *requests, when
+// given, learns the length of every request.
+struct Matrix {
+  Matrix(int64_t rows, int64_t cols, int element) : rows(rows), cols(cols), element(element) {
+    bytes = std::make_shared<std::vector<uint8_t>>(rows * cols * element);
+    for (size_t i = 0; i < bytes->size(); ++i) (*bytes)[i] = static_cast<uint8_t>((i * 2654435761u) >> 13);
+  }
+
+  ByteProducer Producer(std::vector<int64_t>* requests = nullptr) const {
+    return [bytes = bytes, requests](int64_t offset, int64_t length, uint8_t* dst) {
+      if (requests != nullptr) requests->push_back(length);
+      std::memcpy(dst, bytes->data() + offset, length);
+      return Status::Ok();
+    };
+  }
+
+  // The transpose, element by element.
+  std::vector<uint8_t> Naive() const {
+    std::vector<uint8_t> out(bytes->size());
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < cols; ++c) {
+        std::memcpy(out.data() + (c * rows + r) * element, bytes->data() + (r * cols + c) * element, element);
+      }
+    }
+    return out;
+  }
+
+  int64_t rows, cols;
+  int element;
+  std::shared_ptr<std::vector<uint8_t>> bytes;
+};
+
+// All of `t` in ranges of `step` elements (the last one shorter).
+std::vector<uint8_t> ReadAll(const ByteProducer& t, const Matrix& m, int64_t step) {
+  std::vector<uint8_t> got(m.bytes->size());
+  for (int64_t at = 0; at < static_cast<int64_t>(got.size()); at += step * m.element) {
+    const int64_t n = std::min<int64_t>(step * m.element, got.size() - at);
+    EXPECT_TRUE(t(at, n, got.data() + at).ok());
+  }
+  return got;
+}
+
+TEST(Transposed, EqualsTheNaiveTransposeForEveryElementSizeAndBand) {
+  // Odd shapes, bands of one column up to the whole matrix, ranges that
+  // cross rows and bands.
+  for (int element : {1, 2, 3, 4, 8}) {
+    for (const auto& [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{{1, 1}, {7, 13}, {37, 5}, {129, 67}}) {
+      const Matrix m(rows, cols, element);
+      const std::vector<uint8_t> want = m.Naive();
+      for (int64_t band : {int64_t{1}, rows * element * 3, rows * element * 10 + 1, kTransposeBandBytes}) {
+        SCOPED_TRACE(testing::Message() << element << "-byte [" << rows << ", " << cols << "], band " << band);
+        EXPECT_EQ(ReadAll(Transposed(m.Producer(), rows, cols, element, band), m, 11), want);
+      }
+    }
+  }
+}
+
+TEST(Transposed, NarrowBandsReadWholeRowsInFewRequests) {
+  // 4096 rows of 2000 bytes (8 MB) in 1 MiB bands: 8 bands of 128 columns,
+  // each read in requests of the ~524 rows that fit 1 MiB, not one a row.
+  const Matrix m(4096, 1000, 2);
+  std::vector<int64_t> requests;
+  const ByteProducer t = Transposed(m.Producer(&requests), m.rows, m.cols, m.element, 1 << 20);
+  EXPECT_EQ(ReadAll(t, m, 1 << 18), m.Naive());
+  EXPECT_EQ(requests.size(), 8u * 8u);
+  EXPECT_LE(*std::max_element(requests.begin(), requests.end()), 1 << 20);
+  EXPECT_LE(std::accumulate(requests.begin(), requests.end(), int64_t{0}), 8 * int64_t{4096} * 2000);
+}
+
+TEST(Transposed, RowsLongerThanARequestAreReadAsSlices) {
+  // 2 rows of 3 MiB in 5 MiB bands: each band is a 2.5 MiB slice of each
+  // row, read in pieces of at most 1 MiB and no more than the slice.
+  const Matrix m(2, (3 << 20) / 4, 4);
+  std::vector<int64_t> requests;
+  const ByteProducer t = Transposed(m.Producer(&requests), m.rows, m.cols, m.element, 5 << 20);
+  EXPECT_EQ(ReadAll(t, m, 1 << 18), m.Naive());
+  EXPECT_LE(*std::max_element(requests.begin(), requests.end()), 1 << 20);
+  EXPECT_EQ(std::accumulate(requests.begin(), requests.end(), int64_t{0}), int64_t{6} << 20);
+}
+
+TEST(Transposed, ABandIsDroppedOnceItsLastBytesAreProduced) {
+  // Bands of 4 columns of 4 rows. One worker's range starts inside band 0
+  // and goes on; another's, which ends inside band 0, comes later: band 0 is
+  // read again for it rather than held until then.
+  const Matrix m(4, 8, 1);
+  std::vector<int64_t> requests;
+  const ByteProducer t = Transposed(m.Producer(&requests), m.rows, m.cols, m.element, 16);
+  std::vector<uint8_t> got(32);
+  ASSERT_TRUE(t(8, 24, got.data() + 8).ok());  // band 0's second half, band 1
+  ASSERT_TRUE(t(0, 8, got.data()).ok());       // band 0's first half
+  EXPECT_EQ(got, m.Naive());
+  EXPECT_EQ(requests.size(), 3u);  // band 0, band 1, band 0 again
+}
+
+TEST(Transposed, ScratchIsBoundedByTheBandWhateverTheMatrix) {
+  EXPECT_EQ(TransposeScratchBytes(4096, 1024, 2), int64_t{8} << 20);  // one band: the matrix
+  for (int64_t side : {int64_t{1} << 12, int64_t{1} << 14, int64_t{1} << 16}) {
+    EXPECT_LE(TransposeScratchBytes(side, side, 4), 3 * kTransposeBandBytes);
   }
 }
 
