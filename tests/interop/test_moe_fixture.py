@@ -73,6 +73,39 @@ class MoeFixtureTests(FixtureTestCase):
                 ours = dm.structure(self.write(name, cfg))
                 self.assertEqual(differences(real, ours), [])
 
+    def test_without_zero_the_expp_rank_files_hold_each_ep_rank_torch_state(self):
+        # The reference's w4_z0_fp32 save (deepspeed-moe-layout.md sections 2 and 3.3): no ZeRO
+        # shards and no zero_to_fp32.py; expp_rank_r holds EP rank r's AdamW state_dict(), 53
+        # states in groups of 11, 26, 8, 8 indices; module tensors standalone.
+        root = self.write('z0', MoeConfig(engine='module', dp=4, ep=2, zero_stage=0))
+        tag = os.path.join(root, 'global_step2')
+        self.assertEqual(sorted(os.listdir(root)), ['global_step2', 'latest'])
+        self.assertEqual(sorted(os.listdir(tag)), sorted(
+            ['mp_rank_00_model_states.pt', 'expp_rank_0_mp_rank_00_optim_states.pt',
+             'expp_rank_1_mp_rank_00_optim_states.pt'] +
+            [f'layer_{m}_expert_{e}_mp_rank_00_model_states.pt' for m in range(2) for e in range(4)]))
+        states = [torch.load(os.path.join(tag, f'expp_rank_{r}_mp_rank_00_optim_states.pt')) for r in range(2)]
+        for r, expp in enumerate(states):
+            self.assertEqual(list(expp), ['optimizer'])
+            sd = expp['optimizer']
+            self.assertEqual(list(sd), ['state', 'param_groups'])
+            self.assertEqual(sorted(sd['state']), list(range(53)))
+            self.assertEqual([g['params'] for g in sd['param_groups']],
+                             [list(range(0, 11)), list(range(11, 37)), list(range(37, 45)), list(range(45, 53))])
+            self.assertEqual([(g['name'], g.get('moe', False), g['weight_decay']) for g in sd['param_groups']],
+                             [('wd_no_scale_lr', False, 0.01), ('no_wd_no_scale_lr', False, 0.0),
+                              ('ep_size_2', True, 0.01), ('ep_size_2', True, 0.0)])
+            step = sd['state'][0]['step']
+            self.assertEqual((step.dtype, step.dim(), float(step)), (torch.float32, 0, 2.0))
+        # Non-expert states alike on both EP ranks, expert states each rank's own.
+        for i in range(53):
+            same = all(torch.equal(states[0]['optimizer']['state'][i][s], states[1]['optimizer']['state'][i][s])
+                       for s in ('exp_avg', 'exp_avg_sq'))
+            self.assertEqual(same, i < 37, i)
+        module = torch.load(os.path.join(tag, 'mp_rank_00_model_states.pt'))['module']
+        self.assertTrue(all(t.storage_offset() == 0 and t.storage().size() == t.numel() for t in module.values()))
+        self.assertEqual(dm.canonical_differences(root, MoeConfig(engine='module', dp=4, ep=2, zero_stage=0)), [])
+
     def test_the_comparison_sees_layout_and_model_changes(self):
         name, cfg = 'zero1_fp32_ep2_dp4', dm.REAL_SAVES['zero1_fp32_ep2_dp4']
         real = dm.structure(os.path.join(DATA, name))
