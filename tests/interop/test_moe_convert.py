@@ -16,7 +16,11 @@ module, expert files and optimizer groups come from several source stages) are c
 way, with EP and DP changed at the same time, and verify finds A and B the same model; an uneven
 --layers-per-stage split is checked through its round trip. The real saves are converted too (the
 pipeline one to PP 1), and verify finds the same model (weights and every optimizer state) at the
-new layout. Refusals: TP changes, PP changes without the pipeline engine, an EP that does not
+new layout. fp32 saves without ZeRO (each EP rank's torch state in its expp_rank file) are checked
+the same way at EP, DP and PP changes, and their torch states compared with the generator's at the
+target (params indices, hyperparameters, step, both moments) and after the round trip with A's;
+verify compares both moments of every parameter; --weights-only writes expp_rank files of None;
+groups that are not DeepSpeed's are refused in one line. Refusals: TP changes, PP changes without the pipeline engine, an EP that does not
 divide the experts or DP, --ep on a checkpoint without experts -- one line, exit 2, nothing
 written.
 
@@ -60,6 +64,22 @@ PP_CASES = [
     (MoeConfig(engine='pipe', pp=3, dp=2, ep=2, dtype='bf16'), 2, 2, 6),
     (MoeConfig(engine='pipe', pp=2, dp=4, ep=4, num_experts=8, zero_stage=2), 3, 2, 2),
 ]
+
+
+# fp32 saves without ZeRO (each EP rank's torch AdamW state in its expp_rank file): (source, target
+# PP, EP, DP) with EP up and down, DP up and down, residual MoE, PP 2 -> 1 and 1 -> 2.
+NO_ZERO_CASES = [
+    (MoeConfig(engine='module', dp=4, ep=2, zero_stage=0), 1, 4, 8),
+    (MoeConfig(engine='module', dp=4, ep=4, zero_stage=0, residual=True), 1, 1, 2),
+    (MoeConfig(engine='pipe', pp=2, dp=2, ep=2, zero_stage=0), 1, 1, 2),
+    (MoeConfig(engine='pipe', pp=1, dp=4, ep=2, num_experts=8, zero_stage=0), 2, 4, 4),
+]
+
+
+def torch_states(root):
+    """{file name: the torch optimizer state_dict} of a save's expp_rank files."""
+    tag = dm.resolve_tag_dir(root)
+    return {n: torch.load(os.path.join(tag, n))['optimizer'] for n in sorted(os.listdir(tag)) if n.startswith('expp_')}
 
 
 def convert(src, dst, cfg, *extra):
@@ -129,6 +149,60 @@ class MoeConvertTests(FixtureTestCase):
                 self.assertEqual(dm.canonical_differences(b, cfg), [])
                 self.assert_same_model(a, b, cfg)
                 self.assert_round_trip(a, b, cfg, f'c{i}')
+
+    def test_saves_without_zero_give_the_fixture_at_the_target_layout(self):
+        for i, (cfg, pp, ep, dp) in enumerate(NO_ZERO_CASES):
+            with self.subTest(case=i, engine=cfg.engine, pp=f'{cfg.pp}->{pp}', ep=f'{cfg.ep}->{ep}',
+                              dp=f'{cfg.dp}->{dp}'):
+                a = self.write(f'a{i}', cfg)
+                b = self.path(f'b{i}')
+                p = convert(a, b, dataclasses.replace(cfg, pp=pp), '--ep', str(ep), '--dp', str(dp))
+                self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+                want = layout(cfg, pp, ep, dp)
+                self.assertEqual(differences(dm.structure(self.write(f'w{i}', want)), dm.structure(b)), [])
+                self.assertEqual(dm.canonical_differences(b, cfg), [])
+                # Every torch state as the generator writes it at the target: params indices,
+                # hyperparameters, group names ep_size_{EP}, step and both moments, bit for bit.
+                self.assert_same_torch_states(torch_states(self.path(f'w{i}')), torch_states(b))
+                # verify compares the weights and both moments of every parameter.
+                p = run('verify', a, b, '--rules', RULES[cfg.engine])
+                self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+                self.assertIn(f'verify: {3 * len(dm.canonical_tensors(cfg))} tensors', p.stdout)
+                self.assertIn('same model', p.stdout)
+                self.assert_round_trip(a, b, cfg, f'c{i}')
+                self.assert_same_torch_states(torch_states(a), torch_states(self.path(f'c{i}')))
+
+    def assert_same_torch_states(self, want, got):
+        self.assertEqual(list(want), list(got))
+        for name, w in want.items():
+            g = got[name]
+            self.assertEqual(w['param_groups'], g['param_groups'], name)
+            self.assertEqual(list(w['state']), list(g['state']), name)
+            for index, state in w['state'].items():
+                self.assertEqual(list(state), list(g['state'][index]), (name, index))
+                for key, value in state.items():
+                    self.assertTrue(torch.equal(value, g['state'][index][key]), (name, index, key))
+
+    def test_save_without_zero_weights_only_and_refusals(self):
+        cfg = MoeConfig(engine='module', dp=4, ep=2, zero_stage=0)
+        a = self.write('a', cfg)
+        p = convert(a, self.path('w'), cfg, '--ep', '4', '--weights-only')
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        self.assertEqual(list(torch_states(self.path('w')).values()), [None] * 4)
+        # expp_rank_1's groups are not DeepSpeed's (one dropped): whose state is whose is unknown.
+        path = os.path.join(a, cfg.tag, 'expp_rank_1_mp_rank_00_optim_states.pt')
+        expp = torch.load(path)
+        del expp['optimizer']['param_groups'][-1]
+        torch.save(expp, path)
+        for command in (('convert', a, self.path('out', cfg.tag), '--tp', '1', '--pp', '1', '--ep', '4'),
+                        ('verify', a, a)):
+            with self.subTest(command=command[0]):
+                p = run(*command, '--rules', RULES['module'])
+                self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
+                self.assertEqual(len(p.stderr.strip().splitlines()), 1, p.stderr)
+                self.assertIn('expp_rank_1_mp_rank_00_optim_states.pt has 3 optimizer groups, but DeepSpeed groups '
+                              "the stage's parameters in 4", p.stderr)
+                self.assertFalse(os.path.exists(self.path('out')))
 
     def test_layers_per_stage_split_round_trips(self):
         # 1 + 3 blocks: stage 0 holds the embedding and a dense block, stage 1 both MoE layers

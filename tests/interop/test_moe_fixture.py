@@ -36,7 +36,8 @@ DATA, RULES = dm.DATA_DIR, dm.TOY_RULES
 differences = dm.structure_differences
 
 # Layouts beyond the real saves': EP 1 / 4, expert-DP 1..4, PP 1..3 (a stage without MoE
-# layers), more experts, bf16 and fp16, ZeRO-2, residual MoE, module tensors not shared.
+# layers), more experts, bf16 and fp16, ZeRO-2, residual MoE, module tensors not shared, fp32
+# without ZeRO.
 LAYOUTS = [
     MoeConfig(engine='module', dp=4, ep=1),
     MoeConfig(engine='module', dp=8, ep=4, num_experts=8, dtype='bf16', zero_stage=2),
@@ -44,6 +45,7 @@ LAYOUTS = [
     MoeConfig(engine='module', dp=2, ep=2, expert_interval=1, shared_storage=False),
     MoeConfig(engine='pipe', pp=3, dp=4, ep=4, dtype='bf16'),
     MoeConfig(engine='pipe', pp=2, dp=4, ep=2, num_layers=6, expert_interval=3, residual=True, zero_stage=2),
+    MoeConfig(engine='pipe', pp=2, dp=4, ep=2, zero_stage=0),
 ]
 
 run = support.reshard
@@ -72,6 +74,39 @@ class MoeFixtureTests(FixtureTestCase):
                 real = dm.structure(os.path.join(DATA, name))
                 ours = dm.structure(self.write(name, cfg))
                 self.assertEqual(differences(real, ours), [])
+
+    def test_without_zero_the_expp_rank_files_hold_each_ep_rank_torch_state(self):
+        # The reference's w4_z0_fp32 save (deepspeed-moe-layout.md sections 2 and 3.3): no ZeRO
+        # shards and no zero_to_fp32.py; expp_rank_r holds EP rank r's AdamW state_dict(), 53
+        # states in groups of 11, 26, 8, 8 indices; module tensors standalone.
+        root = self.write('z0', MoeConfig(engine='module', dp=4, ep=2, zero_stage=0))
+        tag = os.path.join(root, 'global_step2')
+        self.assertEqual(sorted(os.listdir(root)), ['global_step2', 'latest'])
+        self.assertEqual(sorted(os.listdir(tag)), sorted(
+            ['mp_rank_00_model_states.pt', 'expp_rank_0_mp_rank_00_optim_states.pt',
+             'expp_rank_1_mp_rank_00_optim_states.pt'] +
+            [f'layer_{m}_expert_{e}_mp_rank_00_model_states.pt' for m in range(2) for e in range(4)]))
+        states = [torch.load(os.path.join(tag, f'expp_rank_{r}_mp_rank_00_optim_states.pt')) for r in range(2)]
+        for r, expp in enumerate(states):
+            self.assertEqual(list(expp), ['optimizer'])
+            sd = expp['optimizer']
+            self.assertEqual(list(sd), ['state', 'param_groups'])
+            self.assertEqual(sorted(sd['state']), list(range(53)))
+            self.assertEqual([g['params'] for g in sd['param_groups']],
+                             [list(range(0, 11)), list(range(11, 37)), list(range(37, 45)), list(range(45, 53))])
+            self.assertEqual([(g['name'], g.get('moe', False), g['weight_decay']) for g in sd['param_groups']],
+                             [('wd_no_scale_lr', False, 0.01), ('no_wd_no_scale_lr', False, 0.0),
+                              ('ep_size_2', True, 0.01), ('ep_size_2', True, 0.0)])
+            step = sd['state'][0]['step']
+            self.assertEqual((step.dtype, step.dim(), float(step)), (torch.float32, 0, 2.0))
+        # Non-expert states alike on both EP ranks, expert states each rank's own.
+        for i in range(53):
+            same = all(torch.equal(states[0]['optimizer']['state'][i][s], states[1]['optimizer']['state'][i][s])
+                       for s in ('exp_avg', 'exp_avg_sq'))
+            self.assertEqual(same, i < 37, i)
+        module = torch.load(os.path.join(tag, 'mp_rank_00_model_states.pt'))['module']
+        self.assertTrue(all(t.storage_offset() == 0 and t.storage().size() == t.numel() for t in module.values()))
+        self.assertEqual(dm.canonical_differences(root, MoeConfig(engine='module', dp=4, ep=2, zero_stage=0)), [])
 
     def test_the_comparison_sees_layout_and_model_changes(self):
         name, cfg = 'zero1_fp32_ep2_dp4', dm.REAL_SAVES['zero1_fp32_ep2_dp4']

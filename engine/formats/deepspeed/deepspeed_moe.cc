@@ -52,9 +52,12 @@ class MoeSource : public DeepSpeedModelSource {
     ReportDrift(ckpt(), options, report);
     report->findings.push_back({Finding::Severity::kInfo, "MoE: " + layout_.Summary()});
     const MoeOptimizer* state = nullptr;
-    if (shard_files() > 0 && options.weights_only) {
-      report->findings.push_back({Finding::Severity::kInfo, WeightsOnlyNote(OptimizerWhat())});
-    } else if (shard_files() > 0) {
+    const Result<bool> has_state = HasState();
+    if (!has_state.ok()) {
+      report->findings.push_back({Finding::Severity::kError, "optimizer: " + has_state.status().message()});
+    } else if (*has_state && options.weights_only) {
+      report->findings.push_back({Finding::Severity::kInfo, WeightsOnlyNote(StateWhat())});
+    } else if (*has_state) {
       Result<const MoeOptimizer*> opt = State();
       report->findings.push_back(opt.ok() ? StateFinding(**opt)
                                           : Finding{Finding::Severity::kError, "optimizer: " + opt.status().message()});
@@ -77,9 +80,10 @@ class MoeSource : public DeepSpeedModelSource {
     RESHARD_RETURN_IF_ERROR(CheckTarget(options, ep, dp));
     RESHARD_ASSIGN_OR_RETURN(std::vector<int> bounds, TargetBounds(options));
     const MoeOptimizer* opt = nullptr;
-    if (shard_files() > 0 && options.weights_only) {
-      notes->push_back(WeightsOnlyNote(OptimizerWhat()));
-    } else if (shard_files() > 0) {
+    RESHARD_ASSIGN_OR_RETURN(const bool has_state, HasState());
+    if (has_state && options.weights_only) {
+      notes->push_back(WeightsOnlyNote(StateWhat()));
+    } else if (has_state) {
       RESHARD_ASSIGN_OR_RETURN(opt, State());
     }
     RESHARD_RETURN_IF_ERROR(Convertible(opt));
@@ -95,7 +99,8 @@ class MoeSource : public DeepSpeedModelSource {
                                               std::atomic<int64_t>* read) const override {
     RESHARD_RETURN_IF_ERROR(ckpt().FirstError());
     RESHARD_ASSIGN_OR_RETURN(std::vector<FullTensor> out, WeightTensors(ckpt(), nullptr, replicated, read));
-    if (shard_files() == 0) return out;
+    RESHARD_ASSIGN_OR_RETURN(const bool has_state, HasState());
+    if (!has_state) return out;
     RESHARD_ASSIGN_OR_RETURN(const MoeOptimizer* opt, State());
     RESHARD_RETURN_IF_ERROR(AddStates(*opt, replicated, read, &out));
     return out;
@@ -115,28 +120,33 @@ class MoeSource : public DeepSpeedModelSource {
   }
 
  private:
-  // What convert refuses whatever the target: TP > 1, and optimizer state
-  // other than ZeRO-1/2 shards (a run without ZeRO keeps its state in the
-  // expp_rank files).
+  // What convert refuses whatever the target: TP > 1, and BF16_Optimizer
+  // state.
   Status Convertible(const MoeOptimizer* opt) const {
     if (ckpt().tp > 1) {
       return Status::Unsupported("converting a DeepSpeed MoE checkpoint at TP " + std::to_string(ckpt().tp) +
                                  " is not implemented yet (TP 1: EP, DP and expert-DP change)");
     }
-    if (opt != nullptr && !opt->format().zero) {
+    if (opt != nullptr && !opt->format().zero && !opt->format().per_parameter) {
       return Status::Unsupported("converting a DeepSpeed MoE checkpoint with BF16_Optimizer shards is not "
-                                 "implemented yet (ZeRO-1/2 shards are)");
-    }
-    for (const auto& [mp, by_ep] : files().expert_optimizer_files) {
-      RESHARD_ASSIGN_OR_RETURN(Value expp, ReadDeepSpeedFile(by_ep.begin()->second, allowed_classes_));
-      const Value* state = Find(expp, "optimizer");
-      if (state == nullptr || !state->is_none()) {
-        return Status::Unsupported(BaseName(by_ep.begin()->second) + " holds an optimizer state (a run without "
-                                   "ZeRO); converting it is not implemented yet (ZeRO-1/2 runs, whose expp_rank "
-                                   "files hold None, are)");
-      }
+                                 "implemented yet (ZeRO-1/2 shards and fp32 runs without ZeRO are)");
     }
     return Status::Ok();
+  }
+
+  // Whether the save has optimizer state: ZeRO shards, or without ZeRO a
+  // torch state in the expp_rank files (which hold None under ZeRO).
+  Result<bool> HasState() const {
+    if (shard_files() > 0) return true;
+    auto first = files().expert_optimizer_files.find(0);
+    if (first == files().expert_optimizer_files.end() || first->second.empty()) return false;
+    RESHARD_ASSIGN_OR_RETURN(Value expp, ReadDeepSpeedFile(first->second.begin()->second, allowed_classes_));
+    const Value* state = Find(expp, "optimizer");
+    return state != nullptr && !state->is_none();
+  }
+
+  std::string StateWhat() const {
+    return shard_files() > 0 ? OptimizerWhat() : "torch optimizer state of its expp_rank files (a run without ZeRO)";
   }
 
   bool ChangesStages(const ConvertOptions& options) const {
@@ -189,7 +199,7 @@ class MoeSource : public DeepSpeedModelSource {
   // The optimizer shards, read once, when a command first needs them.
   Result<const MoeOptimizer*> State() const {
     std::call_once(state_once_, [this] {
-      Result<std::unique_ptr<MoeOptimizer>> opt = MoeOptimizer::Load(ckpt(), files(), layout_, allowed_classes_);
+      Result<std::unique_ptr<MoeOptimizer>> opt = LoadState();
       if (opt.ok()) {
         state_ = std::move(*opt);
       } else {
@@ -200,7 +210,20 @@ class MoeSource : public DeepSpeedModelSource {
     return static_cast<const MoeOptimizer*>(state_.get());
   }
 
+  Result<std::unique_ptr<MoeOptimizer>> LoadState() const {
+    if (shard_files() > 0) return MoeOptimizer::Load(ckpt(), files(), layout_, allowed_classes_);
+    RESHARD_ASSIGN_OR_RETURN(std::vector<int> bounds, SourceStageBounds(ckpt()));
+    return MoeOptimizer::LoadTorch(ckpt(), files(), layout_, bounds, allowed_classes_);
+  }
+
   Finding StateFinding(const MoeOptimizer& opt) const {
+    if (opt.format().per_parameter) {
+      return {Finding::Severity::kInfo,
+              "optimizer: torch optimizer without ZeRO in " + std::to_string(layout_.ep) + " expp_rank files per "
+              "stage (" + std::to_string(opt.num_groups()) + " groups on mp_rank_00, states " +
+              Join(opt.states(), ", ") + (opt.scalar_states().empty() ? "" : "; scalar " + Join(opt.scalar_states(), ", ")) +
+              "); every parameter's state found, experts by their global ids"};
+    }
     return {Finding::Severity::kInfo,
             "optimizer: " + std::to_string(shard_files()) + " shards (" + (opt.format().zero ? "ZeRO-1/2" : "BF16 optimizer") +
                 ", " + std::to_string(opt.num_groups()) + " groups on mp_rank_00, expert groups over expert-DP " +

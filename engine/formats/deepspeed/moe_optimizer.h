@@ -8,6 +8,14 @@
 // r * E/EP + local on EP rank r. Parameters are named here as saved, experts
 // by their global id (the names of the expert files), so each one's state is
 // found whatever EP it was trained at.
+//
+// Without ZeRO (fp32, a plain torch optimizer) each EP rank's torch
+// state_dict is in its expp_rank file instead, one state per parameter and
+// no names: its indices run through the groups in order, each group holding
+// the stage's parameters DeepSpeed puts there (the rule set's groups without
+// experts, then each one's experts of that EP rank, in named_parameters()
+// order). The non-expert states, alike on every EP rank, are read from EP
+// rank 0's file.
 #pragma once
 
 #include <map>
@@ -18,6 +26,7 @@
 #include <vector>
 
 #include "formats/deepspeed/checkpoint_files.h"
+#include "formats/deepspeed/flat_group.h"
 #include "formats/deepspeed/moe_layout.h"
 #include "formats/deepspeed/source_optimizer.h"
 #include "logical/logical_checkpoint.h"
@@ -28,6 +37,11 @@ namespace reshard {
 // or the module path; an expert's with its global id.
 std::string MoeSaveName(const LogicalLayer& layer, const LogicalTensor& t);
 
+// The torch optimizer state_dict in a shard of `format`: ZeRO's
+// base_optimizer_state, or without ZeRO the shard itself (null when malformed).
+const Value* MoeTorchState(const Value& shard, const OptimizerFormat& format);
+Value* MutableMoeTorchState(Value* shard, const OptimizerFormat& format);
+
 class MoeOptimizer : public SourceOptimizer {
  public:
   // Reads every shard of every mp rank; errors name the file and what does
@@ -35,6 +49,12 @@ class MoeOptimizer : public SourceOptimizer {
   static Result<std::unique_ptr<MoeOptimizer>> Load(const LogicalCheckpoint& ckpt, const CheckpointFiles& files,
                                                     const MoeLayout& layout,
                                                     const std::set<std::string>& allowed_classes);
+  // The state of a save without ZeRO, from its expp_rank files; the groups
+  // are checked against DeepSpeed's (sizes, `moe` flags, state shapes).
+  // `stage_bounds`: stage p holds the layers with ids [b[p], b[p+1]).
+  static Result<std::unique_ptr<MoeOptimizer>> LoadTorch(const LogicalCheckpoint& ckpt, const CheckpointFiles& files,
+                                                         const MoeLayout& layout, const std::vector<int>& stage_bounds,
+                                                         const std::set<std::string>& allowed_classes);
 
   const OptimizerFormat& format() const override { return format_; }
   const std::vector<std::string>& states() const override { return states_; }
@@ -47,7 +67,8 @@ class MoeOptimizer : public SourceOptimizer {
   Result<SourceShard> Locate(const std::string& name, int t, const std::string& state) const override;
 
   // What a conversion is built from.
-  // DP rank d's shard on mp rank `mp` (a target shard's template).
+  // DP rank d's shard on mp rank `mp` (a target shard's template); without
+  // ZeRO, EP rank d's torch state_dict.
   const Value& Shard(int mp, int d) const { return shards_[mp][d]; }
   int Groups(int mp) const { return static_cast<int>(moe_groups_[mp].size()); }
   bool IsExpertGroup(int mp, int group) const { return moe_groups_[mp][group]; }
@@ -72,6 +93,7 @@ class MoeOptimizer : public SourceOptimizer {
   struct Place {
     int group = 0;
     std::vector<Fragment> fragments;
+    int64_t index = -1;  // without ZeRO: the parameter's index in its torch state_dict
   };
   // An expert's name on its EP rank, and that rank.
   struct LocalName {
@@ -79,12 +101,22 @@ class MoeOptimizer : public SourceOptimizer {
     int ep = -1;  // -1: not an expert (the groups of every DP rank)
   };
 
+  // The saved names of every parameter, and each one's name on its EP rank.
+  void IndexNames(const LogicalCheckpoint& ckpt, const MoeLayout& layout);
+  // Places EP rank `r`'s torch state on mp rank `mp` (the layers [lo, hi)).
+  Status IndexTorchRank(const LogicalCheckpoint& ckpt, int mp, int r, int lo, int hi, const std::string& file);
+  // The per-element states (shaped like the first parameter) and the scalar ones of a torch state_dict.
+  void DetectTorchStates(const Value& state_dict, const std::vector<int64_t>& first_shape);
+  // Records parameter `name`'s state at `index`, checking it has every state.
+  Status AddTorchParam(const Value& state_dict, const ParamShape& param, int64_t index, const std::string& file);
   Status LoadRank(int mp, const std::vector<const OptimizerShardFile*>& shards,
                   const std::set<std::string>& allowed_classes);
   Status IndexGroup(int mp, int group, bool moe, const std::vector<const OptimizerShardFile*>& shards);
   void DetectStates();
   // The partition of `state` in group `group` of DP rank `d`'s shard on mp rank `mp`.
   const Tensor* Partition(int mp, int d, int group, const std::string& state) const;
+  // Without ZeRO: `state` of the parameter at `place` in EP rank `ep`'s torch state.
+  Result<SourceShard> TorchStateOf(int mp, int ep, const Place& place, int t, const std::string& state) const;
   Status CheckCoverage(const LogicalCheckpoint& ckpt) const;
 
   OptimizerFormat format_;

@@ -88,14 +88,8 @@ Status CheckExpertOrder(const StageTarget& x, int mp, int group) {
   return Status::Ok();
 }
 
-// The torch state_dict inside a ZeRO shard (null when malformed).
-const Value* BaseState(const Value& shard) {
-  const Value* osd = Find(shard, "optimizer_state_dict");
-  return osd != nullptr ? Find(*osd, "base_optimizer_state") : nullptr;
-}
-
 const Value* ParamGroup(const MoeOptimizer& opt, int mp, int group) {
-  const Value* base = BaseState(opt.Shard(mp, 0));
+  const Value* base = MoeTorchState(opt.Shard(mp, 0), opt.format());
   const Value* groups = base != nullptr ? Find(*base, "param_groups") : nullptr;
   if (groups == nullptr || !groups->is(Value::Kind::kList)) return nullptr;
   const std::vector<Value>& items = groups->as_list().items;
@@ -196,7 +190,8 @@ Result<OptimizerStagePlan> PlanEpRank(const StageTarget& x, const std::vector<st
       const TensorPlan tensor = PlanTensor(x.src, at->second.first, at->second.second, plan.tp_rank, x.tensors);
       slots.push_back({saved, t.local_shape, tensor, tensor});
     }
-    const int over = expert ? x.dp / x.ep : x.dp;
+    // Without ZeRO nothing is partitioned.
+    const int over = x.opt.format().per_parameter ? 1 : expert ? x.dp / x.ep : x.dp;
     plan.groups.emplace_back(shapes, over, x.opt.format().Alignment(over));
     plan.slots.push_back(std::move(slots));
     plan.expert_group.push_back(expert);
@@ -206,10 +201,8 @@ Result<OptimizerStagePlan> PlanEpRank(const StageTarget& x, const std::vector<st
 }
 
 // DeepSpeed names an EP rank's groups after its EP group ("ep_size_2").
-void RenameExpertGroups(const OptimizerStagePlan& plan, int source_ep, Value* shard) {
-  Value* osd = FindMutable(*shard, "optimizer_state_dict");
-  Value* base = osd ? FindMutable(*osd, "base_optimizer_state") : nullptr;
-  Value* groups = base ? FindMutable(*base, "param_groups") : nullptr;
+void RenameExpertGroups(const OptimizerStagePlan& plan, int source_ep, Value* torch_state) {
+  Value* groups = torch_state ? FindMutable(*torch_state, "param_groups") : nullptr;
   if (groups == nullptr || !groups->is(Value::Kind::kList)) return;
   for (size_t g = 0; g < plan.expert_group.size() && g < groups->as_list().items.size(); ++g) {
     Value& group = groups->as_list().items[g];
@@ -362,10 +355,12 @@ Status PlanModule(const LogicalCheckpoint& src, const TensorIndex& index, int t,
 
 // A shard to build the stage's shards from: the source's first shard with
 // the param_groups and per-group torch states of the groups' sources (the
-// layout fields are replaced by BuildOptimizerState).
+// layout fields are replaced by BuildOptimizerState). Without ZeRO the
+// states are per parameter: the first stands for all (BuildOptimizerState
+// numbers them anew).
 Value StageTemplate(const MoeOptimizer& opt, const MoeStagePlan& stage) {
   Value like = opt.Shard(stage.group_sources.empty() ? stage.source_mp : stage.group_sources[0].mp, 0);
-  Value* base = FindMutable(*FindMutable(like, "optimizer_state_dict"), "base_optimizer_state");
+  Value* base = MutableMoeTorchState(&like, opt.format());
   std::vector<Value> groups;
   Items states;
   for (size_t g = 0; g < stage.group_sources.size(); ++g) {
@@ -373,7 +368,8 @@ Value StageTemplate(const MoeOptimizer& opt, const MoeStagePlan& stage) {
     Value group = *ParamGroup(opt, source.mp, source.group);
     Set(group, "params", Value::MakeList({Value::Int(static_cast<int64_t>(g))}));
     groups.push_back(std::move(group));
-    if (const Value* state = TorchGroupState(BaseState(opt.Shard(source.mp, 0)), source.group)) {
+    const int slot = opt.format().per_parameter ? 0 : source.group;
+    if (const Value* state = TorchGroupState(MoeTorchState(opt.Shard(source.mp, 0), opt.format()), slot)) {
       states.emplace_back(Value::Int(static_cast<int64_t>(g)), *state);
     }
   }
@@ -416,6 +412,7 @@ Result<MoePlan> MakeMoePlan(const LogicalCheckpoint& src, const CheckpointFiles&
   plan.source_pp = src.pp;
   plan.source_ep = layout.ep;
   plan.stage_bounds = target.stage_bounds;
+  plan.state_in_expp = opt != nullptr && opt->format().per_parameter;
   const TensorIndex index = IndexTensors(src);
   std::vector<std::vector<std::string>> kinds(src.tp);  // per TP rank
   for (int t = 0; opt != nullptr && t < src.tp; ++t) {
@@ -470,8 +467,9 @@ std::string MoePlan::ToString(bool detail) const {
     out += "  " + ModelStatesFileName(stage.mp) + "  stage " + std::to_string(stage.pp_rank) + ": module of " +
            std::to_string(stage.module_entries.size()) + " tensors from " + Join(sources, ", ") + ", " +
            std::to_string(stage.blocks.size()) + " MoE layers (" + std::to_string(stage.expert_files.size()) +
-           " expert files), " + std::to_string(ep) + " expp_rank files, " +
-           std::to_string(stage.optimizer.empty() ? 0 : dp) + " optimizer shards\n";
+           " expert files), " + std::to_string(ep) + " expp_rank files" +
+           (state_in_expp ? " holding the optimizer state" : ", " + std::to_string(stage.optimizer.empty() ? 0 : dp) +
+                                                                " optimizer shards") + "\n";
     if (detail) {
       for (const MoeExpertFilePlan& f : stage.expert_files) out += "    " + f.name + " <- " + BaseName(f.source) + "\n";
     }
@@ -539,21 +537,26 @@ Status MoeTargetPlan::AddStageJobs(const MoeStagePlan& stage, std::atomic<int64_
   }
   RESHARD_ASSIGN_OR_RETURN(Value expp, ReadDeepSpeedFile(files_.expert_optimizer_files.at(stage.source_mp).begin()->second,
                                                          allowed_classes_));
-  for (int r = 0; r < plan_.ep; ++r) {
-    RESHARD_ASSIGN_OR_RETURN(Job job, TorchFileJob(ExpertOptimizerFileName(r, mp), expp));
-    jobs->push_back(std::move(job));
-  }
-  if (stage.optimizer.empty()) return Status::Ok();
-  const Value like = StageTemplate(*opt_, stage);
+  Set(expp, "optimizer", Value::None());  // what ZeRO and weights-only targets hold
+  std::vector<Value> expp_files(plan_.ep, expp);
+  const Value like = stage.optimizer.empty() ? Value::None() : StageTemplate(*opt_, stage);
   for (const OptimizerStagePlan& o : stage.optimizer) {
     RESHARD_ASSIGN_OR_RETURN(std::vector<Value> shards, BuildOptimizerState(*opt_, o, plan_.dp, read, &like));
     for (size_t k = 0; k < shards.size(); ++k) {
-      RenameExpertGroups(o, plan_.source_ep, &shards[k]);
+      RenameExpertGroups(o, plan_.source_ep, MutableMoeTorchState(&shards[k], opt_->format()));
+      if (opt_->format().per_parameter) {  // without ZeRO, the EP rank's whole torch state
+        Set(expp_files[o.ep_rank], "optimizer", std::move(shards[k]));
+        continue;
+      }
       const int d = o.ep_rank + static_cast<int>(k) * o.ep;
       RESHARD_ASSIGN_OR_RETURN(
           Job job, TorchFileJob(OptimizerFileName(opt_->format().bf16_prefix, d, mp), std::move(shards[k])));
       jobs->push_back(std::move(job));
     }
+  }
+  for (int r = 0; r < plan_.ep; ++r) {
+    RESHARD_ASSIGN_OR_RETURN(Job job, TorchFileJob(ExpertOptimizerFileName(r, mp), std::move(expp_files[r])));
+    jobs->push_back(std::move(job));
   }
   return Status::Ok();
 }

@@ -14,7 +14,8 @@
 // groups over the target DP, and per target EP rank r the experts
 // r * E/EP .. (r+1) * E/EP - 1 of every MoE layer, under their new local
 // ids, partitioned over the target expert-DP (DP / EP). One expp_rank file
-// per target EP rank. The module's `_metadata` lists the target stage's
+// per target EP rank; without ZeRO it holds that EP rank's torch state_dict
+// (the same groups, unpartitioned, parameters indexed through them in order). The module's `_metadata` lists the target stage's
 // modules, with the target EP rank 0's expert modules.
 #pragma once
 
@@ -61,6 +62,9 @@ struct MoePlan {
   int tp = 1, pp = 1, dp = 1, ep = 1;
   int source_pp = 1, source_ep = 1;
   std::vector<int> stage_bounds;  // target stage p owns the layers with ids [b[p], b[p+1])
+  // Without ZeRO: each EP rank's torch state_dict goes into its expp_rank
+  // file, and there are no shards.
+  bool state_in_expp = false;
   std::vector<MoeStagePlan> stages;  // per mp rank
   std::vector<std::string> notes;
   // `--dry-run`'s listing; `detail` adds every fragment of every partition.

@@ -102,8 +102,9 @@ void AddParams(const LogicalLayer& layer, const std::string& prefix, bool tied_h
   }
 }
 
-// DeepSpeed's optimizer groups: weight-decay parameters are the matrices
-// (Megatron excludes norms and biases, which are exactly the 1-D tensors).
+
+}  // namespace
+
 std::vector<std::vector<ParamShape>> GroupParams(const std::vector<ParamShape>& params,
                                                  OptimizerGroups scheme) {
   std::vector<ParamShape> decay, no_decay;
@@ -121,8 +122,6 @@ std::vector<std::vector<ParamShape>> GroupParams(const std::vector<ParamShape>& 
   if (!no_decay.empty()) groups.push_back(no_decay);
   return groups;
 }
-
-}  // namespace
 
 Result<std::vector<int>> TargetStageBounds(const LogicalCheckpoint& src, int pp, int tp,
                                            int64_t padded_vocab,

@@ -50,54 +50,6 @@ const Tensor* MasterFlat(const Value& shard, bool embedded, int group) {
   return group < static_cast<int>(items.size()) ? FlatTensor(&items[group]) : nullptr;
 }
 
-// A comparable rendering of a small value; tensors by their bytes.
-std::string ScalarBytes(const Value& v) {
-  if (!v.is(Value::Kind::kTensor)) return v.DebugString(1 << 20);
-  const Tensor& t = v.as_tensor();
-  if (t.storage == nullptr || t.storage->bytes.data == nullptr || !t.IsContiguous()) return v.DebugString();
-  const size_t n = static_cast<size_t>(t.numel()) * ElementSize(t.storage->dtype);
-  return std::string(reinterpret_cast<const char*>(TensorData(t)), n);
-}
-
-// A small value for messages; one-element tensors by their value.
-std::string ScalarText(const Value* v) {
-  if (v == nullptr) return "missing";
-  if (!v->is(Value::Kind::kTensor)) return v->DebugString(60);
-  const Tensor& t = v->as_tensor();
-  if (t.numel() != 1 || t.storage == nullptr || t.storage->bytes.data == nullptr) return v->DebugString(60);
-  char text[32];
-  std::snprintf(text, sizeof(text), "%g", LoadAsDouble(t.storage->dtype, TensorData(t)));
-  return std::string("tensor(") + text + ")";
-}
-
-// A contiguous fp32 tensor of `shape`, or null.
-const Tensor* ParamTensor(const Value* v, const std::vector<int64_t>& shape) {
-  if (v == nullptr || !v->is(Value::Kind::kTensor)) return nullptr;
-  const Tensor& t = v->as_tensor();
-  if (t.storage == nullptr || t.storage->dtype != DType::kFloat32 || t.sizes != shape ||
-      !t.IsContiguous() || t.storage_offset + t.numel() > t.storage->numel) {
-    return nullptr;
-  }
-  return &t;
-}
-
-// A torch param group's hyperparameters (everything but `params`), comparable.
-std::string Hyperparameters(const Value& group) {
-  std::string out;
-  if (const Items* items = DictItems(group)) {
-    for (const auto& [k, v] : *items) {
-      if (!(k.is(Value::Kind::kString) && k.as_string() == "params")) {
-        out += k.DebugString() + "=" + ScalarBytes(v) + ";";
-      }
-    }
-  }
-  return out;
-}
-
-const std::vector<Value>* ParamGroups(const Value& torch_state_dict) {
-  const Value* groups = Find(torch_state_dict, "param_groups");
-  return groups != nullptr && groups->is(Value::Kind::kList) ? &groups->as_list().items : nullptr;
-}
 
 // A torch param group's `params` must be the indices [first, first + count).
 bool HasIndices(const Value& group, int64_t first, size_t count) {

@@ -200,10 +200,11 @@ Value ParamState(const SourceOptimizer& opt, const std::shared_ptr<const TargetS
 
 // A torch optimizer state_dict of an mp_rank file: per parameter, indexed
 // across the target stage's groups in order; every group's hyperparameters
-// are the source group's.
-Result<Value> BuildTorchState(const SourceOptimizer& opt, const std::shared_ptr<const TargetStage>& stage) {
-  Value optimizer = opt.Template();
-  const Value* like = TorchGroupState(&opt.Template(), 0);  // null before the first step
+// are those of `templ`'s group (the source's), its first state the form of each.
+Result<Value> BuildTorchState(const SourceOptimizer& opt, const Value& templ,
+                              const std::shared_ptr<const TargetStage>& stage) {
+  Value optimizer = templ;
+  const Value* like = TorchGroupState(&templ, 0);  // null before the first step
   Items* state = MutableDictItems(*FindMutable(optimizer, "state"));
   std::vector<Value>& groups = FindMutable(optimizer, "param_groups")->as_list().items;
   if (state == nullptr || groups.size() != stage->groups().size()) {
@@ -232,8 +233,9 @@ Result<std::vector<Value>> BuildOptimizerState(const SourceOptimizer& opt,
   RESHARD_ASSIGN_OR_RETURN(std::shared_ptr<const TargetStage> stage,
                            TargetStage::Make(opt, plan, read));
   if (opt.format().embedded) {
-    RESHARD_ASSIGN_OR_RETURN(Value optimizer, opt.format().per_parameter ? BuildTorchState(opt, stage)
-                                                                         : BuildEmbedded(opt, stage));
+    RESHARD_ASSIGN_OR_RETURN(Value optimizer, opt.format().per_parameter
+                                                  ? BuildTorchState(opt, like != nullptr ? *like : opt.Template(), stage)
+                                                  : BuildEmbedded(opt, stage));
     return std::vector<Value>{std::move(optimizer)};
   }
   std::vector<Value> shards;

@@ -23,7 +23,8 @@ namespace reshard {
 // describes: for the sharded formats one file root per target DP rank (of
 // `dp`; with MoE, the ranks d % plan.ep == plan.ep_rank, in order), made
 // from the shard `like` (null: opt.Template()); for the embedded formats
-// (FP16_Optimizer, torch) the single `optimizer` dict of its mp_rank file.
+// (FP16_Optimizer, torch) the single `optimizer` dict of its mp_rank file
+// (a torch state_dict's groups are `like`'s).
 // The flat tensors are produced from the source shards while they are
 // written, adding the source bytes they read to *read, which must outlive them.
 Result<std::vector<Value>> BuildOptimizerState(const SourceOptimizer& opt,
