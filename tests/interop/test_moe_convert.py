@@ -203,6 +203,19 @@ class MoeConvertTests(FixtureTestCase):
                 self.assertIn('expp_rank_1_mp_rank_00_optim_states.pt has 3 optimizer groups, but DeepSpeed groups '
                               "the stage's parameters in 4", p.stderr)
                 self.assertFalse(os.path.exists(self.path('out')))
+        # A non-expert state that differs between EP ranks: reading EP rank 0's would be a guess.
+        d = self.write('d', cfg)
+        path = os.path.join(d, cfg.tag, 'expp_rank_1_mp_rank_00_optim_states.pt')
+        expp = torch.load(path)
+        expp['optimizer']['state'][0]['exp_avg'].view(-1)[0] += 1.0  # index 0: a non-expert parameter
+        torch.save(expp, path)
+        p = convert(d, self.path('out'), cfg, '--ep', '4')
+        self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
+        self.assertEqual(len(p.stderr.strip().splitlines()), 1, p.stderr)
+        self.assertIn("expp_rank_1_mp_rank_00_optim_states.pt: optimizer state 'exp_avg' of the non-expert "
+                      "parameter", p.stderr)
+        self.assertIn("differs from EP rank 0's", p.stderr)
+        self.assertFalse(os.path.exists(self.path('out')))
 
     def test_layers_per_stage_split_round_trips(self):
         # 1 + 3 blocks: stage 0 holds the embedding and a dense block, stage 1 both MoE layers

@@ -1,6 +1,7 @@
 #include "formats/deepspeed/moe_optimizer.h"
 
 #include <algorithm>
+#include <cstring>
 #include <tuple>
 
 #include "formats/deepspeed/file_names.h"
@@ -177,9 +178,43 @@ Status MoeOptimizer::IndexTorchRank(const LogicalCheckpoint& ckpt, int mp, int r
     if (r == 0) moe_groups_[mp].push_back(is_moe);
     for (const ParamShape& p : groups[g].second) {
       RESHARD_RETURN_IF_ERROR(AddTorchParam(state_dict, p, index, file));
-      // Non-expert states are alike on every EP rank: EP rank 0's are read.
-      if (groups[g].first || r == 0) places_[{mp, p.first, groups[g].first ? r : -1}] = Place{static_cast<int>(g), {}, index};
+      // Non-expert states are alike on every EP rank: EP rank 0's are read, the others checked against them.
+      if (groups[g].first || r == 0) {
+        places_[{mp, p.first, groups[g].first ? r : -1}] = Place{static_cast<int>(g), {}, index};
+      } else {
+        RESHARD_RETURN_IF_ERROR(CheckSameAsEpRankZero(mp, r, p, index, file));
+      }
       ++index;
+    }
+  }
+  return Status::Ok();
+}
+
+namespace {
+
+bool SameBytes(const Tensor& a, const Tensor& b) {
+  const size_t n = static_cast<size_t>(a.numel() * ElementSize(a.storage->dtype));
+  const uint8_t* pa = a.storage->bytes.data + a.storage_offset * ElementSize(a.storage->dtype);
+  const uint8_t* pb = b.storage->bytes.data + b.storage_offset * ElementSize(b.storage->dtype);
+  return a.storage->dtype == b.storage->dtype && a.numel() == b.numel() && std::memcmp(pa, pb, n) == 0;
+}
+
+}  // namespace
+
+// Every EP rank steps the non-expert parameters with the same all-reduced
+// gradients, so their states agree bit for bit; copies that differ would
+// make reading EP rank 0's a guess.
+Status MoeOptimizer::CheckSameAsEpRankZero(int mp, int r, const ParamShape& param, int64_t index,
+                                           const std::string& file) const {
+  const Value* mine = TorchGroupState(&shards_[mp][r], static_cast<int>(index));
+  const Value* first = TorchGroupState(&shards_[mp][0], static_cast<int>(places_.at({mp, param.first, -1}).index));
+  for (const std::string& name : states_) {
+    const Tensor* a = ParamTensor(Find(*mine, name), param.second);
+    const Tensor* b = ParamTensor(Find(*first, name), param.second);
+    if (a == nullptr || b == nullptr || !SameBytes(*a, *b)) {
+      return Status::InvalidInput(file + ": optimizer state '" + name + "' of the non-expert parameter " + param.first +
+                                  " differs from EP rank 0's; DeepSpeed keeps these copies equal, so the file is "
+                                  "damaged or was edited, and reshard will not pick one");
     }
   }
   return Status::Ok();

@@ -109,6 +109,8 @@ class MoeOptimizer : public SourceOptimizer {
   void DetectTorchStates(const Value& state_dict, const std::vector<int64_t>& first_shape);
   // Records parameter `name`'s state at `index`, checking it has every state.
   Status AddTorchParam(const Value& state_dict, const ParamShape& param, int64_t index, const std::string& file);
+  // A non-expert parameter's states on EP rank r (index `index`) against EP rank 0's.
+  Status CheckSameAsEpRankZero(int mp, int r, const ParamShape& param, int64_t index, const std::string& file) const;
   Status LoadRank(int mp, const std::vector<const OptimizerShardFile*>& shards,
                   const std::set<std::string>& allowed_classes);
   Status IndexGroup(int mp, int group, bool moe, const std::vector<const OptimizerShardFile*>& shards);
