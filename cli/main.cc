@@ -109,6 +109,7 @@ int RunLint(const std::string& ckpt, const reshard::LintOptions& o) {
   reshard::Result<reshard::LintReport> r = reshard::Lint(ckpt, o);
   if (!r.ok()) return Fail(r.status());
   std::cout << r->summary << "\n";
+  for (const std::string& n : r->notes) std::cout << "note: " << n << "\n";
   PrintFindings(r->findings);
   const std::string with = r->rule_set.empty() ? "" : " with rule set '" + r->rule_set + "'";
   if (!r->ok()) {
@@ -274,7 +275,8 @@ int Run(int argc, char** argv) {
   lint_cmd->add_option("--max-drift-lines", lint.max_drift_lines,
                        "How many replicated-tensor drifts to list");
   lint_cmd->add_flag("--deep", lint.deep,
-                     "Also read every byte of every file and check each record's CRC-32");
+                     "Also read every byte of every file and check each record's CRC-32, and have "
+                     "LibTorch's reader (libreshard_torch_check.so) read every file too");
 
   reshard::InspectOptions inspect;
   CLI::App* inspect_cmd = app.add_subcommand("inspect", "Describe a checkpoint's layout, metadata and tensors");

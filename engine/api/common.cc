@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "container/mapped_file.h"
+#include "container/torch_check.h"
 #include "container/zip_directory.h"
 #include "exec/executor.h"
 #include "formats/format.h"
@@ -49,7 +50,7 @@ bool IsTorchSaveName(const std::string& path) {
 
 }  // namespace
 
-Status CheckRecordCrcs(const SourceCheckpoint& src, int threads,
+Status CheckRecordCrcs(const SourceCheckpoint& src, int threads, const TorchCheck* torch,
                        const std::function<void(const std::string&)>& progress, std::vector<std::string>* damaged) {
   std::mutex mu;
   std::vector<Job> jobs;
@@ -57,11 +58,12 @@ Status CheckRecordCrcs(const SourceCheckpoint& src, int threads,
     if (!IsTorchSaveName(path)) continue;  // safetensors and JSON files keep no CRCs
     std::error_code ec;
     const int64_t bytes = static_cast<int64_t>(std::filesystem::file_size(path, ec));
-    jobs.push_back({path, ec ? 0 : bytes, [path, damaged, &mu](JobContext& ctx) {
+    jobs.push_back({path, ec ? 0 : bytes, [path, torch, damaged, &mu](JobContext& ctx) {
                       Status st = [&]() -> Status {
                         RESHARD_ASSIGN_OR_RETURN(std::shared_ptr<const MappedFile> file, MappedFile::Open(path));
                         RESHARD_ASSIGN_OR_RETURN(ZipDirectory directory, ZipDirectory::Read(*file));
                         RESHARD_RETURN_IF_ERROR(directory.CheckCrcs(*file));
+                        if (torch != nullptr) RESHARD_RETURN_IF_ERROR(torch->Check(path));
                         ctx.done(static_cast<int64_t>(file->size()));
                         return Status::Ok();
                       }();

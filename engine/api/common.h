@@ -12,6 +12,7 @@
 namespace reshard {
 
 class SourceCheckpoint;
+class TorchCheck;
 
 // `requested`, or the number of cores this process may use when it is 0.
 int ThreadCount(int requested);
@@ -22,10 +23,10 @@ int ThreadCount(int requested);
 Status CheckVocabSize(const SourceCheckpoint& src, std::optional<int64_t> given);
 
 // Reads every record of every torch.save file (*.pt, *.bin) of `src` and
-// checks it against its CRC-32,
-// a file per job on `threads` workers; each damaged file adds its one-line
-// message to `damaged` (`lint --deep`, `verify --deep`).
-Status CheckRecordCrcs(const SourceCheckpoint& src, int threads,
+// checks it against its CRC-32, then has `torch` (LibTorch's reader; may be
+// null) read the file too, a file per job on `threads` workers; each damaged
+// file adds its one-line message to `damaged` (`lint --deep`, `verify --deep`).
+Status CheckRecordCrcs(const SourceCheckpoint& src, int threads, const TorchCheck* torch,
                        const std::function<void(const std::string&)>& progress, std::vector<std::string>* damaged);
 
 }  // namespace reshard

@@ -238,7 +238,7 @@ Result<VerifyReport> Verify(const std::string& a_path, const std::string& b_path
   if (options.deep) {
     for (const auto& [src, path] : {std::pair{a.get(), a_path}, std::pair{b.get(), b_path}}) {
       std::vector<std::string> damaged;
-      RESHARD_RETURN_IF_ERROR(CheckRecordCrcs(*src, ThreadCount(options.threads), nullptr, &damaged));
+      RESHARD_RETURN_IF_ERROR(CheckRecordCrcs(*src, ThreadCount(options.threads), /*torch=*/nullptr, nullptr, &damaged));
       if (!damaged.empty()) return Status::InvalidInput(damaged.front());
     }
   }

@@ -1,13 +1,7 @@
-// The only file of the engine that touches LibTorch: reading the zip container.
-// PyTorchStreamReader opens the archive as torch.load does and reads data.pkl;
-// storages are bound through ZipDirectory, which checks each record first.
 #include "container/torch_file.h"
-
-#include <caffe2/serialize/inline_container.h>
 
 #include <algorithm>
 #include <cstring>
-#include <exception>
 #include <memory>
 
 #include "container/mapped_file.h"
@@ -71,21 +65,24 @@ Result<Value> ReadTorchFile(const std::string& path, const PickleReadOptions& op
   RESHARD_RETURN_IF_ERROR(CheckZipMagic(*file));
   RESHARD_ASSIGN_OR_RETURN(ZipDirectory directory, ZipDirectory::Read(*file));
   auto records = std::make_shared<const ZipDirectory>(std::move(directory));
-  try {
-    caffe2::serialize::PyTorchStreamReader zip(path);
-    if (!zip.hasRecord("data.pkl")) {
-      return Status::InvalidInput(path + " has no data.pkl; it is not a torch.save file");
-    }
-    auto [pickle, size] = zip.getRecord("data.pkl");
-    PickleReader reader(options, MakeResolver(records, file));
-    Result<Value> root = reader.Parse(static_cast<const uint8_t*>(pickle.get()), size);
-    if (!root.ok()) return root.status().WithContext(path);
-    return root;
-  } catch (const std::exception& e) {
-    std::string what = e.what();
-    what = what.substr(0, what.find('\n'));
-    return Status::InvalidInput(path + " cannot be read as a torch.save zip file (" + what + ")");
+  // The pickle is parsed where it lies in the map, as storages are bound.
+  // Its CRC-32 is checked first (torch.load's reader does not): a damaged
+  // pickle may still parse, into another object tree.
+  const ZipRecord* pickle = records->Find("data.pkl");
+  if (pickle == nullptr) {
+    return Status::InvalidInput(path + " has no data.pkl; it is not a torch.save file");
   }
+  const uint8_t* bytes = file->data() + pickle->data_offset;
+  const size_t size = static_cast<size_t>(pickle->size);
+  FetchExactly(bytes, size);
+  if (Crc32(0, bytes, size) != pickle->crc) {
+    return Status::InvalidInput(path + ": its data.pkl does not have the CRC-32 its zip directory "
+                                "records; the file is damaged");
+  }
+  PickleReader reader(options, MakeResolver(records, file));
+  Result<Value> root = reader.Parse(bytes, size);
+  if (!root.ok()) return root.status().WithContext(path);
+  return root;
 }
 
 namespace {

@@ -1,9 +1,9 @@
 // ZipDirectory: the records of a torch.save zip file as its central
 // directory lists them, each checked against the file before it is used.
 //
-// PyTorchStreamReader (what torch.load reads with) opens the archive and
-// reads data.pkl, but storages are used straight from a memory map of the
-// file at their records' offsets, so nothing about a record may be taken on
+// data.pkl and the storages are used straight from a memory map of the file
+// at their records' offsets (LibTorch's reader only cross-checks files, in
+// `lint --deep`: torch_check.h), so nothing about a record may be taken on
 // trust: each must be stored uncompressed, as torch.save writes every record
 // (the bytes of a compressed one are not the storage); its local header must
 // agree with the directory (name, method, sizes); its data must lie inside

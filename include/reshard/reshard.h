@@ -81,7 +81,8 @@ struct PreflightOptions : CommonOptions {
 };
 
 struct LintOptions : PreflightOptions {
-  // Also read every byte of every file and check each record's CRC-32.
+  // Also read every byte of every file and check each record's CRC-32, and
+  // have LibTorch's reader read every file (when its module can be loaded).
   bool deep = false;
   // How many of the largest replicated-tensor drifts to list.
   int max_drift_lines = 10;
@@ -91,6 +92,7 @@ struct LintReport {
   std::string rule_set;  // the rule set used (empty for non-pipeline checkpoints)
   std::string summary;   // layout, iteration, counts
   std::vector<Finding> findings;
+  std::vector<std::string> notes;  // checks that were skipped, and why
   // True when no finding is an error: Convert would accept the checkpoint.
   bool ok() const;
 };

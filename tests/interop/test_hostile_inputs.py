@@ -31,6 +31,7 @@ import os
 import pickletools
 import shutil
 import struct
+import subprocess
 import zipfile
 
 import torch
@@ -270,6 +271,39 @@ class ZipContainerTests(HostileTestCase):
         self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
         self.assertIn(f'{path}: record {info.filename} does not have the CRC-32 its zip directory records',
                       p.stderr)
+
+
+    def test_lint_deep_has_libtorch_read_every_file(self):
+        """`lint --deep` has LibTorch's reader (libreshard_torch_check.so, next to the binary)
+        read every file too. Without its `version` record a file is one reshard reads, but
+        PyTorchStreamReader (and torch.load) does not: only that cross-check finds it."""
+        tag = self.bloom()
+        path = layer_file(tag, 3, 1)
+        with open(path, 'rb') as f:
+            data = f.read()
+        self.assertEqual(data.count(b'/version'), 2)  # the local header and the directory entry
+        with open(path, 'wb') as f:
+            f.write(data.replace(b'/version', b'/versiom'))
+        self.assertEqual(support.reshard('lint', tag, '--replicated', 'first').returncode, 0)
+        p = support.reshard('lint', tag, '--replicated', 'first', '--deep')
+        self.assertEqual(p.returncode, 1, p.stdout + p.stderr)
+        errors = [line for line in p.stdout.splitlines() if line.startswith('error:')]
+        self.assertEqual(len(errors), 1, p.stdout)
+        self.assertTrue(errors[0].startswith(f"error: {path}: LibTorch's reader (PyTorchStreamReader) "
+                                             'refuses it: '), errors[0])
+        self.assertIn('version', errors[0])
+        self.assertNotIn('note:', p.stdout)
+
+    def test_lint_deep_says_when_the_libtorch_module_is_missing(self):
+        tag = self.bloom()
+        missing = self.path('nowhere', 'libreshard_torch_check.so')
+        env = dict(os.environ, RESHARD_TORCH_CHECK_MODULE=missing)
+        p = subprocess.run([support.RESHARD, 'lint', tag, '--replicated', 'first', '--deep'],
+                           capture_output=True, text=True, env=env, timeout=300)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        notes = [line for line in p.stdout.splitlines() if line.startswith('note:')]
+        self.assertEqual(notes, ['note: the LibTorch cross-check was skipped: libreshard_torch_check.so '
+                                 f'is not installed (looked for {missing})'])
 
 
 class FileNameTests(HostileTestCase):

@@ -29,8 +29,8 @@ page fault, beyond the bytes read, and the peak grew 1.3x with 4x the checkpoint
 released those too.
 
 The figures (peak MiB per size, the ratio, and the peak of an idle ``reshard --help`` for
-scale: the binary links libtorch, ~160 MiB before it reads anything, so the growth above idle is
-the sharper figure) are printed on stderr beside the test names.
+scale: ~10 MiB since the binary no longer links libtorch, which made it ~160 MiB before it read
+anything; the growth above idle is the sharper figure) are printed on stderr beside the test names.
 
 Run: /usr/bin/python3 tests/interop/test_memory_bounds.py --reshard build/reshard
 """

@@ -79,6 +79,36 @@ TEST(TorchFileTest, ReadsWhatTorchSaveWrote) {
   EXPECT_EQ(Find(*back, "h")->as_tensor().storage->dtype, DType::kFloat16);
 }
 
+// Records are found in the folder of the zip's first record, whatever its name, as
+// torch.load's reader finds them; a data.pkl in another folder is not the file's.
+TEST(TorchFileTest, ArchiveFolderIsThatOfTheFirstRecord) {
+  TempDir dir;
+  const std::string saved = (dir.path() / "saved.pt").string();
+  const std::string moved = (dir.path() / "moved.pt").string();
+  const std::string stray = (dir.path() / "stray.pt").string();
+  const std::string cmd = std::string(RESHARD_PYTHON) + " -c \"import torch, zipfile\n"
+      "torch.save({'w': torch.arange(3.0)}, '" + saved + "')\n"
+      "records = [(i.filename.split('/', 1)[1], zipfile.ZipFile('" + saved + "').read(i))\n"
+      "           for i in zipfile.ZipFile('" + saved + "').infolist()]\n"
+      "with zipfile.ZipFile('" + moved + "', 'w') as z:\n"
+      "    for name, data in records: z.writestr('elsewhere/' + name, data)\n"
+      "with zipfile.ZipFile('" + stray + "', 'w') as z:\n"
+      "    for name, data in sorted(records, key=lambda r: r[0] == 'data.pkl'):\n"
+      "        z.writestr(('other/' if name == 'data.pkl' else 'saved/') + name, data)\n"
+      "\"";
+  ASSERT_EQ(std::system(cmd.c_str()), 0);
+  for (const std::string& path : {saved, moved}) {
+    Result<Value> back = ReadTorchFile(path);
+    ASSERT_TRUE(back.ok()) << back.status().message();
+    float second;
+    std::memcpy(&second, Find(*back, "w")->as_tensor().storage->bytes.data + 4, 4);
+    EXPECT_EQ(second, 1.0f);
+  }
+  Result<Value> r = ReadTorchFile(stray);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().message(), stray + " has no data.pkl; it is not a torch.save file");
+}
+
 TEST(TorchFileTest, RefusesNonCheckpointAndTruncatedFiles) {
   TempDir dir;
   const std::string junk = (dir.path() / "junk.pt").string();

@@ -213,5 +213,41 @@ TEST(ZipDirectoryTest, StorageMustFillItsRecordExactly) {
   }
 }
 
+// data.pkl is read through ZipDirectory as the storages are, with its CRC-32 checked.
+TEST(ZipDirectoryTest, DataPklIsAStoredRecordOfTheArchiveFolder) {
+  TempDir dir;
+  const std::string path = (dir.path() / "t.pt").string();
+  ASSERT_TRUE(WriteStorageFile(path, StoragePickle("K\x10", "K\x10"), 64).ok());
+  const std::string good = ReadAll(path);
+  auto read = [&](const std::string& bytes) {
+    WriteAll(path, bytes);
+    return ReadTorchFile(path);
+  };
+
+  std::string compressed = good;
+  Put(&compressed, 8, 8, 2);                               // local header of t/data.pkl: deflate
+  Put(&compressed, LayoutOf(compressed).central + 10, 8, 2);  // and its directory entry
+  Result<Value> r = read(compressed);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().message(), path + ": zip record 't/data.pkl' is compressed (method 8), but "
+                                         "torch.save stores records uncompressed and reshard reads "
+                                         "them in place; re-save the file with torch.save");
+
+  std::string damaged = good;
+  const size_t at = Le(good, 26, 2) + Le(good, 28, 2) + 30 + 1;  // data.pkl's second byte
+  damaged[at] ^= 0x01;  // PROTO 2 becomes PROTO 3: still a pickle, but not the one saved
+  r = read(damaged);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().message(), path + ": its data.pkl does not have the CRC-32 its zip directory "
+                                         "records; the file is damaged");
+
+  std::string renamed = good;  // t/data.pkl -> t/data.pkx, in its local header and directory entry
+  for (size_t i = 0; (i = renamed.find("t/data.pkl", i)) != std::string::npos;) renamed[i + 9] = 'x';
+  r = read(renamed);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), Status::Code::kInvalidInput);
+  EXPECT_EQ(r.status().message(), path + " has no data.pkl; it is not a torch.save file");
+}
+
 }  // namespace
 }  // namespace reshard

@@ -1,5 +1,6 @@
 #include "container/zip_writer.h"
 
+#include <caffe2/serialize/inline_container.h>
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -184,10 +185,14 @@ TEST(ZipWriterTest, Zip64FilesLoad) {
   EXPECT_TRUE(Contains(bytes, "PK\x06\x06"));  // the ZIP64 end record
   EXPECT_TRUE(Contains(bytes, "PK\x06\x07"));  // and its locator
 
-  Result<Value> back = ReadTorchFile(path);  // PyTorchStreamReader
+  Result<Value> back = ReadTorchFile(path);
   ASSERT_TRUE(back.ok()) << back.status().message();
   const ByteView& large = Find(*back, "large")->as_tensor().storage->bytes;
   EXPECT_EQ(std::vector<uint8_t>(large.data, large.data + large.size), Float32Range(300));
+  caffe2::serialize::PyTorchStreamReader reader(path);  // and torch.load's reader
+  auto [record, record_size] = reader.getRecord("data/1");
+  const uint8_t* record_bytes = static_cast<const uint8_t*>(record.get());
+  EXPECT_EQ(std::vector<uint8_t>(record_bytes, record_bytes + record_size), Float32Range(300));
   EXPECT_TRUE(CheckWithPython(dir, path, R"(
 sd = torch.load(path)
 assert torch.equal(sd["small"], torch.tensor([9, 8, 7], dtype=torch.uint8))
