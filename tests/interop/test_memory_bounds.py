@@ -18,8 +18,9 @@ Commands:
 * ``export --to consolidated`` of the pipeline checkpoint below (every fp32 master whole in one
   safetensors file), ``export --to universal`` of it and ``convert`` from that universal
   checkpoint;
-* ``export --to hf`` of a one-block GPT-2 checkpoint (~90 MB and ~350 MB) whose larger fused
-  QKV, transposed, is 24 MiB (under a budget of 320 MiB: the plan counts its bands);
+* ``export --to hf`` of a one-block GPT-2 checkpoint whose fused QKV, transposed, is 13.5 and
+  54 MiB: several 8 MiB bands at both sizes (under a budget of 320 MiB: the plan counts its
+  bands);
 * ``verify`` of a Megatron-DeepSpeed pipeline checkpoint with bf16 ZeRO-1 shards (TP 2, PP 2,
   ~150 MB and ~590 MB) against its conversion to TP 1, PP 2, DP 2 (every tensor whole in one
   file, the optimizer state split over two DP partitions).
@@ -67,9 +68,12 @@ PIPE = {'small': dict(h=512, ffn=512, V=8192), 'large': dict(h=1024, ffn=1024, V
 # Written shape-only (a fixed pattern), which is fast at these sizes.
 HF_COMMON = dict(style='ms_gpt2', L=1, n=8, mvsdb=128, S=32, dtype='bf16', optimizer='bf16_zero',
                  tp=1, pp=1, dp=1, shape_only=True, shape_fill=True)
-HF = {'small': dict(h=1024, ffn=1024, V=1024), 'large': dict(h=2048, ffn=2048, V=2048)}
-# The plan counts three 8 MiB bands per worker beside reshard's ~160 MiB baseline, which
-# BUDGET leaves no room for (refused when the baseline is a little higher, as under ctest -j2).
+# Even the smaller fused QKV (3 h^2 bf16 = 13.5 MiB) is two of the transposes' 8 MiB bands, so
+# both sizes hold bands of the same size: what the pair shows is that the memory does not grow
+# with the matrix beyond that.
+HF = {'small': dict(h=1536, ffn=1536, V=1536), 'large': dict(h=3072, ffn=3072, V=3072)}
+# The plan's estimate counts three 8 MiB bands per worker beside the resident baseline; BUDGET
+# left no room for them beside the ~160 MiB baseline of a binary linking LibTorch.
 HF_BUDGET = 320 * MiB
 
 # Runs argv[1:] with this launcher's stdout and stderr, then appends "peak <bytes>" (the
@@ -178,8 +182,9 @@ class MemoryBoundsTest(unittest.TestCase):
                 self.assertIn('same model', out)
         self.assert_flat(what, peaks, sizes)
 
-    def assert_flat(self, what, peaks, sizes, budget=BUDGET):
-        """Peaks under the budget, growth within MAX_GROWTH; prints the figures."""
+    def assert_flat(self, what, peaks, sizes, budget=BUDGET, above_idle_under=None):
+        """Peaks under the budget, growth within MAX_GROWTH (or, given above_idle_under, every
+        peak less than that above an idle run's); prints the figures."""
         if set(peaks) != set(SIZES):
             return  # a run failed before measuring (its subtest reports why)
         ratio, idle = peaks['large'] / peaks['small'], self.idle_peak()
@@ -192,7 +197,12 @@ class MemoryBoundsTest(unittest.TestCase):
         self.assertGreater(sizes['large'] / sizes['small'], 3.8)
         for size in SIZES:
             self.assertLess(peaks[size], budget, f'{what}, {size}: peak {mib(peaks[size]):.1f} MiB')
-        self.assertLessEqual(ratio, MAX_GROWTH, f'{what}: peak grew {ratio:.3f}x with a 4x checkpoint')
+        if above_idle_under is None:
+            self.assertLessEqual(ratio, MAX_GROWTH, f'{what}: peak grew {ratio:.3f}x with a 4x checkpoint')
+            return
+        for size in SIZES:
+            self.assertLess(peaks[size] - idle, above_idle_under,
+                            f'{what}, {size}: {mib(peaks[size] - idle):.1f} MiB above idle')
 
     def test_zero3_dp_change_stays_under_budget_and_flat(self):
         peaks, sizes = {}, {}
@@ -247,8 +257,16 @@ class MemoryBoundsTest(unittest.TestCase):
                     'export', src, out, '--to', 'hf', '--max-memory', HF_BUDGET, '-q')
                 self.assertEqual(code, 0, stdout + stderr)
                 self.assertIn('model.safetensors', os.listdir(out))
-        self.assertGreater(3 * HF['large']['h'] ** 2 * 2, 16 * MiB)  # a matrix of several bands
-        self.assert_flat('export --to hf of a one-block GPT-2 checkpoint', peaks, sizes, HF_BUDGET)
+        qkv = {size: 3 * HF[size]['h'] ** 2 * 2 for size in SIZES}  # bf16 bytes of the fused QKV
+        self.assertGreater(qkv['small'], 8 * MiB)  # a matrix of several bands at both sizes
+        # Not a ratio: the bands (8 MiB, a few per worker) weigh more against the ~10 MiB idle
+        # binary than 1.2x allows (measured 27 -> 37 MiB). What must hold is that no transpose
+        # holds its matrix: at both sizes the peak stays under 34 MiB above idle, less than the
+        # larger QKV (54 MiB) that holding it whole would take.
+        bound = qkv['small'] * 5 // 2
+        self.assertLess(bound, qkv['large'])
+        self.assert_flat('export --to hf of a one-block GPT-2 checkpoint', peaks, sizes, HF_BUDGET,
+                         above_idle_under=bound)
 
     def test_universal_export_and_read_stay_under_budget_and_flat(self):
         """export --to universal of the pipeline checkpoint, then convert from that universal
