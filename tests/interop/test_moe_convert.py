@@ -189,33 +189,37 @@ class MoeConvertTests(FixtureTestCase):
         p = convert(a, self.path('w'), cfg, '--ep', '4', '--weights-only')
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         self.assertEqual(list(torch_states(self.path('w')).values()), [None] * 4)
+        def edited(name, edit):
+            """A copy of the save with EP rank 1's torch state changed by `edit`."""
+            root = self.write(name, cfg)
+            path = os.path.join(root, cfg.tag, 'expp_rank_1_mp_rank_00_optim_states.pt')
+            expp = torch.load(path)
+            edit(expp['optimizer'])
+            torch.save(expp, path)
+            return root
+
+        def assert_refused(p, *messages):
+            self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
+            self.assertEqual(len(p.stderr.strip().splitlines()), 1, p.stderr)
+            for message in messages:
+                self.assertIn(message, p.stderr)
+            self.assertFalse(os.path.exists(self.path('out')))
+
         # expp_rank_1's groups are not DeepSpeed's (one dropped): whose state is whose is unknown.
-        path = os.path.join(a, cfg.tag, 'expp_rank_1_mp_rank_00_optim_states.pt')
-        expp = torch.load(path)
-        del expp['optimizer']['param_groups'][-1]
-        torch.save(expp, path)
-        for command in (('convert', a, self.path('out', cfg.tag), '--tp', '1', '--pp', '1', '--ep', '4'),
-                        ('verify', a, a)):
+        b = edited('b', lambda state: state['param_groups'].pop())
+        for command in (('convert', b, self.path('out', cfg.tag), '--tp', '1', '--pp', '1', '--ep', '4'),
+                        ('verify', b, b)):
             with self.subTest(command=command[0]):
-                p = run(*command, '--rules', RULES['module'])
-                self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
-                self.assertEqual(len(p.stderr.strip().splitlines()), 1, p.stderr)
-                self.assertIn('expp_rank_1_mp_rank_00_optim_states.pt has 3 optimizer groups, but DeepSpeed groups '
-                              "the stage's parameters in 4", p.stderr)
-                self.assertFalse(os.path.exists(self.path('out')))
+                assert_refused(run(*command, '--rules', RULES['module']),
+                               'expp_rank_1_mp_rank_00_optim_states.pt has 3 optimizer groups, but DeepSpeed groups '
+                               "the stage's parameters in 4")
+
         # A non-expert state that differs between EP ranks: reading EP rank 0's would be a guess.
-        d = self.write('d', cfg)
-        path = os.path.join(d, cfg.tag, 'expp_rank_1_mp_rank_00_optim_states.pt')
-        expp = torch.load(path)
-        expp['optimizer']['state'][0]['exp_avg'].view(-1)[0] += 1.0  # index 0: a non-expert parameter
-        torch.save(expp, path)
-        p = convert(d, self.path('out'), cfg, '--ep', '4')
-        self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
-        self.assertEqual(len(p.stderr.strip().splitlines()), 1, p.stderr)
-        self.assertIn("expp_rank_1_mp_rank_00_optim_states.pt: optimizer state 'exp_avg' of the non-expert "
-                      "parameter", p.stderr)
-        self.assertIn("differs from EP rank 0's", p.stderr)
-        self.assertFalse(os.path.exists(self.path('out')))
+        def nudge_first_state(state):  # index 0: a non-expert parameter
+            state['state'][0]['exp_avg'].view(-1)[0] += 1.0
+        assert_refused(convert(edited('d', nudge_first_state), self.path('out'), cfg, '--ep', '4'),
+                       "expp_rank_1_mp_rank_00_optim_states.pt: optimizer state 'exp_avg' of the non-expert parameter",
+                       "differs from EP rank 0's")
 
     def test_layers_per_stage_split_round_trips(self):
         # 1 + 3 blocks: stage 0 holds the embedding and a dense block, stage 1 both MoE layers
@@ -233,13 +237,14 @@ class MoeConvertTests(FixtureTestCase):
         # PP kept keeps the source's stages: the way back names DeepSpeed's uniform split.
         self.assert_round_trip(a, b, cfg, 'c', '--layers-per-stage', '2,2')
 
-    def test_real_pipeline_save_converts_to_one_stage(self):
-        src = os.path.join(DATA, 'pipe_pp2_ep2_dp2')
-        out = self.path('out')
-        p = run('convert', src, os.path.join(out, 'global_step2'), '--tp', '1', '--pp', '1', '--ep', '1',
-                '--dp', '2', '--rules', RULES['pipe'])
+    def convert_real_save(self, name, engine, *target):
+        """Converts the real save `name` to `target` (--pp, --ep, --dp): verify says same model,
+        and the oracle reads every weight and optimizer state back equal. Returns (src, out, stderr)."""
+        src, out = os.path.join(DATA, name), self.path('out')
+        p = run('convert', src, os.path.join(out, 'global_step2'), '--tp', '1', *target, '--rules', RULES[engine])
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
-        p = run('verify', src, out, '--rules', RULES['pipe'])
+        converted = p.stdout + p.stderr
+        p = run('verify', src, out, '--rules', RULES[engine])
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         self.assertIn('same model', p.stdout)
         before, after = dm.load_moe(src), dm.load_moe(out)
@@ -247,26 +252,17 @@ class MoeConvertTests(FixtureTestCase):
             self.assertEqual(set(before[kind]), set(after[kind]))
             for key in before[kind]:
                 self.assertTrue(torch.equal(before[kind][key], after[kind][key]), (kind, key))
+        return src, out, converted
+
+    def test_real_pipeline_save_converts_to_one_stage(self):
+        _, out, _ = self.convert_real_save('pipe_pp2_ep2_dp2', 'pipe', '--pp', '1', '--ep', '1', '--dp', '2')
         # Its structure is the generator's at PP 1 (the real save's own config otherwise).
         want = layout(dm.REAL_SAVES['pipe_pp2_ep2_dp2'], 1, 1, 2)
         self.assertEqual(differences(dm.structure(self.write('w', want)), dm.structure(out)), [])
 
     def test_real_save_converts_to_the_same_model(self):
-        src = os.path.join(DATA, 'zero1_fp32_ep2_dp4')
-        out = self.path('out')
-        p = run('convert', src, os.path.join(out, 'global_step2'), '--tp', '1', '--pp', '1', '--ep', '4',
-                '--dp', '8', '--rules', RULES['module'])
-        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
-        self.assertIn('note: MoE: experts regrouped from EP 2 to EP 4', p.stderr + p.stdout)
-        p = run('verify', src, out, '--rules', RULES['module'])
-        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
-        self.assertIn('same model', p.stdout)
-        # The oracle too: the real save's state, regrouped.
-        before, after = dm.load_moe(src), dm.load_moe(out)
-        for kind in ('weights', 'fp32', 'exp_avg', 'exp_avg_sq'):
-            self.assertEqual(set(before[kind]), set(after[kind]))
-            for key in before[kind]:
-                self.assertTrue(torch.equal(before[kind][key], after[kind][key]), (kind, key))
+        _, _, output = self.convert_real_save('zero1_fp32_ep2_dp4', 'module', '--pp', '1', '--ep', '4', '--dp', '8')
+        self.assertIn('note: MoE: experts regrouped from EP 2 to EP 4', output)
 
     def test_dry_run_prints_the_regrouping_and_writes_nothing(self):
         cfg = MoeConfig(engine='pipe', pp=2, dp=2, ep=2)
