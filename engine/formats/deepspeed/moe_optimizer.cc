@@ -192,11 +192,9 @@ Status MoeOptimizer::IndexTorchRank(const LogicalCheckpoint& ckpt, int mp, int r
 
 namespace {
 
+// Both fp32 of one shape (ParamTensor has checked).
 bool SameBytes(const Tensor& a, const Tensor& b) {
-  const size_t n = static_cast<size_t>(a.numel() * ElementSize(a.storage->dtype));
-  const uint8_t* pa = a.storage->bytes.data + a.storage_offset * ElementSize(a.storage->dtype);
-  const uint8_t* pb = b.storage->bytes.data + b.storage_offset * ElementSize(b.storage->dtype);
-  return a.storage->dtype == b.storage->dtype && a.numel() == b.numel() && std::memcmp(pa, pb, n) == 0;
+  return std::memcmp(TensorData(a), TensorData(b), static_cast<size_t>(a.numel()) * sizeof(float)) == 0;
 }
 
 }  // namespace

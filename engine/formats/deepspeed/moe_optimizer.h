@@ -15,7 +15,7 @@
 // the stage's parameters DeepSpeed puts there (the rule set's groups without
 // experts, then each one's experts of that EP rank, in named_parameters()
 // order). The non-expert states, alike on every EP rank, are read from EP
-// rank 0's file.
+// rank 0's file, and every other rank's copy is checked equal to them.
 #pragma once
 
 #include <map>

@@ -37,11 +37,15 @@ struct LayerRange {
 };
 constexpr LayerRange kAllLayers{std::numeric_limits<int>::min(), std::numeric_limits<int>::max()};
 
+// Every source group's kind (GroupKind), by mp rank and group.
+using GroupKinds = std::vector<std::vector<std::string>>;
+
 // What the planning of one target stage's optimizer needs.
 struct StageTarget {
   const LogicalCheckpoint& src;
   const MoeOptimizer& opt;
   const TensorIndex& index;
+  const GroupKinds& kinds;
   std::map<int, int> experts;  // layer id -> global experts
   int tp_rank = 0, ep = 1, dp = 1, source_ep = 1;
   TensorTarget tensors;
@@ -100,29 +104,29 @@ const Value* ParamGroup(const MoeOptimizer& opt, int mp, int group) {
 // but `params`). A target stage's group of a kind gathers the parameters the
 // source stages had in their group of that kind.
 std::string GroupKind(const MoeOptimizer& opt, int mp, int group) {
-  std::string kind = opt.IsExpertGroup(mp, group) ? "experts" : "dense";
   const Value* hyper = ParamGroup(opt, mp, group);
-  const Items* items = hyper != nullptr ? DictItems(*hyper) : nullptr;
-  for (size_t i = 0; items != nullptr && i < items->size(); ++i) {
-    const auto& [key, value] = (*items)[i];
-    if (!key.is(Value::Kind::kString) || key.as_string() != "params") {
-      kind += "; " + key.DebugString() + "=" + value.DebugString();
-    }
+  return std::string(opt.IsExpertGroup(mp, group) ? "experts; " : "dense; ") +
+         (hyper != nullptr ? Hyperparameters(*hyper) : "");
+}
+
+GroupKinds AllGroupKinds(const LogicalCheckpoint& src, const MoeOptimizer& opt) {
+  GroupKinds kinds(src.tp * src.pp);
+  for (int mp = 0; mp < src.tp * src.pp; ++mp) {
+    for (int g = 0; g < opt.Groups(mp); ++g) kinds[mp].push_back(GroupKind(opt, mp, g));
   }
-  return kind;
+  return kinds;
 }
 
 // The kinds of TP rank `t`'s groups over all source stages, in one order
 // that keeps each stage's (DeepSpeed's: the weight-decay split, non-expert
 // groups before expert ones); no stage may have two groups of one kind.
-Result<std::vector<std::string>> KindOrder(const LogicalCheckpoint& src, const MoeOptimizer& opt, int t) {
+Result<std::vector<std::string>> KindOrder(const LogicalCheckpoint& src, const GroupKinds& kinds, int t) {
   std::vector<std::string> order;
   for (int s = 0; s < src.pp; ++s) {
     const int mp = s * src.tp + t;
     size_t at = 0;
     std::set<std::string> seen;
-    for (int g = 0; g < opt.Groups(mp); ++g) {
-      const std::string kind = GroupKind(opt, mp, g);
+    for (const std::string& kind : kinds[mp]) {
       if (!seen.insert(kind).second) {
         return Status::Unsupported("two optimizer groups of " + ModelStatesName(mp) + " have the same "
                                    "hyperparameters; reshard cannot tell which one a parameter moved from "
@@ -145,7 +149,7 @@ Result<std::vector<std::pair<std::string, std::string>>> Members(const StageTarg
   for (int s = 0; s < x.src.pp; ++s) {
     const int mp = s * x.src.tp + x.tp_rank;
     for (int g = 0; g < x.opt.Groups(mp); ++g) {
-      if (GroupKind(x.opt, mp, g) != kind) continue;
+      if (x.kinds[mp][g] != kind) continue;
       const size_t before = out.size();
       if (x.opt.IsExpertGroup(mp, g)) {
         RESHARD_RETURN_IF_ERROR(CheckExpertOrder(x, mp, g));
@@ -414,9 +418,10 @@ Result<MoePlan> MakeMoePlan(const LogicalCheckpoint& src, const CheckpointFiles&
   plan.stage_bounds = target.stage_bounds;
   plan.state_in_expp = opt != nullptr && opt->format().per_parameter;
   const TensorIndex index = IndexTensors(src);
-  std::vector<std::vector<std::string>> kinds(src.tp);  // per TP rank
+  const GroupKinds group_kinds = opt != nullptr ? AllGroupKinds(src, *opt) : GroupKinds();
+  std::vector<std::vector<std::string>> kinds(src.tp);  // per TP rank, in order
   for (int t = 0; opt != nullptr && t < src.tp; ++t) {
-    RESHARD_ASSIGN_OR_RETURN(kinds[t], KindOrder(src, *opt, t));
+    RESHARD_ASSIGN_OR_RETURN(kinds[t], KindOrder(src, group_kinds, t));
   }
   for (int p = 0; p < plan.pp; ++p) {
     const LayerRange range{plan.stage_bounds[p], plan.stage_bounds[p + 1]};
@@ -429,7 +434,7 @@ Result<MoePlan> MakeMoePlan(const LogicalCheckpoint& src, const CheckpointFiles&
       RESHARD_RETURN_IF_ERROR(PlanModule(src, index, t, range, &stage));
       RESHARD_RETURN_IF_ERROR(PlanExpertFiles(files, layout, src, t, &stage));
       if (opt != nullptr) {
-        StageTarget x{src, *opt, index, {}, t, target.ep, target.dp, layout.ep,
+        StageTarget x{src, *opt, index, group_kinds, {}, t, target.ep, target.dp, layout.ep,
                       TensorTarget{src.tp, src.vocab.padded_rows, target.replicated, 0}};
         for (const MoeBlock& b : layout.blocks) x.experts[b.layer_id] = b.experts;
         for (int r = 0; r < target.ep; ++r) {
