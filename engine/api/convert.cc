@@ -298,6 +298,7 @@ Status Execute(Prepared* p, const WriteOptions& options, Publication publish, Ph
     if (staging.second) ReuseFinishedJobs(p, p->out->resumed(), report);  // the name is known to the first process
     p->journal->RecordWhenDone(&p->jobs);
   }
+  ReleaseMappedPages();  // what reading the source's structure mapped
   Status written = reshard::Execute(p->jobs, p->exec);
   Result<std::map<std::string, FileDigest>> digests = GatherDigests(*p, cluster);  // all processes meet
   if (written.ok()) written = digests.status();

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -29,6 +30,25 @@ constexpr size_t kMaxMapped = 1 << 16;
 MappedEntry mapped_files[kMaxMapped];
 std::atomic<size_t> mapped_count{0};
 std::mutex mapped_mu;  // writers only
+
+// Descriptors kept open by MappedFile, and the most it may keep.
+std::atomic<long> kept_descriptors{0};
+
+long DescriptorBudget() {
+  static const long budget = [] {
+    struct rlimit limit;
+    if (::getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) return 1024L;
+    return static_cast<long>(limit.rlim_cur / 2);
+  }();
+  return budget;
+}
+
+// Whether one more descriptor may be kept; if so, it is counted.
+bool TakeDescriptor() {
+  if (kept_descriptors.fetch_add(1) < DescriptorBudget()) return true;
+  --kept_descriptors;
+  return false;
+}
 
 void Register(const uint8_t* data, size_t size, const std::string& path, const struct stat& st) {
   std::lock_guard<std::mutex> lock(mapped_mu);
@@ -93,6 +113,14 @@ Status CheckMappedFilesUnchanged() {
   return Status::Ok();
 }
 
+void ReleaseMappedPages() {
+  std::lock_guard<std::mutex> lock(mapped_mu);
+  for (size_t i = 0; i < mapped_count.load(); ++i) {
+    const MappedEntry& e = mapped_files[i];
+    if (e.begin != 0) ::madvise(reinterpret_cast<void*>(e.begin.load()), e.end - e.begin, MADV_DONTNEED);
+  }
+}
+
 void ReportBusErrorsOnMappedFiles() {
   struct sigaction action = {};
   action.sa_sigaction = OnBusError;
@@ -122,14 +150,49 @@ Result<std::shared_ptr<const MappedFile>> MappedFile::Open(const std::string& pa
     data = static_cast<const uint8_t*>(p);
     Register(data, size, path, st);
   }
-  ::close(fd);  // the mapping stays valid without the descriptor
-  return std::shared_ptr<const MappedFile>(new MappedFile(path, data, size));
+  // The mapping stays valid without the descriptor; it is kept for ReadInto.
+  if (size == 0 || !TakeDescriptor()) {
+    ::close(fd);
+    fd = -1;
+  }
+  return std::shared_ptr<const MappedFile>(new MappedFile(path, data, size, fd));
 }
 
 MappedFile::~MappedFile() {
+  if (fd_ >= 0) {
+    ::close(fd_);
+    --kept_descriptors;
+  }
   if (data_ == nullptr) return;
   Unregister(data_);
   ::munmap(const_cast<uint8_t*>(data_), size_);
+}
+
+void MappedFile::ReleasePages() const {
+  if (data_ != nullptr) ::madvise(const_cast<uint8_t*>(data_), size_, MADV_DONTNEED);
+}
+
+bool MappedFile::ReadInto(const uint8_t* from, size_t n, uint8_t* dst) const {
+  if (fd_ < 0) return false;
+  off_t offset = from - data_;
+  while (n > 0) {
+    const ssize_t got = ::pread(fd_, dst, n, offset);
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) return false;
+    dst += got;
+    offset += got;
+    n -= static_cast<size_t>(got);
+  }
+  return true;
+}
+
+void CopyFromView(const ByteView& view, const uint8_t* from, size_t n, uint8_t* dst,
+                  TouchedPages* pages) {
+  if (view.mapped && static_cast<const MappedFile*>(view.owner.get())->ReadInto(from, n, dst)) {
+    return;
+  }
+  std::memcpy(dst, from, n);
+  if (pages != nullptr) pages->Note(view, from, n);
 }
 
 void FetchExactly(const uint8_t* data, size_t n) {

@@ -24,12 +24,26 @@ class MappedFile {
   size_t size() const { return size_; }
   const std::string& path() const { return path_; }
 
+  // Drops the file's pages from this process; they stay in the page cache
+  // and are read again from it when touched.
+  void ReleasePages() const;
+
+  // Copies the mapped bytes [from, from + n) to `dst` with pread, so that no
+  // page of them is mapped into this process. False when the file's
+  // descriptor was not kept (see fd_) or the read fell short: the caller then
+  // copies from the mapping, where a file that shrank is reported.
+  bool ReadInto(const uint8_t* from, size_t n, uint8_t* dst) const;
+
  private:
-  MappedFile(std::string path, const uint8_t* data, size_t size)
-      : path_(std::move(path)), data_(data), size_(size) {}
+  MappedFile(std::string path, const uint8_t* data, size_t size, int fd)
+      : path_(std::move(path)), data_(data), size_(size), fd_(fd) {}
   std::string path_;
   const uint8_t* data_;
   size_t size_;
+  // The open descriptor of the mapped file, or -1. Descriptors are kept for
+  // at most half the process's limit of open files, so that a checkpoint of
+  // many files never takes the descriptors its outputs need.
+  int fd_;
 };
 
 // Reads the pages of [data, data + n), memory that maps a file, into the page
@@ -43,6 +57,11 @@ void FetchExactly(const uint8_t* data, size_t n);
 // modification time): a checkpoint rewritten under a run must not yield an
 // output that looks good.
 Status CheckMappedFilesUnchanged();
+
+// MappedFile::ReleasePages of every file mapped now. Reading a checkpoint's
+// structure maps a few pages of each file, which would otherwise stay
+// resident for the whole run.
+void ReleaseMappedPages();
 
 // Makes a read past the end of a mapped file that shrank under the run
 // (SIGBUS) end the process with one line naming the file, exit status 3.
@@ -74,5 +93,14 @@ class TouchedPages {
   };
   std::vector<Range> ranges_;
 };
+
+// Copies [from, from + n), bytes inside `view`, to `dst`. From a file
+// mapping the bytes are read with MappedFile::ReadInto: a page fault maps
+// whole large folios (up to 2 MiB) around the page it hits, which stay
+// resident beside even a small read until released. When that cannot be
+// done, and for views that are not mappings, the bytes are copied from
+// memory and the pages of a mapping noted in `pages` (may be null).
+void CopyFromView(const ByteView& view, const uint8_t* from, size_t n, uint8_t* dst,
+                  TouchedPages* pages);
 
 }  // namespace reshard

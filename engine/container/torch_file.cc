@@ -82,6 +82,7 @@ Result<Value> ReadTorchFile(const std::string& path, const PickleReadOptions& op
   PickleReader reader(options, MakeResolver(records, file));
   Result<Value> root = reader.Parse(bytes, size);
   if (!root.ok()) return root.status().WithContext(path);
+  file->ReleasePages();  // the pickle's and the zip headers': a checkpoint has many files
   return root;
 }
 
@@ -102,13 +103,12 @@ Result<std::string> PickleWithStorages(
 
 int64_t StorageBytes(const Storage& s) { return s.numel * ElementSize(s.dtype); }
 
-// Bound bytes are copied a buffer at a time too, so that the source pages
-// they map are released as the copy goes.
+// Bound bytes are copied a buffer at a time too, so that no source page
+// stays mapped after its buffer (see CopyFromView).
 ByteProducer CopyOf(const ByteView& bytes) {
   return [&bytes](int64_t offset, int64_t length, uint8_t* dst) {
     TouchedPages pages;
-    std::memcpy(dst, bytes.data + offset, static_cast<size_t>(length));
-    pages.Note(bytes, bytes.data + offset, static_cast<size_t>(length));
+    CopyFromView(bytes, bytes.data + offset, static_cast<size_t>(length), dst, &pages);
     return Status::Ok();
   };
 }

@@ -4,32 +4,42 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <vector>
 
 #include "container/mapped_file.h"
 
 namespace reshard {
 namespace {
 
-// Compares one replica with rank 0's; updates `d` when they differ.
+// Compares one replica with rank 0's; updates `d` when they differ. Read a
+// block at a time through SourceShard::Copy, so that a large replica is
+// never mapped whole.
 void CompareReplica(const LogicalTensor& t, int rank, Drift* d) {
-  const int64_t n = t.shards[0].numel();
+  constexpr int64_t kBlock = 1 << 16;
+  const SourceShard& base = t.shards[0];
+  const SourceShard& replica = t.shards[rank];
+  const int64_t n = base.numel();
   const int es = ElementSize(t.dtype);
-  const uint8_t* a = t.shards[0].runs[0].bytes.data;
-  const uint8_t* b = t.shards[rank].runs[0].bytes.data;
-  if (t.shards[0].runs[0].bytes.mapped) FetchExactly(a, static_cast<size_t>(n) * es);
-  if (t.shards[rank].runs[0].bytes.mapped) FetchExactly(b, static_cast<size_t>(n) * es);
-  if (std::memcmp(a, b, static_cast<size_t>(n) * es) == 0) return;
+  std::vector<uint8_t> a(static_cast<size_t>(std::min(kBlock, n)) * es), b(a.size());
   const bool fp = IsFloatingPoint(t.dtype);
-  for (int64_t i = 0; i < n; ++i) {
-    if (std::memcmp(a + i * es, b + i * es, es) == 0) continue;
-    ++d->elements_differing;
-    const double diff =
-        fp ? std::fabs(LoadAsDouble(t.dtype, a + i * es) - LoadAsDouble(t.dtype, b + i * es)) : 1;
-    // NaN differences rank as infinitely large.
-    const double key = std::isnan(diff) ? INFINITY : diff;
-    if (key > d->max_abs_diff) {
-      d->max_abs_diff = key;
-      d->worst_rank = rank;
+  for (int64_t at = 0; at < n; at += kBlock) {
+    const int64_t len = std::min(kBlock, n - at);
+    TouchedPages pages;
+    base.Copy(at, len, es, a.data(), &pages);
+    replica.Copy(at, len, es, b.data(), &pages);
+    if (std::memcmp(a.data(), b.data(), static_cast<size_t>(len) * es) == 0) continue;
+    for (int64_t i = 0; i < len; ++i) {
+      const uint8_t* x = a.data() + i * es;
+      const uint8_t* y = b.data() + i * es;
+      if (std::memcmp(x, y, es) == 0) continue;
+      ++d->elements_differing;
+      const double diff = fp ? std::fabs(LoadAsDouble(t.dtype, x) - LoadAsDouble(t.dtype, y)) : 1;
+      // NaN differences rank as infinitely large.
+      const double key = std::isnan(diff) ? INFINITY : diff;
+      if (key > d->max_abs_diff) {
+        d->max_abs_diff = key;
+        d->worst_rank = rank;
+      }
     }
   }
 }

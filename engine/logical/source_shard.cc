@@ -1,7 +1,6 @@
 #include "logical/source_shard.h"
 
 #include <algorithm>
-#include <cstring>
 
 namespace reshard {
 
@@ -32,8 +31,7 @@ void SourceShard::Copy(int64_t begin, int64_t n, int element_size, uint8_t* dst,
     const int64_t take = std::min(n, run->numel - skip);
     const uint8_t* from = run->bytes.data + skip * element_size;
     const size_t bytes = static_cast<size_t>(take) * element_size;
-    std::memcpy(dst, from, bytes);
-    if (pages != nullptr) pages->Note(run->bytes, from, bytes);
+    CopyFromView(run->bytes, from, bytes, dst, pages);
     dst += bytes;
     begin += take;
     n -= take;

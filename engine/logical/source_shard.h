@@ -38,8 +38,9 @@ struct SourceShard {
   static SourceShard Of(const Tensor& tensor, ShardCoords at);
 
   int64_t numel() const;
-  // Copies elements [begin, begin + n) of `element_size` bytes each to `dst`;
-  // the mapped pages read are noted in `pages` (may be null).
+  // Copies elements [begin, begin + n) of `element_size` bytes each to `dst`
+  // through CopyFromView (pages read from a mapping are noted in `pages`,
+  // which may be null).
   void Copy(int64_t begin, int64_t n, int element_size, uint8_t* dst, TouchedPages* pages) const;
 };
 

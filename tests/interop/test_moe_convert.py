@@ -20,7 +20,8 @@ new layout. fp32 saves without ZeRO (each EP rank's torch state in its expp_rank
 the same way at EP, DP and PP changes, and their torch states compared with the generator's at the
 target (params indices, hyperparameters, step, both moments) and after the round trip with A's;
 verify compares both moments of every parameter; --weights-only writes expp_rank files of None;
-groups that are not DeepSpeed's are refused in one line. Refusals: TP changes, PP changes without the pipeline engine, an EP that does not
+groups that are not DeepSpeed's are refused in one line. An EP change of a ZeRO save of DeepSpeed
+before 0.15.4 notes that such a version's expert gradients scale with EP. Refusals: TP changes, PP changes without the pipeline engine, an EP that does not
 divide the experts or DP, --ep on a checkpoint without experts -- one line, exit 2, nothing
 written.
 
@@ -30,6 +31,7 @@ PYTHONPATH=tests.
 
 import dataclasses
 import os
+from unittest import mock
 
 import torch
 
@@ -283,6 +285,26 @@ class MoeConvertTests(FixtureTestCase):
         self.assertIn('layer_1_expert_3_mp_rank_00_model_states.pt <- layer_0_expert_3_mp_rank_01_model_states.pt',
                       p.stdout)
         self.assertFalse(os.path.exists(self.path('out')))
+
+    def test_ep_change_of_a_save_before_deepspeed_0_15_4_notes_the_expert_gradient_scale(self):
+        # DeepSpeed before 0.15.4 averaged ZeRO expert gradients over expert-DP only: at another EP
+        # they meet the saved moments at another scale. Saves of later versions, and saves without
+        # ZeRO, get no such note.
+        note = "this save's DeepSpeed 0.14.5 averages ZeRO expert gradients over expert-DP only"
+        for cfg, version, ep, noted in [(MoeConfig(engine='module', dp=4, ep=2), '0.14.5', 4, '2x'),
+                                        (MoeConfig(engine='pipe', pp=2, dp=4, ep=4), '0.14.5', 1, '0.25x'),
+                                        (MoeConfig(engine='module', dp=4, ep=2), dm.DS_VERSION, 4, None),
+                                        (MoeConfig(engine='module', dp=4, ep=2, zero_stage=0), '0.14.5', 4, None)]:
+            with self.subTest(version=version, ep=f'{cfg.ep}->{ep}', zero=cfg.zero_stage):
+                with mock.patch.object(dm, 'DS_VERSION', version):
+                    a = self.write(f'a-{version}-{cfg.engine}-{cfg.zero_stage}', cfg)
+                p = convert(a, self.path('out'), cfg, '--ep', str(ep), '--dp', '4', '--dry-run')
+                self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+                if noted:
+                    self.assertIn(f'{note} (fixed in DeepSpeed 0.15.4): resumed at EP {ep} by such a version, '
+                                  f'expert gradients are {noted} those the saved Adam moments saw', p.stdout)
+                else:
+                    self.assertNotIn('averages ZeRO expert gradients', p.stdout)
 
     def test_refusals(self):
         a = self.write('a', MoeConfig(engine='module', dp=4, ep=2))

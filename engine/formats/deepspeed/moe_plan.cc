@@ -1,6 +1,7 @@
 #include "formats/deepspeed/moe_plan.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <limits>
 #include <map>
 #include <optional>
@@ -382,6 +383,40 @@ Value StageTemplate(const MoeOptimizer& opt, const MoeStagePlan& stage) {
   return like;
 }
 
+// True when `version` ("0.14.5", "0.16.5+8e0d3ab") is a release before
+// major.minor.patch; false when it does not read as one.
+bool VersionBefore(const std::string& version, const std::vector<int64_t>& than) {
+  std::vector<int64_t> parts;
+  size_t at = 0;
+  while (parts.size() < than.size()) {
+    const size_t end = version.find_first_not_of("0123456789", at);
+    int64_t n = 0;
+    if (!ParseInt(version.substr(at, end - at), &n)) return false;
+    parts.push_back(n);
+    if (parts.size() < than.size() && (end == std::string::npos || version[end] != '.')) return false;
+    at = end + 1;
+  }
+  return parts < than;
+}
+
+// DeepSpeed before 0.15.4 averaged ZeRO-1/2 expert gradients over the
+// expert-DP group instead of all of DP (its PR 6546), so their scale
+// depends on EP: a note when the EP change meets the saved moments with
+// gradients of another scale.
+std::optional<std::string> ExpertGradientScaleNote(const MoeOptimizer& opt, int source_ep, int target_ep) {
+  const Value* version = Find(opt.Template(), "ds_version");
+  if (opt.format().per_parameter || version == nullptr || !version->is(Value::Kind::kString) ||
+      !VersionBefore(version->as_string(), {0, 15, 4})) {
+    return std::nullopt;
+  }
+  char ratio[32];
+  std::snprintf(ratio, sizeof(ratio), "%gx", static_cast<double>(target_ep) / source_ep);
+  return "MoE: this save's DeepSpeed " + version->as_string() + " averages ZeRO expert gradients over "
+         "expert-DP only (fixed in DeepSpeed 0.15.4): resumed at EP " + std::to_string(target_ep) +
+         " by such a version, expert gradients are " + ratio + " those the saved Adam moments saw, and "
+         "training departs from an uninterrupted run; the moments are carried as saved";
+}
+
 }  // namespace
 
 Result<std::vector<int>> SourceStageBounds(const LogicalCheckpoint& src) {
@@ -449,6 +484,11 @@ Result<MoePlan> MakeMoePlan(const LogicalCheckpoint& src, const CheckpointFiles&
     plan.notes.push_back("MoE: experts regrouped from EP " + std::to_string(layout.ep) + " to EP " +
                          std::to_string(target.ep) + " (EP rank r holds experts r*E/" + std::to_string(target.ep) +
                          " to (r+1)*E/" + std::to_string(target.ep) + "-1 of every MoE layer, under local ids)");
+    if (opt != nullptr) {
+      if (std::optional<std::string> note = ExpertGradientScaleNote(*opt, layout.ep, target.ep)) {
+        plan.notes.push_back(*note);
+      }
+    }
   }
   if (plan.pp != src.pp) {
     plan.notes.push_back("MoE: " + std::to_string(src.pp) + " pipeline stages re-cut into " + std::to_string(plan.pp) +
