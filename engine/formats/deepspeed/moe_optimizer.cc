@@ -1,12 +1,12 @@
 #include "formats/deepspeed/moe_optimizer.h"
 
 #include <algorithm>
-#include <cstring>
 #include <tuple>
 
 #include "formats/deepspeed/file_names.h"
 #include "formats/deepspeed/pipeline_reader.h"
 #include "formats/deepspeed/stages.h"
+#include "formats/deepspeed/state_tensor.h"
 #include "formats/deepspeed/torch_state.h"
 #include "util/human.h"
 #include "util/strings.h"
@@ -194,7 +194,7 @@ namespace {
 
 // Both fp32 of one shape (ParamTensor has checked).
 bool SameBytes(const Tensor& a, const Tensor& b) {
-  return std::memcmp(TensorData(a), TensorData(b), static_cast<size_t>(a.numel()) * sizeof(float)) == 0;
+  return SameElements(SourceShard::Of(a, {}), SourceShard::Of(b, {}), a.numel(), sizeof(float));
 }
 
 }  // namespace

@@ -24,9 +24,6 @@ Result<StateTensor> LocateState(const LogicalCheckpoint& src, const SourceOptimi
   return st;
 }
 
-namespace {
-
-// True when two shards hold the same `n` elements of `element_size` bytes.
 bool SameElements(const SourceShard& a, const SourceShard& b, int64_t n, int element_size) {
   constexpr int64_t kBlock = 1 << 14;
   std::vector<uint8_t> da(static_cast<size_t>(kBlock) * element_size), db(da.size());
@@ -39,8 +36,6 @@ bool SameElements(const SourceShard& a, const SourceShard& b, int64_t n, int ele
   }
   return true;
 }
-
-}  // namespace
 
 Result<std::vector<StateDrift>> MeasureStateDrift(const LogicalCheckpoint& src,
                                                   const SourceOptimizer& opt) {

@@ -36,6 +36,10 @@ struct StateDrift {
   int rank = 0;       // the first TP rank differing from rank 0
 };
 
+// True when two shards hold the same `n` elements of `element_size` bytes,
+// read a block at a time (SourceShard::Copy), never mapped whole.
+bool SameElements(const SourceShard& a, const SourceShard& b, int64_t n, int element_size);
+
 // Every replicated parameter's state that is not bit-identical across TP ranks.
 Result<std::vector<StateDrift>> MeasureStateDrift(const LogicalCheckpoint& src,
                                                   const SourceOptimizer& opt);
