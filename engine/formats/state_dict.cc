@@ -249,10 +249,11 @@ class StateDictPlan : public TargetPlan {
     std::vector<Job> jobs;
     for (const StateDictFile& file : files_) {
       if (!layout_.torch_format) {
-        AddSafetensorsJobs(file, sources, &jobs);
+        AddSafetensorsJobs(file, sources, layout_.scratch, &jobs);
         continue;
       }
-      jobs.push_back({file.name, file.bytes, [&file, sources](JobContext& ctx) {
+      jobs.push_back({file.name, file.bytes, [&file, sources, scratch = layout_.scratch](JobContext& ctx) {
+                        if (scratch) scratch->Use(ctx.dir);
                         return WriteTorchFormat(file, *sources, ctx);
                       }});
     }
@@ -273,12 +274,13 @@ class StateDictPlan : public TargetPlan {
   // A safetensors file as jobs that each write a range of it, so that
   // several workers share a big file.
   static void AddSafetensorsJobs(const StateDictFile& file, std::shared_ptr<const std::vector<FullTensor>> sources,
-                                 std::vector<Job>* jobs) {
+                                 const std::shared_ptr<ScratchFolder>& scratch, std::vector<Job>* jobs) {
     auto tensors = std::make_shared<const std::vector<SafetensorsTensor>>(SafetensorsTensors(file.tensors, sources.get()));
     const auto header = static_cast<int64_t>(file.layout.prefix.size());
     for (size_t i = 0; i + 1 < file.cuts.size(); ++i) {
       const int64_t begin = file.cuts[i], end = file.cuts[i + 1];
-      auto write = [&file, sources, tensors, begin, end](JobContext& ctx) -> Status {
+      auto write = [&file, sources, tensors, scratch, begin, end](JobContext& ctx) -> Status {
+        if (scratch) scratch->Use(ctx.dir);
         RESHARD_ASSIGN_OR_RETURN(FileDigest piece, WriteSafetensorsRange(ctx.dir + "/" + file.name, file.layout,
                                                                          *tensors, begin, end, &ctx.buffer, ctx.done));
         if (ctx.wrote) ctx.wrote(file.name, piece);

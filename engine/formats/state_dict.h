@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "exec/scratch_file.h"
 #include "formats/format.h"
 
 namespace reshard {
@@ -81,6 +82,9 @@ struct StateDictLayout {
   // Bytes a job holds beyond its buffer while it writes (a tensor built
   // whole), counted against --max-memory.
   int64_t scratch_bytes = 0;
+  // Where tensors that need a scratch file make it: the jobs name the folder
+  // they write into as they start. Unset when none does.
+  std::shared_ptr<ScratchFolder> scratch = nullptr;
 };
 
 // Plans the files: tensors in order, cut greedily at the shard size, then the

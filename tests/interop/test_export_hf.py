@@ -421,6 +421,14 @@ class ExportHfTest(FixtureTestCase):
             'reorder_and_upcast_attn': False, 'tie_word_embeddings': True, 'vocab_size': 100,
             'torch_dtype': 'bfloat16'})
 
+    def test_gpt2_matrices_past_a_piece(self):
+        """Matrices of more than 1 MiB (c_attn 1.5 MiB, c_fc 2 MiB in bf16) are transposed through a
+        scratch file in the output's folder, which leaves nothing there."""
+        wide = dict(GPT2, L=2, h=512, n=8, hd=64, ffn=2048)
+        canon, tensors, _, _ = self.exported('gpt2_wide', wide, 2, 1)
+        self.assertGreater(tensors['transformer.h.0.mlp.c_fc.weight'].numel() * 2, 1 << 20)
+        self.assertSameTensors(tensors, expected_gpt2(canon, wide['L']), torch.bfloat16)
+
     def test_gpt2_negative_controls(self):
         _, tensors, config, megatron = self.exported('gpt2', GPT2, 2, 2)
         e = config['n_embd']

@@ -112,8 +112,9 @@ Result<std::unique_ptr<TargetPlan>> PlanHf(const SourceCheckpoint& src, const Ex
   RESHARD_ASSIGN_OR_RETURN(std::vector<ChosenTensor> chosen, ChooseTensors(all, src.kind(), choice, notes));
   StateDictLayout layout{"hf " + hf->architecture, options.replicated, options.max_shard_size,
                          options.file_format == "pt"};
+  layout.scratch = std::make_shared<ScratchFolder>();
   RESHARD_ASSIGN_OR_RETURN(std::vector<StateDictTensor> tensors,
-                           MapHfTensors(*hf, chosen, inputs, &layout.scratch_bytes));
+                           MapHfTensors(*hf, chosen, inputs, layout.scratch, &layout.scratch_bytes));
   RESHARD_ASSIGN_OR_RETURN(int64_t vocab, VocabRows(chosen, all));
   RESHARD_ASSIGN_OR_RETURN(std::string config, HfConfigJson(*hf, inputs, vocab, FloatingDType(chosen)));
   std::vector<SideFile> side = {{"config.json", config, ""}};

@@ -222,16 +222,11 @@ struct Joined {
 
 // `t` transposed into a buffer of its own: GPT-2's Conv1D [in, out] back to
 // [out, in], by the export's own transpose.
-Result<Value> TransposedCopy(const Tensor& t) {
+Value TransposedCopy(const Tensor& t) {
   const int element = ElementSize(t.storage->dtype);
   const int64_t rows = t.sizes[0], cols = t.sizes[1];
   auto bytes = std::make_shared<std::vector<uint8_t>>(static_cast<size_t>(rows * cols * element));
-  const uint8_t* in = TensorData(t);
-  ByteProducer source = [in](int64_t offset, int64_t length, uint8_t* dst) {
-    std::copy_n(in + offset, length, dst);
-    return Status::Ok();
-  };
-  RESHARD_RETURN_IF_ERROR(Transposed(std::move(source), rows, cols, element)(0, rows * cols * element, bytes->data()));
+  TransposeMatrix(TensorData(t), rows, cols, element, bytes->data());
   return MakeOwnedTensor(t.storage->dtype, {cols, rows}, std::move(bytes));
 }
 
@@ -300,8 +295,7 @@ class TensorJoiner {
         parts.push_back(it->second);
         continue;
       }
-      RESHARD_ASSIGN_OR_RETURN(Value transposed, TransposedCopy(t));
-      parts.push_back(std::move(transposed));
+      parts.push_back(TransposedCopy(t));
     }
     return parts;
   }

@@ -4,10 +4,10 @@
 
 #include <algorithm>
 #include <cstring>
-#include <list>
-#include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <vector>
 
 #include "util/human.h"
 #include "util/shape.h"
@@ -28,110 +28,6 @@ Result<int64_t> DimSize(const std::string& dim, const RuleInputs& inputs) {
   if (!n) return Status::InvalidInput("the size " + dim + " is " + size.HowToGive());
   return factor * *n;
 }
-
-// The most a band read asks of the source at once: each request is a call
-// through the source's producers and a release of the pages it touched.
-constexpr int64_t kBandRequest = int64_t{1} << 20;
-// Bands kept: each of two workers writing ranges of one file walks through its own.
-constexpr size_t kKeptBands = 2;
-
-// Columns per band of a [rows, cols] source of `element`-byte elements.
-int64_t BandColumns(int64_t rows, int64_t cols, int element, int64_t band_bytes) {
-  return std::max<int64_t>(1, std::min<int64_t>(cols, band_bytes / std::max<int64_t>(1, rows * element)));
-}
-
-// The source of a transpose in column bands: band b is columns
-// [b * width, (b + 1) * width) of every row, row-major, read at its first
-// use and dropped once all of its bytes, or its last ones, have been
-// produced (or while more than kKeptBands are held). Several workers may ask
-// at once, each walking forward through its own range of the output: the
-// one that produces a band's last bytes has left it, and a band whose first
-// bytes end another worker's range is read again when that worker gets
-// there rather than held until then (measured: four 8 MiB bands held at
-// once by two workers, not two).
-class ColumnBands {
- public:
-  ColumnBands(ByteProducer source, int64_t rows, int64_t cols, int element, int64_t band_bytes)
-      : source_(std::move(source)), rows_(rows), cols_(cols), element_(element),
-        width_(BandColumns(rows, cols, element, band_bytes)) {}
-
-  int64_t width() const { return width_; }
-  int64_t ColumnsOf(int64_t band) const { return std::min(width_, cols_ - band * width_); }
-
-  Result<std::shared_ptr<const std::vector<uint8_t>>> Get(int64_t band) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      for (auto it = kept_.begin(); it != kept_.end(); ++it) {
-        if (it->band != band) continue;
-        kept_.splice(kept_.begin(), kept_, it);  // most recent first
-        return kept_.front().bytes;
-      }
-    }
-    // Read outside the lock: the other worker's band may be ready first.
-    auto bytes = std::make_shared<std::vector<uint8_t>>(static_cast<size_t>(rows_ * ColumnsOf(band) * element_));
-    RESHARD_RETURN_IF_ERROR(Read(band, bytes->data()));
-    std::lock_guard<std::mutex> lock(mu_);
-    kept_.push_front({band, bytes});
-    if (kept_.size() > kKeptBands) kept_.pop_back();
-    return std::shared_ptr<const std::vector<uint8_t>>(bytes);
-  }
-
-  // Counts `n` bytes of band `band` produced, `to_end` when they end where
-  // the band does; the band is dropped after all of its bytes or its last.
-  void Produced(int64_t band, int64_t n, bool to_end) {
-    std::lock_guard<std::mutex> lock(mu_);
-    int64_t& done = produced_[band];
-    done += n;
-    const bool all = done >= rows_ * ColumnsOf(band) * element_;
-    if (all) produced_.erase(band);  // a new pass over the tensor starts again
-    if (all || to_end) kept_.remove_if([band](const Kept& k) { return k.band == band; });
-  }
-
- private:
-  // Reads band `band` into `out`. A request covers the slices of as many
-  // rows as fit in kBandRequest, with the bytes between them: a request per
-  // row (the 4x benchmark's 39 MiB matrices in 32 MiB bands) took the export
-  // from 7-12 s to 16 s, each row costing a call, a page fault and a release
-  // of the pages around it. So a narrow band costs a pass over the matrix,
-  // from the page cache after the first.
-  Status Read(int64_t band, uint8_t* out) const {
-    const int64_t row_bytes = cols_ * element_, slice = ColumnsOf(band) * element_;
-    const int64_t rows_per_request = slice == row_bytes ? rows_ : std::max<int64_t>(1, kBandRequest / row_bytes);
-    std::vector<uint8_t> staging;  // not thread_local: it would stay resident in every worker
-    for (int64_t r = 0; r < rows_; r += rows_per_request) {
-      const int64_t n = std::min(rows_per_request, rows_ - r), span = (n - 1) * row_bytes + slice;
-      const int64_t from = r * row_bytes + band * width_ * element_;
-      if (n == 1 || slice == row_bytes) {  // the span is the band's bytes
-        RESHARD_RETURN_IF_ERROR(ReadSpan(from, span, out + r * slice));
-        continue;
-      }
-      staging.resize(static_cast<size_t>(span));
-      RESHARD_RETURN_IF_ERROR(source_(from, span, staging.data()));
-      for (int64_t k = 0; k < n; ++k) std::memcpy(out + (r + k) * slice, staging.data() + k * row_bytes, slice);
-    }
-    return Status::Ok();
-  }
-
-  // Source bytes [from, from + n) in requests of at most kBandRequest.
-  Status ReadSpan(int64_t from, int64_t n, uint8_t* out) const {
-    for (int64_t at = 0; at < n; at += kBandRequest) {
-      RESHARD_RETURN_IF_ERROR(source_(from + at, std::min(kBandRequest, n - at), out + at));
-    }
-    return Status::Ok();
-  }
-
-  struct Kept {
-    int64_t band;
-    std::shared_ptr<const std::vector<uint8_t>> bytes;
-  };
-  const ByteProducer source_;
-  const int64_t rows_, cols_;
-  const int element_;
-  const int64_t width_;
-  std::mutex mu_;
-  std::list<Kept> kept_;
-  std::map<int64_t, int64_t> produced_;  // bytes of each band produced so far
-};
 
 // Output elements [i, stop) of a transpose, out[c][r] = in[r][c], from the
 // band `in` ([rows, width] holding columns first.. of the source) to `out`,
@@ -185,9 +81,135 @@ void CopyTransposed(const uint8_t* in, int64_t width, int64_t rows, int64_t firs
   }
 }
 
+// Rows of a [rows, cols] matrix that one read of at most `piece` bytes
+// takes, and columns of it (rows of the transpose) that one band of at most
+// `piece` bytes of the transpose holds: at least one of each.
+int64_t StripRows(int64_t rows, int64_t cols, int element, int64_t piece) {
+  return std::clamp<int64_t>(piece / std::max<int64_t>(1, cols * element), 1, std::max<int64_t>(1, rows));
+}
+int64_t BandColumns(int64_t rows, int64_t cols, int element, int64_t piece) {
+  return StripRows(cols, rows, element, piece);
+}
+
+// The transpose of a matrix, made at the first request and held until all of
+// its bytes have been produced: in memory when it is at most a piece, else
+// in a scratch file, so that its memory is a few pieces whatever its size.
+// Asked for again after that, it is made again. Several workers may ask at
+// once; one makes it while the others wait.
+class TransposeStore {
+ public:
+  TransposeStore(ByteProducer source, int64_t rows, int64_t cols, int element,
+                 std::shared_ptr<const ScratchFolder> scratch, int64_t piece)
+      : source_(std::move(source)), rows_(rows), cols_(cols), element_(element),
+        scratch_(std::move(scratch)), piece_(piece) {}
+
+  Status Produce(int64_t offset, int64_t length, uint8_t* dst) {
+    std::shared_ptr<const Made> made;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (made_ == nullptr) {
+        RESHARD_ASSIGN_OR_RETURN(made_, Make());
+        produced_ = 0;
+      }
+      made = made_;
+    }
+    if (made->file) {
+      RESHARD_RETURN_IF_ERROR(made->file->Read(offset, length, dst));
+    } else {
+      std::memcpy(dst, made->bytes.data() + offset, static_cast<size_t>(length));
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    produced_ += length;
+    if (made_ == made && produced_ >= Bytes()) made_.reset();  // freed with the last reader's copy
+    return Status::Ok();
+  }
+
+ private:
+  struct Made {
+    std::vector<uint8_t> bytes;       // in memory
+    std::optional<ScratchFile> file;  // or in a file
+  };
+
+  int64_t Bytes() const { return rows_ * cols_ * element_; }
+
+  Result<std::shared_ptr<const Made>> Make() const {
+    auto made = std::make_shared<Made>();
+    if (Bytes() <= piece_ || scratch_ == nullptr) {
+      std::vector<uint8_t> in(static_cast<size_t>(Bytes()));
+      RESHARD_RETURN_IF_ERROR(source_(0, Bytes(), in.data()));
+      made->bytes.resize(in.size());
+      TransposeMatrix(in.data(), rows_, cols_, element_, made->bytes.data());
+    } else {
+      RESHARD_ASSIGN_OR_RETURN(ScratchFile file, scratch_->NewFile());
+      RESHARD_RETURN_IF_ERROR(WriteTiles(file));
+      RESHARD_RETURN_IF_ERROR(OrderBands(file));
+      made->file = std::move(file);
+    }
+    return std::shared_ptr<const Made>(std::move(made));
+  }
+
+  // The first pass: the source a strip of rows at a time, each strip cut
+  // into tiles of a band's columns, transposed. Band b, the transpose's
+  // rows [b * width, (b + 1) * width), takes the file's bytes from
+  // b * width * rows elements on, and holds its tiles one strip after the
+  // other: [strip][column][row of the strip].
+  Status WriteTiles(const ScratchFile& file) const {
+    const int64_t strip_rows = StripRows(rows_, cols_, element_, piece_);
+    const int64_t width = BandColumns(rows_, cols_, element_, piece_), row_bytes = cols_ * element_;
+    std::vector<uint8_t> strip, tile;
+    for (int64_t r0 = 0; r0 < rows_; r0 += strip_rows) {
+      const int64_t n = std::min(strip_rows, rows_ - r0);
+      strip.resize(static_cast<size_t>(n * row_bytes));
+      RESHARD_RETURN_IF_ERROR(source_(r0 * row_bytes, n * row_bytes, strip.data()));
+      for (int64_t c0 = 0; c0 < cols_; c0 += width) {
+        const int64_t w = std::min(width, cols_ - c0);
+        tile.resize(static_cast<size_t>(w * n * element_));
+        CopyTransposed(strip.data(), cols_, n, 0, c0 * n, (c0 + w) * n, element_, tile.data());
+        RESHARD_RETURN_IF_ERROR(file.Write((c0 * rows_ + r0 * w) * element_, tile.data(), w * n * element_));
+      }
+    }
+    return Status::Ok();
+  }
+
+  // The second pass: each band from [strip][column][row of the strip] to
+  // [column][row], in place. With one strip, or one column a band, the
+  // tiles are already in that order.
+  Status OrderBands(const ScratchFile& file) const {
+    const int64_t strip_rows = StripRows(rows_, cols_, element_, piece_);
+    const int64_t width = BandColumns(rows_, cols_, element_, piece_);
+    if (strip_rows >= rows_ || width == 1) return Status::Ok();
+    std::vector<uint8_t> tiles, band;
+    for (int64_t c0 = 0; c0 < cols_; c0 += width) {
+      const int64_t w = std::min(width, cols_ - c0), begin = c0 * rows_ * element_, bytes = w * rows_ * element_;
+      tiles.resize(static_cast<size_t>(bytes));
+      band.resize(static_cast<size_t>(bytes));
+      RESHARD_RETURN_IF_ERROR(file.Read(begin, bytes, tiles.data()));
+      for (int64_t r0 = 0; r0 < rows_; r0 += strip_rows) {
+        const int64_t n = std::min(strip_rows, rows_ - r0);
+        const uint8_t* tile = tiles.data() + r0 * w * element_;
+        for (int64_t c = 0; c < w; ++c) {
+          std::memcpy(band.data() + (c * rows_ + r0) * element_, tile + c * n * element_,
+                      static_cast<size_t>(n * element_));
+        }
+      }
+      RESHARD_RETURN_IF_ERROR(file.Write(begin, band.data(), bytes));
+    }
+    return Status::Ok();
+  }
+
+  const ByteProducer source_;
+  const int64_t rows_, cols_;
+  const int element_;
+  const std::shared_ptr<const ScratchFolder> scratch_;
+  const int64_t piece_;
+  std::mutex mu_;
+  std::shared_ptr<const Made> made_;
+  int64_t produced_ = 0;  // bytes of made_ produced so far
+};
+
 // The tensor `part` of `t`, transposed when the entry says so.
 Result<StateDictTensor> MakePart(const HfTensorMap& map, const ChosenTensor& t, const HfPart& part,
-                                 int64_t* scratch_bytes) {
+                                 const std::shared_ptr<const ScratchFolder>& scratch, int64_t* scratch_bytes) {
   std::vector<int64_t> shape = t.shape;
   if (!shape.empty()) shape[0] = part.rows;
   const int element = ElementSize(t.dtype);
@@ -205,10 +227,11 @@ Result<StateDictTensor> MakePart(const HfTensorMap& map, const ChosenTensor& t, 
     *scratch_bytes = std::max(*scratch_bytes, TransposeScratchBytes(shape[0], shape[1], element));
   }
   const bool transpose = map.transpose;
-  out.bytes = [t, runs = part.runs, row_bytes, shape, transpose, element](const std::vector<FullTensor>& sources) {
+  out.bytes = [t, runs = part.runs, row_bytes, shape, transpose, element,
+               scratch](const std::vector<FullTensor>& sources) {
     ByteProducer bytes = ChosenBytes(t, sources);
     if (!runs.empty()) bytes = GatherRows(std::move(bytes), row_bytes, runs);
-    return transpose ? Transposed(std::move(bytes), shape[0], shape[1], element) : bytes;
+    return transpose ? Transposed(std::move(bytes), shape[0], shape[1], element, scratch) : bytes;
   };
   return out;
 }
@@ -325,31 +348,30 @@ ByteProducer GatherRows(ByteProducer source, int64_t row_bytes, std::vector<RowR
   };
 }
 
-int64_t TransposeScratchBytes(int64_t rows, int64_t cols, int element, int64_t band_bytes) {
-  const int64_t band = rows * BandColumns(rows, cols, element, band_bytes) * element;
-  return std::min<int64_t>(rows * cols * element, (kKeptBands + 1) * band);  // kept, and one being read
+void TransposeMatrix(const uint8_t* in, int64_t rows, int64_t cols, int element, uint8_t* out) {
+  CopyTransposed(in, cols, rows, 0, 0, rows * cols, element, out);
 }
 
-ByteProducer Transposed(ByteProducer source, int64_t rows, int64_t cols, int element, int64_t band_bytes) {
+int64_t TransposeScratchBytes(int64_t rows, int64_t cols, int element, int64_t piece_bytes) {
+  const int64_t matrix = rows * cols * element;
+  if (matrix <= piece_bytes) return 2 * matrix;  // the source and its transpose
+  const int64_t strip = StripRows(rows, cols, element, piece_bytes) * cols * element;
+  const int64_t band = BandColumns(rows, cols, element, piece_bytes) * rows * element;
+  return 2 * std::max(strip, band);  // a strip and its tiles, or a band and its reordering
+}
+
+ByteProducer Transposed(ByteProducer source, int64_t rows, int64_t cols, int element,
+                        std::shared_ptr<const ScratchFolder> scratch, int64_t piece_bytes) {
   // Shared by the copies the writer may make of the producer.
-  auto bands = std::make_shared<ColumnBands>(std::move(source), rows, cols, element, band_bytes);
-  return [bands, rows, element](int64_t offset, int64_t length, uint8_t* dst) {
-    const int64_t end = (offset + length) / element;  // out[c][r] = in[r][c], element by element
-    for (int64_t i = offset / element; i < end;) {
-      const int64_t band = i / rows / bands->width(), first = band * bands->width();
-      const int64_t width = bands->ColumnsOf(band);
-      RESHARD_ASSIGN_OR_RETURN(std::shared_ptr<const std::vector<uint8_t>> in, bands->Get(band));
-      const int64_t band_end = (first + width) * rows, stop = std::min(end, band_end);
-      CopyTransposed(in->data(), width, rows, first, i, stop, element, dst + (i * element - offset));
-      bands->Produced(band, (stop - i) * element, stop == band_end);
-      i = stop;
-    }
-    return Status::Ok();
-  };
+  auto store = std::make_shared<TransposeStore>(std::move(source), rows, cols, element, std::move(scratch),
+                                                piece_bytes);
+  return [store](int64_t offset, int64_t length, uint8_t* dst) { return store->Produce(offset, length, dst); };
 }
 
 Result<std::vector<StateDictTensor>> MapHfTensors(const HfExport& hf, const std::vector<ChosenTensor>& chosen,
-                                                  const RuleInputs& inputs, int64_t* scratch_bytes) {
+                                                  const RuleInputs& inputs,
+                                                  const std::shared_ptr<const ScratchFolder>& scratch,
+                                                  int64_t* scratch_bytes) {
   std::vector<Entry> entries;
   for (const HfTensorMap& map : hf.tensors) entries.push_back({&map, std::make_unique<HfNameTemplate>(map.from)});
   std::vector<StateDictTensor> out;
@@ -366,7 +388,7 @@ Result<std::vector<StateDictTensor>> MapHfTensors(const HfExport& hf, const std:
     RESHARD_RETURN_IF_ERROR(CheckHfShape(hf, *entry->map, t.name, t.shape, inputs));
     RESHARD_ASSIGN_OR_RETURN(std::vector<HfPart> parts, HfParts(*entry->map, t.name, t.shape, inputs, block));
     for (const HfPart& part : parts) {
-      RESHARD_ASSIGN_OR_RETURN(StateDictTensor tensor, MakePart(*entry->map, t, part, scratch_bytes));
+      RESHARD_ASSIGN_OR_RETURN(StateDictTensor tensor, MakePart(*entry->map, t, part, scratch, scratch_bytes));
       out.push_back(std::move(tensor));
     }
   }

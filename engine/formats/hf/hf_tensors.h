@@ -4,10 +4,10 @@
 //
 // Dividing and reordering are gathers of dim-0 rows, which stream: a range
 // of the output is a few contiguous ranges of the source. A transpose needs
-// every source row for each output row, so it reads the source in bands of
-// whole columns (up to 8 MiB: a piece of every row; a smaller matrix is
-// one band) and keeps the last two; the plan reports that scratch so that
-// --max-memory leaves room for it.
+// every source row for each output row, so a matrix of more than 1 MiB is
+// transposed once into a scratch file in the output's folder and read back
+// from it; the plan reports the few MiB that takes so that --max-memory
+// leaves room for it.
 #pragma once
 
 #include <cstdint>
@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "exec/scratch_file.h"
 #include "formats/state_dict.h"
 #include "rules/rule_set.h"
 
@@ -78,31 +79,37 @@ Status CheckHfShape(const HfExport& hf, const HfTensorMap& map, const std::strin
 // The rows `runs` of `source` (rows of `row_bytes` bytes), one after the other.
 ByteProducer GatherRows(ByteProducer source, int64_t row_bytes, std::vector<RowRun> runs);
 
-// What one band of a transpose's source holds, about: whole columns of every
-// row. The band bounds a transpose's memory whatever the matrix size (the
-// plan counts three a worker); a matrix of more bytes is read once per band,
-// a pass in requests of whole rows, from the page cache after the first. So
-// a bigger band costs memory and a smaller one passes: at 8 MiB, the 4h x h
-// bf16 MLP matrices of h = 1024 are one band, and the 39 MiB ones of h = 2208
-// five (the 4x benchmark's export: ~2 s more CPU than with one band).
-inline constexpr int64_t kTransposeBandBytes = int64_t{8} << 20;
+// What a transpose holds of a matrix at once, about, for each step of its
+// work: a bigger matrix goes through a scratch file in two passes (a strip
+// of source rows a read, a band of the transpose's rows a reordering), so
+// its memory stays a few pieces whatever the matrix size, and the file's
+// bytes are the page cache's to keep or write out.
+inline constexpr int64_t kTransposePieceBytes = int64_t{1} << 20;
 
-// The [cols, rows] transpose of `source`, a row-major [rows, cols] matrix of
-// `element`-byte elements, made a range of whole elements at a time from
-// column bands of the source. Requests may come from several threads at once.
+// `out` = the [cols, rows] transpose of `in`, a row-major [rows, cols] matrix
+// of `element`-byte elements.
+void TransposeMatrix(const uint8_t* in, int64_t rows, int64_t cols, int element, uint8_t* out);
+
+// The [cols, rows] transpose of `source`, a row-major [rows, cols] matrix,
+// made at its first request (in memory, or in a file of `scratch` when the
+// matrix is more than a piece and there is one) and dropped once all of its
+// bytes have been produced. Requests may come from several threads at once.
 ByteProducer Transposed(ByteProducer source, int64_t rows, int64_t cols, int element,
-                        int64_t band_bytes = kTransposeBandBytes);
+                        std::shared_ptr<const ScratchFolder> scratch,
+                        int64_t piece_bytes = kTransposePieceBytes);
 
-// The memory Transposed may hold at once for such a matrix: the bands it
-// keeps and one being read.
+// The memory Transposed holds at once for such a matrix, with a scratch folder.
 int64_t TransposeScratchBytes(int64_t rows, int64_t cols, int element,
-                              int64_t band_bytes = kTransposeBandBytes);
+                              int64_t piece_bytes = kTransposePieceBytes);
 
 // The HF tensors made from `chosen` (the export's parameters under their
 // canonical names, in order), as `hf` maps them; `inputs` gives split_qkv's
-// sizes. Refused when a parameter has no mapping or a mapping finds no
-// parameter. *scratch_bytes learns the largest tensor built whole.
+// sizes; transposes keep big matrices in files of `scratch`. Refused when a
+// parameter has no mapping or a mapping finds no parameter. *scratch_bytes
+// learns the most a transpose holds.
 Result<std::vector<StateDictTensor>> MapHfTensors(const HfExport& hf, const std::vector<ChosenTensor>& chosen,
-                                                  const RuleInputs& inputs, int64_t* scratch_bytes);
+                                                  const RuleInputs& inputs,
+                                                  const std::shared_ptr<const ScratchFolder>& scratch,
+                                                  int64_t* scratch_bytes);
 
 }  // namespace reshard

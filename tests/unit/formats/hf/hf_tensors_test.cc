@@ -7,10 +7,13 @@
 
 #include <algorithm>
 #include <cstring>
+#include <filesystem>
+#include <memory>
 #include <numeric>
 #include <thread>
 
 #include "pickle/value.h"
+#include "test_util.h"
 
 namespace reshard {
 namespace {
@@ -57,33 +60,26 @@ TEST(GatherRows, AnyRangeOfTheGatheredRows) {
 }
 
 TEST(Transposed, ColumnsBecomeRowsInEveryRange) {
-  const ByteProducer t = Transposed(Counting(6), 2, 3, 1);  // [[0 1 2] [3 4 5]]
+  const ByteProducer t = Transposed(Counting(6), 2, 3, 1, nullptr);  // [[0 1 2] [3 4 5]]
   EXPECT_EQ(Read(t, 0, 4), (std::vector<uint8_t>{0, 3, 1, 4}));
   EXPECT_EQ(Read(t, 4, 2), (std::vector<uint8_t>{2, 5}));
   EXPECT_EQ(Read(t, 1, 4), (std::vector<uint8_t>{3, 1, 4, 2}));  // any range, again
 }
 
 TEST(Transposed, WholeElements) {
-  const ByteProducer t = Transposed(Counting(8), 2, 2, 2);  // 2-byte elements [[a b] [c d]]
+  const ByteProducer t = Transposed(Counting(8), 2, 2, 2, nullptr);  // 2-byte elements [[a b] [c d]]
   EXPECT_EQ(Read(t, 0, 8), (std::vector<uint8_t>{0, 1, 4, 5, 2, 3, 6, 7}));
 }
 
-TEST(Transposed, WideMatricesStreamInBandsOfWholeColumns) {
-  // 24 rows of 1000 1-byte elements in bands of 42 columns (1 KiB / 24 rows):
-  // 24 bands, three of them at most held.
-  constexpr int64_t kRows = 24, kCols = 1000, kBand = 1024;
-  EXPECT_EQ(TransposeScratchBytes(kRows, kCols, 1, kBand), 3 * kRows * 42);
-  const ByteProducer t = Transposed(Counting(kRows * kCols), kRows, kCols, 1, kBand);
-  std::vector<uint8_t> want(kRows * kCols), got(kRows * kCols);
-  for (int64_t c = 0; c < kCols; ++c) {
-    for (int64_t r = 0; r < kRows; ++r) want[c * kRows + r] = static_cast<uint8_t>(r * kCols + c);
+// A scratch folder named as a run's jobs name theirs.
+struct Scratch {
+  Scratch() : folder(std::make_shared<ScratchFolder>()) { folder->Use(dir.path().string()); }
+  int64_t Entries() const {
+    return std::distance(std::filesystem::directory_iterator(dir.path()), std::filesystem::directory_iterator());
   }
-  for (int64_t at = 0; at < kRows * kCols; at += 700) {  // ranges that cross bands and rows
-    const int64_t n = std::min<int64_t>(700, kRows * kCols - at);
-    ASSERT_TRUE(t(at, n, got.data() + at).ok());
-  }
-  EXPECT_EQ(got, want);
-}
+  TempDir dir;
+  std::shared_ptr<ScratchFolder> folder;
+};
 
 TEST(Transposed, TwoThreadsMayProduceRangesAtOnce) {
   constexpr int64_t kRows = 64, kCols = 96, kBytes = kRows * kCols;  // 1-byte elements
@@ -91,8 +87,9 @@ TEST(Transposed, TwoThreadsMayProduceRangesAtOnce) {
   for (int64_t c = 0; c < kCols; ++c) {
     for (int64_t r = 0; r < kRows; ++r) want[c * kRows + r] = static_cast<uint8_t>(r * kCols + c);
   }
+  const Scratch scratch;
   for (int pass = 0; pass < 50; ++pass) {  // each pass a new producer, as each export makes one
-    const ByteProducer t = Transposed(Counting(kBytes), kRows, kCols, 1);
+    const ByteProducer t = Transposed(Counting(kBytes), kRows, kCols, 1, scratch.folder, 1000);
     std::vector<uint8_t> got(kBytes);
     auto half = [&](int64_t begin) {
       for (int64_t at = begin; at < begin + kBytes / 2; at += 512) EXPECT_TRUE(t(at, 512, got.data() + at).ok());
@@ -147,62 +144,77 @@ std::vector<uint8_t> ReadAll(const ByteProducer& t, const Matrix& m, int64_t ste
   return got;
 }
 
-TEST(Transposed, EqualsTheNaiveTransposeForEveryElementSizeAndBand) {
-  // Odd shapes, bands of one column up to the whole matrix, ranges that
-  // cross rows and bands.
+TEST(Transposed, EqualsTheNaiveTransposeForEveryElementSizeAndPiece) {
+  // Odd shapes; pieces from one element (a strip of one row, a band of one
+  // column) to the whole matrix (held in memory); ranges that cross rows,
+  // strips and bands.
+  const Scratch scratch;
   for (int element : {1, 2, 3, 4, 8}) {
     for (const auto& [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{{1, 1}, {7, 13}, {37, 5}, {129, 67}}) {
       const Matrix m(rows, cols, element);
       const std::vector<uint8_t> want = m.Naive();
-      for (int64_t band : {int64_t{1}, rows * element * 3, rows * element * 10 + 1, kTransposeBandBytes}) {
-        SCOPED_TRACE(testing::Message() << element << "-byte [" << rows << ", " << cols << "], band " << band);
-        EXPECT_EQ(ReadAll(Transposed(m.Producer(), rows, cols, element, band), m, 11), want);
+      for (int64_t piece : {int64_t{1}, rows * element * 3, cols * element * 10 + 1, kTransposePieceBytes}) {
+        SCOPED_TRACE(testing::Message() << element << "-byte [" << rows << ", " << cols << "], piece " << piece);
+        EXPECT_EQ(ReadAll(Transposed(m.Producer(), rows, cols, element, scratch.folder, piece), m, 11), want);
       }
     }
   }
 }
 
-TEST(Transposed, NarrowBandsReadWholeRowsInFewRequests) {
-  // 4096 rows of 2000 bytes (8 MB) in 1 MiB bands: 8 bands of 128 columns,
-  // each read in requests of the ~524 rows that fit 1 MiB, not one a row.
+TEST(Transposed, ABigMatrixGoesThroughAnUnnamedScratchFileReadOnce) {
+  // 4096 rows of 2000 bytes (8 MB) in 1 MiB pieces: the source is read
+  // once, a strip of 524 rows a request, into a scratch file without a name
+  // in the folder; the memory held is a band of 128 columns and its
+  // reordering. Once all of it has been produced it is dropped, and made
+  // again if asked for again.
+  const Scratch scratch;
   const Matrix m(4096, 1000, 2);
+  const std::vector<uint8_t> want = m.Naive();
   std::vector<int64_t> requests;
-  const ByteProducer t = Transposed(m.Producer(&requests), m.rows, m.cols, m.element, 1 << 20);
-  EXPECT_EQ(ReadAll(t, m, 1 << 18), m.Naive());
-  EXPECT_EQ(requests.size(), 8u * 8u);
+  const ByteProducer t = Transposed(m.Producer(&requests), m.rows, m.cols, m.element, scratch.folder, 1 << 20);
+  EXPECT_EQ(Read(t, 0, 1 << 10), std::vector<uint8_t>(want.begin(), want.begin() + (1 << 10)));
+  EXPECT_EQ(scratch.Entries(), 0);
+  EXPECT_EQ(requests.size(), 8u);
   EXPECT_LE(*std::max_element(requests.begin(), requests.end()), 1 << 20);
-  EXPECT_LE(std::accumulate(requests.begin(), requests.end(), int64_t{0}), 8 * int64_t{4096} * 2000);
+  EXPECT_EQ(std::accumulate(requests.begin(), requests.end(), int64_t{0}), int64_t{4096} * 2000);
+  std::vector<uint8_t> got(want.size());
+  std::copy_n(want.begin(), 1 << 10, got.begin());
+  for (int64_t at = 1 << 10; at < static_cast<int64_t>(got.size()); at += 1 << 20) {
+    ASSERT_TRUE(t(at, std::min<int64_t>(1 << 20, got.size() - at), got.data() + at).ok());
+  }
+  EXPECT_EQ(got, want);
+  EXPECT_EQ(requests.size(), 8u);
+  EXPECT_EQ(Read(t, 0, 1 << 10), std::vector<uint8_t>(want.begin(), want.begin() + (1 << 10)));
+  EXPECT_EQ(requests.size(), 16u);
+  EXPECT_EQ(TransposeScratchBytes(m.rows, m.cols, m.element, 1 << 20), 2 << 20);
 }
 
-TEST(Transposed, RowsLongerThanARequestAreReadAsSlices) {
-  // 2 rows of 3 MiB in 5 MiB bands: each band is a 2.5 MiB slice of each
-  // row, read in pieces of at most 1 MiB and no more than the slice.
-  const Matrix m(2, (3 << 20) / 4, 4);
-  std::vector<int64_t> requests;
-  const ByteProducer t = Transposed(m.Producer(&requests), m.rows, m.cols, m.element, 5 << 20);
-  EXPECT_EQ(ReadAll(t, m, 1 << 18), m.Naive());
-  EXPECT_LE(*std::max_element(requests.begin(), requests.end()), 1 << 20);
-  EXPECT_EQ(std::accumulate(requests.begin(), requests.end(), int64_t{0}), int64_t{6} << 20);
+TEST(Transposed, SmallMatricesAreHeldInMemoryAndBigOnesNeedAFolder) {
+  const Matrix small(16, 16, 4), big(64, 64, 4);  // 1 KiB and 16 KiB, in 4 KiB pieces
+  EXPECT_EQ(TransposeScratchBytes(small.rows, small.cols, small.element, 4096), 2 * 1024);
+  EXPECT_EQ(ReadAll(Transposed(small.Producer(), 16, 16, 4, std::make_shared<ScratchFolder>(), 4096), small, 7),
+            small.Naive());
+  const ByteProducer t = Transposed(big.Producer(), 64, 64, 4, std::make_shared<ScratchFolder>(), 4096);
+  std::vector<uint8_t> out(16);
+  const Status s = t(0, 16, out.data());
+  EXPECT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("before the run named its folder"), std::string::npos) << s.message();
 }
 
-TEST(Transposed, ABandIsDroppedOnceItsLastBytesAreProduced) {
-  // Bands of 4 columns of 4 rows. One worker's range starts inside band 0
-  // and goes on; another's, which ends inside band 0, comes later: band 0 is
-  // read again for it rather than held until then.
-  const Matrix m(4, 8, 1);
-  std::vector<int64_t> requests;
-  const ByteProducer t = Transposed(m.Producer(&requests), m.rows, m.cols, m.element, 16);
-  std::vector<uint8_t> got(32);
-  ASSERT_TRUE(t(8, 24, got.data() + 8).ok());  // band 0's second half, band 1
-  ASSERT_TRUE(t(0, 8, got.data()).ok());       // band 0's first half
-  EXPECT_EQ(got, m.Naive());
-  EXPECT_EQ(requests.size(), 3u);  // band 0, band 1, band 0 again
+TEST(Transposed, ColumnsLongerThanAPieceAreBandsOfOneColumn) {
+  // 2^19 rows of two 4-byte elements in 1 MiB pieces: strips of 2^17 rows,
+  // and each band one column of 2 MiB, held whole.
+  const Scratch scratch;
+  const Matrix m(1 << 19, 2, 4);
+  EXPECT_EQ(TransposeScratchBytes(m.rows, m.cols, m.element, 1 << 20), 2 * (int64_t{1} << 21));
+  EXPECT_EQ(ReadAll(Transposed(m.Producer(), m.rows, m.cols, m.element, scratch.folder, 1 << 20), m, 1 << 17),
+            m.Naive());
 }
 
-TEST(Transposed, ScratchIsBoundedByTheBandWhateverTheMatrix) {
-  EXPECT_EQ(TransposeScratchBytes(4096, 1024, 2), int64_t{8} << 20);  // one band: the matrix
+TEST(Transposed, ScratchIsAFewPiecesWhateverTheMatrix) {
+  EXPECT_EQ(TransposeScratchBytes(512, 1024, 2), int64_t{2} << 20);  // one piece: the matrix and its transpose
   for (int64_t side : {int64_t{1} << 12, int64_t{1} << 14, int64_t{1} << 16}) {
-    EXPECT_LE(TransposeScratchBytes(side, side, 4), 3 * kTransposeBandBytes);
+    EXPECT_LE(TransposeScratchBytes(side, side, 4), 2 * std::max(kTransposePieceBytes, side * 4));
   }
 }
 
@@ -232,7 +244,7 @@ class MapHfTensorsTest : public ::testing::Test {
   }
 
   Result<std::vector<StateDictTensor>> Map() {
-    return MapHfTensors(hf_, chosen_, RuleInputs{metadata_, settings_}, &scratch_);
+    return MapHfTensors(hf_, chosen_, RuleInputs{metadata_, settings_}, nullptr, &scratch_);
   }
 
   std::vector<uint8_t> Bytes(const StateDictTensor& t) { return Read(t.bytes(sources_), 0, t.size()); }
@@ -260,7 +272,7 @@ TEST_F(MapHfTensorsTest, RenamesDividesAndTransposes) {
   EXPECT_EQ(Bytes((*out)[3]), (std::vector<uint8_t>{0, 2, 1, 3}));
   EXPECT_EQ(Bytes((*out)[4]), (std::vector<uint8_t>{4, 6, 5, 7}));
   EXPECT_EQ(Bytes((*out)[5]), (std::vector<uint8_t>{0, 1, 2}));
-  EXPECT_EQ(scratch_, 4);  // the largest transposed tensor: one band holds it whole
+  EXPECT_EQ(scratch_, 2 * 4);  // the largest transposed tensor and its transpose, in memory
 }
 
 TEST_F(MapHfTensorsTest, OneNameKeepsQkvFusedInQkvOrder) {
