@@ -7,8 +7,11 @@ of a model, because building a 1.5B-parameter model would take ~18 GB of memory)
 times, once each (--runs), from a cold page cache when it can drop it:
   * convert SRC OUT --tp 1 --pp 4 --dp 4, then verify SRC OUT,
   * export --to universal, --to consolidated, --to hf and --to megatron (TP 1, PP 4),
-and for a ZeRO-3 checkpoint (the HF-Trainer-style fixture, bf16, DP 2; h=768 with 2, 8 and 32
-blocks and a vocabulary of 8k, 32k and 128k, so every size is 4x the last) convert to DP 4.
+and for ZeRO-3 checkpoints (the HF-Trainer-style fixture, bf16, DP 2) convert to DP 4, in two
+series where every size is 4x the last: `zero3 dp 2->4` grows the tensors as the pipeline sizes
+do (8 blocks; h=384, 768 and 1536 with a vocabulary of 16k, 32k and 64k), and `zero3 by blocks`
+grows the number of parameters (h=768; 2, 8 and 32 blocks with a vocabulary of 8k, 32k and 128k),
+which shows what each parameter's metadata costs.
 
 It prints, for every command, the time, the time per GB of source, the peak RSS of the process
 tree and the kernel's high-water mark at each size, and the ratios between the largest and the
@@ -42,17 +45,30 @@ sys.path.insert(0, os.path.join(REPO, 'tests'))
 from run import (PYTHON, TARGET, drop_caches, ensure_checkpoint, folder_bytes, measure, print_results,  # noqa: E402
                  remove)
 
-# ZeRO-3 sizes: every tensor-heavy dimension grows 4x from one to the next.
-ZERO3 = dict(zero_stage=3, dtype='bf16', dp=2, n_heads=12, n_kv=12, head_dim=64, ffn=3072, h=768,
-             hf_extras=False)
-ZERO3_SIZES = [dict(L=2, V=8000), dict(L=8, V=32000), dict(L=32, V=128000)]
+# ZeRO-3 sizes, each 4x the last: by tensor size (the hidden size doubles, so each matrix is 4x)
+# and by parameter count (4x the blocks). Both series meet at the middle size.
+ZERO3 = dict(zero_stage=3, dtype='bf16', dp=2, head_dim=64, hf_extras=False)
+
+
+def zero3_shape(L: int, h: int, V: int) -> Dict:
+    return dict(L=L, h=h, V=V, n_heads=h // 64, n_kv=h // 64, ffn=4 * h)
+
+
+ZERO3_SERIES = {
+    'zero3 dp 2->4': [zero3_shape(8, 384, 16000), zero3_shape(8, 768, 32000), zero3_shape(8, 1536, 64000)],
+    'zero3 by blocks': [zero3_shape(2, 768, 8000), zero3_shape(8, 768, 32000), zero3_shape(32, 768, 128000)],
+}
 ZERO3_TARGET_DP = '4'
 EXPORTS = ('universal', 'consolidated', 'hf', 'megatron')
 
 
+def zero3_root(workdir: str, size: Dict) -> str:
+    return os.path.join(workdir, f'zero3-L{size["L"]}-h{size["h"]}-V{size["V"]}')
+
+
 def zero3_checkpoint(workdir: str, size: Dict) -> str:
     """The ZeRO-3 fixture of `size` under workdir, written once and reused."""
-    root = os.path.join(workdir, f'zero3-L{size["L"]}-V{size["V"]}')
+    root = zero3_root(workdir, size)
     done = os.path.join(root, 'written')
     if not os.path.exists(done):
         remove(root)
@@ -107,13 +123,13 @@ def pipeline_size(ns, scale: float) -> List[Dict]:
     return results
 
 
-def zero3_size(ns, size: Dict) -> Dict:
+def zero3_size(ns, command: str, size: Dict) -> Dict:
     src = zero3_checkpoint(ns.workdir, size)
     out = os.path.join(ns.workdir, 'cost-out')
-    r = timed(ns, 'zero3 dp 2->4', [ns.reshard, 'convert', src, out, '--tp', '1', '--pp', '1', '--dp', ZERO3_TARGET_DP,
+    r = timed(ns, command, [ns.reshard, 'convert', src, out, '--tp', '1', '--pp', '1', '--dp', ZERO3_TARGET_DP,
                                     '-q'], folder_bytes(src), lambda: remove(out))
     remove(out)
-    r['size'] = f'L={size["L"]} V={size["V"]}'
+    r['size'] = f'L={size["L"]} h={size["h"]} V={size["V"]}'
     return r
 
 
@@ -171,7 +187,7 @@ def main(argv=None) -> int:
     ap.add_argument('--workdir', default='/tmp/reshard-bench', help='where checkpoints and outputs go')
     ap.add_argument('--keep', action='store_true', help='keep the checkpoints written')
     ap.add_argument('--warm', action='store_true', help='do not drop the page cache before each run')
-    ap.add_argument('--no-zero3', action='store_true', help='skip the ZeRO-3 DP change')
+    ap.add_argument('--no-zero3', action='store_true', help='skip the ZeRO-3 DP changes')
     ap.add_argument('--commands', default='convert,' + ','.join(EXPORTS),
                     help='of the pipeline commands, these (default convert,universal,consolidated,hf,megatron; '
                          'convert includes the verify of its output)')
@@ -193,9 +209,10 @@ def main(argv=None) -> int:
         if not ns.keep and scale >= ns.filled_from:
             remove(written[-1])  # the disk may not hold two of them
     if not ns.no_zero3:
-        for size in ZERO3_SIZES:
-            results.append(zero3_size(ns, size))
-            written.append(os.path.join(ns.workdir, f'zero3-L{size["L"]}-V{size["V"]}'))
+        for command, sizes in ZERO3_SERIES.items():
+            for size in sizes:
+                results.append(zero3_size(ns, command, size))
+                written.append(zero3_root(ns.workdir, size))
     if not ns.keep:
         for path in written:
             remove(path)

@@ -21,6 +21,19 @@ Status MakeParentFolders(const std::string& dir, const std::string& name) {
   return ec ? Status::IoError("cannot create " + parent.string() + ": " + ec.message()) : Status::Ok();
 }
 
+// Writes `tree` as the torch.save file `name` of the job's folder.
+Status WriteTree(JobContext& ctx, const std::string& name, const Value& tree) {
+  RESHARD_RETURN_IF_ERROR(MakeParentFolders(ctx.dir, name));
+  TorchWriteOptions write;
+  write.buffer = &ctx.buffer;
+  write.written = ctx.done;
+  FileDigest digest;
+  write.digest = &digest;
+  RESHARD_RETURN_IF_ERROR(WriteTorchFile(ctx.dir + "/" + name, tree, write));
+  if (ctx.wrote) ctx.wrote(name, digest);
+  return Status::Ok();
+}
+
 }  // namespace
 
 Result<Job> TorchFileJob(std::string name, Value root) {
@@ -29,16 +42,19 @@ Result<Job> TorchFileJob(std::string name, Value root) {
   Job job;
   job.name = name;
   job.bytes = bytes;
-  job.run = [name = std::move(name), tree](JobContext& ctx) {
-    RESHARD_RETURN_IF_ERROR(MakeParentFolders(ctx.dir, name));
-    TorchWriteOptions write;
-    write.buffer = &ctx.buffer;
-    write.written = ctx.done;
-    FileDigest digest;
-    write.digest = &digest;
-    RESHARD_RETURN_IF_ERROR(WriteTorchFile(ctx.dir + "/" + name, *tree, write));
-    if (ctx.wrote) ctx.wrote(name, digest);
-    return Status::Ok();
+  job.run = [name = std::move(name), tree](JobContext& ctx) { return WriteTree(ctx, name, *tree); };
+  return job;
+}
+
+Result<Job> TorchFileJob(std::string name, std::function<Result<Value>()> make) {
+  RESHARD_ASSIGN_OR_RETURN(Value sized, make());
+  RESHARD_ASSIGN_OR_RETURN(int64_t bytes, TensorBytes(sized));
+  Job job;
+  job.name = name;
+  job.bytes = bytes;
+  job.run = [name = std::move(name), make = std::move(make)](JobContext& ctx) -> Status {
+    RESHARD_ASSIGN_OR_RETURN(Value tree, make());
+    return WriteTree(ctx, name, tree);
   };
   return job;
 }

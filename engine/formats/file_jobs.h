@@ -6,6 +6,7 @@
 // it and may not include each other.
 #pragma once
 
+#include <functional>
 #include <string>
 
 #include "exec/job.h"
@@ -17,6 +18,11 @@ namespace reshard {
 // output folder; its parent folders are made), its size the bytes of the
 // storages it holds.
 Result<Job> TorchFileJob(std::string name, Value root);
+
+// The same for the tree `make` builds, which it builds when the job runs
+// (and once now, for the size), so that a plan of many files holds the tree
+// of the files being written only.
+Result<Job> TorchFileJob(std::string name, std::function<Result<Value>()> make);
 
 // A job writing `text` as the file `name` of the output folder.
 Job TextFileJob(std::string name, std::string text);

@@ -324,24 +324,34 @@ Value Zero3Checkpoint::TargetOptimizer(int mp, const Zero3Target& t, const Locat
   return opt;
 }
 
-Result<std::vector<Job>> Zero3Checkpoint::Jobs(int target_dp, bool bf16_prefix,
+Result<Value> Zero3Checkpoint::TargetOptimizer(int mp, const Zero3Target& t, int d,
                                                std::atomic<int64_t>* read) const {
-  std::vector<Job> jobs;
-  for (int mp = 0; mp < this->mp(); ++mp) {
-    const Zero3Target target = Retarget(mp, target_dp);
-    LocatedStates sources;
-    for (const auto& group : target.sub_groups) {
-      for (const Zero3Param& p : group) {
-        for (const std::string& state : states_) {
-          RESHARD_ASSIGN_OR_RETURN(sources[p.name][state], Locate(mp, p.name, state));
-        }
+  LocatedStates sources;
+  for (const auto& group : t.sub_groups) {
+    for (const Zero3Param& p : group) {
+      for (const std::string& state : states_) {
+        RESHARD_ASSIGN_OR_RETURN(sources[p.name][state], Locate(mp, p.name, state));
       }
     }
+  }
+  return TargetOptimizer(mp, t, sources, d, read);
+}
+
+Result<std::vector<Job>> Zero3Checkpoint::Jobs(int target_dp, bool bf16_prefix,
+                                               std::atomic<int64_t>* read) const {
+  // Each file's tree is built while the file is written: a tree per target
+  // file held at once would grow with the parameters times the DP size.
+  std::vector<Job> jobs;
+  for (int mp = 0; mp < this->mp(); ++mp) {
+    auto target = std::make_shared<const Zero3Target>(Retarget(mp, target_dp));
     for (int d = 0; d < target_dp; ++d) {
-      RESHARD_ASSIGN_OR_RETURN(Job model, TorchFileJob(Zero3ModelStatesFileName(d, mp),
-                                                       TargetModelStates(mp, target, d)));
+      RESHARD_ASSIGN_OR_RETURN(Job model, TorchFileJob(Zero3ModelStatesFileName(d, mp), [this, mp, target, d] {
+                                 return Result<Value>(TargetModelStates(mp, *target, d));
+                               }));
       RESHARD_ASSIGN_OR_RETURN(Job optimizer, TorchFileJob(OptimizerFileName(bf16_prefix, d, mp),
-                                                           TargetOptimizer(mp, target, sources, d, read)));
+                                                           [this, mp, target, d, read] {
+                                                             return TargetOptimizer(mp, *target, d, read);
+                                                           }));
       jobs.push_back(std::move(model));
       jobs.push_back(std::move(optimizer));
     }

@@ -73,6 +73,8 @@ class Zero3Checkpoint {
   // Sub-groups of rank `mp` re-cut for `target_dp`, parameter group by group.
   Zero3Target Retarget(int mp, int target_dp) const;
   Value TargetModelStates(int mp, const Zero3Target& target, int d) const;
+  // DP rank d's optimizer file, its flats produced from this checkpoint's.
+  Result<Value> TargetOptimizer(int mp, const Zero3Target& target, int d, std::atomic<int64_t>* read) const;
   Value TargetOptimizer(int mp, const Zero3Target& target,
                         const std::map<std::string, std::map<std::string, SourceShard>>& sources,
                         int d, std::atomic<int64_t>* read) const;
