@@ -41,7 +41,8 @@ Result<Entry> ReadEntry(const std::string& name, const Value& v, int64_t data_by
   if (dtype == nullptr || shape == nullptr || offsets == nullptr || !dtype->is(Value::Kind::kString)) {
     return bad("lacks dtype, shape or data_offsets in the header");
   }
-  Entry e{name};
+  Entry e;
+  e.name = name;
   std::optional<DType> known = DTypeFromSafetensorsName(dtype->as_string());
   if (!known) return bad("has dtype " + dtype->as_string() + ", which reshard does not read");
   e.dtype = *known;
