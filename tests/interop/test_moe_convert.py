@@ -20,6 +20,9 @@ new layout. fp32 saves without ZeRO (each EP rank's torch state in its expp_rank
 the same way at EP, DP and PP changes, and their torch states compared with the generator's at the
 target (params indices, hyperparameters, step, both moments) and after the round trip with A's;
 verify compares both moments of every parameter; --weights-only writes expp_rank files of None;
+BF16_Optimizer saves (bf16 without ZeRO, whose expp_rank files copy their EP rank's first shard, or
+ZeRO-1 with an fp32 gradient accumulation dtype) are checked the same way, the copies against the
+shards;
 groups that are not DeepSpeed's are refused in one line. An EP change of a ZeRO save of DeepSpeed
 before 0.15.4 notes that such a version's expert gradients scale with EP. Refusals: TP changes, PP changes without the pipeline engine, an EP that does not
 divide the experts or DP, --ep on a checkpoint without experts -- one line, exit 2, nothing
@@ -76,6 +79,26 @@ NO_ZERO_CASES = [
     (MoeConfig(engine='pipe', pp=2, dp=2, ep=2, zero_stage=0), 1, 1, 2),
     (MoeConfig(engine='pipe', pp=1, dp=4, ep=2, num_experts=8, zero_stage=0), 2, 4, 4),
 ]
+
+
+# BF16_Optimizer saves: bf16 without ZeRO (each expp_rank file a copy of its EP rank's first shard's
+# state) and bf16 ZeRO-1 with an fp32 gradient accumulation dtype (expp_rank files of None):
+# (source, target PP, EP, DP) with EP up and down, DP up and down, expert-DP 1..4, residual MoE
+# (a group padded on its last rank), PP 2 -> 1.
+BF16_OPTIMIZER_CASES = [
+    (MoeConfig(engine='module', dp=4, ep=2, dtype='bf16', zero_stage=0), 1, 4, 8),
+    (MoeConfig(engine='module', dp=4, ep=2, dtype='bf16', zero_stage=0, residual=True), 1, 1, 3),
+    (MoeConfig(engine='pipe', pp=2, dp=4, ep=2, dtype='bf16', zero_stage=0), 1, 2, 2),
+    (MoeConfig(engine='module', dp=4, ep=2, dtype='bf16', grad_accum_fp32=True), 1, 4, 4),
+]
+
+
+def tensors_of(value):
+    """The tensors of a nested state, in order."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else []
+    return [t for item in items for t in tensors_of(item)]
 
 
 def torch_states(root):
@@ -173,6 +196,37 @@ class MoeConvertTests(FixtureTestCase):
                 self.assertIn('same model', p.stdout)
                 self.assert_round_trip(a, b, cfg, f'c{i}')
                 self.assert_same_torch_states(torch_states(a), torch_states(self.path(f'c{i}')))
+
+    def test_bf16_optimizer_saves_give_the_fixture_at_the_target_layout(self):
+        for i, (cfg, pp, ep, dp) in enumerate(BF16_OPTIMIZER_CASES):
+            with self.subTest(case=i, engine=cfg.engine, zero=cfg.zero_stage, pp=f'{cfg.pp}->{pp}',
+                              ep=f'{cfg.ep}->{ep}', dp=f'{cfg.dp}->{dp}'):
+                a = self.write(f'a{i}', cfg)
+                b = self.path(f'b{i}')
+                p = convert(a, b, dataclasses.replace(cfg, pp=pp), '--ep', str(ep), '--dp', str(dp))
+                self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+                want = layout(cfg, pp, ep, dp)
+                self.assertEqual(differences(dm.structure(self.write(f'w{i}', want)), dm.structure(b)), [])
+                self.assertEqual(dm.canonical_differences(b, cfg), [])
+                self.assert_expp_copies_of_shards(b, want)
+                self.assert_same_model(a, b, cfg)
+                self.assert_round_trip(a, b, cfg, f'c{i}')
+                self.assert_expp_copies_of_shards(self.path(f'c{i}'), cfg)
+
+    def assert_expp_copies_of_shards(self, root, cfg):
+        """Without ZeRO, expp_rank_{r} holds DP rank r's optimizer_state_dict, tensors bit for bit."""
+        if cfg.zero_stage > 0:
+            return
+        tag = dm.resolve_tag_dir(root)
+        for stage in range(cfg.pp):
+            for r in range(cfg.ep):
+                copy = torch.load(os.path.join(tag, f'expp_rank_{r}_mp_rank_{stage:02d}_optim_states.pt'))['optimizer']
+                shard = torch.load(os.path.join(tag, f'bf16_zero_pp_rank_{r}_mp_rank_{stage:02d}_optim_states.pt'))
+                osd = shard['optimizer_state_dict']
+                self.assertEqual(dm._describe(copy), dm._describe(osd), (stage, r))
+                pairs = list(zip(tensors_of(copy), tensors_of(osd)))
+                self.assertGreater(len(pairs), 0)
+                self.assertTrue(all(torch.equal(x, y) for x, y in pairs), (stage, r))
 
     def assert_same_torch_states(self, want, got):
         self.assertEqual(list(want), list(got))

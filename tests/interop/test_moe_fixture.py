@@ -37,7 +37,7 @@ differences = dm.structure_differences
 
 # Layouts beyond the real saves': EP 1 / 4, expert-DP 1..4, PP 1..3 (a stage without MoE
 # layers), more experts, bf16 and fp16, ZeRO-2, residual MoE, module tensors not shared, fp32
-# without ZeRO.
+# without ZeRO, BF16_Optimizer (bf16 without ZeRO, and ZeRO-1 with fp32 gradient accumulation).
 LAYOUTS = [
     MoeConfig(engine='module', dp=4, ep=1),
     MoeConfig(engine='module', dp=8, ep=4, num_experts=8, dtype='bf16', zero_stage=2),
@@ -46,6 +46,8 @@ LAYOUTS = [
     MoeConfig(engine='pipe', pp=3, dp=4, ep=4, dtype='bf16'),
     MoeConfig(engine='pipe', pp=2, dp=4, ep=2, num_layers=6, expert_interval=3, residual=True, zero_stage=2),
     MoeConfig(engine='pipe', pp=2, dp=4, ep=2, zero_stage=0),
+    MoeConfig(engine='module', dp=4, ep=2, dtype='bf16', zero_stage=0, residual=True),
+    MoeConfig(engine='pipe', pp=2, dp=4, ep=2, dtype='bf16', grad_accum_fp32=True),
 ]
 
 run = support.reshard

@@ -51,7 +51,6 @@ class MoeSource : public DeepSpeedModelSource {
     if (ckpt().HasErrors()) return;
     ReportDrift(ckpt(), options, report);
     report->findings.push_back({Finding::Severity::kInfo, "MoE: " + layout_.Summary()});
-    const MoeOptimizer* state = nullptr;
     const Result<bool> has_state = HasState();
     if (!has_state.ok()) {
       report->findings.push_back({Finding::Severity::kError, "optimizer: " + has_state.status().message()});
@@ -61,9 +60,8 @@ class MoeSource : public DeepSpeedModelSource {
       Result<const MoeOptimizer*> opt = State();
       report->findings.push_back(opt.ok() ? StateFinding(**opt)
                                           : Finding{Finding::Severity::kError, "optimizer: " + opt.status().message()});
-      state = opt.ok() ? *opt : nullptr;
     }
-    if (const Status s = Convertible(state); !s.ok()) report->findings.push_back({Finding::Severity::kError, s.message()});
+    if (const Status s = Convertible(); !s.ok()) report->findings.push_back({Finding::Severity::kError, s.message()});
   }
 
   std::string Describe() const override {
@@ -86,7 +84,7 @@ class MoeSource : public DeepSpeedModelSource {
     } else if (has_state) {
       RESHARD_ASSIGN_OR_RETURN(opt, State());
     }
-    RESHARD_RETURN_IF_ERROR(Convertible(opt));
+    RESHARD_RETURN_IF_ERROR(Convertible());
     if (options.dry_run) notes->push_back(kDryRunNote);
     RESHARD_ASSIGN_OR_RETURN(MoePlan plan,
                              MakeMoePlan(ckpt(), files(), layout_, opt, MoeTarget{ep, dp, bounds, options.replicated}));
@@ -120,29 +118,20 @@ class MoeSource : public DeepSpeedModelSource {
   }
 
  private:
-  // What convert refuses whatever the target: TP > 1, and BF16_Optimizer
-  // state.
-  Status Convertible(const MoeOptimizer* opt) const {
+  // What convert refuses whatever the target: TP > 1.
+  Status Convertible() const {
     if (ckpt().tp > 1) {
       return Status::Unsupported("converting a DeepSpeed MoE checkpoint at TP " + std::to_string(ckpt().tp) +
                                  " is not implemented yet (TP 1: EP, DP and expert-DP change)");
     }
-    if (opt != nullptr && !opt->format().zero && !opt->format().per_parameter) {
-      return Status::Unsupported("converting a DeepSpeed MoE checkpoint with BF16_Optimizer shards is not "
-                                 "implemented yet (ZeRO-1/2 shards and fp32 runs without ZeRO are)");
-    }
     return Status::Ok();
   }
 
-  // Whether the save has optimizer state: ZeRO shards, or without ZeRO a
-  // torch state in the expp_rank files (which hold None under ZeRO).
+  // Whether the save has optimizer state: shards, or without them a torch
+  // state in the expp_rank files.
   Result<bool> HasState() const {
     if (shard_files() > 0) return true;
-    auto first = files().expert_optimizer_files.find(0);
-    if (first == files().expert_optimizer_files.end() || first->second.empty()) return false;
-    RESHARD_ASSIGN_OR_RETURN(Value expp, ReadDeepSpeedFile(first->second.begin()->second, allowed_classes_));
-    const Value* state = Find(expp, "optimizer");
-    return state != nullptr && !state->is_none();
+    return ExppHoldsState(files(), allowed_classes_);
   }
 
   std::string StateWhat() const {

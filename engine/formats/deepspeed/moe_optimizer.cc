@@ -70,6 +70,14 @@ Value* MutableMoeTorchState(Value* shard, const OptimizerFormat& format) {
   return const_cast<Value*>(MoeTorchState(*shard, format));
 }
 
+Result<bool> ExppHoldsState(const CheckpointFiles& files, const std::set<std::string>& allowed_classes) {
+  auto first = files.expert_optimizer_files.find(0);
+  if (first == files.expert_optimizer_files.end() || first->second.empty()) return false;
+  RESHARD_ASSIGN_OR_RETURN(Value expp, ReadDeepSpeedFile(first->second.begin()->second, allowed_classes));
+  const Value* state = Find(expp, "optimizer");
+  return state != nullptr && !state->is_none();
+}
+
 Result<std::unique_ptr<MoeOptimizer>> MoeOptimizer::Load(const LogicalCheckpoint& ckpt, const CheckpointFiles& files,
                                                          const MoeLayout& layout,
                                                          const std::set<std::string>& allowed_classes) {
@@ -88,6 +96,7 @@ Result<std::unique_ptr<MoeOptimizer>> MoeOptimizer::Load(const LogicalCheckpoint
   opt->format_.zero = Find(*Osd(opt->shards_[0][0]), "zero_stage") != nullptr;
   opt->format_.slice_mappings = true;
   opt->format_.bf16_prefix = files.optimizer_files.front().bf16;
+  RESHARD_ASSIGN_OR_RETURN(opt->shard_copies_in_expp_, ExppHoldsState(files, allowed_classes));
   opt->DetectStates();
   opt->IndexNames(ckpt, layout);
   RESHARD_RETURN_IF_ERROR(opt->CheckCoverage(ckpt));

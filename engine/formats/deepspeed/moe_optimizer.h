@@ -16,6 +16,12 @@
 // experts, then each one's experts of that EP rank, in named_parameters()
 // order). The non-expert states, alike on every EP rank, are read from EP
 // rank 0's file, and every other rank's copy is checked equal to them.
+//
+// BF16_Optimizer (bf16 without ZeRO, or ZeRO-1 with an fp32 gradient
+// accumulation dtype) writes shards like ZeRO's, its fp32 partitions whole.
+// Without ZeRO each expp_rank file r also holds a copy of DP rank r's
+// optimizer_state_dict. DeepSpeed (0.14-0.16) loads the state from the
+// shards, not the copies, so a conversion writes the copies from its shards.
 #pragma once
 
 #include <map>
@@ -42,6 +48,10 @@ std::string MoeSaveName(const LogicalLayer& layer, const LogicalTensor& t);
 const Value* MoeTorchState(const Value& shard, const OptimizerFormat& format);
 Value* MutableMoeTorchState(Value* shard, const OptimizerFormat& format);
 
+// Whether the save's expp_rank files hold an optimizer state (as mp rank 0's
+// EP rank 0 file tells): without ZeRO they do; under ZeRO they hold None.
+Result<bool> ExppHoldsState(const CheckpointFiles& files, const std::set<std::string>& allowed_classes);
+
 class MoeOptimizer : public SourceOptimizer {
  public:
   // Reads every shard of every mp rank; errors name the file and what does
@@ -57,6 +67,9 @@ class MoeOptimizer : public SourceOptimizer {
                                                          const std::set<std::string>& allowed_classes);
 
   const OptimizerFormat& format() const override { return format_; }
+  // Whether each expp_rank file holds a copy of its EP rank's first shard
+  // (BF16_Optimizer without ZeRO).
+  bool shard_copies_in_expp() const { return shard_copies_in_expp_; }
   const std::vector<std::string>& states() const override { return states_; }
   const std::vector<std::string>& scalar_states() const override { return scalar_states_; }
   int num_groups() const override { return num_groups_; }
@@ -122,6 +135,7 @@ class MoeOptimizer : public SourceOptimizer {
   Status CheckCoverage(const LogicalCheckpoint& ckpt) const;
 
   OptimizerFormat format_;
+  bool shard_copies_in_expp_ = false;
   std::vector<std::string> states_;
   std::vector<std::string> scalar_states_;
   int num_groups_ = 0;

@@ -452,6 +452,7 @@ Result<MoePlan> MakeMoePlan(const LogicalCheckpoint& src, const CheckpointFiles&
   plan.source_ep = layout.ep;
   plan.stage_bounds = target.stage_bounds;
   plan.state_in_expp = opt != nullptr && opt->format().per_parameter;
+  plan.shard_copies_in_expp = opt != nullptr && opt->shard_copies_in_expp();
   const TensorIndex index = IndexTensors(src);
   const GroupKinds group_kinds = opt != nullptr ? AllGroupKinds(src, *opt) : GroupKinds();
   std::vector<std::vector<std::string>> kinds(src.tp);  // per TP rank, in order
@@ -513,8 +514,10 @@ std::string MoePlan::ToString(bool detail) const {
            std::to_string(stage.module_entries.size()) + " tensors from " + Join(sources, ", ") + ", " +
            std::to_string(stage.blocks.size()) + " MoE layers (" + std::to_string(stage.expert_files.size()) +
            " expert files), " + std::to_string(ep) + " expp_rank files" +
-           (state_in_expp ? " holding the optimizer state" : ", " + std::to_string(stage.optimizer.empty() ? 0 : dp) +
-                                                                " optimizer shards") + "\n";
+           (state_in_expp ? " holding the optimizer state"
+                          : (shard_copies_in_expp ? " (copies of their EP rank's first shard), " : ", ") +
+                                std::to_string(stage.optimizer.empty() ? 0 : dp) + " optimizer shards") +
+           "\n";
     if (detail) {
       for (const MoeExpertFilePlan& f : stage.expert_files) out += "    " + f.name + " <- " + BaseName(f.source) + "\n";
     }
@@ -594,6 +597,9 @@ Status MoeTargetPlan::AddStageJobs(const MoeStagePlan& stage, std::atomic<int64_
         continue;
       }
       const int d = o.ep_rank + static_cast<int>(k) * o.ep;
+      if (k == 0 && plan_.shard_copies_in_expp) {
+        Set(expp_files[o.ep_rank], "optimizer", *Find(shards[k], "optimizer_state_dict"));
+      }
       RESHARD_ASSIGN_OR_RETURN(
           Job job, TorchFileJob(OptimizerFileName(opt_->format().bf16_prefix, d, mp), std::move(shards[k])));
       jobs->push_back(std::move(job));

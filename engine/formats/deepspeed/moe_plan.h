@@ -15,8 +15,10 @@
 // r * E/EP .. (r+1) * E/EP - 1 of every MoE layer, under their new local
 // ids, partitioned over the target expert-DP (DP / EP). One expp_rank file
 // per target EP rank; without ZeRO it holds that EP rank's torch state_dict
-// (the same groups, unpartitioned, parameters indexed through them in order). The module's `_metadata` lists the target stage's
-// modules, with the target EP rank 0's expert modules.
+// (the same groups, unpartitioned, parameters indexed through them in
+// order), or with BF16_Optimizer a copy of DP rank r's shard state. The
+// module's `_metadata` lists the target stage's modules, with the target EP
+// rank 0's expert modules.
 #pragma once
 
 #include <atomic>
@@ -65,6 +67,9 @@ struct MoePlan {
   // Without ZeRO: each EP rank's torch state_dict goes into its expp_rank
   // file, and there are no shards.
   bool state_in_expp = false;
+  // BF16_Optimizer without ZeRO: each EP rank's expp_rank file holds a copy
+  // of its first shard's (DP rank r's) optimizer_state_dict.
+  bool shard_copies_in_expp = false;
   std::vector<MoeStagePlan> stages;  // per mp rank
   std::vector<std::string> notes;
   // `--dry-run`'s listing; `detail` adds every fragment of every partition.
