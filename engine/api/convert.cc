@@ -1,6 +1,7 @@
 // The commands that write a checkpoint: open, check, plan, execute, commit,
 // update `latest`. reshard::Convert plans with the source's own format,
 // reshard::Export with another one.
+#include <malloc.h>
 #include <sys/stat.h>
 
 #include <atomic>
@@ -299,6 +300,7 @@ Status Execute(Prepared* p, const WriteOptions& options, Publication publish, Ph
     p->journal->RecordWhenDone(&p->jobs);
   }
   ReleaseMappedPages();  // what reading the source's structure mapped
+  ::malloc_trim(0);      // and the heap that parsing it used and freed
   Status written = reshard::Execute(p->jobs, p->exec);
   Result<std::map<std::string, FileDigest>> digests = GatherDigests(*p, cluster);  // all processes meet
   if (written.ok()) written = digests.status();

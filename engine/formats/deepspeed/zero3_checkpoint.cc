@@ -111,7 +111,12 @@ Status Zero3Checkpoint::LoadRank(int mp, const std::set<std::string>& allowed_cl
   }
   for (const auto& group : shapes) {
     std::vector<Zero3Param> params;
-    for (const auto& [name, shape] : group) params.push_back({name, shape, ShapeNumel(shape)});
+    int64_t offset = 0;
+    for (const auto& [name, shape] : group) {
+      params.push_back({name, shape, ShapeNumel(shape)});
+      rank.slots[name] = {static_cast<int>(rank.sub_groups.size()), offset, params.back().numel};
+      offset += CeilDiv(params.back().numel, dp_);
+    }
     rank.sub_groups.push_back(std::move(params));
   }
   const Value* torch_sd = TorchStateDict(rank.optimizer[0]);
@@ -183,27 +188,21 @@ int64_t Zero3Checkpoint::iteration() const {
 Result<SourceShard> Zero3Checkpoint::Locate(int mp, const std::string& name,
                                             const std::string& state) const {
   const Zero3Rank& rank = ranks_[mp];
-  for (size_t sg = 0; sg < rank.sub_groups.size(); ++sg) {
-    int64_t offset = 0;
-    for (const Zero3Param& p : rank.sub_groups[sg]) {
-      const int64_t slice = CeilDiv(p.numel, dp_);
-      if (p.name == name) {
-        SourceShard shard;
-        shard.at = ShardCoords{mp};
-        for (int d = 0; d < dp_; ++d) {
-          const int64_t n = std::min(slice, p.numel - d * slice);
-          if (n <= 0) break;
-          const Tensor& flat = Flat(mp, d, static_cast<int>(sg), state)->as_tensor();
-          const ByteView& file = flat.storage->bytes;
-          shard.runs.push_back({d * slice, n, ByteView{file.owner, TensorData(flat) + offset * 4,
-                                                       static_cast<size_t>(n) * 4, file.mapped}});
-        }
-        return shard;
-      }
-      offset += slice;
-    }
+  auto at = rank.slots.find(name);
+  if (at == rank.slots.end()) return Status::InvalidInput("parameter " + name + " is not in the ZeRO-3 param_shapes");
+  const Zero3Slot& slot = at->second;
+  const int64_t slice = CeilDiv(slot.numel, dp_);
+  SourceShard shard;
+  shard.at = ShardCoords{mp};
+  for (int d = 0; d < dp_; ++d) {
+    const int64_t n = std::min(slice, slot.numel - d * slice);
+    if (n <= 0) break;
+    const Tensor& flat = Flat(mp, d, slot.sub_group, state)->as_tensor();
+    const ByteView& file = flat.storage->bytes;
+    shard.runs.push_back({d * slice, n, ByteView{file.owner, TensorData(flat) + slot.offset * 4,
+                                                 static_cast<size_t>(n) * 4, file.mapped}});
   }
-  return Status::InvalidInput("parameter " + name + " is not in the ZeRO-3 param_shapes");
+  return shard;
 }
 
 std::string Zero3Checkpoint::Summary() const {
@@ -240,48 +239,6 @@ Zero3Target Zero3Checkpoint::Retarget(int mp, int target_dp) const {
   return t;
 }
 
-namespace {
-
-// Each target parameter's source: its state located in the source flats.
-using LocatedStates = std::map<std::string, std::map<std::string, SourceShard>>;
-
-// DP rank d's flat of `state` for one target sub-group, produced a range at a
-// time: each parameter's slice, zero-padded to ceil(n/DP).
-ByteProducer TargetFlat(std::vector<Zero3Param> sub_group, std::vector<SourceShard> sources, int d,
-                        int dp, std::atomic<int64_t>* read) {
-  return [sub_group = std::move(sub_group), sources = std::move(sources), d, dp, read](
-             int64_t offset, int64_t length, uint8_t* dst) {
-    int64_t begin = 0, end = 0;
-    RESHARD_RETURN_IF_ERROR(ElementRange(offset, length, 4, &begin, &end));
-    TouchedPages pages;
-    int64_t at = 0;  // where the current parameter's slice starts in the flat
-    for (size_t i = 0; i < sub_group.size() && at < end; ++i) {
-      const int64_t slice = CeilDiv(sub_group[i].numel, dp);
-      const int64_t held = std::clamp<int64_t>(sub_group[i].numel - d * slice, 0, slice);
-      const int64_t lo = std::max(begin, at), hi = std::min(end, at + slice);
-      const int64_t data_hi = std::min(hi, at + held);
-      if (lo < data_hi) {
-        sources[i].Copy(d * slice + (lo - at), data_hi - lo, 4, dst + (lo - begin) * 4, &pages);
-        *read += (data_hi - lo) * 4;
-      }
-      const int64_t zero_lo = std::max(lo, data_hi);
-      if (zero_lo < hi) std::memset(dst + (zero_lo - begin) * 4, 0, static_cast<size_t>(hi - zero_lo) * 4);
-      at += slice;
-    }
-    return Status::Ok();
-  };
-}
-
-Value FlatTensor(const std::vector<Zero3Param>& sub_group, const LocatedStates& sources,
-                 const std::string& state, int d, int dp, std::atomic<int64_t>* read) {
-  std::vector<SourceShard> shards;
-  for (const Zero3Param& p : sub_group) shards.push_back(sources.at(p.name).at(state));
-  return MakeProducedTensor(DType::kFloat32, {FlatLength(sub_group, dp)},
-                            TargetFlat(sub_group, std::move(shards), d, dp, read));
-}
-
-}  // namespace
-
 Value Zero3Checkpoint::TargetModelStates(int mp, const Zero3Target& t, int d) const {
   // DP rank 0's file keeps rank-0-only fields (shared_params).
   Value model = ranks_[mp].model_states[d == 0 ? 0 : std::min(1, dp_ - 1)];
@@ -296,8 +253,43 @@ Value Zero3Checkpoint::TargetModelStates(int mp, const Zero3Target& t, int d) co
   return model;
 }
 
-Value Zero3Checkpoint::TargetOptimizer(int mp, const Zero3Target& t, const LocatedStates& sources,
-                                       int d, std::atomic<int64_t>* read) const {
+ByteProducer Zero3Checkpoint::TargetFlat(int mp, std::shared_ptr<const Zero3Target> target, size_t sg,
+                                         std::string state, int d, std::atomic<int64_t>* read) const {
+  return [this, mp, target = std::move(target), sg, state = std::move(state), d, read](
+             int64_t offset, int64_t length, uint8_t* dst) -> Status {
+    int64_t begin = 0, end = 0;
+    RESHARD_RETURN_IF_ERROR(ElementRange(offset, length, 4, &begin, &end));
+    const std::vector<Zero3Param>& sub_group = target->sub_groups[sg];
+    const int dp = target->dp;
+    TouchedPages pages;
+    int64_t at = 0;  // where the current parameter's slice starts in the flat
+    for (size_t i = 0; i < sub_group.size() && at < end; ++i) {
+      const int64_t slice = CeilDiv(sub_group[i].numel, dp);
+      const int64_t held = std::clamp<int64_t>(sub_group[i].numel - d * slice, 0, slice);
+      const int64_t lo = std::max(begin, at), hi = std::min(end, at + slice);
+      const int64_t data_hi = std::min(hi, at + held);
+      if (lo < data_hi) {
+        RESHARD_ASSIGN_OR_RETURN(const SourceShard source, Locate(mp, sub_group[i].name, state));
+        source.Copy(d * slice + (lo - at), data_hi - lo, 4, dst + (lo - begin) * 4, &pages);
+        *read += (data_hi - lo) * 4;
+      }
+      const int64_t zero_lo = std::max(lo, data_hi);
+      if (zero_lo < hi) std::memset(dst + (zero_lo - begin) * 4, 0, static_cast<size_t>(hi - zero_lo) * 4);
+      at += slice;
+    }
+    return Status::Ok();
+  };
+}
+
+Value Zero3Checkpoint::FlatTensor(int mp, const std::shared_ptr<const Zero3Target>& target, size_t sg,
+                                  const std::string& state, int d, std::atomic<int64_t>* read) const {
+  return MakeProducedTensor(DType::kFloat32, {FlatLength(target->sub_groups[sg], target->dp)},
+                            TargetFlat(mp, target, sg, state, d, read));
+}
+
+Value Zero3Checkpoint::TargetOptimizer(int mp, const std::shared_ptr<const Zero3Target>& target, int d,
+                                       std::atomic<int64_t>* read) const {
+  const Zero3Target& t = *target;
   const Value& source = ranks_[mp].optimizer[0];
   Value opt = source;
   Value& osd = *FindMutable(opt, "optimizer_state_dict");
@@ -307,10 +299,10 @@ Value Zero3Checkpoint::TargetOptimizer(int mp, const Zero3Target& t, const Locat
   for (size_t sg = 0; sg < t.sub_groups.size(); ++sg) {
     Value per_group = *SubGroupState(source, t.scalar_source[sg]);
     for (size_t s = 1; s < states_.size(); ++s) {
-      Set(per_group, states_[s], FlatTensor(t.sub_groups[sg], sources, states_[s], d, t.dp, read));
+      Set(per_group, states_[s], FlatTensor(mp, target, sg, states_[s], d, read));
     }
     state_items.emplace_back(Value::Int(static_cast<int64_t>(sg)), std::move(per_group));
-    masters.push_back(FlatTensor(t.sub_groups[sg], sources, kMasterState, d, t.dp, read));
+    masters.push_back(FlatTensor(mp, target, sg, kMasterState, d, read));
   }
   Value& torch_sd = *FindMutable(osd, "optimizer_state_dict");
   Set(torch_sd, "state", Value::MakeDict(std::move(state_items)));
@@ -322,19 +314,6 @@ Value Zero3Checkpoint::TargetOptimizer(int mp, const Zero3Target& t, const Locat
   }
   Set(osd, "fp32_flat_groups", Value::MakeList(std::move(masters)));
   return opt;
-}
-
-Result<Value> Zero3Checkpoint::TargetOptimizer(int mp, const Zero3Target& t, int d,
-                                               std::atomic<int64_t>* read) const {
-  LocatedStates sources;
-  for (const auto& group : t.sub_groups) {
-    for (const Zero3Param& p : group) {
-      for (const std::string& state : states_) {
-        RESHARD_ASSIGN_OR_RETURN(sources[p.name][state], Locate(mp, p.name, state));
-      }
-    }
-  }
-  return TargetOptimizer(mp, t, sources, d, read);
 }
 
 Result<std::vector<Job>> Zero3Checkpoint::Jobs(int target_dp, bool bf16_prefix,
@@ -350,7 +329,7 @@ Result<std::vector<Job>> Zero3Checkpoint::Jobs(int target_dp, bool bf16_prefix,
                                }));
       RESHARD_ASSIGN_OR_RETURN(Job optimizer, TorchFileJob(OptimizerFileName(bf16_prefix, d, mp),
                                                            [this, mp, target, d, read] {
-                                                             return TargetOptimizer(mp, *target, d, read);
+                                                             return Result<Value>(TargetOptimizer(mp, target, d, read));
                                                            }));
       jobs.push_back(std::move(model));
       jobs.push_back(std::move(optimizer));

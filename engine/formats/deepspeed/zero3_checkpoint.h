@@ -35,12 +35,20 @@ struct Zero3Param {
   int64_t numel = 0;
 };
 
+// Where a parameter's slices lie in its rank's flats.
+struct Zero3Slot {
+  int sub_group = 0;
+  int64_t offset = 0;  // elements of the sub-group's flats before its slice
+  int64_t numel = 0;
+};
+
 // One model-parallel rank's ZeRO-3 state across its DP ranks.
 struct Zero3Rank {
   std::vector<Value> model_states;  // per DP rank
   std::vector<Value> optimizer;     // per DP rank
   std::vector<std::vector<Zero3Param>> sub_groups;
   std::vector<std::vector<int>> group_sub_groups;  // param group -> its sub-group ids
+  std::map<std::string, Zero3Slot> slots;  // by parameter name
 };
 
 class Zero3Checkpoint {
@@ -74,10 +82,16 @@ class Zero3Checkpoint {
   Zero3Target Retarget(int mp, int target_dp) const;
   Value TargetModelStates(int mp, const Zero3Target& target, int d) const;
   // DP rank d's optimizer file, its flats produced from this checkpoint's.
-  Result<Value> TargetOptimizer(int mp, const Zero3Target& target, int d, std::atomic<int64_t>* read) const;
-  Value TargetOptimizer(int mp, const Zero3Target& target,
-                        const std::map<std::string, std::map<std::string, SourceShard>>& sources,
-                        int d, std::atomic<int64_t>* read) const;
+  Value TargetOptimizer(int mp, const std::shared_ptr<const Zero3Target>& target, int d,
+                        std::atomic<int64_t>* read) const;
+  // DP rank d's flat of `state` for the target's sub-group `sg`, produced a
+  // range at a time: each parameter's slice, zero-padded to ceil(n/DP),
+  // located in the source flats when reached (located slices held for every
+  // flat would grow with the parameters).
+  Value FlatTensor(int mp, const std::shared_ptr<const Zero3Target>& target, size_t sg, const std::string& state,
+                   int d, std::atomic<int64_t>* read) const;
+  ByteProducer TargetFlat(int mp, std::shared_ptr<const Zero3Target> target, size_t sg, std::string state, int d,
+                          std::atomic<int64_t>* read) const;
   const Value* Flat(int mp, int d, int sub_group, const std::string& state) const;
 
   CheckpointFiles files_;
