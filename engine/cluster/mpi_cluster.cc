@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -99,6 +100,18 @@ std::string LibraryName() {
   return name.substr(0, name.find_first_of(",\n"));
 }
 
+// Open MPI picks its point-to-point layer by trying each in turn, and the
+// network ones probe their devices: UCX's probe alone cost 0.2 s of a 0.3 s
+// MPI_Init on a single machine. When Open MPI's launcher says every process
+// runs on this node, shared memory is all there is to use, so ob1 (over
+// shared memory) is asked for unless the user chose a layer.
+void PreferSharedMemoryOnOneNode() {
+  const char* size = std::getenv("OMPI_COMM_WORLD_SIZE");
+  const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+  if (size == nullptr || local == nullptr || std::string(size) != local) return;
+  ::setenv("OMPI_MCA_pml", "ob1", /*overwrite=*/0);
+}
+
 }  // namespace
 
 Result<std::unique_ptr<Cluster>> JoinMpi(int launched_size) {
@@ -108,6 +121,7 @@ Result<std::unique_ptr<Cluster>> JoinMpi(int launched_size) {
   MPI_Finalized(&finalized);
   if (initialized || finalized) return Status::Internal("Cluster::Join called twice");
 
+  PreferSharedMemoryOnOneNode();
   // FUNNELED: reshard's worker threads never call MPI, only the main thread.
   int provided = 0;
   if (MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided) != MPI_SUCCESS) {
