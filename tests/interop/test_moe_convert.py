@@ -145,6 +145,19 @@ class MoeConvertTests(FixtureTestCase):
                 self.assertEqual(differences(dm.structure(self.write(f'a{i}c', compact)), dm.structure(back)), [])
                 self.assertEqual(dm.canonical_differences(back, cfg), [])
 
+    def assert_converts_to_the_fixture(self, i, cfg, pp, ep, dp):
+        """Writes cfg as a{i} and converts it to (pp, ep, dp) as b{i}, which must have the
+        generator's structure at the target and the canonical values; returns (a, b, the
+        target's config, the conversion's process)."""
+        a = self.write(f'a{i}', cfg)
+        b = self.path(f'b{i}')
+        p = convert(a, b, dataclasses.replace(cfg, pp=pp), '--ep', str(ep), '--dp', str(dp))
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        want = layout(cfg, pp, ep, dp)
+        self.assertEqual(differences(dm.structure(self.write(f'w{i}', want)), dm.structure(b)), [])
+        self.assertEqual(dm.canonical_differences(b, cfg), [])
+        return a, b, want, p
+
     def assert_round_trip(self, a, b, cfg, name, *args):
         """Converts b back to cfg's layout: cfg's structure (compact) and values again."""
         back = self.path(name)
@@ -164,14 +177,8 @@ class MoeConvertTests(FixtureTestCase):
         for i, (cfg, pp, ep, dp) in enumerate(PP_CASES):
             with self.subTest(case=i, pp=f'{cfg.pp}->{pp}', ep=f'{cfg.ep}->{ep}', dp=f'{cfg.dp}->{dp}',
                               dtype=cfg.dtype, zero=cfg.zero_stage):
-                a = self.write(f'a{i}', cfg)
-                b = self.path(f'b{i}')
-                p = convert(a, b, dataclasses.replace(cfg, pp=pp), '--ep', str(ep), '--dp', str(dp))
-                self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+                a, b, _, p = self.assert_converts_to_the_fixture(i, cfg, pp, ep, dp)
                 self.assertIn(f'note: MoE: {cfg.pp} pipeline stages re-cut into {pp}', p.stderr + p.stdout)
-                want = layout(cfg, pp, ep, dp)
-                self.assertEqual(differences(dm.structure(self.write(f'w{i}', want)), dm.structure(b)), [])
-                self.assertEqual(dm.canonical_differences(b, cfg), [])
                 self.assert_same_model(a, b, cfg)
                 self.assert_round_trip(a, b, cfg, f'c{i}')
 
@@ -179,13 +186,7 @@ class MoeConvertTests(FixtureTestCase):
         for i, (cfg, pp, ep, dp) in enumerate(NO_ZERO_CASES):
             with self.subTest(case=i, engine=cfg.engine, pp=f'{cfg.pp}->{pp}', ep=f'{cfg.ep}->{ep}',
                               dp=f'{cfg.dp}->{dp}'):
-                a = self.write(f'a{i}', cfg)
-                b = self.path(f'b{i}')
-                p = convert(a, b, dataclasses.replace(cfg, pp=pp), '--ep', str(ep), '--dp', str(dp))
-                self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
-                want = layout(cfg, pp, ep, dp)
-                self.assertEqual(differences(dm.structure(self.write(f'w{i}', want)), dm.structure(b)), [])
-                self.assertEqual(dm.canonical_differences(b, cfg), [])
+                a, b, _, _ = self.assert_converts_to_the_fixture(i, cfg, pp, ep, dp)
                 # Every torch state as the generator writes it at the target: params indices,
                 # hyperparameters, group names ep_size_{EP}, step and both moments, bit for bit.
                 self.assert_same_torch_states(torch_states(self.path(f'w{i}')), torch_states(b))
@@ -201,13 +202,7 @@ class MoeConvertTests(FixtureTestCase):
         for i, (cfg, pp, ep, dp) in enumerate(BF16_OPTIMIZER_CASES):
             with self.subTest(case=i, engine=cfg.engine, zero=cfg.zero_stage, pp=f'{cfg.pp}->{pp}',
                               ep=f'{cfg.ep}->{ep}', dp=f'{cfg.dp}->{dp}'):
-                a = self.write(f'a{i}', cfg)
-                b = self.path(f'b{i}')
-                p = convert(a, b, dataclasses.replace(cfg, pp=pp), '--ep', str(ep), '--dp', str(dp))
-                self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
-                want = layout(cfg, pp, ep, dp)
-                self.assertEqual(differences(dm.structure(self.write(f'w{i}', want)), dm.structure(b)), [])
-                self.assertEqual(dm.canonical_differences(b, cfg), [])
+                a, b, want, _ = self.assert_converts_to_the_fixture(i, cfg, pp, ep, dp)
                 self.assert_expp_copies_of_shards(b, want)
                 self.assert_same_model(a, b, cfg)
                 self.assert_round_trip(a, b, cfg, f'c{i}')
