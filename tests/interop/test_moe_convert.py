@@ -272,6 +272,35 @@ class MoeConvertTests(FixtureTestCase):
                        "expp_rank_1_mp_rank_00_optim_states.pt: optimizer state 'exp_avg' of the non-expert parameter",
                        "differs from EP rank 0's")
 
+    def test_parameters_partition_weighs_each_rank_experts(self):
+        """DeepSpeed's `parameters` partition builds each spec on one rank, so a MoE block weighs
+        its E/EP local experts: the target stages depend on the target EP (the generator's bounds
+        come from DeepSpeed's partition_balanced over those counts)."""
+        with open(RULES['pipe']) as f:
+            rules = f.read().replace('partition_method: {default: uniform}', 'partition_method: {default: parameters}')
+        self.assertIn('default: parameters', rules)
+        weighed = self.path('parameters.yaml')
+        with open(weighed, 'w') as f:
+            f.write(rules)
+        one_moe_block = MoeConfig(engine='pipe', pp=1, dp=4, ep=2, num_layers=4, expert_interval=4,
+                                  partition='parameters')
+        two_moe_blocks = dataclasses.replace(one_moe_block, pp=2, num_layers=6)
+        # (source, target PP, EP, DP, the target's stage bounds)
+        for i, (cfg, pp, ep, dp, bounds) in enumerate([(one_moe_block, 2, 2, 4, [0, 4, 6]),
+                                                       (one_moe_block, 2, 4, 4, [0, 3, 6]),
+                                                       (two_moe_blocks, 3, 1, 2, [0, 4, 5, 8]),
+                                                       (two_moe_blocks, 3, 2, 2, [0, 3, 5, 8])]):
+            with self.subTest(case=i, pp=f'{cfg.pp}->{pp}', ep=f'{cfg.ep}->{ep}'):
+                want = layout(cfg, pp, ep, dp)
+                self.assertEqual(dm.stage_bounds(want), bounds)
+                a = self.write(f'a{i}', cfg)
+                b = self.path(f'b{i}')
+                p = run('convert', a, os.path.join(b, cfg.tag), '--tp', '1', '--pp', str(pp), '--ep', str(ep),
+                        '--dp', str(dp), '--rules', weighed)
+                self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+                self.assertEqual(differences(dm.structure(self.write(f'w{i}', want)), dm.structure(b)), [])
+                self.assertEqual(dm.canonical_differences(b, cfg), [])
+
     def test_layers_per_stage_split_round_trips(self):
         # 1 + 3 blocks: stage 0 holds the embedding and a dense block, stage 1 both MoE layers
         # (its layer_0 and layer_1 expert files), a split uniform partitioning does not make.
@@ -380,22 +409,6 @@ class MoeConvertTests(FixtureTestCase):
                 self.assertEqual(len(p.stderr.strip().splitlines()), 1, p.stderr)
                 self.assertIn(message, p.stderr)
                 self.assertFalse(os.path.exists(self.path('out')))
-        # DeepSpeed's `parameters` partition weighs each rank's local experts only: refused, while
-        # --layers-per-stage gives the split.
-        with open(RULES['pipe']) as f:
-            rules = f.read().replace('partition_method: {default: uniform}', 'partition_method: {default: parameters}')
-        self.assertIn('default: parameters', rules)
-        weighed = self.path('parameters.yaml')
-        with open(weighed, 'w') as f:
-            f.write(rules)
-        p = run('convert', pipe, self.path('out', 'global_step2'), '--tp', '1', '--pp', '1', '--rules', weighed)
-        self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
-        self.assertEqual(len(p.stderr.strip().splitlines()), 1, p.stderr)
-        self.assertIn("DeepSpeed's 'parameters' partition of a MoE model", p.stderr)
-        self.assertFalse(os.path.exists(self.path('out')))
-        p = run('convert', pipe, self.path('split', 'global_step2'), '--tp', '1', '--pp', '1', '--layers-per-stage', '4',
-                '--rules', weighed)
-        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         dense = make_fixture(self.path('dense'), style='ms_gpt2', tp=1, pp=2, dp=2)
         p = run('convert', dense, self.path('out', 'global_step10'), '--tp', '1', '--pp', '2', '--ep', '2')
         self.assertEqual(p.returncode, 2, p.stdout + p.stderr)

@@ -76,7 +76,7 @@ class MoeSource : public DeepSpeedModelSource {
     const int ep = options.target_ep > 0 ? options.target_ep : layout_.ep;
     const int dp = options.target_dp > 0 ? options.target_dp : ckpt().dp;
     RESHARD_RETURN_IF_ERROR(CheckTarget(options, ep, dp));
-    RESHARD_ASSIGN_OR_RETURN(std::vector<int> bounds, TargetBounds(options));
+    RESHARD_ASSIGN_OR_RETURN(std::vector<int> bounds, TargetBounds(options, ep));
     const MoeOptimizer* opt = nullptr;
     RESHARD_ASSIGN_OR_RETURN(const bool has_state, HasState());
     if (has_state && options.weights_only) {
@@ -172,17 +172,11 @@ class MoeSource : public DeepSpeedModelSource {
   }
 
   // The target stages: the source's when PP is kept, else DeepSpeed's
-  // partition (or --layers-per-stage). The `parameters` method would weigh
-  // every global expert where a DeepSpeed rank holds only its local ones.
-  Result<std::vector<int>> TargetBounds(const ConvertOptions& options) const {
+  // partition at the target EP (or --layers-per-stage).
+  Result<std::vector<int>> TargetBounds(const ConvertOptions& options, int ep) const {
     if (!ChangesStages(options)) return SourceStageBounds(ckpt());
-    if (options.layers_per_stage.empty() && PartitionMethod(ckpt()) == "parameters") {
-      return Status::Unsupported("DeepSpeed's 'parameters' partition of a MoE model counts only each rank's local "
-                                 "experts, which reshard does not reproduce yet; give the split with "
-                                 "--layers-per-stage");
-    }
     return TargetStageBounds(ckpt(), options.target_pp, ckpt().tp, ckpt().vocab.padded_rows,
-                             options.layers_per_stage);
+                             options.layers_per_stage, ep);
   }
 
   // The optimizer shards, read once, when a command first needs them.

@@ -37,20 +37,24 @@ int TiedLayerId(const LogicalCheckpoint& src) {
   return -1;
 }
 
-// Trainable parameter count of each spec, as DeepSpeed's `parameters` method sees it.
-std::vector<SpecWeight> SpecWeights(const LogicalCheckpoint& src, int tp, int64_t padded_vocab) {
+// Trainable parameter count of each spec, as DeepSpeed's `parameters` method
+// sees it: it builds each spec on one rank, so a MoE layer counts the E/EP
+// experts of an EP rank (the layer here holds all E).
+std::vector<SpecWeight> SpecWeights(const LogicalCheckpoint& src, int tp, int64_t padded_vocab, int ep) {
   const int tied_id = TiedLayerId(src);
   std::vector<SpecWeight> weights;
   for (size_t i = 0; i < src.specs.size(); ++i) {
     SpecWeight w{src.specs[i].class_name, 0};
     const bool tied_head = src.specs[i].role == "tied_head";
     const LogicalLayer* layer = LayerById(src, tied_head ? tied_id : static_cast<int>(i));
+    int64_t experts = 0;  // every expert's parameters
     if (layer != nullptr) {
       for (const LogicalTensor& t : layer->tensors) {
         if (t.rule->buffer || (tied_head && !t.rule->tied)) continue;
-        w.num_params += ShapeNumel(TargetShardShape(t, tp, padded_vocab));
+        (t.rule->expert > 0 ? experts : w.num_params) += ShapeNumel(TargetShardShape(t, tp, padded_vocab));
       }
     }
+    w.num_params += experts / ep;
     weights.push_back(w);
   }
   return weights;
@@ -125,7 +129,7 @@ std::vector<std::vector<ParamShape>> GroupParams(const std::vector<ParamShape>& 
 
 Result<std::vector<int>> TargetStageBounds(const LogicalCheckpoint& src, int pp, int tp,
                                            int64_t padded_vocab,
-                                           const std::vector<int>& layers_per_stage) {
+                                           const std::vector<int>& layers_per_stage, int ep) {
   int blocks = 0;
   for (const SpecEntry& s : src.specs) blocks += s.role == "block" ? 1 : 0;
   if (pp > blocks) {
@@ -139,7 +143,7 @@ Result<std::vector<int>> TargetStageBounds(const LogicalCheckpoint& src, int pp,
   }
   const std::string method = PartitionMethod(src);
   RESHARD_ASSIGN_OR_RETURN(std::vector<int> bounds,
-                           PartitionStages(method, SpecWeights(src, tp, padded_vocab), pp));
+                           PartitionStages(method, SpecWeights(src, tp, padded_vocab, ep), pp));
   for (int p = 0; p < pp; ++p) {
     bool has_block = false;
     for (int i = bounds[p]; i < bounds[p + 1]; ++i) has_block |= src.specs[i].role == "block";

@@ -18,10 +18,12 @@ std::string PartitionMethod(const LogicalCheckpoint& src);
 
 // Stage bounds for `pp` stages: from `layers_per_stage` when given, else by
 // the partition method recorded in the checkpoint (the rule set says where).
-// Every stage must own at least one transformer block.
+// Every stage must own at least one transformer block. `ep`: the target's
+// expert-parallel size, whose ranks each build E/EP experts of a MoE layer
+// (what DeepSpeed's `parameters` method counts).
 Result<std::vector<int>> TargetStageBounds(const LogicalCheckpoint& src, int pp, int tp,
                                            int64_t padded_vocab,
-                                           const std::vector<int>& layers_per_stage);
+                                           const std::vector<int>& layers_per_stage, int ep = 1);
 
 struct StageParameters {
   std::vector<std::vector<ParamShape>> groups;  // optimizer param groups, in order
