@@ -57,7 +57,7 @@ Result<MemoryBudget> MemoryBudget::Plan(int64_t budget, int threads, int64_t scr
         "--max-memory " + HumanBytes(budget) + " is too small: reshard holds " +
         HumanBytes(m.baseline) + " after reading the checkpoint's metadata, and " +
         std::to_string(m.threads) + " worker thread(s) need more" +
-        (scratch_bytes > 0 ? " (each builds tensors of up to " + HumanBytes(scratch_bytes) + " whole)" : "") +
+        (scratch_bytes > 0 ? " (each holds up to " + HumanBytes(scratch_bytes) + " beside its buffer)" : "") +
         "; allow at least " +
         HumanBytes(m.Estimate()) + " or pass fewer --threads");
   }

@@ -19,7 +19,7 @@ struct MemoryBudget {
   int64_t baseline = 0;  // resident when planned
   int threads = 1;
   int64_t buffer_bytes = 0;  // each worker's streaming buffer
-  int64_t scratch_bytes = 0;  // each worker's memory beyond its buffer (a tensor built whole)
+  int64_t scratch_bytes = 0;  // each worker's memory beyond its buffer (a transpose's pieces)
 
   // Expected peak resident memory while writing.
   int64_t Estimate() const;

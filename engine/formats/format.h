@@ -33,8 +33,8 @@ class TargetPlan {
   // The files to write. They read the source while they run, adding the
   // bytes read to *read; the source must outlive them.
   virtual Result<std::vector<Job>> Jobs(std::atomic<int64_t>* read) const = 0;
-  // Bytes a job may hold beyond its worker's buffer (a tensor it must build
-  // whole), which --max-memory must leave room for in every worker.
+  // Bytes a job may hold beyond its worker's buffer (the pieces of a
+  // transpose), which --max-memory must leave room for in every worker.
   virtual int64_t ScratchBytes() const { return 0; }
 };
 

@@ -79,8 +79,8 @@ struct StateDictLayout {
   ReplicatedPolicy replicated = ReplicatedPolicy::kCheck;
   int64_t max_shard_size = 0;  // bytes per file; a bigger tensor gets its own
   bool torch_format = false;   // pytorch_model*.bin instead of safetensors
-  // Bytes a job holds beyond its buffer while it writes (a tensor built
-  // whole), counted against --max-memory.
+  // Bytes a job holds beyond its buffer while it writes (a transpose's
+  // pieces), counted against --max-memory.
   int64_t scratch_bytes = 0;
   // Where tensors that need a scratch file make it: the jobs name the folder
   // they write into as they start. Unset when none does.
