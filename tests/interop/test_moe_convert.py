@@ -1,4 +1,4 @@
-"""`reshard convert` of DeepSpeed MoE checkpoints to another PP, EP and DP size (TP kept).
+"""`reshard convert` of DeepSpeed MoE checkpoints to another PP, EP and DP size (TP kept, 1 or 2).
 
 Each case writes a fixture A with the MoE generator (tests/fixtures/deepspeed_moe.py), converts it
 to B, and checks B three ways, none of which uses reshard to read it:
@@ -93,6 +93,19 @@ BF16_OPTIMIZER_CASES = [
 ]
 
 
+# TP 2 saves (the non-expert matrices split over TP, experts whole on every TP rank), TP kept:
+# (source, target PP, EP, DP) with both engines, ZeRO-1 / 2, bf16, residual MoE, a PP change,
+# fp32 without ZeRO and BF16_Optimizer.
+TP_CASES = [
+    (MoeConfig(engine='module', tp=2, dp=4, ep=2), 1, 4, 8),
+    (MoeConfig(engine='module', tp=2, dp=4, ep=2, dtype='bf16', zero_stage=2, residual=True), 1, 1, 2),
+    (MoeConfig(engine='pipe', tp=2, pp=2, dp=2, ep=2), 1, 1, 4),
+    (MoeConfig(engine='pipe', tp=2, pp=1, dp=4, ep=2, dtype='bf16'), 2, 4, 4),
+    (MoeConfig(engine='module', tp=2, dp=4, ep=2, zero_stage=0), 1, 4, 4),
+    (MoeConfig(engine='module', tp=2, dp=4, ep=2, dtype='bf16', zero_stage=0), 1, 1, 2),
+]
+
+
 def tensors_of(value):
     """The tensors of a nested state, in order."""
     if isinstance(value, torch.Tensor):
@@ -108,7 +121,7 @@ def torch_states(root):
 
 
 def convert(src, dst, cfg, *extra):
-    return run('convert', src, os.path.join(dst, cfg.tag), '--tp', '1', '--pp', str(cfg.pp),
+    return run('convert', src, os.path.join(dst, cfg.tag), '--tp', str(cfg.tp), '--pp', str(cfg.pp),
                '--rules', RULES[cfg.engine], *extra)
 
 
@@ -161,7 +174,7 @@ class MoeConvertTests(FixtureTestCase):
     def assert_round_trip(self, a, b, cfg, name, *args):
         """Converts b back to cfg's layout: cfg's structure (compact) and values again."""
         back = self.path(name)
-        p = run('convert', b, os.path.join(back, cfg.tag), '--tp', '1', '--pp', str(cfg.pp), '--ep', str(cfg.ep),
+        p = run('convert', b, os.path.join(back, cfg.tag), '--tp', str(cfg.tp), '--pp', str(cfg.pp), '--ep', str(cfg.ep),
                 '--dp', str(cfg.dp), '--rules', RULES[cfg.engine], *args)
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         compact = dataclasses.replace(cfg, shared_storage=False)
@@ -208,20 +221,30 @@ class MoeConvertTests(FixtureTestCase):
                 self.assert_round_trip(a, b, cfg, f'c{i}')
                 self.assert_expp_copies_of_shards(self.path(f'c{i}'), cfg)
 
+    def test_tp2_saves_give_the_fixture_at_the_target_layout(self):
+        for i, (cfg, pp, ep, dp) in enumerate(TP_CASES):
+            with self.subTest(case=i, engine=cfg.engine, zero=cfg.zero_stage, dtype=cfg.dtype, pp=f'{cfg.pp}->{pp}',
+                              ep=f'{cfg.ep}->{ep}', dp=f'{cfg.dp}->{dp}'):
+                a, b, want, _ = self.assert_converts_to_the_fixture(i, cfg, pp, ep, dp)
+                self.assert_expp_copies_of_shards(b, want)
+                self.assert_same_model(a, b, cfg)
+                self.assert_round_trip(a, b, cfg, f'c{i}')
+
     def assert_expp_copies_of_shards(self, root, cfg):
-        """Without ZeRO, expp_rank_{r} holds DP rank r's optimizer_state_dict, tensors bit for bit."""
-        if cfg.zero_stage > 0:
+        """With BF16_Optimizer and without ZeRO, expp_rank_{r} holds DP rank r's
+        optimizer_state_dict, tensors bit for bit."""
+        if cfg.zero_stage > 0 or not cfg.bf16_optimizer:
             return
         tag = dm.resolve_tag_dir(root)
-        for stage in range(cfg.pp):
+        for mp in range(cfg.tp * cfg.pp):
             for r in range(cfg.ep):
-                copy = torch.load(os.path.join(tag, f'expp_rank_{r}_mp_rank_{stage:02d}_optim_states.pt'))['optimizer']
-                shard = torch.load(os.path.join(tag, f'bf16_zero_pp_rank_{r}_mp_rank_{stage:02d}_optim_states.pt'))
+                copy = torch.load(os.path.join(tag, f'expp_rank_{r}_mp_rank_{mp:02d}_optim_states.pt'))['optimizer']
+                shard = torch.load(os.path.join(tag, f'bf16_zero_pp_rank_{r}_mp_rank_{mp:02d}_optim_states.pt'))
                 osd = shard['optimizer_state_dict']
-                self.assertEqual(dm._describe(copy), dm._describe(osd), (stage, r))
+                self.assertEqual(dm._describe(copy), dm._describe(osd), (mp, r))
                 pairs = list(zip(tensors_of(copy), tensors_of(osd)))
                 self.assertGreater(len(pairs), 0)
-                self.assertTrue(all(torch.equal(x, y) for x, y in pairs), (stage, r))
+                self.assertTrue(all(torch.equal(x, y) for x, y in pairs), (mp, r))
 
     def assert_same_torch_states(self, want, got):
         self.assertEqual(list(want), list(got))

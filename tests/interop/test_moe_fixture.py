@@ -37,7 +37,8 @@ differences = dm.structure_differences
 
 # Layouts beyond the real saves': EP 1 / 4, expert-DP 1..4, PP 1..3 (a stage without MoE
 # layers), more experts, bf16 and fp16, ZeRO-2, residual MoE, module tensors not shared, fp32
-# without ZeRO, BF16_Optimizer (bf16 without ZeRO, and ZeRO-1 with fp32 gradient accumulation).
+# without ZeRO, BF16_Optimizer (bf16 without ZeRO, and ZeRO-1 with fp32 gradient accumulation),
+# TP 2 (the non-expert matrices split, experts whole on every TP rank).
 LAYOUTS = [
     MoeConfig(engine='module', dp=4, ep=1),
     MoeConfig(engine='module', dp=8, ep=4, num_experts=8, dtype='bf16', zero_stage=2),
@@ -48,6 +49,8 @@ LAYOUTS = [
     MoeConfig(engine='pipe', pp=2, dp=4, ep=2, zero_stage=0),
     MoeConfig(engine='module', dp=4, ep=2, dtype='bf16', zero_stage=0, residual=True),
     MoeConfig(engine='pipe', pp=2, dp=4, ep=2, dtype='bf16', grad_accum_fp32=True),
+    MoeConfig(engine='module', tp=2, dp=4, ep=2, residual=True),
+    MoeConfig(engine='pipe', tp=2, pp=2, dp=2, ep=2, dtype='bf16', zero_stage=0),
 ]
 
 run = support.reshard
@@ -139,7 +142,7 @@ class MoeFixtureTests(FixtureTestCase):
                 blocks = [b for b in range(cfg.num_layers) if cfg.is_moe(b)]
                 self.assertIn(f'info: MoE: EP {cfg.ep} x expert-DP {cfg.edp}; {len(blocks)} MoE layers of '
                               f'{cfg.num_experts} experts (blocks {", ".join(map(str, blocks))}', p.stdout)
-                self.assertIn(f'TP 1, PP {cfg.pp}, DP {cfg.dp}', p.stdout)
+                self.assertIn(f'TP {cfg.tp}, PP {cfg.pp}, DP {cfg.dp}', p.stdout)
                 self.assertEqual([line for line in p.stdout.splitlines() if line.startswith('error:')], [])
                 self.assertTrue(p.stdout.splitlines()[-1].startswith('lint: ok'), p.stdout)
 
@@ -192,6 +195,27 @@ class MoeFixtureTests(FixtureTestCase):
         params = len(dm.canonical_tensors(MoeConfig(engine='pipe')))
         self.assertIn(f'verify: {4 * params} tensors', p.stdout)
         self.assertIn('same model', p.stdout)
+
+    def test_reshard_verify_finds_one_model_across_tp_layouts(self):
+        for engine, tp2 in (('module', MoeConfig(engine='module', tp=2, dp=4, ep=2)),
+                            ('pipe', MoeConfig(engine='pipe', tp=2, pp=2, dp=2, ep=2))):
+            with self.subTest(engine=engine):
+                a = self.write(f'{engine}_tp2', tp2)
+                b = self.write(f'{engine}_tp1', dataclasses.replace(tp2, tp=1))
+                p = run('verify', a, b, '--rules', RULES[engine])
+                self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+                self.assertIn(f'verify: {4 * len(dm.canonical_tensors(tp2))} tensors', p.stdout)
+                self.assertIn('same model', p.stdout)
+                # One element of TP rank 1's half of a split matrix: verify finds it.
+                f = os.path.join(a, 'global_step2', 'mp_rank_01_model_states.pt')
+                states = torch.load(f)
+                key = next(k for k in states['module'] if k.endswith('mlp.dense_h_to_4h.weight'))
+                states['module'][key] = states['module'][key].clone()
+                states['module'][key][0, 0] += 0.5
+                torch.save(states, f)
+                p = run('verify', a, b, '--rules', RULES[engine])
+                self.assertEqual(p.returncode, 1, p.stdout + p.stderr)
+                self.assertIn('dense_h_to_4h.weight', p.stdout)
 
 
     def test_consolidated_export_is_the_canonical_model(self):

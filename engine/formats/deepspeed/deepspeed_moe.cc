@@ -61,7 +61,6 @@ class MoeSource : public DeepSpeedModelSource {
       report->findings.push_back(opt.ok() ? StateFinding(**opt)
                                           : Finding{Finding::Severity::kError, "optimizer: " + opt.status().message()});
     }
-    if (const Status s = Convertible(); !s.ok()) report->findings.push_back({Finding::Severity::kError, s.message()});
   }
 
   std::string Describe() const override {
@@ -84,7 +83,6 @@ class MoeSource : public DeepSpeedModelSource {
     } else if (has_state) {
       RESHARD_ASSIGN_OR_RETURN(opt, State());
     }
-    RESHARD_RETURN_IF_ERROR(Convertible());
     if (options.dry_run) notes->push_back(kDryRunNote);
     RESHARD_ASSIGN_OR_RETURN(MoePlan plan,
                              MakeMoePlan(ckpt(), files(), layout_, opt, MoeTarget{ep, dp, bounds, options.replicated}));
@@ -118,15 +116,6 @@ class MoeSource : public DeepSpeedModelSource {
   }
 
  private:
-  // What convert refuses whatever the target: TP > 1.
-  Status Convertible() const {
-    if (ckpt().tp > 1) {
-      return Status::Unsupported("converting a DeepSpeed MoE checkpoint at TP " + std::to_string(ckpt().tp) +
-                                 " is not implemented yet (TP 1: EP, DP and expert-DP change)");
-    }
-    return Status::Ok();
-  }
-
   // Whether the save has optimizer state: shards, or without them a torch
   // state in the expp_rank files.
   Result<bool> HasState() const {
