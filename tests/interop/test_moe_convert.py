@@ -1,4 +1,4 @@
-"""`reshard convert` of DeepSpeed MoE checkpoints to another PP, EP and DP size (TP kept, 1 or 2).
+"""`reshard convert` of DeepSpeed MoE checkpoints to another TP, PP, EP and DP size.
 
 Each case writes a fixture A with the MoE generator (tests/fixtures/deepspeed_moe.py), converts it
 to B, and checks B three ways, none of which uses reshard to read it:
@@ -93,16 +93,20 @@ BF16_OPTIMIZER_CASES = [
 ]
 
 
-# TP 2 saves (the non-expert matrices split over TP, experts whole on every TP rank), TP kept:
-# (source, target PP, EP, DP) with both engines, ZeRO-1 / 2, bf16, residual MoE, a PP change,
-# fp32 without ZeRO and BF16_Optimizer.
+# Saves at TP 1 and 2 (the non-expert matrices split over TP, experts whole on every TP rank):
+# (source, target TP, PP, EP, DP) with TP kept, 2 -> 1, 1 -> 2 and 2 -> 4, both engines,
+# ZeRO-1 / 2, fp32 / bf16 / fp16, residual MoE, PP changes, fp32 without ZeRO and BF16_Optimizer.
 TP_CASES = [
-    (MoeConfig(engine='module', tp=2, dp=4, ep=2), 1, 4, 8),
-    (MoeConfig(engine='module', tp=2, dp=4, ep=2, dtype='bf16', zero_stage=2, residual=True), 1, 1, 2),
-    (MoeConfig(engine='pipe', tp=2, pp=2, dp=2, ep=2), 1, 1, 4),
-    (MoeConfig(engine='pipe', tp=2, pp=1, dp=4, ep=2, dtype='bf16'), 2, 4, 4),
-    (MoeConfig(engine='module', tp=2, dp=4, ep=2, zero_stage=0), 1, 4, 4),
-    (MoeConfig(engine='module', tp=2, dp=4, ep=2, dtype='bf16', zero_stage=0), 1, 1, 2),
+    (MoeConfig(engine='module', tp=2, dp=4, ep=2), 2, 1, 4, 8),
+    (MoeConfig(engine='pipe', tp=2, pp=1, dp=4, ep=2, dtype='bf16'), 2, 2, 4, 4),
+    (MoeConfig(engine='module', tp=2, dp=4, ep=2), 1, 1, 2, 4),
+    (MoeConfig(engine='module', tp=1, dp=4, ep=2), 2, 1, 4, 8),
+    (MoeConfig(engine='module', tp=2, dp=4, ep=2, dtype='bf16', zero_stage=2, residual=True), 1, 1, 1, 2),
+    (MoeConfig(engine='pipe', tp=2, pp=2, dp=2, ep=2), 1, 1, 2, 4),
+    (MoeConfig(engine='pipe', tp=1, pp=1, dp=4, ep=2, dtype='bf16'), 2, 2, 4, 4),
+    (MoeConfig(engine='module', tp=2, dp=4, ep=2, zero_stage=0), 1, 1, 4, 4),
+    (MoeConfig(engine='module', tp=1, dp=4, ep=2, dtype='bf16', zero_stage=0), 2, 1, 1, 2),
+    (MoeConfig(engine='module', tp=2, dp=4, ep=2, dtype='fp16'), 4, 1, 2, 2),
 ]
 
 
@@ -125,10 +129,10 @@ def convert(src, dst, cfg, *extra):
                '--rules', RULES[cfg.engine], *extra)
 
 
-def layout(cfg, pp, ep, dp):
-    """The generator's config for cfg converted to (pp, ep, dp): module tensors compact, the
+def layout(cfg, pp, ep, dp, tp=None):
+    """The generator's config for cfg converted to (tp, pp, ep, dp): module tensors compact, the
     samples seen kept."""
-    return dataclasses.replace(cfg, pp=pp, ep=ep, dp=dp, shared_storage=False,
+    return dataclasses.replace(cfg, tp=tp or cfg.tp, pp=pp, ep=ep, dp=dp, shared_storage=False,
                                global_samples=cfg.iteration * cfg.micro_batch * cfg.dp)
 
 
@@ -158,17 +162,17 @@ class MoeConvertTests(FixtureTestCase):
                 self.assertEqual(differences(dm.structure(self.write(f'a{i}c', compact)), dm.structure(back)), [])
                 self.assertEqual(dm.canonical_differences(back, cfg), [])
 
-    def assert_converts_to_the_fixture(self, i, cfg, pp, ep, dp):
-        """Writes cfg as a{i} and converts it to (pp, ep, dp) as b{i}, which must have the
+    def assert_converts_to_the_fixture(self, i, cfg, pp, ep, dp, tp=None):
+        """Writes cfg as a{i} and converts it to (tp, pp, ep, dp) as b{i}, which must have the
         generator's structure at the target and the canonical values; returns (a, b, the
         target's config, the conversion's process)."""
         a = self.write(f'a{i}', cfg)
         b = self.path(f'b{i}')
-        p = convert(a, b, dataclasses.replace(cfg, pp=pp), '--ep', str(ep), '--dp', str(dp))
+        want = layout(cfg, pp, ep, dp, tp)
+        p = convert(a, b, want, '--ep', str(ep), '--dp', str(dp))
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
-        want = layout(cfg, pp, ep, dp)
         self.assertEqual(differences(dm.structure(self.write(f'w{i}', want)), dm.structure(b)), [])
-        self.assertEqual(dm.canonical_differences(b, cfg), [])
+        self.assertEqual(dm.canonical_differences(b, want), [])  # read at the target's TP
         return a, b, want, p
 
     def assert_round_trip(self, a, b, cfg, name, *args):
@@ -221,14 +225,42 @@ class MoeConvertTests(FixtureTestCase):
                 self.assert_round_trip(a, b, cfg, f'c{i}')
                 self.assert_expp_copies_of_shards(self.path(f'c{i}'), cfg)
 
-    def test_tp2_saves_give_the_fixture_at_the_target_layout(self):
-        for i, (cfg, pp, ep, dp) in enumerate(TP_CASES):
-            with self.subTest(case=i, engine=cfg.engine, zero=cfg.zero_stage, dtype=cfg.dtype, pp=f'{cfg.pp}->{pp}',
-                              ep=f'{cfg.ep}->{ep}', dp=f'{cfg.dp}->{dp}'):
-                a, b, want, _ = self.assert_converts_to_the_fixture(i, cfg, pp, ep, dp)
+    def test_tp_changes_give_the_fixture_at_the_target_layout(self):
+        for i, (cfg, tp, pp, ep, dp) in enumerate(TP_CASES):
+            with self.subTest(case=i, engine=cfg.engine, zero=cfg.zero_stage, dtype=cfg.dtype, tp=f'{cfg.tp}->{tp}',
+                              pp=f'{cfg.pp}->{pp}', ep=f'{cfg.ep}->{ep}', dp=f'{cfg.dp}->{dp}'):
+                a, b, want, p = self.assert_converts_to_the_fixture(i, cfg, pp, ep, dp, tp)
+                if tp != cfg.tp:
+                    self.assertIn(f'note: MoE: TP {cfg.tp} -> {tp}', p.stdout + p.stderr)
                 self.assert_expp_copies_of_shards(b, want)
                 self.assert_same_model(a, b, cfg)
                 self.assert_round_trip(a, b, cfg, f'c{i}')
+
+    def test_tp_change_merges_drifted_replicas_only_as_told(self):
+        """A replicated tensor whose TP copies differ: a TP change refuses it under the default
+        policy and merges it under --replicated average; TP kept keeps each copy."""
+        cfg = MoeConfig(engine='module', tp=2, dp=4, ep=2, shared_storage=False)
+        a = self.write('a', cfg)
+        f = os.path.join(a, cfg.tag, 'mp_rank_01_model_states.pt')
+        states = torch.load(f)
+        key = 'language_model.encoder.layers.0.input_layernorm.weight'
+        states['module'][key][0] += 0.25
+        torch.save(states, f)
+        p = convert(a, self.path('out'), dataclasses.replace(cfg, tp=1))
+        self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
+        self.assertEqual(len(p.stderr.strip().splitlines()), 1, p.stderr)
+        self.assertIn('1 replicated tensor(s) differ across TP ranks', p.stderr)
+        self.assertFalse(os.path.exists(self.path('out')))
+        p = convert(a, self.path('mean'), dataclasses.replace(cfg, tp=1), '--replicated', 'average')
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        merged = torch.load(os.path.join(self.path('mean'), cfg.tag, 'mp_rank_00_model_states.pt'))['module'][key]
+        original = dm.canonical_tensors(cfg)[key]
+        self.assertEqual(merged[0].item(), original[0].item() + 0.125)
+        self.assertTrue(torch.equal(merged[1:], original[1:]))
+        p = convert(a, self.path('kept'), cfg, '--ep', '4')
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        kept = torch.load(os.path.join(self.path('kept'), cfg.tag, 'mp_rank_01_model_states.pt'))['module'][key]
+        self.assertTrue(torch.equal(kept, states['module'][key]))
 
     def assert_expp_copies_of_shards(self, root, cfg):
         """With BF16_Optimizer and without ZeRO, expp_rank_{r} holds DP rank r's
@@ -410,7 +442,8 @@ class MoeConvertTests(FixtureTestCase):
     def test_refusals(self):
         a = self.write('a', MoeConfig(engine='module', dp=4, ep=2))
         cases = [
-            (('--tp', '2', '--pp', '1'), 'changing TP of a DeepSpeed MoE checkpoint is not implemented yet'),
+            (('--tp', '3', '--pp', '1'), 'cannot split language_model.encoder.layers.0/self_attention.dense.weight '
+                                         'over 3 TP ranks'),
             (('--tp', '1', '--pp', '2'), 'saved without the pipeline engine has one stage'),
             (('--tp', '1', '--pp', '1', '--ep', '3', '--dp', '6'), 'EP 3 does not divide the 4 experts'),
             (('--tp', '1', '--pp', '1', '--ep', '4', '--dp', '6'), 'EP 4 does not divide DP 6'),
@@ -423,8 +456,7 @@ class MoeConvertTests(FixtureTestCase):
                 self.assertIn(message, p.stderr)
                 self.assertFalse(os.path.exists(self.path('out')))
         pipe = self.write('p', MoeConfig(engine='pipe', pp=2, dp=2, ep=2))
-        for args, message in [(('--tp', '2', '--pp', '2'), 'changing TP of a DeepSpeed MoE checkpoint'),
-                              (('--tp', '1', '--pp', '5'), 'target PP 5 exceeds the 4 transformer blocks'),
+        for args, message in [(('--tp', '1', '--pp', '5'), 'target PP 5 exceeds the 4 transformer blocks'),
                               (('--tp', '1', '--pp', '2', '--layers-per-stage', '1,2'), 'sums to 3')]:
             with self.subTest(args=args):
                 p = run('convert', pipe, self.path('out', 'global_step2'), '--rules', RULES['pipe'], *args)
@@ -432,6 +464,19 @@ class MoeConvertTests(FixtureTestCase):
                 self.assertEqual(len(p.stderr.strip().splitlines()), 1, p.stderr)
                 self.assertIn(message, p.stderr)
                 self.assertFalse(os.path.exists(self.path('out')))
+        # Experts split over TP (expert-TP) by the rules: their TP changes are not made.
+        with open(RULES['module']) as f:
+            rules = f.read()
+        whole = ("      name: 'layers.{block}.mlp.deepspeed_moe.experts.deepspeed_experts.{1}.{2}.{3}'\n"
+                 "      replicated: true\n")
+        self.assertIn(whole, rules)
+        split = self.path('expert_tp.yaml')
+        with open(split, 'w') as f:
+            f.write(rules.replace(whole, whole.replace('replicated: true', 'split: column')))
+        p = run('convert', a, self.path('out', 'global_step2'), '--tp', '2', '--pp', '1', '--rules', split)
+        self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
+        self.assertIn('experts are split over TP (expert-TP', p.stderr)
+        self.assertFalse(os.path.exists(self.path('out')))
         dense = make_fixture(self.path('dense'), style='ms_gpt2', tp=1, pp=2, dp=2)
         p = run('convert', dense, self.path('out', 'global_step10'), '--tp', '1', '--pp', '2', '--ep', '2')
         self.assertEqual(p.returncode, 2, p.stdout + p.stderr)

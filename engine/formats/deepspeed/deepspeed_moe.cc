@@ -83,11 +83,25 @@ class MoeSource : public DeepSpeedModelSource {
     } else if (has_state) {
       RESHARD_ASSIGN_OR_RETURN(opt, State());
     }
-    if (options.dry_run) notes->push_back(kDryRunNote);
-    RESHARD_ASSIGN_OR_RETURN(MoePlan plan,
-                             MakeMoePlan(ckpt(), files(), layout_, opt, MoeTarget{ep, dp, bounds, options.replicated}));
+    if (options.dry_run) {
+      notes->push_back(kDryRunNote);
+    } else if (options.target_tp != ckpt().tp) {  // TP copies are merged or split
+      RESHARD_RETURN_IF_ERROR(opt != nullptr ? CheckReplicas(options.replicated, notes)
+                                             : CheckWeightDrift(ckpt(), options.replicated, notes));
+    }
+    MoeTarget target{ep, dp, bounds, options.replicated, options.target_tp};
+    RESHARD_ASSIGN_OR_RETURN(target.padded_vocab, TargetPaddedVocab(ckpt(), options.target_tp, options.vocab_size));
+    RESHARD_ASSIGN_OR_RETURN(MoePlan plan, MakeMoePlan(ckpt(), files(), layout_, opt, target));
     notes->insert(notes->end(), plan.notes.begin(), plan.notes.end());
     return std::unique_ptr<TargetPlan>(new MoeTargetPlan(ckpt(), files(), opt, allowed_classes_, std::move(plan)));
+  }
+
+  Status CheckReplicas(ReplicatedPolicy replicated, std::vector<std::string>* notes) const override {
+    RESHARD_RETURN_IF_ERROR(CheckWeightDrift(ckpt(), replicated, notes));
+    RESHARD_ASSIGN_OR_RETURN(const bool has_state, HasState());
+    if (!has_state) return Status::Ok();
+    RESHARD_ASSIGN_OR_RETURN(const MoeOptimizer* opt, State());
+    return CheckStateDrift(ckpt(), *opt, replicated);
   }
 
   // The weights and every optimizer state, experts under their global ids.
@@ -127,18 +141,29 @@ class MoeSource : public DeepSpeedModelSource {
     return shard_files() > 0 ? OptimizerWhat() : "torch optimizer state of its expp_rank files (a run without ZeRO)";
   }
 
+  Status CheckTpChange(int tp) const {
+    for (const LogicalLayer& layer : ckpt().layers) {
+      for (const LogicalTensor& t : layer.tensors) {
+        if (t.rule->expert > 0 && t.rule->policy != ParamRule::Policy::kReplicated) {
+          return Status::Unsupported("changing TP of a MoE checkpoint whose experts are split over TP (expert-TP, "
+                                     "as " + t.key + ") is not implemented; keep --tp " + std::to_string(ckpt().tp));
+        }
+        RESHARD_RETURN_IF_ERROR(CheckSplittable(t, tp));
+      }
+    }
+    return Status::Ok();
+  }
+
   bool ChangesStages(const ConvertOptions& options) const {
     return options.target_pp != ckpt().pp || !options.layers_per_stage.empty();
   }
 
-  // The target layouts this conversion can write: TP kept, PP changed only
-  // for the pipeline engine (whose stages are spec ranges), EP dividing DP
-  // and every MoE layer's experts.
+  // The target layouts this conversion can write: TP changed only where
+  // experts are whole on every TP rank and every tensor splits, PP changed
+  // only for the pipeline engine (whose stages are spec ranges), EP dividing
+  // DP and every MoE layer's experts.
   Status CheckTarget(const ConvertOptions& options, int ep, int dp) const {
-    if (options.target_tp != ckpt().tp) {
-      return Status::Unsupported("changing TP of a DeepSpeed MoE checkpoint is not implemented yet; keep --tp " +
-                                 std::to_string(ckpt().tp) + " (PP, EP, DP and expert-DP change)");
-    }
+    if (options.target_tp != ckpt().tp) RESHARD_RETURN_IF_ERROR(CheckTpChange(options.target_tp));
     if (ChangesStages(options) && !pipeline_names_) {
       return Status::InvalidInput("a DeepSpeed MoE checkpoint saved without the pipeline engine has one stage and "
                                   "no spec ids to cut stages at; keep --pp 1 (EP, DP and expert-DP change)");
@@ -164,8 +189,8 @@ class MoeSource : public DeepSpeedModelSource {
   // partition at the target EP (or --layers-per-stage).
   Result<std::vector<int>> TargetBounds(const ConvertOptions& options, int ep) const {
     if (!ChangesStages(options)) return SourceStageBounds(ckpt());
-    return TargetStageBounds(ckpt(), options.target_pp, ckpt().tp, ckpt().vocab.padded_rows,
-                             options.layers_per_stage, ep);
+    RESHARD_ASSIGN_OR_RETURN(int64_t padded_vocab, TargetPaddedVocab(ckpt(), options.target_tp, options.vocab_size));
+    return TargetStageBounds(ckpt(), options.target_pp, options.target_tp, padded_vocab, options.layers_per_stage, ep);
   }
 
   // The optimizer shards, read once, when a command first needs them.

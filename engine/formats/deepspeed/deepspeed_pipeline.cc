@@ -147,7 +147,7 @@ class PipelineSource : public DeepSpeedModelSource {
     } else {
       // The optimizer's replicas too, unless it is left out.
       RESHARD_RETURN_IF_ERROR(opt != nullptr ? CheckReplicas(options.replicated, notes)
-                                             : CheckDrift(options.replicated, notes));
+                                             : CheckWeightDrift(ckpt(), options.replicated, notes));
     }
     RESHARD_ASSIGN_OR_RETURN(DeepSpeedPlan plan, MakePipelinePlan(ckpt(), opt, PlanOptionsFrom(options)));
     notes->insert(notes->end(), plan.notes.begin(), plan.notes.end());
@@ -176,10 +176,10 @@ class PipelineSource : public DeepSpeedModelSource {
   }
 
   Status CheckReplicas(ReplicatedPolicy replicated, std::vector<std::string>* notes) const override {
-    RESHARD_RETURN_IF_ERROR(CheckDrift(replicated, notes));
+    RESHARD_RETURN_IF_ERROR(CheckWeightDrift(ckpt(), replicated, notes));
     if (!HasOptimizerState()) return Status::Ok();
     RESHARD_ASSIGN_OR_RETURN(const SourceOptimizer* opt, Optimizer());
-    return CheckOptimizerDrift(*opt, replicated);
+    return CheckStateDrift(ckpt(), *opt, replicated);
   }
 
   std::optional<int64_t> vocab_size() const override { return ckpt().vocab.original_size; }
@@ -255,50 +255,6 @@ class PipelineSource : public DeepSpeedModelSource {
     }
     RESHARD_ASSIGN_OR_RETURN(r.produce, WeightProducer(ckpt(), opt, t, plan, read));
     return r;
-  }
-
-  // Applies the replicated-tensor policy: refuses drift under `check`,
-  // reports what `average` / `first` will merge.
-  Status CheckDrift(ReplicatedPolicy policy, std::vector<std::string>* notes) const {
-    const std::vector<Drift> drifts = MeasureDrift(ckpt());
-    int checked = 0, merged = 0;
-    const Drift* worst_checked = nullptr;
-    for (const Drift& d : drifts) {
-      const ParamRule& rule = *ckpt().layers[d.layer_index].tensors[d.tensor_index].rule;
-      if (PolicyFor(rule, policy) == ReplicatedPolicy::kCheck) {
-        if (worst_checked == nullptr) worst_checked = &d;
-        ++checked;
-      } else {
-        ++merged;
-      }
-    }
-    if (checked > 0) {
-      return Status::InvalidInput(
-          std::to_string(checked) + " replicated tensor(s) differ across TP ranks (largest: " +
-          DescribeDrift(ckpt(), *worst_checked) +
-          "); choose --replicated average (mean of the copies) or --replicated first (TP rank 0's "
-          "copy), or see them all with `reshard lint`");
-    }
-    if (merged > 0) {
-      notes->push_back("replicated: " + std::to_string(merged) +
-                       " tensor(s) differed across TP ranks and were merged by their policy "
-                       "(largest: " + DescribeDrift(ckpt(), drifts.front()) + ")");
-    }
-    return Status::Ok();
-  }
-
-  // Under `check`, replicated parameters' optimizer state must agree across
-  // TP ranks too (masters and moments drift like the weights).
-  Status CheckOptimizerDrift(const SourceOptimizer& opt, ReplicatedPolicy policy) const {
-    RESHARD_ASSIGN_OR_RETURN(std::vector<StateDrift> drifts, MeasureStateDrift(ckpt(), opt));
-    for (const StateDrift& d : drifts) {
-      if (PolicyFor(*d.rule, policy) != ReplicatedPolicy::kCheck) continue;
-      return Status::InvalidInput(
-          "the optimizer state '" + d.state + "' of replicated parameter " + d.name +
-          " differs between TP ranks 0 and " + std::to_string(d.rank) +
-          "; choose --replicated average (mean of the copies) or --replicated first (TP rank 0's)");
-    }
-    return Status::Ok();
   }
 
   // Every element of every optimizer state (fp32 masters, moments, ...), per parameter.

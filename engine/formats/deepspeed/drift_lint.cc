@@ -70,4 +70,44 @@ void ReportStateDrift(const LogicalCheckpoint& ckpt, const SourceOptimizer& opt,
       [&](size_t i) { return DriftSeverity(*d[i].rule, options.replicated); }, report);
 }
 
+Status CheckWeightDrift(const LogicalCheckpoint& ckpt, ReplicatedPolicy policy, std::vector<std::string>* notes) {
+  const std::vector<Drift> drifts = MeasureDrift(ckpt);
+  int checked = 0, merged = 0;
+  const Drift* worst_checked = nullptr;
+  for (const Drift& d : drifts) {
+    const ParamRule& rule = *ckpt.layers[d.layer_index].tensors[d.tensor_index].rule;
+    if (PolicyFor(rule, policy) == ReplicatedPolicy::kCheck) {
+      if (worst_checked == nullptr) worst_checked = &d;
+      ++checked;
+    } else {
+      ++merged;
+    }
+  }
+  if (checked > 0) {
+    return Status::InvalidInput(
+        std::to_string(checked) + " replicated tensor(s) differ across TP ranks (largest: " +
+        DescribeDrift(ckpt, *worst_checked) +
+        "); choose --replicated average (mean of the copies) or --replicated first (TP rank 0's "
+        "copy), or see them all with `reshard lint`");
+  }
+  if (merged > 0) {
+    notes->push_back("replicated: " + std::to_string(merged) +
+                     " tensor(s) differed across TP ranks and were merged by their policy "
+                     "(largest: " + DescribeDrift(ckpt, drifts.front()) + ")");
+  }
+  return Status::Ok();
+}
+
+Status CheckStateDrift(const LogicalCheckpoint& ckpt, const SourceOptimizer& opt, ReplicatedPolicy policy) {
+  RESHARD_ASSIGN_OR_RETURN(std::vector<StateDrift> drifts, MeasureStateDrift(ckpt, opt));
+  for (const StateDrift& d : drifts) {
+    if (PolicyFor(*d.rule, policy) != ReplicatedPolicy::kCheck) continue;
+    return Status::InvalidInput(
+        "the optimizer state '" + d.state + "' of replicated parameter " + d.name +
+        " differs between TP ranks 0 and " + std::to_string(d.rank) +
+        "; choose --replicated average (mean of the copies) or --replicated first (TP rank 0's)");
+  }
+  return Status::Ok();
+}
+
 }  // namespace reshard

@@ -10,6 +10,7 @@
 
 #include "formats/deepspeed/file_names.h"
 #include "formats/deepspeed/pipeline_reader.h"
+#include "formats/deepspeed/state_tensor.h"
 #include "formats/deepspeed/torch_state.h"
 #include "formats/deepspeed/zero_shard_writer.h"
 #include "formats/file_jobs.h"
@@ -50,6 +51,7 @@ struct StageTarget {
   std::map<int, int> experts;  // layer id -> global experts
   int tp_rank = 0, ep = 1, dp = 1, source_ep = 1;
   TensorTarget tensors;
+  int source_tp_rank = 0;  // whose groups name the members (alike on every TP rank)
 };
 
 // Expert `t` of `layer` in the order of an EP rank's expert groups (layer,
@@ -148,7 +150,7 @@ Result<std::vector<std::pair<std::string, std::string>>> Members(const StageTarg
                                                                  int rank, LayerRange range, MoeGroupSource* source) {
   std::vector<std::pair<std::string, std::string>> out;
   for (int s = 0; s < x.src.pp; ++s) {
-    const int mp = s * x.src.tp + x.tp_rank;
+    const int mp = s * x.src.tp + x.source_tp_rank;
     for (int g = 0; g < x.opt.Groups(mp); ++g) {
       if (x.kinds[mp][g] != kind) continue;
       const size_t before = out.size();
@@ -191,8 +193,8 @@ Result<OptimizerStagePlan> PlanEpRank(const StageTarget& x, const std::vector<st
     for (const auto& [saved, name] : members) {
       auto at = x.index.find(saved);
       const LogicalTensor& t = x.src.layers[at->second.first].tensors[at->second.second];
-      shapes.push_back({name, t.local_shape});
       const TensorPlan tensor = PlanTensor(x.src, at->second.first, at->second.second, plan.tp_rank, x.tensors);
+      shapes.push_back({name, tensor.shape});
       slots.push_back({saved, t.local_shape, tensor, tensor});
     }
     // Without ZeRO nothing is partitioned.
@@ -352,7 +354,9 @@ Status PlanModule(const LogicalCheckpoint& src, const TensorIndex& index, int t,
         return Status::InvalidInput(ModelStatesName(mp) + "'s module holds " + key.DebugString() + ", which no rule "
                                     "describes; reshard cannot tell which stage it belongs to");
       }
-      if (range.Has(src.layers[at->second.first].id)) stage->module_entries.push_back({mp, key.as_string()});
+      if (range.Has(src.layers[at->second.first].id)) {
+        stage->module_entries.push_back({mp, key.as_string(), at->second.first, at->second.second});
+      }
     }
   }
   return Status::Ok();
@@ -444,7 +448,9 @@ Result<std::vector<int>> SourceStageBounds(const LogicalCheckpoint& src) {
 Result<MoePlan> MakeMoePlan(const LogicalCheckpoint& src, const CheckpointFiles& files, const MoeLayout& layout,
                             const MoeOptimizer* opt, const MoeTarget& target) {
   MoePlan plan;
-  plan.tp = src.tp;
+  plan.tp = target.tp;
+  plan.source_tp = src.tp;
+  plan.tensors = TensorTarget{target.tp, target.padded_vocab, target.replicated, 0};
   plan.pp = static_cast<int>(target.stage_bounds.size()) - 1;
   plan.dp = target.dp;
   plan.ep = target.ep;
@@ -461,20 +467,23 @@ Result<MoePlan> MakeMoePlan(const LogicalCheckpoint& src, const CheckpointFiles&
   }
   for (int p = 0; p < plan.pp; ++p) {
     const LayerRange range{plan.stage_bounds[p], plan.stage_bounds[p + 1]};
-    for (int t = 0; t < src.tp; ++t) {
+    for (int t = 0; t < plan.tp; ++t) {
+      // The source TP rank whose module keys, expert files, groups and
+      // metadata the target TP rank takes: alike on every TP rank.
+      const int st = std::min(t, src.tp - 1);
       MoeStagePlan stage;
-      stage.mp = p * src.tp + t;
+      stage.mp = p * plan.tp + t;
       stage.pp_rank = p;
-      stage.source_mp = (p < src.pp ? p : 0) * src.tp + t;
+      stage.tp_rank = t;
+      stage.source_mp = (p < src.pp ? p : 0) * src.tp + st;
       stage.blocks = StageBlocks(layout, p, range);
-      RESHARD_RETURN_IF_ERROR(PlanModule(src, index, t, range, &stage));
-      RESHARD_RETURN_IF_ERROR(PlanExpertFiles(files, layout, src, t, &stage));
+      RESHARD_RETURN_IF_ERROR(PlanModule(src, index, st, range, &stage));
+      RESHARD_RETURN_IF_ERROR(PlanExpertFiles(files, layout, src, st, &stage));
       if (opt != nullptr) {
-        StageTarget x{src, *opt, index, group_kinds, {}, t, target.ep, target.dp, layout.ep,
-                      TensorTarget{src.tp, src.vocab.padded_rows, target.replicated, 0}};
+        StageTarget x{src, *opt, index, group_kinds, {}, t, target.ep, target.dp, layout.ep, plan.tensors, st};
         for (const MoeBlock& b : layout.blocks) x.experts[b.layer_id] = b.experts;
         for (int r = 0; r < target.ep; ++r) {
-          RESHARD_ASSIGN_OR_RETURN(OptimizerStagePlan o, PlanEpRank(x, kinds[t], p, range, r, &stage.group_sources));
+          RESHARD_ASSIGN_OR_RETURN(OptimizerStagePlan o, PlanEpRank(x, kinds[st], p, range, r, &stage.group_sources));
           stage.optimizer.push_back(std::move(o));
         }
       }
@@ -490,6 +499,12 @@ Result<MoePlan> MakeMoePlan(const LogicalCheckpoint& src, const CheckpointFiles&
         plan.notes.push_back(*note);
       }
     }
+  }
+  if (plan.tp != src.tp) {
+    plan.notes.push_back("MoE: TP " + std::to_string(src.tp) + " -> " + std::to_string(plan.tp) +
+                         ": the non-expert tensors cut by their rules, the experts whole on every TP rank");
+    const std::string vocab = VocabPaddingNote(src.vocab.padded_rows, target.padded_vocab, plan.tp, 0);
+    if (!vocab.empty()) plan.notes.push_back(vocab);
   }
   if (plan.pp != src.pp) {
     plan.notes.push_back("MoE: " + std::to_string(src.pp) + " pipeline stages re-cut into " + std::to_string(plan.pp) +
@@ -507,7 +522,7 @@ std::string MoePlan::ToString(bool detail) const {
   out += "\n";
   for (const MoeStagePlan& stage : stages) {
     std::set<int> from;
-    for (const auto& [mp, key] : stage.module_entries) from.insert(mp);
+    for (const MoeModuleEntry& e : stage.module_entries) from.insert(e.mp);
     std::vector<std::string> sources;
     for (int mp : from) sources.push_back(ModelStatesName(mp));
     out += "  " + ModelStatesFileName(stage.mp) + "  stage " + std::to_string(stage.pp_rank) + ": module of " +
@@ -547,7 +562,20 @@ Result<std::vector<Job>> MoeTargetPlan::Jobs(std::atomic<int64_t>* read) const {
   return jobs;
 }
 
-Result<Value> MoeTargetPlan::ModelStates(const MoeStagePlan& stage) const {
+Result<Value> MoeTargetPlan::CutModuleTensor(const MoeStagePlan& stage, const MoeModuleEntry& entry,
+                                             const Value& like, std::atomic<int64_t>* read) const {
+  const LogicalTensor& t = src_.layers[entry.layer].tensors[entry.tensor];
+  const TensorPlan plan = PlanTensor(src_, entry.layer, entry.tensor, stage.tp_rank, plan_.tensors);
+  RESHARD_ASSIGN_OR_RETURN(ByteProducer produce, WeightProducer(src_, opt_, t, plan, read));
+  Value tensor = MakeProducedTensor(src_.WeightDType(t), plan.shape, std::move(produce));
+  if (like.is(Value::Kind::kTensor)) {
+    tensor.as_tensor().storage->location = like.as_tensor().storage->location;
+    tensor.as_tensor().requires_grad = like.as_tensor().requires_grad;
+  }
+  return tensor;
+}
+
+Result<Value> MoeTargetPlan::ModelStates(const MoeStagePlan& stage, std::atomic<int64_t>* read) const {
   Value states = src_.metadata[stage.source_mp];
   Set(states, "dp_world_size", Value::Int(plan_.dp));
   Set(states, "mp_world_size", Value::Int(plan_.tp * plan_.pp));
@@ -560,8 +588,14 @@ Result<Value> MoeTargetPlan::ModelStates(const MoeStagePlan& stage) const {
     return Status::InvalidInput(ModelStatesName(stage.source_mp) + " has no module dict; it is not a MoE save");
   }
   Items out;
-  for (const auto& [mp, key] : stage.module_entries) {
-    out.emplace_back(Value::String(key), WithOwnStorage(*Find(*Find(src_.metadata[mp], "module"), key)));
+  for (const MoeModuleEntry& e : stage.module_entries) {
+    const Value& saved = *Find(*Find(src_.metadata[e.mp], "module"), e.key);
+    if (plan_.tp == plan_.source_tp) {
+      out.emplace_back(Value::String(e.key), WithOwnStorage(saved));
+      continue;
+    }
+    RESHARD_ASSIGN_OR_RETURN(Value cut, CutModuleTensor(stage, e, saved, read));
+    out.emplace_back(Value::String(e.key), std::move(cut));
   }
   *tensors = std::move(out);
   if (Items* meta = ModuleMetadata(module)) {
@@ -575,7 +609,7 @@ Result<Value> MoeTargetPlan::ModelStates(const MoeStagePlan& stage) const {
 Status MoeTargetPlan::AddStageJobs(const MoeStagePlan& stage, std::atomic<int64_t>* read,
                                    std::vector<Job>* jobs) const {
   const int mp = stage.mp;
-  RESHARD_ASSIGN_OR_RETURN(Value states, ModelStates(stage));
+  RESHARD_ASSIGN_OR_RETURN(Value states, ModelStates(stage, read));
   RESHARD_ASSIGN_OR_RETURN(Job model, TorchFileJob(ModelStatesFileName(mp), std::move(states)));
   jobs->push_back(std::move(model));
   for (const MoeExpertFilePlan& f : stage.expert_files) {

@@ -1,7 +1,10 @@
-// MoePlan: a DeepSpeed MoE checkpoint at another pipeline, expert-parallel
-// and data-parallel size, as plain data, and the TargetPlan that writes it.
+// MoePlan: a DeepSpeed MoE checkpoint at another tensor-parallel, pipeline,
+// expert-parallel and data-parallel size, as plain data, and the TargetPlan
+// that writes it.
 //
-// TP is kept. Target stage p owns the layers (spec ids) [b[p], b[p+1]):
+// At another TP each non-expert tensor is cut by its rule from every source
+// TP rank's; experts stay whole on every TP rank (expert-TP is refused), so
+// their files are copied from any. Target stage p owns the layers (spec ids) [b[p], b[p+1]):
 // DeepSpeed's partition of the target PP, or --layers-per-stage, or the
 // source's own stages when PP is kept. Its mp_rank file's module holds those
 // layers' non-expert tensors, drawn from every source stage that had them
@@ -36,6 +39,14 @@
 
 namespace reshard {
 
+// A tensor of a target stage's module: its key in the source mp rank `mp`'s
+// module, and the logical tensor it is (src.layers[layer].tensors[tensor]).
+struct MoeModuleEntry {
+  int mp = 0;
+  std::string key;
+  int layer = 0, tensor = 0;
+};
+
 // An expert file of a target stage: the source file it copies.
 struct MoeExpertFilePlan {
   std::string name;    // in the target folder
@@ -51,9 +62,12 @@ struct MoeGroupSource {
 struct MoeStagePlan {
   int mp = 0;         // the target mp rank
   int pp_rank = 0;    // its stage
+  int tp_rank = 0;    // its TP rank
   int source_mp = 0;  // the mp rank whose metadata (counters, client state) and expp_rank file it copies
   std::vector<MoeBlock> blocks;  // its MoE layers; `stage` and `index` as the target numbers them
-  std::vector<std::pair<int, std::string>> module_entries;  // its module's tensors: (source mp rank, key)
+  // Its module's tensors, copied as saved when TP is kept, else cut from
+  // every source TP rank's.
+  std::vector<MoeModuleEntry> module_entries;
   std::vector<MoeExpertFilePlan> expert_files;
   std::vector<MoeGroupSource> group_sources;  // per optimizer group
   // Per target EP rank (empty: weights only).
@@ -62,7 +76,8 @@ struct MoeStagePlan {
 
 struct MoePlan {
   int tp = 1, pp = 1, dp = 1, ep = 1;
-  int source_pp = 1, source_ep = 1;
+  int source_tp = 1, source_pp = 1, source_ep = 1;
+  TensorTarget tensors;  // how each non-expert tensor is cut at the target TP
   std::vector<int> stage_bounds;  // target stage p owns the layers with ids [b[p], b[p+1])
   // Without ZeRO: each EP rank's torch state_dict goes into its expp_rank
   // file, and there are no shards.
@@ -81,6 +96,8 @@ struct MoeTarget {
   int ep = 1, dp = 1;
   std::vector<int> stage_bounds;  // see MoePlan
   ReplicatedPolicy replicated = ReplicatedPolicy::kCheck;
+  int tp = 1;
+  int64_t padded_vocab = 0;  // rows of the vocabulary tensors at `tp`
 };
 
 // The stage bounds of `src` as saved: stage p's mp_rank module starts at
@@ -104,7 +121,10 @@ class MoeTargetPlan : public TargetPlan {
  private:
   Status AddStageJobs(const MoeStagePlan& stage, std::atomic<int64_t>* read, std::vector<Job>* jobs) const;
   // The stage's mp_rank file: the source metadata with the stage's module.
-  Result<Value> ModelStates(const MoeStagePlan& stage) const;
+  Result<Value> ModelStates(const MoeStagePlan& stage, std::atomic<int64_t>* read) const;
+  // A module tensor at the stage's TP rank, cut from every source TP rank's.
+  Result<Value> CutModuleTensor(const MoeStagePlan& stage, const MoeModuleEntry& entry, const Value& like,
+                                std::atomic<int64_t>* read) const;
 
   const LogicalCheckpoint& src_;
   const CheckpointFiles& files_;
