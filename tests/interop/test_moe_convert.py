@@ -110,6 +110,33 @@ TP_CASES = [
 ]
 
 
+# Saves with expert-TP (--enable-expert-tensor-parallelism: the experts split over TP like the
+# dense MLP), read with the toy rules' expert rule split the same way: (source, target TP, PP,
+# EP, DP) with TP kept, 2 -> 1, 1 -> 2 and 2 -> 4, both engines, ZeRO-1 / 2, bf16, residual MoE,
+# fp32 without ZeRO and BF16_Optimizer.
+EXPERT_TP_CASES = [
+    (MoeConfig(engine='module', tp=2, dp=4, ep=2, expert_tp=True), 2, 1, 4, 8),
+    (MoeConfig(engine='module', tp=2, dp=4, ep=2, expert_tp=True), 1, 1, 2, 4),
+    (MoeConfig(engine='pipe', tp=1, pp=2, dp=4, ep=2, expert_tp=True), 2, 1, 4, 4),
+    (MoeConfig(engine='module', tp=2, dp=4, ep=2, expert_tp=True, dtype='bf16', zero_stage=2, residual=True), 4, 1, 1, 2),
+    (MoeConfig(engine='module', tp=2, dp=4, ep=2, expert_tp=True, zero_stage=0), 1, 1, 4, 4),
+    (MoeConfig(engine='module', tp=1, dp=4, ep=2, expert_tp=True, dtype='bf16', zero_stage=0), 2, 1, 1, 2),
+]
+
+WHOLE_EXPERTS = ("    - key: 'mlp\\.deepspeed_moe\\.experts\\.deepspeed_experts\\.(\\d+)\\.(dense_h_to_4h|dense_4h_to_h)\\.(weight|bias)'\n"
+                 "      name: 'layers.{block}.mlp.deepspeed_moe.experts.deepspeed_experts.{1}.{2}.{3}'\n"
+                 "      replicated: true\n"
+                 "      expert: 1\n")
+SPLIT_EXPERTS = ''.join(
+    f"    - key: 'mlp\\.deepspeed_moe\\.experts\\.deepspeed_experts\\.(\\d+)\\.{key}'\n"
+    f"      name: 'layers.{{block}}.mlp.deepspeed_moe.experts.deepspeed_experts.{{1}}.{name}'\n"
+    f"      {policy}\n"
+    "      expert: 1\n"
+    for key, name, policy in [('dense_h_to_4h\\.(weight|bias)', 'dense_h_to_4h.{2}', 'split: column'),
+                              ('dense_4h_to_h\\.weight', 'dense_4h_to_h.weight', 'split: row'),
+                              ('dense_4h_to_h\\.bias', 'dense_4h_to_h.bias', 'replicated: true')])
+
+
 def tensors_of(value):
     """The tensors of a nested state, in order."""
     if isinstance(value, torch.Tensor):
@@ -235,6 +262,30 @@ class MoeConvertTests(FixtureTestCase):
                 self.assert_expp_copies_of_shards(b, want)
                 self.assert_same_model(a, b, cfg)
                 self.assert_round_trip(a, b, cfg, f'c{i}')
+
+    def test_expert_tp_saves_give_the_fixture_at_the_target_layout(self):
+        rules = {}
+        for engine, path in RULES.items():
+            with open(path) as f:
+                text = f.read()
+            self.assertIn(WHOLE_EXPERTS, text)
+            rules[engine] = self.path(f'expert_tp_{engine}.yaml')
+            with open(rules[engine], 'w') as f:
+                f.write(text.replace(WHOLE_EXPERTS, SPLIT_EXPERTS))
+        for i, (cfg, tp, pp, ep, dp) in enumerate(EXPERT_TP_CASES):
+            with self.subTest(case=i, engine=cfg.engine, tp=f'{cfg.tp}->{tp}', pp=f'{cfg.pp}->{pp}', ep=f'{cfg.ep}->{ep}'):
+                a = self.write(f'a{i}', cfg)
+                b = self.path(f'b{i}')
+                want = layout(cfg, pp, ep, dp, tp)
+                p = run('convert', a, os.path.join(b, cfg.tag), '--tp', str(tp), '--pp', str(pp), '--ep', str(ep),
+                        '--dp', str(dp), '--rules', rules[cfg.engine])
+                self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+                self.assertEqual(differences(dm.structure(self.write(f'w{i}', want)), dm.structure(b)), [])
+                self.assertEqual(dm.canonical_differences(b, want), [])
+                self.assert_expp_copies_of_shards(b, want)
+                p = run('verify', a, b, '--rules', rules[cfg.engine])
+                self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+                self.assertIn('same model', p.stdout)
 
     def test_tp_change_merges_drifted_replicas_only_as_told(self):
         """A replicated tensor whose TP copies differ: a TP change refuses it under the default
@@ -464,19 +515,6 @@ class MoeConvertTests(FixtureTestCase):
                 self.assertEqual(len(p.stderr.strip().splitlines()), 1, p.stderr)
                 self.assertIn(message, p.stderr)
                 self.assertFalse(os.path.exists(self.path('out')))
-        # Experts split over TP (expert-TP) by the rules: their TP changes are not made.
-        with open(RULES['module']) as f:
-            rules = f.read()
-        whole = ("      name: 'layers.{block}.mlp.deepspeed_moe.experts.deepspeed_experts.{1}.{2}.{3}'\n"
-                 "      replicated: true\n")
-        self.assertIn(whole, rules)
-        split = self.path('expert_tp.yaml')
-        with open(split, 'w') as f:
-            f.write(rules.replace(whole, whole.replace('replicated: true', 'split: column')))
-        p = run('convert', a, self.path('out', 'global_step2'), '--tp', '2', '--pp', '1', '--rules', split)
-        self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
-        self.assertIn('experts are split over TP (expert-TP', p.stderr)
-        self.assertFalse(os.path.exists(self.path('out')))
         dense = make_fixture(self.path('dense'), style='ms_gpt2', tp=1, pp=2, dp=2)
         p = run('convert', dense, self.path('out', 'global_step10'), '--tp', '1', '--pp', '2', '--ep', '2')
         self.assertEqual(p.returncode, 2, p.stdout + p.stderr)

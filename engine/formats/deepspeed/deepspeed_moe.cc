@@ -143,13 +143,7 @@ class MoeSource : public DeepSpeedModelSource {
 
   Status CheckTpChange(int tp) const {
     for (const LogicalLayer& layer : ckpt().layers) {
-      for (const LogicalTensor& t : layer.tensors) {
-        if (t.rule->expert > 0 && t.rule->policy != ParamRule::Policy::kReplicated) {
-          return Status::Unsupported("changing TP of a MoE checkpoint whose experts are split over TP (expert-TP, "
-                                     "as " + t.key + ") is not implemented; keep --tp " + std::to_string(ckpt().tp));
-        }
-        RESHARD_RETURN_IF_ERROR(CheckSplittable(t, tp));
-      }
+      for (const LogicalTensor& t : layer.tensors) RESHARD_RETURN_IF_ERROR(CheckSplittable(t, tp));
     }
     return Status::Ok();
   }
@@ -158,10 +152,9 @@ class MoeSource : public DeepSpeedModelSource {
     return options.target_pp != ckpt().pp || !options.layers_per_stage.empty();
   }
 
-  // The target layouts this conversion can write: TP changed only where
-  // experts are whole on every TP rank and every tensor splits, PP changed
-  // only for the pipeline engine (whose stages are spec ranges), EP dividing
-  // DP and every MoE layer's experts.
+  // The target layouts this conversion can write: TP changed where every
+  // tensor splits, PP changed only for the pipeline engine (whose stages are
+  // spec ranges), EP dividing DP and every MoE layer's experts.
   Status CheckTarget(const ConvertOptions& options, int ep, int dp) const {
     if (options.target_tp != ckpt().tp) RESHARD_RETURN_IF_ERROR(CheckTpChange(options.target_tp));
     if (ChangesStages(options) && !pipeline_names_) {

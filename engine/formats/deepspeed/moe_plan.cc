@@ -20,8 +20,6 @@ namespace reshard {
 namespace {
 
 // Where each parameter is in the logical checkpoint, by saved name.
-using TensorIndex = std::map<std::string, std::pair<int, int>>;
-
 TensorIndex IndexTensors(const LogicalCheckpoint& src) {
   TensorIndex index;
   for (size_t li = 0; li < src.layers.size(); ++li) {
@@ -558,7 +556,8 @@ std::string MoePlan::ToString(bool detail) const {
 
 Result<std::vector<Job>> MoeTargetPlan::Jobs(std::atomic<int64_t>* read) const {
   std::vector<Job> jobs;
-  for (const MoeStagePlan& stage : plan_.stages) RESHARD_RETURN_IF_ERROR(AddStageJobs(stage, read, &jobs));
+  const TensorIndex index = IndexTensors(src_);
+  for (const MoeStagePlan& stage : plan_.stages) RESHARD_RETURN_IF_ERROR(AddStageJobs(stage, index, read, &jobs));
   return jobs;
 }
 
@@ -573,6 +572,22 @@ Result<Value> MoeTargetPlan::CutModuleTensor(const MoeStagePlan& stage, const Mo
     tensor.as_tensor().requires_grad = like.as_tensor().requires_grad;
   }
   return tensor;
+}
+
+Result<Value> MoeTargetPlan::ExpertFile(const MoeStagePlan& stage, const MoeExpertFilePlan& file,
+                                        const TensorIndex& index, std::atomic<int64_t>* read) const {
+  RESHARD_ASSIGN_OR_RETURN(Value root, ReadDeepSpeedFile(file.source, allowed_classes_));
+  Items* items = MutableDictItems(root);
+  if (plan_.tp == plan_.source_tp || items == nullptr) return root;
+  for (auto& [key, value] : *items) {
+    auto at = key.is(Value::Kind::kString) ? index.find(key.as_string()) : index.end();
+    if (at == index.end()) {
+      return Status::InvalidInput(BaseName(file.source) + " holds " + key.DebugString() + ", which no rule describes");
+    }
+    RESHARD_ASSIGN_OR_RETURN(value, CutModuleTensor(stage, {0, key.as_string(), at->second.first, at->second.second},
+                                                    value, read));
+  }
+  return root;
 }
 
 Result<Value> MoeTargetPlan::ModelStates(const MoeStagePlan& stage, std::atomic<int64_t>* read) const {
@@ -606,14 +621,14 @@ Result<Value> MoeTargetPlan::ModelStates(const MoeStagePlan& stage, std::atomic<
   return states;
 }
 
-Status MoeTargetPlan::AddStageJobs(const MoeStagePlan& stage, std::atomic<int64_t>* read,
+Status MoeTargetPlan::AddStageJobs(const MoeStagePlan& stage, const TensorIndex& index, std::atomic<int64_t>* read,
                                    std::vector<Job>* jobs) const {
   const int mp = stage.mp;
   RESHARD_ASSIGN_OR_RETURN(Value states, ModelStates(stage, read));
   RESHARD_ASSIGN_OR_RETURN(Job model, TorchFileJob(ModelStatesFileName(mp), std::move(states)));
   jobs->push_back(std::move(model));
   for (const MoeExpertFilePlan& f : stage.expert_files) {
-    RESHARD_ASSIGN_OR_RETURN(Value root, ReadDeepSpeedFile(f.source, allowed_classes_));
+    RESHARD_ASSIGN_OR_RETURN(Value root, ExpertFile(stage, f, index, read));
     RESHARD_ASSIGN_OR_RETURN(Job job, TorchFileJob(f.name, std::move(root)));
     jobs->push_back(std::move(job));
   }

@@ -2,9 +2,10 @@
 // expert-parallel and data-parallel size, as plain data, and the TargetPlan
 // that writes it.
 //
-// At another TP each non-expert tensor is cut by its rule from every source
-// TP rank's; experts stay whole on every TP rank (expert-TP is refused), so
-// their files are copied from any. Target stage p owns the layers (spec ids) [b[p], b[p+1]):
+// At another TP each tensor is cut by its rule from every source TP rank's:
+// the non-expert ones in the module, the experts in their files (whole on
+// every TP rank, or split with expert-TP). Target stage p owns the layers
+// (spec ids) [b[p], b[p+1]):
 // DeepSpeed's partition of the target PP, or --layers-per-stage, or the
 // source's own stages when PP is kept. Its mp_rank file's module holds those
 // layers' non-expert tensors, drawn from every source stage that had them
@@ -25,6 +26,7 @@
 #pragma once
 
 #include <atomic>
+#include <map>
 #include <memory>
 #include <set>
 #include <string>
@@ -38,6 +40,10 @@
 #include "formats/format.h"
 
 namespace reshard {
+
+// Where each tensor of a MoE reader's layers is: (layer, tensor) indices by
+// the name it was saved under (MoeSaveName).
+using TensorIndex = std::map<std::string, std::pair<int, int>>;
 
 // A tensor of a target stage's module: its key in the source mp rank `mp`'s
 // module, and the logical tensor it is (src.layers[layer].tensors[tensor]).
@@ -119,9 +125,15 @@ class MoeTargetPlan : public TargetPlan {
   Result<std::vector<Job>> Jobs(std::atomic<int64_t>* read) const override;
 
  private:
-  Status AddStageJobs(const MoeStagePlan& stage, std::atomic<int64_t>* read, std::vector<Job>* jobs) const;
+  Status AddStageJobs(const MoeStagePlan& stage, const TensorIndex& index, std::atomic<int64_t>* read,
+                      std::vector<Job>* jobs) const;
   // The stage's mp_rank file: the source metadata with the stage's module.
   Result<Value> ModelStates(const MoeStagePlan& stage, std::atomic<int64_t>* read) const;
+  // An expert file of the stage: the source's, its tensors cut for the
+  // stage's TP rank when TP changes (whole experts are taken from TP rank 0's
+  // or merged by the replicated policy; expert-TP ones cut by their rules).
+  Result<Value> ExpertFile(const MoeStagePlan& stage, const MoeExpertFilePlan& file, const TensorIndex& index,
+                           std::atomic<int64_t>* read) const;
   // A module tensor at the stage's TP rank, cut from every source TP rank's.
   Result<Value> CutModuleTensor(const MoeStagePlan& stage, const MoeModuleEntry& entry, const Value& like,
                                 std::atomic<int64_t>* read) const;
