@@ -561,17 +561,17 @@ Result<std::vector<Job>> MoeTargetPlan::Jobs(std::atomic<int64_t>* read) const {
   return jobs;
 }
 
-Result<Value> MoeTargetPlan::CutModuleTensor(const MoeStagePlan& stage, const MoeModuleEntry& entry,
-                                             const Value& like, std::atomic<int64_t>* read) const {
-  const LogicalTensor& t = src_.layers[entry.layer].tensors[entry.tensor];
-  const TensorPlan plan = PlanTensor(src_, entry.layer, entry.tensor, stage.tp_rank, plan_.tensors);
+Result<Value> MoeTargetPlan::CutTensor(const MoeStagePlan& stage, int layer, int tensor, const Value& like,
+                                       std::atomic<int64_t>* read) const {
+  const LogicalTensor& t = src_.layers[layer].tensors[tensor];
+  const TensorPlan plan = PlanTensor(src_, layer, tensor, stage.tp_rank, plan_.tensors);
   RESHARD_ASSIGN_OR_RETURN(ByteProducer produce, WeightProducer(src_, opt_, t, plan, read));
-  Value tensor = MakeProducedTensor(src_.WeightDType(t), plan.shape, std::move(produce));
+  Value cut = MakeProducedTensor(src_.WeightDType(t), plan.shape, std::move(produce));
   if (like.is(Value::Kind::kTensor)) {
-    tensor.as_tensor().storage->location = like.as_tensor().storage->location;
-    tensor.as_tensor().requires_grad = like.as_tensor().requires_grad;
+    cut.as_tensor().storage->location = like.as_tensor().storage->location;
+    cut.as_tensor().requires_grad = like.as_tensor().requires_grad;
   }
-  return tensor;
+  return cut;
 }
 
 Result<Value> MoeTargetPlan::ExpertFile(const MoeStagePlan& stage, const MoeExpertFilePlan& file,
@@ -584,8 +584,7 @@ Result<Value> MoeTargetPlan::ExpertFile(const MoeStagePlan& stage, const MoeExpe
     if (at == index.end()) {
       return Status::InvalidInput(BaseName(file.source) + " holds " + key.DebugString() + ", which no rule describes");
     }
-    RESHARD_ASSIGN_OR_RETURN(value, CutModuleTensor(stage, {0, key.as_string(), at->second.first, at->second.second},
-                                                    value, read));
+    RESHARD_ASSIGN_OR_RETURN(value, CutTensor(stage, at->second.first, at->second.second, value, read));
   }
   return root;
 }
@@ -609,7 +608,7 @@ Result<Value> MoeTargetPlan::ModelStates(const MoeStagePlan& stage, std::atomic<
       out.emplace_back(Value::String(e.key), WithOwnStorage(saved));
       continue;
     }
-    RESHARD_ASSIGN_OR_RETURN(Value cut, CutModuleTensor(stage, e, saved, read));
+    RESHARD_ASSIGN_OR_RETURN(Value cut, CutTensor(stage, e.layer, e.tensor, saved, read));
     out.emplace_back(Value::String(e.key), std::move(cut));
   }
   *tensors = std::move(out);

@@ -134,9 +134,10 @@ class MoeTargetPlan : public TargetPlan {
   // or merged by the replicated policy; expert-TP ones cut by their rules).
   Result<Value> ExpertFile(const MoeStagePlan& stage, const MoeExpertFilePlan& file, const TensorIndex& index,
                            std::atomic<int64_t>* read) const;
-  // A module tensor at the stage's TP rank, cut from every source TP rank's.
-  Result<Value> CutModuleTensor(const MoeStagePlan& stage, const MoeModuleEntry& entry, const Value& like,
-                                std::atomic<int64_t>* read) const;
+  // Tensor src.layers[layer].tensors[tensor] at the stage's TP rank, cut
+  // from every source TP rank's, stored as `like` (its saved tensor) was.
+  Result<Value> CutTensor(const MoeStagePlan& stage, int layer, int tensor, const Value& like,
+                          std::atomic<int64_t>* read) const;
 
   const LogicalCheckpoint& src_;
   const CheckpointFiles& files_;
