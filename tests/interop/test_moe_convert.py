@@ -286,6 +286,16 @@ class MoeConvertTests(FixtureTestCase):
                 p = run('verify', a, b, '--rules', rules[cfg.engine])
                 self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
                 self.assertIn('same model', p.stdout)
+        # A save with whole experts on every TP rank, read with the expert-TP rules: refused,
+        # rather than its copies joined into experts twice the size.
+        whole = self.write('whole', MoeConfig(engine='module', tp=2, dp=4, ep=2))
+        for command in (('lint', whole), ('convert', whole, self.path('out', 'global_step2'), '--tp', '1', '--pp', '1')):
+            with self.subTest(command=command[0]):
+                p = run(*command, '--rules', rules['module'])
+                self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
+                self.assertEqual(len(p.stderr.strip().splitlines()), 1, p.stderr)
+                self.assertIn('the save has whole experts on every TP rank', p.stderr)
+                self.assertFalse(os.path.exists(self.path('out')))
 
     def test_tp_change_merges_drifted_replicas_only_as_told(self):
         """A replicated tensor whose TP copies differ: a TP change refuses it under the default

@@ -6,7 +6,9 @@
 #include <optional>
 
 #include "formats/deepspeed/file_names.h"
+#include "formats/deepspeed/state_tensor.h"
 #include "logical/rule_selection.h"
+#include "util/shape.h"
 #include "util/strings.h"
 
 namespace reshard {
@@ -242,6 +244,35 @@ Status CheckRecordedDegrees(const LogicalCheckpoint& ckpt) {
   return Status::Ok();
 }
 
+// A rule set that splits the experts over TP (expert-TP) read on a save
+// whose TP ranks each hold whole experts would join identical copies into
+// experts TP times too big. Refused when every TP rank's part of each split
+// expert matrix of the first MoE layer equals TP rank 0's, as parts of
+// trained (or randomly initialised) weights never do.
+Status CheckExpertSplit(const LogicalCheckpoint& ckpt) {
+  if (ckpt.tp < 2) return Status::Ok();
+  for (const LogicalLayer& layer : ckpt.layers) {
+    const LogicalTensor* split = nullptr;
+    for (const LogicalTensor& t : layer.tensors) {
+      if (t.rule == nullptr || t.rule->expert == 0 || t.rule->policy != ParamRule::Policy::kSplit ||
+          t.local_shape.size() < 2) {
+        continue;
+      }
+      for (int r = 1; r < ckpt.tp; ++r) {
+        if (!SameElements(t.shards[0], t.shards[r], ShapeNumel(t.local_shape), ElementSize(t.dtype))) {
+          return Status::Ok();
+        }
+      }
+      split = &t;
+    }
+    if (split == nullptr) continue;
+    return Status::InvalidInput("every TP rank's expert files hold the same " + split->key + " of layer " +
+                                layer.label + ", which the rule set splits over TP (expert-TP): the save has "
+                                "whole experts on every TP rank; use a rule set whose expert rules are replicated");
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 Result<MoeModel> ReadMoeModel(CheckpointFiles files, const CommonOptions& options) {
@@ -290,6 +321,7 @@ Result<MoeModel> ReadMoeModel(CheckpointFiles files, const CommonOptions& option
                   "folder if it does not belong to the checkpoint)");
   }
   RESHARD_RETURN_IF_ERROR(DescribeCheckpoint(rules, options.set, &ckpt));
+  RESHARD_RETURN_IF_ERROR(CheckExpertSplit(ckpt));
   RESHARD_RETURN_IF_ERROR(DescribeMoeBlocks(ckpt, stage_of_layer, origins, &out.layout));
   return out;
 }
