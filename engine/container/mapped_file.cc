@@ -13,6 +13,8 @@
 #include <cstring>
 #include <mutex>
 
+#include "container/write_fully.h"
+
 namespace reshard {
 namespace {
 
@@ -173,17 +175,7 @@ void MappedFile::ReleasePages() const {
 }
 
 bool MappedFile::ReadInto(const uint8_t* from, size_t n, uint8_t* dst) const {
-  if (fd_ < 0) return false;
-  off_t offset = from - data_;
-  while (n > 0) {
-    const ssize_t got = ::pread(fd_, dst, n, offset);
-    if (got < 0 && errno == EINTR) continue;
-    if (got <= 0) return false;
-    dst += got;
-    offset += got;
-    n -= static_cast<size_t>(got);
-  }
-  return true;
+  return fd_ >= 0 && ReadFully(fd_, dst, n, from - data_) == 0;
 }
 
 void CopyFromView(const ByteView& view, const uint8_t* from, size_t n, uint8_t* dst,

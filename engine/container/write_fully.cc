@@ -19,4 +19,17 @@ int WriteFully(int fd, const uint8_t* data, size_t n, int64_t at) {
   return 0;
 }
 
+int ReadFully(int fd, uint8_t* dst, size_t n, int64_t at) {
+  while (n > 0) {
+    const ssize_t got = ::pread(fd, dst, n, at);
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0) return errno;
+    if (got == 0) return EIO;
+    dst += got;
+    n -= static_cast<size_t>(got);
+    at += got;
+  }
+  return 0;
+}
+
 }  // namespace reshard

@@ -1,5 +1,5 @@
-// WriteFully: the whole of a byte range to a file descriptor, through short
-// writes and EINTR.
+// WriteFully / ReadFully: the whole of a byte range to or from a file
+// descriptor, through short writes and reads and EINTR.
 #pragma once
 
 #include <cstddef>
@@ -10,5 +10,9 @@ namespace reshard {
 // Writes all of [data, data + n) at the file position (at < 0) or at `at`.
 // Returns 0 or the errno of the failure.
 int WriteFully(int fd, const uint8_t* data, size_t n, int64_t at = -1);
+
+// Reads all of [at, at + n) of the file into `dst`. Returns 0, the errno of
+// the failure, or EIO when the file ends first.
+int ReadFully(int fd, uint8_t* dst, size_t n, int64_t at);
 
 }  // namespace reshard

@@ -7,11 +7,13 @@
 #include <cstring>
 #include <vector>
 
+#include "container/write_fully.h"
+
 namespace reshard {
 namespace {
 
-std::string Error(const std::string& what, const std::string& dir) {
-  return what + " a scratch file in " + dir + ": " + std::strerror(errno);
+std::string Error(const std::string& what, const std::string& dir, int error = errno) {
+  return what + " a scratch file in " + dir + ": " + std::strerror(error);
 }
 
 // A file of `dir` without a name: O_TMPFILE, or where the file system lacks
@@ -54,28 +56,13 @@ ScratchFile::~ScratchFile() {
 }
 
 Status ScratchFile::Write(int64_t offset, const uint8_t* bytes, int64_t n) const {
-  while (n > 0) {
-    const ssize_t done = ::pwrite(fd_, bytes, static_cast<size_t>(n), offset);
-    if (done < 0 && errno == EINTR) continue;
-    if (done <= 0) return Status::IoError(Error("cannot write", dir_));
-    bytes += done;
-    offset += done;
-    n -= done;
-  }
-  return Status::Ok();
+  const int error = WriteFully(fd_, bytes, static_cast<size_t>(n), offset);
+  return error == 0 ? Status::Ok() : Status::IoError(Error("cannot write", dir_, error));
 }
 
 Status ScratchFile::Read(int64_t offset, int64_t n, uint8_t* out) const {
-  while (n > 0) {
-    const ssize_t got = ::pread(fd_, out, static_cast<size_t>(n), offset);
-    if (got < 0 && errno == EINTR) continue;
-    if (got < 0) return Status::IoError(Error("cannot read", dir_));
-    if (got == 0) return Status::Internal("a scratch file in " + dir_ + " ended before the bytes asked of it");
-    out += got;
-    offset += got;
-    n -= got;
-  }
-  return Status::Ok();
+  const int error = ReadFully(fd_, out, static_cast<size_t>(n), offset);
+  return error == 0 ? Status::Ok() : Status::IoError(Error("cannot read", dir_, error));
 }
 
 void ScratchFolder::Use(const std::string& dir) {

@@ -75,7 +75,9 @@ class MoeSource : public DeepSpeedModelSource {
     const int ep = options.target_ep > 0 ? options.target_ep : layout_.ep;
     const int dp = options.target_dp > 0 ? options.target_dp : ckpt().dp;
     RESHARD_RETURN_IF_ERROR(CheckTarget(options, ep, dp));
-    RESHARD_ASSIGN_OR_RETURN(std::vector<int> bounds, TargetBounds(options, ep));
+    RESHARD_ASSIGN_OR_RETURN(const int64_t padded_vocab,
+                             TargetPaddedVocab(ckpt(), options.target_tp, options.vocab_size));
+    RESHARD_ASSIGN_OR_RETURN(std::vector<int> bounds, TargetBounds(options, ep, padded_vocab));
     const MoeOptimizer* opt = nullptr;
     RESHARD_ASSIGN_OR_RETURN(const bool has_state, HasState());
     if (has_state && options.weights_only) {
@@ -89,9 +91,9 @@ class MoeSource : public DeepSpeedModelSource {
       RESHARD_RETURN_IF_ERROR(opt != nullptr ? CheckReplicas(options.replicated, notes)
                                              : CheckWeightDrift(ckpt(), options.replicated, notes));
     }
-    MoeTarget target{ep, dp, bounds, options.replicated, options.target_tp};
-    RESHARD_ASSIGN_OR_RETURN(target.padded_vocab, TargetPaddedVocab(ckpt(), options.target_tp, options.vocab_size));
-    RESHARD_ASSIGN_OR_RETURN(MoePlan plan, MakeMoePlan(ckpt(), files(), layout_, opt, target));
+    RESHARD_ASSIGN_OR_RETURN(MoePlan plan,
+                             MakeMoePlan(ckpt(), files(), layout_, opt,
+                                         MoeTarget{ep, dp, bounds, options.replicated, options.target_tp, padded_vocab}));
     notes->insert(notes->end(), plan.notes.begin(), plan.notes.end());
     return std::unique_ptr<TargetPlan>(new MoeTargetPlan(ckpt(), files(), opt, allowed_classes_, std::move(plan)));
   }
@@ -180,9 +182,8 @@ class MoeSource : public DeepSpeedModelSource {
 
   // The target stages: the source's when PP is kept, else DeepSpeed's
   // partition at the target EP (or --layers-per-stage).
-  Result<std::vector<int>> TargetBounds(const ConvertOptions& options, int ep) const {
+  Result<std::vector<int>> TargetBounds(const ConvertOptions& options, int ep, int64_t padded_vocab) const {
     if (!ChangesStages(options)) return SourceStageBounds(ckpt());
-    RESHARD_ASSIGN_OR_RETURN(int64_t padded_vocab, TargetPaddedVocab(ckpt(), options.target_tp, options.vocab_size));
     return TargetStageBounds(ckpt(), options.target_pp, options.target_tp, padded_vocab, options.layers_per_stage, ep);
   }
 

@@ -253,10 +253,9 @@ Value Zero3Checkpoint::TargetModelStates(int mp, const Zero3Target& t, int d) co
   return model;
 }
 
-ByteProducer Zero3Checkpoint::TargetFlat(int mp, std::shared_ptr<const Zero3Target> target, size_t sg,
-                                         std::string state, int d, std::atomic<int64_t>* read) const {
-  return [this, mp, target = std::move(target), sg, state = std::move(state), d, read](
-             int64_t offset, int64_t length, uint8_t* dst) -> Status {
+Value Zero3Checkpoint::FlatTensor(int mp, const std::shared_ptr<const Zero3Target>& target, size_t sg,
+                                  const std::string& state, int d, std::atomic<int64_t>* read) const {
+  auto produce = [this, mp, target, sg, state, d, read](int64_t offset, int64_t length, uint8_t* dst) -> Status {
     int64_t begin = 0, end = 0;
     RESHARD_RETURN_IF_ERROR(ElementRange(offset, length, 4, &begin, &end));
     const std::vector<Zero3Param>& sub_group = target->sub_groups[sg];
@@ -279,12 +278,7 @@ ByteProducer Zero3Checkpoint::TargetFlat(int mp, std::shared_ptr<const Zero3Targ
     }
     return Status::Ok();
   };
-}
-
-Value Zero3Checkpoint::FlatTensor(int mp, const std::shared_ptr<const Zero3Target>& target, size_t sg,
-                                  const std::string& state, int d, std::atomic<int64_t>* read) const {
-  return MakeProducedTensor(DType::kFloat32, {FlatLength(target->sub_groups[sg], target->dp)},
-                            TargetFlat(mp, target, sg, state, d, read));
+  return MakeProducedTensor(DType::kFloat32, {FlatLength(target->sub_groups[sg], target->dp)}, std::move(produce));
 }
 
 Value Zero3Checkpoint::TargetOptimizer(int mp, const std::shared_ptr<const Zero3Target>& target, int d,

@@ -90,8 +90,6 @@ class Zero3Checkpoint {
   // flat would grow with the parameters).
   Value FlatTensor(int mp, const std::shared_ptr<const Zero3Target>& target, size_t sg, const std::string& state,
                    int d, std::atomic<int64_t>* read) const;
-  ByteProducer TargetFlat(int mp, std::shared_ptr<const Zero3Target> target, size_t sg, std::string state, int d,
-                          std::atomic<int64_t>* read) const;
   const Value* Flat(int mp, int d, int sub_group, const std::string& state) const;
 
   CheckpointFiles files_;
