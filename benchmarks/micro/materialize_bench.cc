@@ -51,10 +51,12 @@ std::unique_ptr<Fixture> Make(DType dtype, std::vector<int64_t> full, int dim, i
         SourceShard::Of(f->shard_values[t].as_tensor(), ShardCoords{static_cast<int>(t)}));
   }
   f->plan.shape = full;
+  f->plan.cut_axis = dim;
   f->plan.average = average;
   if (!average) {
     for (int t = 0; t < tp; ++t) {
-      f->plan.copies.push_back(SliceCopy{t, dim, 0, t * local[dim], local[dim]});
+      f->plan.copies.push_back(BoxCopy{t, std::vector<int64_t>(local.size(), 0),
+                                       Box::Slab(full, dim, t * local[dim], local[dim])});
     }
   }
   return f;

@@ -99,6 +99,20 @@ void OnBusError(int sig, siginfo_t* info, void*) {
 
 }  // namespace
 
+std::string MappedFile::Name(const FileWindow& window) const {
+  if (window.offset == 0 && window.size == size_) return path_;
+  return path_ + " [bytes " + std::to_string(window.offset) + "-" +
+         std::to_string(window.offset + window.size) + ")";
+}
+
+Status MappedFile::CheckWindow(const FileWindow& window) const {
+  if (window.offset <= size_ && window.size <= size_ - window.offset) return Status::Ok();
+  return Status::InvalidInput(path_ + ": " + std::to_string(window.size) + " bytes at offset " +
+                              std::to_string(window.offset) + " run past the file's end (" +
+                              std::to_string(size_) + " bytes); the file is truncated or the "
+                              "index that places them is damaged");
+}
+
 Status CheckMappedFilesUnchanged() {
   std::lock_guard<std::mutex> lock(mapped_mu);
   for (size_t i = 0; i < mapped_count.load(); ++i) {

@@ -13,6 +13,14 @@
 
 namespace reshard {
 
+// A byte range of a file that holds a container of its own: PyTorch
+// Distributed Checkpoint stores each item as a whole torch.save archive at an
+// offset of a `.distcp` file, with offsets inside it relative to its start.
+struct FileWindow {
+  uint64_t offset = 0;
+  uint64_t size = 0;
+};
+
 class MappedFile {
  public:
   static Result<std::shared_ptr<const MappedFile>> Open(const std::string& path);
@@ -23,6 +31,13 @@ class MappedFile {
   const uint8_t* data() const { return data_; }
   size_t size() const { return size_; }
   const std::string& path() const { return path_; }
+  // The whole file as a window.
+  FileWindow whole() const { return FileWindow{0, size_}; }
+  // Refuses a window that does not lie inside the file (InvalidInput).
+  Status CheckWindow(const FileWindow& window) const;
+  // How messages name the bytes of `window`: the path alone for the whole
+  // file, else "path [bytes a-b)".
+  std::string Name(const FileWindow& window) const;
 
   // Drops the file's pages from this process; they stay in the page cache
   // and are read again from it when touched.

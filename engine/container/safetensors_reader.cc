@@ -77,21 +77,30 @@ Status CheckNoOverlap(const std::vector<Entry>& entries, const std::string& path
 
 Result<SafetensorsFile> ReadSafetensors(const std::string& path) {
   RESHARD_ASSIGN_OR_RETURN(std::shared_ptr<const MappedFile> file, MappedFile::Open(path));
+  const FileWindow whole = file->whole();
+  return ReadSafetensors(std::move(file), whole);
+}
+
+Result<SafetensorsFile> ReadSafetensors(std::shared_ptr<const MappedFile> file, const FileWindow& window) {
+  RESHARD_RETURN_IF_ERROR(file->CheckWindow(window));
+  const std::string path = file->Name(window);
+  const uint8_t* start = file->data() + window.offset;
+  const uint64_t size = window.size;
   uint64_t header_bytes = 0;
-  if (file->size() >= 8) {
-    FetchExactly(file->data(), 8);
-    for (int i = 7; i >= 0; --i) header_bytes = (header_bytes << 8) | file->data()[i];
+  if (size >= 8) {
+    FetchExactly(start, 8);
+    for (int i = 7; i >= 0; --i) header_bytes = (header_bytes << 8) | start[i];
   }
-  if (file->size() < 8 || header_bytes > kMaxHeaderBytes || header_bytes > file->size() - 8) {
+  if (size < 8 || header_bytes > kMaxHeaderBytes || header_bytes > size - 8) {
     return Status::InvalidInput(path + " is not a safetensors file (its first 8 bytes are not the length of a "
                                 "header inside the file)");
   }
-  FetchExactly(file->data() + 8, header_bytes);
-  const std::string_view text(reinterpret_cast<const char*>(file->data() + 8), header_bytes);
+  FetchExactly(start + 8, header_bytes);
+  const std::string_view text(reinterpret_cast<const char*>(start + 8), header_bytes);
   RESHARD_ASSIGN_OR_RETURN(Value header, ParseJson(text, path + "'s header"));
   const Items* items = header.is(Value::Kind::kDict) ? DictItems(header) : nullptr;
   if (items == nullptr) return Status::InvalidInput(path + "'s header is not a JSON object; it is not a safetensors file");
-  const int64_t data_bytes = static_cast<int64_t>(file->size() - 8 - header_bytes);
+  const int64_t data_bytes = static_cast<int64_t>(size - 8 - header_bytes);
   SafetensorsFile out;
   std::vector<Entry> entries;
   for (const auto& [key, v] : *items) {
@@ -106,7 +115,7 @@ Result<SafetensorsFile> ReadSafetensors(const std::string& path) {
     return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
   });
   RESHARD_RETURN_IF_ERROR(CheckNoOverlap(entries, path));
-  const uint8_t* data = file->data() + 8 + header_bytes;
+  const uint8_t* data = start + 8 + header_bytes;
   for (const Entry& e : entries) {
     ByteView bytes{file, data + e.begin, static_cast<size_t>(e.end - e.begin), /*mapped=*/true};
     out.tensors.emplace_back(e.name, MakeTensorOver(e.dtype, e.shape, std::move(bytes)));

@@ -9,10 +9,12 @@
 // not overlap. Any problem is one error naming the file and the tensor.
 #pragma once
 
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "container/mapped_file.h"
 #include "pickle/value.h"
 #include "reshard/status.h"
 
@@ -25,5 +27,9 @@ struct SafetensorsFile {
 };
 
 Result<SafetensorsFile> ReadSafetensors(const std::string& path);
+
+// The safetensors file filling `window` of `file`, its offsets relative to
+// the window's start; its tensors are bound inside `file`.
+Result<SafetensorsFile> ReadSafetensors(std::shared_ptr<const MappedFile> file, const FileWindow& window);
 
 }  // namespace reshard

@@ -14,10 +14,11 @@ namespace {
 
 constexpr char kZipMagic[] = "PK\x03\x04";
 
-Status CheckZipMagic(const MappedFile& file) {
-  FetchExactly(file.data(), std::min<size_t>(4, file.size()));  // not the first read_ahead_kb of the file
-  if (file.size() < 4 || std::memcmp(file.data(), kZipMagic, 4) != 0) {
-    return Status::InvalidInput(file.path() +
+Status CheckZipMagic(const MappedFile& file, const FileWindow& window) {
+  const uint8_t* start = file.data() + window.offset;
+  FetchExactly(start, std::min<size_t>(4, window.size));  // not the first read_ahead_kb of the file
+  if (window.size < 4 || std::memcmp(start, kZipMagic, 4) != 0) {
+    return Status::InvalidInput(file.Name(window) +
                                 " is not a torch.save zip file (empty, truncated, or the legacy "
                                 "pre-1.6 format); re-save it with torch.save");
   }
@@ -62,26 +63,34 @@ StorageResolver MakeResolver(std::shared_ptr<const ZipDirectory> zip,
 
 Result<Value> ReadTorchFile(const std::string& path, const PickleReadOptions& options) {
   RESHARD_ASSIGN_OR_RETURN(std::shared_ptr<const MappedFile> file, MappedFile::Open(path));
-  RESHARD_RETURN_IF_ERROR(CheckZipMagic(*file));
-  RESHARD_ASSIGN_OR_RETURN(ZipDirectory directory, ZipDirectory::Read(*file));
+  const FileWindow whole = file->whole();
+  return ReadTorchArchive(std::move(file), whole, options);
+}
+
+Result<Value> ReadTorchArchive(std::shared_ptr<const MappedFile> file, const FileWindow& window,
+                               const PickleReadOptions& options) {
+  const std::string name = file->Name(window);
+  RESHARD_RETURN_IF_ERROR(file->CheckWindow(window));
+  RESHARD_RETURN_IF_ERROR(CheckZipMagic(*file, window));
+  RESHARD_ASSIGN_OR_RETURN(ZipDirectory directory, ZipDirectory::Read(*file, window));
   auto records = std::make_shared<const ZipDirectory>(std::move(directory));
   // The pickle is parsed where it lies in the map, as storages are bound.
   // Its CRC-32 is checked first (torch.load's reader does not): a damaged
   // pickle may still parse, into another object tree.
   const ZipRecord* pickle = records->Find("data.pkl");
   if (pickle == nullptr) {
-    return Status::InvalidInput(path + " has no data.pkl; it is not a torch.save file");
+    return Status::InvalidInput(name + " has no data.pkl; it is not a torch.save file");
   }
   const uint8_t* bytes = file->data() + pickle->data_offset;
   const size_t size = static_cast<size_t>(pickle->size);
   FetchExactly(bytes, size);
   if (Crc32(0, bytes, size) != pickle->crc) {
-    return Status::InvalidInput(path + ": its data.pkl does not have the CRC-32 its zip directory "
+    return Status::InvalidInput(name + ": its data.pkl does not have the CRC-32 its zip directory "
                                 "records; the file is damaged");
   }
   PickleReader reader(options, MakeResolver(records, file));
   Result<Value> root = reader.Parse(bytes, size);
-  if (!root.ok()) return root.status().WithContext(path);
+  if (!root.ok()) return root.status().WithContext(name);
   file->ReleasePages();  // the pickle's and the zip headers': a checkpoint has many files
   return root;
 }

@@ -9,10 +9,12 @@
 #pragma once
 
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "container/crc32.h"
+#include "container/mapped_file.h"
 #include "pickle/pickle_reader.h"
 #include "pickle/value.h"
 #include "reshard/status.h"
@@ -24,6 +26,12 @@ namespace reshard {
 // storages do not fill their records exactly; Unsupported for pickled
 // classes and calls reshard refuses.
 Result<Value> ReadTorchFile(const std::string& path, const PickleReadOptions& options = {});
+
+// The torch.save archive filling `window` of `file` (a Distributed
+// Checkpoint item inside its `.distcp` file), read as ReadTorchFile reads a
+// whole file; its storages are bound inside `file`.
+Result<Value> ReadTorchArchive(std::shared_ptr<const MappedFile> file, const FileWindow& window,
+                               const PickleReadOptions& options = {});
 
 struct TorchWriteOptions {
   // The buffer tensor data streams through (reused across files); null or

@@ -68,13 +68,15 @@ struct Entry {
 
 class Parser {
  public:
-  explicit Parser(const MappedFile& file) : file_(file), data_(file.data()), size_(file.size()) {}
+  Parser(const MappedFile& file, const FileWindow& window)
+      : name_(file.Name(window)), base_(window.offset), data_(file.data() + window.offset),
+        size_(window.size) {}
 
   Status Run(std::string* archive, std::map<std::string, ZipRecord>* records) const;
 
  private:
   Status Error(const std::string& what) const {
-    return Status::InvalidInput(file_.path() + ": " + what);
+    return Status::InvalidInput(name_ + ": " + what);
   }
   Status RecordError(const std::string& name, const std::string& what) const {
     return Error("zip record '" + name + "' " + what);
@@ -84,9 +86,10 @@ class Parser {
   Status ReadEntry(const End& end, uint64_t* at, Entry* entry) const;
   Status CheckEntry(const Entry& entry, const End& end, ZipRecord* record) const;
 
-  const MappedFile& file_;
-  const uint8_t* data_;
-  uint64_t size_;
+  const std::string name_;
+  const uint64_t base_;  // the window's offset in the file
+  const uint8_t* data_;  // the window's first byte
+  const uint64_t size_;
 };
 
 // The end record is the last 22 bytes, or followed by a comment of the
@@ -221,6 +224,7 @@ Status Parser::Run(std::string* archive, std::map<std::string, ZipRecord>* recor
       }
       *archive = entry.name.substr(0, slash + 1);
     }
+    record.data_offset += base_;
     if (!records->emplace(entry.name, record).second) {
       return RecordError(entry.name, "appears twice in the zip directory; the file is damaged");
     }
@@ -230,9 +234,10 @@ Status Parser::Run(std::string* archive, std::map<std::string, ZipRecord>* recor
 
 }  // namespace
 
-Result<ZipDirectory> ZipDirectory::Read(const MappedFile& file) {
+Result<ZipDirectory> ZipDirectory::Read(const MappedFile& file, const FileWindow& window) {
+  RESHARD_RETURN_IF_ERROR(file.CheckWindow(window));
   ZipDirectory directory;
-  RESHARD_RETURN_IF_ERROR(Parser(file).Run(&directory.archive_, &directory.records_));
+  RESHARD_RETURN_IF_ERROR(Parser(file, window).Run(&directory.archive_, &directory.records_));
   return directory;
 }
 

@@ -9,6 +9,9 @@
 // agree with the directory (name, method, sizes); its data must lie inside
 // the file, before the directory; and no name may appear twice. Sizes and
 // offsets may be ZIP64's, and every sum of them is checked for overflow.
+//
+// The archive may be a window of a larger file (FileWindow): its offsets are
+// then relative to the window's start, and nothing outside it is read.
 #pragma once
 
 #include <cstdint>
@@ -23,15 +26,17 @@ namespace reshard {
 // Read does not check the records' CRC-32s, which would mean reading every
 // byte when the file is opened; CheckCrcs does (`lint --deep`).
 struct ZipRecord {
-  uint64_t data_offset = 0;  // of the record's first byte in the file
+  uint64_t data_offset = 0;  // of the record's first byte in the file (not the window)
   uint64_t size = 0;
   uint32_t crc = 0;          // as the directory records it
 };
 
 class ZipDirectory {
  public:
-  // Errors are InvalidInput naming `file` and the problem.
-  static Result<ZipDirectory> Read(const MappedFile& file);
+  // The archive filling `window` of `file` (which must hold it). Errors are
+  // InvalidInput naming the file, the window and the problem.
+  static Result<ZipDirectory> Read(const MappedFile& file, const FileWindow& window);
+  static Result<ZipDirectory> Read(const MappedFile& file) { return Read(file, file.whole()); }
 
   // The record `<archive>/<name>`, or null. The archive folder is that of the
   // first record, as PyTorchStreamReader takes it.

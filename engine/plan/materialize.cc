@@ -6,65 +6,100 @@
 namespace reshard {
 namespace {
 
-// Extent of `dim` and the elements per index of it (the product of later
-// dims); a 0-d tensor is one index of one element.
-struct DimSpan {
-  int64_t outer = 1, extent = 1, inner = 1;
+// Row-major strides of `shape`, in elements.
+std::vector<int64_t> Strides(const std::vector<int64_t>& shape) {
+  std::vector<int64_t> strides(shape.size(), 1);
+  for (size_t a = shape.size(); a-- > 1;) strides[a - 1] = strides[a] * shape[a];
+  return strides;
+}
+
+// The box `dst` of a target of `dst_shape`, read from the box of a source
+// of `src_shape` at `src_offsets`, as runs of elements contiguous on both
+// sides: the box's last axes that span both tensors whole join its runs.
+class BoxRuns {
+ public:
+  BoxRuns(const std::vector<int64_t>& dst_shape, const std::vector<int64_t>& src_shape,
+          const std::vector<int64_t>& src_offsets, const Box& dst)
+      : dst_(dst), src_offsets_(src_offsets), dst_strides_(Strides(dst_shape)),
+        src_strides_(Strides(src_shape)) {
+    axis_ = dst.rank();  // runs span the axes from axis_ on
+    while (axis_ > 0 && dst.sizes[axis_ - 1] == dst_shape[axis_ - 1] &&
+           dst_shape[axis_ - 1] == src_shape[axis_ - 1]) {
+      --axis_;
+    }
+    if (axis_ > 0) --axis_;  // and part of one more
+    run_ = dst.rank() == 0 ? 1 : dst.sizes[axis_] * dst_strides_[axis_];
+    count_ = dst.numel() == 0 ? 0 : 1;
+    for (int a = 0; a < axis_; ++a) count_ *= dst.sizes[a];
+  }
+
+  // Calls f(dst_element, src_element, n) for the runs' elements inside
+  // target elements [begin, end), in target order.
+  template <typename F>
+  void ForEach(int64_t begin, int64_t end, F f) const {
+    // Runs start in increasing target order: find the first ending past begin.
+    int64_t lo = 0, hi = count_;
+    while (lo < hi) {
+      const int64_t mid = lo + (hi - lo) / 2;
+      if (DstStart(mid) + run_ <= begin) lo = mid + 1; else hi = mid;
+    }
+    for (int64_t j = lo; j < count_; ++j) {
+      int64_t dst = 0, src = 0;
+      Starts(j, &dst, &src);
+      if (dst >= end) break;
+      const int64_t from = std::max(begin, dst), to = std::min(end, dst + run_);
+      f(from, src + (from - dst), to - from);
+    }
+  }
+
+ private:
+  int64_t DstStart(int64_t j) const {
+    int64_t dst = 0, src = 0;
+    Starts(j, &dst, &src);
+    return dst;
+  }
+  // The first target and source elements of run j (j counts the box's
+  // indices over the axes before axis_, row-major).
+  void Starts(int64_t j, int64_t* dst, int64_t* src) const {
+    for (int a = dst_.rank() - 1; a >= 0; --a) {
+      int64_t index = 0;
+      if (a < axis_) {
+        index = j % dst_.sizes[a];
+        j /= dst_.sizes[a];
+      }
+      *dst += (dst_.offsets[a] + index) * dst_strides_[a];
+      *src += (src_offsets_[a] + index) * src_strides_[a];
+    }
+  }
+
+  const Box& dst_;
+  const std::vector<int64_t>& src_offsets_;
+  std::vector<int64_t> dst_strides_, src_strides_;
+  int axis_ = 0;
+  int64_t run_ = 0, count_ = 0;
 };
 
-DimSpan SpanOf(const std::vector<int64_t>& shape, int dim) {
-  DimSpan s;
-  if (shape.empty()) return s;
-  for (int i = 0; i < dim; ++i) s.outer *= shape[i];
-  s.extent = shape[dim];
-  for (size_t i = dim + 1; i < shape.size(); ++i) s.inner *= shape[i];
-  return s;
-}
-
-// Calls f(dst_offset, src_offset, n) for every run of target elements in
-// [begin, end) that slice `c` fills; offsets are element indices of the
-// flattened target and source tensors. A slice fills one block of
-// length * inner elements per outer index.
-template <typename F>
-void ForEachRun(const DimSpan& d, const DimSpan& s, int64_t dst_start, int64_t src_start,
-                int64_t length, int64_t begin, int64_t end, F f) {
-  const int64_t block = length * d.inner;
-  const int64_t stride = d.extent * d.inner;
-  if (block == 0 || stride == 0) return;
-  for (int64_t o = begin / stride; o < d.outer && o * stride < end; ++o) {
-    const int64_t block_begin = o * stride + dst_start * d.inner;
-    const int64_t lo = std::max(begin, block_begin);
-    const int64_t hi = std::min(end, block_begin + block);
-    if (lo >= hi) continue;
-    const int64_t src = (o * s.extent + src_start) * s.inner + (lo - block_begin);
-    f(lo, src, hi - lo);
-  }
-}
-
-int64_t ApplyCopy(const SourceTensor& t, const SliceCopy& c, const std::vector<int64_t>& dst_shape,
+int64_t ApplyCopy(const SourceTensor& t, const BoxCopy& c, const std::vector<int64_t>& dst_shape,
                   int64_t begin, int64_t end, uint8_t* dst, TouchedPages* pages) {
   const int es = ElementSize(t.dtype);
   const SourceShard& shard = t.shards[c.src_shard];
   int64_t read = 0;
-  ForEachRun(SpanOf(dst_shape, c.dim), SpanOf(t.local_shape, c.dim), c.dst_start, c.src_start,
-             c.length, begin, end, [&](int64_t at, int64_t from, int64_t n) {
-               shard.Copy(from, n, es, dst + (at - begin) * es, pages);
-               read += n * es;
-             });
+  BoxRuns(dst_shape, t.local_shape, c.src_offsets, c.dst).ForEach(begin, end, [&](int64_t at, int64_t from, int64_t n) {
+    shard.Copy(from, n, es, dst + (at - begin) * es, pages);
+    read += n * es;
+  });
   return read;
 }
 
-void ApplyFill(DType dtype, const SliceFill& f, const std::vector<int64_t>& dst_shape,
-               int64_t begin, int64_t end, uint8_t* dst) {
+void ApplyFill(DType dtype, const BoxFill& f, const std::vector<int64_t>& dst_shape, int64_t begin,
+               int64_t end, uint8_t* dst) {
   const int es = ElementSize(dtype);
   uint8_t element[8] = {0};
   StoreFromDouble(dtype, f.value, element);
-  const DimSpan d = SpanOf(dst_shape, f.dim);
-  ForEachRun(d, d, f.dst_start, f.dst_start, f.length, begin, end,
-             [&](int64_t at, int64_t, int64_t n) {
-               uint8_t* out = dst + (at - begin) * es;
-               for (int64_t i = 0; i < n; ++i) std::memcpy(out + i * es, element, es);
-             });
+  BoxRuns(dst_shape, dst_shape, f.dst.offsets, f.dst).ForEach(begin, end, [&](int64_t at, int64_t, int64_t n) {
+    uint8_t* out = dst + (at - begin) * es;
+    for (int64_t i = 0; i < n; ++i) std::memcpy(out + i * es, element, es);
+  });
 }
 
 // The element-wise mean of every shard over [begin, end), a block at a time.
@@ -97,8 +132,8 @@ int64_t MaterializeRange(const SourceTensor& src, const TensorPlan& plan, int64_
                          int64_t end, uint8_t* dst, TouchedPages* pages) {
   if (plan.average) return Average(src, begin, end, dst, pages);
   int64_t read = 0;
-  for (const SliceCopy& c : plan.copies) read += ApplyCopy(src, c, plan.shape, begin, end, dst, pages);
-  for (const SliceFill& f : plan.fills) ApplyFill(src.dtype, f, plan.shape, begin, end, dst);
+  for (const BoxCopy& c : plan.copies) read += ApplyCopy(src, c, plan.shape, begin, end, dst, pages);
+  for (const BoxFill& f : plan.fills) ApplyFill(src.dtype, f, plan.shape, begin, end, dst);
   return read;
 }
 

@@ -1,8 +1,21 @@
 #include "plan/slicing.h"
 
 #include <algorithm>
+#include <optional>
 
 namespace reshard {
+namespace {
+
+// The target box a piece of `placement`'s global box `part` lands in.
+Box LocalBox(const Placement& placement, const Box& part) {
+  Box local = part;
+  for (int i = 0; i < part.rank(); ++i) {
+    local.offsets[i] = placement.local[i] + (part.offsets[i] - placement.global.offsets[i]);
+  }
+  return local;
+}
+
+}  // namespace
 
 std::vector<Piece> RankPieces(int64_t full, int parts, int tp, int rank) {
   const int64_t part = full / parts;
@@ -14,35 +27,64 @@ std::vector<Piece> RankPieces(int64_t full, int parts, int tp, int rank) {
   return pieces;
 }
 
-std::vector<SliceCopy> IntersectPieces(const std::vector<Piece>& target,
-                                       const std::vector<std::vector<Piece>>& source_by_rank,
-                                       int dim, int64_t available) {
-  std::vector<SliceCopy> copies;
-  for (const Piece& t : target) {
-    const int64_t t_end = std::min(t.full_start + t.length, available);
-    for (size_t rank = 0; rank < source_by_rank.size(); ++rank) {
-      for (const Piece& s : source_by_rank[rank]) {
-        const int64_t lo = std::max(t.full_start, s.full_start);
-        const int64_t hi = std::min(t_end, s.full_start + s.length);
-        if (lo >= hi) continue;
-        copies.push_back({static_cast<int>(rank), dim, s.local_start + (lo - s.full_start),
-                          t.local_start + (lo - t.full_start), hi - lo});
+std::vector<Placement> PlacementsOf(const std::vector<Piece>& pieces,
+                                    const std::vector<int64_t>& local_shape, int axis) {
+  std::vector<Placement> out;
+  for (const Piece& p : pieces) {
+    Placement placement{Box::Slab(local_shape, axis, p.full_start, p.length),
+                        std::vector<int64_t>(local_shape.size(), 0)};
+    placement.local[axis] = p.local_start;
+    out.push_back(std::move(placement));
+  }
+  return out;
+}
+
+std::vector<BoxCopy> IntersectPlacements(const std::vector<Placement>& target,
+                                         const std::vector<std::vector<Placement>>& source_by_shard,
+                                         const Box& available) {
+  std::vector<BoxCopy> copies;
+  for (const Placement& t : target) {
+    const std::optional<Box> wanted = Intersect(t.global, available);
+    if (!wanted) continue;
+    for (size_t shard = 0; shard < source_by_shard.size(); ++shard) {
+      for (const Placement& s : source_by_shard[shard]) {
+        const std::optional<Box> common = Intersect(*wanted, s.global);
+        if (!common) continue;
+        copies.push_back({static_cast<int>(shard), LocalBox(s, *common).offsets, LocalBox(t, *common)});
       }
     }
   }
   // Target order makes the writes sequential.
-  std::sort(copies.begin(), copies.end(),
-            [](const SliceCopy& a, const SliceCopy& b) { return a.dst_start < b.dst_start; });
+  std::sort(copies.begin(), copies.end(), [](const BoxCopy& a, const BoxCopy& b) {
+    return a.dst.offsets < b.dst.offsets;
+  });
   return copies;
 }
 
-std::vector<SliceFill> FillsBeyond(const std::vector<Piece>& target, int dim, int64_t available,
-                                   double value) {
-  std::vector<SliceFill> fills;
-  for (const Piece& t : target) {
-    const int64_t lo = std::max(t.full_start, available);
-    const int64_t hi = t.full_start + t.length;
-    if (lo < hi) fills.push_back({dim, t.local_start + (lo - t.full_start), hi - lo, value});
+// The part of each target placement outside `available` is cut into disjoint
+// boxes, one per axis: for axis a, the indices inside `available` on every
+// earlier axis, outside it on axis a (below or above), any on later axes.
+std::vector<BoxFill> FillsOutside(const std::vector<Placement>& target, const Box& available,
+                                  double value) {
+  std::vector<BoxFill> fills;
+  for (const Placement& t : target) {
+    Box inside = t.global;  // narrowed axis by axis to `available`
+    for (int a = 0; a < inside.rank(); ++a) {
+      const int64_t lo = std::max(inside.offsets[a], available.offsets[a]);
+      const int64_t hi = std::min(inside.end(a), available.end(a));
+      const int64_t outside_at[2][2] = {{inside.offsets[a], std::min(lo, inside.end(a))},
+                                        {std::max(hi, inside.offsets[a]), inside.end(a)}};
+      for (const auto& [from, to] : outside_at) {
+        if (from >= to) continue;
+        Box part = inside;
+        part.offsets[a] = from;
+        part.sizes[a] = to - from;
+        fills.push_back({LocalBox(t, part), value});
+      }
+      if (lo >= hi) break;  // nothing of this placement is inside
+      inside.offsets[a] = lo;
+      inside.sizes[a] = hi - lo;
+    }
   }
   return fills;
 }

@@ -101,7 +101,7 @@ TensorPlan PlanTensor(const LogicalCheckpoint& src, int layer_index, int tensor_
         IsFloatingPoint(t.dtype)) {
       plan.average = true;
     } else {
-      plan.copies.push_back({0, 0, 0, 0, plan.shape.empty() ? 1 : plan.shape[0]});
+      plan.copies.push_back({0, std::vector<int64_t>(plan.shape.size(), 0), Box::Whole(plan.shape)});
     }
     return plan;
   }
@@ -111,11 +111,16 @@ TensorPlan PlanTensor(const LogicalCheckpoint& src, int layer_index, int tensor_
   const int64_t src_full = t.full_shape[dim];
   const int64_t dst_full = vocab ? target.padded_vocab : src_full;
   const int src_tp = static_cast<int>(t.shards.size());
-  std::vector<std::vector<Piece>> sources;  // by shard index; shard s is source TP rank s
-  for (const SourceShard& shard : t.shards) sources.push_back(RankPieces(src_full, parts, src_tp, shard.at.tp));
-  const std::vector<Piece> pieces = RankPieces(dst_full, parts, target.tp, rank);
-  plan.copies = IntersectPieces(pieces, sources, dim, std::min(src_full, dst_full));
-  if (vocab) plan.fills = FillsBeyond(pieces, dim, src_full, target.vocab_pad_value);
+  std::vector<std::vector<Placement>> sources;  // by shard index; shard s is source TP rank s
+  for (const SourceShard& shard : t.shards) {
+    sources.push_back(PlacementsOf(RankPieces(src_full, parts, src_tp, shard.at.tp), t.local_shape, dim));
+  }
+  const std::vector<Placement> placements =
+      PlacementsOf(RankPieces(dst_full, parts, target.tp, rank), plan.shape, dim);
+  const Box available = Box::Whole(t.full_shape);
+  plan.cut_axis = dim;
+  plan.copies = IntersectPlacements(placements, sources, available);
+  if (vocab) plan.fills = FillsOutside(placements, available, target.vocab_pad_value);
   return plan;
 }
 
@@ -131,21 +136,36 @@ TensorPlan PlanFullTensor(const LogicalCheckpoint& src, int layer_index, int ten
 TensorPlan WholeShardPlan(int shard, int64_t numel) {
   TensorPlan plan;
   plan.shape = {numel};
-  plan.copies = {SliceCopy{shard, 0, 0, 0, numel}};
+  plan.copies = {BoxCopy{shard, {0}, Box::Whole(plan.shape)}};
   return plan;
 }
+
+namespace {
+
+// "[a,b)" of `axis` of a box at `offsets` with `sizes`; "[a,b)x[c,d)" of
+// every axis for axis -1. A 0-d box is the one index [0,1).
+std::string Interval(const std::vector<int64_t>& offsets, const std::vector<int64_t>& sizes, int axis) {
+  if (offsets.empty()) return "[0,1)";
+  std::string s;
+  for (size_t a = 0; a < offsets.size(); ++a) {
+    if (axis >= 0 && static_cast<int>(a) != axis) continue;
+    s += (s.empty() ? "[" : "x[") + std::to_string(offsets[a]) + "," +
+         std::to_string(offsets[a] + sizes[a]) + ")";
+  }
+  return s;
+}
+
+}  // namespace
 
 std::string DescribeSources(const TensorPlan& t) {
   if (t.average) return "mean of all TP replicas";
   std::string s;
-  for (const SliceCopy& c : t.copies) {
-    s += (s.empty() ? "" : ", ") + std::string("[") + std::to_string(c.dst_start) + "," +
-         std::to_string(c.dst_start + c.length) + ") <- tp" + std::to_string(c.src_shard) + "[" +
-         std::to_string(c.src_start) + "," + std::to_string(c.src_start + c.length) + ")";
+  for (const BoxCopy& c : t.copies) {
+    s += (s.empty() ? "" : ", ") + Interval(c.dst.offsets, c.dst.sizes, t.cut_axis) + " <- tp" +
+         std::to_string(c.src_shard) + Interval(c.src_offsets, c.dst.sizes, t.cut_axis);
   }
-  for (const SliceFill& f : t.fills) {
-    s += ", [" + std::to_string(f.dst_start) + "," + std::to_string(f.dst_start + f.length) +
-         ") = " + std::to_string(f.value);
+  for (const BoxFill& f : t.fills) {
+    s += ", " + Interval(f.dst.offsets, f.dst.sizes, t.cut_axis) + " = " + std::to_string(f.value);
   }
   return s;
 }

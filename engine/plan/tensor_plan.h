@@ -1,9 +1,11 @@
 // TensorPlan: how one target tensor is made from a logical tensor's shards,
 // as plain data.
 //
-// A target shard is filled by slices copied from source shards (SliceCopy,
+// A target shard is filled by boxes copied from source shards (BoxCopy,
 // naming the shard by its index in the logical tensor's shard table), by new
-// padding rows (SliceFill), or is the element-wise mean of all replicas.
+// padding (BoxFill), or is the element-wise mean of all replicas. Boxes are
+// N-dimensional, so a tensor cut on several axes at once (an FSDP shard of a
+// TP slice, a stacked layer axis) is planned like one cut on a single axis.
 // Making a plan reads no tensor data; materialize.h executes one.
 #pragma once
 
@@ -14,25 +16,21 @@
 
 #include "logical/logical_checkpoint.h"
 #include "reshard/reshard.h"
+#include "util/box.h"
 
 namespace reshard {
 
-// Copies indices [src_start, src_start + length) of `dim` of source shard
-// `src_shard` into [dst_start, dst_start + length) of the target tensor;
-// every other dimension is taken whole.
-struct SliceCopy {
+// Copies the box of source shard `src_shard` whose first index is
+// `src_offsets` (in the shard's local tensor) to the box `dst` of the target.
+struct BoxCopy {
   int src_shard = 0;
-  int dim = 0;
-  int64_t src_start = 0;
-  int64_t dst_start = 0;
-  int64_t length = 0;
+  std::vector<int64_t> src_offsets;
+  Box dst;
 };
 
-// Sets indices [dst_start, dst_start + length) of `dim` to `value`.
-struct SliceFill {
-  int dim = 0;
-  int64_t dst_start = 0;
-  int64_t length = 0;
+// Sets every element of the box `dst` of the target to `value`.
+struct BoxFill {
+  Box dst;
   double value = 0;
 };
 
@@ -41,8 +39,11 @@ struct TensorPlan {
   int tensor_index = 0;  //   .tensors[tensor_index]
   std::vector<int64_t> shape;  // the target shard's shape
   bool average = false;  // element-wise mean of all source replicas (no copies)
-  std::vector<SliceCopy> copies;
-  std::vector<SliceFill> fills;
+  std::vector<BoxCopy> copies;  // in the order of their first target element
+  std::vector<BoxFill> fills;
+  // The axis the tensor is cut along, the one DescribeSources prints; -1 for
+  // boxes cut on several axes, all of which it prints.
+  int cut_axis = 0;
   int64_t numel() const;
 };
 
@@ -90,7 +91,8 @@ TensorPlan PlanFullTensor(const LogicalCheckpoint& src, int layer_index, int ten
 // A 1-D target of `numel` elements copied whole from shard `shard`.
 TensorPlan WholeShardPlan(int shard, int64_t numel);
 
-// "[0,8) <- shard 1[0,8), [8,12) = 0.000000"
+// "[0,8) <- tp1[0,8), [8,12) = 0.000000": the copies and fills along the
+// cut axis (every axis, joined by "x", when cut_axis is -1).
 std::string DescribeSources(const TensorPlan& t);
 
 }  // namespace reshard

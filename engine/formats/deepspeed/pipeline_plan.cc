@@ -127,7 +127,7 @@ Status PlanOptimizer(const LogicalCheckpoint& src, const SourceOptimizer& opt, D
           PlanLocalSlot(ms.tp_rank, flat, &slot);
         }
         slot.moment = slot.master;
-        for (SliceFill& f : slot.moment.fills) f.value = 0;
+        for (BoxFill& f : slot.moment.fills) f.value = 0;
         stage.slots.back().push_back(std::move(slot));
       }
     }

@@ -60,7 +60,7 @@ void ExpectRangesAgree(const SourceTensor& t, const TensorPlan& plan) {
 TensorPlan RowParallelMerge() {
   TensorPlan plan;
   plan.shape = {3, 8};
-  plan.copies = {{0, 1, 0, 0, 4}, {1, 1, 0, 4, 4}};
+  plan.copies = {{0, {0, 0}, Box::Slab(plan.shape, 1, 0, 4)}, {1, {0, 0}, Box::Slab(plan.shape, 1, 4, 4)}};
   return plan;
 }
 
@@ -80,8 +80,8 @@ TEST(MaterializeRangeTest, SplittingRowsWithPaddingFill) {
   const SourceTensor t = TwoRanks(4, 4, {3, 9});
   TensorPlan plan;
   plan.shape = {5, 4};
-  plan.copies = {{1, 0, 1, 0, 3}};
-  plan.fills = {{0, 3, 2, 7.0}};
+  plan.copies = {{1, {1, 0}, Box::Slab(plan.shape, 0, 0, 3)}};
+  plan.fills = {{Box::Slab(plan.shape, 0, 3, 2), 7.0}};
   const std::vector<float> whole = Materialize(t, plan, 0, 20);
   EXPECT_EQ(whole[0], 1004.0f);
   EXPECT_EQ(whole[11], 1015.0f);
@@ -104,6 +104,48 @@ TEST(MaterializeRangeTest, ReadBytesCountOnlyTheRange) {
   const SourceTensor t = TwoRanks(3, 4, {});
   std::vector<float> out(5);
   EXPECT_EQ(MaterializeRange(t, RowParallelMerge(), 2, 7, reinterpret_cast<uint8_t*>(out.data()), nullptr), 5 * 4);
+}
+
+// A [2, 4, 6] tensor stored as four [1, 4, 3] shards, one per (layer, column
+// half): a stacked layer axis cut by pipeline stage and a row-parallel cut by
+// TP at once. Each copy is a box cut on two axes.
+TEST(MaterializeRangeTest, BoxesCutOnTwoAxes) {
+  SourceTensor t;
+  t.dtype = DType::kFloat32;
+  t.local_shape = {1, 4, 3};
+  TensorPlan plan;
+  plan.shape = {2, 4, 6};
+  plan.cut_axis = -1;
+  for (int layer = 0; layer < 2; ++layer) {
+    for (int half = 0; half < 2; ++half) {
+      auto values = std::make_shared<std::vector<float>>(12);
+      for (int64_t i = 0; i < 12; ++i) {
+        (*values)[i] = static_cast<float>(100 * layer + 6 * (i / 3) + 3 * half + i % 3);  // its global index
+      }
+      plan.copies.push_back({static_cast<int>(t.shards.size()), {0, 0, 0},
+                             Box{{layer, 0, 3 * half}, {1, 4, 3}}});
+      t.shards.push_back(ShardOf(values, {5}));
+    }
+  }
+  const std::vector<float> whole = Materialize(t, plan, 0, 48);
+  for (int64_t i = 0; i < 48; ++i) EXPECT_EQ(whole[i], 100 * (i / 24) + i % 24) << i;
+  ExpectRangesAgree(t, plan);
+  EXPECT_EQ(DescribeSources(plan).substr(0, 31), "[0,1)x[0,4)x[0,3) <- tp0[0,1)x[");
+}
+
+// A box from the middle of a source shard on both axes: rows 1-2, columns 2-4
+// of a [4, 6] source land at rows 0-1, columns 1-3 of a [2, 5] target whose
+// other columns are filled.
+TEST(MaterializeRangeTest, BoxFromTheMiddleOfASource) {
+  const SourceTensor t = TwoRanks(4, 6, {7});
+  TensorPlan plan;
+  plan.shape = {2, 5};
+  plan.copies = {{1, {1, 2}, Box{{0, 1}, {2, 3}}}};
+  plan.fills = {{Box{{0, 0}, {2, 1}}, -1.0}, {Box{{0, 4}, {2, 1}}, -2.0}};
+  const std::vector<float> whole = Materialize(t, plan, 0, 10);
+  const std::vector<float> want = {-1, 1008, 1009, 1010, -2, -1, 1014, 1015, 1016, -2};
+  EXPECT_EQ(whole, want);
+  ExpectRangesAgree(t, plan);
 }
 
 }  // namespace

@@ -83,11 +83,11 @@ TEST_F(PlanTest, BloomStagesVocabularyAndFiles) {
   EXPECT_EQ(emb->shape, (std::vector<int64_t>{32, 16}));
   ASSERT_EQ(emb->copies.size(), 1u);
   EXPECT_EQ(emb->copies[0].src_shard, 1);
-  EXPECT_EQ(emb->copies[0].src_start, 40);
-  EXPECT_EQ(emb->copies[0].length, 16);
+  EXPECT_EQ(emb->copies[0].src_offsets[0], 40);
+  EXPECT_EQ(emb->copies[0].dst.sizes[0], 16);
   ASSERT_EQ(emb->fills.size(), 1u);
-  EXPECT_EQ(emb->fills[0].dst_start, 16);
-  EXPECT_EQ(emb->fills[0].length, 16);
+  EXPECT_EQ(emb->fills[0].dst.offsets[0], 16);
+  EXPECT_EQ(emb->fills[0].dst.sizes[0], 16);
   ASSERT_FALSE(plan->notes.empty());
 }
 
@@ -129,11 +129,11 @@ TEST_F(PlanTest, SwiGluHalvesAreReshardedSeparately) {
   ASSERT_NE(h4h, nullptr);
   ASSERT_EQ(h4h->copies.size(), 4u);
   EXPECT_EQ(h4h->copies[1].src_shard, 1);
-  EXPECT_EQ(h4h->copies[1].src_start, 0);
-  EXPECT_EQ(h4h->copies[1].dst_start, 12);
+  EXPECT_EQ(h4h->copies[1].src_offsets[0], 0);
+  EXPECT_EQ(h4h->copies[1].dst.offsets[0], 12);
   EXPECT_EQ(h4h->copies[2].src_shard, 0);
-  EXPECT_EQ(h4h->copies[2].src_start, 12);
-  EXPECT_EQ(h4h->copies[2].dst_start, 24);
+  EXPECT_EQ(h4h->copies[2].src_offsets[0], 12);
+  EXPECT_EQ(h4h->copies[2].dst.offsets[0], 24);
 }
 
 TEST_F(PlanTest, RefusesLayoutsTheModelCannotTake) {
