@@ -1,6 +1,7 @@
 // The commands that write a checkpoint: open, check, plan, execute, commit,
-// update `latest`. reshard::Convert plans with the source's own format,
-// reshard::Export with another one.
+// then publish what the target format writes beside the output.
+// reshard::Convert plans with the source's own format, reshard::Export with
+// another one.
 #include <malloc.h>
 #include <sys/stat.h>
 
@@ -29,56 +30,47 @@
 namespace reshard {
 namespace {
 
-// What names the output beside it once it is in place: nothing, `latest`
-// (and the root's scripts), or `latest_universal`.
-enum class Publication { kNone, kLatest, kLatestUniversal };
+// The names of the pointer files `publication` writes.
+std::vector<std::string> PointerNames(const Publication& publication) {
+  std::vector<std::string> names;
+  for (const PointerFile& pointer : publication.pointers) names.push_back(pointer.name);
+  return names;
+}
 
-// Checks the output folder; writing `latest` into the input's root would
-// change which checkpoint the input root names, which is modifying the input.
+// Checks the output folder and what the plan publishes beside it.
 Result<OutputFolder> CheckOutput(const std::string& input, const SourceCheckpoint& src,
                                  const std::string& output, const WriteOptions& options,
-                                 Publication publish) {
+                                 const Publication& publication) {
   RESHARD_ASSIGN_OR_RETURN(OutputFolder out,
                            OutputFolder::Check(output, {input, src.tag_dir()}, options.overwrite));
   namespace fs = std::filesystem;
   std::error_code ec;
   const fs::path parent = fs::path(out.path()).parent_path();
-  if (publish != Publication::kNone) {
-    RESHARD_RETURN_IF_ERROR(CheckLatestReplaceable(
-        parent.string(), publish == Publication::kLatest ? "latest" : "latest_universal"));
-  }
-  if (publish == Publication::kLatest && fs::equivalent(parent, src.root_dir(), ec)) {
+  RESHARD_RETURN_IF_ERROR(CheckReplaceable(parent.string(), PointerNames(publication)));
+  if (!publication.protected_folder.empty() && fs::equivalent(parent, publication.protected_folder, ec)) {
     return Status::InvalidInput("the output folder " + out.path() + " is beside the input in " +
-                                parent.string() + ", whose 'latest' it would replace; choose a "
-                                "folder elsewhere or pass --no-update-latest");
+                                parent.string() + ", " + publication.protected_hint);
   }
   return out;
 }
 
-// Moves the finished folder into place, then `latest` (and
-// latest_checkpointed_iteration.txt where the source root has one).
-Status Publish(OutputFolder* out, const SourceCheckpoint& source, Publication publish,
-               std::vector<std::string>* notes) {
+// Moves the finished folder into place, then what the plan publishes beside it.
+Status Publish(OutputFolder* out, const Publication& publication, std::vector<std::string>* notes) {
   RESHARD_RETURN_IF_ERROR(out->Commit());
-  if (publish == Publication::kNone) return Status::Ok();
   namespace fs = std::filesystem;
   const fs::path out_path(out->path());
-  if (publish == Publication::kLatestUniversal) {
-    return UpdateLatest(out_path.parent_path().string(), out_path.filename().string(), std::nullopt,
-                        "latest_universal");
-  }
-  for (const std::string& name : source.RootFiles()) {
-    const std::string from = (fs::path(source.root_dir()) / name).string();
-    RESHARD_ASSIGN_OR_RETURN(bool copied, CopyIntoRoot(from, out_path.parent_path().string()));
+  const std::string parent = out_path.parent_path().string();
+  for (const std::string& from : publication.copies) {
+    const std::string name = fs::path(from).filename().string();
+    RESHARD_ASSIGN_OR_RETURN(bool copied, CopyIntoRoot(from, parent));
     notes->push_back(copied ? "copied " + name + " from the source root beside the output"
                             : name + " already exists beside the output; left as it is");
   }
-  std::optional<int64_t> iteration_file;
-  std::error_code ec;
-  if (fs::exists(fs::path(source.root_dir()) / "latest_checkpointed_iteration.txt", ec)) {
-    iteration_file = source.iteration();
+  std::vector<std::pair<std::string, std::string>> pointers;
+  for (const PointerFile& pointer : publication.pointers) {
+    pointers.emplace_back(pointer.name, pointer.text.value_or(out_path.filename().string()));
   }
-  return UpdateLatest(out_path.parent_path().string(), out_path.filename().string(), iteration_file);
+  return WriteFilesInOrder(parent, pointers);
 }
 
 // Times the phases of a conversion.
@@ -223,7 +215,7 @@ using PlanMaker = std::function<Result<std::unique_ptr<TargetPlan>>(const Source
                                                                       std::vector<std::string>* notes)>;
 
 Status Prepare(const std::string& input, const std::string& output, const WriteOptions& options,
-               Publication publish, const PlanMaker& make_plan, PhaseClock* clock, Prepared* p,
+               const PlanMaker& make_plan, PhaseClock* clock, Prepared* p,
                ConvertReport* report) {
   RESHARD_ASSIGN_OR_RETURN(p->src, OpenCheckpoint(input, options));
   RESHARD_RETURN_IF_ERROR(CheckVocabSize(*p->src, options.vocab_size));
@@ -232,7 +224,7 @@ Status Prepare(const std::string& input, const std::string& output, const WriteO
   RESHARD_ASSIGN_OR_RETURN(p->plan, make_plan(*p->src, &report->notes));
   report->plan = p->plan->ToString(options.dry_run);
   RESHARD_ASSIGN_OR_RETURN(OutputFolder folder,
-                           CheckOutput(input, *p->src, output, options, publish));
+                           CheckOutput(input, *p->src, output, options, p->plan->publication));
   p->out.emplace(std::move(folder));
   RESHARD_RETURN_IF_ERROR(SizeBuffers(options, p->plan->ScratchBytes(), &p->exec, report));
   RESHARD_ASSIGN_OR_RETURN(std::vector<Job> all, p->plan->Jobs(&p->read));
@@ -285,8 +277,8 @@ Status WriteManifest(const Prepared& p, const WriteOptions& options,
 }
 
 // Writes this process's share of the plan into the staging folder; the first
-// process moves the folder into place and `latest` once every process is done.
-Status Execute(Prepared* p, const WriteOptions& options, Publication publish, PhaseClock* clock,
+// process moves the folder into place, and publishes it, once every process is done.
+Status Execute(Prepared* p, const WriteOptions& options, PhaseClock* clock,
                ConvertReport* report) {
   Cluster* cluster = options.cluster;
   RESHARD_ASSIGN_OR_RETURN(auto staging, BeginOutput(&*p->out, p->fingerprint, cluster));
@@ -313,24 +305,23 @@ Status Execute(Prepared* p, const WriteOptions& options, Publication publish, Ph
   report->bytes_written = WrittenBytes(p->exec.dir, p->pieces, IsRoot(cluster));
   report->bytes_read = p->read.load();
   if (!IsRoot(cluster)) return Status::Ok();
-  RESHARD_RETURN_IF_ERROR(Publish(&*p->out, *p->src, publish, &report->notes));
+  RESHARD_RETURN_IF_ERROR(Publish(&*p->out, p->plan->publication, &report->notes));
   clock->End("commit");
   return Status::Ok();
 }
 
 // Everything a writing command does once its plan is known.
 Result<ConvertReport> WriteCheckpoint(const std::string& input, const std::string& output,
-                                      const WriteOptions& options, Publication publish,
-                                      const PlanMaker& make_plan) {
+                                      const WriteOptions& options, const PlanMaker& make_plan) {
   ConvertReport report;
   PhaseClock clock(&report);
   Prepared p;
-  Status ready = Prepare(input, output, options, publish, make_plan, &clock, &p, &report);
+  Status ready = Prepare(input, output, options, make_plan, &clock, &p, &report);
   if (options.dry_run) {
     RESHARD_RETURN_IF_ERROR(ready);
   } else {
     RESHARD_RETURN_IF_ERROR(AllOk(options.cluster, ready));
-    RESHARD_RETURN_IF_ERROR(Execute(&p, options, publish, &clock, &report));
+    RESHARD_RETURN_IF_ERROR(Execute(&p, options, &clock, &report));
     report.peak_memory = PeakResidentBytes();
   }
   report.seconds = clock.Total();
@@ -345,7 +336,6 @@ Result<ConvertReport> Convert(const std::string& input, const std::string& outpu
     return Status::InvalidInput("convert needs the target layout: --tp N and --pp N (both >= 1)");
   }
   return WriteCheckpoint(input, output, options,
-                         options.update_latest ? Publication::kLatest : Publication::kNone,
                          [&options](const SourceCheckpoint& src, std::vector<std::string>* notes)
                              -> Result<std::unique_ptr<TargetPlan>> {
                            if (options.target_ep > 0 && !src.HasExperts()) {
@@ -361,7 +351,6 @@ Result<ConvertReport> Export(const std::string& input, const std::string& output
                              const ExportOptions& options) {
   return WriteCheckpoint(
       input, output, options,
-      options.to == "universal" ? Publication::kLatestUniversal : Publication::kNone,
       [&options](const SourceCheckpoint& src, std::vector<std::string>* notes)
           -> Result<std::unique_ptr<TargetPlan>> {
         if (!options.dry_run) RESHARD_RETURN_IF_ERROR(src.CheckReplicas(options.replicated, notes));

@@ -22,14 +22,12 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// The folder the manifest is in: `path` itself, or the tag its `latest` names.
+// The folder the manifest is in: `path` itself, or the checkpoint a pointer
+// file in it names.
 fs::path ManifestFolder(const fs::path& path) {
   std::error_code ec;
-  if (fs::exists(path / kManifestName, ec) || !fs::is_regular_file(path / "latest", ec)) return path;
-  std::ifstream in(path / "latest");
-  std::string tag;
-  std::getline(in, tag);
-  return tag.empty() || tag.find('/') != std::string::npos ? path : path / tag;
+  if (fs::exists(path / kManifestName, ec)) return path;
+  return CheckpointFolder(path.string());
 }
 
 // Every file under `dir`, by its path relative to it.

@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include <deque>
 #include <filesystem>
 #include <fstream>
 #include <mutex>
@@ -96,7 +97,7 @@ Status WriteFileAtomically(const fs::path& path, const std::string& content) {
 
 // What a killed run left beside OUT: the folders `<base>.reshard-partial-<pid>`
 // and `.reshard-old-<pid>`, and the PendingFiles `<file>.reshard-tmp-<pid>`
-// (latest, ...), whose process is gone.
+// (the files written beside OUT), whose process is gone.
 bool IsLeftover(const std::string& name, const std::string& base) {
   std::string pid;
   for (const std::string kind : {".reshard-partial-", ".reshard-old-"}) {
@@ -314,8 +315,8 @@ Result<bool> CopyIntoRoot(const std::string& from, const std::string& root) {
   return true;
 }
 
-Status CheckLatestReplaceable(const std::string& root, const std::string& file) {
-  for (const std::string& name : {file, std::string("latest_checkpointed_iteration.txt")}) {
+Status CheckReplaceable(const std::string& root, const std::vector<std::string>& names) {
+  for (const std::string& name : names) {
     std::error_code ec;
     const fs::path path = fs::path(root) / name;
     if (fs::is_directory(path, ec)) {
@@ -325,18 +326,15 @@ Status CheckLatestReplaceable(const std::string& root, const std::string& file) 
   return Status::Ok();
 }
 
-Status UpdateLatest(const std::string& root, const std::string& tag,
-                    std::optional<int64_t> iteration, const std::string& file) {
-  // Both written before either is renamed, so a failure writing them
-  // changes nothing; `latest` goes last.
-  PendingFile latest(fs::path(root) / file);
-  RESHARD_RETURN_IF_ERROR(latest.Write(tag));
-  if (iteration) {
-    PendingFile iteration_file(fs::path(root) / "latest_checkpointed_iteration.txt");
-    RESHARD_RETURN_IF_ERROR(iteration_file.Write(std::to_string(*iteration)));
-    RESHARD_RETURN_IF_ERROR(iteration_file.Publish());
+Status WriteFilesInOrder(const std::string& root,
+                         const std::vector<std::pair<std::string, std::string>>& files) {
+  std::deque<PendingFile> pending;  // not movable: a deque keeps them in place
+  for (const auto& [name, text] : files) {
+    pending.emplace_back(fs::path(root) / name);
+    RESHARD_RETURN_IF_ERROR(pending.back().Write(text));
   }
-  return latest.Publish();
+  for (PendingFile& file : pending) RESHARD_RETURN_IF_ERROR(file.Publish());
+  return Status::Ok();
 }
 
 }  // namespace reshard

@@ -2,12 +2,13 @@
 //
 // Files are written into a staging folder beside the destination
 // (`OUT.reshard-partial-<pid>`), which is renamed to OUT only when everything
-// succeeded; a failed or interrupted run leaves OUT untouched. `latest` is
-// written after the rename, itself through a temporary file and a rename.
-// Each step is flushed to the disk before the next (the files, by
-// SyncFileSystem once all are written, then the staging folder, the renamed
-// folder's parent, `latest` and its folder), so what a power loss leaves is
-// the old state or the new.
+// succeeded; a failed or interrupted run leaves OUT untouched. The files a
+// format writes beside OUT (the pointer its readers follow) are written after
+// the rename, each through a temporary file and a rename. Each step is
+// flushed to the disk before the next (the files, by SyncFileSystem once all
+// are written, then the staging folder, the renamed folder's parent, each
+// file beside it and its folder), so what a power loss leaves is the old
+// state or the new.
 #pragma once
 
 #include <optional>
@@ -80,13 +81,14 @@ Status SyncFiles(const std::string& dir);
 // Returns whether it copied.
 Result<bool> CopyIntoRoot(const std::string& from, const std::string& root);
 
-// Refuses before anything is written when `<root>/<file>` (or the
-// iteration file beside it) could not be replaced: a folder stands there.
-Status CheckLatestReplaceable(const std::string& root, const std::string& file);
+// Refuses before anything is written when a file of `names` in `root` could
+// not be replaced: a folder stands there.
+Status CheckReplaceable(const std::string& root, const std::vector<std::string>& names);
 
-// Writes `<root>/<file>` = tag and, when `iteration` is given,
-// `<root>/latest_checkpointed_iteration.txt`, each atomically.
-Status UpdateLatest(const std::string& root, const std::string& tag,
-                    std::optional<int64_t> iteration, const std::string& file = "latest");
+// Writes each (name, text) into `root`, atomically: all are written before
+// any is renamed into place, so a failure writing them changes nothing; then
+// they are renamed in order, the last last.
+Status WriteFilesInOrder(const std::string& root,
+                         const std::vector<std::pair<std::string, std::string>>& files);
 
 }  // namespace reshard

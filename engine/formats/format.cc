@@ -28,6 +28,8 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenCheckpoint(const std::string& path
   return OpenDeepSpeedCheckpoint(std::move(files), options);
 }
 
+std::string CheckpointFolder(const std::string& path) { return FollowLatest(path); }
+
 Result<std::unique_ptr<TargetPlan>> PlanExport(const SourceCheckpoint& src, const ExportOptions& options,
                                                std::vector<std::string>* notes) {
   if (options.to == "megatron") return PlanMegatron(src, options, notes);

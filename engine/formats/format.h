@@ -24,10 +24,34 @@
 
 namespace reshard {
 
+// A small file written beside an output once it is in place, such as the
+// name of the newest checkpoint that a format's readers follow.
+struct PointerFile {
+  std::string name;                 // in the folder holding the output
+  std::optional<std::string> text;  // what it holds; unset: the output folder's name
+};
+
+// How a finished output is announced, as its format declares it: what is
+// written into the folder holding it, after it is in place.
+struct Publication {
+  // Paths of files copied there; one already there of the same name is kept.
+  std::vector<std::string> copies;
+  // Written after the copies, each atomically, in this order: readers follow
+  // the last, so it goes last.
+  std::vector<PointerFile> pointers;
+  // The folder of the input whose pointers these are: an output placed in
+  // it would change which checkpoint the input names, which is modifying the
+  // input. `protected_hint` says what to do instead.
+  std::string protected_folder;
+  std::string protected_hint;
+};
+
 // What a conversion writes, planned in full before anything is written.
 class TargetPlan {
  public:
   virtual ~TargetPlan() = default;
+  // What is written beside the output once it is in place.
+  Publication publication;
   // For people: the files and, with `detail`, every slice of every tensor.
   virtual std::string ToString(bool detail) const = 0;
   // The files to write. They read the source while they run, adding the
@@ -89,8 +113,7 @@ class SourceCheckpoint {
 
   // "pipeline", "non-pipeline", "ZeRO-3": verify compares like with like.
   virtual std::string kind() const = 0;
-  virtual const std::string& tag_dir() const = 0;   // the folder holding the files
-  virtual const std::string& root_dir() const = 0;  // the folder holding `latest`
+  virtual const std::string& tag_dir() const = 0;  // the folder holding the files
   virtual int64_t iteration() const = 0;
   // One line: kind, layout, iteration, counts.
   virtual std::string Summary() const = 0;
@@ -148,16 +171,16 @@ class SourceCheckpoint {
   virtual bool HasExperts() const { return false; }
   // Every file of the checkpoint (for checks of their bytes: `lint --deep`).
   virtual std::vector<std::string> Files() const = 0;
-  // Files beside `latest` in root_dir() that belong with every checkpoint
-  // of the root (DeepSpeed copies its zero_to_fp32.py there): a converted
-  // checkpoint's root gets them too.
-  virtual std::vector<std::string> RootFiles() const { return {}; }
 };
 
 // Opens the checkpoint at `path` (a tag folder, or a root holding `latest`)
 // with the format that recognises it.
 Result<std::unique_ptr<SourceCheckpoint>> OpenCheckpoint(const std::string& path,
                                                          const CommonOptions& options);
+
+// The folder holding a checkpoint's files at `path`: `path` itself, or the
+// checkpoint a format's pointer file in it names (a root holding `latest`).
+std::string CheckpointFolder(const std::string& path);
 
 // Plans `src` written in the format `options.to` names. `src` must outlive
 // the plan and its jobs.

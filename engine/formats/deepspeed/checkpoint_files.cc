@@ -56,6 +56,19 @@ Result<fs::path> ResolveTagDir(const fs::path& path) {
   return path;
 }
 
+}  // namespace
+
+std::string FollowLatest(const std::string& path) {
+  std::error_code ec;
+  const fs::path latest = fs::path(path) / "latest";
+  if (!fs::is_regular_file(latest, ec)) return path;
+  const std::string tag = ReadFirstLine(latest);
+  if (tag.empty() || tag == "." || tag == ".." || tag.find('/') != std::string::npos) return path;
+  return (fs::path(path) / tag).string();
+}
+
+namespace {
+
 // Lists subfolders that look like tags, for the "which one?" hint.
 std::string TagFolderHint(const fs::path& dir) {
   std::vector<std::string> tags;

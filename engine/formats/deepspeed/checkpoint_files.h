@@ -68,6 +68,10 @@ struct CheckpointFiles {
 // `latest` file names the tag. Errors are InvalidInput.
 Result<CheckpointFiles> ScanCheckpoint(const std::string& path);
 
+// The tag folder the `latest` file of the root `path` names, or `path` itself
+// when it holds no `latest` naming one folder inside it.
+std::string FollowLatest(const std::string& path);
+
 // Checks that the files form a complete grid: every layer id has TP ranks
 // 0..TP-1 (the same TP for all), mp_rank files 0..TP*PP-1, and optimizer files
 // for every (dp, mp). Fills *tp, *pp, *dp (dp = 0 without optimizer files).

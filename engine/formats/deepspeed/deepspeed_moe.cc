@@ -95,7 +95,9 @@ class MoeSource : public DeepSpeedModelSource {
                              MakeMoePlan(ckpt(), files(), layout_, opt,
                                          MoeTarget{ep, dp, bounds, options.replicated, options.target_tp, padded_vocab}));
     notes->insert(notes->end(), plan.notes.begin(), plan.notes.end());
-    return std::unique_ptr<TargetPlan>(new MoeTargetPlan(ckpt(), files(), opt, allowed_classes_, std::move(plan)));
+    auto target = std::make_unique<MoeTargetPlan>(ckpt(), files(), opt, allowed_classes_, std::move(plan));
+    target->publication = NativePublication(files(), iteration(), options.update_latest);
+    return std::unique_ptr<TargetPlan>(std::move(target));
   }
 
   Status CheckReplicas(ReplicatedPolicy replicated, std::vector<std::string>* notes) const override {

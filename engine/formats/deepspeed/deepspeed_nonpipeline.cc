@@ -89,7 +89,9 @@ class NonPipelineSource : public DeepSpeedModelSource {
     }
     RESHARD_ASSIGN_OR_RETURN(DeepSpeedPlan plan,
                              MakeDataParallelPlan(ckpt(), opt, PlanOptionsFrom(options)));
-    return std::unique_ptr<TargetPlan>(new DeepSpeedTargetPlan(ckpt(), opt, std::move(plan)));
+    auto target = std::make_unique<DeepSpeedTargetPlan>(ckpt(), opt, std::move(plan));
+    target->publication = NativePublication(files(), iteration(), options.update_latest);
+    return std::unique_ptr<TargetPlan>(std::move(target));
   }
 
   // Modules and optimizer state compare rank by rank: the TP layout is kept.

@@ -161,7 +161,9 @@ class PipelineSource : public DeepSpeedModelSource {
                        "reshaped with the weights (its groups follow DeepSpeed's current "
                        "stage partition)");
     }
-    return std::unique_ptr<TargetPlan>(new DeepSpeedTargetPlan(ckpt(), opt, std::move(plan)));
+    auto target = std::make_unique<DeepSpeedTargetPlan>(ckpt(), opt, std::move(plan));
+    target->publication = NativePublication(files(), iteration(), options.update_latest);
+    return std::unique_ptr<TargetPlan>(std::move(target));
   }
 
   Result<std::vector<FullTensor>> FullTensors(ReplicatedPolicy replicated,

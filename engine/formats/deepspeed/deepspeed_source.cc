@@ -1,5 +1,7 @@
 #include "formats/deepspeed/deepspeed_source.h"
 
+#include <filesystem>
+
 #include "formats/deepspeed/file_names.h"
 #include "formats/deepspeed/pipeline_writer.h"
 #include "formats/deepspeed/state_tensor.h"
@@ -36,6 +38,21 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenDeepSpeedCheckpoint(CheckpointFile
   RESHARD_RETURN_IF_ERROR(RefuseStrippedMoe(*model));
   if (model->pipeline) return MakePipelineSource(std::move(model), options);
   return MakeNonPipelineSource(std::move(model), options);
+}
+
+Publication NativePublication(const CheckpointFiles& files, int64_t iteration, bool update_latest) {
+  Publication out;
+  if (!update_latest) return out;
+  namespace fs = std::filesystem;
+  for (const std::string& name : files.root_scripts) out.copies.push_back((fs::path(files.root_dir) / name).string());
+  std::error_code ec;
+  if (fs::exists(fs::path(files.root_dir) / "latest_checkpointed_iteration.txt", ec)) {
+    out.pointers.push_back({"latest_checkpointed_iteration.txt", std::to_string(iteration)});
+  }
+  out.pointers.push_back({"latest", std::nullopt});
+  out.protected_folder = files.root_dir;
+  out.protected_hint = "whose 'latest' it would replace; choose a folder elsewhere or pass --no-update-latest";
+  return out;
 }
 
 std::string DeepSpeedTargetPlan::ToString(bool detail) const { return plan_.ToString(src_, detail); }

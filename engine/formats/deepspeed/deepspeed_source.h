@@ -52,6 +52,13 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenZero3Source(CheckpointFiles files,
 // deepspeed_moe.cc
 Result<std::unique_ptr<SourceCheckpoint>> OpenMoeSource(CheckpointFiles files, const CommonOptions& options);
 
+// How DeepSpeed names a converted checkpoint beside it, unless
+// `update_latest` is false: `latest` (with latest_checkpointed_iteration.txt
+// where the source root has one, as Megatron writes it) and the scripts
+// DeepSpeed copies into every root. `latest` must not be written into the
+// source's own root.
+Publication NativePublication(const CheckpointFiles& files, int64_t iteration, bool update_latest);
+
 // A DeepSpeedPlan as the TargetPlan convert prints and runs; `src` and `opt`
 // (may be null) must outlive it.
 class DeepSpeedTargetPlan : public TargetPlan {
@@ -80,8 +87,6 @@ class DeepSpeedModelSource : public SourceCheckpoint {
         optimizer_(std::move(universal.optimizer)), optimizer_status_(universal.optimizer_status) {}
 
   const std::string& tag_dir() const override { return model_->files.tag_dir; }
-  const std::string& root_dir() const override { return model_->files.root_dir; }
-  std::vector<std::string> RootFiles() const override { return model_->files.root_scripts; }
   std::vector<std::string> Files() const override { return model_->files.Paths(); }
   int64_t iteration() const override { return ckpt().iteration; }
   const std::vector<Finding>& findings() const override { return ckpt().findings; }

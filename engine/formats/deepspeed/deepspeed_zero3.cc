@@ -40,8 +40,6 @@ class Zero3Source : public SourceCheckpoint {
 
   std::string kind() const override { return "ZeRO-3"; }
   const std::string& tag_dir() const override { return files_.tag_dir; }
-  const std::string& root_dir() const override { return files_.root_dir; }
-  std::vector<std::string> RootFiles() const override { return files_.root_scripts; }
   std::vector<std::string> Files() const override { return files_.Paths(); }
   int64_t iteration() const override { return ckpt_->iteration(); }
   std::string Summary() const override { return ckpt_->Summary(); }
@@ -76,7 +74,9 @@ class Zero3Source : public SourceCheckpoint {
     }
     const int dp = options.target_dp > 0 ? options.target_dp : ckpt_->dp();
     const bool bf16 = !files_.optimizer_files.empty() && files_.optimizer_files[0].bf16;
-    return std::unique_ptr<TargetPlan>(new Zero3Plan(*ckpt_, dp, bf16));
+    auto plan = std::make_unique<Zero3Plan>(*ckpt_, dp, bf16);
+    plan->publication = NativePublication(files_, ckpt_->iteration(), options.update_latest);
+    return std::unique_ptr<TargetPlan>(std::move(plan));
   }
 
   Result<std::unique_ptr<TargetPlan>> PlanFamilyFormat(const ExportOptions& options,

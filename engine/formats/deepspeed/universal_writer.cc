@@ -153,7 +153,11 @@ struct UniversalFiles {
 
 class UniversalPlan : public TargetPlan {
  public:
-  explicit UniversalPlan(UniversalFiles files) : files_(std::move(files)) {}
+  // Named beside it by `latest_universal`, as DeepSpeed's ds_to_universal
+  // names its output for `load_universal_checkpoint`.
+  explicit UniversalPlan(UniversalFiles files) : files_(std::move(files)) {
+    publication.pointers = {PointerFile{"latest_universal", std::nullopt}};
+  }
 
   std::string ToString(bool detail) const override {
     int64_t bytes = 0;
