@@ -55,7 +55,7 @@ std::unique_ptr<Fixture> Make(DType dtype, std::vector<int64_t> full, int dim, i
   f->plan.average = average;
   if (!average) {
     for (int t = 0; t < tp; ++t) {
-      f->plan.copies.push_back(BoxCopy{t, std::vector<int64_t>(local.size(), 0),
+      f->plan.copies.push_back(BoxCopy{t, local, std::vector<int64_t>(local.size(), 0),
                                        Box::Slab(full, dim, t * local[dim], local[dim])});
     }
   }

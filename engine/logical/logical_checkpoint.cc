@@ -6,6 +6,7 @@
 
 #include "logical/rule_selection.h"
 #include "logical/settings.h"
+#include "logical/tp_placement.h"
 #include "util/human.h"
 #include "util/shape.h"
 
@@ -159,7 +160,11 @@ void DescribeLayer(LogicalLayer* layer, LogicalCheckpoint* ckpt) {
     lt.label = layer->label + "/" + key;
     lt.name = (*rule)->CanonicalName(key, layer->id, BlockIndex(*ckpt, layer->id));
     lt.rule = *rule;
-    if (DescribeTensor(*layer, ckpt, &lt)) layer->tensors.push_back(std::move(lt));
+    if (!DescribeTensor(*layer, ckpt, &lt)) continue;
+    for (SourceShard& shard : lt.shards) {
+      shard.placements = PlaceTpRank(*lt.rule, lt.full_shape, ckpt->tp, shard.at.tp).placements;
+    }
+    layer->tensors.push_back(std::move(lt));
   }
   auto it = rules.layers().find(layer->role);
   if (it == rules.layers().end()) return;

@@ -13,6 +13,7 @@ SourceShard SourceShard::Of(const Tensor& tensor, ShardCoords at) {
   const size_t size = static_cast<size_t>(tensor.numel() * ElementSize(tensor.storage->dtype));
   SourceShard shard;
   shard.at = at;
+  shard.shape = tensor.sizes;
   shard.runs.push_back({0, tensor.numel(), ByteView{file.owner, TensorData(tensor), size, file.mapped}});
   return shard;
 }

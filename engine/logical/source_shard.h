@@ -3,10 +3,12 @@
 // A logical tensor is assembled from shards: a weight from one file per TP
 // rank, an optimizer state from the DP partitions it was flattened into. A
 // shard is the tensor's local elements as contiguous runs of bytes inside
-// the mapped source files, in element order, plus its coordinates in the
-// source's parallel grid. Plans name shards by their index in a tensor's
-// shard table, so a new axis (expert parallelism) or a source that is not a
-// TP file adds coordinates, not planner code.
+// the mapped source files, in element order; its local shape and where its
+// parts lie in the global tensor (boxes, util/box.h); and its coordinates in
+// the source's parallel grid, which name it in messages. Plans intersect
+// placements and name shards by their index in a tensor's shard table, so a
+// source that is not a TP file (a Distributed Checkpoint chunk, uneven or cut
+// on several axes) adds placements, not planner code.
 #pragma once
 
 #include <cstdint>
@@ -14,6 +16,7 @@
 
 #include "container/mapped_file.h"
 #include "pickle/value.h"
+#include "util/box.h"
 
 namespace reshard {
 
@@ -22,7 +25,7 @@ struct ShardCoords {
   int tp = 0;
   int pp = 0;
   int dp = 0;  // the first DP rank holding part of it (optimizer partitions)
-  int ep = 0;  // expert-parallel rank (reserved: no source has experts yet)
+  int ep = 0;  // expert-parallel rank
 };
 
 struct SourceShard {
@@ -32,9 +35,12 @@ struct SourceShard {
     ByteView bytes;     // numel elements
   };
   ShardCoords at;
+  std::vector<int64_t> shape;          // its local tensor's
+  std::vector<Placement> placements;   // of its local tensor in the global one
   std::vector<Run> runs;
 
-  // One run: the elements of a contiguous tensor inside its storage.
+  // One run: the elements of a contiguous tensor inside its storage (shape
+  // set, no placement).
   static SourceShard Of(const Tensor& tensor, ShardCoords at);
 
   int64_t numel() const;

@@ -84,7 +84,7 @@ int64_t ApplyCopy(const SourceTensor& t, const BoxCopy& c, const std::vector<int
   const int es = ElementSize(t.dtype);
   const SourceShard& shard = t.shards[c.src_shard];
   int64_t read = 0;
-  BoxRuns(dst_shape, t.local_shape, c.src_offsets, c.dst).ForEach(begin, end, [&](int64_t at, int64_t from, int64_t n) {
+  BoxRuns(dst_shape, c.src_shape, c.src_offsets, c.dst).ForEach(begin, end, [&](int64_t at, int64_t from, int64_t n) {
     shard.Copy(from, n, es, dst + (at - begin) * es, pages);
     read += n * es;
   });
@@ -125,7 +125,7 @@ int64_t Average(const SourceTensor& t, int64_t begin, int64_t end, uint8_t* dst,
 }  // namespace
 
 SourceTensor SourceTensor::Of(const LogicalTensor& t) {
-  return SourceTensor{t.dtype, t.local_shape, t.shards};
+  return SourceTensor{t.dtype, t.shards};
 }
 
 int64_t MaterializeRange(const SourceTensor& src, const TensorPlan& plan, int64_t begin,

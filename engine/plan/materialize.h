@@ -22,8 +22,7 @@ namespace reshard {
 // optimizer state located in its partitions).
 struct SourceTensor {
   DType dtype = DType::kFloat32;
-  std::vector<int64_t> local_shape;  // the same for every shard
-  std::vector<SourceShard> shards;   // SliceCopy::src_shard indexes this
+  std::vector<SourceShard> shards;  // BoxCopy::src_shard indexes this
 
   static SourceTensor Of(const LogicalTensor& t);
 };

@@ -17,40 +17,18 @@ Box LocalBox(const Placement& placement, const Box& part) {
 
 }  // namespace
 
-std::vector<Piece> RankPieces(int64_t full, int parts, int tp, int rank) {
-  const int64_t part = full / parts;
-  const int64_t per_rank = part / tp;
-  std::vector<Piece> pieces;
-  for (int p = 0; p < parts; ++p) {
-    pieces.push_back({p * part + rank * per_rank, p * per_rank, per_rank});
-  }
-  return pieces;
-}
-
-std::vector<Placement> PlacementsOf(const std::vector<Piece>& pieces,
-                                    const std::vector<int64_t>& local_shape, int axis) {
-  std::vector<Placement> out;
-  for (const Piece& p : pieces) {
-    Placement placement{Box::Slab(local_shape, axis, p.full_start, p.length),
-                        std::vector<int64_t>(local_shape.size(), 0)};
-    placement.local[axis] = p.local_start;
-    out.push_back(std::move(placement));
-  }
-  return out;
-}
-
 std::vector<BoxCopy> IntersectPlacements(const std::vector<Placement>& target,
-                                         const std::vector<std::vector<Placement>>& source_by_shard,
-                                         const Box& available) {
+                                         const std::vector<SourceShard>& sources, const Box& available) {
   std::vector<BoxCopy> copies;
   for (const Placement& t : target) {
     const std::optional<Box> wanted = Intersect(t.global, available);
     if (!wanted) continue;
-    for (size_t shard = 0; shard < source_by_shard.size(); ++shard) {
-      for (const Placement& s : source_by_shard[shard]) {
+    for (size_t shard = 0; shard < sources.size(); ++shard) {
+      for (const Placement& s : sources[shard].placements) {
         const std::optional<Box> common = Intersect(*wanted, s.global);
         if (!common) continue;
-        copies.push_back({static_cast<int>(shard), LocalBox(s, *common).offsets, LocalBox(t, *common)});
+        copies.push_back({static_cast<int>(shard), sources[shard].shape, LocalBox(s, *common).offsets,
+                          LocalBox(t, *common)});
       }
     }
   }

@@ -2,6 +2,7 @@
 
 #include <cstdio>
 
+#include "logical/tp_placement.h"
 #include "plan/slicing.h"
 #include "util/shape.h"
 
@@ -101,25 +102,17 @@ TensorPlan PlanTensor(const LogicalCheckpoint& src, int layer_index, int tensor_
         IsFloatingPoint(t.dtype)) {
       plan.average = true;
     } else {
-      plan.copies.push_back({0, std::vector<int64_t>(plan.shape.size(), 0), Box::Whole(plan.shape)});
+      plan.copies.push_back({0, t.local_shape, std::vector<int64_t>(plan.shape.size(), 0), Box::Whole(plan.shape)});
     }
     return plan;
   }
   const bool vocab = rule.policy == ParamRule::Policy::kVocab;
-  const int dim = vocab ? 0 : rule.dim;
-  const int parts = vocab ? 1 : rule.parts;
-  const int64_t src_full = t.full_shape[dim];
-  const int64_t dst_full = vocab ? target.padded_vocab : src_full;
-  const int src_tp = static_cast<int>(t.shards.size());
-  std::vector<std::vector<Placement>> sources;  // by shard index; shard s is source TP rank s
-  for (const SourceShard& shard : t.shards) {
-    sources.push_back(PlacementsOf(RankPieces(src_full, parts, src_tp, shard.at.tp), t.local_shape, dim));
-  }
-  const std::vector<Placement> placements =
-      PlacementsOf(RankPieces(dst_full, parts, target.tp, rank), plan.shape, dim);
+  std::vector<int64_t> target_full = t.full_shape;
+  if (vocab) target_full[0] = target.padded_vocab;
+  const std::vector<Placement> placements = PlaceTpRank(rule, target_full, target.tp, rank).placements;
   const Box available = Box::Whole(t.full_shape);
-  plan.cut_axis = dim;
-  plan.copies = IntersectPlacements(placements, sources, available);
+  plan.cut_axis = vocab ? 0 : rule.dim;
+  plan.copies = IntersectPlacements(placements, t.shards, available);
   if (vocab) plan.fills = FillsOutside(placements, available, target.vocab_pad_value);
   return plan;
 }
@@ -136,7 +129,7 @@ TensorPlan PlanFullTensor(const LogicalCheckpoint& src, int layer_index, int ten
 TensorPlan WholeShardPlan(int shard, int64_t numel) {
   TensorPlan plan;
   plan.shape = {numel};
-  plan.copies = {BoxCopy{shard, {0}, Box::Whole(plan.shape)}};
+  plan.copies = {BoxCopy{shard, plan.shape, {0}, Box::Whole(plan.shape)}};
   return plan;
 }
 

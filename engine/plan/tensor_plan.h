@@ -20,10 +20,11 @@
 
 namespace reshard {
 
-// Copies the box of source shard `src_shard` whose first index is
-// `src_offsets` (in the shard's local tensor) to the box `dst` of the target.
+// Copies the box of source shard `src_shard` (whose local tensor has
+// `src_shape`) that starts at `src_offsets` to the box `dst` of the target.
 struct BoxCopy {
   int src_shard = 0;
+  std::vector<int64_t> src_shape;
   std::vector<int64_t> src_offsets;
   Box dst;
 };

@@ -38,7 +38,7 @@ void CollectTensors(const Value& v, const std::string& prefix, std::map<std::str
 FullTensor WholeShard(std::string name, std::string param, std::string state, DType dtype,
                       std::vector<int64_t> shape, SourceShard shard, std::atomic<int64_t>* read) {
   const int64_t numel = shard.numel();
-  SourceTensor source{dtype, {numel}, {std::move(shard)}};
+  SourceTensor source{dtype, {std::move(shard)}};
   std::string section = state.empty() ? "weights" : "optimizer";
   return {std::move(section), std::move(name), std::move(param), std::move(state), "", dtype,
           std::move(shape), false, RangeProducer(std::move(source), WholeShardPlan(0, numel), read)};

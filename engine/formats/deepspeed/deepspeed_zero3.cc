@@ -96,7 +96,7 @@ class Zero3Source : public SourceCheckpoint {
         for (const Zero3Param& p : group) {
           for (const std::string& state : ckpt_->states()) {
             RESHARD_ASSIGN_OR_RETURN(SourceShard shard, ckpt_->Locate(mp, p.name, state));
-            SourceTensor source{DType::kFloat32, {p.numel}, {std::move(shard)}};
+            SourceTensor source{DType::kFloat32, {std::move(shard)}};
             out.push_back({"optimizer", StateName(state, p.name, mp, ckpt_->mp()), p.name, state, "",
                            DType::kFloat32, p.shape, false,
                            RangeProducer(std::move(source), WholeShardPlan(0, p.numel), read)});

@@ -190,10 +190,9 @@ Result<OptimizerStagePlan> PlanEpRank(const StageTarget& x, const std::vector<st
     std::vector<OptimizerSlotPlan> slots;
     for (const auto& [saved, name] : members) {
       auto at = x.index.find(saved);
-      const LogicalTensor& t = x.src.layers[at->second.first].tensors[at->second.second];
       const TensorPlan tensor = PlanTensor(x.src, at->second.first, at->second.second, plan.tp_rank, x.tensors);
       shapes.push_back({name, tensor.shape});
-      slots.push_back({saved, t.local_shape, tensor, tensor});
+      slots.push_back({saved, tensor, tensor});
     }
     // Without ZeRO nothing is partitioned.
     const int over = x.opt.format().per_parameter ? 1 : expert ? x.dp / x.ep : x.dp;

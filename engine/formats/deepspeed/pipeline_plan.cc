@@ -89,7 +89,6 @@ Status PlanPipelineSlot(const LogicalCheckpoint& src, const DeepSpeedPlan& plan,
   }
   // Layer files are planned layer by layer, TP rank by TP rank.
   slot->master = plan.layer_files[li * plan.tp + tp_rank].tensors[ti];
-  slot->source_shape = src.layers[li].tensors[ti].local_shape;
   return Status::Ok();
 }
 
@@ -97,7 +96,6 @@ Status PlanPipelineSlot(const LogicalCheckpoint& src, const DeepSpeedPlan& plan,
 // source rank's own.
 void PlanLocalSlot(int tp_rank, const FlatSlot& flat, OptimizerSlotPlan* slot) {
   slot->master = WholeShardPlan(tp_rank, flat.numel);
-  slot->source_shape = {flat.numel};
 }
 
 Status PlanOptimizer(const LogicalCheckpoint& src, const SourceOptimizer& opt, DeepSpeedPlan* plan) {

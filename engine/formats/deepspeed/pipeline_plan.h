@@ -44,7 +44,6 @@ struct ModelStatesPlan {
 // parameter's, re-sharded like the weight.
 struct OptimizerSlotPlan {
   std::string source_param;  // the parameter's name in the source shards
-  std::vector<int64_t> source_shape;  // its TP-local shape in the source
   TensorPlan master;  // new vocabulary rows take the weights' fill ...
   TensorPlan moment;  // ... and start at 0 in the moments
 };

@@ -95,7 +95,6 @@ Result<ByteProducer> WeightProducer(const LogicalCheckpoint& src, const SourceOp
     return RangeProducer(SourceTensor::Of(weight), plan, read);
   }
   SourceTensor master;
-  master.local_shape = weight.local_shape;
   for (int t = 0; t < src.tp; ++t) {
     RESHARD_ASSIGN_OR_RETURN(SourceShard shard, masters->Locate(name, t, kMasterState));
     master.shards.push_back(std::move(shard));

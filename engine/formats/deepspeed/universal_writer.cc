@@ -210,7 +210,7 @@ StateFile WholeState(const std::string& param, const std::string& state, std::ve
                      SourceShard shard) {
   const int64_t numel = shard.numel();
   StateFile f{param, state, std::move(shape), {}, nullptr};
-  f.produce = [source = SourceTensor{DType::kFloat32, {numel}, {std::move(shard)}}, numel](std::atomic<int64_t>* read) {
+  f.produce = [source = SourceTensor{DType::kFloat32, {std::move(shard)}}, numel](std::atomic<int64_t>* read) {
     return RangeProducer(source, WholeShardPlan(0, numel), read);
   };
   return f;

@@ -47,7 +47,6 @@ Result<std::shared_ptr<const TargetStage>> TargetStage::Make(const SourceOptimiz
       std::vector<SourceTensor> states;
       for (const std::string& state : opt.states()) {
         SourceTensor source;
-        source.local_shape = slot.source_shape;
         for (int tp = 0; tp < opt.tp(); ++tp) {
           RESHARD_ASSIGN_OR_RETURN(SourceShard shard, opt.Locate(slot.source_param, tp, state));
           source.shards.push_back(std::move(shard));

@@ -564,7 +564,7 @@ Result<HfImport> ReadHfImport(const std::string& dir, const CommonOptions& optio
   for (LogicalLayer& layer : ckpt.layers) {
     for (LogicalTensor& t : layer.tensors) {
       auto it = composite.find({layer.id, t.key});
-      if (it != composite.end()) t.shards = {it->second};
+      if (it != composite.end()) t.shards[0].runs = std::move(it->second.runs);
     }
   }
   SetVocabInfo(rules, VocabRows(ckpt), &ckpt.metadata[0]);

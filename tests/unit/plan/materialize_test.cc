@@ -8,6 +8,8 @@
 #include <cstring>
 #include <memory>
 
+#include "plan/slicing.h"
+
 namespace reshard {
 namespace {
 
@@ -28,7 +30,6 @@ SourceShard ShardOf(std::shared_ptr<std::vector<float>> values, std::vector<int6
 SourceTensor TwoRanks(int64_t rows, int64_t cols, std::vector<int64_t> cuts) {
   SourceTensor t;
   t.dtype = DType::kFloat32;
-  t.local_shape = {rows, cols};
   for (int r = 0; r < 2; ++r) {
     auto values = std::make_shared<std::vector<float>>(rows * cols);
     for (int64_t i = 0; i < rows * cols; ++i) (*values)[i] = 1000.0f * r + i;
@@ -60,7 +61,8 @@ void ExpectRangesAgree(const SourceTensor& t, const TensorPlan& plan) {
 TensorPlan RowParallelMerge() {
   TensorPlan plan;
   plan.shape = {3, 8};
-  plan.copies = {{0, {0, 0}, Box::Slab(plan.shape, 1, 0, 4)}, {1, {0, 0}, Box::Slab(plan.shape, 1, 4, 4)}};
+  plan.copies = {{0, {3, 4}, {0, 0}, Box::Slab(plan.shape, 1, 0, 4)},
+                 {1, {3, 4}, {0, 0}, Box::Slab(plan.shape, 1, 4, 4)}};
   return plan;
 }
 
@@ -80,7 +82,7 @@ TEST(MaterializeRangeTest, SplittingRowsWithPaddingFill) {
   const SourceTensor t = TwoRanks(4, 4, {3, 9});
   TensorPlan plan;
   plan.shape = {5, 4};
-  plan.copies = {{1, {1, 0}, Box::Slab(plan.shape, 0, 0, 3)}};
+  plan.copies = {{1, {4, 4}, {1, 0}, Box::Slab(plan.shape, 0, 0, 3)}};
   plan.fills = {{Box::Slab(plan.shape, 0, 3, 2), 7.0}};
   const std::vector<float> whole = Materialize(t, plan, 0, 20);
   EXPECT_EQ(whole[0], 1004.0f);
@@ -112,7 +114,6 @@ TEST(MaterializeRangeTest, ReadBytesCountOnlyTheRange) {
 TEST(MaterializeRangeTest, BoxesCutOnTwoAxes) {
   SourceTensor t;
   t.dtype = DType::kFloat32;
-  t.local_shape = {1, 4, 3};
   TensorPlan plan;
   plan.shape = {2, 4, 6};
   plan.cut_axis = -1;
@@ -122,7 +123,7 @@ TEST(MaterializeRangeTest, BoxesCutOnTwoAxes) {
       for (int64_t i = 0; i < 12; ++i) {
         (*values)[i] = static_cast<float>(100 * layer + 6 * (i / 3) + 3 * half + i % 3);  // its global index
       }
-      plan.copies.push_back({static_cast<int>(t.shards.size()), {0, 0, 0},
+      plan.copies.push_back({static_cast<int>(t.shards.size()), {1, 4, 3}, {0, 0, 0},
                              Box{{layer, 0, 3 * half}, {1, 4, 3}}});
       t.shards.push_back(ShardOf(values, {5}));
     }
@@ -140,11 +141,36 @@ TEST(MaterializeRangeTest, BoxFromTheMiddleOfASource) {
   const SourceTensor t = TwoRanks(4, 6, {7});
   TensorPlan plan;
   plan.shape = {2, 5};
-  plan.copies = {{1, {1, 2}, Box{{0, 1}, {2, 3}}}};
+  plan.copies = {{1, {4, 6}, {1, 2}, Box{{0, 1}, {2, 3}}}};
   plan.fills = {{Box{{0, 0}, {2, 1}}, -1.0}, {Box{{0, 4}, {2, 1}}, -2.0}};
   const std::vector<float> whole = Materialize(t, plan, 0, 10);
   const std::vector<float> want = {-1, 1008, 1009, 1010, -2, -1, 1014, 1015, 1016, -2};
   EXPECT_EQ(whole, want);
+  ExpectRangesAgree(t, plan);
+}
+
+// Rows 0-2 and 3-4 of a [5, 4] tensor stored as uneven chunks of different
+// shapes (as torch writes a Shard(0) of 5 rows over 2 ranks), joined through
+// their placements and cut again as rows 1-3.
+TEST(MaterializeRangeTest, UnevenChunksByTheirPlacements) {
+  SourceTensor t;
+  t.dtype = DType::kFloat32;
+  for (int64_t first : {0, 3}) {
+    const int64_t rows = first == 0 ? 3 : 2;
+    auto values = std::make_shared<std::vector<float>>(rows * 4);
+    for (int64_t i = 0; i < rows * 4; ++i) (*values)[i] = static_cast<float>(first * 4 + i);
+    SourceShard shard = ShardOf(values, {});
+    shard.shape = {rows, 4};
+    shard.placements = {Placement{Box{{first, 0}, {rows, 4}}, {0, 0}}};
+    t.shards.push_back(std::move(shard));
+  }
+  TensorPlan plan;
+  plan.shape = {3, 4};
+  const std::vector<Placement> rows_1_to_3 = {Placement{Box{{1, 0}, {3, 4}}, {0, 0}}};
+  plan.copies = IntersectPlacements(rows_1_to_3, t.shards, Box::Whole({5, 4}));
+  ASSERT_EQ(plan.copies.size(), 2u);
+  const std::vector<float> whole = Materialize(t, plan, 0, 12);
+  for (int64_t i = 0; i < 12; ++i) EXPECT_EQ(whole[i], 4 + i);
   ExpectRangesAgree(t, plan);
 }
 

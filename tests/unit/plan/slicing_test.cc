@@ -2,13 +2,18 @@
 
 #include <gtest/gtest.h>
 
+#include "logical/tp_placement.h"
+
 namespace reshard {
 namespace {
 
-// Every TP rank's placements of a [full, 3] tensor split on axis 0 in `parts` parts.
-std::vector<std::vector<Placement>> AllRanks(int64_t full, int parts, int tp) {
-  std::vector<std::vector<Placement>> out;
-  for (int r = 0; r < tp; ++r) out.push_back(PlacementsOf(RankPieces(full, parts, tp, r), {full / tp, 3}, 0));
+// Every TP rank's shard of a [full, 3] tensor split on axis 0 in `parts` parts.
+std::vector<SourceShard> AllRanks(int64_t full, int parts, int tp) {
+  std::vector<SourceShard> out(tp);
+  for (int r = 0; r < tp; ++r) {
+    out[r].shape = {full / tp, 3};
+    out[r].placements = PlacementsOf(RankPieces(full, parts, tp, r), out[r].shape, 0);
+  }
   return out;
 }
 
@@ -29,13 +34,14 @@ void ExpectExactCover(int64_t full, int parts, int src_tp, int dst_tp) {
   const auto targets = AllRanks(full, parts, dst_tp);
   for (int t = 0; t < dst_tp; ++t) {
     std::vector<int> hits(full / dst_tp, 0);
-    for (const BoxCopy& c : IntersectPlacements(targets[t], sources, Box::Whole({full, 3}))) {
+    for (const BoxCopy& c : IntersectPlacements(targets[t].placements, sources, Box::Whole({full, 3}))) {
       EXPECT_EQ(c.dst.offsets[1], 0);
       EXPECT_EQ(c.dst.sizes[1], 3);
       for (int64_t i = 0; i < c.dst.sizes[0]; ++i) {
         ++hits[c.dst.offsets[0] + i];
-        ASSERT_EQ(GlobalRow(targets[t], c.dst.offsets[0] + i),
-                  GlobalRow(sources[c.src_shard], c.src_offsets[0] + i));
+        ASSERT_EQ(GlobalRow(targets[t].placements, c.dst.offsets[0] + i),
+                  GlobalRow(sources[c.src_shard].placements, c.src_offsets[0] + i));
+        ASSERT_EQ(c.src_shape, sources[c.src_shard].shape);
       }
     }
     for (int h : hits) EXPECT_EQ(h, 1);
@@ -96,16 +102,20 @@ TEST(SlicingTest, ShrinkingVocabularyDropsTailPadding) {
 // every target element comes once from the chunk holding it, and what no
 // source holds (outside its 6 x 6) is filled, in disjoint boxes.
 TEST(SlicingTest, TwoAxisChunksIntersect) {
-  std::vector<std::vector<Placement>> sources;
+  std::vector<SourceShard> sources;
   for (int64_t r = 0; r < 6; r += 3) {
-    for (int64_t c = 0; c < 6; c += 2) sources.push_back({Placement{Box{{r, c}, {3, 2}}, {0, 0}}});
+    for (int64_t c = 0; c < 6; c += 2) {
+      sources.emplace_back();
+      sources.back().shape = {3, 2};
+      sources.back().placements = {Placement{Box{{r, c}, {3, 2}}, {0, 0}}};
+    }
   }
   // Target: rows 2-7, columns 1-7 of an 8 x 8 global tensor.
   const std::vector<Placement> target = {Placement{Box{{2, 1}, {6, 7}}, {0, 0}}};
   const Box available = Box::Whole({6, 6});
   std::vector<int> hits(6 * 7, 0);
   for (const BoxCopy& c : IntersectPlacements(target, sources, available)) {
-    const Placement& s = sources[c.src_shard][0];
+    const Placement& s = sources[c.src_shard].placements[0];
     for (int64_t i = 0; i < c.dst.sizes[0]; ++i) {
       for (int64_t j = 0; j < c.dst.sizes[1]; ++j) {
         ++hits[(c.dst.offsets[0] + i) * 7 + c.dst.offsets[1] + j];
