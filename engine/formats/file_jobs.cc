@@ -59,6 +59,33 @@ Result<Job> TorchFileJob(std::string name, std::function<Result<Value>()> make) 
   return job;
 }
 
+Job CopyFileJob(std::string name, std::string from, int64_t bytes) {
+  Job job;
+  job.name = name;
+  job.bytes = bytes;
+  job.run = [name, from = std::move(from), counted = bytes > 0](JobContext& ctx) {
+    std::ifstream in(from, std::ios::binary);
+    if (!in) return Status::IoError("cannot read " + from);
+    const std::string to = ctx.dir + "/" + name;
+    std::ofstream out(to, std::ios::binary | std::ios::trunc);
+    FileDigest digest;
+    char* data = reinterpret_cast<char*>(ctx.buffer.data());
+    while (in) {
+      in.read(data, static_cast<std::streamsize>(ctx.buffer.size()));
+      out.write(data, in.gcount());
+      digest.crc32 = Crc32(digest.crc32, ctx.buffer.data(), static_cast<size_t>(in.gcount()));
+      digest.bytes += in.gcount();
+      if (counted) ctx.done(in.gcount());
+    }
+    if (in.bad()) return Status::IoError("cannot read " + from);
+    out.close();
+    if (!out.good()) return Status::IoError("cannot write " + to);
+    if (ctx.wrote) ctx.wrote(name, digest);
+    return Status::Ok();
+  };
+  return job;
+}
+
 Job TextFileJob(std::string name, std::string text) {
   Job job;
   job.name = name;

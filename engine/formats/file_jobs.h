@@ -27,4 +27,10 @@ Result<Job> TorchFileJob(std::string name, std::function<Result<Value>()> make);
 // A job writing `text` as the file `name` of the output folder.
 Job TextFileJob(std::string name, std::string text);
 
+// A job copying the file at `from` as the file `name` of the output folder,
+// through the worker's buffer. `bytes` is what it counts as the tensor bytes
+// it streams (and reports as progress): the file's size for a copied
+// checkpoint file, 0 for a file beside the tensors.
+Job CopyFileJob(std::string name, std::string from, int64_t bytes);
+
 }  // namespace reshard

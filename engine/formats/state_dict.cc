@@ -2,11 +2,9 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <fstream>
 #include <map>
 #include <set>
 
-#include "container/crc32.h"
 #include "container/safetensors_writer.h"
 #include "container/torch_file.h"
 #include "formats/file_jobs.h"
@@ -193,27 +191,6 @@ std::string IndexJson(const std::vector<StateDictFile>& files) {
   return json + "  }\n}\n";
 }
 
-// Copies `from` as the file `name` of the job's folder, through the worker's buffer.
-Status CopyFile(JobContext& ctx, const std::string& from, const std::string& name) {
-  std::ifstream in(from, std::ios::binary);
-  if (!in) return Status::IoError("cannot read " + from);
-  const std::string to = ctx.dir + "/" + name;
-  std::ofstream out(to, std::ios::binary | std::ios::trunc);
-  FileDigest digest;
-  char* data = reinterpret_cast<char*>(ctx.buffer.data());
-  while (in) {
-    in.read(data, static_cast<std::streamsize>(ctx.buffer.size()));
-    out.write(data, in.gcount());
-    digest.crc32 = Crc32(digest.crc32, ctx.buffer.data(), static_cast<size_t>(in.gcount()));
-    digest.bytes += in.gcount();
-  }
-  if (in.bad()) return Status::IoError("cannot read " + from);
-  out.close();
-  if (!out.good()) return Status::IoError("cannot write " + to);
-  if (ctx.wrote) ctx.wrote(name, digest);
-  return Status::Ok();
-}
-
 class StateDictPlan : public TargetPlan {
  public:
   StateDictPlan(const SourceCheckpoint& src, StateDictLayout layout, std::vector<StateDictFile> files,
@@ -265,7 +242,7 @@ class StateDictPlan : public TargetPlan {
         jobs.push_back(TextFileJob(f.name, f.text));
         continue;
       }
-      jobs.push_back({f.name, 0, [&f](JobContext& ctx) { return CopyFile(ctx, f.copy_of, f.name); }});
+      jobs.push_back(CopyFileJob(f.name, f.copy_of, 0));
     }
     return jobs;
   }

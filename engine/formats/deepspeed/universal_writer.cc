@@ -3,7 +3,6 @@
 #include <filesystem>
 #include <functional>
 #include <optional>
-#include <fstream>
 
 #include "formats/deepspeed/file_names.h"
 #include "formats/deepspeed/stages.h"
@@ -118,28 +117,6 @@ Result<Value> OptimizerStateFile(const Value& osd) {
   return out;
 }
 
-// A job copying the file at `from` into the output folder as `name`.
-Job CopyJob(std::string name, std::string from) {
-  std::error_code ec;
-  const int64_t bytes = static_cast<int64_t>(fs::file_size(from, ec));
-  return {name, ec ? 0 : bytes, [name, from](JobContext& ctx) {
-            std::ifstream in(from, std::ios::binary);
-            std::ofstream out(ctx.dir + "/" + name, std::ios::binary | std::ios::trunc);
-            FileDigest digest;
-            while (in) {
-              in.read(reinterpret_cast<char*>(ctx.buffer.data()), static_cast<std::streamsize>(ctx.buffer.size()));
-              out.write(reinterpret_cast<const char*>(ctx.buffer.data()), in.gcount());
-              digest.crc32 = Crc32(digest.crc32, ctx.buffer.data(), static_cast<size_t>(in.gcount()));
-              digest.bytes += in.gcount();
-              ctx.done(in.gcount());
-            }
-            out.close();
-            if (in.bad() || !out) return Status::IoError("cannot copy " + from + " to " + ctx.dir + "/" + name);
-            if (ctx.wrote) ctx.wrote(name, digest);
-            return Status::Ok();
-          }};
-}
-
 // Everything a universal checkpoint's folder holds, as plain data.
 struct UniversalFiles {
   std::vector<std::pair<std::string, std::string>> copies;  // name in the folder, source path
@@ -177,7 +154,11 @@ class UniversalPlan : public TargetPlan {
 
   Result<std::vector<Job>> Jobs(std::atomic<int64_t>* read) const override {
     std::vector<Job> jobs;
-    for (const auto& [name, path] : files_.copies) jobs.push_back(CopyJob(name, path));
+    for (const auto& [name, path] : files_.copies) {
+      std::error_code ec;
+      const auto bytes = fs::file_size(path, ec);
+      jobs.push_back(CopyFileJob(name, path, ec ? 0 : static_cast<int64_t>(bytes)));
+    }
     RESHARD_ASSIGN_OR_RETURN(Job job, TorchFileJob("zero/optimizer_state.pt", files_.optimizer_state));
     jobs.push_back(std::move(job));
     for (const StateFile& f : files_.states) {
