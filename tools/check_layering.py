@@ -7,9 +7,12 @@ engine/<folder>/ may include its own folder, lower floors and include/reshard/
 `formats/*` in layers.txt makes every engine/formats/<name>/ a format folder on
 the floor of `formats`: it may include formats/format.h (the interface) but no
 other format folder, and only the .cc files directly in engine/formats/ (the
-OpenCheckpoint registry) may include a format folder. cli/ may include only
-include/reshard/. Every folder under engine/ holding sources must be listed.
-tests/ and benchmarks/ are not scanned.
+OpenCheckpoint registry) may include a format folder. A line
+`formats/<name>: a | b c | .` gives a format folder floors of its own: its
+sub-folders, lowest first, floors separated by `|`, `.` for the files directly
+in it; every sub-folder holding sources must then be listed. cli/ may include
+only include/reshard/. Every folder under engine/ holding sources must be
+listed. tests/ and benchmarks/ are not scanned.
 
   python3 tools/check_layering.py [--root DIR] [--layers FILE]
   python3 tools/check_layering.py --self-test
@@ -44,6 +47,7 @@ class Layers:
     def __init__(self):
         self.floor = {}        # folder name -> floor number
         self.families = set()  # `x/*` entries: every engine/x/<name>/ is a folder
+        self.inner = {}        # folder -> {sub-folder or ".": floor inside it}
 
     def floor_of(self, folder):
         if folder in self.floor:
@@ -62,6 +66,31 @@ class Layers:
             return parts[0] + "/" + parts[1]
         return parts[0]
 
+    def sub_of(self, engine_rel, folder):
+        """The sub-folder of `folder` a path relative to engine/ is in ("." directly in it)."""
+        rest = engine_rel[len(folder) + 1:].split("/")
+        return rest[0] if len(rest) > 1 else "."
+
+
+def parse_inner(layers, path, lineno, folder, text):
+    """`folder: a | b c | .`: the floors inside a format folder."""
+    family, _, member = folder.partition("/")
+    if not member or family not in layers.families or not FOLDER_RE.match(member):
+        raise LayersError(f"{path}:{lineno}: '{folder}' is not a folder of a `name/*` family listed above")
+    if folder in layers.inner:
+        raise LayersError(f"{path}:{lineno}: the floors of '{folder}' are listed twice")
+    floors = {}
+    for number, group in enumerate(text.split("|"), 1):
+        for name in group.split():
+            if name != "." and not FOLDER_RE.match(name):
+                raise LayersError(f"{path}:{lineno}: '{name}' is not a sub-folder name (or .)")
+            if name in floors:
+                raise LayersError(f"{path}:{lineno}: '{name}' is listed twice in '{folder}'")
+            floors[name] = number
+    if not floors:
+        raise LayersError(f"{path}:{lineno}: '{folder}' lists no sub-folder")
+    layers.inner[folder] = floors
+
 
 def parse_layers(path):
     layers = Layers()
@@ -72,7 +101,12 @@ def parse_layers(path):
         raise LayersError(f"{path}: cannot read ({e.strerror})")
     number = 0
     for lineno, raw in enumerate(lines, 1):
-        names = raw.split("#", 1)[0].split()
+        text = raw.split("#", 1)[0]
+        if ":" in text:
+            folder, _, floors = text.partition(":")
+            parse_inner(layers, path, lineno, folder.strip(), floors)
+            continue
+        names = text.split()
         if not names:
             continue
         number += 1
@@ -157,6 +191,25 @@ def resolve(root, including, header, layers):
     return ("external", None)
 
 
+def inner_violation(layers, path, folder, target_rel):
+    """Why `path` may not include `target_rel`, both in `folder`, by the
+    folder's own floors; None when it may (or the folder has none)."""
+    floors = layers.inner.get(folder)
+    if floors is None:
+        return None
+    src = layers.sub_of(path[len("engine/"):], folder)
+    dst = layers.sub_of(target_rel, folder)
+    if src == dst:
+        return None
+    fs, fd = floors.get(src), floors.get(dst)
+    if fs is None or fd is None:
+        return None  # the unlisted sub-folder is reported once, by check
+    if fd < fs:
+        return None
+    reason = f"{folder}/{src} (its floor {fs}) may not include {folder}/{dst} (its floor {fd})"
+    return reason + (": same floor" if fd == fs else "")
+
+
 def label(layers, folder):
     floor = layers.floor_of(folder)
     if floor is None:
@@ -186,6 +239,14 @@ def check(root, layers_path=None):
             violations.append(Violation(
                 f"engine/{folder}/", 0, folder, None,
                 f"folder {folder} is not listed in {layers_name} (place it on a floor)"))
+        elif folder in layers.inner:
+            sub = layers.sub_of(path[len("engine/"):], folder)
+            if sub not in layers.inner[folder] and (folder, sub) not in unlisted:
+                unlisted.add((folder, sub))
+                violations.append(Violation(
+                    f"engine/{folder}/{sub}/", 0, folder, None,
+                    f"sub-folder {sub} of {folder} is not listed on its line in {layers_name} "
+                    f"(place it on one of its floors)"))
 
     includes = 0
     for path in files:
@@ -220,6 +281,9 @@ def check(root, layers_path=None):
                     f"cli may not include {label(layers, dst)}: only include/reshard/ headers"))
                 continue
             if dst == src:
+                reason = inner_violation(layers, path, src, target_rel)
+                if reason is not None:
+                    violations.append(Violation(path, lineno, src, header, reason))
                 continue
             fs, fd = layers.floor_of(src), layers.floor_of(dst)
             if fd is None:
@@ -274,6 +338,7 @@ plan
 exec cluster   # same floor
 formats formats/*
 api
+formats/alpha: low | sub | .   # floors inside a format folder
 """
 
 CLEAN_TREE = {
@@ -298,7 +363,8 @@ CLEAN_TREE = {
                                 '#include "formats/alpha/a.h"\n#include "formats/beta/b.h"\n',
     "engine/formats/alpha/a.h": '#include "formats/format.h"\n#include "plan/pl.h"\n',
     "engine/formats/alpha/a.cc": '#include "a.h"\n#include "formats/alpha/a.h"\n',
-    "engine/formats/alpha/sub/deep.h": '#include "formats/alpha/a.h"\n',
+    "engine/formats/alpha/sub/deep.h": '#include "formats/alpha/low/l.h"\n#include "formats/format.h"\n',
+    "engine/formats/alpha/low/l.h": '#include "formats/format.h"\n#include "plan/pl.h"\n',
     "engine/formats/beta/b.h": '#include "formats/format.h"\n',
     "engine/api/x.cc": '#include "formats/format.h"\n#include "cluster/c.h"\n'
                        '#include "exec/e.h"\n#include "reshard/reshard.h"\n',
@@ -327,6 +393,10 @@ DIRTY_FILES = {
     # a folder nobody placed, and a file outside any folder
     "engine/newthing/n.cc": '#include "util/u.h"\n#include "api/x.cc"\n',
     "engine/stray.cc": '#include "util/u.h"\n',
+    # inside a format folder: a lower floor includes a higher one, and a
+    # sub-folder its line does not list
+    "engine/formats/alpha/low/up.h": '#include "formats/alpha/sub/deep.h"\n#include "formats/alpha/a.h"\n',
+    "engine/formats/alpha/odd/o.h": '#include "formats/alpha/low/l.h"\n',
 }
 
 DIRTY_EXPECTED = {
@@ -340,6 +410,9 @@ DIRTY_EXPECTED = {
     ("cli/main.cc", 4, "cli", "util/u.h"),
     ("engine/newthing/", 0, "newthing", None),
     ("engine/stray.cc", 0, None, None),
+    ("engine/formats/alpha/low/up.h", 1, "formats/alpha", "formats/alpha/sub/deep.h"),
+    ("engine/formats/alpha/low/up.h", 2, "formats/alpha", "formats/alpha/a.h"),
+    ("engine/formats/alpha/odd/", 0, "formats/alpha", None),
 }
 
 
@@ -374,7 +447,7 @@ def self_test():
         found, nfiles, nincludes = check(clean)
         expect(not found, "clean tree: unexpected violations:\n  " +
                "\n  ".join(str(v) for v in found))
-        expect(nfiles == 21, f"clean tree: scanned {nfiles} files, expected 21")
+        expect(nfiles == 22, f"clean tree: scanned {nfiles} files, expected 22")
         rc, out = run_cli(clean)
         expect(rc == 0, f"clean tree: exit {rc}, expected 0")
         expect(out == [f"layering ok: {nfiles} files, {nincludes} includes"],
