@@ -1,4 +1,4 @@
-// The flat layout of one optimizer group (engine/formats/deepspeed/flat_group.h): computing
+// The flat layout of one optimizer group (engine/formats/deepspeed/model/flat_group.h): computing
 // every DP rank's fragments (param_slice_mappings) and finding parameters by
 // name, which SourceOptimizer::Gather does once per parameter, state and TP
 // rank (a linear scan over the group's slots).
@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "formats/deepspeed/flat_group.h"
+#include "formats/deepspeed/model/flat_group.h"
 
 namespace reshard {
 namespace {

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "formats/deepspeed/known_classes.h"
+#include "formats/deepspeed/files/known_classes.h"
 #include "pickle/pickle_reader.h"
 #include "pickle/pickle_writer.h"
 #include "pickle/value.h"

@@ -4,12 +4,12 @@
 #include <map>
 
 #include "formats/deepspeed/deepspeed_source.h"
-#include "formats/deepspeed/file_names.h"
-#include "formats/deepspeed/pipeline_plan.h"
-#include "formats/deepspeed/pipeline_reader.h"
-#include "formats/deepspeed/pipeline_writer.h"
-#include "formats/deepspeed/universal_writer.h"
-#include "formats/deepspeed/zero_shard_lint.h"
+#include "formats/deepspeed/files/file_names.h"
+#include "formats/deepspeed/pipeline/pipeline_plan.h"
+#include "formats/deepspeed/model/pipeline_reader.h"
+#include "formats/deepspeed/pipeline/pipeline_writer.h"
+#include "formats/deepspeed/universal/universal_writer.h"
+#include "formats/deepspeed/optimizer/zero_shard_lint.h"
 #include "plan/materialize.h"
 
 namespace reshard {

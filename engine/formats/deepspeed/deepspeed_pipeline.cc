@@ -5,15 +5,15 @@
 
 #include <filesystem>
 
-#include "formats/deepspeed/drift_lint.h"
-#include "formats/deepspeed/file_names.h"
-#include "formats/deepspeed/pipeline_plan.h"
-#include "formats/deepspeed/pipeline_reader.h"
-#include "formats/deepspeed/pipeline_writer.h"
-#include "formats/deepspeed/stages.h"
-#include "formats/deepspeed/state_tensor.h"
-#include "formats/deepspeed/universal_writer.h"
-#include "formats/deepspeed/zero_shard_lint.h"
+#include "formats/deepspeed/optimizer/drift_lint.h"
+#include "formats/deepspeed/files/file_names.h"
+#include "formats/deepspeed/pipeline/pipeline_plan.h"
+#include "formats/deepspeed/model/pipeline_reader.h"
+#include "formats/deepspeed/pipeline/pipeline_writer.h"
+#include "formats/deepspeed/model/stages.h"
+#include "formats/deepspeed/optimizer/state_tensor.h"
+#include "formats/deepspeed/universal/universal_writer.h"
+#include "formats/deepspeed/optimizer/zero_shard_lint.h"
 #include "logical/drift.h"
 #include "plan/materialize.h"
 

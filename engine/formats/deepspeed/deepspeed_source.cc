@@ -2,9 +2,9 @@
 
 #include <filesystem>
 
-#include "formats/deepspeed/file_names.h"
-#include "formats/deepspeed/pipeline_writer.h"
-#include "formats/deepspeed/state_tensor.h"
+#include "formats/deepspeed/files/file_names.h"
+#include "formats/deepspeed/pipeline/pipeline_writer.h"
+#include "formats/deepspeed/optimizer/state_tensor.h"
 #include "plan/tensor_plan.h"
 #include "util/human.h"
 

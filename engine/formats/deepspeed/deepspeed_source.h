@@ -16,11 +16,11 @@
 #include <set>
 #include <string>
 
-#include "formats/deepspeed/checkpoint_files.h"
-#include "formats/deepspeed/pipeline_plan.h"
-#include "formats/deepspeed/pipeline_reader.h"
-#include "formats/deepspeed/universal_reader.h"
-#include "formats/deepspeed/zero_shard_reader.h"
+#include "formats/deepspeed/files/checkpoint_files.h"
+#include "formats/deepspeed/pipeline/pipeline_plan.h"
+#include "formats/deepspeed/model/pipeline_reader.h"
+#include "formats/deepspeed/universal/universal_reader.h"
+#include "formats/deepspeed/optimizer/zero_shard_reader.h"
 #include "formats/format.h"
 #include "logical/logical_checkpoint.h"
 

@@ -1,9 +1,9 @@
 // A ZeRO-3 checkpoint as a SourceCheckpoint: its model layout stays, DP changes.
 #include "formats/deepspeed/deepspeed_source.h"
-#include "formats/deepspeed/file_names.h"
-#include "formats/deepspeed/universal_writer.h"
-#include "formats/deepspeed/zero3_checkpoint.h"
-#include "formats/deepspeed/zero_shard_reader.h"
+#include "formats/deepspeed/files/file_names.h"
+#include "formats/deepspeed/universal/universal_writer.h"
+#include "formats/deepspeed/zero3/zero3_checkpoint.h"
+#include "formats/deepspeed/optimizer/zero_shard_reader.h"
 #include "logical/settings.h"
 #include "plan/materialize.h"
 #include "util/human.h"

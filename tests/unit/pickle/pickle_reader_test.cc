@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "formats/deepspeed/known_classes.h"
+#include "formats/deepspeed/files/known_classes.h"
 #include "pickle_test_support.h"
 
 namespace reshard {

@@ -126,7 +126,7 @@
 #include <string>
 #include <vector>
 
-#include "formats/deepspeed/known_classes.h"
+#include "formats/deepspeed/files/known_classes.h"
 #include "pickle/pickle_reader.h"
 #include "pickle/value.h"
 

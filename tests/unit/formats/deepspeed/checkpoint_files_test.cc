@@ -1,4 +1,4 @@
-#include "formats/deepspeed/checkpoint_files.h"
+#include "formats/deepspeed/files/checkpoint_files.h"
 
 #include <gtest/gtest.h>
 

@@ -1,4 +1,4 @@
-#include "formats/deepspeed/flat_group.h"
+#include "formats/deepspeed/model/flat_group.h"
 
 #include <gtest/gtest.h>
 

@@ -2,7 +2,7 @@
 // vocabulary padding, slices of sub-parameters, per-stage parameter names and
 // the replicated-tensor policies. No tensor data is read except by the
 // policy tests.
-#include "formats/deepspeed/pipeline_plan.h"
+#include "formats/deepspeed/pipeline/pipeline_plan.h"
 
 #include <gtest/gtest.h>
 
@@ -11,8 +11,8 @@
 
 #include "plan/materialize.h"
 #include "logical/drift.h"
-#include "formats/deepspeed/pipeline_reader.h"
-#include "formats/deepspeed/stages.h"
+#include "formats/deepspeed/model/pipeline_reader.h"
+#include "formats/deepspeed/model/stages.h"
 #include "test_util.h"
 
 namespace reshard {

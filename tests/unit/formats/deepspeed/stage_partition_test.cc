@@ -1,4 +1,4 @@
-#include "formats/deepspeed/stage_partition.h"
+#include "formats/deepspeed/model/stage_partition.h"
 
 #include <gtest/gtest.h>
 

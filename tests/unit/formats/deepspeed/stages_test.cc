@@ -1,4 +1,4 @@
-#include "formats/deepspeed/stages.h"
+#include "formats/deepspeed/model/stages.h"
 
 #include <gtest/gtest.h>
 

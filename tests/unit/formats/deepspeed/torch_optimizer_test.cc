@@ -9,11 +9,11 @@
 #include <cstring>
 #include <set>
 
-#include "formats/deepspeed/pipeline_plan.h"
-#include "formats/deepspeed/pipeline_reader.h"
-#include "formats/deepspeed/state_tensor.h"
-#include "formats/deepspeed/zero_shard_reader.h"
-#include "formats/deepspeed/zero_shard_writer.h"
+#include "formats/deepspeed/pipeline/pipeline_plan.h"
+#include "formats/deepspeed/model/pipeline_reader.h"
+#include "formats/deepspeed/optimizer/state_tensor.h"
+#include "formats/deepspeed/optimizer/zero_shard_reader.h"
+#include "formats/deepspeed/pipeline/zero_shard_writer.h"
 #include "plan/materialize.h"
 #include "test_util.h"
 
