@@ -1,6 +1,6 @@
 // A DeepSpeed MoE save as a SourceCheckpoint: lint, inspect, the tensors
 // verify compares (weights and optimizer state, experts by global id), and
-// conversions to another PP, EP and DP size (moe_plan.h).
+// conversions to another PP, EP and DP size (moe_plan.h, written by moe_writer.h).
 
 #include <mutex>
 
@@ -9,6 +9,7 @@
 #include "formats/deepspeed/optimizer/zero_shard_lint.h"
 #include "formats/deepspeed/moe/moe_optimizer.h"
 #include "formats/deepspeed/moe/moe_plan.h"
+#include "formats/deepspeed/moe/moe_writer.h"
 #include "formats/deepspeed/model/pipeline_reader.h"
 #include "formats/deepspeed/moe/moe_reader.h"
 #include "formats/deepspeed/model/stages.h"

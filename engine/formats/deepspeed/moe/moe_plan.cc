@@ -10,16 +10,11 @@
 
 #include "formats/deepspeed/files/file_names.h"
 #include "formats/deepspeed/model/pipeline_reader.h"
-#include "formats/deepspeed/optimizer/state_tensor.h"
 #include "formats/deepspeed/files/torch_state.h"
-#include "formats/deepspeed/pipeline/zero_shard_writer.h"
-#include "formats/file_jobs.h"
 #include "util/strings.h"
 
 namespace reshard {
-namespace {
 
-// Where each parameter is in the logical checkpoint, by saved name.
 TensorIndex IndexTensors(const LogicalCheckpoint& src) {
   TensorIndex index;
   for (size_t li = 0; li < src.layers.size(); ++li) {
@@ -30,11 +25,22 @@ TensorIndex IndexTensors(const LogicalCheckpoint& src) {
   return index;
 }
 
-// The layers (ids) [lo, hi) of one target stage.
-struct LayerRange {
-  int lo = 0, hi = 0;
-  bool Has(int id) const { return lo <= id && id < hi; }
-};
+const Value* ParamGroup(const MoeOptimizer& opt, int mp, int group) {
+  const Value* base = MoeTorchState(opt.Shard(mp, 0), opt.format());
+  const Value* groups = base != nullptr ? Find(*base, "param_groups") : nullptr;
+  if (groups == nullptr || !groups->is(Value::Kind::kList)) return nullptr;
+  const std::vector<Value>& items = groups->as_list().items;
+  return group < static_cast<int>(items.size()) ? &items[group] : nullptr;
+}
+
+std::string ExpertName(const LogicalLayer& layer, const LogicalTensor& t, int local) {
+  LogicalTensor renamed = t;
+  renamed.key = t.rule->WithExpertId(t.key, local);
+  return MoeSaveName(layer, renamed);
+}
+
+namespace {
+
 constexpr LayerRange kAllLayers{std::numeric_limits<int>::min(), std::numeric_limits<int>::max()};
 
 // Every source group's kind (GroupKind), by mp rank and group.
@@ -51,14 +57,6 @@ struct StageTarget {
   TensorTarget tensors;
   int source_tp_rank = 0;  // whose groups name the members (alike on every TP rank)
 };
-
-// Expert `t` of `layer` in the order of an EP rank's expert groups (layer,
-// expert, parameter): its global id and its name with local id `local`.
-std::string ExpertName(const LogicalLayer& layer, const LogicalTensor& t, int local) {
-  LogicalTensor renamed = t;
-  renamed.key = t.rule->WithExpertId(t.key, local);
-  return MoeSaveName(layer, renamed);
-}
 
 // The experts of EP rank `rank` (of `ep`) in group `group` of mp rank `mp`,
 // on the layers `range`, in the experts' order: (saved name, name on that rank).
@@ -91,14 +89,6 @@ Status CheckExpertOrder(const StageTarget& x, int mp, int group) {
                                "expert, parameter); reshard cannot regroup it");
   }
   return Status::Ok();
-}
-
-const Value* ParamGroup(const MoeOptimizer& opt, int mp, int group) {
-  const Value* base = MoeTorchState(opt.Shard(mp, 0), opt.format());
-  const Value* groups = base != nullptr ? Find(*base, "param_groups") : nullptr;
-  if (groups == nullptr || !groups->is(Value::Kind::kList)) return nullptr;
-  const std::vector<Value>& items = groups->as_list().items;
-  return group < static_cast<int>(items.size()) ? &items[group] : nullptr;
 }
 
 // A group's kind: whether it holds experts, and its hyperparameters (all
@@ -204,85 +194,6 @@ Result<OptimizerStagePlan> PlanEpRank(const StageTarget& x, const std::vector<st
   return plan;
 }
 
-// DeepSpeed names an EP rank's groups after its EP group ("ep_size_2").
-void RenameExpertGroups(const OptimizerStagePlan& plan, int source_ep, Value* torch_state) {
-  Value* groups = torch_state ? FindMutable(*torch_state, "param_groups") : nullptr;
-  if (groups == nullptr || !groups->is(Value::Kind::kList)) return;
-  for (size_t g = 0; g < plan.expert_group.size() && g < groups->as_list().items.size(); ++g) {
-    Value& group = groups->as_list().items[g];
-    const Value* name = Find(group, "name");
-    if (plan.expert_group[g] && name != nullptr && name->is(Value::Kind::kString) &&
-        name->as_string() == "ep_size_" + std::to_string(source_ep)) {
-      Set(group, "name", Value::String("ep_size_" + std::to_string(plan.ep)));
-    }
-  }
-}
-
-// The modules of EP rank 0's experts of MoE layer `layer` at `local`
-// experts per EP rank, as state_dict()._metadata lists them: every module on
-// the way to an expert parameter below the experts' container, in order.
-std::vector<std::string> ExpertModules(const LogicalLayer& layer, int local, std::string* container) {
-  std::vector<std::string> paths;
-  std::set<std::string> seen;
-  for (int k = 0; k < local; ++k) {
-    for (const LogicalTensor& t : layer.tensors) {
-      if (t.rule->expert == 0 || t.rule->ExpertId(t.key) != 0) continue;  // expert 0's parameters stand for all
-      const std::string name = ExpertName(layer, t, k);
-      const size_t id = MoeSaveName(layer, t).size() - t.key.size() + t.rule->ExpertIdOffset(t.key);
-      *container = name.substr(0, id - 1);
-      for (size_t dot = name.find('.', id); dot != std::string::npos; dot = name.find('.', dot + 1)) {
-        if (seen.insert(name.substr(0, dot)).second) paths.push_back(name.substr(0, dot));
-      }
-    }
-  }
-  return paths;
-}
-
-// The module's `_metadata` (its BUILD state) lists the modules of EP rank
-// 0's local experts: the target EP rank 0 has other ones.
-void RewriteExpertModules(const LogicalCheckpoint& src, const std::vector<MoeBlock>& blocks, int ep, Items* items) {
-  for (const MoeBlock& b : blocks) {
-    const LogicalLayer& layer = *std::find_if(src.layers.begin(), src.layers.end(),
-                                              [&](const LogicalLayer& l) { return l.id == b.layer_id; });
-    std::string container;
-    const std::vector<std::string> paths = ExpertModules(layer, b.experts / ep, &container);
-    Items out;
-    for (auto& [key, value] : *items) {
-      const std::string path = key.is(Value::Kind::kString) ? key.as_string() : "";
-      if (path.rfind(container + ".", 0) == 0) continue;  // the source's experts
-      out.emplace_back(key, value);
-      if (path != container) continue;
-      for (const std::string& p : paths) out.emplace_back(Value::String(p), value);
-    }
-    *items = std::move(out);
-  }
-}
-
-// The spec a module path of a pipeline module's `_metadata` (state_dict()'s
-// list of modules) is in: its first component; none for the root,
-// tied_modules and module paths of the engine without pipelining.
-std::optional<int> SpecOfModulePath(const Value& key) {
-  if (!key.is(Value::Kind::kString)) return std::nullopt;
-  const std::string& path = key.as_string();
-  const std::string first = path.substr(0, path.find('.'));
-  if (first.empty() || first.find_first_not_of("0123456789") != std::string::npos) return std::nullopt;
-  return std::stoi(first);
-}
-
-// The `_metadata` of an mp_rank file's module (null when it has none).
-const Items* SavedModules(const Value& states) {
-  const Value* module = Find(states, "module");
-  if (module == nullptr || !module->is(Value::Kind::kObject) || module->as_object().state == nullptr) return nullptr;
-  const Value* meta = Find(*module->as_object().state, "_metadata");
-  return meta != nullptr ? DictItems(*meta) : nullptr;
-}
-
-Items* ModuleMetadata(Value* module) {
-  if (!module->is(Value::Kind::kObject) || module->as_object().state == nullptr) return nullptr;
-  Value* meta = FindMutable(*module->as_object().state, "_metadata");
-  return meta != nullptr ? MutableDictItems(*meta) : nullptr;
-}
-
 // The target stage's MoE layers, numbered as the target stage numbers them.
 std::vector<MoeBlock> StageBlocks(const MoeLayout& layout, int pp_rank, LayerRange range) {
   std::vector<MoeBlock> out;
@@ -315,27 +226,6 @@ Status PlanExpertFiles(const CheckpointFiles& files, const MoeLayout& layout, co
   return Status::Ok();
 }
 
-// The target stage's module `_metadata`: the source's entries outside the
-// specs (the root, tied_modules), then every source stage's entries of the
-// stage's specs, in order.
-Items StageModules(const LogicalCheckpoint& src, const MoeStagePlan& stage, LayerRange range) {
-  Items out;
-  const int t = stage.source_mp % src.tp;
-  if (const Items* items = SavedModules(src.metadata[stage.source_mp])) {
-    for (const auto& entry : *items) {
-      if (!SpecOfModulePath(entry.first)) out.push_back(entry);
-    }
-  }
-  for (int s = 0; s < src.pp; ++s) {
-    const Items* items = SavedModules(src.metadata[s * src.tp + t]);
-    for (size_t i = 0; items != nullptr && i < items->size(); ++i) {
-      const std::optional<int> spec = SpecOfModulePath((*items)[i].first);
-      if (spec && range.Has(*spec)) out.push_back((*items)[i]);
-    }
-  }
-  return out;
-}
-
 // The module tensors of the target stage: every source stage's tensors of
 // the layers `range`, in order, as (source mp rank, key).
 Status PlanModule(const LogicalCheckpoint& src, const TensorIndex& index, int t, LayerRange range,
@@ -357,31 +247,6 @@ Status PlanModule(const LogicalCheckpoint& src, const TensorIndex& index, int t,
     }
   }
   return Status::Ok();
-}
-
-// A shard to build the stage's shards from: the source's first shard with
-// the param_groups and per-group torch states of the groups' sources (the
-// layout fields are replaced by BuildOptimizerState). Without ZeRO the
-// states are per parameter: the first stands for all (BuildOptimizerState
-// numbers them anew).
-Value StageTemplate(const MoeOptimizer& opt, const MoeStagePlan& stage) {
-  Value like = opt.Shard(stage.group_sources.empty() ? stage.source_mp : stage.group_sources[0].mp, 0);
-  Value* base = MutableMoeTorchState(&like, opt.format());
-  std::vector<Value> groups;
-  Items states;
-  for (size_t g = 0; g < stage.group_sources.size(); ++g) {
-    const MoeGroupSource& source = stage.group_sources[g];
-    Value group = *ParamGroup(opt, source.mp, source.group);
-    Set(group, "params", Value::MakeList({Value::Int(static_cast<int64_t>(g))}));
-    groups.push_back(std::move(group));
-    const int slot = opt.format().per_parameter ? 0 : source.group;
-    if (const Value* state = TorchGroupState(MoeTorchState(opt.Shard(source.mp, 0), opt.format()), slot)) {
-      states.emplace_back(Value::Int(static_cast<int64_t>(g)), *state);
-    }
-  }
-  Set(*base, "state", Value::MakeDict(std::move(states)));
-  Set(*base, "param_groups", Value::MakeList(std::move(groups)));
-  return like;
 }
 
 // True when `version` ("0.14.5", "0.16.5+8e0d3ab") is a release before
@@ -551,112 +416,6 @@ std::string MoePlan::ToString(bool detail) const {
     }
   }
   return out;
-}
-
-Result<std::vector<Job>> MoeTargetPlan::Jobs(std::atomic<int64_t>* read) const {
-  std::vector<Job> jobs;
-  const TensorIndex index = IndexTensors(src_);
-  for (const MoeStagePlan& stage : plan_.stages) RESHARD_RETURN_IF_ERROR(AddStageJobs(stage, index, read, &jobs));
-  return jobs;
-}
-
-Result<Value> MoeTargetPlan::CutTensor(const MoeStagePlan& stage, int layer, int tensor, const Value& like,
-                                       std::atomic<int64_t>* read) const {
-  const LogicalTensor& t = src_.layers[layer].tensors[tensor];
-  const TensorPlan plan = PlanTensor(src_, layer, tensor, stage.tp_rank, plan_.tensors);
-  RESHARD_ASSIGN_OR_RETURN(ByteProducer produce, WeightProducer(src_, opt_, t, plan, read));
-  Value cut = MakeProducedTensor(src_.WeightDType(t), plan.shape, std::move(produce));
-  if (like.is(Value::Kind::kTensor)) {
-    cut.as_tensor().storage->location = like.as_tensor().storage->location;
-    cut.as_tensor().requires_grad = like.as_tensor().requires_grad;
-  }
-  return cut;
-}
-
-Result<Value> MoeTargetPlan::ExpertFile(const MoeStagePlan& stage, const MoeExpertFilePlan& file,
-                                        const TensorIndex& index, std::atomic<int64_t>* read) const {
-  RESHARD_ASSIGN_OR_RETURN(Value root, ReadDeepSpeedFile(file.source, allowed_classes_));
-  Items* items = MutableDictItems(root);
-  if (plan_.tp == plan_.source_tp || items == nullptr) return root;
-  for (auto& [key, value] : *items) {
-    auto at = key.is(Value::Kind::kString) ? index.find(key.as_string()) : index.end();
-    if (at == index.end()) {
-      return Status::InvalidInput(BaseName(file.source) + " holds " + key.DebugString() + ", which no rule describes");
-    }
-    RESHARD_ASSIGN_OR_RETURN(value, CutTensor(stage, at->second.first, at->second.second, value, read));
-  }
-  return root;
-}
-
-Result<Value> MoeTargetPlan::ModelStates(const MoeStagePlan& stage, std::atomic<int64_t>* read) const {
-  Value states = src_.metadata[stage.source_mp];
-  Set(states, "dp_world_size", Value::Int(plan_.dp));
-  Set(states, "mp_world_size", Value::Int(plan_.tp * plan_.pp));
-  std::vector<Value> experts;
-  for (const MoeBlock& b : stage.blocks) experts.push_back(Value::Int(b.experts));
-  Set(states, "num_experts", Value::MakeList(std::move(experts)));
-  Value* module = FindMutable(states, "module");
-  Items* tensors = module != nullptr ? MutableDictItems(*module) : nullptr;
-  if (tensors == nullptr) {
-    return Status::InvalidInput(ModelStatesName(stage.source_mp) + " has no module dict; it is not a MoE save");
-  }
-  Items out;
-  for (const MoeModuleEntry& e : stage.module_entries) {
-    const Value& saved = *Find(*Find(src_.metadata[e.mp], "module"), e.key);
-    if (plan_.tp == plan_.source_tp) {
-      out.emplace_back(Value::String(e.key), WithOwnStorage(saved));
-      continue;
-    }
-    RESHARD_ASSIGN_OR_RETURN(Value cut, CutTensor(stage, e.layer, e.tensor, saved, read));
-    out.emplace_back(Value::String(e.key), std::move(cut));
-  }
-  *tensors = std::move(out);
-  if (Items* meta = ModuleMetadata(module)) {
-    const LayerRange range{plan_.stage_bounds[stage.pp_rank], plan_.stage_bounds[stage.pp_rank + 1]};
-    *meta = StageModules(src_, stage, range);
-    RewriteExpertModules(src_, stage.blocks, plan_.ep, meta);
-  }
-  return states;
-}
-
-Status MoeTargetPlan::AddStageJobs(const MoeStagePlan& stage, const TensorIndex& index, std::atomic<int64_t>* read,
-                                   std::vector<Job>* jobs) const {
-  const int mp = stage.mp;
-  RESHARD_ASSIGN_OR_RETURN(Value states, ModelStates(stage, read));
-  RESHARD_ASSIGN_OR_RETURN(Job model, TorchFileJob(ModelStatesFileName(mp), std::move(states)));
-  jobs->push_back(std::move(model));
-  for (const MoeExpertFilePlan& f : stage.expert_files) {
-    RESHARD_ASSIGN_OR_RETURN(Value root, ExpertFile(stage, f, index, read));
-    RESHARD_ASSIGN_OR_RETURN(Job job, TorchFileJob(f.name, std::move(root)));
-    jobs->push_back(std::move(job));
-  }
-  RESHARD_ASSIGN_OR_RETURN(Value expp, ReadDeepSpeedFile(files_.expert_optimizer_files.at(stage.source_mp).begin()->second,
-                                                         allowed_classes_));
-  Set(expp, "optimizer", Value::None());  // what ZeRO and weights-only targets hold
-  std::vector<Value> expp_files(plan_.ep, expp);
-  const Value like = stage.optimizer.empty() ? Value::None() : StageTemplate(*opt_, stage);
-  for (const OptimizerStagePlan& o : stage.optimizer) {
-    RESHARD_ASSIGN_OR_RETURN(std::vector<Value> shards, BuildOptimizerState(*opt_, o, plan_.dp, read, &like));
-    for (size_t k = 0; k < shards.size(); ++k) {
-      RenameExpertGroups(o, plan_.source_ep, MutableMoeTorchState(&shards[k], opt_->format()));
-      if (opt_->format().per_parameter) {  // without ZeRO, the EP rank's whole torch state
-        Set(expp_files[o.ep_rank], "optimizer", std::move(shards[k]));
-        continue;
-      }
-      const int d = o.ep_rank + static_cast<int>(k) * o.ep;
-      if (k == 0 && plan_.shard_copies_in_expp) {
-        Set(expp_files[o.ep_rank], "optimizer", *Find(shards[k], "optimizer_state_dict"));
-      }
-      RESHARD_ASSIGN_OR_RETURN(
-          Job job, TorchFileJob(OptimizerFileName(opt_->format().bf16_prefix, d, mp), std::move(shards[k])));
-      jobs->push_back(std::move(job));
-    }
-  }
-  for (int r = 0; r < plan_.ep; ++r) {
-    RESHARD_ASSIGN_OR_RETURN(Job job, TorchFileJob(ExpertOptimizerFileName(r, mp), std::move(expp_files[r])));
-    jobs->push_back(std::move(job));
-  }
-  return Status::Ok();
 }
 
 }  // namespace reshard

@@ -1,6 +1,6 @@
 // MoePlan: a DeepSpeed MoE checkpoint at another tensor-parallel, pipeline,
-// expert-parallel and data-parallel size, as plain data, and the TargetPlan
-// that writes it.
+// expert-parallel and data-parallel size, as plain data (moe_writer.h writes
+// it).
 //
 // At another TP each tensor is cut by its rule from every source TP rank's:
 // the non-expert ones in the module, the experts in their files (whole on
@@ -25,7 +25,6 @@
 // rank 0's expert modules.
 #pragma once
 
-#include <atomic>
 #include <map>
 #include <memory>
 #include <set>
@@ -44,6 +43,20 @@ namespace reshard {
 // Where each tensor of a MoE reader's layers is: (layer, tensor) indices by
 // the name it was saved under (MoeSaveName).
 using TensorIndex = std::map<std::string, std::pair<int, int>>;
+TensorIndex IndexTensors(const LogicalCheckpoint& src);
+
+// The layers (ids) [lo, hi) of one target stage.
+struct LayerRange {
+  int lo = 0, hi = 0;
+  bool Has(int id) const { return lo <= id && id < hi; }
+};
+
+// Expert `t` of `layer` in the order of an EP rank's expert groups (layer,
+// expert, parameter): its name with local id `local`.
+std::string ExpertName(const LogicalLayer& layer, const LogicalTensor& t, int local);
+
+// The param group `group` of mp rank `mp`'s first shard (null: none).
+const Value* ParamGroup(const MoeOptimizer& opt, int mp, int group);
 
 // A tensor of a target stage's module: its key in the source mp rank `mp`'s
 // module, and the logical tensor it is (src.layers[layer].tensors[tensor]).
@@ -114,36 +127,5 @@ Result<std::vector<int>> SourceStageBounds(const LogicalCheckpoint& src);
 // `opt` null: weights only.
 Result<MoePlan> MakeMoePlan(const LogicalCheckpoint& src, const CheckpointFiles& files, const MoeLayout& layout,
                             const MoeOptimizer* opt, const MoeTarget& target);
-
-// The plan as the TargetPlan convert runs; the arguments must outlive it.
-class MoeTargetPlan : public TargetPlan {
- public:
-  MoeTargetPlan(const LogicalCheckpoint& src, const CheckpointFiles& files, const MoeOptimizer* opt,
-                std::set<std::string> allowed_classes, MoePlan plan)
-      : src_(src), files_(files), opt_(opt), allowed_classes_(std::move(allowed_classes)), plan_(std::move(plan)) {}
-  std::string ToString(bool detail) const override { return plan_.ToString(detail); }
-  Result<std::vector<Job>> Jobs(std::atomic<int64_t>* read) const override;
-
- private:
-  Status AddStageJobs(const MoeStagePlan& stage, const TensorIndex& index, std::atomic<int64_t>* read,
-                      std::vector<Job>* jobs) const;
-  // The stage's mp_rank file: the source metadata with the stage's module.
-  Result<Value> ModelStates(const MoeStagePlan& stage, std::atomic<int64_t>* read) const;
-  // An expert file of the stage: the source's, its tensors cut for the
-  // stage's TP rank when TP changes (whole experts are taken from TP rank 0's
-  // or merged by the replicated policy; expert-TP ones cut by their rules).
-  Result<Value> ExpertFile(const MoeStagePlan& stage, const MoeExpertFilePlan& file, const TensorIndex& index,
-                           std::atomic<int64_t>* read) const;
-  // Tensor src.layers[layer].tensors[tensor] at the stage's TP rank, cut
-  // from every source TP rank's, stored as `like` (its saved tensor) was.
-  Result<Value> CutTensor(const MoeStagePlan& stage, int layer, int tensor, const Value& like,
-                          std::atomic<int64_t>* read) const;
-
-  const LogicalCheckpoint& src_;
-  const CheckpointFiles& files_;
-  const MoeOptimizer* opt_;
-  std::set<std::string> allowed_classes_;
-  MoePlan plan_;
-};
 
 }  // namespace reshard
