@@ -7,6 +7,7 @@
 #include <set>
 
 #include "container/crc32.h"
+#include "container/regular_file.h"
 #include "container/safetensors_writer.h"
 #include "container/torch_file.h"
 #include "formats/file_jobs.h"
@@ -195,21 +196,8 @@ std::string IndexJson(const std::vector<StateDictFile>& files) {
 
 // Copies `from` as the file `name` of the job's folder, through the worker's buffer.
 Status CopyFile(JobContext& ctx, const std::string& from, const std::string& name) {
-  std::ifstream in(from, std::ios::binary);
-  if (!in) return Status::IoError("cannot read " + from);
-  const std::string to = ctx.dir + "/" + name;
-  std::ofstream out(to, std::ios::binary | std::ios::trunc);
   FileDigest digest;
-  char* data = reinterpret_cast<char*>(ctx.buffer.data());
-  while (in) {
-    in.read(data, static_cast<std::streamsize>(ctx.buffer.size()));
-    out.write(data, in.gcount());
-    digest.crc32 = Crc32(digest.crc32, ctx.buffer.data(), static_cast<size_t>(in.gcount()));
-    digest.bytes += in.gcount();
-  }
-  if (in.bad()) return Status::IoError("cannot read " + from);
-  out.close();
-  if (!out.good()) return Status::IoError("cannot write " + to);
+  RESHARD_RETURN_IF_ERROR(CopyRegularFile(from, ctx.dir + "/" + name, ctx.buffer, &digest));
   if (ctx.wrote) ctx.wrote(name, digest);
   return Status::Ok();
 }

@@ -5,6 +5,7 @@
 #include <optional>
 #include <fstream>
 
+#include "container/regular_file.h"
 #include "formats/deepspeed/file_names.h"
 #include "formats/deepspeed/stages.h"
 #include "formats/deepspeed/state_tensor.h"
@@ -123,18 +124,8 @@ Job CopyJob(std::string name, std::string from) {
   std::error_code ec;
   const int64_t bytes = static_cast<int64_t>(fs::file_size(from, ec));
   return {name, ec ? 0 : bytes, [name, from](JobContext& ctx) {
-            std::ifstream in(from, std::ios::binary);
-            std::ofstream out(ctx.dir + "/" + name, std::ios::binary | std::ios::trunc);
             FileDigest digest;
-            while (in) {
-              in.read(reinterpret_cast<char*>(ctx.buffer.data()), static_cast<std::streamsize>(ctx.buffer.size()));
-              out.write(reinterpret_cast<const char*>(ctx.buffer.data()), in.gcount());
-              digest.crc32 = Crc32(digest.crc32, ctx.buffer.data(), static_cast<size_t>(in.gcount()));
-              digest.bytes += in.gcount();
-              ctx.done(in.gcount());
-            }
-            out.close();
-            if (in.bad() || !out) return Status::IoError("cannot copy " + from + " to " + ctx.dir + "/" + name);
+            RESHARD_RETURN_IF_ERROR(CopyRegularFile(from, ctx.dir + "/" + name, ctx.buffer, &digest, ctx.done));
             if (ctx.wrote) ctx.wrote(name, digest);
             return Status::Ok();
           }};
