@@ -398,8 +398,9 @@ class NotRegularFileTests(HostileTestCase):
         folder = self.path('hf')
         hf_import.write_folder(folder, {'x': torch.zeros(2)}, hf_import.CONFIGS['ms_gpt2'])
         replace_with_fifo(os.path.join(folder, 'model.safetensors'))
+        # Only config.json is watched: reading the FIFO to snapshot it would block this test.
         self.assertRefused(['lint', folder], [os.path.join(folder, 'model.safetensors'), 'is a FIFO (named pipe)'],
-                           watch=[folder])
+                           watch=[os.path.join(folder, 'config.json')])
 
     def converted(self):
         tag = self.bloom()
@@ -417,7 +418,8 @@ class NotRegularFileTests(HostileTestCase):
                 make(layer)
                 p = support.reshard('verify', out, timeout=60)
                 self.assertEqual(p.returncode, 1, p.stdout + p.stderr)
-                self.assertIn(f'{layer} is {name}, not a regular file', p.stdout)
+                self.assertIn(f'{layer} is {name}', p.stdout)
+                self.assertIn('not a regular file', p.stdout)
 
 
 class ManifestEscapeTests(HostileTestCase):
@@ -565,7 +567,7 @@ class DamagedRecordTests(HostileTestCase):
         path = layer_file(tag, 3, 1)
         record = flip_byte_in_record(path)
         out = self.path('out', 'global_step10')
-        self.assertRefused(['convert', tag, out, '--tp', 1, '--pp', 1, '--replicated', 'first'],
+        self.assertRefused(['convert', tag, out, '--tp', 1, '--pp', 1, '--replicated', 'first', '-q'],
                            [f'{path}: record {record} does not have the CRC-32', 'nothing was published',
                             '--no-check-crc'], watch=[self.path('src')], out=out)
         p = support.reshard('convert', tag, out, '--tp', 1, '--pp', 1, '--replicated', 'first', '--no-check-crc',
@@ -573,12 +575,12 @@ class DamagedRecordTests(HostileTestCase):
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
 
     def test_a_flipped_byte_in_an_optimizer_shard_is_refused(self):
-        tag = self.bloom()
+        tag = self.bloom(optimizer='zero1')
         shard = sorted(f for f in os.listdir(tag) if 'optim_states' in f)[0]
         path = os.path.join(tag, shard)
         record = flip_byte_in_record(path, min_size=256)
         out = self.path('out', 'global_step10')
-        self.assertRefused(['convert', tag, out, '--tp', 1, '--pp', 1],
+        self.assertRefused(['convert', tag, out, '--tp', 1, '--pp', 1, '-q'],
                            [f'{path}: record {record} does not have the CRC-32'],
                            watch=[self.path('src')], out=out)
 
