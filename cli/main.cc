@@ -40,6 +40,9 @@ void AddCommonOptions(CLI::App* cmd, reshard::CommonOptions* o) {
                   "Carry an unknown pickled class (module.name) through unchanged; never executed");
   cmd->add_option("--threads", o->threads, "Worker threads (default: the number of cores)")
       ->check(CLI::Range(1, 1024));
+  cmd->add_flag_function(
+      "--no-check-crc", [o](int64_t) { o->check_crc = false; },
+      "Do not check the CRC-32 of the zip records read whole (checked by default, as they are read)");
   cmd->add_option_function<std::vector<std::string>>(
          "--set",
          [o](const std::vector<std::string>& items) {

@@ -18,6 +18,7 @@
 #include "api/common.h"
 #include "reshard/cluster.h"
 #include "container/mapped_file.h"
+#include "container/record_crc.h"
 #include "exec/executor.h"
 #include "exec/journal.h"
 #include "exec/manifest.h"
@@ -300,10 +301,12 @@ Status Execute(Prepared* p, const WriteOptions& options, PhaseClock* clock,
   if (written.ok() && IsRoot(cluster)) written = WriteManifest(*p, options, *digests);
   if (written.ok()) written = SyncFiles(p->exec.dir);
   if (written.ok()) written = CheckMappedFilesUnchanged();
+  if (written.ok()) written = CheckReadRecords();
   RESHARD_RETURN_IF_ERROR(AllOk(cluster, written));
   clock->End("write");
   report->bytes_written = WrittenBytes(p->exec.dir, p->pieces, IsRoot(cluster));
   report->bytes_read = p->read.load();
+  if (options.check_crc && !PartlyReadRecordsNote().empty()) report->notes.push_back(PartlyReadRecordsNote());
   if (!IsRoot(cluster)) return Status::Ok();
   RESHARD_RETURN_IF_ERROR(Publish(&*p->out, p->plan->publication, &report->notes));
   clock->End("commit");

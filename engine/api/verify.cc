@@ -13,6 +13,7 @@
 #include <sstream>
 
 #include "api/common.h"
+#include "container/record_crc.h"
 #include "container/mapped_file.h"
 #include "exec/executor.h"
 #include "exec/memory_budget.h"
@@ -251,6 +252,7 @@ Result<VerifyReport> Verify(const std::string& a_path, const std::string& b_path
   Comparison comparison(std::move(ta), std::move(tb));
   RESHARD_RETURN_IF_ERROR(RunComparison(&comparison, comparison.Jobs(&report), options));
   RESHARD_RETURN_IF_ERROR(CheckMappedFilesUnchanged());
+  RESHARD_RETURN_IF_ERROR(CheckReadRecords());
   comparison.Report(&report);
   CompareMetadata(*a, *b, &report);
   if (a->vocab_rows() != b->vocab_rows()) {

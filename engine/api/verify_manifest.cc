@@ -1,5 +1,4 @@
 // reshard::VerifyManifest: an output folder against the manifest written into it.
-#include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -12,6 +11,8 @@
 
 #include "api/common.h"
 #include "container/crc32.h"
+#include "container/regular_file.h"
+#include "container/write_fully.h"
 #include "exec/executor.h"
 #include "exec/manifest.h"
 #include "formats/format.h"
@@ -41,24 +42,43 @@ std::set<std::string> FilesUnder(const fs::path& dir) {
   return names;
 }
 
-// What is wrong with the file at `path` against its entry `want` ("" when
-// nothing), read through `buffer`.
-std::string CheckFile(const std::string& name, const std::string& path, const FileDigest& want,
+// Whether `path`, with every link resolved, lies inside the folder `dir`:
+// a listed name can be a link that leads out of the output.
+bool ResolvesInside(const fs::path& dir, const fs::path& path) {
+  std::error_code ec;
+  const fs::path root = fs::canonical(dir, ec);
+  const fs::path file = fs::weakly_canonical(path, ec);
+  if (ec) return false;
+  const auto [end, unused] = std::mismatch(root.begin(), root.end(), file.begin(), file.end());
+  return end == root.end();
+}
+
+// What is wrong with the file `name` of `dir` against its entry `want` (""
+// when nothing), read through `buffer`: no more than the bytes the entry
+// says, and only from a regular file inside the folder.
+std::string CheckFile(const fs::path& dir, const std::string& name, const FileDigest& want,
                       std::vector<uint8_t>& buffer) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return errno == ENOENT ? name + " is missing" : "cannot read " + path + ": " + std::strerror(errno);
+  const std::string path = (dir / name).string();
+  std::error_code ec;
+  if (fs::symlink_status(path, ec).type() == fs::file_type::not_found) return name + " is missing";
+  if (!ResolvesInside(dir, path)) return name + " is a link that leads outside the folder; it was not read";
+  Result<OpenedFile> opened = OpenRegularFile(path);
+  if (!opened.ok()) return opened.status().message();
+  const int fd = opened->fd;
+  if (opened->st.st_size != want.bytes) {
+    ::close(fd);
+    return name + " has " + std::to_string(opened->st.st_size) + " bytes, the manifest " + std::to_string(want.bytes);
+  }
   FileDigest have;
-  ssize_t n;
-  while ((n = ::read(fd, buffer.data(), buffer.size())) > 0) {
-    have.crc32 = Crc32(have.crc32, buffer.data(), static_cast<size_t>(n));
-    have.bytes += n;
+  int err = 0;
+  while (have.bytes < want.bytes && err == 0) {
+    const size_t n = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(buffer.size()), want.bytes - have.bytes));
+    err = ReadFully(fd, buffer.data(), n, have.bytes);
+    have.crc32 = Crc32(have.crc32, buffer.data(), n);
+    have.bytes += static_cast<int64_t>(n);
   }
-  const int err = errno;
   ::close(fd);
-  if (n < 0) return "cannot read " + path + ": " + std::strerror(err);
-  if (have.bytes != want.bytes) {
-    return name + " has " + std::to_string(have.bytes) + " bytes, the manifest " + std::to_string(want.bytes);
-  }
+  if (err != 0) return "cannot read " + path + ": " + std::strerror(err);
   if (have.crc32 != want.crc32) return name + ": its CRC-32 differs from the manifest's (the file is damaged)";
   return "";
 }
@@ -70,7 +90,7 @@ Status CheckFiles(const fs::path& dir, const Manifest& manifest, const CommonOpt
   std::vector<Job> jobs;
   for (const auto& [name, want] : manifest.files) {
     jobs.push_back({name, want.bytes, [&, name, want](JobContext& ctx) {
-                      std::string problem = CheckFile(name, (dir / name).string(), want, ctx.buffer);
+                      std::string problem = CheckFile(dir, name, want, ctx.buffer);
                       ctx.done(want.bytes);
                       if (!problem.empty()) {
                         std::lock_guard<std::mutex> lock(mu);

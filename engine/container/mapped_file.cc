@@ -13,6 +13,8 @@
 #include <cstring>
 #include <mutex>
 
+#include "container/record_crc.h"
+#include "container/regular_file.h"
 #include "container/write_fully.h"
 
 namespace reshard {
@@ -146,14 +148,9 @@ void ReportBusErrorsOnMappedFiles() {
 }
 
 Result<std::shared_ptr<const MappedFile>> MappedFile::Open(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return Status::IoError("cannot open " + path + ": " + std::strerror(errno));
-  struct stat st;
-  if (::fstat(fd, &st) != 0) {
-    int err = errno;
-    ::close(fd);
-    return Status::IoError("cannot stat " + path + ": " + std::strerror(err));
-  }
+  RESHARD_ASSIGN_OR_RETURN(OpenedFile opened, OpenRegularFile(path));
+  int fd = opened.fd;
+  const struct stat& st = opened.st;
   size_t size = static_cast<size_t>(st.st_size);
   const uint8_t* data = nullptr;
   if (size > 0) {
@@ -192,13 +189,18 @@ bool MappedFile::ReadInto(const uint8_t* from, size_t n, uint8_t* dst) const {
   return fd_ >= 0 && ReadFully(fd_, dst, n, from - data_) == 0;
 }
 
+void MappedFile::NoteCopied(const uint8_t* from, size_t n, const uint8_t* copy) const {
+  if (crcs_ != nullptr) crcs_->Note(static_cast<uint64_t>(from - data_), n, copy);
+}
+
 void CopyFromView(const ByteView& view, const uint8_t* from, size_t n, uint8_t* dst,
                   TouchedPages* pages) {
-  if (view.mapped && static_cast<const MappedFile*>(view.owner.get())->ReadInto(from, n, dst)) {
-    return;
+  const auto* file = view.mapped ? static_cast<const MappedFile*>(view.owner.get()) : nullptr;
+  if (file == nullptr || !file->ReadInto(from, n, dst)) {
+    std::memcpy(dst, from, n);
+    if (pages != nullptr) pages->Note(view, from, n);
   }
-  std::memcpy(dst, from, n);
-  if (pages != nullptr) pages->Note(view, from, n);
+  if (file != nullptr) file->NoteCopied(from, n, dst);
 }
 
 void FetchExactly(const uint8_t* data, size_t n) {

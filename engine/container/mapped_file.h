@@ -13,6 +13,8 @@
 
 namespace reshard {
 
+class RecordCrcs;  // container/record_crc.h
+
 // A byte range of a file that holds a container of its own: PyTorch
 // Distributed Checkpoint stores each item as a whole torch.save archive at an
 // offset of a `.distcp` file, with offsets inside it relative to its start.
@@ -49,6 +51,12 @@ class MappedFile {
   // copies from the mapping, where a file that shrank is reported.
   bool ReadInto(const uint8_t* from, size_t n, uint8_t* dst) const;
 
+  // Has the CRC-32 of `crcs`' records checked as CopyFromView copies them
+  // out; set once, before the file's bytes are read by more than one thread.
+  void CheckRecords(std::shared_ptr<RecordCrcs> crcs) const { crcs_ = std::move(crcs); }
+  // Tells the record check (if any) that [from, from + n) was copied to `copy`.
+  void NoteCopied(const uint8_t* from, size_t n, const uint8_t* copy) const;
+
  private:
   MappedFile(std::string path, const uint8_t* data, size_t size, int fd)
       : path_(std::move(path)), data_(data), size_(size), fd_(fd) {}
@@ -59,6 +67,7 @@ class MappedFile {
   // at most half the process's limit of open files, so that a checkpoint of
   // many files never takes the descriptors its outputs need.
   int fd_;
+  mutable std::shared_ptr<RecordCrcs> crcs_;
 };
 
 // Reads the pages of [data, data + n), memory that maps a file, into the page

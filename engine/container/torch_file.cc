@@ -5,6 +5,7 @@
 #include <memory>
 
 #include "container/mapped_file.h"
+#include "container/record_crc.h"
 #include "container/zip_directory.h"
 #include "container/zip_writer.h"
 #include "pickle/pickle_writer.h"
@@ -59,6 +60,19 @@ StorageResolver MakeResolver(std::shared_ptr<const ZipDirectory> zip,
   };
 }
 
+// Has the CRC-32 of every storage record checked as the run copies it out
+// (the pickle's is checked on its own, above).
+void WatchStorageRecords(const ZipDirectory& zip, const MappedFile& file) {
+  std::vector<std::pair<std::string, ZipRecord>> storages;
+  for (const auto& [name, record] : zip.records()) {
+    if (name.find("/data/") != std::string::npos) storages.emplace_back(name, record);
+  }
+  if (storages.empty()) return;
+  auto crcs = std::make_shared<RecordCrcs>(file.path(), std::move(storages));
+  RegisterRecordCrcs(crcs);
+  file.CheckRecords(std::move(crcs));
+}
+
 }  // namespace
 
 Result<Value> ReadTorchFile(const std::string& path, const PickleReadOptions& options) {
@@ -88,6 +102,7 @@ Result<Value> ReadTorchArchive(std::shared_ptr<const MappedFile> file, const Fil
     return Status::InvalidInput(name + ": its data.pkl does not have the CRC-32 its zip directory "
                                 "records; the file is damaged");
   }
+  if (RecordCrcChecksOn()) WatchStorageRecords(*records, *file);
   PickleReader reader(options, MakeResolver(records, file));
   Result<Value> root = reader.Parse(bytes, size);
   if (!root.ok()) return root.status().WithContext(name);

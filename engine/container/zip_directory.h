@@ -41,6 +41,8 @@ class ZipDirectory {
   // The record `<archive>/<name>`, or null. The archive folder is that of the
   // first record, as PyTorchStreamReader takes it.
   const ZipRecord* Find(const std::string& name) const;
+  // Every record, by its full name.
+  const std::map<std::string, ZipRecord>& records() const { return records_; }
 
   // Reads every record of `file` (the file Read was given) and refuses the
   // first whose bytes do not have the CRC-32 the directory records; the

@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <vector>
 
+#include "container/regular_file.h"
 #include "container/safetensors_writer.h"
 
 namespace reshard {
@@ -19,6 +20,18 @@ std::string Hex(uint32_t crc) {
 
 Status Malformed(const std::string& path, const std::string& what) {
   return Status::InvalidInput(path + " is not a reshard manifest (" + what + ")");
+}
+
+// Whether `name` stays inside the folder it is relative to, by its text.
+bool InsideFolder(const std::string& name) {
+  if (name.empty() || name.front() == '/') return false;
+  for (size_t begin = 0; begin <= name.size();) {
+    const size_t end = std::min(name.find('/', begin), name.size());
+    const std::string part = name.substr(begin, end - begin);
+    if (part.empty() || part == "." || part == "..") return false;
+    begin = end + 1;
+  }
+  return true;
 }
 
 }  // namespace
@@ -54,11 +67,18 @@ Result<std::map<std::string, FileDigest>> WholeFiles(const std::multimap<std::st
   return files;
 }
 
-// JSON is read with the YAML parser, which accepts it.
 Result<Manifest> ReadManifest(const std::string& path) {
+  // A manifest lists one line per file; a folder of a million files has a
+  // manifest of about 100 MB.
+  RESHARD_ASSIGN_OR_RETURN(std::string text, ReadRegularFile(path, int64_t{256} << 20));
+  return ParseManifest(text, path);
+}
+
+// JSON is read with the YAML parser, which accepts it.
+Result<Manifest> ParseManifest(const std::string& text, const std::string& path) {
   YAML::Node root;
   try {
-    root = YAML::LoadFile(path);
+    root = YAML::Load(text);
   } catch (const YAML::Exception& e) {
     return Malformed(path, e.what());
   }
@@ -75,6 +95,11 @@ Result<Manifest> ReadManifest(const std::string& path) {
       const std::string crc = f["crc32"].as<std::string>();
       if (name.empty() || bytes < 0 || crc.size() != 8 || crc.find_first_not_of("0123456789abcdef") != std::string::npos) {
         return Malformed(path, "a bad entry for '" + name + "'");
+      }
+      if (!InsideFolder(name)) {
+        return Status::InvalidInput(path + " lists '" + name + "', which is not a file inside its folder (an "
+                                    "absolute path, or one with an empty, '.' or '..' part); reshard never "
+                                    "writes such a name, so the manifest was edited: regenerate the output");
       }
       if (!m.files.emplace(name, FileDigest{bytes, static_cast<uint32_t>(std::stoul(crc, nullptr, 16))}).second) {
         return Malformed(path, "'" + name + "' listed twice");

@@ -32,4 +32,9 @@ Result<std::map<std::string, FileDigest>> WholeFiles(const std::multimap<std::st
 // Reads the manifest at `path`; errors name the file and what is wrong.
 Result<Manifest> ReadManifest(const std::string& path);
 
+// The manifest in `text`, read from `path` (named in errors). Every file
+// name must be a relative path inside the folder: no empty, `.` or `..`
+// component and no leading `/`, so that `verify` reads nothing outside it.
+Result<Manifest> ParseManifest(const std::string& text, const std::string& path);
+
 }  // namespace reshard

@@ -15,6 +15,7 @@
 #include <set>
 #include <sstream>
 
+#include "container/regular_file.h"
 #include "exec/journal.h"
 #include "util/list_folder.h"
 
@@ -307,11 +308,8 @@ Result<bool> CopyIntoRoot(const std::string& from, const std::string& root) {
   const fs::path to = fs::path(root) / fs::path(from).filename();
   std::error_code ec;
   if (fs::exists(to, ec)) return false;
-  std::ifstream in(from, std::ios::binary);
-  std::ostringstream content;
-  content << in.rdbuf();
-  if (!in.good()) return Status::IoError("cannot read " + from);
-  RESHARD_RETURN_IF_ERROR(WriteFileAtomically(to, content.str()));
+  RESHARD_ASSIGN_OR_RETURN(std::string content, ReadRegularFile(from));
+  RESHARD_RETURN_IF_ERROR(WriteFileAtomically(to, content));
   return true;
 }
 

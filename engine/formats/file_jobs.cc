@@ -5,6 +5,7 @@
 #include <memory>
 
 #include "container/crc32.h"
+#include "container/regular_file.h"
 #include "container/torch_file.h"
 
 namespace reshard {
@@ -64,22 +65,9 @@ Job CopyFileJob(std::string name, std::string from, int64_t bytes) {
   job.name = name;
   job.bytes = bytes;
   job.run = [name, from = std::move(from), counted = bytes > 0](JobContext& ctx) {
-    std::ifstream in(from, std::ios::binary);
-    if (!in) return Status::IoError("cannot read " + from);
-    const std::string to = ctx.dir + "/" + name;
-    std::ofstream out(to, std::ios::binary | std::ios::trunc);
     FileDigest digest;
-    char* data = reinterpret_cast<char*>(ctx.buffer.data());
-    while (in) {
-      in.read(data, static_cast<std::streamsize>(ctx.buffer.size()));
-      out.write(data, in.gcount());
-      digest.crc32 = Crc32(digest.crc32, ctx.buffer.data(), static_cast<size_t>(in.gcount()));
-      digest.bytes += in.gcount();
-      if (counted) ctx.done(in.gcount());
-    }
-    if (in.bad()) return Status::IoError("cannot read " + from);
-    out.close();
-    if (!out.good()) return Status::IoError("cannot write " + to);
+    RESHARD_RETURN_IF_ERROR(CopyRegularFile(from, ctx.dir + "/" + name, ctx.buffer, &digest,
+                                            counted ? ctx.done : std::function<void(int64_t)>()));
     if (ctx.wrote) ctx.wrote(name, digest);
     return Status::Ok();
   };

@@ -1,5 +1,6 @@
 #include "formats/format.h"
 
+#include "container/record_crc.h"
 #include "formats/consolidated/consolidated_export.h"
 #include "formats/deepspeed/deepspeed_source.h"
 #include "formats/hf/hf_export.h"
@@ -16,6 +17,7 @@ const Value& SourceCheckpoint::settings() const {
 
 Result<std::unique_ptr<SourceCheckpoint>> OpenCheckpoint(const std::string& path,
                                                          const CommonOptions& options) {
+  SetRecordCrcChecks(options.check_crc);
   // A new format recognises its own folders here, before DeepSpeed's
   // refusal of the rest. An HF folder is read as the pipeline model its
   // family's rules describe, which converts into DeepSpeed's layout.

@@ -23,9 +23,17 @@ Status CheckVocabRepaddable(const LogicalCheckpoint& src, std::optional<int64_t>
                                 src.rules->vocab_original_size().HowToGive() +
                                 " (or --vocab-size N, the tokenizer's size)");
   }
-  if (!vocab.divisible_by || *vocab.divisible_by < 1) {
+  if (!vocab.divisible_by) {
     return Status::InvalidInput("a TP change pads the vocabulary to a multiple of the divisor, which is " +
                                 src.rules->vocab_divisible_by().HowToGive());
+  }
+  if (*vocab.divisible_by < 1) {  // given, but not a divisor
+    const std::vector<std::string> paths = src.rules->vocab_divisible_by().Paths();
+    const std::string name = paths.empty() ? "the divisor" : paths.front();
+    return Status::InvalidInput("a TP change pads the vocabulary to a multiple of " + name + ", which is " +
+                                std::to_string(*vocab.divisible_by) + " (from --set or the checkpoint's "
+                                "metadata); it must be 1 or more: give the training run's value with --set " +
+                                name.substr(name.rfind('.') + 1) + "=N");
   }
   return Status::Ok();
 }

@@ -12,6 +12,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "container/regular_file.h"
 #include "pickle/value.h"
 #include "util/strings.h"
 
@@ -925,14 +926,14 @@ class RuleSetParser {
     return map;
   }
 
-  // A list of dims, each an integer, a metadata path or N*path.
+  // A list of dims, each an integer, a metadata path, N*path or * (any).
   std::vector<std::string> ReadHfShape(const Field& f) {
-    static const RE2 re("([0-9]+\\*)?[A-Za-z_][A-Za-z0-9_]*(\\.[A-Za-z_][A-Za-z0-9_]*)+|[0-9]+");
+    static const RE2 re("([0-9]+\\*)?[A-Za-z_][A-Za-z0-9_]*(\\.[A-Za-z_][A-Za-z0-9_]*)+|[0-9]+|\\*");
     std::vector<std::string> dims = ReadStringList(f, "hf.tensors shape");
     for (const std::string& dim : dims) {
       if (!RE2::FullMatch(dim, re)) {
-        Fail(f, "hf.tensors shape dim '" + dim + "' must be an integer, a metadata path or N*path, "
-                "e.g. 4*args.hidden_size");
+        Fail(f, "hf.tensors shape dim '" + dim + "' must be an integer, a metadata path, N*path or * (any "
+                "size), e.g. 4*args.hidden_size");
       }
     }
     return dims;
@@ -1084,11 +1085,9 @@ class RuleSetParser {
 // ---- RuleSet -----------------------------------------------------------------
 
 Result<RuleSet> RuleSet::LoadFile(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) return Status::InvalidInput("cannot read rule file '" + path + "'");
-  std::stringstream text;
-  text << in.rdbuf();
-  return LoadString(text.str(), path);
+  Result<std::string> text = ReadRegularFile(path);
+  if (!text.ok()) return Status::InvalidInput("cannot read rule file '" + path + "': " + text.status().message());
+  return LoadString(*text, path);
 }
 
 Result<RuleSet> RuleSet::LoadString(const std::string& yaml, const std::string& origin) {

@@ -65,6 +65,9 @@ struct CommonOptions {
   std::map<std::string, std::string> set;
   // Threads for reading and writing; 0 = the number of cores.
   int threads = 0;
+  // Check the CRC-32 of every zip record the command reads whole, as it
+  // reads it (--no-check-crc: false).
+  bool check_crc = true;
   // Receives progress lines ("12/40 files, 1.2 GB"); may be empty.
   std::function<void(const std::string&)> progress;
 };

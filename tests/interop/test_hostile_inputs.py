@@ -17,7 +17,15 @@ inconsistency as an error finding (exit 1):
     storages' bytes; a damaged byte inside a record, which `lint --deep` finds by its CRC-32;
   * two file names of one rank (``mp_rank_000`` beside ``mp_rank_00``, ``layer_003`` beside
     ``layer_03``), and a stray rank number of 2e9 (counted, not enumerated);
-  * ``latest`` naming ``..``, ``.`` or a path instead of a tag folder.
+  * ``latest`` naming ``..``, ``.`` or a path instead of a tag folder;
+  * files that are not regular files (a FIFO, a link to ``/dev/zero``) where a checkpoint file, an
+    HF weight file, a manifest's file or a tokenizer file is expected: refused by name, never a hang;
+  * manifest names leaving the output folder (``..``, absolute paths, a link out of it);
+  * HF folders whose tensors or counts disagree with config.json (every tensor's shape is checked,
+    a layer count of 1e9 is compared with the folder's blocks before anything is sized by it);
+  * ``--tokenizer`` files that cannot be copied or are links out of the tokenizer's repository;
+  * a flipped byte in a layer file's tensor or an optimizer shard: the CRC-32 of every record a
+    run reads whole is checked as it is read (``--no-check-crc`` opts out).
 
 This script never unpickles the malicious files itself.
 
@@ -27,6 +35,7 @@ PYTHONPATH=tests.
 
 import builtins
 import io
+import json
 import os
 import pickletools
 import shutil
@@ -39,6 +48,8 @@ import torch
 import interop_support as support
 from interop_support import layer_file, mp_file, rewrite
 from test_cli_errors import ReshardTestCase
+import test_export_hf as hf
+import test_import_hf as hf_import
 
 NEVER_EXECUTES = 'reshard never executes pickled code'
 
@@ -340,6 +351,238 @@ class LatestTests(HostileTestCase):
                     f.write(name + '\n')
                 self.assertAllRefuse(root, [os.path.join(root, 'latest'), f"names '{name}', which is "
                                             'not a tag folder name'])
+
+
+# ---------------------------------------------------------------------------------------------
+# Files that are not regular files, manifests leaving their folder, HF folders that disagree
+# with their config, tokenizer files, damaged records
+# ---------------------------------------------------------------------------------------------
+
+def flip_byte_in_record(path, min_size=64):
+    """Flips one byte inside the first storage record of at least ``min_size`` bytes of ``path``."""
+    with zipfile.ZipFile(path) as z:
+        info = next(i for i in z.infolist() if '/data/' in i.filename and i.file_size >= min_size)
+    with open(path, 'r+b') as f:
+        f.seek(info.header_offset + 26)
+        name_length, extra_length = struct.unpack('<HH', f.read(4))
+        at = info.header_offset + 30 + name_length + extra_length + 17
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x40]))
+    return info.filename
+
+
+def replace_with_fifo(path):
+    os.remove(path)
+    os.mkfifo(path)
+
+
+def replace_with_link(path, target):
+    os.remove(path)
+    os.symlink(target, path)
+
+
+class NotRegularFileTests(HostileTestCase):
+
+    def test_a_fifo_or_a_device_as_a_layer_file(self):
+        for name, make in (('a FIFO', replace_with_fifo), ('a character device',
+                                                           lambda p: replace_with_link(p, '/dev/zero'))):
+            with self.subTest(kind=name):
+                tag = self.bloom(name.replace(' ', '_'))
+                victim = layer_file(tag, 3, 1)
+                make(victim)
+                self.assertAllRefuse(tag, [victim, f'is {name}', 'not a regular file'])
+
+    def test_a_fifo_as_an_hf_weight_file(self):
+        folder = self.path('hf')
+        hf_import.write_folder(folder, {'x': torch.zeros(2)}, hf_import.CONFIGS['ms_gpt2'])
+        replace_with_fifo(os.path.join(folder, 'model.safetensors'))
+        # Only config.json is watched: reading the FIFO to snapshot it would block this test.
+        self.assertRefused(['lint', folder], [os.path.join(folder, 'model.safetensors'), 'is a FIFO (named pipe)'],
+                           watch=[os.path.join(folder, 'config.json')])
+
+    def converted(self):
+        tag = self.bloom()
+        out = self.path('out', 'global_step10')
+        p = support.reshard('convert', tag, out, '--tp', 1, '--pp', 1, '-q')
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        return out
+
+    def test_verify_of_a_listed_fifo_or_device(self):
+        out = self.converted()
+        layer = os.path.join(out, 'layer_03-model_00-model_states.pt')
+        for name, make in (('a FIFO', replace_with_fifo), ('a character device',
+                                                           lambda p: replace_with_link(p, '/dev/zero'))):
+            with self.subTest(kind=name):
+                make(layer)
+                p = support.reshard('verify', out, timeout=60)
+                self.assertEqual(p.returncode, 1, p.stdout + p.stderr)
+                self.assertIn(f'{layer} is {name}', p.stdout)
+                self.assertIn('not a regular file', p.stdout)
+
+
+class ManifestEscapeTests(HostileTestCase):
+
+    def test_names_outside_the_folder_are_refused(self):
+        tag = self.bloom()
+        out = self.path('out', 'global_step10')
+        self.assertEqual(support.reshard('convert', tag, out, '--tp', 1, '--pp', 1, '-q').returncode, 0)
+        manifest_path = os.path.join(out, 'reshard-manifest.json')
+        with open(manifest_path) as f:
+            manifest = json.load(f)
+        outside = self.path('outside.pt')
+        shutil.copy(os.path.join(out, manifest['files'][0]['name']), outside)
+        for name in ('../../outside.pt', outside, '/dev/zero', 'a/../../outside.pt', './x', 'a//b'):
+            with self.subTest(name=name):
+                edited = json.loads(json.dumps(manifest))
+                edited['files'][0]['name'] = name
+                with open(manifest_path, 'w') as f:
+                    json.dump(edited, f)
+                self.assertRefused(['verify', out], [manifest_path, f"lists '{name}', which is not a file inside "
+                                                     'its folder'], watch=[out])
+        with open(manifest_path, 'w') as f:
+            json.dump(manifest, f)
+        first = os.path.join(out, manifest['files'][0]['name'])
+        replace_with_link(first, outside)  # the same bytes, through a link leading out
+        p = support.reshard('verify', out, timeout=60)
+        self.assertEqual(p.returncode, 1, p.stdout + p.stderr)
+        self.assertIn(f"{manifest['files'][0]['name']} is a link that leads outside the folder", p.stdout)
+
+
+class HfConfigDisagreementTests(HostileTestCase):
+    """GPT-2 folders whose tensors disagree with config.json: every tensor's shape is checked."""
+
+    def folder(self, change):
+        canon = hf_import.mf.canonical_tensors(hf_import.mf.FixtureConfig(**hf.GPT2))
+        tensors = {k: v.to(torch.bfloat16) for k, v in hf_import.EXPECTED['ms_gpt2'](canon).items()}
+        config = dict(hf_import.CONFIGS['ms_gpt2'])
+        change(tensors, config)
+        path = self.path('hf')
+        hf_import.write_folder(path, tensors, config)
+        return path
+
+    def assertRefusedEverywhere(self, folder, needles):
+        out = self.path('out', 'global_step0')
+        for args in (['lint', folder], ['inspect', folder],
+                     ['convert', folder, out, '--tp', 1, '--pp', 1]):
+            with self.subTest(command=args[0]):
+                self.assertRefused(args, needles, watch=[folder], out=out if args[0] == 'convert' else None)
+
+    def test_tensor_shapes_that_the_config_does_not_give(self):
+        h, ffn = hf_import.S['h'], hf.GPT2['ffn']
+
+        def small_norm(t, c):
+            t['transformer.h.0.ln_1.weight'] = t['transformer.h.0.ln_1.weight'][:h // 2].clone()
+
+        def narrow_fc(t, c):
+            t['transformer.h.1.mlp.c_fc.weight'] = t['transformer.h.1.mlp.c_fc.weight'][:, :ffn // 2].clone()
+            t['transformer.h.1.mlp.c_fc.bias'] = t['transformer.h.1.mlp.c_fc.bias'][:ffn // 2].clone()
+
+        def inner(t, c):
+            c['n_inner'] = ffn // 2
+        for change, needle in ((small_norm, 'layers.0.input_layernorm.weight of shape'),
+                               (narrow_fc, 'layers.1.mlp.dense_h_to_4h.weight of shape'),
+                               (inner, 'mlp.dense_h_to_4h.weight of shape')):
+            with self.subTest(needle=needle):
+                self.assertRefusedEverywhere(self.folder(change), [needle, 'the architecture does not compute'])
+                shutil.rmtree(self.path('hf'))
+
+    def test_config_vocab_larger_than_the_embedding(self):
+        folder = self.folder(lambda t, c: c.update(vocab_size=hf_import.S['V'] * 2))
+        self.assertRefusedEverywhere(folder, [f"has vocab_size {hf_import.S['V'] * 2}, more than the"])
+
+    def test_a_layer_count_of_a_billion_is_compared_first(self):
+        folder = self.folder(lambda t, c: c.update(n_layer=1000000000))
+        self.assertRefusedEverywhere(folder, ['gives 1000000000 layers', 'the folder holds the tensors of '
+                                              f"{hf_import.S['L']} blocks"])
+
+    def test_a_vocabulary_divisor_of_zero_is_called_invalid(self):
+        folder = self.folder(lambda t, c: None)
+        out = self.path('out', 'global_step0')
+        self.assertRefused(['convert', folder, out, '--tp', 2, '--pp', 1, '--set', 'make_vocab_size_divisible_by=0'],
+                           ['make_vocab_size_divisible_by, which is 0', 'must be 1 or more'], watch=[folder], out=out)
+
+
+class TokenizerTests(HostileTestCase):
+
+    def export(self, tokenizer, code):
+        out = self.path('hfout')
+        p = support.reshard('export', self.src_tag, out, '--to', 'hf', '--tokenizer', tokenizer, '-q', timeout=120)
+        self.assertEqual(p.returncode, code, p.stdout + p.stderr)
+        if code != 0:
+            self.assertFalse(os.path.exists(out))
+            self.assertEqual(len(p.stderr.splitlines()), 1, p.stderr)
+        return p, out
+
+    def setUp(self):
+        super().setUp()
+        self.src_tag = self.bloom()
+
+    def tokenizer(self, make):
+        folder = self.path('tok')
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, 'tokenizer_config.json'), 'w') as f:
+            f.write('{}')
+        make(os.path.join(folder, 'tokenizer.json'))
+        return folder
+
+    def test_files_that_cannot_be_copied_are_errors(self):
+        cases = (('fifo', os.mkfifo, 'is a FIFO (named pipe)'),
+                 ('dangling', lambda p: os.symlink(self.path('nowhere'), p), 'No such file'),
+                 ('device', lambda p: os.symlink('/dev/zero', p), 'is a character device'),
+                 ('outside', lambda p: os.symlink('/etc/passwd', p), 'is a link to /etc/passwd, outside the '
+                                                                     "tokenizer's folder"))
+        for name, make, needle in cases:
+            with self.subTest(case=name):
+                folder = self.tokenizer(make)
+                p, _ = self.export(folder, 2)
+                self.assertIn('--tokenizer: cannot copy tokenizer.json', p.stderr)
+                self.assertIn(needle, p.stderr)
+                shutil.rmtree(folder)
+
+    def test_hub_cache_links_into_its_blobs_are_copied(self):
+        repo = self.path('models--org--name')
+        os.makedirs(os.path.join(repo, 'blobs'))
+        snapshot = os.path.join(repo, 'snapshots', 'abc123')
+        os.makedirs(snapshot)
+        with open(os.path.join(repo, 'blobs', 'f00d'), 'w') as f:
+            f.write('{"version": "1.0"}')
+        os.symlink('../../blobs/f00d', os.path.join(snapshot, 'tokenizer.json'))
+        _, out = self.export(snapshot, 0)
+        with open(os.path.join(out, 'tokenizer.json')) as f:
+            self.assertEqual(f.read(), '{"version": "1.0"}')
+
+    def test_a_tokenizer_argument_that_is_no_folder_exits_2(self):
+        for bad in (self.path('missing'), '/etc/hostname'):
+            with self.subTest(tokenizer=bad):
+                p, _ = self.export(bad, 2)
+                self.assertIn('is not a folder', p.stderr)
+
+
+class DamagedRecordTests(HostileTestCase):
+
+    def test_a_flipped_byte_in_a_layer_file_is_refused(self):
+        tag = self.bloom()
+        path = layer_file(tag, 3, 1)
+        record = flip_byte_in_record(path)
+        out = self.path('out', 'global_step10')
+        self.assertRefused(['convert', tag, out, '--tp', 1, '--pp', 1, '--replicated', 'first', '-q'],
+                           [f'{path}: record {record} does not have the CRC-32', 'nothing was published',
+                            '--no-check-crc'], watch=[self.path('src')], out=out)
+        p = support.reshard('convert', tag, out, '--tp', 1, '--pp', 1, '--replicated', 'first', '--no-check-crc',
+                            '-q')
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+
+    def test_a_flipped_byte_in_an_optimizer_shard_is_refused(self):
+        tag = self.bloom(optimizer='zero1')
+        shard = sorted(f for f in os.listdir(tag) if 'optim_states' in f)[0]
+        path = os.path.join(tag, shard)
+        record = flip_byte_in_record(path, min_size=256)
+        out = self.path('out', 'global_step10')
+        self.assertRefused(['convert', tag, out, '--tp', 1, '--pp', 1, '-q'],
+                           [f'{path}: record {record} does not have the CRC-32'],
+                           watch=[self.path('src')], out=out)
 
 
 if __name__ == '__main__':

@@ -307,7 +307,7 @@ class ImportHfTest(FixtureTestCase):
             (drop('lm_head.weight'), 'the HF folder lacks lm_head.weight'),
             (lambda t, c: t.update({'model.extra.weight': torch.zeros(2)}), "the HF folder's model.extra.weight is not a tensor"),
             (lambda t, c: c.update(num_key_value_heads=4), 'config.json disagrees with the tensors'),
-            (lambda t, c: c.update(num_hidden_layers=5), 'which no layer of rule set megatron-llama holds at 5 blocks'),
+            (lambda t, c: c.update(num_hidden_layers=5), 'gives 5 layers (args.num_layers as rule set megatron-llama reads it)'),
             (lambda t, c: c.update(hidden_act='gelu'), "has hidden_act = 'gelu'"),
             (lambda t, c: c.pop('rms_norm_eps'), 'has no rms_norm_eps, which rule set megatron-llama reads as args.layernorm_epsilon'),
         ]

@@ -199,8 +199,8 @@ class RefusalTests(MoeReadTestCase):
     def test_missing_expp_rank_file_contradicts_the_moe_groups(self):
         root = self.copy(self.NAME)
         os.remove(os.path.join(tag_dir(root), 'expp_rank_1_mp_rank_00_optim_states.pt'))
-        self.refuse(root, self.RULES, r'MoE optimizer groups of mp_rank_00 are partitioned over 2 ranks, '
-                                      r'but DP 4 / EP 1 \(the expp_rank files\) is 4')
+        self.refuse(root, self.RULES, r'expp_rank_1_mp_rank_00_optim_states\.pt is missing: the MoE optimizer '
+                                      r'groups of mp_rank_00 are partitioned over 2 ranks, so DP 4 has EP 2')
 
     def test_edited_num_experts(self):
         root = self.copy(self.NAME)

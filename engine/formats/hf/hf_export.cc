@@ -1,8 +1,11 @@
 #include "formats/hf/hf_export.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <filesystem>
 
+#include "container/regular_file.h"
 #include "formats/hf/hf_config.h"
 #include "formats/hf/hf_tensors.h"
 #include "formats/state_dict.h"
@@ -21,13 +24,47 @@ bool IsTokenizerFile(const std::string& name) {
          std::find(std::begin(kNames), std::end(kNames), name) != std::end(kNames);
 }
 
+// The folder a tokenizer's links may lead into: the repository of a Hugging
+// Face hub cache (models--org--name/, whose snapshots/<revision>/ files are
+// links into ../../blobs/), else the tokenizer folder itself.
+std::filesystem::path TokenizerRepository(const std::filesystem::path& dir) {
+  const std::filesystem::path parent = dir.parent_path();
+  return parent.filename() == "snapshots" ? parent.parent_path() : dir;
+}
+
+// Why the tokenizer file `path` cannot be copied into an export ("" when it
+// can): it must be a regular file, and one read through a link must lie in
+// the tokenizer's repository, so that an export never carries a file from
+// elsewhere on the machine (a link to /etc/passwd) into a folder people upload.
+std::string TokenizerFileProblem(const std::filesystem::path& path, const std::filesystem::path& repository) {
+  namespace fs = std::filesystem;
+  Result<OpenedFile> opened = OpenRegularFile(path.string());
+  if (!opened.ok()) return opened.status().message();
+  ::close(opened->fd);
+  std::error_code ec;
+  const fs::path root = fs::canonical(repository, ec), file = fs::canonical(path, ec);
+  if (ec) return "cannot resolve " + path.string() + ": " + ec.message();
+  if (std::mismatch(root.begin(), root.end(), file.begin(), file.end()).first == root.end()) return "";
+  return path.string() + " is a link to " + file.string() + ", outside the tokenizer's folder " + root.string() +
+         "; reshard copies no file from elsewhere into an export (copy the file into the folder if it is meant)";
+}
+
 Result<std::vector<SideFile>> TokenizerFiles(const std::string& dir) {
+  std::error_code ec;
+  if (!std::filesystem::is_directory(dir, ec)) {
+    return Status::InvalidInput("--tokenizer " + dir + " is not a folder; pass the folder the tokenizer was "
+                                "saved in");
+  }
   RESHARD_ASSIGN_OR_RETURN(std::vector<std::filesystem::directory_entry> entries, ListFolder(dir));
+  const std::filesystem::path repository = TokenizerRepository(std::filesystem::canonical(dir, ec));
   std::vector<SideFile> files;
   for (const auto& entry : entries) {
     const std::string name = entry.path().filename().string();
-    std::error_code ec;
-    if (entry.is_regular_file(ec) && IsTokenizerFile(name)) files.push_back({name, "", entry.path().string()});
+    // Whatever its kind: a tokenizer file that cannot be copied is an error, never left out.
+    if (!IsTokenizerFile(name) || entry.is_directory(ec)) continue;
+    const std::string problem = TokenizerFileProblem(entry.path(), repository);
+    if (!problem.empty()) return Status::InvalidInput("--tokenizer: cannot copy " + name + ": " + problem);
+    files.push_back({name, "", entry.path().string()});
   }
   std::sort(files.begin(), files.end(), [](const SideFile& a, const SideFile& b) { return a.name < b.name; });
   if (files.empty()) {

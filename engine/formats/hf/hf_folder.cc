@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "container/json_reader.h"
+#include "container/regular_file.h"
 #include "container/safetensors_reader.h"
 #include "container/torch_file.h"
 
@@ -22,17 +23,17 @@ constexpr const char* kWeightNames[][2] = {
     {"pytorch_model.bin", "pytorch_model.bin.index.json"},
 };
 
+// Whether an entry of that name is there, of whatever kind but a folder: a
+// FIFO or a dangling link named model.safetensors is then refused by name
+// when it is read, instead of the folder being taken for another format.
 bool Exists(const fs::path& p) {
   std::error_code ec;
-  return fs::is_regular_file(p, ec);
+  return fs::symlink_status(p, ec).type() != fs::file_type::not_found && !fs::is_directory(p, ec);
 }
 
 Result<Value> ReadJsonFile(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (!in) return Status::IoError("cannot read " + path.string());
-  return ParseJson(text.str(), path.string());
+  RESHARD_ASSIGN_OR_RETURN(std::string text, ReadRegularFile(path.string()));
+  return ParseJson(text, path.string());
 }
 
 // The tensors of one weight file, by name.

@@ -241,6 +241,7 @@ class TensorJoiner {
     for (const HfTensorMap& map : hf_.tensors) {
       for (const std::string& block : Blocks(map)) {
         const std::string name = HfNameTemplate(map.from).With(block);
+        if (!block.empty()) blocks_.insert(block);
         RESHARD_ASSIGN_OR_RETURN(Joined joined, JoinOne(map, name, block));
         out.emplace(name, std::move(joined));
       }
@@ -255,6 +256,8 @@ class TensorJoiner {
   }
 
   int64_t transposed_bytes() const { return transposed_bytes_; }
+  // How many blocks the folder holds tensors of (once JoinAll has run).
+  int64_t block_count() const { return static_cast<int64_t>(blocks_.size()); }
 
  private:
   // The blocks ("" outside blocks) the folder has the entry's first HF tensor for, in order.
@@ -375,6 +378,7 @@ class TensorJoiner {
   const RuleSet& rules_;
   const RuleInputs inputs_;  // references the metadata and settings, which outlive the joiner
   std::set<std::string> used_;
+  std::set<std::string> blocks_;
   int64_t transposed_bytes_ = 0;
 };
 
@@ -515,6 +519,16 @@ int64_t VocabRows(const LogicalCheckpoint& ckpt) {
   return 0;
 }
 
+// A config.json vocab_size beyond the embedding's rows names tokens the
+// model has no row for (an embedding padded beyond it is what exports write).
+Status CheckConfigVocab(const Value& config, const std::string& config_path, int64_t rows) {
+  const Value* vocab = Find(config, "vocab_size");
+  if (vocab == nullptr || !vocab->is(Value::Kind::kInt) || vocab->as_int() <= rows) return Status::Ok();
+  return Status::InvalidInput(config_path + " has vocab_size " + std::to_string(vocab->as_int()) +
+                              ", more than the " + std::to_string(rows) + " rows of the folder's embedding; "
+                              "the config does not describe these weights");
+}
+
 DType WeightDType(const HfFolder& folder) {
   for (const auto& [name, v] : folder.tensors) {
     if (IsFloatingPoint(v.as_tensor().storage->dtype)) return v.as_tensor().storage->dtype;
@@ -557,6 +571,13 @@ Result<HfImport> ReadHfImport(const std::string& dir, const CommonOptions& optio
   }
   TensorJoiner joiner(folder, rules, reader.inputs());
   RESHARD_ASSIGN_OR_RETURN(auto joined, joiner.JoinAll());
+  // Checked before the layer list is sized by it.
+  if (*blocks != joiner.block_count()) {
+    return Status::InvalidInput(config_path + " gives " + std::to_string(*blocks) + " layers (args.num_layers "
+                                "as rule set " + rules.name() + " reads it), and the folder holds the tensors of " +
+                                std::to_string(joiner.block_count()) + " blocks; the config does not describe "
+                                "these weights");
+  }
   std::map<std::pair<int, std::string>, SourceShard> composite;
   RESHARD_ASSIGN_OR_RETURN(ckpt.layers, LayOut(rules, *blocks, &joined, &composite));
   ckpt.vocab.padding_stripped = true;
@@ -567,6 +588,7 @@ Result<HfImport> ReadHfImport(const std::string& dir, const CommonOptions& optio
       if (it != composite.end()) t.shards[0].runs = std::move(it->second.runs);
     }
   }
+  RESHARD_RETURN_IF_ERROR(CheckConfigVocab(folder.config, config_path, VocabRows(ckpt)));
   SetVocabInfo(rules, VocabRows(ckpt), &ckpt.metadata[0]);
   out.files = folder.files;
   out.what = "HF folder (" + hf.architecture + ", " + std::to_string(folder.files.size() - 1) + " weight file" +

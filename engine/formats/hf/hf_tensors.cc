@@ -310,11 +310,19 @@ Status CheckHfShape(const HfExport& hf, const HfTensorMap& map, const std::strin
                     const std::vector<int64_t>& shape, const RuleInputs& inputs) {
   if (map.shape.empty()) return Status::Ok();
   std::vector<int64_t> want;
-  for (const std::string& dim : map.shape) {
-    RESHARD_ASSIGN_OR_RETURN(int64_t n, DimSize(dim, inputs));
-    want.push_back(n);
+  bool same = map.shape.size() == shape.size();
+  for (size_t i = 0; i < map.shape.size(); ++i) {
+    // "*": any size (the vocabulary rows, which the tensors themselves give).
+    const int64_t n = map.shape[i] == "*" && i < shape.size() ? shape[i] : -1;
+    if (n >= 0) {
+      want.push_back(n);
+      continue;
+    }
+    RESHARD_ASSIGN_OR_RETURN(int64_t size, DimSize(map.shape[i], inputs));
+    want.push_back(size);
+    same = same && i < shape.size() && shape[i] == size;
   }
-  if (want == shape) return Status::Ok();
+  if (same) return Status::Ok();
   return Status::Unsupported(hf.architecture + " needs " + name + " of shape " + ShapeString(want) + " (" +
                              Join(map.shape, ", ") + ", hf.tensors line " + std::to_string(map.line) +
                              "), and the checkpoint's is " + ShapeString(shape) +

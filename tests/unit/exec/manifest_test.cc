@@ -33,5 +33,26 @@ TEST(WholeFilesTest, PiecesThatLeaveAGapOrOverlapAreAnError) {
   EXPECT_FALSE(WholeFiles(late_start).ok());
 }
 
+std::string ManifestListing(const std::string& name) {
+  return "{\"files\": [{\"name\": \"" + name + "\", \"bytes\": 3, \"crc32\": \"0000abcd\"}]}";
+}
+
+TEST(ParseManifestTest, NamesInsideTheFolderAreRead) {
+  for (const std::string name : {"mp_rank_00_model_states.pt", "sub/dir/file.bin", "..hidden", "a..b"}) {
+    Result<Manifest> m = ParseManifest(ManifestListing(name), "m.json");
+    ASSERT_TRUE(m.ok()) << name << ": " << m.status().message();
+    EXPECT_EQ(m->files.count(name), 1u);
+  }
+}
+
+TEST(ParseManifestTest, NamesLeavingTheFolderAreRefused) {
+  for (const std::string name : {"../x.pt", "/etc/hostname", "a/../../x", "./x", "a//b", "a/", "..", "a/.."}) {
+    Result<Manifest> m = ParseManifest(ManifestListing(name), "m.json");
+    ASSERT_FALSE(m.ok()) << name;
+    EXPECT_NE(m.status().message().find("lists '" + name + "', which is not a file inside its folder"),
+              std::string::npos) << m.status().message();
+  }
+}
+
 }  // namespace
 }  // namespace reshard

@@ -986,7 +986,7 @@ TEST(RuleSetHf, ErrorsNameTheLine) {
       {{{38, "    - {from: 'layers.{block}.fc', to: ['h.{block}.q', 'x.{block}'], split_halves: true}"}},
        "t.yaml:38: hf.tensors writes 'h.{block}.q' twice (first at line 35)"},
       {{{38, "    - {from: 'layers.{block}.fc', to: 'h.{block}.fc', shape: [4*hidden_size]}"}},
-       "t.yaml:38: hf.tensors shape dim '4*hidden_size' must be an integer, a metadata path or N*path"},
+       "t.yaml:38: hf.tensors shape dim '4*hidden_size' must be an integer, a metadata path, N*path or * (any size)"},
   };
   for (const auto& [edits, want] : cases) {
     EXPECT_NE(ErrorOf(TinyHf(edits)).find(want), std::string::npos) << want;

@@ -195,6 +195,11 @@ Result<int> EpFromFiles(const CheckpointFiles& files, int mp_ranks) {
                         " files up to EP rank " + std::to_string(top - 1) + ")") +
           "; DeepSpeed writes one per EP rank and mp rank, so the checkpoint is incomplete");
     }
+    if (ep >= 0 && n < ep) {
+      return Status::InvalidInput(ExpertOptimizerFileName(n, mp) + " is missing: " + ModelStatesName(0) + " has " +
+                                  std::to_string(ep) + " expp_rank files and " + ModelStatesName(mp) + " " +
+                                  std::to_string(n) + "; the checkpoint is incomplete");
+    }
     if (ep >= 0 && n != ep) {
       return Status::InvalidInput(ModelStatesName(mp) + " has " + std::to_string(n) +
                                   " expp_rank files but mp_rank_00 has " + std::to_string(ep) +
@@ -205,12 +210,38 @@ Result<int> EpFromFiles(const CheckpointFiles& files, int mp_ranks) {
   return ep;
 }
 
+// Names the expp_rank files missing at the end: EP is inferred from the
+// files, so a missing last EP rank shows only as MoE groups partitioned over
+// fewer ranks than DP / EP. `counts` holds each mp rank's partition counts.
+Status CheckLastEpRanks(const std::vector<std::vector<int64_t>>& counts, int dp, int ep) {
+  for (size_t mp = 0; mp < counts.size(); ++mp) {
+    for (int64_t c : counts[mp]) {
+      if (c < 1 || dp % c != 0 || dp / c <= ep) continue;
+      std::vector<std::string> missing;
+      for (int e = ep; e < dp / c; ++e) missing.push_back(ExpertOptimizerFileName(e, static_cast<int>(mp)));
+      return Status::InvalidInput(Join(missing, ", ") + (missing.size() == 1 ? " is" : " are") + " missing: the "
+                                  "MoE optimizer groups of " + ModelStatesName(static_cast<int>(mp)) +
+                                  " are partitioned over " + std::to_string(c) + " ranks, so DP " +
+                                  std::to_string(dp) + " has EP " + std::to_string(dp / c) + " and one expp_rank "
+                                  "file per EP rank, and the folder holds " + std::to_string(ep) +
+                                  "; the checkpoint is incomplete");
+    }
+  }
+  return Status::Ok();
+}
+
 // EP and expert-DP, from the expp_rank files, checked against the expert
 // counts and the MoE optimizer groups' partition counts.
 Status FindExpertParallel(const CheckpointFiles& files, const LogicalCheckpoint& ckpt,
                           const std::set<std::string>& allowed, MoeLayout* layout) {
   RESHARD_ASSIGN_OR_RETURN(layout->ep, EpFromFiles(files, ckpt.tp * ckpt.pp));
   const int ep = layout->ep;
+  std::vector<std::vector<int64_t>> counts;
+  for (int mp = 0; mp < ckpt.tp * ckpt.pp; ++mp) {
+    RESHARD_ASSIGN_OR_RETURN(std::vector<int64_t> of_mp, MoePartitionCounts(files, mp, allowed));
+    counts.push_back(std::move(of_mp));
+  }
+  RESHARD_RETURN_IF_ERROR(CheckLastEpRanks(counts, ckpt.dp, ep));
   if (ckpt.dp % ep != 0) {
     return Status::InvalidInput(std::to_string(ep) + " expp_rank files (EP " + std::to_string(ep) +
                                 ") do not divide DP " + std::to_string(ckpt.dp) + "; the folder mixes checkpoints");
@@ -226,8 +257,7 @@ Status FindExpertParallel(const CheckpointFiles& files, const LogicalCheckpoint&
     }
   }
   for (int mp = 0; mp < ckpt.tp * ckpt.pp; ++mp) {
-    RESHARD_ASSIGN_OR_RETURN(std::vector<int64_t> counts, MoePartitionCounts(files, mp, allowed));
-    for (int64_t c : counts) {
+    for (int64_t c : counts[mp]) {
       if (c == layout->edp) continue;
       return Status::InvalidInput("the MoE optimizer groups of " + ModelStatesName(mp) + " are partitioned over " +
                                   std::to_string(c) + " ranks, but DP " + std::to_string(ckpt.dp) + " / EP " +

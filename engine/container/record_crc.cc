@@ -1,0 +1,122 @@
+#include "container/record_crc.h"
+
+#include <algorithm>
+#include <atomic>
+
+#include "container/crc32.h"
+
+namespace reshard {
+namespace {
+
+std::atomic<bool> checks_on{true};
+std::mutex registry_mu;
+// The checks of the files open now: each lives as long as its MappedFile.
+std::vector<std::weak_ptr<RecordCrcs>>& Registry() {
+  static auto* registry = new std::vector<std::weak_ptr<RecordCrcs>>();
+  return *registry;
+}
+
+// The checks of the files still open.
+std::vector<std::shared_ptr<RecordCrcs>> Live() {
+  std::lock_guard<std::mutex> lock(registry_mu);
+  std::vector<std::shared_ptr<RecordCrcs>> live;
+  auto& registry = Registry();
+  registry.erase(std::remove_if(registry.begin(), registry.end(),
+                                [](const std::weak_ptr<RecordCrcs>& w) { return w.expired(); }),
+                 registry.end());
+  for (const auto& w : registry) {
+    if (auto crcs = w.lock()) live.push_back(std::move(crcs));
+  }
+  return live;
+}
+
+}  // namespace
+
+RecordCrcs::RecordCrcs(std::string path, std::vector<std::pair<std::string, ZipRecord>> records)
+    : path_(std::move(path)) {
+  for (auto& [name, zip] : records) records_.push_back({std::move(name), zip, {}, false});
+  std::sort(records_.begin(), records_.end(),
+            [](const Record& a, const Record& b) { return a.zip.data_offset < b.zip.data_offset; });
+}
+
+void RecordCrcs::Note(uint64_t offset, size_t n, const uint8_t* copy) {
+  auto after = std::upper_bound(records_.begin(), records_.end(), offset,
+                                [](uint64_t at, const Record& r) { return at < r.zip.data_offset; });
+  if (after == records_.begin() || n == 0) return;
+  Record& r = *(after - 1);
+  const uint64_t begin = offset - r.zip.data_offset, end = begin + n;
+  if (end > r.zip.size) return;  // not inside one record: not a storage's bytes
+  const uint32_t crc = Crc32(0, copy, n);  // outside the lock: the costly part
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!r.checked) Join(&r, begin, end, crc);
+}
+
+// Adds the piece [begin, end) and joins it with the pieces it meets; the
+// record is checked once one piece covers it.
+void RecordCrcs::Join(Record* r, uint64_t begin, uint64_t end, uint32_t crc) {
+  auto next = r->pieces.lower_bound(begin);
+  if (next != r->pieces.end() && next->first < end) return;  // overlaps a later piece
+  if (next != r->pieces.begin()) {
+    auto prev = std::prev(next);
+    if (prev->second.first > begin) return;  // overlaps an earlier piece
+    if (prev->second.first == begin) {
+      crc = Crc32Combine(prev->second.second, crc, static_cast<int64_t>(end - begin));
+      begin = prev->first;
+      r->pieces.erase(prev);
+    }
+  }
+  if (next != r->pieces.end() && next->first == end) {
+    crc = Crc32Combine(crc, next->second.second, static_cast<int64_t>(next->second.first - end));
+    end = next->second.first;
+    r->pieces.erase(next);
+  }
+  if (begin > 0 || end < r->zip.size) {
+    r->pieces.emplace(begin, std::make_pair(end, crc));
+    return;
+  }
+  r->checked = true;
+  r->pieces.clear();
+  if (crc != r->zip.crc && damage_.empty()) {
+    damage_ = path_ + ": record " + r->name + " does not have the CRC-32 its zip directory records; its "
+              "bytes are damaged";
+  }
+}
+
+std::string RecordCrcs::Damage() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return damage_;
+}
+
+int64_t RecordCrcs::PartlyRead() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return std::count_if(records_.begin(), records_.end(), [](const Record& r) { return !r.pieces.empty(); });
+}
+
+void SetRecordCrcChecks(bool on) { checks_on = on; }
+bool RecordCrcChecksOn() { return checks_on; }
+
+void RegisterRecordCrcs(const std::shared_ptr<RecordCrcs>& crcs) {
+  std::lock_guard<std::mutex> lock(registry_mu);
+  Registry().push_back(crcs);
+}
+
+Status CheckReadRecords() {
+  for (const auto& crcs : Live()) {
+    const std::string damage = crcs->Damage();
+    if (!damage.empty()) {
+      return Status::InvalidInput(damage + "; nothing was published (restore the file from a good copy; "
+                                  "--no-check-crc skips this check)");
+    }
+  }
+  return Status::Ok();
+}
+
+std::string PartlyReadRecordsNote() {
+  int64_t partly = 0;
+  for (const auto& crcs : Live()) partly += crcs->PartlyRead();
+  if (partly == 0) return "";
+  return std::to_string(partly) + " zip record(s) were read only in part, so their CRC-32 was not checked "
+         "(`lint --deep` checks every record)";
+}
+
+}  // namespace reshard

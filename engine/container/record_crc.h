@@ -1,0 +1,67 @@
+// RecordCrcs: the CRC-32 of every zip record a run reads whole, checked as
+// its bytes are copied out (CopyFromView), so that a damaged byte of a
+// tensor never lands in an output. Each copy's CRC is computed from the
+// bytes just copied (in cache), and the pieces of a record are joined with
+// Crc32Combine as they meet, in whatever order and on whatever thread they
+// were read: the check costs no second read of the file.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "container/zip_directory.h"
+#include "reshard/status.h"
+
+namespace reshard {
+
+// The records of one mapped file whose reads are checked.
+class RecordCrcs {
+ public:
+  // `records` (the storages' records of `path`) must not overlap.
+  RecordCrcs(std::string path, std::vector<std::pair<std::string, ZipRecord>> records);
+
+  // Notes that the file's bytes [offset, offset + n) were read, now held in
+  // `copy`. A read overlapping bytes already noted is not counted again.
+  void Note(uint64_t offset, size_t n, const uint8_t* copy);
+
+  // The first damaged record's error ("" when none), and how many records
+  // were read in part only (so not checked).
+  std::string Damage() const;
+  int64_t PartlyRead() const;
+
+ private:
+  struct Record {
+    std::string name;
+    ZipRecord zip;
+    std::map<uint64_t, std::pair<uint64_t, uint32_t>> pieces;  // begin -> (end, crc), in the record
+    bool checked = false;
+  };
+  void Join(Record* r, uint64_t begin, uint64_t end, uint32_t crc);
+
+  std::string path_;
+  std::vector<Record> records_;  // by data_offset
+  mutable std::mutex mu_;
+  std::string damage_;
+};
+
+// Whether ReadTorchFile registers the records of the files it reads (on by
+// default; --no-check-crc turns it off).
+void SetRecordCrcChecks(bool on);
+bool RecordCrcChecksOn();
+
+// Records `crcs` among those the run checks, for as long as something
+// (its MappedFile) keeps it.
+void RegisterRecordCrcs(const std::shared_ptr<RecordCrcs>& crcs);
+
+// InvalidInput naming the first record read whole whose bytes do not have
+// the CRC-32 its zip directory records; Ok when none.
+Status CheckReadRecords();
+
+// A note when some records were read in part only ("" when none).
+std::string PartlyReadRecordsNote();
+
+}  // namespace reshard
