@@ -224,8 +224,11 @@ Status Prepare(const std::string& input, const std::string& output, const WriteO
   clock->End("load");
   RESHARD_ASSIGN_OR_RETURN(p->plan, make_plan(*p->src, &report->notes));
   report->plan = p->plan->ToString(options.dry_run);
-  RESHARD_ASSIGN_OR_RETURN(OutputFolder folder,
-                           CheckOutput(input, *p->src, output, options, p->plan->publication));
+  const Publication& publication = p->plan->publication;
+  const std::string placed = publication.output_subfolder.empty()
+                                 ? output
+                                 : (std::filesystem::path(output) / publication.output_subfolder).string();
+  RESHARD_ASSIGN_OR_RETURN(OutputFolder folder, CheckOutput(input, *p->src, placed, options, publication));
   p->out.emplace(std::move(folder));
   RESHARD_RETURN_IF_ERROR(SizeBuffers(options, p->plan->ScratchBytes(), &p->exec, report));
   RESHARD_ASSIGN_OR_RETURN(std::vector<Job> all, p->plan->Jobs(&p->read));

@@ -34,6 +34,10 @@ struct PointerFile {
 // How a finished output is announced, as its format declares it: what is
 // written into the folder holding it, after it is in place.
 struct Publication {
+  // When set, the output is the folder of this name inside the output path
+  // given, which then holds the copies and pointers: a root given as the
+  // input gives a root.
+  std::string output_subfolder;
   // Paths of files copied there; one already there of the same name is kept.
   std::vector<std::string> copies;
   // Written after the copies, each atomically, in this order: readers follow

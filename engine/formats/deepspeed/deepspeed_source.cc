@@ -42,6 +42,7 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenDeepSpeedCheckpoint(CheckpointFile
 
 Publication NativePublication(const CheckpointFiles& files, int64_t iteration, bool update_latest) {
   Publication out;
+  if (files.via_root) out.output_subfolder = files.tag;
   if (!update_latest) return out;
   namespace fs = std::filesystem;
   for (const std::string& name : files.root_scripts) out.copies.push_back((fs::path(files.root_dir) / name).string());

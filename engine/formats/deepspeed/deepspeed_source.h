@@ -56,7 +56,8 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenMoeSource(CheckpointFiles files, c
 // `update_latest` is false: `latest` (with latest_checkpointed_iteration.txt
 // where the source root has one, as Megatron writes it) and the scripts
 // DeepSpeed copies into every root. `latest` must not be written into the
-// source's own root.
+// source's own root. A source opened through its root gives a root: the
+// tag folder inside the output path, `latest` beside it.
 Publication NativePublication(const CheckpointFiles& files, int64_t iteration, bool update_latest);
 
 // A DeepSpeedPlan as the TargetPlan convert prints and runs; `src` and `opt`

@@ -168,6 +168,7 @@ int CheckpointFiles::LayerTpSize() const {
 
 Result<CheckpointFiles> ScanCheckpoint(const std::string& path) {
   RESHARD_ASSIGN_OR_RETURN(fs::path tag_dir, ResolveTagDir(fs::path(path)));
+  const bool via_root = tag_dir != fs::path(path);
   std::error_code ec;
   // Canonical (no symlink, `.`, `..` or trailing slash), so that the root is
   // the folder that really holds the tag and its `latest`.
@@ -176,6 +177,7 @@ Result<CheckpointFiles> ScanCheckpoint(const std::string& path) {
   CheckpointFiles files;
   files.tag_dir = tag_dir.string();
   files.tag = tag_dir.filename().string();
+  files.via_root = via_root;
   files.root_dir = tag_dir.parent_path().string();
   for (const char* script : kRootScripts) {
     if (fs::is_regular_file(fs::path(files.root_dir) / script, ec)) files.root_scripts.push_back(script);

@@ -25,6 +25,7 @@ struct CheckpointFiles {
   std::string root_dir;  // the folder holding `latest` (the tag folder's parent)
   std::string tag_dir;   // the folder holding the files
   std::string tag;       // basename of tag_dir
+  bool via_root = false; // opened through the root's `latest`, not as the tag folder
   // layer id -> TP rank -> path of layer_{id}-model_{tp}-model_states.pt
   std::map<int, std::map<int, std::string>> layer_files;
   // mp index -> path of mp_rank_{mp}_model_states.pt
