@@ -13,6 +13,10 @@
 #include "reshard/cluster.h"
 #include "reshard/reshard.h"
 
+// "reshard X.Y.Z", the commit and the build type: build/version.cc, written
+// at build time by cmake/version.cmake.
+std::string VersionText();
+
 namespace {
 
 using reshard::Status;
@@ -262,6 +266,7 @@ int Run(int argc, char** argv) {
       "CHECKPOINT is a tag folder (ckpts/global_step20), a root holding 'latest', or a Hugging Face "
       "transformers folder (config.json and its weights), read as its family's Megatron-DeepSpeed model.",
       "reshard"};
+  app.set_version_flag("--version", VersionText(), "Print the version, the commit built and the build type");
   app.require_subcommand(1);
 
   std::string ckpt, out, second, rules_file;
@@ -289,7 +294,8 @@ int Run(int argc, char** argv) {
       app.add_subcommand("convert", "Write the checkpoint at another TP / PP / DP layout");
   convert_cmd->add_option("INPUT", ckpt, "Source checkpoint, or an HF transformers folder to import")->required();
   convert_cmd->add_option("OUTPUT", out,
-                          "Target tag folder, written exactly here (e.g. out/global_step20)")
+                          "Target tag folder, written exactly here (e.g. out/global_step20); with a root "
+                          "INPUT (holding 'latest'), the root to write the tag folder and 'latest' into")
       ->required();
   // Bounds far above any training run, so that a typo cannot ask for a
   // billion files.

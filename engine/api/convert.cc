@@ -33,6 +33,22 @@ namespace {
 // (and the root's scripts), or `latest_universal`.
 enum class Publication { kNone, kLatest, kLatestUniversal };
 
+// Where convert writes the tag folder. A tag folder in: exactly at `output`
+// (`latest` goes in its parent). A root in (the folder holding `latest`,
+// which named the tag): a root out, the tag folder `output`/<tag> with
+// `latest` in `output`, as users who pass a root expect.
+std::string ConvertTagFolder(const std::string& input, const SourceCheckpoint& src, const std::string& output,
+                             std::vector<std::string>* notes) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const bool root_in = !fs::equivalent(input, src.tag_dir(), ec) && fs::equivalent(input, src.root_dir(), ec);
+  if (!root_in) return output;
+  const std::string tag = fs::path(src.tag_dir()).filename().string();
+  notes->push_back("the input is a root (its 'latest' names " + tag + "), so the output is one: the tag folder " +
+                   "goes to " + (fs::path(output) / tag).string() + ", 'latest' into " + output);
+  return (fs::path(output) / tag).string();
+}
+
 // Checks the output folder; writing `latest` into the input's root would
 // change which checkpoint the input root names, which is modifying the input.
 Result<OutputFolder> CheckOutput(const std::string& input, const SourceCheckpoint& src,
@@ -222,10 +238,16 @@ Status SizeBuffers(const WriteOptions& options, int64_t scratch_bytes, ExecuteOp
 using PlanMaker = std::function<Result<std::unique_ptr<TargetPlan>>(const SourceCheckpoint& src,
                                                                       std::vector<std::string>* notes)>;
 
-Status Prepare(const std::string& input, const std::string& output, const WriteOptions& options,
-               Publication publish, const PlanMaker& make_plan, PhaseClock* clock, Prepared* p,
-               ConvertReport* report) {
+// How a command places its output, given the opened source: `output` as
+// given, or convert's ConvertTagFolder.
+using Placement = std::function<std::string(const SourceCheckpoint& src, const std::string& output,
+                                            std::vector<std::string>* notes)>;
+
+Status Prepare(const std::string& input, const std::string& given_output, const WriteOptions& options,
+               Publication publish, const Placement& place, const PlanMaker& make_plan, PhaseClock* clock,
+               Prepared* p, ConvertReport* report) {
   RESHARD_ASSIGN_OR_RETURN(p->src, OpenCheckpoint(input, options));
+  const std::string output = place ? place(*p->src, given_output, &report->notes) : given_output;
   RESHARD_RETURN_IF_ERROR(CheckVocabSize(*p->src, options.vocab_size));
   report->checkpoint_bytes = FilesBytes(p->src->Files());
   clock->End("load");
@@ -321,11 +343,11 @@ Status Execute(Prepared* p, const WriteOptions& options, Publication publish, Ph
 // Everything a writing command does once its plan is known.
 Result<ConvertReport> WriteCheckpoint(const std::string& input, const std::string& output,
                                       const WriteOptions& options, Publication publish,
-                                      const PlanMaker& make_plan) {
+                                      const Placement& place, const PlanMaker& make_plan) {
   ConvertReport report;
   PhaseClock clock(&report);
   Prepared p;
-  Status ready = Prepare(input, output, options, publish, make_plan, &clock, &p, &report);
+  Status ready = Prepare(input, output, options, publish, place, make_plan, &clock, &p, &report);
   if (options.dry_run) {
     RESHARD_RETURN_IF_ERROR(ready);
   } else {
@@ -346,6 +368,10 @@ Result<ConvertReport> Convert(const std::string& input, const std::string& outpu
   }
   return WriteCheckpoint(input, output, options,
                          options.update_latest ? Publication::kLatest : Publication::kNone,
+                         [&input](const SourceCheckpoint& src, const std::string& output,
+                                  std::vector<std::string>* notes) {
+                           return ConvertTagFolder(input, src, output, notes);
+                         },
                          [&options](const SourceCheckpoint& src, std::vector<std::string>* notes)
                              -> Result<std::unique_ptr<TargetPlan>> {
                            if (options.target_ep > 0 && !src.HasExperts()) {
@@ -361,7 +387,7 @@ Result<ConvertReport> Export(const std::string& input, const std::string& output
                              const ExportOptions& options) {
   return WriteCheckpoint(
       input, output, options,
-      options.to == "universal" ? Publication::kLatestUniversal : Publication::kNone,
+      options.to == "universal" ? Publication::kLatestUniversal : Publication::kNone, nullptr,
       [&options](const SourceCheckpoint& src, std::vector<std::string>* notes)
           -> Result<std::unique_ptr<TargetPlan>> {
         if (!options.dry_run) RESHARD_RETURN_IF_ERROR(src.CheckReplicas(options.replicated, notes));

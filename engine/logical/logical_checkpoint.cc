@@ -87,11 +87,11 @@ bool DescribeTensor(const LogicalLayer& layer, LogicalCheckpoint* ckpt, LogicalT
       return false;
     }
     lt->blocks = *blocks;
+    lt->blocks_from = rule.blocks.ResolvedFrom(ckpt->inputs());
     const int64_t part = lt->full_shape[dim] / rule.parts;
     if (part % lt->blocks != 0 || lt->blocks % ckpt->tp != 0) {
-      AddError(ckpt, label + ": " + std::to_string(part) + " rows per part do not form " +
-                         std::to_string(lt->blocks) + " blocks (" + rule.blocks.ToString() +
-                         ") spread evenly over " + std::to_string(ckpt->tp) + " TP ranks");
+      AddError(ckpt, label + ": " + std::to_string(part) + " rows per part do not form " + BlocksPhrase(*lt) +
+                         " spread evenly over " + std::to_string(ckpt->tp) + " TP ranks");
       return false;
     }
   }
@@ -260,6 +260,16 @@ void CheckBlockCount(LogicalCheckpoint* ckpt) {
 }
 
 }  // namespace
+
+std::string BlocksPhrase(const LogicalTensor& t) {
+  const std::string& from = t.blocks_from;
+  // Megatron's names for what the blocks are, when the count comes from them.
+  const bool kv = from.find("key_value_heads") != std::string::npos || from.find("query_groups") != std::string::npos;
+  const bool heads = from.find("attention_heads") != std::string::npos;
+  const std::string noun = kv ? "KV head" : heads ? "head" : "block";
+  const std::string source = from.empty() ? t.rule->blocks.ToString() : from;
+  return std::to_string(t.blocks) + " " + noun + (t.blocks == 1 ? "" : "s") + " (" + source + ")";
+}
 
 int64_t MetadataInt(const Value& root, const char* key, int64_t fallback) {
   int64_t v = fallback;

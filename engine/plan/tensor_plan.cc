@@ -81,11 +81,12 @@ Status CheckSplittable(const LogicalTensor& t, int tp) {
   const bool even = full % (static_cast<int64_t>(t.rule->parts) * tp) == 0;
   const bool whole_blocks = t.rule->blocks.empty() || t.blocks % tp == 0;
   if (even && whole_blocks) return Status::Ok();
-  std::string why = !even ? "its " + std::to_string(full / t.rule->parts) + " rows per part"
-                        : "its " + std::to_string(t.blocks) + " blocks (" +
-                              t.rule->blocks.ToString() + ")";
-  return Status::InvalidInput("cannot split " + t.label + " over " + std::to_string(tp) +
-                              " TP ranks: " + why + " do not divide by " + std::to_string(tp));
+  // The blocks first: a row count that does not divide follows from them,
+  // and they are what the user chose (heads, KV heads).
+  const std::string why = !whole_blocks ? BlocksPhrase(t) : std::to_string(full / t.rule->parts) + " rows per part";
+  const bool one = !whole_blocks ? t.blocks == 1 : full / t.rule->parts == 1;
+  return Status::InvalidInput("cannot split " + t.label + " over " + std::to_string(tp) + " TP ranks: its " + why +
+                              (one ? " does" : " do") + " not divide by " + std::to_string(tp));
 }
 
 TensorPlan PlanTensor(const LogicalCheckpoint& src, int layer_index, int tensor_index, int rank,

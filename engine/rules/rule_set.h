@@ -72,6 +72,9 @@ struct MetaRef {
   bool empty() const { return alternatives.empty(); }
   // The first alternative that gives an integer; nullopt when none does.
   std::optional<int64_t> Resolve(const RuleInputs& inputs) const;
+  // That alternative as written ("args.num_key_value_heads", "12"): what
+  // messages name; "" when none gives an integer.
+  std::string ResolvedFrom(const RuleInputs& inputs) const;
   // The first path alternative present, whatever its kind (for string
   // settings such as the partition method); literal numbers are skipped.
   const Value* Lookup(const RuleInputs& inputs) const;
