@@ -822,6 +822,14 @@ class RuleSetParser {
     std::vector<Field> items = f.node.IsSequence() ? Items(f) : std::vector<Field>{f};
     if (items.empty()) Fail(f, what + " is an empty list; give a value or a metadata path");
     for (const Field& item : items) {
+      if (item.node.IsMap()) {
+        if (!ParseNullMeans(item, field)) return false;
+        continue;
+      }
+      if (!field->null_means.empty()) {
+        Fail(item, what + ": {null_means: ...} ends the list; move it last");
+        return false;
+      }
       if (item.node.IsNull() && !field->literal) {
         field->literal = std::make_shared<const Value>(Value::None());
         continue;
@@ -843,6 +851,20 @@ class RuleSetParser {
         field->literal = std::make_shared<const Value>(HfLiteral(item.node));
       }
     }
+    return true;
+  }
+
+  // {null_means: SIZE} after a field's paths: the size config.json's null
+  // stands for (N, a path, or N*path).
+  bool ParseNullMeans(const Field& item, HfConfigField* field) {
+    const std::string what = "hf.config." + field->key;
+    const YAML::Node size = item.node["null_means"];
+    if (item.node.size() != 1 || !size || !size.IsScalar() || field->paths.empty() || field->literal) {
+      Fail(item, what + ": a mapping in the list must be {null_means: N, path or N*path}, after the metadata "
+                        "paths and without a literal fallback");
+      return false;
+    }
+    field->null_means = size.Scalar();
     return true;
   }
 

@@ -196,6 +196,10 @@ struct HfConfigField {
   // `literal`; or, with `cases`, the value of the first case that holds.
   std::vector<std::string> paths;
   std::shared_ptr<const Value> literal;  // null: none (a missing value is asked for)
+  // What config.json's null (or an absent key) stands for, as a size (N,
+  // path or N*path): transformers' GPT-2 reads n_inner null as 4 x n_embd.
+  // The import records it at paths[0]; the export writes what is recorded.
+  std::string null_means;  // "" when null means nothing of the kind
   struct Case {
     ArgConditions when;
     std::shared_ptr<const Value> value;

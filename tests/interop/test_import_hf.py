@@ -297,6 +297,51 @@ class ImportHfTest(FixtureTestCase):
                 rows = max(0, min(t.shape[0], S['V'] - tp_rank * t.shape[0])) if vocab else t.shape[0]
                 self.assertTrue(torch.equal(got[key][:rows], t[:rows]), (rank, key))
 
+    def test_gpt2_n_inner_null_is_four_times_n_embd(self):
+        # transformers writes "n_inner": null by default (4 x n_embd); some configs leave it out.
+        family = dict(GPT2, ffn=4 * S['h'])
+        for name, change in (('null', lambda t, c: c.update(n_inner=None)), ('absent', lambda t, c: c.pop('n_inner'))):
+            with self.subTest(n_inner=name):
+                folder, _ = self.hf_folder(f'gpt2_{name}', family, change=change)
+                tag = self.path(f'out_{name}', 'global_step0')
+                p = self.convert(folder, tag, 2, 1)
+                self.assertIn('n_inner is null, which GPT2LMHeadModel reads as 4*args.hidden_size', p.stdout)
+                self.assertEqual(support.load(support.mp_file(tag, 0))['args'].ffn_hidden_size, 4 * S['h'])
+                self.assertLayerFilesLikeFixture(tag, family, 2, 1)
+                back = self.path(f'back_{name}')
+                p = support.reshard('export', tag, back, '--to', 'hf')
+                self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+                self.assertEqual(hf.read_json(os.path.join(back, 'config.json'))['n_inner'], 4 * S['h'])
+                p = support.reshard('export', folder, self.path(f'direct_{name}'), '--to', 'hf')
+                self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+
+    def test_config_fields_kept_and_token_ids_from_the_tokenizer(self):
+        # From an HF source: every field the conversion does not write is kept, in the source's place.
+        extra = {'bos_token_id': 1, 'eos_token_id': 2, 'pad_token_id': None, 'use_cache': True,
+                 'initializer_range': 0.02, 'task_specific_params': {'text-generation': {'max_length': 50}}}
+        folder, _ = self.hf_folder('kept', LLAMA, change=lambda t, c: c.update(extra))
+        out = self.path('kept_out')
+        p = support.reshard('export', folder, out, '--to', 'hf')
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        source, written = hf.read_json(os.path.join(folder, 'config.json')), hf.read_json(os.path.join(out, 'config.json'))
+        self.assertEqual(list(written)[:len(source)], list(source))  # then what the rules add (attention_bias, ...)
+        self.assertEqual({k: written[k] for k in source}, source)
+        # From a Megatron-DeepSpeed source: the special token ids from --tokenizer's files.
+        tag = make_fixture(self.path('mds'), **dict(LLAMA, tp=2, pp=1))
+        tok = self.path('tok')
+        os.makedirs(tok)
+        with open(os.path.join(tok, 'tokenizer_config.json'), 'w') as f:
+            json.dump({'bos_token': '<s>', 'eos_token': {'content': '</s>'}, 'pad_token': None,
+                       'added_tokens_decoder': {'1': {'content': '<s>'}}}, f)
+        with open(os.path.join(tok, 'tokenizer.json'), 'w') as f:
+            json.dump({'added_tokens': [{'id': 2, 'content': '</s>'}], 'model': {'vocab': {'<s>': 1, '</s>': 2}}}, f)
+        out = self.path('mds_out')
+        p = support.reshard('export', tag, out, '--to', 'hf', '--tokenizer', tok)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        config = hf.read_json(os.path.join(out, 'config.json'))
+        self.assertEqual((config['bos_token_id'], config['eos_token_id']), (1, 2))
+        self.assertNotIn('pad_token_id', config)
+
     def test_refusals(self):
         def drop(name):
             return lambda t, c: t.pop(name)

@@ -27,14 +27,6 @@ bool Exists(const fs::path& p) {
   return fs::is_regular_file(p, ec);
 }
 
-Result<Value> ReadJsonFile(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (!in) return Status::IoError("cannot read " + path.string());
-  return ParseJson(text.str(), path.string());
-}
-
 // The tensors of one weight file, by name.
 Result<std::vector<std::pair<std::string, Value>>> ReadWeightFile(const fs::path& path) {
   const std::string name = path.filename().string();
@@ -118,6 +110,14 @@ Status ReadWeights(const fs::path& dir, HfFolder* folder) {
 }
 
 }  // namespace
+
+Result<Value> ReadJsonFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (!in) return Status::IoError("cannot read " + path);
+  return ParseJson(text.str(), path);
+}
 
 bool IsHfFolder(const std::string& path) {
   const fs::path dir(path);

@@ -86,6 +86,7 @@ struct ConfigReader {
   const RuleSet& rules;
   const Value& settings;
   Value* metadata;
+  std::vector<std::string>* notes;
 
   RuleInputs inputs() const { return RuleInputs{*metadata, settings}; }
   const Value* Get(const std::string& key) const {
@@ -134,11 +135,26 @@ struct ConfigReader {
       SetPath(metadata, path, *v);
       return Status::Ok();
     }
+    if (!f.null_means.empty() && inputs().Find(path) == nullptr) return FromNull(f);
     // A fallback (another path or a literal) stands for transformers' default.
     if (f.paths.size() > 1 || f.literal || inputs().Find(path) != nullptr) return Status::Ok();
     return Status::InvalidInput(config_path + " has no " + f.key + ", which rule set " + rules.name() +
                                 " reads as " + path + " " + Where(f) + "; add it to config.json or give --set " +
                                 (path.rfind("args.", 0) == 0 ? path.substr(5) : path) + "=VALUE");
+  }
+
+  // config.json's null (or no key) for a field whose null stands for a size
+  // (GPT-2's n_inner: 4 x n_embd): that size, recorded as the run records it.
+  Status FromNull(const HfConfigField& f) {
+    Result<int64_t> size = HfSize(f.null_means, inputs());
+    if (!size.ok()) {
+      return Status::InvalidInput(config_path + "'s " + f.key + " is null, which " + rules.hf()->architecture +
+                                  " reads as " + f.null_means + " " + Where(f) + ", and " + size.status().message());
+    }
+    SetPath(metadata, f.paths.front(), Value::Int(*size));
+    notes->push_back("hf: " + f.key + " is null, which " + rules.hf()->architecture + " reads as " + f.null_means +
+                     " = " + std::to_string(*size) + "; recorded as " + f.paths.front());
+    return Status::Ok();
   }
 
   Status Check(const ArgConditions& conditions, const std::string& what) const {
@@ -534,7 +550,7 @@ Result<HfImport> ReadHfImport(const std::string& dir, const CommonOptions& optio
   LogicalCheckpoint& ckpt = out.logical;
   RESHARD_ASSIGN_OR_RETURN(ckpt.settings, SettingsValue(options.set));
   ckpt.metadata.push_back(FreshRunMetadata());
-  ConfigReader reader{folder.config, config_path, rules, ckpt.settings, &ckpt.metadata[0]};
+  ConfigReader reader{folder.config, config_path, rules, ckpt.settings, &ckpt.metadata[0], &out.notes};
   for (const HfConfigField& field : hf.config) RESHARD_RETURN_IF_ERROR(reader.Field(field));
   reader.Satisfy(hf.requirements);
   reader.Satisfy(rules.detect().args);
