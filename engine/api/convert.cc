@@ -37,16 +37,12 @@ enum class Publication { kNone, kLatest, kLatestUniversal };
 // (`latest` goes in its parent). A root in (the folder holding `latest`,
 // which named the tag): a root out, the tag folder `output`/<tag> with
 // `latest` in `output`, as users who pass a root expect.
-std::string ConvertTagFolder(const std::string& input, const SourceCheckpoint& src, const std::string& output,
-                             std::vector<std::string>* notes) {
+std::string ConvertTagFolder(const std::string& input, const SourceCheckpoint& src, const std::string& output) {
   namespace fs = std::filesystem;
   std::error_code ec;
   const bool root_in = !fs::equivalent(input, src.tag_dir(), ec) && fs::equivalent(input, src.root_dir(), ec);
   if (!root_in) return output;
-  const std::string tag = fs::path(src.tag_dir()).filename().string();
-  notes->push_back("the input is a root (its 'latest' names " + tag + "), so the output is one: the tag folder " +
-                   "goes to " + (fs::path(output) / tag).string() + ", 'latest' into " + output);
-  return (fs::path(output) / tag).string();
+  return (fs::path(output) / fs::path(src.tag_dir()).filename()).string();
 }
 
 // Checks the output folder; writing `latest` into the input's root would
@@ -240,14 +236,13 @@ using PlanMaker = std::function<Result<std::unique_ptr<TargetPlan>>(const Source
 
 // How a command places its output, given the opened source: `output` as
 // given, or convert's ConvertTagFolder.
-using Placement = std::function<std::string(const SourceCheckpoint& src, const std::string& output,
-                                            std::vector<std::string>* notes)>;
+using Placement = std::function<std::string(const SourceCheckpoint& src, const std::string& output)>;
 
 Status Prepare(const std::string& input, const std::string& given_output, const WriteOptions& options,
                Publication publish, const Placement& place, const PlanMaker& make_plan, PhaseClock* clock,
                Prepared* p, ConvertReport* report) {
   RESHARD_ASSIGN_OR_RETURN(p->src, OpenCheckpoint(input, options));
-  const std::string output = place ? place(*p->src, given_output, &report->notes) : given_output;
+  const std::string output = place ? place(*p->src, given_output) : given_output;
   RESHARD_RETURN_IF_ERROR(CheckVocabSize(*p->src, options.vocab_size));
   report->checkpoint_bytes = FilesBytes(p->src->Files());
   clock->End("load");
@@ -368,9 +363,8 @@ Result<ConvertReport> Convert(const std::string& input, const std::string& outpu
   }
   return WriteCheckpoint(input, output, options,
                          options.update_latest ? Publication::kLatest : Publication::kNone,
-                         [&input](const SourceCheckpoint& src, const std::string& output,
-                                  std::vector<std::string>* notes) {
-                           return ConvertTagFolder(input, src, output, notes);
+                         [&input](const SourceCheckpoint& src, const std::string& output) {
+                           return ConvertTagFolder(input, src, output);
                          },
                          [&options](const SourceCheckpoint& src, std::vector<std::string>* notes)
                              -> Result<std::unique_ptr<TargetPlan>> {

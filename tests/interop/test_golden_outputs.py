@@ -200,7 +200,8 @@ def build_source(src, root):
 @dataclasses.dataclass(frozen=True)
 class Case:
     """One reshard command.  ``args`` tokens: '{src}' the source's root, '{out}' this case's
-    output tag folder (OUT/global_step10), '{case:NAME}' the output tag folder of case NAME.
+    output tag folder (OUT/global_step10; given as OUT to `convert`, which writes a root for a
+    root in), '{case:NAME}' the output tag folder of case NAME.
     ``same_as``: a case whose written files must be identical (thread-count independence)."""
     name: str
     group: str
@@ -411,7 +412,8 @@ class Runner:
             if token == '{src}':
                 token = src_root
             elif token == '{out}':
-                token = os.path.join(out_root, TAG)
+                # A root in (every source is one) gives a root out: convert writes OUT/global_step10.
+                token = out_root if case.args[0] == 'convert' else os.path.join(out_root, TAG)
             elif token.startswith('{case:'):
                 other = token[len('{case:'):-1]
                 self.result(other)
