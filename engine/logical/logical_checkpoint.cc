@@ -78,7 +78,7 @@ bool DescribeTensor(const LogicalLayer& layer, LogicalCheckpoint* ckpt, LogicalT
     std::optional<int64_t> blocks = rule.blocks.Resolve(ckpt->inputs());
     if (!blocks || *blocks <= 0) {
       // Once per value, not once per tensor that needs it.
-      const std::string message = "the rules' block count " + rule.blocks.ToString() + " (first needed by " +
+      const std::string message = kMissingBlockCount + rule.blocks.ToString() + " (first needed by " +
                                   label + ") is " + rule.blocks.HowToGive();
       const std::string prefix = message.substr(0, message.find(" (first"));
       const bool reported = std::any_of(ckpt->findings.begin(), ckpt->findings.end(),

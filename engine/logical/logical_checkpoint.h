@@ -93,6 +93,10 @@ struct LogicalCheckpoint {
 Status DescribeCheckpoint(const std::string& rules, const std::map<std::string, std::string>& set,
                           LogicalCheckpoint* ckpt);
 
+// How the finding of a block count the checkpoint does not record begins
+// (lint replaces it by one naming every missing value, plan/tensor_plan.h).
+inline constexpr char kMissingBlockCount[] = "the rules' block count ";
+
 // The tensor's indivisible blocks for messages, named by what gives their
 // count: "2 KV heads (args.num_key_value_heads)", "1 head
 // (args.num_attention_heads)", "3 blocks (12)".

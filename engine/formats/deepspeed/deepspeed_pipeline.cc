@@ -16,6 +16,7 @@
 #include "formats/deepspeed/zero_shard_lint.h"
 #include "logical/drift.h"
 #include "plan/materialize.h"
+#include "plan/tensor_plan.h"
 
 namespace reshard {
 namespace {
@@ -107,13 +108,12 @@ class PipelineSource : public DeepSpeedModelSource {
   // same options, for a target at any layout.
   void Lint(const LintOptions& options, LintReport* report) const override {
     report->rule_set = ckpt().rules->name();
+    ReportMissingValues(ckpt(), options, report);
     if (ckpt().HasErrors()) return;
     ReportDrift(ckpt(), options, report);
     // A universal checkpoint's param_shapes are those of the checkpoint it
     // was made from; an imported model has none.
     if (!model_->universal && model_->foreign.empty()) CheckStages(ckpt(), report);
-    const Status vocab = CheckVocabRepaddable(ckpt(), options.vocab_size);
-    if (!vocab.ok()) report->findings.push_back({Finding::Severity::kError, vocab.message()});
     if (!HasOptimizerState()) return;
     if (options.weights_only) {
       report->findings.push_back({Finding::Severity::kInfo, WeightsOnlyNote(OptimizerWhat())});
@@ -131,6 +131,7 @@ class PipelineSource : public DeepSpeedModelSource {
 
   Result<std::unique_ptr<TargetPlan>> Plan(const ConvertOptions& options,
                                            std::vector<std::string>* notes) const override {
+    RESHARD_RETURN_IF_ERROR(CheckValuesGiven(ckpt(), options.target_tp, options.vocab_size));
     RESHARD_RETURN_IF_ERROR(ckpt().FirstError());
     notes->insert(notes->end(), model_->foreign_notes.begin(), model_->foreign_notes.end());
     const SourceOptimizer* opt = nullptr;
@@ -195,6 +196,7 @@ class PipelineSource : public DeepSpeedModelSource {
 
   Result<TpWeights> WeightsForTp(const TpCut& cut, std::vector<std::string>* notes,
                                  std::atomic<int64_t>* read) const override {
+    RESHARD_RETURN_IF_ERROR(CheckValuesGiven(ckpt(), cut.tp, cut.vocab_size));
     RESHARD_RETURN_IF_ERROR(ckpt().FirstError());
     const SourceOptimizer* opt = nullptr;
     if (HasOptimizerState()) {
