@@ -61,6 +61,7 @@ const std::vector<std::string> kHfFields = {"architecture", "requires", "config"
 const std::vector<std::string> kHfTensorFields = {"from", "to", "split_halves", "split_qkv", "transpose", "shape"};
 const std::vector<std::string> kHfQkvFields = {"groups", "heads"};
 const std::vector<std::string> kHfCaseFields = {"when", "value"};
+const std::vector<std::string> kHfExplainedFields = {"value", "why_not"};
 // config.json keys the exporter writes itself, from the checkpoint's tensors.
 const std::vector<std::string> kHfDerivedKeys = {"architectures", "vocab_size", "torch_dtype"};
 
@@ -810,7 +811,10 @@ class RuleSetParser {
         continue;
       }
       const bool cases = value.node.IsSequence() && value.node.size() > 0 && value.node[0].IsMap();
-      if (cases ? ParseHfCases(value, &field) : ParseHfValue(value, &field)) out.push_back(std::move(field));
+      const bool explained = value.node.IsMap();
+      const bool ok = cases ? ParseHfCases(value, &field) : explained ? ParseExplained(value, &field)
+                                                                      : ParseHfValue(value, &field);
+      if (ok) out.push_back(std::move(field));
     }
     return out;
   }
@@ -851,6 +855,23 @@ class RuleSetParser {
         field->literal = std::make_shared<const Value>(HfLiteral(item.node));
       }
     }
+    return true;
+  }
+
+  // {value: LITERAL, why_not: TEXT}: a literal the architecture needs, and
+  // why another value is refused.
+  bool ParseExplained(const Field& f, HfConfigField* field) {
+    auto fields = ReadFields(f, "hf.config." + field->key, kHfExplainedFields);
+    if (!fields) return false;
+    const Field* value = Get(*fields, "value");
+    const Field* why_not = Get(*fields, "why_not");
+    if (value == nullptr || !(value->node.IsScalar() || value->node.IsNull()) || why_not == nullptr ||
+        !why_not->node.IsScalar()) {
+      Fail(f, "hf.config." + field->key + ": a mapping must be {value: LITERAL, why_not: TEXT}");
+      return false;
+    }
+    field->literal = std::make_shared<const Value>(value->node.IsNull() ? Value::None() : HfLiteral(value->node));
+    field->why_not = why_not->node.Scalar();
     return true;
   }
 

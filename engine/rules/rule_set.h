@@ -200,6 +200,9 @@ struct HfConfigField {
   // path or N*path): transformers' GPT-2 reads n_inner null as 4 x n_embd.
   // The import records it at paths[0]; the export writes what is recorded.
   std::string null_means;  // "" when null means nothing of the kind
+  // With a literal ({value: V, why_not: TEXT}): why a model with another
+  // value is refused, told to the user with the refusal of an HF import.
+  std::string why_not;
   struct Case {
     ArgConditions when;
     std::shared_ptr<const Value> value;

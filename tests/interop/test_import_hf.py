@@ -342,6 +342,52 @@ class ImportHfTest(FixtureTestCase):
         self.assertEqual((config['bos_token_id'], config['eos_token_id']), (1, 2))
         self.assertNotIn('pad_token_id', config)
 
+    def test_tied_llama(self):
+        # Llama-3.2-1B/3B: tie_word_embeddings true and no lm_head.weight; Megatron-DeepSpeed trains
+        # such a model with the head tied to the embedding (rule set megatron-llama-tied).
+        def tied(t, c):
+            t.pop('lm_head.weight')
+            c.update(tie_word_embeddings=True)
+        folder, canon = self.hf_folder('tied_llama', LLAMA, change=tied)
+        for tp, pp in ((1, 1), (2, 2)):
+            with self.subTest(tp=tp, pp=pp):
+                tag = self.path(f'tied_{tp}{pp}', 'global_step0')
+                self.convert(folder, tag, tp, pp)
+                layers = sorted(n for n in os.listdir(tag) if n.startswith('layer_'))
+                self.assertEqual(len(layers), (S['L'] + 2) * tp, layers)  # embedding, blocks, final norm: no head file
+                shapes = support.load(support.mp_file(tag, tp * pp - 1))['param_shapes']
+                self.assertIn('tied_modules.embed.word_embeddings.weight', [n for g in shapes for n in g])
+                self.assertMetadata(tag, tp, pp)
+                self.assertFalse(support.load(support.mp_file(tag, 0))['args'].untie_embeddings_and_output_weights)
+                self.assertRoundTrip(folder, tag)  # back to HF: the same tensors, tie_word_embeddings true
+                p = support.reshard('verify', folder, tag)
+                self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+                self.assertIn('rule set megatron-llama-tied', support.reshard('inspect', tag).stdout)
+        # The imported checkpoint converts again as the Megatron-DeepSpeed checkpoint it is (a root in:
+        # a root out), the --set divisor recorded in its args.
+        p = support.reshard('convert', self.path('tied_22'), self.path('tied_again'), '--tp', 1, '--pp', 3, '-q')
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        p = support.reshard('verify', folder, self.path('tied_again', 'global_step0'))
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        # Untied folders still import as megatron-llama, with or without tie_word_embeddings.
+        for name, change in (('untied', None), ('untied_no_key', lambda t, c: c.pop('tie_word_embeddings'))):
+            with self.subTest(folder=name):
+                folder, _ = self.hf_folder(name, LLAMA, change=change)
+                tag = self.path(f'out_{name}', 'global_step0')
+                self.convert(folder, tag, 1, 1)
+                self.assertIn('rule set megatron-llama ', support.reshard('inspect', tag).stdout)
+
+    def test_llama_features_megatron_deepspeed_lacks_name_the_future_target(self):
+        for i, (change, says) in enumerate([(lambda t, c: c.update(attention_bias=True), 'has attention_bias = True'),
+                                            (lambda t, c: c.update(rope_scaling={'rope_type': 'llama3', 'factor': 32.0}),
+                                             'has rope_scaling = ')]):
+            with self.subTest(says=says):
+                folder, _ = self.hf_folder(f'feature{i}', LLAMA, change=change)
+                self.refused(folder, says)
+                p = self.convert(folder, self.path('refused', 'x'), 2, 1, code=2)
+                self.assertIn("reshard's torch_dist (Megatron-Core", p.stderr)
+                self.assertIn('once reshard has it', p.stderr)
+
     def test_refusals(self):
         def drop(name):
             return lambda t, c: t.pop(name)
