@@ -430,6 +430,17 @@ class TargetTests(ReshardTestCase):
                            ['3 TP ranks', 'args.num_attention_heads', 'do not divide by 3'],
                            watch=[self.path('src')], out=out)
 
+    def test_version(self):
+        # What every CLI says: the version, the commit built and the build type, exit 0.
+        p = run('--version')
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        lines = p.stdout.splitlines()
+        self.assertEqual(len(lines), 3, p.stdout)
+        self.assertRegex(lines[0], r'^reshard \d+\.\d+\.\d+$')
+        self.assertRegex(lines[1], r'^commit ([0-9a-f]{12}|unknown)')
+        self.assertRegex(lines[2], r'^build type \S+')
+        self.assertEqual(p.stderr, '')
+
     def test_target_tp_the_kv_heads_do_not_divide(self):
         tag = make_fixture(self.path('src'), **dict(support.FAMILIES['ms_llama'], nkv=2, tp=1, pp=1))
         out = self.path('out')
