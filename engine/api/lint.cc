@@ -36,7 +36,8 @@ void LintTarget(const SourceCheckpoint& src, const LintOptions& options, LintRep
 Result<LintReport> Lint(const std::string& checkpoint, const LintOptions& options) {
   if ((options.target_tp > 0) != (options.target_pp > 0)) {
     return Status::InvalidInput("lint's target layout is --tp N and --pp N together, as convert takes it; give "
-                                "both, or neither to check what every layout needs");
+                                "both, or neither (lint then checks a conversion at the source's TP and warns of "
+                                "what a TP change needs)");
   }
   if (options.target_tp == 0 && (options.target_dp > 0 || options.target_ep > 0)) {
     return Status::InvalidInput("--dp and --ep complete lint's target layout, which needs --tp N and --pp N too");

@@ -61,10 +61,8 @@ std::optional<std::string> TokenText(const Value& files_token) {
   return std::nullopt;
 }
 
-// The id of token `text`: tokenizer_config.json's added_tokens_decoder,
-// tokenizer.json's added_tokens and its model's vocab, or vocab.json.
-std::optional<int64_t> TokenId(const std::string& text, const Value& config, const Value& tokenizer,
-                               const Value& vocab) {
+// The id of token `text` in tokenizer_config.json's added_tokens_decoder.
+std::optional<int64_t> DecoderId(const std::string& text, const Value& config) {
   const Value* decoder = Find(config, "added_tokens_decoder");
   if (const Items* added = decoder != nullptr ? DictItems(*decoder) : nullptr) {
     for (const auto& [id, token] : *added) {
@@ -72,6 +70,12 @@ std::optional<int64_t> TokenId(const std::string& text, const Value& config, con
       if (TokenText(token) == text && id.is(Value::Kind::kString) && ParseInt(id.as_string(), &n)) return n;
     }
   }
+  return std::nullopt;
+}
+
+// The id of token `text` in tokenizer.json's added_tokens or its model's
+// vocab, or in vocab.json.
+std::optional<int64_t> VocabId(const std::string& text, const Value& tokenizer, const Value& vocab) {
   if (const Value* added = Find(tokenizer, "added_tokens"); added != nullptr && added->is(Value::Kind::kList)) {
     for (const Value& token : added->as_list().items) {
       const Value* id = Find(token, "id");
@@ -93,15 +97,23 @@ Result<std::vector<std::pair<std::string, int64_t>>> SpecialTokenIds(const std::
                                                                     std::vector<std::string>* notes) {
   RESHARD_ASSIGN_OR_RETURN(Value config, TokenizerJson(dir, "tokenizer_config.json"));
   RESHARD_ASSIGN_OR_RETURN(Value map, TokenizerJson(dir, "special_tokens_map.json"));
-  RESHARD_ASSIGN_OR_RETURN(Value tokenizer, TokenizerJson(dir, "tokenizer.json"));
-  RESHARD_ASSIGN_OR_RETURN(Value vocab, TokenizerJson(dir, "vocab.json"));
+  // The vocabularies (megabytes of JSON) are read only for a token the
+  // small files do not give the id of.
+  std::optional<std::pair<Value, Value>> vocabularies;
   std::vector<std::pair<std::string, int64_t>> ids;
   for (const std::string role : {"bos", "eos", "pad"}) {
     const Value* named = Find(config, role + "_token");
     if (named == nullptr || named->is_none()) named = Find(map, role + "_token");
     const std::optional<std::string> text = named != nullptr ? TokenText(*named) : std::nullopt;
     if (!text) continue;
-    if (std::optional<int64_t> id = TokenId(*text, config, tokenizer, vocab)) {
+    std::optional<int64_t> id = DecoderId(*text, config);
+    if (!id && !vocabularies) {
+      RESHARD_ASSIGN_OR_RETURN(Value tokenizer, TokenizerJson(dir, "tokenizer.json"));
+      RESHARD_ASSIGN_OR_RETURN(Value vocab, TokenizerJson(dir, "vocab.json"));
+      vocabularies.emplace(std::move(tokenizer), std::move(vocab));
+    }
+    if (!id) id = VocabId(*text, vocabularies->first, vocabularies->second);
+    if (id) {
       ids.emplace_back(role + "_token_id", *id);
     } else {
       notes->push_back("hf: --tokenizer names the " + role + " token " + JsonString(*text) + " but none of its "
