@@ -8,6 +8,7 @@
 #include "logical/settings.h"
 #include "util/human.h"
 #include "util/shape.h"
+#include "util/strings.h"
 
 namespace reshard {
 namespace {
@@ -268,7 +269,7 @@ std::string BlocksPhrase(const LogicalTensor& t) {
   const bool heads = from.find("attention_heads") != std::string::npos;
   const std::string noun = kv ? "KV head" : heads ? "head" : "block";
   const std::string source = from.empty() ? t.rule->blocks.ToString() : from;
-  return std::to_string(t.blocks) + " " + noun + (t.blocks == 1 ? "" : "s") + " (" + source + ")";
+  return Count(t.blocks, noun) + " (" + source + ")";
 }
 
 int64_t MetadataInt(const Value& root, const char* key, int64_t fallback) {

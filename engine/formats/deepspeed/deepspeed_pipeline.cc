@@ -17,6 +17,7 @@
 #include "logical/drift.h"
 #include "plan/materialize.h"
 #include "plan/tensor_plan.h"
+#include "util/strings.h"
 
 namespace reshard {
 namespace {
@@ -84,15 +85,15 @@ class PipelineSource : public DeepSpeedModelSource {
     for (const SpecEntry& s : c.specs) blocks += s.role == "block" ? 1 : 0;
     std::string s = "rule set " + c.rules->name() + " (numbering " + c.numbering + "); ";
     if (!model_->foreign.empty()) {
-      s += model_->foreign + "; " + std::to_string(blocks) + " blocks; weights only";
+      s += model_->foreign + "; " + Count(blocks, "block") + "; weights only";
     } else if (model_->universal) {
       s += "universal checkpoint of DP " + std::to_string(c.dp) + "; iteration " + std::to_string(c.iteration) +
-           "; " + std::to_string(blocks) + " blocks; " + std::to_string(files().universal_files.size()) +
+           "; " + Count(blocks, "block") + "; " + std::to_string(files().universal_files.size()) +
            " files in zero/, " + std::to_string(c.metadata.size()) + " mp_rank files; weights are the fp32 "
            "masters as " + DTypeName(*c.weights_from_masters);
     } else {
       s += "TP " + std::to_string(c.tp) + ", PP " + std::to_string(c.pp) + ", DP " + std::to_string(c.dp) +
-           "; iteration " + std::to_string(c.iteration) + "; " + std::to_string(blocks) + " blocks; " +
+           "; iteration " + std::to_string(c.iteration) + "; " + Count(blocks, "block") + "; " +
            std::to_string(c.layers.size() * c.tp) + " layer files, " + std::to_string(c.metadata.size()) +
            " mp_rank files, " + std::to_string(shard_files()) + " optimizer shards";
     }

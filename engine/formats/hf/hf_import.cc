@@ -542,7 +542,7 @@ Result<std::vector<LogicalLayer>> LayOut(const RuleSet& rules, int64_t blocks,
   for (const auto& [name, tensor] : *joined) {
     if (!placed.count(name)) {
       return Status::Unsupported("the HF folder makes " + name + ", which no layer of rule set " + rules.name() +
-                                 " holds at " + std::to_string(blocks) + " blocks; the config's layer count "
+                                 " holds at " + Count(blocks, "block") + "; the config's layer count "
                                  "disagrees with the tensors, or the rules lack it");
     }
   }
