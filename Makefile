@@ -59,7 +59,10 @@ sanitize: deps
 	cmake --build $(SANITIZE_BUILD) -j $(JOBS) --target unit_tests
 	LSAN_OPTIONS=suppressions=$(CURDIR)/tests/lsan_suppressions.txt $(SANITIZE_BUILD)/tests/unit_tests --gtest_brief=1
 
-demo: build
+# Only the binary (and the LibTorch module it loads): the demo runs nothing else.
+demo: deps
+	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+	cmake --build $(BUILD) -j $(JOBS) --target reshard
 	examples/demo.sh $(BUILD)/reshard
 
 # The performance figures of benchmarks/README.md in one run (~30 minutes, ~50 GB in

@@ -13,6 +13,10 @@
 #include "reshard/cluster.h"
 #include "reshard/reshard.h"
 
+// "reshard X.Y.Z", the commit and the build type: build/version.cc, written
+// at build time by cmake/version.cmake.
+std::string VersionText();
+
 namespace {
 
 using reshard::Status;
@@ -114,7 +118,10 @@ int RunLint(const std::string& ckpt, const reshard::LintOptions& o) {
   std::cout << r->summary << "\n";
   for (const std::string& n : r->notes) std::cout << "note: " << n << "\n";
   PrintFindings(r->findings);
-  const std::string with = r->rule_set.empty() ? "" : " with rule set '" + r->rule_set + "'";
+  const std::string to = o.target_tp > 0 ? " to TP " + std::to_string(o.target_tp) + ", PP " +
+                                               std::to_string(o.target_pp)
+                                         : "";
+  const std::string with = to + (r->rule_set.empty() ? "" : " with rule set '" + r->rule_set + "'");
   if (!r->ok()) {
     std::cout << "lint: the checkpoint cannot be converted" << with << "\n";
     return 1;
@@ -265,6 +272,7 @@ int Run(int argc, char** argv) {
       "CHECKPOINT is a tag folder (ckpts/global_step20), a root holding 'latest', or a Hugging Face "
       "transformers folder (config.json and its weights), read as its family's Megatron-DeepSpeed model.",
       "reshard"};
+  app.set_version_flag("--version", VersionText(), "Print the version, the commit built and the build type");
   app.require_subcommand(1);
 
   std::string ckpt, out, second, rules_file;
@@ -277,6 +285,14 @@ int Run(int argc, char** argv) {
   AddPreflightOptions(lint_cmd, &lint);
   lint_cmd->add_option("--max-drift-lines", lint.max_drift_lines,
                        "How many replicated-tensor drifts to list");
+  lint_cmd->add_option("--tp", lint.target_tp,
+                       "Target tensor-parallel size convert will be given (with --pp): lint checks that layout")
+      ->check(CLI::Range(1, 4096));
+  lint_cmd->add_option("--pp", lint.target_pp, "Target pipeline-parallel size (with --tp)")->check(CLI::Range(1, 4096));
+  lint_cmd->add_option("--dp", lint.target_dp, "Target data-parallel size (default: the source's)")
+      ->check(CLI::Range(1, 1 << 20));
+  lint_cmd->add_option("--ep", lint.target_ep, "Target expert-parallel size of a MoE checkpoint")
+      ->check(CLI::Range(1, 1 << 20));
   lint_cmd->add_flag("--deep", lint.deep,
                      "Also read every byte of every file and check each record's CRC-32, and have "
                      "LibTorch's reader (libreshard_torch_check.so) read every file too");
@@ -292,7 +308,8 @@ int Run(int argc, char** argv) {
       app.add_subcommand("convert", "Write the checkpoint at another TP / PP / DP layout");
   convert_cmd->add_option("INPUT", ckpt, "Source checkpoint, or an HF transformers folder to import")->required();
   convert_cmd->add_option("OUTPUT", out,
-                          "Target tag folder, written exactly here (e.g. out/global_step20)")
+                          "Target tag folder, written exactly here (e.g. out/global_step20); with a root "
+                          "INPUT (holding 'latest'), the root to write the tag folder and 'latest' into")
       ->required();
   // Bounds far above any training run, so that a typo cannot ask for a
   // billion files.

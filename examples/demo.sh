@@ -28,15 +28,15 @@ step "inspect" "reshard inspect $WORK/ckpt | head -25"
 step "a bogus path gets one line and exit 2" "reshard convert /no/such/ckpt $WORK/x --tp 2 --pp 1"
 "$RESHARD" convert /no/such/ckpt "$WORK/x" --tp 2 --pp 1 || echo "(exit $?)"
 
-step "the default refuses drifted replicas" "reshard convert $WORK/ckpt $WORK/tp4pp3/global_step10 --tp 4 --pp 3 --dp 3"
-"$RESHARD" convert "$WORK/ckpt" "$WORK/tp4pp3/global_step10" --tp 4 --pp 3 --dp 3 || echo "(exit $?)"
+step "the default refuses drifted replicas" "reshard convert $WORK/ckpt $WORK/tp4pp3 --tp 4 --pp 3 --dp 3"
+"$RESHARD" convert "$WORK/ckpt" "$WORK/tp4pp3" --tp 4 --pp 3 --dp 3 || echo "(exit $?)"
 
 step "plan it" "reshard convert ... --replicated average --dry-run"
-"$RESHARD" convert "$WORK/ckpt" "$WORK/tp4pp3/global_step10" --tp 4 --pp 3 --dp 3 \
+"$RESHARD" convert "$WORK/ckpt" "$WORK/tp4pp3" --tp 4 --pp 3 --dp 3 \
   --replicated average --dry-run | head -12
 
-step "convert to TP 4, PP 3, DP 3 with the optimizer state" "reshard convert $WORK/ckpt $WORK/tp4pp3/global_step10 --tp 4 --pp 3 --dp 3 --replicated average -q"
-"$RESHARD" convert "$WORK/ckpt" "$WORK/tp4pp3/global_step10" --tp 4 --pp 3 --dp 3 \
+step "convert to TP 4, PP 3, DP 3 with the optimizer state" "reshard convert $WORK/ckpt $WORK/tp4pp3 --tp 4 --pp 3 --dp 3 --replicated average -q"
+"$RESHARD" convert "$WORK/ckpt" "$WORK/tp4pp3" --tp 4 --pp 3 --dp 3 \
   --replicated average -q
 ls "$WORK/tp4pp3/global_step10" | sed -n '1,3p;$p'
 
@@ -44,7 +44,7 @@ step "verify every weight and optimizer state, replicas compared by their mean" 
 "$RESHARD" verify "$WORK/ckpt" "$WORK/tp4pp3" --replicated average | tail -2
 
 step "to TP 1, PP 4, DP 8 with rank 0's replicas, then verify against the source" "reshard convert ... --replicated first && reshard verify"
-"$RESHARD" convert "$WORK/ckpt" "$WORK/tp1pp4/global_step10" --tp 1 --pp 4 --dp 8 \
+"$RESHARD" convert "$WORK/ckpt" "$WORK/tp1pp4" --tp 1 --pp 4 --dp 8 \
   --replicated first -q
 "$RESHARD" verify "$WORK/ckpt" "$WORK/tp1pp4" | tail -2
 

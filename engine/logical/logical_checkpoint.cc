@@ -9,6 +9,7 @@
 #include "logical/tp_placement.h"
 #include "util/human.h"
 #include "util/shape.h"
+#include "util/strings.h"
 
 namespace reshard {
 namespace {
@@ -79,7 +80,7 @@ bool DescribeTensor(const LogicalLayer& layer, LogicalCheckpoint* ckpt, LogicalT
     std::optional<int64_t> blocks = rule.blocks.Resolve(ckpt->inputs());
     if (!blocks || *blocks <= 0) {
       // Once per value, not once per tensor that needs it.
-      const std::string message = "the rules' block count " + rule.blocks.ToString() + " (first needed by " +
+      const std::string message = kMissingBlockCount + rule.blocks.ToString() + " (first needed by " +
                                   label + ") is " + rule.blocks.HowToGive();
       const std::string prefix = message.substr(0, message.find(" (first"));
       const bool reported = std::any_of(ckpt->findings.begin(), ckpt->findings.end(),
@@ -88,11 +89,11 @@ bool DescribeTensor(const LogicalLayer& layer, LogicalCheckpoint* ckpt, LogicalT
       return false;
     }
     lt->blocks = *blocks;
+    lt->blocks_from = rule.blocks.ResolvedFrom(ckpt->inputs());
     const int64_t part = lt->full_shape[dim] / rule.parts;
     if (part % lt->blocks != 0 || lt->blocks % ckpt->tp != 0) {
-      AddError(ckpt, label + ": " + std::to_string(part) + " rows per part do not form " +
-                         std::to_string(lt->blocks) + " blocks (" + rule.blocks.ToString() +
-                         ") spread evenly over " + std::to_string(ckpt->tp) + " TP ranks");
+      AddError(ckpt, label + ": " + std::to_string(part) + " rows per part do not form " + BlocksPhrase(*lt) +
+                         " spread evenly over " + std::to_string(ckpt->tp) + " TP ranks");
       return false;
     }
   }
@@ -265,6 +266,16 @@ void CheckBlockCount(LogicalCheckpoint* ckpt) {
 }
 
 }  // namespace
+
+std::string BlocksPhrase(const LogicalTensor& t) {
+  const std::string& from = t.blocks_from;
+  // Megatron's names for what the blocks are, when the count comes from them.
+  const bool kv = from.find("key_value_heads") != std::string::npos || from.find("query_groups") != std::string::npos;
+  const bool heads = from.find("attention_heads") != std::string::npos;
+  const std::string noun = kv ? "KV head" : heads ? "head" : "block";
+  const std::string source = from.empty() ? t.rule->blocks.ToString() : from;
+  return Count(t.blocks, noun) + " (" + source + ")";
+}
 
 int64_t MetadataInt(const Value& root, const char* key, int64_t fallback) {
   int64_t v = fallback;

@@ -33,6 +33,7 @@ struct LogicalTensor {
   std::vector<int64_t> local_shape;  // identical on every source TP rank
   std::vector<int64_t> full_shape;   // the unsharded tensor (vocab: padded rows)
   int64_t blocks = 1;                // resolved rule->blocks (1 when unset)
+  std::string blocks_from;           // the rule->blocks alternative that gave it ("" when unset)
   std::vector<SourceShard> shards;   // the shard table: shard t is source TP rank t
 };
 
@@ -91,6 +92,15 @@ struct LogicalCheckpoint {
 // applies or a setting is refused; problems with tensors become findings.
 Status DescribeCheckpoint(const std::string& rules, const std::map<std::string, std::string>& set,
                           LogicalCheckpoint* ckpt);
+
+// How the finding of a block count the checkpoint does not record begins
+// (lint replaces it by one naming every missing value, plan/tensor_plan.h).
+inline constexpr char kMissingBlockCount[] = "the rules' block count ";
+
+// The tensor's indivisible blocks for messages, named by what gives their
+// count: "2 KV heads (args.num_key_value_heads)", "1 head
+// (args.num_attention_heads)", "3 blocks (12)".
+std::string BlocksPhrase(const LogicalTensor& t);
 
 // An integer field of a dict-like metadata value, or `fallback`.
 int64_t MetadataInt(const Value& root, const char* key, int64_t fallback);

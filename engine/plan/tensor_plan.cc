@@ -1,5 +1,6 @@
 #include "plan/tensor_plan.h"
 
+#include <algorithm>
 #include <cstdio>
 
 #include "logical/tp_placement.h"
@@ -36,6 +37,110 @@ Status CheckVocabRepaddable(const LogicalCheckpoint& src, std::optional<int64_t>
                                 name.substr(name.rfind('.') + 1) + "=N");
   }
   return Status::Ok();
+}
+
+namespace {
+
+// How to give the value at `ref`'s first path.
+std::string SetFlag(const MetaRef& ref) {
+  const std::vector<std::string> paths = ref.Paths();
+  return paths.empty() ? "a number in the rule file" : "--set " + paths.front() + "=N";
+}
+
+void AddMissing(MissingValue value, std::vector<MissingValue>* missing) {
+  for (const MissingValue& m : *missing) {
+    if (m.give == value.give) return;
+  }
+  missing->push_back(std::move(value));
+}
+
+// The block counts (heads, KV heads) the rules of the checkpoint's layers read and cannot resolve.
+void MissingBlockCounts(const LogicalCheckpoint& src, std::vector<MissingValue>* missing) {
+  const RuleInputs inputs = src.inputs();
+  for (const LogicalLayer& layer : src.layers) {
+    const auto role = src.rules->layers().find(layer.role);
+    if (role == src.rules->layers().end()) continue;
+    for (const ParamRule& rule : role->second) {
+      if (rule.blocks.empty()) continue;
+      const std::optional<int64_t> n = rule.blocks.Resolve(inputs);
+      if (n && *n > 0) continue;
+      std::string key = rule.key_pattern;  // for people: without the regex's escapes
+      key.erase(std::remove(key.begin(), key.end(), '\\'), key.end());
+      AddMissing({rule.blocks.ToString() + " (the block count of " + layer.label + "/" + key + ")",
+                  SetFlag(rule.blocks)},
+                 missing);
+    }
+  }
+}
+
+}  // namespace
+
+std::vector<MissingValue> MissingValues(const LogicalCheckpoint& src, int tp, std::optional<int64_t> vocab_size) {
+  std::vector<MissingValue> missing;
+  if (src.rules == nullptr) return missing;
+  MissingBlockCounts(src, &missing);
+  const VocabInfo& vocab = src.vocab;
+  const bool repadded = vocab.padded_rows != 0 && !vocab.pad_to && (tp != src.tp || vocab.padding_stripped);
+  if (!repadded) return missing;
+  if (!vocab.divisible_by || *vocab.divisible_by < 1) {
+    AddMissing({src.rules->vocab_divisible_by().ToString() + " (the vocabulary padding's divisor)",
+                SetFlag(src.rules->vocab_divisible_by())},
+               &missing);
+  }
+  if (!vocab_size && !vocab.original_size) {
+    AddMissing({"the true vocabulary size (" + src.rules->vocab_original_size().ToString() +
+                    "; the padding is computed from it)",
+                "--vocab-size N"},
+               &missing);
+  }
+  return missing;
+}
+
+std::string MissingValuesMessage(const std::string& lead, const std::vector<MissingValue>& missing) {
+  std::string what, give;
+  for (size_t i = 0; i < missing.size(); ++i) {
+    what += (i == 0 ? "" : i + 1 == missing.size() ? " and " : ", ") + missing[i].what;
+    give += (i == 0 ? "" : " ") + missing[i].give;
+  }
+  const bool one = missing.size() == 1;
+  return lead + ": " + what + "; give " + (one ? "it" : "them") + " as the run was trained: " + give + " (or as " +
+         (one ? "a fallback" : "fallbacks") + " in the rule file, [path, N])";
+}
+
+Status CheckValuesGiven(const LogicalCheckpoint& src, int tp, std::optional<int64_t> vocab_size) {
+  const std::vector<MissingValue> missing = MissingValues(src, tp, vocab_size);
+  if (missing.empty()) return Status::Ok();
+  return Status::InvalidInput(MissingValuesMessage(
+      "the checkpoint does not record " + std::to_string(missing.size()) + (missing.size() == 1 ? " value" : " values") +
+          " this conversion needs",
+      missing));
+}
+
+void ReportMissingValues(const LogicalCheckpoint& src, const LintOptions& options, LintReport* report) {
+  const bool target = options.target_tp > 0;
+  const std::vector<MissingValue> missing =
+      MissingValues(src, target ? options.target_tp : src.tp, options.vocab_size);
+  if (!missing.empty()) {
+    // The reading's one-value findings are replaced by the finding naming them all.
+    auto& findings = report->findings;
+    findings.erase(std::remove_if(findings.begin(), findings.end(),
+                                  [](const Finding& f) { return f.message.rfind(kMissingBlockCount, 0) == 0; }),
+                   findings.end());
+    const std::string count = std::to_string(missing.size()) + (missing.size() == 1 ? " value" : " values");
+    findings.push_back({Finding::Severity::kError,
+                        MissingValuesMessage("the checkpoint does not record " + count + (target ? " a conversion to TP " +
+                                             std::to_string(options.target_tp) + " needs" : " every conversion needs"),
+                                             missing)});
+  }
+  if (target) return;
+  const std::vector<MissingValue> tp_change = MissingValues(src, 0, options.vocab_size);
+  if (tp_change.size() == missing.size()) return;
+  report->findings.push_back(
+      {Finding::Severity::kWarning,
+       MissingValuesMessage("a TP change (convert --tp other than " + std::to_string(src.tp) +
+                                ") needs values the checkpoint does not record, which convert at TP " +
+                                std::to_string(src.tp) + " does without (lint --tp N checks a target)",
+                            tp_change)});
 }
 
 Result<int64_t> TargetPaddedVocab(const LogicalCheckpoint& src, int tp,
@@ -90,11 +195,12 @@ Status CheckSplittable(const LogicalTensor& t, int tp) {
   const bool even = full % (static_cast<int64_t>(t.rule->parts) * tp) == 0;
   const bool whole_blocks = t.rule->blocks.empty() || t.blocks % tp == 0;
   if (even && whole_blocks) return Status::Ok();
-  std::string why = !even ? "its " + std::to_string(full / t.rule->parts) + " rows per part"
-                        : "its " + std::to_string(t.blocks) + " blocks (" +
-                              t.rule->blocks.ToString() + ")";
-  return Status::InvalidInput("cannot split " + t.label + " over " + std::to_string(tp) +
-                              " TP ranks: " + why + " do not divide by " + std::to_string(tp));
+  // The blocks first: a row count that does not divide follows from them,
+  // and they are what the user chose (heads, KV heads).
+  const std::string why = !whole_blocks ? BlocksPhrase(t) : std::to_string(full / t.rule->parts) + " rows per part";
+  const bool one = !whole_blocks ? t.blocks == 1 : full / t.rule->parts == 1;
+  return Status::InvalidInput("cannot split " + t.label + " over " + std::to_string(tp) + " TP ranks: its " + why +
+                              (one ? " does" : " do") + " not divide by " + std::to_string(tp));
 }
 
 TensorPlan PlanTensor(const LogicalCheckpoint& src, int layer_index, int tensor_index, int rank,

@@ -59,6 +59,31 @@ struct TensorTarget {
 // The effective drift policy of a replicated tensor.
 ReplicatedPolicy PolicyFor(const ParamRule& rule, ReplicatedPolicy command_line);
 
+// A value a conversion needs that neither the checkpoint, the rule file nor
+// --set gives (a DeepSpeed-only save records no Megatron args).
+struct MissingValue {
+  std::string what;  // "args.num_attention_heads (the block count of layer_02/...)"
+  std::string give;  // "--set args.num_attention_heads=N", "--vocab-size N"
+};
+
+// Those a conversion to TP `tp` needs (0: any TP but the source's): every
+// block count the rules read, at any TP, and the vocabulary's true size and
+// divisor where its padding is computed anew for `tp`.
+std::vector<MissingValue> MissingValues(const LogicalCheckpoint& src, int tp, std::optional<int64_t> vocab_size);
+
+// "`lead`: a, b and c; give the values the run was trained with: --set ...
+// --vocab-size N (or as fallbacks in the rule file)".
+std::string MissingValuesMessage(const std::string& lead, const std::vector<MissingValue>& missing);
+
+// One refusal naming every value a conversion to TP `tp` lacks (ok when
+// none is missing), so that a user needs one more try, not one per value.
+Status CheckValuesGiven(const LogicalCheckpoint& src, int tp, std::optional<int64_t> vocab_size);
+
+// What lint says of them: with a target TP (options.target_tp), an error
+// naming every value that conversion lacks; without one, an error for what
+// every conversion needs and a warning for what a TP change would add.
+void ReportMissingValues(const LogicalCheckpoint& src, const LintOptions& options, LintReport* report);
+
 // Whether the values a TP change needs to re-pad the vocabulary are known
 // (`vocab_size` is --vocab-size); the error names the ways to give them.
 Status CheckVocabRepaddable(const LogicalCheckpoint& src, std::optional<int64_t> vocab_size);

@@ -62,6 +62,7 @@ const std::vector<std::string> kHfFields = {"architecture", "requires", "config"
 const std::vector<std::string> kHfTensorFields = {"from", "to", "split_halves", "split_qkv", "transpose", "shape"};
 const std::vector<std::string> kHfQkvFields = {"groups", "heads"};
 const std::vector<std::string> kHfCaseFields = {"when", "value"};
+const std::vector<std::string> kHfExplainedFields = {"value", "why_not"};
 // config.json keys the exporter writes itself, from the checkpoint's tensors.
 const std::vector<std::string> kHfDerivedKeys = {"architectures", "vocab_size", "torch_dtype"};
 
@@ -811,7 +812,10 @@ class RuleSetParser {
         continue;
       }
       const bool cases = value.node.IsSequence() && value.node.size() > 0 && value.node[0].IsMap();
-      if (cases ? ParseHfCases(value, &field) : ParseHfValue(value, &field)) out.push_back(std::move(field));
+      const bool explained = value.node.IsMap();
+      const bool ok = cases ? ParseHfCases(value, &field) : explained ? ParseExplained(value, &field)
+                                                                      : ParseHfValue(value, &field);
+      if (ok) out.push_back(std::move(field));
     }
     return out;
   }
@@ -823,6 +827,14 @@ class RuleSetParser {
     std::vector<Field> items = f.node.IsSequence() ? Items(f) : std::vector<Field>{f};
     if (items.empty()) Fail(f, what + " is an empty list; give a value or a metadata path");
     for (const Field& item : items) {
+      if (item.node.IsMap()) {
+        if (!ParseNullMeans(item, field)) return false;
+        continue;
+      }
+      if (!field->null_means.empty()) {
+        Fail(item, what + ": {null_means: ...} ends the list; move it last");
+        return false;
+      }
       if (item.node.IsNull() && !field->literal) {
         field->literal = std::make_shared<const Value>(Value::None());
         continue;
@@ -844,6 +856,37 @@ class RuleSetParser {
         field->literal = std::make_shared<const Value>(HfLiteral(item.node));
       }
     }
+    return true;
+  }
+
+  // {value: LITERAL, why_not: TEXT}: a literal the architecture needs, and
+  // why another value is refused.
+  bool ParseExplained(const Field& f, HfConfigField* field) {
+    auto fields = ReadFields(f, "hf.config." + field->key, kHfExplainedFields);
+    if (!fields) return false;
+    const Field* value = Get(*fields, "value");
+    const Field* why_not = Get(*fields, "why_not");
+    if (value == nullptr || !(value->node.IsScalar() || value->node.IsNull()) || why_not == nullptr ||
+        !why_not->node.IsScalar()) {
+      Fail(f, "hf.config." + field->key + ": a mapping must be {value: LITERAL, why_not: TEXT}");
+      return false;
+    }
+    field->literal = std::make_shared<const Value>(value->node.IsNull() ? Value::None() : HfLiteral(value->node));
+    field->why_not = why_not->node.Scalar();
+    return true;
+  }
+
+  // {null_means: SIZE} after a field's paths: the size config.json's null
+  // stands for (N, a path, or N*path).
+  bool ParseNullMeans(const Field& item, HfConfigField* field) {
+    const std::string what = "hf.config." + field->key;
+    const YAML::Node size = item.node["null_means"];
+    if (item.node.size() != 1 || !size || !size.IsScalar() || field->paths.empty() || field->literal) {
+      Fail(item, what + ": a mapping in the list must be {null_means: N, path or N*path}, after the metadata "
+                        "paths and without a literal fallback");
+      return false;
+    }
+    field->null_means = size.Scalar();
     return true;
   }
 

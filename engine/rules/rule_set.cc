@@ -82,6 +82,16 @@ std::optional<int64_t> MetaRef::Resolve(const RuleInputs& inputs) const {
   return std::nullopt;
 }
 
+std::string MetaRef::ResolvedFrom(const RuleInputs& inputs) const {
+  for (const std::string& alt : alternatives) {
+    int64_t n = 0;
+    if (ParseInt(alt, &n)) return alt;
+    const Value* v = inputs.Find(alt);
+    if (v != nullptr && ReadInt(*v, &n)) return alt;
+  }
+  return "";
+}
+
 const Value* MetaRef::Lookup(const RuleInputs& inputs) const {
   for (const std::string& path : Paths()) {
     if (const Value* v = inputs.Find(path)) return v;

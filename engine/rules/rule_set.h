@@ -72,6 +72,9 @@ struct MetaRef {
   bool empty() const { return alternatives.empty(); }
   // The first alternative that gives an integer; nullopt when none does.
   std::optional<int64_t> Resolve(const RuleInputs& inputs) const;
+  // That alternative as written ("args.num_key_value_heads", "12"): what
+  // messages name; "" when none gives an integer.
+  std::string ResolvedFrom(const RuleInputs& inputs) const;
   // The first path alternative present, whatever its kind (for string
   // settings such as the partition method); literal numbers are skipped.
   const Value* Lookup(const RuleInputs& inputs) const;
@@ -193,6 +196,13 @@ struct HfConfigField {
   // `literal`; or, with `cases`, the value of the first case that holds.
   std::vector<std::string> paths;
   std::shared_ptr<const Value> literal;  // null: none (a missing value is asked for)
+  // What config.json's null (or an absent key) stands for, as a size (N,
+  // path or N*path): transformers' GPT-2 reads n_inner null as 4 x n_embd.
+  // The import records it at paths[0]; the export writes what is recorded.
+  std::string null_means;  // "" when null means nothing of the kind
+  // With a literal ({value: V, why_not: TEXT}): why a model with another
+  // value is refused, told to the user with the refusal of an HF import.
+  std::string why_not;
   struct Case {
     ArgConditions when;
     std::shared_ptr<const Value> value;

@@ -44,4 +44,8 @@ std::string Hint(const std::string& word, const std::vector<std::string>& allowe
   return "expected one of: " + Join(allowed, ", ");
 }
 
+std::string Count(int64_t n, const std::string& noun) {
+  return std::to_string(n) + " " + noun + (n == 1 ? "" : "s");
+}
+
 }  // namespace reshard

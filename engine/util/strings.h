@@ -1,5 +1,5 @@
 // Small string helpers shared across the engine: joining lists, parsing
-// integers written as text, and the "did you mean" suggestion that messages
+// integers written as text, counts in words, and the "did you mean" suggestion that messages
 // about a misspelt name end with.
 #pragma once
 
@@ -16,6 +16,9 @@ std::string Join(const std::vector<std::string>& items, const std::string& sep);
 // True when all of `s` is a decimal integer that fits ("12", "-3"; not
 // "", "+1", "1e3" or "12 "), stored in *out.
 bool ParseInt(const std::string& s, int64_t* out);
+
+// "1 block", "3 blocks": a count and its noun, plural but for one.
+std::string Count(int64_t n, const std::string& noun);
 
 // The Levenshtein distance: insertions, deletions and substitutions needed
 // to turn `a` into `b`.

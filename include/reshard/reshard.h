@@ -84,6 +84,12 @@ struct PreflightOptions : CommonOptions {
 };
 
 struct LintOptions : PreflightOptions {
+  // The layout convert will be given (0: none). Without a target, lint
+  // checks what every conversion needs and warns of what a TP change adds.
+  int target_tp = 0;
+  int target_pp = 0;
+  int target_dp = 0;
+  int target_ep = 0;
   // Also read every byte of every file and check each record's CRC-32, and
   // have LibTorch's reader read every file (when its module can be loaded).
   bool deep = false;

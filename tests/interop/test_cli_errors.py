@@ -430,6 +430,24 @@ class TargetTests(ReshardTestCase):
                            ['3 TP ranks', 'args.num_attention_heads', 'do not divide by 3'],
                            watch=[self.path('src')], out=out)
 
+    def test_version(self):
+        # What every CLI says: the version, the commit built and the build type, exit 0.
+        p = run('--version')
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        lines = p.stdout.splitlines()
+        self.assertEqual(len(lines), 3, p.stdout)
+        self.assertRegex(lines[0], r'^reshard \d+\.\d+\.\d+$')
+        self.assertRegex(lines[1], r'^commit ([0-9a-f]{12}|unknown)')
+        self.assertRegex(lines[2], r'^build type \S+')
+        self.assertEqual(p.stderr, '')
+
+    def test_target_tp_the_kv_heads_do_not_divide(self):
+        tag = make_fixture(self.path('src'), **dict(support.FAMILIES['ms_llama'], nkv=2, tp=1, pp=1))
+        out = self.path('out')
+        self.assertRefused(['convert', tag, out, '--tp', 3, '--pp', 1],
+                           ['3 TP ranks', 'its 2 KV heads (args.num_key_value_heads) do not divide by 3'],
+                           watch=[self.path('src')], out=out)
+
     def test_target_pp_larger_than_blocks(self):
         tag = self.bloom()  # 4 blocks
         out = self.path('out')
@@ -600,16 +618,27 @@ class OutputPlacementTests(ReshardTestCase):
                              watch=[self.path('src')])
         self.assertEqual(os.listdir(self.path('converted')), ['global_step7'])
 
-    def test_root_input_same_as_tag_input(self):
+    def test_root_in_gives_root_out(self):
+        # A tag in: the tag folder exactly at OUT, `latest` beside it. A root in: a root out, OUT/<tag>
+        # and OUT/latest, with the root's iteration file and zero_to_fp32.py. The same files either way.
         tag = make_fixture(self.path('src'), style='ms_gpt2', tp=2, pp=2, iteration=7)
         root = os.path.dirname(tag)
+        with open(os.path.join(root, 'zero_to_fp32.py'), 'w') as f:
+            f.write('# the script DeepSpeed copies into a root\n')
         outs = {}
-        for name, given in (('from_tag', tag), ('from_root', root)):
-            out = self.path(name, 'global_step7')
-            self.assertConverted(['convert', given, out, '--tp', 1, '--pp', 2, '-q'], out, watch=[root])
+        for name, given, out in (('from_tag', tag, self.path('from_tag', 'global_step7')),
+                                 ('from_root', root, self.path('from_root'))):
+            p = run('convert', given, out, '--tp', 1, '--pp', 2, '-q')
+            self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
             outs[name] = snapshot(self.path(name))
         self.assertEqual(outs['from_root'], outs['from_tag'])
-        self.assertIn('latest_checkpointed_iteration.txt', outs['from_root'])
+        self.assertEqual(sorted(os.listdir(self.path('from_root'))),
+                         ['global_step7', 'latest', 'latest_checkpointed_iteration.txt', 'zero_to_fp32.py'])
+        with open(self.path('from_root', 'latest')) as f:
+            self.assertEqual(f.read().strip(), 'global_step7')
+        # The tag folder of a root out is checked like OUT: a second run is refused, OUT's other tags kept.
+        self.assertRefused(['convert', root, self.path('from_root'), '--tp', 1, '--pp', 1],
+                           ['global_step7'], watch=[root], out=self.path('from_root', 'global_step7'))
 
 
 if __name__ == '__main__':

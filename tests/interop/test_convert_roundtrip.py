@@ -118,13 +118,14 @@ class RoundTripTest(unittest.TestCase):
             a_root, b_root, a2_root = (os.path.join(tmp, x) for x in ('a', 'b', 'a2'))
             mf.write_checkpoint(a_root, cfg)
             b_tag, a2_tag = tag_dir(b_root, cfg), tag_dir(a2_root, cfg)
-            run_reshard('convert', a_root, b_tag, '--tp', str(b_tp), '--pp', str(b_pp),
+            # Roots in, roots out: b_root/<tag> and b_root/latest.
+            run_reshard('convert', a_root, b_root, '--tp', str(b_tp), '--pp', str(b_pp),
                         '--dp', '3', '--weights-only', '-q')
             with open(os.path.join(b_root, 'latest')) as f:
                 self.assertEqual(f.read().strip(), os.path.basename(b_tag))
             kept = min(mf.padded_vocab(cfg, a_tp), mf.padded_vocab(cfg, b_tp)) - cfg.V
             self.check_matches_canonical(b_root, cfg, b_tp, kept)
-            run_reshard('convert', b_root, a2_tag, '--tp', str(a_tp), '--pp', str(a_pp),
+            run_reshard('convert', b_root, a2_root, '--tp', str(a_tp), '--pp', str(a_pp),
                         '--dp', '2', '-q')
             self.check_matches_canonical(a2_root, cfg, a_tp, kept)
             self.check_a_restored(tag_dir(a_root, cfg), a2_tag, b_tp, b_pp, cfg)
@@ -148,7 +149,7 @@ class ReplicatedPolicyTest(unittest.TestCase):
         self.addCleanup(tmp.cleanup)
         a_root, b_root = os.path.join(tmp.name, 'a'), os.path.join(tmp.name, 'b')
         mf.write_checkpoint(a_root, cfg)
-        run_reshard('convert', a_root, tag_dir(b_root, cfg), '--tp', '2', '--pp', '1',
+        run_reshard('convert', a_root, b_root, '--tp', '2', '--pp', '1',
                     '--replicated', policy, '-q')
         return cfg, tag_dir(a_root, cfg), tag_dir(b_root, cfg)
 

@@ -539,14 +539,16 @@ class ExportHfTest(FixtureTestCase):
         os.makedirs(tok)
         for name in ('tokenizer.json', 'tokenizer_config.json', 'vocab.json', 'merges.txt', 'config.json',
                      'model.safetensors'):
-            with open(os.path.join(tok, name), 'w') as f:
-                f.write('from the tokenizer folder: ' + name)
+            with open(os.path.join(tok, name), 'w') as f:  # JSON where reshard reads the special token ids
+                f.write(json.dumps({'from': name}) if name.endswith('.json') else 'from the tokenizer folder: ' + name)
         out = self.path('hf')
         self.export(tag, out, '--tokenizer', tok)
         self.assertEqual(sorted(os.listdir(out)), ['config.json', 'merges.txt', 'model.safetensors', support.MANIFEST,
                                                    'tokenizer.json', 'tokenizer_config.json', 'vocab.json'])
         with open(os.path.join(out, 'vocab.json')) as f:
-            self.assertEqual(f.read(), 'from the tokenizer folder: vocab.json')
+            self.assertEqual(f.read(), json.dumps({'from': 'vocab.json'}))
+        with open(os.path.join(out, 'merges.txt')) as f:
+            self.assertEqual(f.read(), 'from the tokenizer folder: merges.txt')
         p = run('verify', out)  # every file, copies included, is in the manifest as written
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         self.assertEqual(read_folder(out)[1]['architectures'], ['GPT2LMHeadModel'])

@@ -16,7 +16,9 @@ every file reshard wrote, loaded with real PyTorch, tensor by tensor and bit for
   has kept, new rows zero, rows the target has no more dropped);
 * `args`: an argparse.Namespace torch.load reads in a Python without any Megatron or DeepSpeed
   module (a subprocess), the layout fields rewritten, BigScience's PositionEmbeddingType made a
-  Megatron-LM string, tensors in args dropped;
+  Megatron-LM string, tensors in args dropped, and every field NVIDIA Megatron-LM 0.17's
+  --use-checkpoint-args reads of the type and spelling it accepts (megatron_lm_problems, rules
+  derived from its load_args_from_checkpoint, validate_args and legacy model);
 * families bs_bloom, bs_gpt (rotary; GLU), ms_gpt2, ms_llama (GQA); sources at TP 1-2, PP 1-2
   and a universal checkpoint; targets TP 1, 2, 4 and PP 1, 2; the weights (bf16) and
   `--from masters` (fp32);
@@ -52,6 +54,58 @@ FAMILIES['ms_llama'] = dict(FAMILIES['ms_llama'], nkv=4)
 
 # Modules a plain PyTorch environment (NVIDIA Megatron-LM's) resolves when it unpickles.
 STANDARD_MODULES = {'torch', 'torch._utils', 'collections', 'argparse', 'builtins', '_codecs'}
+
+
+# ---- What NVIDIA Megatron-LM's argument loading accepts -------------------------------------------
+#
+# Rules read from Megatron-LM core_v0.17 (the last release with the legacy model), written here in
+# our own code: --use-checkpoint-args runs load_args_from_checkpoint (training/checkpointing.py),
+# which copies these fields from the checkpoint's args over the parsed ones, then validate_args
+# (training/arguments.py); the legacy model (legacy/model/) reads them; and check_checkpoint_args
+# compares add_position_embedding with the loader's default True.
+INT_FIELDS = ('num_layers', 'hidden_size', 'ffn_hidden_size', 'seq_length', 'num_attention_heads',
+              'num_query_groups', 'kv_channels', 'max_position_embeddings', 'rotary_base', 'num_experts')
+BOOL_FIELDS = ('group_query_attention', 'add_position_embedding', 'use_rotary_position_embeddings',
+               'rotary_interleaved', 'add_bias_linear', 'add_qkv_bias', 'squared_relu', 'swiglu',
+               'untie_embeddings_and_output_weights', 'apply_layernorm_1p', 'apply_query_key_layer_scaling')
+NUMBER_FIELDS = ('rotary_percent', 'attention_dropout', 'hidden_dropout')
+NORMALIZATIONS = ('LayerNorm', 'RMSNorm')  # legacy get_norm refuses the rest
+# --position-embedding-type's choices; validate_args lets BigScience's 'alibi' through (the legacy
+# model then adds no positions: Megatron-LM does not compute ALiBi, which the README says).
+POSITION_TYPES = ('learned_absolute', 'rope', 'mrope', 'relative', 'none', 'alibi')
+
+
+def megatron_lm_problems(args, tp):
+    """What Megatron-LM 0.17's --use-checkpoint-args, validate_args, legacy model and
+    check_checkpoint_args would reject in `args` at TP `tp` (an empty list: accepted)."""
+    problems = []
+    fields = vars(args)
+    for name in INT_FIELDS:
+        if name in fields and fields[name] is not None and type(fields[name]) is not int:
+            problems.append(f'{name} = {fields[name]!r} is not an int or None')
+    for name in BOOL_FIELDS:
+        if name in fields and type(fields[name]) is not bool:
+            problems.append(f'{name} = {fields[name]!r} is not a bool')
+    for name in NUMBER_FIELDS:
+        if name in fields and type(fields[name]) not in (int, float):
+            problems.append(f'{name} = {fields[name]!r} is not a number')
+    if fields.get('normalization', 'LayerNorm') not in NORMALIZATIONS:
+        problems.append(f"normalization {fields['normalization']!r} is not one of {NORMALIZATIONS}")
+    position = fields.get('position_embedding_type', 'learned_absolute')
+    if position not in POSITION_TYPES:
+        problems.append(f'position_embedding_type {position!r} is not one of {POSITION_TYPES}')
+    if fields.get('add_position_embedding', True) is not True:
+        problems.append('add_position_embedding is not True: check_checkpoint_args compares it with the default '
+                        'True, and validate_args refuses False with a type other than rope')
+    if fields.get('group_query_attention'):
+        groups, heads = fields.get('num_query_groups'), fields.get('num_attention_heads')
+        if type(groups) is not int or heads % groups or groups % tp:
+            problems.append(f'num_query_groups {groups!r} with {heads} heads at TP {tp}')
+    if 'num_key_value_heads' in fields and fields['num_key_value_heads'] not in (None, fields.get('num_attention_heads')):
+        if not fields.get('group_query_attention') or fields.get('num_query_groups') != fields['num_key_value_heads']:
+            problems.append('the fork\'s num_key_value_heads is not group_query_attention / num_query_groups, '
+                            'which the legacy ParallelAttention reads')
+    return problems
 
 
 # ---- The expected files, cut independently from the canonical tensors -------------------------
@@ -253,10 +307,28 @@ class ExportMegatronTest(FixtureTestCase):
         self.assertEqual(args.num_layers, cfg.L)
         for name, value in vars(args).items():
             self.assertNotIsInstance(value, torch.Tensor, name)
-        if cfg.fork == 'bs':
-            want = {'alibi': 'alibi', 'rotary': 'rope', 'absolute': 'learned_absolute'}[cfg.position]
-            self.assertEqual(args.position_embedding_type, want)
-            self.assertIs(args.add_position_embedding, cfg.position == 'absolute')
+        self.assertEqual(megatron_lm_problems(args, tp), [])
+        want = {'alibi': 'alibi', 'rotary': 'rope', 'absolute': 'learned_absolute'}[cfg.position]
+        self.assertEqual(args.position_embedding_type, want)
+        if cfg.fork == 'ms':  # the fork's spellings, as Megatron-LM reads them
+            self.assertEqual(args.normalization, 'LayerNorm' if cfg.layernorm else 'RMSNorm')
+            self.assertIsNone(args.num_experts)
+            self.assertEqual(args.group_query_attention, cfg.nkv != cfg.n)
+            self.assertEqual(args.num_query_groups, cfg.nkv if cfg.nkv != cfg.n else None)
+
+    def test_megatron_lm_acceptance_rules_catch_the_forks_args(self):
+        # Negative control: the fork's own args, as reshard once wrote them, break the rules.
+        cfg, src = self.source('ms_llama', 2, 2)
+        problems = megatron_lm_problems(support.load(support.mp_file(src, 0))['args'], 2)
+        for needle in ('num_experts = [1]', "normalization 'rmsnorm'", 'add_position_embedding is not True',
+                       'num_key_value_heads'):
+            self.assertTrue(any(needle in p for p in problems), (needle, problems))
+        out = self.path('flags')
+        p = self.export(src, out, '--tp', 2, '--pp', 1)
+        self.assertIn('megatron: load with --use-checkpoint-args, or give the architecture on the command line: '
+                      '--position-embedding-type rope --normalization RMSNorm --swiglu --group-query-attention '
+                      f'--num-query-groups {cfg.nkv} --untie-embeddings-and-output-weights --disable-bias-linear',
+                      p.stdout)
 
     def test_families_and_layouts(self):
         """Each family from a TP > 1 or PP > 1 source to targets TP 1 / 2 / 4 and PP 1 / 2."""

@@ -192,11 +192,12 @@ def drift_masters(root):
 
 
 def write_tokenizer(folder):
-    """Small stand-ins of the files transformers' tokenizers save (reshard copies them as bytes)."""
+    """Small stand-ins of the files transformers' tokenizers save: reshard copies them as bytes
+    and reads the JSON ones for the special token ids (these give none)."""
     os.makedirs(folder, exist_ok=True)
     for name in ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json', 'vocab.json', 'merges.txt'):
         with open(os.path.join(folder, name), 'w') as f:
-            f.write(f'{name} of the golden test\n')
+            f.write(f'{{"golden": "{name}"}}\n' if name.endswith('.json') else f'{name} of the golden test\n')
 
 
 def tokenizer_folder(root):
@@ -716,12 +717,20 @@ class Runner:
     def out_path(self, case_name):
         return os.path.join(self.out_root(case_name), CASE_BY_NAME[case_name].out)
 
+    def out_given(self, case, src_root):
+        """What '{out}' stands for: the output path, but for a convert of a DeepSpeed root (a
+        folder holding `latest`) the folder above its tag, as a root in gives a root out."""
+        out = self.out_path(case.name)
+        root_in = (case.args[0] == 'convert' and case.args[1] == '{src}'
+                   and os.path.isfile(os.path.join(src_root, 'latest')))
+        return os.path.dirname(out) if root_in else out
+
     def _run(self, case):
         src_root, src_info = self.source(case.source)
         out_root = self.out_root(case.name)
         for other in case.inputs:
             self.result(other)
-        paths = {'src': src_root, 'out': self.out_path(case.name),
+        paths = {'src': src_root, 'out': self.out_given(case, src_root),
                  **{f'case:{other}': self.out_path(other) for other in case.inputs}}
         proc = support.reshard(*(TOKEN.sub(lambda m: paths[m[1]], token) for token in case.args))
         result = {'source': case.source, 'command': case.command, 'exit': proc.returncode}

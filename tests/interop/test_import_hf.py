@@ -297,6 +297,97 @@ class ImportHfTest(FixtureTestCase):
                 rows = max(0, min(t.shape[0], S['V'] - tp_rank * t.shape[0])) if vocab else t.shape[0]
                 self.assertTrue(torch.equal(got[key][:rows], t[:rows]), (rank, key))
 
+    def test_gpt2_n_inner_null_is_four_times_n_embd(self):
+        # transformers writes "n_inner": null by default (4 x n_embd); some configs leave it out.
+        family = dict(GPT2, ffn=4 * S['h'])
+        for name, change in (('null', lambda t, c: c.update(n_inner=None)), ('absent', lambda t, c: c.pop('n_inner'))):
+            with self.subTest(n_inner=name):
+                folder, _ = self.hf_folder(f'gpt2_{name}', family, change=change)
+                tag = self.path(f'out_{name}', 'global_step0')
+                p = self.convert(folder, tag, 2, 1)
+                self.assertIn('n_inner is null, which GPT2LMHeadModel reads as 4*args.hidden_size', p.stdout)
+                self.assertEqual(support.load(support.mp_file(tag, 0))['args'].ffn_hidden_size, 4 * S['h'])
+                self.assertLayerFilesLikeFixture(tag, family, 2, 1)
+                back = self.path(f'back_{name}')
+                p = support.reshard('export', tag, back, '--to', 'hf')
+                self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+                self.assertEqual(hf.read_json(os.path.join(back, 'config.json'))['n_inner'], 4 * S['h'])
+                p = support.reshard('export', folder, self.path(f'direct_{name}'), '--to', 'hf')
+                self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+
+    def test_config_fields_kept_and_token_ids_from_the_tokenizer(self):
+        # From an HF source: every field the conversion does not write is kept, in the source's place.
+        extra = {'bos_token_id': 1, 'eos_token_id': 2, 'pad_token_id': None, 'use_cache': True,
+                 'initializer_range': 0.02, 'task_specific_params': {'text-generation': {'max_length': 50}}}
+        folder, _ = self.hf_folder('kept', LLAMA, change=lambda t, c: c.update(extra))
+        out = self.path('kept_out')
+        p = support.reshard('export', folder, out, '--to', 'hf')
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        source, written = hf.read_json(os.path.join(folder, 'config.json')), hf.read_json(os.path.join(out, 'config.json'))
+        self.assertEqual(list(written)[:len(source)], list(source))  # then what the rules add (attention_bias, ...)
+        self.assertEqual({k: written[k] for k in source}, source)
+        # From a Megatron-DeepSpeed source: the special token ids from --tokenizer's files.
+        tag = make_fixture(self.path('mds'), **dict(LLAMA, tp=2, pp=1))
+        tok = self.path('tok')
+        os.makedirs(tok)
+        with open(os.path.join(tok, 'tokenizer_config.json'), 'w') as f:
+            json.dump({'bos_token': '<s>', 'eos_token': {'content': '</s>'}, 'pad_token': None,
+                       'added_tokens_decoder': {'1': {'content': '<s>'}}}, f)
+        with open(os.path.join(tok, 'tokenizer.json'), 'w') as f:
+            json.dump({'added_tokens': [{'id': 2, 'content': '</s>'}], 'model': {'vocab': {'<s>': 1, '</s>': 2}}}, f)
+        out = self.path('mds_out')
+        p = support.reshard('export', tag, out, '--to', 'hf', '--tokenizer', tok)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        config = hf.read_json(os.path.join(out, 'config.json'))
+        self.assertEqual((config['bos_token_id'], config['eos_token_id']), (1, 2))
+        self.assertNotIn('pad_token_id', config)
+
+    def test_tied_llama(self):
+        # Llama-3.2-1B/3B: tie_word_embeddings true and no lm_head.weight; Megatron-DeepSpeed trains
+        # such a model with the head tied to the embedding (rule set megatron-llama-tied).
+        def tied(t, c):
+            t.pop('lm_head.weight')
+            c.update(tie_word_embeddings=True)
+        folder, canon = self.hf_folder('tied_llama', LLAMA, change=tied)
+        for tp, pp in ((1, 1), (2, 2)):
+            with self.subTest(tp=tp, pp=pp):
+                tag = self.path(f'tied_{tp}{pp}', 'global_step0')
+                self.convert(folder, tag, tp, pp)
+                layers = sorted(n for n in os.listdir(tag) if n.startswith('layer_'))
+                self.assertEqual(len(layers), (S['L'] + 2) * tp, layers)  # embedding, blocks, final norm: no head file
+                shapes = support.load(support.mp_file(tag, tp * pp - 1))['param_shapes']
+                self.assertIn('tied_modules.embed.word_embeddings.weight', [n for g in shapes for n in g])
+                self.assertMetadata(tag, tp, pp)
+                self.assertFalse(support.load(support.mp_file(tag, 0))['args'].untie_embeddings_and_output_weights)
+                self.assertRoundTrip(folder, tag)  # back to HF: the same tensors, tie_word_embeddings true
+                p = support.reshard('verify', folder, tag)
+                self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+                self.assertIn('rule set megatron-llama-tied', support.reshard('inspect', tag).stdout)
+        # The imported checkpoint converts again as the Megatron-DeepSpeed checkpoint it is (a root in:
+        # a root out), the --set divisor recorded in its args.
+        p = support.reshard('convert', self.path('tied_22'), self.path('tied_again'), '--tp', 1, '--pp', 3, '-q')
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        p = support.reshard('verify', folder, self.path('tied_again', 'global_step0'))
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        # Untied folders still import as megatron-llama, with or without tie_word_embeddings.
+        for name, change in (('untied', None), ('untied_no_key', lambda t, c: c.pop('tie_word_embeddings'))):
+            with self.subTest(folder=name):
+                folder, _ = self.hf_folder(name, LLAMA, change=change)
+                tag = self.path(f'out_{name}', 'global_step0')
+                self.convert(folder, tag, 1, 1)
+                self.assertIn('rule set megatron-llama ', support.reshard('inspect', tag).stdout)
+
+    def test_llama_features_megatron_deepspeed_lacks_name_the_future_target(self):
+        for i, (change, says) in enumerate([(lambda t, c: c.update(attention_bias=True), 'has attention_bias = True'),
+                                            (lambda t, c: c.update(rope_scaling={'rope_type': 'llama3', 'factor': 32.0}),
+                                             'has rope_scaling = ')]):
+            with self.subTest(says=says):
+                folder, _ = self.hf_folder(f'feature{i}', LLAMA, change=change)
+                self.refused(folder, says)
+                p = self.convert(folder, self.path('refused', 'x'), 2, 1, code=2)
+                self.assertIn("reshard's torch_dist (Megatron-Core", p.stderr)
+                self.assertIn('once reshard has it', p.stderr)
+
     def test_refusals(self):
         def drop(name):
             return lambda t, c: t.pop(name)

@@ -144,7 +144,7 @@ class MemoryBoundsTest(unittest.TestCase):
         def make():
             src, out = self.zero3_source(size), self.path(f'zero3_{size}_dp{ZERO3_TARGET_DP}')
             code, stdout, stderr, peak = self.measured(
-                'convert', src, os.path.join(out, 'global_step10'), '--tp', 1, '--pp', 1,
+                'convert', src, out, '--tp', 1, '--pp', 1,  # a root in: the root `out`
                 '--dp', ZERO3_TARGET_DP, '--max-memory', BUDGET, '-q')
             return out, code, stdout + stderr, peak
         return self.once(('zero3_out', size), make)
@@ -157,7 +157,7 @@ class MemoryBoundsTest(unittest.TestCase):
         def make():
             src, out = self.path(f'pipe_{size}'), self.path(f'pipe_{size}_tp1')
             mf.write_checkpoint(src, self.pipe_config(size))
-            p = subprocess.run([support.RESHARD, 'convert', src, os.path.join(out, 'global_step10'),
+            p = subprocess.run([support.RESHARD, 'convert', src, out,  # a root in: the root `out`
                                 '--tp', '1', '--pp', '2', '--dp', '2', '-q'], capture_output=True, text=True)
             self.assertEqual(p.returncode, 0, p.stderr)
             return src, out

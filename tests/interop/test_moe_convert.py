@@ -152,7 +152,8 @@ def torch_states(root):
 
 
 def convert(src, dst, cfg, *extra):
-    return run('convert', src, os.path.join(dst, cfg.tag), '--tp', str(cfg.tp), '--pp', str(cfg.pp),
+    """Converts the root `src` into the root `dst` (a root in gives a root out)."""
+    return run('convert', src, dst, '--tp', str(cfg.tp), '--pp', str(cfg.pp),
                '--rules', RULES[cfg.engine], *extra)
 
 
@@ -205,7 +206,7 @@ class MoeConvertTests(FixtureTestCase):
     def assert_round_trip(self, a, b, cfg, name, *args):
         """Converts b back to cfg's layout: cfg's structure (compact) and values again."""
         back = self.path(name)
-        p = run('convert', b, os.path.join(back, cfg.tag), '--tp', str(cfg.tp), '--pp', str(cfg.pp), '--ep', str(cfg.ep),
+        p = run('convert', b, back, '--tp', str(cfg.tp), '--pp', str(cfg.pp), '--ep', str(cfg.ep),
                 '--dp', str(cfg.dp), '--rules', RULES[cfg.engine], *args)
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         compact = dataclasses.replace(cfg, shared_storage=False)
@@ -277,7 +278,7 @@ class MoeConvertTests(FixtureTestCase):
                 a = self.write(f'a{i}', cfg)
                 b = self.path(f'b{i}')
                 want = layout(cfg, pp, ep, dp, tp)
-                p = run('convert', a, os.path.join(b, cfg.tag), '--tp', str(tp), '--pp', str(pp), '--ep', str(ep),
+                p = run('convert', a, b, '--tp', str(tp), '--pp', str(pp), '--ep', str(ep),
                         '--dp', str(dp), '--rules', rules[cfg.engine])
                 self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
                 self.assertEqual(differences(dm.structure(self.write(f'w{i}', want)), dm.structure(b)), [])
@@ -411,7 +412,7 @@ class MoeConvertTests(FixtureTestCase):
                 self.assertEqual(dm.stage_bounds(want), bounds)
                 a = self.write(f'a{i}', cfg)
                 b = self.path(f'b{i}')
-                p = run('convert', a, os.path.join(b, cfg.tag), '--tp', '1', '--pp', str(pp), '--ep', str(ep),
+                p = run('convert', a, b, '--tp', '1', '--pp', str(pp), '--ep', str(ep),
                         '--dp', str(dp), '--rules', weighed)
                 self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
                 self.assertEqual(differences(dm.structure(self.write(f'w{i}', want)), dm.structure(b)), [])
@@ -437,7 +438,7 @@ class MoeConvertTests(FixtureTestCase):
         """Converts the real save `name` to `target` (--pp, --ep, --dp): verify says same model,
         and the oracle reads every weight and optimizer state back equal. Returns (src, out, stderr)."""
         src, out = os.path.join(DATA, name), self.path('out')
-        p = run('convert', src, os.path.join(out, 'global_step2'), '--tp', '1', *target, '--rules', RULES[engine])
+        p = run('convert', src, out, '--tp', '1', *target, '--rules', RULES[engine])
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         converted = p.stdout + p.stderr
         p = run('verify', src, out, '--rules', RULES[engine])

@@ -42,6 +42,7 @@ class NonPipelineTest(unittest.TestCase):
         self.tmp = tmp.name
 
     def convert(self, src, out, dp):
+        """Converts the root `src` into the root `out` (a root in gives a root out)."""
         p = reshard('convert', src, out, '--tp', 1, '--pp', 1, '--dp', dp, '-q')
         self.assertEqual(p.returncode, 0, p.stderr)
 
@@ -51,11 +52,11 @@ class NonPipelineTest(unittest.TestCase):
                 cfg = dn.NonPipeConfig(zero_stage=stage, dtype=dtype, dp=dp_a, sub_group_size=sub_group_size)
                 a, b, a2 = (os.path.join(self.tmp, f'{x}{stage}{dp_a}{dp_b}{dtype}') for x in 'ab' 'c')
                 dn.write_nonpipe(a, cfg)
-                self.convert(a, os.path.join(b, 'global_step10'), dp_b)
+                self.convert(a, b, dp_b)
                 self.assertEqual(dn.compare_nonpipe(dn.load_nonpipe(b), cfg), [])
                 self.assertEqual(dn.structural_problems_nonpipe(b), [])
                 self.assertIn('same model', reshard('verify', a, b).stdout)
-                self.convert(b, os.path.join(a2, 'global_step10'), dp_a)
+                self.convert(b, a2, dp_a)
                 tag_a, tag_a2 = os.path.join(a, 'global_step10'), os.path.join(a2, 'global_step10')
                 self.assertEqual(sorted(os.listdir(tag_a2)), sorted(os.listdir(tag_a) + [support.MANIFEST]))
                 for name in os.listdir(tag_a):
@@ -74,7 +75,7 @@ class NonPipelineTest(unittest.TestCase):
                 lint = reshard('lint', a)
                 self.assertEqual(lint.returncode, 0, lint.stdout)
                 self.assertIn('optimizer state inside the mp_rank files is carried unchanged', lint.stdout)
-                self.convert(a, os.path.join(b, 'global_step10'), dp_b)
+                self.convert(a, b, dp_b)
                 ckpt = dn.load_nonpipe(b)
                 self.assertEqual(dn.compare_nonpipe(ckpt, cfg), [])
                 self.assertEqual(dn.structural_problems_nonpipe(b), [])
@@ -85,7 +86,7 @@ class NonPipelineTest(unittest.TestCase):
                 verify = reshard('verify', a, b)
                 self.assertIn('same model', verify.stdout)
                 self.assertRegex(verify.stdout, r'verify: \d+ tensors')
-                self.convert(b, os.path.join(a2, 'global_step10'), dp_a)
+                self.convert(b, a2, dp_a)
                 self.assertEqual(differences(before, torch.load(os.path.join(a2, 'global_step10',
                                                                              'mp_rank_00_model_states.pt'))), [])
         # A moment that differs is found.
@@ -113,7 +114,7 @@ class NonPipelineTest(unittest.TestCase):
         dn.write_nonpipe(src, dn.NonPipeConfig(zero_stage=3, dp=3))
         self.assertEqual(reshard('lint', src).returncode, 0)
         out = os.path.join(self.tmp, 'out')
-        self.convert(src, os.path.join(out, 'global_step10'), 4)
+        self.convert(src, out, 4)
         shard = os.path.join(out, 'global_step10', 'bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt')
         sd = torch.load(shard)
         sd['optimizer_state_dict']['optimizer_state_dict']['state'][0]['exp_avg'][0] += 1

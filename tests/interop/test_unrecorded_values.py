@@ -66,21 +66,53 @@ class UnrecordedValuesTest(FixtureTestCase):
         self.assertEqual(p.returncode, 1, p.stdout)
         errors = [l for l in p.stdout.splitlines() if l.startswith('error:')]
         self.assertEqual(len(errors), 1, p.stdout)  # once, not once per tensor
-        self.assertIn('not recorded in the checkpoint metadata (args.num_attention_heads)', errors[0])
-        self.assertIn('fallback in the rule file ([args.num_attention_heads, N])', errors[0])
-        self.assertIn('--set args.num_attention_heads=N', errors[0])
-        # With the head count, a TP change still lacks the vocabulary's true size: lint says so
-        # before convert does, with the same ways to give it.
+        self.assertIn('does not record 1 value every conversion needs: args.num_attention_heads', errors[0])
+        self.assertIn('--set args.num_attention_heads=N (or as a fallback in the rule file', errors[0])
+
+    def test_one_refusal_names_every_missing_value(self):
+        # A TP change of a DeepSpeed-only save lacks three values: one refusal names them all,
+        # with a line to paste, where it once took three tries.
+        tag = self.deepspeed_only()
+        out = self.path('out', 'x')
+        p = run('convert', tag, out, '--tp', 1, '--pp', 1, '--rules', 'megatron-gpt2')
+        self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
+        self.assertEqual(len(p.stderr.strip().splitlines()), 1, p.stderr)
+        self.assertIn('the checkpoint does not record 3 values this conversion needs: args.num_attention_heads', p.stderr)
+        self.assertIn('--set args.num_attention_heads=N --set args.make_vocab_size_divisible_by=N --vocab-size N',
+                      p.stderr)
+        self.assertFalse(os.path.exists(out))
+        # The pasted values (--vocab-size standing for the recorded size) convert.
+        given = ['--set', f'num_attention_heads={MODEL["n"]}', '--set', f'make_vocab_size_divisible_by={MODEL["mvsdb"]}',
+                 '--vocab-size', MODEL['V']]
+        self.assertOk(run('convert', tag, out, '--tp', 1, '--pp', 1, '--rules', 'megatron-gpt2', *given, '-q'))
+
+    def test_lint_with_and_without_a_target(self):
+        tag = self.deepspeed_only()
         heads = VALUES[:2]
+        # Without a target: convert at the source's TP needs no vocabulary values, so lint is ok and
+        # warns of what a TP change would need.
         lint = run('lint', tag, '--rules', 'megatron-gpt2', *heads)
+        self.assertEqual(lint.returncode, 0, lint.stdout)
+        warnings = [l for l in lint.stdout.splitlines() if l.startswith('warning: a TP change')]
+        self.assertEqual(len(warnings), 1, lint.stdout)
+        self.assertIn('--set args.make_vocab_size_divisible_by=N --vocab-size N', warnings[0])
+        self.assertOk(run('convert', tag, self.path('pp', 'x'), '--tp', 2, '--pp', 1, '--rules', 'megatron-gpt2', *heads))
+        self.assertOk(run('lint', tag, '--rules', 'megatron-gpt2', *heads, '--tp', 2, '--pp', 1))
+        # With a target that changes TP: an error, as convert refuses it, with the same line.
+        lint = run('lint', tag, '--rules', 'megatron-gpt2', *heads, '--tp', 1, '--pp', 1)
         self.assertEqual(lint.returncode, 1, lint.stdout)
+        self.assertIn('error: the checkpoint does not record 2 values a conversion to TP 1 needs', lint.stdout)
         convert = run('convert', tag, self.path('out', 'x'), '--tp', 1, '--pp', 1, '--rules', 'megatron-gpt2', *heads)
         self.assertEqual(convert.returncode, 2, convert.stdout + convert.stderr)
         for text in (lint.stdout, convert.stderr):
-            self.assertIn('--set universal_checkpoint_info.original_vocab_size=N', text)
-            self.assertIn('--vocab-size N', text)
-        # A PP-only change needs no vocabulary values.
-        self.assertOk(run('convert', tag, self.path('pp', 'x'), '--tp', 2, '--pp', 1, '--rules', 'megatron-gpt2', *heads))
+            self.assertIn('--set args.make_vocab_size_divisible_by=N --vocab-size N', text)
+        # A target lint cannot take is refused like convert's: heads that do not divide.
+        lint = run('lint', tag, '--rules', 'megatron-gpt2', *VALUES, '--tp', 5, '--pp', 1)
+        self.assertEqual(lint.returncode, 1, lint.stdout)
+        self.assertIn('do not divide by 5', lint.stdout)
+        p = run('lint', tag, '--rules', 'megatron-gpt2', '--tp', 2)
+        self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
+        self.assertIn('--tp N and --pp N together', p.stderr)
 
     def test_set_values_convert_bit_exact(self):
         tag = self.deepspeed_only()
@@ -175,15 +207,20 @@ class UnrecordedValuesTest(FixtureTestCase):
         verdicts = {}
         for name, tag, options in corpus:
             with self.subTest(case=name):
-                lint = run('lint', tag, *options)
-                self.assertIn(lint.returncode, (0, 1), lint.stdout + lint.stderr)
-                verdicts[name] = lint.returncode == 0
+                # Without a target lint answers for the source's TP (2 here); with one, for that layout.
+                untargeted = run('lint', tag, *options)
+                self.assertIn(untargeted.returncode, (0, 1), untargeted.stdout + untargeted.stderr)
                 for i, (tp, pp) in enumerate(((1, 1), (4, 2), (2, 1))):
+                    lint = run('lint', tag, *options, '--tp', tp, '--pp', pp)
+                    self.assertIn(lint.returncode, (0, 1), lint.stdout + lint.stderr)
+                    verdicts[name, tp, pp] = lint.returncode == 0
                     convert = run('convert', tag, self.path('out', f'{re.sub(r"[^a-z]", "_", name)}_{i}'),
                                   '--tp', tp, '--pp', pp, *options, '-q')
-                    if lint.returncode == 0:
-                        self.assertEqual(convert.returncode, 0, f'lint ok, convert --tp {tp} --pp {pp} '
-                                         f'refused:\n{convert.stderr}')
+                    self.assertEqual(convert.returncode == 0, lint.returncode == 0,
+                                     f'lint --tp {tp} --pp {pp} says {lint.returncode}, convert {convert.returncode}:\n'
+                                     f'{lint.stdout}\n{convert.stderr}')
+                    if tp == 2 and untargeted.returncode == 0:
+                        self.assertEqual(convert.returncode, 0, f'lint ok, convert --tp 2 refused:\n{convert.stderr}')
         # The corpus holds both verdicts, or it proves nothing.
         self.assertEqual(sorted(set(verdicts.values())), [False, True], verdicts)
 

@@ -49,6 +49,7 @@ class MoeSource : public DeepSpeedModelSource {
 
   void Lint(const LintOptions& options, LintReport* report) const override {
     report->rule_set = ckpt().rules->name();
+    ReportMissingValues(ckpt(), options, report);
     if (ckpt().HasErrors()) return;
     ReportDrift(ckpt(), options, report);
     report->findings.push_back({Finding::Severity::kInfo, "MoE: " + layout_.Summary()});
@@ -72,6 +73,7 @@ class MoeSource : public DeepSpeedModelSource {
 
   Result<std::unique_ptr<TargetPlan>> Plan(const ConvertOptions& options,
                                            std::vector<std::string>* notes) const override {
+    RESHARD_RETURN_IF_ERROR(CheckValuesGiven(ckpt(), options.target_tp, options.vocab_size));
     RESHARD_RETURN_IF_ERROR(ckpt().FirstError());
     const int ep = options.target_ep > 0 ? options.target_ep : layout_.ep;
     const int dp = options.target_dp > 0 ? options.target_dp : ckpt().dp;

@@ -16,6 +16,8 @@
 #include "formats/deepspeed/optimizer/zero_shard_lint.h"
 #include "logical/drift.h"
 #include "plan/materialize.h"
+#include "plan/tensor_plan.h"
+#include "util/strings.h"
 
 namespace reshard {
 namespace {
@@ -83,15 +85,15 @@ class PipelineSource : public DeepSpeedModelSource {
     for (const SpecEntry& s : c.specs) blocks += s.role == "block" ? 1 : 0;
     std::string s = "rule set " + c.rules->name() + " (numbering " + c.numbering + "); ";
     if (!model_->foreign.empty()) {
-      s += model_->foreign + "; " + std::to_string(blocks) + " blocks; weights only";
+      s += model_->foreign + "; " + Count(blocks, "block") + "; weights only";
     } else if (model_->universal) {
       s += "universal checkpoint of DP " + std::to_string(c.dp) + "; iteration " + std::to_string(c.iteration) +
-           "; " + std::to_string(blocks) + " blocks; " + std::to_string(files().universal_files.size()) +
+           "; " + Count(blocks, "block") + "; " + std::to_string(files().universal_files.size()) +
            " files in zero/, " + std::to_string(c.metadata.size()) + " mp_rank files; weights are the fp32 "
            "masters as " + DTypeName(*c.weights_from_masters);
     } else {
       s += "TP " + std::to_string(c.tp) + ", PP " + std::to_string(c.pp) + ", DP " + std::to_string(c.dp) +
-           "; iteration " + std::to_string(c.iteration) + "; " + std::to_string(blocks) + " blocks; " +
+           "; iteration " + std::to_string(c.iteration) + "; " + Count(blocks, "block") + "; " +
            std::to_string(c.layers.size() * c.tp) + " layer files, " + std::to_string(c.metadata.size()) +
            " mp_rank files, " + std::to_string(shard_files()) + " optimizer shards";
     }
@@ -107,13 +109,12 @@ class PipelineSource : public DeepSpeedModelSource {
   // same options, for a target at any layout.
   void Lint(const LintOptions& options, LintReport* report) const override {
     report->rule_set = ckpt().rules->name();
+    ReportMissingValues(ckpt(), options, report);
     if (ckpt().HasErrors()) return;
     ReportDrift(ckpt(), options, report);
     // A universal checkpoint's param_shapes are those of the checkpoint it
     // was made from; an imported model has none.
     if (!model_->universal && model_->foreign.empty()) CheckStages(ckpt(), report);
-    const Status vocab = CheckVocabRepaddable(ckpt(), options.vocab_size);
-    if (!vocab.ok()) report->findings.push_back({Finding::Severity::kError, vocab.message()});
     if (!HasOptimizerState()) return;
     if (options.weights_only) {
       report->findings.push_back({Finding::Severity::kInfo, WeightsOnlyNote(OptimizerWhat())});
@@ -131,6 +132,7 @@ class PipelineSource : public DeepSpeedModelSource {
 
   Result<std::unique_ptr<TargetPlan>> Plan(const ConvertOptions& options,
                                            std::vector<std::string>* notes) const override {
+    RESHARD_RETURN_IF_ERROR(CheckValuesGiven(ckpt(), options.target_tp, options.vocab_size));
     RESHARD_RETURN_IF_ERROR(ckpt().FirstError());
     notes->insert(notes->end(), model_->foreign_notes.begin(), model_->foreign_notes.end());
     const SourceOptimizer* opt = nullptr;
@@ -197,6 +199,7 @@ class PipelineSource : public DeepSpeedModelSource {
 
   Result<TpWeights> WeightsForTp(const TpCut& cut, std::vector<std::string>* notes,
                                  std::atomic<int64_t>* read) const override {
+    RESHARD_RETURN_IF_ERROR(CheckValuesGiven(ckpt(), cut.tp, cut.vocab_size));
     RESHARD_RETURN_IF_ERROR(ckpt().FirstError());
     const SourceOptimizer* opt = nullptr;
     if (HasOptimizerState()) {

@@ -1,5 +1,6 @@
 #include "formats/hf/hf_config.h"
 
+#include <algorithm>
 #include <cmath>
 #include <set>
 
@@ -11,8 +12,10 @@
 namespace reshard {
 namespace {
 
-// `v` as JSON; an error for what config.json cannot hold.
-Result<std::string> Json(const Value& v, const std::string& what) {
+// `v` as JSON; an error for what config.json cannot hold. Lists and dicts
+// (`containers`) come only from an HF source's own config.json (nested
+// fields such as task_specific_params), never from a run's metadata.
+Result<std::string> Json(const Value& v, const std::string& what, bool containers = false) {
   switch (v.kind()) {
     case Value::Kind::kNone: return std::string("null");
     case Value::Kind::kBool: return std::string(v.as_bool() ? "true" : "false");
@@ -21,9 +24,39 @@ Result<std::string> Json(const Value& v, const std::string& what) {
       if (std::isfinite(v.as_float())) return v.DebugString();  // Python's repr: shortest exact digits
       break;
     case Value::Kind::kString: return JsonString(v.as_string());
+    case Value::Kind::kList: {
+      if (!containers) break;
+      std::string out;
+      for (const Value& item : v.as_list().items) {
+        RESHARD_ASSIGN_OR_RETURN(std::string text, Json(item, what, true));
+        out += (out.empty() ? "" : ", ") + text;
+      }
+      return "[" + out + "]";
+    }
+    case Value::Kind::kDict: {
+      if (!containers) break;
+      std::string out;
+      for (const auto& [key, item] : v.as_dict().items) {
+        if (!key.is(Value::Kind::kString)) break;
+        RESHARD_ASSIGN_OR_RETURN(std::string text, Json(item, what + "." + key.as_string(), true));
+        out += (out.empty() ? "" : ", ") + JsonString(key.as_string()) + ": " + text;
+      }
+      return "{" + out + "}";
+    }
     default: break;
   }
   return Status::InvalidInput(what + " is " + v.DebugString(60) + ", not a number, boolean or string");
+}
+
+// Appends key: text, or replaces the value of a key already there.
+void Put(std::vector<std::pair<std::string, std::string>>* fields, const std::string& key, std::string text) {
+  for (auto& field : *fields) {
+    if (field.first == key) {
+      field.second = std::move(text);
+      return;
+    }
+  }
+  fields->emplace_back(key, std::move(text));
 }
 
 // The args fields a field's cases read, for the message when none holds.
@@ -60,15 +93,33 @@ Result<Value> HfConfigValue(const HfConfigField& field, const RuleInputs& inputs
                               (first.rfind("args.", 0) == 0 ? first.substr(5) : first) + "=VALUE");
 }
 
-Result<std::string> HfConfigJson(const HfExport& hf, const RuleInputs& inputs, int64_t vocab_size, DType dtype) {
-  std::string json = "{\n  \"architectures\": [" + JsonString(hf.architecture) + "]";
+Result<std::string> HfConfigJson(const HfExport& hf, const RuleInputs& inputs, int64_t vocab_size, DType dtype,
+                                 const HfConfigExtras& extras) {
+  // The source's fields first, in its order, so that the ones written below
+  // replace their values in place.
+  std::vector<std::pair<std::string, std::string>> fields;
+  if (extras.source != nullptr) {
+    for (const auto& [key, value] : extras.source->as_dict().items) {
+      if (!key.is(Value::Kind::kString)) continue;
+      RESHARD_ASSIGN_OR_RETURN(std::string text, Json(value, "the source's config.json " + key.as_string(), true));
+      fields.emplace_back(key.as_string(), std::move(text));
+    }
+  }
+  Put(&fields, "architectures", "[" + JsonString(hf.architecture) + "]");
   for (const HfConfigField& field : hf.config) {
     RESHARD_ASSIGN_OR_RETURN(Value value, HfConfigValue(field, inputs));
     RESHARD_ASSIGN_OR_RETURN(std::string text, Json(value, "config.json " + field.key));
-    json += ",\n  " + JsonString(field.key) + ": " + text;
+    Put(&fields, field.key, std::move(text));
   }
-  json += ",\n  \"vocab_size\": " + std::to_string(vocab_size);
-  json += ",\n  \"torch_dtype\": " + JsonString(DTypeName(dtype));
+  Put(&fields, "vocab_size", std::to_string(vocab_size));
+  Put(&fields, "torch_dtype", JsonString(DTypeName(dtype)));
+  for (const auto& [key, id] : extras.token_ids) {
+    if (std::none_of(fields.begin(), fields.end(), [&](const auto& f) { return f.first == key; })) {
+      fields.emplace_back(key, std::to_string(id));
+    }
+  }
+  std::string json;
+  for (const auto& [key, text] : fields) json += (json.empty() ? "{\n  " : ",\n  ") + JsonString(key) + ": " + text;
   return json + "\n}\n";
 }
 

@@ -3,11 +3,14 @@
 // padding rows) and `torch_dtype` come from the exported tensors; every other
 // field is the rule file's hf.config, each value read from the checkpoint's
 // metadata (or --set) as the field says. A value the checkpoint does not
-// record is asked for, never guessed.
+// record is asked for, never guessed. An HF source's other fields are kept;
+// special token ids may come from the tokenizer's files.
 #pragma once
 
 #include <cstdint>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "pickle/dtype.h"
 #include "reshard/status.h"
@@ -19,8 +22,20 @@ namespace reshard {
 // checkpoint does not record it.
 Result<Value> HfConfigValue(const HfConfigField& field, const RuleInputs& inputs);
 
-// The whole file, keys in the order written: architectures, the rule file's
-// fields, vocab_size, torch_dtype.
-Result<std::string> HfConfigJson(const HfExport& hf, const RuleInputs& inputs, int64_t vocab_size, DType dtype);
+// What config.json carries beside what the conversion writes.
+struct HfConfigExtras {
+  // An HF source's own config.json: every field the conversion does not
+  // write (bos_token_id, use_cache, ...) is kept as it is. Null: none.
+  const Value* source = nullptr;
+  // Special token ids read from --tokenizer's files ("eos_token_id", 2),
+  // written where neither the source nor the rules give the key.
+  std::vector<std::pair<std::string, int64_t>> token_ids;
+};
+
+// The whole file, keys in the order written: the source's (`extras`), then
+// architectures, the rule file's fields, vocab_size, torch_dtype (each in
+// the source's place when it has the key), then the token ids.
+Result<std::string> HfConfigJson(const HfExport& hf, const RuleInputs& inputs, int64_t vocab_size, DType dtype,
+                                 const HfConfigExtras& extras = {});
 
 }  // namespace reshard

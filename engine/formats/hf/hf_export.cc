@@ -4,13 +4,17 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <optional>
 
 #include "container/regular_file.h"
+#include "container/safetensors_writer.h"
 #include "formats/hf/hf_config.h"
+#include "formats/hf/hf_folder.h"
 #include "formats/hf/hf_tensors.h"
 #include "formats/state_dict.h"
 #include "logical/settings.h"
 #include "util/list_folder.h"
+#include "util/strings.h"
 
 namespace reshard {
 namespace {
@@ -73,6 +77,102 @@ Result<std::vector<SideFile>> TokenizerFiles(const std::string& dir) {
                                 "pass the folder the tokenizer was saved in");
   }
   return files;
+}
+
+// ---- special token ids from --tokenizer ----------------------------------------
+
+// A JSON file of the tokenizer folder; None when the folder lacks it.
+Result<Value> TokenizerJson(const std::string& dir, const char* name) {
+  const std::filesystem::path path = std::filesystem::path(dir) / name;
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec)) return Value::None();
+  return ReadJsonFile(path.string());
+}
+
+// A special token as tokenizer_config.json / special_tokens_map.json name
+// it: the string, or an AddedToken dict's "content".
+std::optional<std::string> TokenText(const Value& files_token) {
+  if (files_token.is(Value::Kind::kString)) return files_token.as_string();
+  const Value* content = Find(files_token, "content");
+  if (content != nullptr && content->is(Value::Kind::kString)) return content->as_string();
+  return std::nullopt;
+}
+
+// The id of token `text` in tokenizer_config.json's added_tokens_decoder.
+std::optional<int64_t> DecoderId(const std::string& text, const Value& config) {
+  const Value* decoder = Find(config, "added_tokens_decoder");
+  if (const Items* added = decoder != nullptr ? DictItems(*decoder) : nullptr) {
+    for (const auto& [id, token] : *added) {
+      int64_t n = 0;
+      if (TokenText(token) == text && id.is(Value::Kind::kString) && ParseInt(id.as_string(), &n)) return n;
+    }
+  }
+  return std::nullopt;
+}
+
+// The id of token `text` in tokenizer.json's added_tokens or its model's
+// vocab, or in vocab.json.
+std::optional<int64_t> VocabId(const std::string& text, const Value& tokenizer, const Value& vocab) {
+  if (const Value* added = Find(tokenizer, "added_tokens"); added != nullptr && added->is(Value::Kind::kList)) {
+    for (const Value& token : added->as_list().items) {
+      const Value* id = Find(token, "id");
+      if (TokenText(token) == text && id != nullptr && id->is(Value::Kind::kInt)) return id->as_int();
+    }
+  }
+  const Value* model = Find(tokenizer, "model");
+  for (const Value* table : {model != nullptr ? Find(*model, "vocab") : nullptr, &vocab}) {
+    const Value* id = table != nullptr ? Find(*table, text) : nullptr;
+    if (id != nullptr && id->is(Value::Kind::kInt)) return id->as_int();
+  }
+  return std::nullopt;
+}
+
+// bos/eos/pad_token_id of config.json from the tokenizer's files, which
+// name the tokens and give their ids; a token named without an id is
+// left out and `notes` says so.
+Result<std::vector<std::pair<std::string, int64_t>>> SpecialTokenIds(const std::string& dir,
+                                                                    std::vector<std::string>* notes) {
+  RESHARD_ASSIGN_OR_RETURN(Value config, TokenizerJson(dir, "tokenizer_config.json"));
+  RESHARD_ASSIGN_OR_RETURN(Value map, TokenizerJson(dir, "special_tokens_map.json"));
+  // The vocabularies (megabytes of JSON) are read only for a token the
+  // small files do not give the id of.
+  std::optional<std::pair<Value, Value>> vocabularies;
+  std::vector<std::pair<std::string, int64_t>> ids;
+  for (const std::string role : {"bos", "eos", "pad"}) {
+    const Value* named = Find(config, role + "_token");
+    if (named == nullptr || named->is_none()) named = Find(map, role + "_token");
+    const std::optional<std::string> text = named != nullptr ? TokenText(*named) : std::nullopt;
+    if (!text) continue;
+    std::optional<int64_t> id = DecoderId(*text, config);
+    if (!id && !vocabularies) {
+      RESHARD_ASSIGN_OR_RETURN(Value tokenizer, TokenizerJson(dir, "tokenizer.json"));
+      RESHARD_ASSIGN_OR_RETURN(Value vocab, TokenizerJson(dir, "vocab.json"));
+      vocabularies.emplace(std::move(tokenizer), std::move(vocab));
+    }
+    if (!id) id = VocabId(*text, vocabularies->first, vocabularies->second);
+    if (id) {
+      ids.emplace_back(role + "_token_id", *id);
+    } else {
+      notes->push_back("hf: --tokenizer names the " + role + " token " + JsonString(*text) + " but none of its "
+                       "files gives its id, so config.json has no " + role + "_token_id");
+    }
+  }
+  return ids;
+}
+
+// What config.json keeps beside what the conversion writes: an HF source's
+// own config.json, and the special token ids of --tokenizer.
+Result<HfConfigExtras> ConfigExtras(const SourceCheckpoint& src, const ExportOptions& options, Value* source_config,
+                                    std::vector<std::string>* notes) {
+  HfConfigExtras extras;
+  if (IsHfFolder(src.tag_dir())) {
+    RESHARD_ASSIGN_OR_RETURN(*source_config, ReadJsonFile((std::filesystem::path(src.tag_dir()) / "config.json").string()));
+    if (source_config->is(Value::Kind::kDict)) extras.source = source_config;
+  }
+  if (!options.tokenizer.empty()) {
+    RESHARD_ASSIGN_OR_RETURN(extras.token_ids, SpecialTokenIds(options.tokenizer, notes));
+  }
+  return extras;
 }
 
 // The family's HF mapping, if the checkpoint is one the architecture computes.
@@ -153,7 +253,9 @@ Result<std::unique_ptr<TargetPlan>> PlanHf(const SourceCheckpoint& src, const Ex
   RESHARD_ASSIGN_OR_RETURN(std::vector<StateDictTensor> tensors,
                            MapHfTensors(*hf, chosen, inputs, layout.scratch, &layout.scratch_bytes));
   RESHARD_ASSIGN_OR_RETURN(int64_t vocab, VocabRows(chosen, all));
-  RESHARD_ASSIGN_OR_RETURN(std::string config, HfConfigJson(*hf, inputs, vocab, FloatingDType(chosen)));
+  Value source_config;
+  RESHARD_ASSIGN_OR_RETURN(HfConfigExtras extras, ConfigExtras(src, options, &source_config, notes));
+  RESHARD_ASSIGN_OR_RETURN(std::string config, HfConfigJson(*hf, inputs, vocab, FloatingDType(chosen), extras));
   std::vector<SideFile> side = {{"config.json", config, ""}};
   if (!options.tokenizer.empty()) {
     RESHARD_ASSIGN_OR_RETURN(std::vector<SideFile> tokenizer, TokenizerFiles(options.tokenizer));

@@ -1,9 +1,7 @@
 #include "formats/hf/hf_folder.h"
 
 #include <filesystem>
-#include <fstream>
 #include <set>
-#include <sstream>
 
 #include "container/json_reader.h"
 #include "container/regular_file.h"
@@ -31,11 +29,6 @@ bool Exists(const fs::path& p) {
   return fs::symlink_status(p, ec).type() != fs::file_type::not_found && !fs::is_directory(p, ec);
 }
 
-Result<Value> ReadJsonFile(const fs::path& path) {
-  RESHARD_ASSIGN_OR_RETURN(std::string text, ReadRegularFile(path.string()));
-  return ParseJson(text, path.string());
-}
-
 // The tensors of one weight file, by name.
 Result<std::vector<std::pair<std::string, Value>>> ReadWeightFile(const fs::path& path) {
   const std::string name = path.filename().string();
@@ -59,7 +52,7 @@ Result<std::vector<std::pair<std::string, Value>>> ReadWeightFile(const fs::path
 
 // The shards of an index file and the tensors it places in each.
 Result<std::map<std::string, std::set<std::string>>> ReadIndex(const fs::path& path) {
-  RESHARD_ASSIGN_OR_RETURN(Value index, ReadJsonFile(path));
+  RESHARD_ASSIGN_OR_RETURN(Value index, ReadJsonFile(path.string()));
   const Value* map = Find(index, "weight_map");
   const Items* items = map != nullptr ? DictItems(*map) : nullptr;
   if (items == nullptr) return Status::InvalidInput(path.string() + " has no weight_map; it is not a weight index");
@@ -120,6 +113,11 @@ Status ReadWeights(const fs::path& dir, HfFolder* folder) {
 
 }  // namespace
 
+Result<Value> ReadJsonFile(const std::string& path) {
+  RESHARD_ASSIGN_OR_RETURN(std::string text, ReadRegularFile(path));
+  return ParseJson(text, path);
+}
+
 bool IsHfFolder(const std::string& path) {
   const fs::path dir(path);
   // An HF Trainer checkpoint-N/ folder has both: its DeepSpeed checkpoint
@@ -134,7 +132,7 @@ bool IsHfFolder(const std::string& path) {
 Result<HfFolder> ReadHfFolder(const std::string& dir) {
   HfFolder folder;
   folder.dir = dir;
-  RESHARD_ASSIGN_OR_RETURN(folder.config, ReadJsonFile(fs::path(dir) / kConfig));
+  RESHARD_ASSIGN_OR_RETURN(folder.config, ReadJsonFile((fs::path(dir) / kConfig).string()));
   if (!folder.config.is(Value::Kind::kDict)) {
     return Status::InvalidInput((fs::path(dir) / kConfig).string() + " does not hold a JSON object");
   }

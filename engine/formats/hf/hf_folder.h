@@ -27,6 +27,9 @@ struct HfFolder {
 // DeepSpeed checkpoint it holds).
 bool IsHfFolder(const std::string& path);
 
+// A JSON file (config.json, a tokenizer's files) as Values.
+Result<Value> ReadJsonFile(const std::string& path);
+
 // Errors name the file and what is wrong with it: a weight index naming a
 // tensor its file lacks (or leaving one out), a name in two files, a file
 // that is not what its name says.

@@ -41,29 +41,6 @@ bool Computes(const RuleSet& rules, const std::vector<std::string>& architecture
                                             rules.hf()->architecture) != architectures.end();
 }
 
-// The rule set whose hf section is the folder's architecture: `spec` (a
-// --rules name or file), else the one built-in set that exports it.
-Result<RuleSet> ChooseFamily(const Value& config, const std::string& config_path, const std::string& spec) {
-  const std::vector<std::string> architectures = Architectures(config);
-  const std::string named = architectures.empty() ? "no architecture" : Join(architectures, ", ");
-  if (!spec.empty()) {
-    RESHARD_ASSIGN_OR_RETURN(RuleSet rules, LoadRuleSet(spec));
-    if (Computes(rules, architectures)) return rules;
-    return Status::Unsupported(config_path + " names " + named + ", and rule set " + rules.name() + " maps " +
-                               (rules.hf() ? rules.hf()->architecture : "no HF architecture (no hf section)") +
-                               "; choose the rule set whose hf section is the folder's architecture");
-  }
-  RESHARD_ASSIGN_OR_RETURN(std::vector<RuleSet> all, LoadBuiltinRuleSets());
-  std::vector<std::string> known;
-  for (RuleSet& rules : all) {
-    if (Computes(rules, architectures)) return std::move(rules);
-    if (rules.hf() != nullptr) known.push_back(rules.hf()->architecture + " (" + rules.name() + ")");
-  }
-  return Status::Unsupported(config_path + " names " + named + ", which no built-in rule set maps (they map " +
-                             Join(known, ", ") + "); add an hf section to a rule file (docs/rules.md) and pass "
-                             "--rules FILE");
-}
-
 // ---- config.json -> args ----------------------------------------------------
 
 // Numbers compare by value (1 == 1.0); everything else by kind and content.
@@ -79,6 +56,56 @@ bool SameValue(const Value& a, const Value& b) {
   return a.kind() == b.kind() && a.DebugString() == b.DebugString();
 }
 
+// How well the config agrees with the fixed values of `rules`' hf.config
+// (tie_word_embeddings, attention_bias, ...): one for each value the config
+// states alike, far below zero for each it states otherwise.
+int Agreement(const RuleSet& rules, const Value& config) {
+  int score = 0;
+  for (const HfConfigField& field : rules.hf()->config) {
+    const Value* v = Find(config, field.key);
+    if (v == nullptr || !field.literal || !field.paths.empty() || !field.cases.empty()) continue;
+    score += SameValue(*v, *field.literal) ? 1 : -1000;
+  }
+  return score;
+}
+
+// The rule sets whose hf section is the folder's architecture, best first:
+// `spec` (a --rules name or file), else the built-in sets that export it,
+// those whose fixed values the config states best first (Llama untied and
+// tied are two sets of one architecture).
+Result<std::vector<RuleSet>> Families(const Value& config, const std::string& config_path, const std::string& spec) {
+  const std::vector<std::string> architectures = Architectures(config);
+  const std::string named = architectures.empty() ? "no architecture" : Join(architectures, ", ");
+  if (!spec.empty()) {
+    RESHARD_ASSIGN_OR_RETURN(RuleSet rules, LoadRuleSet(spec));
+    if (Computes(rules, architectures)) {
+      std::vector<RuleSet> chosen;
+      chosen.push_back(std::move(rules));
+      return chosen;
+    }
+    return Status::Unsupported(config_path + " names " + named + ", and rule set " + rules.name() + " maps " +
+                               (rules.hf() ? rules.hf()->architecture : "no HF architecture (no hf section)") +
+                               "; choose the rule set whose hf section is the folder's architecture");
+  }
+  RESHARD_ASSIGN_OR_RETURN(std::vector<RuleSet> all, LoadBuiltinRuleSets());
+  std::vector<RuleSet> families;
+  std::vector<std::string> known;
+  for (RuleSet& rules : all) {
+    if (rules.hf() != nullptr) known.push_back(rules.hf()->architecture + " (" + rules.name() + ")");
+    if (Computes(rules, architectures)) families.push_back(std::move(rules));
+  }
+  if (families.empty()) {
+    return Status::Unsupported(config_path + " names " + named + ", which no built-in rule set maps (they map " +
+                               Join(known, ", ") + "); add an hf section to a rule file (docs/rules.md) and pass "
+                               "--rules FILE");
+  }
+  std::stable_sort(families.begin(), families.end(), [&config](const RuleSet& a, const RuleSet& b) {
+    return Agreement(a, config) > Agreement(b, config);
+  });
+  return families;
+}
+
+
 // What the import builds the metadata from, and where it tells of problems.
 struct ConfigReader {
   const Value& config;
@@ -86,6 +113,7 @@ struct ConfigReader {
   const RuleSet& rules;
   const Value& settings;
   Value* metadata;
+  std::vector<std::string>* notes;
 
   RuleInputs inputs() const { return RuleInputs{*metadata, settings}; }
   const Value* Get(const std::string& key) const {
@@ -111,7 +139,8 @@ struct ConfigReader {
     if (v == nullptr || SameValue(*v, *f.literal)) return Status::Ok();  // absent: transformers' default
     return Status::Unsupported(config_path + " has " + f.key + " = " + v->DebugString(60) + ", and " +
                                rules.hf()->architecture + " as rule set " + rules.name() + " maps it computes "
-                               "the model only with " + f.literal->DebugString(60) + " " + Where(f));
+                               "the model only with " + f.literal->DebugString(60) + " " + Where(f) +
+                               (f.why_not.empty() ? "" : "; " + f.why_not));
   }
 
   Status FromCases(const HfConfigField& f, const Value* v) {
@@ -134,11 +163,26 @@ struct ConfigReader {
       SetPath(metadata, path, *v);
       return Status::Ok();
     }
+    if (!f.null_means.empty() && inputs().Find(path) == nullptr) return FromNull(f);
     // A fallback (another path or a literal) stands for transformers' default.
     if (f.paths.size() > 1 || f.literal || inputs().Find(path) != nullptr) return Status::Ok();
     return Status::InvalidInput(config_path + " has no " + f.key + ", which rule set " + rules.name() +
                                 " reads as " + path + " " + Where(f) + "; add it to config.json or give --set " +
                                 (path.rfind("args.", 0) == 0 ? path.substr(5) : path) + "=VALUE");
+  }
+
+  // config.json's null (or no key) for a field whose null stands for a size
+  // (GPT-2's n_inner: 4 x n_embd): that size, recorded as the run records it.
+  Status FromNull(const HfConfigField& f) {
+    Result<int64_t> size = HfSize(f.null_means, inputs());
+    if (!size.ok()) {
+      return Status::InvalidInput(config_path + "'s " + f.key + " is null, which " + rules.hf()->architecture +
+                                  " reads as " + f.null_means + " " + Where(f) + ", and " + size.status().message());
+    }
+    SetPath(metadata, f.paths.front(), Value::Int(*size));
+    notes->push_back("hf: " + f.key + " is null, which " + rules.hf()->architecture + " reads as " + f.null_means +
+                     " = " + std::to_string(*size) + "; recorded as " + f.paths.front());
+    return Status::Ok();
   }
 
   Status Check(const ArgConditions& conditions, const std::string& what) const {
@@ -502,7 +546,7 @@ Result<std::vector<LogicalLayer>> LayOut(const RuleSet& rules, int64_t blocks,
   for (const auto& [name, tensor] : *joined) {
     if (!placed.count(name)) {
       return Status::Unsupported("the HF folder makes " + name + ", which no layer of rule set " + rules.name() +
-                                 " holds at " + std::to_string(blocks) + " blocks; the config's layer count "
+                                 " holds at " + Count(blocks, "block") + "; the config's layer count "
                                  "disagrees with the tensors, or the rules lack it");
     }
   }
@@ -536,19 +580,17 @@ DType WeightDType(const HfFolder& folder) {
   return DType::kFloat32;
 }
 
-}  // namespace
 
-Result<HfImport> ReadHfImport(const std::string& dir, const CommonOptions& options) {
-  RESHARD_ASSIGN_OR_RETURN(HfFolder folder, ReadHfFolder(dir));
+// The folder read as the model of `rules`.
+Result<HfImport> ImportAs(HfFolder folder, const RuleSet& rules, const CommonOptions& options) {
   const std::string config_path = folder.files.front();
-  RESHARD_ASSIGN_OR_RETURN(RuleSet rules, ChooseFamily(folder.config, config_path, options.rules));
   const HfExport& hf = *rules.hf();
   HfImport out;
   RESHARD_RETURN_IF_ERROR(NameAsArchitecture(hf, &folder, &out.notes));
   LogicalCheckpoint& ckpt = out.logical;
   RESHARD_ASSIGN_OR_RETURN(ckpt.settings, SettingsValue(options.set));
   ckpt.metadata.push_back(FreshRunMetadata());
-  ConfigReader reader{folder.config, config_path, rules, ckpt.settings, &ckpt.metadata[0]};
+  ConfigReader reader{folder.config, config_path, rules, ckpt.settings, &ckpt.metadata[0], &out.notes};
   for (const HfConfigField& field : hf.config) RESHARD_RETURN_IF_ERROR(reader.Field(field));
   reader.Satisfy(hf.requirements);
   reader.Satisfy(rules.detect().args);
@@ -556,7 +598,10 @@ Result<HfImport> ReadHfImport(const std::string& dir, const CommonOptions& optio
   RESHARD_RETURN_IF_ERROR(reader.Check(rules.detect().args, "rule set " + rules.name() + " (its detect.args)"));
   SetLayoutArgs(WeightDType(folder), &ckpt.metadata[0]);
   const std::vector<std::string> multiple = rules.vocab_divisible_by().Paths();
-  if (!multiple.empty() && !reader.inputs().Find(multiple.front())) {
+  if (const Value* given = multiple.empty() ? nullptr : reader.inputs().Find(multiple.front())) {
+    // Recorded, as a run records it, so that the next conversion of the output knows it.
+    SetPath(&ckpt.metadata[0], multiple.front(), *given);
+  } else if (!multiple.empty()) {
     SetPath(&ckpt.metadata[0], multiple.front(), Value::Int(kMegatronVocabMultiple));
     out.notes.push_back("hf: the vocabulary is padded to a multiple of " + std::to_string(kMegatronVocabMultiple) +
                         " x TP, Megatron's default; give another with --set " + multiple.front().substr(
@@ -597,6 +642,22 @@ Result<HfImport> ReadHfImport(const std::string& dir, const CommonOptions& optio
                                                   " MiB of transposed matrices held in memory"
                                             : "") + ")";
   return out;
+}
+
+}  // namespace
+
+Result<HfImport> ReadHfImport(const std::string& dir, const CommonOptions& options) {
+  RESHARD_ASSIGN_OR_RETURN(HfFolder folder, ReadHfFolder(dir));
+  RESHARD_ASSIGN_OR_RETURN(std::vector<RuleSet> families, Families(folder.config, folder.files.front(), options.rules));
+  // The first family whose model the folder holds (a tied Llama has no
+  // lm_head the untied family needs); else the best family's refusal.
+  Status refusal = Status::Ok();
+  for (const RuleSet& rules : families) {
+    Result<HfImport> imported = ImportAs(folder, rules, options);
+    if (imported.ok()) return imported;
+    if (refusal.ok()) refusal = imported.status();
+  }
+  return refusal;
 }
 
 }  // namespace reshard

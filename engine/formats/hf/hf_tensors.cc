@@ -14,20 +14,20 @@
 #include "util/strings.h"
 
 namespace reshard {
+
+Result<int64_t> HfSize(const std::string& size, const RuleInputs& inputs) {
+  const size_t star = size.find('*');
+  int64_t factor = 1;
+  if (star != std::string::npos) ParseInt(size.substr(0, star), &factor);
+  const MetaRef ref{{size.substr(star == std::string::npos ? 0 : star + 1)}};
+  const std::optional<int64_t> n = ref.Resolve(inputs);
+  if (!n) return Status::InvalidInput("the size " + size + " is " + ref.HowToGive());
+  return factor * *n;
+}
+
 namespace {
 
 constexpr char kBlock[] = "{block}";
-
-// A dim of an entry's `shape`: N, a path, or N*path.
-Result<int64_t> DimSize(const std::string& dim, const RuleInputs& inputs) {
-  const size_t star = dim.find('*');
-  int64_t factor = 1;
-  if (star != std::string::npos) ParseInt(dim.substr(0, star), &factor);
-  const MetaRef size{{dim.substr(star == std::string::npos ? 0 : star + 1)}};
-  const std::optional<int64_t> n = size.Resolve(inputs);
-  if (!n) return Status::InvalidInput("the size " + dim + " is " + size.HowToGive());
-  return factor * *n;
-}
 
 // Output elements [i, stop) of a transpose, out[c][r] = in[r][c], from the
 // band `in` ([rows, width] holding columns first.. of the source) to `out`,
@@ -318,7 +318,7 @@ Status CheckHfShape(const HfExport& hf, const HfTensorMap& map, const std::strin
       want.push_back(n);
       continue;
     }
-    RESHARD_ASSIGN_OR_RETURN(int64_t size, DimSize(map.shape[i], inputs));
+    RESHARD_ASSIGN_OR_RETURN(int64_t size, HfSize(map.shape[i], inputs));
     want.push_back(size);
     same = same && i < shape.size() && shape[i] == size;
   }

@@ -25,6 +25,10 @@ class RE2;
 
 namespace reshard {
 
+// A size written in an hf section (a `shape` dim, a `null_means`): N, a
+// metadata path, or N*path; an error saying how to give a path not recorded.
+Result<int64_t> HfSize(const std::string& size, const RuleInputs& inputs);
+
 // A tensor name of an hf.tensors entry, whose one placeholder is {block}.
 class HfNameTemplate {
  public:

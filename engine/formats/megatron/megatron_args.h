@@ -7,7 +7,12 @@
 // megatron.enums, DeepSpeed objects) or tensors (Microsoft's CUDA
 // `attn_mask`, `rotary_pos_emb`) cannot stay. Enum members become their
 // names — position_embedding_type in Megatron-LM's spelling — and the rest
-// is dropped; the notes name every field changed or dropped.
+// is dropped. The architecture fields are then written as Megatron-LM's
+// --use-checkpoint-args reads them (num_experts None for the fork's [1],
+// normalization 'LayerNorm' / 'RMSNorm', group_query_attention and
+// num_query_groups, position_embedding_type, add_position_embedding True,
+// rotary_base); the notes name every field changed or dropped, and the
+// flags that give the architecture to a run without --use-checkpoint-args.
 #pragma once
 
 #include <cstdint>

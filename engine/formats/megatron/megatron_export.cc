@@ -148,7 +148,7 @@ class MegatronPlan : public TargetPlan {
     for (const MegatronFile& f : plan_.files) bytes += f.bytes;
     std::string out = "megatron: TP " + std::to_string(plan_.cut.tp) + ", PP " + std::to_string(plan_.pp) +
                       ", iteration " + std::to_string(plan_.iteration) + "; " +
-                      std::to_string(plan_.blocks_per_stage) + " blocks per stage";
+                      Count(plan_.blocks_per_stage, "block") + " per stage";
     if (plan_.padded_vocab > 0) out += "; padded vocabulary " + std::to_string(plan_.padded_vocab);
     out += "; " + std::to_string(plan_.files.size()) + " files, " + HumanBytes(bytes) + "\n";
     for (const MegatronFile& f : plan_.files) {

@@ -2,6 +2,8 @@
 
 #include <cstdio>
 
+#include "util/strings.h"
+
 namespace reshard {
 namespace {
 
@@ -33,8 +35,8 @@ std::string MegatronFileName(int64_t iteration, int tp_rank, int pp_rank, int pp
 Result<int> BlocksPerStage(int blocks, int pp) {
   if (pp < 1 || blocks < pp || blocks % pp != 0) {
     return Status::InvalidInput("Megatron-LM gives every pipeline stage the same number of transformer blocks, "
-                                "and " + std::to_string(blocks) + " blocks do not divide into " +
-                                std::to_string(pp) + " stages; choose a --pp that divides " +
+                                "and " + Count(blocks, "block") + (blocks == 1 ? " does" : " do") + " not divide into " +
+                                Count(pp, "stage") + "; choose a --pp that divides " +
                                 std::to_string(blocks));
   }
   return blocks / pp;

@@ -615,7 +615,7 @@ TEST(RuleSetBuiltin, EveryFileLoads) {
   for (const RuleSet& rs : *sets) names.push_back(rs.name());
   // In file-name order: megatron-gpt2-moe.yaml sorts before megatron-gpt2.yaml.
   std::vector<std::string> want = {"bigscience-bloom", "bigscience-glu", "megatron-gpt2-moe", "megatron-gpt2",
-                                   "megatron-llama"};
+                                   "megatron-llama-tied", "megatron-llama"};
   EXPECT_EQ(names, want);
 }
 
@@ -832,7 +832,7 @@ TEST(RuleSetBuiltin, UnknownNameListsTheBuiltins) {
   EXPECT_EQ(rs.status().code(), Status::Code::kInvalidInput);
   EXPECT_EQ(rs.status().message(),
             "unknown rule set 'gpt3'; built-in: bigscience-bloom, bigscience-glu, megatron-gpt2-moe, "
-            "megatron-gpt2, megatron-llama; or pass the path of a rule file");
+            "megatron-gpt2, megatron-llama-tied, megatron-llama; or pass the path of a rule file");
 }
 
 TEST(RuleSetBuiltin, MissingFileIsNotTakenForAName) {

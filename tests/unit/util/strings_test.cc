@@ -55,5 +55,11 @@ TEST(Strings, HintListsEverythingForAFarName) {
   EXPECT_EQ(Hint("abc", {"xyz"}), "expected one of: xyz");  // three edits is not a typo
 }
 
+TEST(StringsTest, CountSaysOneWithoutPlural) {
+  EXPECT_EQ(Count(1, "block"), "1 block");
+  EXPECT_EQ(Count(0, "block"), "0 blocks");
+  EXPECT_EQ(Count(3, "KV head"), "3 KV heads");
+}
+
 }  // namespace
 }  // namespace reshard

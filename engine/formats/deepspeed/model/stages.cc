@@ -4,6 +4,7 @@
 
 #include "formats/deepspeed/model/stage_partition.h"
 #include "util/shape.h"
+#include "util/strings.h"
 
 namespace reshard {
 
@@ -88,7 +89,7 @@ Status CheckLayersPerStage(const std::vector<int>& per_stage, int pp, int blocks
   }
   if (sum != blocks) {
     return Status::InvalidInput("--layers-per-stage sums to " + std::to_string(sum) +
-                                " but the model has " + std::to_string(blocks) + " blocks");
+                                " but the model has " + Count(blocks, "block"));
   }
   return Status::Ok();
 }
@@ -134,8 +135,7 @@ Result<std::vector<int>> TargetStageBounds(const LogicalCheckpoint& src, int pp,
   for (const SpecEntry& s : src.specs) blocks += s.role == "block" ? 1 : 0;
   if (pp > blocks) {
     return Status::InvalidInput("target PP " + std::to_string(pp) + " exceeds the " +
-                                std::to_string(blocks) +
-                                " transformer blocks; every stage needs at least one");
+                                Count(blocks, "transformer block") + "; every stage needs at least one");
   }
   if (!layers_per_stage.empty()) {
     RESHARD_RETURN_IF_ERROR(CheckLayersPerStage(layers_per_stage, pp, blocks));

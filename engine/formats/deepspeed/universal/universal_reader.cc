@@ -1,6 +1,7 @@
 #include "formats/deepspeed/universal/universal_reader.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <filesystem>
 #include <map>
 
@@ -340,12 +341,47 @@ LogicalLayer MakeLayer(int id, Items items) {
   return layer;
 }
 
+// A rule's place in its layer's rule list (the list's size when none).
+size_t RuleIndex(const RuleSet& rules, const ParamRule* rule) {
+  const auto role = rule == nullptr ? rules.layers().end() : rules.layers().find(rule->role);
+  if (role == rules.layers().end()) return SIZE_MAX;
+  for (size_t i = 0; i < role->second.size(); ++i) {
+    if (&role->second[i] == rule) return i;
+  }
+  return role->second.size();
+}
+
+// DeepSpeed writes a layer file's keys in module order (the module's
+// state_dict), and so must a conversion. The universal tag does not have
+// it: its param_shapes list the keys by optimizer group (the decayed
+// weights, then the norms and biases). The rule files list a layer's rules in
+// module order, so the keys are sorted by rule, in param_shapes order among
+// the keys of one rule; each group keeps its order, which the target's flat
+// groups are built from.
+void InModuleOrder(LogicalCheckpoint* ckpt) {
+  for (LogicalLayer& layer : ckpt->layers) {
+    std::stable_sort(layer.tensors.begin(), layer.tensors.end(), [&](const LogicalTensor& a, const LogicalTensor& b) {
+      return RuleIndex(*ckpt->rules, a.rule) < RuleIndex(*ckpt->rules, b.rule);
+    });
+    Items* items = MutableDictItems(layer.roots[0]);
+    std::stable_sort(items->begin(), items->end(), [&](const auto& a, const auto& b) {
+      auto position = [&](const Value& key) {
+        const auto it = std::find_if(layer.tensors.begin(), layer.tensors.end(),
+                                     [&](const LogicalTensor& t) { return t.key == key.as_string(); });
+        return it - layer.tensors.begin();
+      };
+      return position(a.first) < position(b.first);
+    });
+  }
+}
+
 // Describes the checkpoint with its tied module at spec `tied_id` (-1: none).
 Status DescribeWith(const Layers& layers, int tied_id, const CommonOptions& options, LogicalCheckpoint* ckpt) {
   std::map<int, Items> all = layers.numbered;
   if (tied_id >= 0) all[tied_id] = layers.tied;
   for (auto& [id, items] : all) ckpt->layers.push_back(MakeLayer(id, std::move(items)));
   RESHARD_RETURN_IF_ERROR(DescribeCheckpoint(options.rules, options.set, ckpt));
+  InModuleOrder(ckpt);
   if (tied_id >= 0 && ckpt->rules->tied_module() != layers.tied_module) {
     return Status::RuleError("the universal checkpoint ties module '" + layers.tied_module + "' but rule set '" +
                              ckpt->rules->name() + "' ties '" + ckpt->rules->tied_module() + "'");

@@ -142,7 +142,7 @@ TEST_F(PlanTest, RefusesLayoutsTheModelCannotTake) {
   o.tp = 4;
   Result<DeepSpeedPlan> bad_tp = MakePipelinePlan(*src, nullptr, o);
   ASSERT_FALSE(bad_tp.ok());
-  EXPECT_NE(bad_tp.status().message().find("cannot split layer_02/self_attention.query_key_value.weight over 4 TP ranks: its 2 blocks"),
+  EXPECT_NE(bad_tp.status().message().find("cannot split layer_02/self_attention.query_key_value.weight over 4 TP ranks: its 2 KV heads (args.num_key_value_heads) do not divide by 4"),
             std::string::npos);
   o.tp = 1;
   o.pp = 5;

@@ -94,5 +94,26 @@ TEST_F(HfConfigTest, TheFile) {
             std::string::npos);
 }
 
+TEST_F(HfConfigTest, KeepsTheSourcesFieldsAndAddsTokenIds) {
+  HfExport hf;
+  hf.architecture = "LlamaForCausalLM";
+  hf.config = {Path("hidden_size", {"args.hidden_size"})};
+  Arg(&metadata_, "hidden_size", Value::Int(48));
+  // The source's order and fields; the ones the export writes replace their values in place.
+  const Value source = Value::MakeDict(
+      {{Value::String("bos_token_id"), Value::Int(1)},
+       {Value::String("hidden_size"), Value::Int(7)},
+       {Value::String("task_specific_params"),
+        Value::MakeDict({{Value::String("max_length"), Value::MakeList({Value::Int(50)})}})},
+       {Value::String("use_cache"), Value::Bool(true)}});
+  HfConfigExtras extras{&source, {{"bos_token_id", 9}, {"eos_token_id", 2}}};
+  Result<std::string> json = HfConfigJson(hf, RuleInputs{metadata_, settings_}, 100, DType::kBFloat16, extras);
+  ASSERT_TRUE(json.ok()) << json.status().message();
+  EXPECT_EQ(*json, "{\n  \"bos_token_id\": 1,\n  \"hidden_size\": 48,\n"
+                   "  \"task_specific_params\": {\"max_length\": [50]},\n  \"use_cache\": true,\n"
+                   "  \"architectures\": [\"LlamaForCausalLM\"],\n  \"vocab_size\": 100,\n"
+                   "  \"torch_dtype\": \"bfloat16\",\n  \"eos_token_id\": 2\n}\n");
+}
+
 }  // namespace
 }  // namespace reshard

@@ -26,6 +26,9 @@ TEST(MegatronLayoutTest, StagesTakeEqualBlocks) {
             "Megatron-LM gives every pipeline stage the same number of transformer blocks, and 6 blocks do not "
             "divide into 4 stages; choose a --pp that divides 6");
   EXPECT_FALSE(BlocksPerStage(2, 4).ok());
+  // One block, one stage: no "1 blocks".
+  EXPECT_NE(BlocksPerStage(1, 2).status().message().find("and 1 block does not divide into 2 stages"),
+            std::string::npos);
 }
 
 TEST(MegatronLayoutTest, EmbeddingTensorsAreInTheirModulesOnTheFirstStage) {
