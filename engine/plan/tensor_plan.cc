@@ -82,7 +82,7 @@ std::vector<MissingValue> MissingValues(const LogicalCheckpoint& src, int tp, st
   const VocabInfo& vocab = src.vocab;
   const bool repadded = vocab.padded_rows != 0 && !vocab.pad_to && (tp != src.tp || vocab.padding_stripped);
   if (!repadded) return missing;
-  if (!vocab.divisible_by || *vocab.divisible_by < 1) {
+  if (!vocab.divisible_by) {  // one given but below 1 is refused as invalid (CheckVocabRepaddable)
     AddMissing({src.rules->vocab_divisible_by().ToString() + " (the vocabulary padding's divisor)",
                 SetFlag(src.rules->vocab_divisible_by())},
                &missing);
