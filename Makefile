@@ -77,7 +77,7 @@ BENCH_KEEP ?=
 bench: deps
 	cmake -S . -B $(BENCH_BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 	cmake --build $(BENCH_BUILD) -j $(JOBS) --target reshard
-	{ $(PY) benchmarks/run.py --reshard $(BENCH_BUILD)/reshard --scales 1 --runs 3 --exports --mpi 2 \
+	{ $(PY) benchmarks/run.py --reshard $(BENCH_BUILD)/reshard --scales 1 --runs 3 --exports --crc-cost --mpi 2 \
 	    --buffer-sizes 128KiB,4MiB --workdir $(BENCH_WORKDIR) --keep-checkpoints --json $(BENCH_BUILD)/run.json && \
 	  $(PY) benchmarks/cost_model.py --reshard $(BENCH_BUILD)/reshard --workdir $(BENCH_WORKDIR) $(BENCH_KEEP) \
 	    --json $(BENCH_BUILD)/cost_model.json; } 2>&1 | tee $(BENCH_LOG)

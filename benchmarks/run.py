@@ -25,7 +25,7 @@ and prints one table, with the ratio reshard / cp that the throughput target is 
 
   /usr/bin/python3 benchmarks/run.py --reshard build-bench/reshard [--runs 5] [--threads N]
       [--scales 1,0.25] [--modes cold,warm] [--workdir /tmp/reshard-bench] [--keep] [--verify]
-      [--exports] [--buffer-sizes 128KiB,4MiB] [--mpi 2] [--baseline OTHER_RESHARD]
+      [--exports] [--buffer-sizes 128KiB,4MiB] [--crc-cost] [--mpi 2] [--baseline OTHER_RESHARD]
       [--deepspeed-src DIR] [--json results.json]
 """
 
@@ -274,6 +274,9 @@ def bench_scale(ns, scale: float, mode: str) -> Dict:
         commands['baseline'] = [ns.baseline] + reshard_cmd[1:]
     for size in filter(None, ns.buffer_sizes.split(',')):
         commands[f'buffer {size}'] = reshard_cmd + ['--buffer-size', size]
+    if ns.crc_cost:
+        # What checking the CRC-32 of every record read whole (the default) costs.
+        commands['no CRC check'] = reshard_cmd + ['--no-check-crc']
     if ns.mpi:
         # The same total thread count as the one process.
         commands[f'mpirun -np {ns.mpi}'] = (['mpirun', '-np', str(ns.mpi), ns.reshard, 'convert', src, mpi_out] + TARGET
@@ -558,6 +561,8 @@ def main(argv=None) -> int:
                          'before every command; warm reads SRC into it first and never drops it')
     ap.add_argument('--buffer-sizes', default='',
                     help='also time reshard convert with these --buffer-size values, e.g. 128KiB,4MiB,16MiB')
+    ap.add_argument('--crc-cost', action='store_true',
+                    help='also time convert with --no-check-crc: the cost of the default CRC check')
     ap.add_argument('--mpi', type=int, default=0, metavar='N',
                     help='also time `mpirun -np N reshard convert` with the same total thread count, and '
                          'check that its output is byte-identical')
