@@ -24,6 +24,7 @@
 #include "exec/manifest.h"
 #include "exec/memory_budget.h"
 #include "exec/output_folder.h"
+#include "exec/plan_writer.h"
 #include "formats/format.h"
 #include "reshard/reshard.h"
 #include "util/human.h"
@@ -155,13 +156,12 @@ Result<std::pair<std::string, bool>> BeginOutput(OutputFolder* out, const std::s
 // Execute), so it returns a status.
 struct Prepared {
   std::unique_ptr<SourceCheckpoint> src;
-  std::unique_ptr<TargetPlan> plan;
+  std::optional<OutputPlan> plan;
   std::vector<std::string> files;  // every job's file, of all processes
   std::vector<Job> jobs;  // this process's share
   std::mutex digests_mu;
   std::multimap<std::string, FileDigest> pieces;  // of this process's files, as its jobs report them
   ExecuteOptions exec;
-  std::atomic<int64_t> read{0};
   std::optional<OutputFolder> out;
   std::string fingerprint;              // of this run, for resuming it ("" = never)
   std::unique_ptr<RunJournal> journal;  // in the staging folder, when there is a fingerprint
@@ -174,7 +174,7 @@ std::string RunFingerprint(const Prepared& p, const WriteOptions& options) {
   if (options.command.empty()) return "";
   std::error_code ec;
   std::string text = std::string("reshard ") + RESHARD_VERSION + "\n" + std::filesystem::current_path(ec).string() +
-                     "\n" + options.command + "\n" + p.src->tag_dir() + "\n" + p.plan->ToString(false);
+                     "\n" + options.command + "\n" + p.src->tag_dir() + "\n" + PlanText(*p.plan, false);
   for (const std::string& file : p.src->Files()) {
     struct stat st;
     if (::stat(file.c_str(), &st) != 0) return "";
@@ -212,8 +212,7 @@ Status SizeBuffers(const WriteOptions& options, int64_t scratch_bytes, ExecuteOp
 }
 
 // How a command plans its output from the opened source.
-using PlanMaker = std::function<Result<std::unique_ptr<TargetPlan>>(const SourceCheckpoint& src,
-                                                                      std::vector<std::string>* notes)>;
+using PlanMaker = std::function<Result<OutputPlan>(const SourceCheckpoint& src, std::vector<std::string>* notes)>;
 
 Status Prepare(const std::string& input, const std::string& output, const WriteOptions& options,
                const PlanMaker& make_plan, PhaseClock* clock, Prepared* p,
@@ -223,15 +222,15 @@ Status Prepare(const std::string& input, const std::string& output, const WriteO
   report->checkpoint_bytes = FilesBytes(p->src->Files());
   clock->End("load");
   RESHARD_ASSIGN_OR_RETURN(p->plan, make_plan(*p->src, &report->notes));
-  report->plan = p->plan->ToString(options.dry_run);
+  report->plan = PlanText(*p->plan, options.dry_run);
   const Publication& publication = p->plan->publication;
   const std::string placed = publication.output_subfolder.empty()
                                  ? output
                                  : (std::filesystem::path(output) / publication.output_subfolder).string();
   RESHARD_ASSIGN_OR_RETURN(OutputFolder folder, CheckOutput(input, *p->src, placed, options, publication));
   p->out.emplace(std::move(folder));
-  RESHARD_RETURN_IF_ERROR(SizeBuffers(options, p->plan->ScratchBytes(), &p->exec, report));
-  RESHARD_ASSIGN_OR_RETURN(std::vector<Job> all, p->plan->Jobs(&p->read));
+  RESHARD_RETURN_IF_ERROR(SizeBuffers(options, p->plan->scratch_bytes, &p->exec, report));
+  std::vector<Job> all = PlanJobs(*p->plan);
   p->files = FilesOf(all);
   p->exec.wrote = [p](const std::string& name, const FileDigest& digest) {
     std::lock_guard<std::mutex> lock(p->digests_mu);
@@ -308,7 +307,7 @@ Status Execute(Prepared* p, const WriteOptions& options, PhaseClock* clock,
   RESHARD_RETURN_IF_ERROR(AllOk(cluster, written));
   clock->End("write");
   report->bytes_written = WrittenBytes(p->exec.dir, p->pieces, IsRoot(cluster));
-  report->bytes_read = p->read.load();
+  report->bytes_read = p->plan->read->load();
   if (options.check_crc && !PartlyReadRecordsNote().empty()) report->notes.push_back(PartlyReadRecordsNote());
   if (!IsRoot(cluster)) return Status::Ok();
   RESHARD_RETURN_IF_ERROR(Publish(&*p->out, p->plan->publication, &report->notes));
@@ -343,7 +342,7 @@ Result<ConvertReport> Convert(const std::string& input, const std::string& outpu
   }
   return WriteCheckpoint(input, output, options,
                          [&options](const SourceCheckpoint& src, std::vector<std::string>* notes)
-                             -> Result<std::unique_ptr<TargetPlan>> {
+                             -> Result<OutputPlan> {
                            if (options.target_ep > 0 && !src.HasExperts()) {
                              return Status::InvalidInput("--ep sets the expert-parallel size of a DeepSpeed "
                                                          "MoE checkpoint, and this " + src.kind() +
@@ -358,7 +357,7 @@ Result<ConvertReport> Export(const std::string& input, const std::string& output
   return WriteCheckpoint(
       input, output, options,
       [&options](const SourceCheckpoint& src, std::vector<std::string>* notes)
-          -> Result<std::unique_ptr<TargetPlan>> {
+          -> Result<OutputPlan> {
         if (!options.dry_run) RESHARD_RETURN_IF_ERROR(src.CheckReplicas(options.replicated, notes));
         return PlanExport(src, options, notes);
       });

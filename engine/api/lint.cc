@@ -27,7 +27,7 @@ void LintTarget(const SourceCheckpoint& src, const LintOptions& options, LintRep
   convert.target_ep = options.target_ep;
   convert.dry_run = true;
   std::vector<std::string> notes;
-  Result<std::unique_ptr<TargetPlan>> plan = src.Plan(convert, &notes);
+  Result<OutputPlan> plan = src.Plan(convert, &notes);
   if (!plan.ok()) report->findings.push_back({Finding::Severity::kError, plan.status().message()});
 }
 

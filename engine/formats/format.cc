@@ -32,7 +32,7 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenCheckpoint(const std::string& path
 
 std::string CheckpointFolder(const std::string& path) { return FollowLatest(path); }
 
-Result<std::unique_ptr<TargetPlan>> PlanExport(const SourceCheckpoint& src, const ExportOptions& options,
+Result<OutputPlan> PlanExport(const SourceCheckpoint& src, const ExportOptions& options,
                                                std::vector<std::string>* notes) {
   if (options.to == "megatron") return PlanMegatron(src, options, notes);
   if (options.tp != 0 || options.pp != 0) {

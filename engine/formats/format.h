@@ -3,8 +3,8 @@
 // A format recognises a checkpoint folder and opens it as a
 // SourceCheckpoint: everything `lint`, `inspect`, `convert` and `verify` need
 // of a checkpoint, whatever its files look like. Converting asks the source
-// for a TargetPlan — complete plain data, printable — which becomes jobs for
-// the executor. Exporting plans the target with another format (PlanExport).
+// for an OutputPlan (plan/output_plan.h), which exec/plan_writer turns into
+// jobs for the executor. Exporting plans the target with another format (PlanExport).
 // The commands in engine/api/ use only this interface; a new format is a
 // folder beside formats/deepspeed/ and a line in OpenCheckpoint (a source)
 // or PlanExport (a target).
@@ -16,55 +16,13 @@
 #include <string>
 #include <vector>
 
-#include "exec/job.h"
 #include "pickle/value.h"
+#include "plan/output_plan.h"
 #include "reshard/reshard.h"
 #include "rules/rule_set.h"
 #include "util/byte_producer.h"
 
 namespace reshard {
-
-// A small file written beside an output once it is in place, such as the
-// name of the newest checkpoint that a format's readers follow.
-struct PointerFile {
-  std::string name;                 // in the folder holding the output
-  std::optional<std::string> text;  // what it holds; unset: the output folder's name
-};
-
-// How a finished output is announced, as its format declares it: what is
-// written into the folder holding it, after it is in place.
-struct Publication {
-  // When set, the output is the folder of this name inside the output path
-  // given, which then holds the copies and pointers: a root given as the
-  // input gives a root.
-  std::string output_subfolder;
-  // Paths of files copied there; one already there of the same name is kept.
-  std::vector<std::string> copies;
-  // Written after the copies, each atomically, in this order: readers follow
-  // the last, so it goes last.
-  std::vector<PointerFile> pointers;
-  // The folder of the input whose pointers these are: an output placed in
-  // it would change which checkpoint the input names, which is modifying the
-  // input. `protected_hint` says what to do instead.
-  std::string protected_folder;
-  std::string protected_hint;
-};
-
-// What a conversion writes, planned in full before anything is written.
-class TargetPlan {
- public:
-  virtual ~TargetPlan() = default;
-  // What is written beside the output once it is in place.
-  Publication publication;
-  // For people: the files and, with `detail`, every slice of every tensor.
-  virtual std::string ToString(bool detail) const = 0;
-  // The files to write. They read the source while they run, adding the
-  // bytes read to *read; the source must outlive them.
-  virtual Result<std::vector<Job>> Jobs(std::atomic<int64_t>* read) const = 0;
-  // Bytes a job may hold beyond its worker's buffer (the pieces of a
-  // transpose), which --max-memory must leave room for in every worker.
-  virtual int64_t ScratchBytes() const { return 0; }
-};
 
 // FullTensor::state of the fp32 master weights.
 inline constexpr char kFp32Master[] = "fp32";
@@ -132,7 +90,7 @@ class SourceCheckpoint {
   // Checks the source against the options (drift policies, ...) and plans
   // the target; `notes` receives what the user should know (what was
   // approximated, merged or filled).
-  virtual Result<std::unique_ptr<TargetPlan>> Plan(const ConvertOptions& options,
+  virtual Result<OutputPlan> Plan(const ConvertOptions& options,
                                                    std::vector<std::string>* notes) const = 0;
   // Every tensor, weights and optimizer state, TP replicas merged by
   // `replicated`. Producers add the bytes they read to *read.
@@ -152,7 +110,7 @@ class SourceCheckpoint {
   }
   // Plans the source in a format of its own family other than its native
   // layout, as `options.to` names it: "universal" (DeepSpeed's), the only one.
-  virtual Result<std::unique_ptr<TargetPlan>> PlanFamilyFormat(const ExportOptions& options,
+  virtual Result<OutputPlan> PlanFamilyFormat(const ExportOptions& options,
                                                                std::vector<std::string>*) const {
     return Status::Unsupported("a " + kind() + " checkpoint cannot be exported --to " + options.to);
   }
@@ -188,7 +146,7 @@ std::string CheckpointFolder(const std::string& path);
 
 // Plans `src` written in the format `options.to` names. `src` must outlive
 // the plan and its jobs.
-Result<std::unique_ptr<TargetPlan>> PlanExport(const SourceCheckpoint& src, const ExportOptions& options,
+Result<OutputPlan> PlanExport(const SourceCheckpoint& src, const ExportOptions& options,
                                                std::vector<std::string>* notes);
 
 }  // namespace reshard

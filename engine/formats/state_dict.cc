@@ -7,9 +7,9 @@
 
 #include "container/safetensors_writer.h"
 #include "container/torch_file.h"
-#include "formats/file_jobs.h"
 #include "util/human.h"
 #include "util/shape.h"
+#include "util/strings.h"
 
 namespace reshard {
 namespace {
@@ -191,102 +191,42 @@ std::string IndexJson(const std::vector<StateDictFile>& files) {
   return json + "  }\n}\n";
 }
 
-class StateDictPlan : public TargetPlan {
- public:
-  StateDictPlan(const SourceCheckpoint& src, StateDictLayout layout, std::vector<StateDictFile> files,
-                std::vector<SideFile> side)
-      : src_(src), layout_(std::move(layout)), files_(std::move(files)), side_(std::move(side)) {}
+// A safetensors file, written as byte ranges by several jobs.
+PlannedFile SafetensorsFile(const StateDictFile& file, const std::vector<FullTensor>& sources) {
+  auto content = std::make_shared<SafetensorsContent>();
+  content->tensors = SafetensorsTensors(file.tensors, &sources);
+  content->layout = file.layout;
+  content->cuts = file.cuts;
+  PlannedFile f;
+  f.name = file.name;
+  f.container = PlannedFile::Container::kSafetensors;
+  if (file.cuts.size() > 2) f.what = "written as " + std::to_string(file.cuts.size() - 1) + " ranges";
+  f.bytes = file.bytes;
+  for (const StateDictTensor& t : file.tensors) f.tensors.push_back({t.name, t.dtype, t.shape, t.detail});
+  f.safetensors = std::move(content);
+  return f;
+}
 
-  std::string ToString(bool detail) const override {
-    int64_t tensors = 0, bytes = 0;
-    for (const StateDictFile& f : files_) {
-      tensors += static_cast<int64_t>(f.tensors.size());
-      bytes += f.bytes;
-    }
-    std::string out = layout_.title + ": " + std::to_string(files_.size()) + " file(s), " +
-                      std::to_string(tensors) + " tensors, " + HumanBytes(bytes) + "\n";
-    for (const StateDictFile& f : files_) {
-      const std::string ranges = f.cuts.size() > 2 ? ", written as " + std::to_string(f.cuts.size() - 1) + " ranges" : "";
-      out += "  " + f.name + ": " + std::to_string(f.tensors.size()) + " tensors, " + HumanBytes(f.bytes) + ranges + "\n";
-      if (!detail) continue;
-      for (const StateDictTensor& t : f.tensors) {
-        out += "    " + t.name + " " + DTypeName(t.dtype) + " " + ShapeString(t.shape) + " (" + t.detail + ")\n";
-      }
-    }
-    if (files_.size() > 1) out += "  " + IndexName(layout_.torch_format) + "\n";
-    for (const SideFile& f : side_) out += "  " + f.name + (f.copy_of.empty() ? "" : " (copy of " + f.copy_of + ")") + "\n";
-    return out;
+// A torch.save file: an OrderedDict of the tensors, as transformers saves it.
+Result<PlannedFile> TorchFormatFile(const StateDictFile& file, const std::vector<FullTensor>& sources) {
+  Items items;
+  for (const StateDictTensor& t : file.tensors) {
+    items.emplace_back(Value::String(t.name), MakeProducedTensor(t.dtype, t.shape, t.bytes(sources)));
   }
+  RESHARD_ASSIGN_OR_RETURN(PlannedFile f, TorchFile(file.name, "", MakeOrderedDict(std::move(items))));
+  for (const StateDictTensor& t : file.tensors) SetFrom(&f, t.name, t.detail);
+  return f;
+}
 
-  int64_t ScratchBytes() const override { return layout_.scratch_bytes; }
-
-  Result<std::vector<Job>> Jobs(std::atomic<int64_t>* read) const override {
-    RESHARD_ASSIGN_OR_RETURN(std::vector<FullTensor> all, src_.FullTensors(layout_.replicated, read));
-    auto sources = std::make_shared<std::vector<FullTensor>>(std::move(all));
-    std::vector<Job> jobs;
-    for (const StateDictFile& file : files_) {
-      if (!layout_.torch_format) {
-        AddSafetensorsJobs(file, sources, layout_.scratch, &jobs);
-        continue;
-      }
-      jobs.push_back({file.name, file.bytes, [&file, sources, scratch = layout_.scratch](JobContext& ctx) {
-                        if (scratch) scratch->Use(ctx.dir);
-                        return WriteTorchFormat(file, *sources, ctx);
-                      }});
-    }
-    if (files_.size() > 1) {
-      jobs.push_back(TextFileJob(IndexName(layout_.torch_format), IndexJson(files_)));
-    }
-    for (const SideFile& f : side_) {
-      if (f.copy_of.empty()) {
-        jobs.push_back(TextFileJob(f.name, f.text));
-        continue;
-      }
-      jobs.push_back(CopyFileJob(f.name, f.copy_of, 0));
-    }
-    return jobs;
+std::string Summary(const std::string& title, const std::vector<StateDictFile>& files) {
+  int64_t tensors = 0, bytes = 0;
+  for (const StateDictFile& f : files) {
+    tensors += static_cast<int64_t>(f.tensors.size());
+    bytes += f.bytes;
   }
-
- private:
-  // A safetensors file as jobs that each write a range of it, so that
-  // several workers share a big file.
-  static void AddSafetensorsJobs(const StateDictFile& file, std::shared_ptr<const std::vector<FullTensor>> sources,
-                                 const std::shared_ptr<ScratchFolder>& scratch, std::vector<Job>* jobs) {
-    auto tensors = std::make_shared<const std::vector<SafetensorsTensor>>(SafetensorsTensors(file.tensors, sources.get()));
-    const auto header = static_cast<int64_t>(file.layout.prefix.size());
-    for (size_t i = 0; i + 1 < file.cuts.size(); ++i) {
-      const int64_t begin = file.cuts[i], end = file.cuts[i + 1];
-      auto write = [&file, sources, tensors, scratch, begin, end](JobContext& ctx) -> Status {
-        if (scratch) scratch->Use(ctx.dir);
-        RESHARD_ASSIGN_OR_RETURN(FileDigest piece, WriteSafetensorsRange(ctx.dir + "/" + file.name, file.layout,
-                                                                         *tensors, begin, end, &ctx.buffer, ctx.done));
-        if (ctx.wrote) ctx.wrote(file.name, piece);
-        return Status::Ok();
-      };
-      jobs->push_back({file.name, end - std::max(begin, header), std::move(write), static_cast<int>(i)});
-    }
-  }
-
-  static Status WriteTorchFormat(const StateDictFile& file, const std::vector<FullTensor>& sources, JobContext& ctx) {
-    Items items;
-    for (const StateDictTensor& t : file.tensors) {
-      items.emplace_back(Value::String(t.name), MakeProducedTensor(t.dtype, t.shape, t.bytes(sources)));
-    }
-    TorchWriteOptions write;
-    write.buffer = &ctx.buffer;
-    write.written = ctx.done;
-    FileDigest digest;
-    write.digest = &digest;
-    RESHARD_RETURN_IF_ERROR(WriteTorchFile(ctx.dir + "/" + file.name, MakeOrderedDict(std::move(items)), write));
-    if (ctx.wrote) ctx.wrote(file.name, digest);
-    return Status::Ok();
-  }
-
-  const SourceCheckpoint& src_;
-  const StateDictLayout layout_;
-  const std::vector<StateDictFile> files_;
-  const std::vector<SideFile> side_;
-};
+  return title + ": " + Count(static_cast<int64_t>(files.size()), "tensor file") + ", " + Count(tensors, "tensor") +
+         ", " + HumanBytes(bytes) + "\n";
+}
 
 }  // namespace
 
@@ -327,12 +267,29 @@ ByteProducer ChosenBytes(const ChosenTensor& t, const std::vector<FullTensor>& s
 
 int64_t StateDictTensor::size() const { return ShapeNumel(shape) * ElementSize(dtype); }
 
-Result<std::unique_ptr<TargetPlan>> PlanStateDict(const SourceCheckpoint& src, StateDictLayout layout,
-                                                  std::vector<StateDictTensor> tensors, std::vector<SideFile> side) {
+Result<OutputPlan> PlanStateDict(const SourceCheckpoint& src, StateDictLayout layout,
+                                 std::vector<StateDictTensor> tensors, std::vector<SideFile> side) {
   std::vector<StateDictFile> files = Shard(std::move(tensors), layout.max_shard_size, layout.torch_format);
   if (!layout.torch_format) RESHARD_RETURN_IF_ERROR(LayOut(&files));
-  return std::unique_ptr<TargetPlan>(
-      std::make_unique<StateDictPlan>(src, std::move(layout), std::move(files), std::move(side)));
+  OutputPlan plan;
+  RESHARD_ASSIGN_OR_RETURN(std::vector<FullTensor> sources, src.FullTensors(layout.replicated, plan.read.get()));
+  plan.summary = Summary(layout.title, files);
+  for (const StateDictFile& file : files) {
+    if (!layout.torch_format) {
+      plan.files.push_back(SafetensorsFile(file, sources));
+      continue;
+    }
+    RESHARD_ASSIGN_OR_RETURN(PlannedFile f, TorchFormatFile(file, sources));
+    plan.files.push_back(std::move(f));
+  }
+  if (files.size() > 1) plan.files.push_back(TextFile(IndexName(layout.torch_format), IndexJson(files)));
+  for (SideFile& f : side) {
+    plan.files.push_back(f.copy_of.empty() ? TextFile(f.name, std::move(f.text))
+                                           : CopiedFile(f.name, std::move(f.copy_of), false));
+  }
+  plan.scratch_bytes = layout.scratch_bytes;
+  plan.scratch = std::move(layout.scratch);
+  return plan;
 }
 
 }  // namespace reshard

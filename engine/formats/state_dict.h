@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "exec/scratch_file.h"
+#include "container/scratch_file.h"
 #include "formats/format.h"
 
 namespace reshard {
@@ -91,7 +91,7 @@ struct StateDictLayout {
 // index (when there are several files) and the side files. A safetensors
 // file is written as byte ranges, so that several workers share a big one.
 // `src` must outlive the plan and its jobs.
-Result<std::unique_ptr<TargetPlan>> PlanStateDict(const SourceCheckpoint& src, StateDictLayout layout,
+Result<OutputPlan> PlanStateDict(const SourceCheckpoint& src, StateDictLayout layout,
                                                   std::vector<StateDictTensor> tensors, std::vector<SideFile> side);
 
 }  // namespace reshard

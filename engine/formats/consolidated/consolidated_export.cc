@@ -19,7 +19,7 @@ Result<ConsolidatedOptions> ConsolidatedOptionsFrom(const ExportOptions& options
   return out;
 }
 
-Result<std::unique_ptr<TargetPlan>> PlanConsolidated(const SourceCheckpoint& src,
+Result<OutputPlan> PlanConsolidated(const SourceCheckpoint& src,
                                                      const ConsolidatedOptions& options,
                                                      std::vector<std::string>* notes) {
   TensorChoiceOptions choice{"consolidated", "--weights-only", options.from_weights, options.dtype,

@@ -33,7 +33,7 @@ struct ConsolidatedOptions {
 Result<ConsolidatedOptions> ConsolidatedOptionsFrom(const ExportOptions& options);
 
 // Plans the files. `src` must outlive the plan and its jobs.
-Result<std::unique_ptr<TargetPlan>> PlanConsolidated(const SourceCheckpoint& src,
+Result<OutputPlan> PlanConsolidated(const SourceCheckpoint& src,
                                                      const ConsolidatedOptions& options,
                                                      std::vector<std::string>* notes);
 

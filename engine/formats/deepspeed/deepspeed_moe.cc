@@ -71,7 +71,7 @@ class MoeSource : public DeepSpeedModelSource {
 
   bool HasExperts() const override { return true; }
 
-  Result<std::unique_ptr<TargetPlan>> Plan(const ConvertOptions& options,
+  Result<OutputPlan> Plan(const ConvertOptions& options,
                                            std::vector<std::string>* notes) const override {
     RESHARD_RETURN_IF_ERROR(CheckValuesGiven(ckpt(), options.target_tp, options.vocab_size));
     RESHARD_RETURN_IF_ERROR(ckpt().FirstError());
@@ -98,9 +98,9 @@ class MoeSource : public DeepSpeedModelSource {
                              MakeMoePlan(ckpt(), files(), layout_, opt,
                                          MoeTarget{ep, dp, bounds, options.replicated, options.target_tp, padded_vocab}));
     notes->insert(notes->end(), plan.notes.begin(), plan.notes.end());
-    auto target = std::make_unique<MoeTargetPlan>(ckpt(), files(), opt, allowed_classes_, std::move(plan));
-    target->publication = NativePublication(files(), iteration(), options.update_latest);
-    return std::unique_ptr<TargetPlan>(std::move(target));
+    RESHARD_ASSIGN_OR_RETURN(OutputPlan target, MoeOutput(ckpt(), files(), opt, allowed_classes_, plan));
+    target.publication = NativePublication(files(), iteration(), options.update_latest);
+    return target;
   }
 
   Status CheckReplicas(ReplicatedPolicy replicated, std::vector<std::string>* notes) const override {
@@ -123,7 +123,7 @@ class MoeSource : public DeepSpeedModelSource {
     return out;
   }
 
-  Result<std::unique_ptr<TargetPlan>> PlanFamilyFormat(const ExportOptions& options,
+  Result<OutputPlan> PlanFamilyFormat(const ExportOptions& options,
                                                        std::vector<std::string>*) const override {
     return Status::Unsupported("exporting a DeepSpeed MoE checkpoint --to " + options.to +
                                " is not implemented yet; --to consolidated writes its whole tensors "

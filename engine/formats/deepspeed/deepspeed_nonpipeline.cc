@@ -73,8 +73,7 @@ class NonPipelineSource : public DeepSpeedModelSource {
     report->findings.push_back(OptimizerFinding(**opt, shard_files()));
   }
 
-  Result<std::unique_ptr<TargetPlan>> Plan(const ConvertOptions& options,
-                                           std::vector<std::string>* notes) const override {
+  Result<OutputPlan> Plan(const ConvertOptions& options, std::vector<std::string>* notes) const override {
     RESHARD_RETURN_IF_ERROR(ckpt().FirstError());
     const SourceOptimizer* opt = nullptr;
     if (options.weights_only && HasOptimizerState()) {
@@ -89,9 +88,7 @@ class NonPipelineSource : public DeepSpeedModelSource {
     }
     RESHARD_ASSIGN_OR_RETURN(DeepSpeedPlan plan,
                              MakeDataParallelPlan(ckpt(), opt, PlanOptionsFrom(options)));
-    auto target = std::make_unique<DeepSpeedTargetPlan>(ckpt(), opt, std::move(plan));
-    target->publication = NativePublication(files(), iteration(), options.update_latest);
-    return std::unique_ptr<TargetPlan>(std::move(target));
+    return NativeOutput(ckpt(), opt, plan, files(), iteration(), options.update_latest);
   }
 
   // Modules and optimizer state compare rank by rank: the TP layout is kept.
@@ -117,8 +114,8 @@ class NonPipelineSource : public DeepSpeedModelSource {
     return out;
   }
 
-  Result<std::unique_ptr<TargetPlan>> PlanFamilyFormat(const ExportOptions& options,
-                                                       std::vector<std::string>* notes) const override {
+  Result<OutputPlan> PlanFamilyFormat(const ExportOptions& options,
+                                      std::vector<std::string>* notes) const override {
     if (shard_files() == 0 || options.weights_only) {
       return NoStateForUniversal("optimizer shards");
     }

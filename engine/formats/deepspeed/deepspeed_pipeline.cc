@@ -130,8 +130,7 @@ class PipelineSource : public DeepSpeedModelSource {
     ReportStateDrift(ckpt(), **opt, options, report);
   }
 
-  Result<std::unique_ptr<TargetPlan>> Plan(const ConvertOptions& options,
-                                           std::vector<std::string>* notes) const override {
+  Result<OutputPlan> Plan(const ConvertOptions& options, std::vector<std::string>* notes) const override {
     RESHARD_RETURN_IF_ERROR(CheckValuesGiven(ckpt(), options.target_tp, options.vocab_size));
     RESHARD_RETURN_IF_ERROR(ckpt().FirstError());
     notes->insert(notes->end(), model_->foreign_notes.begin(), model_->foreign_notes.end());
@@ -163,9 +162,7 @@ class PipelineSource : public DeepSpeedModelSource {
                        "reshaped with the weights (its groups follow DeepSpeed's current "
                        "stage partition)");
     }
-    auto target = std::make_unique<DeepSpeedTargetPlan>(ckpt(), opt, std::move(plan));
-    target->publication = NativePublication(files(), iteration(), options.update_latest);
-    return std::unique_ptr<TargetPlan>(std::move(target));
+    return NativeOutput(ckpt(), opt, plan, files(), iteration(), options.update_latest);
   }
 
   Result<std::vector<FullTensor>> FullTensors(ReplicatedPolicy replicated,
@@ -188,8 +185,8 @@ class PipelineSource : public DeepSpeedModelSource {
 
   std::optional<int64_t> vocab_size() const override { return ckpt().vocab.original_size; }
 
-  Result<std::unique_ptr<TargetPlan>> PlanFamilyFormat(const ExportOptions& options,
-                                                       std::vector<std::string>* notes) const override {
+  Result<OutputPlan> PlanFamilyFormat(const ExportOptions& options,
+                                      std::vector<std::string>* notes) const override {
     if (!HasOptimizerState() || options.weights_only) {
       return NoStateForUniversal("optimizer state");
     }

@@ -56,10 +56,11 @@ Publication NativePublication(const CheckpointFiles& files, int64_t iteration, b
   return out;
 }
 
-std::string DeepSpeedTargetPlan::ToString(bool detail) const { return plan_.ToString(src_, detail); }
-
-Result<std::vector<Job>> DeepSpeedTargetPlan::Jobs(std::atomic<int64_t>* read) const {
-  return DeepSpeedJobs(src_, opt_, plan_, read);
+Result<OutputPlan> NativeOutput(const LogicalCheckpoint& src, const SourceOptimizer* opt, const DeepSpeedPlan& plan,
+                                const CheckpointFiles& files, int64_t iteration, bool update_latest) {
+  RESHARD_ASSIGN_OR_RETURN(OutputPlan out, DeepSpeedOutput(src, opt, plan));
+  out.publication = NativePublication(files, iteration, update_latest);
+  return out;
 }
 
 const char DeepSpeedModelSource::kDryRunNote[] =

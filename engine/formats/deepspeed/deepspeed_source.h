@@ -60,20 +60,10 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenMoeSource(CheckpointFiles files, c
 // tag folder inside the output path, `latest` beside it.
 Publication NativePublication(const CheckpointFiles& files, int64_t iteration, bool update_latest);
 
-// A DeepSpeedPlan as the TargetPlan convert prints and runs; `src` and `opt`
-// (may be null) must outlive it.
-class DeepSpeedTargetPlan : public TargetPlan {
- public:
-  DeepSpeedTargetPlan(const LogicalCheckpoint& src, const SourceOptimizer* opt, DeepSpeedPlan plan)
-      : src_(src), opt_(opt), plan_(std::move(plan)) {}
-  std::string ToString(bool detail) const override;
-  Result<std::vector<Job>> Jobs(std::atomic<int64_t>* read) const override;
-
- private:
-  const LogicalCheckpoint& src_;
-  const SourceOptimizer* opt_;
-  DeepSpeedPlan plan_;
-};
+// A DeepSpeedPlan as the OutputPlan convert prints and writes, published as
+// NativePublication says; `src` and `opt` (may be null) must outlive it.
+Result<OutputPlan> NativeOutput(const LogicalCheckpoint& src, const SourceOptimizer* opt, const DeepSpeedPlan& plan,
+                                const CheckpointFiles& files, int64_t iteration, bool update_latest);
 
 // What the pipeline and non-pipeline kinds share: the model read from the
 // tag folder, and its optimizer state, read once, when a command first

@@ -14,25 +14,6 @@ namespace {
 constexpr char kWeightsOnlyRefusal[] =
     "a ZeRO-3 checkpoint keeps its weights in the optimizer shards (fp32 masters); --weights-only does not apply";
 
-class Zero3Plan : public TargetPlan {
- public:
-  Zero3Plan(const Zero3Checkpoint& src, int dp, bool bf16_prefix)
-      : src_(src), dp_(dp), bf16_prefix_(bf16_prefix) {}
-  std::string ToString(bool) const override {
-    return src_.Summary() + "\ntarget: DP " + std::to_string(dp_) + "; " +
-           std::to_string(2 * dp_ * src_.mp()) +
-           " files (model states and optimizer shards per DP rank)\n";
-  }
-  Result<std::vector<Job>> Jobs(std::atomic<int64_t>* read) const override {
-    return src_.Jobs(dp_, bf16_prefix_, read);
-  }
-
- private:
-  const Zero3Checkpoint& src_;
-  int dp_;
-  bool bf16_prefix_;
-};
-
 class Zero3Source : public SourceCheckpoint {
  public:
   Zero3Source(CheckpointFiles files, std::unique_ptr<Zero3Checkpoint> ckpt)
@@ -62,8 +43,7 @@ class Zero3Source : public SourceCheckpoint {
     return out;
   }
 
-  Result<std::unique_ptr<TargetPlan>> Plan(const ConvertOptions& options,
-                                           std::vector<std::string>*) const override {
+  Result<OutputPlan> Plan(const ConvertOptions& options, std::vector<std::string>*) const override {
     if (options.target_tp != ckpt_->mp() || options.target_pp != 1 ||
         !options.layers_per_stage.empty()) {
       return Status::InvalidInput("a ZeRO-3 checkpoint keeps its model layout; pass --tp " +
@@ -74,12 +54,14 @@ class Zero3Source : public SourceCheckpoint {
     }
     const int dp = options.target_dp > 0 ? options.target_dp : ckpt_->dp();
     const bool bf16 = !files_.optimizer_files.empty() && files_.optimizer_files[0].bf16;
-    auto plan = std::make_unique<Zero3Plan>(*ckpt_, dp, bf16);
-    plan->publication = NativePublication(files_, ckpt_->iteration(), options.update_latest);
-    return std::unique_ptr<TargetPlan>(std::move(plan));
+    OutputPlan plan;
+    plan.summary = ckpt_->Summary() + "\ntarget: DP " + std::to_string(dp) + "\n";
+    RESHARD_ASSIGN_OR_RETURN(plan.files, ckpt_->Files(dp, bf16, plan.read.get()));
+    plan.publication = NativePublication(files_, ckpt_->iteration(), options.update_latest);
+    return plan;
   }
 
-  Result<std::unique_ptr<TargetPlan>> PlanFamilyFormat(const ExportOptions& options,
+  Result<OutputPlan> PlanFamilyFormat(const ExportOptions& options,
                                                        std::vector<std::string>* notes) const override {
     if (options.weights_only) {
       return Status::InvalidInput(kWeightsOnlyRefusal);

@@ -234,7 +234,7 @@ DType FloatingDType(const std::vector<ChosenTensor>& chosen) {
 
 }  // namespace
 
-Result<std::unique_ptr<TargetPlan>> PlanHf(const SourceCheckpoint& src, const ExportOptions& options,
+Result<OutputPlan> PlanHf(const SourceCheckpoint& src, const ExportOptions& options,
                                            std::vector<std::string>* notes) {
   const RuleInputs inputs{src.metadata(), src.settings()};
   RESHARD_ASSIGN_OR_RETURN(const HfExport* hf, FamilyExport(src, inputs));

@@ -18,7 +18,7 @@
 namespace reshard {
 
 // Plans the folder. `src` must outlive the plan and its jobs.
-Result<std::unique_ptr<TargetPlan>> PlanHf(const SourceCheckpoint& src, const ExportOptions& options,
+Result<OutputPlan> PlanHf(const SourceCheckpoint& src, const ExportOptions& options,
                                            std::vector<std::string>* notes);
 
 }  // namespace reshard

@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "exec/scratch_file.h"
+#include "container/scratch_file.h"
 #include "formats/state_dict.h"
 #include "rules/rule_set.h"
 

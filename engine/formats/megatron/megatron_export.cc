@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <optional>
 
-#include "formats/file_jobs.h"
 #include "formats/megatron/megatron_args.h"
 #include "formats/megatron/megatron_layout.h"
 #include "formats/state_dict.h"
@@ -19,14 +18,13 @@ namespace {
 struct FileTensor {
   std::vector<std::string> path;
   size_t source = 0;   // index into TpWeights::ranks[tp_rank]
-  std::string detail;  // for --dry-run: dtype, shape and where the elements come from
+  std::string detail;  // for --dry-run: where the elements come from
 };
 
 struct MegatronFile {
   std::string name;
   int tp_rank = 0, pp_rank = 0;
   std::vector<FileTensor> tensors;
-  int64_t bytes = 0;
 };
 
 // Everything the export writes, as plain data.
@@ -100,7 +98,7 @@ DType WrittenDType(const RankTensor& t, const std::optional<DType>& dtype) {
 Status PlaceTensors(const TpWeights& weights, MegatronExportPlan* plan) {
   const int tp = plan->cut.tp, pp = plan->pp;
   for (int p = 0; p < pp; ++p) {
-    for (int t = 0; t < tp; ++t) plan->files.push_back({MegatronFileName(plan->iteration, t, p, pp), t, p, {}, 0});
+    for (int t = 0; t < tp; ++t) plan->files.push_back({MegatronFileName(plan->iteration, t, p, pp), t, p, {}});
   }
   for (int t = 0; t < tp; ++t) {
     const std::vector<RankTensor>& tensors = weights.ranks[t];
@@ -115,11 +113,8 @@ Status PlaceTensors(const TpWeights& weights, MegatronExportPlan* plan) {
     }
     for (const auto& [at, i] : places) {
       const RankTensor& r = tensors[i];
-      const DType dtype = WrittenDType(r, plan->dtype);
-      MegatronFile& file = plan->files[at.stage * tp + t];
-      file.tensors.push_back({at.path, i, DTypeName(dtype) + ShapeString(r.shape) + " <- " + r.name + " (" +
-                                              r.rule->Describe() + "): " + r.detail});
-      file.bytes += ShapeNumel(r.shape) * ElementSize(dtype);
+      plan->files[at.stage * tp + t].tensors.push_back({at.path, i, r.name + " (" + r.rule->Describe() + "): " +
+                                                                        r.detail});
     }
   }
   return Status::Ok();
@@ -139,65 +134,43 @@ void Insert(Value* root, const std::vector<std::string>& path, Value value) {
   Set(*at, path.back(), std::move(value));
 }
 
-class MegatronPlan : public TargetPlan {
- public:
-  MegatronPlan(const SourceCheckpoint& src, MegatronExportPlan plan) : src_(src), plan_(std::move(plan)) {}
-
-  std::string ToString(bool detail) const override {
-    int64_t bytes = 0;
-    for (const MegatronFile& f : plan_.files) bytes += f.bytes;
-    std::string out = "megatron: TP " + std::to_string(plan_.cut.tp) + ", PP " + std::to_string(plan_.pp) +
-                      ", iteration " + std::to_string(plan_.iteration) + "; " +
-                      Count(plan_.blocks_per_stage, "block") + " per stage";
-    if (plan_.padded_vocab > 0) out += "; padded vocabulary " + std::to_string(plan_.padded_vocab);
-    out += "; " + std::to_string(plan_.files.size()) + " files, " + HumanBytes(bytes) + "\n";
-    for (const MegatronFile& f : plan_.files) {
-      out += "  " + f.name + ": stage " + std::to_string(f.pp_rank) + ", TP rank " + std::to_string(f.tp_rank) + ", " +
-             std::to_string(f.tensors.size()) + " tensors, " + HumanBytes(f.bytes) + "\n";
-      for (size_t i = 0; detail && i < f.tensors.size(); ++i) {
-        out += "    " + Join(f.tensors[i].path, "/") + " " + f.tensors[i].detail + "\n";
-      }
-    }
-    return out + "  " + kLatestIterationFile + "\n";
+// What Megatron-LM's generate_state_dict holds for one rank, in its order.
+Value FileTree(const MegatronExportPlan& plan, const MegatronFile& f, const std::vector<RankTensor>& tensors) {
+  Value root = Value::MakeDict();
+  if (plan.args) Set(root, "args", *plan.args);
+  Set(root, "checkpoint_version", Value::Float(3.0));
+  Set(root, "iteration", Value::Int(plan.iteration));
+  Value model = Value::MakeDict();
+  for (const FileTensor& t : f.tensors) {
+    const RankTensor& r = tensors[t.source];
+    const DType dtype = WrittenDType(r, plan.dtype);
+    ByteProducer bytes = dtype == r.dtype ? r.produce : CastBytes(r.produce, r.dtype, dtype);
+    Insert(&model, t.path, MakeProducedTensor(dtype, r.shape, std::move(bytes)));
   }
+  Set(root, "model", std::move(model));
+  return root;
+}
 
-  Result<std::vector<Job>> Jobs(std::atomic<int64_t>* read) const override {
-    std::vector<std::string> notes;  // told when planning
-    RESHARD_ASSIGN_OR_RETURN(TpWeights weights, src_.WeightsForTp(plan_.cut, &notes, read));
-    std::vector<Job> jobs;
-    for (const MegatronFile& f : plan_.files) {
-      RESHARD_ASSIGN_OR_RETURN(Job job, TorchFileJob(f.name, FileTree(f, weights.ranks[f.tp_rank])));
-      jobs.push_back(std::move(job));
-    }
-    jobs.push_back(TextFileJob(kLatestIterationFile, std::to_string(plan_.iteration)));
-    return jobs;
-  }
+Result<PlannedFile> PlanFile(const MegatronExportPlan& plan, const MegatronFile& f,
+                             const std::vector<RankTensor>& tensors) {
+  RESHARD_ASSIGN_OR_RETURN(PlannedFile file,
+                           TorchFile(f.name, "stage " + std::to_string(f.pp_rank) + ", TP rank " +
+                                                 std::to_string(f.tp_rank), FileTree(plan, f, tensors)));
+  for (const FileTensor& t : f.tensors) SetFrom(&file, "model/" + Join(t.path, "/"), t.detail);
+  return file;
+}
 
- private:
-  // What Megatron-LM's generate_state_dict holds for one rank, in its order.
-  Value FileTree(const MegatronFile& f, const std::vector<RankTensor>& tensors) const {
-    Value root = Value::MakeDict();
-    if (plan_.args) Set(root, "args", *plan_.args);
-    Set(root, "checkpoint_version", Value::Float(3.0));
-    Set(root, "iteration", Value::Int(plan_.iteration));
-    Value model = Value::MakeDict();
-    for (const FileTensor& t : f.tensors) {
-      const RankTensor& r = tensors[t.source];
-      const DType dtype = WrittenDType(r, plan_.dtype);
-      ByteProducer bytes = dtype == r.dtype ? r.produce : CastBytes(r.produce, r.dtype, dtype);
-      Insert(&model, t.path, MakeProducedTensor(dtype, r.shape, std::move(bytes)));
-    }
-    Set(root, "model", std::move(model));
-    return root;
-  }
-
-  const SourceCheckpoint& src_;
-  const MegatronExportPlan plan_;
-};
+std::string Summary(const MegatronExportPlan& plan) {
+  std::string out = "megatron: TP " + std::to_string(plan.cut.tp) + ", PP " + std::to_string(plan.pp) +
+                    ", iteration " + std::to_string(plan.iteration) + "; " +
+                    Count(plan.blocks_per_stage, "block") + " per stage";
+  if (plan.padded_vocab > 0) out += "; padded vocabulary " + std::to_string(plan.padded_vocab);
+  return out + "\n";
+}
 
 }  // namespace
 
-Result<std::unique_ptr<TargetPlan>> PlanMegatron(const SourceCheckpoint& src, const ExportOptions& options,
+Result<OutputPlan> PlanMegatron(const SourceCheckpoint& src, const ExportOptions& options,
                                                  std::vector<std::string>* notes) {
   RESHARD_RETURN_IF_ERROR(CheckSource(src));
   MegatronExportPlan plan;
@@ -205,8 +178,8 @@ Result<std::unique_ptr<TargetPlan>> PlanMegatron(const SourceCheckpoint& src, co
   RESHARD_ASSIGN_OR_RETURN(plan.dtype, ExportDType(options.dtype));
   plan.pp = options.pp;
   plan.iteration = src.iteration();
-  std::atomic<int64_t> unused{0};  // planning reads no tensor bytes
-  RESHARD_ASSIGN_OR_RETURN(TpWeights weights, src.WeightsForTp(plan.cut, notes, &unused));
+  OutputPlan out;
+  RESHARD_ASSIGN_OR_RETURN(TpWeights weights, src.WeightsForTp(plan.cut, notes, out.read.get()));
   plan.padded_vocab = weights.padded_vocab;
   RESHARD_ASSIGN_OR_RETURN(plan.blocks_per_stage, BlocksPerStage(CountBlocks(weights.ranks[0]), plan.pp));
   RESHARD_RETURN_IF_ERROR(PlaceTensors(weights, &plan));
@@ -219,7 +192,13 @@ Result<std::unique_ptr<TargetPlan>> PlanMegatron(const SourceCheckpoint& src, co
   }
   notes->push_back("megatron: weights only, no optimizer or RNG state; load with --no-load-optim --no-load-rng "
                    "(or --finetune, which also restarts the iteration count)");
-  return std::unique_ptr<TargetPlan>(new MegatronPlan(src, std::move(plan)));
+  out.summary = Summary(plan);
+  for (const MegatronFile& f : plan.files) {
+    RESHARD_ASSIGN_OR_RETURN(PlannedFile file, PlanFile(plan, f, weights.ranks[f.tp_rank]));
+    out.files.push_back(std::move(file));
+  }
+  out.files.push_back(TextFile(kLatestIterationFile, std::to_string(plan.iteration)));
+  return out;
 }
 
 }  // namespace reshard

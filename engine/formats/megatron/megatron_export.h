@@ -22,7 +22,7 @@
 namespace reshard {
 
 // Plans the folder. `src` must outlive the plan and its jobs.
-Result<std::unique_ptr<TargetPlan>> PlanMegatron(const SourceCheckpoint& src, const ExportOptions& options,
+Result<OutputPlan> PlanMegatron(const SourceCheckpoint& src, const ExportOptions& options,
                                                  std::vector<std::string>* notes);
 
 }  // namespace reshard

@@ -375,44 +375,39 @@ Result<MoePlan> MakeMoePlan(const LogicalCheckpoint& src, const CheckpointFiles&
   return plan;
 }
 
-std::string MoePlan::ToString(bool detail) const {
+std::string MoePlan::Summary() const {
   std::string out = "target: TP " + std::to_string(tp) + ", PP " + std::to_string(pp) + ", DP " +
                     std::to_string(dp) + ", EP " + std::to_string(ep) + " x expert-DP " + std::to_string(dp / ep) +
                     " (source EP " + std::to_string(source_ep) + ", PP " + std::to_string(source_pp) +
                     "); stage bounds (layer ids)";
   for (int b : stage_bounds) out += " " + std::to_string(b);
-  out += "\n";
-  for (const MoeStagePlan& stage : stages) {
-    std::set<int> from;
-    for (const MoeModuleEntry& e : stage.module_entries) from.insert(e.mp);
-    std::vector<std::string> sources;
-    for (int mp : from) sources.push_back(ModelStatesName(mp));
-    out += "  " + ModelStatesFileName(stage.mp) + "  stage " + std::to_string(stage.pp_rank) + ": module of " +
-           std::to_string(stage.module_entries.size()) + " tensors from " + Join(sources, ", ") + ", " +
-           std::to_string(stage.blocks.size()) + " MoE layers (" + std::to_string(stage.expert_files.size()) +
-           " expert files), " + std::to_string(ep) + " expp_rank files" +
-           (state_in_expp ? " holding the optimizer state"
-                          : (shard_copies_in_expp ? " (copies of their EP rank's first shard), " : ", ") +
-                                std::to_string(stage.optimizer.empty() ? 0 : dp) + " optimizer shards") +
-           "\n";
-    if (detail) {
-      for (const MoeExpertFilePlan& f : stage.expert_files) out += "    " + f.name + " <- " + BaseName(f.source) + "\n";
-    }
-    for (const OptimizerStagePlan& o : stage.optimizer) {
-      out += "    EP rank " + std::to_string(o.ep_rank) + ":";
-      for (size_t g = 0; g < o.groups.size(); ++g) {
-        out += " group " + std::to_string(g) + (o.expert_group[g] ? " (experts) " : " ") +
-               std::to_string(o.groups[g].slots().size()) + " parameters over " + std::to_string(o.groups[g].dp()) +
-               " ranks;";
-      }
-      out += "\n";
-      if (!detail) continue;
-      for (size_t g = 0; g < o.groups.size(); ++g) {
-        for (size_t s = 0; s < o.slots[g].size(); ++s) {
-          out += "      group " + std::to_string(g) + " " + o.groups[g].slots()[s].name + " <- " +
-                 o.slots[g][s].source_param + " at " + std::to_string(o.groups[g].slots()[s].offset) + "\n";
-        }
-      }
+  return out + "\n";
+}
+
+std::string MoePlan::StageWhat(const MoeStagePlan& stage) const {
+  std::set<int> from;
+  for (const MoeModuleEntry& e : stage.module_entries) from.insert(e.mp);
+  std::vector<std::string> sources;
+  for (int mp : from) sources.push_back(ModelStatesName(mp));
+  return "stage " + std::to_string(stage.pp_rank) + ", TP rank " + std::to_string(stage.tp_rank) + ": module of " +
+         Count(static_cast<int64_t>(stage.module_entries.size()), "tensor") + " from " + Join(sources, ", ") + ", " +
+         Count(static_cast<int64_t>(stage.blocks.size()), "MoE layer");
+}
+
+std::string MoePlan::ExppWhat(int ep_rank) const {
+  return "EP rank " + std::to_string(ep_rank) +
+         (state_in_expp ? ", holding its optimizer state" : shard_copies_in_expp ? ", a copy of its first shard's state" : "");
+}
+
+std::vector<std::string> MoePlan::OptimizerDetail(const OptimizerStagePlan& o) const {
+  std::vector<std::string> out;
+  for (size_t g = 0; g < o.groups.size(); ++g) {
+    out.push_back("group " + std::to_string(g) + (o.expert_group[g] ? " (experts): " : ": ") +
+                  Count(static_cast<int64_t>(o.groups[g].slots().size()), "parameter") + " over " +
+                  Count(o.groups[g].dp(), "rank"));
+    for (size_t s = 0; s < o.slots[g].size(); ++s) {
+      out.push_back("  " + o.groups[g].slots()[s].name + " <- " + o.slots[g][s].source_param + " at " +
+                    std::to_string(o.groups[g].slots()[s].offset));
     }
   }
   return out;

@@ -106,8 +106,13 @@ struct MoePlan {
   bool shard_copies_in_expp = false;
   std::vector<MoeStagePlan> stages;  // per mp rank
   std::vector<std::string> notes;
-  // `--dry-run`'s listing; `detail` adds every fragment of every partition.
-  std::string ToString(bool detail) const;
+  // For the dry run: the target in one line; what a stage's mp_rank file
+  // and an EP rank's expp_rank file hold; an EP rank's optimizer groups and
+  // where each parameter's state comes from.
+  std::string Summary() const;
+  std::string StageWhat(const MoeStagePlan& stage) const;
+  std::string ExppWhat(int ep_rank) const;
+  std::vector<std::string> OptimizerDetail(const OptimizerStagePlan& o) const;
 };
 
 // What a MoE conversion targets.

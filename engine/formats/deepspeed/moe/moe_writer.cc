@@ -9,7 +9,7 @@
 #include "formats/deepspeed/model/pipeline_reader.h"
 #include "formats/deepspeed/optimizer/state_tensor.h"
 #include "formats/deepspeed/pipeline/zero_shard_writer.h"
-#include "formats/file_jobs.h"
+#include "util/strings.h"
 
 namespace reshard {
 namespace {
@@ -139,20 +139,42 @@ Value StageTemplate(const MoeOptimizer& opt, const MoeStagePlan& stage) {
   return like;
 }
 
-}  // namespace
+// Plans the files of a MoePlan, stage by stage.
+class MoeWriter {
+ public:
+  MoeWriter(const LogicalCheckpoint& src, const CheckpointFiles& files, const MoeOptimizer* opt,
+            const std::set<std::string>& allowed_classes, const MoePlan& plan, std::atomic<int64_t>* read)
+      : src_(src), files_(files), opt_(opt), allowed_classes_(allowed_classes), plan_(plan), read_(read),
+        index_(IndexTensors(src)) {}
 
-Result<std::vector<Job>> MoeTargetPlan::Jobs(std::atomic<int64_t>* read) const {
-  std::vector<Job> jobs;
-  const TensorIndex index = IndexTensors(src_);
-  for (const MoeStagePlan& stage : plan_.stages) RESHARD_RETURN_IF_ERROR(AddStageJobs(stage, index, read, &jobs));
-  return jobs;
-}
+  Status AddStage(const MoeStagePlan& stage, std::vector<PlannedFile>* out) const;
 
-Result<Value> MoeTargetPlan::CutTensor(const MoeStagePlan& stage, int layer, int tensor, const Value& like,
-                                       std::atomic<int64_t>* read) const {
+ private:
+  // The stage's mp_rank file: the source metadata with the stage's module.
+  Result<Value> ModelStates(const MoeStagePlan& stage) const;
+  // An expert file of the stage: the source's, its tensors cut for the
+  // stage's TP rank when TP changes (whole experts are taken from TP rank 0's
+  // or merged by the replicated policy; expert-TP ones cut by their rules).
+  Result<Value> ExpertFile(const MoeStagePlan& stage, const MoeExpertFilePlan& file) const;
+  // Tensor src.layers[layer].tensors[tensor] at the stage's TP rank, cut
+  // from every source TP rank's, stored as `like` (its saved tensor) was.
+  Result<Value> CutTensor(const MoeStagePlan& stage, int layer, int tensor, const Value& like) const;
+  // The optimizer shards of the stage and its expp_rank files.
+  Status AddOptimizerFiles(const MoeStagePlan& stage, std::vector<PlannedFile>* out) const;
+
+  const LogicalCheckpoint& src_;
+  const CheckpointFiles& files_;
+  const MoeOptimizer* opt_;
+  const std::set<std::string>& allowed_classes_;
+  const MoePlan& plan_;
+  std::atomic<int64_t>* read_;
+  const TensorIndex index_;
+};
+
+Result<Value> MoeWriter::CutTensor(const MoeStagePlan& stage, int layer, int tensor, const Value& like) const {
   const LogicalTensor& t = src_.layers[layer].tensors[tensor];
   const TensorPlan plan = PlanTensor(src_, layer, tensor, stage.tp_rank, plan_.tensors);
-  RESHARD_ASSIGN_OR_RETURN(ByteProducer produce, WeightProducer(src_, opt_, t, plan, read));
+  RESHARD_ASSIGN_OR_RETURN(ByteProducer produce, WeightProducer(src_, opt_, t, plan, read_));
   Value cut = MakeProducedTensor(src_.WeightDType(t), plan.shape, std::move(produce));
   if (like.is(Value::Kind::kTensor)) {
     cut.as_tensor().storage->location = like.as_tensor().storage->location;
@@ -161,22 +183,21 @@ Result<Value> MoeTargetPlan::CutTensor(const MoeStagePlan& stage, int layer, int
   return cut;
 }
 
-Result<Value> MoeTargetPlan::ExpertFile(const MoeStagePlan& stage, const MoeExpertFilePlan& file,
-                                        const TensorIndex& index, std::atomic<int64_t>* read) const {
+Result<Value> MoeWriter::ExpertFile(const MoeStagePlan& stage, const MoeExpertFilePlan& file) const {
   RESHARD_ASSIGN_OR_RETURN(Value root, ReadDeepSpeedFile(file.source, allowed_classes_));
   Items* items = MutableDictItems(root);
   if (plan_.tp == plan_.source_tp || items == nullptr) return root;
   for (auto& [key, value] : *items) {
-    auto at = key.is(Value::Kind::kString) ? index.find(key.as_string()) : index.end();
-    if (at == index.end()) {
+    auto at = key.is(Value::Kind::kString) ? index_.find(key.as_string()) : index_.end();
+    if (at == index_.end()) {
       return Status::InvalidInput(BaseName(file.source) + " holds " + key.DebugString() + ", which no rule describes");
     }
-    RESHARD_ASSIGN_OR_RETURN(value, CutTensor(stage, at->second.first, at->second.second, value, read));
+    RESHARD_ASSIGN_OR_RETURN(value, CutTensor(stage, at->second.first, at->second.second, value));
   }
   return root;
 }
 
-Result<Value> MoeTargetPlan::ModelStates(const MoeStagePlan& stage, std::atomic<int64_t>* read) const {
+Result<Value> MoeWriter::ModelStates(const MoeStagePlan& stage) const {
   Value states = src_.metadata[stage.source_mp];
   Set(states, "dp_world_size", Value::Int(plan_.dp));
   Set(states, "mp_world_size", Value::Int(plan_.tp * plan_.pp));
@@ -195,7 +216,7 @@ Result<Value> MoeTargetPlan::ModelStates(const MoeStagePlan& stage, std::atomic<
       out.emplace_back(Value::String(e.key), WithOwnStorage(saved));
       continue;
     }
-    RESHARD_ASSIGN_OR_RETURN(Value cut, CutTensor(stage, e.layer, e.tensor, saved, read));
+    RESHARD_ASSIGN_OR_RETURN(Value cut, CutTensor(stage, e.layer, e.tensor, saved));
     out.emplace_back(Value::String(e.key), std::move(cut));
   }
   *tensors = std::move(out);
@@ -207,24 +228,28 @@ Result<Value> MoeTargetPlan::ModelStates(const MoeStagePlan& stage, std::atomic<
   return states;
 }
 
-Status MoeTargetPlan::AddStageJobs(const MoeStagePlan& stage, const TensorIndex& index, std::atomic<int64_t>* read,
-                                   std::vector<Job>* jobs) const {
-  const int mp = stage.mp;
-  RESHARD_ASSIGN_OR_RETURN(Value states, ModelStates(stage, read));
-  RESHARD_ASSIGN_OR_RETURN(Job model, TorchFileJob(ModelStatesFileName(mp), std::move(states)));
-  jobs->push_back(std::move(model));
+Status MoeWriter::AddStage(const MoeStagePlan& stage, std::vector<PlannedFile>* out) const {
+  RESHARD_ASSIGN_OR_RETURN(Value states, ModelStates(stage));
+  RESHARD_ASSIGN_OR_RETURN(PlannedFile model, TorchFile(ModelStatesFileName(stage.mp), plan_.StageWhat(stage),
+                                                        std::move(states)));
+  out->push_back(std::move(model));
   for (const MoeExpertFilePlan& f : stage.expert_files) {
-    RESHARD_ASSIGN_OR_RETURN(Value root, ExpertFile(stage, f, index, read));
-    RESHARD_ASSIGN_OR_RETURN(Job job, TorchFileJob(f.name, std::move(root)));
-    jobs->push_back(std::move(job));
+    RESHARD_ASSIGN_OR_RETURN(Value root, ExpertFile(stage, f));
+    RESHARD_ASSIGN_OR_RETURN(PlannedFile expert, TorchFile(f.name, "from " + BaseName(f.source), std::move(root)));
+    out->push_back(std::move(expert));
   }
+  return AddOptimizerFiles(stage, out);
+}
+
+Status MoeWriter::AddOptimizerFiles(const MoeStagePlan& stage, std::vector<PlannedFile>* out) const {
+  const int mp = stage.mp;
   RESHARD_ASSIGN_OR_RETURN(Value expp, ReadDeepSpeedFile(files_.expert_optimizer_files.at(stage.source_mp).begin()->second,
                                                          allowed_classes_));
   Set(expp, "optimizer", Value::None());  // what ZeRO and weights-only targets hold
   std::vector<Value> expp_files(plan_.ep, expp);
   const Value like = stage.optimizer.empty() ? Value::None() : StageTemplate(*opt_, stage);
   for (const OptimizerStagePlan& o : stage.optimizer) {
-    RESHARD_ASSIGN_OR_RETURN(std::vector<Value> shards, BuildOptimizerState(*opt_, o, plan_.dp, read, &like));
+    RESHARD_ASSIGN_OR_RETURN(std::vector<Value> shards, BuildOptimizerState(*opt_, o, plan_.dp, read_, &like));
     for (size_t k = 0; k < shards.size(); ++k) {
       RenameExpertGroups(o, plan_.source_ep, MutableMoeTorchState(&shards[k], opt_->format()));
       if (opt_->format().per_parameter) {  // without ZeRO, the EP rank's whole torch state
@@ -236,15 +261,32 @@ Status MoeTargetPlan::AddStageJobs(const MoeStagePlan& stage, const TensorIndex&
         Set(expp_files[o.ep_rank], "optimizer", *Find(shards[k], "optimizer_state_dict"));
       }
       RESHARD_ASSIGN_OR_RETURN(
-          Job job, TorchFileJob(OptimizerFileName(opt_->format().bf16_prefix, d, mp), std::move(shards[k])));
-      jobs->push_back(std::move(job));
+          PlannedFile shard,
+          TorchFile(OptimizerFileName(opt_->format().bf16_prefix, d, mp),
+                    "optimizer of " + ModelStatesName(mp) + ", EP rank " + std::to_string(o.ep_rank) + ", DP rank " +
+                        std::to_string(d),
+                    std::move(shards[k])));
+      shard.detail = plan_.OptimizerDetail(o);
+      out->push_back(std::move(shard));
     }
   }
   for (int r = 0; r < plan_.ep; ++r) {
-    RESHARD_ASSIGN_OR_RETURN(Job job, TorchFileJob(ExpertOptimizerFileName(r, mp), std::move(expp_files[r])));
-    jobs->push_back(std::move(job));
+    RESHARD_ASSIGN_OR_RETURN(PlannedFile file, TorchFile(ExpertOptimizerFileName(r, mp), plan_.ExppWhat(r),
+                                                         std::move(expp_files[r])));
+    out->push_back(std::move(file));
   }
   return Status::Ok();
+}
+
+}  // namespace
+
+Result<OutputPlan> MoeOutput(const LogicalCheckpoint& src, const CheckpointFiles& files, const MoeOptimizer* opt,
+                             const std::set<std::string>& allowed_classes, const MoePlan& plan) {
+  OutputPlan out;
+  out.summary = plan.Summary();
+  const MoeWriter writer(src, files, opt, allowed_classes, plan, out.read.get());
+  for (const MoeStagePlan& stage : plan.stages) RESHARD_RETURN_IF_ERROR(writer.AddStage(stage, &out.files));
+  return out;
 }
 
 }  // namespace reshard

@@ -3,6 +3,7 @@
 #include "formats/deepspeed/files/file_names.h"
 #include "formats/deepspeed/model/stages.h"
 #include "util/human.h"
+#include "util/strings.h"
 
 namespace reshard {
 namespace {
@@ -154,45 +155,6 @@ std::string DescribePartition(const FlatGroup& group, const std::vector<Optimize
   return s;
 }
 
-std::string OptimizerLines(const DeepSpeedPlan& plan) {
-  std::string out;
-  for (const OptimizerStagePlan& stage : plan.optimizer) {
-    const int mp = stage.pp_rank * plan.tp + stage.tp_rank;
-    for (size_t g = 0; g < stage.groups.size(); ++g) {
-      const FlatGroup& group = stage.groups[g];
-      out += "  optimizer " + ModelStatesName(mp) + " group " + std::to_string(g) + ": " +
-             std::to_string(group.slots().size()) + " parameters, " +
-             std::to_string(group.numel()) + " elements padded to " +
-             std::to_string(group.padded()) + ", " + std::to_string(group.dp()) +
-             " partition(s) of " + std::to_string(group.partition()) + "\n";
-      for (int d = 0; d < group.dp(); ++d) {
-        out += "    dp " + std::to_string(d) + ": " + DescribePartition(group, stage.slots[g], d) + "\n";
-      }
-    }
-  }
-  return out;
-}
-
-// The per-parameter (torch) format: the state index of every parameter of
-// every group; the states themselves are sliced like the weights.
-std::string TorchStateLines(const DeepSpeedPlan& plan) {
-  std::string out;
-  for (const OptimizerStagePlan& stage : plan.optimizer) {
-    const int mp = stage.pp_rank * plan.tp + stage.tp_rank;
-    int64_t index = 0;
-    for (size_t g = 0; g < stage.groups.size(); ++g) {
-      const std::vector<FlatSlot>& slots = stage.groups[g].slots();
-      out += "  optimizer " + ModelStatesName(mp) + " group " + std::to_string(g) + ": torch state of " +
-             std::to_string(slots.size()) + " parameters, " + std::to_string(stage.groups[g].numel()) +
-             " elements per state, each sliced like its weight\n";
-      for (const FlatSlot& slot : slots) {
-        out += "    " + std::to_string(index++) + ": " + slot.name + " " + ShapeString(slot.shape) + "\n";
-      }
-    }
-  }
-  return out;
-}
-
 }  // namespace
 
 PlanOptions PlanOptionsFrom(const ConvertOptions& o) {
@@ -206,17 +168,6 @@ PlanOptions PlanOptionsFrom(const ConvertOptions& o) {
   p.vocab_pad_value = o.vocab_pad_value;
   p.weights_only = o.weights_only;
   return p;
-}
-
-int64_t DeepSpeedPlan::TensorBytes() const {
-  int64_t total = 0;
-  for (const LayerFilePlan& f : layer_files) total += f.bytes;
-  return total;
-}
-
-int64_t DeepSpeedPlan::OptimizerFiles() const {
-  if (optimizer.empty() || optimizer_format.embedded) return 0;
-  return static_cast<int64_t>(model_states.size()) * dp;
 }
 
 Result<DeepSpeedPlan> MakeDataParallelPlan(const LogicalCheckpoint& src, const SourceOptimizer* opt,
@@ -269,43 +220,44 @@ Result<DeepSpeedPlan> MakePipelinePlan(const LogicalCheckpoint& src, const Sourc
   return plan;
 }
 
-std::string DeepSpeedPlan::ToString(const LogicalCheckpoint& src, bool detail) const {
+std::string DeepSpeedPlan::Summary() const {
   std::string out = "target: TP " + std::to_string(tp) + ", PP " + std::to_string(pp) + ", DP " +
                     std::to_string(dp) + "; stage bounds (spec ids)";
   for (int b : stage_bounds) out += " " + std::to_string(b);
   if (padded_vocab > 0) out += "; padded vocabulary " + std::to_string(padded_vocab);
-  out += "\n";
-  for (const LayerFilePlan& f : layer_files) {
-    const LogicalLayer& layer = src.layers[f.layer_index];
-    out += "  " + f.name + "  " + layer.role + ", " + std::to_string(f.tensors.size()) +
-           " tensors, " + HumanBytes(f.bytes) + "\n";
-    if (!detail) continue;
-    for (const TensorPlan& t : f.tensors) {
-      const LogicalTensor& lt = layer.tensors[t.tensor_index];
-      out += "    " + lt.key + " " + DTypeName(lt.dtype) + ShapeString(t.shape) + " (" +
-             lt.rule->Describe() + "): " + DescribeSources(t) + "\n";
+  return out + "\n";
+}
+
+std::string DeepSpeedPlan::ModelStatesWhat(const ModelStatesPlan& m) const {
+  size_t params = 0;
+  for (const auto& g : m.param_shapes) params += g.size();
+  const int first = stage_bounds[m.pp_rank], last = stage_bounds[m.pp_rank + 1] - 1;
+  const std::string specs = last >= first ? "specs " + std::to_string(first) + "-" + std::to_string(last)
+                                          : std::string("the whole model");
+  return "stage " + std::to_string(m.pp_rank) + " (" + specs + "), " + Count(static_cast<int64_t>(params), "parameter") +
+         " in " + Count(static_cast<int64_t>(m.param_shapes.size()), "group") + ", metadata from " +
+         ModelStatesName(m.source_mp);
+}
+
+std::vector<std::string> DeepSpeedPlan::OptimizerDetail(const OptimizerStagePlan& stage, int d) const {
+  std::vector<std::string> out;
+  int64_t index = 0;
+  for (size_t g = 0; g < stage.groups.size(); ++g) {
+    const FlatGroup& group = stage.groups[g];
+    if (optimizer_format.per_parameter) {
+      out.push_back("group " + std::to_string(g) + ": torch state of " + Count(static_cast<int64_t>(group.slots().size()), "parameter") +
+                    ", " + std::to_string(group.numel()) + " elements per state, each sliced like its weight");
+      for (const FlatSlot& slot : group.slots()) {
+        out.push_back("  " + std::to_string(index++) + ": " + slot.name + " " + ShapeString(slot.shape));
+      }
+      continue;
     }
+    out.push_back("group " + std::to_string(g) + ": " + Count(static_cast<int64_t>(group.slots().size()), "parameter") + ", " +
+                  std::to_string(group.numel()) + " elements padded to " + std::to_string(group.padded()) + ", " +
+                  Count(group.dp(), "partition") + " of " + std::to_string(group.partition()) + "; partition " +
+                  std::to_string(stage.PartitionOf(static_cast<int>(g), d)) + ": " +
+                  DescribePartition(group, stage.slots[g], stage.PartitionOf(static_cast<int>(g), d)));
   }
-  for (const ModelStatesPlan& m : model_states) {
-    size_t params = 0;
-    for (const auto& g : m.param_shapes) params += g.size();
-    const int first = stage_bounds[m.pp_rank], last = stage_bounds[m.pp_rank + 1] - 1;
-    const std::string specs = last >= first ? "specs " + std::to_string(first) + "-" + std::to_string(last)
-                                            : std::string("the whole model");
-    out += "  " + m.name + "  stage " + std::to_string(m.pp_rank) + " (" + specs + "), " +
-           std::to_string(params) +
-           " parameters in " + std::to_string(m.param_shapes.size()) +
-           " groups, metadata from " + ModelStatesName(m.source_mp) + "\n";
-  }
-  const int64_t optimizer_files = OptimizerFiles();
-  if (optimizer_files > 0) {
-    out += "  " + std::to_string(optimizer_files) + " optimizer shards: DP " + std::to_string(dp) +
-           " for each of the " + std::to_string(model_states.size()) + " (pipeline, tensor) ranks\n";
-  }
-  if (detail) out += optimizer_format.per_parameter ? TorchStateLines(*this) : OptimizerLines(*this);
-  out += "total: " + std::to_string(static_cast<int64_t>(layer_files.size() + model_states.size()) +
-                                    optimizer_files) +
-         " files, " + HumanBytes(TensorBytes()) + " of weights\n";
   return out;
 }
 

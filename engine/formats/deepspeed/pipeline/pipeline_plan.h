@@ -6,8 +6,8 @@
 // parameter names and shapes; for every target (pipeline, tensor) rank's
 // optimizer state, the flat groups (slots, alignment, DP partitions, hence
 // fragments) and each slot's tensor plans. Making a plan reads no tensor
-// data; printing it is `convert --dry-run`; pipeline_writer turns it into
-// file jobs.
+// data; pipeline_writer turns it into the OutputPlan that `convert --dry-run`
+// prints and the writer writes.
 #pragma once
 
 #include <optional>
@@ -93,11 +93,12 @@ struct DeepSpeedPlan {
   bool drop_embedded_optimizer = false;  // weights only: the mp_rank `optimizer` becomes None
   std::vector<std::string> notes;  // merges, fills and other things to tell the user
 
-  int64_t TensorBytes() const;
-  int64_t OptimizerFiles() const;
-  // A readable listing (notes excluded); `detail` adds every slice of every
-  // tensor and every fragment of every optimizer partition.
-  std::string ToString(const LogicalCheckpoint& src, bool detail) const;
+  // For the dry run: the target in one line; what an mp_rank file is; how
+  // the flat groups of `stage` are laid out and what DP rank `d`'s
+  // partition holds (for the torch format, every parameter's state index).
+  std::string Summary() const;
+  std::string ModelStatesWhat(const ModelStatesPlan& m) const;
+  std::vector<std::string> OptimizerDetail(const OptimizerStagePlan& stage, int d) const;
 };
 
 // A pipeline checkpoint at another TP / PP / DP; `opt` (may be null) is the

@@ -1,10 +1,9 @@
 #include "formats/deepspeed/pipeline/pipeline_writer.h"
 
 #include "formats/deepspeed/files/file_names.h"
-#include "formats/deepspeed/pipeline/model_states_writer.h"
 #include "formats/deepspeed/optimizer/state_tensor.h"
+#include "formats/deepspeed/pipeline/model_states_writer.h"
 #include "formats/deepspeed/pipeline/zero_shard_writer.h"
-#include "formats/file_jobs.h"
 
 namespace reshard {
 namespace {
@@ -26,40 +25,61 @@ Result<Value> LayerFileTree(const LogicalCheckpoint& src, const SourceOptimizer*
   return root;
 }
 
+Result<PlannedFile> LayerFile(const LogicalCheckpoint& src, const SourceOptimizer* opt, const LayerFilePlan& file,
+                              std::atomic<int64_t>* read) {
+  const LogicalLayer& layer = src.layers[file.layer_index];
+  RESHARD_ASSIGN_OR_RETURN(Value root, LayerFileTree(src, opt, file, read));
+  RESHARD_ASSIGN_OR_RETURN(PlannedFile f, TorchFile(file.name, layer.role, std::move(root)));
+  for (const TensorPlan& tp : file.tensors) {
+    const LogicalTensor& lt = layer.tensors[tp.tensor_index];
+    SetFrom(&f, lt.key, "(" + lt.rule->Describe() + ") " + DescribeSources(tp));
+  }
+  return f;
+}
+
+// The mp_rank file of `i`, then its optimizer shards, one per DP rank.
+Status AddStageFiles(const SourceOptimizer* opt, const DeepSpeedPlan& plan, size_t i, Value model_states,
+                     std::atomic<int64_t>* read, std::vector<PlannedFile>* files) {
+  const ModelStatesPlan& ms = plan.model_states[i];
+  std::vector<Value> shards;
+  if (!plan.optimizer.empty()) {
+    RESHARD_ASSIGN_OR_RETURN(shards, BuildOptimizerState(*opt, plan.optimizer[i], plan.dp, read));
+  }
+  const bool embedded = plan.optimizer_format.embedded && !shards.empty();
+  if (embedded) {  // the FP16_Optimizer and torch states live inside the mp_rank files
+    Set(model_states, "optimizer", std::move(shards[0]));
+    shards.clear();
+  }
+  RESHARD_ASSIGN_OR_RETURN(PlannedFile model, TorchFile(ms.name, plan.ModelStatesWhat(ms), std::move(model_states)));
+  if (embedded) model.detail = plan.OptimizerDetail(plan.optimizer[i], 0);
+  files->push_back(std::move(model));
+  const int mp = ms.pp_rank * plan.tp + ms.tp_rank;
+  for (size_t d = 0; d < shards.size(); ++d) {
+    RESHARD_ASSIGN_OR_RETURN(
+        PlannedFile shard,
+        TorchFile(OptimizerFileName(plan.optimizer_format.bf16_prefix, static_cast<int>(d), mp),
+                  "optimizer of " + ModelStatesName(mp) + ", DP rank " + std::to_string(d), std::move(shards[d])));
+    shard.detail = plan.OptimizerDetail(plan.optimizer[i], static_cast<int>(d));
+    files->push_back(std::move(shard));
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
-Result<std::vector<Job>> DeepSpeedJobs(const LogicalCheckpoint& src, const SourceOptimizer* opt,
-                                       const DeepSpeedPlan& plan, std::atomic<int64_t>* read) {
-  std::vector<Job> jobs;
+Result<OutputPlan> DeepSpeedOutput(const LogicalCheckpoint& src, const SourceOptimizer* opt,
+                                   const DeepSpeedPlan& plan) {
+  OutputPlan out;
+  out.summary = plan.Summary();
   for (const LayerFilePlan& file : plan.layer_files) {
-    RESHARD_ASSIGN_OR_RETURN(Value root, LayerFileTree(src, opt, file, read));
-    RESHARD_ASSIGN_OR_RETURN(Job job, TorchFileJob(file.name, std::move(root)));
-    jobs.push_back(std::move(job));
+    RESHARD_ASSIGN_OR_RETURN(PlannedFile f, LayerFile(src, opt, file, out.read.get()));
+    out.files.push_back(std::move(f));
   }
   for (size_t i = 0; i < plan.model_states.size(); ++i) {
-    const ModelStatesPlan& ms = plan.model_states[i];
-    Value root = BuildModelStates(src, plan, ms);
-    std::vector<Value> shards;
-    if (!plan.optimizer.empty()) {
-      RESHARD_ASSIGN_OR_RETURN(shards, BuildOptimizerState(*opt, plan.optimizer[i], plan.dp, read));
-    }
-    if (plan.optimizer_format.embedded && !shards.empty()) {
-      // The FP16_Optimizer state lives inside the mp_rank files.
-      Set(root, "optimizer", std::move(shards[0]));
-      shards.clear();
-    }
-    RESHARD_ASSIGN_OR_RETURN(Job job, TorchFileJob(ms.name, std::move(root)));
-    jobs.push_back(std::move(job));
-    const int mp = ms.pp_rank * plan.tp + ms.tp_rank;
-    for (size_t d = 0; d < shards.size(); ++d) {
-      RESHARD_ASSIGN_OR_RETURN(
-          Job shard, TorchFileJob(OptimizerFileName(plan.optimizer_format.bf16_prefix,
-                                                    static_cast<int>(d), mp),
-                                  std::move(shards[d])));
-      jobs.push_back(std::move(shard));
-    }
+    RESHARD_RETURN_IF_ERROR(AddStageFiles(opt, plan, i, BuildModelStates(src, plan, plan.model_states[i]),
+                                          out.read.get(), &out.files));
   }
-  return jobs;
+  return out;
 }
 
 }  // namespace reshard

@@ -1,26 +1,20 @@
-// The files of a DeepSpeedPlan as jobs for the executor.
+// A DeepSpeedPlan's files, as the OutputPlan convert prints and writes.
 //
-// Each job is one target file: its pickled tree (the source file's as the
-// template, so container types, key order and fields reshard does not know
-// are kept) whose big tensors are produced from the memory-mapped source
-// shards while the file is written, a buffer at a time. Nothing is read
-// until a job runs.
+// Each file's pickled tree is the source file's (so container types, key
+// order and fields reshard does not know are kept) with its big tensors
+// produced from the memory-mapped source shards while the file is written,
+// a buffer at a time. Nothing is read until the file is written.
 #pragma once
 
-#include <atomic>
-#include <vector>
-
-#include "exec/job.h"
+#include "formats/deepspeed/optimizer/source_optimizer.h"
 #include "formats/deepspeed/pipeline/pipeline_plan.h"
-#include "formats/deepspeed/optimizer/zero_shard_reader.h"
 #include "logical/logical_checkpoint.h"
-#include "pickle/value.h"
+#include "plan/output_plan.h"
 
 namespace reshard {
 
-// `src` and `opt` (null without optimizer state) must outlive the jobs; the
-// source bytes they read are added to *read.
-Result<std::vector<Job>> DeepSpeedJobs(const LogicalCheckpoint& src, const SourceOptimizer* opt,
-                                       const DeepSpeedPlan& plan, std::atomic<int64_t>* read);
+// `src` and `opt` (null without optimizer state) must outlive the plan.
+Result<OutputPlan> DeepSpeedOutput(const LogicalCheckpoint& src, const SourceOptimizer* opt,
+                                   const DeepSpeedPlan& plan);
 
 }  // namespace reshard

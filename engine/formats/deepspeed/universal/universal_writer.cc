@@ -1,13 +1,11 @@
 #include "formats/deepspeed/universal/universal_writer.h"
 
-#include <filesystem>
 #include <functional>
 #include <optional>
 
 #include "formats/deepspeed/files/file_names.h"
 #include "formats/deepspeed/model/stages.h"
 #include "formats/deepspeed/optimizer/state_tensor.h"
-#include "formats/file_jobs.h"
 #include "plan/materialize.h"
 #include "plan/tensor_plan.h"
 #include "util/human.h"
@@ -16,8 +14,6 @@
 
 namespace reshard {
 namespace {
-
-namespace fs = std::filesystem;
 
 // One zero/<param>/<state>.pt file.
 struct StateFile {
@@ -128,63 +124,51 @@ struct UniversalFiles {
   bool bare = false;
 };
 
-class UniversalPlan : public TargetPlan {
- public:
-  // Named beside it by `latest_universal`, as DeepSpeed's ds_to_universal
-  // names its output for `load_universal_checkpoint`.
-  explicit UniversalPlan(UniversalFiles files) : files_(std::move(files)) {
-    publication.pointers = {PointerFile{"latest_universal", std::nullopt}};
-  }
+// {'param': the whole tensor, layout keys...}, or the bare tensor.
+Value StateTree(const StateFile& f, bool bare, std::atomic<int64_t>* read) {
+  Value tensor = MakeProducedTensor(DType::kFloat32, f.shape, f.produce(read));
+  if (bare) return tensor;
+  Items items;
+  items.emplace_back(Value::String("param"), std::move(tensor));
+  for (const auto& kv : f.layout) items.push_back(kv);
+  return Value::MakeDict(std::move(items));
+}
 
-  std::string ToString(bool detail) const override {
-    int64_t bytes = 0;
-    for (const StateFile& f : files_.states) bytes += ShapeNumel(f.shape) * 4;
-    std::string out = std::string("universal") + (files_.bare ? " (ZeRO-3 form)" : "") + ": " +
-                      std::to_string(files_.copies.size()) + " model-states file(s) copied, " +
-                      std::to_string(files_.states.size()) + " state files (" + HumanBytes(bytes) + ")" +
-                      (files_.step ? ", a step.pt per parameter" : "") + ", zero/optimizer_state.pt\n";
-    if (!detail) return out;
-    for (const StateFile& f : files_.states) {
-      std::string layout;
-      for (const auto& [k, v] : f.layout) layout += " " + k.as_string() + "=" + v.DebugString();
-      out += "  " + StatePath(f.param, f.state) + " " + ShapeString(f.shape) + layout + "\n";
+std::string LayoutText(const Items& layout) {
+  std::vector<std::string> keys;
+  for (const auto& [k, v] : layout) keys.push_back(k.as_string() + "=" + v.DebugString());
+  return Join(keys, " ");
+}
+
+std::string Summary(const UniversalFiles& files) {
+  int64_t bytes = 0;
+  for (const StateFile& f : files.states) bytes += ShapeNumel(f.shape) * 4;
+  return std::string("universal") + (files.bare ? " (ZeRO-3 form)" : "") + ": " +
+         Count(static_cast<int64_t>(files.copies.size()), "model-states file") + " copied, " +
+         Count(static_cast<int64_t>(files.states.size()), "state file") + " (" + HumanBytes(bytes) + ")" +
+         (files.step ? ", a step.pt per parameter" : "") + ", zero/optimizer_state.pt\n";
+}
+
+// The folder's files, named beside it by `latest_universal`, as DeepSpeed's
+// ds_to_universal names its output for `load_universal_checkpoint`.
+Result<OutputPlan> UniversalOutput(const UniversalFiles& files) {
+  OutputPlan out;
+  out.summary = Summary(files);
+  out.publication.pointers = {PointerFile{"latest_universal", std::nullopt}};
+  for (const auto& [name, path] : files.copies) out.files.push_back(CopiedFile(name, path, true));
+  RESHARD_ASSIGN_OR_RETURN(PlannedFile optimizer, TorchFile("zero/optimizer_state.pt", "", files.optimizer_state));
+  out.files.push_back(std::move(optimizer));
+  for (const StateFile& f : files.states) {
+    RESHARD_ASSIGN_OR_RETURN(PlannedFile state, TorchFile(StatePath(f.param, f.state), LayoutText(f.layout),
+                                                          StateTree(f, files.bare, out.read.get())));
+    out.files.push_back(std::move(state));
+    if (files.step && f.state == kMasterState) {
+      RESHARD_ASSIGN_OR_RETURN(PlannedFile step, TorchFile(StatePath(f.param, "step"), "", *files.step));
+      out.files.push_back(std::move(step));
     }
-    return out;
   }
-
-  Result<std::vector<Job>> Jobs(std::atomic<int64_t>* read) const override {
-    std::vector<Job> jobs;
-    for (const auto& [name, path] : files_.copies) {
-      std::error_code ec;
-      const auto bytes = fs::file_size(path, ec);
-      jobs.push_back(CopyFileJob(name, path, ec ? 0 : static_cast<int64_t>(bytes)));
-    }
-    RESHARD_ASSIGN_OR_RETURN(Job job, TorchFileJob("zero/optimizer_state.pt", files_.optimizer_state));
-    jobs.push_back(std::move(job));
-    for (const StateFile& f : files_.states) {
-      RESHARD_ASSIGN_OR_RETURN(Job state, TorchFileJob(StatePath(f.param, f.state), StateTree(f, read)));
-      jobs.push_back(std::move(state));
-      if (files_.step && f.state == kMasterState) {
-        RESHARD_ASSIGN_OR_RETURN(Job step, TorchFileJob(StatePath(f.param, "step"), *files_.step));
-        jobs.push_back(std::move(step));
-      }
-    }
-    return jobs;
-  }
-
- private:
-  // {'param': the whole tensor, layout keys...}, or the bare tensor.
-  Value StateTree(const StateFile& f, std::atomic<int64_t>* read) const {
-    Value tensor = MakeProducedTensor(DType::kFloat32, f.shape, f.produce(read));
-    if (files_.bare) return tensor;
-    Items items;
-    items.emplace_back(Value::String("param"), std::move(tensor));
-    for (const auto& kv : f.layout) items.push_back(kv);
-    return Value::MakeDict(std::move(items));
-  }
-
-  const UniversalFiles files_;
-};
+  return out;
+}
 
 // A state stored whole in one shard (a TP-1 source), written as `shape`.
 StateFile WholeState(const std::string& param, const std::string& state, std::vector<int64_t> shape,
@@ -199,7 +183,7 @@ StateFile WholeState(const std::string& param, const std::string& state, std::ve
 
 // The ZeRO-1/2 and BF16 form of `states`: the mp_rank files copied, the
 // optimizer state of the template shard, a step.pt where it records a step.
-Result<std::unique_ptr<TargetPlan>> PlanStates(const SourceOptimizer& opt, const CheckpointFiles& files,
+Result<OutputPlan> PlanStates(const SourceOptimizer& opt, const CheckpointFiles& files,
                                                std::vector<StateFile> states, std::vector<std::string>* notes) {
   const Value* osd = Find(opt.Template(), "optimizer_state_dict");
   if (osd == nullptr) return Status::Internal("the first optimizer shard has no optimizer_state_dict");
@@ -211,7 +195,7 @@ Result<std::unique_ptr<TargetPlan>> PlanStates(const SourceOptimizer& opt, const
   notes->push_back("universal: " + std::to_string(opt.ParamNames().size()) + " parameters, states " +
                    Join(opt.states(), ", ") + (out.step ? ", step" : "") +
                    "; load it with --universal-checkpoint (checkpoint.load_universal)");
-  return std::unique_ptr<TargetPlan>(new UniversalPlan(std::move(out)));
+  return UniversalOutput(out);
 }
 
 Status CheckShards(const SourceOptimizer& opt) {
@@ -230,7 +214,7 @@ Status NoStateForUniversal(const std::string& what) {
                               "; export --to consolidated writes its weights");
 }
 
-Result<std::unique_ptr<TargetPlan>> PlanUniversal(const LogicalCheckpoint& src, const SourceOptimizer& opt,
+Result<OutputPlan> PlanUniversal(const LogicalCheckpoint& src, const SourceOptimizer& opt,
                                                   const CheckpointFiles& files, ReplicatedPolicy replicated,
                                                   std::vector<std::string>* notes) {
   RESHARD_RETURN_IF_ERROR(CheckShards(opt));
@@ -244,7 +228,7 @@ Result<std::unique_ptr<TargetPlan>> PlanUniversal(const LogicalCheckpoint& src, 
   return PlanStates(opt, files, std::move(states), notes);
 }
 
-Result<std::unique_ptr<TargetPlan>> PlanUniversalUnsplit(const LogicalCheckpoint& src, const SourceOptimizer& opt,
+Result<OutputPlan> PlanUniversalUnsplit(const LogicalCheckpoint& src, const SourceOptimizer& opt,
                                                          const CheckpointFiles& files,
                                                          std::vector<std::string>* notes) {
   RESHARD_RETURN_IF_ERROR(CheckShards(opt));
@@ -270,7 +254,7 @@ Result<std::unique_ptr<TargetPlan>> PlanUniversalUnsplit(const LogicalCheckpoint
   return PlanStates(opt, files, std::move(states), notes);
 }
 
-Result<std::unique_ptr<TargetPlan>> PlanUniversalZero3(const Zero3Checkpoint& src, const CheckpointFiles& files,
+Result<OutputPlan> PlanUniversalZero3(const Zero3Checkpoint& src, const CheckpointFiles& files,
                                                        std::vector<std::string>* notes) {
   if (src.mp() != 1) {
     return Status::Unsupported("this ZeRO-3 checkpoint has " + std::to_string(src.mp()) + " model-parallel ranks, "
@@ -302,7 +286,7 @@ Result<std::unique_ptr<TargetPlan>> PlanUniversalZero3(const Zero3Checkpoint& sr
   notes->push_back("universal (DeepSpeed's ZeRO-3 form): " + std::to_string(params) + " parameters, states " +
                    Join(src.states(), ", ") + " as flat tensors; the step is in zero/optimizer_state.pt; load it "
                    "with --universal-checkpoint (checkpoint.load_universal)");
-  return std::unique_ptr<TargetPlan>(new UniversalPlan(std::move(out)));
+  return UniversalOutput(out);
 }
 
 }  // namespace reshard

@@ -36,7 +36,7 @@ namespace reshard {
 Status NoStateForUniversal(const std::string& what);
 
 // `src`, `opt` and `files` must outlive the plan and its jobs.
-Result<std::unique_ptr<TargetPlan>> PlanUniversal(const LogicalCheckpoint& src, const SourceOptimizer& opt,
+Result<OutputPlan> PlanUniversal(const LogicalCheckpoint& src, const SourceOptimizer& opt,
                                                   const CheckpointFiles& files, ReplicatedPolicy replicated,
                                                   std::vector<std::string>* notes);
 // The same for a non-pipeline checkpoint at TP 1, its shapes from param_shapes.
@@ -44,10 +44,10 @@ Result<std::unique_ptr<TargetPlan>> PlanUniversal(const LogicalCheckpoint& src, 
 // loader reads): every model-states file copied; each parameter's states as
 // bare flat tensors of its elements, no step.pt; zero/optimizer_state.pt is DP
 // rank 0's optimizer state with the groups' hyperparameters as `param_groups`.
-Result<std::unique_ptr<TargetPlan>> PlanUniversalUnsplit(const LogicalCheckpoint& src, const SourceOptimizer& opt,
+Result<OutputPlan> PlanUniversalUnsplit(const LogicalCheckpoint& src, const SourceOptimizer& opt,
                                                          const CheckpointFiles& files,
                                                          std::vector<std::string>* notes);
-Result<std::unique_ptr<TargetPlan>> PlanUniversalZero3(const Zero3Checkpoint& src, const CheckpointFiles& files,
+Result<OutputPlan> PlanUniversalZero3(const Zero3Checkpoint& src, const CheckpointFiles& files,
                                                        std::vector<std::string>* notes);
 
 }  // namespace reshard

@@ -7,7 +7,6 @@
 #include "formats/deepspeed/model/stages.h"
 #include "formats/deepspeed/files/torch_state.h"
 #include "formats/deepspeed/optimizer/zero_shard_reader.h"
-#include "formats/file_jobs.h"
 #include "plan/materialize.h"
 #include "util/shape.h"
 
@@ -310,26 +309,29 @@ Value Zero3Checkpoint::TargetOptimizer(int mp, const std::shared_ptr<const Zero3
   return opt;
 }
 
-Result<std::vector<Job>> Zero3Checkpoint::Jobs(int target_dp, bool bf16_prefix,
-                                               std::atomic<int64_t>* read) const {
+Result<std::vector<PlannedFile>> Zero3Checkpoint::Files(int target_dp, bool bf16_prefix,
+                                                       std::atomic<int64_t>* read) const {
   // Each file's tree is built while the file is written: a tree per target
   // file held at once would grow with the parameters times the DP size.
-  std::vector<Job> jobs;
+  std::vector<PlannedFile> files;
   for (int mp = 0; mp < this->mp(); ++mp) {
     auto target = std::make_shared<const Zero3Target>(Retarget(mp, target_dp));
     for (int d = 0; d < target_dp; ++d) {
-      RESHARD_ASSIGN_OR_RETURN(Job model, TorchFileJob(Zero3ModelStatesFileName(d, mp), [this, mp, target, d] {
-                                 return Result<Value>(TargetModelStates(mp, *target, d));
-                               }));
-      RESHARD_ASSIGN_OR_RETURN(Job optimizer, TorchFileJob(OptimizerFileName(bf16_prefix, d, mp),
-                                                           [this, mp, target, d, read] {
-                                                             return Result<Value>(TargetOptimizer(mp, target, d, read));
-                                                           }));
-      jobs.push_back(std::move(model));
-      jobs.push_back(std::move(optimizer));
+      const std::string rank = "mp rank " + std::to_string(mp) + ", DP rank " + std::to_string(d);
+      RESHARD_ASSIGN_OR_RETURN(PlannedFile model, TorchFile(Zero3ModelStatesFileName(d, mp), "model states of " + rank,
+                                                            [this, mp, target, d] {
+                                                              return Result<Value>(TargetModelStates(mp, *target, d));
+                                                            }));
+      RESHARD_ASSIGN_OR_RETURN(PlannedFile optimizer,
+                               TorchFile(OptimizerFileName(bf16_prefix, d, mp), "optimizer partition of " + rank,
+                                         [this, mp, target, d, read] {
+                                           return Result<Value>(TargetOptimizer(mp, target, d, read));
+                                         }));
+      files.push_back(std::move(model));
+      files.push_back(std::move(optimizer));
     }
   }
-  return jobs;
+  return files;
 }
 
 }  // namespace reshard

@@ -20,10 +20,10 @@
 
 #include <atomic>
 
-#include "exec/job.h"
 #include "formats/deepspeed/files/checkpoint_files.h"
 #include "logical/source_shard.h"
 #include "pickle/value.h"
+#include "plan/output_plan.h"
 
 namespace reshard {
 
@@ -71,10 +71,10 @@ class Zero3Checkpoint {
   // "ZeRO-3, TP 1, DP 4; iteration 10; 8 sub-groups in 2 groups; states fp32, exp_avg"
   std::string Summary() const;
 
-  // Every file of the checkpoint at `target_dp`, as jobs whose flats are
-  // produced from this checkpoint's while written (adding the bytes read to
-  // *read); this checkpoint must outlive them.
-  Result<std::vector<Job>> Jobs(int target_dp, bool bf16_prefix, std::atomic<int64_t>* read) const;
+  // Every file of the checkpoint at `target_dp`, whose flats are produced
+  // from this checkpoint's while written (adding the bytes read to *read);
+  // this checkpoint must outlive them.
+  Result<std::vector<PlannedFile>> Files(int target_dp, bool bf16_prefix, std::atomic<int64_t>* read) const;
 
  private:
   Status LoadRank(int mp, const std::set<std::string>& allowed_classes);

@@ -1,4 +1,4 @@
-#include "exec/scratch_file.h"
+#include "container/scratch_file.h"
 
 #include <fcntl.h>
 #include <unistd.h>
