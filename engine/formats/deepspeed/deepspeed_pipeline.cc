@@ -7,6 +7,7 @@
 
 #include "formats/deepspeed/optimizer/drift_lint.h"
 #include "formats/deepspeed/files/file_names.h"
+#include "formats/deepspeed/pipeline/model_states_writer.h"
 #include "formats/deepspeed/pipeline/pipeline_plan.h"
 #include "formats/deepspeed/model/pipeline_reader.h"
 #include "formats/deepspeed/pipeline/pipeline_writer.h"
@@ -292,6 +293,9 @@ std::unique_ptr<SourceCheckpoint> MakeImportedSource(ImportedModel imported, con
   model->foreign = std::move(imported.what);
   model->foreign_notes = std::move(imported.notes);
   model->logical = std::move(imported.logical);
+  // Everything here reads a pipeline model's metadata as its mp_rank files
+  // (inspect, verify, the writer): a model that has none gets a fresh run's.
+  for (Value& run : model->logical.metadata) run = FreshRunModelStates(run);
   return MakePipelineSource(std::move(model), options);
 }
 

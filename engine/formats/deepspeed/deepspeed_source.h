@@ -36,7 +36,9 @@ std::unique_ptr<SourceCheckpoint> MakePipelineSource(std::unique_ptr<DeepSpeedMo
 std::unique_ptr<SourceCheckpoint> MakeUniversalSource(UniversalCheckpoint universal,
                                                       const CommonOptions& options);
 // A model another format read (formats/hf/hf_import.h): `logical` is a
-// pipeline model at TP 1, PP 1 with its rules, read from `files` in `dir`;
+// pipeline model at TP 1, PP 1 with its rules, read from `files` in `dir`,
+// its metadata in no format's layout (args, iteration, the keys the rules
+// read), which becomes a fresh run's mp_rank metadata (FreshRunModelStates);
 // `what` says what it is and `notes` what reading it chose. Converting it
 // writes DeepSpeed's layout.
 struct ImportedModel {

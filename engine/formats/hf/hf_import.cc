@@ -193,34 +193,12 @@ struct ConfigReader {
   }
 };
 
-// The mp_rank metadata of a run that has not trained yet, with the fields
-// Megatron-DeepSpeed writes (megatron-deepspeed-format.md §9, §18.6); the
-// writer fills in each target rank's sizes and parameter shapes.
-Value FreshRunMetadata() {
-  const Value none = Value::None(), zero = Value::Int(0);
-  Items items = {
-      {Value::String("module"), none},
-      {Value::String("buffer_names"), Value::MakeList({})},
-      {Value::String("optimizer"), none},
-      {Value::String("param_shapes"), Value::MakeList({})},
-      {Value::String("frozen_param_shapes"), none},
-      {Value::String("shared_params"), Value::MakeDict()},
-      {Value::String("frozen_param_fragments"), none},
-      {Value::String("lr_scheduler"), none},
-      {Value::String("data_sampler"), none},
-      {Value::String("random_ltd"), none},
-      {Value::String("sparse_tensor_module_names"), Value::MakeSet({})},
-      {Value::String("skipped_steps"), zero},
-      {Value::String("global_steps"), zero},
-      {Value::String("global_samples"), zero},
-      {Value::String("dp_world_size"), Value::Int(1)},
-      {Value::String("mp_world_size"), Value::Int(1)},
-      {Value::String("args"), MakeNamespace({})},
-      {Value::String("checkpoint_version"), Value::Float(3.0)},
-      {Value::String("iteration"), zero},
-      {Value::String("tokens"), zero},
-  };
-  return Value::MakeDict(std::move(items));
+// What the import records of the run, in no format's layout: the Megatron
+// args it derives (the rules read them as args.*) and the iteration of a run
+// that has not trained. The keys the rules detect and read are added beside
+// them; a format that writes the model adds its own files' fields.
+Value UntrainedRunMetadata() {
+  return Value::MakeDict({{Value::String("args"), MakeNamespace({})}, {Value::String("iteration"), Value::Int(0)}});
 }
 
 // The args a layout change rewrites, at the source's layout (TP 1, PP 1, DP 1).
@@ -589,7 +567,7 @@ Result<HfImport> ImportAs(HfFolder folder, const RuleSet& rules, const CommonOpt
   RESHARD_RETURN_IF_ERROR(NameAsArchitecture(hf, &folder, &out.notes));
   LogicalCheckpoint& ckpt = out.logical;
   RESHARD_ASSIGN_OR_RETURN(ckpt.settings, SettingsValue(options.set));
-  ckpt.metadata.push_back(FreshRunMetadata());
+  ckpt.metadata.push_back(UntrainedRunMetadata());
   ConfigReader reader{folder.config, config_path, rules, ckpt.settings, &ckpt.metadata[0], &out.notes};
   for (const HfConfigField& field : hf.config) RESHARD_RETURN_IF_ERROR(reader.Field(field));
   reader.Satisfy(hf.requirements);

@@ -17,8 +17,10 @@
 //             checked as an export would check it.
 // The vocabulary is as the HF tensors hold it, taken as unpadded: convert
 // pads it for the target TP (to a multiple of make_vocab_size_divisible_by,
-// Megatron's default 128 unless --set gives another). The mp_rank metadata
-// is a fresh run's: iteration 0, no optimizer, no RNG state.
+// Megatron's default 128 unless --set gives another). The metadata is in no
+// format's layout: the args, the keys the rule set detects and reads, and
+// iteration 0 (no optimizer, no RNG state); formats/deepspeed's
+// MakeImportedSource makes it the mp_rank metadata of a fresh run.
 #pragma once
 
 #include <string>

@@ -115,4 +115,34 @@ Value BuildModelStates(const LogicalCheckpoint& src, const DeepSpeedPlan& plan,
   return root;
 }
 
+Value FreshRunModelStates(const Value& run) {
+  const Value none = Value::None(), zero = Value::Int(0);
+  Value root = Value::MakeDict({
+      {Value::String("module"), none},
+      {Value::String("buffer_names"), Value::MakeList({})},
+      {Value::String("optimizer"), none},
+      {Value::String("param_shapes"), Value::MakeList({})},
+      {Value::String("frozen_param_shapes"), none},
+      {Value::String("shared_params"), Value::MakeDict()},
+      {Value::String("frozen_param_fragments"), none},
+      {Value::String("lr_scheduler"), none},
+      {Value::String("data_sampler"), none},
+      {Value::String("random_ltd"), none},
+      {Value::String("sparse_tensor_module_names"), Value::MakeSet({})},
+      {Value::String("skipped_steps"), zero},
+      {Value::String("global_steps"), zero},
+      {Value::String("global_samples"), zero},
+      {Value::String("dp_world_size"), Value::Int(1)},
+      {Value::String("mp_world_size"), Value::Int(1)},
+      {Value::String("args"), MakeNamespace({})},
+      {Value::String("checkpoint_version"), Value::Float(3.0)},
+      {Value::String("iteration"), zero},
+      {Value::String("tokens"), zero},
+  });
+  if (const Items* items = DictItems(run)) {
+    for (const auto& [key, value] : *items) Set(root, key.as_string(), value);
+  }
+  return root;
+}
+
 }  // namespace reshard

@@ -21,4 +21,13 @@ namespace reshard {
 Value BuildModelStates(const LogicalCheckpoint& src, const DeepSpeedPlan& plan,
                        const ModelStatesPlan& ms);
 
+// The mp_rank dict of a Megatron-DeepSpeed run that has not trained yet, at
+// TP 1, PP 1, DP 1: the fields Megatron-DeepSpeed writes
+// (megatron-deepspeed-format.md §9, §18.6), with no module, optimizer,
+// scheduler or RNG state and its counters at 0. `run` is metadata another
+// format read (args, iteration, the keys the rules read): its values take
+// the place of those fields, its other keys follow. BuildModelStates then
+// rewrites it for each target rank like a source's.
+Value FreshRunModelStates(const Value& run);
+
 }  // namespace reshard
