@@ -28,12 +28,12 @@ Status CheckVocabSize(const SourceCheckpoint& src, std::optional<int64_t> given)
   if (!given) return Status::Ok();
   const std::string what = "--vocab-size " + std::to_string(*given);
   if (*given < 1) return Status::InvalidInput(what + ": a vocabulary has at least one token");
-  if (src.vocab_size() && *src.vocab_size() != *given) {
+  if (src.info().vocab_size && *src.info().vocab_size != *given) {
     return Status::InvalidInput(what + " contradicts the checkpoint, which records a vocabulary of " +
-                                std::to_string(*src.vocab_size()) + "; drop --vocab-size");
+                                std::to_string(*src.info().vocab_size) + "; drop --vocab-size");
   }
-  if (src.vocab_rows() > 0 && *given > src.vocab_rows()) {
-    return Status::InvalidInput(what + " exceeds the " + std::to_string(src.vocab_rows()) +
+  if (src.info().vocab_rows > 0 && *given > src.info().vocab_rows) {
+    return Status::InvalidInput(what + " exceeds the " + std::to_string(src.info().vocab_rows) +
                                 " rows of the checkpoint's vocabulary tensors");
   }
   return Status::Ok();
@@ -54,7 +54,7 @@ Status CheckRecordCrcs(const SourceCheckpoint& src, int threads, const TorchChec
                        const std::function<void(const std::string&)>& progress, std::vector<std::string>* damaged) {
   std::mutex mu;
   std::vector<Job> jobs;
-  for (const std::string& path : src.Files()) {
+  for (const std::string& path : src.info().files) {
     if (!IsTorchSaveName(path)) continue;  // safetensors and JSON files keep no CRCs
     std::error_code ec;
     const int64_t bytes = static_cast<int64_t>(std::filesystem::file_size(path, ec));

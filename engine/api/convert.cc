@@ -44,7 +44,7 @@ Result<OutputFolder> CheckOutput(const std::string& input, const SourceCheckpoin
                                  const std::string& output, const WriteOptions& options,
                                  const Publication& publication) {
   RESHARD_ASSIGN_OR_RETURN(OutputFolder out,
-                           OutputFolder::Check(output, {input, src.tag_dir()}, options.overwrite));
+                           OutputFolder::Check(output, {input, src.info().tag_dir}, options.overwrite));
   namespace fs = std::filesystem;
   std::error_code ec;
   const fs::path parent = fs::path(out.path()).parent_path();
@@ -174,8 +174,8 @@ std::string RunFingerprint(const Prepared& p, const WriteOptions& options) {
   if (options.command.empty()) return "";
   std::error_code ec;
   std::string text = std::string("reshard ") + RESHARD_VERSION + "\n" + std::filesystem::current_path(ec).string() +
-                     "\n" + options.command + "\n" + p.src->tag_dir() + "\n" + PlanText(*p.plan, false);
-  for (const std::string& file : p.src->Files()) {
+                     "\n" + options.command + "\n" + p.src->info().tag_dir + "\n" + PlanText(*p.plan, false);
+  for (const std::string& file : p.src->info().files) {
     struct stat st;
     if (::stat(file.c_str(), &st) != 0) return "";
     text += file + " " + std::to_string(st.st_size) + " " + std::to_string(st.st_mtim.tv_sec) + "." +
@@ -219,7 +219,7 @@ Status Prepare(const std::string& input, const std::string& output, const WriteO
                ConvertReport* report) {
   RESHARD_ASSIGN_OR_RETURN(p->src, OpenCheckpoint(input, options));
   RESHARD_RETURN_IF_ERROR(CheckVocabSize(*p->src, options.vocab_size));
-  report->checkpoint_bytes = FilesBytes(p->src->Files());
+  report->checkpoint_bytes = FilesBytes(p->src->info().files);
   clock->End("load");
   RESHARD_ASSIGN_OR_RETURN(p->plan, make_plan(*p->src, &report->notes));
   report->plan = PlanText(*p->plan, options.dry_run);
@@ -267,8 +267,8 @@ Result<std::map<std::string, FileDigest>> GatherDigests(const Prepared& p, Clust
 // reshard-manifest.json in the staging folder, from every file's digest.
 Status WriteManifest(const Prepared& p, const WriteOptions& options,
                      const std::map<std::string, FileDigest>& digests) {
-  Manifest manifest{std::string("reshard ") + RESHARD_VERSION, options.command, p.src->tag_dir(),
-                    p.src->Summary(), digests};
+  Manifest manifest{std::string("reshard ") + RESHARD_VERSION, options.command, p.src->info().tag_dir,
+                    p.src->info().summary, digests};
   for (const std::string& file : p.files) {
     if (!digests.count(file)) return Status::Internal("the job writing " + file + " reported no digest");
   }
@@ -343,9 +343,9 @@ Result<ConvertReport> Convert(const std::string& input, const std::string& outpu
   return WriteCheckpoint(input, output, options,
                          [&options](const SourceCheckpoint& src, std::vector<std::string>* notes)
                              -> Result<OutputPlan> {
-                           if (options.target_ep > 0 && !src.HasExperts()) {
+                           if (options.target_ep > 0 && !src.info().has_experts) {
                              return Status::InvalidInput("--ep sets the expert-parallel size of a DeepSpeed "
-                                                         "MoE checkpoint, and this " + src.kind() +
+                                                         "MoE checkpoint, and this " + src.info().kind +
                                                          " checkpoint has no experts; leave it out");
                            }
                            return src.Plan(options, notes);

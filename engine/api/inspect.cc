@@ -6,7 +6,7 @@ namespace reshard {
 
 Result<std::string> Inspect(const std::string& checkpoint, const InspectOptions& options) {
   RESHARD_ASSIGN_OR_RETURN(std::unique_ptr<SourceCheckpoint> src, OpenCheckpoint(checkpoint, options));
-  return "checkpoint: " + src->tag_dir() + "\n" + src->Summary() + "\n" + src->Describe();
+  return "checkpoint: " + src->info().tag_dir + "\n" + src->info().summary + "\n" + src->Describe();
 }
 
 }  // namespace reshard

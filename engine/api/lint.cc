@@ -45,8 +45,8 @@ Result<LintReport> Lint(const std::string& checkpoint, const LintOptions& option
   RESHARD_ASSIGN_OR_RETURN(std::unique_ptr<SourceCheckpoint> src, OpenCheckpoint(checkpoint, options));
   RESHARD_RETURN_IF_ERROR(CheckVocabSize(*src, options.vocab_size));
   LintReport report;
-  report.summary = src->Summary();
-  report.findings = src->findings();
+  report.summary = src->info().summary;
+  report.findings = src->info().findings;
   src->Lint(options, &report);
   if (options.target_tp > 0 && report.ok()) LintTarget(*src, options, &report);
   if (options.deep) {

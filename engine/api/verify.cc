@@ -181,13 +181,13 @@ class Comparison {
 };
 
 void CompareMetadata(const SourceCheckpoint& a, const SourceCheckpoint& b, VerifyReport* report) {
-  if (a.iteration() != b.iteration()) {
-    report->differences.push_back("iteration: " + std::to_string(a.iteration()) + " vs " +
-                                  std::to_string(b.iteration()));
+  if (a.info().iteration != b.info().iteration) {
+    report->differences.push_back("iteration: " + std::to_string(a.info().iteration) + " vs " +
+                                  std::to_string(b.info().iteration));
   }
   for (const char* key : {"lr_scheduler", "global_samples", "skipped_steps"}) {
-    const Value* va = Find(a.metadata(), key);
-    const Value* vb = Find(b.metadata(), key);
+    const Value* va = Find(a.info().metadata, key);
+    const Value* vb = Find(b.info().metadata, key);
     const std::string sa = va ? va->DebugString(100000) : "(absent)";
     const std::string sb = vb ? vb->DebugString(100000) : "(absent)";
     if (sa != sb) report->differences.push_back(std::string(key) + " differs");
@@ -227,12 +227,12 @@ Result<VerifyReport> Verify(const std::string& a_path, const std::string& b_path
   CommonOptions b_options = options;
   if (!options.rules_b.empty()) b_options.rules = options.rules_b;
   RESHARD_ASSIGN_OR_RETURN(std::unique_ptr<SourceCheckpoint> b, OpenCheckpoint(b_path, b_options));
-  if (a->kind() != b->kind()) {
-    return Status::InvalidInput("A is a " + a->kind() + " checkpoint and B a " + b->kind() +
+  if (a->info().kind != b->info().kind) {
+    return Status::InvalidInput("A is a " + a->info().kind + " checkpoint and B a " + b->info().kind +
                                 " one; reshard compares checkpoints of the same kind");
   }
   for (const auto& [src, path] : {std::pair{a.get(), a_path}, std::pair{b.get(), b_path}}) {
-    for (const Finding& f : src->findings()) {
+    for (const Finding& f : src->info().findings) {
       if (f.severity == Finding::Severity::kError) return Status::InvalidInput(f.message).WithContext(path);
     }
   }
@@ -244,8 +244,8 @@ Result<VerifyReport> Verify(const std::string& a_path, const std::string& b_path
     }
   }
   VerifyReport report;
-  report.notes.push_back("A: " + a->Summary());
-  report.notes.push_back("B: " + b->Summary());
+  report.notes.push_back("A: " + a->info().summary);
+  report.notes.push_back("B: " + b->info().summary);
   std::atomic<int64_t> read{0};
   RESHARD_ASSIGN_OR_RETURN(std::vector<FullTensor> ta, a->FullTensors(options.replicated, &read));
   RESHARD_ASSIGN_OR_RETURN(std::vector<FullTensor> tb, b->FullTensors(options.replicated, &read));
@@ -255,11 +255,11 @@ Result<VerifyReport> Verify(const std::string& a_path, const std::string& b_path
   RESHARD_RETURN_IF_ERROR(CheckReadRecords());
   comparison.Report(&report);
   CompareMetadata(*a, *b, &report);
-  if (a->vocab_rows() != b->vocab_rows()) {
+  if (a->info().vocab_rows != b->info().vocab_rows) {
     report.notes.push_back("vocabulary rows compared up to " +
-                           std::to_string(std::min(a->vocab_rows(), b->vocab_rows())) +
-                           " (A has " + std::to_string(a->vocab_rows()) + ", B " +
-                           std::to_string(b->vocab_rows()) + ")");
+                           std::to_string(std::min(a->info().vocab_rows, b->info().vocab_rows)) +
+                           " (A has " + std::to_string(a->info().vocab_rows) + ", B " +
+                           std::to_string(b->info().vocab_rows) + ")");
   }
   for (const std::string& note : b->VerifyNotes()) report.notes.push_back("B's " + note);
   if (static_cast<int>(report.differences.size()) > options.max_difference_lines) {

@@ -139,9 +139,9 @@ Result<ManifestReport> VerifyManifest(const std::string& folder, const CommonOpt
   LintOptions lint;
   static_cast<CommonOptions&>(lint) = options;
   LintReport findings;
-  findings.findings = (*src)->findings();
+  findings.findings = (*src)->info().findings;
   (*src)->Lint(lint, &findings);
-  report.summary = (*src)->Summary();
+  report.summary = (*src)->info().summary;
   for (const Finding& f : findings.findings) {
     if (f.severity == Finding::Severity::kError) report.problems.push_back(f.message);
   }

@@ -10,11 +10,6 @@
 
 namespace reshard {
 
-const Value& SourceCheckpoint::settings() const {
-  static const Value* const none = new Value(Value::MakeDict());
-  return *none;
-}
-
 Result<std::unique_ptr<SourceCheckpoint>> OpenCheckpoint(const std::string& path,
                                                          const CommonOptions& options) {
   SetRecordCrcChecks(options.check_crc);

@@ -69,18 +69,31 @@ struct TpWeights {
   std::vector<std::vector<RankTensor>> ranks;  // per TP rank, every weight in layer order
 };
 
+// What a checkpoint is, known once it is open.
+struct SourceInfo {
+  std::string kind;      // "pipeline", "non-pipeline", "ZeRO-3", "MoE": verify compares like with like
+  std::string tag_dir;   // the folder holding the files
+  std::vector<std::string> files;  // every file of the checkpoint (lint --deep checks their bytes)
+  int64_t iteration = 0;
+  std::string summary;   // one line: kind, layout, iteration, counts
+  std::vector<Finding> findings;  // problems found while reading (errors make convert refuse)
+  Value metadata;        // what verify compares (scheduler, counters): a dict-like value
+  // The rule set that describes the tensors (null for a checkpoint read
+  // without rules), and the --set values its rules read beside the metadata.
+  std::shared_ptr<const RuleSet> rules;
+  Value settings = Value::MakeDict();
+  int64_t vocab_rows = 0;              // rows of the vocabulary tensors (0 when none)
+  std::optional<int64_t> vocab_size;   // the true vocabulary size, when the checkpoint records it
+  bool has_experts = false;            // DeepSpeed MoE: its EP size is what convert --ep sets
+};
+
+// A checkpoint opened by its format: what it is (info), and the operations
+// the commands ask of it.
 class SourceCheckpoint {
  public:
   virtual ~SourceCheckpoint() = default;
 
-  // "pipeline", "non-pipeline", "ZeRO-3": verify compares like with like.
-  virtual std::string kind() const = 0;
-  virtual const std::string& tag_dir() const = 0;  // the folder holding the files
-  virtual int64_t iteration() const = 0;
-  // One line: kind, layout, iteration, counts.
-  virtual std::string Summary() const = 0;
-  // Problems found while reading (errors make convert refuse).
-  virtual const std::vector<Finding>& findings() const = 0;
+  const SourceInfo& info() const { return info_; }
 
   // Everything convert would object to, and what it would do: rule set,
   // summary, findings (the reading findings first).
@@ -90,49 +103,33 @@ class SourceCheckpoint {
   // Checks the source against the options (drift policies, ...) and plans
   // the target; `notes` receives what the user should know (what was
   // approximated, merged or filled).
-  virtual Result<OutputPlan> Plan(const ConvertOptions& options,
-                                                   std::vector<std::string>* notes) const = 0;
+  virtual Result<OutputPlan> Plan(const ConvertOptions& options, std::vector<std::string>* notes) const = 0;
+  // Plans the source in a format of its own family other than its native
+  // layout, as `options.to` names it: "universal" (DeepSpeed's), the only one.
+  virtual Result<OutputPlan> PlanFamilyFormat(const ExportOptions& options, std::vector<std::string>*) const {
+    return Status::Unsupported("a " + info_.kind + " checkpoint cannot be exported --to " + options.to);
+  }
   // Every tensor, weights and optimizer state, TP replicas merged by
   // `replicated`. Producers add the bytes they read to *read.
   virtual Result<std::vector<FullTensor>> FullTensors(ReplicatedPolicy replicated,
                                                       std::atomic<int64_t>* read) const = 0;
-  // The metadata verify compares (scheduler, counters): a dict-like value.
-  virtual const Value& metadata() const = 0;
-  // Rows of the vocabulary tensors (0 when none).
-  virtual int64_t vocab_rows() const { return 0; }
-  // Observations verify reports about this side (replicas that differ, ...).
-  virtual std::vector<std::string> VerifyNotes() const { return {}; }
-  // Refuses TP replicas that differ where `replicated` says to check them
-  // (convert's own check, for commands that merge replicas through
-  // FullTensors); `notes` learns what will be merged.
-  virtual Status CheckReplicas(ReplicatedPolicy, std::vector<std::string>*) const {
-    return Status::Ok();
-  }
-  // Plans the source in a format of its own family other than its native
-  // layout, as `options.to` names it: "universal" (DeepSpeed's), the only one.
-  virtual Result<OutputPlan> PlanFamilyFormat(const ExportOptions& options,
-                                                               std::vector<std::string>*) const {
-    return Status::Unsupported("a " + kind() + " checkpoint cannot be exported --to " + options.to);
-  }
   // Every weight cut for `cut.tp` TP ranks exactly as convert cuts the layer
   // files (which hold Megatron's own per-rank tensors), the vocabulary padded
   // for that TP with zero rows; `notes` learns what the re-padding did.
   // Producers add the bytes they read to *read.
-  virtual Result<TpWeights> WeightsForTp(const TpCut&, std::vector<std::string>*,
-                                         std::atomic<int64_t>*) const {
-    return Status::Unsupported("a " + kind() + " checkpoint has no rule set describing its tensors' "
+  virtual Result<TpWeights> WeightsForTp(const TpCut&, std::vector<std::string>*, std::atomic<int64_t>*) const {
+    return Status::Unsupported("a " + info_.kind + " checkpoint has no rule set describing its tensors' "
                                "tensor-parallel layout, so it cannot be cut for another TP size");
   }
-  // The rule set that describes the tensors (null for a checkpoint read
-  // without rules), and the --set values its rules read beside the metadata.
-  virtual const RuleSet* rules() const { return nullptr; }
-  virtual const Value& settings() const;
-  // The true vocabulary size (without padding), when the checkpoint records it.
-  virtual std::optional<int64_t> vocab_size() const { return std::nullopt; }
-  // DeepSpeed MoE: the checkpoint has experts, whose EP size convert --ep sets.
-  virtual bool HasExperts() const { return false; }
-  // Every file of the checkpoint (for checks of their bytes: `lint --deep`).
-  virtual std::vector<std::string> Files() const = 0;
+  // Refuses TP replicas that differ where `replicated` says to check them
+  // (convert's own check, for commands that merge replicas through
+  // FullTensors); `notes` learns what will be merged.
+  virtual Status CheckReplicas(ReplicatedPolicy, std::vector<std::string>*) const { return Status::Ok(); }
+  // Observations verify reports about this side (replicas that differ, ...).
+  virtual std::vector<std::string> VerifyNotes() const { return {}; }
+
+ protected:
+  SourceInfo info_;  // set by the format as it opens the checkpoint
 };
 
 // Opens the checkpoint at `path` (a tag folder, or a root holding `latest`)

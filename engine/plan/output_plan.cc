@@ -90,7 +90,7 @@ PlannedFile TextFile(std::string name, std::string text) {
   PlannedFile f;
   f.name = std::move(name);
   f.container = PlannedFile::Container::kText;
-  f.what = "text, " + HumanBytes(static_cast<int64_t>(text.size()));
+  f.what = "text";
   f.text = std::move(text);
   return f;
 }

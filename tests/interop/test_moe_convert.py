@@ -34,6 +34,7 @@ PYTHONPATH=tests.
 
 import dataclasses
 import os
+import re
 from unittest import mock
 
 import torch
@@ -468,16 +469,18 @@ class MoeConvertTests(FixtureTestCase):
         self.assertIn('target: TP 1, PP 2, DP 4, EP 1 x expert-DP 4 (source EP 2, PP 2); stage bounds (layer ids) '
                       '0 3 6', p.stdout)
         # EP 1 holds every expert under its global id; the source's EP rank 1 named expert 3 "1".
-        self.assertIn('group 2 2.mlp.deepspeed_moe.experts.deepspeed_experts.3.dense_h_to_4h.weight <- '
-                      '2.mlp.deepspeed_moe.experts.deepspeed_experts.3.dense_h_to_4h.weight', p.stdout)
+        self.assertIn('    group 2 (experts): 8 parameters over 4 ranks\n'
+                      '      2.mlp.deepspeed_moe.experts.deepspeed_experts.0.dense_h_to_4h.weight <- ', p.stdout)
+        self.assertIn('      2.mlp.deepspeed_moe.experts.deepspeed_experts.3.dense_h_to_4h.weight <- '
+                      '2.mlp.deepspeed_moe.experts.deepspeed_experts.3.dense_h_to_4h.weight at', p.stdout)
         self.assertFalse(os.path.exists(self.path('out')))
         # A PP change: one stage drawn from both source stages, the second MoE layer renamed layer_1.
         p = convert(self.path('a'), self.path('out'), dataclasses.replace(cfg, pp=1), '--dry-run')
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         self.assertIn('(source EP 2, PP 2); stage bounds (layer ids) 0 6', p.stdout)
-        self.assertIn('stage 0: module of 20 tensors from mp_rank_00, mp_rank_01, 2 MoE layers (8 expert files)',
-                      p.stdout)
-        self.assertIn('layer_1_expert_3_mp_rank_00_model_states.pt <- layer_0_expert_3_mp_rank_01_model_states.pt',
+        self.assertIn('stage 0, TP rank 0: module of 20 tensors from mp_rank_00, mp_rank_01, 2 MoE layers', p.stdout)
+        self.assertEqual(len(re.findall(r'layer_\d_expert_\d_mp_rank_00_model_states\.pt  from ', p.stdout)), 8)
+        self.assertIn('layer_1_expert_3_mp_rank_00_model_states.pt  from layer_0_expert_3_mp_rank_01_model_states.pt',
                       p.stdout)
         self.assertFalse(os.path.exists(self.path('out')))
 

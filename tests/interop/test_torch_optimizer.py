@@ -95,7 +95,7 @@ class TorchStateTest(OptimizerTestCase):
         self.assertIn('torch optimizer state in the mp_rank files', lint.stdout)
         self.assertIn('lint: ok', lint.stdout)
         dry = run_ok('convert', a_tag, os.path.join(tmp, 'dry', cfg.tag), '--tp', 3, '--pp', 1, '--dry-run')
-        self.assertIn('optimizer mp_rank_00 group 0: torch state of', dry.stdout)
+        self.assertRegex(dry.stdout, r'  mp_rank_00_model_states\.pt  stage 0 .*\n(    .*\n)*    group 0: torch state of')
         self.assertIn('0: 1.word_embeddings.weight [40, 48]', dry.stdout)  # 120 rows / TP 3
         self.assertFalse(os.path.exists(os.path.join(tmp, 'dry')))
         b_tag = os.path.join(tmp, 'b', cfg.tag)

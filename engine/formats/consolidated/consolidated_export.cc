@@ -23,10 +23,10 @@ Result<OutputPlan> PlanConsolidated(const SourceCheckpoint& src,
                                                      const ConsolidatedOptions& options,
                                                      std::vector<std::string>* notes) {
   TensorChoiceOptions choice{"consolidated", "--weights-only", options.from_weights, options.dtype,
-                             options.vocab_size ? options.vocab_size : src.vocab_size()};
+                             options.vocab_size ? options.vocab_size : src.info().vocab_size};
   std::atomic<int64_t> unused{0};  // planning reads no tensor bytes
   RESHARD_ASSIGN_OR_RETURN(std::vector<FullTensor> all, src.FullTensors(options.replicated, &unused));
-  RESHARD_ASSIGN_OR_RETURN(std::vector<ChosenTensor> chosen, ChooseTensors(all, src.kind(), choice, notes));
+  RESHARD_ASSIGN_OR_RETURN(std::vector<ChosenTensor> chosen, ChooseTensors(all, src.info().kind, choice, notes));
   std::vector<StateDictTensor> tensors;
   for (const ChosenTensor& t : chosen) {
     tensors.push_back({t.name, t.dtype, t.shape, t.master ? "fp32 master" : "weights",

@@ -25,13 +25,12 @@ class MoeSource : public DeepSpeedModelSource {
  public:
   MoeSource(MoeModel moe, const CommonOptions& options)
       : DeepSpeedModelSource(std::move(moe.model), options), pipeline_names_(moe.pipeline_names),
-        layout_(std::move(moe.layout)), allowed_classes_(options.allowed_classes) {}
+        layout_(std::move(moe.layout)), allowed_classes_(options.allowed_classes) {
+    SetInfo("MoE", SummaryLine(), true);
+    info_.has_experts = true;
+  }
 
-  std::string kind() const override { return "MoE"; }
-  int64_t vocab_rows() const override { return ckpt().vocab.padded_rows; }
-  std::optional<int64_t> vocab_size() const override { return ckpt().vocab.original_size; }
-
-  std::string Summary() const override {
+  std::string SummaryLine() const {
     const LogicalCheckpoint& c = ckpt();
     size_t expert_files = 0;
     for (const auto& [mp, by_layer] : files().expert_files) {
@@ -69,8 +68,6 @@ class MoeSource : public DeepSpeedModelSource {
     return MetadataLines(ckpt()) + layout_.Describe() + "tensors (full logical shapes):\n" + TensorLines(ckpt());
   }
 
-  bool HasExperts() const override { return true; }
-
   Result<OutputPlan> Plan(const ConvertOptions& options,
                                            std::vector<std::string>* notes) const override {
     RESHARD_RETURN_IF_ERROR(CheckValuesGiven(ckpt(), options.target_tp, options.vocab_size));
@@ -99,7 +96,7 @@ class MoeSource : public DeepSpeedModelSource {
                                          MoeTarget{ep, dp, bounds, options.replicated, options.target_tp, padded_vocab}));
     notes->insert(notes->end(), plan.notes.begin(), plan.notes.end());
     RESHARD_ASSIGN_OR_RETURN(OutputPlan target, MoeOutput(ckpt(), files(), opt, allowed_classes_, plan));
-    target.publication = NativePublication(files(), iteration(), options.update_latest);
+    target.publication = NativePublication(files(), ckpt().iteration, options.update_latest);
     return target;
   }
 
@@ -130,11 +127,7 @@ class MoeSource : public DeepSpeedModelSource {
                                "(experts under their global ids)");
   }
 
-  std::vector<std::string> VerifyNotes() const override {
-    std::vector<std::string> notes;
-    for (const Drift& d : MeasureDrift(ckpt())) notes.push_back("replicas differ: " + DescribeDrift(ckpt(), d));
-    return notes;
-  }
+  std::vector<std::string> VerifyNotes() const override { return DriftNotes(); }
 
  private:
   // Whether the save has optimizer state: shards, or without them a torch

@@ -46,11 +46,12 @@ FullTensor WholeShard(std::string name, std::string param, std::string state, DT
 
 class NonPipelineSource : public DeepSpeedModelSource {
  public:
-  using DeepSpeedModelSource::DeepSpeedModelSource;
+  NonPipelineSource(std::unique_ptr<DeepSpeedModel> model, const CommonOptions& options)
+      : DeepSpeedModelSource(std::move(model), options) {
+    SetInfo("non-pipeline", SummaryLine(), false);
+  }
 
-  std::string kind() const override { return "non-pipeline"; }
-
-  std::string Summary() const override {
+  std::string SummaryLine() const {
     return "non-pipeline DeepSpeed checkpoint (the whole model in mp_rank files; only DP can "
            "change); TP " + std::to_string(ckpt().tp) + ", DP " + std::to_string(ckpt().dp) +
            "; iteration " + std::to_string(ckpt().iteration) + "; " +
@@ -88,7 +89,7 @@ class NonPipelineSource : public DeepSpeedModelSource {
     }
     RESHARD_ASSIGN_OR_RETURN(DeepSpeedPlan plan,
                              MakeDataParallelPlan(ckpt(), opt, PlanOptionsFrom(options)));
-    return NativeOutput(ckpt(), opt, plan, files(), iteration(), options.update_latest);
+    return NativeOutput(ckpt(), opt, plan, files(), ckpt().iteration, options.update_latest);
   }
 
   // Modules and optimizer state compare rank by rank: the TP layout is kept.

@@ -75,12 +75,12 @@ void CheckStages(const LogicalCheckpoint& ckpt, LintReport* report) {
 
 class PipelineSource : public DeepSpeedModelSource {
  public:
-  using DeepSpeedModelSource::DeepSpeedModelSource;
+  template <typename... Args>
+  explicit PipelineSource(Args&&... args) : DeepSpeedModelSource(std::forward<Args>(args)...) {
+    SetInfo("pipeline", SummaryLine(), true);
+  }
 
-  std::string kind() const override { return "pipeline"; }
-  int64_t vocab_rows() const override { return ckpt().vocab.padded_rows; }
-
-  std::string Summary() const override {
+  std::string SummaryLine() const {
     const LogicalCheckpoint& c = ckpt();
     int blocks = 0;
     for (const SpecEntry& s : c.specs) blocks += s.role == "block" ? 1 : 0;
@@ -163,7 +163,7 @@ class PipelineSource : public DeepSpeedModelSource {
                        "reshaped with the weights (its groups follow DeepSpeed's current "
                        "stage partition)");
     }
-    return NativeOutput(ckpt(), opt, plan, files(), iteration(), options.update_latest);
+    return NativeOutput(ckpt(), opt, plan, files(), ckpt().iteration, options.update_latest);
   }
 
   Result<std::vector<FullTensor>> FullTensors(ReplicatedPolicy replicated,
@@ -183,8 +183,6 @@ class PipelineSource : public DeepSpeedModelSource {
     RESHARD_ASSIGN_OR_RETURN(const SourceOptimizer* opt, Optimizer());
     return CheckStateDrift(ckpt(), *opt, replicated);
   }
-
-  std::optional<int64_t> vocab_size() const override { return ckpt().vocab.original_size; }
 
   Result<OutputPlan> PlanFamilyFormat(const ExportOptions& options,
                                       std::vector<std::string>* notes) const override {
@@ -232,11 +230,7 @@ class PipelineSource : public DeepSpeedModelSource {
     return out;
   }
 
-  std::vector<std::string> VerifyNotes() const override {
-    std::vector<std::string> notes;
-    for (const Drift& d : MeasureDrift(ckpt())) notes.push_back("replicas differ: " + DescribeDrift(ckpt(), d));
-    return notes;
-  }
+  std::vector<std::string> VerifyNotes() const override { return DriftNotes(); }
 
  private:
   static bool IsVocab(const LogicalTensor& t) { return t.rule->policy == ParamRule::Policy::kVocab; }

@@ -5,6 +5,7 @@
 #include "formats/deepspeed/files/file_names.h"
 #include "formats/deepspeed/pipeline/pipeline_writer.h"
 #include "formats/deepspeed/optimizer/state_tensor.h"
+#include "logical/drift.h"
 #include "plan/tensor_plan.h"
 #include "util/human.h"
 
@@ -61,6 +62,27 @@ Result<OutputPlan> NativeOutput(const LogicalCheckpoint& src, const SourceOptimi
   RESHARD_ASSIGN_OR_RETURN(OutputPlan out, DeepSpeedOutput(src, opt, plan));
   out.publication = NativePublication(files, iteration, update_latest);
   return out;
+}
+
+void DeepSpeedModelSource::SetInfo(std::string kind, std::string summary, bool vocab) {
+  info_.kind = std::move(kind);
+  info_.tag_dir = files().tag_dir;
+  info_.files = files().Paths();
+  info_.iteration = ckpt().iteration;
+  info_.summary = std::move(summary);
+  info_.findings = ckpt().findings;
+  info_.metadata = ckpt().metadata[0];
+  info_.rules = ckpt().rules;
+  info_.settings = ckpt().settings;
+  if (!vocab) return;
+  info_.vocab_rows = ckpt().vocab.padded_rows;
+  info_.vocab_size = ckpt().vocab.original_size;
+}
+
+std::vector<std::string> DeepSpeedModelSource::DriftNotes() const {
+  std::vector<std::string> notes;
+  for (const Drift& d : MeasureDrift(ckpt())) notes.push_back("replicas differ: " + DescribeDrift(ckpt(), d));
+  return notes;
 }
 
 const char DeepSpeedModelSource::kDryRunNote[] =

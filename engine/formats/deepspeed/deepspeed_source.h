@@ -79,17 +79,15 @@ class DeepSpeedModelSource : public SourceCheckpoint {
       : model_(std::move(universal.model)), allowed_classes_(options.allowed_classes),
         optimizer_(std::move(universal.optimizer)), optimizer_status_(universal.optimizer_status) {}
 
-  const std::string& tag_dir() const override { return model_->files.tag_dir; }
-  std::vector<std::string> Files() const override { return model_->files.Paths(); }
-  int64_t iteration() const override { return ckpt().iteration; }
-  const std::vector<Finding>& findings() const override { return ckpt().findings; }
-  const Value& metadata() const override { return ckpt().metadata[0]; }
-  const RuleSet* rules() const override { return ckpt().rules.get(); }
-  const Value& settings() const override { return ckpt().settings; }
   // The metadata, the layer files' tensors and the problems found reading them.
   std::string Describe() const override;
 
  protected:
+  // Sets info_ from the model read, with the kind's name and summary;
+  // `vocab`: the checkpoint's vocabulary tensors are described by its rules.
+  void SetInfo(std::string kind, std::string summary, bool vocab);
+  // Replicas that differ, for verify (the kinds whose rules name replicas).
+  std::vector<std::string> DriftNotes() const;
   // What a dry run says it did not check.
   static const char kDryRunNote[];
 

@@ -17,15 +17,14 @@ constexpr char kWeightsOnlyRefusal[] =
 class Zero3Source : public SourceCheckpoint {
  public:
   Zero3Source(CheckpointFiles files, std::unique_ptr<Zero3Checkpoint> ckpt)
-      : files_(std::move(files)), ckpt_(std::move(ckpt)) {}
-
-  std::string kind() const override { return "ZeRO-3"; }
-  const std::string& tag_dir() const override { return files_.tag_dir; }
-  std::vector<std::string> Files() const override { return files_.Paths(); }
-  int64_t iteration() const override { return ckpt_->iteration(); }
-  std::string Summary() const override { return ckpt_->Summary(); }
-  const std::vector<Finding>& findings() const override { return findings_; }
-  const Value& metadata() const override { return ckpt_->ranks()[0].model_states[0]; }
+      : files_(std::move(files)), ckpt_(std::move(ckpt)) {
+    info_.kind = "ZeRO-3";
+    info_.tag_dir = files_.tag_dir;
+    info_.files = files_.Paths();
+    info_.iteration = ckpt_->iteration();
+    info_.summary = ckpt_->Summary();
+    info_.metadata = ckpt_->ranks()[0].model_states[0];
+  }
 
   // Loading checked every partition and sub-group against param_shapes.
   void Lint(const LintOptions&, LintReport* report) const override {
@@ -92,7 +91,6 @@ class Zero3Source : public SourceCheckpoint {
  private:
   CheckpointFiles files_;
   std::unique_ptr<Zero3Checkpoint> ckpt_;
-  std::vector<Finding> findings_;
 };
 
 }  // namespace

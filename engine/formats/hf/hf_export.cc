@@ -165,8 +165,8 @@ Result<std::vector<std::pair<std::string, int64_t>>> SpecialTokenIds(const std::
 Result<HfConfigExtras> ConfigExtras(const SourceCheckpoint& src, const ExportOptions& options, Value* source_config,
                                     std::vector<std::string>* notes) {
   HfConfigExtras extras;
-  if (IsHfFolder(src.tag_dir())) {
-    RESHARD_ASSIGN_OR_RETURN(*source_config, ReadJsonFile((std::filesystem::path(src.tag_dir()) / "config.json").string()));
+  if (IsHfFolder(src.info().tag_dir)) {
+    RESHARD_ASSIGN_OR_RETURN(*source_config, ReadJsonFile((std::filesystem::path(src.info().tag_dir) / "config.json").string()));
     if (source_config->is(Value::Kind::kDict)) extras.source = source_config;
   }
   if (!options.tokenizer.empty()) {
@@ -177,9 +177,9 @@ Result<HfConfigExtras> ConfigExtras(const SourceCheckpoint& src, const ExportOpt
 
 // The family's HF mapping, if the checkpoint is one the architecture computes.
 Result<const HfExport*> FamilyExport(const SourceCheckpoint& src, const RuleInputs& inputs) {
-  const RuleSet* rules = src.rules();
+  const RuleSet* rules = src.info().rules.get();
   if (rules == nullptr) {
-    return Status::Unsupported("a " + src.kind() + " checkpoint is not described by a rule set, so reshard "
+    return Status::Unsupported("a " + src.info().kind + " checkpoint is not described by a rule set, so reshard "
                                "does not know its architecture; export --to consolidated writes its tensors");
   }
   const HfExport* hf = rules->hf();
@@ -236,7 +236,7 @@ DType FloatingDType(const std::vector<ChosenTensor>& chosen) {
 
 Result<OutputPlan> PlanHf(const SourceCheckpoint& src, const ExportOptions& options,
                                            std::vector<std::string>* notes) {
-  const RuleInputs inputs{src.metadata(), src.settings()};
+  const RuleInputs inputs{src.info().metadata, src.info().settings};
   RESHARD_ASSIGN_OR_RETURN(const HfExport* hf, FamilyExport(src, inputs));
   if (options.max_shard_size < 1) return Status::InvalidInput("--max-shard-size must be at least 1 byte");
   if (options.file_format != "safetensors" && options.file_format != "pt") {
@@ -245,8 +245,8 @@ Result<OutputPlan> PlanHf(const SourceCheckpoint& src, const ExportOptions& opti
   std::atomic<int64_t> unused{0};  // planning reads no tensor bytes
   RESHARD_ASSIGN_OR_RETURN(std::vector<FullTensor> all, src.FullTensors(options.replicated, &unused));
   RESHARD_ASSIGN_OR_RETURN(TensorChoiceOptions choice, ChoiceOptions(options, all));
-  if (!choice.vocab_size) choice.vocab_size = src.vocab_size();
-  RESHARD_ASSIGN_OR_RETURN(std::vector<ChosenTensor> chosen, ChooseTensors(all, src.kind(), choice, notes));
+  if (!choice.vocab_size) choice.vocab_size = src.info().vocab_size;
+  RESHARD_ASSIGN_OR_RETURN(std::vector<ChosenTensor> chosen, ChooseTensors(all, src.info().kind, choice, notes));
   StateDictLayout layout{"hf " + hf->architecture, options.replicated, options.max_shard_size,
                          options.file_format == "pt"};
   layout.scratch = std::make_shared<ScratchFolder>();

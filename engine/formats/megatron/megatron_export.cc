@@ -40,13 +40,13 @@ struct MegatronExportPlan {
 };
 
 Status CheckSource(const SourceCheckpoint& src) {
-  if (src.HasExperts()) {
+  if (src.info().has_experts) {
     return Status::Unsupported("export --to megatron: this checkpoint has DeepSpeed MoE experts, which Megatron-LM's "
                                "legacy GPT model does not lay out; export --to consolidated writes its tensors");
   }
-  if (src.rules() == nullptr) {
+  if (src.info().rules == nullptr) {
     return Status::Unsupported("export --to megatron cuts tensors by the rule set that describes a pipeline "
-                               "checkpoint, and this " + src.kind() + " checkpoint is read without one; "
+                               "checkpoint, and this " + src.info().kind + " checkpoint is read without one; "
                                "export --to consolidated writes its tensors");
   }
   return Status::Ok();
@@ -72,9 +72,9 @@ Result<TpCut> CutOf(const ExportOptions& options) {
 // The source's data-parallel size, which the export keeps; the world size is
 // then TP x PP x DP of the target (Megatron-LM checks the batch sizes by it).
 int SourceDp(const SourceCheckpoint& src) {
-  const Value* args = Find(src.metadata(), "args");
+  const Value* args = Find(src.info().metadata, "args");
   const int64_t dp = MetadataInt(args != nullptr ? *args : Value(), "data_parallel_size",
-                                 MetadataInt(src.metadata(), "dp_world_size", 1));
+                                 MetadataInt(src.info().metadata, "dp_world_size", 1));
   return dp >= 1 ? static_cast<int>(dp) : 1;
 }
 
@@ -177,13 +177,13 @@ Result<OutputPlan> PlanMegatron(const SourceCheckpoint& src, const ExportOptions
   RESHARD_ASSIGN_OR_RETURN(plan.cut, CutOf(options));
   RESHARD_ASSIGN_OR_RETURN(plan.dtype, ExportDType(options.dtype));
   plan.pp = options.pp;
-  plan.iteration = src.iteration();
+  plan.iteration = src.info().iteration;
   OutputPlan out;
   RESHARD_ASSIGN_OR_RETURN(TpWeights weights, src.WeightsForTp(plan.cut, notes, out.read.get()));
   plan.padded_vocab = weights.padded_vocab;
   RESHARD_ASSIGN_OR_RETURN(plan.blocks_per_stage, BlocksPerStage(CountBlocks(weights.ranks[0]), plan.pp));
   RESHARD_RETURN_IF_ERROR(PlaceTensors(weights, &plan));
-  const Value* args = Find(src.metadata(), "args");
+  const Value* args = Find(src.info().metadata, "args");
   if (args != nullptr && DictItems(*args) != nullptr) {
     plan.args = MegatronArgs(*args, {plan.cut.tp, plan.pp, SourceDp(src), plan.padded_vocab}, notes);
   } else {
