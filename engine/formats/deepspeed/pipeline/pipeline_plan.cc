@@ -32,7 +32,6 @@ Status PlanLayerFiles(const LogicalCheckpoint& src, const PlanOptions& o, DeepSp
       for (size_t ti = 0; ti < layer.tensors.size(); ++ti) {
         file.tensors.push_back(
             PlanTensor(src, static_cast<int>(li), static_cast<int>(ti), rank, target));
-        file.bytes += file.tensors.back().numel() * ElementSize(src.WeightDType(layer.tensors[ti]));
       }
       plan->layer_files.push_back(std::move(file));
     }

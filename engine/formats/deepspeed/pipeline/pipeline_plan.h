@@ -28,7 +28,6 @@ struct LayerFilePlan {
   int layer_index = 0;  // into LogicalCheckpoint::layers
   int tp_rank = 0;
   std::vector<TensorPlan> tensors;  // in the source file's key order
-  int64_t bytes = 0;                // tensor bytes to write
 };
 
 // One target mp_rank_XX_model_states.pt.
