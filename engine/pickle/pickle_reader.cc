@@ -40,6 +40,9 @@ enum class Use {
   kNumpyDType,     // numpy.dtype(str, bool, bool); then BUILD of a state tuple
   kNumpyScalar,    // scalar(numpy.dtype, bytes)
   kEnum,           // a format's enum (KnownClass::Kind::kEnum)
+  kTupleRecord,    // NEWOBJ of no arguments, then BUILD of a tuple (KnownClass::Kind::kTupleRecord)
+  kValue,          // Class(constants) (KnownClass::Kind::kValue)
+  kInert,          // a global on no list, read as an inert record (inert_unknown_classes)
   kUser,           // allowed by the user: any call, on the user's word
 };
 
@@ -66,6 +69,9 @@ const char* Shape(Use use) {
     case Use::kNumpyDType: return "as numpy.dtype(str, bool, bool)";
     case Use::kNumpyScalar: return "as scalar(numpy.dtype, bytes)";
     case Use::kEnum: return "as EnumClass(value) or getattr(EnumClass, 'member')";
+    case Use::kTupleRecord: return "as Class.__new__(Class) (NEWOBJ of no arguments), then BUILD of a tuple";
+    case Use::kValue: return "as Class(constants)";
+    case Use::kInert:
     case Use::kUser: return "in any call";
   }
   return "";
@@ -121,10 +127,19 @@ namespace {
 std::optional<Use> UseOf(const std::string& qualified, const PickleReadOptions& options) {
   if (auto it = GenericGlobals().find(qualified); it != GenericGlobals().end()) return it->second;
   if (options.allowed_globals.count(qualified) > 0) return Use::kUser;
-  if (options.known_classes == nullptr) return std::nullopt;
-  auto it = options.known_classes->find(qualified);
-  if (it == options.known_classes->end()) return std::nullopt;
-  return it->second.kind == KnownClass::Kind::kEnum ? Use::kEnum : Use::kRecord;
+  if (options.known_classes != nullptr) {
+    auto it = options.known_classes->find(qualified);
+    if (it != options.known_classes->end()) {
+      switch (it->second.kind) {
+        case KnownClass::Kind::kEnum: return Use::kEnum;
+        case KnownClass::Kind::kRecord: return Use::kRecord;
+        case KnownClass::Kind::kTupleRecord: return Use::kTupleRecord;
+        case KnownClass::Kind::kValue: return Use::kValue;
+      }
+    }
+  }
+  if (options.inert_unknown_classes) return Use::kInert;
+  return std::nullopt;
 }
 
 // A name a class's public attribute may have: no dunder, nothing private.
@@ -325,7 +340,9 @@ uint8_t ThenOf(Use use) {
     case Use::kOrderedDict: return kThenSetItems | kThenAttributes;
     case Use::kRecord: return kThenAttributes;
     case Use::kNumpyArray:
-    case Use::kNumpyDType: return kThenStateTuple;
+    case Use::kNumpyDType:
+    case Use::kTupleRecord: return kThenStateTuple;
+    case Use::kInert:
     case Use::kUser: return kThenSetItems | kThenAppends | kThenAnyState;
     default: return 0;
   }
@@ -1000,7 +1017,10 @@ Status Parser::Call(const Global& g, Object::Construct how, const std::vector<No
                     Node** out) {
   const Use use = *UseOf(g.Qualified(), options_);  // PushGlobal accepted g
   const bool newobj = how == Object::Construct::kNewObj;
-  if (use != Use::kUser && newobj != (use == Use::kRecord)) return RefuseCall(use, g, args, how);
+  const bool any_call = use == Use::kUser || use == Use::kInert;
+  if (!any_call && newobj != (use == Use::kRecord || use == Use::kTupleRecord)) {
+    return RefuseCall(use, g, args, how);
+  }
   switch (use) {
     case Use::kRebuildTensor: return RebuildTensor(args, out);
     case Use::kTypedTensor: return TypedTensor(g, args, out);
@@ -1029,6 +1049,7 @@ bool Parser::ArgsFit(Use use, const std::vector<Node*>& a) const {
   switch (use) {
     case Use::kOrderedDict:
     case Use::kRecord:
+    case Use::kTupleRecord:
     case Use::kBytes: return a.empty();
     case Use::kSet:
       return a.empty() || (a.size() == 1 && (a[0]->kind == Node::Kind::kList ||
@@ -1059,6 +1080,8 @@ bool Parser::ArgsFit(Use use, const std::vector<Node*>& a) const {
     case Use::kNumpyScalar:
       return a.size() == 2 && IsObjectOf(a[0], "numpy", "dtype") && IsLeaf(a[1], Value::Kind::kBytes);
     case Use::kEnum: return a.size() == 1 && IsConstant(a[0]);
+    case Use::kValue: return std::all_of(a.begin(), a.end(), IsConstant);
+    case Use::kInert:
     case Use::kUser: return true;
     default: return false;  // kName: never called
   }
@@ -1073,7 +1096,8 @@ Status Parser::GetAttr(const Global& g, const std::vector<Node*>& args, Node** o
   if (args.size() == 2 && IsLeaf(args[0], Value::Kind::kGlobal) && LeafString(args[1], &member)) {
     of = UseOf(args[0]->leaf.as_global().Qualified(), options_);
   }
-  if (!of || (*of != Use::kEnum && *of != Use::kUser) || !IsPublicName(member)) {
+  if (!of || (*of != Use::kEnum && *of != Use::kUser && *of != Use::kInert) ||
+      !IsPublicName(member)) {
     return RefuseCall(Use::kGetAttr, g, args, Object::Construct::kReduce);
   }
   const Global& cls = args[0]->leaf.as_global();
@@ -1119,7 +1143,8 @@ Status Parser::TypedTensor(const Global& g, const std::vector<Node*>& args, Node
 // a shape of call the format does not expect); empty for generic globals.
 std::string Parser::FormatClass(const Global& g) const {
   const std::optional<Use> use = UseOf(g.Qualified(), options_);
-  return use == Use::kEnum || (use == Use::kRecord && !IsKnownGlobal(g.Qualified()))
+  return use == Use::kEnum || use == Use::kTupleRecord || use == Use::kValue ||
+                 (use == Use::kRecord && !IsKnownGlobal(g.Qualified()))
              ? g.Qualified()
              : "";
 }

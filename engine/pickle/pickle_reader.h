@@ -43,6 +43,13 @@ struct KnownClass {
     // A plain class (a dataclass, an attribute bag): built by NEWOBJ of no
     // arguments, then BUILD with a dict of its attributes.
     kRecord,
+    // A record whose class takes its state as a tuple: NEWOBJ of no
+    // arguments, then BUILD with a tuple (DCP's TensorProperties).
+    kTupleRecord,
+    // A value named by constants: Class(c1, c2, ...) with plain constant
+    // arguments (str, int, ...) and no state: a path (pathlib.PosixPath), a
+    // lookup by name (torch.serialization._get_layout('torch.strided')).
+    kValue,
   };
   Kind kind = Kind::kRecord;
   std::set<std::string> members;  // kEnum: the member names
@@ -61,6 +68,12 @@ struct PickleReadOptions {
   // allows getattr(module.Enum, 'member') for a member of a format's enum
   // that KnownClass::members does not list.
   std::set<std::string> allowed_globals;
+  // Read a global on no list as an inert record (any call of it is carried
+  // through as an opaque Object) instead of refusing it. Only for callers
+  // that take plain data out of the tree and never write it back: a
+  // Distributed Checkpoint's `.metadata` holds other libraries' classes
+  // (Megatron's MCoreSavePlan) beside the fields reshard reads.
+  bool inert_unknown_classes = false;
   // Refuse streams nested deeper than this (protects the stack).
   int max_depth = 1000;
 };

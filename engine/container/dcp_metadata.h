@@ -1,0 +1,82 @@
+// The `.metadata` file of a PyTorch Distributed Checkpoint (DCP, torch 2.6),
+// read as plain data.
+//
+// A DCP checkpoint is a folder: `.metadata` (one pickle) and data files
+// `__<rank>_<i>.distcp`. The metadata lists every item by its flattened key
+// (FQN): a tensor (dtype, global size, and the chunks, N-dimensional boxes of
+// it, that were written) or a bytes item (a pickled plain object), and says
+// where each chunk or bytes item lies: a file of the folder, an offset and a
+// length. The pickle is parsed with reshard's own reader and an allow-list of
+// DCP's classes; other libraries' classes (Megatron-Core adds its own) are
+// read as inert records and ignored. Nothing is executed.
+//
+//   Result<DcpMetadata> meta = ReadDcpMetadata(folder + "/.metadata");
+//   const DcpStorage* where = meta->Find("w", meta->items.at("w").chunks[0].offsets);
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "pickle/dtype.h"
+#include "pickle/pickle_reader.h"
+#include "reshard/status.h"
+
+namespace reshard {
+
+// A box of a tensor: its first element's index and its extent, per dimension.
+struct DcpChunk {
+  std::vector<int64_t> offsets;
+  std::vector<int64_t> sizes;
+};
+
+struct DcpItem {
+  enum class Kind { kTensor, kBytes };
+  Kind kind = Kind::kBytes;
+  // Tensors only.
+  DType dtype = DType::kFloat32;
+  std::vector<int64_t> size;  // the global shape
+  std::vector<DcpChunk> chunks;
+};
+
+// An entry of the storage index: an item's key and, for a tensor, the
+// offsets of one of its chunks (empty for bytes items and 0-d tensors).
+struct DcpStorageKey {
+  std::string fqn;
+  std::vector<int64_t> offsets;
+  bool operator<(const DcpStorageKey& o) const {
+    return fqn != o.fqn ? fqn < o.fqn : offsets < o.offsets;
+  }
+};
+
+// Where an item's bytes are: [offset, offset + length) of a file of the
+// checkpoint folder (a plain file name: the reader refuses paths).
+struct DcpStorage {
+  std::string relative_path;
+  uint64_t offset = 0;
+  uint64_t length = 0;
+};
+
+struct DcpMetadata {
+  std::map<std::string, DcpItem> items;  // by FQN
+  std::map<DcpStorageKey, DcpStorage> storage;
+
+  // The storage of `fqn`'s chunk at `offsets` (empty for a bytes item), or
+  // null. ReadDcpMetadata checks that every chunk and bytes item has one.
+  const DcpStorage* Find(const std::string& fqn, const std::vector<int64_t>& offsets) const;
+};
+
+// The classes a DCP `.metadata` references (torch.distributed.checkpoint's
+// metadata, filesystem and planner classes, torch's layout and memory-format
+// encodings, pathlib's paths), with the calls torch's pickler makes of them.
+const KnownClasses& DcpKnownClasses();
+
+// Reads and checks `path`. Errors (one line naming the file): InvalidInput
+// for a file that is not a DCP metadata pickle or whose content does not fit
+// (an unknown dtype, a chunk outside its tensor, a chunk or bytes item with
+// no storage entry, a storage path that leaves the folder); Unsupported for
+// what torch may write but reshard cannot read (stream transforms).
+Result<DcpMetadata> ReadDcpMetadata(const std::string& path);
+
+}  // namespace reshard
