@@ -10,7 +10,7 @@ DEB_PACKAGES := cmake g++ make pkg-config libtorch-dev libyaml-cpp-dev libre2-de
 FUZZ_BUILD ?= build-fuzz
 # Seconds per fuzz target: short in `make test`, longer by hand (make fuzz FUZZ_SECONDS=3600).
 FUZZ_SECONDS ?= 40
-FUZZERS := pickle zip rules safetensors hf_json manifest
+FUZZERS := pickle zip rules safetensors dcp_metadata hf_json manifest
 SANITIZE_BUILD ?= build-asan
 
 .PHONY: deps build test demo fuzz sanitize bench clean

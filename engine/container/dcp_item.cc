@@ -12,16 +12,14 @@ Result<Value> ReadDcpItem(std::shared_ptr<const MappedFile> file, const DcpStora
   return ReadTorchArchive(std::move(file), window);
 }
 
-Result<Value> ReadDcpChunk(const std::string& folder, const DcpMetadata& meta,
+Result<Value> ReadDcpChunk(std::shared_ptr<const MappedFile> file, const DcpMetadata& meta,
                            const std::string& fqn, const DcpChunk& chunk) {
   auto item = meta.items.find(fqn);
   const DcpStorage* storage = meta.Find(fqn, chunk.offsets);
   if (item == meta.items.end() || item->second.kind != DcpItem::Kind::kTensor ||
       storage == nullptr) {
-    return Status::InvalidInput(folder + ": no tensor chunk of '" + fqn + "' is stored there");
+    return Status::InvalidInput(file->path() + ": no tensor chunk of '" + fqn + "' is stored there");
   }
-  RESHARD_ASSIGN_OR_RETURN(std::shared_ptr<const MappedFile> file,
-                           MappedFile::Open(folder + "/" + storage->relative_path));
   const std::string where = file->Name(FileWindow{storage->offset, storage->length});
   RESHARD_ASSIGN_OR_RETURN(Value value, ReadDcpItem(file, *storage));
   // torch clones a view before writing it, so the stored tensor is the chunk

@@ -23,11 +23,11 @@ namespace reshard {
 // object, for a chunk its tensor.
 Result<Value> ReadDcpItem(std::shared_ptr<const MappedFile> file, const DcpStorage& storage);
 
-// The tensor of `fqn`'s chunk `chunk`, read from the checkpoint `folder`
-// described by `meta`: a contiguous tensor of the item's dtype and the
-// chunk's sizes (InvalidInput, naming the file and window, when the archive
-// holds anything else).
-Result<Value> ReadDcpChunk(const std::string& folder, const DcpMetadata& meta,
+// The tensor of `fqn`'s chunk `chunk` of the checkpoint `meta` describes,
+// read from `file`, the file its storage entry names: a contiguous tensor of
+// the item's dtype and the chunk's sizes (InvalidInput, naming the file and
+// window, when the archive holds anything else).
+Result<Value> ReadDcpChunk(std::shared_ptr<const MappedFile> file, const DcpMetadata& meta,
                            const std::string& fqn, const DcpChunk& chunk);
 
 }  // namespace reshard

@@ -1,9 +1,11 @@
 #include "container/dcp_metadata.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "container/mapped_file.h"
 #include "pickle/value.h"
+#include "util/box.h"
 
 namespace reshard {
 
@@ -119,7 +121,34 @@ class MetadataParser {
       RESHARD_RETURN_IF_ERROR(CheckChunk(fqn, out->size, chunk));
       out->chunks.push_back(std::move(chunk));
     }
-    return Status::Ok();
+    return CheckTiled(fqn, *out);
+  }
+
+  // torch writes every element of a tensor exactly once (replicas are
+  // saved by one rank), so the chunks tile it: none overlaps another and
+  // together they hold all of it. Overlaps are found by a sweep along the
+  // first axis.
+  Status CheckTiled(const std::string& fqn, const DcpItem& item) const {
+    int64_t covered = 0;
+    std::vector<Box> boxes;
+    for (const DcpChunk& c : item.chunks) {
+      boxes.push_back(Box{c.offsets, c.sizes});
+      covered += boxes.back().numel();
+    }
+    std::sort(boxes.begin(), boxes.end(), [](const Box& a, const Box& b) { return a.offsets < b.offsets; });
+    for (size_t i = 0; i < boxes.size(); ++i) {
+      for (size_t j = i + 1; j < boxes.size(); ++j) {
+        if (boxes[i].rank() > 0 && boxes[j].offsets[0] >= boxes[i].end(0)) break;
+        if (Intersect(boxes[i], boxes[j]) && boxes[i].numel() > 0 && boxes[j].numel() > 0) {
+          return Bad("tensor '" + fqn + "' has chunks at " + Dims(boxes[i].offsets) + " and " +
+                     Dims(boxes[j].offsets) + " that overlap");
+        }
+      }
+    }
+    const int64_t numel = Box::Whole(item.size).numel();
+    if (covered == numel) return Status::Ok();
+    return Bad("tensor '" + fqn + "' of size " + Dims(item.size) + " has chunks holding " +
+               std::to_string(covered) + " of its " + std::to_string(numel) + " elements");
   }
 
   // TensorProperties' state is a tuple whose first field is the dtype.

@@ -2,6 +2,7 @@
 
 #include "container/record_crc.h"
 #include "formats/consolidated/consolidated_export.h"
+#include "formats/dcp/dcp_source.h"
 #include "formats/deepspeed/deepspeed_source.h"
 #include "formats/hf/hf_export.h"
 #include "formats/hf/hf_folder.h"
@@ -21,6 +22,7 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenCheckpoint(const std::string& path
     return MakeImportedSource({std::move(hf.logical), path, std::move(hf.what), std::move(hf.files), std::move(hf.notes)},
                               options);
   }
+  if (IsDcpFolder(path)) return OpenDcpCheckpoint(path, options);
   RESHARD_ASSIGN_OR_RETURN(CheckpointFiles files, ScanCheckpoint(path));
   return OpenDeepSpeedCheckpoint(std::move(files), options);
 }

@@ -19,11 +19,8 @@ namespace {
 
 namespace fs = std::filesystem;
 
-const fs::path kData = RESHARD_SHARED_DATA_DIR;
-
-#define SKIP_WITHOUT_DATA()                                                                  \
-  if (!fs::is_directory(kData / "dcp") || !fs::is_directory(kData / "megatron-core"))       \
-  GTEST_SKIP() << "no real DCP checkpoints at " << kData.string() << " (RESHARD_SHARED_DATA_DIR)"
+// Real checkpoints written by torch 2.6 (dcp/) and Megatron-Core (megatron-core/).
+const fs::path kData = fs::path(RESHARD_SOURCE_DIR) / "tests" / "data";
 
 // Every `.metadata` under the shared data folder.
 std::vector<fs::path> AllMetadataFiles() {
@@ -42,7 +39,6 @@ int64_t Volume(const std::vector<int64_t>& dims) {
 }
 
 TEST(DcpMetadataTest, ReadsEveryRealMetadataFile) {
-  SKIP_WITHOUT_DATA();
   const std::vector<fs::path> files = AllMetadataFiles();
   EXPECT_EQ(files.size(), 21u);
   for (const fs::path& path : files) {
@@ -78,7 +74,6 @@ TEST(DcpMetadataTest, ReadsEveryRealMetadataFile) {
 }
 
 TEST(DcpMetadataTest, Torch26DTensorSave) {
-  SKIP_WITHOUT_DATA();
   Result<DcpMetadata> meta = ReadDcpMetadata((kData / "dcp/world2_dtensor/.metadata").string());
   ASSERT_TRUE(meta.ok()) << meta.status().message();
   EXPECT_EQ(meta->items.size(), 9u);
@@ -100,7 +95,6 @@ TEST(DcpMetadataTest, Torch26DTensorSave) {
 }
 
 TEST(DcpMetadataTest, MegatronCoreSavesWithTheirOwnClasses) {
-  SKIP_WITHOUT_DATA();
   // 0.14 pickles Megatron's MCoreSavePlan: read as an inert record.
   Result<DcpMetadata> v14 = ReadDcpMetadata((kData / "megatron-core/0.14/w2_tp2/.metadata").string());
   ASSERT_TRUE(v14.ok()) << v14.status().message();
@@ -146,7 +140,10 @@ void ExpectChunksMatch(const fs::path& folder, const Value& tensors) {
     const Value* whole = Find(tensors, fqn);
     ASSERT_NE(whole, nullptr) << fqn;
     for (const DcpChunk& c : item.chunks) {
-      Result<Value> chunk = ReadDcpChunk(folder.string(), *meta, fqn, c);
+      Result<std::shared_ptr<const MappedFile>> file =
+          MappedFile::Open((folder / meta->Find(fqn, c.offsets)->relative_path).string());
+      ASSERT_TRUE(file.ok()) << file.status().message();
+      Result<Value> chunk = ReadDcpChunk(*file, *meta, fqn, c);
       ASSERT_TRUE(chunk.ok()) << chunk.status().message();
       SCOPED_TRACE(fqn);
       ExpectBoxOf(whole->as_tensor(), chunk->as_tensor(), c.offsets);
@@ -157,7 +154,6 @@ void ExpectChunksMatch(const fs::path& folder, const Value& tensors) {
 }
 
 TEST(DcpMetadataTest, ChunksEqualTheWholeTensorsTorchLoaded) {
-  SKIP_WITHOUT_DATA();
   Result<Value> full = ReadTorchFile((kData / "dcp/world2_dtensor_full.pt").string());
   ASSERT_TRUE(full.ok()) << full.status().message();
   ExpectChunksMatch(kData / "dcp/world2_dtensor", *Find(*full, "tensors"));
@@ -171,7 +167,6 @@ TEST(DcpMetadataTest, ChunksEqualTheWholeTensorsTorchLoaded) {
 }
 
 TEST(DcpMetadataTest, BytesItemIsThePlainObject) {
-  SKIP_WITHOUT_DATA();
   const fs::path folder = kData / "dcp/world2_dtensor";
   Result<DcpMetadata> meta = ReadDcpMetadata((folder / ".metadata").string());
   ASSERT_TRUE(meta.ok()) << meta.status().message();
@@ -200,28 +195,33 @@ const std::string kMeta = "torch.distributed.checkpoint.metadata.";
 
 // A one-tensor Metadata: `size`, one chunk, its storage entry unless `stored`
 // is false, and the dtype `dtype` (a torch global's name).
-Value OneTensorMetadata(std::vector<int64_t> size, DcpChunk chunk, bool stored,
+// A `.metadata` of one float tensor `w` of `size` cut into `chunks`, each
+// stored (when `stored`) in `file`.
+Value OneTensorMetadata(std::vector<int64_t> size, std::vector<DcpChunk> chunks, bool stored,
                         const std::string& dtype = "float32", const std::string& file = "__0_0.distcp") {
   Value props = Record(kMeta + "TensorProperties", {});
   props.as_object().state = std::make_shared<Value>(Value::MakeTuple(
       {Value::MakeGlobal(Global{"torch", dtype}), Value::Bool(false)}));
-  Value c = Record(kMeta + "ChunkStorageMetadata", {{Value::String("offsets"), MakeTorchSize(chunk.offsets)},
-                                                    {Value::String("sizes"), MakeTorchSize(chunk.sizes)}});
-  Value tensor = Record(kMeta + "TensorStorageMetadata",
-                        {{Value::String("properties"), props},
-                         {Value::String("size"), MakeTorchSize(size)},
-                         {Value::String("chunks"), Value::MakeList({c})}});
+  std::vector<Value> listed;
   Items storage;
-  if (stored) {
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    const DcpChunk& chunk = chunks[i];
+    listed.push_back(Record(kMeta + "ChunkStorageMetadata", {{Value::String("offsets"), MakeTorchSize(chunk.offsets)},
+                                                             {Value::String("sizes"), MakeTorchSize(chunk.sizes)}}));
+    if (!stored) continue;
     Value key = Record(kMeta + "MetadataIndex", {{Value::String("fqn"), Value::String("w")},
                                                  {Value::String("offset"), MakeTorchSize(chunk.offsets)},
-                                                 {Value::String("index"), Value::Int(0)}});
+                                                 {Value::String("index"), Value::Int(static_cast<int64_t>(i))}});
     Value where = Record("torch.distributed.checkpoint.filesystem._StorageInfo",
                          {{Value::String("relative_path"), Value::String(file)},
-                          {Value::String("offset"), Value::Int(0)},
+                          {Value::String("offset"), Value::Int(static_cast<int64_t>(100 * i))},
                           {Value::String("length"), Value::Int(100)}});
     storage.push_back({key, where});
   }
+  Value tensor = Record(kMeta + "TensorStorageMetadata",
+                        {{Value::String("properties"), props},
+                         {Value::String("size"), MakeTorchSize(size)},
+                         {Value::String("chunks"), Value::MakeList(std::move(listed))}});
   return Record(kMeta + "Metadata",
                 {{Value::String("state_dict_metadata"), Value::MakeDict({{Value::String("w"), tensor}})},
                  {Value::String("storage_data"), Value::MakeDict(std::move(storage))}});
@@ -247,34 +247,39 @@ std::string Pickled(const Value& root) {
 
 TEST(DcpMetadataTest, WellFormedSyntheticFileReads) {
   TempDir dir;
-  EXPECT_EQ(ErrorFor(dir, Pickled(OneTensorMetadata({5, 7}, {{3, 0}, {2, 7}}, true))),
+  EXPECT_EQ(ErrorFor(dir, Pickled(OneTensorMetadata({5, 7}, {{{0, 0}, {3, 7}}, {{3, 0}, {2, 7}}}, true))),
             "(read without error)");
 }
 
 TEST(DcpMetadataTest, MalformedFilesGiveOneLineErrors) {
   TempDir dir;
-  EXPECT_NE(ErrorFor(dir, Pickled(OneTensorMetadata({5, 7}, {{3, 0}, {3, 7}}, true))).find("outside"),
+  EXPECT_NE(ErrorFor(dir, Pickled(OneTensorMetadata({5, 7}, {{{3, 0}, {3, 7}}}, true))).find("outside"),
             std::string::npos);
-  EXPECT_NE(ErrorFor(dir, Pickled(OneTensorMetadata({5, 7}, {{0}, {5}}, true))).find("outside"),
+  EXPECT_NE(ErrorFor(dir, Pickled(OneTensorMetadata({5, 7}, {{{0}, {5}}}, true))).find("outside"),
             std::string::npos);
-  EXPECT_NE(ErrorFor(dir, Pickled(OneTensorMetadata({5, 7}, {{0, 0}, {5, 7}}, false)))
+  EXPECT_NE(ErrorFor(dir, Pickled(OneTensorMetadata({5, 7}, {{{0, 0}, {5, 7}}}, false)))
                 .find("no storage entry for the chunk of 'w' at [0, 0]"),
             std::string::npos);
-  EXPECT_NE(ErrorFor(dir, Pickled(OneTensorMetadata({5, 7}, {{0, 0}, {5, 7}}, true, "float8_e4m3fn")))
+  EXPECT_NE(ErrorFor(dir, Pickled(OneTensorMetadata({5, 7}, {{{0, 0}, {5, 7}}}, true, "float8_e4m3fn")))
                 .find("does not know"),
             std::string::npos);
-  EXPECT_NE(ErrorFor(dir, Pickled(OneTensorMetadata({5, 7}, {{0, 0}, {5, 7}}, true, "float32", "../x")))
+  EXPECT_NE(ErrorFor(dir, Pickled(OneTensorMetadata({5, 7}, {{{0, 0}, {5, 7}}}, true, "float32", "../x")))
                 .find("not a file name"),
+            std::string::npos);
+  EXPECT_NE(ErrorFor(dir, Pickled(OneTensorMetadata({5, 7}, {{{0, 0}, {3, 7}}, {{2, 0}, {3, 7}}}, true)))
+                .find("tensor 'w' has chunks at [0, 0] and [2, 0] that overlap"),
+            std::string::npos);
+  EXPECT_NE(ErrorFor(dir, Pickled(OneTensorMetadata({5, 7}, {{{3, 0}, {2, 7}}}, true)))
+                .find("has chunks holding 14 of its 35 elements"),
             std::string::npos);
   EXPECT_NE(ErrorFor(dir, Pickled(Value::MakeDict())).find("not a torch.distributed.checkpoint Metadata"),
             std::string::npos);
-  const std::string whole = Pickled(OneTensorMetadata({5, 7}, {{0, 0}, {5, 7}}, true));
+  const std::string whole = Pickled(OneTensorMetadata({5, 7}, {{{0, 0}, {5, 7}}}, true));
   EXPECT_NE(ErrorFor(dir, whole.substr(0, whole.size() / 2)), "(read without error)");
   EXPECT_NE(ErrorFor(dir, ""), "(read without error)");
 }
 
 TEST(DcpMetadataTest, TruncatedRealFileGivesOneLineError) {
-  SKIP_WITHOUT_DATA();
   std::ifstream in(kData / "megatron-core/0.14/w2_tp2/.metadata", std::ios::binary);
   const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   TempDir dir;
