@@ -22,12 +22,15 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenCheckpoint(const std::string& path
     return MakeImportedSource({std::move(hf.logical), path, std::move(hf.what), std::move(hf.files), std::move(hf.notes)},
                               options);
   }
-  if (IsDcpFolder(path)) return OpenDcpCheckpoint(path, options);
+  if (const std::string dcp = DcpCheckpointFolder(path); !dcp.empty()) return OpenDcpCheckpoint(dcp, options);
   RESHARD_ASSIGN_OR_RETURN(CheckpointFiles files, ScanCheckpoint(path));
   return OpenDeepSpeedCheckpoint(std::move(files), options);
 }
 
-std::string CheckpointFolder(const std::string& path) { return FollowLatest(path); }
+std::string CheckpointFolder(const std::string& path) {
+  const std::string dcp = DcpCheckpointFolder(path);
+  return dcp.empty() ? FollowLatest(path) : dcp;
+}
 
 Result<OutputPlan> PlanExport(const SourceCheckpoint& src, const ExportOptions& options,
                                                std::vector<std::string>* notes) {

@@ -10,6 +10,8 @@ not by reshard. Checked:
 * the consolidated export (`--format pt`, read back with torch.load) holds every tensor item
   whole, bit for bit and in its dtype, under its key; the bytes items (plain objects) are not
   tensors and are left out;
+* a Megatron-LM root (`latest_checkpointed_iteration.txt` beside `iter_0000010/`) opens the
+  iteration it names, a `torch_dist` folder (`metadata.json`) says so;
 * `inspect` lists every tensor with its chunks; `lint` says convert needs a rule set, and convert
   refuses in one line without writing anything; `verify` finds a save equal to itself and its
   consolidated export's tensors;
@@ -95,6 +97,19 @@ class DcpSourceTest(FixtureTestCase):
         p = run('verify', folder, folder)
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         self.assertIn('same model', p.stdout)
+
+    def test_a_megatron_lm_root_opens_the_iteration_it_names(self):
+        root = self.path('root')
+        shutil.copytree(os.path.join(DATA, 'megatron-core', '0.19', 'w2_tp2'), os.path.join(root, 'iter_0000010'))
+        with open(os.path.join(root, 'latest_checkpointed_iteration.txt'), 'w') as f:
+            f.write('10\n')
+        p = run('inspect', root)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertIn('checkpoint: ' + os.path.join(root, 'iter_0000010'), p.stdout)
+        self.assertIn('Megatron-Core torch_dist checkpoint; iteration 10; 16 tensors in 42 chunks', p.stdout)
+        p = run('export', root, self.path('whole'), '--to', 'consolidated', '--format', 'pt')
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        self.assertEqual(len(torch.load(self.path('whole', 'pytorch_model.bin'))), 16)
 
     def test_a_damaged_save_is_refused_in_one_line(self):
         folder = self.path('cut')

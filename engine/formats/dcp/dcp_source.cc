@@ -8,6 +8,7 @@
 #include "container/dcp_item.h"
 #include "container/dcp_metadata.h"
 #include "container/mapped_file.h"
+#include "container/regular_file.h"
 #include "plan/materialize.h"
 #include "plan/slicing.h"
 #include "util/human.h"
@@ -17,6 +18,24 @@ namespace reshard {
 namespace {
 
 constexpr char kMetadataFile[] = ".metadata";
+constexpr char kLatestIterationFile[] = "latest_checkpointed_iteration.txt";
+
+bool IsDcpFolder(const std::string& path) {
+  struct stat st;
+  return ::stat((path + "/" + kMetadataFile).c_str(), &st) == 0 && S_ISREG(st.st_mode);
+}
+
+std::string FirstWord(const std::string& text) {
+  const size_t begin = text.find_first_not_of(" \t\r\n");
+  if (begin == std::string::npos) return "";
+  return text.substr(begin, text.find_first_of(" \t\r\n", begin) - begin);
+}
+
+// Megatron-Core's `torch_dist` folders say so in metadata.json.
+bool IsTorchDist(const std::string& folder) {
+  Result<std::string> json = ReadRegularFile(folder + "/metadata.json", 1 << 16);
+  return json.ok() && json->find("\"torch_dist\"") != std::string::npos;
+}
 
 // A tensor item with its chunks read: each a shard placed at its box.
 struct DcpTensor {
@@ -129,20 +148,25 @@ class DcpSource : public SourceCheckpoint {
   }
 
   void SetInfo() {
-    int64_t chunks = 0, bytes = 0;
-    for (const DcpTensor& t : tensors_) {
-      chunks += static_cast<int64_t>(t.shards.size());
-      bytes += Box::Whole(t.size).numel() * ElementSize(t.dtype);
-    }
     info_.kind = "DCP";
     info_.tag_dir = folder_;
     info_.files.push_back(folder_ + "/" + kMetadataFile);
     for (const auto& [name, file] : files_) info_.files.push_back(folder_ + "/" + name);
     info_.iteration = IterationOfFolder(folder_);
-    info_.summary = "PyTorch Distributed Checkpoint; " + Count(static_cast<int64_t>(tensors_.size()), "tensor") +
-                    " in " + Count(chunks, "chunk") + " (" + HumanBytes(bytes) + "), " +
-                    Count(static_cast<int64_t>(bytes_items_.size()), "bytes item") + ", " +
-                    Count(static_cast<int64_t>(files_.size()), ".distcp file") + "; no rule set";
+    info_.summary = Summary();
+  }
+
+  std::string Summary() const {
+    int64_t chunks = 0, bytes = 0;
+    for (const DcpTensor& t : tensors_) {
+      chunks += static_cast<int64_t>(t.shards.size());
+      bytes += Box::Whole(t.size).numel() * ElementSize(t.dtype);
+    }
+    std::string s = IsTorchDist(folder_) ? "Megatron-Core torch_dist checkpoint" : "PyTorch Distributed Checkpoint";
+    if (info_.iteration > 0) s += "; iteration " + std::to_string(info_.iteration);
+    return s + "; " + Count(static_cast<int64_t>(tensors_.size()), "tensor") + " in " + Count(chunks, "chunk") +
+           " (" + HumanBytes(bytes) + "), " + Count(static_cast<int64_t>(bytes_items_.size()), "bytes item") + ", " +
+           Count(static_cast<int64_t>(files_.size()), ".distcp file") + "; no rule set";
   }
 
   const std::string folder_;
@@ -154,9 +178,20 @@ class DcpSource : public SourceCheckpoint {
 
 }  // namespace
 
-bool IsDcpFolder(const std::string& path) {
-  struct stat st;
-  return ::stat((path + "/" + kMetadataFile).c_str(), &st) == 0 && S_ISREG(st.st_mode);
+std::string DcpCheckpointFolder(const std::string& path) {
+  if (IsDcpFolder(path)) return path;
+  // Megatron-LM's root: the file holds the iteration ("release" for a
+  // released model), whose folder is iter_%07d.
+  Result<std::string> latest = ReadRegularFile(path + "/" + kLatestIterationFile, 64);
+  if (!latest.ok()) return "";
+  const std::string iteration = FirstWord(*latest);
+  std::string folder = iteration == "release" ? "release" : "";
+  if (folder.empty() && !iteration.empty() && iteration.size() <= 7 &&
+      iteration.find_first_not_of("0123456789") == std::string::npos) {
+    folder = "iter_" + std::string(7 - iteration.size(), '0') + iteration;
+  }
+  const std::string at = path + "/" + folder;
+  return !folder.empty() && IsDcpFolder(at) ? at : "";
 }
 
 Result<std::unique_ptr<SourceCheckpoint>> OpenDcpCheckpoint(const std::string& folder, const CommonOptions&) {

@@ -17,8 +17,11 @@
 
 namespace reshard {
 
-// Whether `path` is a folder holding a `.metadata` file.
-bool IsDcpFolder(const std::string& path);
+// The DCP checkpoint `path` names: `path` itself when it holds a
+// `.metadata` file, or the `iter_NNNNNNN` folder a Megatron-LM root's
+// `latest_checkpointed_iteration.txt` names when that one does; "" when
+// neither.
+std::string DcpCheckpointFolder(const std::string& path);
 
 // Opens the DCP checkpoint in `folder`. Errors (one line naming the file): a
 // `.metadata` that does not parse or does not fit its files (chunks that do
