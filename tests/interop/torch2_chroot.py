@@ -1,0 +1,85 @@
+"""A Debian trixie chroot with real torch 2.6 (Debian's python3-torch), for the tests that need a
+torch able to write Distributed Checkpoints; the machine's own torch is Debian 12's 1.13.
+
+ensure() builds it once per machine into $RESHARD_TORCH2_ROOT (default
+/var/cache/reshard/trixie-torch2), about 1.6 GB and a few minutes; run() runs a python3 script in it.
+Both do their mounts inside a private mount namespace (`unshare -m`), so the mounts end with the
+process that made them: a failed or killed run leaves nothing mounted on the host.
+"""
+import fcntl
+import os
+import shlex
+import shutil
+import socket
+import subprocess
+
+ROOT = os.environ.get('RESHARD_TORCH2_ROOT', '/var/cache/reshard/trixie-torch2')
+MIRROR = 'http://deb.debian.org/debian'
+PACKAGES = ['python3-torch', 'python3-numpy']
+
+
+def ensure():
+    """(path of the finished chroot, None), or (None, one line saying why it cannot be had)."""
+    if os.path.exists(os.path.join(ROOT, 'usr', 'bin', 'python3')):
+        return ROOT, None
+    if os.geteuid() != 0:
+        return None, f'the torch 2 chroot {ROOT} is not built, and building it needs root'
+    if not shutil.which('debootstrap'):
+        _quiet(['apt-get', 'install', '-y', 'debootstrap'])
+        if not shutil.which('debootstrap'):
+            return None, 'debootstrap is missing and `apt-get install debootstrap` did not install it'
+    try:
+        socket.create_connection(('deb.debian.org', 80), timeout=10).close()
+    except OSError as e:
+        return None, f'cannot reach the Debian archive deb.debian.org:80 to build the torch 2 chroot ({e})'
+    os.makedirs(os.path.dirname(ROOT), exist_ok=True)
+    # One builder at a time; a second waits, then finds the chroot finished.
+    with open(ROOT + '.lock', 'w') as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(ROOT):
+            why = _build()
+            if why:
+                return None, why
+    return ROOT, None
+
+
+def _build():
+    """Builds into ROOT.partial and renames it to ROOT only when complete, so a killed build is never
+    taken for a finished one. Returns None, or why it failed."""
+    partial, log = ROOT + '.partial', ROOT + '.log'
+    shutil.rmtree(partial, ignore_errors=True)  # a killed build's leftovers
+    install = ('apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends '
+               + ' '.join(PACKAGES) + ' && apt-get clean')
+    steps = [('debootstrap', ['unshare', '-m', '--propagation', 'private',
+                              'debootstrap', '--variant=minbase', 'trixie', partial, MIRROR]),
+             ('apt-get install', _chroot_command(partial, ['sh', '-c', install], {}))]
+    with open(log, 'w') as out:
+        for name, step in steps:
+            if subprocess.run(step, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode:
+                return f'building the torch 2 chroot {ROOT} failed at {name}: see {log}'
+    os.rename(partial, ROOT)
+    return None
+
+
+def _chroot_command(root, argv, binds):
+    """A command that mounts /proc, a fresh /dev/shm (multiprocessing's semaphores) and the
+    {host folder: folder inside} binds in a private mount namespace, then runs argv in the chroot."""
+    mounts = [('-t proc proc', '/proc'), ('-t tmpfs tmpfs', '/dev/shm')]
+    mounts += [('--bind ' + shlex.quote(host), inside) for host, inside in binds.items()]
+    script = ' && '.join(f'mkdir -p {shlex.quote(root + inside)} && mount {how} {shlex.quote(root + inside)}'
+                         for how, inside in mounts)
+    script += ' && exec chroot ' + shlex.quote(root) + ' ' + ' '.join(map(shlex.quote, argv))
+    return ['unshare', '-m', '--propagation', 'private', 'sh', '-c', script]
+
+
+def run(root, script, binds, timeout=600):
+    """Runs python3 -c script in the chroot with the binds mounted; returns the CompletedProcess
+    (text output). The mounts go with the namespace when the run ends, however it ends."""
+    env = {'PATH': '/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin', 'HOME': '/root', 'LANG': 'C.UTF-8',
+           'USE_LIBUV': '0', 'PYTHONDONTWRITEBYTECODE': '1'}
+    return subprocess.run(_chroot_command(root, ['/usr/bin/python3', '-c', script], binds), env=env,
+                          capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def _quiet(argv):
+    subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
