@@ -25,6 +25,7 @@ def ensure():
     if os.geteuid() != 0:
         return None, f'the torch 2 chroot {ROOT} is not built, and building it needs root'
     if not shutil.which('debootstrap'):
+        _quiet(['apt-get', 'update'])
         _quiet(['apt-get', 'install', '-y', 'debootstrap'])
         if not shutil.which('debootstrap'):
             return None, 'debootstrap is missing and `apt-get install debootstrap` did not install it'
