@@ -111,6 +111,13 @@ class DcpSourceTest(FixtureTestCase):
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         self.assertEqual(len(torch.load(self.path('whole', 'pytorch_model.bin'))), 16)
 
+    def test_an_iteration_past_int64_in_a_folder_name_is_no_iteration(self):
+        folder = self.path('iter_' + '9' * 25)
+        shutil.copytree(os.path.join(DATA, 'megatron-core', '0.19', 'w2_tp2'), folder)
+        p = run('inspect', folder)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertIn('Megatron-Core torch_dist checkpoint; 16 tensors', p.stdout)
+
     def test_a_damaged_save_is_refused_in_one_line(self):
         folder = self.path('cut')
         shutil.copytree(os.path.join(DATA, 'megatron-core', '0.19', 'w2_tp2'), folder)

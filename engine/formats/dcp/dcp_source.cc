@@ -7,6 +7,7 @@
 
 #include "container/dcp_item.h"
 #include "container/dcp_metadata.h"
+#include "container/json_reader.h"
 #include "container/mapped_file.h"
 #include "container/regular_file.h"
 #include "plan/materialize.h"
@@ -33,8 +34,11 @@ std::string FirstWord(const std::string& text) {
 
 // Megatron-Core's `torch_dist` folders say so in metadata.json.
 bool IsTorchDist(const std::string& folder) {
-  Result<std::string> json = ReadRegularFile(folder + "/metadata.json", 1 << 16);
-  return json.ok() && json->find("\"torch_dist\"") != std::string::npos;
+  Result<std::string> text = ReadRegularFile(folder + "/metadata.json", 1 << 16);
+  if (!text.ok()) return false;
+  Result<Value> json = ParseJson(*text, folder + "/metadata.json");
+  const Value* backend = json.ok() ? Find(*json, "sharded_backend") : nullptr;
+  return backend != nullptr && backend->is(Value::Kind::kString) && backend->as_string() == "torch_dist";
 }
 
 // A tensor item with its chunks read: each a shard placed at its box.
@@ -49,7 +53,8 @@ struct DcpTensor {
 int64_t IterationOfFolder(const std::string& folder) {
   static const std::regex iter(".*iter_([0-9]+)/?$");
   std::smatch m;
-  return std::regex_match(folder, m, iter) ? std::stoll(m[1].str()) : 0;
+  int64_t iteration = 0;
+  return std::regex_match(folder, m, iter) && ParseInt(m[1].str(), &iteration) ? iteration : 0;
 }
 
 class DcpSource : public SourceCheckpoint {
