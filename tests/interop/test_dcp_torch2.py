@@ -35,7 +35,7 @@ run = support.reshard
 # Run by torch 2.6 in the chroot, the test's temporary folder at /work. Processes are forked, not
 # spawned: `python3 -c` has no main file a spawned child could import its function from.
 GENERATE = r'''
-import json, socket, sys
+import datetime, json, socket, sys
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -69,7 +69,8 @@ def world2():
     return {k: torch.randn(shape, generator=g).to(dtype) for k, (shape, dtype, _, _) in DTENSORS.items()}
 
 def rank(r, port):
-    dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=r, world_size=2)
+    dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=r, world_size=2,
+                            timeout=datetime.timedelta(seconds=120))
     meshes = {s: init_device_mesh('cpu', s) for s in {(2,), (2, 1)}}
     full, state, boxes = world2(), {'step': 7}, {}
     for k, (shape, _, mesh, placements) in DTENSORS.items():
@@ -91,17 +92,20 @@ def load_back(name, want):
     assert not bad, f'{name}: dcp.load gave back other values for {bad}'
     torch.save(got, f'/work/{name}_full.pt')
 
-tensors = single()
-dcp.save({**tensors, 'note': 'made by torch ' + torch.__version__, 'step': 7}, checkpoint_id='/work/single')
-flat = {k: t for k, t in tensors.items() if k != 'nested'}
-flat['nested.bias'] = tensors['nested']['bias']
-load_back('single', flat)
-
+# The two ranks are forked first, while this process has started no threads
+# (dcp.save writes through a thread pool, and a child forked after that can
+# deadlock on a lock one of them held).
 with socket.socket() as s:
     s.bind(('127.0.0.1', 0))
     port = s.getsockname()[1]
 mp.start_processes(rank, args=(port,), nprocs=2, start_method='fork')
 load_back('world2', world2())
+
+tensors = single()
+dcp.save({**tensors, 'note': 'made by torch ' + torch.__version__, 'step': 7}, checkpoint_id='/work/single')
+flat = {k: t for k, t in tensors.items() if k != 'nested'}
+flat['nested.bias'] = tensors['nested']['bias']
+load_back('single', flat)
 print('torch', torch.__version__)
 '''
 
