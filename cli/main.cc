@@ -39,7 +39,8 @@ int Fail(const Status& st) {
 // Options shared by every subcommand that reads a checkpoint.
 void AddCommonOptions(CLI::App* cmd, reshard::CommonOptions* o) {
   cmd->add_option("--rules", o->rules,
-                  "Rule set: a YAML file or a built-in name (default: detected from the checkpoint)");
+                  "Rule set: a YAML file or a built-in name (default: detected from the checkpoint); 'none' reads "
+                  "a Distributed Checkpoint (DCP, torch_dist) as it is, every item under its key");
   cmd->add_option("--allow-class", o->allowed_classes,
                   "Carry an unknown pickled class (module.name) through unchanged; never executed");
   cmd->add_option("--threads", o->threads, "Worker threads (default: the number of cores)")

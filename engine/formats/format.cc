@@ -3,6 +3,7 @@
 #include "container/record_crc.h"
 #include "formats/consolidated/consolidated_export.h"
 #include "formats/dcp/dcp_source.h"
+#include "formats/dcp/torch_dist_import.h"
 #include "formats/deepspeed/deepspeed_source.h"
 #include "formats/hf/hf_export.h"
 #include "formats/hf/hf_folder.h"
@@ -10,6 +11,29 @@
 #include "formats/megatron/megatron_export.h"
 
 namespace reshard {
+
+namespace {
+
+// `--rules none`: a DCP folder read as it is, even where a rule set reads it.
+constexpr char kNoRules[] = "none";
+
+// A Megatron-Core torch_dist folder is read as the pipeline model its
+// family's rules describe; any other DCP folder, or one no built-in rule set
+// reads, as what it is.
+Result<std::unique_ptr<SourceCheckpoint>> OpenDcp(const std::string& folder, const CommonOptions& options) {
+  RESHARD_ASSIGN_OR_RETURN(DcpContent content, ReadDcpContent(folder));
+  if (!IsTorchDistFolder(folder) || options.rules == kNoRules) return OpenDcpCheckpoint(std::move(content), "");
+  Result<TorchDistImport> imported = ReadTorchDistImport(content, options);
+  if (!imported.ok()) {
+    if (!options.rules.empty() || imported.status().code() != Status::Code::kUnsupported) return imported.status();
+    return OpenDcpCheckpoint(std::move(content), imported.status().message());
+  }
+  return MakeImportedSource({std::move(imported->logical), folder, std::move(imported->what),
+                             std::move(imported->files), std::move(imported->notes)},
+                            options);
+}
+
+}  // namespace
 
 Result<std::unique_ptr<SourceCheckpoint>> OpenCheckpoint(const std::string& path,
                                                          const CommonOptions& options) {
@@ -22,7 +46,7 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenCheckpoint(const std::string& path
     return MakeImportedSource({std::move(hf.logical), path, std::move(hf.what), std::move(hf.files), std::move(hf.notes)},
                               options);
   }
-  if (const std::string dcp = DcpCheckpointFolder(path); !dcp.empty()) return OpenDcpCheckpoint(dcp, options);
+  if (const std::string dcp = DcpCheckpointFolder(path); !dcp.empty()) return OpenDcp(dcp, options);
   RESHARD_ASSIGN_OR_RETURN(CheckpointFiles files, ScanCheckpoint(path));
   return OpenDeepSpeedCheckpoint(std::move(files), options);
 }

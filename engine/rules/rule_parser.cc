@@ -47,7 +47,7 @@ int LineOf(const YAML::Node& n, int fallback) {
 
 const std::vector<std::string> kTopFields = {"name",  "description",      "detect", "pipeline",
                                              "vocab", "optimizer_groups", "layers", "module_paths",
-                                             "hf"};
+                                             "hf",    "torch_dist"};
 const std::vector<std::string> kDetectFields = {"metadata_keys", "absent_metadata_keys", "args"};
 const std::vector<std::string> kPipelineFields = {"specs", "partition_method", "tied_module"};
 const std::vector<std::string> kPartitionFields = {"arg", "default"};
@@ -63,6 +63,9 @@ const std::vector<std::string> kHfTensorFields = {"from", "to", "split_halves", 
 const std::vector<std::string> kHfQkvFields = {"groups", "heads"};
 const std::vector<std::string> kHfCaseFields = {"when", "value"};
 const std::vector<std::string> kHfExplainedFields = {"value", "why_not"};
+const std::vector<std::string> kTorchDistFields = {"args", "tensors"};
+const std::vector<std::string> kTorchDistArgFields = {"from", "value", "when"};
+const std::vector<std::string> kTorchDistTensorFields = {"name", "key", "shape"};
 // config.json keys the exporter writes itself, from the checkpoint's tensors.
 const std::vector<std::string> kHfDerivedKeys = {"architectures", "vocab_size", "torch_dtype"};
 
@@ -218,6 +221,7 @@ class RuleSetParser {
     }
     if (const Field* f = Get(*fields, "module_paths")) ParseModulePaths(*f);
     if (const Field* f = Get(*fields, "hf")) ParseHf(*f);
+    if (const Field* f = Get(*fields, "torch_dist")) ParseTorchDist(*f);
     CheckConsistency();
   }
 
@@ -963,19 +967,117 @@ class RuleSetParser {
       }
     }
     ParseFlag(*fields, "transpose", &map.transpose);
-    if (const Field* shape = Get(*fields, "shape")) map.shape = ReadHfShape(*shape);
+    if (const Field* shape = Get(*fields, "shape")) map.shape = ReadShape(*shape, "hf.tensors shape");
     ParseHfSplit(*fields, &map);
     if (errors_.size() != errors_before) return std::nullopt;
     return map;
   }
 
+  // ---- the torch_dist section: reading the family from Megatron-Core ----------
+
+  void ParseTorchDist(const Field& f) {
+    auto fields = ReadFields(f, "torch_dist", kTorchDistFields);
+    if (!fields) return;
+    TorchDistLayout layout;
+    layout.line = f.line;
+    if (const Field* a = Get(*fields, "args")) layout.args = ParseTorchDistArgs(*a);
+    const Field* t = Get(*fields, "tensors");
+    if (t == nullptr || !t->node.IsSequence() || t->node.size() == 0) {
+      Fail(t ? *t : f, "torch_dist.tensors must be a non-empty list of {name: <canonical name>, key: <torch_dist key "
+                       "or list of alternatives>}");
+      return;
+    }
+    std::map<std::string, int> names;
+    for (const Field& item : Items(*t)) {
+      std::optional<TorchDistTensor> tensor = ParseTorchDistTensor(item);
+      if (!tensor) continue;
+      if (!names.emplace(tensor->name, item.line).second) {
+        Fail(item, "torch_dist.tensors maps '" + tensor->name + "' twice (first at line " +
+                       std::to_string(names[tensor->name]) + "); keep one");
+        continue;
+      }
+      layout.tensors.push_back(std::move(*tensor));
+    }
+    rs_->torch_dist_ = std::move(layout);
+  }
+
+  // args field -> a metadata path, or {from: path | value: scalar, when: {...}}.
+  std::vector<TorchDistArg> ParseTorchDistArgs(const Field& f) {
+    std::vector<TorchDistArg> out;
+    if (!f.node.IsMap()) {
+      Fail(f, "torch_dist.args must be a mapping of args field -> metadata path or {from: path, when: {...}}");
+      return out;
+    }
+    for (const auto& kv : f.node) {
+      Field value{kv.second, LineOf(kv.first, f.line)};
+      TorchDistArg arg;
+      arg.line = value.line;
+      arg.set = kv.first.IsScalar() ? kv.first.Scalar() : "?";
+      const std::string what = "torch_dist.args." + arg.set;
+      if (!IsIdentifier(arg.set)) {
+        Fail(value, "torch_dist.args key '" + arg.set + "' must be an args field name");
+        continue;
+      }
+      if (value.node.IsScalar()) {
+        arg.from = value.node.Scalar();
+      } else if (auto fields = ReadFields(value, what, kTorchDistArgFields)) {
+        const Field* from = Get(*fields, "from");
+        const Field* literal = Get(*fields, "value");
+        if ((from == nullptr) == (literal == nullptr)) {
+          Fail(value, what + " needs one of from: <metadata path> and value: <scalar>");
+          continue;
+        }
+        if (from) arg.from = ReadString(*from, what + ".from").value_or("");
+        if (literal) arg.value = std::make_shared<const Value>(HfLiteral(literal->node));
+        if (const Field* when = Get(*fields, "when")) arg.when = ReadArgConditions(*when, what + ".when");
+      }
+      if (arg.value == nullptr && arg.from.find('.') == std::string::npos) {
+        Fail(value, what + " must name a metadata path, e.g. args.num_query_groups");
+        continue;
+      }
+      out.push_back(std::move(arg));
+    }
+    return out;
+  }
+
+  std::optional<TorchDistTensor> ParseTorchDistTensor(const Field& f) {
+    const size_t errors_before = errors_.size();
+    auto fields = ReadFields(f, "a torch_dist.tensors entry", kTorchDistTensorFields);
+    if (!fields) return std::nullopt;
+    TorchDistTensor t;
+    t.line = f.line;
+    const Field* name = Get(*fields, "name");
+    const Field* key = Get(*fields, "key");
+    if (name == nullptr || key == nullptr) {
+      Fail(f, "a torch_dist.tensors entry needs name: <canonical name> and key: <torch_dist key or list of "
+              "alternatives>");
+      return std::nullopt;
+    }
+    if (auto s = ReadString(*name, "torch_dist.tensors name")) t.name = *s;
+    CheckHfTemplate(*name, t.name);
+    if (key->node.IsSequence()) {
+      t.keys = ReadStringList(*key, "torch_dist.tensors key");
+    } else if (auto s = ReadString(*key, "torch_dist.tensors key")) {
+      t.keys.push_back(*s);
+    }
+    for (const std::string& k : t.keys) {
+      if (k.find('{') != std::string::npos) {
+        Fail(*key, "torch_dist key '" + k + "' has a placeholder; Megatron-Core stacks the blocks of one key on "
+                   "its first axis, so the key names them all");
+      }
+    }
+    if (const Field* shape = Get(*fields, "shape")) t.shape = ReadShape(*shape, "torch_dist.tensors shape");
+    if (errors_.size() != errors_before) return std::nullopt;
+    return t;
+  }
+
   // A list of dims, each an integer, a metadata path, N*path or * (any).
-  std::vector<std::string> ReadHfShape(const Field& f) {
+  std::vector<std::string> ReadShape(const Field& f, const std::string& what) {
     static const RE2 re("([0-9]+\\*)?[A-Za-z_][A-Za-z0-9_]*(\\.[A-Za-z_][A-Za-z0-9_]*)+|[0-9]+|\\*");
-    std::vector<std::string> dims = ReadStringList(f, "hf.tensors shape");
+    std::vector<std::string> dims = ReadStringList(f, what);
     for (const std::string& dim : dims) {
       if (!RE2::FullMatch(dim, re)) {
-        Fail(f, "hf.tensors shape dim '" + dim + "' must be an integer, a metadata path, N*path or * (any "
+        Fail(f, what + " dim '" + dim + "' must be an integer, a metadata path, N*path or * (any "
                 "size), e.g. 4*args.hidden_size");
       }
     }

@@ -181,11 +181,21 @@ size_t ParamRule::ExpertIdOffset(const std::string& key) const { return GroupSpa
 
 namespace {
 
+void AddConditionPaths(const ArgConditions& conditions, std::set<std::string>* paths) {
+  for (const auto& [field, expected] : conditions) paths->insert("args." + field);
+}
+
+// The paths of a shape's dims (N, path, N*path or *).
+void AddShapePaths(const std::vector<std::string>& shape, std::set<std::string>* paths) {
+  for (const std::string& dim : shape) {
+    const std::string path = dim.substr(dim.find('*') + 1);  // npos + 1 == 0: the whole
+    if (!path.empty() && !std::isdigit(static_cast<unsigned char>(path[0]))) paths->insert(path);
+  }
+}
+
 // What the HF export reads: its conditions, config fields and split sizes.
 void AddHfPaths(const HfExport& hf, std::set<std::string>* paths) {
-  auto add_args = [paths](const ArgConditions& conditions) {
-    for (const auto& [field, expected] : conditions) paths->insert("args." + field);
-  };
+  auto add_args = [paths](const ArgConditions& conditions) { AddConditionPaths(conditions, paths); };
   add_args(hf.requirements);
   for (const HfConfigField& field : hf.config) {
     paths->insert(field.paths.begin(), field.paths.end());
@@ -195,11 +205,17 @@ void AddHfPaths(const HfExport& hf, std::set<std::string>* paths) {
     for (const MetaRef* ref : {&map.groups, &map.heads}) {
       for (std::string& p : ref->Paths()) paths->insert(std::move(p));
     }
-    for (const std::string& dim : map.shape) {
-      const std::string path = dim.substr(dim.find('*') + 1);  // npos + 1 == 0: the whole
-      if (!path.empty() && !std::isdigit(static_cast<unsigned char>(path[0]))) paths->insert(path);
-    }
+    AddShapePaths(map.shape, paths);
   }
+}
+
+// What a torch_dist import reads: Megatron-Core's args and the shapes' sizes.
+void AddTorchDistPaths(const TorchDistLayout& layout, std::set<std::string>* paths) {
+  for (const TorchDistArg& arg : layout.args) {
+    if (!arg.from.empty()) paths->insert(arg.from);
+    AddConditionPaths(arg.when, paths);
+  }
+  for (const TorchDistTensor& t : layout.tensors) AddShapePaths(t.shape, paths);
 }
 
 }  // namespace
@@ -218,6 +234,7 @@ std::set<std::string> RuleSet::ValuePaths() const {
   }
   for (const auto& [field, expected] : detect_.args) paths.insert("args." + field);
   if (hf_) AddHfPaths(*hf_, &paths);
+  if (torch_dist_) AddTorchDistPaths(*torch_dist_, &paths);
   return paths;
 }
 

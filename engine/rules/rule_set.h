@@ -22,6 +22,8 @@
 //                               family exports to: conditions, config.json
 //                               fields, and canonical name -> HF name(s) with
 //                               their reordering (HfExport below)
+//   torch_dist                  canonical name -> Megatron-Core key, for reading
+//                               the family from `torch_dist` (TorchDistLayout)
 //
 // This header is the model. The parser (RuleSet::LoadFile, LoadString) is in
 // rule_parser.cc; the files shipped in rules/ are found by builtin_rules.h.
@@ -248,6 +250,37 @@ struct HfExport {
   std::vector<std::pair<std::string, std::string>> tied;
 };
 
+// One args value a torch_dist import records under the name these rules
+// read (`torch_dist.args`): Megatron-Core's args name some values otherwise
+// (num_query_groups for num_key_value_heads). Read from `from` (a metadata
+// path), or the literal `value`, when `when` holds.
+struct TorchDistArg {
+  int line = 0;
+  std::string set;   // the args field the rules read
+  std::string from;  // "" when `value` gives it
+  std::shared_ptr<const Value> value;
+  ArgConditions when;
+};
+
+// One canonical tensor of a Megatron-Core `torch_dist` checkpoint
+// (`torch_dist.tensors`): a name with {block} is one tensor per transformer
+// block, stacked in the checkpoint on a leading layer axis.
+struct TorchDistTensor {
+  int line = 0;
+  std::string name;               // canonical: 'layers.{block}.self_attention.dense.weight'
+  std::vector<std::string> keys;  // the checkpoint's key; alternatives, as Megatron-Core versions name it
+  // The canonical tensor's shape, as hf.tensors writes one (N, path, N*path,
+  // *). A path the checkpoint does not record takes the size it meets first.
+  std::vector<std::string> shape;
+};
+
+// How the family's models are stored by Megatron-Core's `torch_dist`.
+struct TorchDistLayout {
+  int line = 0;
+  std::vector<TorchDistArg> args;
+  std::vector<TorchDistTensor> tensors;
+};
+
 class RuleSet {
  public:
   // Parses and validates a rule file. Errors name the file and line:
@@ -285,6 +318,8 @@ class RuleSet {
   bool SplitModulePath(const std::string& path, std::string* role, int* block, std::string* key) const;
   // The HF export, when the file declares one.
   const HfExport* hf() const { return hf_ ? &*hf_ : nullptr; }
+  // The `torch_dist` section, when the file declares one.
+  const TorchDistLayout* torch_dist() const { return torch_dist_ ? &*torch_dist_ : nullptr; }
 
   // Every metadata path a value is read from (sizes, vocabulary, partition
   // method, detection args): the keys `--set` may give.
@@ -308,6 +343,7 @@ class RuleSet {
   std::map<std::string, std::vector<ParamRule>> layers_;
   std::vector<ModulePath> module_paths_;
   std::optional<HfExport> hf_;
+  std::optional<TorchDistLayout> torch_dist_;
 };
 
 }  // namespace reshard

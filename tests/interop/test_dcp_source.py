@@ -1,5 +1,6 @@
 """Any PyTorch Distributed Checkpoint folder as a source: `inspect`, `lint`, `verify` and
-`export --to consolidated`.
+`export --to consolidated`; a Megatron-Core `torch_dist` save read so with `--rules none` (without it,
+its family's rules read it: test_torch_dist_import.py).
 
 The sources are real saves (tests/data/dcp: torch 2.6 `dcp.save` in one process and two, DTensors
 cut by row, by column, unevenly, replicated; tests/data/megatron-core: Megatron-Core 0.19 and 0.14
@@ -66,7 +67,7 @@ class DcpSourceTest(FixtureTestCase):
         for folder, reference in found:
             with self.subTest(save=os.path.relpath(folder, DATA)):
                 out = self.path(os.path.relpath(folder, DATA).replace('/', '_'))
-                p = run('export', folder, out, '--to', 'consolidated', '--format', 'pt')
+                p = run('export', folder, out, '--to', 'consolidated', '--format', 'pt', '--rules', 'none')
                 self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
                 got = torch.load(os.path.join(out, 'pytorch_model.bin'), map_location='cpu')
                 want = reference_tensors(reference)
@@ -103,18 +104,21 @@ class DcpSourceTest(FixtureTestCase):
         shutil.copytree(os.path.join(DATA, 'megatron-core', '0.19', 'w2_tp2'), os.path.join(root, 'iter_0000010'))
         with open(os.path.join(root, 'latest_checkpointed_iteration.txt'), 'w') as f:
             f.write('10\n')
-        p = run('inspect', root)
+        p = run('inspect', root, '--rules', 'none')
         self.assertEqual(p.returncode, 0, p.stderr)
         self.assertIn('checkpoint: ' + os.path.join(root, 'iter_0000010'), p.stdout)
         self.assertIn('Megatron-Core torch_dist checkpoint; iteration 10; 16 tensors in 42 chunks', p.stdout)
-        p = run('export', root, self.path('whole'), '--to', 'consolidated', '--format', 'pt')
+        p = run('inspect', root)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertIn('Megatron-Core torch_dist checkpoint; iteration 10 (2 .distcp files)', p.stdout)
+        p = run('export', root, self.path('whole'), '--to', 'consolidated', '--format', 'pt', '--rules', 'none')
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         self.assertEqual(len(torch.load(self.path('whole', 'pytorch_model.bin'))), 16)
 
     def test_an_iteration_past_int64_in_a_folder_name_is_no_iteration(self):
         folder = self.path('iter_' + '9' * 25)
         shutil.copytree(os.path.join(DATA, 'megatron-core', '0.19', 'w2_tp2'), folder)
-        p = run('inspect', folder)
+        p = run('inspect', folder, '--rules', 'none')
         self.assertEqual(p.returncode, 0, p.stderr)
         self.assertIn('Megatron-Core torch_dist checkpoint; 16 tensors', p.stdout)
 

@@ -5,8 +5,7 @@
 #include <map>
 #include <regex>
 
-#include "container/dcp_item.h"
-#include "container/dcp_metadata.h"
+#include "formats/dcp/dcp_content.h"
 #include "container/json_reader.h"
 #include "container/mapped_file.h"
 #include "container/regular_file.h"
@@ -18,12 +17,11 @@
 namespace reshard {
 namespace {
 
-constexpr char kMetadataFile[] = ".metadata";
 constexpr char kLatestIterationFile[] = "latest_checkpointed_iteration.txt";
 
 bool IsDcpFolder(const std::string& path) {
   struct stat st;
-  return ::stat((path + "/" + kMetadataFile).c_str(), &st) == 0 && S_ISREG(st.st_mode);
+  return ::stat((path + "/" + kDcpMetadataFile).c_str(), &st) == 0 && S_ISREG(st.st_mode);
 }
 
 std::string FirstWord(const std::string& text) {
@@ -32,53 +30,26 @@ std::string FirstWord(const std::string& text) {
   return text.substr(begin, text.find_first_of(" \t\r\n", begin) - begin);
 }
 
-// Megatron-Core's `torch_dist` folders say so in metadata.json.
-bool IsTorchDist(const std::string& folder) {
-  Result<std::string> text = ReadRegularFile(folder + "/metadata.json", 1 << 16);
-  if (!text.ok()) return false;
-  Result<Value> json = ParseJson(*text, folder + "/metadata.json");
-  const Value* backend = json.ok() ? Find(*json, "sharded_backend") : nullptr;
-  return backend != nullptr && backend->is(Value::Kind::kString) && backend->as_string() == "torch_dist";
-}
-
-// A tensor item with its chunks read: each a shard placed at its box.
-struct DcpTensor {
-  std::string fqn;
-  DType dtype = DType::kFloat32;
-  std::vector<int64_t> size;
-  std::vector<SourceShard> shards;
-};
-
-// The iteration Megatron-LM names its folder after (iter_0000010); 0 else.
-int64_t IterationOfFolder(const std::string& folder) {
-  static const std::regex iter(".*iter_([0-9]+)/?$");
-  std::smatch m;
-  int64_t iteration = 0;
-  return std::regex_match(folder, m, iter) && ParseInt(m[1].str(), &iteration) ? iteration : 0;
-}
-
 class DcpSource : public SourceCheckpoint {
  public:
-  static Result<std::unique_ptr<SourceCheckpoint>> Open(const std::string& folder) {
-    auto src = std::unique_ptr<DcpSource>(new DcpSource(folder));
-    RESHARD_ASSIGN_OR_RETURN(src->meta_, ReadDcpMetadata(folder + "/" + kMetadataFile));
-    RESHARD_RETURN_IF_ERROR(src->ReadChunks());
-    src->SetInfo();
-    return std::unique_ptr<SourceCheckpoint>(std::move(src));
+  DcpSource(DcpContent content, std::string why_no_rules)
+      : c_(std::move(content)), why_no_rules_(std::move(why_no_rules)) {
+    SetInfo();
   }
 
   // The chunks were read and checked when the checkpoint was opened; what
   // convert would object to is that no rule set describes the tensors.
   void Lint(const LintOptions&, LintReport* report) const override {
     report->findings.push_back({Finding::Severity::kInfo,
-                                "DCP: every chunk of the " + Count(static_cast<int64_t>(tensors_.size()), "tensor") +
+                                "DCP: every chunk of the " + Count(static_cast<int64_t>(c_.tensors.size()), "tensor") +
                                     " read from its .distcp window and placed in its tensor, which the chunks tile"});
+    if (!why_no_rules_.empty()) report->findings.push_back({Finding::Severity::kInfo, why_no_rules_});
     report->findings.push_back({Finding::Severity::kError, NoRulesRefusal()});
   }
 
   std::string Describe() const override {
     std::string out = "tensors (global shapes; chunks as offsets + sizes):\n";
-    for (const DcpTensor& t : tensors_) {
+    for (const DcpTensor& t : c_.tensors) {
       out += "  " + t.fqn + " " + DTypeName(t.dtype) + ShapeString(t.size) + ", " +
              Count(static_cast<int64_t>(t.shards.size()), "chunk") + ":";
       for (const SourceShard& s : t.shards) {
@@ -86,9 +57,9 @@ class DcpSource : public SourceCheckpoint {
       }
       out += "\n";
     }
-    if (bytes_items_.empty()) return out;
+    if (c_.bytes_items.empty()) return out;
     out += "bytes items (pickled objects):\n";
-    for (const std::string& fqn : bytes_items_) out += "  " + fqn + "\n";
+    for (const std::string& fqn : c_.bytes_items) out += "  " + fqn + "\n";
     return out;
   }
 
@@ -99,7 +70,7 @@ class DcpSource : public SourceCheckpoint {
   // Each tensor whole, under its key.
   Result<std::vector<FullTensor>> FullTensors(ReplicatedPolicy, std::atomic<int64_t>* read) const override {
     std::vector<FullTensor> out;
-    for (const DcpTensor& t : tensors_) {
+    for (const DcpTensor& t : c_.tensors) {
       TensorPlan whole;
       whole.shape = t.size;
       whole.cut_axis = -1;
@@ -112,73 +83,36 @@ class DcpSource : public SourceCheckpoint {
   }
 
  private:
-  explicit DcpSource(std::string folder) : folder_(std::move(folder)) {}
-
   std::string NoRulesRefusal() const {
-    return "convert writes a layout its model family's rules describe, and " + folder_ +
-           " is a Distributed Checkpoint read without a rule set; export --to consolidated writes its tensors whole";
-  }
-
-  Result<std::shared_ptr<const MappedFile>> File(const std::string& name) {
-    auto it = files_.find(name);
-    if (it != files_.end()) return it->second;
-    RESHARD_ASSIGN_OR_RETURN(std::shared_ptr<const MappedFile> file, MappedFile::Open(folder_ + "/" + name));
-    files_.emplace(name, file);
-    return file;
-  }
-
-  Status ReadChunks() {
-    for (const auto& [fqn, item] : meta_.items) {
-      if (item.kind == DcpItem::Kind::kBytes) {
-        bytes_items_.push_back(fqn);
-        continue;
-      }
-      DcpTensor t{fqn, item.dtype, item.size, {}};
-      for (const DcpChunk& chunk : item.chunks) {
-        RESHARD_ASSIGN_OR_RETURN(SourceShard shard, ReadChunk(fqn, chunk));
-        t.shards.push_back(std::move(shard));
-      }
-      tensors_.push_back(std::move(t));
-    }
-    return Status::Ok();
-  }
-
-  Result<SourceShard> ReadChunk(const std::string& fqn, const DcpChunk& chunk) {
-    const DcpStorage& where = *meta_.Find(fqn, chunk.offsets);  // ReadDcpMetadata checked it is there
-    RESHARD_ASSIGN_OR_RETURN(std::shared_ptr<const MappedFile> file, File(where.relative_path));
-    RESHARD_ASSIGN_OR_RETURN(Value tensor, ReadDcpChunk(file, meta_, fqn, chunk));
-    SourceShard shard = SourceShard::Of(tensor.as_tensor(), ShardCoords{});
-    shard.placements = {Placement{Box{chunk.offsets, chunk.sizes}, std::vector<int64_t>(chunk.sizes.size(), 0)}};
-    return shard;
+    const std::string why = why_no_rules_.empty() ? "" : " (" + why_no_rules_ + ")";
+    return "convert writes a layout its model family's rules describe, and " + c_.folder +
+           " is a Distributed Checkpoint read without a rule set" + why + "; export --to consolidated writes its "
+           "tensors whole";
   }
 
   void SetInfo() {
     info_.kind = "DCP";
-    info_.tag_dir = folder_;
-    info_.files.push_back(folder_ + "/" + kMetadataFile);
-    for (const auto& [name, file] : files_) info_.files.push_back(folder_ + "/" + name);
-    info_.iteration = IterationOfFolder(folder_);
+    info_.tag_dir = c_.folder;
+    info_.files = c_.Paths();
+    info_.iteration = IterationOfFolder(c_.folder);
     info_.summary = Summary();
   }
 
   std::string Summary() const {
     int64_t chunks = 0, bytes = 0;
-    for (const DcpTensor& t : tensors_) {
+    for (const DcpTensor& t : c_.tensors) {
       chunks += static_cast<int64_t>(t.shards.size());
       bytes += Box::Whole(t.size).numel() * ElementSize(t.dtype);
     }
-    std::string s = IsTorchDist(folder_) ? "Megatron-Core torch_dist checkpoint" : "PyTorch Distributed Checkpoint";
+    std::string s = IsTorchDistFolder(c_.folder) ? "Megatron-Core torch_dist checkpoint" : "PyTorch Distributed Checkpoint";
     if (info_.iteration > 0) s += "; iteration " + std::to_string(info_.iteration);
-    return s + "; " + Count(static_cast<int64_t>(tensors_.size()), "tensor") + " in " + Count(chunks, "chunk") +
-           " (" + HumanBytes(bytes) + "), " + Count(static_cast<int64_t>(bytes_items_.size()), "bytes item") + ", " +
-           Count(static_cast<int64_t>(files_.size()), ".distcp file") + "; no rule set";
+    return s + "; " + Count(static_cast<int64_t>(c_.tensors.size()), "tensor") + " in " + Count(chunks, "chunk") +
+           " (" + HumanBytes(bytes) + "), " + Count(static_cast<int64_t>(c_.bytes_items.size()), "bytes item") +
+           ", " + Count(static_cast<int64_t>(c_.files.size()), ".distcp file") + "; no rule set";
   }
 
-  const std::string folder_;
-  DcpMetadata meta_;
-  std::map<std::string, std::shared_ptr<const MappedFile>> files_;  // by name in the folder
-  std::vector<DcpTensor> tensors_;
-  std::vector<std::string> bytes_items_;
+  const DcpContent c_;
+  const std::string why_no_rules_;  // why no rule set describes it, when one was looked for
 };
 
 }  // namespace
@@ -199,8 +133,8 @@ std::string DcpCheckpointFolder(const std::string& path) {
   return !folder.empty() && IsDcpFolder(at) ? at : "";
 }
 
-Result<std::unique_ptr<SourceCheckpoint>> OpenDcpCheckpoint(const std::string& folder, const CommonOptions&) {
-  return DcpSource::Open(folder);
+std::unique_ptr<SourceCheckpoint> OpenDcpCheckpoint(DcpContent content, std::string why_no_rules) {
+  return std::make_unique<DcpSource>(std::move(content), std::move(why_no_rules));
 }
 
 }  // namespace reshard

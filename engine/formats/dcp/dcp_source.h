@@ -13,6 +13,7 @@
 #include <memory>
 #include <string>
 
+#include "formats/dcp/dcp_content.h"
 #include "formats/format.h"
 
 namespace reshard {
@@ -23,11 +24,8 @@ namespace reshard {
 // neither.
 std::string DcpCheckpointFolder(const std::string& path);
 
-// Opens the DCP checkpoint in `folder`. Errors (one line naming the file): a
-// `.metadata` that does not parse or does not fit its files (chunks that do
-// not tile their tensor, items outside their `.distcp` file, an item whose
-// archive holds something other than its chunk).
-Result<std::unique_ptr<SourceCheckpoint>> OpenDcpCheckpoint(const std::string& folder,
-                                                            const CommonOptions& options);
+// The DCP checkpoint `content` as what it is, without a rule set;
+// `why_no_rules` (may be empty) says why no rule set describes it.
+std::unique_ptr<SourceCheckpoint> OpenDcpCheckpoint(DcpContent content, std::string why_no_rules);
 
 }  // namespace reshard

@@ -168,6 +168,8 @@ class PipelineSource : public DeepSpeedModelSource {
 
   Result<std::vector<FullTensor>> FullTensors(ReplicatedPolicy replicated,
                                               std::atomic<int64_t>* read) const override {
+    // A tensor the rules could not describe is not among the layers' tensors.
+    RESHARD_RETURN_IF_ERROR(ckpt().FirstError());
     const SourceOptimizer* opt = nullptr;
     if (HasOptimizerState()) {
       RESHARD_ASSIGN_OR_RETURN(opt, Optimizer());

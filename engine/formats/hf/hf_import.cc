@@ -10,6 +10,7 @@
 
 #include "formats/hf/hf_folder.h"
 #include "formats/hf/hf_tensors.h"
+#include "logical/imported_layers.h"
 #include "logical/rule_selection.h"
 #include "logical/settings.h"
 #include "rules/builtin_rules.h"
@@ -201,46 +202,18 @@ Value UntrainedRunMetadata() {
   return Value::MakeDict({{Value::String("args"), MakeNamespace({})}, {Value::String("iteration"), Value::Int(0)}});
 }
 
-// The args a layout change rewrites, at the source's layout (TP 1, PP 1, DP 1).
-void SetLayoutArgs(DType dtype, Value* metadata) {
-  for (const char* key : {"tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
-                          "world_size"}) {
-    SetPath(metadata, std::string("args.") + key, Value::Int(1));
-  }
-  SetPath(metadata, "args.bf16", Value::Bool(dtype == DType::kBFloat16));
-  SetPath(metadata, "args.fp16", Value::Bool(dtype == DType::kFloat16));
+// A run that has not trained: its counters at 0.
+void SetUntrainedCounters(Value* metadata) {
   for (const char* key : {"iteration", "consumed_train_samples", "consumed_valid_samples"}) {
     SetPath(metadata, std::string("args.") + key, Value::Int(0));
   }
 }
 
-// The metadata keys the rule set detects its checkpoints by (Megatron's
-// checkpoint_info / universal_checkpoint_info), holding the vocabulary sizes
-// where the rules read them.
-void SetVocabInfo(const RuleSet& rules, int64_t vocab, Value* metadata) {
-  for (const std::string& key : rules.detect().metadata_keys) {
-    if (Find(*metadata, key) != nullptr) continue;
-    Set(*metadata, key, Value::MakeDict());
-    // What Megatron-DeepSpeed writes beside the sizes (§9.2).
-    if (key == "universal_checkpoint_info") SetPath(metadata, key + ".universal_checkpoint_version", Value::Float(0.2));
-  }
-  for (const std::string& path : rules.vocab_original_size().Paths()) {
-    SetPath(metadata, path, Value::Int(vocab));
-    const size_t dot = path.rfind('.');
-    if (dot != std::string::npos) SetPath(metadata, path.substr(0, dot) + ".padded_vocab_size", Value::Int(vocab));
-  }
-  SetPath(metadata, "args.padded_vocab_size", Value::Int(vocab));
-}
-
 // ---- HF tensors -> canonical tensors ------------------------------------------
 
-// A canonical tensor made of HF tensors: its shape and dtype, and the
-// bytes themselves when it is one HF tensor as is; else the runs it is made
-// of, which replace the shard DescribeCheckpoint makes of the placeholder.
-struct Joined {
-  Value tensor;
-  std::optional<SourceShard> shard;
-};
+// A canonical tensor made of HF tensors: the bytes themselves when it is
+// one HF tensor as is; else the runs it is made of.
+using Joined = ImportedTensor;
 
 // `t` transposed into a buffer of its own: GPT-2's Conv1D [in, out] back to
 // [out, in], by the export's own transpose.
@@ -457,17 +430,6 @@ Status NameAsArchitecture(const HfExport& hf, HfFolder* folder, std::vector<std:
 
 // ---- canonical tensors -> layers ------------------------------------------------
 
-// The key `rule` matches, when its pattern is a literal (one key only).
-std::optional<std::string> LiteralKey(const ParamRule& rule) {
-  std::string key;
-  for (size_t i = 0; i < rule.key_pattern.size(); ++i) {
-    if (rule.key_pattern[i] == '\\' && i + 1 < rule.key_pattern.size()) ++i;
-    key += rule.key_pattern[i];
-  }
-  if (RE2::QuoteMeta(key) != rule.key_pattern) return std::nullopt;
-  return key;
-}
-
 // Where the HF names for `canonical` would be, for the message when they are missing.
 std::string HfNamesOf(const HfExport& hf, const std::string& canonical) {
   for (const HfTensorMap& map : hf.tensors) {
@@ -478,57 +440,6 @@ std::string HfNamesOf(const HfExport& hf, const std::string& canonical) {
     return Join(names, ", ");
   }
   return "";
-}
-
-// Lays the canonical tensors out in the layer files of the rule set's first
-// numbering at TP 1; `composite` learns the shards of joined tensors by
-// (layer id, key).
-Result<std::vector<LogicalLayer>> LayOut(const RuleSet& rules, int64_t blocks,
-                                         std::map<std::string, Joined>* joined,
-                                         std::map<std::pair<int, std::string>, SourceShard>* composite) {
-  const std::vector<SpecEntry> specs = ExpandSpecs(rules.numberings().at(rules.first_numbering()), blocks);
-  std::vector<LogicalLayer> layers;
-  std::set<std::string> placed;
-  int block = -1;
-  for (size_t id = 0; id < specs.size(); ++id) {
-    if (specs[id].role == "block") ++block;
-    if (!specs[id].OwnsFile()) continue;
-    auto role = rules.layers().find(specs[id].role);
-    Items items;
-    for (const ParamRule& rule : role == rules.layers().end() ? std::vector<ParamRule>{} : role->second) {
-      std::optional<std::string> key = LiteralKey(rule);
-      if (!key) {
-        return Status::Unsupported("rule set " + rules.name() + " matches " + specs[id].role + " keys with the "
-                                   "pattern '" + rule.key_pattern + "' (line " + std::to_string(rule.line) +
-                                   "), which names no one key; an HF import needs literal keys");
-      }
-      const std::string name = rule.CanonicalName(*key, static_cast<int>(id), specs[id].role == "block" ? block : -1);
-      auto it = joined->find(name);
-      if (it == joined->end()) {
-        if (!rule.RequiredIn(false)) continue;
-        const std::string hf = HfNamesOf(*rules.hf(), name);
-        return Status::InvalidInput("the HF folder lacks " + (hf.empty() ? name : hf) + ", which " + name +
-                                    " of rule set " + rules.name() + " is made of" +
-                                    (hf.empty() ? " (its hf section maps nothing to it)" : ""));
-      }
-      items.emplace_back(Value::String(*key), it->second.tensor);
-      if (it->second.shard) composite->emplace(std::make_pair(static_cast<int>(id), *key), *it->second.shard);
-      placed.insert(name);
-    }
-    LogicalLayer layer;
-    layer.id = static_cast<int>(id);
-    layer.label = "layer_" + std::string(id < 10 ? "0" : "") + std::to_string(id);
-    layer.roots.push_back(MakeOrderedDict(std::move(items)));
-    layers.push_back(std::move(layer));
-  }
-  for (const auto& [name, tensor] : *joined) {
-    if (!placed.count(name)) {
-      return Status::Unsupported("the HF folder makes " + name + ", which no layer of rule set " + rules.name() +
-                                 " holds at " + Count(blocks, "block") + "; the config's layer count "
-                                 "disagrees with the tensors, or the rules lack it");
-    }
-  }
-  return layers;
 }
 
 // The vocabulary rows: those of the first vocabulary-split tensor.
@@ -574,7 +485,8 @@ Result<HfImport> ImportAs(HfFolder folder, const RuleSet& rules, const CommonOpt
   reader.Satisfy(rules.detect().args);
   RESHARD_RETURN_IF_ERROR(reader.Check(hf.requirements, hf.architecture + " (hf.requires of " + rules.origin() + ")"));
   RESHARD_RETURN_IF_ERROR(reader.Check(rules.detect().args, "rule set " + rules.name() + " (its detect.args)"));
-  SetLayoutArgs(WeightDType(folder), &ckpt.metadata[0]);
+  SetImportedLayoutArgs(WeightDType(folder), &ckpt.metadata[0]);
+  SetUntrainedCounters(&ckpt.metadata[0]);
   const std::vector<std::string> multiple = rules.vocab_divisible_by().Paths();
   if (const Value* given = multiple.empty() ? nullptr : reader.inputs().Find(multiple.front())) {
     // Recorded, as a run records it, so that the next conversion of the output knows it.
@@ -601,18 +513,14 @@ Result<HfImport> ImportAs(HfFolder folder, const RuleSet& rules, const CommonOpt
                                 std::to_string(joiner.block_count()) + " blocks; the config does not describe "
                                 "these weights");
   }
-  std::map<std::pair<int, std::string>, SourceShard> composite;
-  RESHARD_ASSIGN_OR_RETURN(ckpt.layers, LayOut(rules, *blocks, &joined, &composite));
+  ImportedRuns runs;
+  auto hf_names = [&hf](const std::string& name) { return HfNamesOf(hf, name); };
+  RESHARD_ASSIGN_OR_RETURN(ckpt.layers, LayOutImported(rules, *blocks, joined, hf_names, "the HF folder", &runs));
   ckpt.vocab.padding_stripped = true;
   RESHARD_RETURN_IF_ERROR(DescribeCheckpoint(options.rules.empty() ? rules.name() : options.rules, options.set, &ckpt));
-  for (LogicalLayer& layer : ckpt.layers) {
-    for (LogicalTensor& t : layer.tensors) {
-      auto it = composite.find({layer.id, t.key});
-      if (it != composite.end()) t.shards[0].runs = std::move(it->second.runs);
-    }
-  }
+  AttachImportedRuns(std::move(runs), &ckpt);
   RESHARD_RETURN_IF_ERROR(CheckConfigVocab(folder.config, config_path, VocabRows(ckpt)));
-  SetVocabInfo(rules, VocabRows(ckpt), &ckpt.metadata[0]);
+  SetImportedVocab(rules, VocabRows(ckpt), VocabRows(ckpt), &ckpt.metadata[0]);
   out.files = folder.files;
   out.what = "HF folder (" + hf.architecture + ", " + std::to_string(folder.files.size() - 1) + " weight file" +
              (folder.files.size() == 2 ? "" : "s") +

@@ -614,8 +614,8 @@ TEST(RuleSetBuiltin, EveryFileLoads) {
   std::vector<std::string> names;
   for (const RuleSet& rs : *sets) names.push_back(rs.name());
   // In file-name order: megatron-gpt2-moe.yaml sorts before megatron-gpt2.yaml.
-  std::vector<std::string> want = {"bigscience-bloom", "bigscience-glu", "megatron-gpt2-moe", "megatron-gpt2",
-                                   "megatron-llama-tied", "megatron-llama"};
+  std::vector<std::string> want = {"bigscience-bloom",  "bigscience-glu",     "megatron-core-gpt", "megatron-gpt2-moe",
+                                   "megatron-gpt2",     "megatron-llama-tied", "megatron-llama"};
   EXPECT_EQ(names, want);
 }
 
@@ -831,7 +831,7 @@ TEST(RuleSetBuiltin, UnknownNameListsTheBuiltins) {
   ASSERT_FALSE(rs.ok());
   EXPECT_EQ(rs.status().code(), Status::Code::kInvalidInput);
   EXPECT_EQ(rs.status().message(),
-            "unknown rule set 'gpt3'; built-in: bigscience-bloom, bigscience-glu, megatron-gpt2-moe, "
+            "unknown rule set 'gpt3'; built-in: bigscience-bloom, bigscience-glu, megatron-core-gpt, megatron-gpt2-moe, "
             "megatron-gpt2, megatron-llama-tied, megatron-llama; or pass the path of a rule file");
 }
 
@@ -990,6 +990,72 @@ TEST(RuleSetHf, ErrorsNameTheLine) {
   };
   for (const auto& [edits, want] : cases) {
     EXPECT_NE(ErrorOf(TinyHf(edits)).find(want), std::string::npos) << want;
+  }
+}
+
+
+// ---- the torch_dist section (TorchDistLayout) ----------------------------------
+
+// kTiny's lines 21.. : a torch_dist section; tests replace numbered lines.
+const std::map<int, std::string> kTorchDist = {
+    {21, "torch_dist:"},
+    {22, "  args:"},
+    {23, "    num_key_value_heads: {from: args.num_query_groups, when: {group_query_attention: true}}"},
+    {24, "    rope_theta: args.rotary_base"},
+    {25, "    normalization: {value: rmsnorm, when: {normalization: RMSNorm}}"},
+    {26, "  tensors:"},
+    {27, "    - {name: embedding.w, key: embedding.word_embeddings.weight, shape: ['*', args.hidden_size]}"},
+    {28, "    - {name: 'layers.{block}.qkv', key: [decoder.layers.a.qkv, decoder.layers.b.qkv], shape: [3*args.h, 16]}"},
+};
+
+std::string TinyTorchDist(const std::map<int, std::string>& edits = {}) {
+  std::map<int, std::string> lines = kTorchDist;
+  for (const auto& [n, line] : edits) lines[n] = line;
+  return Tiny(lines);
+}
+
+TEST(RuleSetTorchDist, ParsesEveryField) {
+  Result<RuleSet> rs = RuleSet::LoadString(TinyTorchDist(), "t.yaml");
+  ASSERT_TRUE(rs.ok()) << rs.status().message();
+  const TorchDistLayout* td = rs->torch_dist();
+  ASSERT_NE(td, nullptr);
+  ASSERT_EQ(td->args.size(), 3u);
+  EXPECT_EQ(td->args[0].set, "num_key_value_heads");
+  EXPECT_EQ(td->args[0].from, "args.num_query_groups");
+  EXPECT_EQ(td->args[0].when, (ArgConditions{{"group_query_attention", "true"}}));
+  EXPECT_EQ(td->args[1].from, "args.rotary_base");
+  EXPECT_TRUE(td->args[1].when.empty());
+  ASSERT_NE(td->args[2].value, nullptr);
+  EXPECT_EQ(td->args[2].value->as_string(), "rmsnorm");
+  ASSERT_EQ(td->tensors.size(), 2u);
+  EXPECT_EQ(td->tensors[0].keys, std::vector<std::string>{"embedding.word_embeddings.weight"});
+  EXPECT_EQ(td->tensors[1].name, "layers.{block}.qkv");
+  EXPECT_EQ(td->tensors[1].keys.size(), 2u);
+  EXPECT_EQ(td->tensors[1].shape, (std::vector<std::string>{"3*args.h", "16"}));
+  EXPECT_EQ(td->tensors[1].line, 28);
+  const std::set<std::string> paths = rs->ValuePaths();
+  for (const char* path : {"args.num_query_groups", "args.group_query_attention", "args.rotary_base",
+                           "args.normalization", "args.hidden_size", "args.h"}) {
+    EXPECT_TRUE(paths.count(path)) << path;
+  }
+  EXPECT_EQ(RuleSet::LoadString(Tiny(), "t.yaml")->torch_dist(), nullptr);
+}
+
+TEST(RuleSetTorchDist, ReportsFileLineAndFix) {
+  const std::pair<std::map<int, std::string>, std::string> cases[] = {
+      {{{27, "    - {name: embedding.w}"}}, "t.yaml:27: a torch_dist.tensors entry needs name"},
+      {{{27, "    - {name: embedding.w, key: 'decoder.layers.{block}.w'}"}}, "has a placeholder"},
+      {{{27, "    - {name: 'x.{layer}', key: a.b}"}}, "the only placeholder is {block}"},
+      {{{28, "    - {name: embedding.w, key: c.d}"}}, "t.yaml:28: torch_dist.tensors maps 'embedding.w' twice"},
+      {{{27, "    - {name: embedding.w, key: a.b, shape: [x]}"}}, "torch_dist.tensors shape dim 'x'"},
+      {{{24, "    rope_theta: {from: args.rotary_base, value: 1}"}}, "t.yaml:24: torch_dist.args.rope_theta needs one of"},
+      {{{24, "    rope_theta: rotary_base"}}, "must name a metadata path"},
+      {{{27, "    - {name: embedding.w, key: a.b, shap: [1]}"}}, "unknown field 'shap'"},
+      {{{26, "  tensors: []"}, {27, ""}, {28, ""}}, "torch_dist.tensors must be a non-empty list"},
+  };
+  for (const auto& [edits, expected] : cases) {
+    const std::string message = ErrorOf(TinyTorchDist(edits));
+    EXPECT_NE(message.find(expected), std::string::npos) << "missing '" << expected << "' in:\n" << message;
   }
 }
 

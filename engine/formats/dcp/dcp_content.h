@@ -1,0 +1,58 @@
+// A DCP checkpoint folder read once: its `.metadata`, every tensor item
+// with its chunks read from the `.distcp` files (each chunk a SourceShard
+// placed at its box of the global tensor, its bytes still in the file's
+// memory map), and the keys of its bytes items. What the DCP source and the
+// torch_dist import are built on.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "container/dcp_metadata.h"
+#include "container/mapped_file.h"
+#include "logical/source_shard.h"
+#include "pickle/value.h"
+#include "reshard/status.h"
+
+namespace reshard {
+
+struct DcpTensor {
+  std::string fqn;
+  DType dtype = DType::kFloat32;
+  std::vector<int64_t> size;
+  std::vector<SourceShard> shards;  // one per chunk, in .metadata order
+};
+
+struct DcpContent {
+  std::string folder;
+  DcpMetadata meta;
+  std::map<std::string, std::shared_ptr<const MappedFile>> files;  // by name in the folder
+  std::vector<DcpTensor> tensors;        // in key order
+  std::vector<std::string> bytes_items;  // keys, in order
+
+  const DcpTensor* FindTensor(const std::string& fqn) const;
+  // The plain object of bytes item `fqn` (InvalidInput naming the file when
+  // it does not parse).
+  Result<Value> ReadBytes(const std::string& fqn) const;
+  // Every file of the checkpoint: `.metadata`, then the data files.
+  std::vector<std::string> Paths() const;
+};
+
+// The name of a DCP checkpoint's metadata file.
+inline constexpr char kDcpMetadataFile[] = ".metadata";
+
+// Whether `folder` is Megatron-Core's `torch_dist` (its metadata.json says so).
+bool IsTorchDistFolder(const std::string& folder);
+
+// The iteration Megatron-LM names a checkpoint folder after (iter_0000010); 0 else.
+int64_t IterationOfFolder(const std::string& folder);
+
+// Reads `folder`'s `.metadata` and every chunk it lists. Errors (one line
+// naming the file): a `.metadata` that does not parse or does not fit its
+// files (chunks that do not tile their tensor, items outside their `.distcp`
+// file, an item whose archive holds something other than its chunk).
+Result<DcpContent> ReadDcpContent(const std::string& folder);
+
+}  // namespace reshard

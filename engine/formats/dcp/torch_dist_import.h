@@ -1,0 +1,46 @@
+// A Megatron-Core `torch_dist` checkpoint read as the pipeline model its
+// family's rules describe, at TP 1, PP 1: what convert writes at any
+// Megatron-DeepSpeed layout, and what lint, inspect, verify and the exports
+// read like any checkpoint.
+//
+// The family is the rule set whose `torch_dist` section maps every model
+// key of the checkpoint and whose shapes and conditions the checkpoint meets
+// (or --rules). Each key is read as the canonical tensor(s) the section
+// names: a block tensor's key is stacked on a leading layer axis, and block
+// l's tensor is its slice l, assembled from the chunks (the TP and PP pieces)
+// as runs of their bytes, so nothing is copied. Megatron-Core's fused QKV
+// ([groups, q per group + 2, head dim] per TP rank) and SwiGLU linear_fc1
+// ([all gate; all up]) are laid out as the canonical tensors are.
+//
+// Metadata: the args and iteration of the common state (common.pt, or the
+// common_state item of Megatron-Core 0.19), the sizes the section's shapes
+// take from the tensors where the args do not record them, the args the
+// section renames, and what the family's conditions need where nothing says
+// otherwise (a note lists them). Not read yet: the optimizer state (a note
+// says so) and Transformer Engine's _extra_state, which the Megatron-DeepSpeed
+// layer files cannot hold (a note says it is dropped).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "formats/dcp/dcp_content.h"
+#include "logical/logical_checkpoint.h"
+#include "reshard/reshard.h"
+
+namespace reshard {
+
+struct TorchDistImport {
+  LogicalCheckpoint logical;
+  std::vector<std::string> files;  // every file of the checkpoint
+  std::string what;                // "Megatron-Core torch_dist checkpoint (rule set megatron-llama, ...)"
+  std::vector<std::string> notes;  // what the import chose or left out
+};
+
+// Reads `content` (a torch_dist folder) as the model of the first family
+// that fits it. Errors: NotFound when no rule set has a torch_dist section
+// mapping the keys (the message names each candidate's reason); the reason
+// the --rules set does not fit; a common state that does not parse.
+Result<TorchDistImport> ReadTorchDistImport(const DcpContent& content, const CommonOptions& options);
+
+}  // namespace reshard

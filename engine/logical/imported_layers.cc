@@ -1,0 +1,111 @@
+#include "logical/imported_layers.h"
+
+#include <re2/re2.h>
+
+#include <set>
+
+#include "logical/rule_selection.h"
+#include "logical/settings.h"
+#include "util/strings.h"
+
+namespace reshard {
+namespace {
+
+// The key `rule` matches, when its pattern is a literal (one key only).
+std::optional<std::string> LiteralKey(const ParamRule& rule) {
+  std::string key;
+  for (size_t i = 0; i < rule.key_pattern.size(); ++i) {
+    if (rule.key_pattern[i] == '\\' && i + 1 < rule.key_pattern.size()) ++i;
+    key += rule.key_pattern[i];
+  }
+  if (RE2::QuoteMeta(key) != rule.key_pattern) return std::nullopt;
+  return key;
+}
+
+std::string LayerLabel(size_t id) { return "layer_" + std::string(id < 10 ? "0" : "") + std::to_string(id); }
+
+}  // namespace
+
+Result<std::vector<LogicalLayer>> LayOutImported(const RuleSet& rules, int64_t blocks,
+                                                 const std::map<std::string, ImportedTensor>& tensors,
+                                                 const std::function<std::string(const std::string&)>& source_of,
+                                                 const std::string& what, ImportedRuns* runs) {
+  const std::vector<SpecEntry> specs = ExpandSpecs(rules.numberings().at(rules.first_numbering()), blocks);
+  std::vector<LogicalLayer> layers;
+  std::set<std::string> placed;
+  int block = -1;
+  for (size_t id = 0; id < specs.size(); ++id) {
+    if (specs[id].role == "block") ++block;
+    if (!specs[id].OwnsFile()) continue;
+    auto role = rules.layers().find(specs[id].role);
+    Items items;
+    for (const ParamRule& rule : role == rules.layers().end() ? std::vector<ParamRule>{} : role->second) {
+      std::optional<std::string> key = LiteralKey(rule);
+      if (!key) {
+        return Status::Unsupported("rule set " + rules.name() + " matches " + specs[id].role + " keys with the "
+                                   "pattern '" + rule.key_pattern + "' (line " + std::to_string(rule.line) +
+                                   "), which names no one key; reading " + what + " needs literal keys");
+      }
+      const std::string name = rule.CanonicalName(*key, static_cast<int>(id), specs[id].role == "block" ? block : -1);
+      auto it = tensors.find(name);
+      if (it == tensors.end()) {
+        if (!rule.RequiredIn(false)) continue;
+        const std::string stored = source_of(name);
+        return Status::InvalidInput(what + " lacks " + (stored.empty() ? name : stored) + ", which " + name +
+                                    " of rule set " + rules.name() + " is made of" +
+                                    (stored.empty() ? " (nothing is mapped to it)" : ""));
+      }
+      items.emplace_back(Value::String(*key), it->second.tensor);
+      if (it->second.runs) runs->emplace(std::make_pair(static_cast<int>(id), *key), *it->second.runs);
+      placed.insert(name);
+    }
+    LogicalLayer layer;
+    layer.id = static_cast<int>(id);
+    layer.label = LayerLabel(id);
+    layer.roots.push_back(MakeOrderedDict(std::move(items)));
+    layers.push_back(std::move(layer));
+  }
+  for (const auto& [name, tensor] : tensors) {
+    if (!placed.count(name)) {
+      return Status::Unsupported(what + " makes " + name + ", which no layer of rule set " + rules.name() +
+                                 " holds at " + Count(blocks, "block") + "; its layer count disagrees with the "
+                                 "tensors, or the rules lack it");
+    }
+  }
+  return layers;
+}
+
+void SetImportedLayoutArgs(DType weights, Value* metadata) {
+  for (const char* key : {"tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
+                          "world_size"}) {
+    SetPath(metadata, std::string("args.") + key, Value::Int(1));
+  }
+  SetPath(metadata, "args.bf16", Value::Bool(weights == DType::kBFloat16));
+  SetPath(metadata, "args.fp16", Value::Bool(weights == DType::kFloat16));
+}
+
+void SetImportedVocab(const RuleSet& rules, int64_t padded, std::optional<int64_t> original, Value* metadata) {
+  for (const std::string& key : rules.detect().metadata_keys) {
+    if (Find(*metadata, key) != nullptr) continue;
+    Set(*metadata, key, Value::MakeDict());
+    // What Megatron-DeepSpeed writes beside the sizes (§9.2).
+    if (key == "universal_checkpoint_info") SetPath(metadata, key + ".universal_checkpoint_version", Value::Float(0.2));
+  }
+  for (const std::string& path : rules.vocab_original_size().Paths()) {
+    if (original) SetPath(metadata, path, Value::Int(*original));
+    const size_t dot = path.rfind('.');
+    if (dot != std::string::npos) SetPath(metadata, path.substr(0, dot) + ".padded_vocab_size", Value::Int(padded));
+  }
+  SetPath(metadata, "args.padded_vocab_size", Value::Int(padded));
+}
+
+void AttachImportedRuns(ImportedRuns runs, LogicalCheckpoint* ckpt) {
+  for (LogicalLayer& layer : ckpt->layers) {
+    for (LogicalTensor& t : layer.tensors) {
+      auto it = runs.find({layer.id, t.key});
+      if (it != runs.end()) t.shards[0].runs = std::move(it->second.runs);
+    }
+  }
+}
+
+}  // namespace reshard
