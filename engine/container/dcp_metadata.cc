@@ -47,6 +47,48 @@ const KnownClasses& DcpKnownClasses() {
 
 namespace {
 
+std::string Dims(const std::vector<int64_t>& dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + "]";
+}
+
+}  // namespace
+
+bool DcpChunkInside(const std::vector<int64_t>& size, const DcpChunk& chunk) {
+  bool inside = chunk.offsets.size() == size.size() && chunk.sizes.size() == size.size();
+  for (size_t d = 0; inside && d < size.size(); ++d) {
+    inside = chunk.offsets[d] >= 0 && chunk.sizes[d] >= 0 && chunk.sizes[d] <= size[d] - chunk.offsets[d];
+  }
+  return inside;
+}
+
+// Overlaps are found by a sweep along the first axis.
+std::string DcpTilingProblem(const std::string& fqn, const DcpItem& item) {
+  int64_t covered = 0;
+  std::vector<Box> boxes;
+  for (const DcpChunk& c : item.chunks) {
+    boxes.push_back(Box{c.offsets, c.sizes});
+    covered += boxes.back().numel();
+  }
+  std::sort(boxes.begin(), boxes.end(), [](const Box& a, const Box& b) { return a.offsets < b.offsets; });
+  for (size_t i = 0; i < boxes.size(); ++i) {
+    for (size_t j = i + 1; j < boxes.size(); ++j) {
+      if (boxes[i].rank() > 0 && boxes[j].offsets[0] >= boxes[i].end(0)) break;
+      if (Intersect(boxes[i], boxes[j]) && boxes[i].numel() > 0 && boxes[j].numel() > 0) {
+        return "tensor '" + fqn + "' has chunks at " + Dims(boxes[i].offsets) + " and " +
+               Dims(boxes[j].offsets) + " that overlap";
+      }
+    }
+  }
+  const int64_t numel = Box::Whole(item.size).numel();
+  if (covered == numel) return "";
+  return "tensor '" + fqn + "' of size " + Dims(item.size) + " has chunks holding " +
+         std::to_string(covered) + " of its " + std::to_string(numel) + " elements";
+}
+
+namespace {
+
 bool IsObjectOf(const Value& v, const char* name) {
   if (!v.is(Value::Kind::kObject)) return false;
   const Global& cls = v.as_object().cls;
@@ -124,31 +166,9 @@ class MetadataParser {
     return CheckTiled(fqn, *out);
   }
 
-  // torch writes every element of a tensor exactly once (replicas are
-  // saved by one rank), so the chunks tile it: none overlaps another and
-  // together they hold all of it. Overlaps are found by a sweep along the
-  // first axis.
   Status CheckTiled(const std::string& fqn, const DcpItem& item) const {
-    int64_t covered = 0;
-    std::vector<Box> boxes;
-    for (const DcpChunk& c : item.chunks) {
-      boxes.push_back(Box{c.offsets, c.sizes});
-      covered += boxes.back().numel();
-    }
-    std::sort(boxes.begin(), boxes.end(), [](const Box& a, const Box& b) { return a.offsets < b.offsets; });
-    for (size_t i = 0; i < boxes.size(); ++i) {
-      for (size_t j = i + 1; j < boxes.size(); ++j) {
-        if (boxes[i].rank() > 0 && boxes[j].offsets[0] >= boxes[i].end(0)) break;
-        if (Intersect(boxes[i], boxes[j]) && boxes[i].numel() > 0 && boxes[j].numel() > 0) {
-          return Bad("tensor '" + fqn + "' has chunks at " + Dims(boxes[i].offsets) + " and " +
-                     Dims(boxes[j].offsets) + " that overlap");
-        }
-      }
-    }
-    const int64_t numel = Box::Whole(item.size).numel();
-    if (covered == numel) return Status::Ok();
-    return Bad("tensor '" + fqn + "' of size " + Dims(item.size) + " has chunks holding " +
-               std::to_string(covered) + " of its " + std::to_string(numel) + " elements");
+    const std::string problem = DcpTilingProblem(fqn, item);
+    return problem.empty() ? Status::Ok() : Bad(problem);
   }
 
   // TensorProperties' state is a tuple whose first field is the dtype.
@@ -174,12 +194,7 @@ class MetadataParser {
 
   Status CheckChunk(const std::string& fqn, const std::vector<int64_t>& size,
                     const DcpChunk& chunk) const {
-    bool inside = chunk.offsets.size() == size.size() && chunk.sizes.size() == size.size();
-    for (size_t d = 0; inside && d < size.size(); ++d) {
-      inside = chunk.offsets[d] >= 0 && chunk.sizes[d] >= 0 &&
-               chunk.sizes[d] <= size[d] - chunk.offsets[d];
-    }
-    if (inside) return Status::Ok();
+    if (DcpChunkInside(size, chunk)) return Status::Ok();
     return Bad("tensor '" + fqn + "' of size " + Dims(size) + " has a chunk at " +
                Dims(chunk.offsets) + " of size " + Dims(chunk.sizes) + " outside it");
   }
@@ -236,12 +251,6 @@ class MetadataParser {
       }
     }
     return Status::Ok();
-  }
-
-  static std::string Dims(const std::vector<int64_t>& dims) {
-    std::string s = "[";
-    for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
-    return s + "]";
   }
 
   std::string path_;

@@ -67,6 +67,15 @@ struct DcpMetadata {
   const DcpStorage* Find(const std::string& fqn, const std::vector<int64_t>& offsets) const;
 };
 
+// True when `chunk` is a box of a tensor of `size`: of its rank, inside it.
+bool DcpChunkInside(const std::vector<int64_t>& size, const DcpChunk& chunk);
+
+// Empty when the chunks of the tensor `item` tile it, as torch writes every
+// element exactly once (replicas are saved by one rank): none overlaps
+// another and together they hold all of it. Else what is wrong, for a
+// message about `fqn`.
+std::string DcpTilingProblem(const std::string& fqn, const DcpItem& item);
+
 // The classes a DCP `.metadata` references (torch.distributed.checkpoint's
 // metadata, filesystem and planner classes, torch's layout and memory-format
 // encodings, pathlib's paths), with the calls torch's pickler makes of them.

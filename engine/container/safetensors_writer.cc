@@ -19,18 +19,6 @@ std::string ShapeJson(const std::vector<int64_t>& shape) {
   return out + "]";
 }
 
-// Closes the descriptor however the write ends.
-class FileCloser {
- public:
-  explicit FileCloser(int fd) : fd_(fd) {}
-  ~FileCloser() { ::close(fd_); }
-  FileCloser(const FileCloser&) = delete;
-  FileCloser& operator=(const FileCloser&) = delete;
-
- private:
-  int fd_;
-};
-
 Status WriteError(const std::string& path, int err) {
   return Status::IoError("cannot write " + path + ": " + std::strerror(err));
 }

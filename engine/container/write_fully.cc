@@ -32,4 +32,6 @@ int ReadFully(int fd, uint8_t* dst, size_t n, int64_t at) {
   return 0;
 }
 
+FileCloser::~FileCloser() { ::close(fd_); }
+
 }  // namespace reshard

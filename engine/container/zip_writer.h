@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "container/zip_records.h"
 #include "reshard/status.h"
 #include "util/byte_producer.h"
 
@@ -62,18 +63,10 @@ class ZipWriter {
   const std::string& archive() const { return archive_; }
 
  private:
-  struct Entry {
-    std::string name;  // with the archive folder
-    uint64_t offset;   // of the local header
-    uint64_t size;
-    uint32_t crc;
-  };
-
   ZipWriter(std::string path, int fd, const ZipWriterOptions& options);
-  bool Zip64(uint64_t value) const { return value >= options_.zip64_threshold; }
   Status BeginRecord(const std::string& name, int64_t size);
   Status EndRecord(uint32_t crc);
-  Status WriteCentralHeader(const Entry& entry);
+  Status WriteCentralHeader(const ZipEntry& entry);
   Status WriteEndRecords(uint64_t directory_offset, uint64_t directory_size);
   Status Write(const void* data, size_t n);
   Status Flush();
@@ -82,11 +75,11 @@ class ZipWriter {
 
   const std::string path_;
   const std::string archive_;
-  const ZipWriterOptions options_;
+  const ZipStyle style_;  // PyTorch 1.13's: no data descriptors
   int fd_;
   uint64_t flushed_ = 0;         // bytes handed to the OS; buffer_ follows them
   std::vector<uint8_t> buffer_;  // headers and small pieces of data
-  std::vector<Entry> entries_;
+  std::vector<ZipEntry> entries_;
   uint32_t file_crc_ = 0;    // of the bytes before the open record
   bool in_record_ = false;   // between BeginRecord and EndRecord
   std::string open_header_;  // the open record's local header, CRC to be patched

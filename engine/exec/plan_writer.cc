@@ -61,6 +61,13 @@ Status WriteSafetensorsPart(JobContext& ctx, const PlannedFile& file, int64_t be
   return Status::Ok();
 }
 
+Status WriteDcpPart(JobContext& ctx, const PlannedFile& file, size_t first, size_t last) {
+  RESHARD_ASSIGN_OR_RETURN(FileDigest piece, WriteDcpItems(ctx.dir + "/" + file.name, file.dcp->layout, first,
+                                                           last, &ctx.buffer, ctx.done));
+  if (ctx.wrote) ctx.wrote(file.name, piece);
+  return Status::Ok();
+}
+
 // Each job first names the output's folder to the plan's scratch folder and
 // makes the folders its file lies in.
 Job FileJob(const std::shared_ptr<const PlannedFile>& file, const std::shared_ptr<ScratchFolder>& scratch,
@@ -93,6 +100,15 @@ void AddJobs(const std::shared_ptr<const PlannedFile>& file, const std::shared_p
         const int64_t begin = cuts[i], end = cuts[i + 1];
         jobs->push_back(FileJob(file, scratch, end - std::max(begin, header), static_cast<int>(i),
                                 [&f, begin, end](JobContext& ctx) { return WriteSafetensorsPart(ctx, f, begin, end); }));
+      }
+      return;
+    }
+    case PlannedFile::Container::kDcp: {
+      const std::vector<size_t>& cuts = f.dcp->cuts;
+      for (size_t i = 0; i + 1 < cuts.size(); ++i) {
+        const size_t first = cuts[i], last = cuts[i + 1];
+        jobs->push_back(FileJob(file, scratch, DcpTensorBytes(f.dcp->layout, first, last), static_cast<int>(i),
+                                [&f, first, last](JobContext& ctx) { return WriteDcpPart(ctx, f, first, last); }));
       }
       return;
     }

@@ -47,6 +47,7 @@ std::string FileLine(const PlannedFile& f) {
   switch (f.container) {
     case PlannedFile::Container::kTorch:
     case PlannedFile::Container::kSafetensors:
+    case PlannedFile::Container::kDcp:
       if (f.tensors.empty()) return line + "\n";  // a pickle of values only
       return line + (f.what.empty() ? "" : ", ") + Count(static_cast<int64_t>(f.tensors.size()), "tensor") +
              ", " + HumanBytes(f.bytes) + "\n";
@@ -56,6 +57,21 @@ std::string FileLine(const PlannedFile& f) {
       return line + (f.what.empty() ? "" : ", ") + "copy of " + f.copy_of + "\n";
   }
   return line + "\n";
+}
+
+// `fqn` alone for a whole tensor, else with its box: `w[0:4, 2:6]`.
+std::string ChunkKey(const DcpWriteItem& item) {
+  if (item.chunk.sizes == item.size) return item.fqn;
+  std::string key = item.fqn + "[";
+  for (size_t d = 0; d < item.size.size(); ++d) {
+    key += (d ? ", " : "") + std::to_string(item.chunk.offsets[d]) + ":" +
+           std::to_string(item.chunk.offsets[d] + item.chunk.sizes[d]);
+  }
+  return key + "]";
+}
+
+std::string InFolder(const std::string& folder, const std::string& name) {
+  return folder.empty() ? name : folder + "/" + name;
 }
 
 std::string TensorLine(const PlannedTensor& t) {
@@ -92,6 +108,40 @@ PlannedFile TextFile(std::string name, std::string text) {
   f.container = PlannedFile::Container::kText;
   f.what = "text";
   f.text = std::move(text);
+  return f;
+}
+
+PlannedFile DcpDataFile(const std::string& folder, std::string what, DcpFileLayout layout,
+                        int64_t part_bytes) {
+  PlannedFile f;
+  f.name = InFolder(folder, layout.name);
+  f.container = PlannedFile::Container::kDcp;
+  f.what = std::move(what);
+  f.bytes = DcpTensorBytes(layout, 0, layout.items.size());
+  for (const DcpWriteItem& item : layout.items) {
+    if (item.kind == DcpItem::Kind::kTensor) {
+      f.tensors.push_back({ChunkKey(item), item.dtype, item.chunk.sizes, ""});
+    } else {
+      f.detail.push_back(item.fqn + ": " + item.object.DebugString(60));
+    }
+  }
+  auto content = std::make_shared<DcpFileContent>();
+  content->cuts = DcpCuts(layout, part_bytes);
+  content->layout = std::move(layout);
+  f.dcp = std::move(content);
+  return f;
+}
+
+Result<PlannedFile> DcpMetadataFile(const std::string& folder, const std::vector<const PlannedFile*>& files) {
+  std::vector<const DcpFileLayout*> layouts;
+  size_t items = 0;
+  for (const PlannedFile* f : files) {
+    layouts.push_back(&f->dcp->layout);
+    items += f->dcp->layout.items.size();
+  }
+  RESHARD_ASSIGN_OR_RETURN(std::string pickle, DcpMetadataPickle(layouts));
+  PlannedFile f = TextFile(InFolder(folder, ".metadata"), std::move(pickle));
+  f.what = "Distributed Checkpoint metadata of " + Count(static_cast<int64_t>(items), "item");
   return f;
 }
 

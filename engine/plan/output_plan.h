@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "container/dcp_writer.h"
 #include "container/safetensors_writer.h"
 #include "container/scratch_file.h"
 #include "pickle/value.h"
@@ -69,8 +70,16 @@ struct SafetensorsContent {
   std::vector<int64_t> cuts;  // from 0 to the file's size
 };
 
+// A `.distcp` file of a Distributed Checkpoint: its items placed, and the
+// runs of items it is written as (each a job, so that several workers share
+// a big file).
+struct DcpFileContent {
+  DcpFileLayout layout;
+  std::vector<size_t> cuts;  // item indices, from 0 to the item count
+};
+
 struct PlannedFile {
-  enum class Container { kTorch, kSafetensors, kText, kCopy };
+  enum class Container { kTorch, kSafetensors, kDcp, kText, kCopy };
 
   std::string name;  // its path in the output folder
   Container container = Container::kTorch;
@@ -85,7 +94,8 @@ struct PlannedFile {
   std::function<Result<Value>()> tree;
   // kSafetensors.
   std::shared_ptr<const SafetensorsContent> safetensors;
-  std::string text;     // kText: what it holds
+  std::shared_ptr<const DcpFileContent> dcp;
+  std::string text;     // kText: what it holds (text, or a DCP `.metadata` pickle)
   std::string copy_of;  // kCopy: the path of the file copied
 };
 
@@ -113,6 +123,17 @@ Result<PlannedFile> TorchFile(std::string name, std::string what, Value tree);
 Result<PlannedFile> TorchFile(std::string name, std::string what, std::function<Result<Value>()> make);
 
 PlannedFile TextFile(std::string name, std::string text);
+
+// The `.distcp` file `layout` in `folder` of the output ("" for its top),
+// written as runs of items of about `part_bytes`. Its tensors are the
+// chunks, each named by its key and, when it is not the whole tensor, its
+// box (`w[0:4, 0:6]`); the detail lists its bytes items.
+PlannedFile DcpDataFile(const std::string& folder, std::string what, DcpFileLayout layout,
+                        int64_t part_bytes);
+
+// The `.metadata` in `folder` of the checkpoint whose data files are
+// `files` (DcpDataFile's): the pickle that indexes every item.
+Result<PlannedFile> DcpMetadataFile(const std::string& folder, const std::vector<const PlannedFile*>& files);
 
 // A copy of the file at `from`. `counted`: its bytes are tensor bytes (a
 // checkpoint file copied whole), which the progress counts.

@@ -5,16 +5,21 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <sstream>
 
+#include "container/dcp_item.h"
 #include "container/safetensors_reader.h"
 #include "container/torch_file.h"
 #include "test_util.h"
+#include "util/shape.h"
 
 namespace reshard {
 namespace {
+
+namespace fs = std::filesystem;
 
 // Float32 elements start, start + 1, ... produced on demand.
 ByteProducer Counting(float start) {
@@ -136,6 +141,106 @@ TEST(PlanWriterTest, WritesEveryContainerAsPlanned) {
 
   EXPECT_EQ(ReadText(out.path() / "note.txt"), "hello");
   EXPECT_EQ(ReadText(out.path() / "copy.txt"), "copied bytes");
+}
+
+// A tensor chunk whose element i of the whole tensor is i * scale + shift.
+DcpWriteItem Pattern(const std::string& fqn, DType dtype, std::vector<int64_t> size, DcpChunk chunk, double scale,
+                     double shift) {
+  ByteProducer produce = PatternProducer(dtype, size, Box{chunk.offsets, chunk.sizes}, scale, shift);
+  return DcpTensorItem(fqn, dtype, std::move(size), std::move(chunk), std::move(produce));
+}
+
+// A Distributed Checkpoint of two data files in `folder`, the first written
+// as several runs of items. tests/interop/test_dcp_write_torch2.py loads it
+// with torch 2.6 and expects these very values.
+OutputPlan DcpPlan(const std::string& folder, const DcpWriteOptions& options = {}) {
+  std::vector<DcpWriteItem> rank0, rank1;
+  rank0.push_back(Pattern("w_uneven", DType::kFloat32, {5, 7}, {{0, 0}, {3, 7}}, 1, 0));
+  rank1.push_back(Pattern("w_uneven", DType::kFloat32, {5, 7}, {{3, 0}, {2, 7}}, 1, 0));
+  rank0.push_back(Pattern("w_col", DType::kBFloat16, {6, 10}, {{0, 0}, {6, 5}}, 1, -30));
+  rank1.push_back(Pattern("w_col", DType::kBFloat16, {6, 10}, {{0, 5}, {6, 5}}, 1, -30));
+  rank0.push_back(Pattern("cube", DType::kFloat32, {2, 3, 4}, {{0, 0, 0}, {2, 3, 2}}, 0.25, 0));
+  rank1.push_back(Pattern("cube", DType::kFloat32, {2, 3, 4}, {{0, 0, 2}, {2, 3, 2}}, 0.25, 0));
+  rank0.push_back(Pattern("half", DType::kFloat16, {3, 4}, {{0, 0}, {3, 4}}, 0.5, 0));
+  rank1.push_back(Pattern("ids", DType::kInt64, {4}, {{0}, {4}}, double(int64_t{1} << 40), -1e12));
+  rank1.push_back(Pattern("scalar", DType::kFloat32, {}, {{}, {}}, 1, 2.5));
+  rank0.push_back(DcpBytesItem("step", Value::Int(7)));
+  DcpWriteItem lr = DcpBytesItem("optim.lr", Value::Float(0.001));
+  lr.path = {"optim", "lr"};  // saved from a nested dict
+  rank1.push_back(std::move(lr));
+  Value note = Value::MakeDict();
+  Set(note, "list", Value::MakeList({Value::Int(1), Value::Float(2.5), Value::String("x"), Value(),
+                                     Value::MakeTuple({Value::Int(3), Value::Int(4)})}));
+  rank1.push_back(DcpBytesItem("note", std::move(note)));
+
+  OutputPlan plan;
+  plan.summary = "target: a Distributed Checkpoint\n";
+  plan.files.push_back(DcpDataFile(folder, "rank 0", *LayOutDcpFile("__0_0.distcp", std::move(rank0), options), 1500));
+  plan.files.push_back(DcpDataFile(folder, "rank 1", *LayOutDcpFile("__1_0.distcp", std::move(rank1), options), 1 << 20));
+  SetFrom(&plan.files[0], "w_uneven[0:3, 0:7]", "arange");
+  Result<PlannedFile> metadata = DcpMetadataFile(folder, {&plan.files[0], &plan.files[1]});
+  EXPECT_TRUE(metadata.ok()) << metadata.status().message();
+  plan.files.push_back(std::move(*metadata));
+  return plan;
+}
+
+TEST(OutputPlanTest, PlanTextListsEveryDcpItem) {
+  const OutputPlan plan = DcpPlan("ckpt");
+  const std::string detail = PlanText(plan, true);
+  EXPECT_NE(detail.find("  ckpt/__0_0.distcp  rank 0, 4 tensors, "), std::string::npos) << detail;
+  EXPECT_NE(detail.find("    w_uneven[0:3, 0:7] float32[3, 7]: arange\n"), std::string::npos) << detail;
+  EXPECT_NE(detail.find("    cube[0:2, 0:3, 2:4] float32[2, 3, 2]\n"), std::string::npos) << detail;
+  EXPECT_NE(detail.find("    half float16[3, 4]\n"), std::string::npos) << detail;
+  EXPECT_NE(detail.find("    scalar float32[]\n"), std::string::npos) << detail;
+  EXPECT_NE(detail.find("    step: 7\n"), std::string::npos) << detail;
+  EXPECT_NE(detail.find("  ckpt/.metadata  Distributed Checkpoint metadata of 12 items\n"), std::string::npos)
+      << detail;
+}
+
+TEST(PlanWriterTest, WritesADistributedCheckpointThatReadsBackBitForBit) {
+  TempDir out;
+  const OutputPlan plan = DcpPlan("ckpt");
+  const std::vector<Job> jobs = PlanJobs(plan);
+  ASSERT_GT(plan.files[0].dcp->cuts.size(), 2u);  // runs of items
+  EXPECT_EQ(jobs.size(), plan.files[0].dcp->cuts.size() - 1 + 2);
+  const std::map<std::string, int> pieces = RunAll(plan, out.path().string());
+  EXPECT_EQ(pieces.at("ckpt/__0_0.distcp"), static_cast<int>(plan.files[0].dcp->cuts.size() - 1));
+
+  const fs::path folder = out.path() / "ckpt";
+  Result<DcpMetadata> meta = ReadDcpMetadata((folder / ".metadata").string());
+  ASSERT_TRUE(meta.ok()) << meta.status().message();
+  EXPECT_EQ(meta->items.size(), 9u);
+  int chunks = 0;
+  for (const PlannedFile* f : {&plan.files[0], &plan.files[1]}) {
+    const DcpFileLayout& layout = f->dcp->layout;
+    EXPECT_EQ(fs::file_size(folder / layout.name), layout.size);
+    auto file = MappedFile::Open((folder / layout.name).string());
+    ASSERT_TRUE(file.ok());
+    for (const DcpWriteItem& item : layout.items) {
+      if (item.kind == DcpItem::Kind::kBytes) continue;
+      SCOPED_TRACE(item.fqn);
+      Result<Value> chunk = ReadDcpChunk(*file, *meta, item.fqn, item.chunk);
+      ASSERT_TRUE(chunk.ok()) << chunk.status().message();
+      const Tensor& t = chunk->as_tensor();
+      std::string want(static_cast<size_t>(ShapeNumel(item.chunk.sizes) * ElementSize(item.dtype)), '\0');
+      ASSERT_TRUE(item.produce(0, static_cast<int64_t>(want.size()), reinterpret_cast<uint8_t*>(want.data())).ok());
+      EXPECT_EQ(std::string(reinterpret_cast<const char*>(t.storage->bytes.data), want.size()), want);
+      ++chunks;
+    }
+  }
+  EXPECT_EQ(chunks, 9);
+}
+
+// Not a test by itself: tests/interop/test_dcp_write_torch2.py runs it with
+// RESHARD_DCP_WRITE_DIR set, then has torch 2.6 load what it wrote: `dcp`,
+// and `dcp_zip64`, the same with every tensor record a ZIP64 one.
+TEST(PlanWriterTest, WritesADistributedCheckpointForTorch) {
+  const char* dir = std::getenv("RESHARD_DCP_WRITE_DIR");
+  if (dir == nullptr) GTEST_SKIP() << "RESHARD_DCP_WRITE_DIR is not set";
+  RunAll(DcpPlan("dcp"), dir);
+  DcpWriteOptions zip64;
+  zip64.zip64_threshold = 16;
+  RunAll(DcpPlan("dcp_zip64", zip64), dir);
 }
 
 }  // namespace
