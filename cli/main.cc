@@ -338,23 +338,24 @@ int Run(int argc, char** argv) {
   CLI::App* export_cmd = app.add_subcommand(
       "export", "Write the checkpoint in another format: --to consolidated (one state dict of whole "
                 "tensors), hf (a Hugging Face transformers folder), megatron (NVIDIA Megatron-LM's torch "
-                "checkpoint at --tp / --pp) or universal (DeepSpeed's universal checkpoint)");
+                "checkpoint at --tp / --pp), torch_dist (Megatron-Core's distributed checkpoint at --tp / --pp) "
+                "or universal (DeepSpeed's universal checkpoint)");
   export_cmd->add_option("INPUT", ckpt, "Source checkpoint")->required();
   export_cmd->add_option("OUTPUT", out,
-                         "Folder to write (new, or empty); for megatron the root holding iter_N/ and "
+                         "Folder to write (new, or empty); for megatron and torch_dist the root holding iter_N/ and "
                          "latest_checkpointed_iteration.txt; for universal the tag folder, e.g. "
                          "ckpts/global_step20_universal, named by latest_universal beside it")
       ->required();
-  export_cmd->add_option("--to", exporting.to, "Target format: consolidated, hf, megatron or universal")
+  export_cmd->add_option("--to", exporting.to, "Target format: consolidated, hf, megatron, torch_dist or universal")
       ->required()
-      ->check(CLI::IsMember({"consolidated", "hf", "megatron", "universal"}));
-  export_cmd->add_option("--tp", exporting.tp, "megatron: target tensor-parallel size")
+      ->check(CLI::IsMember({"consolidated", "hf", "megatron", "torch_dist", "universal"}));
+  export_cmd->add_option("--tp", exporting.tp, "megatron, torch_dist: target tensor-parallel size")
       ->check(CLI::Range(1, 4096));
-  export_cmd->add_option("--pp", exporting.pp, "megatron: target pipeline-parallel size")
+  export_cmd->add_option("--pp", exporting.pp, "megatron, torch_dist: target pipeline-parallel size")
       ->check(CLI::Range(1, 4096));
   export_cmd->add_option("--from", exporting.from,
                          "Tensors from the fp32 masters or the weights (default: consolidated masters, "
-                         "hf and megatron weights)")
+                         "hf, megatron and torch_dist weights)")
       ->check(CLI::IsMember({"masters", "weights"}));
   export_cmd->add_option("--tokenizer", exporting.tokenizer,
                          "hf: folder whose tokenizer files (tokenizer.json, vocab.json, ...) are copied "

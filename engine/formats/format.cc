@@ -9,6 +9,7 @@
 #include "formats/hf/hf_folder.h"
 #include "formats/hf/hf_import.h"
 #include "formats/megatron/megatron_export.h"
+#include "formats/megatron/torch_dist_export.h"
 
 namespace reshard {
 
@@ -59,14 +60,15 @@ std::string CheckpointFolder(const std::string& path) {
 Result<OutputPlan> PlanExport(const SourceCheckpoint& src, const ExportOptions& options,
                                                std::vector<std::string>* notes) {
   if (options.to == "megatron") return PlanMegatron(src, options, notes);
+  if (options.to == "torch_dist") return PlanTorchDist(src, options, notes);
   if (options.tp != 0 || options.pp != 0) {
-    return Status::InvalidInput("--tp and --pp choose the layout of --to megatron; the " + options.to +
-                                " export has none, so leave them out");
+    return Status::InvalidInput("--tp and --pp choose the layout of --to megatron and --to torch_dist; the " +
+                                options.to + " export has none, so leave them out");
   }
   if (options.to == "universal") return src.PlanFamilyFormat(options, notes);
   if (options.to == "hf") return PlanHf(src, options, notes);
   if (options.to != "consolidated") {
-    return Status::InvalidInput("unknown export format '" + options.to + "'; use consolidated, hf, megatron or universal");
+    return Status::InvalidInput("unknown export format '" + options.to + "'; use consolidated, hf, megatron, torch_dist or universal");
   }
   RESHARD_ASSIGN_OR_RETURN(ConsolidatedOptions consolidated, ConsolidatedOptionsFrom(options));
   return PlanConsolidated(src, consolidated, notes);

@@ -99,6 +99,10 @@ void SetImportedVocab(const RuleSet& rules, int64_t padded, std::optional<int64_
   SetPath(metadata, "args.padded_vocab_size", Value::Int(padded));
 }
 
+void SetImportedVocabSize(const RuleSet& rules, int64_t size, Value* metadata) {
+  for (const std::string& path : rules.vocab_original_size().Paths()) SetPath(metadata, path, Value::Int(size));
+}
+
 void AttachImportedRuns(ImportedRuns runs, LogicalCheckpoint* ckpt) {
   for (LogicalLayer& layer : ckpt->layers) {
     for (LogicalTensor& t : layer.tensors) {

@@ -47,6 +47,10 @@ void SetImportedLayoutArgs(DType weights, Value* metadata);
 // it is known.
 void SetImportedVocab(const RuleSet& rules, int64_t padded, std::optional<int64_t> original, Value* metadata);
 
+// Records the true vocabulary size where the rules read it (before
+// DescribeCheckpoint, which reads it, when it is not known from the tensors).
+void SetImportedVocabSize(const RuleSet& rules, int64_t size, Value* metadata);
+
 // Gives the described tensors of `ckpt` (after DescribeCheckpoint) their runs.
 void AttachImportedRuns(ImportedRuns runs, LogicalCheckpoint* ckpt);
 

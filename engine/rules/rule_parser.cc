@@ -63,7 +63,7 @@ const std::vector<std::string> kHfTensorFields = {"from", "to", "split_halves", 
 const std::vector<std::string> kHfQkvFields = {"groups", "heads"};
 const std::vector<std::string> kHfCaseFields = {"when", "value"};
 const std::vector<std::string> kHfExplainedFields = {"value", "why_not"};
-const std::vector<std::string> kTorchDistFields = {"args", "tensors"};
+const std::vector<std::string> kTorchDistFields = {"args", "tensors", "extra_state"};
 const std::vector<std::string> kTorchDistArgFields = {"from", "value", "when"};
 const std::vector<std::string> kTorchDistTensorFields = {"name", "key", "shape"};
 // config.json keys the exporter writes itself, from the checkpoint's tensors.
@@ -981,6 +981,7 @@ class RuleSetParser {
     TorchDistLayout layout;
     layout.line = f.line;
     if (const Field* a = Get(*fields, "args")) layout.args = ParseTorchDistArgs(*a);
+    if (const Field* e = Get(*fields, "extra_state")) layout.extra_state = ReadStringList(*e, "torch_dist.extra_state");
     const Field* t = Get(*fields, "tensors");
     if (t == nullptr || !t->node.IsSequence() || t->node.size() == 0) {
       Fail(t ? *t : f, "torch_dist.tensors must be a non-empty list of {name: <canonical name>, key: <torch_dist key "

@@ -279,6 +279,11 @@ struct TorchDistLayout {
   int line = 0;
   std::vector<TorchDistArg> args;
   std::vector<TorchDistTensor> tensors;
+  // The modules (keys without `._extra_state`, stacked like block tensors)
+  // whose per-layer `_extra_state` Megatron-Core saves and loads: written
+  // empty by a torch_dist target, as a model without Transformer Engine's
+  // FP8 state holds it.
+  std::vector<std::string> extra_state;
 };
 
 class RuleSet {

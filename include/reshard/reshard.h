@@ -147,11 +147,12 @@ struct ConvertOptions : WriteOptions {
 // Face transformers folder, as the rule set's hf section maps it; from the
 // weights unless `from` is "masters"), "megatron" (NVIDIA Megatron-LM's
 // legacy torch checkpoint at TP `tp` and PP `pp`; weights unless `from` is
-// "masters") or "universal" (DeepSpeed's).
+// "masters"), "torch_dist" (Megatron-Core's distributed checkpoint at TP `tp`
+// and PP `pp`, weights alike) or "universal" (DeepSpeed's).
 struct ExportOptions : WriteOptions {
-  std::string to;  // "consolidated", "hf", "megatron" or "universal"
-  // megatron: the target tensor- and pipeline-parallel sizes (required there,
-  // refused elsewhere).
+  std::string to;  // "consolidated", "hf", "megatron", "torch_dist" or "universal"
+  // megatron, torch_dist: the target tensor- and pipeline-parallel sizes
+  // (required there, refused elsewhere).
   int tp = 0, pp = 0;
   std::string dtype;  // "fp32", "bf16", "fp16"; empty = as stored
   // Largest file; a bigger tensor gets a file of its own.

@@ -137,6 +137,10 @@ class FamilyReader {
     RESHARD_RETURN_IF_ERROR(Satisfy());
     SetImportedLayoutArgs(WeightDType(), &ckpt_.metadata[0]);
     RecordSettings();
+    // Megatron-LM's --vocab-size, when the args record it, is the true size.
+    if (std::optional<int64_t> vocab = MetaRef{{"args.vocab_size"}}.Resolve(inputs())) {
+      SetImportedVocabSize(rules_, *vocab, metadata());
+    }
     ImportedRuns runs;
     auto keys_of = [this](const std::string& name) { return KeysOf(name); };
     RESHARD_ASSIGN_OR_RETURN(ckpt_.layers, LayOutImported(rules_, blocks_, tensors_, keys_of, c_.folder, &runs));

@@ -1006,6 +1006,7 @@ const std::map<int, std::string> kTorchDist = {
     {26, "  tensors:"},
     {27, "    - {name: embedding.w, key: embedding.word_embeddings.weight, shape: ['*', args.hidden_size]}"},
     {28, "    - {name: 'layers.{block}.qkv', key: [decoder.layers.a.qkv, decoder.layers.b.qkv], shape: [3*args.h, 16]}"},
+    {29, "  extra_state: [decoder.layers.a]"},
 };
 
 std::string TinyTorchDist(const std::map<int, std::string>& edits = {}) {
@@ -1033,6 +1034,7 @@ TEST(RuleSetTorchDist, ParsesEveryField) {
   EXPECT_EQ(td->tensors[1].keys.size(), 2u);
   EXPECT_EQ(td->tensors[1].shape, (std::vector<std::string>{"3*args.h", "16"}));
   EXPECT_EQ(td->tensors[1].line, 28);
+  EXPECT_EQ(td->extra_state, std::vector<std::string>{"decoder.layers.a"});
   const std::set<std::string> paths = rs->ValuePaths();
   for (const char* path : {"args.num_query_groups", "args.group_query_attention", "args.rotary_base",
                            "args.normalization", "args.hidden_size", "args.h"}) {
@@ -1052,6 +1054,7 @@ TEST(RuleSetTorchDist, ReportsFileLineAndFix) {
       {{{24, "    rope_theta: rotary_base"}}, "must name a metadata path"},
       {{{27, "    - {name: embedding.w, key: a.b, shap: [1]}"}}, "unknown field 'shap'"},
       {{{26, "  tensors: []"}, {27, ""}, {28, ""}}, "torch_dist.tensors must be a non-empty list"},
+      {{{29, "  extra_state: decoder.layers.a"}}, "torch_dist.extra_state must be a list of strings"},
   };
   for (const auto& [edits, expected] : cases) {
     const std::string message = ErrorOf(TinyTorchDist(edits));
