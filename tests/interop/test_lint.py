@@ -27,8 +27,8 @@ import interop_support as support
 from interop_support import FixtureTestCase, layer_file, make_fixture, rewrite
 
 RULES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), 'rules')
-BUILTIN_RULE_SETS = ('bigscience-bloom', 'bigscience-glu', 'megatron-gpt2', 'megatron-gpt2-moe', 'megatron-llama',
-                     'megatron-llama-tied')
+BUILTIN_RULE_SETS = ('bigscience-bloom', 'bigscience-glu', 'megatron-core-gpt', 'megatron-gpt2', 'megatron-gpt2-moe',
+                     'megatron-llama', 'megatron-llama-tied')
 
 
 run = support.reshard

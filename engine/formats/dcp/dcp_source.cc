@@ -2,13 +2,8 @@
 
 #include <sys/stat.h>
 
-#include <map>
-#include <regex>
-
-#include "formats/dcp/dcp_content.h"
-#include "container/json_reader.h"
-#include "container/mapped_file.h"
 #include "container/regular_file.h"
+#include "formats/dcp/dcp_content.h"
 #include "plan/materialize.h"
 #include "plan/slicing.h"
 #include "util/human.h"
@@ -104,7 +99,8 @@ class DcpSource : public SourceCheckpoint {
       chunks += static_cast<int64_t>(t.shards.size());
       bytes += Box::Whole(t.size).numel() * ElementSize(t.dtype);
     }
-    std::string s = IsTorchDistFolder(c_.folder) ? "Megatron-Core torch_dist checkpoint" : "PyTorch Distributed Checkpoint";
+    std::string s =
+        IsTorchDistFolder(c_.folder) ? "Megatron-Core torch_dist checkpoint" : "PyTorch Distributed Checkpoint";
     if (info_.iteration > 0) s += "; iteration " + std::to_string(info_.iteration);
     return s + "; " + Count(static_cast<int64_t>(c_.tensors.size()), "tensor") + " in " + Count(chunks, "chunk") +
            " (" + HumanBytes(bytes) + "), " + Count(static_cast<int64_t>(c_.bytes_items.size()), "bytes item") +

@@ -110,7 +110,8 @@ SourceShard SliceRuns(const DcpTensor& t, int64_t layer) {
   out.shape = shape;
   for (SourceShard::Run& run : runs) {
     SourceShard::Run* last = out.runs.empty() ? nullptr : &out.runs.back();
-    if (last != nullptr && last->begin + last->numel == run.begin && last->bytes.data + last->bytes.size == run.bytes.data) {
+    if (last != nullptr && last->begin + last->numel == run.begin &&
+        last->bytes.data + last->bytes.size == run.bytes.data) {
       last->numel += run.numel;
       last->bytes.size += run.bytes.size;
     } else {
@@ -174,7 +175,7 @@ class FamilyReader {
         Add(entry.name, *t, -1);
         continue;
       }
-      if (t->size.empty()) return Refuse(t->fqn + " has no layer axis, and rule set " + rules_.name() + " stacks " + entry.name + " on one");
+      if (t->size.empty()) return Refuse(t->fqn + " has no layer axis to stack " + entry.name + " on");
       if (blocks_ >= 0 && t->size[0] != blocks_) {
         return Refuse(t->fqn + " stacks " + std::to_string(t->size[0]) + " layers, and the keys before it " +
                       std::to_string(blocks_));
@@ -304,11 +305,11 @@ class FamilyReader {
     return "";
   }
 
+  // The training dtype: a bf16 or fp16 run keeps its norms in fp32.
   DType WeightDType() const {
     for (const auto& [name, t] : tensors_) {
-      if (name.find("weight") != std::string::npos && t.runs && t.tensor.as_tensor().storage->dtype != DType::kFloat32) {
-        return t.tensor.as_tensor().storage->dtype;
-      }
+      const DType dtype = t.tensor.as_tensor().storage->dtype;
+      if (IsFloatingPoint(dtype) && dtype != DType::kFloat32) return dtype;
     }
     return DType::kFloat32;
   }

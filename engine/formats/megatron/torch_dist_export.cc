@@ -10,6 +10,7 @@
 #include "formats/megatron/megatron_layout.h"
 #include "formats/state_dict.h"
 #include "logical/logical_checkpoint.h"
+#include "logical/tp_placement.h"
 #include "util/human.h"
 #include "util/shape.h"
 #include "util/strings.h"
@@ -59,25 +60,28 @@ std::vector<int64_t> GlobalShape(const RankTensor& r, int tp) {
   return shape;
 }
 
-// The boxes of TP rank `t`'s tensor in the canonical one, in its own element
-// order: one, or one per sub-parameter (`parts`) of a split along dim 0.
-Result<std::vector<DcpChunk>> RankBoxes(const RankTensor& r, int t, int tp) {
-  if (r.rule->policy == ParamRule::Policy::kReplicated) {
-    return std::vector<DcpChunk>{{std::vector<int64_t>(r.shape.size(), 0), r.shape}};
+// One box of a rank tensor in the canonical tensor, and where its bytes
+// start in the rank tensor's.
+struct RankBox {
+  DcpChunk chunk;
+  int64_t byte_offset = 0;
+};
+
+// TP rank `t`'s boxes (logical/tp_placement.h): one, or one per
+// sub-parameter (`parts`) of a split along dim 0, each contiguous in the
+// rank tensor.
+Result<std::vector<RankBox>> RankBoxes(const RankTensor& r, int t, int tp, DType dtype) {
+  const TpPlacement place = PlaceTpRank(*r.rule, GlobalShape(r, tp), tp, t);
+  if (place.placements.size() > 1 && r.rule->dim != 0) {
+    return Status::Unsupported("export --to torch_dist: " + r.name + " stacks " + std::to_string(r.rule->parts) +
+                               " sub-parameters along dim " + std::to_string(r.rule->dim) + ", whose pieces are "
+                               "not contiguous in a rank's tensor; only dim 0 is supported");
   }
-  const int dim = r.rule->dim, parts = r.rule->parts;
-  if (parts > 1 && dim != 0) {
-    return Status::Unsupported("export --to torch_dist: " + r.name + " stacks " + std::to_string(parts) +
-                               " sub-parameters along dim " + std::to_string(dim) + ", which a chunk of it cannot "
-                               "hold as one box; only dim 0 is supported");
-  }
-  const int64_t rows = r.shape[dim] / parts;  // of one part on this rank
-  std::vector<DcpChunk> boxes;
-  for (int j = 0; j < parts; ++j) {
-    DcpChunk box{std::vector<int64_t>(r.shape.size(), 0), r.shape};
-    box.offsets[dim] = (static_cast<int64_t>(j) * tp + t) * rows;
-    box.sizes[dim] = rows;
-    boxes.push_back(std::move(box));
+  const int64_t rows = r.shape.empty() ? 0 : r.shape[0];
+  const int64_t row_bytes = rows == 0 ? 0 : ShapeNumel(r.shape) / rows * ElementSize(dtype);
+  std::vector<RankBox> boxes;
+  for (const Placement& p : place.placements) {
+    boxes.push_back({DcpChunk{p.global.offsets, p.global.sizes}, p.local.empty() ? 0 : p.local[0] * row_bytes});
   }
   return boxes;
 }
@@ -107,20 +111,18 @@ Status AddRankItems(const RuleSet& rules, const std::vector<RankTensor>& tensors
   for (const RankTensor& r : tensors) {
     if (t > 0 && r.rule->policy == ParamRule::Policy::kReplicated) continue;  // TP rank 0 writes it
     RESHARD_ASSIGN_OR_RETURN(KeyOf key, FindKey(rules, r));
-    RESHARD_ASSIGN_OR_RETURN(std::vector<DcpChunk> boxes, RankBoxes(r, t, target.cut.tp));
+    const DType dtype = target.dtype && IsFloatingPoint(r.dtype) ? *target.dtype : r.dtype;
+    RESHARD_ASSIGN_OR_RETURN(std::vector<RankBox> boxes, RankBoxes(r, t, target.cut.tp, dtype));
     std::vector<int64_t> size = GlobalShape(r, target.cut.tp);
     if (key.stacked) size.insert(size.begin(), target.blocks);
-    const DType dtype = target.dtype && IsFloatingPoint(r.dtype) ? *target.dtype : r.dtype;
     const ByteProducer bytes = dtype == r.dtype ? r.produce : CastBytes(r.produce, r.dtype, dtype);
-    const int64_t box_bytes = ShapeNumel(boxes[0].sizes) * ElementSize(dtype);
-    for (size_t j = 0; j < boxes.size(); ++j) {
-      DcpChunk chunk = boxes[j];
+    for (RankBox& box : boxes) {
       if (key.stacked) {
-        chunk.offsets.insert(chunk.offsets.begin(), r.block);
-        chunk.sizes.insert(chunk.sizes.begin(), 1);
+        box.chunk.offsets.insert(box.chunk.offsets.begin(), r.block);
+        box.chunk.sizes.insert(box.chunk.sizes.begin(), 1);
       }
       (*by_stage)[StageOf(r, target)].push_back(
-          DcpTensorItem(key.key, dtype, size, std::move(chunk), Window(bytes, static_cast<int64_t>(j) * box_bytes)));
+          DcpTensorItem(key.key, dtype, size, std::move(box.chunk), Window(bytes, box.byte_offset)));
     }
   }
   return Status::Ok();
@@ -196,7 +198,9 @@ Result<OutputPlan> PlanTorchDist(const SourceCheckpoint& src, const ExportOption
 
   std::vector<std::vector<std::vector<DcpWriteItem>>> items(
       options.tp, std::vector<std::vector<DcpWriteItem>>(target.pp));  // [TP rank][stage]
-  for (int t = 0; t < options.tp; ++t) RESHARD_RETURN_IF_ERROR(AddRankItems(rules, weights.ranks[t], t, target, &items[t]));
+  for (int t = 0; t < options.tp; ++t) {
+    RESHARD_RETURN_IF_ERROR(AddRankItems(rules, weights.ranks[t], t, target, &items[t]));
+  }
   AddExtraStates(rules, target, &items[0]);
   items[0][0].push_back(DcpBytesItem(kCommonState, CommonState(src, target, weights.padded_vocab, notes)));
 

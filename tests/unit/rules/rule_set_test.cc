@@ -1005,7 +1005,8 @@ const std::map<int, std::string> kTorchDist = {
     {25, "    normalization: {value: rmsnorm, when: {normalization: RMSNorm}}"},
     {26, "  tensors:"},
     {27, "    - {name: embedding.w, key: embedding.word_embeddings.weight, shape: ['*', args.hidden_size]}"},
-    {28, "    - {name: 'layers.{block}.qkv', key: [decoder.layers.a.qkv, decoder.layers.b.qkv], shape: [3*args.h, 16]}"},
+    {28, "    - {name: 'layers.{block}.qkv', key: [decoder.layers.a.qkv, decoder.layers.b.qkv], "
+         "shape: [3*args.h, 16]}"},
     {29, "  extra_state: [decoder.layers.a]"},
 };
 
@@ -1050,7 +1051,8 @@ TEST(RuleSetTorchDist, ReportsFileLineAndFix) {
       {{{27, "    - {name: 'x.{layer}', key: a.b}"}}, "the only placeholder is {block}"},
       {{{28, "    - {name: embedding.w, key: c.d}"}}, "t.yaml:28: torch_dist.tensors maps 'embedding.w' twice"},
       {{{27, "    - {name: embedding.w, key: a.b, shape: [x]}"}}, "torch_dist.tensors shape dim 'x'"},
-      {{{24, "    rope_theta: {from: args.rotary_base, value: 1}"}}, "t.yaml:24: torch_dist.args.rope_theta needs one of"},
+      {{{24, "    rope_theta: {from: args.rotary_base, value: 1}"}},
+       "t.yaml:24: torch_dist.args.rope_theta needs one of"},
       {{{24, "    rope_theta: rotary_base"}}, "must name a metadata path"},
       {{{27, "    - {name: embedding.w, key: a.b, shap: [1]}"}}, "unknown field 'shap'"},
       {{{26, "  tensors: []"}, {27, ""}, {28, ""}}, "torch_dist.tensors must be a non-empty list"},
