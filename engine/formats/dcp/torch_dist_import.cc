@@ -67,59 +67,6 @@ Value RunMetadata(const Value& common, const std::string& folder) {
                                         : Value::Int(IterationOfFolder(folder))}});
 }
 
-// Elements between consecutive indices of each dim of a row-major `shape`.
-std::vector<int64_t> RowMajorStrides(const std::vector<int64_t>& shape) {
-  std::vector<int64_t> strides(shape.size(), 1);
-  for (size_t d = shape.size(); d-- > 1;) strides[d - 1] = strides[d] * shape[d];
-  return strides;
-}
-
-// The elements of `t`, or of its slice `layer` along its first axis
-// (layer >= 0), in row-major order as runs of its chunks' bytes.
-SourceShard SliceRuns(const DcpTensor& t, int64_t layer) {
-  const std::vector<int64_t> shape(t.size.begin() + (layer >= 0 ? 1 : 0), t.size.end());
-  const std::vector<int64_t> strides = RowMajorStrides(shape);
-  const size_t element = static_cast<size_t>(ElementSize(t.dtype));
-  std::vector<SourceShard::Run> runs;
-  for (const SourceShard& chunk : t.shards) {
-    const Box& box = chunk.placements[0].global;
-    std::vector<int64_t> offsets = box.offsets, sizes = box.sizes;
-    const ByteView& bytes = chunk.runs[0].bytes;  // a chunk is one contiguous tensor
-    const uint8_t* data = bytes.data;
-    if (layer >= 0) {
-      if (layer < offsets[0] || layer >= offsets[0] + sizes[0]) continue;
-      data += (layer - offsets[0]) * ShapeNumel({sizes.begin() + 1, sizes.end()}) * element;
-      offsets.erase(offsets.begin());
-      sizes.erase(sizes.begin());
-    }
-    const int64_t row = sizes.empty() ? 1 : sizes.back();
-    const int64_t rows = row == 0 ? 0 : ShapeNumel(sizes) / row;
-    std::vector<int64_t> at(sizes.size(), 0);  // index of the row's first element in the chunk
-    for (int64_t r = 0; r < rows; ++r, data += row * element) {
-      int64_t begin = 0;
-      for (size_t d = 0; d < at.size(); ++d) begin += (offsets[d] + at[d]) * strides[d];
-      runs.push_back({begin, row, ByteView{bytes.owner, data, static_cast<size_t>(row) * element, bytes.mapped}});
-      for (int d = static_cast<int>(at.size()) - 2; d >= 0; --d) {  // the next row
-        if (++at[d] < sizes[d]) break;
-        at[d] = 0;
-      }
-    }
-  }
-  std::sort(runs.begin(), runs.end(), [](const auto& a, const auto& b) { return a.begin < b.begin; });
-  SourceShard out;
-  out.shape = shape;
-  for (SourceShard::Run& run : runs) {
-    SourceShard::Run* last = out.runs.empty() ? nullptr : &out.runs.back();
-    if (last != nullptr && last->begin + last->numel == run.begin && last->bytes.data + last->bytes.size == run.bytes.data) {
-      last->numel += run.numel;
-      last->bytes.size += run.bytes.size;
-    } else {
-      out.runs.push_back(std::move(run));
-    }
-  }
-  return out;
-}
-
 // Reads the checkpoint as the model of one rule set.
 class FamilyReader {
  public:
