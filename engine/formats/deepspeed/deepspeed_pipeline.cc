@@ -6,6 +6,7 @@
 #include <filesystem>
 
 #include "formats/deepspeed/optimizer/drift_lint.h"
+#include "formats/deepspeed/optimizer/imported_state.h"
 #include "formats/deepspeed/files/file_names.h"
 #include "formats/deepspeed/pipeline/model_states_writer.h"
 #include "formats/deepspeed/pipeline/pipeline_plan.h"
@@ -86,7 +87,8 @@ class PipelineSource : public DeepSpeedModelSource {
     for (const SpecEntry& s : c.specs) blocks += s.role == "block" ? 1 : 0;
     std::string s = "rule set " + c.rules->name() + " (numbering " + c.numbering + "); ";
     if (!model_->foreign.empty()) {
-      s += model_->foreign + "; " + Count(blocks, "block") + "; weights only";
+      s += model_->foreign + "; " + Count(blocks, "block") +
+           (HasOptimizerState() ? "; weights and optimizer state" : "; weights only");
     } else if (model_->universal) {
       s += "universal checkpoint of DP " + std::to_string(c.dp) + "; iteration " + std::to_string(c.iteration) +
            "; " + Count(blocks, "block") + "; " + std::to_string(files().universal_files.size()) +
@@ -126,8 +128,9 @@ class PipelineSource : public DeepSpeedModelSource {
       report->findings.push_back({Finding::Severity::kError, "optimizer: " + opt.status().message()});
       return;
     }
-    report->findings.push_back(model_->universal ? UniversalOptimizerFinding(**opt)
-                                                 : OptimizerFinding(**opt, shard_files()));
+    report->findings.push_back(model_->universal         ? UniversalOptimizerFinding(**opt)
+                               : !model_->foreign.empty() ? ImportedOptimizerFinding(**opt)
+                                                          : OptimizerFinding(**opt, shard_files()));
     ReportStateDrift(ckpt(), **opt, options, report);
   }
 
@@ -292,7 +295,18 @@ std::unique_ptr<SourceCheckpoint> MakeImportedSource(ImportedModel imported, con
   // Everything here reads a pipeline model's metadata as its mp_rank files
   // (inspect, verify, the writer): a model that has none gets a fresh run's.
   for (Value& run : model->logical.metadata) run = FreshRunModelStates(run);
-  return MakePipelineSource(std::move(model), options);
+  std::unique_ptr<SourceOptimizer> optimizer;
+  Status status = imported.optimizer_status;
+  if (imported.optimizer) {
+    Result<std::unique_ptr<SourceOptimizer>> opt =
+        MakeImportedOptimizer(std::move(*imported.optimizer), model->logical, &model->foreign_notes);
+    if (opt.ok()) {
+      optimizer = std::move(*opt);
+    } else {
+      status = opt.status();
+    }
+  }
+  return std::make_unique<PipelineSource>(std::move(model), std::move(optimizer), std::move(status), options);
 }
 
 std::unique_ptr<SourceCheckpoint> MakeUniversalSource(UniversalCheckpoint universal,
