@@ -13,6 +13,8 @@ holds each key's whole fp32 `param`, `exp_avg` and `exp_avg_sq`. Checked:
   hyperparameters;
 * `verify` finds the two layouts of one save the same model with the same optimizer state, and
   each save equal to what it was converted to;
+* `export --to universal` of a save itself writes the per-parameter files (and the mp_rank file
+  a conversion at TP 1, PP 1 writes), which read back equal;
 * Megatron-Core 0.14's layouts are refused in one line naming the layout and --weights-only.
 
 Run: /usr/bin/python3 tests/interop/test_torch_dist_optimizer.py --reshard build/reshard
@@ -66,6 +68,9 @@ class TorchDistOptimizerTest(FixtureTestCase):
         p = run('export', converted, out, '--to', 'universal', '--set',
                 f"universal_checkpoint_info.original_vocab_size={config['model']['vocab']}")
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        return self.universal_states_of(out)
+
+    def universal_states_of(self, out):
         params = {}
         for folder in sorted(glob.glob(os.path.join(out, 'zero', '*', ''))):
             name = os.path.basename(folder.rstrip('/'))
@@ -135,6 +140,26 @@ class TorchDistOptimizerTest(FixtureTestCase):
                 self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
                 self.assertIn('same model', p.stdout)
                 self.assertIn(f'verify: {compared} tensors', p.stdout)
+
+    def test_a_universal_export_of_the_save_itself_reads_back_equal(self):
+        tag = os.path.join(DATA, '0.19', 'w2_tp2')
+        with open(tag + '_config.json') as f:
+            config = json.load(f)
+        for layout in LAYOUTS:
+            with self.subTest(layout=layout):
+                out = self.path(layout)
+                p = run('export', f'{tag}_optim_{layout}', out, '--to', 'universal', *sizes(config)[:-2], '--set',
+                        f"universal_checkpoint_info.original_vocab_size={config['model']['vocab']}")
+                self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+                self.assertTrue(os.path.isfile(os.path.join(out, 'mp_rank_00_model_states.pt')))
+                params = {os.path.basename(d.rstrip('/')) for d in glob.glob(os.path.join(out, 'zero', '*', ''))}
+                # w2_tp2 has 5984 parameter elements: three states of each.
+                self.assertEqual(self.check_states(tag, config, *self.universal_states_of(out)), 3 * 5984)
+                p = run('verify', f'{tag}_optim_{layout}', out, *sizes(config)[:-2])
+                self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+                # 28 weights and their three states.
+                self.assertIn('verify: 112 tensors, 23936 elements compared; same model', p.stdout)
+                self.assertEqual(len(params), 28)
 
     def test_megatron_core_0_14_layouts_are_refused_naming_the_layout(self):
         with open(os.path.join(DATA, '0.14', 'w2_tp2_config.json')) as f:

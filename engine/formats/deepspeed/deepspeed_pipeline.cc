@@ -195,7 +195,9 @@ class PipelineSource : public DeepSpeedModelSource {
       return NoStateForUniversal("optimizer state");
     }
     RESHARD_ASSIGN_OR_RETURN(const SourceOptimizer* opt, Optimizer());
-    return PlanUniversal(ckpt(), *opt, files(), options.replicated, notes);
+    RESHARD_ASSIGN_OR_RETURN(OutputPlan out, PlanUniversal(ckpt(), *opt, files(), options.replicated, notes));
+    if (!model_->foreign.empty()) RESHARD_RETURN_IF_ERROR(AddModelStates(*opt, &out));
+    return out;
   }
 
   Result<TpWeights> WeightsForTp(const TpCut& cut, std::vector<std::string>* notes,
@@ -257,6 +259,20 @@ class PipelineSource : public DeepSpeedModelSource {
     }
     RESHARD_ASSIGN_OR_RETURN(r.produce, WeightProducer(ckpt(), opt, t, plan, read));
     return r;
+  }
+
+  // A model another format read has no mp_rank files for its universal
+  // checkpoint to copy: it gets those a conversion at its own layout (TP 1,
+  // PP 1, DP 1) writes.
+  Status AddModelStates(const SourceOptimizer& opt, OutputPlan* out) const {
+    PlanOptions own;
+    own.dp = 1;
+    RESHARD_ASSIGN_OR_RETURN(DeepSpeedPlan plan, MakePipelinePlan(ckpt(), &opt, own));
+    RESHARD_ASSIGN_OR_RETURN(OutputPlan native, DeepSpeedOutput(ckpt(), &opt, plan));
+    for (PlannedFile& f : native.files) {
+      if (f.name.rfind("mp_rank_", 0) == 0) out->files.push_back(std::move(f));
+    }
+    return Status::Ok();
   }
 
   // Every element of every optimizer state (fp32 masters, moments, ...), per parameter.
