@@ -30,7 +30,8 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenDcp(const std::string& folder, con
     return OpenDcpCheckpoint(std::move(content), imported.status().message());
   }
   return MakeImportedSource({std::move(imported->logical), folder, std::move(imported->what),
-                             std::move(imported->files), std::move(imported->notes)},
+                             std::move(imported->files), std::move(imported->notes), std::move(imported->optimizer),
+                             imported->optimizer_status},
                             options);
 }
 
@@ -44,7 +45,8 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenCheckpoint(const std::string& path
   // family's rules describe, which converts into DeepSpeed's layout.
   if (IsHfFolder(path)) {
     RESHARD_ASSIGN_OR_RETURN(HfImport hf, ReadHfImport(path, options));
-    return MakeImportedSource({std::move(hf.logical), path, std::move(hf.what), std::move(hf.files), std::move(hf.notes)},
+    return MakeImportedSource({std::move(hf.logical), path, std::move(hf.what), std::move(hf.files), std::move(hf.notes),
+                               std::nullopt, Status::Ok()},
                               options);
   }
   if (const std::string dcp = DcpCheckpointFolder(path); !dcp.empty()) return OpenDcp(dcp, options);

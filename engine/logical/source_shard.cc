@@ -22,6 +22,23 @@ int64_t SourceShard::numel() const {
   return runs.empty() ? 0 : runs.back().begin + runs.back().numel;
 }
 
+std::vector<SourceShard::Run> SourceShard::RunsOf(int64_t begin, int64_t n, int element_size) const {
+  std::vector<Run> out;
+  if (n <= 0) return out;
+  auto run = std::upper_bound(runs.begin(), runs.end(), begin,
+                              [](int64_t at, const Run& r) { return at < r.begin; });
+  for (--run; n > 0; ++run) {
+    const int64_t skip = begin - run->begin;
+    const int64_t take = std::min(n, run->numel - skip);
+    const ByteView& b = run->bytes;
+    out.push_back({static_cast<int64_t>(out.empty() ? 0 : out.back().begin + out.back().numel), take,
+                   ByteView{b.owner, b.data + skip * element_size, static_cast<size_t>(take) * element_size, b.mapped}});
+    begin += take;
+    n -= take;
+  }
+  return out;
+}
+
 void SourceShard::Copy(int64_t begin, int64_t n, int element_size, uint8_t* dst,
                        TouchedPages* pages) const {
   if (n <= 0) return;

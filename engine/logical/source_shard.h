@@ -48,6 +48,10 @@ struct SourceShard {
   // through CopyFromView (pages read from a mapping are noted in `pages`,
   // which may be null).
   void Copy(int64_t begin, int64_t n, int element_size, uint8_t* dst, TouchedPages* pages) const;
+  // The runs of elements [begin, begin + n) of `element_size` bytes each,
+  // cut to them and numbered from 0: a piece of the shard, nothing copied.
+  // REQUIRES: the shard holds them.
+  std::vector<Run> RunsOf(int64_t begin, int64_t n, int element_size) const;
 };
 
 // First byte of a contiguous tensor's elements (inside its mapped storage).

@@ -63,7 +63,7 @@ const std::vector<std::string> kHfTensorFields = {"from", "to", "split_halves", 
 const std::vector<std::string> kHfQkvFields = {"groups", "heads"};
 const std::vector<std::string> kHfCaseFields = {"when", "value"};
 const std::vector<std::string> kHfExplainedFields = {"value", "why_not"};
-const std::vector<std::string> kTorchDistFields = {"args", "tensors", "extra_state"};
+const std::vector<std::string> kTorchDistFields = {"args", "tensors", "extra_state", "optimizer_order"};
 const std::vector<std::string> kTorchDistArgFields = {"from", "value", "when"};
 const std::vector<std::string> kTorchDistTensorFields = {"name", "key", "shape"};
 // config.json keys the exporter writes itself, from the checkpoint's tensors.
@@ -999,7 +999,49 @@ class RuleSetParser {
       }
       layout.tensors.push_back(std::move(*tensor));
     }
+    if (const Field* order = Get(*fields, "optimizer_order")) {
+      layout.optimizer_order = ParseOptimizerOrder(*order, layout.tensors);
+    }
     rs_->torch_dist_ = std::move(layout);
+  }
+
+  // The keys of `tensors` in registration order: each a key of one entry,
+  // once; the block keys in one run; every entry placed.
+  std::vector<std::string> ParseOptimizerOrder(const Field& f, const std::vector<TorchDistTensor>& tensors) {
+    const std::string what = "torch_dist.optimizer_order";
+    std::vector<std::string> order = ReadStringList(f, what);
+    if (f.node.IsSequence() && order.empty()) Fail(f, what + " is an empty list; list the model's keys in registration order");
+    std::map<std::string, const TorchDistTensor*> entry_of;
+    for (const TorchDistTensor& t : tensors) {
+      for (const std::string& key : t.keys) entry_of[key] = &t;
+    }
+    std::set<std::string> seen;
+    std::set<const TorchDistTensor*> placed;
+    int block_runs = 0;
+    bool in_blocks = false;
+    for (const std::string& key : order) {
+      auto it = entry_of.find(key);
+      if (it == entry_of.end()) {
+        Fail(f, what + " names '" + key + "', which no torch_dist.tensors entry has as its key; list the section's keys only");
+        continue;
+      }
+      if (!seen.insert(key).second) Fail(f, what + " lists '" + key + "' twice; keep its first place");
+      placed.insert(it->second);
+      const bool block = it->second->name.find("{block}") != std::string::npos;
+      block_runs += block && !in_blocks;
+      in_blocks = block;
+    }
+    if (block_runs > 1) {
+      Fail(f, what + " interleaves the block keys with others; list one layer's keys together (they repeat for "
+              "every layer, between the first stage's keys and the last stage's)");
+    }
+    for (const TorchDistTensor& t : tensors) {
+      if (!order.empty() && !placed.count(&t)) {
+        Fail(f, what + " gives no place to '" + t.name + "' (line " + std::to_string(t.line) + "); add its key " +
+                    t.keys[0] + " where the model registers it");
+      }
+    }
+    return order;
   }
 
   // args field -> a metadata path, or {from: path | value: scalar, when: {...}}.

@@ -284,6 +284,14 @@ struct TorchDistLayout {
   // empty by a torch_dist target, as a model without Transformer Engine's
   // FP8 state holds it.
   std::vector<std::string> extra_state;
+  // `optimizer_order`: the order in which the model registers its parameters
+  // (Megatron's `named_parameters()`), by checkpoint key, which no checkpoint
+  // records and the distributed optimizer's flat `dp_reshardable` buffers
+  // follow (reversed). The keys of block tensors form one run: a layer's
+  // parameters, repeated for every layer of a pipeline stage, between the
+  // keys of the first stage and those of the last. Alternative keys of one
+  // tensor stand at its place. Empty when the section gives none.
+  std::vector<std::string> optimizer_order;
 };
 
 class RuleSet {

@@ -40,6 +40,12 @@ struct DcpContent {
   std::vector<std::string> Paths() const;
 };
 
+// The elements of `t`, or of its slice `layer` along its first axis
+// (layer >= 0), in row-major order as runs of its chunks' bytes: nothing is
+// copied. A chunk's elements may lie in several runs (a piece assembled from
+// others, such as an optimizer state cut out of flat buffers).
+SourceShard SliceRuns(const DcpTensor& t, int64_t layer);
+
 // The name of a DCP checkpoint's metadata file.
 inline constexpr char kDcpMetadataFile[] = ".metadata";
 

@@ -7,6 +7,7 @@
 #include <set>
 
 #include "container/torch_file.h"
+#include "formats/dcp/torch_dist_optimizer.h"
 #include "logical/imported_layers.h"
 #include "logical/settings.h"
 #include "rules/builtin_rules.h"
@@ -22,8 +23,8 @@ constexpr char kBlock[] = "{block}";
 // 0.19 writes it as a bytes item.
 constexpr char kCommonFile[] = "common.pt";
 constexpr char kCommonItemPrefix[] = "common_state/";
-// Keys of the distributed optimizer's state (not read yet), and of
-// Transformer Engine's per-module state.
+// Keys of the distributed optimizer's state, and of Transformer Engine's
+// per-module state.
 constexpr char kOptimizerPrefix[] = "optimizer.";
 constexpr char kExtraState[] = "._extra_state";
 
@@ -67,66 +68,12 @@ Value RunMetadata(const Value& common, const std::string& folder) {
                                         : Value::Int(IterationOfFolder(folder))}});
 }
 
-// Elements between consecutive indices of each dim of a row-major `shape`.
-std::vector<int64_t> RowMajorStrides(const std::vector<int64_t>& shape) {
-  std::vector<int64_t> strides(shape.size(), 1);
-  for (size_t d = shape.size(); d-- > 1;) strides[d - 1] = strides[d] * shape[d];
-  return strides;
-}
-
-// The elements of `t`, or of its slice `layer` along its first axis
-// (layer >= 0), in row-major order as runs of its chunks' bytes.
-SourceShard SliceRuns(const DcpTensor& t, int64_t layer) {
-  const std::vector<int64_t> shape(t.size.begin() + (layer >= 0 ? 1 : 0), t.size.end());
-  const std::vector<int64_t> strides = RowMajorStrides(shape);
-  const size_t element = static_cast<size_t>(ElementSize(t.dtype));
-  std::vector<SourceShard::Run> runs;
-  for (const SourceShard& chunk : t.shards) {
-    const Box& box = chunk.placements[0].global;
-    std::vector<int64_t> offsets = box.offsets, sizes = box.sizes;
-    const ByteView& bytes = chunk.runs[0].bytes;  // a chunk is one contiguous tensor
-    const uint8_t* data = bytes.data;
-    if (layer >= 0) {
-      if (layer < offsets[0] || layer >= offsets[0] + sizes[0]) continue;
-      data += (layer - offsets[0]) * ShapeNumel({sizes.begin() + 1, sizes.end()}) * element;
-      offsets.erase(offsets.begin());
-      sizes.erase(sizes.begin());
-    }
-    const int64_t row = sizes.empty() ? 1 : sizes.back();
-    const int64_t rows = row == 0 ? 0 : ShapeNumel(sizes) / row;
-    std::vector<int64_t> at(sizes.size(), 0);  // index of the row's first element in the chunk
-    for (int64_t r = 0; r < rows; ++r, data += row * element) {
-      int64_t begin = 0;
-      for (size_t d = 0; d < at.size(); ++d) begin += (offsets[d] + at[d]) * strides[d];
-      runs.push_back({begin, row, ByteView{bytes.owner, data, static_cast<size_t>(row) * element, bytes.mapped}});
-      for (int d = static_cast<int>(at.size()) - 2; d >= 0; --d) {  // the next row
-        if (++at[d] < sizes[d]) break;
-        at[d] = 0;
-      }
-    }
-  }
-  std::sort(runs.begin(), runs.end(), [](const auto& a, const auto& b) { return a.begin < b.begin; });
-  SourceShard out;
-  out.shape = shape;
-  for (SourceShard::Run& run : runs) {
-    SourceShard::Run* last = out.runs.empty() ? nullptr : &out.runs.back();
-    if (last != nullptr && last->begin + last->numel == run.begin &&
-        last->bytes.data + last->bytes.size == run.bytes.data) {
-      last->numel += run.numel;
-      last->bytes.size += run.bytes.size;
-    } else {
-      out.runs.push_back(std::move(run));
-    }
-  }
-  return out;
-}
-
 // Reads the checkpoint as the model of one rule set.
 class FamilyReader {
  public:
-  FamilyReader(const DcpContent& content, const RuleSet& rules, const Value& run, const CommonOptions& options)
-      : c_(content), rules_(rules), layout_(*rules.torch_dist()), options_(options) {
-    ckpt_.metadata.push_back(run);
+  FamilyReader(const DcpContent& content, const RuleSet& rules, const Value& common, const CommonOptions& options)
+      : c_(content), rules_(rules), layout_(*rules.torch_dist()), options_(options), common_(common) {
+    ckpt_.metadata.push_back(RunMetadata(common, content.folder));
   }
 
   Result<TorchDistImport> Read() {
@@ -136,6 +83,7 @@ class FamilyReader {
     RESHARD_RETURN_IF_ERROR(CheckUnmapped());
     RESHARD_RETURN_IF_ERROR(RecordLayers());
     RESHARD_RETURN_IF_ERROR(Satisfy());
+    ReadOptimizer();  // before the args say TP 1, PP 1: a dp_reshardable layout is read with the save's
     SetImportedLayoutArgs(WeightDType(), &ckpt_.metadata[0]);
     RecordSettings();
     // Megatron-LM's --vocab-size, when the args record it, is the true size.
@@ -195,11 +143,46 @@ class FamilyReader {
   }
 
   void Add(const std::string& name, const DcpTensor& t, int64_t layer) {
+    mapped_.push_back({name, t.fqn, layer});
     SourceShard runs = SliceRuns(t, layer);
     auto unread = [name](int64_t, int64_t, uint8_t*) {
       return Status::Internal(name + " is read through its runs, not its placeholder tensor");
     };
     tensors_[name] = ImportedTensor{MakeProducedTensor(t.dtype, runs.shape, unread), std::move(runs)};
+  }
+
+  // The distributed optimizer's state, each state of each model key sliced
+  // into canonical tensors as the key's weights are. A layout that cannot be
+  // read leaves the reason for the commands that need the state.
+  void ReadOptimizer() {
+    auto args = [this](const std::string& path) { return MetaRef{{path}}.Resolve(inputs()); };
+    Result<std::optional<TorchDistOptimizer>> read = ReadTorchDistOptimizer(c_, common_, layout_, args);
+    if (!read.ok()) {
+      optimizer_status_ = read.status().WithContext("torch_dist");
+      return;
+    }
+    if (!*read) return;
+    TorchDistOptimizer& states = **read;
+    ImportedOptimizer opt;
+    opt.moments = {kTorchDistStates[1], kTorchDistStates[2]};
+    for (const Mapped& m : mapped_) {
+      ImportedOptimizer::Param& p = opt.params[m.name];
+      p.master = SliceRuns(states.states[kTorchDistStates[0]].at(m.key), m.layer);
+      for (const std::string& moment : opt.moments) p.moments.push_back(SliceRuns(states.states[moment].at(m.key), m.layer));
+    }
+    // Megatron-Core marks the groups without weight decay by wd_mult 0.
+    std::stable_partition(states.param_groups.begin(), states.param_groups.end(), [](const Value& g) {
+      const Value* wd_mult = Find(g, "wd_mult");
+      return wd_mult == nullptr || !wd_mult->is(Value::Kind::kFloat) || wd_mult->as_float() != 0.0;
+    });
+    opt.param_groups = std::move(states.param_groups);
+    opt.step = std::move(states.step);
+    opt.what = "Megatron-Core's distributed optimizer (" + states.layout + ")";
+    notes_.push_back("torch_dist: " + opt.what + ": fp32 masters, exp_avg and exp_avg_sq of " +
+                     Count(static_cast<int64_t>(opt.params.size()), "tensor") + ", " +
+                     Count(static_cast<int64_t>(opt.param_groups.size()), "param group") +
+                     (opt.step ? ", step " + opt.step->DebugString(20) : std::string()));
+    optimizer_ = std::move(opt);
   }
 
   // The entry's shape: a size the args do not record is taken from the
@@ -231,15 +214,12 @@ class FamilyReader {
                   std::to_string(entry.line) + " has [" + Join(entry.shape, ", ") + "]");
   }
 
-  // Every model key must be the family's; optimizer state and Transformer
-  // Engine's state are noted instead.
+  // Every model key must be the family's; the optimizer's keys are read by
+  // ReadOptimizer, Transformer Engine's state is noted.
   Status CheckUnmapped() {
     for (const DcpTensor& t : c_.tensors) {
       if (used_.count(t.fqn)) continue;
-      if (t.fqn.rfind(kOptimizerPrefix, 0) == 0) {
-        optimizer_keys_++;
-        continue;
-      }
+      if (t.fqn.rfind(kOptimizerPrefix, 0) == 0) continue;  // ReadOptimizer's
       return Refuse(t.fqn + " is not a tensor of the model as its torch_dist section maps it");
     }
     for (const std::string& fqn : c_.bytes_items) {
@@ -324,9 +304,8 @@ class FamilyReader {
   }
 
   Result<TorchDistImport> Finish() {
-    if (optimizer_keys_ > 0) {
-      notes_.push_back("torch_dist: the distributed optimizer's state (" + Count(optimizer_keys_, "tensor") +
-                       ") is not read yet; what is written from this checkpoint holds the weights only");
+    if (!optimizer_status_.ok()) {
+      notes_.push_back(optimizer_status_.message());  // "torch_dist: <why it is not read>; <fix>"
     }
     if (extra_states_ > 0) {
       notes_.push_back("torch_dist: Transformer Engine's _extra_state (" + Count(extra_states_, "item") +
@@ -336,10 +315,13 @@ class FamilyReader {
     out.logical = std::move(ckpt_);
     out.files = c_.Paths();
     const int64_t iteration = MetadataInt(out.logical.metadata[0], "iteration", 0);
+    out.logical.iteration = iteration;  // what verify compares with a checkpoint converted from it
     out.what = "Megatron-Core torch_dist checkpoint" +
                (iteration > 0 ? "; iteration " + std::to_string(iteration) : std::string()) + " (" +
                Count(static_cast<int64_t>(c_.files.size()), ".distcp file") + ")";
     out.notes = std::move(notes_);
+    out.optimizer = std::move(optimizer_);
+    out.optimizer_status = optimizer_status_;
     return out;
   }
 
@@ -349,11 +331,20 @@ class FamilyReader {
   const RuleSet& rules_;
   const TorchDistLayout& layout_;
   const CommonOptions& options_;
+  const Value& common_;
   LogicalCheckpoint ckpt_;
+  // Which key (and layer of it) each canonical tensor is read from.
+  struct Mapped {
+    std::string name, key;
+    int64_t layer = -1;
+  };
+  std::vector<Mapped> mapped_;
+  std::optional<ImportedOptimizer> optimizer_;
+  Status optimizer_status_;
   std::map<std::string, ImportedTensor> tensors_;
   std::set<std::string> used_;
   int64_t blocks_ = -1;
-  int64_t optimizer_keys_ = 0, extra_states_ = 0;
+  int64_t extra_states_ = 0;
   std::vector<std::string> notes_;
 };
 
@@ -379,11 +370,10 @@ Result<std::vector<RuleSet>> Candidates(const std::string& spec) {
 
 Result<TorchDistImport> ReadTorchDistImport(const DcpContent& content, const CommonOptions& options) {
   RESHARD_ASSIGN_OR_RETURN(Value common, CommonState(content));
-  const Value run = RunMetadata(common, content.folder);
   RESHARD_ASSIGN_OR_RETURN(std::vector<RuleSet> candidates, Candidates(options.rules));
   std::vector<std::string> reasons;
   for (const RuleSet& rules : candidates) {
-    Result<TorchDistImport> imported = FamilyReader(content, rules, run, options).Read();
+    Result<TorchDistImport> imported = FamilyReader(content, rules, common, options).Read();
     if (imported.ok() || !options.rules.empty()) return imported;
     reasons.push_back(imported.status().message());
   }

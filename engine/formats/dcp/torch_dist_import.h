@@ -16,15 +16,22 @@
 // common_state item of Megatron-Core 0.19), the sizes the section's shapes
 // take from the tensors where the args do not record them, the args the
 // section renames, and what the family's conditions need where nothing says
-// otherwise (a note lists them). Not read yet: the optimizer state (a note
-// says so) and Transformer Engine's _extra_state, which the Megatron-DeepSpeed
-// layer files cannot hold (a note says it is dropped).
+// otherwise (a note lists them).
+//
+// The distributed optimizer's state (torch_dist_optimizer.h: Megatron-Core
+// 0.19's fully_reshardable and dp_reshardable layouts) is read into the
+// same canonical tensors, each state of a key sliced as its weights are: the
+// fp32 masters and Adam's moments, the param groups and the step. A layout
+// reshard does not read is recorded as the reason, for the commands that
+// need the state. Not read: Transformer Engine's _extra_state, which the
+// Megatron-DeepSpeed layer files cannot hold (a note says it is dropped).
 #pragma once
 
 #include <string>
 #include <vector>
 
 #include "formats/dcp/dcp_content.h"
+#include "logical/imported_optimizer.h"
 #include "logical/logical_checkpoint.h"
 #include "reshard/reshard.h"
 
@@ -35,6 +42,10 @@ struct TorchDistImport {
   std::vector<std::string> files;  // every file of the checkpoint
   std::string what;                // "Megatron-Core torch_dist checkpoint (rule set megatron-llama, ...)"
   std::vector<std::string> notes;  // what the import chose or left out
+  // The optimizer state, when the checkpoint holds one reshard reads; else
+  // why not, in optimizer_status (ok when it holds none).
+  std::optional<ImportedOptimizer> optimizer;
+  Status optimizer_status;
 };
 
 // Reads `content` (a torch_dist folder) as the model of the first family

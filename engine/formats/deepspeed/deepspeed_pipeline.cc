@@ -6,6 +6,7 @@
 #include <filesystem>
 
 #include "formats/deepspeed/optimizer/drift_lint.h"
+#include "formats/deepspeed/optimizer/imported_state.h"
 #include "formats/deepspeed/files/file_names.h"
 #include "formats/deepspeed/pipeline/model_states_writer.h"
 #include "formats/deepspeed/pipeline/pipeline_plan.h"
@@ -86,7 +87,8 @@ class PipelineSource : public DeepSpeedModelSource {
     for (const SpecEntry& s : c.specs) blocks += s.role == "block" ? 1 : 0;
     std::string s = "rule set " + c.rules->name() + " (numbering " + c.numbering + "); ";
     if (!model_->foreign.empty()) {
-      s += model_->foreign + "; " + Count(blocks, "block") + "; weights only";
+      s += model_->foreign + "; " + Count(blocks, "block") +
+           (HasOptimizerState() ? "; weights and optimizer state" : "; weights only");
     } else if (model_->universal) {
       s += "universal checkpoint of DP " + std::to_string(c.dp) + "; iteration " + std::to_string(c.iteration) +
            "; " + Count(blocks, "block") + "; " + std::to_string(files().universal_files.size()) +
@@ -126,8 +128,9 @@ class PipelineSource : public DeepSpeedModelSource {
       report->findings.push_back({Finding::Severity::kError, "optimizer: " + opt.status().message()});
       return;
     }
-    report->findings.push_back(model_->universal ? UniversalOptimizerFinding(**opt)
-                                                 : OptimizerFinding(**opt, shard_files()));
+    report->findings.push_back(model_->universal         ? UniversalOptimizerFinding(**opt)
+                               : !model_->foreign.empty() ? ImportedOptimizerFinding(**opt)
+                                                          : OptimizerFinding(**opt, shard_files()));
     ReportStateDrift(ckpt(), **opt, options, report);
   }
 
@@ -192,7 +195,9 @@ class PipelineSource : public DeepSpeedModelSource {
       return NoStateForUniversal("optimizer state");
     }
     RESHARD_ASSIGN_OR_RETURN(const SourceOptimizer* opt, Optimizer());
-    return PlanUniversal(ckpt(), *opt, files(), options.replicated, notes);
+    RESHARD_ASSIGN_OR_RETURN(OutputPlan out, PlanUniversal(ckpt(), *opt, files(), options.replicated, notes));
+    if (!model_->foreign.empty()) RESHARD_RETURN_IF_ERROR(AddModelStates(*opt, &out));
+    return out;
   }
 
   Result<TpWeights> WeightsForTp(const TpCut& cut, std::vector<std::string>* notes,
@@ -256,6 +261,20 @@ class PipelineSource : public DeepSpeedModelSource {
     return r;
   }
 
+  // A model another format read has no mp_rank files for its universal
+  // checkpoint to copy: it gets those a conversion at its own layout (TP 1,
+  // PP 1, DP 1) writes.
+  Status AddModelStates(const SourceOptimizer& opt, OutputPlan* out) const {
+    PlanOptions own;
+    own.dp = 1;
+    RESHARD_ASSIGN_OR_RETURN(DeepSpeedPlan plan, MakePipelinePlan(ckpt(), &opt, own));
+    RESHARD_ASSIGN_OR_RETURN(OutputPlan native, DeepSpeedOutput(ckpt(), &opt, plan));
+    for (PlannedFile& f : native.files) {
+      if (f.name.rfind("mp_rank_", 0) == 0) out->files.push_back(std::move(f));
+    }
+    return Status::Ok();
+  }
+
   // Every element of every optimizer state (fp32 masters, moments, ...), per parameter.
   Status AddStates(const SourceOptimizer& opt, ReplicatedPolicy replicated,
                    std::atomic<int64_t>* read, std::vector<FullTensor>* out) const {
@@ -292,7 +311,18 @@ std::unique_ptr<SourceCheckpoint> MakeImportedSource(ImportedModel imported, con
   // Everything here reads a pipeline model's metadata as its mp_rank files
   // (inspect, verify, the writer): a model that has none gets a fresh run's.
   for (Value& run : model->logical.metadata) run = FreshRunModelStates(run);
-  return MakePipelineSource(std::move(model), options);
+  std::unique_ptr<SourceOptimizer> optimizer;
+  Status status = imported.optimizer_status;
+  if (imported.optimizer) {
+    Result<std::unique_ptr<SourceOptimizer>> opt =
+        MakeImportedOptimizer(std::move(*imported.optimizer), model->logical, &model->foreign_notes);
+    if (opt.ok()) {
+      optimizer = std::move(*opt);
+    } else {
+      status = opt.status();
+    }
+  }
+  return std::make_unique<PipelineSource>(std::move(model), std::move(optimizer), std::move(status), options);
 }
 
 std::unique_ptr<SourceCheckpoint> MakeUniversalSource(UniversalCheckpoint universal,

@@ -90,18 +90,19 @@ const char DeepSpeedModelSource::kDryRunNote[] =
     "convert refuses drift it is not told to merge";
 
 bool DeepSpeedModelSource::HasOptimizerState() const {
-  return model_->universal || shard_files() > 0 || HasEmbeddedOptimizerState(ckpt());
+  return optimizer_read_ || shard_files() > 0 || HasEmbeddedOptimizerState(ckpt());
 }
 
 std::string DeepSpeedModelSource::OptimizerWhat() const {
   if (model_->universal) return "optimizer state of its zero/ files";
+  if (optimizer_read_) return "optimizer state";
   return shard_files() > 0 ? std::to_string(shard_files()) + " optimizer shard files"
                            : "optimizer state inside its mp_rank files";
 }
 
 Result<const SourceOptimizer*> DeepSpeedModelSource::Optimizer() const {
   std::call_once(optimizer_once_, [this] {
-    if (model_->universal) return;  // read with the model
+    if (optimizer_read_) return;
     Result<std::unique_ptr<SourceOptimizer>> opt =
         ShardOptimizer::Load(ckpt(), model_->files.optimizer_files, allowed_classes_);
     if (opt.ok()) {

@@ -13,6 +13,7 @@
 
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 
@@ -22,6 +23,7 @@
 #include "formats/deepspeed/universal/universal_reader.h"
 #include "formats/deepspeed/optimizer/zero_shard_reader.h"
 #include "formats/format.h"
+#include "logical/imported_optimizer.h"
 #include "logical/logical_checkpoint.h"
 
 namespace reshard {
@@ -40,11 +42,15 @@ std::unique_ptr<SourceCheckpoint> MakeUniversalSource(UniversalCheckpoint univer
 // its metadata in no format's layout (args, iteration, the keys the rules
 // read), which becomes a fresh run's mp_rank metadata (FreshRunModelStates);
 // `what` says what it is and `notes` what reading it chose. Converting it
-// writes DeepSpeed's layout.
+// writes DeepSpeed's layout, with `optimizer` (its optimizer state, when it
+// has one reshard reads; else why not in optimizer_status) as the shards
+// optimizer/imported_state.h chooses.
 struct ImportedModel {
   LogicalCheckpoint logical;
   std::string dir, what;
   std::vector<std::string> files, notes;
+  std::optional<ImportedOptimizer> optimizer;
+  Status optimizer_status;
 };
 std::unique_ptr<SourceCheckpoint> MakeImportedSource(ImportedModel imported, const CommonOptions& options);
 std::unique_ptr<SourceCheckpoint> MakeNonPipelineSource(std::unique_ptr<DeepSpeedModel> model,
@@ -76,8 +82,15 @@ class DeepSpeedModelSource : public SourceCheckpoint {
       : model_(std::move(model)), allowed_classes_(options.allowed_classes) {}
   // A universal checkpoint, whose optimizer state was read with the model.
   DeepSpeedModelSource(UniversalCheckpoint universal, const CommonOptions& options)
-      : model_(std::move(universal.model)), allowed_classes_(options.allowed_classes),
-        optimizer_(std::move(universal.optimizer)), optimizer_status_(universal.optimizer_status) {}
+      : DeepSpeedModelSource(std::move(universal.model), std::move(universal.optimizer), universal.optimizer_status,
+                             options) {}
+  // A model whose optimizer state was read with it: `optimizer`, or why
+  // not in `optimizer_status` (neither: it has none).
+  DeepSpeedModelSource(std::unique_ptr<DeepSpeedModel> model, std::unique_ptr<SourceOptimizer> optimizer,
+                       Status optimizer_status, const CommonOptions& options)
+      : model_(std::move(model)), allowed_classes_(options.allowed_classes),
+        optimizer_read_(optimizer != nullptr || !optimizer_status.ok()), optimizer_(std::move(optimizer)),
+        optimizer_status_(std::move(optimizer_status)) {}
 
   // The metadata, the layer files' tensors and the problems found reading them.
   std::string Describe() const override;
@@ -104,6 +117,7 @@ class DeepSpeedModelSource : public SourceCheckpoint {
 
  private:
   std::set<std::string> allowed_classes_;
+  const bool optimizer_read_ = false;  // with the model, not from shard files
   mutable std::once_flag optimizer_once_;
   mutable std::unique_ptr<SourceOptimizer> optimizer_;
   mutable Status optimizer_status_;

@@ -1007,7 +1007,11 @@ const std::map<int, std::string> kTorchDist = {
     {27, "    - {name: embedding.w, key: embedding.word_embeddings.weight, shape: ['*', args.hidden_size]}"},
     {28, "    - {name: 'layers.{block}.qkv', key: [decoder.layers.a.qkv, decoder.layers.b.qkv], "
          "shape: [3*args.h, 16]}"},
-    {29, "  extra_state: [decoder.layers.a]"},
+    {29, "    - {name: 'layers.{block}.proj', key: decoder.layers.proj}"},
+    {30, "    - {name: head.w, key: output_layer.weight}"},
+    {31, "  optimizer_order: [embedding.word_embeddings.weight, decoder.layers.a.qkv, decoder.layers.b.qkv,"},
+    {32, "                    decoder.layers.proj, output_layer.weight]"},
+    {33, "  extra_state: [decoder.layers.a]"},
 };
 
 std::string TinyTorchDist(const std::map<int, std::string>& edits = {}) {
@@ -1029,19 +1033,42 @@ TEST(RuleSetTorchDist, ParsesEveryField) {
   EXPECT_TRUE(td->args[1].when.empty());
   ASSERT_NE(td->args[2].value, nullptr);
   EXPECT_EQ(td->args[2].value->as_string(), "rmsnorm");
-  ASSERT_EQ(td->tensors.size(), 2u);
+  ASSERT_EQ(td->tensors.size(), 4u);
   EXPECT_EQ(td->tensors[0].keys, std::vector<std::string>{"embedding.word_embeddings.weight"});
   EXPECT_EQ(td->tensors[1].name, "layers.{block}.qkv");
   EXPECT_EQ(td->tensors[1].keys.size(), 2u);
   EXPECT_EQ(td->tensors[1].shape, (std::vector<std::string>{"3*args.h", "16"}));
   EXPECT_EQ(td->tensors[1].line, 28);
   EXPECT_EQ(td->extra_state, std::vector<std::string>{"decoder.layers.a"});
+  EXPECT_EQ(td->optimizer_order,
+            (std::vector<std::string>{"embedding.word_embeddings.weight", "decoder.layers.a.qkv", "decoder.layers.b.qkv",
+                                      "decoder.layers.proj", "output_layer.weight"}));
   const std::set<std::string> paths = rs->ValuePaths();
   for (const char* path : {"args.num_query_groups", "args.group_query_attention", "args.rotary_base",
                            "args.normalization", "args.hidden_size", "args.h"}) {
     EXPECT_TRUE(paths.count(path)) << path;
   }
   EXPECT_EQ(RuleSet::LoadString(Tiny(), "t.yaml")->torch_dist(), nullptr);
+}
+
+// Every built-in set that reads torch_dist gives the registration order the
+// dp_reshardable buffers need: embedding first, the input norm before the
+// attention's linear_proj and linear_qkv, the head last where it is untied.
+TEST(RuleSetTorchDist, BuiltinSetsGiveTheRegistrationOrder) {
+  for (const char* name : {"megatron-core-gpt", "megatron-llama", "megatron-llama-tied"}) {
+    SCOPED_TRACE(name);
+    Result<RuleSet> rs = LoadRuleSet(name);
+    ASSERT_TRUE(rs.ok()) << rs.status().message();
+    const std::vector<std::string>& order = rs->torch_dist()->optimizer_order;
+    ASSERT_FALSE(order.empty());
+    EXPECT_EQ(order.front(), "embedding.word_embeddings.weight");
+    auto at = [&](const std::string& key) { return std::find(order.begin(), order.end(), key) - order.begin(); };
+    EXPECT_LT(at("decoder.layers.self_attention.linear_qkv.layer_norm_weight"),
+              at("decoder.layers.self_attention.linear_proj.weight"));
+    EXPECT_LT(at("decoder.layers.self_attention.linear_proj.weight"), at("decoder.layers.self_attention.linear_qkv.weight"));
+    EXPECT_EQ(order.back(), std::string(name) == "megatron-llama-tied" ? "decoder.final_layernorm.weight"
+                                                                       : "output_layer.weight");
+  }
 }
 
 TEST(RuleSetTorchDist, ReportsFileLineAndFix) {
@@ -1055,8 +1082,17 @@ TEST(RuleSetTorchDist, ReportsFileLineAndFix) {
        "t.yaml:24: torch_dist.args.rope_theta needs one of"},
       {{{24, "    rope_theta: rotary_base"}}, "must name a metadata path"},
       {{{27, "    - {name: embedding.w, key: a.b, shap: [1]}"}}, "unknown field 'shap'"},
-      {{{26, "  tensors: []"}, {27, ""}, {28, ""}}, "torch_dist.tensors must be a non-empty list"},
-      {{{29, "  extra_state: decoder.layers.a"}}, "torch_dist.extra_state must be a list of strings"},
+      {{{26, "  tensors: []"}, {27, ""}, {28, ""}, {29, ""}, {30, ""}, {31, ""}, {32, ""}},
+       "torch_dist.tensors must be a non-empty list"},
+      {{{31, "  optimizer_order: []"}, {32, ""}}, "t.yaml:31: torch_dist.optimizer_order is an empty list"},
+      {{{31, "  optimizer_order: embedding.word_embeddings.weight"}, {32, ""}}, "must be a list of strings"},
+      {{{32, "                    decoder.layers.proj, output_layer.weight, decoder.layers.x]"}},
+       "t.yaml:31: torch_dist.optimizer_order names 'decoder.layers.x', which no torch_dist.tensors entry has"},
+      {{{32, "                    decoder.layers.proj, output_layer.weight, decoder.layers.proj]"}},
+       "lists 'decoder.layers.proj' twice"},
+      {{{32, "                    output_layer.weight, decoder.layers.proj]"}}, "interleaves the block keys with others"},
+      {{{32, "                    decoder.layers.proj]"}}, "gives no place to 'head.w' (line 30); add its key output_layer.weight"},
+      {{{33, "  extra_state: decoder.layers.a"}}, "torch_dist.extra_state must be a list of strings"},
   };
   for (const auto& [edits, expected] : cases) {
     const std::string message = ErrorOf(TinyTorchDist(edits));

@@ -33,4 +33,34 @@ const KnownClasses& DeepSpeedKnownClasses() {
   return known;
 }
 
+namespace {
+
+// An instance of a plain class as protocol 2 pickles it: NEWOBJ, then BUILD with its __dict__.
+Value Record(const std::string& module, const std::string& name, Items fields) {
+  Object o;
+  o.cls = Global{module, name};
+  o.construct = Object::Construct::kNewObj;
+  o.state = std::make_shared<Value>(Value::MakeDict(std::move(fields)));
+  return Value::MakeObject(std::move(o));
+}
+
+}  // namespace
+
+Value FragmentAddress(int64_t numel, int64_t start) {
+  return Record("deepspeed.utils.tensor_fragment", "fragment_address",
+                {{Value::String("numel"), Value::Int(numel)}, {Value::String("start"), Value::Int(start)}});
+}
+
+Value ZeroStage(int stage) {
+  Object o;  // an enum member: the class called with its value
+  o.cls = Global{"deepspeed.runtime.zero.config", "ZeroStageEnum"};
+  o.args = {Value::Int(stage)};
+  return Value::MakeObject(std::move(o));
+}
+
+Value StaticLossScaler(double scale) {
+  return Record("deepspeed.runtime.fp16.loss_scaler", "LossScaler",
+                {{Value::String("cur_scale"), Value::Float(scale)}, {Value::String("dynamic"), Value::Bool(false)}});
+}
+
 }  // namespace reshard

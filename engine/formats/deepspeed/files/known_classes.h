@@ -12,4 +12,12 @@ namespace reshard {
 // The set lives as long as the program.
 const KnownClasses& DeepSpeedKnownClasses();
 
+// Values of DeepSpeed's classes, pickled as DeepSpeed pickles them, for
+// optimizer shards written from a source that has none to copy:
+// fragment_address(numel, start), the ZeRO stage enum member of `stage`, and
+// a static LossScaler of `scale`.
+Value FragmentAddress(int64_t numel, int64_t start);
+Value ZeroStage(int stage);
+Value StaticLossScaler(double scale);
+
 }  // namespace reshard

@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <map>
 
+#include "formats/deepspeed/files/known_classes.h"
 #include "formats/deepspeed/model/stages.h"
 #include "util/list_folder.h"
 #include "util/human.h"
@@ -214,16 +215,6 @@ Result<std::vector<std::string>> CommonStates(const std::map<std::string, ParamF
   return states;
 }
 
-// A fragment_address(numel, start) as DeepSpeed pickles the dataclass.
-Value FragmentAddress(int64_t numel) {
-  Object o;
-  o.cls = Global{"deepspeed.utils.tensor_fragment", "fragment_address"};
-  o.construct = Object::Construct::kNewObj;
-  o.state = std::make_shared<Value>(
-      Value::MakeDict({{Value::String("numel"), Value::Int(numel)}, {Value::String("start"), Value::Int(0)}}));
-  return Value::MakeObject(std::move(o));
-}
-
 Result<std::unique_ptr<SourceOptimizer>> UniversalOptimizer::Make(std::map<std::string, ParamFiles> params,
                                                                   const Value& optimizer_state,
                                                                   const Value& metadata, DType training_dtype) {
@@ -275,7 +266,7 @@ Status UniversalOptimizer::MakeTemplate(const Value& optimizer_state, const Valu
                                 {Value::String("param_groups"), *groups}});
   const std::string& first = params_.begin()->first;
   Value mappings = Value::MakeList(
-      {MakeOrderedDict({{Value::String(first), FragmentAddress(params_.begin()->second.Whole(kMasterState).numel())}})});
+      {MakeOrderedDict({{Value::String(first), FragmentAddress(params_.begin()->second.Whole(kMasterState).numel(), 0)}})});
   // Where DeepSpeed puts them: after clip_grad.
   Value osd = Value::MakeDict();
   auto add_partitions = [&] {

@@ -1,0 +1,430 @@
+#include "formats/dcp/torch_dist_optimizer.h"
+
+#include <algorithm>
+#include <set>
+
+#include "formats/dcp/megatron_buckets.h"
+#include "util/human.h"
+#include "util/shape.h"
+#include "util/strings.h"
+
+namespace reshard {
+namespace {
+
+constexpr char kOptimizerPrefix[] = "optimizer.";
+constexpr char kFullyReshardable[] = "fully_reshardable";
+constexpr char kDpReshardable[] = "dp_reshardable";
+constexpr char kWeightsOnlyFix[] = "; pass --weights-only to convert the weights without it";
+
+// The list Megatron wraps a bytes item's object in, unwrapped.
+const Value& Unwrapped(const Value& v) {
+  return v.is(Value::Kind::kList) && v.as_list().items.size() == 1 ? v.as_list().items[0] : v;
+}
+
+bool HasPrefix(const std::string& s, const std::string& prefix) { return s.rfind(prefix, 0) == 0; }
+
+// The layout the common state names; without one, the one the keys show.
+std::string LayoutOf(const DcpContent& c, const Value& common) {
+  const Value* optimizer = Find(common, "optimizer");
+  const Value* type = optimizer != nullptr ? Find(*optimizer, "param_state_sharding_type") : nullptr;
+  if (type != nullptr && type->is(Value::Kind::kString)) return type->as_string();
+  for (const DcpTensor& t : c.tensors) {
+    if (HasPrefix(t.fqn, "optimizer.distributed.")) return kDpReshardable;
+    if (HasPrefix(t.fqn, "optimizer.state.param.")) return kFullyReshardable;
+    if (HasPrefix(t.fqn, "optimizer.state.fp32_param.")) return "fully_sharded_model_space";
+  }
+  for (const std::string& fqn : c.bytes_items) {
+    if (HasPrefix(fqn, "optimizer.distributed.") && fqn.find(".param_state/") != std::string::npos) {
+      return "dp_zero_gather_scatter";  // the whole state pickled per rank
+    }
+  }
+  return "an unnamed layout";
+}
+
+// Param groups without `params`, and the step they record.
+Status ReadGroups(const Value* groups, const std::string& where, TorchDistOptimizer* out) {
+  if (groups == nullptr || !groups->is(Value::Kind::kList) || groups->as_list().items.empty()) {
+    return Status::InvalidInput(where + " holds no param_groups; the checkpoint's optimizer state is incomplete" +
+                                kWeightsOnlyFix);
+  }
+  for (const Value& group : groups->as_list().items) {
+    if (DictItems(group) == nullptr) return Status::InvalidInput(where + "'s param_groups are not dicts" + kWeightsOnlyFix);
+    Value g = group;
+    Items& items = *MutableDictItems(g);
+    items.erase(std::remove_if(items.begin(), items.end(),
+                               [](const auto& kv) { return kv.first.is(Value::Kind::kString) && kv.first.as_string() == "params"; }),
+                items.end());
+    out->param_groups.push_back(std::move(g));
+  }
+  if (const Value* step = Find(out->param_groups[0], "step")) out->step = *step;
+  return Status::Ok();
+}
+
+std::vector<std::string> ModelKeys(const DcpContent& c) {
+  std::vector<std::string> keys;
+  for (const DcpTensor& t : c.tensors) {
+    if (!HasPrefix(t.fqn, kOptimizerPrefix)) keys.push_back(t.fqn);
+  }
+  return keys;
+}
+
+// fully_reshardable: every state of every model key is a tensor of its own,
+// shaped and chunked like the key.
+Status ReadFullyReshardable(const DcpContent& c, const Value& common, TorchDistOptimizer* out) {
+  for (const std::string& key : ModelKeys(c)) {
+    const DcpTensor& model = *c.FindTensor(key);
+    for (const char* state : kTorchDistStates) {
+      const std::string fqn = std::string("optimizer.state.") + state + "." + key;
+      const DcpTensor* t = c.FindTensor(fqn);
+      if (t == nullptr || t->size != model.size || t->dtype != DType::kFloat32) {
+        return Status::InvalidInput(c.folder + (t == nullptr ? " has no " + fqn : "'s " + fqn + " is not fp32 " +
+                                    ShapeString(model.size)) + " (the fully_reshardable state of " + key + ")" +
+                                    kWeightsOnlyFix);
+      }
+      out->states[state][key] = *t;
+    }
+  }
+  const Value* optimizer = Find(common, "optimizer");
+  const Value* inner = optimizer != nullptr ? Find(*optimizer, "optimizer") : nullptr;
+  return ReadGroups(inner != nullptr ? Find(*inner, "param_groups") : nullptr, "the common state", out);
+}
+
+// ---- dp_reshardable ------------------------------------------------------
+
+std::string GroupKey(int group, const std::string& item) {
+  return "optimizer.distributed.dp_group_idx_" + std::to_string(group) + "." + item + "/shard_0_1";
+}
+
+// One parameter of a model-parallel rank: a model key (of one layer when
+// stacked) and the boxes of it the rank holds, in the order its flat
+// piece holds them.
+struct RankParam {
+  const DcpTensor* key = nullptr;
+  int64_t layer = -1;
+  std::vector<Box> boxes;  // of the key's global tensor, the layer axis included
+  int64_t numel = 0;
+  // A TP rank but the first's copy of a tensor every rank holds whole: left
+  // out, as fully_reshardable leaves it out (Megatron keeps replicas equal).
+  bool replica = false;
+};
+
+// TP rank `rank`'s boxes of `t` (layer `layer` of it when >= 0): the
+// chunks' ranges on the one axis they cut, rank r holding ranges r, TP + r,
+// ... (a tensor of k parts each cut by TP, as SwiGLU's [gate; up]).
+Result<RankParam> PieceOf(const DcpTensor& t, int64_t layer, int tp, int rank) {
+  const size_t first = layer >= 0 ? 1 : 0;
+  std::vector<std::set<std::pair<int64_t, int64_t>>> ranges(t.size.size());
+  for (const SourceShard& chunk : t.shards) {
+    const Box& box = chunk.placements[0].global;
+    if (layer >= 0 && (layer < box.offsets[0] || layer >= box.end(0))) continue;
+    for (size_t d = first; d < ranges.size(); ++d) ranges[d].insert({box.offsets[d], box.sizes[d]});
+  }
+  Box whole = Box::Whole(t.size);
+  if (layer >= 0) whole = Box::Slab(t.size, 0, layer, 1);
+  RankParam p{&t, layer, {}, 0};
+  int axis = -1;
+  for (size_t d = first; d < ranges.size(); ++d) {
+    if (ranges[d].size() <= 1) continue;
+    if (axis >= 0 || ranges[d].size() % tp != 0) {
+      return Status::Unsupported(t.fqn + "'s chunks are no cut of TP " + std::to_string(tp) +
+                                 ", so its dp_reshardable state cannot be placed" + kWeightsOnlyFix);
+    }
+    axis = static_cast<int>(d);
+  }
+  if (axis < 0) {
+    p.boxes.push_back(whole);
+    p.replica = rank > 0;
+  } else {
+    const std::vector<std::pair<int64_t, int64_t>> sorted(ranges[axis].begin(), ranges[axis].end());
+    // Pieces one after the other in the flat slice are boxes one after the
+    // other only when they are cut on the first axis of the tensor.
+    if (sorted.size() > static_cast<size_t>(tp) && static_cast<size_t>(axis) != first) {
+      return Status::Unsupported(t.fqn + " is cut in " + std::to_string(sorted.size()) + " pieces on axis " +
+                                 std::to_string(axis) + ", a layout Megatron-Core's rank pieces do not have" +
+                                 kWeightsOnlyFix);
+    }
+    for (size_t j = rank; j < sorted.size(); j += tp) {
+      Box box = whole;
+      box.offsets[axis] = sorted[j].first;
+      box.sizes[axis] = sorted[j].second;
+      p.boxes.push_back(box);
+    }
+  }
+  for (const Box& box : p.boxes) p.numel += box.numel();
+  return p;
+}
+
+// One grad buffer as per_bucket_numel records it.
+struct BufferNumels {
+  DType param_dtype = DType::kFloat32, grad_dtype = DType::kFloat32;
+  std::vector<int64_t> numels;
+};
+
+std::optional<DType> TorchDType(const Value& v) {
+  if (!v.is(Value::Kind::kGlobal)) return std::nullopt;
+  for (DType d : {DType::kFloat32, DType::kBFloat16, DType::kFloat16, DType::kFloat64}) {
+    if (v.as_global().name == DTypeName(d)) return d;
+  }
+  return std::nullopt;
+}
+
+// `[{(param dtype, grad dtype): [numel per bucket]} per grad buffer]`.
+Result<std::vector<BufferNumels>> ReadNumels(const DcpContent& c, int group, const std::string& which) {
+  const std::string key = GroupKey(group, which);
+  RESHARD_ASSIGN_OR_RETURN(Value v, c.ReadBytes(key));
+  const Value& buffers = Unwrapped(v);
+  const Status bad = Status::InvalidInput(key + " is not Megatron-Core's [{(param dtype, grad dtype): [numels]}]" +
+                                          kWeightsOnlyFix);
+  if (!buffers.is(Value::Kind::kList)) return bad;
+  std::vector<BufferNumels> out;
+  for (const Value& buffer : buffers.as_list().items) {
+    const Items* items = DictItems(buffer);
+    if (items == nullptr || items->size() != 1 || !items->front().first.is(Value::Kind::kTuple)) return bad;
+    const std::vector<Value>& dtypes = items->front().first.as_tuple().items;
+    std::vector<int64_t> numels;
+    if (dtypes.size() != 2 || !TorchDType(dtypes[0]) || !TorchDType(dtypes[1]) ||
+        !ReadIntSequence(items->front().second, &numels)) {
+      return bad;
+    }
+    out.push_back({*TorchDType(dtypes[0]), *TorchDType(dtypes[1]), std::move(numels)});
+  }
+  return out;
+}
+
+class DpReshardableReader {
+ public:
+  DpReshardableReader(const DcpContent& c, const TorchDistLayout& layout, const ArgsLookup& args,
+                      TorchDistOptimizer* out)
+      : c_(c), layout_(layout), args_(args), out_(*out) {}
+
+  Status Read() {
+    if (layout_.optimizer_order.empty()) {
+      return Status::Unsupported("the rule set's torch_dist section gives no optimizer_order, the registration "
+                                 "order dp_reshardable buffers follow; add one (docs/rules.md)" + std::string(kWeightsOnlyFix));
+    }
+    RESHARD_RETURN_IF_ERROR(ReadGrid());
+    for (int pp_rank = 0; pp_rank < pp_; ++pp_rank) {
+      for (int tp_rank = 0; tp_rank < tp_; ++tp_rank) RESHARD_RETURN_IF_ERROR(ReadRank(tp_rank, pp_rank));
+    }
+    RESHARD_RETURN_IF_ERROR(CheckComplete());
+    RESHARD_ASSIGN_OR_RETURN(Value groups, c_.ReadBytes(GroupKey(0, "optimizer")));
+    return ReadGroups(Find(Unwrapped(groups), "param_groups"), GroupKey(0, "optimizer"), &out_);
+  }
+
+ private:
+  // TP, PP, DP and the layers of a stage: the args where they record them;
+  // else TP from the first key's cut (the vocabulary-parallel embedding),
+  // PP from the number of model-parallel ranks, DP 1 (any DP that divides
+  // 128 lays the buffers out the same; the numels check it).
+  Status ReadGrid() {
+    int groups = 0;
+    while (c_.meta.Find(GroupKey(groups, "per_bucket_numel"), {}) != nullptr) ++groups;
+    if (groups == 0) {
+      return Status::Unsupported(c_.folder + " holds dp_reshardable buffers without per_bucket_numel items (a "
+                                 "chained optimizer, MoE, is not read yet)" + std::string(kWeightsOnlyFix));
+    }
+    const DcpTensor* first = nullptr;
+    for (const std::string& key : layout_.optimizer_order) {
+      if ((first = c_.FindTensor(key)) != nullptr) break;
+    }
+    if (first == nullptr) return Status::InvalidInput(c_.folder + " holds none of the keys of optimizer_order");
+    tp_ = static_cast<int>(args_("args.tensor_model_parallel_size").value_or(first->shards.size()));
+    dp_ = static_cast<int>(args_("args.data_parallel_size").value_or(1));
+    pp_ = tp_ > 0 ? groups / tp_ : 0;
+    for (const std::string& key : layout_.optimizer_order) {
+      if (const DcpTensor* t = c_.FindTensor(key); t != nullptr && IsBlockKey(key)) layers_ = t->size[0];
+    }
+    if (pp_ < 1 || pp_ * tp_ != groups || layers_ % pp_ != 0) {
+      return Status::Unsupported(c_.folder + " has " + std::to_string(groups) + " model-parallel optimizer groups, "
+                                 "no even TP " + std::to_string(tp_) + " x PP layout of its " +
+                                 std::to_string(layers_) + " layers; pass --set tensor_model_parallel_size=N" +
+                                 kWeightsOnlyFix);
+    }
+    return Status::Ok();
+  }
+
+  bool IsBlockKey(const std::string& key) const {
+    for (const TorchDistTensor& t : layout_.tensors) {
+      if (std::find(t.keys.begin(), t.keys.end(), key) != t.keys.end()) {
+        return t.name.find("{block}") != std::string::npos;
+      }
+    }
+    return false;
+  }
+
+  // The rank's parameters in registration order: the keys before the block
+  // keys on the first stage, the block keys for each of the stage's layers,
+  // the keys after them on the last.
+  Result<std::vector<RankParam>> RankParams(int tp_rank, int pp_rank) const {
+    const int64_t per_stage = layers_ / pp_;
+    std::vector<RankParam> params;
+    bool after_blocks = false;
+    std::vector<std::string> block_keys;
+    auto add = [&](const std::string& key, int64_t layer) -> Status {
+      const DcpTensor* t = c_.FindTensor(key);
+      if (t == nullptr) return Status::Ok();
+      RESHARD_ASSIGN_OR_RETURN(RankParam p, PieceOf(*t, layer, tp_, tp_rank));
+      params.push_back(std::move(p));
+      return Status::Ok();
+    };
+    auto flush_blocks = [&]() -> Status {
+      for (int64_t l = pp_rank * per_stage; l < (pp_rank + 1) * per_stage; ++l) {
+        for (const std::string& key : block_keys) RESHARD_RETURN_IF_ERROR(add(key, l));
+      }
+      block_keys.clear();
+      return Status::Ok();
+    };
+    for (const std::string& key : layout_.optimizer_order) {
+      if (IsBlockKey(key)) {
+        block_keys.push_back(key);
+        after_blocks = true;
+        continue;
+      }
+      RESHARD_RETURN_IF_ERROR(flush_blocks());
+      if (after_blocks ? pp_rank == pp_ - 1 : pp_rank == 0) RESHARD_RETURN_IF_ERROR(add(key, -1));
+    }
+    RESHARD_RETURN_IF_ERROR(flush_blocks());
+    return params;
+  }
+
+  Status ReadRank(int tp_rank, int pp_rank) {
+    const int group = MegatronDpGroupIdx(tp_rank, pp_rank, tp_);
+    RESHARD_ASSIGN_OR_RETURN(std::vector<RankParam> params, RankParams(tp_rank, pp_rank));
+    RESHARD_ASSIGN_OR_RETURN(std::vector<BufferNumels> numel, ReadNumels(c_, group, "per_bucket_numel"));
+    RESHARD_ASSIGN_OR_RETURN(std::vector<BufferNumels> unpadded, ReadNumels(c_, group, "per_bucket_numel_unpadded"));
+    // DDP's grad buffers: one per param dtype, in the order each first appears.
+    std::vector<DType> dtypes;
+    std::vector<std::vector<const RankParam*>> buffers;
+    for (const RankParam& p : params) {
+      const size_t b = std::find(dtypes.begin(), dtypes.end(), p.key->dtype) - dtypes.begin();
+      if (b == dtypes.size()) {
+        dtypes.push_back(p.key->dtype);
+        buffers.emplace_back();
+      }
+      buffers[b].push_back(&p);
+    }
+    const std::string what = "dp_group_idx_" + std::to_string(group);
+    if (buffers.size() != numel.size() || unpadded.size() != numel.size()) {
+      return Status::InvalidInput(c_.folder + "'s " + what + " records " + std::to_string(numel.size()) +
+                                  " grad buffers, and its parameters' dtypes make " + std::to_string(buffers.size()) +
+                                  kWeightsOnlyFix);
+    }
+    for (size_t b = 0; b < buffers.size(); ++b) {
+      if (numel[b].param_dtype != dtypes[b]) {
+        return Status::InvalidInput(c_.folder + "'s " + what + " grad buffer " + std::to_string(b) + " holds " +
+                                    DTypeName(numel[b].param_dtype) + " parameters, the registration order gives " +
+                                    DTypeName(dtypes[b]) + kWeightsOnlyFix);
+      }
+      RESHARD_RETURN_IF_ERROR(ReadBuffer(group, static_cast<int>(b), buffers[b], numel[b], unpadded[b]));
+    }
+    return Status::Ok();
+  }
+
+  Status ReadBuffer(int group, int gbuf, const std::vector<const RankParam*>& params, const BufferNumels& numel,
+                    const BufferNumels& unpadded) {
+    const std::string what = c_.folder + "'s dp_group_idx_" + std::to_string(group) + ".gbuf_idx_" + std::to_string(gbuf);
+    if (numel.numels.size() != 1) {
+      return Status::Unsupported(what + " has " + std::to_string(numel.numels.size()) + " buckets (a run with "
+                                 "--overlap-grad-reduce), whose bucket size is not recorded; reshard reads one bucket "
+                                 "per buffer" + std::string(kWeightsOnlyFix));
+    }
+    std::vector<BucketParam> list;
+    for (const RankParam* p : params) list.push_back({p->key->fqn, p->numel});
+    BucketOptions options;
+    options.dp = dp_;
+    RESHARD_ASSIGN_OR_RETURN(BucketLayout bl, MegatronBucketLayout(list, options));
+    const Status check = CheckBucketNumels(bl, numel.numels, unpadded.numels, what);
+    if (!check.ok()) {
+      return Status::InvalidInput(check.message() + "; the rule set's optimizer_order or the layout (--set "
+                                  "tensor_model_parallel_size, data_parallel_size) does not describe this run" +
+                                  kWeightsOnlyFix);
+    }
+    for (const char* state : kTorchDistStates) {
+      const std::string key = MegatronBucketKey(group, gbuf, numel.param_dtype, numel.grad_dtype, 0, state);
+      const DcpTensor* flat = c_.FindTensor(key);
+      if (flat == nullptr || flat->size != std::vector<int64_t>{bl.buckets[0].numel_unpadded}) {
+        return Status::InvalidInput(c_.folder + (flat == nullptr ? " has no " : "'s " + key + " is not 1-D of the "
+                                    "recorded numel: ") + key + kWeightsOnlyFix);
+      }
+      flats_read_++;
+      const SourceShard runs = SliceRuns(*flat, -1);
+      for (size_t i = 0; i < params.size(); ++i) Place(*params[i], runs, bl.slots[i].offset, state);
+    }
+    return Status::Ok();
+  }
+
+  // The parameter's flat piece, from `offset` of the bucket, as chunks at
+  // its boxes of the state tensor shaped like its key.
+  void Place(const RankParam& p, const SourceShard& bucket, int64_t offset, const std::string& state) {
+    if (p.replica) return;
+    DcpTensor& t = out_.states[state][p.key->fqn];
+    if (t.fqn.empty()) t = DcpTensor{"optimizer " + state + " of " + p.key->fqn, DType::kFloat32, p.key->size, {}};
+    for (const Box& box : p.boxes) {
+      SourceShard chunk;
+      chunk.shape = box.sizes;
+      chunk.placements = {Placement{box, std::vector<int64_t>(box.sizes.size(), 0)}};
+      chunk.runs = bucket.RunsOf(offset, box.numel(), 4);
+      offset += box.numel();
+      t.shards.push_back(std::move(chunk));
+    }
+  }
+
+  // Every model key's state is whole, and every flat tensor was read.
+  Status CheckComplete() const {
+    for (const std::string& key : ModelKeys(c_)) {
+      for (const char* state : kTorchDistStates) {
+        auto it = out_.states[state].find(key);
+        int64_t numel = 0;
+        if (it != out_.states[state].end()) {
+          for (const SourceShard& chunk : it->second.shards) numel += chunk.placements[0].global.numel();
+        }
+        if (numel != ShapeNumel(c_.FindTensor(key)->size)) {
+          return Status::InvalidInput(key + " is not in the rule set's optimizer_order, or no dp_reshardable buffer "
+                                      "holds all of it; add it to torch_dist.optimizer_order" +
+                                      std::string(kWeightsOnlyFix));
+        }
+      }
+    }
+    int flats = 0;
+    for (const DcpTensor& t : c_.tensors) flats += HasPrefix(t.fqn, "optimizer.distributed.");
+    if (flats != flats_read_) {
+      return Status::Unsupported(c_.folder + " holds " + std::to_string(flats) + " dp_reshardable buffers and " +
+                                 std::to_string(flats_read_) + " were explained by its model" + kWeightsOnlyFix);
+    }
+    return Status::Ok();
+  }
+
+  const DcpContent& c_;
+  const TorchDistLayout& layout_;
+  const ArgsLookup& args_;
+  TorchDistOptimizer& out_;
+  int tp_ = 1, pp_ = 1, dp_ = 1;
+  int64_t layers_ = 0;
+  int flats_read_ = 0;
+};
+
+}  // namespace
+
+Result<std::optional<TorchDistOptimizer>> ReadTorchDistOptimizer(const DcpContent& content, const Value& common,
+                                                                 const TorchDistLayout& layout,
+                                                                 const ArgsLookup& args) {
+  const bool any = std::any_of(content.tensors.begin(), content.tensors.end(),
+                               [](const DcpTensor& t) { return HasPrefix(t.fqn, kOptimizerPrefix); }) ||
+                   std::any_of(content.bytes_items.begin(), content.bytes_items.end(),
+                               [](const std::string& fqn) { return HasPrefix(fqn, kOptimizerPrefix); });
+  if (!any) return std::optional<TorchDistOptimizer>();
+  TorchDistOptimizer out;
+  out.layout = LayoutOf(content, common);
+  if (out.layout == kFullyReshardable) {
+    RESHARD_RETURN_IF_ERROR(ReadFullyReshardable(content, common, &out));
+  } else if (out.layout == kDpReshardable) {
+    RESHARD_RETURN_IF_ERROR(DpReshardableReader(content, layout, args, &out).Read());
+  } else {
+    return Status::Unsupported("the distributed optimizer's state is in Megatron-Core's " + out.layout +
+                               " layout, which reshard does not read (it reads Megatron-Core 0.19's "
+                               "fully_reshardable and dp_reshardable)" + std::string(kWeightsOnlyFix));
+  }
+  return std::optional<TorchDistOptimizer>(std::move(out));
+}
+
+}  // namespace reshard

@@ -1,0 +1,38 @@
+// The optimizer state of a model another format read (a Megatron-Core
+// torch_dist checkpoint's distributed optimizer), as plain data: per
+// canonical tensor, Adam's fp32 master and moments whole, as runs of the
+// source's bytes, and the optimizer's param groups and step.
+//
+// The reading format fills it; the format that writes the model turns it
+// into its own optimizer files (formats/deepspeed/: MakeImportedSource).
+// Neither needs to know the other: the states are laid out exactly like the
+// canonical tensors of the imported LogicalCheckpoint (TP 1, PP 1).
+#pragma once
+
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "logical/source_shard.h"
+#include "pickle/value.h"
+
+namespace reshard {
+
+struct ImportedOptimizer {
+  // The per-element states torch names them by ("exp_avg", "exp_avg_sq"),
+  // after the fp32 master.
+  std::vector<std::string> moments;
+  struct Param {
+    SourceShard master;                // the fp32 master, whole, in row-major order
+    std::vector<SourceShard> moments;  // one per `moments` entry, the same way
+  };
+  std::map<std::string, Param> params;  // by canonical name
+  // The torch param groups' hyperparameters as the optimizer saved them (no
+  // `params` lists), decayed groups first.
+  std::vector<Value> param_groups;
+  std::optional<Value> step;  // the optimizer step, where it records one
+  std::string what;           // "Megatron-Core's distributed optimizer (fully_reshardable)"
+};
+
+}  // namespace reshard

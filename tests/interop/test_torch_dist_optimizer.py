@@ -1,0 +1,180 @@
+"""The distributed optimizer's state of Megatron-Core `torch_dist` checkpoints carried into
+Megatron-DeepSpeed (engine/formats/dcp/torch_dist_optimizer.h, formats/deepspeed/optimizer/imported_state.h).
+
+The sources are the real Megatron-Core 0.19 saves after one AdamW step in both of its layouts,
+`fully_reshardable` (per-key states chunked like the weights) and `dp_reshardable` (flat bucket
+buffers per model-parallel rank); `TAG_optim_full.pt`, written by torch from Megatron's own state,
+holds each key's whole fp32 `param`, `exp_avg` and `exp_avg_sq`. Checked:
+
+* `convert` to Megatron-DeepSpeed at TP 1, TP 2 and (one save) PP 2 writes DeepSpeed's optimizer
+  shards (BF16_Optimizer for the bf16 save, ZeRO-1 otherwise) whose states, read back through
+  `export --to universal` (DeepSpeed's per-parameter files, torch.load-ed), equal Megatron's
+  fp32 master, exp_avg and exp_avg_sq of every parameter bit for bit, with its step and
+  hyperparameters;
+* `verify` finds the two layouts of one save the same model with the same optimizer state, and
+  each save equal to what it was converted to;
+* `export --to universal` of a save itself writes the per-parameter files (and the mp_rank file
+  a conversion at TP 1, PP 1 writes), which read back equal;
+* Megatron-Core 0.14's layouts are refused in one line naming the layout and --weights-only.
+
+Run: /usr/bin/python3 tests/interop/test_torch_dist_optimizer.py --reshard build/reshard
+"""
+import glob
+import json
+import os
+
+import interop_support as support
+from interop_support import FixtureTestCase
+from test_torch_dist_import import BLOCK_KEYS, DATA, sizes
+
+run = support.reshard
+LAYOUTS = ('fully_reshardable', 'dp_reshardable')
+STATES = {'param': 'fp32', 'exp_avg': 'exp_avg', 'exp_avg_sq': 'exp_avg_sq'}
+
+
+def saves():
+    """(tag path, config) of every 0.19 save with optimizer state."""
+    out = []
+    for full in sorted(glob.glob(os.path.join(DATA, '0.19', '*_optim_full.pt'))):
+        tag = full[:-len('_optim_full.pt')]
+        with open(tag + '_config.json') as f:
+            out.append((tag, json.load(f)))
+    return out
+
+
+def universal_name(key, layer, layers):
+    """The universal checkpoint's parameter folder of a Megatron-Core key (of block `layer`)."""
+    if key == 'embedding.word_embeddings.weight':
+        return '1.word_embeddings.weight'
+    if key.startswith('decoder.final_layernorm.'):
+        return f'{2 + layers}.' + key.rsplit('.', 1)[1]
+    if key == 'output_layer.weight':
+        return f'{3 + layers}.lm_head.weight'
+    rest = key[len('decoder.layers.'):]
+    rest = rest.replace('self_attention.linear_qkv.layer_norm_', 'input_layernorm.')
+    rest = rest.replace('mlp.linear_fc1.layer_norm_', 'pre_mlp_layernorm.')
+    return f'{2 + layer}.' + BLOCK_KEYS[rest]
+
+
+class TorchDistOptimizerTest(FixtureTestCase):
+    def convert(self, source, config, out, tp, pp):
+        p = run('convert', source, out, '--tp', tp, '--pp', pp, *sizes(config))
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        return p
+
+    def universal_states(self, converted, config):
+        """export --to universal of a converted checkpoint: {param folder: {state: tensor}}, step, groups."""
+        out = converted + '_universal'
+        p = run('export', converted, out, '--to', 'universal', '--set',
+                f"universal_checkpoint_info.original_vocab_size={config['model']['vocab']}")
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        return self.universal_states_of(out)
+
+    def universal_states_of(self, out):
+        params = {}
+        for folder in sorted(glob.glob(os.path.join(out, 'zero', '*', ''))):
+            name = os.path.basename(folder.rstrip('/'))
+            params[name] = {s: support.load(os.path.join(folder, s + '.pt'))['param'] for s in STATES.values()}
+            params[name]['step'] = support.load(os.path.join(folder, 'step.pt'))
+        return params, support.load(os.path.join(out, 'zero', 'optimizer_state.pt'))
+
+    def check_states(self, tag, config, params, optimizer_state):
+        """Every Megatron key's three states equal the universal files of its parameters; returns elements."""
+        full = support.load(tag + '_optim_full.pt')
+        layers = config['model']['layers']
+        compared = 0
+        for state, file_state in STATES.items():
+            for key, whole in full['optimizer'][state].items():
+                pieces = [(l, whole[l]) for l in range(layers)] if key.startswith('decoder.layers.') else [(0, whole)]
+                for layer, want in pieces:
+                    name = universal_name(key, layer, layers)
+                    self.assertEqual(support.differences(params[name][file_state], want, f'{state} {key} {layer}'), [])
+                    compared += want.numel()
+        self.assertEqual(len(params), sum(layers if k.startswith('decoder.layers.') else 1
+                                          for k in full['optimizer']['param']))
+        groups = full['objects']['common_state/shard_0_1'][0]['optimizer']['optimizer']['param_groups']
+        for got, want in zip(optimizer_state['param_groups'], groups):
+            for field in ('lr', 'betas', 'eps', 'weight_decay', 'wd_mult'):
+                self.assertEqual(got[field], want[field], field)
+        self.assertEqual({p['step'] for p in params.values()}, {groups[0]['step']})
+        return compared
+
+    def test_converted_shards_hold_megatron_states_bit_for_bit(self):
+        tally = {}
+        for tag, config in saves():
+            name = os.path.basename(tag)
+            targets = [(1, 1), (2, 1)] + ([(1, 2), (2, 2)] if name == 'w2_tp2' else [])
+            for layout in LAYOUTS:
+                for tp, pp in targets:
+                    with self.subTest(save=name, layout=layout, tp=tp, pp=pp):
+                        out = self.path(f'{name}_{layout}_tp{tp}_pp{pp}')
+                        self.convert(f'{tag}_optim_{layout}', config, out, tp, pp)
+                        bf16 = config['model']['dtype'] == 'bfloat16'
+                        prefix = 'bf16_zero_pp_rank_0' if bf16 else 'zero_pp_rank_0'
+                        shards = sorted(os.path.basename(f) for f in glob.glob(os.path.join(out, '*optim_states.pt')))
+                        self.assertEqual(shards, [f'{prefix}_mp_rank_{m:02d}_optim_states.pt' for m in range(tp * pp)])
+                        osd = support.load(os.path.join(out, shards[0]))['optimizer_state_dict']
+                        self.assertEqual('zero_stage' in osd, not bf16)
+                        params, optimizer_state = self.universal_states(out, config)
+                        tally[(name, layout, tp, pp)] = self.check_states(tag, config, params, optimizer_state)
+        self.assertEqual(len(tally), 2 * (2 * len(saves()) + 2))
+        print(f'\n[ states ] {len(tally)} conversions, {sum(tally.values())} elements of fp32 / exp_avg / '
+              f'exp_avg_sq equal to Megatron-Core\'s')
+
+    def test_verify_finds_the_two_layouts_and_the_conversion_equal(self):
+        for tag, config in saves():
+            name = os.path.basename(tag)
+            with self.subTest(save=name):
+                given = sizes(config)[:-2]
+                full, dp = f'{tag}_optim_fully_reshardable', f'{tag}_optim_dp_reshardable'
+                p = run('verify', full, dp, *given)
+                self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+                self.assertIn('same model', p.stdout)
+                weights = len(support.load(tag + '_optim_full.pt')['optimizer']['param'])
+                compared = int(p.stdout.split('verify: ')[1].split(' tensors')[0])
+                self.assertGreater(compared, 3 * weights)  # per canonical tensor: a weight and three states
+                self.assertEqual(compared % 4, 0)
+                out = self.path(name)
+                self.convert(dp, config, out, 2 if config['layout']['tp'] == 1 else 1, 1)
+                p = run('verify', dp, out, *given)
+                self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+                self.assertIn('same model', p.stdout)
+                self.assertIn(f'verify: {compared} tensors', p.stdout)
+
+    def test_a_universal_export_of_the_save_itself_reads_back_equal(self):
+        tag = os.path.join(DATA, '0.19', 'w2_tp2')
+        with open(tag + '_config.json') as f:
+            config = json.load(f)
+        for layout in LAYOUTS:
+            with self.subTest(layout=layout):
+                out = self.path(layout)
+                p = run('export', f'{tag}_optim_{layout}', out, '--to', 'universal', *sizes(config)[:-2], '--set',
+                        f"universal_checkpoint_info.original_vocab_size={config['model']['vocab']}")
+                self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+                self.assertTrue(os.path.isfile(os.path.join(out, 'mp_rank_00_model_states.pt')))
+                params = {os.path.basename(d.rstrip('/')) for d in glob.glob(os.path.join(out, 'zero', '*', ''))}
+                # w2_tp2 has 5984 parameter elements: three states of each.
+                self.assertEqual(self.check_states(tag, config, *self.universal_states_of(out)), 3 * 5984)
+                p = run('verify', f'{tag}_optim_{layout}', out, *sizes(config)[:-2])
+                self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+                # 28 weights and their three states.
+                self.assertIn('verify: 112 tensors, 23936 elements compared; same model', p.stdout)
+                self.assertEqual(len(params), 28)
+
+    def test_megatron_core_0_14_layouts_are_refused_naming_the_layout(self):
+        with open(os.path.join(DATA, '0.14', 'w2_tp2_config.json')) as f:
+            config = json.load(f)
+        for layout in ('fully_sharded_model_space', 'dp_zero_gather_scatter'):
+            with self.subTest(layout=layout):
+                source = os.path.join(DATA, '0.14', f'w2_tp2_optim_{layout}')
+                out = self.path(layout)
+                p = run('convert', source, out, '--tp', 1, '--pp', 1, *sizes(config))
+                self.assertRefused(p, f"Megatron-Core's {layout} layout, which reshard does not read", out)
+                self.assertIn('pass --weights-only', p.stderr)
+                p = run('convert', source, out, '--tp', 1, '--pp', 1, '--weights-only', *sizes(config))
+                self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+                self.assertEqual(glob.glob(os.path.join(out, '*optim_states.pt')), [])
+
+
+if __name__ == '__main__':
+    support.main()
