@@ -1006,7 +1006,11 @@ const std::map<int, std::string> kTorchDist = {
     {26, "  tensors:"},
     {27, "    - {name: embedding.w, key: embedding.word_embeddings.weight, shape: ['*', args.hidden_size]}"},
     {28, "    - {name: 'layers.{block}.qkv', key: [decoder.layers.a.qkv, decoder.layers.b.qkv], shape: [3*args.h, 16]}"},
-    {29, "  extra_state: [decoder.layers.a]"},
+    {29, "    - {name: 'layers.{block}.norm', key: decoder.layers.a.layer_norm_weight, local: decoder.layers.norm.weight}"},
+    {30, "  extra_state: [decoder.layers.a]"},
+    {31, "  torch_extra_state: [output_layer]"},
+    {32, "  te_extra_state: [decoder.layers.core_attention, decoder.final_layernorm]"},
+    {33, "  tied_head: output_layer.weight"},
 };
 
 std::string TinyTorchDist(const std::map<int, std::string>& edits = {}) {
@@ -1028,19 +1032,45 @@ TEST(RuleSetTorchDist, ParsesEveryField) {
   EXPECT_TRUE(td->args[1].when.empty());
   ASSERT_NE(td->args[2].value, nullptr);
   EXPECT_EQ(td->args[2].value->as_string(), "rmsnorm");
-  ASSERT_EQ(td->tensors.size(), 2u);
+  ASSERT_EQ(td->tensors.size(), 3u);
   EXPECT_EQ(td->tensors[0].keys, std::vector<std::string>{"embedding.word_embeddings.weight"});
   EXPECT_EQ(td->tensors[1].name, "layers.{block}.qkv");
   EXPECT_EQ(td->tensors[1].keys.size(), 2u);
   EXPECT_EQ(td->tensors[1].shape, (std::vector<std::string>{"3*args.h", "16"}));
   EXPECT_EQ(td->tensors[1].line, 28);
   EXPECT_EQ(td->extra_state, std::vector<std::string>{"decoder.layers.a"});
+  EXPECT_EQ(td->torch_extra_state, std::vector<std::string>{"output_layer"});
+  EXPECT_EQ(td->te_extra_state, (std::vector<std::string>{"decoder.layers.core_attention", "decoder.final_layernorm"}));
+  EXPECT_EQ(td->tied_head, "output_layer.weight");
   const std::set<std::string> paths = rs->ValuePaths();
   for (const char* path : {"args.num_query_groups", "args.group_query_attention", "args.rotary_base",
                            "args.normalization", "args.hidden_size", "args.h"}) {
     EXPECT_TRUE(paths.count(path)) << path;
   }
   EXPECT_EQ(RuleSet::LoadString(Tiny(), "t.yaml")->torch_dist(), nullptr);
+}
+
+// Each layer spec's key: the local spec's module where `local` names one,
+// else the first alternative (Transformer Engine's name); reading tries both.
+TEST(RuleSetTorchDist, KeyOfEachLayerSpec) {
+  Result<RuleSet> rs = RuleSet::LoadString(TinyTorchDist(), "t.yaml");
+  ASSERT_TRUE(rs.ok()) << rs.status().message();
+  const TorchDistTensor& qkv = rs->torch_dist()->tensors[1];
+  const TorchDistTensor& norm = rs->torch_dist()->tensors[2];
+  EXPECT_EQ(norm.local_key, "decoder.layers.norm.weight");
+  EXPECT_EQ(norm.keys, (std::vector<std::string>{"decoder.layers.a.layer_norm_weight", "decoder.layers.norm.weight"}));
+  EXPECT_EQ(TorchDistLayout::KeyOf(norm, LayerSpec::kLocal), "decoder.layers.norm.weight");
+  EXPECT_EQ(TorchDistLayout::KeyOf(norm, LayerSpec::kTransformerEngine), "decoder.layers.a.layer_norm_weight");
+  EXPECT_TRUE(qkv.local_key.empty());
+  EXPECT_EQ(TorchDistLayout::KeyOf(qkv, LayerSpec::kLocal), "decoder.layers.a.qkv");
+  EXPECT_EQ(TorchDistLayout::KeyOf(qkv, LayerSpec::kTransformerEngine), "decoder.layers.a.qkv");
+  // A `local` key already among the alternatives is not read twice.
+  rs = RuleSet::LoadString(
+      TinyTorchDist({{29, "    - {name: 'layers.{block}.norm', key: [decoder.layers.a.n, decoder.layers.n], local: "
+                          "decoder.layers.n}"}}),
+      "t.yaml");
+  ASSERT_TRUE(rs.ok()) << rs.status().message();
+  EXPECT_EQ(rs->torch_dist()->tensors[2].keys, (std::vector<std::string>{"decoder.layers.a.n", "decoder.layers.n"}));
 }
 
 TEST(RuleSetTorchDist, ReportsFileLineAndFix) {
@@ -1053,8 +1083,11 @@ TEST(RuleSetTorchDist, ReportsFileLineAndFix) {
       {{{24, "    rope_theta: {from: args.rotary_base, value: 1}"}}, "t.yaml:24: torch_dist.args.rope_theta needs one of"},
       {{{24, "    rope_theta: rotary_base"}}, "must name a metadata path"},
       {{{27, "    - {name: embedding.w, key: a.b, shap: [1]}"}}, "unknown field 'shap'"},
-      {{{26, "  tensors: []"}, {27, ""}, {28, ""}}, "torch_dist.tensors must be a non-empty list"},
-      {{{29, "  extra_state: decoder.layers.a"}}, "torch_dist.extra_state must be a list of strings"},
+      {{{26, "  tensors: []"}, {27, ""}, {28, ""}, {29, ""}}, "torch_dist.tensors must be a non-empty list"},
+      {{{30, "  extra_state: decoder.layers.a"}}, "torch_dist.extra_state must be a list of strings"},
+      {{{32, "  te_extra_state: decoder.final_layernorm"}}, "torch_dist.te_extra_state must be a list of strings"},
+      {{{29, "    - {name: 'layers.{block}.n', key: a.b, local: 'decoder.layers.{block}.n'}"}}, "has a placeholder"},
+      {{{29, "    - {name: 'layers.{block}.n', key: a.b, local: [c.d]}"}}, "torch_dist.tensors local"},
   };
   for (const auto& [edits, expected] : cases) {
     const std::string message = ErrorOf(TinyTorchDist(edits));
