@@ -357,6 +357,10 @@ int Run(int argc, char** argv) {
                          "Tensors from the fp32 masters or the weights (default: consolidated masters, "
                          "hf, megatron and torch_dist weights)")
       ->check(CLI::IsMember({"masters", "weights"}));
+  export_cmd->add_option("--layer-spec", exporting.layer_spec,
+                         "megatron: the keys of Megatron-Core's GPTModel with the local (default) or Transformer "
+                         "Engine (te) layer spec, or of the legacy GPTModel (legacy, --use-legacy-models)")
+      ->check(CLI::IsMember({"local", "te", "legacy"}));
   export_cmd->add_option("--tokenizer", exporting.tokenizer,
                          "hf: folder whose tokenizer files (tokenizer.json, vocab.json, ...) are copied "
                          "beside the model");

@@ -62,6 +62,9 @@ std::string CheckpointFolder(const std::string& path) {
 Result<OutputPlan> PlanExport(const SourceCheckpoint& src, const ExportOptions& options,
                                                std::vector<std::string>* notes) {
   if (options.to == "megatron") return PlanMegatron(src, options, notes);
+  if (!options.layer_spec.empty()) {
+    return Status::InvalidInput("--layer-spec chooses the keys of --to megatron; leave it out of --to " + options.to);
+  }
   if (options.to == "torch_dist") return PlanTorchDist(src, options, notes);
   if (options.tp != 0 || options.pp != 0) {
     return Status::InvalidInput("--tp and --pp choose the layout of --to megatron and --to torch_dist; the " +

@@ -63,9 +63,10 @@ const std::vector<std::string> kHfTensorFields = {"from", "to", "split_halves", 
 const std::vector<std::string> kHfQkvFields = {"groups", "heads"};
 const std::vector<std::string> kHfCaseFields = {"when", "value"};
 const std::vector<std::string> kHfExplainedFields = {"value", "why_not"};
-const std::vector<std::string> kTorchDistFields = {"args", "tensors", "extra_state", "optimizer_order"};
+const std::vector<std::string> kTorchDistFields = {"args",       "tensors",           "extra_state", "optimizer_order",
+                                                   "torch_extra_state", "te_extra_state", "tied_head"};
 const std::vector<std::string> kTorchDistArgFields = {"from", "value", "when"};
-const std::vector<std::string> kTorchDistTensorFields = {"name", "key", "shape"};
+const std::vector<std::string> kTorchDistTensorFields = {"name", "key", "local", "shape"};
 // config.json keys the exporter writes itself, from the checkpoint's tensors.
 const std::vector<std::string> kHfDerivedKeys = {"architectures", "vocab_size", "torch_dtype"};
 
@@ -982,6 +983,11 @@ class RuleSetParser {
     layout.line = f.line;
     if (const Field* a = Get(*fields, "args")) layout.args = ParseTorchDistArgs(*a);
     if (const Field* e = Get(*fields, "extra_state")) layout.extra_state = ReadStringList(*e, "torch_dist.extra_state");
+    if (const Field* e = Get(*fields, "torch_extra_state")) {
+      layout.torch_extra_state = ReadStringList(*e, "torch_dist.torch_extra_state");
+    }
+    if (const Field* e = Get(*fields, "te_extra_state")) layout.te_extra_state = ReadStringList(*e, "torch_dist.te_extra_state");
+    if (const Field* h = Get(*fields, "tied_head")) layout.tied_head = ReadString(*h, "torch_dist.tied_head").value_or("");
     const Field* t = Get(*fields, "tensors");
     if (t == nullptr || !t->node.IsSequence() || t->node.size() == 0) {
       Fail(t ? *t : f, "torch_dist.tensors must be a non-empty list of {name: <canonical name>, key: <torch_dist key "
@@ -1102,6 +1108,11 @@ class RuleSetParser {
       t.keys = ReadStringList(*key, "torch_dist.tensors key");
     } else if (auto s = ReadString(*key, "torch_dist.tensors key")) {
       t.keys.push_back(*s);
+    }
+    if (const Field* local = Get(*fields, "local")) {
+      t.local_key = ReadString(*local, "torch_dist.tensors local").value_or("");
+      // A torch_dist save of another version may name it so too.
+      if (std::find(t.keys.begin(), t.keys.end(), t.local_key) == t.keys.end()) t.keys.push_back(t.local_key);
     }
     for (const std::string& k : t.keys) {
       if (k.find('{') != std::string::npos) {

@@ -23,7 +23,9 @@
 //                               fields, and canonical name -> HF name(s) with
 //                               their reordering (HfExport below)
 //   torch_dist                  canonical name -> Megatron-Core key, for reading
-//                               the family from `torch_dist` (TorchDistLayout)
+//                               and writing the family as `torch_dist`, and the
+//                               keys of Megatron-LM's `torch` format for each
+//                               layer spec (TorchDistLayout)
 //
 // This header is the model. The parser (RuleSet::LoadFile, LoadString) is in
 // rule_parser.cc; the files shipped in rules/ are found by builtin_rules.h.
@@ -269,12 +271,21 @@ struct TorchDistTensor {
   int line = 0;
   std::string name;               // canonical: 'layers.{block}.self_attention.dense.weight'
   std::vector<std::string> keys;  // the checkpoint's key; alternatives, as Megatron-Core versions name it
+  // The key of the local layer spec's module (`local:`), when it is not
+  // keys[0]: Transformer Engine fuses the norms into the linear layers
+  // (`linear_qkv.layer_norm_weight`), the local spec keeps them as modules
+  // (`input_layernorm.weight`). Also the last of `keys`, for reading.
+  std::string local_key;
   // The canonical tensor's shape, as hf.tensors writes one (N, path, N*path,
   // *). A path the checkpoint does not record takes the size it meets first.
   std::vector<std::string> shape;
 };
 
-// How the family's models are stored by Megatron-Core's `torch_dist`.
+// Megatron-Core's layer specs, whose modules name some tensors differently.
+enum class LayerSpec { kLocal, kTransformerEngine };
+
+// How the family's models are stored by Megatron-Core's `torch_dist`, and
+// the keys of Megatron-LM's `torch` format (one state_dict() per rank).
 struct TorchDistLayout {
   int line = 0;
   std::vector<TorchDistArg> args;
@@ -292,6 +303,20 @@ struct TorchDistLayout {
   // keys of the first stage and those of the last. Alternative keys of one
   // tensor stand at its place. Empty when the section gives none.
   std::vector<std::string> optimizer_order;
+  // Megatron-LM's `torch` format keeps every module's `_extra_state`, so
+  // more than torch_dist: Megatron-Core's own modules that torch_dist drops
+  // (`torch_extra_state`: the output layer), and in the TE spec Transformer
+  // Engine's other modules (`te_extra_state`: attention, final norm).
+  std::vector<std::string> torch_extra_state;
+  std::vector<std::string> te_extra_state;
+  // The key of the last stage's copy of a tied word embedding (PP > 1), in
+  // the `torch` format; empty when the family has no tied embedding.
+  std::string tied_head;
+
+  // The key `tensor` is held under by `spec`'s modules (stacked: no layer index).
+  static const std::string& KeyOf(const TorchDistTensor& tensor, LayerSpec spec) {
+    return spec == LayerSpec::kLocal && !tensor.local_key.empty() ? tensor.local_key : tensor.keys.front();
+  }
 };
 
 class RuleSet {

@@ -163,6 +163,10 @@ struct ExportOptions : WriteOptions {
   std::string from;
   // hf: a folder whose tokenizer files are copied beside the model; empty = none.
   std::string tokenizer;
+  // megatron: whose model's keys the files hold: "local" (the default) or
+  // "te", Megatron-Core's GPTModel with its local or Transformer Engine
+  // layer spec; "legacy", the legacy GPTModel (--use-legacy-models).
+  std::string layer_spec;
 };
 
 struct ConvertReport {

@@ -210,6 +210,35 @@ def expected_model(cfg, canon, tp, pp, t, p, dtype, naive=False, stripped=False)
     return out
 
 
+# Megatron-Core's module names (local layer spec) for the legacy model's.
+MCORE_BLOCK = {'input_layernorm.': 'input_layernorm.', 'self_attention.query_key_value.': 'self_attention.linear_qkv.',
+               'self_attention.dense.': 'self_attention.linear_proj.', 'post_attention_layernorm.': 'pre_mlp_layernorm.',
+               'mlp.dense_h_to_4h.': 'mlp.linear_fc1.', 'mlp.dense_4h_to_h.': 'mlp.linear_fc2.'}
+MCORE_LINEARS = ('self_attention.linear_qkv', 'self_attention.linear_proj', 'mlp.linear_fc1', 'mlp.linear_fc2')
+
+
+def mcore_key(path):
+    """The key of Megatron-Core's GPTModel for a path of the legacy model's nested `model`."""
+    if path.startswith('language_model/embedding/'):
+        return 'embedding.' + path[len('language_model/embedding/'):].replace('/', '.')
+    if path.startswith('language_model/encoder/layers.'):
+        layer, rest = path[len('language_model/encoder/layers.'):].split('.', 1)
+        old = next(o for o in MCORE_BLOCK if rest.startswith(o))
+        return f'decoder.layers.{layer}.{MCORE_BLOCK[old]}{rest[len(old):]}'
+    if path.startswith('language_model/encoder/final_layernorm.'):
+        return 'decoder.' + path[len('language_model/encoder/'):]
+    assert path in ('language_model/output_layer/weight', 'word_embeddings_for_head/weight'), path
+    return 'output_layer.weight'
+
+
+def expected_mcore_model(cfg, canon, tp, pp, t, p, dtype):
+    """{key: tensor} of Megatron-Core's `model` of rank (t, p), and its `_extra_state` keys."""
+    tensors = {mcore_key(path): v for path, v in expected_model(cfg, canon, tp, pp, t, p, dtype).items()}
+    layers = {k.split('.')[2] for k in tensors if k.startswith('decoder.layers.')}
+    extra = [f'decoder.layers.{l}.{m}._extra_state' for l in layers for m in MCORE_LINEARS]
+    return tensors, extra + (['output_layer._extra_state'] if p == pp - 1 else [])
+
+
 def flatten(model, prefix=''):
     out = {}
     for key, value in model.items():
@@ -264,8 +293,9 @@ class ExportMegatronTest(FixtureTestCase):
         tag = mf.write_checkpoint(self.path(f'{family}_tp{tp}_pp{pp}'), cfg)['tag_dir']
         return cfg, tag
 
-    def export(self, src, out, *options, code=0):
-        p = run('export', src, out, '--to', 'megatron', *map(str, options))
+    def export(self, src, out, *options, code=0, layer_spec='legacy'):
+        spec = ['--layer-spec', layer_spec] if layer_spec else []
+        p = run('export', src, out, '--to', 'megatron', *spec, *map(str, options))
         self.assertEqual(p.returncode, code, p.stdout + p.stderr)
         return p
 
@@ -351,6 +381,37 @@ class ExportMegatronTest(FixtureTestCase):
                     self.assertEqual('word_embeddings_for_head' in last, pp > 1 and cfg.tied)
                     self.assertEqual(run('verify', out).returncode, 0)
 
+    def test_megatron_core_keys_by_default(self):
+        """Without --layer-spec: Megatron-Core's GPTModel, local spec, one flat key per tensor, the
+        stage's own layer index, None `_extra_state` for its linear layers."""
+        cfg, src = self.source('ms_llama', 2, 2)
+        canon = mf.canonical_tensors(cfg)
+        for tp, pp in ((1, 1), (4, 2), (2, 3)):
+            with self.subTest(target=(tp, pp)):
+                out = self.path(f'mcore_{tp}_{pp}')
+                p = self.export(src, out, '--tp', tp, '--pp', pp, layer_spec=None)
+                self.assertIn('Megatron-Core GPTModel keys, local layer spec; load with --transformer-impl local',
+                              p.stdout)
+                self.assertEqual(load_without_shims([os.path.join(out, file_name(0, 0, pp))]), '')
+                for stage in range(pp):
+                    for t in range(tp):
+                        sd = support.load(os.path.join(out, file_name(t, stage, pp)))
+                        self.assertEqual(list(sd), ['args', 'checkpoint_version', 'iteration', 'model'])
+                        self.check_args(cfg, sd['args'], tp, pp)
+                        tensors, extra = expected_mcore_model(cfg, canon, tp, pp, t, stage, torch.bfloat16)
+                        got = sd['model']
+                        self.assertEqual(sorted(got), sorted(list(tensors) + extra))
+                        self.assertEqual(tensor_differences({k: got[k] for k in tensors}, tensors), [])
+                        self.assertEqual([got[k] for k in extra], [None] * len(extra))
+                self.assertEqual(run('verify', out).returncode, 0)
+        # A family whose rule set names no Megatron-Core keys keeps the legacy ones, saying so.
+        cfg, src = self.source('bs_gpt_glu', 1, 1)
+        out = self.path('glu_default')
+        p = self.export(src, out, '--tp', 2, '--pp', 1, layer_spec=None)
+        self.assertIn('megatron: rule set bigscience-glu names no Megatron-Core keys (it has no torch_dist section), '
+                      "so the files hold the legacy GPTModel's", p.stdout)
+        self.check_export(cfg, out, 2, 1)
+
     def test_fp32_masters(self):
         cfg, src = self.source('ms_gpt2', 2, 2, optimizer='bf16_zero', dp=2)
         out = self.path('masters')
@@ -411,7 +472,8 @@ class ExportMegatronTest(FixtureTestCase):
         cfg, src = self.source('ms_gpt2', 2, 2)
         out = self.path('dry')
         p = self.export(src, out, '--tp', 4, '--pp', 2, '--dry-run')
-        self.assertIn('megatron: TP 4, PP 2, iteration 10; 3 blocks per stage; padded vocabulary 128', p.stdout)
+        self.assertIn('megatron (legacy GPTModel keys): TP 4, PP 2, iteration 10; 3 blocks per stage; padded '
+                      'vocabulary 128', p.stdout)
         self.assertIn(file_name(3, 1, 2), p.stdout)
         self.assertIn('word_embeddings_for_head/weight', p.stdout)
         self.assertIn('dry run: nothing written', p.stdout)
@@ -419,6 +481,7 @@ class ExportMegatronTest(FixtureTestCase):
 
     def test_refusals(self):
         _, src = self.source('ms_gpt2', 2, 2)
+        _, bloom = self.source('bs_bloom', 1, 1)  # its rule set has no torch_dist section
         nonpipe = self.path('nonpipe')
         dn.write_nonpipe(nonpipe, dn.NonPipeConfig(zero_stage=2, dtype='bf16', dp=2, L=2, n_heads=4, n_kv=2,
                                                    head_dim=16, ffn=64, h=64, V=128))
@@ -433,6 +496,9 @@ class ExportMegatronTest(FixtureTestCase):
             ((src, '--to', 'megatron', '--tp', 2, '--pp', 1, '--from', 'masters'), 'no fp32 masters'),
             ((moe, '--to', 'megatron', '--tp', 1, '--pp', 1, '--rules', moe_rules), 'DeepSpeed MoE experts'),
             ((nonpipe, '--to', 'megatron', '--tp', 1, '--pp', 1), 'is read without one'),
+            ((bloom, '--to', 'megatron', '--tp', 1, '--pp', 1, '--layer-spec', 'te'),
+             'rule set bigscience-bloom has none; add one (docs/rules.md), or use --layer-spec legacy'),
+            ((src, '--to', 'consolidated', '--layer-spec', 'te'), '--layer-spec chooses the keys of --to megatron'),
         ]
         for i, (args, message) in enumerate(cases):
             with self.subTest(args=args[1:]):

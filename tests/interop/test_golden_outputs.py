@@ -29,7 +29,7 @@ What is covered: every command and every kind of checkpoint, each at least once 
     (tests/data/ds_universal) -- read by convert, verify, lint, inspect (universal) and
     export --to megatron;
   * export --to consolidated (consolidated), --to hf with and without --tokenizer (hf),
-    --to megatron (megatron);
+    --to megatron with each --layer-spec (megatron);
   * HF transformers folders read by convert, export and verify (hf_source);
   * DeepSpeed MoE saves, the generator's and DeepSpeed's two real ones (tests/data/deepspeed_moe):
     EP, DP, PP and TP changes, expert-TP, an export, dry runs, inspect, lint, verify (moe).
@@ -572,6 +572,10 @@ CASES = [
     # -- export --to megatron (NVIDIA Megatron-LM) at another TP / PP ---------------------
     export('megatron', 'ms_gpt2-t2p2d3-to-t4p2', 'ms_gpt2.bf16_zero.t2p2d3', 'megatron', '--tp', 4, '--pp', 2),
     export('megatron', 'ms_llama-t6p1d1-to-t3p2', 'ms_llama.none.t6p1d1', 'megatron', '--tp', 3, '--pp', 2),
+    export('megatron', 'ms_llama-legacy-t6p1d1-to-t3p2', 'ms_llama.none.t6p1d1', 'megatron', '--tp', 3, '--pp', 2,
+           '--layer-spec', 'legacy'),
+    export('megatron', 'ms_llama-te-t6p1d1-to-t3p2', 'ms_llama.none.t6p1d1', 'megatron', '--tp', 3, '--pp', 2,
+           '--layer-spec', 'te'),
     export('megatron', 'bs_bloom-masters-t2p2d2-to-t1p3', 'bs_bloom.bf16_zero.t2p2d2', 'megatron',
            '--tp', 1, '--pp', 3, '--from', 'masters'),
     export('megatron', 'bs_gpt_glu-t4p3d1-to-t2p1', 'bs_gpt_glu.none.t4p3d1', 'megatron', '--tp', 2, '--pp', 1),

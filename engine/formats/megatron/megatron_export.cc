@@ -25,10 +25,18 @@ struct MegatronFile {
   std::string name;
   int tp_rank = 0, pp_rank = 0;
   std::vector<FileTensor> tensors;
+  // Megatron-Core's modules' `_extra_state` entries: key -> value.
+  std::vector<std::pair<std::string, Value>> extra_states;
 };
+
+// Whose model's keys the files hold.
+enum class Keys { kLegacy, kLocal, kTransformerEngine };
 
 // Everything the export writes, as plain data.
 struct MegatronExportPlan {
+  Keys keys = Keys::kLocal;
+  const RuleSet* rules = nullptr;
+  const TorchDistLayout* layout = nullptr;  // the rule set's names of the keys (not for kLegacy)
   TpCut cut;
   int pp = 1;
   int blocks_per_stage = 0;
@@ -48,6 +56,29 @@ Status CheckSource(const SourceCheckpoint& src) {
     return Status::Unsupported("export --to megatron cuts tensors by the rule set that describes a pipeline "
                                "checkpoint, and this " + src.info().kind + " checkpoint is read without one; "
                                "export --to consolidated writes its tensors");
+  }
+  return Status::Ok();
+}
+
+// The keys `options` ask for, and the rule set's names of them. Without
+// --layer-spec, a family whose rule set names no Megatron-Core keys (BLOOM,
+// GLU: architectures Megatron-Core does not build) keeps the legacy ones.
+Status ChooseKeys(const SourceCheckpoint& src, const ExportOptions& options, MegatronExportPlan* plan,
+                  std::vector<std::string>* notes) {
+  plan->rules = src.info().rules.get();
+  plan->layout = plan->rules->torch_dist();
+  if (options.layer_spec == "legacy") {
+    plan->keys = Keys::kLegacy;
+  } else if (plan->layout != nullptr) {
+    plan->keys = options.layer_spec == "te" ? Keys::kTransformerEngine : Keys::kLocal;
+  } else if (options.layer_spec.empty()) {
+    plan->keys = Keys::kLegacy;
+    notes->push_back("megatron: rule set " + plan->rules->name() + " names no Megatron-Core keys (it has no "
+                     "torch_dist section), so the files hold the legacy GPTModel's");
+  } else {
+    return Status::Unsupported("--layer-spec " + options.layer_spec + " writes Megatron-Core's keys as the rule "
+                               "set's torch_dist section names them, and rule set " + plan->rules->name() +
+                               " has none; add one (docs/rules.md), or use --layer-spec legacy");
   }
   return Status::Ok();
 }
@@ -92,24 +123,56 @@ DType WrittenDType(const RankTensor& t, const std::optional<DType>& dtype) {
   return dtype && IsFloatingPoint(t.dtype) ? *dtype : t.dtype;
 }
 
+LayerSpec SpecOf(Keys keys) { return keys == Keys::kLocal ? LayerSpec::kLocal : LayerSpec::kTransformerEngine; }
+
+// A rank tensor's place in Megatron-Core's GPTModel: one flat key, its
+// layer index local to the stage.
+Result<ModelPlace> McorePlaceOf(const MegatronExportPlan& plan, const RankTensor& r) {
+  RESHARD_ASSIGN_OR_RETURN(const TorchDistTensor* entry, TorchDistEntryOf(*plan.rules, r, "megatron"));
+  const std::string& key = TorchDistLayout::KeyOf(*entry, SpecOf(plan.keys));
+  if (r.block < 0) return ModelPlace{StageOfModule(key, plan.pp), {key}};
+  const int stage = r.block / plan.blocks_per_stage;
+  RESHARD_ASSIGN_OR_RETURN(std::string layer_key, LayerKey(key, r.block - stage * plan.blocks_per_stage));
+  return ModelPlace{stage, {std::move(layer_key)}};
+}
+
+Result<ModelPlace> PlaceOfTensor(const MegatronExportPlan& plan, const RankTensor& r) {
+  if (plan.keys == Keys::kLegacy) return PlaceOf(r.rule->role, r.key, r.block, plan.blocks_per_stage, plan.pp);
+  return McorePlaceOf(plan, r);
+}
+
+// The last stage's copy of a tied embedding: the legacy model's
+// word_embeddings_for_head, Megatron-Core's output layer (the rule set's
+// tied_head).
+Result<ModelPlace> TiedHeadPlace(const MegatronExportPlan& plan) {
+  if (plan.keys == Keys::kLegacy) return HeadEmbeddingPlace(plan.pp);
+  if (plan.layout->tied_head.empty()) {
+    return Status::Unsupported("export --to megatron: rule set " + plan.rules->name() + " ties the embedding, and its "
+                               "torch_dist section names no tied_head key for the last stage's copy; add one "
+                               "(docs/rules.md)");
+  }
+  return ModelPlace{plan.pp - 1, {plan.layout->tied_head}};
+}
+
 // Places every rank tensor in its stage's file; the last stage's copy of a
 // tied embedding (PP > 1) comes after the language model, as Megatron-LM
 // writes it.
 Status PlaceTensors(const TpWeights& weights, MegatronExportPlan* plan) {
   const int tp = plan->cut.tp, pp = plan->pp;
   for (int p = 0; p < pp; ++p) {
-    for (int t = 0; t < tp; ++t) plan->files.push_back({MegatronFileName(plan->iteration, t, p, pp), t, p, {}});
+    for (int t = 0; t < tp; ++t) plan->files.push_back({MegatronFileName(plan->iteration, t, p, pp), t, p, {}, {}});
   }
   for (int t = 0; t < tp; ++t) {
     const std::vector<RankTensor>& tensors = weights.ranks[t];
     std::vector<std::pair<ModelPlace, size_t>> places;
     for (size_t i = 0; i < tensors.size(); ++i) {
-      const RankTensor& r = tensors[i];
-      RESHARD_ASSIGN_OR_RETURN(ModelPlace place, PlaceOf(r.rule->role, r.key, r.block, plan->blocks_per_stage, pp));
+      RESHARD_ASSIGN_OR_RETURN(ModelPlace place, PlaceOfTensor(*plan, tensors[i]));
       places.emplace_back(std::move(place), i);
     }
     for (size_t i = 0; i < tensors.size(); ++i) {
-      if (pp > 1 && IsTiedVocab(tensors[i])) places.emplace_back(HeadEmbeddingPlace(pp), i);
+      if (pp == 1 || !IsTiedVocab(tensors[i])) continue;
+      RESHARD_ASSIGN_OR_RETURN(ModelPlace place, TiedHeadPlace(*plan));
+      places.emplace_back(std::move(place), i);
     }
     for (const auto& [at, i] : places) {
       const RankTensor& r = tensors[i];
@@ -117,6 +180,50 @@ Status PlaceTensors(const TpWeights& weights, MegatronExportPlan* plan) {
                                                                         r.detail});
     }
   }
+  return Status::Ok();
+}
+
+// What a module's state_dict() holds as `_extra_state` without FP8 state:
+// Megatron-Core's own modules None, Transformer Engine's an empty uint8
+// tensor.
+Value ExtraState(bool transformer_engine) {
+  if (!transformer_engine) return Value::None();
+  return MakeProducedTensor(DType::kUInt8, {0}, [](int64_t, int64_t, uint8_t*) { return Status::Ok(); });
+}
+
+// Adds `module`'s `_extra_state` to the files of the stage(s) holding it:
+// every layer of every stage for a layer module, else its one stage.
+Status AddExtraState(const std::string& module, bool transformer_engine, MegatronExportPlan* plan) {
+  const int tp = plan->cut.tp;
+  for (int p = 0; p < plan->pp; ++p) {
+    std::vector<std::string> keys;
+    if (IsLayerKey(module)) {
+      for (int l = 0; l < plan->blocks_per_stage; ++l) {
+        RESHARD_ASSIGN_OR_RETURN(std::string key, LayerKey(module, l));
+        keys.push_back(std::move(key));
+      }
+    } else if (StageOfModule(module, plan->pp) == p) {
+      keys.push_back(module);
+    }
+    for (int t = 0; t < tp; ++t) {
+      for (const std::string& key : keys) {
+        plan->files[p * tp + t].extra_states.emplace_back(key + "._extra_state", ExtraState(transformer_engine));
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+// Every `_extra_state` the spec's modules hold (rules/rule_set.h,
+// TorchDistLayout): the linear layers' (TE's in the TE spec), Megatron-Core's
+// output layer's, and TE's other modules' in the TE spec.
+Status AddExtraStates(MegatronExportPlan* plan) {
+  if (plan->keys == Keys::kLegacy) return Status::Ok();
+  const bool te = plan->keys == Keys::kTransformerEngine;
+  for (const std::string& m : plan->layout->extra_state) RESHARD_RETURN_IF_ERROR(AddExtraState(m, te, plan));
+  for (const std::string& m : plan->layout->torch_extra_state) RESHARD_RETURN_IF_ERROR(AddExtraState(m, false, plan));
+  if (!te) return Status::Ok();
+  for (const std::string& m : plan->layout->te_extra_state) RESHARD_RETURN_IF_ERROR(AddExtraState(m, true, plan));
   return Status::Ok();
 }
 
@@ -140,13 +247,15 @@ Value FileTree(const MegatronExportPlan& plan, const MegatronFile& f, const std:
   if (plan.args) Set(root, "args", *plan.args);
   Set(root, "checkpoint_version", Value::Float(3.0));
   Set(root, "iteration", Value::Int(plan.iteration));
-  Value model = Value::MakeDict();
+  // Megatron-Core's model is one module's state_dict(), the legacy one's nests them.
+  Value model = plan.keys == Keys::kLegacy ? Value::MakeDict() : MakeOrderedDict({});
   for (const FileTensor& t : f.tensors) {
     const RankTensor& r = tensors[t.source];
     const DType dtype = WrittenDType(r, plan.dtype);
     ByteProducer bytes = dtype == r.dtype ? r.produce : CastBytes(r.produce, r.dtype, dtype);
     Insert(&model, t.path, MakeProducedTensor(dtype, r.shape, std::move(bytes)));
   }
+  for (const auto& [key, state] : f.extra_states) Set(model, key, state);
   Set(root, "model", std::move(model));
   return root;
 }
@@ -160,8 +269,27 @@ Result<PlannedFile> PlanFile(const MegatronExportPlan& plan, const MegatronFile&
   return file;
 }
 
+const char* KeysName(Keys keys) {
+  switch (keys) {
+    case Keys::kLegacy: return "legacy GPTModel keys";
+    case Keys::kLocal: return "Megatron-Core GPTModel keys, local layer spec";
+    case Keys::kTransformerEngine: return "Megatron-Core GPTModel keys, Transformer Engine layer spec";
+  }
+  return "";
+}
+
+// The Megatron-LM flag that builds the model whose keys the files hold.
+const char* LoadFlag(Keys keys) {
+  switch (keys) {
+    case Keys::kLegacy: return "--use-legacy-models (Megatron-LM <= 0.17)";
+    case Keys::kLocal: return "--transformer-impl local";
+    case Keys::kTransformerEngine: return "--transformer-impl transformer_engine";
+  }
+  return "";
+}
+
 std::string Summary(const MegatronExportPlan& plan) {
-  std::string out = "megatron: TP " + std::to_string(plan.cut.tp) + ", PP " + std::to_string(plan.pp) +
+  std::string out = "megatron (" + std::string(KeysName(plan.keys)) + "): TP " + std::to_string(plan.cut.tp) + ", PP " + std::to_string(plan.pp) +
                     ", iteration " + std::to_string(plan.iteration) + "; " +
                     Count(plan.blocks_per_stage, "block") + " per stage";
   if (plan.padded_vocab > 0) out += "; padded vocabulary " + std::to_string(plan.padded_vocab);
@@ -175,6 +303,7 @@ Result<OutputPlan> PlanMegatron(const SourceCheckpoint& src, const ExportOptions
   RESHARD_RETURN_IF_ERROR(CheckSource(src));
   MegatronExportPlan plan;
   RESHARD_ASSIGN_OR_RETURN(plan.cut, CutOf(options));
+  RESHARD_RETURN_IF_ERROR(ChooseKeys(src, options, &plan, notes));
   RESHARD_ASSIGN_OR_RETURN(plan.dtype, ExportDType(options.dtype));
   plan.pp = options.pp;
   plan.iteration = src.info().iteration;
@@ -183,6 +312,7 @@ Result<OutputPlan> PlanMegatron(const SourceCheckpoint& src, const ExportOptions
   plan.padded_vocab = weights.padded_vocab;
   RESHARD_ASSIGN_OR_RETURN(plan.blocks_per_stage, BlocksPerStage(CountBlocks(weights.ranks[0]), plan.pp));
   RESHARD_RETURN_IF_ERROR(PlaceTensors(weights, &plan));
+  RESHARD_RETURN_IF_ERROR(AddExtraStates(&plan));
   const Value* args = Find(src.info().metadata, "args");
   if (args != nullptr && DictItems(*args) != nullptr) {
     plan.args = MegatronArgs(*args, {plan.cut.tp, plan.pp, SourceDp(src), plan.padded_vocab}, notes);
@@ -190,6 +320,7 @@ Result<OutputPlan> PlanMegatron(const SourceCheckpoint& src, const ExportOptions
     notes->push_back("args: the source records no Megatron args, so the files have none (Megatron-LM then "
                      "skips its checks of the checkpoint's arguments)");
   }
+  notes->push_back("megatron: " + std::string(KeysName(plan.keys)) + "; load with " + LoadFlag(plan.keys));
   notes->push_back("megatron: weights only, no optimizer or RNG state; load with --no-load-optim --no-load-rng "
                    "(or --finetune, which also restarts the iteration count)");
   out.summary = Summary(plan);

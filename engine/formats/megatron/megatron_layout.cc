@@ -7,6 +7,10 @@
 namespace reshard {
 namespace {
 
+constexpr char kBlock[] = "{block}";
+constexpr char kLayers[] = "decoder.layers.";
+constexpr char kEmbedding[] = "embedding.";
+
 // "word_embeddings.norm.weight" -> {"word_embeddings", "norm.weight"}: the
 // module under the spec and the key in that module's state dict.
 Result<std::pair<std::string, std::string>> SplitModule(const std::string& role, const std::string& key) {
@@ -64,5 +68,32 @@ Result<ModelPlace> PlaceOf(const std::string& role, const std::string& key, int 
 }
 
 ModelPlace HeadEmbeddingPlace(int pp) { return ModelPlace{pp - 1, {"word_embeddings_for_head", "weight"}}; }
+
+Result<const TorchDistTensor*> TorchDistEntryOf(const RuleSet& rules, const RankTensor& r, const std::string& target) {
+  for (const TorchDistTensor& entry : rules.torch_dist()->tensors) {
+    std::string name = entry.name;
+    const size_t at = name.find(kBlock);
+    if ((at != std::string::npos) != (r.block >= 0)) continue;
+    if (at != std::string::npos) name.replace(at, sizeof(kBlock) - 1, std::to_string(r.block));
+    if (name == r.name) return &entry;
+  }
+  return Status::Unsupported("export --to " + target + ": rule set " + rules.name() + "'s torch_dist section gives "
+                             "no key for " + r.name + "; add an entry for it (docs/rules.md)");
+}
+
+bool IsLayerKey(const std::string& key) { return key.compare(0, sizeof(kLayers) - 1, kLayers) == 0; }
+
+Result<std::string> LayerKey(const std::string& stacked, int local_block) {
+  if (!IsLayerKey(stacked)) {
+    return Status::Unsupported("the torch_dist key '" + stacked + "' of a block tensor is not under " + kLayers +
+                               ", where Megatron-Core's GPTModel keeps its layers; fix the rule file's key");
+  }
+  const size_t prefix = sizeof(kLayers) - 1;
+  return stacked.substr(0, prefix) + std::to_string(local_block) + "." + stacked.substr(prefix);
+}
+
+int StageOfModule(const std::string& key, int pp) {
+  return key.compare(0, sizeof(kEmbedding) - 1, kEmbedding) == 0 ? 0 : pp - 1;
+}
 
 }  // namespace reshard

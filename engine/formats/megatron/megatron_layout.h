@@ -1,15 +1,19 @@
-// Where NVIDIA Megatron-LM's legacy `torch` checkpoint format puts things
+// Where NVIDIA Megatron-LM's `torch` checkpoint format puts things
 // (megatron-deepspeed-format.md §13, §5.1): the file of each (tensor,
 // pipeline) rank, the blocks of each pipeline stage, and each weight's place
-// in the nested `model` dict that GPTModel.state_dict_for_save_checkpoint
-// writes.
+// in the `model` dict that GPTModel.state_dict_for_save_checkpoint writes —
+// nested for the legacy GPTModel, one flat key per tensor for Megatron-Core's
+// (the torch_dist section's key with the stage's own layer index), and which
+// torch_dist key a rank tensor has.
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "formats/format.h"
 #include "reshard/status.h"
+#include "rules/rule_set.h"
 
 namespace reshard {
 
@@ -39,5 +43,22 @@ Result<ModelPlace> PlaceOf(const std::string& role, const std::string& key, int 
 
 // The last stage's copy of a tied word embedding (PP > 1).
 ModelPlace HeadEmbeddingPlace(int pp);
+
+// The entry of the rule set's torch_dist section that names rank tensor `r`
+// (its canonical name, {block} filled in); `target` is the export, for the message.
+Result<const TorchDistTensor*> TorchDistEntryOf(const RuleSet& rules, const RankTensor& r, const std::string& target);
+
+// Megatron-Core's key of block `local_block` of a stage for a stacked
+// torch_dist key: ("decoder.layers.mlp.linear_fc1.weight", 1) ->
+// "decoder.layers.1.mlp.linear_fc1.weight", as a stage numbers its layers
+// from 0.
+Result<std::string> LayerKey(const std::string& stacked, int local_block);
+
+// Whether a torch_dist key or module is one per layer ("decoder.layers....").
+bool IsLayerKey(const std::string& key);
+
+// The stage holding a module outside the layers: the embedding's is the
+// first (pre_process), the final norm's and output layer's the last.
+int StageOfModule(const std::string& key, int pp);
 
 }  // namespace reshard

@@ -18,7 +18,6 @@
 namespace reshard {
 namespace {
 
-constexpr char kBlock[] = "{block}";
 constexpr char kMetadataJson[] = "{\"sharded_backend\": \"torch_dist\", \"sharded_backend_version\": 1}";
 // How Megatron-Core names the item of a sharded object: shard `i` of `n`.
 constexpr char kCommonState[] = "common_state/shard_0_1";
@@ -29,28 +28,6 @@ std::string IterationFolder(int64_t iteration) {
   char name[32];
   std::snprintf(name, sizeof(name), "iter_%07lld", static_cast<long long>(iteration));
   return name;
-}
-
-std::string WithBlock(std::string name, int block) {
-  const size_t at = name.find(kBlock);
-  if (at != std::string::npos) name.replace(at, sizeof(kBlock) - 1, std::to_string(block));
-  return name;
-}
-
-// The torch_dist key of a rank tensor, and whether its blocks are stacked.
-struct KeyOf {
-  std::string key;
-  bool stacked = false;
-};
-
-Result<KeyOf> FindKey(const RuleSet& rules, const RankTensor& r) {
-  for (const TorchDistTensor& entry : rules.torch_dist()->tensors) {
-    const bool stacked = entry.name.find(kBlock) != std::string::npos;
-    if (stacked != (r.block >= 0) || WithBlock(entry.name, r.block) != r.name) continue;
-    return KeyOf{entry.keys.front(), stacked};
-  }
-  return Status::Unsupported("export --to torch_dist: rule set " + rules.name() + "'s torch_dist section gives no "
-                             "key for " + r.name + "; add an entry for it (docs/rules.md)");
 }
 
 // The global shape of a rank tensor's canonical tensor over `tp` ranks.
@@ -110,19 +87,21 @@ Status AddRankItems(const RuleSet& rules, const std::vector<RankTensor>& tensors
                     std::vector<std::vector<DcpWriteItem>>* by_stage) {
   for (const RankTensor& r : tensors) {
     if (t > 0 && r.rule->policy == ParamRule::Policy::kReplicated) continue;  // TP rank 0 writes it
-    RESHARD_ASSIGN_OR_RETURN(KeyOf key, FindKey(rules, r));
+    RESHARD_ASSIGN_OR_RETURN(const TorchDistTensor* entry, TorchDistEntryOf(rules, r, "torch_dist"));
+    const std::string& key = entry->keys.front();  // what current Megatron-Core names it
+    const bool stacked = r.block >= 0;
     const DType dtype = target.dtype && IsFloatingPoint(r.dtype) ? *target.dtype : r.dtype;
     RESHARD_ASSIGN_OR_RETURN(std::vector<RankBox> boxes, RankBoxes(r, t, target.cut.tp, dtype));
     std::vector<int64_t> size = GlobalShape(r, target.cut.tp);
-    if (key.stacked) size.insert(size.begin(), target.blocks);
+    if (stacked) size.insert(size.begin(), target.blocks);
     const ByteProducer bytes = dtype == r.dtype ? r.produce : CastBytes(r.produce, r.dtype, dtype);
     for (RankBox& box : boxes) {
-      if (key.stacked) {
+      if (stacked) {
         box.chunk.offsets.insert(box.chunk.offsets.begin(), r.block);
         box.chunk.sizes.insert(box.chunk.sizes.begin(), 1);
       }
       (*by_stage)[StageOf(r, target)].push_back(
-          DcpTensorItem(key.key, dtype, size, std::move(box.chunk), Window(bytes, box.byte_offset)));
+          DcpTensorItem(key, dtype, size, std::move(box.chunk), Window(bytes, box.byte_offset)));
     }
   }
   return Status::Ok();

@@ -1007,11 +1007,14 @@ const std::map<int, std::string> kTorchDist = {
     {27, "    - {name: embedding.w, key: embedding.word_embeddings.weight, shape: ['*', args.hidden_size]}"},
     {28, "    - {name: 'layers.{block}.qkv', key: [decoder.layers.a.qkv, decoder.layers.b.qkv], "
          "shape: [3*args.h, 16]}"},
-    {29, "    - {name: 'layers.{block}.proj', key: decoder.layers.proj}"},
+    {29, "    - {name: 'layers.{block}.proj', key: decoder.layers.proj, local: decoder.layers.norm.proj}"},
     {30, "    - {name: head.w, key: output_layer.weight}"},
     {31, "  optimizer_order: [embedding.word_embeddings.weight, decoder.layers.a.qkv, decoder.layers.b.qkv,"},
     {32, "                    decoder.layers.proj, output_layer.weight]"},
     {33, "  extra_state: [decoder.layers.a]"},
+    {34, "  torch_extra_state: [output_layer]"},
+    {35, "  te_extra_state: [decoder.layers.core_attention, decoder.final_layernorm]"},
+    {36, "  tied_head: output_layer.weight"},
 };
 
 std::string TinyTorchDist(const std::map<int, std::string>& edits = {}) {
@@ -1043,6 +1046,9 @@ TEST(RuleSetTorchDist, ParsesEveryField) {
   EXPECT_EQ(td->optimizer_order,
             (std::vector<std::string>{"embedding.word_embeddings.weight", "decoder.layers.a.qkv", "decoder.layers.b.qkv",
                                       "decoder.layers.proj", "output_layer.weight"}));
+  EXPECT_EQ(td->torch_extra_state, std::vector<std::string>{"output_layer"});
+  EXPECT_EQ(td->te_extra_state, (std::vector<std::string>{"decoder.layers.core_attention", "decoder.final_layernorm"}));
+  EXPECT_EQ(td->tied_head, "output_layer.weight");
   const std::set<std::string> paths = rs->ValuePaths();
   for (const char* path : {"args.num_query_groups", "args.group_query_attention", "args.rotary_base",
                            "args.normalization", "args.hidden_size", "args.h"}) {
@@ -1071,6 +1077,29 @@ TEST(RuleSetTorchDist, BuiltinSetsGiveTheRegistrationOrder) {
   }
 }
 
+// Each layer spec's key: the local spec's module where `local` names one,
+// else the first alternative (Transformer Engine's name); reading tries both.
+TEST(RuleSetTorchDist, KeyOfEachLayerSpec) {
+  Result<RuleSet> rs = RuleSet::LoadString(TinyTorchDist(), "t.yaml");
+  ASSERT_TRUE(rs.ok()) << rs.status().message();
+  const TorchDistTensor& qkv = rs->torch_dist()->tensors[1];
+  const TorchDistTensor& norm = rs->torch_dist()->tensors[2];
+  EXPECT_EQ(norm.local_key, "decoder.layers.norm.proj");
+  EXPECT_EQ(norm.keys, (std::vector<std::string>{"decoder.layers.proj", "decoder.layers.norm.proj"}));
+  EXPECT_EQ(TorchDistLayout::KeyOf(norm, LayerSpec::kLocal), "decoder.layers.norm.proj");
+  EXPECT_EQ(TorchDistLayout::KeyOf(norm, LayerSpec::kTransformerEngine), "decoder.layers.proj");
+  EXPECT_TRUE(qkv.local_key.empty());
+  EXPECT_EQ(TorchDistLayout::KeyOf(qkv, LayerSpec::kLocal), "decoder.layers.a.qkv");
+  EXPECT_EQ(TorchDistLayout::KeyOf(qkv, LayerSpec::kTransformerEngine), "decoder.layers.a.qkv");
+  // A `local` key already among the alternatives is not read twice.
+  rs = RuleSet::LoadString(
+      TinyTorchDist({{29, "    - {name: 'layers.{block}.proj', key: [decoder.layers.proj, decoder.layers.n], local: "
+                          "decoder.layers.n}"}}),
+      "t.yaml");
+  ASSERT_TRUE(rs.ok()) << rs.status().message();
+  EXPECT_EQ(rs->torch_dist()->tensors[2].keys, (std::vector<std::string>{"decoder.layers.proj", "decoder.layers.n"}));
+}
+
 TEST(RuleSetTorchDist, ReportsFileLineAndFix) {
   const std::pair<std::map<int, std::string>, std::string> cases[] = {
       {{{27, "    - {name: embedding.w}"}}, "t.yaml:27: a torch_dist.tensors entry needs name"},
@@ -1093,6 +1122,10 @@ TEST(RuleSetTorchDist, ReportsFileLineAndFix) {
       {{{32, "                    output_layer.weight, decoder.layers.proj]"}}, "interleaves the block keys with others"},
       {{{32, "                    decoder.layers.proj]"}}, "gives no place to 'head.w' (line 30); add its key output_layer.weight"},
       {{{33, "  extra_state: decoder.layers.a"}}, "torch_dist.extra_state must be a list of strings"},
+      {{{35, "  te_extra_state: decoder.final_layernorm"}}, "torch_dist.te_extra_state must be a list of strings"},
+      {{{29, "    - {name: 'layers.{block}.proj', key: decoder.layers.proj, local: 'decoder.layers.{block}.n'}"}},
+       "has a placeholder"},
+      {{{29, "    - {name: 'layers.{block}.proj', key: decoder.layers.proj, local: [c.d]}"}}, "torch_dist.tensors local"},
   };
   for (const auto& [edits, expected] : cases) {
     const std::string message = ErrorOf(TinyTorchDist(edits));

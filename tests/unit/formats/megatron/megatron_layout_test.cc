@@ -1,6 +1,6 @@
 // Where the Megatron-LM export puts files and tensors: the file of each
 // (tensor, pipeline) rank, the blocks of each stage, each weight's path in
-// the nested model dict.
+// the legacy model's nested dict or its key in Megatron-Core's.
 #include "formats/megatron/megatron_layout.h"
 
 #include <gtest/gtest.h>
@@ -72,6 +72,28 @@ TEST(MegatronLayoutTest, WhatMegatronHasNoPlaceForIsRefused) {
   ASSERT_FALSE(bare.ok());
   EXPECT_EQ(bare.status().message(), "the embedding tensor 'weight' names no module of Megatron-LM's embedding "
                                      "(expected <module>.<parameter>)");
+}
+
+// Megatron-Core's keys: the stacked torch_dist key with the stage's own
+// layer index after decoder.layers., as each stage numbers its layers from 0.
+TEST(MegatronLayoutTest, MegatronCoreLayerKeysTakeTheStagesLayerIndex) {
+  EXPECT_EQ(*LayerKey("decoder.layers.mlp.linear_fc1.weight", 1), "decoder.layers.1.mlp.linear_fc1.weight");
+  EXPECT_EQ(*LayerKey("decoder.layers.input_layernorm.weight", 0), "decoder.layers.0.input_layernorm.weight");
+  EXPECT_TRUE(IsLayerKey("decoder.layers.self_attention.linear_qkv"));
+  EXPECT_FALSE(IsLayerKey("decoder.final_layernorm.weight"));
+  Result<std::string> outside = LayerKey("decoder.final_layernorm.weight", 0);
+  ASSERT_FALSE(outside.ok());
+  EXPECT_EQ(outside.status().message(), "the torch_dist key 'decoder.final_layernorm.weight' of a block tensor is "
+                                        "not under decoder.layers., where Megatron-Core's GPTModel keeps its "
+                                        "layers; fix the rule file's key");
+}
+
+TEST(MegatronLayoutTest, MegatronCoreModulesOutsideTheLayersAreOnTheFirstOrLastStage) {
+  EXPECT_EQ(StageOfModule("embedding.word_embeddings.weight", 4), 0);
+  EXPECT_EQ(StageOfModule("embedding.position_embeddings.weight", 4), 0);
+  EXPECT_EQ(StageOfModule("decoder.final_layernorm.weight", 4), 3);
+  EXPECT_EQ(StageOfModule("output_layer", 4), 3);
+  EXPECT_EQ(StageOfModule("output_layer.weight", 1), 0);
 }
 
 }  // namespace
