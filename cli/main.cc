@@ -357,6 +357,10 @@ int Run(int argc, char** argv) {
                          "Tensors from the fp32 masters or the weights (default: consolidated masters, "
                          "hf, megatron and torch_dist weights)")
       ->check(CLI::IsMember({"masters", "weights"}));
+  export_cmd->add_option("--optimizer-layout", exporting.optimizer_layout,
+                         "torch_dist: the optimizer state's layout, fully_reshardable (the default; the state is "
+                         "written unless --weights-only)")
+      ->check(CLI::IsMember({"fully_reshardable"}));
   export_cmd->add_option("--tokenizer", exporting.tokenizer,
                          "hf: folder whose tokenizer files (tokenizer.json, vocab.json, ...) are copied "
                          "beside the model");
