@@ -65,6 +65,20 @@ Result<KeyOf> FindKey(const RuleSet& rules, const std::string& name) {
                              "key for " + name + "; add an entry for it (docs/rules.md)");
 }
 
+// A stacked key's global size and a layer's chunk of it: the layer axis first.
+std::vector<int64_t> StackedSize(const KeyOf& key, int blocks, std::vector<int64_t> size) {
+  if (key.block >= 0) size.insert(size.begin(), blocks);
+  return size;
+}
+
+DcpChunk StackedChunk(const KeyOf& key, DcpChunk chunk) {
+  if (key.block >= 0) {
+    chunk.offsets.insert(chunk.offsets.begin(), key.block);
+    chunk.sizes.insert(chunk.sizes.begin(), 1);
+  }
+  return chunk;
+}
+
 // The global shape of a rank tensor's canonical tensor over `tp` ranks.
 std::vector<int64_t> GlobalShape(const RankTensor& r, int tp) {
   std::vector<int64_t> shape = r.shape;
@@ -125,16 +139,11 @@ Status AddRankItems(const RuleSet& rules, const std::vector<RankTensor>& tensors
     RESHARD_ASSIGN_OR_RETURN(KeyOf key, FindKey(rules, r.name));
     const DType dtype = target.dtype && IsFloatingPoint(r.dtype) ? *target.dtype : r.dtype;
     RESHARD_ASSIGN_OR_RETURN(std::vector<RankBox> boxes, RankBoxes(r, t, target.cut.tp, dtype));
-    std::vector<int64_t> size = GlobalShape(r, target.cut.tp);
-    if (key.block >= 0) size.insert(size.begin(), target.blocks);
+    const std::vector<int64_t> size = StackedSize(key, target.blocks, GlobalShape(r, target.cut.tp));
     const ByteProducer bytes = dtype == r.dtype ? r.produce : CastBytes(r.produce, r.dtype, dtype);
     for (RankBox& box : boxes) {
-      if (key.block >= 0) {
-        box.chunk.offsets.insert(box.chunk.offsets.begin(), key.block);
-        box.chunk.sizes.insert(box.chunk.sizes.begin(), 1);
-      }
-      (*by_stage)[StageOf(r, target)].push_back(
-          DcpTensorItem(key.key, dtype, size, std::move(box.chunk), Window(bytes, box.byte_offset)));
+      (*by_stage)[StageOf(r, target)].push_back(DcpTensorItem(key.key, dtype, size, StackedChunk(key, std::move(box.chunk)),
+                                                              Window(bytes, box.byte_offset)));
     }
   }
   return Status::Ok();
@@ -188,22 +197,17 @@ Status AddOptimizerItems(const RuleSet& rules, const std::vector<FullTensor>& st
     RESHARD_ASSIGN_OR_RETURN(std::string state, StateName(t));
     RESHARD_ASSIGN_OR_RETURN(KeyOf key, FindKey(rules, t.param));
     const std::vector<int64_t> shape = GlobalShape(r, target.cut.tp);
-    if (shape.size() != t.shape.size() || !std::equal(shape.begin() + 1, shape.end(), t.shape.begin() + 1) ||
+    if (shape.empty() || shape.size() != t.shape.size() || !std::equal(shape.begin() + 1, shape.end(), t.shape.begin() + 1) ||
         (!t.vocab && shape[0] != t.shape[0])) {
       return Status::Internal("optimizer " + t.state + " of " + t.param + " is " + ShapeString(t.shape) +
                               ", its weight " + ShapeString(shape));
     }
     ByteProducer bytes = t.vocab ? WithRows(t, shape[0]) : t.produce;
     if (t.dtype != DType::kFloat32) bytes = CastBytes(std::move(bytes), t.dtype, DType::kFloat32);
-    DcpChunk chunk{std::vector<int64_t>(shape.size(), 0), shape};
-    std::vector<int64_t> size = shape;
-    if (key.block >= 0) {
-      size.insert(size.begin(), target.blocks);
-      chunk.offsets.insert(chunk.offsets.begin(), key.block);
-      chunk.sizes.insert(chunk.sizes.begin(), 1);
-    }
+    const DcpChunk chunk = StackedChunk(key, {std::vector<int64_t>(shape.size(), 0), shape});
     (*by_stage)[StageOf(r, target)].push_back(DcpTensorItem("optimizer.state." + state + "." + key.key,
-                                                            DType::kFloat32, size, std::move(chunk), std::move(bytes)));
+                                                            DType::kFloat32, StackedSize(key, target.blocks, shape),
+                                                            chunk, std::move(bytes)));
   }
   return Status::Ok();
 }
