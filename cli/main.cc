@@ -361,6 +361,10 @@ int Run(int argc, char** argv) {
                          "megatron: the keys of Megatron-Core's GPTModel with the local (default) or Transformer "
                          "Engine (te) layer spec, or of the legacy GPTModel (legacy, --use-legacy-models)")
       ->check(CLI::IsMember({"local", "te", "legacy"}));
+  export_cmd->add_option("--optimizer-layout", exporting.optimizer_layout,
+                         "torch_dist: the optimizer state's layout, fully_reshardable (the default; the state is "
+                         "written unless --weights-only)")
+      ->check(CLI::IsMember({"fully_reshardable"}));
   export_cmd->add_option("--tokenizer", exporting.tokenizer,
                          "hf: folder whose tokenizer files (tokenizer.json, vocab.json, ...) are copied "
                          "beside the model");

@@ -61,6 +61,10 @@ std::string CheckpointFolder(const std::string& path) {
 
 Result<OutputPlan> PlanExport(const SourceCheckpoint& src, const ExportOptions& options,
                                                std::vector<std::string>* notes) {
+  if (!options.optimizer_layout.empty() && options.to != "torch_dist") {
+    return Status::InvalidInput("--optimizer-layout lays out the optimizer state of --to torch_dist; the " + options.to +
+                                " export has none of its own, so leave it out");
+  }
   if (options.to == "megatron") return PlanMegatron(src, options, notes);
   if (!options.layer_spec.empty()) {
     return Status::InvalidInput("--layer-spec chooses the keys of --to megatron; leave it out of --to " + options.to);

@@ -69,6 +69,22 @@ struct TpWeights {
   std::vector<std::vector<RankTensor>> ranks;  // per TP rank, every weight in layer order
 };
 
+// One group of a source's optimizer, as plain data: what a target writes
+// its own param groups from.
+struct OptimizerParamGroup {
+  // The torch param group's hyperparameters as the source records them (lr,
+  // betas, eps, weight_decay, ...): a dict-like value without `params` and `step`.
+  Value hyperparameters = Value::MakeDict();
+  double weight_decay_multiplier = 1.0;  // 1: the group's parameters decay; 0: they do not
+  std::vector<std::string> params;       // canonical names
+};
+
+// A source's optimizer groups, decayed groups first, and its step.
+struct OptimizerParamGroups {
+  std::vector<OptimizerParamGroup> groups;
+  std::optional<Value> step;  // where the source records one
+};
+
 // What a checkpoint is, known once it is open.
 struct SourceInfo {
   std::string kind;      // "pipeline", "non-pipeline", "ZeRO-3", "MoE": verify compares like with like
@@ -125,6 +141,12 @@ class SourceCheckpoint {
   // (convert's own check, for commands that merge replicas through
   // FullTensors); `notes` learns what will be merged.
   virtual Status CheckReplicas(ReplicatedPolicy, std::vector<std::string>*) const { return Status::Ok(); }
+  // The optimizer's param groups and step, for a target that writes its own
+  // (the states themselves are FullTensors' "optimizer" section).
+  virtual Result<OptimizerParamGroups> ParamGroupsAndStep() const {
+    return Status::Unsupported("a " + info_.kind + " checkpoint does not give its optimizer's param groups; "
+                               "export with --weights-only");
+  }
   // Observations verify reports about this side (replicas that differ, ...).
   virtual std::vector<std::string> VerifyNotes() const { return {}; }
 

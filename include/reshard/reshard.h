@@ -148,7 +148,8 @@ struct ConvertOptions : WriteOptions {
 // weights unless `from` is "masters"), "megatron" (NVIDIA Megatron-LM's
 // legacy torch checkpoint at TP `tp` and PP `pp`; weights unless `from` is
 // "masters"), "torch_dist" (Megatron-Core's distributed checkpoint at TP `tp`
-// and PP `pp`, weights alike) or "universal" (DeepSpeed's).
+// and PP `pp`, weights alike, with the optimizer state unless `weights_only`)
+// or "universal" (DeepSpeed's).
 struct ExportOptions : WriteOptions {
   std::string to;  // "consolidated", "hf", "megatron", "torch_dist" or "universal"
   // megatron, torch_dist: the target tensor- and pipeline-parallel sizes
@@ -167,6 +168,10 @@ struct ExportOptions : WriteOptions {
   // "te", Megatron-Core's GPTModel with its local or Transformer Engine
   // layer spec; "legacy", the legacy GPTModel (--use-legacy-models).
   std::string layer_spec;
+  // torch_dist: the layout of the optimizer state, written whenever the
+  // source has some and weights_only is not set: "fully_reshardable" (the
+  // only one, and the default when empty).
+  std::string optimizer_layout;
 };
 
 struct ConvertReport {

@@ -7,6 +7,7 @@
 
 #include "formats/deepspeed/optimizer/drift_lint.h"
 #include "formats/deepspeed/optimizer/imported_state.h"
+#include "formats/deepspeed/optimizer/param_groups.h"
 #include "formats/deepspeed/files/file_names.h"
 #include "formats/deepspeed/pipeline/model_states_writer.h"
 #include "formats/deepspeed/pipeline/pipeline_plan.h"
@@ -235,6 +236,12 @@ class PipelineSource : public DeepSpeedModelSource {
       }
     }
     return out;
+  }
+
+  Result<OptimizerParamGroups> ParamGroupsAndStep() const override {
+    if (!HasOptimizerState()) return Status::InvalidInput("the checkpoint has no optimizer state; export with --weights-only");
+    RESHARD_ASSIGN_OR_RETURN(const SourceOptimizer* opt, Optimizer());
+    return SourceParamGroups(ckpt(), *opt);
   }
 
   std::vector<std::string> VerifyNotes() const override { return DriftNotes(); }

@@ -1,0 +1,149 @@
+"""`export --to torch_dist` with the optimizer state: Megatron-Core 0.19's `fully_reshardable` layout
+(engine/formats/megatron/torch_dist_export.h), its param groups from the source
+(SourceCheckpoint::ParamGroupsAndStep).
+
+Checked:
+
+* every real 0.19 save with optimizer state, in both of its layouts, exported at another TP and PP
+  reads back through reshard as the same model with the same optimizer state (`verify` compares a
+  weight and three states per canonical tensor), and converted to Megatron-DeepSpeed its states,
+  read back through `export --to universal`, equal Megatron's own (`TAG_optim_full.pt`) bit for
+  bit, with the step and hyperparameters;
+* real torch 2.6 (the Debian trixie chroot, torch2_chroot.py; skipped with one line when it cannot
+  be built) `dcp.load`s every `optimizer.state.{param,exp_avg,exp_avg_sq}.<key>` equal to
+  `TAG_optim_full.pt`, and a common state whose optimizer entry has the save's param groups (lr,
+  betas, eps, weight_decay, step, wd_mult) and `param_state_sharding_type` fully_reshardable;
+* a Megatron-DeepSpeed checkpoint with BF16_Optimizer shards goes to torch_dist and back to its
+  layout as the same model with the same optimizer state;
+* --weights-only leaves the state out, and --optimizer-layout is refused where it lays out nothing.
+
+Run: /usr/bin/python3 tests/interop/test_export_torch_dist_optimizer.py --reshard build/reshard
+"""
+import glob
+import os
+import re
+import sys
+
+import torch
+
+import interop_support as support
+from interop_support import FAMILIES, FixtureTestCase, make_fixture
+import torch2_chroot
+from test_export_torch_dist import LOAD, other_layout
+from test_torch_dist_import import sizes
+import test_torch_dist_optimizer as converting
+from test_torch_dist_optimizer import LAYOUTS, saves
+
+run = support.reshard
+STATES = ('param', 'exp_avg', 'exp_avg_sq')
+GROUP_FIELDS = ('lr', 'betas', 'eps', 'weight_decay', 'step', 'wd_mult')
+
+
+def compared(stdout):
+    """The tensors verify says it compared."""
+    return int(re.search(r'verify: (\d+) tensors', stdout).group(1))
+
+
+class ExportTorchDistOptimizerTest(FixtureTestCase):
+    universal_states = converting.TorchDistOptimizerTest.universal_states
+    universal_states_of = converting.TorchDistOptimizerTest.universal_states_of
+    check_states = converting.TorchDistOptimizerTest.check_states
+
+    def export(self, src, out, tp, pp, *extra):
+        p = run('export', src, out, '--to', 'torch_dist', '--tp', tp, '--pp', pp, *extra)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        return p
+
+    def test_saves_exported_with_their_state_read_back_equal(self):
+        elements = 0
+        for tag, config in saves():
+            name = os.path.basename(tag)
+            tp, pp = other_layout(config['layout'])
+            for layout in LAYOUTS:
+                with self.subTest(save=name, layout=layout):
+                    source, out = f'{tag}_optim_{layout}', self.path(f'{name}_{layout}')
+                    p = self.export(source, out, tp, pp, *sizes(config))
+                    self.assertIn('the optimizer state as fully_reshardable', p.stdout + p.stderr)
+                    p = run('verify', source, out, *sizes(config)[:-2])
+                    self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+                    self.assertIn('same model', p.stdout)
+                    # Both sides have optimizer state, compared: a weight and three states per canonical tensor.
+                    self.assertEqual(p.stdout.count('weights and optimizer state'), 2, p.stdout)
+                    keys = support.load(tag + '_optim_full.pt')['optimizer']['param']
+                    layers = config['model']['layers']
+                    weights = sum(layers if k.startswith('decoder.layers.') else 1 for k in keys)
+                    self.assertEqual(compared(p.stdout), 4 * weights, p.stdout)
+                    back = self.path(f'{name}_{layout}_ds')
+                    p = run('convert', out, back, '--tp', 1, '--pp', 1, *sizes(config))
+                    self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+                    elements += self.check_states(tag, config, *self.universal_states(back, config))
+        print(f'\n[ states ] {2 * len(saves())} exports, {elements} elements of fp32 / exp_avg / exp_avg_sq '
+              f'equal to Megatron-Core\'s after torch_dist and Megatron-DeepSpeed')
+
+    def test_torch_loads_the_states_and_the_param_groups(self):
+        root, why = torch2_chroot.ensure()
+        if root is None:
+            print('skipped:', why, file=sys.stderr)
+            self.skipTest(why)
+        for tag, config in saves():
+            name = os.path.basename(tag)
+            with self.subTest(save=name):
+                out = self.path(name + '_torch')
+                tp, pp = other_layout(config['layout'])
+                self.export(f'{tag}_optim_dp_reshardable', out, tp, pp, *sizes(config))
+                folder = os.path.basename(glob.glob(os.path.join(out, 'iter_*'))[0])
+                p = torch2_chroot.run(root, f"FOLDER = '/work/{folder}'\n" + LOAD, {out: '/work'})
+                self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+                loaded = torch.load(os.path.join(out, 'loaded.pt'))
+                full = support.load(tag + '_optim_full.pt')
+                compared = 0
+                for state in STATES:
+                    for key, want in full['optimizer'][state].items():
+                        got = loaded[f'optimizer.state.{state}.{key}']
+                        self.assertEqual(support.differences(got, want, f'{state} {key}'), [])
+                        compared += 1
+                self.assertEqual(compared, sum(k.startswith('optimizer.state.') for k in loaded))
+                common = loaded['common_state/shard_0_1'][0]['optimizer']
+                self.assertEqual(common['param_state_sharding_type'], 'fully_reshardable')
+                want = full['objects']['common_state/shard_0_1'][0]['optimizer']['optimizer']['param_groups']
+                got = common['optimizer']['param_groups']
+                self.assertEqual([{f: g[f] for f in GROUP_FIELDS} for g in got],
+                                 [{f: g[f] for f in GROUP_FIELDS} for g in want])
+
+    def test_a_megatron_deepspeed_checkpoint_with_state_goes_to_torch_dist_and_back(self):
+        src = make_fixture(self.path('ms'), **dict(FAMILIES['ms_llama'], tp=2, pp=2, dp=1, optimizer='bf16_zero'))
+        out = self.path('td')
+        # At TP 2 the vocabulary keeps its padding rows (the fixture's are not zero).
+        self.export(src, out, 2, 1)
+        back = self.path('back')
+        p = run('convert', out, back, '--tp', 2, '--pp', 2, '--no-update-latest')
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        itself = run('verify', src, src)
+        self.assertEqual(itself.returncode, 0, itself.stdout + itself.stderr)
+        p = run('verify', src, back)
+        # Every tensor, the optimizer state's too, is equal; the torch_dist export does not carry
+        # the learning-rate scheduler and the sample counter (no opt_param_scheduler in the common state).
+        self.assertEqual(re.findall(r'differs: (.*)', p.stdout), ['lr_scheduler differs', 'global_samples differs'])
+        self.assertNotIn('elements differ', p.stdout)
+        self.assertEqual(compared(p.stdout), compared(itself.stdout))
+        self.assertEqual(compared(p.stdout), 4 * 39, p.stdout)  # 39 weights, each with three states
+        print(f'\n[ fixture ] verify: {compared(p.stdout)} tensors equal, weights and optimizer state')
+
+    def test_weights_only_and_a_layout_without_state(self):
+        src = make_fixture(self.path('ms'), **dict(FAMILIES['ms_llama'], tp=1, pp=1, dp=1, optimizer='bf16_zero'))
+        out = self.path('weights')
+        p = self.export(src, out, 1, 1, '--weights-only')
+        self.assertIn('weights only', p.stdout + p.stderr)
+        p = run('inspect', out, '--rules', 'none')
+        self.assertNotIn('optimizer.state', p.stdout)
+        plain = make_fixture(self.path('plain'), **dict(FAMILIES['ms_llama'], tp=1, pp=1, dp=1))
+        refused = self.path('refused')
+        p = run('export', plain, refused, '--to', 'torch_dist', '--tp', 1, '--pp', 1,
+                '--optimizer-layout', 'fully_reshardable')
+        self.assertRefused(p, 'the source has no optimizer state; drop the option', refused)
+        p = run('export', src, refused, '--to', 'consolidated', '--optimizer-layout', 'fully_reshardable')
+        self.assertRefused(p, '--optimizer-layout lays out the optimizer state of --to torch_dist', refused)
+
+
+if __name__ == '__main__':
+    support.main()
