@@ -19,37 +19,20 @@ layer index), written by Megatron and torch, not by reshard. Checked:
 
 Run: /usr/bin/python3 tests/interop/test_export_megatron_core_keys.py --reshard build/reshard
 """
-import glob
 import json
 import os
 
 import torch
 
 import interop_support as support
+from megatron_core_data import DATA, samples, sizes
 from interop_support import FixtureTestCase
 
 run = support.reshard
-DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'data', 'megatron-core')
 EXTRA = '._extra_state'
 
 # Megatron-Core's linear layers: their state_dict() holds `_extra_state` (None without TE).
 LAYER_LINEARS = ('self_attention.linear_qkv', 'self_attention.linear_proj', 'mlp.linear_fc1', 'mlp.linear_fc2')
-
-
-def samples(version):
-    """(folder, config) of every weights save of a Megatron-Core version."""
-    out = []
-    for config in sorted(glob.glob(os.path.join(DATA, version, '*_config.json'))):
-        with open(config) as f:
-            out.append((config[:-len('_config.json')], json.load(f)))
-    return out
-
-
-def sizes(config):
-    """The --set values the saves do not record (they were written without Megatron-LM's args)."""
-    m = config['model']
-    return ['--set', f"num_attention_heads={m['heads']}", '--set', f"num_key_value_heads={m['groups']}",
-            '--set', 'make_vocab_size_divisible_by=16', '--vocab-size', str(m['vocab'])]
 
 
 def rank_file(out, tp_rank, stage, pp):

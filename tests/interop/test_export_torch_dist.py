@@ -21,17 +21,16 @@ Run: /usr/bin/python3 tests/interop/test_export_torch_dist.py --reshard build/re
 import glob
 import json
 import os
-import pickle
 import sys
 
 import torch
 
 import interop_support as support
+from megatron_core_data import DATA, config_of, sizes
 from interop_support import FAMILIES, FixtureTestCase, make_fixture
 import torch2_chroot
 
 run = support.reshard
-DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'data', 'megatron-core')
 
 # Run by torch 2.6 in the chroot: loads the checkpoint at FOLDER into tensors of the global shapes
 # the metadata gives, and saves them (and the common state) for the host to compare.
@@ -48,17 +47,6 @@ dcp.load(state, checkpoint_id=FOLDER)  # no process group: one process
 torch.save(state, FOLDER + '/../loaded.pt')
 print('loaded', len(state), 'items')
 '''
-
-
-def config_of(name):
-    with open(os.path.join(DATA, name + '_config.json')) as f:
-        return json.load(f)
-
-
-def sizes(config):
-    m = config['model']
-    return ['--set', f"num_attention_heads={m['heads']}", '--set', f"num_key_value_heads={m['groups']}",
-            '--set', 'make_vocab_size_divisible_by=16', '--vocab-size', str(m['vocab'])]
 
 
 def other_layout(layout):

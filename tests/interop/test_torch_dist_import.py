@@ -26,10 +26,10 @@ import os
 import torch
 
 import interop_support as support
+from megatron_core_data import DATA, config_of, samples, sizes
 from interop_support import FixtureTestCase
 
 run = support.reshard
-DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'data', 'megatron-core')
 
 # Megatron-Core's module names (a rank's state dict) -> Megatron-DeepSpeed's layer keys.
 BLOCK_KEYS = {
@@ -46,22 +46,6 @@ BLOCK_KEYS = {
     'mlp.linear_fc2.weight': 'mlp.dense_4h_to_h.weight',
     'mlp.linear_fc2.bias': 'mlp.dense_4h_to_h.bias',
 }
-
-
-def samples():
-    """(folder, config) of every weights save."""
-    out = []
-    for config in sorted(glob.glob(os.path.join(DATA, '*', '*_config.json'))):
-        with open(config) as f:
-            out.append((config[:-len('_config.json')], json.load(f)))
-    return out
-
-
-def sizes(config):
-    """The --set values the saves do not record (they were written without Megatron-LM's args)."""
-    m = config['model']
-    return ['--set', f"num_attention_heads={m['heads']}", '--set', f"num_key_value_heads={m['groups']}",
-            '--set', 'make_vocab_size_divisible_by=16', '--vocab-size', str(m['vocab'])]
 
 
 def layer_key(key, layers_per_stage, stage, last_layer_file):
@@ -105,8 +89,7 @@ class TorchDistImportTest(FixtureTestCase):
     def test_another_layout_verifies_equal_and_converts_back_to_the_same_files(self):
         for name in ('0.19/w2_tp2_swiglu', '0.19/w2_tp2', '0.19/w2_pp2', '0.14/w2_tp2'):
             folder = os.path.join(DATA, name)
-            with open(folder + '_config.json') as f:
-                config = json.load(f)
+            config = config_of(name)
             with self.subTest(save=name):
                 layout = config['layout']
                 other = self.path(name.replace('/', '_') + '_other')
@@ -156,8 +139,7 @@ class TorchDistImportTest(FixtureTestCase):
 
     def test_the_swiglu_save_exports_to_llama(self):
         folder = os.path.join(DATA, '0.19', 'w2_tp2_swiglu')
-        with open(folder + '_config.json') as f:
-            m = json.load(f)['model']
+        m = config_of('0.19/w2_tp2_swiglu')['model']
         out = self.path('hf')
         p = run('export', folder, out, '--to', 'hf', '--vocab-size', m['vocab'],
                 '--set', 'num_attention_heads=4', '--set', 'num_key_value_heads=2', '--set', 'max_position_embeddings=32',
