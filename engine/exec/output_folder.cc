@@ -133,8 +133,10 @@ void Track(const std::string& path, bool in_progress) {
 void RemoveStagingFolders() {
   std::lock_guard<std::mutex> lock(staging_mu);
   for (const std::string& staging : StagingFolders()) {
+    // Workers may still be creating files in it: a pass that meets one fails
+    // (the folder is not empty when it is removed), so pass again.
     std::error_code ec;
-    fs::remove_all(staging, ec);
+    for (int pass = 0; pass < 1000 && fs::exists(staging, ec); ++pass) fs::remove_all(staging, ec);
   }
 }
 
