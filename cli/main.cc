@@ -361,10 +361,14 @@ int Run(int argc, char** argv) {
                          "megatron: the keys of Megatron-Core's GPTModel with the local (default) or Transformer "
                          "Engine (te) layer spec, or of the legacy GPTModel (legacy, --use-legacy-models)")
       ->check(CLI::IsMember({"local", "te", "legacy"}));
+  export_cmd->add_option("--dp", exporting.dp,
+                         "torch_dist: the data-parallel size the optimizer state is laid out for (default 1)")
+      ->check(CLI::Range(1, 1 << 20));
   export_cmd->add_option("--optimizer-layout", exporting.optimizer_layout,
-                         "torch_dist: the optimizer state's layout, fully_reshardable (the default; the state is "
-                         "written unless --weights-only)")
-      ->check(CLI::IsMember({"fully_reshardable"}));
+                         "torch_dist: the optimizer state's layout, fully_reshardable (the default) or "
+                         "dp_reshardable (Megatron-Core's training default); the state is written unless "
+                         "--weights-only")
+      ->check(CLI::IsMember({"fully_reshardable", "dp_reshardable"}));
   export_cmd->add_option("--tokenizer", exporting.tokenizer,
                          "hf: folder whose tokenizer files (tokenizer.json, vocab.json, ...) are copied "
                          "beside the model");

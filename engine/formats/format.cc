@@ -70,6 +70,10 @@ Result<OutputPlan> PlanExport(const SourceCheckpoint& src, const ExportOptions& 
     return Status::InvalidInput("--layer-spec chooses the keys of --to megatron; leave it out of --to " + options.to);
   }
   if (options.to == "torch_dist") return PlanTorchDist(src, options, notes);
+  if (options.dp != 0) {
+    return Status::InvalidInput("--dp lays out the optimizer state of --to torch_dist; the " + options.to +
+                                " export has no data-parallel layout, so leave it out");
+  }
   if (options.tp != 0 || options.pp != 0) {
     return Status::InvalidInput("--tp and --pp choose the layout of --to megatron and --to torch_dist; the " +
                                 options.to + " export has none, so leave them out");

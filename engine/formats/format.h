@@ -49,7 +49,9 @@ struct TpCut {
   int tp = 1;
   ReplicatedPolicy replicated = ReplicatedPolicy::kCheck;
   std::optional<int64_t> vocab_size;  // true vocabulary rows, when the source does not record them
-  bool masters = false;               // the fp32 masters instead of the weights
+  // "": the weights; else this optimizer state of each parameter instead
+  // (kFp32Master, "exp_avg", ...), cut the same way.
+  std::string state;
 };
 
 // One weight as a target TP rank holds it.

@@ -4,6 +4,7 @@
 
 #include <re2/re2.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cstdlib>
 
@@ -28,6 +29,15 @@ std::vector<std::string> CaptureGroups(const RE2& re, const std::string& key) {
 }
 
 }  // namespace
+
+bool TorchDistLayout::IsStackedKey(const std::string& key) const {
+  for (const TorchDistTensor& t : tensors) {
+    if (std::find(t.keys.begin(), t.keys.end(), key) != t.keys.end() || t.local_key == key) {
+      return t.name.find("{block}") != std::string::npos;
+    }
+  }
+  return false;
+}
 
 Value ScalarValue(const std::string& text) {
   int64_t n = 0;

@@ -317,6 +317,9 @@ struct TorchDistLayout {
   static const std::string& KeyOf(const TorchDistTensor& tensor, LayerSpec spec) {
     return spec == LayerSpec::kLocal && !tensor.local_key.empty() ? tensor.local_key : tensor.keys.front();
   }
+  // Whether `key` is a key (any alternative) of a block tensor: one stacked
+  // over the layers.
+  bool IsStackedKey(const std::string& key) const;
 };
 
 class RuleSet {

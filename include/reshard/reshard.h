@@ -155,6 +155,9 @@ struct ExportOptions : WriteOptions {
   // megatron, torch_dist: the target tensor- and pipeline-parallel sizes
   // (required there, refused elsewhere).
   int tp = 0, pp = 0;
+  // torch_dist: the data-parallel size the optimizer state is laid out for
+  // (0 = 1; refused elsewhere).
+  int dp = 0;
   std::string dtype;  // "fp32", "bf16", "fp16"; empty = as stored
   // Largest file; a bigger tensor gets a file of its own.
   int64_t max_shard_size = int64_t{5} * 1000 * 1000 * 1000;
@@ -170,7 +173,8 @@ struct ExportOptions : WriteOptions {
   std::string layer_spec;
   // torch_dist: the layout of the optimizer state, written whenever the
   // source has some and weights_only is not set: "fully_reshardable" (the
-  // only one, and the default when empty).
+  // default when empty) or "dp_reshardable" (Megatron-Core's training
+  // default: flat buckets per model-parallel rank, sharded over `dp`).
   std::string optimizer_layout;
 };
 

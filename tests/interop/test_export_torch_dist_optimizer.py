@@ -13,8 +13,14 @@ Checked:
   be built) `dcp.load`s every `optimizer.state.{param,exp_avg,exp_avg_sq}.<key>` equal to
   `TAG_optim_full.pt`, and a common state whose optimizer entry has the save's param groups (lr,
   betas, eps, weight_decay, step, wd_mult) and `param_state_sharding_type` fully_reshardable;
+* `--optimizer-layout dp_reshardable` (engine/formats/megatron/dp_reshardable_items.h) writes what
+  Megatron-Core 0.19 writes: exporting each save's fully_reshardable folder at its own layout gives
+  the chunks, the per_bucket_numel items, the param groups and every parameter's element of the
+  flat buckets of the save's own dp_reshardable folder, as real torch 2.6 loads both (the alignment
+  gaps, which Megatron leaves uninitialised, are zero); at another TP / PP and DP 2 it reads back
+  through reshard as the same model with the same optimizer state;
 * a Megatron-DeepSpeed checkpoint with BF16_Optimizer shards goes to torch_dist and back to its
-  layout as the same model with the same optimizer state;
+  layout as the same model with the same optimizer state, in both layouts;
 * --weights-only leaves the state out, and --optimizer-layout is refused where it lays out nothing.
 
 Run: /usr/bin/python3 tests/interop/test_export_torch_dist_optimizer.py --reshard build/reshard
@@ -37,6 +43,54 @@ from test_torch_dist_optimizer import LAYOUTS, saves
 run = support.reshard
 STATES = ('param', 'exp_avg', 'exp_avg_sq')
 GROUP_FIELDS = ('lr', 'betas', 'eps', 'weight_decay', 'step', 'wd_mult')
+
+
+# Loads the flat buckets and per-rank items of /ours and /megatron (real torch 2.6) and compares
+# them: chunk lists, objects, and every element of a parameter's chunk. A chunk that starts off
+# Megatron's 64-element parameter alignment is an alignment gap (DP 1), which Megatron leaves
+# uninitialised and reshard writes as zeros.
+COMPARE_BUCKETS = r'''
+import pickle, torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+def load(folder):
+    with open(folder + '/.metadata', 'rb') as f:
+        meta = pickle.load(f).state_dict_metadata
+    state, chunks = {}, {}
+    for k, m in meta.items():
+        if not k.startswith('optimizer.distributed.'):
+            continue
+        state[k] = None
+        if isinstance(m, TensorStorageMetadata):
+            state[k] = torch.empty(m.size, dtype=m.properties.dtype)
+            chunks[k] = [(c.offsets[0], c.sizes[0]) for c in m.chunks]
+    dcp.load(state, checkpoint_id=folder)
+    return state, chunks
+ours, our_chunks = load('/ours')
+megatron, megatron_chunks = load('/megatron')
+if sorted(ours) != sorted(megatron) or not megatron:
+    print('KEYS', sorted(ours), sorted(megatron))
+equal = 0
+for k, want in megatron.items():
+    got = ours.get(k)
+    if not isinstance(want, torch.Tensor):
+        if got != want:
+            print('OBJECT', k, got, want)
+        continue
+    if sorted(our_chunks[k]) != sorted(megatron_chunks[k]):
+        print('CHUNKS', k)
+        continue
+    for offset, size in megatron_chunks[k]:
+        a, b = got[offset:offset + size], want[offset:offset + size]
+        if offset % 64 != 0:
+            if torch.count_nonzero(a):
+                print('ZERO', k, offset)
+        elif not torch.equal(a, b):
+            print('DIFF', k, offset)
+        else:
+            equal += size
+print('equal', equal)
+'''
 
 
 def compared(stdout):
@@ -110,24 +164,69 @@ class ExportTorchDistOptimizerTest(FixtureTestCase):
                 self.assertEqual([{f: g[f] for f in GROUP_FIELDS} for g in got],
                                  [{f: g[f] for f in GROUP_FIELDS} for g in want])
 
+    def test_dp_reshardable_is_written_as_megatron_core_writes_it(self):
+        root, why = torch2_chroot.ensure()
+        if root is None:
+            print('skipped:', why, file=sys.stderr)
+            self.skipTest(why)
+        elements = 0
+        for tag, config in saves():
+            name = os.path.basename(tag)
+            with self.subTest(save=name):
+                out = self.path(name + '_dp')
+                layout = config['layout']
+                self.export(f'{tag}_optim_fully_reshardable', out, layout['tp'], layout['pp'],
+                            '--optimizer-layout', 'dp_reshardable', *sizes(config))
+                folder = glob.glob(os.path.join(out, 'iter_*'))[0]
+                p = torch2_chroot.run(root, COMPARE_BUCKETS, {folder: '/ours', f'{tag}_optim_dp_reshardable': '/megatron'})
+                self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+                self.assertEqual(re.findall(r'^(?:DIFF|ZERO|CHUNKS|OBJECT|KEYS) .*', p.stdout, re.M), [], p.stdout)
+                elements += int(re.search(r'equal (\d+)', p.stdout).group(1))
+        print(f'\n[ dp_reshardable ] {len(saves())} saves: {elements} bucket elements equal to Megatron-Core\'s')
+
+    def test_dp_reshardable_at_another_layout_reads_back_equal(self):
+        for tag, config in saves():
+            name = os.path.basename(tag)
+            with self.subTest(save=name):
+                tp, pp = other_layout(config['layout'])
+                source, out = f'{tag}_optim_fully_reshardable', self.path(name + '_dp2')
+                p = self.export(source, out, tp, pp, '--dp', 2, '--optimizer-layout', 'dp_reshardable',
+                                *sizes(config))
+                self.assertIn('the optimizer state as dp_reshardable', p.stdout + p.stderr)
+                files = sorted(os.path.basename(f) for f in glob.glob(os.path.join(out, 'iter_*', '*.distcp')))
+                self.assertEqual(files, sorted(f'__{r}_0.distcp' for r in range(tp * pp * 2)))
+                p = run('verify', source, out, *sizes(config)[:-2])
+                self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+                self.assertEqual(p.stdout.count('weights and optimizer state'), 2, p.stdout)
+                self.assertNotIn('elements differ', p.stdout)
+                back = self.path(name + '_dp2_ds')
+                p = run('convert', out, back, '--tp', 1, '--pp', 1, *sizes(config))
+                self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+                self.check_states(tag, config, *self.universal_states(back, config))
+
     def test_a_megatron_deepspeed_checkpoint_with_state_goes_to_torch_dist_and_back(self):
         src = make_fixture(self.path('ms'), **dict(FAMILIES['ms_llama'], tp=2, pp=2, dp=1, optimizer='bf16_zero'))
-        out = self.path('td')
-        # At TP 2 the vocabulary keeps its padding rows (the fixture's are not zero).
-        self.export(src, out, 2, 1)
-        back = self.path('back')
-        p = run('convert', out, back, '--tp', 2, '--pp', 2, '--no-update-latest')
-        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         itself = run('verify', src, src)
         self.assertEqual(itself.returncode, 0, itself.stdout + itself.stderr)
-        p = run('verify', src, back)
-        # Every tensor, the optimizer state's too, is equal; the torch_dist export does not carry
-        # the learning-rate scheduler and the sample counter (no opt_param_scheduler in the common state).
-        self.assertEqual(re.findall(r'differs: (.*)', p.stdout), ['lr_scheduler differs', 'global_samples differs'])
-        self.assertNotIn('elements differ', p.stdout)
-        self.assertEqual(compared(p.stdout), compared(itself.stdout))
-        self.assertEqual(compared(p.stdout), 4 * 39, p.stdout)  # 39 weights, each with three states
-        print(f'\n[ fixture ] verify: {compared(p.stdout)} tensors equal, weights and optimizer state')
+        for layout in LAYOUTS:
+            with self.subTest(layout=layout):
+                out = self.path('td_' + layout)
+                # At TP 2 the vocabulary keeps its padding rows (the fixture's are not zero).
+                self.export(src, out, 2, 1, '--optimizer-layout', layout, '--dp', 2)
+                back = self.path('back_' + layout)
+                p = run('convert', out, back, '--tp', 2, '--pp', 2, '--dp', 1, '--no-update-latest')
+                self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+                p = run('verify', src, back)
+                # Every tensor, the optimizer state's too, is equal; the torch_dist export does not carry
+                # the learning-rate scheduler and the sample counter (no opt_param_scheduler in the common
+                # state).
+                self.assertEqual(re.findall(r'differs: (.*)', p.stdout),
+                                 ['lr_scheduler differs', 'global_samples differs'])
+                self.assertNotIn('elements differ', p.stdout)
+                self.assertEqual(compared(p.stdout), compared(itself.stdout))
+                self.assertEqual(compared(p.stdout), 4 * 39, p.stdout)  # 39 weights, each with three states
+        print(f'\n[ fixture ] verify: {compared(p.stdout)} tensors equal, weights and optimizer state, '
+              f'through both layouts')
 
     def test_weights_only_and_a_layout_without_state(self):
         src = make_fixture(self.path('ms'), **dict(FAMILIES['ms_llama'], tp=1, pp=1, dp=1, optimizer='bf16_zero'))

@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <set>
 
-#include "formats/dcp/megatron_buckets.h"
+#include "logical/megatron_buckets.h"
 #include "util/human.h"
 #include "util/shape.h"
 #include "util/strings.h"
@@ -232,7 +232,7 @@ class DpReshardableReader {
     dp_ = static_cast<int>(args_("args.data_parallel_size").value_or(1));
     pp_ = tp_ > 0 ? groups / tp_ : 0;
     for (const std::string& key : layout_.optimizer_order) {
-      if (const DcpTensor* t = c_.FindTensor(key); t != nullptr && IsBlockKey(key)) layers_ = t->size[0];
+      if (const DcpTensor* t = c_.FindTensor(key); t != nullptr && layout_.IsStackedKey(key)) layers_ = t->size[0];
     }
     if (pp_ < 1 || pp_ * tp_ != groups || layers_ % pp_ != 0) {
       return Status::Unsupported(c_.folder + " has " + std::to_string(groups) + " model-parallel optimizer groups, "
@@ -243,47 +243,19 @@ class DpReshardableReader {
     return Status::Ok();
   }
 
-  bool IsBlockKey(const std::string& key) const {
-    for (const TorchDistTensor& t : layout_.tensors) {
-      if (std::find(t.keys.begin(), t.keys.end(), key) != t.keys.end()) {
-        return t.name.find("{block}") != std::string::npos;
-      }
-    }
-    return false;
-  }
-
-  // The rank's parameters in registration order: the keys before the block
-  // keys on the first stage, the block keys for each of the stage's layers,
-  // the keys after them on the last.
+  // The rank's parameters in registration order (StageRegistrationOrder),
+  // those the checkpoint holds.
   Result<std::vector<RankParam>> RankParams(int tp_rank, int pp_rank) const {
     const int64_t per_stage = layers_ / pp_;
     std::vector<RankParam> params;
-    bool after_blocks = false;
-    std::vector<std::string> block_keys;
-    auto add = [&](const std::string& key, int64_t layer) -> Status {
-      const DcpTensor* t = c_.FindTensor(key);
-      if (t == nullptr) return Status::Ok();
-      RESHARD_ASSIGN_OR_RETURN(RankParam p, PieceOf(*t, layer, tp_, tp_rank));
+    for (const RegisteredParam& r :
+         StageRegistrationOrder(layout_.optimizer_order, [this](const std::string& key) { return layout_.IsStackedKey(key); },
+                                pp_rank * per_stage, per_stage, pp_rank == 0, pp_rank == pp_ - 1)) {
+      const DcpTensor* t = c_.FindTensor(r.key);
+      if (t == nullptr) continue;
+      RESHARD_ASSIGN_OR_RETURN(RankParam p, PieceOf(*t, r.layer, tp_, tp_rank));
       params.push_back(std::move(p));
-      return Status::Ok();
-    };
-    auto flush_blocks = [&]() -> Status {
-      for (int64_t l = pp_rank * per_stage; l < (pp_rank + 1) * per_stage; ++l) {
-        for (const std::string& key : block_keys) RESHARD_RETURN_IF_ERROR(add(key, l));
-      }
-      block_keys.clear();
-      return Status::Ok();
-    };
-    for (const std::string& key : layout_.optimizer_order) {
-      if (IsBlockKey(key)) {
-        block_keys.push_back(key);
-        after_blocks = true;
-        continue;
-      }
-      RESHARD_RETURN_IF_ERROR(flush_blocks());
-      if (after_blocks ? pp_rank == pp_ - 1 : pp_rank == 0) RESHARD_RETURN_IF_ERROR(add(key, -1));
     }
-    RESHARD_RETURN_IF_ERROR(flush_blocks());
     return params;
   }
 

@@ -26,12 +26,10 @@
 #include <vector>
 
 #include "formats/dcp/dcp_content.h"
+#include "logical/megatron_buckets.h"
 #include "rules/rule_set.h"
 
 namespace reshard {
-
-// Megatron-Core's names of Adam's states, the fp32 master first.
-inline constexpr const char* kTorchDistStates[] = {"param", "exp_avg", "exp_avg_sq"};
 
 struct TorchDistOptimizer {
   std::string layout;  // the common state's param_state_sharding_type

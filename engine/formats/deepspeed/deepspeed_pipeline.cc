@@ -209,9 +209,11 @@ class PipelineSource : public DeepSpeedModelSource {
     if (HasOptimizerState()) {
       RESHARD_ASSIGN_OR_RETURN(opt, Optimizer());
     }
-    if (cut.masters && opt == nullptr) {
-      return Status::InvalidInput("--from masters: the checkpoint has no optimizer state, so no fp32 masters; "
-                                  "drop --from to export its weights");
+    if (!cut.state.empty() && opt == nullptr) {
+      return Status::InvalidInput(cut.state == kFp32Master
+                                      ? "--from masters: the checkpoint has no optimizer state, so no fp32 masters; "
+                                        "drop --from to export its weights"
+                                      : "the checkpoint has no optimizer state; export with --weights-only");
     }
     TpWeights out;
     RESHARD_ASSIGN_OR_RETURN(out.padded_vocab, TargetPaddedVocab(ckpt(), cut.tp, cut.vocab_size));
@@ -228,8 +230,10 @@ class PipelineSource : public DeepSpeedModelSource {
         const LogicalLayer& layer = ckpt().layers[li];
         block += layer.role == "block" ? 1 : 0;
         for (size_t ti = 0; ti < layer.tensors.size(); ++ti) {
+          // A buffer has no optimizer state; its fp32 "master" is its weight.
+          if (layer.tensors[ti].rule->buffer && !cut.state.empty() && cut.state != kFp32Master) continue;
           RESHARD_ASSIGN_OR_RETURN(RankTensor r, CutTensor(opt, static_cast<int>(li), static_cast<int>(ti), rank,
-                                                           target, cut.masters, read));
+                                                           target, cut.state, read));
           r.block = layer.role == "block" ? block : -1;
           out.ranks.back().push_back(std::move(r));
         }
@@ -250,17 +254,17 @@ class PipelineSource : public DeepSpeedModelSource {
   static bool IsVocab(const LogicalTensor& t) { return t.rule->policy == ParamRule::Policy::kVocab; }
 
   // TP rank `rank`'s tensor (li, ti) at `target`: the weight (an average of
-  // replicas from the averaged masters where there are some), or its fp32
-  // master; a buffer has none and is its weight.
+  // replicas from the averaged masters where there are some), or its
+  // optimizer state `state`; a buffer has none and is its weight.
   Result<RankTensor> CutTensor(const SourceOptimizer* opt, int li, int ti, int rank, const TensorTarget& target,
-                               bool masters, std::atomic<int64_t>* read) const {
+                               const std::string& state, std::atomic<int64_t>* read) const {
     const LogicalTensor& t = ckpt().layers[li].tensors[ti];
     const TensorPlan plan = PlanTensor(ckpt(), li, ti, rank, target);
     RankTensor r{t.rule, -1, t.key, t.name, ckpt().WeightDType(t), plan.shape, DescribeSources(plan), nullptr};
-    if (masters && !t.rule->buffer) {
-      RESHARD_ASSIGN_OR_RETURN(StateTensor st, LocateState(ckpt(), *opt, ParamName(ckpt(), li, ti), kMasterState));
+    if (!state.empty() && !t.rule->buffer) {
+      RESHARD_ASSIGN_OR_RETURN(StateTensor st, LocateState(ckpt(), *opt, ParamName(ckpt(), li, ti), state));
       r.dtype = DType::kFloat32;
-      r.detail += " (fp32 master)";
+      r.detail += " (optimizer " + state + ")";
       r.produce = RangeProducer(SourceTensor::Of(st.tensor), plan, read);
       return r;
     }

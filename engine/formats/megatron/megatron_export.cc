@@ -97,7 +97,7 @@ Result<TpCut> CutOf(const ExportOptions& options) {
     return Status::InvalidInput("--tokenizer is for --to hf; a Megatron-LM checkpoint holds no tokenizer "
                                 "(Megatron-LM takes --vocab-file / --tokenizer-model at launch)");
   }
-  return TpCut{options.tp, options.replicated, options.vocab_size, options.from == "masters"};
+  return TpCut{options.tp, options.replicated, options.vocab_size, options.from == "masters" ? kFp32Master : ""};
 }
 
 // The source's data-parallel size, which the export keeps; the world size is

@@ -1,16 +1,21 @@
 #include "formats/megatron/torch_dist_export.h"
 
 #include <algorithm>
+#include <array>
 #include <cstdio>
+#include <iterator>
 #include <map>
 #include <optional>
 #include <set>
 
 #include "container/dcp_writer.h"
+#include "formats/megatron/dp_reshardable_items.h"
 #include "formats/megatron/megatron_args.h"
 #include "formats/megatron/megatron_layout.h"
+#include "formats/megatron/megatron_param_groups.h"
 #include "formats/state_dict.h"
 #include "logical/logical_checkpoint.h"
+#include "logical/megatron_buckets.h"
 #include "logical/tp_placement.h"
 #include "util/human.h"
 #include "util/shape.h"
@@ -19,15 +24,15 @@
 namespace reshard {
 namespace {
 
-constexpr char kBlock[] = "{block}";
-
 constexpr char kMetadataJson[] = "{\"sharded_backend\": \"torch_dist\", \"sharded_backend_version\": 1}";
 // How Megatron-Core names the item of a sharded object: shard `i` of `n`.
 constexpr char kCommonState[] = "common_state/shard_0_1";
 // A job's share of a big .distcp file.
 constexpr int64_t kPartBytes = int64_t{256} << 20;
-// The optimizer layout written: every state shaped like its model key.
+// The optimizer layouts written: every state shaped like its model key, or
+// flat buckets per model-parallel rank (dp_reshardable_items.h).
 constexpr char kFullyReshardable[] = "fully_reshardable";
+constexpr char kDpReshardable[] = "dp_reshardable";
 
 std::string IterationFolder(int64_t iteration) {
   char name[32];
@@ -41,29 +46,10 @@ struct KeyOf {
   int block = -1;  // -1: the key is not stacked
 };
 
-// The block `name` is of in `pattern` ("layers.{block}.x"): -1 when it does not match.
-int BlockOf(const std::string& pattern, const std::string& name) {
-  const size_t at = pattern.find(kBlock);
-  const size_t tail = pattern.size() - at - (sizeof(kBlock) - 1);
-  if (name.size() <= at + tail || name.compare(0, at, pattern, 0, at) != 0 ||
-      name.compare(name.size() - tail, tail, pattern, pattern.size() - tail, tail) != 0) {
-    return -1;
-  }
-  const std::string digits = name.substr(at, name.size() - at - tail);
-  if (digits.size() > 6 || digits.find_first_not_of("0123456789") != std::string::npos) return -1;
-  return std::stoi(digits);
-}
-
-Result<KeyOf> FindKey(const RuleSet& rules, const std::string& name) {
-  for (const TorchDistTensor& entry : rules.torch_dist()->tensors) {
-    if (entry.name.find(kBlock) == std::string::npos) {
-      if (entry.name == name) return KeyOf{entry.keys.front(), -1};
-    } else if (const int block = BlockOf(entry.name, name); block >= 0) {
-      return KeyOf{entry.keys.front(), block};
-    }
-  }
-  return Status::Unsupported("export --to torch_dist: rule set " + rules.name() + "'s torch_dist section gives no "
-                             "key for " + name + "; add an entry for it (docs/rules.md)");
+// The torch_dist key of rank tensor `r`: what current Megatron-Core names it.
+Result<KeyOf> KeyOfTensor(const RuleSet& rules, const RankTensor& r) {
+  RESHARD_ASSIGN_OR_RETURN(const TorchDistTensor* entry, TorchDistEntryOf(rules, r, "torch_dist"));
+  return KeyOf{entry->keys.front(), r.block};
 }
 
 // A stacked key's global size and a layer's chunk of it: the layer axis first.
@@ -113,18 +99,29 @@ Result<std::vector<RankBox>> RankBoxes(const RankTensor& r, int t, int tp, DType
   return boxes;
 }
 
-// Bytes [begin, begin + length) of `from`.
-ByteProducer Window(ByteProducer from, int64_t begin) {
-  return [from = std::move(from), begin](int64_t offset, int64_t length, uint8_t* dst) {
-    return from(begin + offset, length, dst);
-  };
-}
-
 struct Target {
   TpCut cut;
-  int pp = 1;
+  int pp = 1, dp = 1;
   int blocks = 0, blocks_per_stage = 0;
   std::optional<DType> dtype;
+};
+
+// The items of every rank's `.distcp` file.
+class RankFiles {
+ public:
+  explicit RankFiles(const Target& target)
+      : tp_(target.cut.tp), dp_(target.dp), items_(target.cut.tp * target.dp * target.pp) {}
+
+  // Megatron's default rank order: TP fastest, then DP, then PP.
+  static int Rank(int tp_rank, int pp_rank, int dp_rank, int tp, int dp) { return tp_rank + tp * (dp_rank + dp * pp_rank); }
+  std::vector<DcpWriteItem>& At(int tp_rank, int pp_rank, int dp_rank = 0) {
+    return items_[Rank(tp_rank, pp_rank, dp_rank, tp_, dp_)];
+  }
+  std::vector<std::vector<DcpWriteItem>>& all() { return items_; }
+
+ private:
+  int tp_, dp_;
+  std::vector<std::vector<DcpWriteItem>> items_;  // by rank
 };
 
 int StageOf(const RankTensor& r, const Target& target) {
@@ -132,19 +129,23 @@ int StageOf(const RankTensor& r, const Target& target) {
   return r.rule->role == "embedding" ? 0 : target.pp - 1;
 }
 
-// The items of TP rank `t`'s tensors, by stage.
+DType WrittenDType(const RankTensor& r, const Target& target) {
+  return target.dtype && IsFloatingPoint(r.dtype) ? *target.dtype : r.dtype;
+}
+
+// The items of TP rank `t`'s tensors.
 Status AddRankItems(const RuleSet& rules, const std::vector<RankTensor>& tensors, int t, const Target& target,
-                    std::vector<std::vector<DcpWriteItem>>* by_stage) {
+                    RankFiles* files) {
   for (const RankTensor& r : tensors) {
     if (t > 0 && r.rule->policy == ParamRule::Policy::kReplicated) continue;  // TP rank 0 writes it
-    RESHARD_ASSIGN_OR_RETURN(KeyOf key, FindKey(rules, r.name));
-    const DType dtype = target.dtype && IsFloatingPoint(r.dtype) ? *target.dtype : r.dtype;
+    RESHARD_ASSIGN_OR_RETURN(KeyOf key, KeyOfTensor(rules, r));
+    const DType dtype = WrittenDType(r, target);
     RESHARD_ASSIGN_OR_RETURN(std::vector<RankBox> boxes, RankBoxes(r, t, target.cut.tp, dtype));
     const std::vector<int64_t> size = StackedSize(key, target.blocks, GlobalShape(r, target.cut.tp));
     const ByteProducer bytes = dtype == r.dtype ? r.produce : CastBytes(r.produce, r.dtype, dtype);
     for (RankBox& box : boxes) {
-      (*by_stage)[StageOf(r, target)].push_back(
-          DcpTensorItem(key.key, dtype, size, StackedChunk(key, std::move(box.chunk)), Window(bytes, box.byte_offset)));
+      files->At(t, StageOf(r, target)).push_back(
+          DcpTensorItem(key.key, dtype, size, StackedChunk(key, std::move(box.chunk)), BytesFrom(bytes, box.byte_offset)));
     }
   }
   return Status::Ok();
@@ -152,11 +153,11 @@ Status AddRankItems(const RuleSet& rules, const std::vector<RankTensor>& tensors
 
 // Each linear layer's extra state, empty, as Megatron-Core wraps an object:
 // [None], item `shard_{layer}_{layers}`.
-void AddExtraStates(const RuleSet& rules, const Target& target, std::vector<std::vector<DcpWriteItem>>* by_stage) {
+void AddExtraStates(const RuleSet& rules, const Target& target, RankFiles* files) {
   for (const std::string& module : rules.torch_dist()->extra_state) {
     for (int l = 0; l < target.blocks; ++l) {
       const std::string fqn = module + "._extra_state/shard_" + std::to_string(l) + "_" + std::to_string(target.blocks);
-      (*by_stage)[l / target.blocks_per_stage].push_back(DcpBytesItem(fqn, Value::MakeList({Value::None()})));
+      files->At(0, l / target.blocks_per_stage).push_back(DcpBytesItem(fqn, Value::MakeList({Value::None()})));
     }
   }
 }
@@ -187,8 +188,7 @@ ByteProducer WithRows(const FullTensor& t, int64_t rows) {
 // stacked key's layers one chunk each), written by TP rank 0 of the stage
 // holding the weight. `weights` gives each parameter's key, stage and shape.
 Status AddOptimizerItems(const RuleSet& rules, const std::vector<FullTensor>& states,
-                         const std::vector<RankTensor>& weights, const Target& target,
-                         std::vector<std::vector<DcpWriteItem>>* by_stage) {
+                         const std::vector<RankTensor>& weights, const Target& target, RankFiles* files) {
   std::map<std::string, const RankTensor*> weight_of;
   for (const RankTensor& r : weights) weight_of[r.name] = &r;
   for (const FullTensor& t : states) {
@@ -196,7 +196,7 @@ Status AddOptimizerItems(const RuleSet& rules, const std::vector<FullTensor>& st
     if (it == weight_of.end()) return Status::Internal("optimizer state of " + t.param + ", which is no weight");
     const RankTensor& r = *it->second;
     RESHARD_ASSIGN_OR_RETURN(std::string state, StateName(t));
-    RESHARD_ASSIGN_OR_RETURN(KeyOf key, FindKey(rules, t.param));
+    RESHARD_ASSIGN_OR_RETURN(KeyOf key, KeyOfTensor(rules, r));
     const std::vector<int64_t> shape = GlobalShape(r, target.cut.tp);
     if (shape.empty() || shape.size() != t.shape.size() || !std::equal(shape.begin() + 1, shape.end(), t.shape.begin() + 1) ||
         (!t.vocab && shape[0] != t.shape[0])) {
@@ -206,73 +206,11 @@ Status AddOptimizerItems(const RuleSet& rules, const std::vector<FullTensor>& st
     ByteProducer bytes = t.vocab ? WithRows(t, shape[0]) : t.produce;
     if (t.dtype != DType::kFloat32) bytes = CastBytes(std::move(bytes), t.dtype, DType::kFloat32);
     const DcpChunk chunk = StackedChunk(key, {std::vector<int64_t>(shape.size(), 0), shape});
-    (*by_stage)[StageOf(r, target)].push_back(DcpTensorItem("optimizer.state." + state + "." + key.key,
+    files->At(0, StageOf(r, target)).push_back(DcpTensorItem("optimizer.state." + state + "." + key.key,
                                                             DType::kFloat32, StackedSize(key, target.blocks, shape),
                                                             chunk, std::move(bytes)));
   }
   return Status::Ok();
-}
-
-// Megatron-Core records the step as a float in every group.
-Result<Value> FloatStep(const std::optional<Value>& step) {
-  if (!step) return Value::Float(0.0);
-  if (step->is(Value::Kind::kFloat)) return *step;
-  if (step->is(Value::Kind::kInt)) return Value::Float(static_cast<double>(step->as_int()));
-  return Status::Unsupported("export --to torch_dist: the optimizer step " + step->DebugString(40) +
-                             " is not a number; export with --weights-only");
-}
-
-// The value of hyperparameter `name`: the source's, else `fallback`; a
-// list of betas becomes torch's tuple.
-Value Hyper(const Value& hyper, const std::string& name, Value fallback) {
-  const Value* v = Find(hyper, name);
-  if (v == nullptr) return fallback;
-  if (v->is(Value::Kind::kList)) return Value::MakeTuple(v->as_list().items);
-  return *v;
-}
-
-// One Megatron-Core 0.19 param group (default config, no expert
-// parallelism) from a source group's hyperparameters; max_lr and min_lr
-// from the args where the source's group has none.
-Value MegatronGroup(const OptimizerParamGroup& group, const Value& step, const Value* args) {
-  const Value& h = group.hyperparameters;
-  const Value* args_lr = args != nullptr ? Find(*args, "lr") : nullptr;
-  const Value* args_min_lr = args != nullptr ? Find(*args, "min_lr") : nullptr;
-  const Value lr = Hyper(h, "lr", Value::None());
-  Value out = Value::MakeDict();
-  Set(out, "is_expert_parallel", Value::Bool(false));
-  Set(out, "default_config", Value::Bool(true));
-  Set(out, "wd_mult", Value::Float(group.weight_decay_multiplier));
-  Set(out, "lr_mult", Hyper(h, "lr_mult", Value::Float(1.0)));
-  Set(out, "is_decoupled_lr", Value::Bool(false));
-  Set(out, "max_lr", Hyper(h, "max_lr", args_lr != nullptr ? *args_lr : lr));
-  Set(out, "min_lr", Hyper(h, "min_lr", args_min_lr != nullptr ? *args_min_lr : Value::None()));
-  Set(out, "lr", lr);
-  for (const char* name : {"betas", "eps", "weight_decay"}) Set(out, name, Hyper(h, name, Value::None()));
-  for (const char* name : {"amsgrad", "maximize", "capturable", "differentiable"}) {
-    Set(out, name, Hyper(h, name, Value::Bool(false)));
-  }
-  for (const char* name : {"foreach", "fused"}) Set(out, name, Hyper(h, name, Value::None()));
-  Set(out, "step", step);
-  return out;
-}
-
-// Megatron-Core makes one group per weight-decay multiplier, decayed first:
-// source groups that share one (a split decay group) must agree.
-Result<Value> MegatronParamGroups(const OptimizerParamGroups& groups, const Value* args) {
-  RESHARD_ASSIGN_OR_RETURN(Value step, FloatStep(groups.step));
-  std::map<double, const OptimizerParamGroup*, std::greater<double>> by_mult;
-  for (const OptimizerParamGroup& g : groups.groups) {
-    auto [it, fresh] = by_mult.emplace(g.weight_decay_multiplier, &g);
-    if (!fresh && it->second->hyperparameters.DebugString(1 << 16) != g.hyperparameters.DebugString(1 << 16)) {
-      return Status::Unsupported("export --to torch_dist: two optimizer groups with weight decay multiplier " +
-                                 std::to_string(g.weight_decay_multiplier) + " differ in their hyperparameters, "
-                                 "which Megatron-Core keeps in one group; export with --weights-only");
-    }
-  }
-  std::vector<Value> out;
-  for (const auto& [mult, g] : by_mult) out.push_back(MegatronGroup(*g, step, args));
-  return Value::MakeList(std::move(out));
 }
 
 // Every state written belongs to a group, or Megatron-Core would not know its hyperparameters.
@@ -287,14 +225,95 @@ Status CheckGrouped(const OptimizerParamGroups& groups, const std::vector<FullTe
   return Status::Ok();
 }
 
-// The common state's `optimizer` entry, as Megatron-Core 0.19 writes it for fully_reshardable.
-Result<Value> OptimizerCommonState(const SourceCheckpoint& src, const std::vector<FullTensor>& states) {
+// The stage's parameters of TP rank `t` in registration order, each with
+// its pieces of the states (`states`: the source's fp32 masters, exp_avg
+// and exp_avg_sq cut like `weights`).
+Result<std::vector<DpParam>> StageParams(const RuleSet& rules, const TpWeights& weights,
+                                         const std::array<TpWeights, 3>& states, int t, int p, const Target& target) {
+  std::map<std::pair<std::string, int64_t>, const RankTensor*> by_key;  // (key, layer) -> weight
+  for (const RankTensor& r : weights.ranks[t]) {
+    if (StageOf(r, target) != p) continue;
+    RESHARD_ASSIGN_OR_RETURN(KeyOf key, KeyOfTensor(rules, r));
+    by_key[{key.key, r.block}] = &r;
+  }
+  const TorchDistLayout& layout = *rules.torch_dist();
+  std::vector<DpParam> params;
+  for (const RegisteredParam& reg : StageRegistrationOrder(
+           layout.optimizer_order, [&layout](const std::string& key) { return layout.IsStackedKey(key); },
+           int64_t{p} * target.blocks_per_stage, target.blocks_per_stage, p == 0, p == target.pp - 1)) {
+    auto it = by_key.find({reg.key, reg.layer});
+    if (it == by_key.end()) continue;
+    const RankTensor& r = *it->second;
+    DpParam param{reg.key, WrittenDType(r, target), ShapeNumel(r.shape), {}};
+    for (size_t s = 0; s < states.size(); ++s) {
+      for (const RankTensor& state : states[s].ranks[t]) {
+        if (state.name == r.name) param.states[s] = state.produce;
+      }
+      if (!param.states[s]) return Status::Internal("no optimizer " + std::string(kTorchDistStates[s]) + " of " + r.name);
+    }
+    params.push_back(std::move(param));
+    by_key.erase(it);
+  }
+  if (!by_key.empty()) {
+    return Status::Unsupported("export --to torch_dist: " + by_key.begin()->first.first + " is not in rule set " +
+                               rules.name() + "'s torch_dist.optimizer_order, the registration order dp_reshardable "
+                               "buffers follow; add it (docs/rules.md) or use --optimizer-layout fully_reshardable");
+  }
+  return params;
+}
+
+// The dp_reshardable layout: each model-parallel rank's buckets
+// (dp_reshardable_items.h) from its pieces of every state, cut for the
+// target TP exactly as its weights.
+Status AddDpReshardableItems(const SourceCheckpoint& src, const TpWeights& weights, const Value& param_groups,
+                             const Target& target, std::atomic<int64_t>* read, RankFiles* files) {
+  const RuleSet& rules = *src.info().rules;
+  if (target.pp > 1 && std::any_of(weights.ranks[0].begin(), weights.ranks[0].end(),
+                                   [](const RankTensor& r) { return r.rule->tied; })) {
+    return Status::Unsupported("export --to torch_dist: a tied embedding at PP > 1 has a copy on the last stage in a "
+                               "bucket of its own, which reshard does not lay out yet; use --optimizer-layout "
+                               "fully_reshardable");
+  }
+  std::array<TpWeights, 3> states;
+  const char* source_states[] = {kFp32Master, "exp_avg", "exp_avg_sq"};
+  std::vector<std::string> repeated_notes;  // the weights' cut said them already
+  for (size_t s = 0; s < states.size(); ++s) {
+    TpCut cut = target.cut;
+    cut.state = source_states[s];
+    RESHARD_ASSIGN_OR_RETURN(states[s], src.WeightsForTp(cut, &repeated_notes, read));
+  }
+  for (int p = 0; p < target.pp; ++p) {
+    for (int t = 0; t < target.cut.tp; ++t) {
+      RESHARD_ASSIGN_OR_RETURN(std::vector<DpParam> params, StageParams(rules, weights, states, t, p, target));
+      RESHARD_ASSIGN_OR_RETURN(std::vector<std::vector<DcpWriteItem>> items,
+                               DpReshardableItems(MegatronDpGroupIdx(t, p, target.cut.tp), params, target.dp,
+                                                  param_groups));
+      for (int d = 0; d < target.dp; ++d) {
+        std::move(items[d].begin(), items[d].end(), std::back_inserter(files->At(t, p, d)));
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+// The optimizer state in `layout`, and the common state's `optimizer` entry
+// as Megatron-Core 0.19 writes it for that layout (fully_reshardable keeps
+// the param groups there; dp_reshardable in each rank's items).
+Result<Value> AddOptimizer(const SourceCheckpoint& src, const std::vector<FullTensor>& states,
+                           const TpWeights& weights, const std::string& layout, const Target& target,
+                           std::atomic<int64_t>* read, RankFiles* files) {
   RESHARD_ASSIGN_OR_RETURN(OptimizerParamGroups groups, src.ParamGroupsAndStep());
   RESHARD_RETURN_IF_ERROR(CheckGrouped(groups, states));
   RESHARD_ASSIGN_OR_RETURN(Value param_groups, MegatronParamGroups(groups, Find(src.info().metadata, "args")));
   Value out = Value::MakeDict();
-  Set(out, "optimizer", Value::MakeDict({{Value::String("param_groups"), std::move(param_groups)}}));
-  Set(out, "param_state_sharding_type", Value::String(kFullyReshardable));
+  if (layout == kDpReshardable) {
+    for (const FullTensor& t : states) RESHARD_RETURN_IF_ERROR(StateName(t).status());
+    RESHARD_RETURN_IF_ERROR(AddDpReshardableItems(src, weights, param_groups, target, read, files));
+  } else {
+    RESHARD_RETURN_IF_ERROR(AddOptimizerItems(*src.info().rules, states, weights.ranks[0], target, files));
+    Set(out, "optimizer", Value::MakeDict({{Value::String("param_groups"), std::move(param_groups)}}));
+  }
+  Set(out, "param_state_sharding_type", Value::String(layout));
   return out;
 }
 
@@ -306,7 +325,7 @@ Value CommonState(const SourceCheckpoint& src, const Target& target, int64_t pad
   if (optimizer) Set(state, "optimizer", std::move(*optimizer));
   const Value* args = Find(src.info().metadata, "args");
   if (args != nullptr && DictItems(*args) != nullptr) {
-    Value written = MegatronArgs(*args, {target.cut.tp, target.pp, 1, padded_vocab}, notes);
+    Value written = MegatronArgs(*args, {target.cut.tp, target.pp, target.dp, padded_vocab}, notes);
     // The true vocabulary size, as Megatron-LM's --vocab-size records it: what
     // re-padding for another TP needs.
     const std::optional<int64_t> vocab = target.cut.vocab_size ? target.cut.vocab_size : src.info().vocab_size;
@@ -326,12 +345,14 @@ Status CheckSource(const SourceCheckpoint& src, const ExportOptions& options) {
                                                  : "rule set " + rules->name() + " has none") +
                                "; export --to consolidated writes its tensors");
   }
-  if (options.tp < 1 || options.pp < 1) {
-    return Status::InvalidInput("export --to torch_dist needs the target layout: --tp N and --pp N (both >= 1)");
+  if (options.tp < 1 || options.pp < 1 || options.dp < 0) {
+    return Status::InvalidInput("export --to torch_dist needs the target layout: --tp N and --pp N (both >= 1), "
+                                "and --dp N >= 1 if given");
   }
-  if (!options.optimizer_layout.empty() && options.optimizer_layout != kFullyReshardable) {
+  if (!options.optimizer_layout.empty() && options.optimizer_layout != kFullyReshardable &&
+      options.optimizer_layout != kDpReshardable) {
     return Status::InvalidInput("unknown --optimizer-layout '" + options.optimizer_layout + "'; use " +
-                                kFullyReshardable);
+                                kFullyReshardable + " or " + kDpReshardable);
   }
   if (!options.optimizer_layout.empty() && options.weights_only) {
     return Status::InvalidInput("--weights-only leaves the optimizer state out, which --optimizer-layout lays out; "
@@ -367,43 +388,54 @@ int CountBlocks(const std::vector<RankTensor>& tensors) {
 
 }  // namespace
 
+// What a loader of the folder must be told.
+std::string LoadNote(const std::vector<FullTensor>& states, const std::string& layout) {
+  if (states.empty()) {
+    return "torch_dist: weights only, no optimizer or RNG state; load with --no-load-optim --no-load-rng (or "
+           "--finetune, which also restarts the iteration count)";
+  }
+  return "torch_dist: the optimizer state as " + layout +
+         (layout == kFullyReshardable ? " (load with --dist-ckpt-optim-fully-reshardable)" : "") +
+         ", no RNG state (load with --no-load-rng)";
+}
+
 Result<OutputPlan> PlanTorchDist(const SourceCheckpoint& src, const ExportOptions& options,
                                  std::vector<std::string>* notes) {
   RESHARD_RETURN_IF_ERROR(CheckSource(src, options));
   const RuleSet& rules = *src.info().rules;
   Target target;
-  target.cut = TpCut{options.tp, options.replicated, options.vocab_size, options.from == "masters"};
+  target.cut = TpCut{options.tp, options.replicated, options.vocab_size, options.from == "masters" ? kFp32Master : ""};
   target.pp = options.pp;
+  target.dp = std::max(options.dp, 1);
   RESHARD_ASSIGN_OR_RETURN(target.dtype, ExportDType(options.dtype));
   OutputPlan out;
   RESHARD_ASSIGN_OR_RETURN(TpWeights weights, src.WeightsForTp(target.cut, notes, out.read.get()));
   target.blocks = CountBlocks(weights.ranks[0]);
   RESHARD_ASSIGN_OR_RETURN(target.blocks_per_stage, BlocksPerStage(target.blocks, target.pp));
 
-  std::vector<std::vector<std::vector<DcpWriteItem>>> items(
-      options.tp, std::vector<std::vector<DcpWriteItem>>(target.pp));  // [TP rank][stage]
+  RankFiles files(target);
   for (int t = 0; t < options.tp; ++t) {
-    RESHARD_RETURN_IF_ERROR(AddRankItems(rules, weights.ranks[t], t, target, &items[t]));
+    RESHARD_RETURN_IF_ERROR(AddRankItems(rules, weights.ranks[t], t, target, &files));
   }
   RESHARD_ASSIGN_OR_RETURN(std::vector<FullTensor> states, OptimizerStates(src, options, out.read.get()));
+  const std::string layout = options.optimizer_layout.empty() ? kFullyReshardable : options.optimizer_layout;
   std::optional<Value> optimizer;
   if (!states.empty()) {
-    RESHARD_RETURN_IF_ERROR(AddOptimizerItems(rules, states, weights.ranks[0], target, &items[0]));
-    RESHARD_ASSIGN_OR_RETURN(optimizer, OptimizerCommonState(src, states));
+    RESHARD_ASSIGN_OR_RETURN(optimizer, AddOptimizer(src, states, weights, layout, target, out.read.get(), &files));
   }
-  AddExtraStates(rules, target, &items[0]);
-  items[0][0].push_back(
+  AddExtraStates(rules, target, &files);
+  files.At(0, 0).push_back(
       DcpBytesItem(kCommonState, CommonState(src, target, weights.padded_vocab, std::move(optimizer), notes)));
 
   const std::string folder = IterationFolder(src.info().iteration);
-  for (int p = 0; p < target.pp; ++p) {
-    for (int t = 0; t < options.tp; ++t) {
-      const int rank = p * options.tp + t;
-      RESHARD_ASSIGN_OR_RETURN(DcpFileLayout layout,
-                               LayOutDcpFile("__" + std::to_string(rank) + "_0.distcp", std::move(items[t][p])));
-      out.files.push_back(DcpDataFile(folder, "stage " + std::to_string(p) + ", TP rank " + std::to_string(t),
-                                      std::move(layout), kPartBytes));
-    }
+  for (int rank = 0; rank < static_cast<int>(files.all().size()); ++rank) {
+    if (files.all()[rank].empty()) continue;  // a DP rank of a layout that gives it nothing to write
+    const int t = rank % options.tp, d = rank / options.tp % target.dp, p = rank / (options.tp * target.dp);
+    RESHARD_ASSIGN_OR_RETURN(DcpFileLayout file,
+                             LayOutDcpFile("__" + std::to_string(rank) + "_0.distcp", std::move(files.all()[rank])));
+    out.files.push_back(DcpDataFile(folder, "stage " + std::to_string(p) + ", TP rank " + std::to_string(t) +
+                                                (target.dp > 1 ? ", DP rank " + std::to_string(d) : ""),
+                                    std::move(file), kPartBytes));
   }
   std::vector<const PlannedFile*> data;
   for (const PlannedFile& f : out.files) data.push_back(&f);
@@ -412,14 +444,11 @@ Result<OutputPlan> PlanTorchDist(const SourceCheckpoint& src, const ExportOption
   out.files.push_back(TextFile(folder + "/metadata.json", kMetadataJson));
   out.files.push_back(TextFile(kLatestIterationFile, std::to_string(src.info().iteration)));
   out.summary = "torch_dist: TP " + std::to_string(options.tp) + ", PP " + std::to_string(target.pp) +
-                ", iteration " + std::to_string(src.info().iteration) + "; " +
+                (target.dp > 1 ? ", DP " + std::to_string(target.dp) : "") + ", iteration " + std::to_string(src.info().iteration) + "; " +
                 Count(target.blocks, "block") + ", stacked; padded vocabulary " +
                 std::to_string(weights.padded_vocab) +
-                (states.empty() ? "; weights only" : "; optimizer state fully_reshardable") + "\n";
-  notes->push_back(states.empty() ? "torch_dist: weights only, no optimizer or RNG state; load with --no-load-optim "
-                                    "--no-load-rng (or --finetune, which also restarts the iteration count)"
-                                  : "torch_dist: the optimizer state as fully_reshardable (load with "
-                                    "--dist-ckpt-optim-fully-reshardable), no RNG state (load with --no-load-rng)");
+                (states.empty() ? "; weights only" : "; optimizer state " + layout) + "\n";
+  notes->push_back(LoadNote(states, layout));
   return out;
 }
 

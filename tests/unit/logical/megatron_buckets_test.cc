@@ -1,4 +1,4 @@
-#include "formats/dcp/megatron_buckets.h"
+#include "logical/megatron_buckets.h"
 
 #include <gtest/gtest.h>
 
@@ -162,6 +162,26 @@ TEST(MegatronBucketsTest, KeysAndGroupIndex) {
   EXPECT_EQ(MegatronDpGroupIdx(1, 0, 2), 1);
   EXPECT_EQ(MegatronDpGroupIdx(0, 1, 1), 1);
   EXPECT_EQ(MegatronDpGroupIdx(1, 1, 2), 3);
+}
+
+// Keys before the layer keys on the first stage only, the layer keys once
+// per layer of the stage (a layer's keys together), keys after them on the
+// last stage only.
+TEST(MegatronBucketsTest, StageRegistrationOrder) {
+  const std::vector<std::string> order = {"emb", "layers.a", "layers.b", "norm", "out"};
+  auto is_layer_key = [](const std::string& key) { return key.rfind("layers.", 0) == 0; };
+  auto keys = [](const std::vector<RegisteredParam>& params) {
+    std::vector<std::string> out;
+    for (const RegisteredParam& p : params) out.push_back(p.key + "@" + std::to_string(p.layer));
+    return out;
+  };
+  EXPECT_EQ(keys(StageRegistrationOrder(order, is_layer_key, 0, 2, true, true)),
+            (std::vector<std::string>{"emb@-1", "layers.a@0", "layers.b@0", "layers.a@1", "layers.b@1", "norm@-1",
+                                      "out@-1"}));
+  EXPECT_EQ(keys(StageRegistrationOrder(order, is_layer_key, 0, 1, true, false)),
+            (std::vector<std::string>{"emb@-1", "layers.a@0", "layers.b@0"}));
+  EXPECT_EQ(keys(StageRegistrationOrder(order, is_layer_key, 3, 1, false, true)),
+            (std::vector<std::string>{"layers.a@3", "layers.b@3", "norm@-1", "out@-1"}));
 }
 
 }  // namespace

@@ -24,7 +24,7 @@
 #include "container/dcp_metadata.h"
 #include "container/json_reader.h"
 #include "container/mapped_file.h"
-#include "formats/dcp/megatron_buckets.h"
+#include "logical/megatron_buckets.h"
 
 namespace reshard {
 namespace {

@@ -32,6 +32,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <utility>
@@ -41,6 +42,9 @@
 #include "reshard/status.h"
 
 namespace reshard {
+
+// Megatron-Core's names of Adam's states, the fp32 master first.
+inline constexpr const char* kTorchDistStates[] = {"param", "exp_avg", "exp_avg_sq"};
 
 // Megatron-Core's constants (0.19, megatron/core/optimizer/param_layout.py).
 constexpr int64_t kMegatronParamAlignment = 64;         // each parameter's start
@@ -114,6 +118,24 @@ std::vector<std::pair<int64_t, int64_t>> MegatronBucketChunks(const BucketLayout
 // MegatronDpGroupIdx for dense parameters.
 std::string MegatronBucketKey(int dp_group_idx, int gbuf_idx, DType param_dtype, DType grad_dtype,
                               int bucket, const std::string& state);
+
+// One parameter a pipeline stage registers: a key, and its layer when the
+// key is one per layer (-1 otherwise).
+struct RegisteredParam {
+  std::string key;
+  int64_t layer = -1;
+};
+
+// The parameters of a stage in registration order, from `order` (a rule
+// set's torch_dist.optimizer_order: a key of every parameter the family can
+// have, a layer's keys once): the keys before the layer keys on the first
+// stage, the layer keys for each of the stage's layers [first_layer,
+// first_layer + layers), the keys after them on the last stage. A key of
+// `order` the model lacks is the caller's to skip.
+std::vector<RegisteredParam> StageRegistrationOrder(const std::vector<std::string>& order,
+                                                    const std::function<bool(const std::string&)>& is_layer_key,
+                                                    int64_t first_layer, int64_t layers, bool first_stage,
+                                                    bool last_stage);
 
 // The model-parallel rank of (TP rank, PP rank) in Megatron's default rank
 // order (TP fastest, then PP): tp_rank + TP · pp_rank.

@@ -1,4 +1,4 @@
-#include "formats/dcp/megatron_buckets.h"
+#include "logical/megatron_buckets.h"
 
 #include <algorithm>
 #include <numeric>
@@ -140,5 +140,31 @@ std::string MegatronBucketKey(int dp_group_idx, int gbuf_idx, DType param_dtype,
 }
 
 int MegatronDpGroupIdx(int tp_rank, int pp_rank, int tp) { return tp_rank + tp * pp_rank; }
+
+std::vector<RegisteredParam> StageRegistrationOrder(const std::vector<std::string>& order,
+                                                    const std::function<bool(const std::string&)>& is_layer_key,
+                                                    int64_t first_layer, int64_t layers, bool first_stage,
+                                                    bool last_stage) {
+  std::vector<RegisteredParam> params;
+  std::vector<std::string> layer_keys;
+  bool after_layers = false;
+  auto flush_layers = [&] {
+    for (int64_t l = first_layer; l < first_layer + layers; ++l) {
+      for (const std::string& key : layer_keys) params.push_back({key, l});
+    }
+    layer_keys.clear();
+  };
+  for (const std::string& key : order) {
+    if (is_layer_key(key)) {
+      layer_keys.push_back(key);
+      after_layers = true;
+      continue;
+    }
+    flush_layers();
+    if (after_layers ? last_stage : first_stage) params.push_back({key, -1});
+  }
+  flush_layers();
+  return params;
+}
 
 }  // namespace reshard

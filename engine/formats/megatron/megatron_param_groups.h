@@ -1,0 +1,20 @@
+// Megatron-Core 0.19's optimizer param groups, made from a source's: what a
+// torch_dist target writes beside the optimizer state (in the common state
+// for fully_reshardable, in each rank's `optimizer` item for
+// dp_reshardable).
+//
+// Megatron-Core keeps one group per weight-decay multiplier, decayed first
+// (default config, no expert parallelism), each with its lr schedule bounds
+// and torch's Adam fields, the step a float in every group.
+#pragma once
+
+#include "formats/format.h"
+
+namespace reshard {
+
+// The list of groups for `groups`; max_lr and min_lr from `args` (may be
+// null) where a source group has none. Unsupported where two source groups
+// of one multiplier differ, or the step is no number.
+Result<Value> MegatronParamGroups(const OptimizerParamGroups& groups, const Value* args);
+
+}  // namespace reshard
