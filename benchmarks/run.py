@@ -16,8 +16,11 @@ about 4x smaller) this script
   * optionally times reshard with other write sizes (--buffer-sizes), `mpirun -np N` with the
     same total thread count (--mpi N; its output is compared with one process's, byte for
     byte), another reshard binary (--baseline) and the exports (--exports: `export
-    --to universal`, `--to consolidated` and `--to hf`, and `convert` to the same target from the
-    universal checkpoint of SRC) in the same alternation, each against cp -r,
+    --to universal`, `--to consolidated`, `--to hf` and `--to torch_dist` (the target layout with
+    the optimizer state as `dp_reshardable`), `convert` to the same target from the universal
+    checkpoint of SRC, and `export --to torch_dist` to the same target from a `torch_dist`
+    checkpoint of SRC at its own layout (a TP and PP change, `dp_reshardable` with the optimizer
+    state)) in the same alternation, each against cp -r,
   * optionally times DeepSpeed's ds_to_universal.py on the same input (--deepspeed-src, a
     DeepSpeed source tree fetched separately; it is never part of this repository),
 and prints one table, with the ratio reshard / cp that the throughput target is about
@@ -48,6 +51,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 PYTHON = '/usr/bin/python3'
 TARGET = ['--tp', '1', '--pp', '4', '--dp', '4']
+SOURCE_LAYOUT = ['--tp', '2', '--pp', '2', '--dp', '2']  # what make_checkpoint.py writes
 # reshard's summary (under mpirun, the first process's: "rank 0: wrote ...").
 WROTE = re.compile(r'wrote (\d+) files, .* \((\d+) bytes, \d+ of tensors\) to .* in ([\d.]+) s .*\n'
                    r'(?:rank \d+: )?read .* \((\d+) bytes, .*peak memory ([\d.]+ \w+)')
@@ -291,6 +295,16 @@ def bench_scale(ns, scale: float, mode: str) -> Dict:
             subprocess.run([ns.reshard, 'export', src, universal, '--to', 'universal', '-q'], check=True,
                            stdout=subprocess.DEVNULL)
         commands['from-universal'] = [ns.reshard, 'convert', universal, out] + TARGET + ['-q']
+        dp_reshardable = ['--optimizer-layout', 'dp_reshardable', '-q']
+        commands['torch_dist'] = ([ns.reshard, 'export', src, os.path.join(out_root, 'torch_dist'), '--to', 'torch_dist']
+                                  + TARGET + dp_reshardable)
+        # Megatron-Core to Megatron-Core: from SRC at its own layout (made once, untimed) to the target.
+        torch_dist = src + '_torch_dist'
+        if not os.path.isdir(torch_dist):
+            subprocess.run([ns.reshard, 'export', src, torch_dist, '--to', 'torch_dist'] + SOURCE_LAYOUT +
+                           dp_reshardable, check=True, stdout=subprocess.DEVNULL)
+        commands['torch_dist→torch_dist'] = ([ns.reshard, 'export', torch_dist, os.path.join(out_root, 'torch_dist'),
+                                             '--to', 'torch_dist'] + TARGET + dp_reshardable)
     runs = {what: [] for what in commands}
     out_bytes = 0
     if mode == 'warm':

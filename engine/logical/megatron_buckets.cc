@@ -144,7 +144,7 @@ int MegatronDpGroupIdx(int tp_rank, int pp_rank, int tp) { return tp_rank + tp *
 std::vector<RegisteredParam> StageRegistrationOrder(const std::vector<std::string>& order,
                                                     const std::function<bool(const std::string&)>& is_layer_key,
                                                     int64_t first_layer, int64_t layers, bool first_stage,
-                                                    bool last_stage) {
+                                                    bool last_stage, const std::string& tied_head) {
   std::vector<RegisteredParam> params;
   std::vector<std::string> layer_keys;
   bool after_layers = false;
@@ -164,6 +164,9 @@ std::vector<RegisteredParam> StageRegistrationOrder(const std::vector<std::strin
     if (after_layers ? last_stage : first_stage) params.push_back({key, -1});
   }
   flush_layers();
+  if (last_stage && !tied_head.empty() && std::find(order.begin(), order.end(), tied_head) == order.end()) {
+    params.push_back({tied_head, -1});
+  }
   return params;
 }
 

@@ -130,12 +130,14 @@ struct RegisteredParam {
 // set's torch_dist.optimizer_order: a key of every parameter the family can
 // have, a layer's keys once): the keys before the layer keys on the first
 // stage, the layer keys for each of the stage's layers [first_layer,
-// first_layer + layers), the keys after them on the last stage. A key of
-// `order` the model lacks is the caller's to skip.
+// first_layer + layers), the keys after them on the last stage. `tied_head`
+// (empty for none) is the last stage's copy of a tied word embedding at
+// PP > 1, which Megatron-Core registers last unless `order` places it. A key
+// of `order` the model lacks is the caller's to skip.
 std::vector<RegisteredParam> StageRegistrationOrder(const std::vector<std::string>& order,
                                                     const std::function<bool(const std::string&)>& is_layer_key,
                                                     int64_t first_layer, int64_t layers, bool first_stage,
-                                                    bool last_stage);
+                                                    bool last_stage, const std::string& tied_head = "");
 
 // The model-parallel rank of (TP rank, PP rank) in Megatron's default rank
 // order (TP fastest, then PP): tp_rank + TP · pp_rank.

@@ -20,7 +20,8 @@ Checked:
   gaps, which Megatron leaves uninitialised, are zero); at another TP / PP and DP 2 it reads back
   through reshard as the same model with the same optimizer state;
 * a Megatron-DeepSpeed checkpoint with BF16_Optimizer shards goes to torch_dist and back to its
-  layout as the same model with the same optimizer state, in both layouts;
+  layout as the same model with the same optimizer state, in both layouts; with a tied embedding
+  at PP > 1, its two copies are buckets of their own in dp_reshardable;
 * --weights-only leaves the state out, and --optimizer-layout is refused where it lays out nothing.
 
 Run: /usr/bin/python3 tests/interop/test_export_torch_dist_optimizer.py --reshard build/reshard
@@ -203,6 +204,28 @@ class ExportTorchDistOptimizerTest(FixtureTestCase):
                 p = run('convert', out, back, '--tp', 1, '--pp', 1, *sizes(config))
                 self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
                 self.check_states(tag, config, *self.universal_states(back, config))
+
+    def test_a_tied_embedding_at_pp_above_1_has_buckets_of_its_own(self):
+        src = make_fixture(self.path('gpt2'), **dict(FAMILIES['ms_gpt2'], tp=2, pp=2, dp=1, optimizer='bf16_zero'))
+        out = self.path('td')
+        self.export(src, out, 1, 3, '--dp', 2, '--optimizer-layout', 'dp_reshardable')
+        listing = run('inspect', out, '--rules', 'none').stdout
+        buckets = {(int(g), int(k)): int(n) for g, k, n in re.findall(
+            r'dp_group_idx_(\d+)\.gbuf_idx_0\.\S+\.bucket_idx_(\d+)\.param float32\[(\d+)\]', listing)}
+        # The first stage's word embedding and the last stage's copy of it (Megatron-Core's
+        # shared_embedding): each a bucket of its own, the embedding registered first (its bucket
+        # last), the output layer last (its bucket first). 104 padded rows x 48.
+        rows_by_hidden = 104 * 48
+        self.assertEqual(buckets[(0, 1)], rows_by_hidden, listing)
+        self.assertEqual(buckets[(2, 0)], rows_by_hidden, listing)
+        self.assertEqual(sorted(k for g, k in buckets if g == 1), [0])
+        back = self.path('back')
+        p = run('convert', out, back, '--tp', 2, '--pp', 2, '--dp', 1, '--no-update-latest')
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        p = run('verify', src, back)
+        self.assertEqual(re.findall(r'differs: (.*)', p.stdout), ['lr_scheduler differs', 'global_samples differs'])
+        self.assertNotIn('elements differ', p.stdout)
+        self.assertEqual(compared(p.stdout), compared(run('verify', src, src).stdout))
 
     def test_a_megatron_deepspeed_checkpoint_with_state_goes_to_torch_dist_and_back(self):
         src = make_fixture(self.path('ms'), **dict(FAMILIES['ms_llama'], tp=2, pp=2, dp=1, optimizer='bf16_zero'))

@@ -103,9 +103,11 @@ struct RankParam {
   int64_t layer = -1;
   std::vector<Box> boxes;  // of the key's global tensor, the layer axis included
   int64_t numel = 0;
-  // A TP rank but the first's copy of a tensor every rank holds whole: left
-  // out, as fully_reshardable leaves it out (Megatron keeps replicas equal).
+  // A TP rank but the first's copy of a tensor every rank holds whole, or
+  // the last stage's copy of a tied embedding: left out, as
+  // fully_reshardable leaves it out (Megatron keeps replicas equal).
   bool replica = false;
+  bool shared_embedding = false;  // a tied embedding's copy at PP > 1: a bucket of its own
 };
 
 // TP rank `rank`'s boxes of `t` (layer `layer` of it when >= 0): the
@@ -243,17 +245,33 @@ class DpReshardableReader {
     return Status::Ok();
   }
 
+  // The word embedding the last stage's output layer copies at PP > 1:
+  // null when the rule set ties none or the checkpoint holds an output
+  // layer of its own. GPTModel registers the word embedding first.
+  const DcpTensor* TiedEmbedding() const {
+    if (pp_ == 1 || layout_.tied_head.empty() || c_.FindTensor(layout_.tied_head) != nullptr) return nullptr;
+    for (const std::string& key : layout_.optimizer_order) {
+      if (const DcpTensor* t = c_.FindTensor(key)) return t;
+    }
+    return nullptr;
+  }
+
   // The rank's parameters in registration order (StageRegistrationOrder),
-  // those the checkpoint holds.
+  // those the checkpoint holds, and a tied embedding's last-stage copy.
   Result<std::vector<RankParam>> RankParams(int tp_rank, int pp_rank) const {
     const int64_t per_stage = layers_ / pp_;
+    const DcpTensor* tied = TiedEmbedding();
     std::vector<RankParam> params;
-    for (const RegisteredParam& r :
-         StageRegistrationOrder(layout_.optimizer_order, [this](const std::string& key) { return layout_.IsStackedKey(key); },
-                                pp_rank * per_stage, per_stage, pp_rank == 0, pp_rank == pp_ - 1)) {
-      const DcpTensor* t = c_.FindTensor(r.key);
+    for (const RegisteredParam& r : StageRegistrationOrder(
+             layout_.optimizer_order, [this](const std::string& key) { return layout_.IsStackedKey(key); },
+             pp_rank * per_stage, per_stage, pp_rank == 0, pp_rank == pp_ - 1,
+             tied != nullptr ? layout_.tied_head : "")) {
+      const bool tied_head = tied != nullptr && r.key == layout_.tied_head;
+      const DcpTensor* t = tied_head ? tied : c_.FindTensor(r.key);
       if (t == nullptr) continue;
       RESHARD_ASSIGN_OR_RETURN(RankParam p, PieceOf(*t, r.layer, tp_, tp_rank));
+      p.shared_embedding = t == tied;
+      p.replica |= tied_head;
       params.push_back(std::move(p));
     }
     return params;
@@ -295,32 +313,36 @@ class DpReshardableReader {
   Status ReadBuffer(int group, int gbuf, const std::vector<const RankParam*>& params, const BufferNumels& numel,
                     const BufferNumels& unpadded) {
     const std::string what = c_.folder + "'s dp_group_idx_" + std::to_string(group) + ".gbuf_idx_" + std::to_string(gbuf);
-    if (numel.numels.size() != 1) {
-      return Status::Unsupported(what + " has " + std::to_string(numel.numels.size()) + " buckets (a run with "
-                                 "--overlap-grad-reduce), whose bucket size is not recorded; reshard reads one bucket "
-                                 "per buffer" + std::string(kWeightsOnlyFix));
-    }
     std::vector<BucketParam> list;
-    for (const RankParam* p : params) list.push_back({p->key->fqn, p->numel});
+    for (const RankParam* p : params) list.push_back({p->key->fqn, p->numel, p->shared_embedding});
     BucketOptions options;
     options.dp = dp_;
     RESHARD_ASSIGN_OR_RETURN(BucketLayout bl, MegatronBucketLayout(list, options));
+    if (numel.numels.size() > bl.buckets.size()) {
+      return Status::Unsupported(what + " has " + std::to_string(numel.numels.size()) + " buckets (a run with "
+                                 "--overlap-grad-reduce), whose bucket size is not recorded; reshard reads one bucket "
+                                 "per buffer, and one per tied embedding copy" + std::string(kWeightsOnlyFix));
+    }
     const Status check = CheckBucketNumels(bl, numel.numels, unpadded.numels, what);
     if (!check.ok()) {
       return Status::InvalidInput(check.message() + "; the rule set's optimizer_order or the layout (--set "
                                   "tensor_model_parallel_size, data_parallel_size) does not describe this run" +
                                   kWeightsOnlyFix);
     }
-    for (const char* state : kTorchDistStates) {
-      const std::string key = MegatronBucketKey(group, gbuf, numel.param_dtype, numel.grad_dtype, 0, state);
-      const DcpTensor* flat = c_.FindTensor(key);
-      if (flat == nullptr || flat->size != std::vector<int64_t>{bl.buckets[0].numel_unpadded}) {
-        return Status::InvalidInput(c_.folder + (flat == nullptr ? " has no " : "'s " + key + " is not 1-D of the "
-                                    "recorded numel: ") + key + kWeightsOnlyFix);
+    for (int k = 0; k < static_cast<int>(bl.buckets.size()); ++k) {
+      for (const char* state : kTorchDistStates) {
+        const std::string key = MegatronBucketKey(group, gbuf, numel.param_dtype, numel.grad_dtype, k, state);
+        const DcpTensor* flat = c_.FindTensor(key);
+        if (flat == nullptr || flat->size != std::vector<int64_t>{bl.buckets[k].numel_unpadded}) {
+          return Status::InvalidInput(c_.folder + (flat == nullptr ? " has no " : "'s " + key + " is not 1-D of the "
+                                      "recorded numel: ") + key + kWeightsOnlyFix);
+        }
+        flats_read_++;
+        const SourceShard runs = SliceRuns(*flat, -1);
+        for (size_t i = 0; i < params.size(); ++i) {
+          if (bl.slots[i].bucket == k) Place(*params[i], runs, bl.slots[i].offset, state);
+        }
       }
-      flats_read_++;
-      const SourceShard runs = SliceRuns(*flat, -1);
-      for (size_t i = 0; i < params.size(); ++i) Place(*params[i], runs, bl.slots[i].offset, state);
     }
     return Status::Ok();
   }

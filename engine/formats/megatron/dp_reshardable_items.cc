@@ -73,7 +73,7 @@ Result<std::vector<std::vector<DcpWriteItem>>> DpReshardableItems(int group, con
   std::vector<Value> numels, unpadded;
   for (size_t b = 0; b < buffers.size(); ++b) {
     std::vector<BucketParam> list;
-    for (const DpParam* p : buffers[b]) list.push_back({p->key, p->numel});
+    for (const DpParam* p : buffers[b]) list.push_back({p->key, p->numel, p->shared_embedding});
     BucketOptions options;
     options.dp = dp;
     RESHARD_ASSIGN_OR_RETURN(BucketLayout layout, MegatronBucketLayout(list, options));

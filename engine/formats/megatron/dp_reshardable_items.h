@@ -31,6 +31,9 @@ struct DpParam {
   std::string key;    // its torch_dist key, for messages
   DType dtype = DType::kFloat32;  // the parameter's: which grad buffer holds it
   int64_t numel = 0;  // of the rank's piece
+  // A tied word embedding's copy on the first or last pipeline stage (PP > 1):
+  // a bucket of its own (logical/megatron_buckets.h).
+  bool shared_embedding = false;
   // The piece's fp32 master, exp_avg and exp_avg_sq (kTorchDistStates),
   // fp32, flattened as the rank holds the piece.
   std::array<ByteProducer, 3> states;

@@ -115,14 +115,6 @@ int CountBlocks(const std::vector<RankTensor>& tensors) {
   return blocks;
 }
 
-bool IsTiedVocab(const RankTensor& t) {
-  return t.rule->tied && t.rule->policy == ParamRule::Policy::kVocab && t.rule->role == "embedding";
-}
-
-DType WrittenDType(const RankTensor& t, const std::optional<DType>& dtype) {
-  return dtype && IsFloatingPoint(t.dtype) ? *dtype : t.dtype;
-}
-
 LayerSpec SpecOf(Keys keys) { return keys == Keys::kLocal ? LayerSpec::kLocal : LayerSpec::kTransformerEngine; }
 
 // A rank tensor's place in Megatron-Core's GPTModel: one flat key, its

@@ -81,6 +81,14 @@ Result<const TorchDistTensor*> TorchDistEntryOf(const RuleSet& rules, const Rank
                              "no key for " + r.name + "; add an entry for it (docs/rules.md)");
 }
 
+bool IsTiedVocab(const RankTensor& t) {
+  return t.rule->tied && t.rule->policy == ParamRule::Policy::kVocab && t.rule->role == "embedding";
+}
+
+DType WrittenDType(const RankTensor& t, const std::optional<DType>& dtype) {
+  return dtype && IsFloatingPoint(t.dtype) ? *dtype : t.dtype;
+}
+
 bool IsLayerKey(const std::string& key) { return key.compare(0, sizeof(kLayers) - 1, kLayers) == 0; }
 
 Result<std::string> LayerKey(const std::string& stacked, int local_block) {

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -47,6 +48,13 @@ ModelPlace HeadEmbeddingPlace(int pp);
 // The entry of the rule set's torch_dist section that names rank tensor `r`
 // (its canonical name, {block} filled in); `target` is the export, for the message.
 Result<const TorchDistTensor*> TorchDistEntryOf(const RuleSet& rules, const RankTensor& r, const std::string& target);
+
+// Whether `t` is a word embedding tied to the output layer, which Megatron
+// copies to the last pipeline stage at PP > 1.
+bool IsTiedVocab(const RankTensor& t);
+
+// The dtype `t` is written in: `dtype` for a floating tensor when given.
+DType WrittenDType(const RankTensor& t, const std::optional<DType>& dtype);
 
 // Megatron-Core's key of block `local_block` of a stage for a stacked
 // torch_dist key: ("decoder.layers.mlp.linear_fc1.weight", 1) ->

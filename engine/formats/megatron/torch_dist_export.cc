@@ -129,17 +129,13 @@ int StageOf(const RankTensor& r, const Target& target) {
   return r.rule->role == "embedding" ? 0 : target.pp - 1;
 }
 
-DType WrittenDType(const RankTensor& r, const Target& target) {
-  return target.dtype && IsFloatingPoint(r.dtype) ? *target.dtype : r.dtype;
-}
-
 // The items of TP rank `t`'s tensors.
 Status AddRankItems(const RuleSet& rules, const std::vector<RankTensor>& tensors, int t, const Target& target,
                     RankFiles* files) {
   for (const RankTensor& r : tensors) {
     if (t > 0 && r.rule->policy == ParamRule::Policy::kReplicated) continue;  // TP rank 0 writes it
     RESHARD_ASSIGN_OR_RETURN(KeyOf key, KeyOfTensor(rules, r));
-    const DType dtype = WrittenDType(r, target);
+    const DType dtype = WrittenDType(r, target.dtype);
     RESHARD_ASSIGN_OR_RETURN(std::vector<RankBox> boxes, RankBoxes(r, t, target.cut.tp, dtype));
     const std::vector<int64_t> size = StackedSize(key, target.blocks, GlobalShape(r, target.cut.tp));
     const ByteProducer bytes = dtype == r.dtype ? r.produce : CastBytes(r.produce, r.dtype, dtype);
@@ -225,26 +221,45 @@ Status CheckGrouped(const OptimizerParamGroups& groups, const std::vector<FullTe
   return Status::Ok();
 }
 
+// TP rank `t`'s tensors of stage `p` by (torch_dist key, layer); at PP > 1
+// the tied embedding also as the last stage's tied head.
+Result<std::map<std::pair<std::string, int64_t>, const RankTensor*>> StageTensors(const RuleSet& rules,
+                                                                                   const TpWeights& weights, int t,
+                                                                                   int p, const Target& target) {
+  std::map<std::pair<std::string, int64_t>, const RankTensor*> by_key;
+  for (const RankTensor& r : weights.ranks[t]) {
+    if (IsTiedVocab(r) && target.pp > 1 && p == target.pp - 1) {
+      if (rules.torch_dist()->tied_head.empty()) {
+        return Status::Unsupported("export --to torch_dist: rule set " + rules.name() + " ties the embedding, and its "
+                                   "torch_dist section names no tied_head, the last stage's copy the dp_reshardable "
+                                   "buckets hold at PP > 1; add one (docs/rules.md) or use --optimizer-layout "
+                                   "fully_reshardable");
+      }
+      by_key[{rules.torch_dist()->tied_head, -1}] = &r;
+    }
+    if (StageOf(r, target) != p) continue;
+    RESHARD_ASSIGN_OR_RETURN(KeyOf key, KeyOfTensor(rules, r));
+    by_key[{key.key, r.block}] = &r;
+  }
+  return by_key;
+}
+
 // The stage's parameters of TP rank `t` in registration order, each with
 // its pieces of the states (`states`: the source's fp32 masters, exp_avg
 // and exp_avg_sq cut like `weights`).
 Result<std::vector<DpParam>> StageParams(const RuleSet& rules, const TpWeights& weights,
                                          const std::array<TpWeights, 3>& states, int t, int p, const Target& target) {
-  std::map<std::pair<std::string, int64_t>, const RankTensor*> by_key;  // (key, layer) -> weight
-  for (const RankTensor& r : weights.ranks[t]) {
-    if (StageOf(r, target) != p) continue;
-    RESHARD_ASSIGN_OR_RETURN(KeyOf key, KeyOfTensor(rules, r));
-    by_key[{key.key, r.block}] = &r;
-  }
+  RESHARD_ASSIGN_OR_RETURN(auto by_key, StageTensors(rules, weights, t, p, target));
   const TorchDistLayout& layout = *rules.torch_dist();
   std::vector<DpParam> params;
   for (const RegisteredParam& reg : StageRegistrationOrder(
            layout.optimizer_order, [&layout](const std::string& key) { return layout.IsStackedKey(key); },
-           int64_t{p} * target.blocks_per_stage, target.blocks_per_stage, p == 0, p == target.pp - 1)) {
+           int64_t{p} * target.blocks_per_stage, target.blocks_per_stage, p == 0, p == target.pp - 1,
+           layout.tied_head)) {
     auto it = by_key.find({reg.key, reg.layer});
     if (it == by_key.end()) continue;
     const RankTensor& r = *it->second;
-    DpParam param{reg.key, WrittenDType(r, target), ShapeNumel(r.shape), {}};
+    DpParam param{reg.key, WrittenDType(r, target.dtype), ShapeNumel(r.shape), IsTiedVocab(r) && target.pp > 1, {}};
     for (size_t s = 0; s < states.size(); ++s) {
       for (const RankTensor& state : states[s].ranks[t]) {
         if (state.name == r.name) param.states[s] = state.produce;
@@ -268,12 +283,6 @@ Result<std::vector<DpParam>> StageParams(const RuleSet& rules, const TpWeights& 
 Status AddDpReshardableItems(const SourceCheckpoint& src, const TpWeights& weights, const Value& param_groups,
                              const Target& target, std::atomic<int64_t>* read, RankFiles* files) {
   const RuleSet& rules = *src.info().rules;
-  if (target.pp > 1 && std::any_of(weights.ranks[0].begin(), weights.ranks[0].end(),
-                                   [](const RankTensor& r) { return r.rule->tied; })) {
-    return Status::Unsupported("export --to torch_dist: a tied embedding at PP > 1 has a copy on the last stage in a "
-                               "bucket of its own, which reshard does not lay out yet; use --optimizer-layout "
-                               "fully_reshardable");
-  }
   std::array<TpWeights, 3> states;
   const char* source_states[] = {kFp32Master, "exp_avg", "exp_avg_sq"};
   std::vector<std::string> repeated_notes;  // the weights' cut said them already

@@ -182,6 +182,13 @@ TEST(MegatronBucketsTest, StageRegistrationOrder) {
             (std::vector<std::string>{"emb@-1", "layers.a@0", "layers.b@0"}));
   EXPECT_EQ(keys(StageRegistrationOrder(order, is_layer_key, 3, 1, false, true)),
             (std::vector<std::string>{"layers.a@3", "layers.b@3", "norm@-1", "out@-1"}));
+  // A tied head the order does not place comes last, on the last stage.
+  EXPECT_EQ(keys(StageRegistrationOrder(order, is_layer_key, 3, 1, false, true, "head")),
+            (std::vector<std::string>{"layers.a@3", "layers.b@3", "norm@-1", "out@-1", "head@-1"}));
+  EXPECT_EQ(keys(StageRegistrationOrder(order, is_layer_key, 3, 1, false, true, "out")),
+            (std::vector<std::string>{"layers.a@3", "layers.b@3", "norm@-1", "out@-1"}));
+  EXPECT_EQ(keys(StageRegistrationOrder(order, is_layer_key, 0, 1, true, false, "head")),
+            (std::vector<std::string>{"emb@-1", "layers.a@0", "layers.b@0"}));
 }
 
 }  // namespace
