@@ -365,9 +365,9 @@ int Run(int argc, char** argv) {
                          "torch_dist: the data-parallel size the optimizer state is laid out for (default 1)")
       ->check(CLI::Range(1, 1 << 20));
   export_cmd->add_option("--optimizer-layout", exporting.optimizer_layout,
-                         "torch_dist: the optimizer state's layout, fully_reshardable (the default) or "
-                         "dp_reshardable (Megatron-Core's training default); the state is written unless "
-                         "--weights-only")
+                         "torch_dist: the optimizer state's layout, fully_reshardable or dp_reshardable "
+                         "(Megatron-Core's training default); default: a torch_dist source's own, else "
+                         "fully_reshardable; the state is written unless --weights-only")
       ->check(CLI::IsMember({"fully_reshardable", "dp_reshardable"}));
   export_cmd->add_option("--tokenizer", exporting.tokenizer,
                          "hf: folder whose tokenizer files (tokenizer.json, vocab.json, ...) are copied "

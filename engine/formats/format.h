@@ -103,6 +103,9 @@ struct SourceInfo {
   int64_t vocab_rows = 0;              // rows of the vocabulary tensors (0 when none)
   std::optional<int64_t> vocab_size;   // the true vocabulary size, when the checkpoint records it
   bool has_experts = false;            // DeepSpeed MoE: its EP size is what convert --ep sets
+  // How the source's format laid its optimizer state out, where it names
+  // it (torch_dist: "dp_reshardable"): an export to that format keeps it.
+  std::string optimizer_layout;
 };
 
 // A checkpoint opened by its format: what it is (info), and the operations

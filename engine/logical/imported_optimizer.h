@@ -33,6 +33,9 @@ struct ImportedOptimizer {
   std::vector<Value> param_groups;
   std::optional<Value> step;  // the optimizer step, where it records one
   std::string what;           // "Megatron-Core's distributed optimizer (fully_reshardable)"
+  // The reading format's name for how the state was laid out
+  // ("dp_reshardable"): a writer of that format keeps it unless told otherwise.
+  std::string layout;
 };
 
 }  // namespace reshard

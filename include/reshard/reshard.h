@@ -172,9 +172,10 @@ struct ExportOptions : WriteOptions {
   // layer spec; "legacy", the legacy GPTModel (--use-legacy-models).
   std::string layer_spec;
   // torch_dist: the layout of the optimizer state, written whenever the
-  // source has some and weights_only is not set: "fully_reshardable" (the
-  // default when empty) or "dp_reshardable" (Megatron-Core's training
-  // default: flat buckets per model-parallel rank, sharded over `dp`).
+  // source has some and weights_only is not set: "fully_reshardable" or
+  // "dp_reshardable" (Megatron-Core's training default: flat buckets per
+  // model-parallel rank, sharded over `dp`). Empty: a torch_dist source's
+  // own layout where it is one of these, else "fully_reshardable".
   std::string optimizer_layout;
 };
 

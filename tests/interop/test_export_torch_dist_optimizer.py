@@ -118,7 +118,8 @@ class ExportTorchDistOptimizerTest(FixtureTestCase):
                 with self.subTest(save=name, layout=layout):
                     source, out = f'{tag}_optim_{layout}', self.path(f'{name}_{layout}')
                     p = self.export(source, out, tp, pp, *sizes(config))
-                    self.assertIn('the optimizer state as fully_reshardable', p.stdout + p.stderr)
+                    # The source's own layout unless --optimizer-layout says otherwise.
+                    self.assertIn(f'the optimizer state as {layout}', p.stdout + p.stderr)
                     p = run('verify', source, out, *sizes(config)[:-2])
                     self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
                     self.assertIn('same model', p.stdout)
@@ -145,7 +146,8 @@ class ExportTorchDistOptimizerTest(FixtureTestCase):
             with self.subTest(save=name):
                 out = self.path(name + '_torch')
                 tp, pp = other_layout(config['layout'])
-                self.export(f'{tag}_optim_dp_reshardable', out, tp, pp, *sizes(config))
+                self.export(f'{tag}_optim_dp_reshardable', out, tp, pp, '--optimizer-layout', 'fully_reshardable',
+                            *sizes(config))
                 folder = os.path.basename(glob.glob(os.path.join(out, 'iter_*'))[0])
                 p = torch2_chroot.run(root, f"FOLDER = '/work/{folder}'\n" + LOAD, {out: '/work'})
                 self.assertEqual(p.returncode, 0, p.stdout + p.stderr)

@@ -178,6 +178,7 @@ class FamilyReader {
     opt.param_groups = std::move(states.param_groups);
     opt.step = std::move(states.step);
     opt.what = "Megatron-Core's distributed optimizer (" + states.layout + ")";
+    opt.layout = states.layout;
     notes_.push_back("torch_dist: " + opt.what + ": fp32 masters, exp_avg and exp_avg_sq of " +
                      Count(static_cast<int64_t>(opt.params.size()), "tensor") + ", " +
                      Count(static_cast<int64_t>(opt.param_groups.size()), "param group") +

@@ -325,6 +325,7 @@ std::unique_ptr<SourceCheckpoint> MakeImportedSource(ImportedModel imported, con
   std::unique_ptr<SourceOptimizer> optimizer;
   Status status = imported.optimizer_status;
   if (imported.optimizer) {
+    model->foreign_optimizer_layout = imported.optimizer->layout;
     Result<std::unique_ptr<SourceOptimizer>> opt =
         MakeImportedOptimizer(std::move(*imported.optimizer), model->logical, &model->foreign_notes);
     if (opt.ok()) {

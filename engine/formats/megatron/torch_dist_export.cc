@@ -389,6 +389,14 @@ Result<std::vector<FullTensor>> OptimizerStates(const SourceCheckpoint& src, con
   return states;
 }
 
+// --optimizer-layout, else the source's where reshard writes that one, else
+// fully_reshardable.
+std::string OptimizerLayout(const SourceCheckpoint& src, const ExportOptions& options) {
+  if (!options.optimizer_layout.empty()) return options.optimizer_layout;
+  const std::string& own = src.info().optimizer_layout;
+  return own == kDpReshardable ? own : kFullyReshardable;
+}
+
 int CountBlocks(const std::vector<RankTensor>& tensors) {
   int blocks = 0;
   for (const RankTensor& t : tensors) blocks = std::max(blocks, t.block + 1);
@@ -427,7 +435,7 @@ Result<OutputPlan> PlanTorchDist(const SourceCheckpoint& src, const ExportOption
     RESHARD_RETURN_IF_ERROR(AddRankItems(rules, weights.ranks[t], t, target, &files));
   }
   RESHARD_ASSIGN_OR_RETURN(std::vector<FullTensor> states, OptimizerStates(src, options, out.read.get()));
-  const std::string layout = options.optimizer_layout.empty() ? kFullyReshardable : options.optimizer_layout;
+  const std::string layout = OptimizerLayout(src, options);
   std::optional<Value> optimizer;
   if (!states.empty()) {
     RESHARD_ASSIGN_OR_RETURN(optimizer, AddOptimizer(src, states, weights, layout, target, out.read.get(), &files));

@@ -31,6 +31,7 @@ struct DeepSpeedModel {
   // (convert's notes). Its files are files.foreign_files.
   std::string foreign;
   std::vector<std::string> foreign_notes;
+  std::string foreign_optimizer_layout;  // SourceInfo::optimizer_layout
   LogicalCheckpoint logical;
 };
 
