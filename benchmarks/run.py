@@ -305,10 +305,18 @@ def bench_scale(ns, scale: float, mode: str) -> Dict:
                            dp_reshardable, check=True, stdout=subprocess.DEVNULL)
         commands['torch_dist→torch_dist'] = ([ns.reshard, 'export', torch_dist, os.path.join(out_root, 'torch_dist'),
                                              '--to', 'torch_dist'] + TARGET + dp_reshardable)
+    if ns.only:
+        wanted = ns.only.split(',')
+        unknown = sorted(set(wanted) - set(commands))
+        if unknown:
+            raise SystemExit(f'--only: no command {", ".join(unknown)}; these run: {", ".join(commands)}')
+        commands = {what: cmd for what, cmd in commands.items() if what == 'cp' or what in wanted}
     runs = {what: [] for what in commands}
     out_bytes = 0
     if mode == 'warm':
         read_through(src)
+        if 'torch_dist→torch_dist' in commands:
+            read_through(src + '_torch_dist')
     for i in range(ns.runs):
         # Each command goes first, second, ... in turn.
         names = list(commands)
@@ -580,6 +588,8 @@ def main(argv=None) -> int:
     ap.add_argument('--mpi', type=int, default=0, metavar='N',
                     help='also time `mpirun -np N reshard convert` with the same total thread count, and '
                          'check that its output is byte-identical')
+    ap.add_argument('--only', default='',
+                    help='time only these commands (comma-separated names of the table\'s rows) beside cp')
     ap.add_argument('--verify', action='store_true', help='also run `reshard verify SRC OUT` once (untimed)')
     ap.add_argument('--deepspeed-src', help='a DeepSpeed source tree: also time ds_to_universal.py')
     ap.add_argument('--json', help='write the results here too')

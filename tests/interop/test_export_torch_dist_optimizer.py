@@ -210,17 +210,19 @@ class ExportTorchDistOptimizerTest(FixtureTestCase):
     def test_a_tied_embedding_at_pp_above_1_has_buckets_of_its_own(self):
         src = make_fixture(self.path('gpt2'), **dict(FAMILIES['ms_gpt2'], tp=2, pp=2, dp=1, optimizer='bf16_zero'))
         out = self.path('td')
-        self.export(src, out, 1, 3, '--dp', 2, '--optimizer-layout', 'dp_reshardable')
+        # At the source's TP, which keeps its padded vocabulary (112 rows; a TP 1 export pads to 104).
+        self.export(src, out, 2, 3, '--dp', 2, '--optimizer-layout', 'dp_reshardable')
         listing = run('inspect', out, '--rules', 'none').stdout
         buckets = {(int(g), int(k)): int(n) for g, k, n in re.findall(
-            r'dp_group_idx_(\d+)\.gbuf_idx_0\.\S+\.bucket_idx_(\d+)\.param float32\[(\d+)\]', listing)}
-        # The first stage's word embedding and the last stage's copy of it (Megatron-Core's
-        # shared_embedding): each a bucket of its own, the embedding registered first (its bucket
-        # last), the output layer last (its bucket first). 104 padded rows x 48.
-        rows_by_hidden = 104 * 48
-        self.assertEqual(buckets[(0, 1)], rows_by_hidden, listing)
-        self.assertEqual(buckets[(2, 0)], rows_by_hidden, listing)
-        self.assertEqual(sorted(k for g, k in buckets if g == 1), [0])
+            r'dp_group_idx_(\d+)\.gbuf_idx_0\.dtype_\([^)]*\)\.bucket_idx_(\d+)\.param float32\[(\d+)\]', listing)}
+        # Each TP rank's piece of the first stage's word embedding (groups 0, 1) and of the last
+        # stage's copy of it (groups 4, 5; Megatron-Core's shared_embedding): a bucket of its own,
+        # the embedding registered first (its bucket last), the output layer last (its bucket
+        # first). 56 rows x 48 per TP rank; the middle stage (groups 2, 3) has one bucket.
+        piece = 56 * 48
+        self.assertEqual({g: buckets[(g, 1)] for g in (0, 1)}, {0: piece, 1: piece}, listing)
+        self.assertEqual({g: buckets[(g, 0)] for g in (4, 5)}, {4: piece, 5: piece}, listing)
+        self.assertEqual(sorted(k for g, k in buckets if g in (2, 3)), [0, 0])
         back = self.path('back')
         p = run('convert', out, back, '--tp', 2, '--pp', 2, '--dp', 1, '--no-update-latest')
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
