@@ -1,17 +1,9 @@
 #include "formats/dcp/nd_reformulation.h"
 
+#include "util/human.h"
 #include "util/shape.h"
 
 namespace reshard {
-namespace {
-
-std::string Dims(const std::vector<int64_t>& dims) {
-  std::string s = "(";
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
-  return s + ")";
-}
-
-}  // namespace
 
 int64_t NdReformulation::fragments() const { return ShapeNumel(counts); }
 
@@ -29,7 +21,7 @@ Box NdReformulation::FragmentBox(int64_t j) const {
 Result<NdReformulation> ReadNdReformulation(const std::vector<int64_t>& saved, const std::vector<int64_t>& original,
                                             const std::string& fqn) {
   const Status bad = Status::InvalidInput(
-      fqn + " has the shape " + Dims(saved) + ", which is no reformulation of its original shape " + Dims(original) +
+      fqn + " has the shape " + ShapeString(saved) + ", which is no reformulation of its original shape " + ShapeString(original) +
       " (fragments per axis, then their numel); the checkpoint's .metadata does not fit its tensors");
   if (saved.size() != original.size() + 1 || CheckedShapeNumel(saved) < 0 || CheckedShapeNumel(original) < 0) {
     return bad;

@@ -92,7 +92,7 @@ TEST(NdReformulationTest, ShapesThatReformulateNothingAreOneLineErrors) {
     ASSERT_FALSE(r.ok()) << ShapeNumel(saved);
     EXPECT_EQ(r.status().code(), Status::Code::kInvalidInput);
     EXPECT_NE(r.status().message().find("optimizer.state.fp32_param.qkv"), std::string::npos);
-    EXPECT_NE(r.status().message().find("(2, 32, 16)"), std::string::npos);
+    EXPECT_NE(r.status().message().find("[2, 32, 16]"), std::string::npos);
     EXPECT_EQ(r.status().message().find('\n'), std::string::npos);
   }
   // An original shape whose numel overflows is no shape a tensor has.
