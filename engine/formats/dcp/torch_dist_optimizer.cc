@@ -133,11 +133,12 @@ Result<DcpTensor> ReformulatedState(const DcpContent& c, const DcpTensor& model,
     return Status::InvalidInput(c.folder + problem + " (the fully_sharded_model_space state of " + model.fqn + ")" +
                                 kWeightsOnlyFix);
   }
-  RESHARD_ASSIGN_OR_RETURN(NdReformulation r, ReadNdReformulation(saved->size, orig->second, fqn));
+  Result<NdReformulation> r = ReadNdReformulation(saved->size, orig->second, fqn);
+  if (!r.ok()) return Status::InvalidInput(c.folder + ": " + r.status().message() + kWeightsOnlyFix);
   const SourceShard flat = SliceRuns(*saved, -1);
   DcpTensor out{"optimizer " + state + " of " + model.fqn, DType::kFloat32, model.size, {}};
-  for (int64_t j = 0; j < r.fragments(); ++j) {
-    out.shards.push_back(FlatPiece(flat, j * r.fragment_numel(), r.FragmentBox(j)));
+  for (int64_t j = 0; j < r->fragments(); ++j) {
+    out.shards.push_back(FlatPiece(flat, j * r->fragment_numel(), r->FragmentBox(j)));
   }
   return out;
 }
