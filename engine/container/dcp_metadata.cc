@@ -117,6 +117,7 @@ class MetadataParser {
       RESHARD_RETURN_IF_ERROR(AddStorage(key, where));
     }
     RESHARD_RETURN_IF_ERROR(CheckEveryItemStored());
+    RESHARD_RETURN_IF_ERROR(ReadOrigShapes(Find(root, "mcore_data")));
     return std::move(meta_);
   }
 
@@ -238,6 +239,24 @@ class MetadataParser {
       return Bad("stores '" + fqn + "' in '" + name + "', which is not a file name of the folder");
     *out = DcpStorage{name, static_cast<uint64_t>(offset->as_int()),
                       static_cast<uint64_t>(length->as_int())};
+    return Status::Ok();
+  }
+
+  // Megatron-Core's {fqn: {'nd_reformulated_orig_global_shape': shape}};
+  // the entries of tensors it saved as they are are empty dicts.
+  Status ReadOrigShapes(const Value* mcore_data) {
+    if (mcore_data == nullptr || mcore_data->is_none()) return Status::Ok();
+    if (DictItems(*mcore_data) == nullptr) return Bad("has mcore_data " + mcore_data->DebugString(60));
+    for (const auto& [key, entry] : *DictItems(*mcore_data)) {
+      const Value* shape = Find(entry, "nd_reformulated_orig_global_shape");
+      if (shape == nullptr) continue;
+      std::vector<int64_t> dims;
+      if (!key.is(Value::Kind::kString) || !ReadIntSequence(*shape, &dims)) {
+        return Bad("has an mcore_data entry " + key.DebugString(60) + " with the original shape " +
+                   shape->DebugString(60));
+      }
+      meta_.nd_reformulated_orig_shapes[key.as_string()] = std::move(dims);
+    }
     return Status::Ok();
   }
 

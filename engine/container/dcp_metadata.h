@@ -61,6 +61,10 @@ struct DcpStorage {
 struct DcpMetadata {
   std::map<std::string, DcpItem> items;  // by FQN
   std::map<DcpStorageKey, DcpStorage> storage;
+  // Megatron-Core 0.14's `mcore_data`: the original global shape of each
+  // tensor it saved reformulated (`nd_reformulated_orig_global_shape`, an
+  // optimizer state of its fully_sharded_model_space layout), by FQN.
+  std::map<std::string, std::vector<int64_t>> nd_reformulated_orig_shapes;
 
   // The storage of `fqn`'s chunk at `offsets` (empty for a bytes item), or
   // null. ReadDcpMetadata checks that every chunk and bytes item has one.

@@ -15,16 +15,31 @@ holds each key's whole fp32 `param`, `exp_avg` and `exp_avg_sq`. Checked:
   each save equal to what it was converted to;
 * `export --to universal` of a save itself writes the per-parameter files (and the mp_rank file
   a conversion at TP 1, PP 1 writes), which read back equal;
-* Megatron-Core 0.14's layouts are refused in one line naming the layout and --weights-only.
+* Megatron-Core 0.14's `fully_sharded_model_space` (each state of a key saved reformulated: its
+  fragments, the layers' TP pieces, flattened; engine/formats/dcp/nd_reformulation.h) is read:
+  converted to Megatron-DeepSpeed at TP 1 and at TP 2, PP 2, the fp32 masters equal the save's
+  weights after the step bit for bit, and the moments are Megatron's own: one AdamW step from the
+  weights before it (`w2_tp2_full.pt`) with the exp_avg and exp_avg_sq read gives the weights after
+  it bit for bit, for every element. (0.14's `w2_tp2_optim_full.pt` holds the weights after the step
+  but no optimizer states, so this is the reference; the README's gradients, recomputed with this
+  machine's torch 1.13 `sin`, differ from the run's in the last bits, so exp_avg is only checked
+  against them to 1e-5.) `verify` finds the save equal to its conversion and to its
+  `export --to torch_dist --optimizer-layout fully_reshardable` at TP 1;
+* Megatron-Core 0.14's `dp_zero_gather_scatter` is refused in one line naming the layout and
+  --weights-only.
 
 Run: /usr/bin/python3 tests/interop/test_torch_dist_optimizer.py --reshard build/reshard
 """
 import glob
 import json
+import math
 import os
+
+import torch
 
 import interop_support as support
 from interop_support import FixtureTestCase
+from megatron_core_data import config_of
 from test_torch_dist_import import BLOCK_KEYS, DATA, sizes
 
 run = support.reshard
@@ -161,19 +176,76 @@ class TorchDistOptimizerTest(FixtureTestCase):
                 self.assertIn('verify: 112 tensors, 23936 elements compared; same model', p.stdout)
                 self.assertEqual(len(params), 28)
 
-    def test_megatron_core_0_14_layouts_are_refused_naming_the_layout(self):
-        with open(os.path.join(DATA, '0.14', 'w2_tp2_config.json')) as f:
-            config = json.load(f)
-        for layout in ('fully_sharded_model_space', 'dp_zero_gather_scatter'):
-            with self.subTest(layout=layout):
-                source = os.path.join(DATA, '0.14', f'w2_tp2_optim_{layout}')
-                out = self.path(layout)
-                p = run('convert', source, out, '--tp', 1, '--pp', 1, *sizes(config))
-                self.assertRefused(p, f"Megatron-Core's {layout} layout, which reshard does not read", out)
-                self.assertIn('pass --weights-only', p.stderr)
-                p = run('convert', source, out, '--tp', 1, '--pp', 1, '--weights-only', *sizes(config))
+    def check_adamw_step(self, tag, config, params, groups):
+        """The 0.14 save's states against its weights before and after the step; returns elements."""
+        before, after = support.load(tag + '_full.pt'), support.load(tag + '_optim_full.pt')['model']
+        layers = config['model']['layers']
+        lr, (beta1, beta2), eps = groups[0]['lr'], groups[0]['betas'], groups[0]['eps']
+        compared = 0
+        for key, whole in after.items():
+            # The run decayed the norms' weights too; its biases start at 0, where decay changes nothing.
+            decay = 0.0 if key.endswith('bias') else groups[0]['weight_decay']
+            for layer in range(layers) if key.startswith('decoder.layers.') else [None]:
+                name = universal_name(key, layer or 0, layers)
+                want, start = (whole, before[key]) if layer is None else (whole[layer], before[key][layer])
+                got = params[name]
+                self.assertEqual(support.differences(got['fp32'], want, f'fp32 {key} {layer}'), [])
+                # torch.optim.AdamW's first step (step 1), as Megatron-Core ran it.
+                stepped = start.clone().mul_(1 - lr * decay)
+                denom = (got['exp_avg_sq'].sqrt() / math.sqrt(1 - beta2)).add_(eps)
+                stepped.addcdiv_(got['exp_avg'], denom, value=-lr / (1 - beta1))
+                self.assertEqual(support.differences(stepped, want, f'AdamW step of {key} {layer}'), [])
+                grad = 1e-3 * torch.sin(1000 * start + 1)
+                self.assertTrue(torch.allclose(got['exp_avg'], (1 - beta1) * grad, rtol=1e-5, atol=0), key)
+                self.assertTrue(torch.allclose(got['exp_avg_sq'], (1 - beta2) * grad * grad, rtol=1e-4, atol=0), key)
+                self.assertEqual(got['step'], groups[0]['step'])
+                compared += want.numel()
+        self.assertEqual(len(params), sum(layers if k.startswith('decoder.layers.') else 1 for k in after))
+        return compared
+
+    def test_megatron_core_0_14_fully_sharded_model_space_is_megatron_state(self):
+        tag = os.path.join(DATA, '0.14', 'w2_tp2')
+        config = config_of('0.14/w2_tp2')
+        source = f'{tag}_optim_fully_sharded_model_space'
+        groups = torch.load(os.path.join(source, 'common.pt'))['optimizer']['optimizer']['param_groups']
+        elements = 0
+        for tp, pp in ((1, 1), (2, 2)):
+            with self.subTest(tp=tp, pp=pp):
+                out = self.path(f'tp{tp}_pp{pp}')
+                p = self.convert(source, config, out, tp, pp)
+                self.assertIn('(fully_sharded_model_space): fp32 masters, exp_avg and exp_avg_sq', p.stdout + p.stderr)
+                params, optimizer_state = self.universal_states(out, config)
+                for got, want in zip(optimizer_state['param_groups'], groups):
+                    for field in ('lr', 'betas', 'eps', 'weight_decay', 'wd_mult'):
+                        self.assertEqual(got[field], want[field], field)
+                elements += self.check_adamw_step(tag, config, params, groups)
+                p = run('verify', source, out, *sizes(config)[:-2])
                 self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
-                self.assertEqual(glob.glob(os.path.join(out, '*optim_states.pt')), [])
+                # 28 weights and their three states.
+                self.assertIn('verify: 112 tensors, 23936 elements compared; same model', p.stdout)
+        # w2_tp2 has 5984 parameter elements, checked at each of the two layouts.
+        self.assertEqual(elements, 2 * 5984)
+        out = self.path('torch_dist')
+        p = run('export', source, out, '--to', 'torch_dist', '--tp', 1, '--pp', 1,
+                '--optimizer-layout', 'fully_reshardable', *sizes(config))
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        p = run('verify', source, out, *sizes(config)[:-2])
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        self.assertIn('verify: 112 tensors, 23936 elements compared; same model', p.stdout)
+        print(f'\n[ states ] 0.14 fully_sharded_model_space: {elements} parameters\' fp32, exp_avg and '
+              'exp_avg_sq reproduce Megatron-Core\'s AdamW step bit for bit')
+
+    def test_megatron_core_0_14_dp_zero_gather_scatter_is_refused_naming_the_layout(self):
+        config = config_of('0.14/w2_tp2')
+        source = os.path.join(DATA, '0.14', 'w2_tp2_optim_dp_zero_gather_scatter')
+        out = self.path('dp_zero_gather_scatter')
+        p = run('convert', source, out, '--tp', 1, '--pp', 1, *sizes(config))
+        self.assertRefused(p, "Megatron-Core's dp_zero_gather_scatter layout, which reshard does not read", out)
+        self.assertIn('pass --weights-only', p.stderr)
+        self.assertEqual(len(p.stderr.strip().splitlines()), 1, p.stderr)
+        p = run('convert', source, out, '--tp', 1, '--pp', 1, '--weights-only', *sizes(config))
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        self.assertEqual(glob.glob(os.path.join(out, '*optim_states.pt')), [])
 
 
 if __name__ == '__main__':

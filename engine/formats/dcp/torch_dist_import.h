@@ -19,7 +19,8 @@
 // otherwise (a note lists them).
 //
 // The distributed optimizer's state (torch_dist_optimizer.h: Megatron-Core
-// 0.19's fully_reshardable and dp_reshardable layouts) is read into the
+// 0.19's fully_reshardable and dp_reshardable layouts, 0.14's
+// fully_sharded_model_space) is read into the
 // same canonical tensors, each state of a key sliced as its weights are: the
 // fp32 masters and Adam's moments, the param groups and the step. A layout
 // reshard does not read is recorded as the reason, for the commands that

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <set>
 
+#include "formats/dcp/nd_reformulation.h"
 #include "logical/megatron_buckets.h"
 #include "util/human.h"
 #include "util/shape.h"
@@ -14,6 +15,7 @@ namespace {
 constexpr char kOptimizerPrefix[] = "optimizer.";
 constexpr char kFullyReshardable[] = "fully_reshardable";
 constexpr char kDpReshardable[] = "dp_reshardable";
+constexpr char kFullyShardedModelSpace[] = "fully_sharded_model_space";
 constexpr char kWeightsOnlyFix[] = "; pass --weights-only to convert the weights without it";
 
 // The list Megatron wraps a bytes item's object in, unwrapped.
@@ -31,7 +33,7 @@ std::string LayoutOf(const DcpContent& c, const Value& common) {
   for (const DcpTensor& t : c.tensors) {
     if (HasPrefix(t.fqn, "optimizer.distributed.")) return kDpReshardable;
     if (HasPrefix(t.fqn, "optimizer.state.param.")) return kFullyReshardable;
-    if (HasPrefix(t.fqn, "optimizer.state.fp32_param.")) return "fully_sharded_model_space";
+    if (HasPrefix(t.fqn, "optimizer.state.fp32_param.")) return kFullyShardedModelSpace;
   }
   for (const std::string& fqn : c.bytes_items) {
     if (HasPrefix(fqn, "optimizer.distributed.") && fqn.find(".param_state/") != std::string::npos) {
@@ -60,6 +62,25 @@ Status ReadGroups(const Value* groups, const std::string& where, TorchDistOptimi
   return Status::Ok();
 }
 
+// The param groups of the common state's optimizer (`{'optimizer':
+// {'optimizer': {'param_groups': ...}}}`), where the layouts that gather the
+// state per model key keep them.
+Status ReadCommonGroups(const Value& common, TorchDistOptimizer* out) {
+  const Value* optimizer = Find(common, "optimizer");
+  const Value* inner = optimizer != nullptr ? Find(*optimizer, "optimizer") : nullptr;
+  return ReadGroups(inner != nullptr ? Find(*inner, "param_groups") : nullptr, "the common state", out);
+}
+
+// The `numel` elements of `flat` from `offset` as a chunk at `box` (of
+// that many elements) of a state tensor: a piece of a flat buffer placed.
+SourceShard FlatPiece(const SourceShard& flat, int64_t offset, const Box& box) {
+  SourceShard chunk;
+  chunk.shape = box.sizes;
+  chunk.placements = {Placement{box, std::vector<int64_t>(box.sizes.size(), 0)}};
+  chunk.runs = flat.RunsOf(offset, box.numel(), ElementSize(DType::kFloat32));
+  return chunk;
+}
+
 std::vector<std::string> ModelKeys(const DcpContent& c) {
   std::vector<std::string> keys;
   for (const DcpTensor& t : c.tensors) {
@@ -84,9 +105,51 @@ Status ReadFullyReshardable(const DcpContent& c, const Value& common, TorchDistO
       out->states[state][key] = *t;
     }
   }
-  const Value* optimizer = Find(common, "optimizer");
-  const Value* inner = optimizer != nullptr ? Find(*optimizer, "optimizer") : nullptr;
-  return ReadGroups(inner != nullptr ? Find(*inner, "param_groups") : nullptr, "the common state", out);
+  return ReadCommonGroups(common, out);
+}
+
+// ---- fully_sharded_model_space --------------------------------------------
+
+// `state` of `model` saved reformulated (nd_reformulation.h): each fragment,
+// a run of the saved tensor's elements, a chunk at its box of the key.
+Result<DcpTensor> ReformulatedState(const DcpContent& c, const DcpTensor& model, const std::string& state) {
+  // Megatron-Core 0.14 names the fp32 master `fp32_param`.
+  const std::string fqn =
+      "optimizer.state." + (state == kTorchDistStates[0] ? std::string("fp32_param") : state) + "." + model.fqn;
+  const DcpTensor* saved = c.FindTensor(fqn);
+  const auto orig = c.meta.nd_reformulated_orig_shapes.find(fqn);
+  std::string problem;
+  if (saved == nullptr) {
+    problem = " has no " + fqn;
+  } else if (saved->dtype != DType::kFloat32) {
+    problem = "'s " + fqn + " is not fp32";
+  } else if (orig == c.meta.nd_reformulated_orig_shapes.end()) {
+    problem = "'s .metadata records no original shape (mcore_data nd_reformulated_orig_global_shape) of " + fqn;
+  } else if (orig->second != model.size) {
+    problem = "'s " + fqn + " reformulates a tensor of shape " + ShapeString(orig->second) + ", not " +
+              ShapeString(model.size);
+  }
+  if (!problem.empty()) {
+    return Status::InvalidInput(c.folder + problem + " (the fully_sharded_model_space state of " + model.fqn + ")" +
+                                kWeightsOnlyFix);
+  }
+  Result<NdReformulation> r = ReadNdReformulation(saved->size, orig->second, fqn);
+  if (!r.ok()) return Status::InvalidInput(c.folder + ": " + r.status().message() + kWeightsOnlyFix);
+  const SourceShard flat = SliceRuns(*saved, -1);
+  DcpTensor out{"optimizer " + state + " of " + model.fqn, DType::kFloat32, model.size, {}};
+  for (int64_t j = 0; j < r->fragments(); ++j) {
+    out.shards.push_back(FlatPiece(flat, j * r->fragment_numel(), r->FragmentBox(j)));
+  }
+  return out;
+}
+
+Status ReadFullyShardedModelSpace(const DcpContent& c, const Value& common, TorchDistOptimizer* out) {
+  for (const std::string& key : ModelKeys(c)) {
+    for (const char* state : kTorchDistStates) {
+      RESHARD_ASSIGN_OR_RETURN(out->states[state][key], ReformulatedState(c, *c.FindTensor(key), state));
+    }
+  }
+  return ReadCommonGroups(common, out);
 }
 
 // ---- dp_reshardable ------------------------------------------------------
@@ -354,12 +417,8 @@ class DpReshardableReader {
     DcpTensor& t = out_.states[state][p.key->fqn];
     if (t.fqn.empty()) t = DcpTensor{"optimizer " + state + " of " + p.key->fqn, DType::kFloat32, p.key->size, {}};
     for (const Box& box : p.boxes) {
-      SourceShard chunk;
-      chunk.shape = box.sizes;
-      chunk.placements = {Placement{box, std::vector<int64_t>(box.sizes.size(), 0)}};
-      chunk.runs = bucket.RunsOf(offset, box.numel(), 4);
+      t.shards.push_back(FlatPiece(bucket, offset, box));
       offset += box.numel();
-      t.shards.push_back(std::move(chunk));
     }
   }
 
@@ -413,10 +472,13 @@ Result<std::optional<TorchDistOptimizer>> ReadTorchDistOptimizer(const DcpConten
     RESHARD_RETURN_IF_ERROR(ReadFullyReshardable(content, common, &out));
   } else if (out.layout == kDpReshardable) {
     RESHARD_RETURN_IF_ERROR(DpReshardableReader(content, layout, args, &out).Read());
+  } else if (out.layout == kFullyShardedModelSpace) {
+    RESHARD_RETURN_IF_ERROR(ReadFullyShardedModelSpace(content, common, &out));
   } else {
     return Status::Unsupported("the distributed optimizer's state is in Megatron-Core's " + out.layout +
                                " layout, which reshard does not read (it reads Megatron-Core 0.19's "
-                               "fully_reshardable and dp_reshardable)" + std::string(kWeightsOnlyFix));
+                               "fully_reshardable and dp_reshardable, and 0.14's fully_sharded_model_space)" +
+                               std::string(kWeightsOnlyFix));
   }
   return std::optional<TorchDistOptimizer>(std::move(out));
 }

@@ -15,8 +15,14 @@
 //                      and placed at that piece's boxes of the model key
 //                      (two for a SwiGLU linear_fc1: [gate_r; up_r]). The
 //                      param groups are per rank's `optimizer` item.
-// Megatron-Core 0.14's `fully_sharded_model_space` and
-// `dp_zero_gather_scatter` are refused, naming the layout.
+// Megatron-Core 0.14's layouts:
+//   fully_sharded_model_space  `optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.<key>`
+//                      reformulated (nd_reformulation.h): each fragment of
+//                      the key (a layer's TP piece), flattened, is placed at
+//                      its box of the key. The param groups and step are in
+//                      the common state (common.pt).
+//   dp_zero_gather_scatter  (each rank's state pickled whole) is refused,
+//                      naming the layout.
 #pragma once
 
 #include <functional>
@@ -48,7 +54,8 @@ using ArgsLookup = std::function<std::optional<int64_t>(const std::string& path)
 // The optimizer state of `content` (nullopt when it holds none), `common`
 // its common state. Errors: a layout reshard does not read, named with the
 // fix (--weights-only); per_bucket_numel that the rule set's registration
-// order does not explain; a state missing for a model key.
+// order does not explain; a state missing for a model key; a reformulated
+// state whose shape does not fit its key's.
 Result<std::optional<TorchDistOptimizer>> ReadTorchDistOptimizer(const DcpContent& content, const Value& common,
                                                                  const TorchDistLayout& layout,
                                                                  const ArgsLookup& args);

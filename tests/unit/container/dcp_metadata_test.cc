@@ -111,6 +111,24 @@ TEST(DcpMetadataTest, MegatronCoreSavesWithTheirOwnClasses) {
             DType::kFloat32);
 }
 
+// 0.14's fully_sharded_model_space records each optimizer state's original
+// shape in mcore_data; the weights saved as they are record none.
+TEST(DcpMetadataTest, MegatronCore014RecordsTheReformulatedStatesOriginalShapes) {
+  Result<DcpMetadata> meta = ReadDcpMetadata(
+      (kData / "megatron-core/0.14/w2_tp2_optim_fully_sharded_model_space/.metadata").string());
+  ASSERT_TRUE(meta.ok()) << meta.status().message();
+  const auto& shapes = meta->nd_reformulated_orig_shapes;
+  EXPECT_EQ(shapes.size(), 3u * 16);  // three states of 16 keys
+  const std::string qkv = "optimizer.state.fp32_param.decoder.layers.self_attention.linear_qkv.weight";
+  EXPECT_EQ(shapes.at(qkv), (std::vector<int64_t>{2, 32, 16}));
+  EXPECT_EQ(meta->items.at(qkv).size, (std::vector<int64_t>{2, 2, 1, 256}));
+  EXPECT_EQ(shapes.at("optimizer.state.exp_avg.decoder.final_layernorm.weight"), (std::vector<int64_t>{16}));
+  EXPECT_EQ(shapes.count("decoder.layers.self_attention.linear_qkv.weight"), 0u);
+  Result<DcpMetadata> v19 = ReadDcpMetadata((kData / "megatron-core/0.19/w2_tp2_optim_fully_reshardable/.metadata").string());
+  ASSERT_TRUE(v19.ok()) << v19.status().message();
+  EXPECT_TRUE(v19->nd_reformulated_orig_shapes.empty());
+}
+
 // Expects the contiguous `chunk` to equal the box at `offsets` of `full`.
 void ExpectBoxOf(const Tensor& full, const Tensor& chunk, const std::vector<int64_t>& offsets) {
   const int esize = ElementSize(chunk.storage->dtype);
