@@ -1,6 +1,7 @@
 #include "formats/megatron/dp_reshardable_items.h"
 
 #include <algorithm>
+#include <memory>
 
 #include "logical/megatron_buckets.h"
 
@@ -22,7 +23,9 @@ struct Run {
 };
 
 // The bytes of bucket `bucket`'s tensor of state `state`: each parameter's
-// piece at its slot, zeros in the alignment gaps.
+// piece at its slot, zeros in the alignment gaps. Each DP chunk's item holds
+// a copy of the producer: the runs (whose producers hold the source's runs)
+// are shared, not copied per chunk.
 ByteProducer BucketBytes(const BucketLayout& layout, int bucket, const std::vector<const DpParam*>& params,
                          int state) {
   std::vector<Run> runs;
@@ -33,7 +36,9 @@ ByteProducer BucketBytes(const BucketLayout& layout, int bucket, const std::vect
     }
   }
   std::sort(runs.begin(), runs.end(), [](const Run& a, const Run& b) { return a.begin < b.begin; });
-  return [runs = std::move(runs)](int64_t offset, int64_t length, uint8_t* dst) {
+  return [shared = std::make_shared<const std::vector<Run>>(std::move(runs))](int64_t offset, int64_t length,
+                                                                             uint8_t* dst) {
+    const std::vector<Run>& runs = *shared;
     std::fill(dst, dst + length, uint8_t{0});
     auto it = std::upper_bound(runs.begin(), runs.end(), offset,
                                [](int64_t at, const Run& r) { return at < r.begin + r.bytes; });
