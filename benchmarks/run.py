@@ -445,6 +445,7 @@ def summarize(scale, info, src_bytes, out_bytes, runs, verify, peer) -> Dict:
             'seconds': med[what], 'seconds_with_sync': med_sync[what],
             'ratio': med[what] / med['cp'], 'ratio_sync': med_sync[what] / med_sync['cp'],
             'written_mb': statistics.median(r['reported_written_mb'] for r in runs[what]),
+            'cpu_s': statistics.median(r['user'] + r['sys'] for r in runs[what]),
             'peak_tree_gib': max(r['peak_tree_kib']['VmRSS'] for r in runs[what]) / 2**20,
             'runs': [round(r['seconds'], 2) for r in runs[what]]}
             for what in runs if what not in ('cp', 'reshard')},
@@ -521,13 +522,13 @@ def table(results: List[Dict]) -> str:
     if others:
         lines.append('')
         lines.append('| checkpoint | command | time (s) | vs cp -r | + sync (s) | vs cp -r + sync | written | '
-                     'peak RSS tree | vs reshard convert (+ sync) | runs |')
-        lines.append('|---|---|---|---|---|---|---|---|---|---|')
+                     'peak RSS tree | CPU user + sys (s) | vs reshard convert (+ sync) | runs |')
+        lines.append('|---|---|---|---|---|---|---|---|---|---|---|')
         for r in others:
             for what, o in r['others'].items():
                 lines.append(f'| h={r["config"]["h"]} {r["mode"]} | {what} | {o["seconds"]:.2f} | {o["ratio"]:.2f}x | '
                              f'{o["seconds_with_sync"]:.2f} | {o["ratio_sync"]:.2f}x | '
-                             f'{o["written_mb"] / 1e3:.2f} GB | {o["peak_tree_gib"]:.2f} GiB | '
+                             f'{o["written_mb"] / 1e3:.2f} GB | {o["peak_tree_gib"]:.2f} GiB | {o["cpu_s"]:.2f} | '
                              f'{o["seconds"] / r["reshard_s"]:.2f}x ({o["seconds_with_sync"] / r["reshard_sync_s"]:.2f}x) | '
                              f'{o["runs"]} |')
     peers = [r for r in results if r.get('deepspeed')]
