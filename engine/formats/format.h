@@ -106,6 +106,13 @@ struct SourceInfo {
   // How the source's format laid its optimizer state out, where it names
   // it (torch_dist: "dp_reshardable"): an export to that format keeps it.
   std::string optimizer_layout;
+  // Why no rule set describes a checkpoint that one was looked for (a
+  // torch_dist folder whose family's rules refused it): what the refusals
+  // of commands that need one add.
+  std::string no_rules_reason;
+
+  // " (<no_rules_reason>)", or empty.
+  std::string NoRulesWhy() const { return no_rules_reason.empty() ? "" : " (" + no_rules_reason + ")"; }
 };
 
 // A checkpoint opened by its format: what it is (info), and the operations

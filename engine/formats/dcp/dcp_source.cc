@@ -27,9 +27,9 @@ std::string FirstWord(const std::string& text) {
 
 class DcpSource : public SourceCheckpoint {
  public:
-  DcpSource(DcpContent content, std::string why_no_rules)
-      : c_(std::move(content)), why_no_rules_(std::move(why_no_rules)) {
+  DcpSource(DcpContent content, std::string why_no_rules) : c_(std::move(content)) {
     SetInfo();
+    info_.no_rules_reason = std::move(why_no_rules);
   }
 
   // The chunks were read and checked when the checkpoint was opened; what
@@ -38,7 +38,7 @@ class DcpSource : public SourceCheckpoint {
     report->findings.push_back({Finding::Severity::kInfo,
                                 "DCP: every chunk of the " + Count(static_cast<int64_t>(c_.tensors.size()), "tensor") +
                                     " read from its .distcp window and placed in its tensor, which the chunks tile"});
-    if (!why_no_rules_.empty()) report->findings.push_back({Finding::Severity::kInfo, why_no_rules_});
+    if (!info_.no_rules_reason.empty()) report->findings.push_back({Finding::Severity::kInfo, info_.no_rules_reason});
     report->findings.push_back({Finding::Severity::kError, NoRulesRefusal()});
   }
 
@@ -79,9 +79,8 @@ class DcpSource : public SourceCheckpoint {
 
  private:
   std::string NoRulesRefusal() const {
-    const std::string why = why_no_rules_.empty() ? "" : " (" + why_no_rules_ + ")";
     return "convert writes a layout its model family's rules describe, and " + c_.folder +
-           " is a Distributed Checkpoint read without a rule set" + why + "; export --to consolidated writes its "
+           " is a Distributed Checkpoint read without a rule set" + info_.NoRulesWhy() + "; export --to consolidated writes its "
            "tensors whole";
   }
 
@@ -108,7 +107,6 @@ class DcpSource : public SourceCheckpoint {
   }
 
   const DcpContent c_;
-  const std::string why_no_rules_;  // why no rule set describes it, when one was looked for
 };
 
 }  // namespace

@@ -179,8 +179,8 @@ Result<HfConfigExtras> ConfigExtras(const SourceCheckpoint& src, const ExportOpt
 Result<const HfExport*> FamilyExport(const SourceCheckpoint& src, const RuleInputs& inputs) {
   const RuleSet* rules = src.info().rules.get();
   if (rules == nullptr) {
-    return Status::Unsupported("a " + src.info().kind + " checkpoint is not described by a rule set, so reshard "
-                               "does not know its architecture; export --to consolidated writes its tensors");
+    return Status::Unsupported("a " + src.info().kind + " checkpoint is not described by a rule set" +
+                               src.info().NoRulesWhy() + ", so reshard does not know its architecture; export --to consolidated writes its tensors");
   }
   const HfExport* hf = rules->hf();
   if (hf == nullptr) {

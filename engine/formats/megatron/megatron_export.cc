@@ -54,8 +54,8 @@ Status CheckSource(const SourceCheckpoint& src) {
   }
   if (src.info().rules == nullptr) {
     return Status::Unsupported("export --to megatron cuts tensors by the rule set that describes a pipeline "
-                               "checkpoint, and this " + src.info().kind + " checkpoint is read without one; "
-                               "export --to consolidated writes its tensors");
+                               "checkpoint, and this " + src.info().kind + " checkpoint is read without one" +
+                               src.info().NoRulesWhy() + "; export --to consolidated writes its tensors");
   }
   return Status::Ok();
 }

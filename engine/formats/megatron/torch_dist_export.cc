@@ -350,7 +350,8 @@ Status CheckSource(const SourceCheckpoint& src, const ExportOptions& options) {
   const std::shared_ptr<const RuleSet>& rules = src.info().rules;
   if (rules == nullptr || rules->torch_dist() == nullptr) {
     return Status::Unsupported("export --to torch_dist writes the keys a rule set's torch_dist section names, and " +
-                               (rules == nullptr ? "this " + src.info().kind + " checkpoint is read without a rule set"
+                               (rules == nullptr ? "this " + src.info().kind + " checkpoint is read without a rule set" +
+                                                      src.info().NoRulesWhy()
                                                  : "rule set " + rules->name() + " has none") +
                                "; export --to consolidated writes its tensors");
   }
