@@ -310,7 +310,7 @@ def bench_scale(ns, scale: float, mode: str) -> Dict:
         unknown = sorted(set(wanted) - set(commands))
         if unknown:
             raise SystemExit(f'--only: no command {", ".join(unknown)}; these run: {", ".join(commands)}')
-        commands = {what: cmd for what, cmd in commands.items() if what == 'cp' or what in wanted}
+        commands = {what: cmd for what, cmd in commands.items() if what in ('cp', 'reshard') or what in wanted}
     runs = {what: [] for what in commands}
     out_bytes = 0
     if mode == 'warm':
@@ -590,7 +590,8 @@ def main(argv=None) -> int:
                     help='also time `mpirun -np N reshard convert` with the same total thread count, and '
                          'check that its output is byte-identical')
     ap.add_argument('--only', default='',
-                    help='time only these commands (comma-separated names of the table\'s rows) beside cp')
+                    help='time only these commands (comma-separated names of the tables\' rows) beside cp and '
+                         'reshard convert')
     ap.add_argument('--verify', action='store_true', help='also run `reshard verify SRC OUT` once (untimed)')
     ap.add_argument('--deepspeed-src', help='a DeepSpeed source tree: also time ds_to_universal.py')
     ap.add_argument('--json', help='write the results here too')

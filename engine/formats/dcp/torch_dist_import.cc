@@ -25,7 +25,6 @@ constexpr char kCommonFile[] = "common.pt";
 constexpr char kCommonItemPrefix[] = "common_state/";
 // Keys of the distributed optimizer's state, and of Transformer Engine's
 // per-module state.
-constexpr char kOptimizerPrefix[] = "optimizer.";
 constexpr char kExtraState[] = "._extra_state";
 
 std::string WithBlock(std::string name, int64_t block) {
@@ -220,7 +219,7 @@ class FamilyReader {
   Status CheckUnmapped() {
     for (const DcpTensor& t : c_.tensors) {
       if (used_.count(t.fqn)) continue;
-      if (t.fqn.rfind(kOptimizerPrefix, 0) == 0) continue;  // ReadOptimizer's
+      if (IsOptimizerKey(t.fqn)) continue;  // ReadOptimizer's
       return Refuse(t.fqn + " is not a tensor of the model as its torch_dist section maps it");
     }
     for (const std::string& fqn : c_.bytes_items) {

@@ -12,7 +12,6 @@
 namespace reshard {
 namespace {
 
-constexpr char kOptimizerPrefix[] = "optimizer.";
 constexpr char kFullyReshardable[] = "fully_reshardable";
 constexpr char kDpReshardable[] = "dp_reshardable";
 constexpr char kFullyShardedModelSpace[] = "fully_sharded_model_space";
@@ -84,7 +83,7 @@ SourceShard FlatPiece(const SourceShard& flat, int64_t offset, const Box& box) {
 std::vector<std::string> ModelKeys(const DcpContent& c) {
   std::vector<std::string> keys;
   for (const DcpTensor& t : c.tensors) {
-    if (!HasPrefix(t.fqn, kOptimizerPrefix)) keys.push_back(t.fqn);
+    if (!IsOptimizerKey(t.fqn)) keys.push_back(t.fqn);
   }
   return keys;
 }
@@ -458,13 +457,15 @@ class DpReshardableReader {
 
 }  // namespace
 
+bool IsOptimizerKey(const std::string& fqn) { return HasPrefix(fqn, "optimizer."); }
+
 Result<std::optional<TorchDistOptimizer>> ReadTorchDistOptimizer(const DcpContent& content, const Value& common,
                                                                  const TorchDistLayout& layout,
                                                                  const ArgsLookup& args) {
   const bool any = std::any_of(content.tensors.begin(), content.tensors.end(),
-                               [](const DcpTensor& t) { return HasPrefix(t.fqn, kOptimizerPrefix); }) ||
+                               [](const DcpTensor& t) { return IsOptimizerKey(t.fqn); }) ||
                    std::any_of(content.bytes_items.begin(), content.bytes_items.end(),
-                               [](const std::string& fqn) { return HasPrefix(fqn, kOptimizerPrefix); });
+                               IsOptimizerKey);
   if (!any) return std::optional<TorchDistOptimizer>();
   TorchDistOptimizer out;
   out.layout = LayoutOf(content, common);

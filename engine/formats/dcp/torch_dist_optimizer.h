@@ -51,6 +51,10 @@ struct TorchDistOptimizer {
 // from the checkpoint's args or --set.
 using ArgsLookup = std::function<std::optional<int64_t>(const std::string& path)>;
 
+// Whether `fqn` is an item of the distributed optimizer's state, which
+// Megatron-Core saves under "optimizer.".
+bool IsOptimizerKey(const std::string& fqn);
+
 // The optimizer state of `content` (nullopt when it holds none), `common`
 // its common state. Errors: a layout reshard does not read, named with the
 // fix (--weights-only); per_bucket_numel that the rule set's registration
