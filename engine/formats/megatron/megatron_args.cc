@@ -183,6 +183,11 @@ std::vector<std::string> ArchitectureFlags(const Value& args) {
     flags.push_back("--untie-embeddings-and-output-weights");
   }
   if (!BoolField(args, "add_bias_linear", true)) flags.push_back("--disable-bias-linear");
+  if (BoolField(args, "add_qkv_bias", false)) flags.push_back("--add-qkv-bias");
+  if (BoolField(args, "use_rope_scaling", false)) {
+    const Value* factor = Find(args, "rope_scaling_factor");
+    flags.push_back("--use-rope-scaling" + (factor != nullptr ? " --rope-scaling-factor " + factor->DebugString() : ""));
+  }
   return flags;
 }
 
