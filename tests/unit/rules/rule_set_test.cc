@@ -968,6 +968,41 @@ TEST(RuleSetHf, ItsPathsCanBeSet) {
   }
 }
 
+// Megatron-Core's RoPE scaling: a case whose value is a mapping of literals
+// and paths, and a null case; the Megatron-DeepSpeed model refuses it.
+TEST(RuleSetHf, ACaseValueMayBeAMappingOrNull) {
+  Result<RuleSet> rs = RuleSet::LoadString(
+      TinyHf({{9, "  requires: {use_rope_scaling: '!true'}"},
+              {32, "    rope_scaling:\n"
+                   "      - when: {use_rope_scaling: true}\n"
+                   "        value: {rope_type: llama3, factor: [args.rope_scaling_factor, 8.0], low_freq_factor: 1.0}\n"
+                   "        why_not: only these\n"
+                   "      - {when: {use_rope_scaling: '!true'}, value: null}"}}),
+      "t.yaml");
+  ASSERT_TRUE(rs.ok()) << rs.status().message();
+  const HfConfigField& scaling = rs->hf()->config[5];
+  ASSERT_EQ(scaling.cases.size(), 2u);
+  const HfConfigField::Case& scaled = scaling.cases[0];
+  EXPECT_EQ(scaled.value, nullptr);
+  EXPECT_EQ(scaled.why_not, "only these");
+  ASSERT_EQ(scaled.entries.size(), 3u);
+  EXPECT_EQ(scaled.entries[0].literal->as_string(), "llama3");
+  EXPECT_EQ(scaled.entries[1].key, "factor");
+  EXPECT_EQ(scaled.entries[1].paths, std::vector<std::string>{"args.rope_scaling_factor"});
+  EXPECT_EQ(scaled.entries[1].literal->as_float(), 8.0);
+  EXPECT_EQ(scaled.entries[2].literal->as_float(), 1.0);  // a number, not a path
+  EXPECT_TRUE(scaling.cases[1].value->is_none());
+  EXPECT_EQ(rs->pipeline_requirements(), (ArgConditions{{"use_rope_scaling", "!true"}}));
+  for (const char* path : {"args.rope_scaling_factor", "args.use_rope_scaling"}) {
+    EXPECT_TRUE(rs->ValuePaths().count(path)) << path;
+  }
+  EXPECT_NE(ErrorOf(TinyHf({{32, "    rope_scaling:\n      - {when: {a: true}, value: [1, 2]}"}}))
+                .find("t.yaml:33: a case of hf.config.rope_scaling needs when: {args field: value}, a value"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf(TinyHf({{9, "  requires: [use_rope_scaling]"}})).find("t.yaml:9: pipeline.requires"),
+            std::string::npos);
+}
+
 TEST(RuleSetHf, ErrorsNameTheLine) {
   const std::vector<std::pair<std::map<int, std::string>, std::string>> cases = {
       {{{22, "  architecure: X"}}, "t.yaml:22: unknown field 'architecure' in hf; did you mean 'architecture'?"},

@@ -75,6 +75,28 @@ TEST_F(HfConfigTest, NoCaseHolding) {
             std::string::npos);
 }
 
+// Llama 3's rope_scaling as Megatron-Core computes it: a mapping whose factor
+// is read from the args (Megatron's default 8 when they do not record it).
+TEST_F(HfConfigTest, AMappingCaseReadsItsEntries) {
+  HfConfigField scaling;
+  scaling.key = "rope_scaling";
+  const Value factor_default = Value::Float(8.0), original = Value::Int(8192);
+  HfConfigField::Case scaled{{{"use_rope_scaling", "true"}}, nullptr, {}, ""};
+  scaled.entries = {Path("factor", {"args.rope_scaling_factor"}, &factor_default),
+                    Path("original_max_position_embeddings", {}, &original)};
+  scaling.cases = {scaled, {{{"use_rope_scaling", "!true"}}, std::make_shared<const Value>(Value::None()), {}, ""}};
+  HfExport hf;
+  hf.architecture = "LlamaForCausalLM";
+  hf.config = {scaling};
+  auto json = [&] { return *HfConfigJson(hf, RuleInputs{metadata_, settings_}, 100, DType::kBFloat16); };
+  EXPECT_NE(json().find("\"rope_scaling\": null"), std::string::npos) << json();
+  Arg(&metadata_, "use_rope_scaling", Value::Bool(true));
+  EXPECT_NE(json().find("\"rope_scaling\": {\"factor\": 8.0, \"original_max_position_embeddings\": 8192}"),
+            std::string::npos) << json();
+  Arg(&metadata_, "rope_scaling_factor", Value::Float(32.0));
+  EXPECT_NE(json().find("\"rope_scaling\": {\"factor\": 32.0, "), std::string::npos) << json();
+}
+
 TEST_F(HfConfigTest, TheFile) {
   HfExport hf;
   hf.architecture = "LlamaForCausalLM";
