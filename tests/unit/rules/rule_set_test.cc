@@ -972,7 +972,7 @@ TEST(RuleSetHf, ItsPathsCanBeSet) {
 // and paths, and a null case; the Megatron-DeepSpeed model refuses it.
 TEST(RuleSetHf, ACaseValueMayBeAMappingOrNull) {
   Result<RuleSet> rs = RuleSet::LoadString(
-      TinyHf({{9, "  requires: {use_rope_scaling: '!true'}"},
+      TinyHf({{9, "  tied_module: embed\n  requires: {use_rope_scaling: '!true'}"},
               {32, "    rope_scaling:\n"
                    "      - when: {use_rope_scaling: true}\n"
                    "        value: {rope_type: llama3, factor: [args.rope_scaling_factor, 8.0], low_freq_factor: 1.0}\n"
@@ -999,7 +999,8 @@ TEST(RuleSetHf, ACaseValueMayBeAMappingOrNull) {
   EXPECT_NE(ErrorOf(TinyHf({{32, "    rope_scaling:\n      - {when: {a: true}, value: [1, 2]}"}}))
                 .find("t.yaml:33: a case of hf.config.rope_scaling needs when: {args field: value}, a value"),
             std::string::npos);
-  EXPECT_NE(ErrorOf(TinyHf({{9, "  requires: [use_rope_scaling]"}})).find("t.yaml:9: pipeline.requires"),
+  EXPECT_NE(ErrorOf(TinyHf({{9, "  tied_module: embed\n  requires: [use_rope_scaling]"}}))
+                .find("t.yaml:10: pipeline.requires must be a mapping"),
             std::string::npos);
 }
 

@@ -29,9 +29,9 @@ class HfConfigTest : public ::testing::Test {
     HfConfigField f;
     f.key = "activation_function";
     f.line = 7;
-    f.cases = {{{{"openai_gelu", "true"}}, std::make_shared<const Value>(Value::String("gelu_new"))},
-               {{{"bias_gelu_fusion", "true"}}, std::make_shared<const Value>(Value::String("gelu_new"))},
-               {{{"bias_gelu_fusion", "false"}}, std::make_shared<const Value>(Value::String("gelu"))}};
+    f.cases = {{{{"openai_gelu", "true"}}, std::make_shared<const Value>(Value::String("gelu_new")), {}, ""},
+               {{{"bias_gelu_fusion", "true"}}, std::make_shared<const Value>(Value::String("gelu_new")), {}, ""},
+               {{{"bias_gelu_fusion", "false"}}, std::make_shared<const Value>(Value::String("gelu")), {}, ""}};
     return f;
   }
 
