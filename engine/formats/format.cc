@@ -36,16 +36,16 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenDcp(const std::string& folder, con
                             options);
 }
 
-// Where `args.<field>` comes from in an HF folder: " (config.json's
-// rope_scaling)" when an hf.config case sets it, "" when none does.
+// Where `args.<field>` comes from in an HF folder: "config.json's
+// rope_scaling; " when an hf.config case sets it, "" when nothing does.
 std::string HfFieldSetting(const RuleSet& rules, const std::string& field) {
   if (rules.hf() == nullptr) return "";
   for (const HfConfigField& f : rules.hf()->config) {
     for (const HfConfigField::Case& c : f.cases) {
-      if (c.when.count(field)) return " (config.json's " + f.key + ")";
+      if (c.when.count(field)) return "config.json's " + f.key + "; ";
     }
   }
-  return rules.hf()->requirements.count(field) ? " (what " + rules.hf()->architecture + " computes)" : "";
+  return rules.hf()->requirements.count(field) ? "what " + rules.hf()->architecture + " computes; " : "";
 }
 
 }  // namespace
@@ -58,7 +58,7 @@ Status CheckPipelineComputes(const SourceCheckpoint& src) {
     if (ArgHolds(inputs, field, expected)) continue;
     const std::string mismatch = ArgsMismatch(inputs, {{field, expected}});
     return Status::Unsupported("the Megatron-DeepSpeed model of rule set " + rules->name() + " does not compute "
-                               "this one: " + mismatch + HfFieldSetting(*rules, field) + " (pipeline.requires of " +
+                               "this one: " + mismatch + " (" + HfFieldSetting(*rules, field) + "pipeline.requires of " +
                                rules->origin() + ")" +
                                (rules->torch_dist() ? "; export --to torch_dist writes it for Megatron-Core, which does"
                                                     : ""));

@@ -615,7 +615,8 @@ TEST(RuleSetBuiltin, EveryFileLoads) {
   for (const RuleSet& rs : *sets) names.push_back(rs.name());
   // In file-name order: megatron-gpt2-moe.yaml sorts before megatron-gpt2.yaml.
   std::vector<std::string> want = {"bigscience-bloom",  "bigscience-glu",     "megatron-core-gpt", "megatron-gpt2-moe",
-                                   "megatron-gpt2",     "megatron-llama-tied", "megatron-llama"};
+                                   "megatron-gpt2",     "megatron-llama-tied", "megatron-llama",    "qwen2-tied",
+                                   "qwen2"};
   EXPECT_EQ(names, want);
 }
 
@@ -685,6 +686,14 @@ const Inventory kInventories[] = {
       {"block",
        {"input_layernorm.weight", "self_attention.query_key_value.weight", "self_attention.dense.weight",
         "post_attention_layernorm.weight", "mlp.dense_h_to_4h.weight", "mlp.dense_4h_to_h.weight"}},
+      {"final_norm", {"weight"}},
+      {"head", {"lm_head.weight"}}}},
+    {"qwen2",
+     {{"embedding", {"word_embeddings.weight"}},
+      {"block",
+       {"input_layernorm.weight", "self_attention.query_key_value.weight", "self_attention.query_key_value.bias",
+        "self_attention.dense.weight", "post_attention_layernorm.weight", "mlp.dense_h_to_4h.weight",
+        "mlp.dense_4h_to_h.weight"}},
       {"final_norm", {"weight"}},
       {"head", {"lm_head.weight"}}}},
 };
@@ -832,7 +841,7 @@ TEST(RuleSetBuiltin, UnknownNameListsTheBuiltins) {
   EXPECT_EQ(rs.status().code(), Status::Code::kInvalidInput);
   EXPECT_EQ(rs.status().message(),
             "unknown rule set 'gpt3'; built-in: bigscience-bloom, bigscience-glu, megatron-core-gpt, megatron-gpt2-moe, "
-            "megatron-gpt2, megatron-llama-tied, megatron-llama; or pass the path of a rule file");
+            "megatron-gpt2, megatron-llama-tied, megatron-llama, qwen2-tied, qwen2; or pass the path of a rule file");
 }
 
 TEST(RuleSetBuiltin, MissingFileIsNotTakenForAName) {
