@@ -9,8 +9,9 @@ the test checks:
   attention_bias, use_sliding_window and tie_word_embeddings with it;
 - the torch_dist common state's args say what Megatron-Core computes the model with (rotary_base,
   use_rope_scaling and rope_scaling_factor; add_qkv_bias and --disable-bias-linear);
-- linear_qkv.bias, read from the .distcp chunks, is laid out per query group exactly as the
-  weight's rows: [the group's query heads; its key; its value], each TP rank holding whole groups;
+- linear_qkv.bias, read from the .distcp chunks (and from each rank of `export --to megatron`), is
+  laid out per query group exactly as the weight's rows: [the group's query heads; its key; its
+  value], each TP rank holding whole groups;
 - refusals, each one line, exit 2, nothing written: a rope_scaling Megatron-Core does not compute
   (another rope_type, other low/high factors or original positions), Llama's attention_bias, Qwen2's
   sliding window, and the Megatron-DeepSpeed target (convert) for either model.
@@ -188,13 +189,27 @@ class Llama3Qwen2TorchDistTest(FixtureTestCase):
         self.assertEqual(sorted(offsets for offsets, _ in chunks),
                          [[b, r * rows // 2] for b in range(L) for r in range(2)])
         bias = whole(chunks, [L, rows])
-        per_group = HEADS // GROUPS
         for b in range(L):
-            p = f'model.layers.{b}.self_attn.'
-            q = tensors[p + 'q_proj.bias'].view(GROUPS, per_group * HD)
-            k, v = (tensors[p + n].view(GROUPS, HD) for n in ('k_proj.bias', 'v_proj.bias'))
-            want = torch.cat([q, k, v], dim=1).reshape(-1)
-            self.assertEqual(support.differences(bias[b], want, f'layer {b}'), [])
+            self.assertEqual(support.differences(bias[b], self.fused_bias(tensors, b), f'layer {b}'), [])
+
+    @staticmethod
+    def fused_bias(tensors, block):
+        """Block `block`'s q, k and v biases fused per query group: [its query heads; key; value]."""
+        p = f'model.layers.{block}.self_attn.'
+        q = tensors[p + 'q_proj.bias'].view(GROUPS, HEADS // GROUPS * HD)
+        k, v = (tensors[p + n].view(GROUPS, HD) for n in ('k_proj.bias', 'v_proj.bias'))
+        return torch.cat([q, k, v], dim=1).reshape(-1)
+
+    def test_qwen2_goes_to_megatron_lm_with_each_ranks_groups_of_the_bias(self):
+        src, _, tensors = self.folder('qwen2', False)
+        out = self.path('mlm')
+        self.ok('export', src, out, '--to', 'megatron', '--tp', 2, '--pp', 1)
+        fused = self.fused_bias(tensors, 1)
+        for rank in range(2):
+            state = support.load(os.path.join(out, 'iter_0000000', f'mp_rank_0{rank}', 'model_optim_rng.pt'))
+            self.assertEqual((state['args'].add_qkv_bias, state['args'].add_bias_linear), (True, False))
+            got = state['model']['decoder.layers.1.self_attention.linear_qkv.bias']
+            self.assertEqual(support.differences(got, fused.chunk(2)[rank], f'rank {rank}'), [])
 
     def test_verify_finds_the_torch_dist_export_the_same_model(self):
         src, _, _ = self.folder('qwen2', True)
