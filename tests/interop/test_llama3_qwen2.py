@@ -218,14 +218,21 @@ class Llama3Qwen2TorchDistTest(FixtureTestCase):
         self.assertIn('same model', self.ok('verify', src, td).stdout)
 
     def test_rope_scaling_megatron_core_does_not_compute_is_refused(self):
-        cases = {'rope_type': ('dynamic', 'rope_scaling.rope_type'),
-                 'low_freq_factor': (2.0, 'rope_scaling.low_freq_factor'),
-                 'high_freq_factor': (2.0, 'rope_scaling.high_freq_factor'),
-                 'original_max_position_embeddings': (4096, 'rope_scaling.original_max_position_embeddings')}
-        for key, (value, says) in cases.items():
+        def setting(key, value):
+            return lambda c: c['rope_scaling'].update({key: value})
+        cases = {'rope_type': (setting('rope_type', 'dynamic'), "rope_scaling.rope_type = 'dynamic'"),
+                 'low_freq_factor': (setting('low_freq_factor', 2.0), 'rope_scaling.low_freq_factor = 2.0'),
+                 'high_freq_factor': (setting('high_freq_factor', 2.0), 'rope_scaling.high_freq_factor = 2.0'),
+                 'original_max_position_embeddings': (setting('original_max_position_embeddings', 4096),
+                                                      'rope_scaling.original_max_position_embeddings = 4096'),
+                 'no factor': (lambda c: c['rope_scaling'].pop('factor'),
+                               'has no rope_scaling.factor, and rule set megatron-llama computes the model only '
+                               'with a value (args.rope_scaling_factor)'),
+                 'another entry': (setting('type', 'llama3'), 'rope_scaling.type'),
+                 'not a mapping': (lambda c: c.update(rope_scaling='llama3'), 'rope_scaling')}
+        for key, (change, says) in cases.items():
             with self.subTest(key=key):
-                src, _, _ = self.folder('llama', False, change=lambda c: c['rope_scaling'].update({key: value}),
-                                        name='_' + key)
+                src, _, _ = self.folder('llama', False, change=change, name='_' + key.replace(' ', '_'))
                 out = self.path('refused')
                 self.assertRefused(run('export', src, out, '--to', 'torch_dist', '--tp', 2, '--pp', 1), says, out)
 

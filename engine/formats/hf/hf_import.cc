@@ -187,7 +187,7 @@ struct ConfigReader {
     for (const HfConfigField& entry : c.entries) {
       const std::string name = f.key + "." + entry.key;
       const Value* given = Find(*v, entry.key);
-      const std::string wanted = entry.literal ? entry.literal->DebugString(40) : "a value (" + entry.paths.front() + ")";
+      const std::string wanted = entry.paths.empty() ? entry.literal->DebugString(40) : "a value (" + entry.paths.front() + ")";
       if (given == nullptr) return "no " + name + only + wanted + " there";
       if (entry.paths.empty() && !SameValue(*given, *entry.literal)) {
         return name + " = " + given->DebugString(40) + only + wanted;
