@@ -255,6 +255,10 @@ class Llama3Qwen2TorchDistTest(FixtureTestCase):
                 self.assertIn('export --to torch_dist', p.stderr)
                 p = run('export', src, out, '--to', 'universal')
                 self.assertRefused(p, says, out)
+                # lint with convert's target finds what convert refuses.
+                p = run('lint', src, '--tp', 2, '--pp', 1)
+                self.assertNotEqual(p.returncode, 0, p.stdout + p.stderr)
+                self.assertIn(says, p.stdout + p.stderr)
 
 
 if __name__ == '__main__':
