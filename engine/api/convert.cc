@@ -348,6 +348,7 @@ Result<ConvertReport> Convert(const std::string& input, const std::string& outpu
                                                          "MoE checkpoint, and this " + src.info().kind +
                                                          " checkpoint has no experts; leave it out");
                            }
+                           RESHARD_RETURN_IF_ERROR(CheckPipelineComputes(src));
                            return src.Plan(options, notes);
                          });
 }

@@ -26,6 +26,10 @@ void LintTarget(const SourceCheckpoint& src, const LintOptions& options, LintRep
   convert.target_dp = options.target_dp;
   convert.target_ep = options.target_ep;
   convert.dry_run = true;
+  if (Status computes = CheckPipelineComputes(src); !computes.ok()) {
+    report->findings.push_back({Finding::Severity::kError, computes.message()});
+    return;
+  }
   std::vector<std::string> notes;
   Result<OutputPlan> plan = src.Plan(convert, &notes);
   if (!plan.ok()) report->findings.push_back({Finding::Severity::kError, plan.status().message()});

@@ -10,6 +10,7 @@
 #include "formats/hf/hf_import.h"
 #include "formats/megatron/megatron_export.h"
 #include "formats/megatron/torch_dist_export.h"
+#include "logical/settings.h"
 
 namespace reshard {
 
@@ -35,7 +36,35 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenDcp(const std::string& folder, con
                             options);
 }
 
+// Where `args.<field>` comes from in an HF folder: "config.json's
+// rope_scaling; " when an hf.config case sets it, "" when nothing does.
+std::string HfFieldSetting(const RuleSet& rules, const std::string& field) {
+  if (rules.hf() == nullptr) return "";
+  for (const HfConfigField& f : rules.hf()->config) {
+    for (const HfConfigField::Case& c : f.cases) {
+      if (c.when.count(field)) return "config.json's " + f.key + "; ";
+    }
+  }
+  return rules.hf()->requirements.count(field) ? "what " + rules.hf()->architecture + " computes; " : "";
+}
+
 }  // namespace
+
+Status CheckPipelineComputes(const SourceCheckpoint& src) {
+  const RuleSet* rules = src.info().rules.get();
+  if (rules == nullptr) return Status::Ok();
+  const RuleInputs inputs{src.info().metadata, src.info().settings};
+  for (const auto& [field, expected] : rules->pipeline_requirements()) {
+    if (ArgHolds(inputs, field, expected)) continue;
+    const std::string mismatch = ArgsMismatch(inputs, {{field, expected}});
+    return Status::Unsupported("the Megatron-DeepSpeed model of rule set " + rules->name() + " does not compute "
+                               "this one: " + mismatch + " (" + HfFieldSetting(*rules, field) + "pipeline.requires of " +
+                               rules->origin() + ")" +
+                               (rules->torch_dist() ? "; export --to torch_dist writes it for Megatron-Core, which does"
+                                                    : ""));
+  }
+  return Status::Ok();
+}
 
 Result<std::unique_ptr<SourceCheckpoint>> OpenCheckpoint(const std::string& path,
                                                          const CommonOptions& options) {
@@ -78,7 +107,10 @@ Result<OutputPlan> PlanExport(const SourceCheckpoint& src, const ExportOptions& 
     return Status::InvalidInput("--tp and --pp choose the layout of --to megatron and --to torch_dist; the " +
                                 options.to + " export has none, so leave them out");
   }
-  if (options.to == "universal") return src.PlanFamilyFormat(options, notes);
+  if (options.to == "universal") {
+    RESHARD_RETURN_IF_ERROR(CheckPipelineComputes(src));
+    return src.PlanFamilyFormat(options, notes);
+  }
   if (options.to == "hf") return PlanHf(src, options, notes);
   if (options.to != "consolidated") {
     return Status::InvalidInput("unknown export format '" + options.to + "'; use consolidated, hf, megatron, torch_dist or universal");

@@ -175,6 +175,11 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenCheckpoint(const std::string& path
 // checkpoint a format's pointer file in it names (a root holding `latest`).
 std::string CheckpointFolder(const std::string& path);
 
+// Refuses, naming the args field and the target that takes it, a `src` its
+// rule set's Megatron-DeepSpeed model does not compute (`pipeline.requires`):
+// what convert and the universal export check before writing that layout.
+Status CheckPipelineComputes(const SourceCheckpoint& src);
+
 // Plans `src` written in the format `options.to` names. `src` must outlive
 // the plan and its jobs.
 Result<OutputPlan> PlanExport(const SourceCheckpoint& src, const ExportOptions& options,

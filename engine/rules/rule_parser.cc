@@ -49,7 +49,7 @@ const std::vector<std::string> kTopFields = {"name",  "description",      "detec
                                              "vocab", "optimizer_groups", "layers", "module_paths",
                                              "hf",    "torch_dist"};
 const std::vector<std::string> kDetectFields = {"metadata_keys", "absent_metadata_keys", "args"};
-const std::vector<std::string> kPipelineFields = {"specs", "partition_method", "tied_module"};
+const std::vector<std::string> kPipelineFields = {"specs", "partition_method", "tied_module", "requires"};
 const std::vector<std::string> kPartitionFields = {"arg", "default"};
 const std::vector<std::string> kVocabFields = {"original_size", "divisible_by", "pad_to"};
 const std::vector<std::string> kRuleFields = {"key",      "name", "split", "replicated",
@@ -61,7 +61,7 @@ const std::vector<std::string> kHfFields = {"architecture", "requires", "config"
                                             "base_model_prefix", "ignore", "tied"};
 const std::vector<std::string> kHfTensorFields = {"from", "to", "split_halves", "split_qkv", "transpose", "shape"};
 const std::vector<std::string> kHfQkvFields = {"groups", "heads"};
-const std::vector<std::string> kHfCaseFields = {"when", "value"};
+const std::vector<std::string> kHfCaseFields = {"when", "value", "why_not"};
 const std::vector<std::string> kHfExplainedFields = {"value", "why_not"};
 const std::vector<std::string> kTorchDistFields = {"args",       "tensors",           "extra_state", "optimizer_order",
                                                    "torch_extra_state", "te_extra_state", "tied_head"};
@@ -295,6 +295,9 @@ class RuleSetParser {
       Fail(f, "missing pipeline.specs; list the PipelineModule specs as {role: ClassName}");
     }
     if (const Field* pm = Get(*fields, "partition_method")) ParsePartitionMethod(*pm);
+    if (const Field* r = Get(*fields, "requires")) {
+      rs_->pipeline_requirements_ = ReadArgConditions(*r, "pipeline.requires");
+    }
     if (const Field* tm = Get(*fields, "tied_module")) {
       auto name = ReadString(*tm, "pipeline.tied_module");
       if (name && !IsIdentifier(*name)) {
@@ -902,12 +905,40 @@ class RuleSetParser {
       if (!fields) return false;
       const Field* when = Get(*fields, "when");
       const Field* value = Get(*fields, "value");
-      if (when == nullptr || value == nullptr || !value->node.IsScalar()) {
-        Fail(item, "a case of " + what + " needs when: {args field: value} and a scalar value");
+      const Field* why_not = Get(*fields, "why_not");
+      if (when == nullptr || value == nullptr || value->node.IsSequence() ||
+          (why_not != nullptr && !why_not->node.IsScalar())) {
+        Fail(item, "a case of " + what + " needs when: {args field: value}, a value (a literal, null or a "
+                   "mapping) and optionally why_not: TEXT");
         return false;
       }
-      field->cases.push_back({ReadArgConditions(*when, what + " when"),
-                              std::make_shared<const Value>(HfLiteral(value->node))});
+      HfConfigField::Case c{ReadArgConditions(*when, what + " when"), nullptr, {}, ""};
+      if (why_not != nullptr) c.why_not = why_not->node.Scalar();
+      if (value->node.IsMap()) {
+        if (!ParseCaseEntries(*value, what, &c.entries)) return false;
+      } else {
+        c.value = std::make_shared<const Value>(value->node.IsNull() ? Value::None() : HfLiteral(value->node));
+      }
+      field->cases.push_back(std::move(c));
+    }
+    return true;
+  }
+
+  // A case's mapping (rope_scaling): each entry a literal, a metadata path
+  // or a list of paths ending with a literal fallback, as a field's value.
+  bool ParseCaseEntries(const Field& f, const std::string& what, std::vector<HfConfigField>* entries) {
+    for (const auto& kv : f.node) {
+      HfConfigField entry;
+      entry.key = kv.first.IsScalar() ? kv.first.Scalar() : "?";
+      entry.line = LineOf(kv.first, f.line);
+      const Field value{kv.second, entry.line};
+      if (!IsIdentifier(entry.key) || value.node.IsMap()) {
+        Fail(value, "an entry of a case of " + what + " must be key: a value, a metadata path or a list of "
+                    "paths ending with a literal");
+        return false;
+      }
+      if (!ParseHfValue(value, &entry)) return false;
+      entries->push_back(std::move(entry));
     }
     return true;
   }

@@ -209,7 +209,10 @@ void AddHfPaths(const HfExport& hf, std::set<std::string>* paths) {
   add_args(hf.requirements);
   for (const HfConfigField& field : hf.config) {
     paths->insert(field.paths.begin(), field.paths.end());
-    for (const HfConfigField::Case& c : field.cases) add_args(c.when);
+    for (const HfConfigField::Case& c : field.cases) {
+      add_args(c.when);
+      for (const HfConfigField& entry : c.entries) paths->insert(entry.paths.begin(), entry.paths.end());
+    }
   }
   for (const HfTensorMap& map : hf.tensors) {
     for (const MetaRef* ref : {&map.groups, &map.heads}) {
@@ -243,6 +246,7 @@ std::set<std::string> RuleSet::ValuePaths() const {
     for (const ParamRule& rule : rules) add(rule.blocks);
   }
   for (const auto& [field, expected] : detect_.args) paths.insert("args." + field);
+  for (const auto& [field, expected] : pipeline_requirements_) paths.insert("args." + field);
   if (hf_) AddHfPaths(*hf_, &paths);
   if (torch_dist_) AddTorchDistPaths(*torch_dist_, &paths);
   return paths;

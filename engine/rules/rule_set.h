@@ -209,7 +209,13 @@ struct HfConfigField {
   std::string why_not;
   struct Case {
     ArgConditions when;
-    std::shared_ptr<const Value> value;
+    std::shared_ptr<const Value> value;  // a literal; null when `entries` give a mapping
+    // A mapping's entries in file order (rope_scaling's factor read from a
+    // metadata path, its other entries literals), each read as a field is.
+    std::vector<HfConfigField> entries;
+    // Why a config.json value that misses this case is refused (what the
+    // target fixes), told with the refusal of an HF import.
+    std::string why_not;
   };
   std::vector<Case> cases;
 };
@@ -343,6 +349,10 @@ class RuleSet {
   const MetaRef& partition_method_arg() const { return partition_method_arg_; }
   const std::string& partition_method_default() const { return partition_method_default_; }
   const std::string& tied_module() const { return tied_module_; }
+  // `pipeline.requires`: the args conditions under which the family's
+  // Megatron-DeepSpeed model computes a checkpoint; a model that needs more
+  // (Megatron-Core's RoPE scaling) is not written in its layout.
+  const ArgConditions& pipeline_requirements() const { return pipeline_requirements_; }
 
   const MetaRef& vocab_original_size() const { return vocab_original_size_; }
   const MetaRef& vocab_divisible_by() const { return vocab_divisible_by_; }
@@ -379,6 +389,7 @@ class RuleSet {
   MetaRef partition_method_arg_;
   std::string partition_method_default_ = "type:transformer";
   std::string tied_module_;
+  ArgConditions pipeline_requirements_;
   MetaRef vocab_original_size_, vocab_divisible_by_, vocab_pad_to_;
   OptimizerGroups optimizer_groups_ = OptimizerGroups::kDecayNoDecay;
   std::map<std::string, std::vector<ParamRule>> layers_;

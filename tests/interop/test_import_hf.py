@@ -380,16 +380,21 @@ class ImportHfTest(FixtureTestCase):
                 self.convert(folder, tag, 1, 1)
                 self.assertIn('rule set megatron-llama ', support.reshard('inspect', tag).stdout)
 
-    def test_llama_features_megatron_deepspeed_lacks_name_the_future_target(self):
-        for i, (change, says) in enumerate([(lambda t, c: c.update(attention_bias=True), 'has attention_bias = True'),
-                                            (lambda t, c: c.update(rope_scaling={'rope_type': 'llama3', 'factor': 32.0}),
-                                             'has rope_scaling = ')]):
+    def test_llama_features_megatron_deepspeed_lacks_name_the_torch_dist_target(self):
+        llama3 = {'rope_type': 'llama3', 'factor': 32.0, 'low_freq_factor': 1.0, 'high_freq_factor': 4.0,
+                  'original_max_position_embeddings': 8192}
+        cases = [(lambda t, c: c.update(attention_bias=True), 'has attention_bias = True', 'Qwen2ForCausalLM'),
+                 # Megatron-Core computes it; Megatron-DeepSpeed, convert's target, does not.
+                 (lambda t, c: c.update(rope_scaling=llama3), 'args.use_rope_scaling is true (config.json\'s '
+                  'rope_scaling', 'export --to torch_dist writes it for Megatron-Core'),
+                 (lambda t, c: c.update(rope_scaling={'rope_type': 'llama3', 'factor': 32.0}),
+                  'has no rope_scaling.low_freq_factor', "reshard's torch_dist target")]
+        for i, (change, says, target) in enumerate(cases):
             with self.subTest(says=says):
                 folder, _ = self.hf_folder(f'feature{i}', LLAMA, change=change)
                 self.refused(folder, says)
                 p = self.convert(folder, self.path('refused', 'x'), 2, 1, code=2)
-                self.assertIn("reshard's torch_dist (Megatron-Core", p.stderr)
-                self.assertIn('once reshard has it', p.stderr)
+                self.assertIn(target, p.stderr)
 
     def test_refusals(self):
         def drop(name):

@@ -68,9 +68,20 @@ std::vector<std::string> CaseFields(const HfConfigField& field) {
   return {fields.begin(), fields.end()};
 }
 
+// A case's value: its literal, or its mapping with every entry read.
+Result<Value> CaseValue(const HfConfigField::Case& c, const RuleInputs& inputs) {
+  if (c.entries.empty()) return *c.value;
+  Value mapping = Value::MakeDict();
+  for (const HfConfigField& entry : c.entries) {
+    RESHARD_ASSIGN_OR_RETURN(Value v, HfConfigValue(entry, inputs));
+    Set(mapping, entry.key, std::move(v));
+  }
+  return mapping;
+}
+
 Result<Value> FromCases(const HfConfigField& field, const RuleInputs& inputs) {
   for (const HfConfigField::Case& c : field.cases) {
-    if (ArgsMismatch(inputs, c.when).empty()) return *c.value;
+    if (ArgsMismatch(inputs, c.when).empty()) return CaseValue(c, inputs);
   }
   const std::vector<std::string> fields = CaseFields(field);
   return Status::InvalidInput("config.json " + field.key + " depends on " + Join(fields, ", ") +
@@ -108,7 +119,8 @@ Result<std::string> HfConfigJson(const HfExport& hf, const RuleInputs& inputs, i
   Put(&fields, "architectures", "[" + JsonString(hf.architecture) + "]");
   for (const HfConfigField& field : hf.config) {
     RESHARD_ASSIGN_OR_RETURN(Value value, HfConfigValue(field, inputs));
-    RESHARD_ASSIGN_OR_RETURN(std::string text, Json(value, "config.json " + field.key));
+    // Only a case's mapping (rope_scaling) is a container.
+    RESHARD_ASSIGN_OR_RETURN(std::string text, Json(value, "config.json " + field.key, !field.cases.empty()));
     Put(&fields, field.key, std::move(text));
   }
   Put(&fields, "vocab_size", std::to_string(vocab_size));

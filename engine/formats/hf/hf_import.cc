@@ -146,16 +146,61 @@ struct ConfigReader {
 
   Status FromCases(const HfConfigField& f, const Value* v) {
     std::vector<std::string> values;
+    const HfConfigField::Case* closest = nullptr;  // the first mapping case a mapping misses
+    std::string miss;
     for (const HfConfigField::Case& c : f.cases) {
-      if (v != nullptr && SameValue(*v, *c.value)) {
+      const std::string why = CaseMiss(f, c, v);
+      if (why.empty()) {
+        for (const HfConfigField& entry : c.entries) {
+          if (!entry.paths.empty()) SetPath(metadata, entry.paths.front(), *Find(*v, entry.key));
+        }
         Satisfy(c.when);
         return Status::Ok();
       }
-      values.push_back(c.value->DebugString(40));
+      values.push_back(c.entries.empty() ? c.value->DebugString(40) : "a mapping");
+      if (closest == nullptr && !c.entries.empty() && v != nullptr && DictItems(*v) != nullptr) {
+        closest = &c;
+        miss = why;
+      }
+    }
+    if (closest != nullptr) {
+      return Status::Unsupported(config_path + " has " + miss + " " + Where(f) +
+                                 (closest->why_not.empty() ? "" : "; " + closest->why_not));
     }
     return Status::Unsupported(config_path + (v ? " has " + f.key + " = " + v->DebugString(60) : " has no " + f.key) +
                                "; rule set " + rules.name() + " trains the model only with " + Join(values, ", ") +
                                " " + Where(f));
+  }
+
+  // How config.json's value `v` (null when absent or null) misses case `c`:
+  // "" when it is the case's value; else, for a mapping case, the first entry
+  // that differs, is missing or has no place ("rope_scaling.low_freq_factor =
+  // 2.0, and ... only with 1.0").
+  std::string CaseMiss(const HfConfigField& f, const HfConfigField::Case& c, const Value* v) const {
+    if (c.entries.empty()) {
+      const bool same = v == nullptr ? c.value->is_none() : SameValue(*v, *c.value);
+      return same ? "" : "another value";
+    }
+    const Items* items = v != nullptr ? DictItems(*v) : nullptr;
+    if (items == nullptr) return "not a mapping";
+    const std::string only = ", and rule set " + rules.name() + " computes the model only with ";
+    for (const HfConfigField& entry : c.entries) {
+      const std::string name = f.key + "." + entry.key;
+      const Value* given = Find(*v, entry.key);
+      const std::string wanted = entry.paths.empty() ? entry.literal->DebugString(40) : "a value (" + entry.paths.front() + ")";
+      if (given == nullptr) return "no " + name + only + wanted + " there";
+      if (entry.paths.empty() && !SameValue(*given, *entry.literal)) {
+        return name + " = " + given->DebugString(40) + only + wanted;
+      }
+    }
+    for (const auto& [key, value] : *items) {
+      const std::string name = key.is(Value::Kind::kString) ? key.as_string() : key.DebugString(40);
+      if (std::none_of(c.entries.begin(), c.entries.end(), [&](const HfConfigField& e) { return e.key == name; })) {
+        return f.key + "." + name + " = " + value.DebugString(40) + ", which rule set " + rules.name() +
+               " has no place for";
+      }
+    }
+    return "";
   }
 
   Status FromPath(const HfConfigField& f, const Value* v) {

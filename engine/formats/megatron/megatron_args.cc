@@ -148,6 +148,9 @@ void PositionEmbedding(Value* args, std::vector<std::string>* changes) {
   if (Find(*args, "position_embedding_type") != nullptr) Write(args, "add_position_embedding", Value::Bool(true), changes);
 }
 
+// Megatron-LM's --rotary-base default.
+constexpr int64_t kDefaultRotaryBase = 10000;
+
 // rotary_base (an int, default 10000) from the fork's rope_theta.
 void RotaryBase(Value* args, std::vector<std::string>* changes) {
   const Value* theta = Find(*args, "rope_theta");
@@ -183,6 +186,14 @@ std::vector<std::string> ArchitectureFlags(const Value& args) {
     flags.push_back("--untie-embeddings-and-output-weights");
   }
   if (!BoolField(args, "add_bias_linear", true)) flags.push_back("--disable-bias-linear");
+  if (BoolField(args, "add_qkv_bias", false)) flags.push_back("--add-qkv-bias");
+  if (const std::optional<int64_t> base = IntField(args, "rotary_base"); base && *base != kDefaultRotaryBase) {
+    flags.push_back("--rotary-base " + std::to_string(*base));
+  }
+  if (BoolField(args, "use_rope_scaling", false)) {
+    const Value* factor = Find(args, "rope_scaling_factor");
+    flags.push_back("--use-rope-scaling" + (factor != nullptr ? " --rope-scaling-factor " + factor->DebugString() : ""));
+  }
   return flags;
 }
 

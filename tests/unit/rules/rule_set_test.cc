@@ -615,7 +615,8 @@ TEST(RuleSetBuiltin, EveryFileLoads) {
   for (const RuleSet& rs : *sets) names.push_back(rs.name());
   // In file-name order: megatron-gpt2-moe.yaml sorts before megatron-gpt2.yaml.
   std::vector<std::string> want = {"bigscience-bloom",  "bigscience-glu",     "megatron-core-gpt", "megatron-gpt2-moe",
-                                   "megatron-gpt2",     "megatron-llama-tied", "megatron-llama"};
+                                   "megatron-gpt2",     "megatron-llama-tied", "megatron-llama",    "qwen2-tied",
+                                   "qwen2"};
   EXPECT_EQ(names, want);
 }
 
@@ -685,6 +686,14 @@ const Inventory kInventories[] = {
       {"block",
        {"input_layernorm.weight", "self_attention.query_key_value.weight", "self_attention.dense.weight",
         "post_attention_layernorm.weight", "mlp.dense_h_to_4h.weight", "mlp.dense_4h_to_h.weight"}},
+      {"final_norm", {"weight"}},
+      {"head", {"lm_head.weight"}}}},
+    {"qwen2",
+     {{"embedding", {"word_embeddings.weight"}},
+      {"block",
+       {"input_layernorm.weight", "self_attention.query_key_value.weight", "self_attention.query_key_value.bias",
+        "self_attention.dense.weight", "post_attention_layernorm.weight", "mlp.dense_h_to_4h.weight",
+        "mlp.dense_4h_to_h.weight"}},
       {"final_norm", {"weight"}},
       {"head", {"lm_head.weight"}}}},
 };
@@ -832,7 +841,7 @@ TEST(RuleSetBuiltin, UnknownNameListsTheBuiltins) {
   EXPECT_EQ(rs.status().code(), Status::Code::kInvalidInput);
   EXPECT_EQ(rs.status().message(),
             "unknown rule set 'gpt3'; built-in: bigscience-bloom, bigscience-glu, megatron-core-gpt, megatron-gpt2-moe, "
-            "megatron-gpt2, megatron-llama-tied, megatron-llama; or pass the path of a rule file");
+            "megatron-gpt2, megatron-llama-tied, megatron-llama, qwen2-tied, qwen2; or pass the path of a rule file");
 }
 
 TEST(RuleSetBuiltin, MissingFileIsNotTakenForAName) {
@@ -966,6 +975,42 @@ TEST(RuleSetHf, ItsPathsCanBeSet) {
                            "args.apply_layernorm_1p", "args.num_key_value_heads"}) {
     EXPECT_TRUE(paths.count(path)) << path;
   }
+}
+
+// Megatron-Core's RoPE scaling: a case whose value is a mapping of literals
+// and paths, and a null case; the Megatron-DeepSpeed model refuses it.
+TEST(RuleSetHf, ACaseValueMayBeAMappingOrNull) {
+  Result<RuleSet> rs = RuleSet::LoadString(
+      TinyHf({{9, "  tied_module: embed\n  requires: {use_rope_scaling: '!true'}"},
+              {32, "    rope_scaling:\n"
+                   "      - when: {use_rope_scaling: true}\n"
+                   "        value: {rope_type: llama3, factor: [args.rope_scaling_factor, 8.0], low_freq_factor: 1.0}\n"
+                   "        why_not: only these\n"
+                   "      - {when: {use_rope_scaling: '!true'}, value: null}"}}),
+      "t.yaml");
+  ASSERT_TRUE(rs.ok()) << rs.status().message();
+  const HfConfigField& scaling = rs->hf()->config[5];
+  ASSERT_EQ(scaling.cases.size(), 2u);
+  const HfConfigField::Case& scaled = scaling.cases[0];
+  EXPECT_EQ(scaled.value, nullptr);
+  EXPECT_EQ(scaled.why_not, "only these");
+  ASSERT_EQ(scaled.entries.size(), 3u);
+  EXPECT_EQ(scaled.entries[0].literal->as_string(), "llama3");
+  EXPECT_EQ(scaled.entries[1].key, "factor");
+  EXPECT_EQ(scaled.entries[1].paths, std::vector<std::string>{"args.rope_scaling_factor"});
+  EXPECT_EQ(scaled.entries[1].literal->as_float(), 8.0);
+  EXPECT_EQ(scaled.entries[2].literal->as_float(), 1.0);  // a number, not a path
+  EXPECT_TRUE(scaling.cases[1].value->is_none());
+  EXPECT_EQ(rs->pipeline_requirements(), (ArgConditions{{"use_rope_scaling", "!true"}}));
+  for (const char* path : {"args.rope_scaling_factor", "args.use_rope_scaling"}) {
+    EXPECT_TRUE(rs->ValuePaths().count(path)) << path;
+  }
+  EXPECT_NE(ErrorOf(TinyHf({{32, "    rope_scaling:\n      - {when: {a: true}, value: [1, 2]}"}}))
+                .find("t.yaml:33: a case of hf.config.rope_scaling needs when: {args field: value}, a value"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf(TinyHf({{9, "  tied_module: embed\n  requires: [use_rope_scaling]"}}))
+                .find("t.yaml:10: pipeline.requires must be a mapping"),
+            std::string::npos);
 }
 
 TEST(RuleSetHf, ErrorsNameTheLine) {

@@ -29,9 +29,9 @@ class HfConfigTest : public ::testing::Test {
     HfConfigField f;
     f.key = "activation_function";
     f.line = 7;
-    f.cases = {{{{"openai_gelu", "true"}}, std::make_shared<const Value>(Value::String("gelu_new"))},
-               {{{"bias_gelu_fusion", "true"}}, std::make_shared<const Value>(Value::String("gelu_new"))},
-               {{{"bias_gelu_fusion", "false"}}, std::make_shared<const Value>(Value::String("gelu"))}};
+    f.cases = {{{{"openai_gelu", "true"}}, std::make_shared<const Value>(Value::String("gelu_new")), {}, ""},
+               {{{"bias_gelu_fusion", "true"}}, std::make_shared<const Value>(Value::String("gelu_new")), {}, ""},
+               {{{"bias_gelu_fusion", "false"}}, std::make_shared<const Value>(Value::String("gelu")), {}, ""}};
     return f;
   }
 
@@ -73,6 +73,28 @@ TEST_F(HfConfigTest, NoCaseHolding) {
   EXPECT_NE(v.status().message().find("config.json activation_function depends on args.bias_gelu_fusion, "
                                       "args.openai_gelu (hf.config line 7)"),
             std::string::npos);
+}
+
+// Llama 3's rope_scaling as Megatron-Core computes it: a mapping whose factor
+// is read from the args (Megatron's default 8 when they do not record it).
+TEST_F(HfConfigTest, AMappingCaseReadsItsEntries) {
+  HfConfigField scaling;
+  scaling.key = "rope_scaling";
+  const Value factor_default = Value::Float(8.0), original = Value::Int(8192);
+  HfConfigField::Case scaled{{{"use_rope_scaling", "true"}}, nullptr, {}, ""};
+  scaled.entries = {Path("factor", {"args.rope_scaling_factor"}, &factor_default),
+                    Path("original_max_position_embeddings", {}, &original)};
+  scaling.cases = {scaled, {{{"use_rope_scaling", "!true"}}, std::make_shared<const Value>(Value::None()), {}, ""}};
+  HfExport hf;
+  hf.architecture = "LlamaForCausalLM";
+  hf.config = {scaling};
+  auto json = [&] { return *HfConfigJson(hf, RuleInputs{metadata_, settings_}, 100, DType::kBFloat16); };
+  EXPECT_NE(json().find("\"rope_scaling\": null"), std::string::npos) << json();
+  Arg(&metadata_, "use_rope_scaling", Value::Bool(true));
+  EXPECT_NE(json().find("\"rope_scaling\": {\"factor\": 8.0, \"original_max_position_embeddings\": 8192}"),
+            std::string::npos) << json();
+  Arg(&metadata_, "rope_scaling_factor", Value::Float(32.0));
+  EXPECT_NE(json().find("\"rope_scaling\": {\"factor\": 32.0, "), std::string::npos) << json();
 }
 
 TEST_F(HfConfigTest, TheFile) {

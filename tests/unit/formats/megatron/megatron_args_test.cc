@@ -129,7 +129,23 @@ TEST(MegatronArgsTest, MicrosoftArchitectureAsMegatronLmReadsIt) {
   EXPECT_NE(notes[0].find("num_experts=None"), std::string::npos) << notes[0];
   EXPECT_EQ(notes[1], "megatron: load with --use-checkpoint-args, or give the architecture on the command line: "
                       "--position-embedding-type rope --normalization RMSNorm --swiglu --group-query-attention "
-                      "--num-query-groups 4 --untie-embeddings-and-output-weights --disable-bias-linear");
+                      "--num-query-groups 4 --untie-embeddings-and-output-weights --disable-bias-linear "
+                      "--rotary-base 500000");
+}
+
+// Megatron-Core's Llama 3 RoPE scaling and Qwen2's QKV-only bias, as an HF
+// import records them, are flags of their own.
+TEST(MegatronArgsTest, RopeScalingAndQkvBiasFlags) {
+  std::vector<std::string> notes;
+  MegatronArgs(MakeNamespace({{Value::String("add_bias_linear"), Value::Bool(false)},
+                              {Value::String("add_qkv_bias"), Value::Bool(true)},
+                              {Value::String("use_rope_scaling"), Value::Bool(true)},
+                              {Value::String("rope_scaling_factor"), Value::Float(32.0)},
+                              {Value::String("rotary_base"), Value::Int(10000)}}),
+               kLayout, &notes);
+  ASSERT_FALSE(notes.empty());
+  EXPECT_EQ(notes.back(), "megatron: load with --use-checkpoint-args, or give the architecture on the command line: "
+                          "--disable-bias-linear --add-qkv-bias --use-rope-scaling --rope-scaling-factor 32.0");
 }
 
 TEST(MegatronArgsTest, MultiHeadAttentionHasNoQueryGroups) {
