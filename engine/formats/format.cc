@@ -9,6 +9,7 @@
 #include "formats/hf/hf_folder.h"
 #include "formats/hf/hf_import.h"
 #include "formats/megatron/megatron_export.h"
+#include "formats/megatron/megatron_torch_import.h"
 #include "formats/megatron/torch_dist_export.h"
 #include "logical/settings.h"
 
@@ -78,12 +79,19 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenCheckpoint(const std::string& path
                                std::nullopt, Status::Ok()},
                               options);
   }
+  if (const std::string mlm = MegatronTorchFolder(path); !mlm.empty()) {
+    RESHARD_ASSIGN_OR_RETURN(MegatronTorchImport imported, ReadMegatronTorchImport(mlm, options));
+    return MakeImportedSource({std::move(imported.logical), mlm, std::move(imported.what), std::move(imported.files),
+                               std::move(imported.notes), std::nullopt, Status::Ok()},
+                              options);
+  }
   if (const std::string dcp = DcpCheckpointFolder(path); !dcp.empty()) return OpenDcp(dcp, options);
   RESHARD_ASSIGN_OR_RETURN(CheckpointFiles files, ScanCheckpoint(path));
   return OpenDeepSpeedCheckpoint(std::move(files), options);
 }
 
 std::string CheckpointFolder(const std::string& path) {
+  if (const std::string mlm = MegatronTorchFolder(path); !mlm.empty()) return mlm;
   const std::string dcp = DcpCheckpointFolder(path);
   return dcp.empty() ? FollowLatest(path) : dcp;
 }

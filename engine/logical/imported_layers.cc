@@ -24,40 +24,64 @@ std::optional<std::string> LiteralKey(const ParamRule& rule) {
 
 std::string LayerLabel(size_t id) { return "layer_" + std::string(id < 10 ? "0" : "") + std::to_string(id); }
 
-}  // namespace
+// One rule of a layer file of an imported model: the tensor it names.
+struct ImportedRule {
+  size_t id;             // the layer file's spec
+  const ParamRule* rule;
+  std::string key;       // the one key its pattern names
+  std::string name;      // canonical
+};
 
-Result<std::vector<LogicalLayer>> LayOutImported(const RuleSet& rules, int64_t blocks,
-                                                 const std::map<std::string, ImportedTensor>& tensors,
-                                                 const std::function<std::string(const std::string&)>& source_of,
-                                                 const std::string& what, ImportedRuns* runs) {
+// Every layer file of `rules`' first numbering with `blocks` blocks (id,
+// whether it owns a file) and the rules of those that do, in order.
+Result<std::vector<std::pair<size_t, std::vector<ImportedRule>>>> ImportedRules(const RuleSet& rules, int64_t blocks,
+                                                                                const std::string& what) {
   const std::vector<SpecEntry> specs = ExpandSpecs(rules.numberings().at(rules.first_numbering()), blocks);
-  std::vector<LogicalLayer> layers;
-  std::set<std::string> placed;
+  std::vector<std::pair<size_t, std::vector<ImportedRule>>> out;
   int block = -1;
   for (size_t id = 0; id < specs.size(); ++id) {
     if (specs[id].role == "block") ++block;
     if (!specs[id].OwnsFile()) continue;
+    out.emplace_back(id, std::vector<ImportedRule>{});
     auto role = rules.layers().find(specs[id].role);
-    Items items;
-    for (const ParamRule& rule : role == rules.layers().end() ? std::vector<ParamRule>{} : role->second) {
+    if (role == rules.layers().end()) continue;
+    for (const ParamRule& rule : role->second) {
       std::optional<std::string> key = LiteralKey(rule);
       if (!key) {
         return Status::Unsupported("rule set " + rules.name() + " matches " + specs[id].role + " keys with the "
                                    "pattern '" + rule.key_pattern + "' (line " + std::to_string(rule.line) +
                                    "), which names no one key; reading " + what + " needs literal keys");
       }
-      const std::string name = rule.CanonicalName(*key, static_cast<int>(id), specs[id].role == "block" ? block : -1);
-      auto it = tensors.find(name);
+      std::string name = rule.CanonicalName(*key, static_cast<int>(id), specs[id].role == "block" ? block : -1);
+      out.back().second.push_back({id, &rule, *key, std::move(name)});
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+Result<std::vector<LogicalLayer>> LayOutImported(const RuleSet& rules, int64_t blocks,
+                                                 const std::map<std::string, ImportedTensor>& tensors,
+                                                 const std::function<std::string(const std::string&)>& source_of,
+                                                 const std::string& what, ImportedRuns* runs) {
+  RESHARD_ASSIGN_OR_RETURN(auto files, ImportedRules(rules, blocks, what));
+  std::vector<LogicalLayer> layers;
+  std::set<std::string> placed;
+  for (const auto& [id, file_rules] : files) {
+    Items items;
+    for (const ImportedRule& r : file_rules) {
+      auto it = tensors.find(r.name);
       if (it == tensors.end()) {
-        if (!rule.RequiredIn(false)) continue;
-        const std::string stored = source_of(name);
-        return Status::InvalidInput(what + " lacks " + (stored.empty() ? name : stored) + ", which " + name +
+        if (!r.rule->RequiredIn(false)) continue;
+        const std::string stored = source_of(r.name);
+        return Status::InvalidInput(what + " lacks " + (stored.empty() ? r.name : stored) + ", which " + r.name +
                                     " of rule set " + rules.name() + " is made of" +
                                     (stored.empty() ? " (nothing is mapped to it)" : ""));
       }
-      items.emplace_back(Value::String(*key), it->second.tensor);
-      if (it->second.runs) runs->emplace(std::make_pair(static_cast<int>(id), *key), *it->second.runs);
-      placed.insert(name);
+      items.emplace_back(Value::String(r.key), it->second.tensor);
+      if (it->second.runs) runs->emplace(std::make_pair(static_cast<int>(id), r.key), *it->second.runs);
+      placed.insert(r.name);
     }
     LogicalLayer layer;
     layer.id = static_cast<int>(id);
@@ -73,6 +97,18 @@ Result<std::vector<LogicalLayer>> LayOutImported(const RuleSet& rules, int64_t b
     }
   }
   return layers;
+}
+
+Result<const ParamRule*> ImportedRuleOf(const RuleSet& rules, int64_t blocks, const std::string& name,
+                                        const std::string& what) {
+  RESHARD_ASSIGN_OR_RETURN(auto files, ImportedRules(rules, blocks, what));
+  for (const auto& file : files) {
+    for (const ImportedRule& r : file.second) {
+      if (r.name == name) return r.rule;
+    }
+  }
+  return Status::Unsupported(what + " holds " + name + ", which no layer of rule set " + rules.name() + " holds at " +
+                             Count(blocks, "block"));
 }
 
 void SetImportedLayoutArgs(DType weights, Value* metadata) {

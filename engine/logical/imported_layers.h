@@ -37,6 +37,11 @@ Result<std::vector<LogicalLayer>> LayOutImported(const RuleSet& rules, int64_t b
                                                  const std::function<std::string(const std::string&)>& source_of,
                                                  const std::string& what, ImportedRuns* runs);
 
+// The rule of canonical tensor `name` in LayOutImported's layers; an error
+// naming `what` when none holds it.
+Result<const ParamRule*> ImportedRuleOf(const RuleSet& rules, int64_t blocks, const std::string& name,
+                                        const std::string& what);
+
 // Sets the args a layout change rewrites to the imported model's layout
 // (TP 1, PP 1, DP 1), and the training dtype flags to the weights' dtype.
 void SetImportedLayoutArgs(DType weights, Value* metadata);

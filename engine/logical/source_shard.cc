@@ -2,7 +2,52 @@
 
 #include <algorithm>
 
+#include "util/shape.h"
+
 namespace reshard {
+namespace {
+
+// Elements between consecutive indices of each dim of a row-major `shape`.
+std::vector<int64_t> RowMajorStrides(const std::vector<int64_t>& shape) {
+  std::vector<int64_t> strides(shape.size(), 1);
+  for (size_t d = shape.size(); d-- > 1;) strides[d - 1] = strides[d] * shape[d];
+  return strides;
+}
+
+// Appends the runs of the rows of `piece`'s box `at` (of its slice `layer`
+// of the first axis when layer >= 0), each numbered by its element in a
+// row-major tensor of `strides`, less `skip` (the elements before the slice).
+void AppendRows(const SourceShard& piece, const Placement& at, int64_t layer, const std::vector<int64_t>& strides,
+                int64_t skip, int element, std::vector<SourceShard::Run>* runs) {
+  std::vector<int64_t> offsets = at.global.offsets, sizes = at.global.sizes, local = at.local;
+  if (layer >= 0) {
+    if (layer < offsets[0] || layer >= offsets[0] + sizes[0]) return;
+    local[0] += layer - offsets[0];
+    offsets[0] = layer;
+    sizes[0] = 1;
+  }
+  const std::vector<int64_t> local_strides = RowMajorStrides(piece.shape);
+  const int64_t row = sizes.empty() ? 1 : sizes.back();
+  const int64_t rows = row == 0 ? 0 : ShapeNumel(sizes) / row;
+  std::vector<int64_t> index(sizes.size(), 0);  // of the row's first element in the box
+  for (int64_t r = 0; r < rows; ++r) {
+    int64_t begin = -skip, from = 0;
+    for (size_t d = 0; d < index.size(); ++d) {
+      begin += (offsets[d] + index[d]) * strides[d];
+      from += (local[d] + index[d]) * local_strides[d];
+    }
+    for (SourceShard::Run& run : piece.RunsOf(from, row, element)) {
+      run.begin += begin;
+      runs->push_back(std::move(run));
+    }
+    for (int d = static_cast<int>(index.size()) - 2; d >= 0; --d) {  // the next row
+      if (++index[d] < sizes[d]) break;
+      index[d] = 0;
+    }
+  }
+}
+
+}  // namespace
 
 const uint8_t* TensorData(const Tensor& t) {
   return t.storage->bytes.data + t.storage_offset * ElementSize(t.storage->dtype);
@@ -16,6 +61,29 @@ SourceShard SourceShard::Of(const Tensor& tensor, ShardCoords at) {
   shard.shape = tensor.sizes;
   shard.runs.push_back({0, tensor.numel(), ByteView{file.owner, TensorData(tensor), size, file.mapped}});
   return shard;
+}
+
+SourceShard JoinRuns(const std::vector<SourceShard>& pieces, const std::vector<int64_t>& shape, int element_size,
+                     int64_t layer) {
+  const std::vector<int64_t> strides = RowMajorStrides(shape);
+  const int64_t skip = layer >= 0 ? layer * strides[0] : 0;
+  std::vector<SourceShard::Run> runs;
+  for (const SourceShard& piece : pieces) {
+    for (const Placement& at : piece.placements) AppendRows(piece, at, layer, strides, skip, element_size, &runs);
+  }
+  std::sort(runs.begin(), runs.end(), [](const auto& a, const auto& b) { return a.begin < b.begin; });
+  SourceShard out;
+  out.shape.assign(shape.begin() + (layer >= 0 ? 1 : 0), shape.end());
+  for (SourceShard::Run& run : runs) {
+    SourceShard::Run* last = out.runs.empty() ? nullptr : &out.runs.back();
+    if (last != nullptr && last->begin + last->numel == run.begin && last->bytes.data + last->bytes.size == run.bytes.data) {
+      last->numel += run.numel;
+      last->bytes.size += run.bytes.size;
+    } else {
+      out.runs.push_back(std::move(run));
+    }
+  }
+  return out;
 }
 
 int64_t SourceShard::numel() const {

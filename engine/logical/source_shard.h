@@ -54,6 +54,15 @@ struct SourceShard {
   std::vector<Run> RunsOf(int64_t begin, int64_t n, int element_size) const;
 };
 
+// The elements of a tensor of `shape`, or of its slice `layer` along its
+// first axis (layer >= 0), in row-major order as runs of the bytes of
+// `pieces`, each holding the boxes its placements give (a DCP chunk, a TP
+// rank's piece of a split tensor): nothing is copied. Neighbouring runs in
+// both the element order and the file are merged. REQUIRES: the placements
+// tile the tensor (or the slice) without overlap.
+SourceShard JoinRuns(const std::vector<SourceShard>& pieces, const std::vector<int64_t>& shape, int element_size,
+                     int64_t layer);
+
 // First byte of a contiguous tensor's elements (inside its mapped storage).
 const uint8_t* TensorData(const Tensor& t);
 

@@ -142,6 +142,23 @@ class FixtureTestCase(unittest.TestCase):
         return make_fixture(self.path(name), **kw)
 
 
+def layer_file_differences(want, got, vocab):
+    """Differences between two folders' layer files ({name: state dict}, as torch.load gives them)
+    in the true vocabulary rows: the padding rows are re-made (zeros) where the TP changes, so
+    only the first `vocab` rows over the TP ranks are the model's."""
+    out = [] if sorted(got) == sorted(want) else [f'layer files {sorted(got)} vs {sorted(want)}']
+    for layer, tensors in want.items():
+        rank = int(layer.split('-model_')[1][:2])
+        theirs = dict(got.get(layer, {}))
+        tensors = dict(tensors)
+        for key in ('word_embeddings.weight', 'lm_head.weight'):
+            if key in tensors and key in theirs:
+                rows = max(0, min(vocab - rank * len(tensors[key]), len(tensors[key])))
+                tensors[key], theirs[key] = tensors[key][:rows], theirs[key][:rows]
+        out += differences(theirs, tensors, layer)
+    return out
+
+
 def differences(a, b, where=''):
     """Structural + bitwise differences of two unpickled objects (tensors: dtype, shape, bits;
     dicts: key order; objects: class and vars())."""

@@ -55,64 +55,10 @@ class ContentReader {
   DcpContent& c_;
 };
 
-// Elements between consecutive indices of each dim of a row-major `shape`.
-std::vector<int64_t> RowMajorStrides(const std::vector<int64_t>& shape) {
-  std::vector<int64_t> strides(shape.size(), 1);
-  for (size_t d = shape.size(); d-- > 1;) strides[d - 1] = strides[d] * shape[d];
-  return strides;
-}
-
-// Appends the runs of `chunk`'s rows (of its slice `layer` of the first axis
-// when layer >= 0), each numbered by its element in a row-major tensor of
-// `strides`.
-void AppendRows(const SourceShard& chunk, int64_t layer, const std::vector<int64_t>& strides, int element,
-                std::vector<SourceShard::Run>* runs) {
-  std::vector<int64_t> offsets = chunk.placements[0].global.offsets, sizes = chunk.placements[0].global.sizes;
-  int64_t skip = 0;  // elements of the chunk before the slice
-  if (layer >= 0) {
-    if (layer < offsets[0] || layer >= offsets[0] + sizes[0]) return;
-    skip = (layer - offsets[0]) * ShapeNumel({sizes.begin() + 1, sizes.end()});
-    offsets.erase(offsets.begin());
-    sizes.erase(sizes.begin());
-  }
-  const int64_t row = sizes.empty() ? 1 : sizes.back();
-  const int64_t rows = row == 0 ? 0 : ShapeNumel(sizes) / row;
-  std::vector<int64_t> at(sizes.size(), 0);  // index of the row's first element in the chunk
-  for (int64_t r = 0; r < rows; ++r) {
-    int64_t begin = 0;
-    for (size_t d = 0; d < at.size(); ++d) begin += (offsets[d] + at[d]) * strides[d];
-    for (SourceShard::Run& run : chunk.RunsOf(skip + r * row, row, element)) {
-      run.begin += begin;
-      runs->push_back(std::move(run));
-    }
-    for (int d = static_cast<int>(at.size()) - 2; d >= 0; --d) {  // the next row
-      if (++at[d] < sizes[d]) break;
-      at[d] = 0;
-    }
-  }
-}
-
 }  // namespace
 
 SourceShard SliceRuns(const DcpTensor& t, int64_t layer) {
-  const std::vector<int64_t> shape(t.size.begin() + (layer >= 0 ? 1 : 0), t.size.end());
-  const std::vector<int64_t> strides = RowMajorStrides(shape);
-  const int element = ElementSize(t.dtype);
-  std::vector<SourceShard::Run> runs;
-  for (const SourceShard& chunk : t.shards) AppendRows(chunk, layer, strides, element, &runs);
-  std::sort(runs.begin(), runs.end(), [](const auto& a, const auto& b) { return a.begin < b.begin; });
-  SourceShard out;
-  out.shape = shape;
-  for (SourceShard::Run& run : runs) {  // neighbours in the element order and in the file make one run
-    SourceShard::Run* last = out.runs.empty() ? nullptr : &out.runs.back();
-    if (last != nullptr && last->begin + last->numel == run.begin && last->bytes.data + last->bytes.size == run.bytes.data) {
-      last->numel += run.numel;
-      last->bytes.size += run.bytes.size;
-    } else {
-      out.runs.push_back(std::move(run));
-    }
-  }
-  return out;
+  return JoinRuns(t.shards, t.size, ElementSize(t.dtype), layer);
 }
 
 const DcpTensor* DcpContent::FindTensor(const std::string& fqn) const {

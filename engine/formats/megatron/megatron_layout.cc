@@ -1,5 +1,7 @@
 #include "formats/megatron/megatron_layout.h"
 
+#include <re2/re2.h>
+
 #include <cstdio>
 
 #include "util/strings.h"
@@ -34,6 +36,20 @@ std::string MegatronFileName(int64_t iteration, int tp_rank, int pp_rank, int pp
                   static_cast<long long>(iteration), tp_rank, pp_rank);
   }
   return name;
+}
+
+std::optional<RankFolder> ParseRankFolder(const std::string& name) {
+  static const RE2 folder("mp_rank_([0-9]{2})(?:_([0-9]{3}))?");
+  std::string tp, pp;
+  RankFolder out;
+  if (!RE2::FullMatch(name, folder, &tp, &pp)) return std::nullopt;
+  out.staged = !pp.empty();
+  int64_t t = 0, p = 0;
+  ParseInt(tp, &t);
+  if (out.staged) ParseInt(pp, &p);
+  out.tp_rank = static_cast<int>(t);
+  out.pp_rank = static_cast<int>(p);
+  return out;
 }
 
 Result<int> BlocksPerStage(int blocks, int pp) {
@@ -98,6 +114,14 @@ Result<std::string> LayerKey(const std::string& stacked, int local_block) {
   }
   const size_t prefix = sizeof(kLayers) - 1;
   return stacked.substr(0, prefix) + std::to_string(local_block) + "." + stacked.substr(prefix);
+}
+
+std::optional<std::pair<std::string, int>> SplitLayerKey(const std::string& key) {
+  static const RE2 layer("decoder\\.layers\\.([0-9]+)\\.(.+)");
+  std::string index, rest;
+  int64_t local = 0;
+  if (!RE2::FullMatch(key, layer, &index, &rest) || !ParseInt(index, &local)) return std::nullopt;
+  return std::make_pair(std::string(kLayers) + rest, static_cast<int>(local));
 }
 
 int StageOfModule(const std::string& key, int pp) {

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "formats/format.h"
@@ -24,6 +25,15 @@ inline constexpr char kLatestIterationFile[] = "latest_checkpointed_iteration.tx
 // "iter_0000010/mp_rank_01/model_optim_rng.pt" when pp == 1, else
 // "iter_0000010/mp_rank_01_002/model_optim_rng.pt".
 std::string MegatronFileName(int64_t iteration, int tp_rank, int pp_rank, int pp);
+
+// The name of a rank's folder (MegatronFileName's middle part):
+// "mp_rank_01" -> {1, 0, false}, "mp_rank_01_002" -> {1, 2, true}; nullopt
+// for any other name.
+struct RankFolder {
+  int tp_rank = 0, pp_rank = 0;
+  bool staged = false;  // named with a pipeline rank (PP > 1)
+};
+std::optional<RankFolder> ParseRankFolder(const std::string& name);
 
 // Blocks per pipeline stage: Megatron-LM gives every stage num_layers / PP
 // consecutive blocks and refuses a PP that does not divide them.
@@ -61,6 +71,11 @@ DType WrittenDType(const RankTensor& t, const std::optional<DType>& dtype);
 // "decoder.layers.1.mlp.linear_fc1.weight", as a stage numbers its layers
 // from 0.
 Result<std::string> LayerKey(const std::string& stacked, int local_block);
+
+// LayerKey backwards: "decoder.layers.1.mlp.linear_fc1.weight" ->
+// {"decoder.layers.mlp.linear_fc1.weight", 1}; nullopt when `key` is not a
+// layer's.
+std::optional<std::pair<std::string, int>> SplitLayerKey(const std::string& key);
 
 // Whether a torch_dist key or module is one per layer ("decoder.layers....").
 bool IsLayerKey(const std::string& key);

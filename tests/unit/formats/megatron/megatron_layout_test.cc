@@ -17,6 +17,34 @@ TEST(MegatronLayoutTest, FileNamesHaveThePipelineRankOnlyWithPipelining) {
   EXPECT_EQ(MegatronFileName(12345678, 0, 1, 2), "iter_12345678/mp_rank_00_001/model_optim_rng.pt");
 }
 
+TEST(MegatronLayoutTest, RankFoldersAreReadBack) {
+  std::optional<RankFolder> plain = ParseRankFolder("mp_rank_03");
+  ASSERT_TRUE(plain);
+  EXPECT_EQ(plain->tp_rank, 3);
+  EXPECT_EQ(plain->pp_rank, 0);
+  EXPECT_FALSE(plain->staged);
+  std::optional<RankFolder> staged = ParseRankFolder("mp_rank_12_104");
+  ASSERT_TRUE(staged);
+  EXPECT_EQ(staged->tp_rank, 12);
+  EXPECT_EQ(staged->pp_rank, 104);
+  EXPECT_TRUE(staged->staged);
+  // DeepSpeed's files and anything else beside them are not rank folders.
+  for (const char* other : {"mp_rank_00_model_states.pt", "mp_rank_1", "mp_rank_00_01", "xmp_rank_00", "latest"}) {
+    EXPECT_FALSE(ParseRankFolder(other)) << other;
+  }
+}
+
+TEST(MegatronLayoutTest, LayerKeysSplitIntoTheStackedKeyAndTheLocalIndex) {
+  std::optional<std::pair<std::string, int>> layer = SplitLayerKey("decoder.layers.11.mlp.linear_fc1.weight");
+  ASSERT_TRUE(layer);
+  EXPECT_EQ(layer->first, "decoder.layers.mlp.linear_fc1.weight");
+  EXPECT_EQ(layer->second, 11);
+  EXPECT_EQ(*LayerKey(layer->first, layer->second), "decoder.layers.11.mlp.linear_fc1.weight");
+  EXPECT_FALSE(SplitLayerKey("decoder.final_layernorm.weight"));
+  EXPECT_FALSE(SplitLayerKey("decoder.layers.x.mlp.linear_fc1.weight"));
+  EXPECT_FALSE(SplitLayerKey("embedding.word_embeddings.weight"));
+}
+
 TEST(MegatronLayoutTest, StagesTakeEqualBlocks) {
   EXPECT_EQ(*BlocksPerStage(24, 4), 6);
   EXPECT_EQ(*BlocksPerStage(6, 6), 1);
