@@ -185,6 +185,12 @@ void CompareMetadata(const SourceCheckpoint& a, const SourceCheckpoint& b, Verif
     report->differences.push_back("iteration: " + std::to_string(a.info().iteration) + " vs " +
                                   std::to_string(b.info().iteration));
   }
+  for (const SourceCheckpoint* side : {&a, &b}) {
+    if (side->info().records_run_state) continue;
+    report->notes.push_back(std::string(side == &a ? "A" : "B") + "'s format keeps no learning-rate scheduler or "
+                            "sample counters: lr_scheduler, global_samples and skipped_steps not compared");
+    return;
+  }
   for (const char* key : {"lr_scheduler", "global_samples", "skipped_steps"}) {
     const Value* va = Find(a.info().metadata, key);
     const Value* vb = Find(b.info().metadata, key);

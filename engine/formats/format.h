@@ -106,6 +106,9 @@ struct SourceInfo {
   // How the source's format laid its optimizer state out, where it names
   // it (torch_dist: "dp_reshardable"): an export to that format keeps it.
   std::string optimizer_layout;
+  // False for a format that keeps no learning-rate scheduler or sample
+  // counters (an import's metadata is a fresh run's): verify leaves them out.
+  bool records_run_state = true;
   // Why no rule set describes a checkpoint that one was looked for (a
   // torch_dist folder whose family's rules refused it): what the refusals
   // of commands that need one add.

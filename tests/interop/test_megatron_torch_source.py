@@ -62,11 +62,10 @@ class MegatronTorchSourceTest(FixtureTestCase):
                     with self.subTest(family=family, spec=spec, tp=tp, pp=pp):
                         mlm = self.export(src, self.path(f'{family}_{spec}_{tp}{pp}'), tp, pp, spec)
                         # Every tensor is equal; the torch format does not carry the learning-rate
-                        # scheduler and the sample counter (as torch_dist does not).
+                        # scheduler and the sample counters (as torch_dist does not): left out, said.
                         p = run('verify', src, mlm)
-                        self.assertEqual(re.findall(r'differs: (.*)', p.stdout),
-                                         ['lr_scheduler differs', 'global_samples differs'], p.stdout + p.stderr)
-                        self.assertNotIn('elements differ', p.stdout)
+                        self.assertIn('same model', p.stdout, p.stdout + p.stderr)
+                        self.assertIn("B's format keeps no learning-rate scheduler or sample counters", p.stdout)
                         self.assertEqual(tensors_compared(p.stdout), tensors_compared(run('verify', src, src).stdout))
                         back = self.path(f'{family}_{spec}_{tp}{pp}_back')
                         # Megatron-LM's args record the padded vocabulary only: the true size is given.
