@@ -74,7 +74,9 @@ TEST(TouchedPagesTest, ReleasedPagesLeaveResidentMemory) {
   EXPECT_EQ(sum, size / 4096);
   EXPECT_GT(ResidentBytes() - before, 48 * kMiB);
   pages.Release();
-  EXPECT_LT(ResidentBytes() - before, 8 * kMiB);
+  // Far below the 64 MiB touched; not tight: the allocator's own pages (more
+  // under AddressSanitizer) move resident memory by a few pages either way.
+  EXPECT_LT(ResidentBytes() - before, 16 * kMiB);
 }
 
 }  // namespace
