@@ -8,6 +8,7 @@
 #include "formats/hf/hf_export.h"
 #include "formats/hf/hf_folder.h"
 #include "formats/hf/hf_import.h"
+#include "formats/hf/torchtitan_import.h"
 #include "formats/megatron/megatron_export.h"
 #include "formats/megatron/megatron_torch_import.h"
 #include "formats/megatron/torch_dist_export.h"
@@ -23,9 +24,39 @@ constexpr char kNoRules[] = "none";
 // A Megatron-Core torch_dist folder is read as the pipeline model its
 // family's rules describe; any other DCP folder, or one no built-in rule set
 // reads, as what it is.
+// Every tensor of `content` whole, as runs of its chunks, and its objects.
+DcpTensors TensorsOf(const DcpContent& content) {
+  DcpTensors out{content.folder, content.Paths(), {}, content.bytes_items,
+                 [&content](const std::string& key) { return content.ReadBytes(key); }};
+  for (const DcpTensor& t : content.tensors) {
+    auto unread = [fqn = t.fqn](int64_t, int64_t, uint8_t*) {
+      return Status::Internal(fqn + " is read through its runs, not its placeholder tensor");
+    };
+    out.tensors[t.fqn] = ImportedTensor{MakeProducedTensor(t.dtype, t.size, unread), SliceRuns(t, -1)};
+  }
+  return out;
+}
+
+// A DCP folder of torchtitan's model, read as its family's pipeline model;
+// any other, or one no family reads, as what it is.
+Result<std::unique_ptr<SourceCheckpoint>> OpenTorchtitan(DcpContent content, const CommonOptions& options) {
+  const DcpTensors tensors = TensorsOf(content);
+  if (!LooksLikeTorchtitan(tensors, options.rules)) return OpenDcpCheckpoint(std::move(content), "");
+  Result<TorchtitanImport> imported = ReadTorchtitanImport(tensors, options);
+  if (!imported.ok()) {
+    if (!options.rules.empty()) return imported.status();
+    return OpenDcpCheckpoint(std::move(content), imported.status().message());
+  }
+  return MakeImportedSource({std::move(imported->logical), content.folder, std::move(imported->what),
+                             std::move(imported->files), std::move(imported->notes), std::move(imported->optimizer),
+                             imported->optimizer_status},
+                            options);
+}
+
 Result<std::unique_ptr<SourceCheckpoint>> OpenDcp(const std::string& folder, const CommonOptions& options) {
   RESHARD_ASSIGN_OR_RETURN(DcpContent content, ReadDcpContent(folder));
-  if (!IsTorchDistFolder(folder) || options.rules == kNoRules) return OpenDcpCheckpoint(std::move(content), "");
+  if (options.rules == kNoRules) return OpenDcpCheckpoint(std::move(content), "");
+  if (!IsTorchDistFolder(folder)) return OpenTorchtitan(std::move(content), options);
   Result<TorchDistImport> imported = ReadTorchDistImport(content, options);
   if (!imported.ok()) {
     if (!options.rules.empty() || imported.status().code() != Status::Code::kUnsupported) return imported.status();

@@ -9,11 +9,13 @@
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <fstream>
 #include <sstream>
 
 #include "container/regular_file.h"
 #include "pickle/value.h"
+#include "rules/size_expression.h"
 #include "util/strings.h"
 
 namespace reshard {
@@ -47,7 +49,7 @@ int LineOf(const YAML::Node& n, int fallback) {
 
 const std::vector<std::string> kTopFields = {"name",  "description",      "detect", "pipeline",
                                              "vocab", "optimizer_groups", "layers", "module_paths",
-                                             "hf",    "torch_dist"};
+                                             "hf",    "torch_dist",       "torchtitan"};
 const std::vector<std::string> kDetectFields = {"metadata_keys", "absent_metadata_keys", "args"};
 const std::vector<std::string> kPipelineFields = {"specs", "partition_method", "tied_module", "requires"};
 const std::vector<std::string> kPartitionFields = {"arg", "default"};
@@ -67,6 +69,8 @@ const std::vector<std::string> kTorchDistFields = {"args",       "tensors",     
                                                    "torch_extra_state", "te_extra_state", "tied_head"};
 const std::vector<std::string> kTorchDistArgFields = {"from", "value", "when"};
 const std::vector<std::string> kTorchDistTensorFields = {"name", "key", "local", "shape"};
+const std::vector<std::string> kTorchtitanFields = {"config", "tensors"};
+const std::vector<std::string> kTorchtitanTensorFields = {"hf", "key", "interleaved_heads"};
 // config.json keys the exporter writes itself, from the checkpoint's tensors.
 const std::vector<std::string> kHfDerivedKeys = {"architectures", "vocab_size", "torch_dtype"};
 
@@ -223,6 +227,7 @@ class RuleSetParser {
     if (const Field* f = Get(*fields, "module_paths")) ParseModulePaths(*f);
     if (const Field* f = Get(*fields, "hf")) ParseHf(*f);
     if (const Field* f = Get(*fields, "torch_dist")) ParseTorchDist(*f);
+    if (const Field* f = Get(*fields, "torchtitan")) ParseTorchtitan(*f);
     CheckConsistency();
   }
 
@@ -1040,6 +1045,88 @@ class RuleSetParser {
       layout.optimizer_order = ParseOptimizerOrder(*order, layout.tensors);
     }
     rs_->torch_dist_ = std::move(layout);
+  }
+
+  // ---- the torchtitan section: the HF model under torchtitan's keys -----------
+
+  void ParseTorchtitan(const Field& f) {
+    auto fields = ReadFields(f, "torchtitan", kTorchtitanFields);
+    if (!fields) return;
+    if (!rs_->hf_) {
+      Fail(f, "torchtitan maps the tensors of the hf section, which this file lacks; add an hf section");
+      return;
+    }
+    TorchtitanLayout layout;
+    layout.line = f.line;
+    if (const Field* c = Get(*fields, "config")) layout.config = ParseTorchtitanConfig(*c);
+    const Field* t = Get(*fields, "tensors");
+    if (t == nullptr || !t->node.IsSequence() || t->node.size() == 0) {
+      Fail(t ? *t : f, "torchtitan.tensors must be a non-empty list of {hf: <hf tensor name>, key: <torchtitan key or "
+                       "list of alternatives>}");
+      return;
+    }
+    for (const Field& item : Items(*t)) {
+      if (std::optional<TorchtitanTensor> tensor = ParseTorchtitanTensor(item)) layout.tensors.push_back(std::move(*tensor));
+    }
+    rs_->torchtitan_ = std::move(layout);
+  }
+
+  // config.json key -> a number (a literal) or a size expression.
+  std::vector<std::pair<std::string, std::string>> ParseTorchtitanConfig(const Field& f) {
+    std::vector<std::pair<std::string, std::string>> out;
+    if (!f.node.IsMap()) {
+      Fail(f, "torchtitan.config must be a mapping of config.json key -> number or size (e.g. tok_embeddings.weight[1])");
+      return out;
+    }
+    for (const auto& kv : f.node) {
+      const Field value{kv.second, LineOf(kv.first, f.line)};
+      const std::string key = kv.first.IsScalar() ? kv.first.Scalar() : "?";
+      auto text = ReadString(value, "torchtitan.config." + key);
+      if (!text) continue;
+      if (!IsNumber(*text)) CheckSize(value, *text);
+      out.emplace_back(key, *text);
+    }
+    return out;
+  }
+
+  static bool IsNumber(const std::string& text) {
+    char* end = nullptr;
+    std::strtod(text.c_str(), &end);
+    return !text.empty() && *end == '\0';
+  }
+
+  void CheckSize(const Field& f, const std::string& text) {
+    Result<SizeExpression> e = ParseSizeExpression(text);
+    if (!e.ok()) Fail(f, e.status().message());
+  }
+
+  std::optional<TorchtitanTensor> ParseTorchtitanTensor(const Field& f) {
+    const size_t errors_before = errors_.size();
+    auto fields = ReadFields(f, "a torchtitan.tensors entry", kTorchtitanTensorFields);
+    if (!fields) return std::nullopt;
+    TorchtitanTensor t;
+    t.line = f.line;
+    const Field* hf = Get(*fields, "hf");
+    const Field* key = Get(*fields, "key");
+    if (hf == nullptr || key == nullptr) {
+      Fail(f, "a torchtitan.tensors entry needs hf: <hf tensor name> and key: <torchtitan key or list of alternatives>");
+      return std::nullopt;
+    }
+    t.hf = ReadString(*hf, "torchtitan.tensors hf").value_or("");
+    const bool block = CheckHfTemplate(*hf, t.hf);
+    t.keys = key->node.IsSequence() ? ReadStringList(*key, "torchtitan.tensors key")
+                                    : std::vector<std::string>{ReadString(*key, "torchtitan.tensors key").value_or("")};
+    for (const std::string& k : t.keys) {
+      if (CheckHfTemplate(*key, k) != block) {
+        Fail(*key, "torchtitan key '" + k + "' and hf name '" + t.hf + "' must both have {block} or neither");
+      }
+    }
+    if (const Field* heads = Get(*fields, "interleaved_heads")) {
+      t.interleaved_heads = ReadString(*heads, "torchtitan.tensors interleaved_heads").value_or("");
+      CheckSize(*heads, t.interleaved_heads);
+    }
+    if (errors_.size() != errors_before) return std::nullopt;
+    return t;
   }
 
   // The keys of `tensors` in registration order: each a key of one entry,

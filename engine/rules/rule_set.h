@@ -258,6 +258,29 @@ struct HfExport {
   std::vector<std::pair<std::string, std::string>> tied;
 };
 
+// One tensor of a torchtitan checkpoint (`torchtitan.tensors`): the HF
+// tensor of the family's hf section it is, under torchtitan's key (several:
+// alternatives, as torchtitan versions name it; the first is written).
+struct TorchtitanTensor {
+  int line = 0;
+  std::string hf;                 // 'model.layers.{block}.self_attn.q_proj.weight'
+  std::vector<std::string> keys;  // 'layers.{block}.attention.wq.weight', ...
+  // The heads of a q or k projection whose rows torchtitan keeps as
+  // interleaved rotary pairs (row 2i, 2i+1 of a head are HF's rows i and
+  // hd/2 + i): a torchtitan.config expression; "" when the rows are HF's.
+  std::string interleaved_heads;
+};
+
+// How torchtitan stores the family (`torchtitan`): the HF model under other
+// keys. It records no model config: `config` gives config.json's fields as
+// expressions of the tensors' sizes (torchtitan_config.h), literals, or
+// nothing (then --set must).
+struct TorchtitanLayout {
+  int line = 0;
+  std::vector<std::pair<std::string, std::string>> config;  // config.json key -> expression
+  std::vector<TorchtitanTensor> tensors;
+};
+
 // One args value a torch_dist import records under the name these rules
 // read (`torch_dist.args`): Megatron-Core's args name some values otherwise
 // (num_query_groups for num_key_value_heads). Read from `from` (a metadata
@@ -371,6 +394,8 @@ class RuleSet {
   const HfExport* hf() const { return hf_ ? &*hf_ : nullptr; }
   // The `torch_dist` section, when the file declares one.
   const TorchDistLayout* torch_dist() const { return torch_dist_ ? &*torch_dist_ : nullptr; }
+  // The `torchtitan` section, when the file declares one (it needs hf).
+  const TorchtitanLayout* torchtitan() const { return torchtitan_ ? &*torchtitan_ : nullptr; }
 
   // Every metadata path a value is read from (sizes, vocabulary, partition
   // method, detection args): the keys `--set` may give.
@@ -396,6 +421,7 @@ class RuleSet {
   std::vector<ModulePath> module_paths_;
   std::optional<HfExport> hf_;
   std::optional<TorchDistLayout> torch_dist_;
+  std::optional<TorchtitanLayout> torchtitan_;
 };
 
 }  // namespace reshard

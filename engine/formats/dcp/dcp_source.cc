@@ -29,7 +29,7 @@ class DcpSource : public SourceCheckpoint {
  public:
   DcpSource(DcpContent content, std::string why_no_rules) : c_(std::move(content)) {
     SetInfo();
-    info_.no_rules_reason = std::move(why_no_rules);
+    SetReason(std::move(why_no_rules));
   }
 
   // The chunks were read and checked when the checkpoint was opened; what
@@ -90,6 +90,11 @@ class DcpSource : public SourceCheckpoint {
     info_.files = c_.Paths();
     info_.iteration = IterationOfFolder(c_.folder);
     info_.summary = Summary();
+  }
+
+  void SetReason(std::string why) {
+    info_.no_rules_reason = std::move(why);
+    info_.summary += info_.NoRulesWhy();
   }
 
   std::string Summary() const {

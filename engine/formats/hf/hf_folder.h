@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "logical/source_shard.h"
 #include "pickle/value.h"
 #include "reshard/status.h"
 
@@ -20,6 +21,13 @@ struct HfFolder {
   Value config;                          // config.json
   std::map<std::string, Value> tensors;  // every weight by name
   std::vector<std::string> files;        // config.json and the weight files
+  // Tensors whose elements lie in runs (an HF model read from another
+  // format's pieces): their `tensors` entry gives only dtype and shape.
+  std::map<std::string, SourceShard> runs;
+  // What the config is, for messages, when it is not files.front()'s
+  // config.json; and how a missing field is given ("add it to config.json or
+  // give" when empty).
+  std::string config_label, config_fix;
 };
 
 // Whether `path` is a folder holding config.json and weights transformers

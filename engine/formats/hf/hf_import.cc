@@ -111,6 +111,7 @@ Result<std::vector<RuleSet>> Families(const Value& config, const std::string& co
 struct ConfigReader {
   const Value& config;
   const std::string& config_path;
+  const std::string fix;  // how a missing field is given: "add it to config.json or give"
   const RuleSet& rules;
   const Value& settings;
   Value* metadata;
@@ -213,7 +214,7 @@ struct ConfigReader {
     // A fallback (another path or a literal) stands for transformers' default.
     if (f.paths.size() > 1 || f.literal || inputs().Find(path) != nullptr) return Status::Ok();
     return Status::InvalidInput(config_path + " has no " + f.key + ", which rule set " + rules.name() +
-                                " reads as " + path + " " + Where(f) + "; add it to config.json or give --set " +
+                                " reads as " + path + " " + Where(f) + "; " + fix + " --set " +
                                 (path.rfind("args.", 0) == 0 ? path.substr(5) : path) + "=VALUE");
   }
 
@@ -318,8 +319,8 @@ class TensorJoiner {
   }
 
   // The entry's HF tensors of `block`, transposed back where it says so.
-  Result<std::vector<Value>> Parts(const HfTensorMap& map, const std::string& block) {
-    std::vector<Value> parts;
+  Result<std::vector<Joined>> Parts(const HfTensorMap& map, const std::string& block) {
+    std::vector<Joined> parts;
     for (const std::string& to : map.to) {
       const std::string name = HfNameTemplate(to).With(block);
       auto it = folder_.tensors.find(name);
@@ -329,28 +330,27 @@ class TensorJoiner {
       }
       used_.insert(name);
       const Tensor& t = it->second.as_tensor();
-      if (map.transpose && t.sizes.size() != 2) {
+      auto runs = folder_.runs.find(name);
+      std::optional<SourceShard> shard;
+      if (runs != folder_.runs.end()) shard = runs->second;
+      if (map.transpose && (t.sizes.size() != 2 || shard)) {
         return Status::InvalidInput("the HF folder's " + name + " has shape " + ShapeString(t.sizes) + ", not the "
-                                    "matrix " + hf_.architecture + " stores transposed");
+                                    "matrix " + hf_.architecture + " stores transposed, whole in one file");
       }
       if (map.transpose) transposed_bytes_ += t.numel() * ElementSize(t.storage->dtype);
-      if (!map.transpose) {
-        parts.push_back(it->second);
-        continue;
-      }
-      parts.push_back(TransposedCopy(t));
+      parts.push_back({map.transpose ? TransposedCopy(t) : it->second, std::move(shard)});
     }
     return parts;
   }
 
   Result<Joined> JoinOne(const HfTensorMap& map, const std::string& name, const std::string& block) {
-    RESHARD_ASSIGN_OR_RETURN(std::vector<Value> parts, Parts(map, block));
-    const Tensor& first = parts.front().as_tensor();
+    RESHARD_ASSIGN_OR_RETURN(std::vector<Joined> parts, Parts(map, block));
+    const Tensor& first = parts.front().tensor.as_tensor();
     std::vector<int64_t> shape = first.sizes;
     if (shape.empty()) shape = {1};
     shape[0] = 0;
-    for (const Value& part : parts) {
-      const Tensor& t = part.as_tensor();
+    for (const Joined& part : parts) {
+      const Tensor& t = part.tensor.as_tensor();
       std::vector<int64_t> rest = t.sizes.empty() ? std::vector<int64_t>{1} : t.sizes;
       shape[0] += rest[0];
       rest[0] = shape[0];
@@ -365,7 +365,7 @@ class TensorJoiner {
     if (!parted.ok()) return Status::InvalidInput("config.json disagrees with the tensors: " + parted.status().message());
     const std::vector<HfPart>& want = *parted;
     for (size_t j = 0; j < parts.size(); ++j) {
-      const Tensor& t = parts[j].as_tensor();
+      const Tensor& t = parts[j].tensor.as_tensor();
       const int64_t rows = t.sizes.empty() ? 1 : t.sizes[0];
       if (rows != want[j].rows) {
         return Status::InvalidInput("config.json disagrees with the tensors: " + want[j].name + " has " +
@@ -373,7 +373,7 @@ class TensorJoiner {
                                     std::to_string(want[j].rows) + " of the " + std::to_string(shape[0]) + " of " + name);
       }
     }
-    if (parts.size() == 1 && want[0].runs.empty() && !map.transpose) return Joined{parts[0], std::nullopt};
+    if (parts.size() == 1 && want[0].runs.empty() && !map.transpose) return parts[0];
     // The placeholder only gives the shape and dtype: readers use the shard.
     auto unread = [name](int64_t, int64_t, uint8_t*) {
       return Status::Internal(name + " is read through its shard, not its placeholder tensor");
@@ -383,7 +383,7 @@ class TensorJoiner {
 
   // The canonical tensor's elements in order, as runs of the parts' bytes:
   // part j's rows fill, one after another, the canonical rows want[j] names.
-  static SourceShard Runs(const std::vector<Value>& parts, const std::vector<HfPart>& want,
+  static SourceShard Runs(const std::vector<Joined>& parts, const std::vector<HfPart>& want,
                           const std::vector<int64_t>& shape) {
     struct Piece {
       int64_t first, count;  // canonical rows
@@ -403,9 +403,17 @@ class TensorJoiner {
     const int64_t row_elements = shape.empty() || shape[0] == 0 ? 1 : ShapeNumel(shape) / shape[0];
     SourceShard shard;
     for (const Piece& p : pieces) {
-      const Tensor& t = parts[p.part].as_tensor();
-      const ByteView& file = t.storage->bytes;
+      const Joined& part = parts[p.part];
+      const Tensor& t = part.tensor.as_tensor();
       const size_t element = static_cast<size_t>(ElementSize(t.storage->dtype));
+      if (part.runs) {
+        for (SourceShard::Run run : part.runs->RunsOf(p.part_row * row_elements, p.count * row_elements, element)) {
+          run.begin += p.first * row_elements;
+          shard.runs.push_back(std::move(run));
+        }
+        continue;
+      }
+      const ByteView& file = t.storage->bytes;
       const uint8_t* data = TensorData(t) + p.part_row * row_elements * element;
       shard.runs.push_back({p.first * row_elements, p.count * row_elements,
                             ByteView{file.owner, data, static_cast<size_t>(p.count * row_elements) * element, file.mapped}});
@@ -421,6 +429,24 @@ class TensorJoiner {
   std::set<std::string> blocks_;
   int64_t transposed_bytes_ = 0;
 };
+
+// The elements of the folder's tensor `name`, as runs.
+SourceShard ShardOf(const HfFolder& folder, const std::string& name) {
+  auto runs = folder.runs.find(name);
+  return runs != folder.runs.end() ? runs->second : SourceShard::Of(folder.tensors.at(name).as_tensor(), {});
+}
+
+bool SameElements(const SourceShard& a, const SourceShard& b, int64_t numel, int element) {
+  constexpr int64_t kPiece = int64_t{1} << 18;
+  std::vector<uint8_t> x(static_cast<size_t>(std::min(numel, kPiece) * element)), y(x.size());
+  for (int64_t at = 0; at < numel; at += kPiece) {
+    const int64_t n = std::min(kPiece, numel - at);
+    a.Copy(at, n, element, x.data(), nullptr);
+    b.Copy(at, n, element, y.data(), nullptr);
+    if (!std::equal(x.begin(), x.begin() + n * element, y.begin())) return false;
+  }
+  return true;
+}
 
 // The folder's tensors as the architecture names them: "<prefix>." added
 // where the folder was saved from the base model (as transformers loads
@@ -446,8 +472,7 @@ Status NameAsArchitecture(const HfExport& hf, HfFolder* folder, std::vector<std:
     const Tensor& a = copy->second.as_tensor();
     if (target == folder->tensors.end() || a.sizes != target->second.as_tensor().sizes ||
         a.storage->dtype != target->second.as_tensor().storage->dtype ||
-        !std::equal(TensorData(a), TensorData(a) + a.numel() * ElementSize(a.storage->dtype),
-                    TensorData(target->second.as_tensor()))) {
+        !SameElements(ShardOf(*folder, name), ShardOf(*folder, to), a.numel(), ElementSize(a.storage->dtype))) {
       return Status::InvalidInput("the HF folder's " + name + " is not the same tensor as " + to + ", to which " +
                                   hf.architecture + " ties it; the folder holds an untied model this "
                                   "architecture does not compute");
@@ -515,16 +540,18 @@ DType WeightDType(const HfFolder& folder) {
 }
 
 
-// The folder read as the model of `rules`.
-Result<HfImport> ImportAs(HfFolder folder, const RuleSet& rules, const CommonOptions& options) {
-  const std::string config_path = folder.files.front();
+}  // namespace
+
+Result<HfImport> ImportHfModel(HfFolder folder, const RuleSet& rules, const CommonOptions& options) {
+  const std::string config_path = folder.config_label.empty() ? folder.files.front() : folder.config_label;
   const HfExport& hf = *rules.hf();
   HfImport out;
   RESHARD_RETURN_IF_ERROR(NameAsArchitecture(hf, &folder, &out.notes));
   LogicalCheckpoint& ckpt = out.logical;
   RESHARD_ASSIGN_OR_RETURN(ckpt.settings, SettingsValue(options.set));
   ckpt.metadata.push_back(UntrainedRunMetadata());
-  ConfigReader reader{folder.config, config_path, rules, ckpt.settings, &ckpt.metadata[0], &out.notes};
+  ConfigReader reader{folder.config, config_path, folder.config_fix.empty() ? "add it to config.json or give" : folder.config_fix,
+                      rules, ckpt.settings, &ckpt.metadata[0], &out.notes};
   for (const HfConfigField& field : hf.config) RESHARD_RETURN_IF_ERROR(reader.Field(field));
   reader.Satisfy(hf.requirements);
   reader.Satisfy(rules.detect().args);
@@ -575,7 +602,10 @@ Result<HfImport> ImportAs(HfFolder folder, const RuleSet& rules, const CommonOpt
   return out;
 }
 
-}  // namespace
+Result<std::map<std::string, ImportedTensor>> JoinHfTensors(const HfFolder& folder, const RuleSet& rules,
+                                                           const RuleInputs& inputs) {
+  return TensorJoiner(folder, rules, inputs).JoinAll();
+}
 
 Result<HfImport> ReadHfImport(const std::string& dir, const CommonOptions& options) {
   RESHARD_ASSIGN_OR_RETURN(HfFolder folder, ReadHfFolder(dir));
@@ -584,7 +614,7 @@ Result<HfImport> ReadHfImport(const std::string& dir, const CommonOptions& optio
   // lm_head the untied family needs); else the best family's refusal.
   Status refusal = Status::Ok();
   for (const RuleSet& rules : families) {
-    Result<HfImport> imported = ImportAs(folder, rules, options);
+    Result<HfImport> imported = ImportHfModel(folder, rules, options);
     if (imported.ok()) return imported;
     if (refusal.ok()) refusal = imported.status();
   }

@@ -26,6 +26,8 @@
 #include <string>
 #include <vector>
 
+#include "formats/hf/hf_folder.h"
+#include "logical/imported_layers.h"
 #include "logical/logical_checkpoint.h"
 #include "reshard/reshard.h"
 
@@ -43,5 +45,16 @@ struct HfImport {
 // mapping has no place for or lacks, a config.json the tensors or the rules
 // disagree with.
 Result<HfImport> ReadHfImport(const std::string& dir, const CommonOptions& options);
+
+// `folder` read as the model of `rules`: ReadHfImport's reading of one
+// family, also for an HF model another format holds (its tensors as runs,
+// a config made for it; formats/hf/torchtitan_import.h).
+Result<HfImport> ImportHfModel(HfFolder folder, const RuleSet& rules, const CommonOptions& options);
+
+// The canonical tensors `folder`'s tensors make as `rules`' hf.tensors join
+// them, by name; `inputs` gives the sizes (the imported model's metadata).
+// Also for per-element optimizer states, which are laid out as the weights.
+Result<std::map<std::string, ImportedTensor>> JoinHfTensors(const HfFolder& folder, const RuleSet& rules,
+                                                           const RuleInputs& inputs);
 
 }  // namespace reshard

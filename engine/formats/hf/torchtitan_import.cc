@@ -1,0 +1,461 @@
+#include "formats/hf/torchtitan_import.h"
+
+#include <algorithm>
+#include <memory>
+#include <regex>
+#include <set>
+
+#include "formats/hf/hf_import.h"
+#include "formats/hf/hf_tensors.h"
+#include "logical/settings.h"
+#include "rules/builtin_rules.h"
+#include "rules/size_expression.h"
+#include "util/human.h"
+#include "util/strings.h"
+
+namespace reshard {
+namespace {
+
+constexpr char kStatePrefix[] = "optimizer.state.";
+constexpr char kGroupsPrefix[] = "optimizer.param_groups.";
+constexpr char kStep[] = "step";
+constexpr char kModelPrefix[] = "model.";
+// What torchtitan's checkpointer saves beside the model and the optimizer.
+const std::vector<std::string> kRunStates = {"optimizer", "train_state", "lr_scheduler", "dataloader"};
+
+// A torchtitan.config value that is a number, not a size to compute.
+bool IsLiteral(const std::string& text) {
+  char* end = nullptr;
+  std::strtod(text.c_str(), &end);
+  return !text.empty() && *end == '\0';
+}
+
+std::string TopLevel(const std::string& key) { return key.substr(0, key.find('.')); }
+
+bool IsModelKey(const std::string& key) {
+  return std::find(kRunStates.begin(), kRunStates.end(), TopLevel(key)) == kRunStates.end();
+}
+
+// The section's keys, compiled once: each model key's entry and block.
+class KeyMap {
+ public:
+  explicit KeyMap(const TorchtitanLayout& layout) {
+    for (const TorchtitanTensor& t : layout.tensors) {
+      for (const std::string& k : t.keys) templates_.push_back({std::make_unique<HfNameTemplate>(k), &t});
+    }
+  }
+  // The entry of `key` (any alternative), and its block ("" outside blocks).
+  const TorchtitanTensor* Find(const std::string& key, std::string* block) const {
+    for (const auto& [name, entry] : templates_) {
+      if (name->Match(key, block)) return entry;
+    }
+    return nullptr;
+  }
+
+ private:
+  std::vector<std::pair<std::unique_ptr<HfNameTemplate>, const TorchtitanTensor*>> templates_;
+};
+
+// Rows [head, 2i + j] of an interleaved projection are HF's [head, j hd/2 + i].
+SourceShard DeinterleavedRows(const SourceShard& stored, int64_t rows, int64_t heads, int64_t cols, int element) {
+  const int64_t hd = rows / heads;
+  SourceShard out;
+  int64_t at = 0;
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t j = 0; j < 2; ++j) {
+      for (int64_t i = 0; i < hd / 2; ++i) {
+        for (SourceShard::Run run : stored.RunsOf((h * hd + 2 * i + j) * cols, cols, element)) {
+          run.begin += at;
+          out.runs.push_back(std::move(run));
+        }
+        at += cols;
+      }
+    }
+  }
+  return out;
+}
+
+// One rule set's reading of the checkpoint.
+class Reader {
+ public:
+  Reader(const DcpTensors& dcp, const RuleSet& rules, const CommonOptions& options)
+      : dcp_(dcp), rules_(rules), layout_(*rules.torchtitan()), keys_(layout_), options_(options) {}
+
+  Result<TorchtitanImport> Read() {
+    RESHARD_ASSIGN_OR_RETURN(settings_, SettingsValue(options_.set));
+    RESHARD_RETURN_IF_ERROR(PlaceModelKeys());
+    HfFolder folder;
+    folder.dir = dcp_.folder;
+    folder.files = dcp_.files;
+    folder.config_label = "the torchtitan checkpoint " + dcp_.folder + " (which records no model config)";
+    folder.config_fix = "give it with";
+    RESHARD_ASSIGN_OR_RETURN(folder.config, Config());
+    RESHARD_RETURN_IF_ERROR(AddTensors("", &folder));
+    RESHARD_ASSIGN_OR_RETURN(HfImport hf, ImportHfModel(folder, rules_, options_));
+    TorchtitanImport out;
+    out.logical = std::move(hf.logical);
+    out.notes = std::move(notes_);
+    out.notes.insert(out.notes.end(), hf.notes.begin(), hf.notes.end());
+    SetIteration(&out.logical.metadata[0], &out.logical.iteration);
+    NoteRunStates(&out.notes);
+    Result<std::optional<ImportedOptimizer>> optimizer = Optimizer(folder, out.logical);
+    if (optimizer.ok()) {
+      out.optimizer = std::move(*optimizer);
+    } else {
+      out.optimizer_status = optimizer.status();
+    }
+    out.files = dcp_.files;
+    out.what = "torchtitan checkpoint (rule set " + rules_.name() + ": " + rules_.hf()->architecture +
+               " under torchtitan's keys; " + std::to_string(dcp_.tensors.size()) + " tensors)";
+    return out;
+  }
+
+ private:
+  // Every model key's entry; a key the section does not map refuses the family.
+  Status PlaceModelKeys() {
+    for (const auto& [stored, tensor] : dcp_.tensors) {
+      if (!IsModelKey(stored)) continue;
+      // torchtitan before mid-2025 saved the model under `model.`; its
+      // optimizer's keys never had the prefix.
+      const bool nested = stored.rfind(kModelPrefix, 0) == 0;
+      const std::string key = nested ? stored.substr(sizeof(kModelPrefix) - 1) : stored;
+      std::string block;
+      const TorchtitanTensor* entry = keys_.Find(key, &block);
+      if (entry == nullptr) {
+        return Status::Unsupported("rule set " + rules_.name() + ": the checkpoint's " + key + " is no key of its "
+                                   "torchtitan section (line " + std::to_string(layout_.line) + " of " +
+                                   rules_.origin() + ")");
+      }
+      if (!block.empty()) blocks_.insert(block);
+      hf_name_[key] = HfNameTemplate(entry->hf).With(block);
+      entry_[key] = entry;
+      stored_[key] = stored;
+    }
+    if (hf_name_.empty()) return Status::Unsupported("rule set " + rules_.name() + ": the checkpoint holds no model key");
+    return Status::Ok();
+  }
+
+  // The stored tensor a section key names (any alternative of its entry).
+  const ImportedTensor* Stored(const std::string& name) const {
+    std::string block;
+    const TorchtitanTensor* entry = keys_.Find(name, &block);
+    for (const std::string& k : entry ? entry->keys : std::vector<std::string>{name}) {
+      for (const std::string& prefix : {std::string(), std::string(kModelPrefix)}) {
+        auto it = dcp_.tensors.find(prefix + HfNameTemplate(k).With(block));
+        if (it != dcp_.tensors.end()) return &it->second;
+      }
+    }
+    return nullptr;
+  }
+
+  // A size's term: a dim of a tensor, `blocks`, or a config field made so
+  // far (--set's among them).
+  std::optional<int64_t> Lookup(const Value& config, const std::string& name, int64_t dim) const {
+    if (dim >= 0) {
+      const ImportedTensor* t = Stored(name);
+      if (t == nullptr || dim >= static_cast<int64_t>(t->tensor.as_tensor().sizes.size())) return std::nullopt;
+      return t->tensor.as_tensor().sizes[dim];
+    }
+    if (name == "blocks") return static_cast<int64_t>(blocks_.size());
+    if (const Value* v = Find(config, name); v != nullptr && v->is(Value::Kind::kInt)) return v->as_int();
+    return std::nullopt;
+  }
+
+  Result<int64_t> Size(const Value& config, const std::string& text) const {
+    RESHARD_ASSIGN_OR_RETURN(SizeExpression e, ParseSizeExpression(text));
+    return EvaluateSize(e, [&](const std::string& name, int64_t dim) { return Lookup(config, name, dim); });
+  }
+
+  // The value --set gives for config field `key` (under the path hf.config
+  // reads it into); null when none.
+  const Value* GivenBySet(const std::string& key) const {
+    for (const HfConfigField& f : rules_.hf()->config) {
+      if (f.key != key || f.paths.empty()) continue;
+      if (const Value* v = RuleInputs{none_, settings_}.Find(f.paths.front())) return v;
+    }
+    return nullptr;
+  }
+
+  // config.json as the section derives it. A size whose terms are unknown
+  // is left out: the HF import then names the --set that gives it.
+  Result<Value> Config() {
+    Value config = Value::MakeDict();
+    Set(config, "architectures", Value::MakeList({Value::String(rules_.hf()->architecture)}));
+    // What --set gives is the run's config, recorded as config.json would.
+    for (const HfConfigField& f : rules_.hf()->config) {
+      if (const Value* v = GivenBySet(f.key)) Set(config, f.key, *v);
+    }
+    std::vector<std::string> defaults;
+    for (const auto& [key, text] : layout_.config) {
+      if (Find(config, key) != nullptr) continue;
+      if (IsLiteral(text)) {
+        const double number = std::strtod(text.c_str(), nullptr);
+        const bool integral = text.find_first_of(".eE") == std::string::npos;
+        Set(config, key, integral ? Value::Int(static_cast<int64_t>(number)) : Value::Float(number));
+        defaults.push_back(key + " " + text);
+        continue;
+      }
+      Result<int64_t> size = Size(config, text);
+      if (size.ok()) Set(config, key, Value::Int(*size));
+      if (!size.ok() && size.status().message().find("is not known") == std::string::npos) return size.status();
+    }
+    if (!defaults.empty()) {
+      notes_.push_back("torchtitan: the checkpoint records no model config; " + Join(defaults, ", ") + " are "
+                       "torchtitan's defaults as rule set " + rules_.name() + " gives them; give the run's own with "
+                       "--set where it used others");
+    }
+    return config;
+  }
+
+  // Whether HF tensor `hf` is a tied copy (torch saves a tied head under its
+  // own key too), which has no optimizer state of its own.
+  bool IsTiedCopy(const std::string& hf) const {
+    const auto& tied = rules_.hf()->tied;
+    return std::any_of(tied.begin(), tied.end(), [&](const auto& tie) { return tie.first == hf; });
+  }
+
+  // The tensors of state `state` ("" for the weights) under their HF names.
+  Status AddTensors(const std::string& state, HfFolder* folder) const {
+    for (const auto& [key, hf] : hf_name_) {
+      if (!state.empty() && IsTiedCopy(hf)) continue;
+      const std::string stored_key = state.empty() ? stored_.at(key) : kStatePrefix + key + "." + state;
+      auto it = dcp_.tensors.find(stored_key);
+      if (it == dcp_.tensors.end()) {
+        return Status::InvalidInput("the torchtitan checkpoint has " + key + " but no " + stored_key +
+                                    "; its optimizer state is incomplete (pass --weights-only to read the weights)");
+      }
+      const Tensor& t = it->second.tensor.as_tensor();
+      SourceShard runs = *it->second.runs;
+      if (const std::string& heads = entry_.at(key)->interleaved_heads; !heads.empty()) {
+        Result<int64_t> n = Size(folder->config, heads);
+        if (!n.ok()) return NeedsSet(key, n.status());
+        const int64_t rows = t.sizes.empty() ? 0 : t.sizes[0];
+        if (t.sizes.size() != 2 || *n < 1 || rows % (2 * *n) != 0) {
+          return Status::InvalidInput("the torchtitan checkpoint's " + key + " has shape " + ShapeString(t.sizes) +
+                                      ", which is not " + std::to_string(*n) + " heads of an even number of rows (" +
+                                      heads + ")");
+        }
+        runs = DeinterleavedRows(runs, rows, *n, t.sizes[1], ElementSize(t.storage->dtype));
+      }
+      folder->tensors[hf] = it->second.tensor;
+      folder->runs[hf] = std::move(runs);
+    }
+    return Status::Ok();
+  }
+
+  // The step torchtitan names the folder after (step-N) is the iteration.
+  // The size of `key` the tensors do not give: the config fields the
+  // section's sizes name that only --set gives, as the refusal's fix.
+  Status NeedsSet(const std::string& key, const Status& why) const {
+    std::vector<std::string> sets;
+    auto add = [&](const std::string& text) {
+      Result<SizeExpression> e = ParseSizeExpression(text);
+      for (const SizeTerm& term : e.ok() ? e->terms : std::vector<SizeTerm>{}) {
+        const bool derived = term.name == "blocks" || std::any_of(layout_.config.begin(), layout_.config.end(),
+                                                                   [&](const auto& c) { return c.first == term.name; });
+        const std::string set = "--set " + term.name + "=N";
+        if (term.kind == SizeTerm::Kind::kName && !derived && std::find(sets.begin(), sets.end(), set) == sets.end()) {
+          sets.push_back(set);
+        }
+      }
+    };
+    for (const auto& [k, text] : layout_.config) {
+      if (!IsLiteral(text)) add(text);
+    }
+    for (const TorchtitanTensor& t : layout_.tensors) add(t.interleaved_heads);
+    return Status::InvalidInput("the torchtitan checkpoint records no model config, and " + key + " needs what its "
+                                "tensors do not say (" + why.message() + "); give the run's model args: " + Join(sets, " "));
+  }
+
+  void SetIteration(Value* metadata, int64_t* logical_iteration) const {
+    static const std::regex step(".*step-([0-9]+)/?$");
+    std::smatch m;
+    int64_t iteration = 0;
+    if (!std::regex_match(dcp_.folder, m, step) || !ParseInt(m[1].str(), &iteration)) return;
+    Set(*metadata, "iteration", Value::Int(iteration));
+    SetPath(metadata, "args.iteration", Value::Int(iteration));
+    *logical_iteration = iteration;
+  }
+
+  void NoteRunStates(std::vector<std::string>* notes) const {
+    std::set<std::string> left;
+    for (const auto& [key, t] : dcp_.tensors) {
+      if (!IsModelKey(key) && TopLevel(key) != "optimizer") left.insert(TopLevel(key));
+    }
+    for (const std::string& key : dcp_.objects) {
+      if (!IsModelKey(key) && TopLevel(key) != "optimizer") left.insert(TopLevel(key));
+    }
+    if (left.empty()) return;
+    notes->push_back("torchtitan: " + Join(std::vector<std::string>(left.begin(), left.end()), ", ") +
+                     " not carried (no other format keeps torchtitan's run state)");
+  }
+
+  // ---- the optimizer ----
+
+  Result<std::optional<ImportedOptimizer>> Optimizer(const HfFolder& weights, const LogicalCheckpoint& ckpt) const {
+    std::vector<std::string> moments;
+    for (const auto& [key, t] : dcp_.tensors) {
+      if (key.rfind(kStatePrefix, 0) != 0) continue;
+      const std::string state = key.substr(key.rfind('.') + 1);
+      if (state != kStep && std::find(moments.begin(), moments.end(), state) == moments.end()) moments.push_back(state);
+    }
+    if (moments.empty()) return std::optional<ImportedOptimizer>();
+    std::sort(moments.begin(), moments.end());  // exp_avg, exp_avg_sq: torch's order
+    const RuleInputs inputs{ckpt.metadata[0], ckpt.settings};
+    HfFolder params = weights;
+    for (const auto& [copy, to] : rules_.hf()->tied) {
+      params.tensors.erase(copy);
+      params.runs.erase(copy);
+    }
+    RESHARD_ASSIGN_OR_RETURN(auto masters, JoinHfTensors(params, rules_, inputs));
+    ImportedOptimizer out;
+    out.moments = moments;
+    out.layout = "torchtitan";
+    out.what = "torchtitan's AdamW state (" + Join(moments, ", ") + "; the fp32 parameters as masters)";
+    for (auto& [name, t] : masters) {
+      if (t.tensor.as_tensor().storage->dtype != DType::kFloat32) {
+        return Status::Unsupported("the torchtitan checkpoint's parameters are " + std::string(DTypeName(t.tensor.as_tensor().storage->dtype)) +
+                                   ", so it keeps no fp32 master of " + name + "; pass --weights-only to read the weights");
+      }
+      out.params[name].master = ShardOf(t);
+    }
+    for (const std::string& moment : moments) {
+      HfFolder states = weights;
+      states.tensors.clear();
+      states.runs.clear();
+      RESHARD_RETURN_IF_ERROR(AddTensors(moment, &states));
+      RESHARD_ASSIGN_OR_RETURN(auto joined, JoinHfTensors(states, rules_, inputs));
+      for (auto& [name, t] : joined) out.params[name].moments.push_back(ShardOf(t));
+    }
+    RESHARD_ASSIGN_OR_RETURN(out.step, Step());
+    RESHARD_ASSIGN_OR_RETURN(out.param_groups, ParamGroups());
+    return std::optional<ImportedOptimizer>(std::move(out));
+  }
+
+  static SourceShard ShardOf(const ImportedTensor& t) {
+    return t.runs ? *t.runs : SourceShard::Of(t.tensor.as_tensor(), {});
+  }
+
+  // Every parameter's step (torch keeps one each); they must agree.
+  Result<std::optional<Value>> Step() const {
+    std::optional<double> step;
+    for (const auto& [key, hf] : hf_name_) {
+      auto it = dcp_.tensors.find(kStatePrefix + key + "." + kStep);
+      if (it == dcp_.tensors.end()) continue;
+      const Tensor& t = it->second.tensor.as_tensor();
+      if (t.numel() != 1 || t.storage->dtype != DType::kFloat32) {
+        return Status::InvalidInput("the torchtitan checkpoint's " + it->first + " is not one fp32 step count");
+      }
+      float v = 0;
+      it->second.runs->Copy(0, 1, sizeof(float), reinterpret_cast<uint8_t*>(&v), nullptr);
+      if (step && *step != v) {
+        return Status::InvalidInput("the torchtitan checkpoint's parameters have taken different numbers of "
+                                    "optimizer steps (" + it->first + " is " + std::to_string(v) + ")");
+      }
+      step = v;
+    }
+    if (!step) return std::optional<Value>();
+    return std::optional<Value>(Value::Int(static_cast<int64_t>(*step)));
+  }
+
+  // The param groups as Megatron lays them out (reshard's targets do):
+  // the matrices' group, then the vectors' (norms, biases), each with the
+  // hyperparameters torchtitan kept for its parameters, which must agree.
+  // torchtitan decays every parameter by default: the vectors' group then
+  // keeps that weight decay, as the run trained.
+  Result<std::vector<Value>> ParamGroups() const {
+    std::map<std::string, Items> by_key;  // model key -> its hyperparameters
+    for (const std::string& object : dcp_.objects) {
+      if (object.rfind(kGroupsPrefix, 0) != 0) continue;
+      const std::string rest = object.substr(sizeof(kGroupsPrefix) - 1);
+      const size_t dot = rest.rfind('.');
+      if (dot == std::string::npos || !hf_name_.count(rest.substr(0, dot))) continue;
+      RESHARD_ASSIGN_OR_RETURN(Value v, dcp_.read_object(object));
+      by_key[rest.substr(0, dot)].emplace_back(Value::String(rest.substr(dot + 1)), std::move(v));
+    }
+    std::optional<Value> groups[2];  // matrices, vectors
+    for (const auto& [key, hf] : hf_name_) {
+      if (IsTiedCopy(hf)) continue;
+      auto it = by_key.find(key);
+      if (it == by_key.end()) {
+        return Status::InvalidInput("the torchtitan checkpoint's optimizer has no param_groups entry of " + key +
+                                    "; pass --weights-only to read the weights");
+      }
+      const bool matrix = dcp_.tensors.at(stored_.at(key)).tensor.as_tensor().sizes.size() >= 2;
+      Value group = Value::MakeDict(it->second);
+      std::optional<Value>& slot = groups[matrix ? 0 : 1];
+      if (slot && slot->DebugString() != group.DebugString()) {
+        return Status::Unsupported(std::string("the torchtitan run trained its ") + (matrix ? "matrices" : "vectors") +
+                                   " with different hyperparameters (" + key + ": " + group.DebugString(120) +
+                                   "), which Megatron's two param groups cannot hold; pass --weights-only");
+      }
+      slot = std::move(group);
+    }
+    std::vector<Value> out;
+    for (std::optional<Value>& g : groups) {
+      if (g) out.push_back(std::move(*g));
+    }
+    return out;
+  }
+
+  const DcpTensors& dcp_;
+  const RuleSet& rules_;
+  const TorchtitanLayout& layout_;
+  const KeyMap keys_;
+  const CommonOptions& options_;
+  Value settings_;
+  const Value none_ = Value::MakeDict();
+  std::set<std::string> blocks_;
+  std::map<std::string, std::string> hf_name_;                // model key -> HF name
+  std::map<std::string, const TorchtitanTensor*> entry_;      // model key -> its entry
+  std::map<std::string, std::string> stored_;                 // model key -> the key it is stored under
+  std::vector<std::string> notes_;
+};
+
+Result<std::vector<RuleSet>> Candidates(const std::string& spec) {
+  std::vector<RuleSet> out;
+  if (!spec.empty()) {
+    RESHARD_ASSIGN_OR_RETURN(RuleSet rules, LoadRuleSet(spec));
+    if (rules.torchtitan() == nullptr) {
+      return Status::Unsupported("rule set " + rules.name() + " has no torchtitan section, so it cannot read a "
+                                 "torchtitan checkpoint; choose one that has (e.g. megatron-llama)");
+    }
+    out.push_back(std::move(rules));
+    return out;
+  }
+  RESHARD_ASSIGN_OR_RETURN(std::vector<RuleSet> all, LoadBuiltinRuleSets());
+  for (RuleSet& rules : all) {
+    if (rules.torchtitan() != nullptr) out.push_back(std::move(rules));
+  }
+  return out;
+}
+
+}  // namespace
+
+bool LooksLikeTorchtitan(const DcpTensors& dcp, const std::string& rules_spec) {
+  Result<std::vector<RuleSet>> candidates = Candidates(rules_spec);
+  if (!candidates.ok()) return !rules_spec.empty();
+  for (const RuleSet& rules : *candidates) {
+    const KeyMap keys(*rules.torchtitan());
+    for (const auto& [key, t] : dcp.tensors) {
+      std::string block;
+      if (IsModelKey(key) && keys.Find(key, &block) != nullptr) return true;
+    }
+  }
+  return false;
+}
+
+Result<TorchtitanImport> ReadTorchtitanImport(const DcpTensors& dcp, const CommonOptions& options) {
+  RESHARD_ASSIGN_OR_RETURN(std::vector<RuleSet> candidates, Candidates(options.rules));
+  // The first family whose model the checkpoint holds (a tied Llama has no
+  // output.weight the untied family needs); else the first refusal.
+  Status refusal = Status::Ok();
+  for (const RuleSet& rules : candidates) {
+    Result<TorchtitanImport> imported = Reader(dcp, rules, options).Read();
+    if (imported.ok()) return imported;
+    if (refusal.ok()) refusal = imported.status();
+  }
+  return refusal;
+}
+
+}  // namespace reshard

@@ -1,0 +1,66 @@
+// A torchtitan checkpoint (a PyTorch Distributed Checkpoint as torchtitan's
+// checkpointer saves it, `step-N/`) read as the pipeline model of the
+// family whose rules have a `torchtitan` section, at TP 1, PP 1, with its
+// AdamW state: what convert writes at any Megatron-DeepSpeed layout, and
+// what lint, inspect, verify and the exports read like any checkpoint.
+//
+// torchtitan's model is the family's HF model under other keys
+// (`tok_embeddings.weight` for `model.embed_tokens.weight`), its q and k
+// projections' rows of each head in interleaved rotary pairs: the section
+// renames each key and reorders those rows (runs of the chunks' bytes,
+// nothing copied), and the HF import (hf_import.h) joins the HF tensors
+// into the canonical ones. torchtitan records no model config: the
+// section's `config` derives config.json's fields from the tensors' shapes,
+// or gives torchtitan's defaults (a note lists those); the head count comes
+// from --set.
+//
+// The optimizer state is torchtitan's flat, FQN-keyed AdamW state dict under
+// `optimizer.`: `state.<key>.{exp_avg, exp_avg_sq, step}` and
+// `param_groups.<key>.<hyperparameter>`. The moments are renamed and joined
+// as their weights are; the fp32 master is the parameter itself (torchtitan
+// trains fp32 parameters). The other entries (train_state, lr_scheduler,
+// dataloader) are not carried; a note names them.
+#pragma once
+
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "logical/imported_layers.h"
+#include "logical/imported_optimizer.h"
+#include "logical/logical_checkpoint.h"
+#include "reshard/reshard.h"
+
+namespace reshard {
+
+// A DCP checkpoint's content as the format registry hands it over.
+struct DcpTensors {
+  std::string folder;
+  std::vector<std::string> files;
+  std::map<std::string, ImportedTensor> tensors;  // every tensor whole, by key (runs of its chunks)
+  std::vector<std::string> objects;               // the keys of the plain objects
+  std::function<Result<Value>(const std::string& key)> read_object;
+};
+
+struct TorchtitanImport {
+  LogicalCheckpoint logical;
+  std::vector<std::string> files;
+  std::string what;                // "torchtitan checkpoint (rule set megatron-llama, ...)"
+  std::vector<std::string> notes;  // what the import chose or left out
+  std::optional<ImportedOptimizer> optimizer;
+  Status optimizer_status;  // why the optimizer state is not read (ok when there is none)
+};
+
+// Whether some key of `dcp` is a model key of a torchtitan section (the
+// registry's test before it reads the checkpoint as one).
+bool LooksLikeTorchtitan(const DcpTensors& dcp, const std::string& rules_spec);
+
+// Reads `dcp` as the model of the first family that fits it. Errors (one
+// line): a model key no section maps (each candidate's reason), a size the
+// tensors do not give and --set does not (naming the --set), the --rules
+// set's reason.
+Result<TorchtitanImport> ReadTorchtitanImport(const DcpTensors& dcp, const CommonOptions& options);
+
+}  // namespace reshard
