@@ -126,7 +126,8 @@ Result<std::vector<GatheredBuffer>> ReadGatheredState(const Value& state, const 
   return out;
 }
 
-Value GatheredStateValue(const std::vector<GradBuffer>& buffers, DType grad_dtype, const StateBytes& state_bytes) {
+Value GatheredStateValue(const std::vector<GradBuffer>& buffers, const std::function<DType(DType)>& grad_dtype,
+                         const StateBytes& state_bytes) {
   Value out = Value::MakeDict();
   Set(out, kBucketsCoalesced, Value::Bool(true));
   for (size_t b = 0; b < buffers.size(); ++b) {
@@ -144,7 +145,7 @@ Value GatheredStateValue(const std::vector<GradBuffer>& buffers, DType grad_dtyp
     Set(states, "numel_unpadded", Value::Int(buffer.numel_unpadded));
     Items& items = *MutableDictItems(out);
     items.emplace_back(Value::Int(static_cast<int64_t>(b)),
-                       Value::MakeDict({{Value::MakeTuple({TorchDTypeValue(buffer.param_dtype), TorchDTypeValue(grad_dtype)}),
+                       Value::MakeDict({{Value::MakeTuple({TorchDTypeValue(buffer.param_dtype), TorchDTypeValue(grad_dtype(buffer.param_dtype))}),
                                          std::move(states)}}));
   }
   return out;

@@ -76,12 +76,14 @@ struct GatheredBuffer {
 Result<std::vector<GatheredBuffer>> ReadGatheredState(const Value& state, const std::string& what,
                                                       const std::string& fix);
 
-// The gathered object of `buffers` (grad dtype `grad_dtype`); each state's
+// The gathered object of `buffers`, keyed by (param dtype,
+// grad_dtype(param dtype)); each state's
 // tensor made by `state_bytes(buffer, state)`, which gives the bytes of
 // parameter `param` (an index into the list MegatronGradBuffers was given)
 // of state `state` (kTorchDistStates' order), fp32.
 using StateBytes = std::function<ByteProducer(size_t param, int state)>;
-Value GatheredStateValue(const std::vector<GradBuffer>& buffers, DType grad_dtype, const StateBytes& state_bytes);
+Value GatheredStateValue(const std::vector<GradBuffer>& buffers, const std::function<DType(DType)>& grad_dtype,
+                         const StateBytes& state_bytes);
 
 // The torch global naming `dtype` (torch.float32), as dtype pairs key the
 // buffers, and back (nullopt for anything but a floating torch dtype).
