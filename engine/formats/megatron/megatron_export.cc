@@ -273,9 +273,10 @@ Result<PlannedFile> PlanFile(const MegatronExportPlan& plan, const MegatronFile&
 
 // Whether the source's optimizer state is written: it has one, and
 // --weights-only does not leave it out. Unsupported for a state Megatron's
-// Adam has no place for, or the legacy keys' model.
+// Adam has no place for. The legacy GPTModel's registration order is not
+// described, so its files get the weights only, with a note.
 Result<bool> WritesOptimizer(const SourceCheckpoint& src, const ExportOptions& options, const MegatronExportPlan& plan,
-                             std::atomic<int64_t>* read) {
+                             std::atomic<int64_t>* read, std::vector<std::string>* notes) {
   if (options.weights_only) return false;
   RESHARD_ASSIGN_OR_RETURN(std::vector<FullTensor> all, src.FullTensors(options.replicated, read));
   bool any = false;
@@ -288,10 +289,10 @@ Result<bool> WritesOptimizer(const SourceCheckpoint& src, const ExportOptions& o
     }
   }
   if (any && plan.keys == Keys::kLegacy) {
-    return Status::Unsupported("export --to megatron writes the distributed optimizer's state (distrib_optim.pt) for "
-                               "Megatron-Core's keys, whose registration order the rule set's torch_dist section "
-                               "gives; the legacy GPTModel's is not described: use --layer-spec local or te, or "
-                               "export with --weights-only");
+    notes->push_back("megatron: the optimizer state is not written: distrib_optim.pt's buffers follow the model's "
+                     "registration order, which rule set " + plan.rules->name() + " gives for Megatron-Core's keys "
+                     "only (torch_dist.optimizer_order), not for the legacy GPTModel's");
+    return false;
   }
   return any;
 }
@@ -419,7 +420,7 @@ Result<OutputPlan> PlanMegatron(const SourceCheckpoint& src, const ExportOptions
                      "skips its checks of the checkpoint's arguments)");
   }
   notes->push_back("megatron: " + std::string(KeysName(plan.keys)) + "; load with " + LoadFlag(plan.keys));
-  RESHARD_ASSIGN_OR_RETURN(const bool optimizer, WritesOptimizer(src, options, plan, out.read.get()));
+  RESHARD_ASSIGN_OR_RETURN(const bool optimizer, WritesOptimizer(src, options, plan, out.read.get(), notes));
   if (optimizer) {
     RESHARD_RETURN_IF_ERROR(PlanOptimizerEntries(src, &plan, notes));
     RESHARD_RETURN_IF_ERROR(PlanDistribOptim(src, plan, weights, dp, out.read.get(), notes, &out));
