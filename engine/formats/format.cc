@@ -113,7 +113,7 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenCheckpoint(const std::string& path
   if (const std::string mlm = MegatronTorchFolder(path); !mlm.empty()) {
     RESHARD_ASSIGN_OR_RETURN(MegatronTorchImport imported, ReadMegatronTorchImport(mlm, options));
     return MakeImportedSource({std::move(imported.logical), mlm, std::move(imported.what), std::move(imported.files),
-                               std::move(imported.notes), std::nullopt, Status::Ok()},
+                               std::move(imported.notes), std::move(imported.optimizer), imported.optimizer_status},
                               options);
   }
   if (const std::string dcp = DcpCheckpointFolder(path); !dcp.empty()) return OpenDcp(dcp, options);

@@ -25,8 +25,12 @@ holds each key's whole fp32 `param`, `exp_avg` and `exp_avg_sq`. Checked:
   machine's torch 1.13 `sin`, differ from the run's in the last bits, so exp_avg is only checked
   against them to 1e-5.) `verify` finds the save equal to its conversion and to its
   `export --to torch_dist --optimizer-layout fully_reshardable` at TP 1;
-* Megatron-Core 0.14's `dp_zero_gather_scatter` is refused in one line naming the layout and
-  --weights-only.
+* Megatron-Core 0.14's `dp_zero_gather_scatter` (each model-parallel rank's state gathered onto DP
+  rank 0 and pickled whole: engine/logical/megatron_gathered.h) holds the same state after the same
+  step as its `fully_sharded_model_space` twin: `verify` finds the two saves equal, weights and
+  states, and both convert to Megatron-DeepSpeed files equal byte for byte, optimizer shards
+  included; a damaged item (a buffer whose numel_unpadded its tensors do not have) is refused in
+  one line naming it and --weights-only.
 
 Run: /usr/bin/python3 tests/interop/test_torch_dist_optimizer.py --reshard build/reshard
 """
@@ -34,6 +38,9 @@ import glob
 import json
 import math
 import os
+import shutil
+import struct
+import zlib
 
 import torch
 
@@ -69,6 +76,28 @@ def universal_name(key, layer, layers):
     rest = rest.replace('self_attention.linear_qkv.layer_norm_', 'input_layernorm.')
     rest = rest.replace('mlp.linear_fc1.layer_norm_', 'pre_mlp_layernorm.')
     return f'{2 + layer}.' + BLOCK_KEYS[rest]
+
+
+def damage_pickled_item(path, old, new):
+    """Replaces `old` by `new` (as long) in the data.pkl of the torch archive of `path` holding it, and
+    gives the record the CRC-32 of the new bytes (torch writes it in a data descriptor after the
+    data and in the central directory), so that only the content is damaged."""
+    with open(path, 'rb') as f:
+        data = bytearray(f.read())
+    at = data.index(old)
+    start = data.rindex(b'PK\x03\x04', 0, at)  # the record's local header
+    name_length, extra_length = struct.unpack_from('<HH', data, start + 26)
+    body = start + 30 + name_length + extra_length
+    central = data.index(b'PK\x01\x02', at)  # the first entry of its central directory: data.pkl's
+    crc, size = struct.unpack_from('<II', data, central + 16)
+    assert zlib.crc32(bytes(data[body:body + size])) == crc and body <= at < body + size
+    data[at:at + len(old)] = new
+    new_crc = zlib.crc32(bytes(data[body:body + size]))
+    assert data[body + size:body + size + 8] == b'PK\x07\x08' + struct.pack('<I', crc)
+    struct.pack_into('<I', data, body + size + 4, new_crc)
+    struct.pack_into('<I', data, central + 16, new_crc)
+    with open(path, 'wb') as f:
+        f.write(data)
 
 
 class TorchDistOptimizerTest(FixtureTestCase):
@@ -235,18 +264,41 @@ class TorchDistOptimizerTest(FixtureTestCase):
         print(f'\n[ states ] 0.14 fully_sharded_model_space: {elements} parameters\' fp32, exp_avg and '
               'exp_avg_sq reproduce Megatron-Core\'s AdamW step bit for bit')
 
-    def test_megatron_core_0_14_dp_zero_gather_scatter_is_refused_naming_the_layout(self):
+    def test_megatron_core_0_14_dp_zero_gather_scatter_is_its_twins_state(self):
         config = config_of('0.14/w2_tp2')
+        twin = os.path.join(DATA, '0.14', 'w2_tp2_optim_fully_sharded_model_space')
         source = os.path.join(DATA, '0.14', 'w2_tp2_optim_dp_zero_gather_scatter')
-        out = self.path('dp_zero_gather_scatter')
-        p = run('convert', source, out, '--tp', 1, '--pp', 1, *sizes(config))
-        self.assertRefused(p, "Megatron-Core's dp_zero_gather_scatter layout, which reshard does not read", out)
-        self.assertIn('pass --weights-only', p.stderr)
-        self.assertEqual(len(p.stderr.strip().splitlines()), 1, p.stderr)
-        p = run('convert', source, out, '--tp', 1, '--pp', 1, '--weights-only', *sizes(config))
+        p = run('verify', twin, source, *sizes(config)[:-2])
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
-        self.assertEqual(glob.glob(os.path.join(out, '*optim_states.pt')), [])
+        # 28 weights and their three states.
+        self.assertIn('verify: 112 tensors, 23936 elements compared; same model', p.stdout)
+        files = {}
+        for name, folder in (('twin', twin), ('dp_zero', source)):
+            out = self.path(name)
+            p = self.convert(folder, config, out, 2, 2)
+            files[name] = {os.path.basename(f): f for f in glob.glob(os.path.join(out, '*.pt'))}
+        self.assertIn('(dp_zero_gather_scatter): fp32 masters, exp_avg and exp_avg_sq of 28 tensors, 2 param groups, '
+                      'step 1.0', p.stdout + p.stderr)
+        self.assertEqual(sorted(files['twin']), sorted(files['dp_zero']))
+        self.assertEqual(len([f for f in files['twin'] if f.endswith('optim_states.pt')]), 4)
+        for name, path in files['twin'].items():
+            with open(path, 'rb') as a, open(files['dp_zero'][name], 'rb') as b:
+                self.assertEqual(a.read(), b.read(), name)
+        print(f'\n[ states ] 0.14 dp_zero_gather_scatter: verify equal to its twin; {len(files["twin"])} '
+              'Megatron-DeepSpeed files at TP 2, PP 2 byte-equal to the twin\'s')
 
+    def test_a_damaged_dp_zero_gather_scatter_save_is_refused(self):
+        config = config_of('0.14/w2_tp2')
+        source = self.path('damaged')
+        shutil.copytree(os.path.join(DATA, '0.14', 'w2_tp2_optim_dp_zero_gather_scatter'), source)
+        # TP rank 1's param_state item says its buffers hold 3969 elements; its tensors hold 3968.
+        damage_pickled_item(os.path.join(source, '__1_1.distcp'), b'numel_unpaddedq$M\x80\x0f',
+                            b'numel_unpaddedq$M\x81\x0f')
+        out = self.path('refused')
+        p = run('convert', source, out, '--tp', 1, '--pp', 1, *sizes(config))
+        self.assertRefused(p, "optimizer.distributed.dp_group_idx_1.param_state/shard_0_1's grad buffer 0's 'param' "
+                              "is tensor(float32, [3968])", out)
+        self.assertIn('not a flat fp32 tensor of its numel_unpadded 3969; pass --weights-only', p.stderr)
 
 if __name__ == '__main__':
     support.main()

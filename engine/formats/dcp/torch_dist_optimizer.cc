@@ -5,6 +5,7 @@
 
 #include "formats/dcp/nd_reformulation.h"
 #include "logical/megatron_buckets.h"
+#include "logical/megatron_gathered.h"
 #include "util/human.h"
 #include "util/shape.h"
 #include "util/strings.h"
@@ -15,6 +16,7 @@ namespace {
 constexpr char kFullyReshardable[] = "fully_reshardable";
 constexpr char kDpReshardable[] = "dp_reshardable";
 constexpr char kFullyShardedModelSpace[] = "fully_sharded_model_space";
+constexpr char kDpZeroGatherScatter[] = "dp_zero_gather_scatter";
 constexpr char kWeightsOnlyFix[] = "; pass --weights-only to convert the weights without it";
 
 // The list Megatron wraps a bytes item's object in, unwrapped.
@@ -36,7 +38,7 @@ std::string LayoutOf(const DcpContent& c, const Value& common) {
   }
   for (const std::string& fqn : c.bytes_items) {
     if (HasPrefix(fqn, "optimizer.distributed.") && fqn.find(".param_state/") != std::string::npos) {
-      return "dp_zero_gather_scatter";  // the whole state pickled per rank
+      return kDpZeroGatherScatter;  // the whole state pickled per rank
     }
   }
   return "an unnamed layout";
@@ -224,14 +226,6 @@ struct BufferNumels {
   std::vector<int64_t> numels;
 };
 
-std::optional<DType> TorchDType(const Value& v) {
-  if (!v.is(Value::Kind::kGlobal)) return std::nullopt;
-  for (DType d : {DType::kFloat32, DType::kBFloat16, DType::kFloat16, DType::kFloat64}) {
-    if (v.as_global().name == DTypeName(d)) return d;
-  }
-  return std::nullopt;
-}
-
 // `[{(param dtype, grad dtype): [numel per bucket]} per grad buffer]`.
 Result<std::vector<BufferNumels>> ReadNumels(const DcpContent& c, int group, const std::string& which) {
   const std::string key = GroupKey(group, which);
@@ -246,25 +240,30 @@ Result<std::vector<BufferNumels>> ReadNumels(const DcpContent& c, int group, con
     if (items == nullptr || items->size() != 1 || !items->front().first.is(Value::Kind::kTuple)) return bad;
     const std::vector<Value>& dtypes = items->front().first.as_tuple().items;
     std::vector<int64_t> numels;
-    if (dtypes.size() != 2 || !TorchDType(dtypes[0]) || !TorchDType(dtypes[1]) ||
+    if (dtypes.size() != 2 || !DTypeOfTorchGlobal(dtypes[0]) || !DTypeOfTorchGlobal(dtypes[1]) ||
         !ReadIntSequence(items->front().second, &numels)) {
       return bad;
     }
-    out.push_back({*TorchDType(dtypes[0]), *TorchDType(dtypes[1]), std::move(numels)});
+    out.push_back({*DTypeOfTorchGlobal(dtypes[0]), *DTypeOfTorchGlobal(dtypes[1]), std::move(numels)});
   }
   return out;
 }
 
-class DpReshardableReader {
+// The layouts of flat buffers per model-parallel rank: dp_reshardable (a
+// tensor per bucket) and, `gathered`, dp_zero_gather_scatter (the buckets
+// gathered, one object per rank). Both are placed by the same registration
+// order and bucket layout.
+class FlatBufferReader {
  public:
-  DpReshardableReader(const DcpContent& c, const TorchDistLayout& layout, const ArgsLookup& args,
-                      TorchDistOptimizer* out)
-      : c_(c), layout_(layout), args_(args), out_(*out) {}
+  FlatBufferReader(const DcpContent& c, const TorchDistLayout& layout, const ArgsLookup& args, bool gathered,
+                   TorchDistOptimizer* out)
+      : c_(c), layout_(layout), args_(args), gathered_(gathered), out_(*out) {}
 
   Status Read() {
     if (layout_.optimizer_order.empty()) {
       return Status::Unsupported("the rule set's torch_dist section gives no optimizer_order, the registration "
-                                 "order dp_reshardable buffers follow; add one (docs/rules.md)" + std::string(kWeightsOnlyFix));
+                                 "order the optimizer's flat buffers follow; add one (docs/rules.md)" +
+                                 std::string(kWeightsOnlyFix));
     }
     RESHARD_RETURN_IF_ERROR(ReadGrid());
     for (int pp_rank = 0; pp_rank < pp_; ++pp_rank) {
@@ -279,13 +278,15 @@ class DpReshardableReader {
   // TP, PP, DP and the layers of a stage: the args where they record them;
   // else TP from the first key's cut (the vocabulary-parallel embedding),
   // PP from the number of model-parallel ranks, DP 1 (any DP that divides
-  // 128 lays the buffers out the same; the numels check it).
+  // 128 lays the buffers out the same; the numels check it; the gathered
+  // form is the same at any DP).
   Status ReadGrid() {
+    const char* item = gathered_ ? "param_state" : "per_bucket_numel";
     int groups = 0;
-    while (c_.meta.Find(GroupKey(groups, "per_bucket_numel"), {}) != nullptr) ++groups;
+    while (c_.meta.Find(GroupKey(groups, item), {}) != nullptr) ++groups;
     if (groups == 0) {
-      return Status::Unsupported(c_.folder + " holds dp_reshardable buffers without per_bucket_numel items (a "
-                                 "chained optimizer, MoE, is not read yet)" + std::string(kWeightsOnlyFix));
+      return Status::Unsupported(c_.folder + " holds the distributed optimizer's buffers without " + item +
+                                 " items (a chained optimizer, MoE, is not read yet)" + std::string(kWeightsOnlyFix));
     }
     const DcpTensor* first = nullptr;
     for (const std::string& key : layout_.optimizer_order) {
@@ -342,44 +343,57 @@ class DpReshardableReader {
   Status ReadRank(int tp_rank, int pp_rank) {
     const int group = MegatronDpGroupIdx(tp_rank, pp_rank, tp_);
     RESHARD_ASSIGN_OR_RETURN(std::vector<RankParam> params, RankParams(tp_rank, pp_rank));
-    RESHARD_ASSIGN_OR_RETURN(std::vector<BufferNumels> numel, ReadNumels(c_, group, "per_bucket_numel"));
-    RESHARD_ASSIGN_OR_RETURN(std::vector<BufferNumels> unpadded, ReadNumels(c_, group, "per_bucket_numel_unpadded"));
-    // DDP's grad buffers: one per param dtype, in the order each first appears.
-    std::vector<DType> dtypes;
-    std::vector<std::vector<const RankParam*>> buffers;
-    for (const RankParam& p : params) {
-      const size_t b = std::find(dtypes.begin(), dtypes.end(), p.key->dtype) - dtypes.begin();
-      if (b == dtypes.size()) {
-        dtypes.push_back(p.key->dtype);
-        buffers.emplace_back();
-      }
-      buffers[b].push_back(&p);
-    }
-    const std::string what = "dp_group_idx_" + std::to_string(group);
-    if (buffers.size() != numel.size() || unpadded.size() != numel.size()) {
-      return Status::InvalidInput(c_.folder + "'s " + what + " records " + std::to_string(numel.size()) +
+    std::vector<GatheredParam> list;
+    for (const RankParam& p : params) list.push_back({p.key->fqn, p.key->dtype, p.numel, p.shared_embedding});
+    BucketOptions options;
+    options.dp = dp_;
+    RESHARD_ASSIGN_OR_RETURN(std::vector<GradBuffer> buffers, MegatronGradBuffers(list, options));
+    const ShardCoords at{tp_rank, pp_rank, 0, 0};
+    return gathered_ ? ReadGathered(group, at, params, buffers) : ReadBuckets(group, params, buffers);
+  }
+
+  // `what`'s grad buffers as the checkpoint records them (`recorded`
+  // of them, the b-th of param dtype `dtypes[b]`) against the parameters'.
+  Status CheckBuffers(const std::string& what, const std::vector<GradBuffer>& buffers,
+                      const std::vector<DType>& dtypes) const {
+    if (buffers.size() != dtypes.size()) {
+      return Status::InvalidInput(c_.folder + "'s " + what + " records " + std::to_string(dtypes.size()) +
                                   " grad buffers, and its parameters' dtypes make " + std::to_string(buffers.size()) +
                                   kWeightsOnlyFix);
     }
     for (size_t b = 0; b < buffers.size(); ++b) {
-      if (numel[b].param_dtype != dtypes[b]) {
+      if (dtypes[b] != buffers[b].param_dtype) {
         return Status::InvalidInput(c_.folder + "'s " + what + " grad buffer " + std::to_string(b) + " holds " +
-                                    DTypeName(numel[b].param_dtype) + " parameters, the registration order gives " +
-                                    DTypeName(dtypes[b]) + kWeightsOnlyFix);
+                                    DTypeName(dtypes[b]) + " parameters, the registration order gives " +
+                                    DTypeName(buffers[b].param_dtype) + kWeightsOnlyFix);
       }
-      RESHARD_RETURN_IF_ERROR(ReadBuffer(group, static_cast<int>(b), buffers[b], numel[b], unpadded[b]));
     }
     return Status::Ok();
   }
 
-  Status ReadBuffer(int group, int gbuf, const std::vector<const RankParam*>& params, const BufferNumels& numel,
-                    const BufferNumels& unpadded) {
+  // dp_reshardable: one tensor per bucket, sized by per_bucket_numel.
+  Status ReadBuckets(int group, const std::vector<RankParam>& params, const std::vector<GradBuffer>& buffers) {
+    RESHARD_ASSIGN_OR_RETURN(std::vector<BufferNumels> numel, ReadNumels(c_, group, "per_bucket_numel"));
+    RESHARD_ASSIGN_OR_RETURN(std::vector<BufferNumels> unpadded, ReadNumels(c_, group, "per_bucket_numel_unpadded"));
+    const std::string what = "dp_group_idx_" + std::to_string(group);
+    std::vector<DType> dtypes;
+    for (const BufferNumels& n : numel) dtypes.push_back(n.param_dtype);
+    if (unpadded.size() != numel.size()) {
+      return Status::InvalidInput(c_.folder + "'s " + what + " records " + std::to_string(numel.size()) +
+                                  " grad buffers in per_bucket_numel and " + std::to_string(unpadded.size()) +
+                                  " in per_bucket_numel_unpadded" + kWeightsOnlyFix);
+    }
+    RESHARD_RETURN_IF_ERROR(CheckBuffers(what, buffers, dtypes));
+    for (size_t b = 0; b < buffers.size(); ++b) {
+      RESHARD_RETURN_IF_ERROR(ReadBuffer(group, static_cast<int>(b), params, buffers[b], numel[b], unpadded[b]));
+    }
+    return Status::Ok();
+  }
+
+  Status ReadBuffer(int group, int gbuf, const std::vector<RankParam>& params, const GradBuffer& buffer,
+                    const BufferNumels& numel, const BufferNumels& unpadded) {
     const std::string what = c_.folder + "'s dp_group_idx_" + std::to_string(group) + ".gbuf_idx_" + std::to_string(gbuf);
-    std::vector<BucketParam> list;
-    for (const RankParam* p : params) list.push_back({p->key->fqn, p->numel, p->shared_embedding});
-    BucketOptions options;
-    options.dp = dp_;
-    RESHARD_ASSIGN_OR_RETURN(BucketLayout bl, MegatronBucketLayout(list, options));
+    const BucketLayout& bl = buffer.layout;
     if (numel.numels.size() > bl.buckets.size()) {
       return Status::Unsupported(what + " has " + std::to_string(numel.numels.size()) + " buckets (a run with "
                                  "--overlap-grad-reduce), whose bucket size is not recorded; reshard reads one bucket "
@@ -401,8 +415,39 @@ class DpReshardableReader {
         }
         flats_read_++;
         const SourceShard runs = SliceRuns(*flat, -1);
-        for (size_t i = 0; i < params.size(); ++i) {
-          if (bl.slots[i].bucket == k) Place(*params[i], runs, bl.slots[i].offset, state);
+        for (size_t j = 0; j < buffer.params.size(); ++j) {
+          if (bl.slots[j].bucket == k) Place(params[buffer.params[j]], runs, bl.slots[j].offset, state);
+        }
+      }
+    }
+    return Status::Ok();
+  }
+
+  // dp_zero_gather_scatter: the rank's state gathered onto DP rank 0 and
+  // pickled whole (logical/megatron_gathered.h), each state of a buffer one
+  // flat tensor of the buckets' unpadded ranges.
+  Status ReadGathered(int group, const ShardCoords& at, const std::vector<RankParam>& params,
+                      const std::vector<GradBuffer>& buffers) {
+    const std::string key = GroupKey(group, "param_state");
+    RESHARD_ASSIGN_OR_RETURN(Value state, c_.ReadBytes(key));
+    RESHARD_ASSIGN_OR_RETURN(std::vector<GatheredBuffer> read,
+                             ReadGatheredState(Unwrapped(state), c_.folder + "'s " + key, kWeightsOnlyFix));
+    std::vector<DType> dtypes;
+    for (const GatheredBuffer& g : read) dtypes.push_back(g.param_dtype);
+    RESHARD_RETURN_IF_ERROR(CheckBuffers(key, buffers, dtypes));
+    for (size_t b = 0; b < buffers.size(); ++b) {
+      if (read[b].numel_unpadded != buffers[b].numel_unpadded) {
+        return Status::InvalidInput(c_.folder + "'s " + key + " grad buffer " + std::to_string(b) + " holds " +
+                                    std::to_string(read[b].numel_unpadded) + " elements, and its parameters in the "
+                                    "rule set's optimizer_order lay out " + std::to_string(buffers[b].numel_unpadded) +
+                                    " (one bucket per buffer, none with --overlap-grad-reduce); the rule set or the "
+                                    "layout (--set tensor_model_parallel_size) does not describe this run" +
+                                    kWeightsOnlyFix);
+      }
+      for (size_t s = 0; s < read[b].states.size(); ++s) {
+        const SourceShard runs = SourceShard::Of(*read[b].states[s], at);
+        for (size_t j = 0; j < buffers[b].params.size(); ++j) {
+          Place(params[buffers[b].params[j]], runs, buffers[b].offsets[j], kTorchDistStates[s]);
         }
       }
     }
@@ -449,6 +494,7 @@ class DpReshardableReader {
   const DcpContent& c_;
   const TorchDistLayout& layout_;
   const ArgsLookup& args_;
+  const bool gathered_;
   TorchDistOptimizer& out_;
   int tp_ = 1, pp_ = 1, dp_ = 1;
   int64_t layers_ = 0;
@@ -472,13 +518,16 @@ Result<std::optional<TorchDistOptimizer>> ReadTorchDistOptimizer(const DcpConten
   if (out.layout == kFullyReshardable) {
     RESHARD_RETURN_IF_ERROR(ReadFullyReshardable(content, common, &out));
   } else if (out.layout == kDpReshardable) {
-    RESHARD_RETURN_IF_ERROR(DpReshardableReader(content, layout, args, &out).Read());
+    RESHARD_RETURN_IF_ERROR(FlatBufferReader(content, layout, args, false, &out).Read());
+  } else if (out.layout == kDpZeroGatherScatter) {
+    RESHARD_RETURN_IF_ERROR(FlatBufferReader(content, layout, args, true, &out).Read());
   } else if (out.layout == kFullyShardedModelSpace) {
     RESHARD_RETURN_IF_ERROR(ReadFullyShardedModelSpace(content, common, &out));
   } else {
     return Status::Unsupported("the distributed optimizer's state is in Megatron-Core's " + out.layout +
                                " layout, which reshard does not read (it reads Megatron-Core 0.19's "
-                               "fully_reshardable and dp_reshardable, and 0.14's fully_sharded_model_space)" +
+                               "fully_reshardable and dp_reshardable, and 0.14's fully_sharded_model_space and "
+                               "dp_zero_gather_scatter)" +
                                std::string(kWeightsOnlyFix));
   }
   return std::optional<TorchDistOptimizer>(std::move(out));

@@ -21,8 +21,11 @@
 //                      the key (a layer's TP piece), flattened, is placed at
 //                      its box of the key. The param groups and step are in
 //                      the common state (common.pt).
-//   dp_zero_gather_scatter  (each rank's state pickled whole) is refused,
-//                      naming the layout.
+//   dp_zero_gather_scatter  each model-parallel rank's state gathered onto
+//                      DP rank 0 and pickled whole, `...dp_group_idx_{i}.param_state`
+//                      (logical/megatron_gathered.h): the buckets of
+//                      dp_reshardable one after the other, placed the same
+//                      way. The param groups are per rank's `optimizer` item.
 #pragma once
 
 #include <functional>

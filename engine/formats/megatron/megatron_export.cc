@@ -1,10 +1,14 @@
 #include "formats/megatron/megatron_export.h"
 
 #include <algorithm>
+#include <array>
+#include <functional>
 #include <optional>
 
+#include "formats/megatron/distrib_optim.h"
 #include "formats/megatron/megatron_args.h"
 #include "formats/megatron/megatron_layout.h"
+#include "formats/megatron/megatron_param_groups.h"
 #include "formats/state_dict.h"
 #include "logical/logical_checkpoint.h"
 #include "util/human.h"
@@ -45,6 +49,10 @@ struct MegatronExportPlan {
   std::optional<DType> dtype;  // floating tensors cast to it; unset = as the source gives them
   std::optional<Value> args;   // absent when the source records none
   std::vector<MegatronFile> files;  // stage by stage, TP rank by TP rank
+  // model_optim_rng.pt's `optimizer` entry, when the distributed optimizer's
+  // state is written (distrib_optim.pt beside each file).
+  std::optional<Value> optimizer;
+  std::optional<Value> lr_scheduler;  // the source's, carried under Megatron-LM's legacy key
 };
 
 Status CheckSource(const SourceCheckpoint& src) {
@@ -249,6 +257,8 @@ Value FileTree(const MegatronExportPlan& plan, const MegatronFile& f, const std:
   }
   for (const auto& [key, state] : f.extra_states) Set(model, key, state);
   Set(root, "model", std::move(model));
+  if (plan.optimizer) Set(root, "optimizer", *plan.optimizer);
+  if (plan.lr_scheduler) Set(root, "lr_scheduler", *plan.lr_scheduler);
   return root;
 }
 
@@ -259,6 +269,102 @@ Result<PlannedFile> PlanFile(const MegatronExportPlan& plan, const MegatronFile&
                                                  std::to_string(f.tp_rank), FileTree(plan, f, tensors)));
   for (const FileTensor& t : f.tensors) SetFrom(&file, "model/" + Join(t.path, "/"), t.detail);
   return file;
+}
+
+// Whether the source's optimizer state is written: it has one, and
+// --weights-only does not leave it out. Unsupported for a state Megatron's
+// Adam has no place for. The legacy GPTModel's registration order is not
+// described, so its files get the weights only, with a note.
+Result<bool> WritesOptimizer(const SourceCheckpoint& src, const ExportOptions& options, const MegatronExportPlan& plan,
+                             std::atomic<int64_t>* read, std::vector<std::string>* notes) {
+  if (options.weights_only) return false;
+  RESHARD_ASSIGN_OR_RETURN(std::vector<FullTensor> all, src.FullTensors(options.replicated, read));
+  bool any = false;
+  for (const FullTensor& t : all) {
+    if (t.section != "optimizer") continue;
+    any = true;
+    if (t.state != kFp32Master && t.state != kTorchDistStates[1] && t.state != kTorchDistStates[2]) {
+      return Status::Unsupported("export --to megatron: the optimizer state '" + t.state + "' of " + t.param +
+                                 " has no place in Megatron-Core's distributed Adam state; export with --weights-only");
+    }
+  }
+  if (any && plan.keys == Keys::kLegacy) {
+    notes->push_back("megatron: the optimizer state is not written: distrib_optim.pt's buffers follow the model's "
+                     "registration order, which rule set " + plan.rules->name() + " gives for Megatron-Core's keys "
+                     "only (torch_dist.optimizer_order), not for the legacy GPTModel's");
+    return false;
+  }
+  return any;
+}
+
+// The gradient dtype of a run's parameters of `dtype`: fp32, except fp16
+// parameters without --accumulate-allreduce-grads-in-fp32 (bf16 runs always
+// accumulate in fp32).
+std::function<DType(DType)> GradDType(const std::optional<Value>& args) {
+  const Value* fp32 = args ? Find(*args, "accumulate_allreduce_grads_in_fp32") : nullptr;
+  const bool accumulate = fp32 != nullptr && fp32->is(Value::Kind::kBool) && fp32->as_bool();
+  return [accumulate](DType dtype) { return dtype == DType::kFloat16 && !accumulate ? dtype : DType::kFloat32; };
+}
+
+// Each rank file's distrib_optim.pt: its parameters' pieces of the fp32
+// masters and Adam's moments, cut for the target TP exactly as the weights.
+Status PlanDistribOptim(const SourceCheckpoint& src, const MegatronExportPlan& plan, const TpWeights& weights,
+                        int dp, std::atomic<int64_t>* read, std::vector<std::string>* notes, OutputPlan* out) {
+  std::array<TpWeights, 3> states;
+  const char* source_states[] = {kFp32Master, kTorchDistStates[1], kTorchDistStates[2]};
+  std::vector<std::string> repeated_notes;  // the weights' cut said them already
+  for (size_t s = 0; s < states.size(); ++s) {
+    TpCut cut = plan.cut;
+    cut.state = source_states[s];
+    RESHARD_ASSIGN_OR_RETURN(states[s], src.WeightsForTp(cut, &repeated_notes, read));
+  }
+  const std::function<DType(DType)> grad_dtype = GradDType(plan.args);
+  for (const MegatronFile& f : plan.files) {
+    std::vector<RankParamState> params;
+    for (const FileTensor& t : f.tensors) {
+      const RankTensor& r = weights.ranks[f.tp_rank][t.source];
+      RankParamState p{{Join(t.path, "."), WrittenDType(r, plan.dtype), ShapeNumel(r.shape), IsTiedVocab(r) && plan.pp > 1}, {}};
+      for (size_t s = 0; s < states.size(); ++s) {
+        for (const RankTensor& state : states[s].ranks[f.tp_rank]) {
+          if (state.name != r.name) continue;
+          p.states[s] = state.dtype == DType::kFloat32 ? state.produce
+                                                       : CastBytes(state.produce, state.dtype, DType::kFloat32);
+        }
+        if (!p.states[s]) return Status::Internal("no optimizer " + std::string(source_states[s]) + " of " + r.name);
+      }
+      params.push_back(std::move(p));
+    }
+    RESHARD_ASSIGN_OR_RETURN(Value state, DistribOptimValue(*plan.layout, f.pp_rank, plan.pp, plan.blocks_per_stage,
+                                                            std::move(params), dp, grad_dtype));
+    const std::string name = f.name.substr(0, f.name.rfind('/') + 1) + kDistribOptimFile;
+    RESHARD_ASSIGN_OR_RETURN(PlannedFile file,
+                             TorchFile(name, "the distributed optimizer's state of stage " + std::to_string(f.pp_rank) +
+                                                 ", TP rank " + std::to_string(f.tp_rank), std::move(state)));
+    out->files.push_back(std::move(file));
+  }
+  notes->push_back("megatron: the distributed optimizer's state in distrib_optim.pt beside each model_optim_rng.pt "
+                   "(fp32 masters, exp_avg, exp_avg_sq; the same file at any DP); load with "
+                   "--use-distributed-optimizer --ckpt-format torch --no-load-rng");
+  return Status::Ok();
+}
+
+// model_optim_rng.pt's optimizer entries: DistributedOptimizer.state_dict()'s
+// param groups, and the source's learning-rate scheduler, which Megatron-LM
+// reads with the optimizer.
+Status PlanOptimizerEntries(const SourceCheckpoint& src, MegatronExportPlan* plan, std::vector<std::string>* notes) {
+  RESHARD_ASSIGN_OR_RETURN(OptimizerParamGroups groups, src.ParamGroupsAndStep());
+  RESHARD_ASSIGN_OR_RETURN(Value param_groups, MegatronParamGroups(groups, Find(src.info().metadata, "args")));
+  plan->optimizer = Value::MakeDict({{Value::String("optimizer"),
+                                      Value::MakeDict({{Value::String("param_groups"), std::move(param_groups)}})}});
+  const Value* scheduler = Find(src.info().metadata, "lr_scheduler");
+  if (scheduler != nullptr && DictItems(*scheduler) != nullptr && !DictItems(*scheduler)->empty()) {
+    plan->lr_scheduler = *scheduler;
+  } else {
+    notes->push_back("megatron: the source records no learning-rate scheduler state, and Megatron-LM's load of the "
+                     "optimizer state reads one (opt_param_scheduler): it loads these files with --no-load-optim "
+                     "(or --finetune) only");
+  }
+  return Status::Ok();
 }
 
 const char* KeysName(Keys keys) {
@@ -306,15 +412,22 @@ Result<OutputPlan> PlanMegatron(const SourceCheckpoint& src, const ExportOptions
   RESHARD_RETURN_IF_ERROR(PlaceTensors(weights, &plan));
   RESHARD_RETURN_IF_ERROR(AddExtraStates(&plan));
   const Value* args = Find(src.info().metadata, "args");
+  const int dp = options.dp > 0 ? options.dp : SourceDp(src);
   if (args != nullptr && DictItems(*args) != nullptr) {
-    plan.args = MegatronArgs(*args, {plan.cut.tp, plan.pp, SourceDp(src), plan.padded_vocab}, notes);
+    plan.args = MegatronArgs(*args, {plan.cut.tp, plan.pp, dp, plan.padded_vocab}, notes);
   } else {
     notes->push_back("args: the source records no Megatron args, so the files have none (Megatron-LM then "
                      "skips its checks of the checkpoint's arguments)");
   }
   notes->push_back("megatron: " + std::string(KeysName(plan.keys)) + "; load with " + LoadFlag(plan.keys));
-  notes->push_back("megatron: weights only, no optimizer or RNG state; load with --no-load-optim --no-load-rng "
-                   "(or --finetune, which also restarts the iteration count)");
+  RESHARD_ASSIGN_OR_RETURN(const bool optimizer, WritesOptimizer(src, options, plan, out.read.get(), notes));
+  if (optimizer) {
+    RESHARD_RETURN_IF_ERROR(PlanOptimizerEntries(src, &plan, notes));
+    RESHARD_RETURN_IF_ERROR(PlanDistribOptim(src, plan, weights, dp, out.read.get(), notes, &out));
+  } else {
+    notes->push_back("megatron: weights only, no optimizer or RNG state; load with --no-load-optim --no-load-rng "
+                     "(or --finetune, which also restarts the iteration count)");
+  }
   out.summary = Summary(plan);
   for (const MegatronFile& f : plan.files) {
     RESHARD_ASSIGN_OR_RETURN(PlannedFile file, PlanFile(plan, f, weights.ranks[f.tp_rank]));

@@ -1,13 +1,16 @@
 #include "formats/megatron/megatron_torch_import.h"
 
 #include <algorithm>
+#include <array>
 #include <cctype>
+#include <functional>
 #include <filesystem>
 #include <map>
 #include <optional>
 
 #include "container/regular_file.h"
 #include "container/torch_file.h"
+#include "formats/megatron/distrib_optim.h"
 #include "formats/megatron/megatron_layout.h"
 #include "logical/torch_dist_family.h"
 #include "logical/tp_placement.h"
@@ -23,8 +26,7 @@ namespace fs = std::filesystem;
 
 constexpr char kRankFile[] = "model_optim_rng.pt";
 constexpr char kExtraState[] = "._extra_state";
-// The distributed optimizer's state beside a rank's model_optim_rng.pt.
-constexpr char kDistribOptimFile[] = "distrib_optim.pt";
+constexpr char kWeightsOnlyFix[] = "; pass --weights-only to convert the weights without it";
 
 bool Exists(const fs::path& p) {
   std::error_code ec;
@@ -64,8 +66,8 @@ struct RankFiles {
   std::vector<StoredKey> keys;     // stage by stage, in the first TP rank's order
   int blocks_per_stage = 0;
   int64_t extra_states = 0;
-  bool optimizer = false;          // a file holds optimizer state (not read)
-  bool distrib_optim = false;      // distrib_optim.pt files (not read)
+  bool optimizer = false;          // a file holds an `optimizer` entry
+  bool distrib_optim = false;      // distrib_optim.pt files
 
   const std::string& Path(int tp_rank, int stage) const { return paths[stage * tp + tp_rank]; }
   std::string Name(int tp_rank, int stage) const { return RankFolderName(tp_rank, stage, pp); }
@@ -225,6 +227,7 @@ class FamilyReader {
  public:
   FamilyReader(const RankFiles& files, const RuleSet& rules, const CommonOptions& options)
       : f_(files),
+        options_(options),
         family_(rules, RunMetadata(files), options, "megatron"),
         layout_(*rules.torch_dist()) {}
 
@@ -236,6 +239,7 @@ class FamilyReader {
     RESHARD_RETURN_IF_ERROR(family_.RecordBlocks(blocks_, f_.folder));
     std::map<std::string, ImportedTensor> tensors;
     for (const auto& [name, stored] : mapped_) RESHARD_RETURN_IF_ERROR(JoinPieces(name, stored, &tensors));
+    ReadOptimizer();
     RESHARD_RETURN_IF_ERROR(family_.Satisfy());
     auto keys_of = [this](const std::string& name) { return family_.KeysOf(name); };
     RESHARD_ASSIGN_OR_RETURN(LogicalCheckpoint logical, family_.Finish(tensors, keys_of, f_.folder));
@@ -308,10 +312,25 @@ class FamilyReader {
   // The canonical tensor `name` joined from its TP ranks' pieces, each where
   // the rule's TP cut puts that rank's piece.
   Status JoinPieces(const std::string& name, const Mapped& m, std::map<std::string, ImportedTensor>* tensors) {
+    const StoredKey& s = *m.stored;
+    const DType dtype = s.ranks[0]->storage->dtype;
+    auto piece = [&s](int t) { return SourceShard::Of(*s.ranks[t], ShardCoords{t, s.stage, 0, 0}); };
+    RESHARD_ASSIGN_OR_RETURN(SourceShard runs, JoinRanks(name, m, ElementSize(dtype), piece, true));
+    auto unread = [name](int64_t, int64_t, uint8_t*) {
+      return Status::Internal(name + " is read through its runs, not its placeholder tensor");
+    };
+    (*tensors)[name] = ImportedTensor{MakeProducedTensor(dtype, runs.shape, unread), std::move(runs)};
+    return Status::Ok();
+  }
+
+  // The elements of canonical tensor `name` in row-major order, from its TP
+  // ranks' pieces (`piece(t)`: rank t's elements), each placed where the
+  // rule's TP cut puts it; `check` checks the shape against the section's.
+  Result<SourceShard> JoinRanks(const std::string& name, const Mapped& m, int element_size,
+                                const std::function<SourceShard(int)>& piece, bool check) {
     RESHARD_ASSIGN_OR_RETURN(const ParamRule* rule, family_.RuleOf(name, blocks_));
     const StoredKey& s = *m.stored;
-    const Tensor& first = *s.ranks[0];
-    std::vector<int64_t> full = first.sizes;
+    std::vector<int64_t> full = s.ranks[0]->sizes;
     if (rule->policy != ParamRule::Policy::kReplicated) {
       const bool vocab = rule->policy == ParamRule::Policy::kVocab;
       const size_t axis = vocab ? 0 : static_cast<size_t>(rule->dim);
@@ -323,21 +342,173 @@ class FamilyReader {
       }
       full[axis] *= f_.tp;
     }
-    RESHARD_RETURN_IF_ERROR(family_.CheckShape(*m.entry, s.key, full));
-    const DType dtype = first.storage->dtype;
+    if (check) RESHARD_RETURN_IF_ERROR(family_.CheckShape(*m.entry, s.key, full));
     std::vector<SourceShard> pieces;
     // A replicated tensor is read from TP rank 0; its replicas are not compared.
     const int readers = rule->policy == ParamRule::Policy::kReplicated ? 1 : f_.tp;
     for (int t = 0; t < readers; ++t) {
-      SourceShard piece = SourceShard::Of(*s.ranks[t], ShardCoords{t, s.stage, 0, 0});
-      piece.placements = PlaceTpRank(*rule, full, f_.tp, t).placements;
-      pieces.push_back(std::move(piece));
+      SourceShard p = piece(t);
+      p.placements = PlaceTpRank(*rule, full, f_.tp, t).placements;
+      pieces.push_back(std::move(p));
     }
-    auto unread = [name](int64_t, int64_t, uint8_t*) {
-      return Status::Internal(name + " is read through its runs, not its placeholder tensor");
-    };
-    (*tensors)[name] = ImportedTensor{MakeProducedTensor(dtype, full, unread),
-                                      JoinRuns(pieces, full, ElementSize(dtype), -1)};
+    return JoinRuns(pieces, full, element_size, -1);
+  }
+
+  // ---- distrib_optim.pt ----------------------------------------------------
+
+  // Each rank's flat pieces of each state, by stored key and TP rank.
+  using StatePieces = std::map<std::pair<const StoredKey*, int>, std::array<SourceShard, 3>>;
+
+  // The distributed optimizer's state: each rank's distrib_optim.pt cut by
+  // the bucket layout of its parameters in registration order, each state of
+  // a canonical tensor joined like its weight. A file that cannot be read
+  // leaves the reason for the commands that need the state.
+  void ReadOptimizer() {
+    if (!f_.distrib_optim) return;
+    Result<ImportedOptimizer> read = ReadDistribOptim();
+    if (!read.ok()) {
+      optimizer_status_ = read.status().WithContext("megatron");
+      return;
+    }
+    family_.notes().push_back("megatron: " + read->what + ": fp32 masters, exp_avg and exp_avg_sq of " +
+                              Count(static_cast<int64_t>(read->params.size()), "tensor") + ", " +
+                              Count(static_cast<int64_t>(read->param_groups.size()), "param group") +
+                              (read->step ? ", step " + read->step->DebugString(20) : std::string()));
+    optimizer_ = std::move(*read);
+  }
+
+  Result<ImportedOptimizer> ReadDistribOptim() {
+    if (layout_.optimizer_order.empty()) {
+      return Status::Unsupported("the rule set's torch_dist section gives no optimizer_order, the registration order "
+                                 "distrib_optim.pt's buffers follow; add one (docs/rules.md)" +
+                                 std::string(kWeightsOnlyFix));
+    }
+    for (const auto& [name, m] : mapped_) {
+      RESHARD_ASSIGN_OR_RETURN(const ParamRule* rule, family_.RuleOf(name, blocks_));
+      if (rule->tied && rule->policy == ParamRule::Policy::kVocab) tied_embedding_ = m.stored;
+    }
+    StatePieces pieces;
+    for (int p = 0; p < f_.pp; ++p) {
+      for (int t = 0; t < f_.tp; ++t) RESHARD_RETURN_IF_ERROR(ReadRankState(t, p, &pieces));
+    }
+    ImportedOptimizer opt;
+    opt.moments = {kTorchDistStates[1], kTorchDistStates[2]};
+    for (const auto& [name, m] : mapped_) {
+      ImportedOptimizer::Param& param = opt.params[name];
+      for (int s = 0; s < 3; ++s) {
+        auto piece = [&pieces, &m = m, s](int t) { return pieces.at({m.stored, t})[s]; };
+        RESHARD_ASSIGN_OR_RETURN(SourceShard runs, JoinRanks(name, m, ElementSize(DType::kFloat32), piece, false));
+        if (s == 0) {
+          param.master = std::move(runs);
+        } else {
+          param.moments.push_back(std::move(runs));
+        }
+      }
+    }
+    RESHARD_RETURN_IF_ERROR(ReadParamGroups(&opt));
+    opt.what = "Megatron-LM's distributed optimizer (distrib_optim.pt)";
+    opt.layout = kDistribOptimFile;
+    return opt;
+  }
+
+  // The stage's stored keys in registration order, each with whether it is a
+  // tied embedding's pipeline copy (a bucket of its own); every stored key
+  // must have a place.
+  Result<std::vector<std::pair<const StoredKey*, bool>>> StageParams(int stage) const {
+    std::map<std::string, const StoredKey*> stored;
+    for (const StoredKey& k : f_.keys) {
+      if (k.stage == stage) stored[k.key] = &k;
+    }
+    RESHARD_ASSIGN_OR_RETURN(std::vector<std::string> order,
+                             StageKeysInRegistrationOrder(layout_, stage, f_.pp, f_.blocks_per_stage));
+    const bool tied = f_.pp > 1 && tied_copies_ > 0;
+    std::vector<std::pair<const StoredKey*, bool>> params;
+    for (const std::string& key : order) {
+      auto it = stored.find(key);
+      if (it == stored.end()) continue;
+      const bool copy = tied && ((stage == f_.pp - 1 && key == layout_.tied_head) ||
+                                 (stage == 0 && it->second == tied_embedding_));
+      params.emplace_back(it->second, copy);
+      stored.erase(it);
+    }
+    if (!stored.empty()) {
+      return Status::Unsupported(f_.Name(0, stage) + "'s " + stored.begin()->first + " is not in the rule set's "
+                                 "torch_dist.optimizer_order, the registration order distrib_optim.pt's buffers "
+                                 "follow; add it (docs/rules.md)" + std::string(kWeightsOnlyFix));
+    }
+    return params;
+  }
+
+  Status ReadRankState(int t, int p, StatePieces* pieces) {
+    const std::string path = f_.folder + "/" + f_.Name(t, p) + "/" + kDistribOptimFile;
+    if (!Exists(path)) {
+      return Status::InvalidInput(f_.folder + " lacks " + f_.Name(t, p) + "/" + kDistribOptimFile + ", which the "
+                                  "other ranks have: restore it from the saved checkpoint" + kWeightsOnlyFix);
+    }
+    PickleReadOptions read;
+    read.allowed_globals = options_.allowed_classes;
+    RESHARD_ASSIGN_OR_RETURN(Value root, ReadTorchFile(path, read));
+    RESHARD_ASSIGN_OR_RETURN(std::vector<GatheredBuffer> stored, ReadGatheredState(root, path, kWeightsOnlyFix));
+    RESHARD_ASSIGN_OR_RETURN(auto params, StageParams(p));
+    std::vector<GatheredParam> list;
+    for (const auto& [k, copy] : params) {
+      list.push_back({k->key, k->ranks[t]->storage->dtype, k->ranks[t]->numel(), copy});
+    }
+    RESHARD_ASSIGN_OR_RETURN(std::vector<GradBuffer> buffers, MegatronGradBuffers(list, BucketOptions{}));
+    for (size_t b = 0; b < std::max(buffers.size(), stored.size()); ++b) {
+      if (b >= buffers.size() || b >= stored.size() || buffers[b].param_dtype != stored[b].param_dtype ||
+          buffers[b].numel_unpadded != stored[b].numel_unpadded) {
+        return Status::InvalidInput(path + "'s grad buffers (" + BuffersText(stored) + ") are not those its rank's "
+                                    "parameters in registration order lay out (" + BuffersText(buffers) + "): the "
+                                    "file is damaged or of another checkpoint, or the rule set's optimizer_order "
+                                    "does not describe the run" + kWeightsOnlyFix);
+      }
+      for (size_t j = 0; j < buffers[b].params.size(); ++j) {
+        const StoredKey* key = params[buffers[b].params[j]].first;
+        std::array<SourceShard, 3>& out = (*pieces)[{key, t}];
+        for (int s = 0; s < 3; ++s) {
+          const SourceShard flat = SourceShard::Of(*stored[b].states[s], ShardCoords{t, p, 0, 0});
+          out[s].at = flat.at;
+          out[s].shape = key->ranks[t]->sizes;
+          out[s].runs = flat.RunsOf(buffers[b].offsets[j], buffers[b].layout.slots[j].numel, ElementSize(DType::kFloat32));
+        }
+      }
+    }
+    return Status::Ok();
+  }
+
+  template <typename Buffer>
+  static std::string BuffersText(const std::vector<Buffer>& buffers) {
+    std::vector<std::string> parts;
+    for (const Buffer& b : buffers) parts.push_back(std::string(DTypeName(b.param_dtype)) + " " + std::to_string(b.numel_unpadded));
+    return Join(parts, ", ");
+  }
+
+  // DistributedOptimizer.state_dict()'s param groups in model_optim_rng.pt's
+  // `optimizer` entry, without `params`, decayed groups (wd_mult != 0) first;
+  // the step of the first.
+  Status ReadParamGroups(ImportedOptimizer* opt) const {
+    const Value* entry = Find(f_.Root(), "optimizer");
+    const Value* inner = entry != nullptr ? Find(*entry, "optimizer") : nullptr;
+    const Value* groups = inner != nullptr ? Find(*inner, "param_groups") : nullptr;
+    if (groups == nullptr || !groups->is(Value::Kind::kList) || groups->as_list().items.empty()) {
+      return Status::InvalidInput(f_.paths[0] + " holds distrib_optim.pt's state but no optimizer.optimizer."
+                                  "param_groups beside it; the checkpoint's optimizer state is incomplete" +
+                                  std::string(kWeightsOnlyFix));
+    }
+    for (Value group : groups->as_list().items) {
+      if (DictItems(group) == nullptr) return Status::InvalidInput(f_.paths[0] + "'s param_groups are not dicts");
+      Items& items = *MutableDictItems(group);
+      items.erase(std::remove_if(items.begin(), items.end(), [](const auto& kv) {
+                    return kv.first.is(Value::Kind::kString) && kv.first.as_string() == "params";
+                  }), items.end());
+      opt->param_groups.push_back(std::move(group));
+    }
+    if (const Value* step = Find(opt->param_groups[0], "step")) opt->step = *step;
+    std::stable_partition(opt->param_groups.begin(), opt->param_groups.end(), [](const Value& g) {
+      const Value* wd_mult = Find(g, "wd_mult");
+      return wd_mult == nullptr || !wd_mult->is(Value::Kind::kFloat) || wd_mult->as_float() != 0.0;
+    });
     return Status::Ok();
   }
 
@@ -361,10 +532,11 @@ class FamilyReader {
       notes.push_back("megatron: _extra_state (" + Count(f_.extra_states, "item") + " in each TP rank's files) is ignored: "
                       "Megatron-DeepSpeed's layer files have no place for it");
     }
-    if (f_.optimizer || f_.distrib_optim) {
-      notes.push_back(std::string("megatron: weights only: the optimizer state ") +
-                      (f_.distrib_optim ? "(distrib_optim.pt, the distributed optimizer's) " : "") +
-                      "is not read; convert writes the weights without it");
+    if (!optimizer_status_.ok()) {
+      notes.push_back(optimizer_status_.message());  // "megatron: <why it is not read>; <fix>"
+    } else if (f_.optimizer && !f_.distrib_optim) {
+      notes.push_back("megatron: weights only: the optimizer state of a run without --use-distributed-optimizer "
+                      "(in model_optim_rng.pt) is not read; convert writes the weights without it");
     }
     MegatronTorchImport out;
     out.logical = std::move(logical);
@@ -374,16 +546,22 @@ class FamilyReader {
                std::to_string(f_.pp) + (iteration > 0 ? "; iteration " + std::to_string(iteration) : std::string()) +
                " (" + Count(static_cast<int64_t>(f_.paths.size()), "rank file") + ")";
     out.notes = std::move(notes);
+    out.optimizer = std::move(optimizer_);
+    out.optimizer_status = optimizer_status_;
     return out;
   }
 
   const RankFiles& f_;
+  const CommonOptions& options_;
   TorchDistFamily family_;
   const TorchDistLayout& layout_;
   int64_t blocks_ = 0;
   std::map<std::string, Mapped> mapped_;
   int64_t tied_copies_ = 0;
+  const StoredKey* tied_embedding_ = nullptr;  // the first stage's word embedding, when tied
   SpecSeen spec_ = SpecSeen::kNone;
+  std::optional<ImportedOptimizer> optimizer_;
+  Status optimizer_status_;
 };
 
 }  // namespace

@@ -13,15 +13,25 @@
 // rule set's `torch_dist` section, the legacy ones by its layer rules.
 //
 // Metadata: the args and iteration of the files, the sizes the section's
-// shapes take from the tensors where the args do not record them. Weights
-// only: an optimizer state in the files (or in distrib_optim.pt) is not read,
-// and a note says so; `_extra_state` entries and the last stage's replica of
-// a tied embedding are dropped with a note.
+// shapes take from the tensors where the args do not record them.
+// `_extra_state` entries and the last stage's replica of a tied embedding are
+// dropped with a note.
+//
+// The distributed optimizer's state (--use-distributed-optimizer: a
+// distrib_optim.pt beside each model_optim_rng.pt, distrib_optim.h) is read
+// into the same canonical tensors: each rank's gathered buffers cut where the
+// bucket layout of its parameters in the rule set's registration order puts
+// them, each state of a tensor joined like its weight; the param groups and
+// step from model_optim_rng.pt's `optimizer` entry. The optimizer state of a
+// run without it (torch's own, in model_optim_rng.pt) is not read: a note
+// says so.
 #pragma once
 
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "logical/imported_optimizer.h"
 #include "logical/logical_checkpoint.h"
 #include "reshard/reshard.h"
 
@@ -32,6 +42,10 @@ struct MegatronTorchImport {
   std::vector<std::string> files;  // every rank file
   std::string what;                // "Megatron-LM torch checkpoint (...): TP 2, PP 2; iteration 10 ..."
   std::vector<std::string> notes;  // what the import chose or left out
+  // The distributed optimizer's state, when the checkpoint holds one reshard
+  // reads; else why not, in optimizer_status (ok when it holds none).
+  std::optional<ImportedOptimizer> optimizer;
+  Status optimizer_status;
 };
 
 // The iteration folder of the Megatron-LM `torch` checkpoint at `path`:
