@@ -78,6 +78,16 @@ class MegatronDistribOptimTest(FixtureTestCase):
         print(f'\n[ fixture ] verify: {compared(p.stdout)} tensors equal, weights and optimizer state, through '
               'distrib_optim.pt at TP 2, PP 2, DP 2')
 
+    def test_the_transformer_engine_spec_gets_the_weights_only(self):
+        # Its layers register the fused input norm after linear_proj: another buffer order than the
+        # local spec's, which the rule sets give.
+        src = make_fixture(self.path('ms'), **dict(FAMILIES['ms_llama'], tp=1, pp=1, dp=1, optimizer='bf16_zero'))
+        out = self.path('te')
+        p = run('export', src, out, '--to', 'megatron', '--tp', 1, '--pp', 1, '--layer-spec', 'te')
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        self.assertIn("not for the Transformer Engine spec's", p.stdout + p.stderr)
+        self.assertEqual(glob.glob(os.path.join(out, '*', '*', 'distrib_optim.pt')), [])
+
     def test_megatron_core_saves_go_to_megatron_and_torch_dist_with_their_state(self):
         # A Megatron-LM torch folder at PP > 1 without args does not say whether its last stage's
         # output layer is a head of its own or a tied embedding's copy: the rule set says it.

@@ -28,6 +28,13 @@ struct HfFolder {
   // config.json; and how a missing field is given ("add it to config.json or
   // give" when empty).
   std::string config_label, config_fix;
+  // What holds the tensors, for messages ("the HF folder" when empty).
+  std::string tensors_label;
+  std::string Label() const { return tensors_label.empty() ? "the HF folder" : tensors_label; }
+  // "the HF folder's NAME", or the other format's ("... NAME (HF's name)").
+  std::string Named(const std::string& name) const {
+    return Label() + "'s " + name + (tensors_label.empty() ? "" : " (HF's name)");
+  }
 };
 
 // Whether `path` is a folder holding config.json and weights transformers

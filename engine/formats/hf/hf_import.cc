@@ -289,7 +289,7 @@ class TensorJoiner {
     }
     for (const auto& [name, tensor] : folder_.tensors) {
       if (used_.count(name)) continue;
-      return Status::Unsupported("the HF folder's " + name + " is not a tensor of " + hf_.architecture +
+      return Status::Unsupported(folder_.Named(name) + " is not a tensor of " + hf_.architecture +
                                  " as rule set " + rules_.name() + " maps it (its hf.tensors); the folder holds "
                                  "another model, or the rule file's hf section lacks an entry");
     }
@@ -325,7 +325,7 @@ class TensorJoiner {
       const std::string name = HfNameTemplate(to).With(block);
       auto it = folder_.tensors.find(name);
       if (it == folder_.tensors.end()) {
-        return Status::InvalidInput("the HF folder has " + HfNameTemplate(map.to.front()).With(block) +
+        return Status::InvalidInput(folder_.Label() + " has " + HfNameTemplate(map.to.front()).With(block) +
                                     " but not " + name + ", which " + hf_.architecture + " needs with it");
       }
       used_.insert(name);
@@ -334,7 +334,7 @@ class TensorJoiner {
       std::optional<SourceShard> shard;
       if (runs != folder_.runs.end()) shard = runs->second;
       if (map.transpose && (t.sizes.size() != 2 || shard)) {
-        return Status::InvalidInput("the HF folder's " + name + " has shape " + ShapeString(t.sizes) + ", not the "
+        return Status::InvalidInput(folder_.Named(name) + " has shape " + ShapeString(t.sizes) + ", not the "
                                     "matrix " + hf_.architecture + " stores transposed, whole in one file");
       }
       if (map.transpose) transposed_bytes_ += t.numel() * ElementSize(t.storage->dtype);
@@ -473,7 +473,7 @@ Status NameAsArchitecture(const HfExport& hf, HfFolder* folder, std::vector<std:
     if (target == folder->tensors.end() || a.sizes != target->second.as_tensor().sizes ||
         a.storage->dtype != target->second.as_tensor().storage->dtype ||
         !SameElements(ShardOf(*folder, name), ShardOf(*folder, to), a.numel(), ElementSize(a.storage->dtype))) {
-      return Status::InvalidInput("the HF folder's " + name + " is not the same tensor as " + to + ", to which " +
+      return Status::InvalidInput(folder->Named(name) + " is not the same tensor as " + to + ", to which " +
                                   hf.architecture + " ties it; the folder holds an untied model this "
                                   "architecture does not compute");
     }
@@ -587,7 +587,7 @@ Result<HfImport> ImportHfModel(HfFolder folder, const RuleSet& rules, const Comm
   }
   ImportedRuns runs;
   auto hf_names = [&hf](const std::string& name) { return HfNamesOf(hf, name); };
-  RESHARD_ASSIGN_OR_RETURN(ckpt.layers, LayOutImported(rules, *blocks, joined, hf_names, "the HF folder", &runs));
+  RESHARD_ASSIGN_OR_RETURN(ckpt.layers, LayOutImported(rules, *blocks, joined, hf_names, folder.Label(), &runs));
   ckpt.vocab.padding_stripped = true;
   RESHARD_RETURN_IF_ERROR(DescribeCheckpoint(options.rules.empty() ? rules.name() : options.rules, options.set, &ckpt));
   AttachImportedRuns(std::move(runs), &ckpt);

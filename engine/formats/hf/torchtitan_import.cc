@@ -89,6 +89,7 @@ class Reader {
     folder.files = dcp_.files;
     folder.config_label = "the torchtitan checkpoint " + dcp_.folder + " (which records no model config)";
     folder.config_fix = "give it with";
+    folder.tensors_label = "the torchtitan checkpoint";
     RESHARD_ASSIGN_OR_RETURN(folder.config, Config());
     RESHARD_RETURN_IF_ERROR(AddTensors("", &folder));
     RESHARD_ASSIGN_OR_RETURN(HfImport hf, ImportHfModel(folder, rules_, options_));

@@ -273,8 +273,8 @@ Result<PlannedFile> PlanFile(const MegatronExportPlan& plan, const MegatronFile&
 
 // Whether the source's optimizer state is written: it has one, and
 // --weights-only does not leave it out. Unsupported for a state Megatron's
-// Adam has no place for. The legacy GPTModel's registration order is not
-// described, so its files get the weights only, with a note.
+// Adam has no place for. Only the local spec's registration order is
+// described, so the other keys' files get the weights only, with a note.
 Result<bool> WritesOptimizer(const SourceCheckpoint& src, const ExportOptions& options, const MegatronExportPlan& plan,
                              std::atomic<int64_t>* read, std::vector<std::string>* notes) {
   if (options.weights_only) return false;
@@ -288,10 +288,13 @@ Result<bool> WritesOptimizer(const SourceCheckpoint& src, const ExportOptions& o
                                  " has no place in Megatron-Core's distributed Adam state; export with --weights-only");
     }
   }
-  if (any && plan.keys == Keys::kLegacy) {
+  // Transformer Engine's layers register the fused input norm after
+  // linear_proj, not first as the local spec does: the order differs.
+  if (any && plan.keys != Keys::kLocal) {
     notes->push_back("megatron: the optimizer state is not written: distrib_optim.pt's buffers follow the model's "
-                     "registration order, which rule set " + plan.rules->name() + " gives for Megatron-Core's keys "
-                     "only (torch_dist.optimizer_order), not for the legacy GPTModel's");
+                     "registration order, which rule set " + plan.rules->name() + " gives for the local layer spec's "
+                     "keys only (torch_dist.optimizer_order), not for the " +
+                     (plan.keys == Keys::kLegacy ? "legacy GPTModel's" : "Transformer Engine spec's"));
     return false;
   }
   return any;

@@ -383,6 +383,13 @@ class FamilyReader {
                                  "distrib_optim.pt's buffers follow; add one (docs/rules.md)" +
                                  std::string(kWeightsOnlyFix));
     }
+    // The order given is the local spec's; Transformer Engine's layers
+    // register the fused input norm after linear_proj.
+    if (spec_ == SpecSeen::kTransformerEngine) {
+      return Status::Unsupported("distrib_optim.pt of Transformer Engine layer-spec files: its buffers follow that "
+                                 "spec's registration order, which the rule set does not give (its "
+                                 "torch_dist.optimizer_order is the local spec's)" + std::string(kWeightsOnlyFix));
+    }
     for (const auto& [name, m] : mapped_) {
       RESHARD_ASSIGN_OR_RETURN(const ParamRule* rule, family_.RuleOf(name, blocks_));
       if (rule->tied && rule->policy == ParamRule::Policy::kVocab) tied_embedding_ = m.stored;
