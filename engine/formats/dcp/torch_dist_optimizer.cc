@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <set>
 
-#include "formats/dcp/nd_reformulation.h"
+#include "logical/nd_reformulation.h"
 #include "logical/megatron_buckets.h"
 #include "util/human.h"
 #include "util/shape.h"
@@ -379,18 +379,13 @@ class DpReshardableReader {
     for (const RankParam* p : params) list.push_back({p->key->fqn, p->numel, p->shared_embedding});
     BucketOptions options;
     options.dp = dp_;
-    RESHARD_ASSIGN_OR_RETURN(BucketLayout bl, MegatronBucketLayout(list, options));
-    if (numel.numels.size() > bl.buckets.size()) {
-      return Status::Unsupported(what + " has " + std::to_string(numel.numels.size()) + " buckets (a run with "
-                                 "--overlap-grad-reduce), whose bucket size is not recorded; reshard reads one bucket "
-                                 "per buffer, and one per tied embedding copy" + std::string(kWeightsOnlyFix));
-    }
-    const Status check = CheckBucketNumels(bl, numel.numels, unpadded.numels, what);
-    if (!check.ok()) {
-      return Status::InvalidInput(check.message() + "; the rule set's optimizer_order or the layout (--set "
+    Result<BucketLayout> recorded = MegatronRecordedLayout(list, options, numel.numels, unpadded.numels, what);
+    if (!recorded.ok()) {
+      return Status::InvalidInput(recorded.status().message() + "; the rule set's optimizer_order or the layout (--set "
                                   "tensor_model_parallel_size, data_parallel_size) does not describe this run" +
                                   kWeightsOnlyFix);
     }
+    const BucketLayout& bl = *recorded;
     for (int k = 0; k < static_cast<int>(bl.buckets.size()); ++k) {
       for (const char* state : kTorchDistStates) {
         const std::string key = MegatronBucketKey(group, gbuf, numel.param_dtype, numel.grad_dtype, k, state);

@@ -1,4 +1,4 @@
-#include "formats/dcp/nd_reformulation.h"
+#include "logical/nd_reformulation.h"
 
 #include <gtest/gtest.h>
 
