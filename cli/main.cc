@@ -365,10 +365,21 @@ int Run(int argc, char** argv) {
                          "torch_dist: the data-parallel size the optimizer state is laid out for (default 1)")
       ->check(CLI::Range(1, 1 << 20));
   export_cmd->add_option("--optimizer-layout", exporting.optimizer_layout,
-                         "torch_dist: the optimizer state's layout, fully_reshardable or dp_reshardable "
-                         "(Megatron-Core's training default); default: a torch_dist source's own, else "
-                         "fully_reshardable; the state is written unless --weights-only")
-      ->check(CLI::IsMember({"fully_reshardable", "dp_reshardable"}));
+                         "torch_dist: the optimizer state's layout, Megatron-Core 0.19's fully_reshardable or "
+                         "dp_reshardable (its training default), or 0.14's fully_sharded_model_space (its "
+                         "default); default: the version's (0.19: a torch_dist source's own, else "
+                         "fully_reshardable); the state is written unless --weights-only")
+      ->check(CLI::IsMember({"fully_reshardable", "dp_reshardable", "fully_sharded_model_space"}));
+  export_cmd->add_option("--megatron-core-version", exporting.megatron_core_version,
+                         "torch_dist: the Megatron-Core version whose form is written, 0.14 (common.pt) or 0.19 "
+                         "(the common_state item); default: the --optimizer-layout's, else a torch_dist "
+                         "source's own, else 0.19")
+      ->check(CLI::IsMember({"0.14", "0.19"}));
+  export_cmd->add_option("--ddp-bucket-size", exporting.ddp_bucket_size,
+                         "torch_dist, dp_reshardable: Megatron-LM's --ddp-bucket-size (elements), the buckets "
+                         "of the first stage's grad buffers as --overlap-grad-reduce cuts them (default: one "
+                         "bucket per buffer)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 62));
   export_cmd->add_option("--tokenizer", exporting.tokenizer,
                          "hf: folder whose tokenizer files (tokenizer.json, vocab.json, ...) are copied "
                          "beside the model");

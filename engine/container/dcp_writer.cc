@@ -340,8 +340,9 @@ class Gathered {
       const DcpStorage where{file.name, file.places[i].offset, file.places[i].length};
       auto [it, first] = meta_.items.emplace(w.fqn, DcpItem{w.kind, w.dtype, w.size, {}});
       const DcpItem& item = it->second;
+      const auto orig = reformulated_from_.emplace(w.fqn, w.reformulated_from).first;
       if (!first && (item.kind != w.kind || item.kind == DcpItem::Kind::kBytes || item.dtype != w.dtype ||
-                     item.size != w.size)) {
+                     item.size != w.size || orig->second != w.reformulated_from)) {
         return Status::InvalidInput(file.name + ": item '" + w.fqn + "' is written again, unlike before");
       }
       if (w.kind == DcpItem::Kind::kTensor) it->second.chunks.push_back(w.chunk);
@@ -363,8 +364,26 @@ class Gathered {
     return Status::Ok();
   }
 
-  // Metadata(state_dict_metadata, planner_data, storage_data, storage_meta).
-  Value Root() const {
+  // Megatron-Core 0.14's {fqn: {} or {'nd_reformulated_orig_global_shape': dims}}.
+  Value McoreData() const {
+    Items entries;
+    for (const auto& [fqn, item] : meta_.items) {
+      if (item.kind != DcpItem::Kind::kTensor) continue;
+      const std::vector<int64_t>& orig = reformulated_from_.at(fqn);
+      Items entry;
+      if (!orig.empty()) {
+        std::vector<Value> dims;
+        for (int64_t d : orig) dims.push_back(Value::Int(d));
+        entry.emplace_back(Value::String("nd_reformulated_orig_global_shape"), Value::MakeTuple(std::move(dims)));
+      }
+      entries.emplace_back(Value::String(fqn), Value::MakeDict(std::move(entry)));
+    }
+    return Value::MakeDict(std::move(entries));
+  }
+
+  // Metadata(state_dict_metadata, planner_data, storage_data, storage_meta
+  // [, mcore_data]).
+  Value Root(const DcpMetadataOptions& options) const {
     Items items, planner, storage;
     for (const auto& [fqn, item] : meta_.items) {
       planner.emplace_back(Value::String(fqn), PathTuple(paths_.at(fqn)));
@@ -383,25 +402,28 @@ class Gathered {
     // ids are torch's per run: none here, so the file is deterministic.
     Value storage_meta = Built(kMetadataModule, "StorageMeta",
                                StringDict({{"checkpoint_id", Value()}, {"save_id", Value()}, {"load_id", Value()}}));
-    return Built(kMetadataModule, "Metadata",
-                 StringDict({{"state_dict_metadata", Value::MakeDict(std::move(items))},
-                             {"planner_data", Value::MakeDict(std::move(planner))},
-                             {"storage_data", Value::MakeDict(std::move(storage))},
-                             {"storage_meta", std::move(storage_meta)}}));
+    std::vector<std::pair<const char*, Value>> fields = {{"state_dict_metadata", Value::MakeDict(std::move(items))},
+                                                         {"planner_data", Value::MakeDict(std::move(planner))},
+                                                         {"storage_data", Value::MakeDict(std::move(storage))},
+                                                         {"storage_meta", std::move(storage_meta)}};
+    if (options.mcore_data) fields.emplace_back("mcore_data", McoreData());
+    return Built(kMetadataModule, "Metadata", StringDict(std::move(fields)));
   }
 
  private:
   DcpMetadata meta_;
+  std::map<std::string, std::vector<int64_t>> reformulated_from_;
   std::map<std::string, std::vector<std::string>> paths_;
 };
 
 }  // namespace
 
-Result<std::string> DcpMetadataPickle(const std::vector<const DcpFileLayout*>& files) {
+Result<std::string> DcpMetadataPickle(const std::vector<const DcpFileLayout*>& files,
+                                      const DcpMetadataOptions& options) {
   Gathered gathered;
   for (const DcpFileLayout* file : files) RESHARD_RETURN_IF_ERROR(gathered.Add(*file));
   RESHARD_RETURN_IF_ERROR(gathered.CheckTiled());
-  return WritePickle(gathered.Root(), {});
+  return WritePickle(gathered.Root(options), {});
 }
 
 }  // namespace reshard

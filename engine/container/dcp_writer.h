@@ -56,6 +56,9 @@ struct DcpWriteItem {
   // The keys torch's dcp_to_torch_save nests the item under (`.metadata`'s
   // planner_data); empty: {fqn}, a key of a flat state dict.
   std::vector<std::string> path;
+  // A tensor Megatron-Core 0.14 saved nd-reformulated: the original global
+  // shape, which `.metadata`'s mcore_data records (empty: not reformulated).
+  std::vector<int64_t> reformulated_from;
 };
 
 DcpWriteItem DcpTensorItem(std::string fqn, DType dtype, std::vector<int64_t> size, DcpChunk chunk,
@@ -105,11 +108,19 @@ Result<FileDigest> WriteDcpItems(const std::string& path, const DcpFileLayout& l
                                  size_t last, std::vector<uint8_t>* buffer,
                                  const std::function<void(int64_t)>& written);
 
+struct DcpMetadataOptions {
+  // Add Megatron-Core 0.14's `mcore_data` field: {fqn: {}} for every
+  // tensor, {fqn: {'nd_reformulated_orig_global_shape': (dims)}} for one
+  // written reformulated (DcpWriteItem::reformulated_from).
+  bool mcore_data = false;
+};
+
 // The `.metadata` of a checkpoint made of `files`: every item with its
 // chunks and where each is stored, as torch 2.6 pickles its Metadata.
-// Errors: InvalidInput when the items of a key disagree (dtype, size, kind),
-// a bytes item is written twice, or a tensor's chunks do not hold each of
-// its elements once.
-Result<std::string> DcpMetadataPickle(const std::vector<const DcpFileLayout*>& files);
+// Errors: InvalidInput when the items of a key disagree (dtype, size, kind,
+// original shape), a bytes item is written twice, or a tensor's chunks do
+// not hold each of its elements once.
+Result<std::string> DcpMetadataPickle(const std::vector<const DcpFileLayout*>& files,
+                                      const DcpMetadataOptions& options = {});
 
 }  // namespace reshard

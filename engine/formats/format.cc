@@ -64,7 +64,7 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenDcp(const std::string& folder, con
   }
   return MakeImportedSource({std::move(imported->logical), folder, std::move(imported->what),
                              std::move(imported->files), std::move(imported->notes), std::move(imported->optimizer),
-                             imported->optimizer_status},
+                             imported->optimizer_status, std::move(imported->megatron_core_version)},
                             options);
 }
 
@@ -132,6 +132,10 @@ Result<OutputPlan> PlanExport(const SourceCheckpoint& src, const ExportOptions& 
   if (!options.optimizer_layout.empty() && options.to != "torch_dist") {
     return Status::InvalidInput("--optimizer-layout lays out the optimizer state of --to torch_dist; the " + options.to +
                                 " export has none of its own, so leave it out");
+  }
+  if ((!options.megatron_core_version.empty() || options.ddp_bucket_size != 0) && options.to != "torch_dist") {
+    return Status::InvalidInput(std::string(options.ddp_bucket_size != 0 ? "--ddp-bucket-size" : "--megatron-core-version") +
+                                " chooses the form of --to torch_dist; leave it out of --to " + options.to);
   }
   if (options.to == "megatron") return PlanMegatron(src, options, notes);
   if (!options.layer_spec.empty()) {

@@ -106,6 +106,11 @@ struct SourceInfo {
   // How the source's format laid its optimizer state out, where it names
   // it (torch_dist: "dp_reshardable"): an export to that format keeps it.
   std::string optimizer_layout;
+  // The version of the writer whose form the source has, where its format
+  // has several (torch_dist: "0.14" for Megatron-Core's common.pt form and
+  // its layout fully_sharded_model_space, "0.19" for the common_state item):
+  // an export to that format writes it by default.
+  std::string format_version;
   // False for a format that keeps no learning-rate scheduler or sample
   // counters (an import's metadata is a fresh run's): verify leaves them out.
   bool records_run_state = true;

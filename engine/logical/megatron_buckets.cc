@@ -112,6 +112,28 @@ Status CheckBucketNumels(const BucketLayout& layout, const std::vector<int64_t>&
   return Status::Ok();
 }
 
+Result<BucketLayout> MegatronRecordedLayout(const std::vector<BucketParam>& params, BucketOptions options,
+                                            const std::vector<int64_t>& per_bucket_numel,
+                                            const std::vector<int64_t>& per_bucket_numel_unpadded,
+                                            const std::string& what) {
+  options.bucket_size = std::nullopt;
+  RESHARD_ASSIGN_OR_RETURN(BucketLayout one, MegatronBucketLayout(params, options));
+  const Status unbucketed = CheckBucketNumels(one, per_bucket_numel, per_bucket_numel_unpadded, what);
+  if (unbucketed.ok()) return one;
+  // A bucket size only adds buckets.
+  if (per_bucket_numel_unpadded.size() <= one.buckets.size()) return unbucketed;
+  std::vector<int64_t> sizes = per_bucket_numel_unpadded;
+  std::sort(sizes.begin(), sizes.end());
+  sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
+  for (int64_t size : sizes) {
+    if (size < 1) continue;
+    options.bucket_size = size;
+    RESHARD_ASSIGN_OR_RETURN(BucketLayout layout, MegatronBucketLayout(params, options));
+    if (CheckBucketNumels(layout, per_bucket_numel, per_bucket_numel_unpadded, what).ok()) return layout;
+  }
+  return Status::InvalidInput(unbucketed.message() + ", nor at any bucket size (--ddp-bucket-size)");
+}
+
 std::vector<std::pair<int64_t, int64_t>> MegatronBucketChunks(const BucketLayout& layout,
                                                               int bucket, int dp) {
   const Bucket& b = layout.buckets[bucket];

@@ -53,7 +53,8 @@ constexpr int64_t kMegatronHighBusBwAlignment = 65536;  // pad_buckets_for_high_
 
 // The bucket size Megatron-LM uses with --overlap-grad-reduce and no
 // --ddp-bucket-size: max(40M, 1M · DP) elements. Without overlap (the
-// default), and on every pipeline stage but the first, there is one bucket.
+// default), and on every pipeline stage but the first, there is one bucket
+// (Megatron-Core's DistributedDataParallel sets no bucket size there).
 int64_t MegatronDefaultBucketSize(int dp);
 
 // One parameter of a grad buffer, as the model registers it.
@@ -103,6 +104,19 @@ Result<BucketLayout> MegatronBucketLayout(const std::vector<BucketParam>& params
 Status CheckBucketNumels(const BucketLayout& layout, const std::vector<int64_t>& per_bucket_numel,
                          const std::vector<int64_t>& per_bucket_numel_unpadded,
                          const std::string& what);
+
+// The layout of a grad buffer as a checkpoint records it in
+// `per_bucket_numel` / `per_bucket_numel_unpadded`: Megatron's layout of
+// `params` with no bucket size, or with a bucket size that cuts the
+// recorded buckets. The bucket size (--ddp-bucket-size) is not recorded,
+// but the buckets show one: the smallest bucket that closed by size is
+// such a size (every parameter end before a close is below it), so the
+// recorded unpadded numels are the sizes tried. `options.bucket_size` is
+// ignored. InvalidInput (CheckBucketNumels' message) when no size fits.
+Result<BucketLayout> MegatronRecordedLayout(const std::vector<BucketParam>& params, BucketOptions options,
+                                            const std::vector<int64_t>& per_bucket_numel,
+                                            const std::vector<int64_t>& per_bucket_numel_unpadded,
+                                            const std::string& what);
 
 // The 1-D chunks (offset, size) Megatron writes of bucket `bucket`'s tensor,
 // in order: DP rank r owns [r·S, (r+1)·S) of the padded bucket (S = numel /

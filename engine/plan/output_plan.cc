@@ -132,14 +132,15 @@ PlannedFile DcpDataFile(const std::string& folder, std::string what, DcpFileLayo
   return f;
 }
 
-Result<PlannedFile> DcpMetadataFile(const std::string& folder, const std::vector<const PlannedFile*>& files) {
+Result<PlannedFile> DcpMetadataFile(const std::string& folder, const std::vector<const PlannedFile*>& files,
+                                    const DcpMetadataOptions& options) {
   std::vector<const DcpFileLayout*> layouts;
   size_t items = 0;
   for (const PlannedFile* f : files) {
     layouts.push_back(&f->dcp->layout);
     items += f->dcp->layout.items.size();
   }
-  RESHARD_ASSIGN_OR_RETURN(std::string pickle, DcpMetadataPickle(layouts));
+  RESHARD_ASSIGN_OR_RETURN(std::string pickle, DcpMetadataPickle(layouts, options));
   PlannedFile f = TextFile(InFolder(folder, ".metadata"), std::move(pickle));
   f.what = "Distributed Checkpoint metadata of " + Count(static_cast<int64_t>(items), "item");
   return f;

@@ -133,7 +133,8 @@ PlannedFile DcpDataFile(const std::string& folder, std::string what, DcpFileLayo
 
 // The `.metadata` in `folder` of the checkpoint whose data files are
 // `files` (DcpDataFile's): the pickle that indexes every item.
-Result<PlannedFile> DcpMetadataFile(const std::string& folder, const std::vector<const PlannedFile*>& files);
+Result<PlannedFile> DcpMetadataFile(const std::string& folder, const std::vector<const PlannedFile*>& files,
+                                    const DcpMetadataOptions& options = {});
 
 // A copy of the file at `from`. `counted`: its bytes are tensor bytes (a
 // checkpoint file copied whole), which the progress counts.

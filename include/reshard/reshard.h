@@ -172,11 +172,22 @@ struct ExportOptions : WriteOptions {
   // layer spec; "legacy", the legacy GPTModel (--use-legacy-models).
   std::string layer_spec;
   // torch_dist: the layout of the optimizer state, written whenever the
-  // source has some and weights_only is not set: "fully_reshardable" or
-  // "dp_reshardable" (Megatron-Core's training default: flat buckets per
-  // model-parallel rank, sharded over `dp`). Empty: a torch_dist source's
-  // own layout where it is one of these, else "fully_reshardable".
+  // source has some and weights_only is not set: Megatron-Core 0.19's
+  // "fully_reshardable" or "dp_reshardable" (its training default: flat
+  // buckets per model-parallel rank, sharded over `dp`), or 0.14's
+  // "fully_sharded_model_space" (its default). Empty: the version's default
+  // (0.14: fully_sharded_model_space; 0.19: a torch_dist source's own layout
+  // where it is dp_reshardable, else fully_reshardable).
   std::string optimizer_layout;
+  // torch_dist: the Megatron-Core version whose form is written, "0.14"
+  // (common.pt, fully_sharded_model_space) or "0.19" (the common_state item,
+  // fully_reshardable / dp_reshardable). Empty: the version the
+  // optimizer_layout belongs to, else a torch_dist source's own, else 0.19.
+  std::string megatron_core_version;
+  // torch_dist, dp_reshardable: Megatron-LM's --ddp-bucket-size, the
+  // elements after which a grad buffer's bucket closes on the first pipeline
+  // stage (as with --overlap-grad-reduce); 0: one bucket per buffer.
+  int64_t ddp_bucket_size = 0;
 };
 
 struct ConvertReport {

@@ -45,6 +45,15 @@ Result<Value> CommonState(const DcpContent& c) {
   return Value::None();
 }
 
+// The Megatron-Core version whose form the folder has: 0.19's where its
+// optimizer layout is one only 0.19 writes, else 0.14's where it has a
+// common.pt (which versions up to 0.18 write; 0.14 is the one whose form
+// reshard writes), else 0.19's.
+std::string MegatronCoreVersion(const DcpContent& c, const std::optional<ImportedOptimizer>& optimizer) {
+  if (optimizer && (optimizer->layout == "fully_reshardable" || optimizer->layout == "dp_reshardable")) return "0.19";
+  return IsFile(c.folder + "/" + kCommonFile) ? "0.14" : "0.19";
+}
+
 // Reads the checkpoint as the model of one rule set.
 class FamilyReader {
  public:
@@ -172,6 +181,7 @@ class FamilyReader {
                (iteration > 0 ? "; iteration " + std::to_string(iteration) : std::string()) + " (" +
                Count(static_cast<int64_t>(c_.files.size()), ".distcp file") + ")";
     out.notes = std::move(notes);
+    out.megatron_core_version = MegatronCoreVersion(c_, optimizer_);
     out.optimizer = std::move(optimizer_);
     out.optimizer_status = optimizer_status_;
     return out;

@@ -47,6 +47,10 @@ struct TorchDistImport {
   // why not, in optimizer_status (ok when it holds none).
   std::optional<ImportedOptimizer> optimizer;
   Status optimizer_status;
+  // The Megatron-Core version whose form the folder has: "0.14" (common.pt,
+  // or the layout fully_sharded_model_space) or "0.19" (the common_state
+  // item, or a layout of 0.19's).
+  std::string megatron_core_version;
 };
 
 // Reads `content` (a torch_dist folder) as the model of the first family

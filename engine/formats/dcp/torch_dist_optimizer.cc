@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <set>
 
-#include "formats/dcp/nd_reformulation.h"
+#include "logical/nd_reformulation.h"
 #include "logical/megatron_buckets.h"
 #include "logical/megatron_gathered.h"
 #include "util/human.h"
@@ -393,18 +393,22 @@ class FlatBufferReader {
   Status ReadBuffer(int group, int gbuf, const std::vector<RankParam>& params, const GradBuffer& buffer,
                     const BufferNumels& numel, const BufferNumels& unpadded) {
     const std::string what = c_.folder + "'s dp_group_idx_" + std::to_string(group) + ".gbuf_idx_" + std::to_string(gbuf);
-    const BucketLayout& bl = buffer.layout;
-    if (numel.numels.size() > bl.buckets.size()) {
-      return Status::Unsupported(what + " has " + std::to_string(numel.numels.size()) + " buckets (a run with "
-                                 "--overlap-grad-reduce), whose bucket size is not recorded; reshard reads one bucket "
-                                 "per buffer, and one per tied embedding copy" + std::string(kWeightsOnlyFix));
+    // The buffer's buckets as recorded: a run with --overlap-grad-reduce
+    // cuts it into buckets of a size no checkpoint records.
+    std::vector<BucketParam> list;
+    for (size_t i : buffer.params) {
+      const RankParam& p = params[i];
+      list.push_back({p.key->fqn, p.numel, p.shared_embedding});
     }
-    const Status check = CheckBucketNumels(bl, numel.numels, unpadded.numels, what);
-    if (!check.ok()) {
-      return Status::InvalidInput(check.message() + "; the rule set's optimizer_order or the layout (--set "
+    BucketOptions options;
+    options.dp = dp_;
+    Result<BucketLayout> recorded = MegatronRecordedLayout(list, options, numel.numels, unpadded.numels, what);
+    if (!recorded.ok()) {
+      return Status::InvalidInput(recorded.status().message() + "; the rule set's optimizer_order or the layout (--set "
                                   "tensor_model_parallel_size, data_parallel_size) does not describe this run" +
                                   kWeightsOnlyFix);
     }
+    const BucketLayout& bl = *recorded;
     for (int k = 0; k < static_cast<int>(bl.buckets.size()); ++k) {
       for (const char* state : kTorchDistStates) {
         const std::string key = MegatronBucketKey(group, gbuf, numel.param_dtype, numel.grad_dtype, k, state);

@@ -75,6 +75,7 @@ void DeepSpeedModelSource::SetInfo(std::string kind, std::string summary, bool v
   info_.rules = ckpt().rules;
   info_.settings = ckpt().settings;
   info_.optimizer_layout = model_->foreign_optimizer_layout;
+  info_.format_version = model_->foreign_format_version;
   info_.records_run_state = model_->foreign.empty();
   if (!vocab) return;
   info_.vocab_rows = ckpt().vocab.padded_rows;

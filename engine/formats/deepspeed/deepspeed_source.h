@@ -51,6 +51,7 @@ struct ImportedModel {
   std::vector<std::string> files, notes;
   std::optional<ImportedOptimizer> optimizer;
   Status optimizer_status;
+  std::string format_version;  // SourceInfo::format_version
 };
 std::unique_ptr<SourceCheckpoint> MakeImportedSource(ImportedModel imported, const CommonOptions& options);
 std::unique_ptr<SourceCheckpoint> MakeNonPipelineSource(std::unique_ptr<DeepSpeedModel> model,

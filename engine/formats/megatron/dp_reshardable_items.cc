@@ -3,8 +3,6 @@
 #include <algorithm>
 #include <memory>
 
-#include "logical/megatron_buckets.h"
-
 namespace reshard {
 namespace {
 
@@ -62,7 +60,9 @@ Value BufferNumels(DType dtype, const std::vector<Value>& numels) {
 }  // namespace
 
 Result<std::vector<std::vector<DcpWriteItem>>> DpReshardableItems(int group, const std::vector<DpParam>& params,
-                                                                  int dp, const Value& param_groups) {
+                                                                  const BucketOptions& buckets,
+                                                                  const Value& param_groups) {
+  const int dp = buckets.dp;
   // DDP's grad buffers: one per param dtype, in the order each first appears.
   std::vector<DType> dtypes;
   std::vector<std::vector<const DpParam*>> buffers;
@@ -79,9 +79,7 @@ Result<std::vector<std::vector<DcpWriteItem>>> DpReshardableItems(int group, con
   for (size_t b = 0; b < buffers.size(); ++b) {
     std::vector<BucketParam> list;
     for (const DpParam* p : buffers[b]) list.push_back({p->key, p->numel, p->shared_embedding});
-    BucketOptions options;
-    options.dp = dp;
-    RESHARD_ASSIGN_OR_RETURN(BucketLayout layout, MegatronBucketLayout(list, options));
+    RESHARD_ASSIGN_OR_RETURN(BucketLayout layout, MegatronBucketLayout(list, buckets));
     std::vector<Value> numel, numel_unpadded;
     for (size_t k = 0; k < layout.buckets.size(); ++k) {
       const Bucket& bucket = layout.buckets[k];

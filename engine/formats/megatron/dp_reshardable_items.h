@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "container/dcp_writer.h"
+#include "logical/megatron_buckets.h"
 #include "pickle/dtype.h"
 #include "pickle/value.h"
 #include "reshard/status.h"
@@ -40,10 +41,12 @@ struct DpParam {
 };
 
 // The items of model-parallel rank `group` (MegatronDpGroupIdx) whose
-// parameters, in registration order, are `params`, over `dp` DP ranks:
+// parameters, in registration order, are `params`, over `buckets.dp` DP
+// ranks, each grad buffer cut into buckets of `buckets.bucket_size`:
 // element d goes into DP rank d's file. `param_groups` is the list of
 // Megatron-Core param groups the rank's `optimizer` item holds.
 Result<std::vector<std::vector<DcpWriteItem>>> DpReshardableItems(int group, const std::vector<DpParam>& params,
-                                                                  int dp, const Value& param_groups);
+                                                                  const BucketOptions& buckets,
+                                                                  const Value& param_groups);
 
 }  // namespace reshard

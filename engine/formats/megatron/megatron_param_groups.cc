@@ -24,17 +24,17 @@ Value Hyper(const Value& hyper, const std::string& name, Value fallback) {
   return *v;
 }
 
-// One Megatron-Core 0.19 param group (default config, no expert
+// One Megatron-Core param group (default config: 0.19 says so, 0.14 not; no expert
 // parallelism) from a source group's hyperparameters; max_lr and min_lr
 // from the args where the source's group has none.
-Value MegatronGroup(const OptimizerParamGroup& group, const Value& step, const Value* args) {
+Value MegatronGroup(const OptimizerParamGroup& group, const Value& step, const Value* args, bool default_config) {
   const Value& h = group.hyperparameters;
   const Value* args_lr = args != nullptr ? Find(*args, "lr") : nullptr;
   const Value* args_min_lr = args != nullptr ? Find(*args, "min_lr") : nullptr;
   const Value lr = Hyper(h, "lr", Value::None());
   Value out = Value::MakeDict();
   Set(out, "is_expert_parallel", Value::Bool(false));
-  Set(out, "default_config", Value::Bool(true));
+  if (default_config) Set(out, "default_config", Value::Bool(true));
   Set(out, "wd_mult", Value::Float(group.weight_decay_multiplier));
   Set(out, "lr_mult", Hyper(h, "lr_mult", Value::Float(1.0)));
   Set(out, "is_decoupled_lr", Value::Bool(false));
@@ -52,7 +52,7 @@ Value MegatronGroup(const OptimizerParamGroup& group, const Value& step, const V
 
 }  // namespace
 
-Result<Value> MegatronParamGroups(const OptimizerParamGroups& groups, const Value* args) {
+Result<Value> MegatronParamGroups(const OptimizerParamGroups& groups, const Value* args, const std::string& version) {
   RESHARD_ASSIGN_OR_RETURN(Value step, FloatStep(groups.step));
   std::map<double, const OptimizerParamGroup*, std::greater<double>> by_mult;
   for (const OptimizerParamGroup& g : groups.groups) {
@@ -64,7 +64,7 @@ Result<Value> MegatronParamGroups(const OptimizerParamGroups& groups, const Valu
     }
   }
   std::vector<Value> out;
-  for (const auto& [mult, g] : by_mult) out.push_back(MegatronGroup(*g, step, args));
+  for (const auto& [mult, g] : by_mult) out.push_back(MegatronGroup(*g, step, args, version != "0.14"));
   return Value::MakeList(std::move(out));
 }
 

@@ -1,4 +1,5 @@
-// Megatron-Core 0.19's optimizer param groups, made from a source's: what a
+// Megatron-Core 0.19's optimizer param groups (or 0.14's, which lack
+// `default_config`), made from a source's: what a
 // torch_dist target writes beside the optimizer state (in the common state
 // for fully_reshardable, in each rank's `optimizer` item for
 // dp_reshardable).
@@ -12,9 +13,11 @@
 
 namespace reshard {
 
-// The list of groups for `groups`; max_lr and min_lr from `args` (may be
-// null) where a source group has none. Unsupported where two source groups
-// of one multiplier differ, or the step is no number.
-Result<Value> MegatronParamGroups(const OptimizerParamGroups& groups, const Value* args);
+// The list of groups for `groups` as Megatron-Core `version` ("0.14" or
+// "0.19") writes them; max_lr and min_lr from `args` (may be null) where a
+// source group has none. Unsupported where two source groups of one
+// multiplier differ, or the step is no number.
+Result<Value> MegatronParamGroups(const OptimizerParamGroups& groups, const Value* args,
+                                  const std::string& version = "0.19");
 
 }  // namespace reshard

@@ -3,8 +3,10 @@
 #include <algorithm>
 #include <array>
 #include <cstdio>
+#include <cstring>
 #include <iterator>
 #include <map>
+#include <memory>
 #include <optional>
 #include <set>
 
@@ -16,6 +18,7 @@
 #include "formats/state_dict.h"
 #include "logical/logical_checkpoint.h"
 #include "logical/megatron_buckets.h"
+#include "logical/nd_reformulation.h"
 #include "logical/tp_placement.h"
 #include "util/human.h"
 #include "util/shape.h"
@@ -24,15 +27,25 @@
 namespace reshard {
 namespace {
 
+// The Megatron-Core versions whose forms are written: 0.19 keeps the common
+// state in a bytes item, 0.14 in common.pt, which metadata.json names.
+constexpr char kVersion014[] = "0.14";
+constexpr char kVersion019[] = "0.19";
 constexpr char kMetadataJson[] = "{\"sharded_backend\": \"torch_dist\", \"sharded_backend_version\": 1}";
+constexpr char kMetadataJson014[] =
+    "{\"sharded_backend\": \"torch_dist\", \"sharded_backend_version\": 1, \"common_backend\": \"torch\", "
+    "\"common_backend_version\": 1}";
 // How Megatron-Core names the item of a sharded object: shard `i` of `n`.
 constexpr char kCommonState[] = "common_state/shard_0_1";
+constexpr char kCommonFile[] = "common.pt";
 // A job's share of a big .distcp file.
 constexpr int64_t kPartBytes = int64_t{256} << 20;
-// The optimizer layouts written: every state shaped like its model key, or
-// flat buckets per model-parallel rank (dp_reshardable_items.h).
+// The optimizer layouts written: 0.19's every state shaped like its model
+// key, or flat buckets per model-parallel rank (dp_reshardable_items.h);
+// 0.14's every rank's piece of a state flattened (nd_reformulation.h).
 constexpr char kFullyReshardable[] = "fully_reshardable";
 constexpr char kDpReshardable[] = "dp_reshardable";
+constexpr char kFullyShardedModelSpace[] = "fully_sharded_model_space";
 
 std::string IterationFolder(int64_t iteration) {
   char name[32];
@@ -104,6 +117,9 @@ struct Target {
   int pp = 1, dp = 1;
   int blocks = 0, blocks_per_stage = 0;
   std::optional<DType> dtype;
+  std::string version;                 // kVersion014 or kVersion019
+  std::string layout;                  // of the optimizer state
+  std::optional<int64_t> bucket_size;  // dp_reshardable's, on the first stage
 };
 
 // The items of every rank's `.distcp` file.
@@ -244,11 +260,36 @@ Result<std::map<std::pair<std::string, int64_t>, const RankTensor*>> StageTensor
   return by_key;
 }
 
+// The source's fp32 masters, exp_avg and exp_avg_sq (kTorchDistStates'
+// order), each cut for the target TP exactly as the weights.
+using StateWeights = std::array<TpWeights, 3>;
+Result<StateWeights> CutStates(const SourceCheckpoint& src, const Target& target, std::atomic<int64_t>* read) {
+  StateWeights states;
+  const char* source_states[] = {kFp32Master, "exp_avg", "exp_avg_sq"};
+  std::vector<std::string> repeated_notes;  // the weights' cut said them already
+  for (size_t s = 0; s < states.size(); ++s) {
+    TpCut cut = target.cut;
+    cut.state = source_states[s];
+    RESHARD_ASSIGN_OR_RETURN(states[s], src.WeightsForTp(cut, &repeated_notes, read));
+  }
+  return states;
+}
+
+// TP rank `t`'s piece of state `s` (of CutStates) of the weight `name`, as
+// fp32 bytes.
+Result<ByteProducer> Fp32StateOf(const TpWeights& state, int t, const std::string& name, size_t s) {
+  for (const RankTensor& r : state.ranks[t]) {
+    if (r.name != name) continue;
+    return r.dtype == DType::kFloat32 ? r.produce : CastBytes(r.produce, r.dtype, DType::kFloat32);
+  }
+  return Status::Internal("no optimizer " + std::string(kTorchDistStates[s]) + " of " + name);
+}
+
 // The stage's parameters of TP rank `t` in registration order, each with
 // its pieces of the states (`states`: the source's fp32 masters, exp_avg
 // and exp_avg_sq cut like `weights`).
 Result<std::vector<DpParam>> StageParams(const RuleSet& rules, const TpWeights& weights,
-                                         const std::array<TpWeights, 3>& states, int t, int p, const Target& target) {
+                                         const StateWeights& states, int t, int p, const Target& target) {
   RESHARD_ASSIGN_OR_RETURN(auto by_key, StageTensors(rules, weights, t, p, target));
   const TorchDistLayout& layout = *rules.torch_dist();
   std::vector<DpParam> params;
@@ -261,10 +302,7 @@ Result<std::vector<DpParam>> StageParams(const RuleSet& rules, const TpWeights& 
     const RankTensor& r = *it->second;
     DpParam param{reg.key, WrittenDType(r, target.dtype), ShapeNumel(r.shape), IsTiedVocab(r) && target.pp > 1, {}};
     for (size_t s = 0; s < states.size(); ++s) {
-      for (const RankTensor& state : states[s].ranks[t]) {
-        if (state.name == r.name) param.states[s] = state.produce;
-      }
-      if (!param.states[s]) return Status::Internal("no optimizer " + std::string(kTorchDistStates[s]) + " of " + r.name);
+      RESHARD_ASSIGN_OR_RETURN(param.states[s], Fp32StateOf(states[s], t, r.name, s));
     }
     params.push_back(std::move(param));
     by_key.erase(it);
@@ -283,20 +321,15 @@ Result<std::vector<DpParam>> StageParams(const RuleSet& rules, const TpWeights& 
 Status AddDpReshardableItems(const SourceCheckpoint& src, const TpWeights& weights, const Value& param_groups,
                              const Target& target, std::atomic<int64_t>* read, RankFiles* files) {
   const RuleSet& rules = *src.info().rules;
-  std::array<TpWeights, 3> states;
-  const char* source_states[] = {kFp32Master, "exp_avg", "exp_avg_sq"};
-  std::vector<std::string> repeated_notes;  // the weights' cut said them already
-  for (size_t s = 0; s < states.size(); ++s) {
-    TpCut cut = target.cut;
-    cut.state = source_states[s];
-    RESHARD_ASSIGN_OR_RETURN(states[s], src.WeightsForTp(cut, &repeated_notes, read));
-  }
+  RESHARD_ASSIGN_OR_RETURN(const StateWeights states, CutStates(src, target, read));
   for (int p = 0; p < target.pp; ++p) {
+    // Megatron-Core's DistributedDataParallel cuts buckets on the first stage only.
+    const std::optional<int64_t> bucket_size = p == 0 ? target.bucket_size : std::nullopt;
     for (int t = 0; t < target.cut.tp; ++t) {
       RESHARD_ASSIGN_OR_RETURN(std::vector<DpParam> params, StageParams(rules, weights, states, t, p, target));
       RESHARD_ASSIGN_OR_RETURN(std::vector<std::vector<DcpWriteItem>> items,
-                               DpReshardableItems(MegatronDpGroupIdx(t, p, target.cut.tp), params, target.dp,
-                                                  param_groups));
+                               DpReshardableItems(MegatronDpGroupIdx(t, p, target.cut.tp), params,
+                                                  {target.dp, bucket_size}, param_groups));
       for (int d = 0; d < target.dp; ++d) {
         std::move(items[d].begin(), items[d].end(), std::back_inserter(files->At(t, p, d)));
       }
@@ -305,32 +338,106 @@ Status AddDpReshardableItems(const SourceCheckpoint& src, const TpWeights& weigh
   return Status::Ok();
 }
 
-// The optimizer state in `layout`, and the common state's `optimizer` entry
-// as Megatron-Core 0.19 writes it for that layout (fully_reshardable keeps
-// the param groups there; dp_reshardable in each rank's items).
+// The fully_sharded_model_space layout of Megatron-Core 0.14: each state
+// of each parameter under `optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.
+// <key>`, reformulated (logical/nd_reformulation.h): each box a TP rank
+// writes of the weight (a layer's piece) is one fragment, flattened, written
+// by the rank that writes the weight's box (TP rank 0 alone for a
+// replicated tensor). Megatron-Core cuts a fragment at its DP ranks' shard
+// bounds; here DP rank 0 writes each whole, which loads the same.
+Status AddModelSpaceItems(const SourceCheckpoint& src, const TpWeights& weights, const Target& target,
+                          std::atomic<int64_t>* read, RankFiles* files) {
+  const RuleSet& rules = *src.info().rules;
+  RESHARD_ASSIGN_OR_RETURN(const StateWeights states, CutStates(src, target, read));
+  for (int t = 0; t < target.cut.tp; ++t) {
+    for (const RankTensor& r : weights.ranks[t]) {
+      if (t > 0 && r.rule->policy == ParamRule::Policy::kReplicated) continue;  // TP rank 0 writes it
+      RESHARD_ASSIGN_OR_RETURN(KeyOf key, KeyOfTensor(rules, r));
+      const std::vector<int64_t> global = StackedSize(key, target.blocks, GlobalShape(r, target.cut.tp));
+      RESHARD_ASSIGN_OR_RETURN(std::vector<RankBox> boxes, RankBoxes(r, t, target.cut.tp, DType::kFloat32));
+      for (size_t s = 0; s < states.size(); ++s) {
+        RESHARD_ASSIGN_OR_RETURN(ByteProducer bytes, Fp32StateOf(states[s], t, r.name, s));
+        // Megatron-Core 0.14 names the fp32 master `fp32_param`.
+        const std::string fqn = std::string("optimizer.state.") + (s == 0 ? "fp32_param" : kTorchDistStates[s]) + "." + key.key;
+        for (const RankBox& box : boxes) {
+          const DcpChunk piece = StackedChunk(key, box.chunk);
+          RESHARD_ASSIGN_OR_RETURN(NdReformulation reform, NdReformulationOf(global, piece.sizes, fqn));
+          DcpChunk row{reform.FragmentIndex(Box{piece.offsets, piece.sizes}), std::vector<int64_t>(global.size(), 1)};
+          row.offsets.push_back(0);
+          row.sizes.push_back(reform.fragment_numel());
+          DcpWriteItem item = DcpTensorItem(fqn, DType::kFloat32, reform.saved_shape(), std::move(row),
+                                            BytesFrom(bytes, box.byte_offset));
+          item.reformulated_from = global;
+          files->At(t, StageOf(r, target)).push_back(std::move(item));
+        }
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+// What Megatron-Core 0.14's common state keeps of each parameter's state
+// beside the reformulated tensors: {index: {'step': tensor(step)}} for the
+// parameters of the rank that saves it (TP rank 0 of the first stage).
+Result<Value> ModelSpaceParamState(const TpWeights& weights, const Value& param_groups, const Target& target) {
+  const Value* step = param_groups.as_list().items.empty() ? nullptr : Find(param_groups.as_list().items[0], "step");
+  if (step == nullptr || !step->is(Value::Kind::kFloat)) {
+    return Status::Internal("Megatron-Core's param groups record no float step");
+  }
+  const float value = static_cast<float>(step->as_float());
+  auto bytes = std::make_shared<std::vector<uint8_t>>(sizeof(float));
+  std::memcpy(bytes->data(), &value, sizeof(float));
+  const Value tensor = MakeOwnedTensor(DType::kFloat32, {}, bytes);
+  Items params;
+  for (const RankTensor& r : weights.ranks[0]) {
+    if (StageOf(r, target) != 0) continue;
+    params.emplace_back(Value::Int(static_cast<int64_t>(params.size())),
+                        Value::MakeDict({{Value::String("step"), tensor}}));
+  }
+  return Value::MakeDict(std::move(params));
+}
+
+// The optimizer state in `target.layout`, and the common state's `optimizer`
+// entry as Megatron-Core writes it for that layout (fully_reshardable and
+// fully_sharded_model_space keep the param groups there; dp_reshardable in
+// each rank's items).
 Result<Value> AddOptimizer(const SourceCheckpoint& src, const std::vector<FullTensor>& states,
-                           const TpWeights& weights, const std::string& layout, const Target& target,
-                           std::atomic<int64_t>* read, RankFiles* files) {
+                           const TpWeights& weights, const Target& target, std::atomic<int64_t>* read,
+                           RankFiles* files) {
   RESHARD_ASSIGN_OR_RETURN(OptimizerParamGroups groups, src.ParamGroupsAndStep());
   RESHARD_RETURN_IF_ERROR(CheckGrouped(groups, states));
-  RESHARD_ASSIGN_OR_RETURN(Value param_groups, MegatronParamGroups(groups, Find(src.info().metadata, "args")));
+  RESHARD_ASSIGN_OR_RETURN(Value param_groups,
+                           MegatronParamGroups(groups, Find(src.info().metadata, "args"), target.version));
+  for (const FullTensor& t : states) RESHARD_RETURN_IF_ERROR(StateName(t).status());
   Value out = Value::MakeDict();
-  if (layout == kDpReshardable) {
-    for (const FullTensor& t : states) RESHARD_RETURN_IF_ERROR(StateName(t).status());
+  if (target.layout == kDpReshardable) {
     RESHARD_RETURN_IF_ERROR(AddDpReshardableItems(src, weights, param_groups, target, read, files));
+  } else if (target.layout == kFullyShardedModelSpace) {
+    RESHARD_RETURN_IF_ERROR(AddModelSpaceItems(src, weights, target, read, files));
+    RESHARD_ASSIGN_OR_RETURN(Value param_state, ModelSpaceParamState(weights, param_groups, target));
+    Set(out, "optimizer", Value::MakeDict({{Value::String("param_groups"), std::move(param_groups)}}));
+    Set(out, "param_state", std::move(param_state));
   } else {
     RESHARD_RETURN_IF_ERROR(AddOptimizerItems(*src.info().rules, states, weights.ranks[0], target, files));
     Set(out, "optimizer", Value::MakeDict({{Value::String("param_groups"), std::move(param_groups)}}));
   }
-  Set(out, "param_state_sharding_type", Value::String(layout));
+  Set(out, "param_state_sharding_type", Value::String(target.layout));
   return out;
 }
 
-// Megatron-Core 0.19's common state: what Megatron-LM's load reads before
-// the tensors.
+// The common state: what Megatron-LM's load reads before the tensors.
+// 0.14's also says how its sharded state dict was made (content_metadata:
+// Megatron-LM 0.14 picks the optimizer layout to load by it).
 Value CommonState(const SourceCheckpoint& src, const Target& target, int64_t padded_vocab,
                   std::optional<Value> optimizer, std::vector<std::string>* notes) {
   Value state = Value::MakeDict();
+  if (target.version == kVersion014) {
+    Value content = Value::MakeDict();
+    if (optimizer) Set(content, "distrib_optim_sharding_type", Value::String(target.layout));
+    Set(content, "chained_optim_avoid_prefix", Value::Bool(true));
+    Set(content, "singleton_local_shards", Value::Bool(false));
+    Set(state, "content_metadata", std::move(content));
+  }
   if (optimizer) Set(state, "optimizer", std::move(*optimizer));
   const Value* args = Find(src.info().metadata, "args");
   if (args != nullptr && DictItems(*args) != nullptr) {
@@ -343,7 +450,39 @@ Value CommonState(const SourceCheckpoint& src, const Target& target, int64_t pad
   }
   Set(state, "checkpoint_version", Value::Float(3.0));
   Set(state, "iteration", Value::Int(src.info().iteration));
-  return Value::MakeList({std::move(state)});
+  return state;
+}
+
+// The Megatron-Core version that loads `layout`: each loads only its own.
+std::string VersionOfLayout(const std::string& layout) {
+  return layout == kFullyShardedModelSpace ? kVersion014 : kVersion019;
+}
+
+// The version and optimizer layout written: as given; a version by its
+// layout, else the source's, else 0.19; a layout by its version (0.14's
+// default, or 0.19's: the source's dp_reshardable, else fully_reshardable).
+Status ChooseForm(const SourceCheckpoint& src, const ExportOptions& options, Target* target) {
+  const std::string& own = src.info().format_version;
+  target->version = !options.megatron_core_version.empty() ? options.megatron_core_version
+                    : !options.optimizer_layout.empty()    ? VersionOfLayout(options.optimizer_layout)
+                    : !own.empty()                         ? own
+                                                           : kVersion019;
+  if (target->version != kVersion014 && target->version != kVersion019) {
+    return Status::InvalidInput("unknown --megatron-core-version '" + target->version + "'; use 0.14 or 0.19");
+  }
+  const std::string fallback = target->version == kVersion014          ? kFullyShardedModelSpace
+                               : src.info().optimizer_layout == kDpReshardable ? kDpReshardable
+                                                                                : kFullyReshardable;
+  target->layout = options.optimizer_layout.empty() ? fallback : options.optimizer_layout;
+  if (VersionOfLayout(target->layout) != target->version) {
+    return Status::InvalidInput("Megatron-Core " + target->version + " does not load the optimizer layout " +
+                                target->layout + " (each version loads only its own); use --optimizer-layout " +
+                                fallback + ", or --megatron-core-version " + VersionOfLayout(target->layout) +
+                                " for " + target->layout);
+  }
+  if (options.ddp_bucket_size < 0) return Status::InvalidInput("--ddp-bucket-size must be >= 1");
+  if (options.ddp_bucket_size > 0) target->bucket_size = options.ddp_bucket_size;
+  return Status::Ok();
 }
 
 Status CheckSource(const SourceCheckpoint& src, const ExportOptions& options) {
@@ -360,9 +499,9 @@ Status CheckSource(const SourceCheckpoint& src, const ExportOptions& options) {
                                 "and --dp N >= 1 if given");
   }
   if (!options.optimizer_layout.empty() && options.optimizer_layout != kFullyReshardable &&
-      options.optimizer_layout != kDpReshardable) {
+      options.optimizer_layout != kDpReshardable && options.optimizer_layout != kFullyShardedModelSpace) {
     return Status::InvalidInput("unknown --optimizer-layout '" + options.optimizer_layout + "'; use " +
-                                kFullyReshardable + " or " + kDpReshardable);
+                                kFullyReshardable + ", " + kDpReshardable + " or " + kFullyShardedModelSpace);
   }
   if (!options.optimizer_layout.empty() && options.weights_only) {
     return Status::InvalidInput("--weights-only leaves the optimizer state out, which --optimizer-layout lays out; "
@@ -390,12 +529,13 @@ Result<std::vector<FullTensor>> OptimizerStates(const SourceCheckpoint& src, con
   return states;
 }
 
-// --optimizer-layout, else the source's where reshard writes that one, else
-// fully_reshardable.
-std::string OptimizerLayout(const SourceCheckpoint& src, const ExportOptions& options) {
-  if (!options.optimizer_layout.empty()) return options.optimizer_layout;
-  const std::string& own = src.info().optimizer_layout;
-  return own == kDpReshardable ? own : kFullyReshardable;
+// --ddp-bucket-size cuts dp_reshardable's buckets, and nothing else.
+Status CheckBucketSize(const Target& target, const std::vector<FullTensor>& states) {
+  if (!target.bucket_size || (!states.empty() && target.layout == kDpReshardable)) return Status::Ok();
+  return Status::InvalidInput("--ddp-bucket-size cuts the grad buffers of the optimizer layout dp_reshardable, and " +
+                              (states.empty() ? std::string("no optimizer state is written")
+                                              : "the layout written is " + target.layout) +
+                              "; drop it, or write --optimizer-layout dp_reshardable");
 }
 
 int CountBlocks(const std::vector<RankTensor>& tensors) {
@@ -412,9 +552,9 @@ std::string LoadNote(const std::vector<FullTensor>& states, const std::string& l
     return "torch_dist: weights only, no optimizer or RNG state; load with --no-load-optim --no-load-rng (or "
            "--finetune, which also restarts the iteration count)";
   }
-  return "torch_dist: the optimizer state as " + layout +
-         (layout == kFullyReshardable ? " (load with --dist-ckpt-optim-fully-reshardable)" : "") +
-         ", no RNG state (load with --no-load-rng)";
+  return "torch_dist: the optimizer state as " + layout + " (Megatron-Core " + VersionOfLayout(layout) + "'s" +
+         (layout == kFullyReshardable ? "; load with --dist-ckpt-optim-fully-reshardable" : "") +
+         "), no RNG state (load with --no-load-rng)";
 }
 
 Result<OutputPlan> PlanTorchDist(const SourceCheckpoint& src, const ExportOptions& options,
@@ -426,6 +566,7 @@ Result<OutputPlan> PlanTorchDist(const SourceCheckpoint& src, const ExportOption
   target.pp = options.pp;
   target.dp = std::max(options.dp, 1);
   RESHARD_ASSIGN_OR_RETURN(target.dtype, ExportDType(options.dtype));
+  RESHARD_RETURN_IF_ERROR(ChooseForm(src, options, &target));
   OutputPlan out;
   RESHARD_ASSIGN_OR_RETURN(TpWeights weights, src.WeightsForTp(target.cut, notes, out.read.get()));
   target.blocks = CountBlocks(weights.ranks[0]);
@@ -436,16 +577,23 @@ Result<OutputPlan> PlanTorchDist(const SourceCheckpoint& src, const ExportOption
     RESHARD_RETURN_IF_ERROR(AddRankItems(rules, weights.ranks[t], t, target, &files));
   }
   RESHARD_ASSIGN_OR_RETURN(std::vector<FullTensor> states, OptimizerStates(src, options, out.read.get()));
-  const std::string layout = OptimizerLayout(src, options);
+  RESHARD_RETURN_IF_ERROR(CheckBucketSize(target, states));
   std::optional<Value> optimizer;
   if (!states.empty()) {
-    RESHARD_ASSIGN_OR_RETURN(optimizer, AddOptimizer(src, states, weights, layout, target, out.read.get(), &files));
+    RESHARD_ASSIGN_OR_RETURN(optimizer, AddOptimizer(src, states, weights, target, out.read.get(), &files));
   }
   AddExtraStates(rules, target, &files);
-  files.At(0, 0).push_back(
-      DcpBytesItem(kCommonState, CommonState(src, target, weights.padded_vocab, std::move(optimizer), notes)));
-
   const std::string folder = IterationFolder(src.info().iteration);
+  Value common = CommonState(src, target, weights.padded_vocab, std::move(optimizer), notes);
+  const bool v014 = target.version == kVersion014;
+  if (v014) {
+    RESHARD_ASSIGN_OR_RETURN(PlannedFile common_file,
+                             TorchFile(folder + "/" + kCommonFile, "common state", std::move(common)));
+    out.files.push_back(std::move(common_file));
+  } else {
+    files.At(0, 0).push_back(DcpBytesItem(kCommonState, Value::MakeList({std::move(common)})));
+  }
+
   for (int rank = 0; rank < static_cast<int>(files.all().size()); ++rank) {
     if (files.all()[rank].empty()) continue;  // a DP rank of a layout that gives it nothing to write
     const int t = rank % options.tp, d = rank / options.tp % target.dp, p = rank / (options.tp * target.dp);
@@ -456,17 +604,21 @@ Result<OutputPlan> PlanTorchDist(const SourceCheckpoint& src, const ExportOption
                                     std::move(file), kPartBytes));
   }
   std::vector<const PlannedFile*> data;
-  for (const PlannedFile& f : out.files) data.push_back(&f);
-  RESHARD_ASSIGN_OR_RETURN(PlannedFile metadata, DcpMetadataFile(folder, data));
+  for (const PlannedFile& f : out.files) {
+    if (f.container == PlannedFile::Container::kDcp) data.push_back(&f);
+  }
+  RESHARD_ASSIGN_OR_RETURN(PlannedFile metadata, DcpMetadataFile(folder, data, {v014}));
   out.files.push_back(std::move(metadata));
-  out.files.push_back(TextFile(folder + "/metadata.json", kMetadataJson));
+  out.files.push_back(TextFile(folder + "/metadata.json", v014 ? kMetadataJson014 : kMetadataJson));
   out.files.push_back(TextFile(kLatestIterationFile, std::to_string(src.info().iteration)));
-  out.summary = "torch_dist: TP " + std::to_string(options.tp) + ", PP " + std::to_string(target.pp) +
+  out.summary = "torch_dist (Megatron-Core " + target.version + "): TP " + std::to_string(options.tp) + ", PP " + std::to_string(target.pp) +
                 (target.dp > 1 ? ", DP " + std::to_string(target.dp) : "") + ", iteration " + std::to_string(src.info().iteration) + "; " +
                 Count(target.blocks, "block") + ", stacked; padded vocabulary " +
                 std::to_string(weights.padded_vocab) +
-                (states.empty() ? "; weights only" : "; optimizer state " + layout) + "\n";
-  notes->push_back(LoadNote(states, layout));
+                (states.empty() ? "; weights only" : "; optimizer state " + target.layout) +
+                (target.bucket_size ? ", first stage's buckets of " + std::to_string(*target.bucket_size) + " elements" : "") +
+                "\n";
+  notes->push_back(LoadNote(states, target.layout));
   return out;
 }
 

@@ -18,9 +18,21 @@
 // once, by TP rank 0. The rank tensors are the source's weights cut exactly
 // as convert cuts DeepSpeed layer files (SourceCheckpoint::WeightsForTp),
 // which are Megatron's own per-rank tensors. Beside them: the common state
-// (Megatron-Core 0.19's `common_state` item: args, iteration,
-// checkpoint_version) and each linear layer's empty `_extra_state`.
-// Weights only: no optimizer or RNG state yet.
+// (args, iteration, checkpoint_version, the optimizer's param groups) and
+// each linear layer's empty `_extra_state`.
+//
+// The form is a Megatron-Core version's, as each loads only its own
+// optimizer layouts (--megatron-core-version; by default the layout's, else
+// a torch_dist source's own, else 0.19):
+//   0.19  the common state is the `common_state` item; the optimizer state
+//         fully_reshardable (shaped like the model keys) or dp_reshardable
+//         (flat buckets, dp_reshardable_items.h, cut at --ddp-bucket-size
+//         on the first stage)
+//   0.14  the common state is common.pt (metadata.json says
+//         "common_backend": "torch"); the optimizer state
+//         fully_sharded_model_space (logical/nd_reformulation.h), whose
+//         original shapes `.metadata`'s mcore_data records
+// No RNG state.
 #pragma once
 
 #include <string>

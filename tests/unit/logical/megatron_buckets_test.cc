@@ -146,6 +146,51 @@ TEST(MegatronBucketsTest, CheckNamesTheMismatch) {
   EXPECT_FALSE(CheckBucketNumels(l, {128, 128}, {100, 100}, "gbuf 0").ok());
 }
 
+// Megatron's _ParamAndGradBuffer with a bucket size and a shared
+// embedding: the bucket before the embedding closes at the embedding's
+// aligned start whatever its size, then the size cuts as usual.
+TEST(MegatronBucketsTest, BucketSizeAndSharedEmbedding) {
+  BucketOptions options;
+  options.bucket_size = 300;
+  const BucketLayout l = Layout({{"embedding", 512, true}, {"a", 100}, {"b", 200}, {"c", 100}}, options);
+  ASSERT_EQ(l.buckets.size(), 3u);
+  ExpectSlot(l.slots[3], 0, 0, 100);    // c
+  ExpectSlot(l.slots[2], 0, 128, 200);  // b: 328 >= 300 closes bucket 0
+  ExpectSlot(l.slots[1], 1, 0, 100);    // a, alone below the size
+  ExpectSlot(l.slots[0], 2, 0, 512);    // the embedding's own bucket
+  EXPECT_EQ(l.buckets[0].numel_unpadded, 328);
+  EXPECT_EQ(l.buckets[1].numel_unpadded, 128);  // a's end rounded to the embedding's aligned start
+  EXPECT_EQ(l.buckets[2].numel_unpadded, 512);
+}
+
+// A recorded layout of several buckets is read without the bucket size,
+// which it shows: each size that cut it, and only such a size, gives it back.
+TEST(MegatronBucketsTest, RecordedLayoutFindsItsBucketSize) {
+  const std::vector<BucketParam> params = {{"p0", 100}, {"p1", 100}, {"p2", 100}, {"p3", 100}, {"p4", 72}};
+  for (int64_t size : {150, 200, 228, 300, 400}) {
+    BucketOptions options{2};
+    options.bucket_size = size;
+    const BucketLayout want = Layout(params, options);
+    std::vector<int64_t> numel, unpadded;
+    for (const Bucket& b : want.buckets) {
+      numel.push_back(b.numel);
+      unpadded.push_back(b.numel_unpadded);
+    }
+    Result<BucketLayout> got = MegatronRecordedLayout(params, {2}, numel, unpadded, "gbuf 0");
+    ASSERT_TRUE(got.ok()) << size << ": " << got.status().message();
+    ASSERT_EQ(got->slots.size(), want.slots.size());
+    for (size_t i = 0; i < want.slots.size(); ++i) {
+      ExpectSlot(got->slots[i], want.slots[i].bucket, want.slots[i].offset, want.slots[i].numel);
+    }
+  }
+  // Two buckets of 228 and 356 elements: no bucket size closes the first after p4, p3 and the
+  // second only after 356 elements.
+  const Result<BucketLayout> no_size = MegatronRecordedLayout(params, {2}, {256, 384}, {228, 356}, "gbuf 0");
+  EXPECT_EQ(no_size.status().code(), Status::Code::kInvalidInput);
+  EXPECT_NE(no_size.status().message().find("nor at any bucket size"), std::string::npos)
+      << no_size.status().message();
+}
+
 TEST(MegatronBucketsTest, RefusesWhatIsNoLayout) {
   EXPECT_FALSE(MegatronBucketLayout({}, {}).ok());
   EXPECT_FALSE(MegatronBucketLayout({{"a", 0}}, {}).ok());

@@ -32,6 +32,7 @@ struct DeepSpeedModel {
   std::string foreign;
   std::vector<std::string> foreign_notes;
   std::string foreign_optimizer_layout;  // SourceInfo::optimizer_layout
+  std::string foreign_format_version;    // SourceInfo::format_version
   LogicalCheckpoint logical;
 };
 

@@ -1,4 +1,4 @@
-#include "formats/dcp/nd_reformulation.h"
+#include "logical/nd_reformulation.h"
 
 #include <gtest/gtest.h>
 
@@ -98,6 +98,35 @@ TEST(NdReformulationTest, ShapesThatReformulateNothingAreOneLineErrors) {
   // An original shape whose numel overflows is no shape a tensor has.
   const int64_t huge = int64_t{1} << 40;
   EXPECT_FALSE(ReadNdReformulation({1, 1, 1}, {huge, huge}, "x").ok());
+}
+
+// The writer's side: a rank's piece gives the reading's counts back, and
+// each fragment box its row of the saved tensor.
+TEST(NdReformulationTest, PiecesGiveTheSavedShapeAndRows) {
+  Result<NdReformulation> r = NdReformulationOf({2, 32, 16}, {1, 16, 16}, "optimizer.state.exp_avg.w");
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  EXPECT_EQ(r->saved_shape(), (std::vector<int64_t>{2, 2, 1, 256}));
+  const NdReformulation read = Read(r->saved_shape(), {2, 32, 16});
+  EXPECT_EQ(read.counts, r->counts);
+  for (int64_t j = 0; j < r->fragments(); ++j) {
+    const std::vector<int64_t> row = r->FragmentIndex(r->FragmentBox(j));
+    int64_t again = 0;
+    for (size_t d = 0; d < row.size(); ++d) again = again * r->counts[d] + row[d];
+    EXPECT_EQ(again, j);
+  }
+  EXPECT_EQ(r->FragmentIndex(At({1, 16, 0}, {1, 16, 16})), (std::vector<int64_t>{1, 1, 0}));
+  // A replicated norm of two layers: one fragment per layer.
+  r = NdReformulationOf({2, 16}, {1, 16}, "n");
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->saved_shape(), (std::vector<int64_t>{2, 1, 16}));
+}
+
+TEST(NdReformulationTest, UnevenPiecesAreRefused) {
+  for (const std::vector<int64_t>& piece : std::vector<std::vector<int64_t>>{{1, 12, 16}, {1, 16}, {0, 16, 16}}) {
+    const Result<NdReformulation> r = NdReformulationOf({2, 32, 16}, piece, "optimizer.state.exp_avg.w");
+    EXPECT_EQ(r.status().code(), Status::Code::kInvalidInput);
+    EXPECT_NE(r.status().message().find("optimizer.state.exp_avg.w: pieces of shape"), std::string::npos);
+  }
 }
 
 }  // namespace

@@ -1,4 +1,4 @@
-#include "formats/dcp/nd_reformulation.h"
+#include "logical/nd_reformulation.h"
 
 #include "util/human.h"
 #include "util/shape.h"
@@ -18,6 +18,18 @@ Box NdReformulation::FragmentBox(int64_t j) const {
   return box;
 }
 
+std::vector<int64_t> NdReformulation::saved_shape() const {
+  std::vector<int64_t> shape = counts;
+  shape.push_back(fragment_numel());
+  return shape;
+}
+
+std::vector<int64_t> NdReformulation::FragmentIndex(const Box& box) const {
+  std::vector<int64_t> index;
+  for (size_t d = 0; d < counts.size(); ++d) index.push_back(box.offsets[d] / fragment[d]);
+  return index;
+}
+
 Result<NdReformulation> ReadNdReformulation(const std::vector<int64_t>& saved, const std::vector<int64_t>& original,
                                             const std::string& fqn) {
   const Status bad = Status::InvalidInput(
@@ -33,6 +45,22 @@ Result<NdReformulation> ReadNdReformulation(const std::vector<int64_t>& saved, c
     r.fragment.push_back(original[d] / r.counts[d]);
   }
   if (saved.back() != r.fragment_numel()) return bad;
+  return r;
+}
+
+Result<NdReformulation> NdReformulationOf(const std::vector<int64_t>& original, const std::vector<int64_t>& fragment,
+                                          const std::string& fqn) {
+  NdReformulation r;
+  r.fragment = fragment;
+  bool even = fragment.size() == original.size() && CheckedShapeNumel(original) >= 0;
+  for (size_t d = 0; even && d < original.size(); ++d) {
+    even = fragment[d] >= 1 && original[d] % fragment[d] == 0;
+    if (even) r.counts.push_back(original[d] / fragment[d]);
+  }
+  if (!even) {
+    return Status::InvalidInput(fqn + ": pieces of shape " + ShapeString(fragment) + " are no even cut of " +
+                                ShapeString(original) + ", which Megatron-Core 0.14's fully_sharded_model_space needs");
+  }
   return r;
 }
 

@@ -13,6 +13,13 @@
 //
 //   Result<NdReformulation> r = ReadNdReformulation({2, 2, 1, 256}, {2, 32, 16}, fqn);
 //   r->FragmentBox(1);  // offsets {0, 16, 0}, sizes {1, 16, 16}: layer 0, TP rank 1
+//
+// The writer goes the other way: NdReformulationOf({2, 32, 16}, {1, 16, 16},
+// fqn) gives the same counts, saved_shape() {2, 2, 1, 256}, and
+// FragmentIndex(box) a fragment's row {0, 1, 0}.
+//
+// Below the format folders: the torch_dist reader (formats/dcp/) and writer
+// (formats/megatron/) both need it.
 #pragma once
 
 #include <cstdint>
@@ -33,6 +40,12 @@ struct NdReformulation {
   // The box of the original tensor that fragment j (0 <= j < fragments())
   // is, counted row-major over counts.
   Box FragmentBox(int64_t j) const;
+  // The saved tensor's shape: counts + [fragment_numel()].
+  std::vector<int64_t> saved_shape() const;
+  // The row of the saved tensor (an index on each axis of counts) holding
+  // `box`. REQUIRES: `box` is a fragment (of the fragment's shape, at a
+  // multiple of it).
+  std::vector<int64_t> FragmentIndex(const Box& box) const;
 };
 
 // How a tensor saved with shape `saved` reformulates one of shape
@@ -42,5 +55,12 @@ struct NdReformulation {
 // or a last dim other than the fragments' numel.
 Result<NdReformulation> ReadNdReformulation(const std::vector<int64_t>& saved, const std::vector<int64_t>& original,
                                             const std::string& fqn);
+
+// How Megatron-Core 0.14 reformulates a tensor of shape `original` whose
+// ranks hold pieces of shape `fragment`. InvalidInput (one line naming
+// `fqn`) for a fragment of another rank than the original's or whose axes
+// do not divide the original's.
+Result<NdReformulation> NdReformulationOf(const std::vector<int64_t>& original, const std::vector<int64_t>& fragment,
+                                          const std::string& fqn);
 
 }  // namespace reshard
