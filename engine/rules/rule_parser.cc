@@ -69,7 +69,7 @@ const std::vector<std::string> kTorchDistFields = {"args",       "tensors",     
                                                    "torch_extra_state", "te_extra_state", "tied_head"};
 const std::vector<std::string> kTorchDistArgFields = {"from", "value", "when"};
 const std::vector<std::string> kTorchDistTensorFields = {"name", "key", "local", "shape"};
-const std::vector<std::string> kTorchtitanFields = {"config", "tensors"};
+const std::vector<std::string> kTorchtitanFields = {"config", "tensors", "ignore"};
 const std::vector<std::string> kTorchtitanTensorFields = {"hf", "key", "interleaved_heads"};
 // config.json keys the exporter writes itself, from the checkpoint's tensors.
 const std::vector<std::string> kHfDerivedKeys = {"architectures", "vocab_size", "torch_dtype"};
@@ -1059,6 +1059,7 @@ class RuleSetParser {
     TorchtitanLayout layout;
     layout.line = f.line;
     if (const Field* c = Get(*fields, "config")) layout.config = ParseTorchtitanConfig(*c);
+    if (const Field* i = Get(*fields, "ignore")) layout.ignore = ReadStringList(*i, "torchtitan.ignore");
     const Field* t = Get(*fields, "tensors");
     if (t == nullptr || !t->node.IsSequence() || t->node.size() == 0) {
       Fail(t ? *t : f, "torchtitan.tensors must be a non-empty list of {hf: <hf tensor name>, key: <torchtitan key or "

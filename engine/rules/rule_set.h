@@ -279,6 +279,9 @@ struct TorchtitanLayout {
   int line = 0;
   std::vector<std::pair<std::string, std::string>> config;  // config.json key -> expression
   std::vector<TorchtitanTensor> tensors;
+  // Keys (templates with {block}) of buffers torchtitan recomputes when it
+  // loads (freqs_cis): an import skips them.
+  std::vector<std::string> ignore;
 };
 
 // One args value a torch_dist import records under the name these rules

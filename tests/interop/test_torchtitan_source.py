@@ -7,7 +7,8 @@ the model's logits after its AdamW step), and tests/fixtures/torchtitan_referenc
 torchtitan's tensors into HF's (q / k rows of each head from interleaved pairs to halves) and
 computes LlamaForCausalLM's logits from them. Checked:
 
-* `export --to hf` of every save gives the reference's HF tensors bit for bit, and their logits
+* `export --to hf` of every save (also one of the model nested under `model.` with its rotary
+  table, as torchtitan saved it before mid-2025: the table is skipped, in a note) gives the reference's HF tensors bit for bit, and their logits
   are the torchtitan model's;
 * `convert` to Megatron-DeepSpeed (FSDP x TP save -> TP 2, PP 2; FSDP2 -> TP 1, PP 2) carries
   the AdamW state: through `export --to universal`, every canonical tensor's fp32 master,
@@ -35,7 +36,8 @@ import torchtitan_reference as ref  # noqa: E402
 
 run = support.reshard
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'data', 'torchtitan')
-SAVES = ['single_w1', 'single_tied_w1', 'fsdp2_w2', 'fsdp2_tp_w4']
+# nested_w1: the model under `model.` with its rotary table (torchtitan before mid-2025)
+SAVES = ['single_w1', 'single_tied_w1', 'fsdp2_w2', 'fsdp2_tp_w4', 'nested_w1']
 HEADS = ('--set', 'num_attention_heads=4')
 
 
@@ -46,6 +48,12 @@ def step_folder(name):
 def config(name):
     with open(os.path.join(DATA, name + '_config.json')) as f:
         return json.load(f)
+
+
+def reference(name):
+    """NAME_full.pt with the model's keys at top level, as later torchtitan saves them."""
+    full = torch.load(os.path.join(DATA, name + '_full.pt'))
+    return {k[len('model.'):] if k.startswith('model.') else k: v for k, v in full.items()}
 
 
 def canonical(hf, cfg):
@@ -98,7 +106,7 @@ class TorchtitanSourceTest(FixtureTestCase):
                 p = run('export', step_folder(name), out, '--to', 'hf', '--format', 'pt', *HEADS)
                 self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
                 got = torch.load(os.path.join(out, 'pytorch_model.bin'))
-                want = ref.torchtitan_to_hf(torch.load(os.path.join(DATA, name + '_full.pt')), cfg)
+                want = ref.torchtitan_to_hf(reference(name), cfg)
                 if cfg['tied']:
                     self.assertNotIn('lm_head.weight', got)
                     got['lm_head.weight'] = got['model.embed_tokens.weight']
@@ -115,7 +123,8 @@ class TorchtitanSourceTest(FixtureTestCase):
                                  (cfg['n_heads'], cfg['n_kv_heads'], cfg['ffn'], cfg['rope_theta']))
 
     def test_convert_carries_the_adamw_state(self):
-        for name, layout in (('fsdp2_tp_w4', ('--tp', 2, '--pp', 2)), ('fsdp2_w2', ('--tp', 1, '--pp', 2))):
+        for name, layout in (('fsdp2_tp_w4', ('--tp', 2, '--pp', 2)), ('fsdp2_w2', ('--tp', 1, '--pp', 2)),
+                             ('nested_w1', ('--tp', 1, '--pp', 1))):
             with self.subTest(save=name):
                 cfg = config(name)
                 ms = self.path('ms_' + name, 'global_step1')
@@ -128,7 +137,7 @@ class TorchtitanSourceTest(FixtureTestCase):
                 uni = self.path('uni_' + name)
                 p = run('export', ms, uni, '--to', 'universal')
                 self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
-                full = torch.load(os.path.join(DATA, name + '_full.pt'))
+                full = reference(name)
                 want = {'fp32': canonical(ref.torchtitan_to_hf(full, cfg), cfg)}
                 for state in ('exp_avg', 'exp_avg_sq'):
                     want[state] = canonical(ref.torchtitan_to_hf(state_of(full, state), cfg), cfg)

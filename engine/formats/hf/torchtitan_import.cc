@@ -32,6 +32,12 @@ bool IsLiteral(const std::string& text) {
 
 std::string TopLevel(const std::string& key) { return key.substr(0, key.find('.')); }
 
+// A model key without the `model.` torchtitan before mid-2025 nested the
+// model under (its optimizer's keys never had it).
+std::string Unnested(const std::string& stored) {
+  return stored.rfind(kModelPrefix, 0) == 0 ? stored.substr(sizeof(kModelPrefix) - 1) : stored;
+}
+
 bool IsModelKey(const std::string& key) {
   return std::find(kRunStates.begin(), kRunStates.end(), TopLevel(key)) == kRunStates.end();
 }
@@ -43,6 +49,12 @@ class KeyMap {
     for (const TorchtitanTensor& t : layout.tensors) {
       for (const std::string& k : t.keys) templates_.push_back({std::make_unique<HfNameTemplate>(k), &t});
     }
+    for (const std::string& k : layout.ignore) ignored_.push_back(std::make_unique<HfNameTemplate>(k));
+  }
+  // Whether `key` is a buffer torchtitan recomputes.
+  bool Ignored(const std::string& key) const {
+    std::string block;
+    return std::any_of(ignored_.begin(), ignored_.end(), [&](const auto& t) { return t->Match(key, &block); });
   }
   // The entry of `key` (any alternative), and its block ("" outside blocks).
   const TorchtitanTensor* Find(const std::string& key, std::string* block) const {
@@ -54,6 +66,7 @@ class KeyMap {
 
  private:
   std::vector<std::pair<std::unique_ptr<HfNameTemplate>, const TorchtitanTensor*>> templates_;
+  std::vector<std::unique_ptr<HfNameTemplate>> ignored_;
 };
 
 // Rows [head, 2i + j] of an interleaved projection are HF's [head, j hd/2 + i].
@@ -116,10 +129,11 @@ class Reader {
   Status PlaceModelKeys() {
     for (const auto& [stored, tensor] : dcp_.tensors) {
       if (!IsModelKey(stored)) continue;
-      // torchtitan before mid-2025 saved the model under `model.`; its
-      // optimizer's keys never had the prefix.
-      const bool nested = stored.rfind(kModelPrefix, 0) == 0;
-      const std::string key = nested ? stored.substr(sizeof(kModelPrefix) - 1) : stored;
+      const std::string key = Unnested(stored);
+      if (keys_.Ignored(key)) {
+        ignored_.push_back(stored);
+        continue;
+      }
       std::string block;
       const TorchtitanTensor* entry = keys_.Find(key, &block);
       if (entry == nullptr) {
@@ -133,6 +147,9 @@ class Reader {
       stored_[key] = stored;
     }
     if (hf_name_.empty()) return Status::Unsupported("rule set " + rules_.name() + ": the checkpoint holds no model key");
+    if (!ignored_.empty()) {
+      notes_.push_back("torchtitan: skipped what the model recomputes when it loads: " + Join(ignored_, ", "));
+    }
     return Status::Ok();
   }
 
@@ -410,6 +427,7 @@ class Reader {
   std::map<std::string, std::string> hf_name_;                // model key -> HF name
   std::map<std::string, const TorchtitanTensor*> entry_;      // model key -> its entry
   std::map<std::string, std::string> stored_;                 // model key -> the key it is stored under
+  std::vector<std::string> ignored_;  // stored keys of recomputed buffers
   std::vector<std::string> notes_;
 };
 
@@ -440,7 +458,7 @@ bool LooksLikeTorchtitan(const DcpTensors& dcp, const std::string& rules_spec) {
     const KeyMap keys(*rules.torchtitan());
     for (const auto& [key, t] : dcp.tensors) {
       std::string block;
-      if (IsModelKey(key) && keys.Find(key, &block) != nullptr) return true;
+      if (IsModelKey(key) && keys.Find(Unnested(key), &block) != nullptr) return true;
     }
   }
   return false;
