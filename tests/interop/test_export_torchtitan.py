@@ -20,19 +20,112 @@ Checked:
 Run: /usr/bin/python3 tests/interop/test_export_torchtitan.py --reshard build/reshard
 """
 import filecmp
+import json
 import os
 import re
+import sys
 
 import torch
 
 import interop_support as support
 from interop_support import FAMILIES, FixtureTestCase, make_fixture
+import torch2_chroot
 
 run = support.reshard
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'data', 'torchtitan')
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'fixtures')
 SAVE = os.path.join(DATA, 'fsdp2_w2', 'step-1')
 HEADS = ('--set', 'num_attention_heads=4')
 TENSOR_LINE = re.compile(r'^  (\S+) (\w+)\[([0-9, ]*)\], (\d+) chunks?:? ?(.*)$')
+
+
+# Runs in torch 2.6: the save's own model (tests/fixtures/torchtitan_save.py), built as the save's
+# run built it, loads /ckpt with dcp.load as torchtitan's checkpointer does (model keys at top level,
+# the flattened AdamW state under `optimizer`), in one process and under FSDP2 over 2 forked ranks;
+# rank 0 compares every tensor and param group value with /data's fsdp2_w2_full.pt, takes one more
+# AdamW step and writes /out/world_N.json.
+LOAD_AND_STEP = r'''
+import datetime, functools, json, socket
+namespace = {'__name__': 'torchtitan_save'}
+with open('/fixtures/torchtitan_save.py') as f:
+    exec(compile(f.read(), 'torchtitan_save.py', 'exec'), namespace)
+CONFIG, OPTIM = namespace['CONFIG'], namespace['OPTIM']
+
+def check(m):
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    import torch.multiprocessing as mp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+    m.c.__dict__.update(CONFIG)
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+
+    def state_of(model, opt):
+        model_sd = get_model_state_dict(model)
+        model_sd.pop('freqs_cis', None)
+        return model_sd, get_optimizer_state_dict(model, opt, options=flat)
+
+    def load_and_step(rank, world):
+        torch.manual_seed(0)
+        model = m.Transformer(False)
+        if world > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+            mesh = init_device_mesh('cpu', (world,), mesh_dim_names=('dp_shard',))
+            for block in model.layers.values():
+                fully_shard(block, mesh=mesh, reshard_after_forward=namespace['RESHARD_AFTER_FORWARD'])
+            fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=OPTIM['lr'], betas=OPTIM['betas'], eps=OPTIM['eps'],
+                                weight_decay=OPTIM['weight_decay'], foreach=True, fused=False)
+        # as the run (and torchtitan) built it before loading: it gives the groups initial_lr
+        torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(m.constant_lr, warmup_steps=0))
+        model_sd, optim_sd = state_of(model, opt)
+        state = dict(model_sd, optimizer=optim_sd)
+        dcp.load(state, checkpoint_id='/ckpt')
+        set_model_state_dict(model, {k: state[k] for k in model_sd})
+        set_optimizer_state_dict(model, opt, state['optimizer'], options=flat)
+        model_sd, optim_sd = state_of(model, opt)
+        # copies: the step below changes the parameters and moments in place
+        got = {k: m.full(v).detach().clone() for k, v in model_sd.items()}
+        got.update({'optimizer.' + k: m.full(v).detach().clone() if isinstance(v, torch.Tensor) else v
+                    for k, v in optim_sd.items()})
+        inputs, labels = m.batch()
+        opt.zero_grad()
+        loss = m.loss_of(model(inputs), labels)
+        # torch 2.6's FSDP2 on gloo (no AVG reduction) sums the ranks' gradients: the run's steps
+        # over 2 ranks of one batch took twice one process's gradient, so the one-process step
+        # does too, or its Adam update (moments of the doubled gradients) is another
+        (loss * (2 if world == 1 else 1)).backward()
+        opt.step()
+        with torch.no_grad():
+            after = m.loss_of(model(inputs), labels).item()
+        if rank != 0:
+            return
+        want = torch.load('/data/fsdp2_w2_full.pt', weights_only=False)
+        want = {k: v for k, v in want.items() if not k.startswith(('lr_scheduler.', 'dataloader.', 'train_state.'))}
+        differ = [f'{k}: {got.get(k)!r:.60} vs {v!r:.60}' for k, v in want.items()
+                  if k not in got or not (torch.equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v)]
+        with open(f'/out/world_{world}.json', 'w') as f:
+            json.dump({'compared': len(want), 'differ': differ, 'extra': sorted(set(got) - set(want)),
+                       'loss_forward': loss.item(), 'loss_after_next_step': after}, f)
+
+    def rank_main(rank, port):
+        dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=rank, world_size=2,
+                                timeout=datetime.timedelta(seconds=300))
+        torch.set_num_threads(1)
+        load_and_step(rank, 2)
+        dist.destroy_process_group()
+
+    with socket.socket() as s:  # forked first, while this process has no threads
+        s.bind(('127.0.0.1', 0))
+        port = s.getsockname()[1]
+    mp.start_processes(rank_main, args=(port,), nprocs=2, start_method='fork')
+    load_and_step(0, 1)
+
+namespace['inside_main']('/out', then=check)
+'''
 
 
 def dcp_tensors(folder):
@@ -143,6 +236,28 @@ class ExportTorchtitanTest(FixtureTestCase):
         self.assertEqual(compared, 3 * len(params))
         print(f'\n[ fixture ] Megatron-DeepSpeed -> torchtitan -> Megatron-DeepSpeed: {compared} optimizer '
               f'states equal, weights the masters')
+
+    def test_torch_loads_it_and_takes_the_next_step(self):
+        root, why = torch2_chroot.ensure()
+        if root is None:
+            print('skipped:', why, file=sys.stderr)
+            self.skipTest(why)
+        out = self.path('tt')
+        self.export(SAVE, out, 3, *HEADS)
+        results = self.path('results')
+        os.makedirs(results)
+        p = torch2_chroot.run(root, LOAD_AND_STEP, {os.path.join(out, 'step-1'): '/ckpt', os.path.abspath(DATA): '/data',
+                                                    os.path.abspath(FIXTURES): '/fixtures', results: '/out'})
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        want = torch.load(os.path.join(DATA, 'fsdp2_w2_logits.pt'))['loss_after_next_step']
+        for world in (1, 2):
+            with open(os.path.join(results, f'world_{world}.json')) as f:
+                r = json.load(f)
+            self.assertEqual((r['differ'], r['extra']), ([], []), world)
+            self.assertGreater(r['compared'], 200)
+            self.assertAlmostEqual(r['loss_after_next_step'], want, delta=1e-6, msg=f'world {world}')
+            print(f'\n[ torch 2.6 ] world {world}: dcp.load of --dp-shard 3 gave {r["compared"]} keys equal to the '
+                  f'save\'s; the next step\'s loss {r["loss_after_next_step"]:.7f} (the run: {want:.7f})')
 
     def test_refusals(self):
         out = self.path('refused')
