@@ -3,8 +3,8 @@ checkpoint (`OUT/step-N/`, FSDP2 `Shard(0)` over N ranks) with its AdamW state.
 
 Checked:
 
-* a real torch 2.6 torchtitan save (tests/data/torchtitan/fsdp2_w2) exported at --dp-shard 1 and 3
-  has the save's model and `optimizer.state` keys with the same global shapes and dtypes, each
+* real torch 2.6 torchtitan saves (tests/data/torchtitan: fsdp2_w2 at --dp-shard 1 and 3, the tied
+  single_tied_w1 at 2) exported have the save's model and `optimizer.state` keys with the same global shapes and dtypes, each
   tensor cut as torch.chunk cuts dim 0 (the step one chunk), and the param groups' items; `verify`
   finds it the same model as the save, and its `export --to hf` equals the save's byte for byte;
 * real torch 2.6 (the Debian trixie chroot, torch2_chroot.py; skipped with one line when it cannot
@@ -161,14 +161,22 @@ class ExportTorchtitanTest(FixtureTestCase):
         return p
 
     def test_a_torchtitan_save_round_trips_at_any_world_size(self):
-        want = {k: v for k, v in dcp_tensors(SAVE).items() if saved(k)}
-        hf_src = self.path('hf_src')
-        p = run('export', SAVE, hf_src, '--to', 'hf', *HEADS)
+        keys = 0
+        # the FSDP2 save at 1 and 3 ranks (uneven shares); the tied one (its head under both keys) at 2
+        for name, worlds in (('fsdp2_w2', (1, 3)), ('single_tied_w1', (2,))):
+            keys += self.round_trip(os.path.join(DATA, name, 'step-1'), worlds)
+        print(f'\n[ torchtitan ] {keys} keys, shapes, dtypes and torch.chunk shares at dp_shard 1, 2 and 3; '
+              f'same model; HF export byte-equal')
+
+    def round_trip(self, save, worlds):
+        want = {k: v for k, v in dcp_tensors(save).items() if saved(k)}
+        hf_src = self.path(os.path.basename(os.path.dirname(save)) + '_hf')
+        p = run('export', save, hf_src, '--to', 'hf', *HEADS)
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
-        for n in (1, 3):
-            with self.subTest(dp_shard=n):
-                out = self.path(f'tt{n}')
-                self.export(SAVE, out, n, *HEADS)
+        for n in worlds:
+            with self.subTest(save=save, dp_shard=n):
+                out = self.path(f'{os.path.basename(hf_src)}_tt{n}')
+                self.export(save, out, n, *HEADS)
                 self.assertEqual(sorted(os.listdir(os.path.join(out, 'step-1'))),
                                  ['.metadata'] + [f'__{r}_0.distcp' for r in range(n)])
                 got = dcp_tensors(os.path.join(out, 'step-1'))
@@ -185,17 +193,16 @@ class ExportTorchtitanTest(FixtureTestCase):
                 groups = set(re.findall(r'optimizer\.param_groups\.tok_embeddings\.weight\.(\w+)', p.stdout))
                 self.assertEqual(groups, {'lr', 'initial_lr', 'betas', 'eps', 'weight_decay', 'amsgrad', 'foreach',
                                           'maximize', 'capturable', 'differentiable', 'fused'})
-                p = run('verify', SAVE, os.path.join(out, 'step-1'), *HEADS)
+                p = run('verify', save, os.path.join(out, 'step-1'), *HEADS)
                 self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
                 self.assertIn('same model', p.stdout)
-                hf_out = self.path(f'hf{n}')
+                hf_out = out + '_hf'
                 p = run('export', os.path.join(out, 'step-1'), hf_out, '--to', 'hf', *HEADS)
                 self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
                 for name in ('model.safetensors', 'config.json'):
                     self.assertTrue(filecmp.cmp(os.path.join(hf_src, name), os.path.join(hf_out, name), shallow=False),
                                     name)
-        print(f'\n[ torchtitan ] {len(want)} keys, shapes, dtypes and torch.chunk shares at dp_shard 1 and 3; '
-              f'same model; HF export byte-equal')
+        return len(want)
 
     def test_megatron_deepspeed_to_torchtitan_and_back(self):
         src = make_fixture(self.path('ms'), **dict(FAMILIES['ms_llama'], tp=2, pp=2, dp=1, optimizer='bf16_zero'))
