@@ -354,8 +354,8 @@ int Run(int argc, char** argv) {
   export_cmd->add_option("--pp", exporting.pp, "megatron, torch_dist: target pipeline-parallel size")
       ->check(CLI::Range(1, 4096));
   export_cmd->add_option("--from", exporting.from,
-                         "Tensors from the fp32 masters or the weights (default: consolidated masters, "
-                         "hf, megatron and torch_dist weights)")
+                         "Tensors from the fp32 masters or the weights (default: consolidated and torchtitan "
+                         "masters, hf, megatron and torch_dist weights)")
       ->check(CLI::IsMember({"masters", "weights"}));
   export_cmd->add_option("--layer-spec", exporting.layer_spec,
                          "megatron: the keys of Megatron-Core's GPTModel with the local (default) or Transformer "
