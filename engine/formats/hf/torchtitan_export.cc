@@ -92,9 +92,8 @@ class Writer {
     for (const TorchtitanTensor& t : layout_.tensors) entries_.push_back({std::make_unique<HfNameTemplate>(t.hf), &t});
   }
 
-  // The HF tensors `tensors` (the HF export's, whose model keys `shapes`
-  // gives sizes of) under torchtitan's keys, q/k rows interleaved; `prefix`
-  // and `suffix` around each key.
+  // The HF tensors `tensors` (MapHfTensors') under torchtitan's keys, each
+  // between `prefix` and `suffix`, q/k rows interleaved per head.
   Result<std::vector<KeyedTensor>> Keyed(std::vector<StateDictTensor> tensors, const std::string& prefix,
                                          const std::string& suffix) {
     std::vector<KeyedTensor> out;
@@ -345,8 +344,8 @@ Status AddModel(const HfExport& hf, const std::vector<ChosenTensor>& params, con
   return Status::Ok();
 }
 
-// The optimizer items of each parameter (`params`, written under the keys
-// the model's first items got, in order).
+// The AdamW items of each parameter of `params`, under the keys its HF
+// tensors have (a tied copy has none: it is no parameter of its own).
 Status AddOptimizer(const SourceCheckpoint& src, const HfExport& hf, const std::vector<ChosenTensor>& params,
                     const RuleInputs& inputs, const std::vector<FullTensor>& all, OutputPlan* out, Writer* writer,
                     std::vector<std::string>* notes) {
