@@ -338,24 +338,24 @@ int Run(int argc, char** argv) {
   CLI::App* export_cmd = app.add_subcommand(
       "export", "Write the checkpoint in another format: --to consolidated (one state dict of whole "
                 "tensors), hf (a Hugging Face transformers folder), megatron (NVIDIA Megatron-LM's torch "
-                "checkpoint at --tp / --pp), torch_dist (Megatron-Core's distributed checkpoint at --tp / --pp) "
-                "or universal (DeepSpeed's universal checkpoint)");
+                "checkpoint at --tp / --pp), torch_dist (Megatron-Core's distributed checkpoint at --tp / --pp), "
+                "torchtitan (a torchtitan step-N/ checkpoint, FSDP2 over --dp-shard ranks) or universal (DeepSpeed's universal checkpoint)");
   export_cmd->add_option("INPUT", ckpt, "Source checkpoint")->required();
   export_cmd->add_option("OUTPUT", out,
                          "Folder to write (new, or empty); for megatron and torch_dist the root holding iter_N/ and "
-                         "latest_checkpointed_iteration.txt; for universal the tag folder, e.g. "
+                         "latest_checkpointed_iteration.txt; for torchtitan the root holding step-N/; for universal the tag folder, e.g. "
                          "ckpts/global_step20_universal, named by latest_universal beside it")
       ->required();
-  export_cmd->add_option("--to", exporting.to, "Target format: consolidated, hf, megatron, torch_dist or universal")
+  export_cmd->add_option("--to", exporting.to, "Target format: consolidated, hf, megatron, torch_dist, torchtitan or universal")
       ->required()
-      ->check(CLI::IsMember({"consolidated", "hf", "megatron", "torch_dist", "universal"}));
+      ->check(CLI::IsMember({"consolidated", "hf", "megatron", "torch_dist", "torchtitan", "universal"}));
   export_cmd->add_option("--tp", exporting.tp, "megatron, torch_dist: target tensor-parallel size")
       ->check(CLI::Range(1, 4096));
   export_cmd->add_option("--pp", exporting.pp, "megatron, torch_dist: target pipeline-parallel size")
       ->check(CLI::Range(1, 4096));
   export_cmd->add_option("--from", exporting.from,
-                         "Tensors from the fp32 masters or the weights (default: consolidated masters, "
-                         "hf, megatron and torch_dist weights)")
+                         "Tensors from the fp32 masters or the weights (default: consolidated and torchtitan "
+                         "masters, hf, megatron and torch_dist weights)")
       ->check(CLI::IsMember({"masters", "weights"}));
   export_cmd->add_option("--layer-spec", exporting.layer_spec,
                          "megatron: the keys of Megatron-Core's GPTModel with the local (default) or Transformer "
@@ -363,6 +363,10 @@ int Run(int argc, char** argv) {
       ->check(CLI::IsMember({"local", "te", "legacy"}));
   export_cmd->add_option("--dp", exporting.dp,
                          "torch_dist: the data-parallel size the optimizer state is laid out for (default 1)")
+      ->check(CLI::Range(1, 1 << 20));
+  export_cmd->add_option("--dp-shard", exporting.dp_shard,
+                         "torchtitan: the FSDP2 world size every parameter and its AdamW state are sharded over "
+                         "(Shard(0), as torch.chunk cuts dim 0)")
       ->check(CLI::Range(1, 1 << 20));
   export_cmd->add_option("--optimizer-layout", exporting.optimizer_layout,
                          "torch_dist: the optimizer state's layout, Megatron-Core 0.19's fully_reshardable or "

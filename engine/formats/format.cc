@@ -8,6 +8,7 @@
 #include "formats/hf/hf_export.h"
 #include "formats/hf/hf_folder.h"
 #include "formats/hf/hf_import.h"
+#include "formats/hf/torchtitan_export.h"
 #include "formats/hf/torchtitan_import.h"
 #include "formats/megatron/megatron_export.h"
 #include "formats/megatron/megatron_torch_import.h"
@@ -137,6 +138,10 @@ Result<OutputPlan> PlanExport(const SourceCheckpoint& src, const ExportOptions& 
     return Status::InvalidInput(std::string(options.ddp_bucket_size != 0 ? "--ddp-bucket-size" : "--megatron-core-version") +
                                 " chooses the form of --to torch_dist; leave it out of --to " + options.to);
   }
+  if (options.dp_shard != 0 && options.to != "torchtitan") {
+    return Status::InvalidInput("--dp-shard chooses the FSDP2 sharding of --to torchtitan; the " + options.to +
+                                " export has none, so leave it out");
+  }
   if (options.to == "megatron") return PlanMegatron(src, options, notes);
   if (!options.layer_spec.empty()) {
     return Status::InvalidInput("--layer-spec chooses the keys of --to megatron; leave it out of --to " + options.to);
@@ -146,6 +151,7 @@ Result<OutputPlan> PlanExport(const SourceCheckpoint& src, const ExportOptions& 
     return Status::InvalidInput("--dp lays out the optimizer state of --to torch_dist; the " + options.to +
                                 " export has no data-parallel layout, so leave it out");
   }
+  if (options.to == "torchtitan") return PlanTorchtitan(src, options, notes);
   if (options.tp != 0 || options.pp != 0) {
     return Status::InvalidInput("--tp and --pp choose the layout of --to megatron and --to torch_dist; the " +
                                 options.to + " export has none, so leave them out");
@@ -156,7 +162,7 @@ Result<OutputPlan> PlanExport(const SourceCheckpoint& src, const ExportOptions& 
   }
   if (options.to == "hf") return PlanHf(src, options, notes);
   if (options.to != "consolidated") {
-    return Status::InvalidInput("unknown export format '" + options.to + "'; use consolidated, hf, megatron, torch_dist or universal");
+    return Status::InvalidInput("unknown export format '" + options.to + "'; use consolidated, hf, megatron, torch_dist, torchtitan or universal");
   }
   RESHARD_ASSIGN_OR_RETURN(ConsolidatedOptions consolidated, ConsolidatedOptionsFrom(options));
   return PlanConsolidated(src, consolidated, notes);

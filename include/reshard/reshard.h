@@ -151,13 +151,16 @@ struct ConvertOptions : WriteOptions {
 // and PP `pp`, weights alike, with the optimizer state unless `weights_only`)
 // or "universal" (DeepSpeed's).
 struct ExportOptions : WriteOptions {
-  std::string to;  // "consolidated", "hf", "megatron", "torch_dist" or "universal"
+  std::string to;  // "consolidated", "hf", "megatron", "torch_dist", "torchtitan" or "universal"
   // megatron, torch_dist: the target tensor- and pipeline-parallel sizes
   // (required there, refused elsewhere).
   int tp = 0, pp = 0;
   // torch_dist: the data-parallel size the optimizer state is laid out for
   // (0 = 1; refused elsewhere).
   int dp = 0;
+  // torchtitan: the FSDP2 world size the parameters are sharded over
+  // (required there, refused elsewhere).
+  int dp_shard = 0;
   std::string dtype;  // "fp32", "bf16", "fp16"; empty = as stored
   // Largest file; a bigger tensor gets a file of its own.
   int64_t max_shard_size = int64_t{5} * 1000 * 1000 * 1000;

@@ -175,28 +175,6 @@ Result<HfConfigExtras> ConfigExtras(const SourceCheckpoint& src, const ExportOpt
   return extras;
 }
 
-// The family's HF mapping, if the checkpoint is one the architecture computes.
-Result<const HfExport*> FamilyExport(const SourceCheckpoint& src, const RuleInputs& inputs) {
-  const RuleSet* rules = src.info().rules.get();
-  if (rules == nullptr) {
-    return Status::Unsupported("a " + src.info().kind + " checkpoint is not described by a rule set" +
-                               src.info().NoRulesWhy() + ", so reshard does not know its architecture; export --to consolidated writes its tensors");
-  }
-  const HfExport* hf = rules->hf();
-  if (hf == nullptr) {
-    return Status::Unsupported("rule set " + rules->name() + " (" + rules->description() + ") declares no HF "
-                               "architecture: " + rules->origin() + " has no hf section; add one "
-                               "(docs/rules.md) or export --to consolidated");
-  }
-  const std::string mismatch = ArgsMismatch(inputs, hf->requirements);
-  if (!mismatch.empty()) {
-    return Status::Unsupported(hf->architecture + " does not compute this model: " + mismatch + " (hf.requires "
-                               "in " + rules->origin() + "); if the checkpoint does not record it, give the "
-                               "training value with --set; else export --to consolidated");
-  }
-  return hf;
-}
-
 Result<TensorChoiceOptions> ChoiceOptions(const ExportOptions& options, const std::vector<FullTensor>& all) {
   if (!options.from.empty() && options.from != "weights" && options.from != "masters") {
     return Status::InvalidInput("unknown --from '" + options.from + "'; use weights or masters");
@@ -233,6 +211,27 @@ DType FloatingDType(const std::vector<ChosenTensor>& chosen) {
 }
 
 }  // namespace
+
+Result<const HfExport*> FamilyExport(const SourceCheckpoint& src, const RuleInputs& inputs) {
+  const RuleSet* rules = src.info().rules.get();
+  if (rules == nullptr) {
+    return Status::Unsupported("a " + src.info().kind + " checkpoint is not described by a rule set" +
+                               src.info().NoRulesWhy() + ", so reshard does not know its architecture; export --to consolidated writes its tensors");
+  }
+  const HfExport* hf = rules->hf();
+  if (hf == nullptr) {
+    return Status::Unsupported("rule set " + rules->name() + " (" + rules->description() + ") declares no HF "
+                               "architecture: " + rules->origin() + " has no hf section; add one "
+                               "(docs/rules.md) or export --to consolidated");
+  }
+  const std::string mismatch = ArgsMismatch(inputs, hf->requirements);
+  if (!mismatch.empty()) {
+    return Status::Unsupported(hf->architecture + " does not compute this model: " + mismatch + " (hf.requires "
+                               "in " + rules->origin() + "); if the checkpoint does not record it, give the "
+                               "training value with --set; else export --to consolidated");
+  }
+  return hf;
+}
 
 Result<OutputPlan> PlanHf(const SourceCheckpoint& src, const ExportOptions& options,
                                            std::vector<std::string>* notes) {

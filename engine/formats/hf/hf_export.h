@@ -17,6 +17,12 @@
 
 namespace reshard {
 
+// The family's HF mapping (its rules' hf section), refused in one line when
+// the checkpoint has no rule set, the rule set no hf section, or the model is
+// not one the architecture computes (hf.requires). Also what the torchtitan
+// export maps through.
+Result<const HfExport*> FamilyExport(const SourceCheckpoint& src, const RuleInputs& inputs);
+
 // Plans the folder. `src` must outlive the plan and its jobs.
 Result<OutputPlan> PlanHf(const SourceCheckpoint& src, const ExportOptions& options,
                                            std::vector<std::string>* notes);

@@ -1,0 +1,416 @@
+#include "formats/hf/torchtitan_export.h"
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <optional>
+
+#include "container/dcp_writer.h"
+#include "formats/hf/hf_config.h"
+#include "formats/hf/hf_export.h"
+#include "formats/hf/hf_tensors.h"
+#include "formats/state_dict.h"
+#include "rules/size_expression.h"
+#include "util/human.h"
+#include "util/shape.h"
+#include "util/strings.h"
+
+namespace reshard {
+namespace {
+
+// A job's share of a big .distcp file.
+constexpr int64_t kPartBytes = int64_t{256} << 20;
+constexpr char kStatePrefix[] = "optimizer.state.";
+constexpr char kGroupsPrefix[] = "optimizer.param_groups.";
+// The moments of torch's AdamW, in its order; the master is the parameter.
+const std::vector<std::string> kMoments = {"exp_avg", "exp_avg_sq"};
+
+// torch 2.6's AdamW param group fields (initial_lr is a scheduler's, kept
+// when the source has it), each with torch's default; none: the source
+// must record it.
+struct AdamwField {
+  const char* name;
+  std::optional<Value> fallback;
+};
+const std::vector<AdamwField>& AdamwFields() {
+  static const std::vector<AdamwField> fields = {
+      {"lr", std::nullopt},           {"betas", std::nullopt},          {"eps", std::nullopt},
+      {"weight_decay", std::nullopt}, {"amsgrad", Value::Bool(false)},  {"foreach", Value::None()},
+      {"maximize", Value::Bool(false)}, {"capturable", Value::Bool(false)}, {"differentiable", Value::Bool(false)},
+      {"fused", Value::None()}};
+  return fields;
+}
+
+Status CheckRequest(const SourceCheckpoint& src, const ExportOptions& options) {
+  const RuleSet* rules = src.info().rules.get();
+  if (rules != nullptr && rules->torchtitan() == nullptr) {
+    return Status::Unsupported("export --to torchtitan writes the keys of a rule set's torchtitan section, and rule set " +
+                               rules->name() + " has none (" + rules->origin() + "); export --to hf or consolidated");
+  }
+  if (options.tp != 0 || options.pp != 0) {
+    return Status::InvalidInput("export --to torchtitan writes FSDP2 sharding only (--dp-shard N), no tensor or "
+                                "pipeline parallelism; leave out --tp and --pp");
+  }
+  if (options.dp_shard < 1) {
+    return Status::InvalidInput("export --to torchtitan needs --dp-shard N (>= 1), the FSDP2 world size the "
+                                "parameters are sharded over");
+  }
+  if (!options.from.empty() && options.from != "weights" && options.from != "masters") {
+    return Status::InvalidInput("unknown --from '" + options.from + "'; use weights or masters");
+  }
+  return Status::Ok();
+}
+
+// torchtitan's row h hd + 2i + j of a head's rotary pairs is HF's row
+// h hd + j hd/2 + i.
+std::vector<RowRun> InterleavedRows(int64_t rows, int64_t heads) {
+  const int64_t hd = rows / heads;
+  std::vector<RowRun> runs;
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t i = 0; i < hd / 2; ++i) {
+      for (int64_t j = 0; j < 2; ++j) runs.push_back({h * hd + j * hd / 2 + i, 1});
+    }
+  }
+  return runs;
+}
+
+// One tensor of the checkpoint, whole: its key and how its bytes are made.
+struct KeyedTensor {
+  std::string key;
+  DType dtype = DType::kFloat32;
+  std::vector<int64_t> shape;
+  std::function<ByteProducer(const std::vector<FullTensor>&)> bytes;
+};
+
+// The checkpoint being planned: its tensors under torchtitan's keys, each
+// cut into one file per rank.
+class Writer {
+ public:
+  Writer(const RuleSet& rules, const HfExport& hf, const RuleInputs& inputs, int ranks)
+      : layout_(*rules.torchtitan()), hf_(hf), inputs_(inputs), rules_name_(rules.name()), ranks_(ranks) {
+    for (const TorchtitanTensor& t : layout_.tensors) entries_.push_back({std::make_unique<HfNameTemplate>(t.hf), &t});
+  }
+
+  // The HF tensors `tensors` (MapHfTensors') under torchtitan's keys, each
+  // between `prefix` and `suffix`, q/k rows interleaved per head.
+  Result<std::vector<KeyedTensor>> Keyed(std::vector<StateDictTensor> tensors, const std::string& prefix,
+                                         const std::string& suffix) {
+    std::vector<KeyedTensor> out;
+    for (StateDictTensor& t : tensors) {
+      std::string block;
+      const TorchtitanTensor* entry = EntryOf(t.name, &block);
+      if (entry == nullptr) {
+        return Status::Unsupported("rule set " + rules_name_ + "'s torchtitan section (line " +
+                                   std::to_string(layout_.line) + ") has no key for the HF tensor " + t.name +
+                                   "; add one (docs/rules.md)");
+      }
+      const std::string key = HfNameTemplate(entry->keys.front()).With(block);
+      auto bytes = std::move(t.bytes);
+      if (!entry->interleaved_heads.empty()) {
+        RESHARD_ASSIGN_OR_RETURN(std::vector<RowRun> runs, Interleaving(key, *entry, t.shape));
+        const int64_t row_bytes = ShapeNumel(t.shape) / t.shape[0] * ElementSize(t.dtype);
+        bytes = [bytes = std::move(bytes), row_bytes, runs = std::move(runs)](const std::vector<FullTensor>& s) {
+          return GatherRows(bytes(s), row_bytes, runs);
+        };
+      }
+      shapes_.emplace(key, t.shape);
+      out.push_back({prefix + key + suffix, t.dtype, t.shape, std::move(bytes)});
+    }
+    return out;
+  }
+
+  // The torchtitan key of the HF tensor `hf`; "" when the section has none.
+  std::string KeyOf(const std::string& hf) const {
+    std::string block;
+    const TorchtitanTensor* entry = EntryOf(hf, &block);
+    return entry == nullptr ? "" : HfNameTemplate(entry->keys.front()).With(block);
+  }
+
+  // `t` as FSDP2's Shard(0) over the ranks: rank r's rows [r c, (r + 1) c),
+  // c = ceil(rows / ranks), as torch.chunk cuts; an empty share is not written.
+  void AddSharded(const KeyedTensor& t, const std::vector<FullTensor>& sources) {
+    const ByteProducer bytes = t.bytes(sources);
+    const int64_t rows = t.shape.empty() ? 1 : t.shape[0];
+    const int64_t chunk = (rows + ranks_ - 1) / ranks_;
+    const int64_t row_bytes = rows == 0 ? 0 : ShapeNumel(t.shape) / rows * ElementSize(t.dtype);
+    for (int r = 0; r < ranks_; ++r) {
+      const int64_t first = std::min(rows, r * chunk), count = std::min(rows, first + chunk) - first;
+      if (count == 0) continue;
+      DcpChunk box{std::vector<int64_t>(t.shape.size(), 0), t.shape};
+      if (!t.shape.empty()) {
+        box.offsets[0] = first;
+        box.sizes[0] = count;
+      }
+      files_[r].push_back(DcpTensorItem(t.key, t.dtype, t.shape, std::move(box), BytesFrom(bytes, first * row_bytes)));
+    }
+  }
+
+  // An item only rank 0 writes (a step, a hyperparameter): torch's planner
+  // gives each replicated item to one rank.
+  void AddToRankZero(DcpWriteItem item) { files_[0].push_back(std::move(item)); }
+
+  std::vector<std::vector<DcpWriteItem>>& files() { return files_; }
+
+ private:
+  const TorchtitanTensor* EntryOf(const std::string& hf, std::string* block) const {
+    for (const auto& [name, entry] : entries_) {
+      if (name->Match(hf, block)) return entry;
+    }
+    return nullptr;
+  }
+
+  // The rows of `key` (of `shape`) as the entry's head count interleaves them.
+  Result<std::vector<RowRun>> Interleaving(const std::string& key, const TorchtitanTensor& entry,
+                                           const std::vector<int64_t>& shape) const {
+    RESHARD_ASSIGN_OR_RETURN(SizeExpression e, ParseSizeExpression(entry.interleaved_heads));
+    RESHARD_ASSIGN_OR_RETURN(int64_t heads, EvaluateSize(e, [this](const std::string& name, int64_t dim) {
+      return Lookup(name, dim);
+    }));
+    if (shape.size() != 2 || heads < 1 || shape[0] % (2 * heads) != 0) {
+      return Status::InvalidInput(key + " has shape " + ShapeString(shape) + ", which is not " + std::to_string(heads) +
+                                  " heads of an even number of rows (" + entry.interleaved_heads + ")");
+    }
+    return InterleavedRows(shape[0], heads);
+  }
+
+  // A size's term: a dim of a tensor keyed so far, or an HF config field.
+  std::optional<int64_t> Lookup(const std::string& name, int64_t dim) const {
+    if (dim >= 0) {
+      auto it = shapes_.find(name);
+      if (it == shapes_.end() || dim >= static_cast<int64_t>(it->second.size())) return std::nullopt;
+      return it->second[dim];
+    }
+    for (const HfConfigField& f : hf_.config) {
+      if (f.key != name) continue;
+      Result<Value> v = HfConfigValue(f, inputs_);
+      if (v.ok() && v->is(Value::Kind::kInt)) return v->as_int();
+    }
+    return std::nullopt;
+  }
+
+  const TorchtitanLayout& layout_;
+  const HfExport& hf_;
+  const RuleInputs& inputs_;
+  const std::string rules_name_;
+  const int ranks_;
+  std::vector<std::pair<std::unique_ptr<HfNameTemplate>, const TorchtitanTensor*>> entries_;
+  std::map<std::string, std::vector<int64_t>> shapes_;
+  std::vector<std::vector<DcpWriteItem>> files_ = std::vector<std::vector<DcpWriteItem>>(ranks_);
+};
+
+// Whether the export writes the optimizer state: the source has some and
+// --weights-only does not leave it out.
+bool WritesOptimizer(const std::vector<FullTensor>& all, const ExportOptions& options) {
+  return !options.weights_only &&
+         std::any_of(all.begin(), all.end(), [](const FullTensor& t) { return t.section == "optimizer"; });
+}
+
+// The parameters: the fp32 masters where the source has them (torchtitan
+// trains fp32 parameters, AdamW's masters), else the weights.
+Result<std::vector<ChosenTensor>> ChooseParameters(const SourceCheckpoint& src, const std::vector<FullTensor>& all,
+                                                   const ExportOptions& options, bool optimizer,
+                                                   std::vector<std::string>* notes) {
+  TensorChoiceOptions choice{"torchtitan", "--from weights", options.from == "weights", std::nullopt,
+                             options.vocab_size ? options.vocab_size : src.info().vocab_size};
+  RESHARD_ASSIGN_OR_RETURN(choice.dtype, ExportDType(options.dtype));
+  RESHARD_ASSIGN_OR_RETURN(std::vector<ChosenTensor> chosen, ChooseTensors(all, src.info().kind, choice, notes));
+  if (!optimizer) return chosen;
+  for (const ChosenTensor& t : chosen) {
+    if (!t.master || t.dtype != DType::kFloat32) {
+      return Status::InvalidInput("export --to torchtitan with the optimizer state writes the fp32 masters as the "
+                                  "parameters (AdamW steps them), and " + t.name + " would be " +
+                                  (t.master ? std::string(DTypeName(t.dtype)) : std::string("the weight")) +
+                                  "; drop --from weights / --dtype, or add --weights-only");
+    }
+  }
+  return chosen;
+}
+
+// Moment `moment` of every parameter of `params`, shaped and named like it.
+Result<std::vector<ChosenTensor>> Moments(const std::vector<FullTensor>& all, const std::vector<ChosenTensor>& params,
+                                          const std::string& moment) {
+  std::map<std::string, size_t> of;
+  for (size_t i = 0; i < all.size(); ++i) {
+    if (all[i].section != "optimizer") continue;
+    if (all[i].state != kFp32Master && std::find(kMoments.begin(), kMoments.end(), all[i].state) == kMoments.end()) {
+      return Status::Unsupported("the optimizer state '" + all[i].state + "' of " + all[i].param + " has no place "
+                                 "in torchtitan's AdamW state; export with --weights-only");
+    }
+    if (all[i].state == moment) of[all[i].param] = i;
+  }
+  std::vector<ChosenTensor> out;
+  for (const ChosenTensor& p : params) {
+    auto it = of.find(p.name);
+    if (it == of.end()) {
+      return Status::InvalidInput("the source has no optimizer " + moment + " of " + p.name +
+                                  ", which AdamW needs; export with --weights-only");
+    }
+    out.push_back({p.name, it->second, all[it->second].dtype, DType::kFloat32, p.shape, true});
+  }
+  return out;
+}
+
+// The optimizer step as torch 2.6 keeps it per parameter: an fp32 0-d tensor.
+Result<float> StepOf(const OptimizerParamGroups& groups) {
+  if (!groups.step) return 0.0f;
+  if (groups.step->is(Value::Kind::kInt)) return static_cast<float>(groups.step->as_int());
+  if (groups.step->is(Value::Kind::kFloat)) return static_cast<float>(groups.step->as_float());
+  return Status::Unsupported("the optimizer step " + groups.step->DebugString(40) +
+                             " is not a number; export with --weights-only");
+}
+
+// AdamW's fields of the group holding `param`, torch's defaults where the
+// source records none (`defaulted` learns their names); lists become
+// tuples, as torch keeps betas.
+Result<Items> AdamwGroup(const OptimizerParamGroups& groups, const std::string& param,
+                         std::vector<std::string>* defaulted) {
+  auto group = std::find_if(groups.groups.begin(), groups.groups.end(), [&](const OptimizerParamGroup& g) {
+    return std::find(g.params.begin(), g.params.end(), param) != g.params.end();
+  });
+  if (group == groups.groups.end()) {
+    return Status::Internal("optimizer state of " + param + ", which is in no optimizer group");
+  }
+  Items out;
+  auto put = [&out](const char* name, const Value& v) {
+    out.emplace_back(Value::String(name), v.is(Value::Kind::kList) ? Value::MakeTuple(v.as_list().items) : v);
+  };
+  for (const AdamwField& f : AdamwFields()) {
+    const Value* v = Find(group->hyperparameters, f.name);
+    if (v == nullptr && !f.fallback) {
+      return Status::Unsupported(std::string("the source's optimizer group of ") + param + " records no " + f.name +
+                                 ", which AdamW needs; export with --weights-only");
+    }
+    if (v == nullptr && std::find(defaulted->begin(), defaulted->end(), f.name) == defaulted->end()) {
+      defaulted->push_back(f.name);
+    }
+    put(f.name, v != nullptr ? *v : *f.fallback);
+  }
+  if (const Value* v = Find(group->hyperparameters, "initial_lr")) put("initial_lr", *v);
+  return out;
+}
+
+// The canonical parameter the HF tensor `name` is (a part of): the
+// hf.tensors entry that makes it, at its block.
+std::string CanonicalOf(const HfExport& hf, const std::string& name) {
+  for (const HfTensorMap& map : hf.tensors) {
+    for (const std::string& to : map.to) {
+      std::string block;
+      if (HfNameTemplate(to).Match(name, &block)) return HfNameTemplate(map.from).With(block);
+    }
+  }
+  return name;
+}
+
+ByteProducer FloatBytes(float value) {
+  return [value](int64_t offset, int64_t length, uint8_t* dst) {
+    uint8_t bytes[sizeof(float)];
+    std::memcpy(bytes, &value, sizeof(float));
+    if (offset < 0 || offset + length > static_cast<int64_t>(sizeof(float))) {
+      return Status::Internal("a step's bytes requested out of range");
+    }
+    std::memcpy(dst, bytes + offset, static_cast<size_t>(length));
+    return Status::Ok();
+  };
+}
+
+// The HF tensors of `chosen`, under torchtitan's keys.
+Result<std::vector<KeyedTensor>> KeyedTensors(const HfExport& hf, const std::vector<ChosenTensor>& chosen,
+                                              const RuleInputs& inputs, OutputPlan* out, Writer* writer,
+                                              const std::string& prefix, const std::string& suffix) {
+  int64_t scratch_bytes = 0;
+  RESHARD_ASSIGN_OR_RETURN(std::vector<StateDictTensor> tensors,
+                           MapHfTensors(hf, chosen, inputs, out->scratch, &scratch_bytes));
+  out->scratch_bytes = std::max(out->scratch_bytes, scratch_bytes);
+  return writer->Keyed(std::move(tensors), prefix, suffix);
+}
+
+// The model items, a tied head also under its own key (torch saves both).
+Status AddModel(const HfExport& hf, const std::vector<ChosenTensor>& params, const RuleInputs& inputs,
+                const std::vector<FullTensor>& all, OutputPlan* out, Writer* writer, std::vector<std::string>* keys) {
+  RESHARD_ASSIGN_OR_RETURN(std::vector<KeyedTensor> model, KeyedTensors(hf, params, inputs, out, writer, "", ""));
+  for (const auto& [copy, of] : hf.tied) {
+    const std::string key = writer->KeyOf(copy), tied = writer->KeyOf(of);
+    auto it = std::find_if(model.begin(), model.end(), [&](const KeyedTensor& t) { return t.key == tied; });
+    if (key.empty() || it == model.end()) continue;
+    KeyedTensor head = *it;
+    head.key = key;
+    model.push_back(std::move(head));
+  }
+  for (const KeyedTensor& t : model) {
+    writer->AddSharded(t, all);
+    keys->push_back(t.key);
+  }
+  return Status::Ok();
+}
+
+// The AdamW items of each parameter of `params`, under the keys its HF
+// tensors have (a tied copy has none: it is no parameter of its own).
+Status AddOptimizer(const SourceCheckpoint& src, const HfExport& hf, const std::vector<ChosenTensor>& params,
+                    const RuleInputs& inputs, const std::vector<FullTensor>& all, OutputPlan* out, Writer* writer,
+                    std::vector<std::string>* notes) {
+  RESHARD_ASSIGN_OR_RETURN(OptimizerParamGroups groups, src.ParamGroupsAndStep());
+  RESHARD_ASSIGN_OR_RETURN(float step, StepOf(groups));
+  std::vector<std::string> defaulted;
+  for (const std::string& moment : kMoments) {
+    RESHARD_ASSIGN_OR_RETURN(std::vector<ChosenTensor> states, Moments(all, params, moment));
+    RESHARD_ASSIGN_OR_RETURN(std::vector<KeyedTensor> keyed,
+                             KeyedTensors(hf, states, inputs, out, writer, kStatePrefix, "." + moment));
+    for (const KeyedTensor& t : keyed) writer->AddSharded(t, all);
+  }
+  // Each parameter's step and hyperparameters, under each of its HF tensors' keys.
+  RESHARD_ASSIGN_OR_RETURN(std::vector<StateDictTensor> hf_tensors,
+                           MapHfTensors(hf, params, inputs, out->scratch, &out->scratch_bytes));
+  for (const StateDictTensor& t : hf_tensors) {
+    const std::string key = writer->KeyOf(t.name);
+    writer->AddToRankZero(DcpTensorItem(kStatePrefix + key + ".step", DType::kFloat32, {}, DcpChunk{}, FloatBytes(step)));
+    RESHARD_ASSIGN_OR_RETURN(Items fields, AdamwGroup(groups, CanonicalOf(hf, t.name), &defaulted));
+    for (auto& [name, value] : fields) {
+      writer->AddToRankZero(DcpBytesItem(kGroupsPrefix + key + "." + name.as_string(), std::move(value)));
+    }
+  }
+  if (!defaulted.empty()) {
+    notes->push_back("torchtitan: the source's optimizer groups record no " + Join(defaulted, ", ") +
+                     "; torch's AdamW defaults written");
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<OutputPlan> PlanTorchtitan(const SourceCheckpoint& src, const ExportOptions& options,
+                                  std::vector<std::string>* notes) {
+  RESHARD_RETURN_IF_ERROR(CheckRequest(src, options));
+  const RuleInputs inputs{src.info().metadata, src.info().settings};
+  RESHARD_ASSIGN_OR_RETURN(const HfExport* hf, FamilyExport(src, inputs));
+  OutputPlan out;
+  out.scratch = std::make_shared<ScratchFolder>();
+  RESHARD_ASSIGN_OR_RETURN(std::vector<FullTensor> all, src.FullTensors(options.replicated, out.read.get()));
+  const bool optimizer = WritesOptimizer(all, options);
+  RESHARD_ASSIGN_OR_RETURN(std::vector<ChosenTensor> params, ChooseParameters(src, all, options, optimizer, notes));
+  Writer writer(*src.info().rules, *hf, inputs, options.dp_shard);
+  std::vector<std::string> keys;
+  RESHARD_RETURN_IF_ERROR(AddModel(*hf, params, inputs, all, &out, &writer, &keys));
+  if (optimizer) RESHARD_RETURN_IF_ERROR(AddOptimizer(src, *hf, params, inputs, all, &out, &writer, notes));
+
+  const std::string folder = "step-" + std::to_string(src.info().iteration);
+  for (int rank = 0; rank < options.dp_shard; ++rank) {
+    if (writer.files()[rank].empty()) continue;  // no rows of any tensor
+    RESHARD_ASSIGN_OR_RETURN(DcpFileLayout file,
+                             LayOutDcpFile("__" + std::to_string(rank) + "_0.distcp", std::move(writer.files()[rank])));
+    out.files.push_back(DcpDataFile(folder, "rank " + std::to_string(rank), std::move(file), kPartBytes));
+  }
+  std::vector<const PlannedFile*> data;
+  for (const PlannedFile& f : out.files) data.push_back(&f);
+  RESHARD_ASSIGN_OR_RETURN(PlannedFile metadata, DcpMetadataFile(folder, data));
+  out.files.push_back(std::move(metadata));
+  out.summary = "torchtitan: FSDP2 Shard(0) over " + Count(options.dp_shard, "rank") + ", step " +
+                std::to_string(src.info().iteration) + "; " + Count(static_cast<int64_t>(keys.size()), "model tensor") +
+                (optimizer ? "; AdamW state (exp_avg, exp_avg_sq, step, param_groups)" : "; weights only") + "\n";
+  notes->push_back("torchtitan: no train_state, lr_scheduler or dataloader items (torchtitan starts them afresh); "
+                   "the model config is not recorded: run torchtitan with the source's (export --to hf's "
+                   "config.json gives it)");
+  return out;
+}
+
+}  // namespace reshard
