@@ -28,21 +28,7 @@ Value ImportedRunMetadata(const Value* args, const Value* iteration, int64_t fal
 }
 
 Result<std::vector<RuleSet>> TorchDistCandidates(const std::string& spec, const std::string& what) {
-  std::vector<RuleSet> out;
-  if (!spec.empty()) {
-    RESHARD_ASSIGN_OR_RETURN(RuleSet rules, LoadRuleSet(spec));
-    if (rules.torch_dist() == nullptr) {
-      return Status::RuleError("rule set " + rules.name() + " has no torch_dist section, so it cannot read " + what +
-                               "; add one (docs/rules.md) or choose another set");
-    }
-    out.push_back(std::move(rules));
-    return out;
-  }
-  RESHARD_ASSIGN_OR_RETURN(std::vector<RuleSet> all, LoadBuiltinRuleSets());
-  for (RuleSet& rules : all) {
-    if (rules.torch_dist() != nullptr) out.push_back(std::move(rules));
-  }
-  return out;
+  return RuleSetsWithSection(spec, "torch_dist", [](const RuleSet& r) { return r.torch_dist() != nullptr; }, what);
 }
 
 TorchDistFamily::TorchDistFamily(const RuleSet& rules, Value run, const CommonOptions& options, std::string label)

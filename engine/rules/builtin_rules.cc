@@ -63,4 +63,24 @@ Result<RuleSet> LoadRuleSet(const std::string& spec) {
                               "; or pass the path of a rule file");
 }
 
+Result<std::vector<RuleSet>> RuleSetsWithSection(const std::string& spec, const std::string& section,
+                                                 const std::function<bool(const RuleSet&)>& has,
+                                                 const std::string& what) {
+  std::vector<RuleSet> out;
+  if (!spec.empty()) {
+    RESHARD_ASSIGN_OR_RETURN(RuleSet rules, LoadRuleSet(spec));
+    if (!has(rules)) {
+      return Status::RuleError("rule set " + rules.name() + " has no " + section + " section, so it cannot read " +
+                               what + "; add one (docs/rules.md) or choose another set");
+    }
+    out.push_back(std::move(rules));
+    return out;
+  }
+  RESHARD_ASSIGN_OR_RETURN(std::vector<RuleSet> all, LoadBuiltinRuleSets());
+  for (RuleSet& rules : all) {
+    if (has(rules)) out.push_back(std::move(rules));
+  }
+  return out;
+}
+
 }  // namespace reshard

@@ -5,6 +5,7 @@
 // by the environment variable RESHARD_RULES_DIR when it is set and not empty.
 #pragma once
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -21,5 +22,13 @@ Result<std::vector<RuleSet>> LoadBuiltinRuleSets();
 
 // `spec` is a path to a YAML file or the name of a built-in rule set.
 Result<RuleSet> LoadRuleSet(const std::string& spec);
+
+// The rule sets that may read a checkpoint through a section of theirs
+// (torch_dist, torchtitan): `spec` (--rules) alone, refused when it has no
+// `section` (`has` false; `what` names the checkpoint for the message); with
+// no `spec`, every built-in set that has one.
+Result<std::vector<RuleSet>> RuleSetsWithSection(const std::string& spec, const std::string& section,
+                                                 const std::function<bool(const RuleSet&)>& has,
+                                                 const std::string& what);
 
 }  // namespace reshard

@@ -22,7 +22,6 @@ import re
 import shutil
 import sys
 import tempfile
-import unittest
 
 import torch
 
@@ -126,10 +125,7 @@ class DcpTorch2Test(FixtureTestCase):
 
     @classmethod
     def setUpClass(cls):
-        root, why = torch2_chroot.ensure()
-        if root is None:
-            print('skipped:', why, file=sys.stderr)
-            raise unittest.SkipTest(why)
+        root = torch2_chroot.root_or_skip()
         cls.work = tempfile.mkdtemp(prefix='reshard-torch2-')
         cls.addClassCleanup(shutil.rmtree, cls.work)
         p = torch2_chroot.run(root, GENERATE, {cls.work: '/work'})

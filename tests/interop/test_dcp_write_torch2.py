@@ -88,10 +88,7 @@ class DcpWriteTorch2Test(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
-        cls.root, why = torch2_chroot.ensure()
-        if cls.root is None:
-            print('skipped:', why, file=sys.stderr)
-            raise unittest.SkipTest(why)
+        cls.root = torch2_chroot.root_or_skip()
         # The unit tests are built beside the binary: build/tests/unit_tests.
         unit_tests = os.path.join(os.path.dirname(support.RESHARD), 'tests', 'unit_tests')
         cls.work = tempfile.mkdtemp(prefix='reshard-dcp-write-')

@@ -21,7 +21,6 @@ Run: /usr/bin/python3 tests/interop/test_export_torch_dist.py --reshard build/re
 import glob
 import json
 import os
-import sys
 
 import torch
 
@@ -111,10 +110,7 @@ class ExportTorchDistTest(FixtureTestCase):
             self.assertEqual(json.load(f), {'sharded_backend': 'torch_dist', 'sharded_backend_version': 1})
 
     def test_torch_loads_the_export_into_the_whole_tensors(self):
-        root, why = torch2_chroot.ensure()
-        if root is None:
-            print('skipped:', why, file=sys.stderr)
-            self.skipTest(why)
+        root = torch2_chroot.root_or_skip()
         for name in ('0.19/w2_tp2_swiglu', '0.19/w2_tp2_bf16', '0.19/w2_pp2'):
             config = config_of(name)
             with self.subTest(save=name):

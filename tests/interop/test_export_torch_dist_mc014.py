@@ -28,7 +28,6 @@ import json
 import os
 import pickle
 import re
-import sys
 
 import torch
 
@@ -168,10 +167,7 @@ class ExportTorchDistMc014Test(FixtureTestCase):
         self.assertEqual(compared(p.stdout), 4 * 39, p.stdout)  # 39 weights, each with three states
 
     def test_torch_loads_the_reformulated_states(self):
-        root, why = torch2_chroot.ensure()
-        if root is None:
-            print('skipped:', why, file=sys.stderr)
-            self.skipTest(why)
+        root = torch2_chroot.root_or_skip()
         name = 'w2_tp2_swiglu'
         config = config_of('0.19/' + name)
         out = self.path('torch')

@@ -29,7 +29,6 @@ Run: /usr/bin/python3 tests/interop/test_export_torch_dist_optimizer.py --reshar
 import glob
 import os
 import re
-import sys
 
 import torch
 
@@ -137,10 +136,7 @@ class ExportTorchDistOptimizerTest(FixtureTestCase):
               f'equal to Megatron-Core\'s after torch_dist and Megatron-DeepSpeed')
 
     def test_torch_loads_the_states_and_the_param_groups(self):
-        root, why = torch2_chroot.ensure()
-        if root is None:
-            print('skipped:', why, file=sys.stderr)
-            self.skipTest(why)
+        root = torch2_chroot.root_or_skip()
         for tag, config in saves():
             name = os.path.basename(tag)
             with self.subTest(save=name):
@@ -168,10 +164,7 @@ class ExportTorchDistOptimizerTest(FixtureTestCase):
                                  [{f: g[f] for f in GROUP_FIELDS} for g in want])
 
     def test_dp_reshardable_is_written_as_megatron_core_writes_it(self):
-        root, why = torch2_chroot.ensure()
-        if root is None:
-            print('skipped:', why, file=sys.stderr)
-            self.skipTest(why)
+        root = torch2_chroot.root_or_skip()
         elements = 0
         for tag, config in saves():
             name = os.path.basename(tag)

@@ -23,7 +23,6 @@ import filecmp
 import json
 import os
 import re
-import sys
 
 import torch
 
@@ -245,10 +244,7 @@ class ExportTorchtitanTest(FixtureTestCase):
               f'states equal, weights the masters')
 
     def test_torch_loads_it_and_takes_the_next_step(self):
-        root, why = torch2_chroot.ensure()
-        if root is None:
-            print('skipped:', why, file=sys.stderr)
-            self.skipTest(why)
+        root = torch2_chroot.root_or_skip()
         out = self.path('tt')
         self.export(SAVE, out, 3, *HEADS)
         results = self.path('results')

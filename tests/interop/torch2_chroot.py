@@ -18,6 +18,18 @@ MIRROR = 'http://deb.debian.org/debian'
 PACKAGES = ['python3-torch', 'python3-numpy']
 
 
+def root_or_skip():
+    """The finished chroot's path; else the test (or its class, from setUpClass) is skipped with
+    one line saying why."""
+    import sys
+    import unittest
+    root, why = ensure()
+    if root is None:
+        print('skipped:', why, file=sys.stderr)
+        raise unittest.SkipTest(why)
+    return root
+
+
 def ensure():
     """(path of the finished chroot, None), or (None, one line saying why it cannot be had)."""
     if os.path.exists(os.path.join(ROOT, 'usr', 'bin', 'python3')):

@@ -340,6 +340,19 @@ std::vector<RowRun> QkvRows(int64_t groups, int64_t heads, int64_t head_dim, int
 
 std::vector<RowRun> HalfRows(int64_t rows, int half) { return {{half * rows / 2, rows / 2}}; }
 
+std::vector<RowRun> RotaryPairRows(int64_t rows, int64_t heads, bool interleaved) {
+  const int64_t hd = rows / heads;
+  std::vector<RowRun> runs;
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t a = 0; a < hd; ++a) {
+      // Row a of the head in the order written: interleaved a = 2i + j, halves a = j hd/2 + i.
+      const int64_t i = interleaved ? a / 2 : a % (hd / 2), j = interleaved ? a % 2 : a / (hd / 2);
+      runs.push_back({h * hd + (interleaved ? j * hd / 2 + i : 2 * i + j), 1});
+    }
+  }
+  return runs;
+}
+
 ByteProducer GatherRows(ByteProducer source, int64_t row_bytes, std::vector<RowRun> runs) {
   return [source = std::move(source), row_bytes, runs = std::move(runs)](int64_t offset, int64_t length,
                                                                           uint8_t* dst) {

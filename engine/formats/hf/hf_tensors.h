@@ -60,6 +60,13 @@ std::vector<RowRun> QkvRows(int64_t groups, int64_t heads, int64_t head_dim, int
 // The rows of half `half` (0 or 1) of `rows` rows.
 std::vector<RowRun> HalfRows(int64_t rows, int half);
 
+// A q or k projection of `rows` rows in `heads` heads of hd rows each, whose
+// rotary embedding turns interleaved pairs (torchtitan, Meta's Llama: rows
+// 2i and 2i + 1 of a head) where HF's turns halves (rows i and hd/2 + i).
+// `interleaved`: HF's rows in the interleaved order (writing torchtitan);
+// else the interleaved rows in HF's order (reading it).
+std::vector<RowRun> RotaryPairRows(int64_t rows, int64_t heads, bool interleaved);
+
 // One HF tensor of an hf.tensors entry: its name, the rows of the canonical
 // tensor it takes in order (empty: all of them) and how many rows that is.
 struct HfPart {

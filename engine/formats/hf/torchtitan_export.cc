@@ -10,6 +10,7 @@
 #include "formats/hf/hf_config.h"
 #include "formats/hf/hf_export.h"
 #include "formats/hf/hf_tensors.h"
+#include "formats/hf/torchtitan_import.h"
 #include "formats/state_dict.h"
 #include "rules/size_expression.h"
 #include "util/human.h"
@@ -21,8 +22,6 @@ namespace {
 
 // A job's share of a big .distcp file.
 constexpr int64_t kPartBytes = int64_t{256} << 20;
-constexpr char kStatePrefix[] = "optimizer.state.";
-constexpr char kGroupsPrefix[] = "optimizer.param_groups.";
 // The moments of torch's AdamW, in its order; the master is the parameter.
 const std::vector<std::string> kMoments = {"exp_avg", "exp_avg_sq"};
 
@@ -60,19 +59,6 @@ Status CheckRequest(const SourceCheckpoint& src, const ExportOptions& options) {
     return Status::InvalidInput("unknown --from '" + options.from + "'; use weights or masters");
   }
   return Status::Ok();
-}
-
-// torchtitan's row h hd + 2i + j of a head's rotary pairs is HF's row
-// h hd + j hd/2 + i.
-std::vector<RowRun> InterleavedRows(int64_t rows, int64_t heads) {
-  const int64_t hd = rows / heads;
-  std::vector<RowRun> runs;
-  for (int64_t h = 0; h < heads; ++h) {
-    for (int64_t i = 0; i < hd / 2; ++i) {
-      for (int64_t j = 0; j < 2; ++j) runs.push_back({h * hd + j * hd / 2 + i, 1});
-    }
-  }
-  return runs;
 }
 
 // One tensor of the checkpoint, whole: its key and how its bytes are made.
@@ -171,7 +157,7 @@ class Writer {
       return Status::InvalidInput(key + " has shape " + ShapeString(shape) + ", which is not " + std::to_string(heads) +
                                   " heads of an even number of rows (" + entry.interleaved_heads + ")");
     }
-    return InterleavedRows(shape[0], heads);
+    return RotaryPairRows(shape[0], heads, true);
   }
 
   // A size's term: a dim of a tensor keyed so far, or an HF config field.
@@ -355,7 +341,7 @@ Status AddOptimizer(const SourceCheckpoint& src, const HfExport& hf, const std::
   for (const std::string& moment : kMoments) {
     RESHARD_ASSIGN_OR_RETURN(std::vector<ChosenTensor> states, Moments(all, params, moment));
     RESHARD_ASSIGN_OR_RETURN(std::vector<KeyedTensor> keyed,
-                             KeyedTensors(hf, states, inputs, out, writer, kStatePrefix, "." + moment));
+                             KeyedTensors(hf, states, inputs, out, writer, kTorchtitanStatePrefix, "." + moment));
     for (const KeyedTensor& t : keyed) writer->AddSharded(t, all);
   }
   // Each parameter's step and hyperparameters, under each of its HF tensors' keys.
@@ -363,10 +349,10 @@ Status AddOptimizer(const SourceCheckpoint& src, const HfExport& hf, const std::
                            MapHfTensors(hf, params, inputs, out->scratch, &out->scratch_bytes));
   for (const StateDictTensor& t : hf_tensors) {
     const std::string key = writer->KeyOf(t.name);
-    writer->AddToRankZero(DcpTensorItem(kStatePrefix + key + ".step", DType::kFloat32, {}, DcpChunk{}, FloatBytes(step)));
+    writer->AddToRankZero(DcpTensorItem(kTorchtitanStatePrefix + key + ".step", DType::kFloat32, {}, DcpChunk{}, FloatBytes(step)));
     RESHARD_ASSIGN_OR_RETURN(Items fields, AdamwGroup(groups, CanonicalOf(hf, t.name), &defaulted));
     for (auto& [name, value] : fields) {
-      writer->AddToRankZero(DcpBytesItem(kGroupsPrefix + key + "." + name.as_string(), std::move(value)));
+      writer->AddToRankZero(DcpBytesItem(kTorchtitanGroupsPrefix + key + "." + name.as_string(), std::move(value)));
     }
   }
   if (!defaulted.empty()) {

@@ -16,8 +16,6 @@
 namespace reshard {
 namespace {
 
-constexpr char kStatePrefix[] = "optimizer.state.";
-constexpr char kGroupsPrefix[] = "optimizer.param_groups.";
 constexpr char kStep[] = "step";
 constexpr char kModelPrefix[] = "model.";
 // What torchtitan's checkpointer saves beside the model and the optimizer.
@@ -69,21 +67,16 @@ class KeyMap {
   std::vector<std::unique_ptr<HfNameTemplate>> ignored_;
 };
 
-// Rows [head, 2i + j] of an interleaved projection are HF's [head, j hd/2 + i].
-SourceShard DeinterleavedRows(const SourceShard& stored, int64_t rows, int64_t heads, int64_t cols, int element) {
-  const int64_t hd = rows / heads;
+// The rows `rows` of `stored` (rows of `cols` elements), one after the other.
+SourceShard GatheredRows(const SourceShard& stored, const std::vector<RowRun>& rows, int64_t cols, int element) {
   SourceShard out;
   int64_t at = 0;
-  for (int64_t h = 0; h < heads; ++h) {
-    for (int64_t j = 0; j < 2; ++j) {
-      for (int64_t i = 0; i < hd / 2; ++i) {
-        for (SourceShard::Run run : stored.RunsOf((h * hd + 2 * i + j) * cols, cols, element)) {
-          run.begin += at;
-          out.runs.push_back(std::move(run));
-        }
-        at += cols;
-      }
+  for (const RowRun& r : rows) {
+    for (SourceShard::Run run : stored.RunsOf(r.first * cols, r.count * cols, element)) {
+      run.begin += at;
+      out.runs.push_back(std::move(run));
     }
+    at += r.count * cols;
   }
   return out;
 }
@@ -236,7 +229,7 @@ class Reader {
   Status AddTensors(const std::string& state, HfFolder* folder) const {
     for (const auto& [key, hf] : hf_name_) {
       if (!state.empty() && IsTiedCopy(hf)) continue;
-      const std::string stored_key = state.empty() ? stored_.at(key) : kStatePrefix + key + "." + state;
+      const std::string stored_key = state.empty() ? stored_.at(key) : kTorchtitanStatePrefix + key + "." + state;
       auto it = dcp_.tensors.find(stored_key);
       if (it == dcp_.tensors.end()) {
         return Status::InvalidInput("the torchtitan checkpoint has " + key + " but no " + stored_key +
@@ -253,7 +246,7 @@ class Reader {
                                       ", which is not " + std::to_string(*n) + " heads of an even number of rows (" +
                                       heads + ")");
         }
-        runs = DeinterleavedRows(runs, rows, *n, t.sizes[1], ElementSize(t.storage->dtype));
+        runs = GatheredRows(runs, RotaryPairRows(rows, *n, false), t.sizes[1], ElementSize(t.storage->dtype));
       }
       folder->tensors[hf] = it->second.tensor;
       folder->runs[hf] = std::move(runs);
@@ -313,7 +306,7 @@ class Reader {
   Result<std::optional<ImportedOptimizer>> Optimizer(const HfFolder& weights, const LogicalCheckpoint& ckpt) const {
     std::vector<std::string> moments;
     for (const auto& [key, t] : dcp_.tensors) {
-      if (key.rfind(kStatePrefix, 0) != 0) continue;
+      if (key.rfind(kTorchtitanStatePrefix, 0) != 0) continue;
       const std::string state = key.substr(key.rfind('.') + 1);
       if (state != kStep && std::find(moments.begin(), moments.end(), state) == moments.end()) moments.push_back(state);
     }
@@ -358,7 +351,7 @@ class Reader {
   Result<std::optional<Value>> Step() const {
     std::optional<double> step;
     for (const auto& [key, hf] : hf_name_) {
-      auto it = dcp_.tensors.find(kStatePrefix + key + "." + kStep);
+      auto it = dcp_.tensors.find(kTorchtitanStatePrefix + key + "." + kStep);
       if (it == dcp_.tensors.end()) continue;
       const Tensor& t = it->second.tensor.as_tensor();
       if (t.numel() != 1 || t.storage->dtype != DType::kFloat32) {
@@ -384,8 +377,8 @@ class Reader {
   Result<std::vector<Value>> ParamGroups() const {
     std::map<std::string, Items> by_key;  // model key -> its hyperparameters
     for (const std::string& object : dcp_.objects) {
-      if (object.rfind(kGroupsPrefix, 0) != 0) continue;
-      const std::string rest = object.substr(sizeof(kGroupsPrefix) - 1);
+      if (object.rfind(kTorchtitanGroupsPrefix, 0) != 0) continue;
+      const std::string rest = object.substr(sizeof(kTorchtitanGroupsPrefix) - 1);
       const size_t dot = rest.rfind('.');
       if (dot == std::string::npos || !hf_name_.count(rest.substr(0, dot))) continue;
       RESHARD_ASSIGN_OR_RETURN(Value v, dcp_.read_object(object));
@@ -432,21 +425,8 @@ class Reader {
 };
 
 Result<std::vector<RuleSet>> Candidates(const std::string& spec) {
-  std::vector<RuleSet> out;
-  if (!spec.empty()) {
-    RESHARD_ASSIGN_OR_RETURN(RuleSet rules, LoadRuleSet(spec));
-    if (rules.torchtitan() == nullptr) {
-      return Status::Unsupported("rule set " + rules.name() + " has no torchtitan section, so it cannot read a "
-                                 "torchtitan checkpoint; choose one that has (e.g. megatron-llama)");
-    }
-    out.push_back(std::move(rules));
-    return out;
-  }
-  RESHARD_ASSIGN_OR_RETURN(std::vector<RuleSet> all, LoadBuiltinRuleSets());
-  for (RuleSet& rules : all) {
-    if (rules.torchtitan() != nullptr) out.push_back(std::move(rules));
-  }
-  return out;
+  return RuleSetsWithSection(spec, "torchtitan", [](const RuleSet& r) { return r.torchtitan() != nullptr; },
+                             "a torchtitan checkpoint");
 }
 
 }  // namespace

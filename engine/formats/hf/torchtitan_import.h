@@ -35,6 +35,11 @@
 
 namespace reshard {
 
+// The keys of torchtitan's flat optimizer state dict: `<state prefix><key>.<state>`
+// and `<groups prefix><key>.<hyperparameter>`.
+inline constexpr char kTorchtitanStatePrefix[] = "optimizer.state.";
+inline constexpr char kTorchtitanGroupsPrefix[] = "optimizer.param_groups.";
+
 // A DCP checkpoint's content as the format registry hands it over.
 struct DcpTensors {
   std::string folder;
