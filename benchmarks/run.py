@@ -440,6 +440,11 @@ def summarize(scale, info, src_bytes, out_bytes, runs, verify, peer) -> Dict:
         'runs_cp': [round(r['seconds'], 2) for r in runs['cp']],
         'runs_reshard': [round(r['seconds'], 2) for r in rs],
         'verify': verify, 'deepspeed': peer,
+        # CPU seconds (user + sys) per GB written, which the noise of a shared host moves far less than
+        # wall time: cp -r's output is SRC's size, reshard's what it reports writing.
+        'cpu_per_gb': {what: statistics.median(
+            (r['user'] + r['sys']) / ((src_bytes if what == 'cp' else r['reported_written_mb'] * 1e6) / 1e9)
+            for r in v) for what, v in runs.items()},
         # Every other command of the alternation (--baseline, --exports), against cp -r.
         'others': {what: {
             'seconds': med[what], 'seconds_with_sync': med_sync[what],
@@ -531,6 +536,13 @@ def table(results: List[Dict]) -> str:
                              f'{o["written_mb"] / 1e3:.2f} GB | {o["peak_tree_gib"]:.2f} GiB | {o["cpu_s"]:.2f} | '
                              f'{o["seconds"] / r["reshard_s"]:.2f}x ({o["seconds_with_sync"] / r["reshard_sync_s"]:.2f}x) | '
                              f'{o["runs"]} |')
+    lines.append('')
+    lines.append('| checkpoint | command | CPU user + sys per GB written (s) | vs cp -r |')
+    lines.append('|---|---|---|---|')
+    for r in results:
+        cpu = r['cpu_per_gb']
+        for what, per_gb in cpu.items():
+            lines.append(f'| h={r["config"]["h"]} {r["mode"]} | {what} | {per_gb:.3f} | {per_gb / cpu["cp"]:.2f}x |')
     peers = [r for r in results if r.get('deepspeed')]
     if peers:
         lines.append('')

@@ -9,6 +9,7 @@
 #include <map>
 #include <utility>
 
+#include "container/kernel_copy.h"
 #include "container/write_fully.h"
 #include "pickle/pickle_writer.h"
 #include "util/shape.h"
@@ -83,12 +84,15 @@ class ItemOutput {
     const int64_t step = std::max<int64_t>(es, static_cast<int64_t>(buffer_->size()) / es * es);
     if (buffer_->size() < static_cast<size_t>(step)) buffer_->resize(static_cast<size_t>(step));
     uint32_t crc = 0;
+    FileSpans spans;
     for (int64_t done = 0; done < size;) {
       const int64_t n = std::min(step, size - done);
-      Status st = item.produce(done, n, buffer_->data());
+      spans.clear();
+      Status st = item.produce(done, n, buffer_->data(), SpanSink(&spans, buffer_->data(), n));
       if (!st.ok()) return st.WithContext(*path_ + ": item '" + item.fqn + "'");
-      crc = Crc32(crc, buffer_->data(), static_cast<size_t>(n));
-      RESHARD_RETURN_IF_ERROR(Write(buffer_->data(), n));
+      const uint32_t piece = Crc32(0, buffer_->data(), static_cast<size_t>(n));
+      crc = Crc32Combine(crc, piece, n);
+      RESHARD_RETURN_IF_ERROR(Write(buffer_->data(), n, piece, spans));
       if (*written_) (*written_)(n);
       done += n;
     }
@@ -98,17 +102,19 @@ class ItemOutput {
   Status Flush() {
     const std::string pending = std::move(pending_);
     pending_.clear();
-    return Write(reinterpret_cast<const uint8_t*>(pending.data()), static_cast<int64_t>(pending.size()));
+    const auto* bytes = reinterpret_cast<const uint8_t*>(pending.data());
+    return Write(bytes, static_cast<int64_t>(pending.size()), Crc32(0, bytes, pending.size()), {});
   }
 
   const FileDigest& digest() const { return digest_; }
 
  private:
-  Status Write(const uint8_t* data, int64_t n) {
-    if (int err = WriteFully(fd_, data, static_cast<size_t>(n), digest_.offset + digest_.bytes)) {
+  // `crc` is that of the n bytes, which `spans` may say are a file's.
+  Status Write(const uint8_t* data, int64_t n, uint32_t crc, const FileSpans& spans) {
+    if (int err = WriteProduced(fd_, data, static_cast<size_t>(n), digest_.offset + digest_.bytes, spans)) {
       return Status::IoError("cannot write " + *path_ + ": " + std::strerror(err));
     }
-    digest_.crc32 = Crc32(digest_.crc32, data, static_cast<size_t>(n));
+    digest_.crc32 = Crc32Combine(digest_.crc32, crc, n);
     digest_.bytes += n;
     return Status::Ok();
   }

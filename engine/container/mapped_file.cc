@@ -194,13 +194,15 @@ void MappedFile::NoteCopied(const uint8_t* from, size_t n, const uint8_t* copy) 
 }
 
 void CopyFromView(const ByteView& view, const uint8_t* from, size_t n, uint8_t* dst,
-                  TouchedPages* pages) {
+                  TouchedPages* pages, const SpanSink& spans) {
   const auto* file = view.mapped ? static_cast<const MappedFile*>(view.owner.get()) : nullptr;
   if (file == nullptr || !file->ReadInto(from, n, dst)) {
     std::memcpy(dst, from, n);
     if (pages != nullptr) pages->Note(view, from, n);
   }
-  if (file != nullptr) file->NoteCopied(from, n, dst);
+  if (file == nullptr) return;
+  file->NoteCopied(from, n, dst);
+  spans.Note(dst, file->fd(), from - file->data(), static_cast<int64_t>(n));
 }
 
 void FetchExactly(const uint8_t* data, size_t n) {

@@ -10,6 +10,7 @@
 
 #include "pickle/value.h"
 #include "reshard/status.h"
+#include "util/byte_producer.h"
 
 namespace reshard {
 
@@ -33,6 +34,8 @@ class MappedFile {
   const uint8_t* data() const { return data_; }
   size_t size() const { return size_; }
   const std::string& path() const { return path_; }
+  // The open descriptor of the file, or -1 when it was not kept (see fd_).
+  int fd() const { return fd_; }
   // The whole file as a window.
   FileWindow whole() const { return FileWindow{0, size_}; }
   // Refuses a window that does not lie inside the file (InvalidInput).
@@ -123,8 +126,9 @@ class TouchedPages {
 // whole large folios (up to 2 MiB) around the page it hits, which stay
 // resident beside even a small read until released. When that cannot be
 // done, and for views that are not mappings, the bytes are copied from
-// memory and the pages of a mapping noted in `pages` (may be null).
+// memory and the pages of a mapping noted in `pages` (may be null). The copy
+// of a file's bytes is noted in `spans` (util/byte_producer.h).
 void CopyFromView(const ByteView& view, const uint8_t* from, size_t n, uint8_t* dst,
-                  TouchedPages* pages);
+                  TouchedPages* pages, const SpanSink& spans = {});
 
 }  // namespace reshard

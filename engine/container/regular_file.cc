@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "container/kernel_copy.h"
 #include "container/write_fully.h"
 
 namespace reshard {
@@ -69,11 +70,15 @@ Status CopyRegularFile(const std::string& from, const std::string& to, std::vect
   }
   *digest = {};
   int read_err = 0, write_err = 0;
+  // A clone shares the source's extents; the bytes are still read for the
+  // digest (and to notice a source that ends early).
+  const bool cloned = CloneFile(in.fd, out);
   while (digest->bytes < in.st.st_size && read_err == 0 && write_err == 0) {
     const size_t n = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(buffer.size()),
                                                            in.st.st_size - digest->bytes));
     read_err = ReadFully(in.fd, buffer.data(), n, digest->bytes);
-    if (read_err == 0) write_err = WriteFully(out, buffer.data(), n);
+    const FileSpans same = {FileSpan{0, in.fd, digest->bytes, static_cast<int64_t>(n)}};
+    if (read_err == 0 && !cloned) write_err = WriteProduced(out, buffer.data(), n, -1, same);
     if (read_err != 0 || write_err != 0) break;
     digest->crc32 = Crc32(digest->crc32, buffer.data(), n);
     digest->bytes += static_cast<int64_t>(n);

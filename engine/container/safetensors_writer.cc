@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstring>
 
+#include "container/kernel_copy.h"
 #include "container/write_fully.h"
 #include "util/shape.h"
 
@@ -119,8 +120,10 @@ Result<FileDigest> WriteSafetensorsRange(const std::string& path, const Safetens
   if (fd < 0) return WriteError(path, errno);
   FileCloser closer(fd);
   FileDigest piece{0, 0, begin};
-  auto put = [&](const uint8_t* data, int64_t n) -> Status {
-    if (int err = WriteFully(fd, data, static_cast<size_t>(n), begin + piece.bytes)) return WriteError(path, err);
+  auto put = [&](const uint8_t* data, int64_t n, const FileSpans& spans) -> Status {
+    if (int err = WriteProduced(fd, data, static_cast<size_t>(n), begin + piece.bytes, spans)) {
+      return WriteError(path, err);
+    }
     piece.crc32 = Crc32(piece.crc32, data, static_cast<size_t>(n));
     piece.bytes += n;
     return Status::Ok();
@@ -128,7 +131,7 @@ Result<FileDigest> WriteSafetensorsRange(const std::string& path, const Safetens
   const int64_t prefix = static_cast<int64_t>(layout.prefix.size());
   if (begin < prefix) {
     const auto* bytes = reinterpret_cast<const uint8_t*>(layout.prefix.data());
-    RESHARD_RETURN_IF_ERROR(put(bytes + begin, std::min(end, prefix) - begin));
+    RESHARD_RETURN_IF_ERROR(put(bytes + begin, std::min(end, prefix) - begin, {}));
   }
   for (size_t i = 0; i < tensors.size(); ++i) {
     const SafetensorsTensor& t = tensors[i];
@@ -142,10 +145,12 @@ Result<FileDigest> WriteSafetensorsRange(const std::string& path, const Safetens
     // Whole elements per piece, so producers that convert values see whole ones.
     const int64_t step = std::max<int64_t>(es, static_cast<int64_t>(buffer->size()) / es * es);
     if (buffer->size() < static_cast<size_t>(step)) buffer->resize(step);
+    FileSpans spans;
     for (int64_t done = from; done < to;) {
       const int64_t n = std::min(step, to - done);
-      RESHARD_RETURN_IF_ERROR(t.produce(done, n, buffer->data()));
-      RESHARD_RETURN_IF_ERROR(put(buffer->data(), n));
+      spans.clear();
+      RESHARD_RETURN_IF_ERROR(t.produce(done, n, buffer->data(), SpanSink(&spans, buffer->data(), n)));
+      RESHARD_RETURN_IF_ERROR(put(buffer->data(), n, spans));
       if (written) written(n);
       done += n;
     }

@@ -130,11 +130,11 @@ int64_t StorageBytes(const Storage& s) { return s.numel * ElementSize(s.dtype); 
 // Bound bytes are copied a buffer at a time too, so that no source page
 // stays mapped after its buffer (see CopyFromView).
 ByteProducer CopyOf(const ByteView& bytes) {
-  return [&bytes](int64_t offset, int64_t length, uint8_t* dst) {
+  return ByteProducer::Traced([&bytes](int64_t offset, int64_t length, uint8_t* dst, const SpanSink& spans) {
     TouchedPages pages;
-    CopyFromView(bytes, bytes.data + offset, static_cast<size_t>(length), dst, &pages);
+    CopyFromView(bytes, bytes.data + offset, static_cast<size_t>(length), dst, &pages, spans);
     return Status::Ok();
-  };
+  });
 }
 
 }  // namespace
@@ -163,11 +163,12 @@ Status WriteTorchFile(const std::string& path, const Value& root, const TorchWri
                                    static_cast<int64_t>(pickle->size())));
   for (const auto& [key, storage] : storages) {
     const ByteProducer& produce = storage->produce ? storage->produce : CopyOf(storage->bytes);
-    auto counted = [&](int64_t offset, int64_t length, uint8_t* dst) {
-      RESHARD_RETURN_IF_ERROR(produce(offset, length, dst));
-      if (options.written) options.written(length);
-      return Status::Ok();
-    };
+    const ByteProducer counted =
+        ByteProducer::Traced([&](int64_t offset, int64_t length, uint8_t* dst, const SpanSink& spans) {
+          RESHARD_RETURN_IF_ERROR(produce(offset, length, dst, spans));
+          if (options.written) options.written(length);
+          return Status::Ok();
+        });
     Status st = zip->AddStreamed("data/" + key, StorageBytes(*storage), counted, buffer);
     // The zip writer's own I/O errors name the file already; a producer's do not.
     if (!st.ok()) return st.code() == Status::Code::kIoError ? st : st.WithContext(path);

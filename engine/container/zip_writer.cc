@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "container/crc32.h"
+#include "container/kernel_copy.h"
 #include "container/write_fully.h"
 #include "container/zip_records.h"
 
@@ -64,11 +65,13 @@ Status ZipWriter::AddStreamed(const std::string& name, int64_t size, const ByteP
   }
   RESHARD_RETURN_IF_ERROR(BeginRecord(name, size));
   uint32_t crc = 0;
+  FileSpans spans;
   for (int64_t done = 0; done < size;) {
     const int64_t n = std::min<int64_t>(static_cast<int64_t>(buffer->size()), size - done);
-    RESHARD_RETURN_IF_ERROR(produce(done, n, buffer->data()));
+    spans.clear();
+    RESHARD_RETURN_IF_ERROR(produce(done, n, buffer->data(), SpanSink(&spans, buffer->data(), n)));
     crc = Crc32(crc, buffer->data(), static_cast<size_t>(n));
-    RESHARD_RETURN_IF_ERROR(Write(buffer->data(), static_cast<size_t>(n)));
+    RESHARD_RETURN_IF_ERROR(WriteProducedBytes(buffer->data(), static_cast<size_t>(n), spans));
     done += n;
   }
   return EndRecord(crc);
@@ -134,6 +137,15 @@ Status ZipWriter::Write(const void* data, size_t n) {
     }
   }
   buffer_.insert(buffer_.end(), bytes, bytes + n);
+  return Status::Ok();
+}
+
+// Record data only (the file's CRC takes a record's whole when it ends).
+Status ZipWriter::WriteProducedBytes(const uint8_t* data, size_t n, const FileSpans& spans) {
+  if (spans.empty()) return Write(data, n);
+  RESHARD_RETURN_IF_ERROR(Flush());
+  if (int err = WriteProduced(fd_, data, n, -1, spans)) return IoError(err);
+  flushed_ += n;
   return Status::Ok();
 }
 

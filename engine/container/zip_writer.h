@@ -48,7 +48,8 @@ class ZipWriter {
   Status Add(const std::string& name, const uint8_t* data, int64_t size);
   // Writes the record `<archive>/<name>` of `size` bytes, asking `produce`
   // for them in order, at most buffer->size() bytes at a time, into `buffer`
-  // (which must not be empty unless size is 0).
+  // (which must not be empty unless size is 0); the bytes it says are a
+  // file's the kernel copies from there (container/kernel_copy.h).
   Status AddStreamed(const std::string& name, int64_t size, const ByteProducer& produce,
                      std::vector<uint8_t>* buffer);
   // Writes the version record, the central directory and the end records,
@@ -69,6 +70,7 @@ class ZipWriter {
   Status WriteCentralHeader(const ZipEntry& entry);
   Status WriteEndRecords(uint64_t directory_offset, uint64_t directory_size);
   Status Write(const void* data, size_t n);
+  Status WriteProducedBytes(const uint8_t* data, size_t n, const FileSpans& spans);
   Status Flush();
   Status Patch(uint64_t offset, const void* data, size_t n);
   Status IoError(int err) const;

@@ -8,29 +8,6 @@ namespace {
 
 constexpr int kFp32Bytes = 4;
 
-// Every parameter's state at its offset, zeros in the alignment gaps.
-struct Piece {
-  int64_t begin = 0;  // bytes
-  int64_t bytes = 0;
-  ByteProducer from;
-};
-
-ByteProducer PiecesBytes(std::vector<Piece> pieces) {
-  std::sort(pieces.begin(), pieces.end(), [](const Piece& a, const Piece& b) { return a.begin < b.begin; });
-  return [shared = std::make_shared<const std::vector<Piece>>(std::move(pieces))](int64_t offset, int64_t length,
-                                                                                uint8_t* dst) {
-    std::fill(dst, dst + length, uint8_t{0});
-    auto it = std::upper_bound(shared->begin(), shared->end(), offset,
-                               [](int64_t at, const Piece& p) { return at < p.begin + p.bytes; });
-    for (; it != shared->end() && it->begin < offset + length; ++it) {
-      const int64_t lo = std::max(offset, it->begin);
-      const int64_t hi = std::min(offset + length, it->begin + it->bytes);
-      RESHARD_RETURN_IF_ERROR(it->from(lo - it->begin, hi - lo, dst + (lo - offset)));
-    }
-    return Status::Ok();
-  };
-}
-
 // A gathered state tensor: 1-D, contiguous, fp32, `numel` elements.
 bool IsFlatState(const Value* v, int64_t numel) {
   if (v == nullptr || !v->is(Value::Kind::kTensor)) return false;
@@ -134,13 +111,14 @@ Value GatheredStateValue(const std::vector<GradBuffer>& buffers, const std::func
     const GradBuffer& buffer = buffers[b];
     Value states = Value::MakeDict();
     for (int s = 0; s < static_cast<int>(std::size(kTorchDistStates)); ++s) {
-      std::vector<Piece> pieces;
+      // Every parameter's state at its offset, zeros in the alignment gaps.
+      std::vector<PlacedBytes> pieces;
       for (size_t j = 0; j < buffer.params.size(); ++j) {
         pieces.push_back({buffer.offsets[j] * kFp32Bytes, buffer.layout.slots[j].numel * kFp32Bytes,
                           state_bytes(buffer.params[j], s)});
       }
       Set(states, kTorchDistStates[s],
-          MakeProducedTensor(DType::kFloat32, {buffer.numel_unpadded}, PiecesBytes(std::move(pieces))));
+          MakeProducedTensor(DType::kFloat32, {buffer.numel_unpadded}, JoinedBytes(std::move(pieces))));
     }
     Set(states, "numel_unpadded", Value::Int(buffer.numel_unpadded));
     Items& items = *MutableDictItems(out);

@@ -107,8 +107,8 @@ std::vector<SourceShard::Run> SourceShard::RunsOf(int64_t begin, int64_t n, int 
   return out;
 }
 
-void SourceShard::Copy(int64_t begin, int64_t n, int element_size, uint8_t* dst,
-                       TouchedPages* pages) const {
+void SourceShard::Copy(int64_t begin, int64_t n, int element_size, uint8_t* dst, TouchedPages* pages,
+                       const SpanSink& spans) const {
   if (n <= 0) return;
   auto run = std::upper_bound(runs.begin(), runs.end(), begin,
                               [](int64_t at, const Run& r) { return at < r.begin; });
@@ -117,7 +117,7 @@ void SourceShard::Copy(int64_t begin, int64_t n, int element_size, uint8_t* dst,
     const int64_t take = std::min(n, run->numel - skip);
     const uint8_t* from = run->bytes.data + skip * element_size;
     const size_t bytes = static_cast<size_t>(take) * element_size;
-    CopyFromView(run->bytes, from, bytes, dst, pages);
+    CopyFromView(run->bytes, from, bytes, dst, pages, spans);
     dst += bytes;
     begin += take;
     n -= take;

@@ -46,8 +46,9 @@ struct SourceShard {
   int64_t numel() const;
   // Copies elements [begin, begin + n) of `element_size` bytes each to `dst`
   // through CopyFromView (pages read from a mapping are noted in `pages`,
-  // which may be null).
-  void Copy(int64_t begin, int64_t n, int element_size, uint8_t* dst, TouchedPages* pages) const;
+  // which may be null), and in `spans` what was copied from which file.
+  void Copy(int64_t begin, int64_t n, int element_size, uint8_t* dst, TouchedPages* pages,
+            const SpanSink& spans = {}) const;
   // The runs of elements [begin, begin + n) of `element_size` bytes each,
   // cut to them and numbered from 0: a piece of the shard, nothing copied.
   // REQUIRES: the shard holds them.

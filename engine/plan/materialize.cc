@@ -80,12 +80,12 @@ class BoxRuns {
 };
 
 int64_t ApplyCopy(const SourceTensor& t, const BoxCopy& c, const std::vector<int64_t>& dst_shape,
-                  int64_t begin, int64_t end, uint8_t* dst, TouchedPages* pages) {
+                  int64_t begin, int64_t end, uint8_t* dst, TouchedPages* pages, const SpanSink& spans) {
   const int es = ElementSize(t.dtype);
   const SourceShard& shard = t.shards[c.src_shard];
   int64_t read = 0;
   BoxRuns(dst_shape, c.src_shape, c.src_offsets, c.dst).ForEach(begin, end, [&](int64_t at, int64_t from, int64_t n) {
-    shard.Copy(from, n, es, dst + (at - begin) * es, pages);
+    shard.Copy(from, n, es, dst + (at - begin) * es, pages, spans);
     read += n * es;
   });
   return read;
@@ -129,10 +129,11 @@ SourceTensor SourceTensor::Of(const LogicalTensor& t) {
 }
 
 int64_t MaterializeRange(const SourceTensor& src, const TensorPlan& plan, int64_t begin,
-                         int64_t end, uint8_t* dst, TouchedPages* pages) {
+                         int64_t end, uint8_t* dst, TouchedPages* pages, const SpanSink& spans) {
   if (plan.average) return Average(src, begin, end, dst, pages);
   int64_t read = 0;
-  for (const BoxCopy& c : plan.copies) read += ApplyCopy(src, c, plan.shape, begin, end, dst, pages);
+  // Copies and fills fill disjoint boxes, so no fill changes a noted span.
+  for (const BoxCopy& c : plan.copies) read += ApplyCopy(src, c, plan.shape, begin, end, dst, pages, spans);
   for (const BoxFill& f : plan.fills) ApplyFill(src.dtype, f, plan.shape, begin, end, dst);
   return read;
 }
@@ -147,14 +148,14 @@ Status ElementRange(int64_t offset, int64_t length, int element_size, int64_t* b
 }
 
 ByteProducer RangeProducer(SourceTensor source, TensorPlan plan, std::atomic<int64_t>* read) {
-  return [source = std::move(source), plan = std::move(plan), read](
-             int64_t offset, int64_t length, uint8_t* dst) {
+  return ByteProducer::Traced([source = std::move(source), plan = std::move(plan), read](
+                                  int64_t offset, int64_t length, uint8_t* dst, const SpanSink& spans) {
     int64_t begin = 0, end = 0;
     RESHARD_RETURN_IF_ERROR(ElementRange(offset, length, ElementSize(source.dtype), &begin, &end));
     TouchedPages pages;
-    *read += MaterializeRange(source, plan, begin, end, dst, &pages);
+    *read += MaterializeRange(source, plan, begin, end, dst, &pages, spans);
     return Status::Ok();
-  };
+  });
 }
 
 }  // namespace reshard

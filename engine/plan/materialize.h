@@ -29,9 +29,10 @@ struct SourceTensor {
 
 // Writes elements [begin, end) of the target tensor `plan` describes (in
 // row-major order, src.dtype) to `dst`. Returns the source bytes read.
-// Mapped source pages read are noted in `pages`.
+// Mapped source pages read are noted in `pages`, and the bytes copied as they
+// lie in a source file in `spans`.
 int64_t MaterializeRange(const SourceTensor& src, const TensorPlan& plan, int64_t begin,
-                         int64_t end, uint8_t* dst, TouchedPages* pages);
+                         int64_t end, uint8_t* dst, TouchedPages* pages, const SpanSink& spans = {});
 
 // The target tensor's bytes, produced a range at a time (ranges of whole
 // elements); adds the source bytes read to *read, which must outlive it.

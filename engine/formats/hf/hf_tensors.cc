@@ -354,19 +354,20 @@ std::vector<RowRun> RotaryPairRows(int64_t rows, int64_t heads, bool interleaved
 }
 
 ByteProducer GatherRows(ByteProducer source, int64_t row_bytes, std::vector<RowRun> runs) {
-  return [source = std::move(source), row_bytes, runs = std::move(runs)](int64_t offset, int64_t length,
-                                                                          uint8_t* dst) {
+  return ByteProducer::Traced([source = std::move(source), row_bytes, runs = std::move(runs)](
+                                  int64_t offset, int64_t length, uint8_t* dst, const SpanSink& spans) {
     int64_t at = 0;  // output byte where the current run starts
     for (const RowRun& run : runs) {
       const int64_t run_bytes = run.count * row_bytes;
       const int64_t begin = std::max(offset, at), end = std::min(offset + length, at + run_bytes);
       if (begin < end) {
-        RESHARD_RETURN_IF_ERROR(source(run.first * row_bytes + (begin - at), end - begin, dst + (begin - offset)));
+        RESHARD_RETURN_IF_ERROR(
+            source(run.first * row_bytes + (begin - at), end - begin, dst + (begin - offset), spans));
       }
       at += run_bytes;
     }
     return Status::Ok();
-  };
+  });
 }
 
 void TransposeMatrix(const uint8_t* in, int64_t rows, int64_t cols, int element, uint8_t* out) {

@@ -13,40 +13,19 @@ std::string GroupItem(int group, const std::string& name) {
   return "optimizer.distributed.dp_group_idx_" + std::to_string(group) + "." + name + "/shard_0_1";
 }
 
-// One parameter's piece of a bucket tensor, in bytes.
-struct Run {
-  int64_t begin = 0;
-  int64_t bytes = 0;
-  ByteProducer from;
-};
-
 // The bytes of bucket `bucket`'s tensor of state `state`: each parameter's
 // piece at its slot, zeros in the alignment gaps. Each DP chunk's item holds
-// a copy of the producer: the runs (whose producers hold the source's runs)
-// are shared, not copied per chunk.
+// a copy of the producer, which shares the pieces.
 ByteProducer BucketBytes(const BucketLayout& layout, int bucket, const std::vector<const DpParam*>& params,
                          int state) {
-  std::vector<Run> runs;
+  std::vector<PlacedBytes> pieces;
   for (size_t i = 0; i < params.size(); ++i) {
     const BucketSlot& slot = layout.slots[i];
     if (slot.bucket == bucket) {
-      runs.push_back({slot.offset * kFp32Bytes, slot.numel * kFp32Bytes, params[i]->states[state]});
+      pieces.push_back({slot.offset * kFp32Bytes, slot.numel * kFp32Bytes, params[i]->states[state]});
     }
   }
-  std::sort(runs.begin(), runs.end(), [](const Run& a, const Run& b) { return a.begin < b.begin; });
-  return [shared = std::make_shared<const std::vector<Run>>(std::move(runs))](int64_t offset, int64_t length,
-                                                                             uint8_t* dst) {
-    const std::vector<Run>& runs = *shared;
-    std::fill(dst, dst + length, uint8_t{0});
-    auto it = std::upper_bound(runs.begin(), runs.end(), offset,
-                               [](int64_t at, const Run& r) { return at < r.begin + r.bytes; });
-    for (; it != runs.end() && it->begin < offset + length; ++it) {
-      const int64_t lo = std::max(offset, it->begin);
-      const int64_t hi = std::min(offset + length, it->begin + it->bytes);
-      RESHARD_RETURN_IF_ERROR(it->from(lo - it->begin, hi - lo, dst + (lo - offset)));
-    }
-    return Status::Ok();
-  };
+  return JoinedBytes(std::move(pieces));
 }
 
 // `{(param dtype, torch.float32): [numel per bucket]}`, one grad buffer's

@@ -187,12 +187,13 @@ Result<std::string> StateName(const FullTensor& t) {
 ByteProducer WithRows(const FullTensor& t, int64_t rows) {
   const int64_t row_bytes = ShapeNumel(t.shape) / t.shape[0] * ElementSize(t.dtype);
   const int64_t have = std::min(rows, t.shape[0]) * row_bytes;
-  return [from = t.produce, have](int64_t offset, int64_t length, uint8_t* dst) {
+  return ByteProducer::Traced([from = t.produce, have](int64_t offset, int64_t length, uint8_t* dst,
+                                                       const SpanSink& spans) {
     const int64_t own = std::clamp<int64_t>(have - offset, 0, length);
-    if (own > 0) RESHARD_RETURN_IF_ERROR(from(offset, own, dst));
+    if (own > 0) RESHARD_RETURN_IF_ERROR(from(offset, own, dst, spans));
     std::fill(dst + own, dst + length, uint8_t{0});
     return Status::Ok();
-  };
+  });
 }
 
 // The fully_reshardable layout: every state of every parameter whole under

@@ -4,9 +4,13 @@
 #include "plan/materialize.h"
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
+#include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <memory>
+#include <string>
 
 #include "plan/slicing.h"
 
@@ -172,6 +176,79 @@ TEST(MaterializeRangeTest, UnevenChunksByTheirPlacements) {
   const std::vector<float> whole = Materialize(t, plan, 0, 12);
   for (int64_t i = 0; i < 12; ++i) EXPECT_EQ(whole[i], 4 + i);
   ExpectRangesAgree(t, plan);
+}
+
+// A file holding two [3, 4] fp32 ranks back to back (rank r's element i is
+// 1000 r + i), mapped, and the tensor of its two shards.
+class MappedSourceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::vector<float> values(24);
+    for (int i = 0; i < 24; ++i) values[i] = 1000.0f * (i / 12) + i % 12;
+    const std::string path = ::testing::TempDir() + "/materialize_mapped_" + std::to_string(::getpid());
+    FILE* f = std::fopen(path.c_str(), "wb");
+    std::fwrite(values.data(), 4, values.size(), f);
+    std::fclose(f);
+    file_ = *MappedFile::Open(path);
+    std::remove(path.c_str());  // the mapping and the descriptor keep it
+    source_.dtype = DType::kFloat32;
+    for (int r = 0; r < 2; ++r) {
+      SourceShard shard;
+      shard.runs.push_back({0, 12, ByteView{file_, file_->data() + 48 * r, 48, /*mapped=*/true}});
+      source_.shards.push_back(shard);
+    }
+  }
+
+  FileSpans SpansOf(const TensorPlan& plan, int64_t begin, int64_t end, std::vector<float>* out) {
+    out->assign(static_cast<size_t>(end - begin), 0.0f);
+    auto* dst = reinterpret_cast<uint8_t*>(out->data());
+    FileSpans spans;
+    MaterializeRange(source_, plan, begin, end, dst, nullptr, SpanSink(&spans, dst, (end - begin) * 4));
+    // Noted copy by copy; the writer takes them in any order.
+    std::sort(spans.begin(), spans.end(), [](const FileSpan& a, const FileSpan& b) { return a.at < b.at; });
+    return spans;
+  }
+
+  std::shared_ptr<const MappedFile> file_;
+  SourceTensor source_;
+};
+
+TEST_F(MappedSourceTest, ARowMergeIsOneSpanOfTheFile) {
+  // Target [6, 4] = rank 0's rows, then rank 1's: the file as it lies.
+  TensorPlan plan;
+  plan.shape = {6, 4};
+  plan.copies = {{0, {3, 4}, {0, 0}, Box::Slab(plan.shape, 0, 0, 3)},
+                 {1, {3, 4}, {0, 0}, Box::Slab(plan.shape, 0, 3, 3)}};
+  std::vector<float> out;
+  const FileSpans spans = SpansOf(plan, 2, 20, &out);
+  EXPECT_EQ(out[0], 2.0f);
+  EXPECT_EQ(out[17], 1007.0f);
+  ASSERT_EQ(spans.size(), 1u);
+  EXPECT_EQ(spans[0].fd, file_->fd());
+  EXPECT_EQ(spans[0].at, 0);
+  EXPECT_EQ(spans[0].offset, 8);
+  EXPECT_EQ(spans[0].length, 72);
+}
+
+TEST_F(MappedSourceTest, AColumnMergeIsASpanPerRowPieceAndFillsAreNone) {
+  TensorPlan plan = RowParallelMerge();
+  std::vector<float> out;
+  FileSpans spans = SpansOf(plan, 0, 24, &out);
+  ASSERT_EQ(spans.size(), 6u);  // rank 0's row 0, rank 1's row 0, ...
+  EXPECT_EQ(spans[1].at, 16);
+  EXPECT_EQ(spans[1].offset, 48);
+  EXPECT_EQ(spans[1].length, 16);
+
+  plan.shape = {4, 8};  // a last row of fill
+  plan.fills = {{Box::Slab(plan.shape, 0, 3, 1), 7.0}};
+  spans = SpansOf(plan, 0, 32, &out);
+  EXPECT_EQ(out[31], 7.0f);
+  ASSERT_EQ(spans.size(), 6u);
+  EXPECT_EQ(spans.back().at + spans.back().length, 96);
+
+  plan.average = true;  // values computed: nothing is a file's bytes
+  plan.shape = {3, 4};
+  EXPECT_TRUE(SpansOf(plan, 0, 12, &out).empty());
 }
 
 }  // namespace

@@ -24,8 +24,9 @@ class TargetStage {
   const std::vector<FlatGroup>& groups() const { return plan_.groups; }
   const OptimizerStagePlan& plan() const { return plan_; }
 
-  // Writes elements [begin, begin + n) of state `s`'s flat buffer of group `g`.
-  Status Produce(int g, int s, int64_t begin, int64_t n, uint8_t* dst) const;
+  // Writes elements [begin, begin + n) of state `s`'s flat buffer of group
+  // `g`, noting the bytes copied as they lie in a source file in `spans`.
+  Status Produce(int g, int s, int64_t begin, int64_t n, uint8_t* dst, const SpanSink& spans) const;
 
  private:
   OptimizerStagePlan plan_;
@@ -59,7 +60,7 @@ Result<std::shared_ptr<const TargetStage>> TargetStage::Make(const SourceOptimiz
   return std::shared_ptr<const TargetStage>(std::move(t));
 }
 
-Status TargetStage::Produce(int g, int s, int64_t begin, int64_t n, uint8_t* dst) const {
+Status TargetStage::Produce(int g, int s, int64_t begin, int64_t n, uint8_t* dst, const SpanSink& spans) const {
   TouchedPages pages;
   int64_t read = 0, filled = 0;
   // Parameters lie back to back, so the fragments fill [0, filled) ...
@@ -67,7 +68,7 @@ Status TargetStage::Produce(int g, int s, int64_t begin, int64_t n, uint8_t* dst
     const OptimizerSlotPlan& slot = plan_.slots[g][f.slot];
     read += MaterializeRange(sources_[g][f.slot][s], s == 0 && masters_ ? slot.master : slot.moment,
                              f.param_offset, f.param_offset + f.numel,
-                             dst + f.partition_start * 4, &pages);
+                             dst + f.partition_start * 4, &pages, spans);
     filled = f.partition_start + f.numel;
   }
   // ... and the rest is the alignment tail, which is 0.
@@ -82,12 +83,13 @@ Value FlatSlice(std::shared_ptr<const TargetStage> stage, int g, int s, int64_t 
                 const std::vector<int64_t>& shape) {
   return MakeProducedTensor(
       DType::kFloat32, shape,
-      [stage = std::move(stage), g, s, start](int64_t offset, int64_t length, uint8_t* dst) {
+      ByteProducer::Traced([stage = std::move(stage), g, s, start](int64_t offset, int64_t length, uint8_t* dst,
+                                                                   const SpanSink& spans) {
         if (offset % 4 != 0 || length % 4 != 0) {
           return Status::Internal("optimizer state requested in a range not of whole elements");
         }
-        return stage->Produce(g, s, start + offset / 4, length / 4, dst);
-      });
+        return stage->Produce(g, s, start + offset / 4, length / 4, dst, spans);
+      }));
 }
 
 // A fragment_address like the source's, with new numbers.
