@@ -140,13 +140,18 @@ class _MetadataReader(pickle.Unpickler):
         return super().find_class(module, name)
 
 
+def dcp_metadata(folder):
+    """The `.metadata` of a DCP folder, torch's classes read as plain records (the machine's torch
+    1.13 has no torch.distributed.checkpoint of torch 2's)."""
+    with open(os.path.join(folder, '.metadata'), 'rb') as f:
+        return _MetadataReader(f).load()
+
+
 def distcp_items(folder):
     """{fqn: [(chunk offsets, object)]} of a DCP folder (torch_dist, torchtitan): every item torch.load-ed
     from the window .metadata gives it in its .distcp file (the machine's torch 1.13 has no dcp.load)."""
-    with open(os.path.join(folder, '.metadata'), 'rb') as f:
-        meta = _MetadataReader(f).load()
     items = {}
-    for index, where in meta.storage_data.items():
+    for index, where in dcp_metadata(folder).storage_data.items():
         with open(os.path.join(folder, where.relative_path), 'rb') as f:
             f.seek(where.offset)
             data = f.read(where.length)
