@@ -54,7 +54,7 @@ TENSOR_LINE = re.compile(r'^  (\S+) (\w+)\[([0-9, ]*)\], (\d+) chunks?:? ?(.*)$'
 # level and (RUN['optimizer']) the flattened AdamW state under `optimizer`, as torchtitan's
 # checkpointer does. Rank 0 compares every tensor and param group value with RUN['want'] (a
 # torch.save of {key: value}; its run states, and without RUN['optimizer'] its AdamW state, left
-# out), keeps the logits of the fixed batch and, with the optimizer, takes one
+# out), keeps the fixed batch and its logits and, with the optimizer, takes one
 # more AdamW step: /out/<label>.json and /out/<label>_logits.pt. The loads on a mesh run on forked
 # ranks (gloo) first, the one-process loads after.
 LOAD_AND_STEP = r'''
@@ -127,7 +127,7 @@ def check(m):
                             if k not in got or not (torch.equal(got[k], v) if isinstance(v, torch.Tensor)
                                                     else got[k] == v)]
         result.update(compared=len(want), extra=sorted(set(got) - set(want)))
-        torch.save(logits.detach().float(), f'/out/{label}_logits.pt')
+        torch.save({'logits': logits.detach().float(), 'input_ids': inputs}, f'/out/{label}_logits.pt')
         with open(f'/out/{label}.json', 'w') as f:
             json.dump(result, f)
 
@@ -162,7 +162,7 @@ namespace['inside_main']('/out', then=check)
 def load_in_torch2(test, run_spec, binds):
     """Runs LOAD_AND_STEP in the torch 2.6 chroot (the test skipped with one line without it) with
     RUN = run_spec and `binds` ({host folder: folder inside}; /data, /fixtures and /out are added);
-    returns {label: (result dict, logits)}."""
+    returns {label: (result dict, {'logits': the batch's logits, 'input_ids': the batch})}."""
     root = torch2_chroot.root_or_skip()
     results = test.path('torch2_results')
     os.makedirs(results, exist_ok=True)
@@ -341,8 +341,8 @@ class ExportTorchtitanTest(FixtureTestCase):
         self.assertEqual(len(got), 4)
         self.assertLoadedTheRun(got, 'fsdp2_tp_w4', 'dcp.load')
         reference = torch.load(os.path.join(DATA, 'fsdp2_tp_w4_logits.pt'))
-        for label, (r, logits) in got.items():
-            self.assertLess((logits - reference['logits']).abs().max().item(), 1e-5, label)
+        for label, (r, out) in got.items():
+            self.assertLess((out['logits'] - reference['logits']).abs().max().item(), 1e-5, label)
             self.assertAlmostEqual(r['loss_forward'], reference['loss_after'], delta=1e-6, msg=label)
 
     def test_megatron_deepspeed_to_torchtitan_and_back(self):

@@ -342,9 +342,13 @@ Result<float> StepOf(const OptimizerParamGroups& groups) {
                              " is not a number; export with --weights-only");
 }
 
+void AddOnce(const std::string& name, std::vector<std::string>* names) {
+  if (std::find(names->begin(), names->end(), name) == names->end()) names->push_back(name);
+}
+
 // AdamW's fields of the group holding `param`, torch's defaults where the
-// source records none (`defaulted` learns their names); lists become
-// tuples, as torch keeps betas.
+// source records none (`defaulted` learns their names), and initial_lr;
+// lists become tuples, as torch keeps betas.
 Result<Items> AdamwGroup(const OptimizerParamGroups& groups, const std::string& param,
                          std::vector<std::string>* defaulted) {
   auto group = std::find_if(groups.groups.begin(), groups.groups.end(), [&](const OptimizerParamGroup& g) {
@@ -363,12 +367,15 @@ Result<Items> AdamwGroup(const OptimizerParamGroups& groups, const std::string& 
       return Status::Unsupported(std::string("the source's optimizer group of ") + param + " records no " + f.name +
                                  ", which AdamW needs; export with --weights-only");
     }
-    if (v == nullptr && std::find(defaulted->begin(), defaulted->end(), f.name) == defaulted->end()) {
-      defaulted->push_back(f.name);
-    }
+    if (v == nullptr) AddOnce(f.name, defaulted);
     put(f.name, v != nullptr ? *v : *f.fallback);
   }
-  if (const Value* v = Find(group->hyperparameters, "initial_lr")) put("initial_lr", *v);
+  // torch's LR schedulers add initial_lr to each group, and torchtitan builds
+  // its scheduler before it loads, so dcp.load asks for it: without the
+  // source's, the lr, which a new scheduler takes.
+  const Value* initial = Find(group->hyperparameters, "initial_lr");
+  if (initial == nullptr) AddOnce("initial_lr", defaulted);
+  put("initial_lr", initial != nullptr ? *initial : *Find(group->hyperparameters, "lr"));
   return out;
 }
 
@@ -452,8 +459,10 @@ Status AddOptimizer(const SourceCheckpoint& src, const HfExport& hf, const std::
     }
   }
   if (!defaulted.empty()) {
+    const bool initial_lr = std::find(defaulted.begin(), defaulted.end(), "initial_lr") != defaulted.end();
     notes->push_back("torchtitan: the source's optimizer groups record no " + Join(defaulted, ", ") +
-                     "; torch's AdamW defaults written");
+                     "; torch's AdamW defaults written" +
+                     (initial_lr ? " (initial_lr: the lr, as torch's LR schedulers set it)" : ""));
   }
   return Status::Ok();
 }

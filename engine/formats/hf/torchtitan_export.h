@@ -29,7 +29,9 @@
 // fp32 masters, and beside them, keyed by each parameter's key, what
 // torch 2.6's flattened optimizer state dict holds: `exp_avg` and
 // `exp_avg_sq` chunked like the parameter, `step` (an fp32 0-d tensor), and
-// `param_groups.<key>.<hyperparameter>` bytes items of AdamW's fields.
+// `param_groups.<key>.<hyperparameter>` bytes items of AdamW's fields and
+// initial_lr (which torch's LR schedulers add, and so dcp.load in a
+// torchtitan run expects; the source's lr when it has none).
 // No train_state, lr_scheduler or dataloader items: torchtitan then starts
 // those afresh (a note says so).
 #pragma once
