@@ -339,7 +339,7 @@ int Run(int argc, char** argv) {
       "export", "Write the checkpoint in another format: --to consolidated (one state dict of whole "
                 "tensors), hf (a Hugging Face transformers folder), megatron (NVIDIA Megatron-LM's torch "
                 "checkpoint at --tp / --pp), torch_dist (Megatron-Core's distributed checkpoint at --tp / --pp), "
-                "torchtitan (a torchtitan step-N/ checkpoint, FSDP2 over --dp-shard ranks) or universal (DeepSpeed's universal checkpoint)");
+                "torchtitan (a torchtitan step-N/ checkpoint, FSDP2 over --dp-shard ranks, x --tp) or universal (DeepSpeed's universal checkpoint)");
   export_cmd->add_option("INPUT", ckpt, "Source checkpoint")->required();
   export_cmd->add_option("OUTPUT", out,
                          "Folder to write (new, or empty); for megatron and torch_dist the root holding iter_N/ and "
@@ -349,7 +349,9 @@ int Run(int argc, char** argv) {
   export_cmd->add_option("--to", exporting.to, "Target format: consolidated, hf, megatron, torch_dist, torchtitan or universal")
       ->required()
       ->check(CLI::IsMember({"consolidated", "hf", "megatron", "torch_dist", "torchtitan", "universal"}));
-  export_cmd->add_option("--tp", exporting.tp, "megatron, torch_dist: target tensor-parallel size")
+  export_cmd->add_option("--tp", exporting.tp,
+                         "megatron, torch_dist: target tensor-parallel size; torchtitan: the TP size of a 2-D "
+                         "FSDP x TP mesh (--dp-shard x --tp ranks), as torchtitan's TP plan shards each tensor")
       ->check(CLI::Range(1, 4096));
   export_cmd->add_option("--pp", exporting.pp, "megatron, torch_dist: target pipeline-parallel size")
       ->check(CLI::Range(1, 4096));

@@ -70,7 +70,8 @@ const std::vector<std::string> kTorchDistFields = {"args",       "tensors",     
 const std::vector<std::string> kTorchDistArgFields = {"from", "value", "when"};
 const std::vector<std::string> kTorchDistTensorFields = {"name", "key", "local", "shape"};
 const std::vector<std::string> kTorchtitanFields = {"config", "tensors", "ignore"};
-const std::vector<std::string> kTorchtitanTensorFields = {"hf", "key", "interleaved_heads"};
+const std::vector<std::string> kTorchtitanTensorFields = {"hf", "key", "interleaved_heads", "tp"};
+const std::vector<std::string> kTorchtitanTpFields = {"dim", "blocks"};
 // config.json keys the exporter writes itself, from the checkpoint's tensors.
 const std::vector<std::string> kHfDerivedKeys = {"architectures", "vocab_size", "torch_dtype"};
 
@@ -1126,8 +1127,27 @@ class RuleSetParser {
       t.interleaved_heads = ReadString(*heads, "torchtitan.tensors interleaved_heads").value_or("");
       CheckSize(*heads, t.interleaved_heads);
     }
+    if (const Field* tp = Get(*fields, "tp")) ParseTorchtitanTp(*tp, &t);
     if (errors_.size() != errors_before) return std::nullopt;
     return t;
+  }
+
+  // `tp: {dim: D, blocks: SIZE}`: the tensor is Shard(D) on the TP mesh.
+  void ParseTorchtitanTp(const Field& f, TorchtitanTensor* t) {
+    auto fields = ReadFields(f, "torchtitan.tensors tp", kTorchtitanTpFields);
+    if (!fields) return;
+    const Field* d = Get(*fields, "dim");
+    std::optional<int64_t> dim = d ? ReadInt(*d, "torchtitan.tensors tp.dim") : std::nullopt;
+    if (d == nullptr || (dim && (*dim < 0 || *dim > 1))) {
+      Fail(d ? *d : f, "torchtitan.tensors tp needs dim: 0 (rows: ColwiseParallel, an Embedding) or 1 (columns: "
+                       "RowwiseParallel); leave tp out for a tensor replicated on the TP mesh");
+      return;
+    }
+    if (dim) t->tp_dim = static_cast<int>(*dim);
+    if (const Field* b = Get(*fields, "blocks")) {
+      t->tp_blocks = ReadString(*b, "torchtitan.tensors tp.blocks").value_or("");
+      CheckSize(*b, t->tp_blocks);
+    }
   }
 
   // The keys of `tensors` in registration order: each a key of one entry,

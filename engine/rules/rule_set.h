@@ -269,6 +269,13 @@ struct TorchtitanTensor {
   // interleaved rotary pairs (row 2i, 2i+1 of a head are HF's rows i and
   // hd/2 + i): a torchtitan.config expression; "" when the rows are HF's.
   std::string interleaved_heads;
+  // How torchtitan's TP plan places it on the TP mesh (`tp`): Shard(tp_dim)
+  // (a ColwiseParallel Linear's and any Embedding's 0, a RowwiseParallel
+  // Linear's 1), each TP rank a run of whole `tp_blocks` (a torchtitan.config
+  // expression, the heads; "": single rows or columns); -1: Replicate()
+  // (SequenceParallel's norms).
+  int tp_dim = -1;
+  std::string tp_blocks;
 };
 
 // How torchtitan stores the family (`torchtitan`): the HF model under other

@@ -1,11 +1,13 @@
 """Shared by the interop tests: the reshard binary under test, and a deep
-comparison of unpickled checkpoint files.
+comparison of unpickled checkpoint files, and the items of a DCP folder.
 
 Every test script is run as `/usr/bin/python3 tests/interop/test_x.py --reshard BIN`
 (with PYTHONPATH=tests) and ends with `interop_support.main()`.
 """
+import io
 import os
 import json
+import pickle
 import pickletools
 import struct
 import subprocess
@@ -113,6 +115,57 @@ def pickle_globals(path):
             strings = [a for o, a, _ in ops[max(0, i - 6):i] if 'UNICODE' in o.name]
             found.add(tuple(strings[-2:]))
     return found
+
+
+class _Record:
+    """Any class of DCP's .metadata, read as a plain record."""
+
+    def __init__(self, *args, **kwargs):
+        self.args = args
+        self.__dict__.update(kwargs)
+
+    def __setstate__(self, state):
+        if isinstance(state, dict):
+            self.__dict__.update(state)
+        else:
+            self.state = state
+
+
+class _MetadataReader(pickle.Unpickler):
+    # torch.distributed's classes, and pathlib's (torch 2.6 under Python 3.13 records the save's
+    # checkpoint_id, a pathlib._local.PosixPath older Pythons lack)
+    def find_class(self, module, name):
+        if module.startswith(('torch.distributed', 'pathlib')):
+            return type(name, (_Record,), {})
+        return super().find_class(module, name)
+
+
+def dcp_metadata(folder):
+    """The `.metadata` of a DCP folder, torch's classes read as plain records (the machine's torch
+    1.13 has no torch.distributed.checkpoint of torch 2's)."""
+    with open(os.path.join(folder, '.metadata'), 'rb') as f:
+        return _MetadataReader(f).load()
+
+
+def distcp_items(folder):
+    """{fqn: [(chunk offsets, object)]} of a DCP folder (torch_dist, torchtitan): every item torch.load-ed
+    from the window .metadata gives it in its .distcp file (the machine's torch 1.13 has no dcp.load)."""
+    items = {}
+    for index, where in dcp_metadata(folder).storage_data.items():
+        with open(os.path.join(folder, where.relative_path), 'rb') as f:
+            f.seek(where.offset)
+            data = f.read(where.length)
+        offsets = list(index.offset) if getattr(index, 'offset', None) is not None else []
+        items.setdefault(index.fqn, []).append((offsets, torch.load(io.BytesIO(data))))
+    return items
+
+
+def whole(chunks, size):
+    """The global tensor of `size` the chunks tile."""
+    out = torch.empty(size, dtype=chunks[0][1].dtype)
+    for offsets, t in chunks:
+        out[tuple(slice(o, o + n) for o, n in zip(offsets, t.shape))] = t
+    return out
 
 
 class FixtureTestCase(unittest.TestCase):

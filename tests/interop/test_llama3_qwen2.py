@@ -18,15 +18,13 @@ the test checks:
 
 `transformers` is not installed on the test machines, so no logits are compared here.
 """
-import io
 import json
 import os
-import pickle
 
 import torch
 
 import interop_support as support
-from interop_support import FixtureTestCase, read_safetensors
+from interop_support import FixtureTestCase, distcp_items, read_safetensors, whole
 from test_import_hf import write_folder
 
 run = support.reshard
@@ -67,50 +65,6 @@ def hf_tensors(family, tied):
             shapes.update({p + 'self_attn.q_proj.bias': [HEADS * HD], p + 'self_attn.k_proj.bias': [GROUPS * HD],
                            p + 'self_attn.v_proj.bias': [GROUPS * HD]})
     return {name: torch.randn(shape, generator=g).to(dtype) for name, shape in shapes.items()}
-
-
-class _Record:
-    """Any class of DCP's .metadata, read as a plain record."""
-
-    def __init__(self, *args, **kwargs):
-        self.args = args
-        self.__dict__.update(kwargs)
-
-    def __setstate__(self, state):
-        if isinstance(state, dict):
-            self.__dict__.update(state)
-        else:
-            self.state = state
-
-
-class _MetadataReader(pickle.Unpickler):
-    def find_class(self, module, name):
-        if module.startswith('torch.distributed'):
-            return type(name, (_Record,), {})
-        return super().find_class(module, name)
-
-
-def distcp_items(folder):
-    """{fqn: [(chunk offsets, object)]} of a torch_dist iteration folder: every item torch.load-ed
-    from the window .metadata gives it in its .distcp file (the machine's torch 1.13 has no dcp.load)."""
-    with open(os.path.join(folder, '.metadata'), 'rb') as f:
-        meta = _MetadataReader(f).load()
-    items = {}
-    for index, where in meta.storage_data.items():
-        with open(os.path.join(folder, where.relative_path), 'rb') as f:
-            f.seek(where.offset)
-            data = f.read(where.length)
-        offsets = list(index.offset) if getattr(index, 'offset', None) is not None else []
-        items.setdefault(index.fqn, []).append((offsets, torch.load(io.BytesIO(data))))
-    return items
-
-
-def whole(chunks, size):
-    """The global tensor of `size` the chunks tile."""
-    out = torch.empty(size, dtype=chunks[0][1].dtype)
-    for offsets, t in chunks:
-        out[tuple(slice(o, o + n) for o, n in zip(offsets, t.shape))] = t
-    return out
 
 
 class Llama3Qwen2TorchDistTest(FixtureTestCase):

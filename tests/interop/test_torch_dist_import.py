@@ -26,7 +26,7 @@ import os
 import torch
 
 import interop_support as support
-from megatron_core_data import DATA, config_of, samples, sizes
+from megatron_core_data import DATA, config_of, llama_hf_tensors, samples, sizes
 from interop_support import FixtureTestCase
 
 run = support.reshard
@@ -146,18 +146,10 @@ class TorchDistImportTest(FixtureTestCase):
                 '--set', 'layernorm_epsilon=1e-5')
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         got, _ = support.read_safetensors(os.path.join(out, 'model.safetensors'))
-        full = torch.load(folder + '_full.pt')
-        hd, groups, heads, ffn = m['hidden'] // m['heads'], m['groups'], m['heads'], m['ffn']
-        for layer in range(m['layers']):
-            qkv = full['decoder.layers.self_attention.linear_qkv.weight'][layer].view(groups, heads // groups + 2, hd, -1)
-            q, k, v = qkv[:, :-2], qkv[:, -2], qkv[:, -1]
-            prefix = f'model.layers.{layer}.'
-            self.assertTrue(torch.equal(got[prefix + 'self_attn.q_proj.weight'], q.reshape(-1, m['hidden'])))
-            self.assertTrue(torch.equal(got[prefix + 'self_attn.k_proj.weight'], k.reshape(-1, m['hidden'])))
-            self.assertTrue(torch.equal(got[prefix + 'self_attn.v_proj.weight'], v.reshape(-1, m['hidden'])))
-            fc1 = full['decoder.layers.mlp.linear_fc1.weight'][layer]
-            self.assertTrue(torch.equal(got[prefix + 'mlp.gate_proj.weight'], fc1[:ffn]))
-            self.assertTrue(torch.equal(got[prefix + 'mlp.up_proj.weight'], fc1[ffn:]))
+        want = llama_hf_tensors(torch.load(folder + '_full.pt'), m)
+        self.assertEqual(sorted(got), sorted(want))
+        for name, t in want.items():
+            self.assertTrue(torch.equal(got[name], t), name)
         with open(os.path.join(out, 'config.json')) as f:
             hf = json.load(f)
         self.assertEqual((hf['num_key_value_heads'], hf['intermediate_size'], hf['num_hidden_layers']), (2, 32, 2))

@@ -47,13 +47,21 @@ Status CheckRequest(const SourceCheckpoint& src, const ExportOptions& options) {
     return Status::Unsupported("export --to torchtitan writes the keys of a rule set's torchtitan section, and rule set " +
                                rules->name() + " has none (" + rules->origin() + "); export --to hf or consolidated");
   }
-  if (options.tp != 0 || options.pp != 0) {
-    return Status::InvalidInput("export --to torchtitan writes FSDP2 sharding only (--dp-shard N), no tensor or "
-                                "pipeline parallelism; leave out --tp and --pp");
+  if (options.pp != 0) {
+    return Status::InvalidInput("export --to torchtitan writes FSDP2 (--dp-shard N) and tensor parallelism (--tp T), "
+                                "no pipeline parallelism; leave out --pp");
   }
   if (options.dp_shard < 1) {
     return Status::InvalidInput("export --to torchtitan needs --dp-shard N (>= 1), the FSDP2 world size the "
                                 "parameters are sharded over");
+  }
+  if (options.tp > 1 && rules != nullptr) {
+    const std::vector<TorchtitanTensor>& tensors = rules->torchtitan()->tensors;
+    if (std::none_of(tensors.begin(), tensors.end(), [](const TorchtitanTensor& t) { return t.tp_dim >= 0; })) {
+      return Status::Unsupported("rule set " + rules->name() + "'s torchtitan section (" + rules->origin() +
+                                 ") declares no tensor's TP sharding (tp: {dim: ...}); add them (docs/rules.md) "
+                                 "or leave out --tp");
+    }
   }
   if (!options.from.empty() && options.from != "weights" && options.from != "masters") {
     return Status::InvalidInput("unknown --from '" + options.from + "'; use weights or masters");
@@ -61,20 +69,43 @@ Status CheckRequest(const SourceCheckpoint& src, const ExportOptions& options) {
   return Status::Ok();
 }
 
-// One tensor of the checkpoint, whole: its key and how its bytes are made.
+// One tensor of the checkpoint, whole: its key, how its bytes are made and
+// the dim torchtitan's TP plan shards (-1: replicated on the TP mesh).
 struct KeyedTensor {
   std::string key;
   DType dtype = DType::kFloat32;
   std::vector<int64_t> shape;
   std::function<ByteProducer(const std::vector<FullTensor>&)> bytes;
+  int tp_dim = -1;
 };
+
+// The ranks: torchtitan's device mesh [dp_shard, tp], TP the fastest
+// (rank d * tp + t), as init_device_mesh numbers a 2-D mesh.
+struct Mesh {
+  int dp_shard = 1;
+  int tp = 1;
+  int ranks() const { return dp_shard * tp; }
+};
+
+// [first, first + count): what part `index` of torch.chunk into `parts`
+// holds of `size` (shares of ceil(size / parts), the last ones shorter or
+// empty), as DTensor's Shard cuts a dim.
+struct Span {
+  int64_t first = 0;
+  int64_t count = 0;
+};
+Span ChunkSpan(int64_t size, int parts, int index) {
+  const int64_t chunk = (size + parts - 1) / parts;
+  const int64_t first = std::min(size, index * chunk);
+  return {first, std::min(size, first + chunk) - first};
+}
 
 // The checkpoint being planned: its tensors under torchtitan's keys, each
 // cut into one file per rank.
 class Writer {
  public:
-  Writer(const RuleSet& rules, const HfExport& hf, const RuleInputs& inputs, int ranks)
-      : layout_(*rules.torchtitan()), hf_(hf), inputs_(inputs), rules_name_(rules.name()), ranks_(ranks) {
+  Writer(const RuleSet& rules, const HfExport& hf, const RuleInputs& inputs, Mesh mesh)
+      : layout_(*rules.torchtitan()), hf_(hf), inputs_(inputs), rules_name_(rules.name()), mesh_(mesh) {
     for (const TorchtitanTensor& t : layout_.tensors) entries_.push_back({std::make_unique<HfNameTemplate>(t.hf), &t});
   }
 
@@ -92,6 +123,7 @@ class Writer {
                                    "; add one (docs/rules.md)");
       }
       const std::string key = HfNameTemplate(entry->keys.front()).With(block);
+      RESHARD_RETURN_IF_ERROR(CheckTpCut(key, *entry, t.shape));
       auto bytes = std::move(t.bytes);
       if (!entry->interleaved_heads.empty()) {
         RESHARD_ASSIGN_OR_RETURN(std::vector<RowRun> runs, Interleaving(key, *entry, t.shape));
@@ -101,7 +133,7 @@ class Writer {
         };
       }
       shapes_.emplace(key, t.shape);
-      out.push_back({prefix + key + suffix, t.dtype, t.shape, std::move(bytes)});
+      out.push_back({prefix + key + suffix, t.dtype, t.shape, std::move(bytes), entry->tp_dim});
     }
     return out;
   }
@@ -113,22 +145,17 @@ class Writer {
     return entry == nullptr ? "" : HfNameTemplate(entry->keys.front()).With(block);
   }
 
-  // `t` as FSDP2's Shard(0) over the ranks: rank r's rows [r c, (r + 1) c),
-  // c = ceil(rows / ranks), as torch.chunk cuts; an empty share is not written.
+  // `t` cut over the mesh: each rank's box (BoxOf) with its bytes; a rank
+  // holding none writes no chunk.
   void AddSharded(const KeyedTensor& t, const std::vector<FullTensor>& sources) {
     const ByteProducer bytes = t.bytes(sources);
-    const int64_t rows = t.shape.empty() ? 1 : t.shape[0];
-    const int64_t chunk = (rows + ranks_ - 1) / ranks_;
-    const int64_t row_bytes = rows == 0 ? 0 : ShapeNumel(t.shape) / rows * ElementSize(t.dtype);
-    for (int r = 0; r < ranks_; ++r) {
-      const int64_t first = std::min(rows, r * chunk), count = std::min(rows, first + chunk) - first;
-      if (count == 0) continue;
-      DcpChunk box{std::vector<int64_t>(t.shape.size(), 0), t.shape};
-      if (!t.shape.empty()) {
-        box.offsets[0] = first;
-        box.sizes[0] = count;
+    for (int d = 0; d < mesh_.dp_shard; ++d) {
+      for (int tp_rank = 0; tp_rank < mesh_.tp; ++tp_rank) {
+        std::optional<DcpChunk> box = BoxOf(t, d, tp_rank);
+        if (!box) continue;
+        ByteProducer part = BoxBytes(t, bytes, *box, tp_rank);
+        files_[d * mesh_.tp + tp_rank].push_back(DcpTensorItem(t.key, t.dtype, t.shape, std::move(*box), std::move(part)));
       }
-      files_[r].push_back(DcpTensorItem(t.key, t.dtype, t.shape, std::move(box), BytesFrom(bytes, first * row_bytes)));
     }
   }
 
@@ -139,6 +166,72 @@ class Writer {
   std::vector<std::vector<DcpWriteItem>>& files() { return files_; }
 
  private:
+  // What rank (d, tp_rank) holds of `t`, as DTensor places it on the mesh:
+  // TP's share of t.tp_dim (Shard), then FSDP2's Shard(0) of the rows of
+  // that share (FSDP2 shards the TP-local tensor again: a TP Shard(0)
+  // tensor's _StridedShard(0)). Nothing for a rank without rows, and for a
+  // TP replica but the first: it is written once, by the lowest rank, as
+  // torch's planner may place it (dedup_save_to_lowest_rank).
+  std::optional<DcpChunk> BoxOf(const KeyedTensor& t, int d, int tp_rank) const {
+    if (t.tp_dim < 0 && tp_rank > 0) return std::nullopt;
+    DcpChunk box{std::vector<int64_t>(t.shape.size(), 0), t.shape};
+    if (t.shape.empty()) return d == 0 ? std::optional<DcpChunk>(box) : std::nullopt;
+    if (t.tp_dim >= 0) {
+      const Span share = ChunkSpan(t.shape[t.tp_dim], mesh_.tp, tp_rank);
+      box.offsets[t.tp_dim] = share.first;
+      box.sizes[t.tp_dim] = share.count;
+    }
+    const Span rows = ChunkSpan(box.sizes[0], mesh_.dp_shard, d);
+    if (rows.count == 0) return std::nullopt;
+    box.offsets[0] += rows.first;
+    box.sizes[0] = rows.count;
+    return box;
+  }
+
+  // The bytes of `box` of `t` (whole: `bytes`): a run of whole rows, or for
+  // a TP Shard(1) box the TP rank's columns of each of its rows, one of the
+  // tp equal pieces each row is (CheckTpCut).
+  ByteProducer BoxBytes(const KeyedTensor& t, const ByteProducer& bytes, const DcpChunk& box, int tp_rank) const {
+    if (t.shape.empty()) return bytes;
+    const int64_t row_bytes = ShapeNumel(t.shape) / t.shape[0] * ElementSize(t.dtype);
+    if (t.tp_dim != 1 || mesh_.tp == 1) return BytesFrom(bytes, box.offsets[0] * row_bytes);
+    std::vector<RowRun> pieces;
+    for (int64_t row = box.offsets[0]; row < box.offsets[0] + box.sizes[0]; ++row) {
+      pieces.push_back({row * mesh_.tp + tp_rank, 1});
+    }
+    return GatherRows(bytes, row_bytes / mesh_.tp, std::move(pieces));
+  }
+
+  // Refuses a --tp that would cut `key` (of `shape`) unevenly or through one
+  // of its entry's blocks: torchtitan's model gives each TP rank whole heads
+  // (and an even share of the rest).
+  Status CheckTpCut(const std::string& key, const TorchtitanTensor& entry, const std::vector<int64_t>& shape) const {
+    if (entry.tp_dim < 0) return Status::Ok();
+    const std::string dim = "dim " + std::to_string(entry.tp_dim);
+    if (entry.tp_dim >= static_cast<int>(shape.size())) {
+      return Status::InvalidInput(key + " has shape " + ShapeString(shape) + ", which has no " + dim + " to shard on "
+                                  "the TP mesh; fix its tp in rule set " + rules_name_ + " (line " +
+                                  std::to_string(entry.line) + ")");
+    }
+    if (mesh_.tp == 1) return Status::Ok();
+    const int64_t size = shape[entry.tp_dim];
+    int64_t blocks = size;
+    if (!entry.tp_blocks.empty()) {
+      RESHARD_ASSIGN_OR_RETURN(blocks, Size(entry.tp_blocks));
+      if (blocks < 1 || size % blocks != 0) {
+        return Status::InvalidInput(key + "'s " + dim + " (" + std::to_string(size) + ") is not " + std::to_string(blocks) +
+                                    " blocks (" + entry.tp_blocks + "); check the model's sizes (--set)");
+      }
+    }
+    if (blocks % mesh_.tp != 0) {
+      const std::string what = entry.tp_blocks.empty() ? dim + " of size" : entry.tp_blocks + " =";
+      return Status::InvalidInput("--tp " + std::to_string(mesh_.tp) + " does not divide " + key + "'s " + what + " " +
+                                  std::to_string(blocks) + ", which torchtitan's TP plan shares out evenly; use a "
+                                  "--tp that divides " + std::to_string(blocks));
+    }
+    return Status::Ok();
+  }
+
   const TorchtitanTensor* EntryOf(const std::string& hf, std::string* block) const {
     for (const auto& [name, entry] : entries_) {
       if (name->Match(hf, block)) return entry;
@@ -149,15 +242,18 @@ class Writer {
   // The rows of `key` (of `shape`) as the entry's head count interleaves them.
   Result<std::vector<RowRun>> Interleaving(const std::string& key, const TorchtitanTensor& entry,
                                            const std::vector<int64_t>& shape) const {
-    RESHARD_ASSIGN_OR_RETURN(SizeExpression e, ParseSizeExpression(entry.interleaved_heads));
-    RESHARD_ASSIGN_OR_RETURN(int64_t heads, EvaluateSize(e, [this](const std::string& name, int64_t dim) {
-      return Lookup(name, dim);
-    }));
+    RESHARD_ASSIGN_OR_RETURN(int64_t heads, Size(entry.interleaved_heads));
     if (shape.size() != 2 || heads < 1 || shape[0] % (2 * heads) != 0) {
       return Status::InvalidInput(key + " has shape " + ShapeString(shape) + ", which is not " + std::to_string(heads) +
                                   " heads of an even number of rows (" + entry.interleaved_heads + ")");
     }
     return RotaryPairRows(shape[0], heads, true);
+  }
+
+  // The value of the size expression `text` (rules/size_expression.h).
+  Result<int64_t> Size(const std::string& text) const {
+    RESHARD_ASSIGN_OR_RETURN(SizeExpression e, ParseSizeExpression(text));
+    return EvaluateSize(e, [this](const std::string& name, int64_t dim) { return Lookup(name, dim); });
   }
 
   // A size's term: a dim of a tensor keyed so far, or an HF config field.
@@ -179,10 +275,10 @@ class Writer {
   const HfExport& hf_;
   const RuleInputs& inputs_;
   const std::string rules_name_;
-  const int ranks_;
+  const Mesh mesh_;
   std::vector<std::pair<std::unique_ptr<HfNameTemplate>, const TorchtitanTensor*>> entries_;
   std::map<std::string, std::vector<int64_t>> shapes_;
-  std::vector<std::vector<DcpWriteItem>> files_ = std::vector<std::vector<DcpWriteItem>>(ranks_);
+  std::vector<std::vector<DcpWriteItem>> files_ = std::vector<std::vector<DcpWriteItem>>(mesh_.ranks());
 };
 
 // Whether the export writes the optimizer state: the source has some and
@@ -246,9 +342,13 @@ Result<float> StepOf(const OptimizerParamGroups& groups) {
                              " is not a number; export with --weights-only");
 }
 
+void AddOnce(const std::string& name, std::vector<std::string>* names) {
+  if (std::find(names->begin(), names->end(), name) == names->end()) names->push_back(name);
+}
+
 // AdamW's fields of the group holding `param`, torch's defaults where the
-// source records none (`defaulted` learns their names); lists become
-// tuples, as torch keeps betas.
+// source records none (`defaulted` learns their names), and initial_lr;
+// lists become tuples, as torch keeps betas.
 Result<Items> AdamwGroup(const OptimizerParamGroups& groups, const std::string& param,
                          std::vector<std::string>* defaulted) {
   auto group = std::find_if(groups.groups.begin(), groups.groups.end(), [&](const OptimizerParamGroup& g) {
@@ -267,12 +367,15 @@ Result<Items> AdamwGroup(const OptimizerParamGroups& groups, const std::string& 
       return Status::Unsupported(std::string("the source's optimizer group of ") + param + " records no " + f.name +
                                  ", which AdamW needs; export with --weights-only");
     }
-    if (v == nullptr && std::find(defaulted->begin(), defaulted->end(), f.name) == defaulted->end()) {
-      defaulted->push_back(f.name);
-    }
+    if (v == nullptr) AddOnce(f.name, defaulted);
     put(f.name, v != nullptr ? *v : *f.fallback);
   }
-  if (const Value* v = Find(group->hyperparameters, "initial_lr")) put("initial_lr", *v);
+  // torch's LR schedulers add initial_lr to each group, and torchtitan builds
+  // its scheduler before it loads, so dcp.load asks for it: without the
+  // source's, the lr, which a new scheduler takes.
+  const Value* initial = Find(group->hyperparameters, "initial_lr");
+  if (initial == nullptr) AddOnce("initial_lr", defaulted);
+  put("initial_lr", initial != nullptr ? *initial : *Find(group->hyperparameters, "lr"));
   return out;
 }
 
@@ -356,10 +459,19 @@ Status AddOptimizer(const SourceCheckpoint& src, const HfExport& hf, const std::
     }
   }
   if (!defaulted.empty()) {
+    const bool initial_lr = std::find(defaulted.begin(), defaulted.end(), "initial_lr") != defaulted.end();
     notes->push_back("torchtitan: the source's optimizer groups record no " + Join(defaulted, ", ") +
-                     "; torch's AdamW defaults written");
+                     "; torch's AdamW defaults written" +
+                     (initial_lr ? " (initial_lr: the lr, as torch's LR schedulers set it)" : ""));
   }
   return Status::Ok();
+}
+
+// "FSDP2 Shard(0) over 4 ranks", or with TP "FSDP2 (dp_shard 2) x TP 2, 4 ranks".
+std::string MeshSummary(const Mesh& mesh) {
+  if (mesh.tp == 1) return "FSDP2 Shard(0) over " + Count(mesh.dp_shard, "rank");
+  return "FSDP2 (dp_shard " + std::to_string(mesh.dp_shard) + ") x TP " + std::to_string(mesh.tp) + ", " +
+         Count(mesh.ranks(), "rank");
 }
 
 }  // namespace
@@ -374,13 +486,14 @@ Result<OutputPlan> PlanTorchtitan(const SourceCheckpoint& src, const ExportOptio
   RESHARD_ASSIGN_OR_RETURN(std::vector<FullTensor> all, src.FullTensors(options.replicated, out.read.get()));
   const bool optimizer = WritesOptimizer(all, options);
   RESHARD_ASSIGN_OR_RETURN(std::vector<ChosenTensor> params, ChooseParameters(src, all, options, optimizer, notes));
-  Writer writer(*src.info().rules, *hf, inputs, options.dp_shard);
+  const Mesh mesh{options.dp_shard, std::max(options.tp, 1)};
+  Writer writer(*src.info().rules, *hf, inputs, mesh);
   std::vector<std::string> keys;
   RESHARD_RETURN_IF_ERROR(AddModel(*hf, params, inputs, all, &out, &writer, &keys));
   if (optimizer) RESHARD_RETURN_IF_ERROR(AddOptimizer(src, *hf, params, inputs, all, &out, &writer, notes));
 
   const std::string folder = "step-" + std::to_string(src.info().iteration);
-  for (int rank = 0; rank < options.dp_shard; ++rank) {
+  for (int rank = 0; rank < mesh.ranks(); ++rank) {
     if (writer.files()[rank].empty()) continue;  // no rows of any tensor
     RESHARD_ASSIGN_OR_RETURN(DcpFileLayout file,
                              LayOutDcpFile("__" + std::to_string(rank) + "_0.distcp", std::move(writer.files()[rank])));
@@ -390,7 +503,7 @@ Result<OutputPlan> PlanTorchtitan(const SourceCheckpoint& src, const ExportOptio
   for (const PlannedFile& f : out.files) data.push_back(&f);
   RESHARD_ASSIGN_OR_RETURN(PlannedFile metadata, DcpMetadataFile(folder, data));
   out.files.push_back(std::move(metadata));
-  out.summary = "torchtitan: FSDP2 Shard(0) over " + Count(options.dp_shard, "rank") + ", step " +
+  out.summary = "torchtitan: " + MeshSummary(mesh) + ", step " +
                 std::to_string(src.info().iteration) + "; " + Count(static_cast<int64_t>(keys.size()), "model tensor") +
                 (optimizer ? "; AdamW state (exp_avg, exp_avg_sq, step, param_groups)" : "; weights only") + "\n";
   notes->push_back("torchtitan: no train_state, lr_scheduler or dataloader items (torchtitan starts them afresh); "

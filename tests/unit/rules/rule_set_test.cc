@@ -1178,5 +1178,50 @@ TEST(RuleSetTorchDist, ReportsFileLineAndFix) {
   }
 }
 
+// ---- the torchtitan section (TorchtitanLayout) -------------------------------
+
+// kHf's section, then a torchtitan section at lines 39.. ; tests replace numbered lines.
+const std::map<int, std::string> kTorchtitan = {
+    {39, "torchtitan:"},
+    {40, "  tensors:"},
+    {41, "    - {hf: wte, key: tok_embeddings.weight, tp: {dim: 0}}"},
+    {42, "    - {hf: 'h.{block}.q', key: 'layers.{block}.wq', interleaved_heads: n, tp: {dim: 0, blocks: n}}"},
+    {43, "    - {hf: 'h.{block}.o', key: 'layers.{block}.wo', tp: {dim: 1, blocks: n}}"},
+    {44, "    - {hf: 'h.{block}.norm', key: 'layers.{block}.norm'}"},
+};
+
+std::string TinyTorchtitan(const std::map<int, std::string>& edits = {}) {
+  std::map<int, std::string> lines = kTorchtitan;
+  for (const auto& [n, line] : edits) lines[n] = line;
+  return TinyHf(lines);
+}
+
+TEST(RuleSetTorchtitan, ParsesTheTpPlacements) {
+  Result<RuleSet> rs = RuleSet::LoadString(TinyTorchtitan(), "t.yaml");
+  ASSERT_TRUE(rs.ok()) << rs.status().message();
+  const TorchtitanLayout* tt = rs->torchtitan();
+  ASSERT_NE(tt, nullptr);
+  ASSERT_EQ(tt->tensors.size(), 4u);
+  EXPECT_EQ(std::make_pair(tt->tensors[0].tp_dim, tt->tensors[0].tp_blocks), std::make_pair(0, std::string()));
+  EXPECT_EQ(std::make_pair(tt->tensors[1].tp_dim, tt->tensors[1].tp_blocks), std::make_pair(0, std::string("n")));
+  EXPECT_EQ(std::make_pair(tt->tensors[2].tp_dim, tt->tensors[2].tp_blocks), std::make_pair(1, std::string("n")));
+  EXPECT_EQ(tt->tensors[3].tp_dim, -1);  // replicated on the TP mesh
+}
+
+TEST(RuleSetTorchtitan, ReportsWhatIsWrongWithTp) {
+  const std::pair<std::map<int, std::string>, std::string> cases[] = {
+      {{{41, "    - {hf: wte, key: tok_embeddings.weight, tp: {dim: 2}}"}},
+       "t.yaml:41: torchtitan.tensors tp needs dim: 0 (rows: ColwiseParallel, an Embedding) or 1"},
+      {{{41, "    - {hf: wte, key: tok_embeddings.weight, tp: {blocks: n}}"}}, "tp needs dim: 0"},
+      {{{41, "    - {hf: wte, key: tok_embeddings.weight, tp: {dim: 0, block: n}}"}}, "unknown field 'block'"},
+      {{{41, "    - {hf: wte, key: tok_embeddings.weight, tp: 0}"}}, "torchtitan.tensors tp must be a mapping"},
+      {{{43, "    - {hf: 'h.{block}.o', key: 'layers.{block}.wo', tp: {dim: 1, blocks: 'n +'}}"}}, "t.yaml:43:"},
+  };
+  for (const auto& [edits, expected] : cases) {
+    const std::string message = ErrorOf(TinyTorchtitan(edits));
+    EXPECT_NE(message.find(expected), std::string::npos) << "missing '" << expected << "' in:\n" << message;
+  }
+}
+
 }  // namespace
 }  // namespace reshard

@@ -70,6 +70,10 @@ TEST(RuleSetTorchtitan, BuiltinLlamaSetsMapTorchtitansKeys) {
       EXPECT_FALSE(t.keys.empty());
       interleaved += !t.interleaved_heads.empty();
       if (t.hf.find("q_proj") != std::string::npos) EXPECT_EQ(t.interleaved_heads, "num_attention_heads");
+      // torchtitan's TP plan: norms replicated, o_proj and down_proj row-parallel, the rest Shard(0)
+      const bool norm = t.hf.find("norm") != std::string::npos;
+      const bool row_parallel = t.hf.find("o_proj") != std::string::npos || t.hf.find("down_proj") != std::string::npos;
+      EXPECT_EQ(t.tp_dim, norm ? -1 : row_parallel ? 1 : 0) << t.hf;
     }
     EXPECT_EQ(interleaved, 2);
   }
