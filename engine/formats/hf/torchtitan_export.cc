@@ -506,7 +506,8 @@ Result<OutputPlan> PlanTorchtitan(const SourceCheckpoint& src, const ExportOptio
   out.summary = "torchtitan: " + MeshSummary(mesh) + ", step " +
                 std::to_string(src.info().iteration) + "; " + Count(static_cast<int64_t>(keys.size()), "model tensor") +
                 (optimizer ? "; AdamW state (exp_avg, exp_avg_sq, step, param_groups)" : "; weights only") + "\n";
-  notes->push_back("torchtitan: no train_state, lr_scheduler or dataloader items (torchtitan starts them afresh); "
+  notes->push_back("torchtitan: no train_state, lr_scheduler or dataloader items: load with "
+                   "--checkpoint.exclude_from_loading train_state,lr_scheduler,dataloader (they start afresh); "
                    "the model config is not recorded: run torchtitan with the source's (export --to hf's "
                    "config.json gives it)");
   return out;
