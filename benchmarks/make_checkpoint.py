@@ -17,7 +17,9 @@ Sizes: ``--scale S`` asks for S times the full checkpoint's size by choosing the
   --scale 4     h=2208                                           ~1.5B params, ~23 GB
 ``--filled`` skips the model: the fixture's shape-only mode writes the same files with every
 tensor a fixed pattern of finite values, at disk speed and in little memory (the 4x size).
-``--hidden H`` sets h directly (h=512 gives 101.9M params, 1.76 GB: 3.2x smaller, because
+``--style ms_llama`` writes a Llama of the same size instead (RMSNorm, SwiGLU, GQA with 4 KV
+heads, rotary, an untied output layer: at --scale 1, h=1024 and ffn=2752), which
+``export --to torchtitan`` takes. ``--hidden H`` sets h directly (h=512 gives 101.9M params, 1.76 GB: 3.2x smaller, because
 the 50k-row vocabulary shrinks only linearly); ``--layers`` changes L.
 
 Usage (Debian's python3 with PYTHONPATH=<repo>/tests, or let this script set it):
@@ -44,8 +46,14 @@ BASE = dict(style='ms_gpt2', L=24, h=1024, n=16, V=50257, S=1024, mvsdb=128,
             dtype='bf16', optimizer='bf16_zero', tp=2, pp=2, dp=2)
 
 
+def ffn_of(style: str, h: int) -> int:
+    """GPT-2's 4h; a Llama's SwiGLU width, about 8h/3 (a multiple of 64), so that a block holds
+    about as many weights as GPT-2's."""
+    return 4 * h if style == 'ms_gpt2' else 64 * round(8 * h / 3 / 64)
+
+
 def config(scale: float = 1.0, hidden: int | None = None, layers: int | None = None,
-           tp: int = 2, pp: int = 2, dp: int = 2, filled: bool = False) -> mf.FixtureConfig:
+           tp: int = 2, pp: int = 2, dp: int = 2, filled: bool = False, style: str = 'ms_gpt2') -> mf.FixtureConfig:
     """The benchmark configuration.
 
     ``scale`` is the wanted size relative to the full checkpoint (h=1024): the hidden size is
@@ -53,7 +61,10 @@ def config(scale: float = 1.0, hidden: int | None = None, layers: int | None = N
     closest to ``scale`` times the full model's.  ``hidden`` sets h directly instead.
     """
     def make(h: int) -> mf.FixtureConfig:
-        fields = dict(BASE, h=h, ffn=4 * h, tp=tp, pp=pp, dp=dp, shape_only=filled, shape_fill=filled)
+        fields = dict(BASE, style=style, h=h, ffn=ffn_of(style, h), tp=tp, pp=pp, dp=dp, shape_only=filled,
+                      shape_fill=filled)
+        if style == 'ms_llama':
+            fields['nkv'] = 4  # GQA: 4 KV heads for 16 query heads
         if layers is not None:
             fields['L'] = layers
         return mf.FixtureConfig(**fields)
@@ -127,9 +138,12 @@ def main(argv=None) -> int:
     ap.add_argument('--filled', action='store_true',
                     help='the fixture\'s shape-only mode with every tensor a fixed pattern of finite values: '
                          'no model is built, so any size fits in memory (for timing; the values are not a model)')
+    ap.add_argument('--style', choices=('ms_gpt2', 'ms_llama'), default='ms_gpt2',
+                    help='ms_gpt2 (default), or ms_llama: RMSNorm, SwiGLU (ffn about 8h/3), 4 KV heads, '
+                         'rotary, an untied output layer (the model torchtitan trains)')
     ap.add_argument('--lint', metavar='RESHARD', help='run RESHARD lint on the result')
     ns = ap.parse_args(argv)
-    cfg = config(ns.scale, ns.hidden, ns.layers, ns.tp, ns.pp, ns.dp, ns.filled)
+    cfg = config(ns.scale, ns.hidden, ns.layers, ns.tp, ns.pp, ns.dp, ns.filled, ns.style)
     info = write(ns.out_root, cfg)
     print(json.dumps(info, indent=1))
     if ns.lint:

@@ -197,10 +197,12 @@ def folder_bytes(path: str) -> int:
     return total
 
 
-def ensure_checkpoint(workdir: str, scale: float, reshard: str, filled: bool = False) -> Dict:
+def ensure_checkpoint(workdir: str, scale: float, reshard: str, filled: bool = False,
+                      style: str = 'ms_gpt2') -> Dict:
     """The benchmark checkpoint of `scale` under workdir, written once and reused; `filled`:
-    make_checkpoint.py --filled (a pattern, not a model)."""
-    root = os.path.join(workdir, f'ckpt-scale{scale:g}' + ('-filled' if filled else ''))
+    make_checkpoint.py --filled (a pattern, not a model); `style`: its --style."""
+    root = os.path.join(workdir, f'ckpt-scale{scale:g}' + ('-filled' if filled else '') +
+                        ('' if style == 'ms_gpt2' else '-' + style))
     info_path = os.path.join(root, 'benchmark-checkpoint.json')
     if os.path.exists(info_path):
         with open(info_path) as f:
@@ -209,7 +211,8 @@ def ensure_checkpoint(workdir: str, scale: float, reshard: str, filled: bool = F
         return info
     if os.path.exists(root):
         shutil.rmtree(root)
-    cmd = [PYTHON, os.path.join(HERE, 'make_checkpoint.py'), root, '--scale', str(scale)] + (['--filled'] if filled else [])
+    cmd = ([PYTHON, os.path.join(HERE, 'make_checkpoint.py'), root, '--scale', str(scale), '--style', style] +
+           (['--filled'] if filled else []))
     env = dict(os.environ, PYTHONPATH=os.path.join(REPO, 'tests'))
     print(f'writing the scale-{scale:g} checkpoint: {" ".join(cmd)}', flush=True)
     out = subprocess.run(cmd, env=env, check=True, stdout=subprocess.PIPE, text=True).stdout
@@ -262,7 +265,7 @@ def same_output(a: str, b: str) -> bool:
 
 
 def bench_scale(ns, scale: float, mode: str) -> Dict:
-    info = ensure_checkpoint(ns.workdir, scale, ns.reshard)
+    info = ensure_checkpoint(ns.workdir, scale, ns.reshard, style=ns.style)
     src = info['tag_dir']
     src_bytes = folder_bytes(src)
     cp_dst = os.path.join(ns.workdir, 'cp-out')
@@ -305,6 +308,11 @@ def bench_scale(ns, scale: float, mode: str) -> Dict:
                            dp_reshardable, check=True, stdout=subprocess.DEVNULL)
         commands['torch_dist→torch_dist'] = ([ns.reshard, 'export', torch_dist, os.path.join(out_root, 'torch_dist'),
                                              '--to', 'torch_dist'] + TARGET + dp_reshardable)
+        if ns.style == 'ms_llama':
+            # An FSDP2 run on 8 ranks (the vocabulary, 50257 rows, rules out torchtitan's TP, which
+            # shares it evenly).
+            commands['torchtitan'] = [ns.reshard, 'export', src, os.path.join(out_root, 'torchtitan'),
+                                      '--to', 'torchtitan', '--dp-shard', '8', '-q']
     if ns.only:
         wanted = ns.only.split(',')
         unknown = sorted(set(wanted) - set(commands))
@@ -589,6 +597,9 @@ def main(argv=None) -> int:
     ap.add_argument('--exports', action='store_true',
                     help='also time `export --to universal`, `--to consolidated` and `--to hf` of SRC, and '
                          '`convert` from its universal checkpoint, in the same alternation')
+    ap.add_argument('--style', choices=('ms_gpt2', 'ms_llama'), default='ms_gpt2',
+                    help='the benchmark checkpoint\'s model (make_checkpoint.py --style); with ms_llama, '
+                         '--exports also times `export --to torchtitan --dp-shard 8`')
     ap.add_argument('--baseline', help='another reshard binary (e.g. a build of an earlier commit): '
                     'timed in the same alternation, ratios against cp -r and reshard')
     ap.add_argument('--modes', default='cold,warm',
