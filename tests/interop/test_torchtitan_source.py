@@ -15,6 +15,8 @@ computes LlamaForCausalLM's logits from them. Checked:
   exp_avg and exp_avg_sq equal the reference's (q / k / v fused per KV group, gate and up
   stacked), and the shards' param groups and step are the run's; `verify` finds the two the
   same model;
+* `export --to torch_dist` (with the AdamW state) and from there `--to torchtitan` again: `verify`
+  finds both the source's model;
 * without the head count (torchtitan records no model config) `convert` is refused in one line
   naming --set num_attention_heads, nothing written; a head count the tensors cannot have is
   refused too; `inspect` shows the checkpoint as a plain DCP with that reason.
@@ -155,6 +157,25 @@ class TorchtitanSourceTest(FixtureTestCase):
                 self.assertEqual([(g['lr'], g['weight_decay'], tuple(g['betas'])) for g in inner['param_groups']],
                                  [(1e-3, 0.1, (0.9, 0.95))] * 2)
                 self.assertEqual({int(s['step']) for s in inner['state'].values()}, {1})
+
+    def test_to_torch_dist_and_back_is_the_same_model(self):
+        """torchtitan -> Megatron-Core torch_dist (TP 1, PP 2, the AdamW state as
+        fully_reshardable) -> torchtitan again (FSDP2 over 2): verify finds each the source's
+        model, weights and optimizer state."""
+        src = step_folder('fsdp2_w2')
+        td = self.path('torch_dist')
+        p = run('export', src, td, '--to', 'torch_dist', '--tp', 1, '--pp', 2, *HEADS)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        back = self.path('back')
+        p = run('export', td, back, '--to', 'torchtitan', '--dp-shard', 2)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        for other in (td, os.path.join(back, 'step-1')):
+            with self.subTest(other=other):
+                p = run('verify', src, other, *HEADS)
+                self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+                self.assertIn('same model', p.stdout)
+                # Both sides have their optimizer state, so verify compares it too.
+                self.assertEqual((p.stdout + p.stderr).count('weights and optimizer state'), 2, p.stderr)
 
     def test_the_head_count_is_needed_and_checked(self):
         out = self.path('no_heads')
