@@ -60,11 +60,9 @@ Refusals& KernelRefusals() {
 }
 
 // What copy_file_range answers when the file systems (or the kernel) cannot
-// copy between these files, rather than that something failed.
-bool IsRefusal(int err) {
-  return err == EXDEV || err == EINVAL || err == EOPNOTSUPP || err == ENOSYS || err == EBADF || err == EPERM ||
-         err == ETXTBSY;
-}
+// copy between these files, rather than that something failed (a target
+// that cannot be written fails the write that would replace the copy too).
+bool IsRefusal(int err) { return err == EXDEV || err == EINVAL || err == EOPNOTSUPP || err == ENOSYS; }
 
 // Copies the span into `fd` at `at` (< 0: the file position); *copied is
 // how much was, which is short of the span where the kernel refused or the

@@ -80,6 +80,18 @@ TEST_F(KernelCopyTest, SpansAreTakenInAnyOrderButNotWhenTheyOverlap) {
   EXPECT_EQ(Target(), std::string(2 * kLong, 'D'));
 }
 
+TEST_F(KernelCopyTest, WhereTheKernelRefusesTheBytesAreWritten) {
+  int pipe_fds[2];
+  ASSERT_EQ(::pipe(pipe_fds), 0);  // copy_file_range takes no pipe: EINVAL
+  const std::vector<uint8_t> data = Filled(2 * kLong, 'D');
+  for (int twice = 0; twice < 2; ++twice) {  // the second time it is not asked
+    ASSERT_EQ(WriteProduced(target_, data.data(), data.size(), 0, {{0, pipe_fds[0], 0, 2 * kLong}}), 0);
+    EXPECT_EQ(Target(), std::string(2 * kLong, 'D'));
+  }
+  ::close(pipe_fds[0]);
+  ::close(pipe_fds[1]);
+}
+
 TEST_F(KernelCopyTest, AnUnwritableTargetIsAnError) {
   const int read_only = ::open(target_path_.c_str(), O_RDONLY);
   const std::vector<uint8_t> data = Filled(kLong, 'D');
