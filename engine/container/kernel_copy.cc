@@ -102,6 +102,7 @@ FileSpans Ordered(const FileSpans& spans, size_t n) {
 }  // namespace
 
 int WriteProduced(int fd, const uint8_t* data, size_t n, int64_t at, const FileSpans& spans) {
+  if (spans.empty()) return WriteFully(fd, data, n, at);
   const auto end = static_cast<int64_t>(n);
   int64_t done = 0;  // bytes of data in the file
   const auto write_up_to = [&](int64_t upto) {

@@ -90,11 +90,11 @@ struct Mesh {
 // [first, first + count): what part `index` of torch.chunk into `parts`
 // holds of `size` (shares of ceil(size / parts), the last ones shorter or
 // empty), as DTensor's Shard cuts a dim.
-struct Span {
+struct Share {
   int64_t first = 0;
   int64_t count = 0;
 };
-Span ChunkSpan(int64_t size, int parts, int index) {
+Share ChunkShare(int64_t size, int parts, int index) {
   const int64_t chunk = (size + parts - 1) / parts;
   const int64_t first = std::min(size, index * chunk);
   return {first, std::min(size, first + chunk) - first};
@@ -177,11 +177,11 @@ class Writer {
     DcpChunk box{std::vector<int64_t>(t.shape.size(), 0), t.shape};
     if (t.shape.empty()) return d == 0 ? std::optional<DcpChunk>(box) : std::nullopt;
     if (t.tp_dim >= 0) {
-      const Span share = ChunkSpan(t.shape[t.tp_dim], mesh_.tp, tp_rank);
+      const Share share = ChunkShare(t.shape[t.tp_dim], mesh_.tp, tp_rank);
       box.offsets[t.tp_dim] = share.first;
       box.sizes[t.tp_dim] = share.count;
     }
-    const Span rows = ChunkSpan(box.sizes[0], mesh_.dp_shard, d);
+    const Share rows = ChunkShare(box.sizes[0], mesh_.dp_shard, d);
     if (rows.count == 0) return std::nullopt;
     box.offsets[0] += rows.first;
     box.sizes[0] = rows.count;
