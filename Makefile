@@ -6,14 +6,15 @@ JOBS ?= $(shell nproc)
 PY := /usr/bin/python3
 DEB_PACKAGES := cmake g++ make pkg-config libtorch-dev libyaml-cpp-dev libre2-dev \
                 libcli11-dev libgtest-dev libbenchmark-dev python3-torch \
-                openmpi-bin libopenmpi-dev clang libclang-rt-14-dev strace
+                openmpi-bin libopenmpi-dev clang libclang-rt-14-dev strace \
+                pybind11-dev python3-dev
 FUZZ_BUILD ?= build-fuzz
 # Seconds per fuzz target: short in `make test`, longer by hand (make fuzz FUZZ_SECONDS=3600).
 FUZZ_SECONDS ?= 40
 FUZZERS := pickle zip rules safetensors dcp_metadata hf_json manifest
 SANITIZE_BUILD ?= build-asan
 
-.PHONY: deps build test demo fuzz sanitize bench clean
+.PHONY: deps build install test demo fuzz sanitize bench clean
 
 deps:
 	@missing=$$(for p in $(DEB_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
@@ -27,6 +28,14 @@ deps:
 build: deps
 	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 	cmake --build $(BUILD) -j $(JOBS)
+
+# The binary, its rules and the Python module (import reshard) into
+# /usr/local (PREFIX=...); the module goes where Debian's python3 looks.
+PREFIX ?= /usr/local
+install: build
+	cmake -S . -B $(BUILD) -DCMAKE_INSTALL_PREFIX=$(PREFIX) >/dev/null
+	cmake --build $(BUILD) -j $(JOBS)
+	cmake --install $(BUILD)
 
 test: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 
 namespace reshard {
 namespace {
@@ -122,6 +123,32 @@ int64_t Average(const SourceTensor& t, int64_t begin, int64_t end, uint8_t* dst,
   return (end - begin) * es * static_cast<int64_t>(t.shards.size());
 }
 
+// Where the target lies whole in a mapped source file: a plan that copies
+// one shard stored as one run, whole and unchanged. Its check is the CRC of
+// the record the run is (where the file's records are checked), computed
+// from the mapping.
+std::optional<InPlaceBytes> InPlaceOf(const SourceTensor& t, const TensorPlan& plan, std::atomic<int64_t>* read) {
+  if (plan.average || !plan.fills.empty() || plan.copies.size() != 1) return std::nullopt;
+  const BoxCopy& c = plan.copies[0];
+  const SourceShard& shard = t.shards[c.src_shard];
+  if (c.src_shape != plan.shape || c.dst.offsets != c.src_offsets || c.dst.sizes != plan.shape ||
+      shard.runs.size() != 1 || shard.runs[0].numel != plan.numel() || !shard.runs[0].bytes.mapped) {
+    return std::nullopt;
+  }
+  for (int64_t o : c.src_offsets) {
+    if (o != 0) return std::nullopt;
+  }
+  const ByteView view = shard.runs[0].bytes;
+  const auto* file = static_cast<const MappedFile*>(view.owner.get());
+  if (file->fd() < 0) return std::nullopt;
+  const int64_t n = plan.numel() * ElementSize(t.dtype);
+  return InPlaceBytes{FileSpan{0, file->fd(), view.data - file->data(), n}, [view, n, read] {
+                        static_cast<const MappedFile*>(view.owner.get())->NoteCopied(view.data, n, view.data);
+                        *read += n;
+                        return Status::Ok();
+                      }};
+}
+
 }  // namespace
 
 SourceTensor SourceTensor::Of(const LogicalTensor& t) {
@@ -148,14 +175,17 @@ Status ElementRange(int64_t offset, int64_t length, int element_size, int64_t* b
 }
 
 ByteProducer RangeProducer(SourceTensor source, TensorPlan plan, std::atomic<int64_t>* read) {
-  return ByteProducer::Traced([source = std::move(source), plan = std::move(plan), read](
-                                  int64_t offset, int64_t length, uint8_t* dst, const SpanSink& spans) {
+  std::optional<InPlaceBytes> in_place = InPlaceOf(source, plan, read);
+  ByteProducer::TracedFill fill = [source = std::move(source), plan = std::move(plan), read](
+                                      int64_t offset, int64_t length, uint8_t* dst, const SpanSink& spans) {
     int64_t begin = 0, end = 0;
     RESHARD_RETURN_IF_ERROR(ElementRange(offset, length, ElementSize(source.dtype), &begin, &end));
     TouchedPages pages;
     *read += MaterializeRange(source, plan, begin, end, dst, &pages, spans);
     return Status::Ok();
-  });
+  };
+  if (!in_place) return ByteProducer::Traced(std::move(fill));
+  return ByteProducer::InPlace(std::move(fill), std::move(*in_place));
 }
 
 }  // namespace reshard

@@ -78,6 +78,22 @@ struct DcpFileContent {
   std::vector<size_t> cuts;  // item indices, from 0 to the item count
 };
 
+// What a file is to the training run that loads it, where its format says
+// (the DeepSpeed layouts do): which rank of the target layout loads it and
+// what part of the rank's state it holds. What reads one rank's share of a
+// plan without writing it (reshard::Checkpoint) selects files by.
+struct FileRole {
+  enum class Holds { kWeights, kOptimizer };
+  Holds holds = Holds::kWeights;
+  int tp = 0, pp = 0;
+  int dp = -1;  // kOptimizer: the DP rank; -1 for files every DP rank loads
+  // The entry of the file's tree that holds it ("" = the whole tree), and,
+  // for kWeights, the prefix its tensors' keys get in the rank's state dict
+  // ("layer_02.").
+  std::string entry;
+  std::string prefix;
+};
+
 struct PlannedFile {
   enum class Container { kTorch, kSafetensors, kDcp, kText, kCopy };
 
@@ -89,6 +105,7 @@ struct PlannedFile {
   // Lines the detailed dry run prints under the tensors, for what a list of
   // tensors cannot say (how a flat optimizer group is partitioned).
   std::vector<std::string> detail;
+  std::vector<FileRole> roles;  // empty where the format does not say
 
   // kTorch: builds the pickled tree, its tensors produced while written.
   std::function<Result<Value>()> tree;

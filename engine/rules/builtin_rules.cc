@@ -13,9 +13,13 @@ namespace {
 
 namespace fs = std::filesystem;
 
+// The environment's choice, else the source tree's rules/ where it is (a
+// build), else the installed copy (`make install`).
 std::string BuiltinRulesDir() {
   const char* env = std::getenv("RESHARD_RULES_DIR");
-  return env != nullptr && *env != '\0' ? env : RESHARD_RULES_DIR;
+  if (env != nullptr && *env != '\0') return env;
+  std::error_code ignored;
+  return fs::is_directory(RESHARD_RULES_DIR, ignored) ? RESHARD_RULES_DIR : RESHARD_INSTALLED_RULES_DIR;
 }
 
 }  // namespace

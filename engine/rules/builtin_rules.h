@@ -1,8 +1,10 @@
 // The built-in rule sets: the files shipped in rules/, and choosing a rule set
 // by name or by path (--rules).
 //
-// The directory is the source tree's rules/ (compiled in), or the one named
-// by the environment variable RESHARD_RULES_DIR when it is set and not empty.
+// The directory is the one named by the environment variable
+// RESHARD_RULES_DIR when it is set and not empty, else the source tree's
+// rules/ (compiled in) where it exists, else the installed copy
+// (<prefix>/share/reshard/rules, `make install`).
 #pragma once
 
 #include <functional>

@@ -57,6 +57,15 @@ class SpanSink {
   int64_t length_ = 0;
 };
 
+// A product that lies whole in one file as it is (a tensor stored
+// contiguously): a reader that can use the file's bytes in place (map them)
+// need not produce a copy, once `check` passes (what producing them would
+// have checked, such as the CRC-32 of the record they are).
+struct InPlaceBytes {
+  FileSpan span;  // at 0, as long as the product
+  std::function<Status()> check;
+};
+
 class ByteProducer {
  public:
   // Writes bytes [offset, offset + length) of the product into `dst`.
@@ -82,14 +91,24 @@ class ByteProducer {
     return p;
   }
 
+  // The same, known to lie whole in a file as `where` says.
+  static ByteProducer InPlace(TracedFill fill, InPlaceBytes where) {
+    ByteProducer p = Traced(std::move(fill));
+    p.in_place_ = std::make_shared<const InPlaceBytes>(std::move(where));
+    return p;
+  }
+
   Status operator()(int64_t offset, int64_t length, uint8_t* dst) const { return fill_(offset, length, dst, {}); }
   Status operator()(int64_t offset, int64_t length, uint8_t* dst, const SpanSink& spans) const {
     return fill_(offset, length, dst, spans);
   }
   explicit operator bool() const { return static_cast<bool>(fill_); }
+  // Where the whole product lies in a file, for a producer made InPlace; null otherwise.
+  const InPlaceBytes* in_place() const { return in_place_.get(); }
 
  private:
   TracedFill fill_;
+  std::shared_ptr<const InPlaceBytes> in_place_;
 };
 
 // The bytes of `from` from byte `begin` on: a piece of a bigger product.

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -249,6 +250,34 @@ TEST_F(MappedSourceTest, AColumnMergeIsASpanPerRowPieceAndFillsAreNone) {
   plan.average = true;  // values computed: nothing is a file's bytes
   plan.shape = {3, 4};
   EXPECT_TRUE(SpansOf(plan, 0, 12, &out).empty());
+}
+
+TEST_F(MappedSourceTest, OnlyAWholeUnchangedShardLiesInPlace) {
+  std::atomic<int64_t> read{0};
+  TensorPlan whole;  // rank 1's shard as it is
+  whole.shape = {3, 4};
+  whole.copies = {{1, {3, 4}, {0, 0}, Box::Whole(whole.shape)}};
+  const ByteProducer produce = RangeProducer(source_, whole, &read);
+  ASSERT_NE(produce.in_place(), nullptr);
+  EXPECT_EQ(produce.in_place()->span.fd, file_->fd());
+  EXPECT_EQ(produce.in_place()->span.offset, 48);
+  EXPECT_EQ(produce.in_place()->span.length, 48);
+  EXPECT_TRUE(produce.in_place()->check().ok());
+  EXPECT_EQ(read.load(), 48);
+
+  TensorPlan rows = whole;  // two of its rows: a part, so made by copying
+  rows.shape = {2, 4};
+  rows.copies = {{1, {3, 4}, {1, 0}, Box::Whole(rows.shape)}};
+  EXPECT_EQ(RangeProducer(source_, rows, &read).in_place(), nullptr);
+  TensorPlan merged;  // both shards one after the other: a span of the file, but of two shards
+  merged.shape = {6, 4};
+  merged.copies = {{0, {3, 4}, {0, 0}, Box::Slab(merged.shape, 0, 0, 3)},
+                   {1, {3, 4}, {0, 0}, Box::Slab(merged.shape, 0, 3, 3)}};
+  EXPECT_EQ(RangeProducer(source_, merged, &read).in_place(), nullptr);
+  TensorPlan padded = whole;  // a fill too
+  padded.shape = {4, 4};
+  padded.fills = {{Box::Slab(padded.shape, 0, 3, 1), 0.0}};
+  EXPECT_EQ(RangeProducer(source_, padded, &read).in_place(), nullptr);
 }
 
 }  // namespace

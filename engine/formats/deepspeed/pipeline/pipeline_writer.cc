@@ -25,11 +25,26 @@ Result<Value> LayerFileTree(const LogicalCheckpoint& src, const SourceOptimizer*
   return root;
 }
 
-Result<PlannedFile> LayerFile(const LogicalCheckpoint& src, const SourceOptimizer* opt, const LayerFilePlan& file,
-                              std::atomic<int64_t>* read) {
+// The stage of the target owning spec `id`.
+int StageOf(const std::vector<int>& stage_bounds, int id) {
+  int stage = 0;
+  while (stage + 2 < static_cast<int>(stage_bounds.size()) && id >= stage_bounds[stage + 1]) ++stage;
+  return stage;
+}
+
+// "layer_04.": what a rank's state dict prefixes the file's keys with.
+std::string LayerPrefix(int id) {
+  std::string number = std::to_string(id);
+  return "layer_" + std::string(number.size() < 2 ? 2 - number.size() : 0, '0') + number + ".";
+}
+
+Result<PlannedFile> LayerFile(const LogicalCheckpoint& src, const SourceOptimizer* opt, const DeepSpeedPlan& plan,
+                              const LayerFilePlan& file, std::atomic<int64_t>* read) {
   const LogicalLayer& layer = src.layers[file.layer_index];
   RESHARD_ASSIGN_OR_RETURN(Value root, LayerFileTree(src, opt, file, read));
   RESHARD_ASSIGN_OR_RETURN(PlannedFile f, TorchFile(file.name, layer.role, std::move(root)));
+  f.roles.push_back(FileRole{FileRole::Holds::kWeights, file.tp_rank, StageOf(plan.stage_bounds, layer.id), -1, "",
+                             LayerPrefix(layer.id)});
   for (const TensorPlan& tp : file.tensors) {
     const LogicalTensor& lt = layer.tensors[tp.tensor_index];
     SetFrom(&f, lt.key, "(" + lt.rule->Describe() + ") " + DescribeSources(tp));
@@ -51,7 +66,13 @@ Status AddStageFiles(const SourceOptimizer* opt, const DeepSpeedPlan& plan, size
     shards.clear();
   }
   RESHARD_ASSIGN_OR_RETURN(PlannedFile model, TorchFile(ms.name, plan.ModelStatesWhat(ms), std::move(model_states)));
-  if (embedded) model.detail = plan.OptimizerDetail(plan.optimizer[i], 0);
+  if (!plan.pipeline) {  // a non-pipeline model's weights are the mp_rank file's `module`
+    model.roles.push_back(FileRole{FileRole::Holds::kWeights, ms.tp_rank, ms.pp_rank, -1, "module", ""});
+  }
+  if (embedded) {
+    model.detail = plan.OptimizerDetail(plan.optimizer[i], 0);
+    model.roles.push_back(FileRole{FileRole::Holds::kOptimizer, ms.tp_rank, ms.pp_rank, -1, "optimizer", ""});
+  }
   files->push_back(std::move(model));
   const int mp = ms.pp_rank * plan.tp + ms.tp_rank;
   for (size_t d = 0; d < shards.size(); ++d) {
@@ -60,6 +81,7 @@ Status AddStageFiles(const SourceOptimizer* opt, const DeepSpeedPlan& plan, size
         TorchFile(OptimizerFileName(plan.optimizer_format.bf16_prefix, static_cast<int>(d), mp),
                   "optimizer of " + ModelStatesName(mp) + ", DP rank " + std::to_string(d), std::move(shards[d])));
     shard.detail = plan.OptimizerDetail(plan.optimizer[i], static_cast<int>(d));
+    shard.roles.push_back(FileRole{FileRole::Holds::kOptimizer, ms.tp_rank, ms.pp_rank, static_cast<int>(d), "", ""});
     files->push_back(std::move(shard));
   }
   return Status::Ok();
@@ -72,7 +94,7 @@ Result<OutputPlan> DeepSpeedOutput(const LogicalCheckpoint& src, const SourceOpt
   OutputPlan out;
   out.summary = plan.Summary();
   for (const LayerFilePlan& file : plan.layer_files) {
-    RESHARD_ASSIGN_OR_RETURN(PlannedFile f, LayerFile(src, opt, file, out.read.get()));
+    RESHARD_ASSIGN_OR_RETURN(PlannedFile f, LayerFile(src, opt, plan, file, out.read.get()));
     out.files.push_back(std::move(f));
   }
   for (size_t i = 0; i < plan.model_states.size(); ++i) {
