@@ -161,6 +161,21 @@ class StateDictTest(support.FixtureTestCase):
         self.assertEqual(p.returncode, 0, p.stderr)
         self.check_source(torch_dist, [(1, 2, 2), (2, 1, 1)])
 
+    def test_non_pipeline(self):
+        from fixtures import deepspeed_nonpipe as dn
+        src = self.path('nonpipe')
+        dn.write_nonpipe(src, dn.NonPipeConfig(zero_stage=2, dtype='bf16', dp=2))
+        out = self.path('converted')
+        convert(src, out, '--tp', 1, '--pp', 1, '--dp', 3)
+        tag = os.path.join(out, 'global_step10')
+        ckpt = reshard.open(src)
+        module = load(os.path.join(tag, 'mp_rank_00_model_states.pt'))['module']
+        self.assertEqual(differences(ckpt.state_dict(), dict(module)), [])
+        for d in range(3):
+            ours = ckpt.optimizer_state(dp=3, dp_rank=d)
+            theirs = load(os.path.join(tag, f'bf16_zero_pp_rank_{d}_mp_rank_00_optim_states.pt'))
+            self.assertEqual(same_tree(ours, theirs, f'DP rank {d}'), [])
+
     def test_tensor_and_exports_in_memory(self):
         src = make_fixture(self.path('gpt2'), tp=2, pp=2, dp=2, optimizer='bf16_zero', **FAMILIES['ms_gpt2'])
         ckpt = reshard.open(src)
