@@ -1,7 +1,8 @@
 // RecordCrcs: the CRC-32 of every zip record a run reads whole, checked as
 // its bytes are copied out (CopyFromView), so that a damaged byte of a
 // tensor never lands in an output. Each copy's CRC is computed from the
-// bytes just copied (in cache), and the pieces of a record are joined with
+// bytes just copied (in cache; CopyFromView hands the same CRC on to the
+// writer, for the target's), and the pieces of a record are joined with
 // Crc32Combine as they meet, in whatever order and on whatever thread they
 // were read: the check costs no second read of the file.
 #pragma once
@@ -24,9 +25,9 @@ class RecordCrcs {
   // `records` (the storages' records of `path`) must not overlap.
   RecordCrcs(std::string path, std::vector<std::pair<std::string, ZipRecord>> records);
 
-  // Notes that the file's bytes [offset, offset + n) were read, now held in
-  // `copy`. A read overlapping bytes already noted is not counted again.
-  void Note(uint64_t offset, size_t n, const uint8_t* copy);
+  // Notes that the file's bytes [offset, offset + n) were read, and had the
+  // CRC-32 `crc`. A read overlapping bytes already noted is not counted again.
+  void Note(uint64_t offset, size_t n, uint32_t crc);
 
   // The first damaged record's error ("" when none), and how many records
   // were read in part only (so not checked).

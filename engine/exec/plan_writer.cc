@@ -3,9 +3,9 @@
 #include <filesystem>
 #include <fstream>
 
-#include "container/crc32.h"
 #include "container/regular_file.h"
 #include "container/torch_file.h"
+#include "util/crc32.h"
 
 namespace reshard {
 namespace {

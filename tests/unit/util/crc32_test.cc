@@ -4,7 +4,7 @@
 // (past several wide steps and every tail after them), and when continued
 // from a previous CRC. The known
 // values and a bitwise reference are in zip_writer_test.cc.
-#include "container/crc32.h"
+#include "util/crc32.h"
 
 #include <gtest/gtest.h>
 #include <zlib.h>

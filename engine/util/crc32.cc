@@ -1,4 +1,4 @@
-#include "container/crc32.h"
+#include "util/crc32.h"
 
 #include <zlib.h>
 
