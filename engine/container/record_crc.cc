@@ -50,6 +50,17 @@ void RecordCrcs::Note(uint64_t offset, size_t n, uint32_t crc) {
   if (!r.checked) Join(&r, begin, end, crc);
 }
 
+void RecordCrcs::NoteBytes(uint64_t offset, const uint8_t* bytes, size_t n) {
+  const uint64_t end = offset + n;
+  auto r = std::upper_bound(records_.begin(), records_.end(), offset,
+                            [](uint64_t at, const Record& rec) { return at < rec.zip.data_offset; });
+  if (r != records_.begin()) --r;  // the record `offset` may lie in
+  for (; r != records_.end() && r->zip.data_offset < end; ++r) {
+    const uint64_t lo = std::max(offset, r->zip.data_offset), hi = std::min(end, r->zip.data_offset + r->zip.size);
+    if (lo < hi) Note(lo, hi - lo, Crc32(0, bytes + (lo - offset), hi - lo));
+  }
+}
+
 // Adds the piece [begin, end) and joins it with the pieces it meets; the
 // record is checked once one piece covers it.
 void RecordCrcs::Join(Record* r, uint64_t begin, uint64_t end, uint32_t crc) {
@@ -108,6 +119,13 @@ Status CheckReadRecords() {
     }
   }
   return Status::Ok();
+}
+
+std::shared_ptr<RecordCrcs> RecordCrcsOf(const std::string& path) {
+  for (auto& crcs : Live()) {
+    if (crcs->path() == path) return crcs;
+  }
+  return nullptr;
 }
 
 std::string PartlyReadRecordsNote() {

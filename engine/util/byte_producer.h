@@ -36,7 +36,7 @@ struct FileSpan {
   int64_t offset = 0;
   int64_t length = 0;
   // The CRC-32 of those bytes, where the producer computed it.
-  std::optional<uint32_t> crc;
+  std::optional<uint32_t> crc = std::nullopt;
 };
 
 // The spans of one produced range, in the order they were noted (not
