@@ -15,10 +15,6 @@ bool AllZero(const std::vector<int64_t>& v) {
   return std::all_of(v.begin(), v.end(), [](int64_t x) { return x == 0; });
 }
 
-// Replicas compared when the file is written: at most this many bytes a
-// file (its norms and biases are a few KiB).
-constexpr size_t kMaxComparedReplicas = 1 << 20;
-
 // The source shard the plan makes the whole target tensor of, as it is, or -1.
 int WholeShardCopied(const TensorPlan& plan) {
   if (plan.average || !plan.fills.empty() || plan.copies.size() != 1) return -1;
@@ -91,8 +87,9 @@ std::optional<SourceFileCopy> UnchangedSourceFile(const LogicalCheckpoint& src, 
   const Items& written = *DictItems(layer.roots[0]);
   const Items& source = *DictItems(layer.roots[t]);
   const MappedFile* from = nullptr;
-  std::vector<std::pair<ByteView, ByteView>> replicas;  // (rank 0's, rank t's) to compare
-  size_t replica_bytes = 0;
+  // (rank 0's, rank t's) to compare: a small part of the file (norms, biases,
+  // position embeddings), read again only where the file must be written.
+  std::vector<std::pair<ByteView, ByteView>> replicas;
   for (size_t i = 0; i < n; ++i) {
     if (written[i].first.as_string() != source[i].first.as_string()) return std::nullopt;  // the key order
     const TensorPlan& plan = file.tensors[i];
@@ -111,8 +108,6 @@ std::optional<SourceFileCopy> UnchangedSourceFile(const LogicalCheckpoint& src, 
     if (shard != t) {  // a replica: written from rank 0's
       if (FileOf(lt.shards[shard]) == nullptr) return std::nullopt;
       replicas.emplace_back(lt.shards[shard].runs[0].bytes, lt.shards[t].runs[0].bytes);
-      replica_bytes += lt.shards[t].runs[0].bytes.size;
-      if (replica_bytes > kMaxComparedReplicas) return std::nullopt;
     }
   }
   // A file of the same name (this layer's and TP rank's, in a DeepSpeed

@@ -22,7 +22,8 @@ struct SourceFileCopy {
   // Whether the copy holds what the writer would write: a TP-replicated
   // tensor is written from TP rank 0's copy, so the file of another rank is
   // the target only where its replicas are rank 0's, byte for byte. It reads
-  // them (small: norms and biases), so it is asked when the file is written.
+  // them (norms, biases, position embeddings), so it is asked when the file
+  // is written.
   std::function<bool()> holds;
 };
 
