@@ -23,13 +23,16 @@ about 4x smaller) this script
     state)) in the same alternation, each against cp -r,
   * optionally times DeepSpeed's ds_to_universal.py on the same input (--deepspeed-src, a
     DeepSpeed source tree fetched separately; it is never part of this repository),
+  * or, with --xfs, instead times a DP-only change against `cp -r` on a loop-mounted XFS image
+    with reflinks, and reports which output files share the source's extents
+    (benchmarks/reflink_bench.py),
 and prints one table, with the ratio reshard / cp that the throughput target is about
 (at most 1.2).  Figures only: nothing here passes or fails.
 
   /usr/bin/python3 benchmarks/run.py --reshard build-bench/reshard [--runs 5] [--threads N]
       [--scales 1,0.25] [--modes cold,warm] [--workdir /tmp/reshard-bench] [--keep] [--verify]
       [--exports] [--buffer-sizes 128KiB,4MiB] [--crc-cost] [--mpi 2] [--baseline OTHER_RESHARD]
-      [--deepspeed-src DIR] [--json results.json]
+      [--deepspeed-src DIR] [--xfs] [--json results.json]
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ import sys
 import threading
 import time
 from typing import Dict, List, Optional
+
+import reflink_bench
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -581,6 +586,17 @@ def table(results: List[Dict]) -> str:
     return '\n'.join(lines)
 
 
+def bench_xfs(ns) -> int:
+    """--xfs: the reflink benchmark on the first checkpoint size."""
+    info = ensure_checkpoint(ns.workdir, float(ns.scales.split(',')[0]), ns.reshard, style=ns.style)
+    src = info['tag_dir']
+    xfs = reflink_bench.bench_reflink(ns, src, folder_bytes(src), measure, remove, read_through)
+    if ns.json:
+        with open(ns.json, 'w') as f:
+            json.dump({'machine': machine(), 'source': source_version(), 'xfs': xfs}, f, indent=1)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     ap.add_argument('--reshard', required=True, help='the reshard binary (a Release build)')
@@ -617,6 +633,9 @@ def main(argv=None) -> int:
                          'reshard convert')
     ap.add_argument('--verify', action='store_true', help='also run `reshard verify SRC OUT` once (untimed)')
     ap.add_argument('--deepspeed-src', help='a DeepSpeed source tree: also time ds_to_universal.py')
+    ap.add_argument('--xfs', action='store_true',
+                    help='instead: time `convert --tp 2 --pp 2 --dp 4` (a DP-only change) against cp -r on a '
+                         'loop-mounted XFS image with reflinks (root, xfsprogs), and report shared extents')
     ap.add_argument('--json', help='write the results here too')
     ns = ap.parse_args(argv)
     ns.reshard = os.path.abspath(ns.reshard)
@@ -625,6 +644,8 @@ def main(argv=None) -> int:
     os.makedirs(ns.workdir, exist_ok=True)
     results = []
     started = time.monotonic()
+    if ns.xfs:
+        return bench_xfs(ns)
     try:
         for mode in ns.modes.split(','):
             for scale in (float(s) for s in ns.scales.split(',')):

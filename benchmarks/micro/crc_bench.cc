@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "container/crc32.h"
+#include "util/crc32.h"
 
 namespace reshard {
 namespace {

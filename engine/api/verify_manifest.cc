@@ -10,13 +10,13 @@
 #include <set>
 
 #include "api/common.h"
-#include "container/crc32.h"
 #include "container/regular_file.h"
 #include "container/write_fully.h"
 #include "exec/executor.h"
 #include "exec/manifest.h"
 #include "formats/format.h"
 #include "reshard/reshard.h"
+#include "util/crc32.h"
 
 namespace reshard {
 namespace {

@@ -90,7 +90,7 @@ class ItemOutput {
       spans.clear();
       Status st = item.produce(done, n, buffer_->data(), SpanSink(&spans, buffer_->data(), n));
       if (!st.ok()) return st.WithContext(*path_ + ": item '" + item.fqn + "'");
-      const uint32_t piece = Crc32(0, buffer_->data(), static_cast<size_t>(n));
+      const uint32_t piece = ProducedCrc(0, buffer_->data(), static_cast<size_t>(n), spans);
       crc = Crc32Combine(crc, piece, n);
       RESHARD_RETURN_IF_ERROR(Write(buffer_->data(), n, piece, spans));
       if (*written_) (*written_)(n);

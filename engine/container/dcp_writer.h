@@ -31,13 +31,13 @@
 #include <string>
 #include <vector>
 
-#include "container/crc32.h"
 #include "container/dcp_metadata.h"
 #include "container/zip_records.h"
 #include "pickle/dtype.h"
 #include "pickle/value.h"
 #include "reshard/status.h"
 #include "util/byte_producer.h"
+#include "util/crc32.h"
 
 namespace reshard {
 

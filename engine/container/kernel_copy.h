@@ -3,11 +3,12 @@
 //
 // A reshape mostly moves contiguous runs of source bytes (a TP merge of
 // row-split tensors, a PP or DP change, whole optimizer partitions). The
-// writers still read them (their CRC-32 goes into the zip records and the
-// manifest, and the source's own records are checked as they pass), but the
-// copy into the target is left to copy_file_range: no second trip through
-// the process, and on a file system that copies on its side (NFS 4.2, or
-// one that clones extents) none through the page cache either.
+// producers still read them once (the source's own records are checked as
+// they pass, and the CRC computed for that check is the one the target's
+// zip records and manifest take: ProducedCrc), but the copy into the target
+// is left to copy_file_range: no second trip through the process, and on a
+// file system that copies on its side (NFS 4.2, or one that clones extents)
+// none through the page cache either.
 #pragma once
 
 #include <cstddef>
@@ -26,6 +27,11 @@ namespace reshard {
 // from `data`, as where a source file ended early. Returns 0 or the errno of
 // a failure.
 int WriteProduced(int fd, const uint8_t* data, size_t n, int64_t at, const FileSpans& spans);
+
+// The CRC-32 of [data, data + n) continued from `crc` (as Crc32), taking a
+// long span's CRC where the producer gave one instead of reading its bytes
+// again. The spans must be those the bytes were produced with.
+uint32_t ProducedCrc(uint32_t crc, const uint8_t* data, size_t n, const FileSpans& spans);
 
 // Makes the file `to` (open for writing, empty) share the extents of `from`
 // (a reflink), where the file system can; false when it cannot.

@@ -12,10 +12,12 @@
 #include <cerrno>
 #include <cstring>
 #include <mutex>
+#include <optional>
 
 #include "container/record_crc.h"
 #include "container/regular_file.h"
 #include "container/write_fully.h"
+#include "util/crc32.h"
 
 namespace reshard {
 namespace {
@@ -189,8 +191,8 @@ bool MappedFile::ReadInto(const uint8_t* from, size_t n, uint8_t* dst) const {
   return fd_ >= 0 && ReadFully(fd_, dst, n, from - data_) == 0;
 }
 
-void MappedFile::NoteCopied(const uint8_t* from, size_t n, const uint8_t* copy) const {
-  if (crcs_ != nullptr) crcs_->Note(static_cast<uint64_t>(from - data_), n, copy);
+void MappedFile::NoteRead(const uint8_t* from, size_t n, uint32_t crc) const {
+  if (crcs_ != nullptr) crcs_->Note(static_cast<uint64_t>(from - data_), n, crc);
 }
 
 void CopyFromView(const ByteView& view, const uint8_t* from, size_t n, uint8_t* dst,
@@ -201,8 +203,12 @@ void CopyFromView(const ByteView& view, const uint8_t* from, size_t n, uint8_t* 
     if (pages != nullptr) pages->Note(view, from, n);
   }
   if (file == nullptr) return;
-  file->NoteCopied(from, n, dst);
-  spans.Note(dst, file->fd(), from - file->data(), static_cast<int64_t>(n));
+  std::optional<uint32_t> crc;
+  if (file->ChecksRecords()) {
+    crc = Crc32(0, dst, n);  // from the copy, in cache
+    file->NoteRead(from, n, *crc);
+  }
+  spans.Note(dst, file->fd(), from - file->data(), static_cast<int64_t>(n), crc);
 }
 
 void FetchExactly(const uint8_t* data, size_t n) {

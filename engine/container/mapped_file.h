@@ -57,8 +57,10 @@ class MappedFile {
   // Has the CRC-32 of `crcs`' records checked as CopyFromView copies them
   // out; set once, before the file's bytes are read by more than one thread.
   void CheckRecords(std::shared_ptr<RecordCrcs> crcs) const { crcs_ = std::move(crcs); }
-  // Tells the record check (if any) that [from, from + n) was copied to `copy`.
-  void NoteCopied(const uint8_t* from, size_t n, const uint8_t* copy) const;
+  bool ChecksRecords() const { return crcs_ != nullptr; }
+  // Tells the record check (if any) that [from, from + n) was read, and
+  // that `crc` is its CRC-32.
+  void NoteRead(const uint8_t* from, size_t n, uint32_t crc) const;
 
  private:
   MappedFile(std::string path, const uint8_t* data, size_t size, int fd)
@@ -127,7 +129,9 @@ class TouchedPages {
 // resident beside even a small read until released. When that cannot be
 // done, and for views that are not mappings, the bytes are copied from
 // memory and the pages of a mapping noted in `pages` (may be null). The copy
-// of a file's bytes is noted in `spans` (util/byte_producer.h).
+// of a file's bytes is noted in `spans` (util/byte_producer.h), with the
+// CRC-32 the file's record check computed from it: the one pass over the
+// bytes checks the source and gives the target its CRC.
 void CopyFromView(const ByteView& view, const uint8_t* from, size_t n, uint8_t* dst,
                   TouchedPages* pages, const SpanSink& spans = {});
 

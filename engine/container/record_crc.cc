@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <atomic>
 
-#include "container/crc32.h"
+#include "util/crc32.h"
 
 namespace reshard {
 namespace {
@@ -39,16 +39,26 @@ RecordCrcs::RecordCrcs(std::string path, std::vector<std::pair<std::string, ZipR
             [](const Record& a, const Record& b) { return a.zip.data_offset < b.zip.data_offset; });
 }
 
-void RecordCrcs::Note(uint64_t offset, size_t n, const uint8_t* copy) {
+void RecordCrcs::Note(uint64_t offset, size_t n, uint32_t crc) {
   auto after = std::upper_bound(records_.begin(), records_.end(), offset,
                                 [](uint64_t at, const Record& r) { return at < r.zip.data_offset; });
   if (after == records_.begin() || n == 0) return;
   Record& r = *(after - 1);
   const uint64_t begin = offset - r.zip.data_offset, end = begin + n;
   if (end > r.zip.size) return;  // not inside one record: not a storage's bytes
-  const uint32_t crc = Crc32(0, copy, n);  // outside the lock: the costly part
   std::lock_guard<std::mutex> lock(mu_);
   if (!r.checked) Join(&r, begin, end, crc);
+}
+
+void RecordCrcs::NoteBytes(uint64_t offset, const uint8_t* bytes, size_t n) {
+  const uint64_t end = offset + n;
+  auto r = std::upper_bound(records_.begin(), records_.end(), offset,
+                            [](uint64_t at, const Record& rec) { return at < rec.zip.data_offset; });
+  if (r != records_.begin()) --r;  // the record `offset` may lie in
+  for (; r != records_.end() && r->zip.data_offset < end; ++r) {
+    const uint64_t lo = std::max(offset, r->zip.data_offset), hi = std::min(end, r->zip.data_offset + r->zip.size);
+    if (lo < hi) Note(lo, hi - lo, Crc32(0, bytes + (lo - offset), hi - lo));
+  }
 }
 
 // Adds the piece [begin, end) and joins it with the pieces it meets; the
@@ -109,6 +119,13 @@ Status CheckReadRecords() {
     }
   }
   return Status::Ok();
+}
+
+std::shared_ptr<RecordCrcs> RecordCrcsOf(const std::string& path) {
+  for (auto& crcs : Live()) {
+    if (crcs->path() == path) return crcs;
+  }
+  return nullptr;
 }
 
 std::string PartlyReadRecordsNote() {

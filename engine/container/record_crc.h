@@ -1,7 +1,8 @@
 // RecordCrcs: the CRC-32 of every zip record a run reads whole, checked as
 // its bytes are copied out (CopyFromView), so that a damaged byte of a
 // tensor never lands in an output. Each copy's CRC is computed from the
-// bytes just copied (in cache), and the pieces of a record are joined with
+// bytes just copied (in cache; CopyFromView hands the same CRC on to the
+// writer, for the target's), and the pieces of a record are joined with
 // Crc32Combine as they meet, in whatever order and on whatever thread they
 // were read: the check costs no second read of the file.
 #pragma once
@@ -24,14 +25,18 @@ class RecordCrcs {
   // `records` (the storages' records of `path`) must not overlap.
   RecordCrcs(std::string path, std::vector<std::pair<std::string, ZipRecord>> records);
 
-  // Notes that the file's bytes [offset, offset + n) were read, now held in
-  // `copy`. A read overlapping bytes already noted is not counted again.
-  void Note(uint64_t offset, size_t n, const uint8_t* copy);
+  // Notes that the file's bytes [offset, offset + n) were read, and had the
+  // CRC-32 `crc`. A read overlapping bytes already noted is not counted again.
+  void Note(uint64_t offset, size_t n, uint32_t crc);
+  // Notes the file's bytes [offset, offset + n), held in `bytes`, which may
+  // run over several records (a file copied whole).
+  void NoteBytes(uint64_t offset, const uint8_t* bytes, size_t n);
 
   // The first damaged record's error ("" when none), and how many records
   // were read in part only (so not checked).
   std::string Damage() const;
   int64_t PartlyRead() const;
+  const std::string& path() const { return path_; }
 
  private:
   struct Record {
@@ -60,6 +65,10 @@ void RegisterRecordCrcs(const std::shared_ptr<RecordCrcs>& crcs);
 // InvalidInput naming the first record read whole whose bytes do not have
 // the CRC-32 its zip directory records; Ok when none.
 Status CheckReadRecords();
+
+// The checks of the open file `path` (as MappedFile::Open was given it), or
+// null when its records are not checked.
+std::shared_ptr<RecordCrcs> RecordCrcsOf(const std::string& path);
 
 // A note when some records were read in part only ("" when none).
 std::string PartlyReadRecordsNote();

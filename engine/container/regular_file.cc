@@ -60,7 +60,7 @@ Result<std::string> ReadRegularFile(const std::string& path, int64_t max_bytes) 
 }
 
 Status CopyRegularFile(const std::string& from, const std::string& to, std::vector<uint8_t>& buffer,
-                       FileDigest* digest, const std::function<void(int64_t)>& copied) {
+                       FileDigest* digest, const std::function<void(int64_t)>& copied, const SeenBytes& seen) {
   RESHARD_ASSIGN_OR_RETURN(OpenedFile in, OpenRegularFile(from));
   const int out = ::open(to.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
   if (out < 0) {
@@ -80,6 +80,7 @@ Status CopyRegularFile(const std::string& from, const std::string& to, std::vect
     const FileSpans same = {FileSpan{0, in.fd, digest->bytes, static_cast<int64_t>(n)}};
     if (read_err == 0 && !cloned) write_err = WriteProduced(out, buffer.data(), n, -1, same);
     if (read_err != 0 || write_err != 0) break;
+    if (seen) seen(digest->bytes, buffer.data(), n);
     digest->crc32 = Crc32(digest->crc32, buffer.data(), n);
     digest->bytes += static_cast<int64_t>(n);
     if (copied) copied(static_cast<int64_t>(n));

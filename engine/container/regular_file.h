@@ -12,8 +12,8 @@
 #include <string>
 #include <vector>
 
-#include "container/crc32.h"
 #include "reshard/status.h"
+#include "util/crc32.h"
 
 namespace reshard {
 
@@ -36,9 +36,12 @@ Result<std::string> ReadRegularFile(const std::string& path, int64_t max_bytes =
 
 // Copies the regular file `from` to `to` (created or truncated) through
 // `buffer`, exactly the size it had when opened; `digest` learns the copy's
-// size and CRC-32 and `copied` (may be empty) each piece's bytes. Errors name
-// the file that could not be read or written.
+// size and CRC-32, `copied` (may be empty) each piece's byte count and `seen`
+// (may be empty) each piece as read, at its offset. Errors name the file
+// that could not be read or written.
+using SeenBytes = std::function<void(int64_t offset, const uint8_t* bytes, size_t n)>;
 Status CopyRegularFile(const std::string& from, const std::string& to, std::vector<uint8_t>& buffer,
-                       FileDigest* digest, const std::function<void(int64_t)>& copied = {});
+                       FileDigest* digest, const std::function<void(int64_t)>& copied = {},
+                       const SeenBytes& seen = {});
 
 }  // namespace reshard

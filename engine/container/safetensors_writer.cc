@@ -124,7 +124,7 @@ Result<FileDigest> WriteSafetensorsRange(const std::string& path, const Safetens
     if (int err = WriteProduced(fd, data, static_cast<size_t>(n), begin + piece.bytes, spans)) {
       return WriteError(path, err);
     }
-    piece.crc32 = Crc32(piece.crc32, data, static_cast<size_t>(n));
+    piece.crc32 = ProducedCrc(piece.crc32, data, static_cast<size_t>(n), spans);
     piece.bytes += n;
     return Status::Ok();
   };

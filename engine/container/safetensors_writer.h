@@ -12,10 +12,10 @@
 #include <string>
 #include <vector>
 
-#include "container/crc32.h"
 #include "pickle/dtype.h"
 #include "reshard/status.h"
 #include "util/byte_producer.h"
+#include "util/crc32.h"
 
 namespace reshard {
 

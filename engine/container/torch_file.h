@@ -13,11 +13,11 @@
 #include <string>
 #include <vector>
 
-#include "container/crc32.h"
 #include "container/mapped_file.h"
 #include "pickle/pickle_reader.h"
 #include "pickle/value.h"
 #include "reshard/status.h"
+#include "util/crc32.h"
 
 namespace reshard {
 

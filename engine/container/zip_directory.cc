@@ -4,7 +4,7 @@
 #include <initializer_list>
 
 #include "container/zip_format.h"
-#include "container/crc32.h"
+#include "util/crc32.h"
 
 namespace reshard {
 namespace {

@@ -7,10 +7,10 @@
 #include <cerrno>
 #include <cstring>
 
-#include "container/crc32.h"
 #include "container/kernel_copy.h"
 #include "container/write_fully.h"
 #include "container/zip_records.h"
+#include "util/crc32.h"
 
 namespace reshard {
 namespace {
@@ -70,7 +70,7 @@ Status ZipWriter::AddStreamed(const std::string& name, int64_t size, const ByteP
     const int64_t n = std::min<int64_t>(static_cast<int64_t>(buffer->size()), size - done);
     spans.clear();
     RESHARD_RETURN_IF_ERROR(produce(done, n, buffer->data(), SpanSink(&spans, buffer->data(), n)));
-    crc = Crc32(crc, buffer->data(), static_cast<size_t>(n));
+    crc = ProducedCrc(crc, buffer->data(), static_cast<size_t>(n), spans);
     RESHARD_RETURN_IF_ERROR(WriteProducedBytes(buffer->data(), static_cast<size_t>(n), spans));
     done += n;
   }

@@ -11,8 +11,8 @@
 #include <string>
 #include <vector>
 
-#include "container/crc32.h"
 #include "reshard/status.h"
+#include "util/crc32.h"
 
 namespace reshard {
 

@@ -20,9 +20,9 @@
 #include <utility>
 #include <vector>
 
-#include "container/crc32.h"
 #include "exec/job.h"
 #include "reshard/status.h"
+#include "util/crc32.h"
 
 namespace reshard {
 

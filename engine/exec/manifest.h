@@ -7,8 +7,8 @@
 #include <map>
 #include <string>
 
-#include "container/crc32.h"
 #include "reshard/status.h"
+#include "util/crc32.h"
 
 namespace reshard {
 

@@ -3,9 +3,10 @@
 #include <filesystem>
 #include <fstream>
 
-#include "container/crc32.h"
+#include "container/record_crc.h"
 #include "container/regular_file.h"
 #include "container/torch_file.h"
+#include "util/crc32.h"
 
 namespace reshard {
 namespace {
@@ -44,12 +45,27 @@ Status WriteText(JobContext& ctx, const PlannedFile& file) {
   return Status::Ok();
 }
 
+// A checkpoint file copied whole has its records checked as the copy reads
+// them, as those of a file it is written from are (container/record_crc.h).
 Status WriteCopy(JobContext& ctx, const PlannedFile& file) {
   FileDigest digest;
+  SeenBytes check;
+  if (std::shared_ptr<RecordCrcs> crcs = RecordCrcsOf(file.copy_of)) {
+    check = [crcs](int64_t offset, const uint8_t* bytes, size_t n) {
+      crcs->NoteBytes(static_cast<uint64_t>(offset), bytes, n);
+    };
+  }
   RESHARD_RETURN_IF_ERROR(CopyRegularFile(file.copy_of, ctx.dir + "/" + file.name, ctx.buffer, &digest,
-                                          file.bytes > 0 ? ctx.done : std::function<void(int64_t)>()));
+                                          file.bytes > 0 ? ctx.done : std::function<void(int64_t)>(), check));
   if (ctx.wrote) ctx.wrote(file.name, digest);
   return Status::Ok();
+}
+
+// A torch file that holds a source file's content is a copy of that file
+// (which a file system with reflinks clones).
+Status WriteTorchOrCopy(JobContext& ctx, const PlannedFile& file) {
+  if (!file.copy_of.empty() && file.copy_holds && file.copy_holds()) return WriteCopy(ctx, file);
+  return WriteTorch(ctx, file);
 }
 
 Status WriteSafetensorsPart(JobContext& ctx, const PlannedFile& file, int64_t begin, int64_t end) {
@@ -85,7 +101,7 @@ void AddJobs(const std::shared_ptr<const PlannedFile>& file, const std::shared_p
   const PlannedFile& f = *file;
   switch (f.container) {
     case PlannedFile::Container::kTorch:
-      jobs->push_back(FileJob(file, scratch, f.bytes, 0, [&f](JobContext& ctx) { return WriteTorch(ctx, f); }));
+      jobs->push_back(FileJob(file, scratch, f.bytes, 0, [&f](JobContext& ctx) { return WriteTorchOrCopy(ctx, f); }));
       return;
     case PlannedFile::Container::kText:
       jobs->push_back(FileJob(file, scratch, 0, 0, [&f](JobContext& ctx) { return WriteText(ctx, f); }));

@@ -50,7 +50,7 @@ std::string FileLine(const PlannedFile& f) {
     case PlannedFile::Container::kDcp:
       if (f.tensors.empty()) return line + "\n";  // a pickle of values only
       return line + (f.what.empty() ? "" : ", ") + Count(static_cast<int64_t>(f.tensors.size()), "tensor") +
-             ", " + HumanBytes(f.bytes) + "\n";
+             ", " + HumanBytes(f.bytes) + (f.copy_of.empty() ? "" : ", copied from " + f.copy_of) + "\n";
     case PlannedFile::Container::kText:
       return line + "\n";
     case PlannedFile::Container::kCopy:
@@ -157,6 +157,11 @@ PlannedFile CopiedFile(std::string name, std::string from, bool counted) {
   }
   f.copy_of = std::move(from);
   return f;
+}
+
+void CopyWhereSame(PlannedFile* f, std::string from, std::function<bool()> holds) {
+  f->copy_of = std::move(from);
+  f->copy_holds = std::move(holds);
 }
 
 void SetFrom(PlannedFile* file, const std::string& key, std::string from) {

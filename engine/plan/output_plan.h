@@ -113,7 +113,10 @@ struct PlannedFile {
   std::shared_ptr<const SafetensorsContent> safetensors;
   std::shared_ptr<const DcpFileContent> dcp;
   std::string text;     // kText: what it holds (text, or a DCP `.metadata` pickle)
-  std::string copy_of;  // kCopy: the path of the file copied
+  // kCopy: the path of the file copied. kTorch: a file that may hold the
+  // same content, which the file is then a copy of (where `copy_holds`).
+  std::string copy_of;
+  std::function<bool()> copy_holds;
 };
 
 struct OutputPlan {
@@ -156,6 +159,11 @@ Result<PlannedFile> DcpMetadataFile(const std::string& folder, const std::vector
 // A copy of the file at `from`. `counted`: its bytes are tensor bytes (a
 // checkpoint file copied whole), which the progress counts.
 PlannedFile CopiedFile(std::string name, std::string from, bool counted);
+
+// Has the torch file `f` written as a copy of the file `from` where `holds`
+// (asked as the file is written) says that the copy holds its content, and
+// from its tree where not; it keeps its listing (what, tensors, sources).
+void CopyWhereSame(PlannedFile* f, std::string from, std::function<bool()> holds);
 
 // Sets where the tensor `key` of `file` comes from, for the dry run.
 void SetFrom(PlannedFile* file, const std::string& key, std::string from);

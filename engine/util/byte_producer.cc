@@ -2,19 +2,22 @@
 
 #include <algorithm>
 
+#include "util/crc32.h"
+
 namespace reshard {
 
-void SpanSink::Note(const uint8_t* dst, int fd, int64_t offset, int64_t n) const {
+void SpanSink::Note(const uint8_t* dst, int fd, int64_t offset, int64_t n, std::optional<uint32_t> crc) const {
   if (spans_ == nullptr || fd < 0 || n <= 0 || dst < base_ || dst + n > base_ + length_) return;
   const int64_t at = dst - base_;
   if (!spans_->empty()) {
     FileSpan& last = spans_->back();
     if (last.fd == fd && last.at + last.length == at && last.offset + last.length == offset) {
+      last.crc = last.crc && crc ? std::optional<uint32_t>(Crc32Combine(*last.crc, *crc, n)) : std::nullopt;
       last.length += n;
       return;
     }
   }
-  spans_->push_back({at, fd, offset, n});
+  spans_->push_back({at, fd, offset, n, crc});
 }
 
 ByteProducer JoinedBytes(std::vector<PlacedBytes> pieces) {

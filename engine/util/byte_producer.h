@@ -7,7 +7,10 @@
 // A producer may also say which of the bytes it made are a source file's
 // bytes as they lie there (FileSpans), so that the writer can have the
 // kernel copy those from the file (WriteProduced, container/write_fully.h)
-// instead of pushing the produced copy through the process once more. Only
+// instead of pushing the produced copy through the process once more, and
+// the CRC-32 of those bytes where it was computed as they were copied (to
+// check the source's zip record), so that the writer need not read them
+// again for the target's CRC (ProducedCrc, container/kernel_copy.h). Only
 // producers made with ByteProducer::Traced say so: one that changes bytes
 // after copying them (a cast, a transpose) is an ordinary one, and its
 // spans are never asked for.
@@ -16,6 +19,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -31,11 +35,13 @@ struct FileSpan {
   int fd = -1;
   int64_t offset = 0;
   int64_t length = 0;
+  // The CRC-32 of those bytes, where the producer computed it.
+  std::optional<uint32_t> crc = std::nullopt;
 };
 
 // The spans of one produced range, in the order they were noted (not
 // always that of their place), each merged into the one before where it
-// continues it in both.
+// continues it in both (their CRCs joined).
 using FileSpans = std::vector<FileSpan>;
 
 // Where a traced producer notes its spans: the range's first byte `base`
@@ -48,8 +54,9 @@ class SpanSink {
   SpanSink() = default;
   SpanSink(FileSpans* spans, const uint8_t* base, int64_t length) : spans_(spans), base_(base), length_(length) {}
 
-  // dst[0, n) were copied from bytes [offset, offset + n) of the file `fd`.
-  void Note(const uint8_t* dst, int fd, int64_t offset, int64_t n) const;
+  // dst[0, n) were copied from bytes [offset, offset + n) of the file `fd`;
+  // `crc`, where given, is their CRC-32.
+  void Note(const uint8_t* dst, int fd, int64_t offset, int64_t n, std::optional<uint32_t> crc = {}) const;
 
  private:
   FileSpans* spans_ = nullptr;

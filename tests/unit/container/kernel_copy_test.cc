@@ -11,6 +11,7 @@
 
 #include "container/regular_file.h"
 #include "test_util.h"
+#include "util/crc32.h"
 
 namespace reshard {
 namespace {
@@ -97,6 +98,38 @@ TEST_F(KernelCopyTest, AnUnwritableTargetIsAnError) {
   const std::vector<uint8_t> data = Filled(kLong, 'D');
   EXPECT_NE(WriteProduced(read_only, data.data(), data.size(), 0, {{0, source_, 0, kLong}}), 0);
   ::close(read_only);
+}
+
+std::vector<uint8_t> Counting(int64_t n) {
+  std::vector<uint8_t> bytes(static_cast<size_t>(n));
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<uint8_t>(i * 7 + (i >> 8));
+  return bytes;
+}
+
+uint32_t CrcOf(const std::vector<uint8_t>& data, int64_t at, int64_t n) {
+  return Crc32(0, data.data() + at, static_cast<size_t>(n));
+}
+
+TEST(ProducedCrcTest, SpansWithTheirCrcGiveTheCrcOfTheBytes) {
+  const std::vector<uint8_t> data = Counting(3 * kLong);
+  const FileSpans spans = {{2 * kLong, 3, 0, kLong - 5, CrcOf(data, 2 * kLong, kLong - 5)},
+                           {100, 3, 0, kLong, CrcOf(data, 100, kLong)},
+                           {kLong + 100, 3, 0, 1000, CrcOf(data, kLong + 100, 1000)},
+                           {kLong + 2000, 3, 0, kLong / 2}};  // no CRC: read
+  EXPECT_EQ(ProducedCrc(0, data.data(), data.size(), spans), Crc32(0, data.data(), data.size()));
+  EXPECT_EQ(ProducedCrc(0x1234, data.data(), data.size(), spans), Crc32(0x1234, data.data(), data.size()));
+}
+
+TEST(ProducedCrcTest, ALongSpansCrcIsTakenNotComputedAgain) {
+  const std::vector<uint8_t> data = Counting(2 * kLong);
+  const uint32_t whole = Crc32(0, data.data(), data.size());
+  // A CRC that is not that of the span's bytes shows which was used.
+  EXPECT_NE(ProducedCrc(0, data.data(), data.size(), {{kLong, 3, 0, kLong, 0xdeadbeef}}), whole);
+  // A short span's bytes are CRC'd again (cheaper than joining its CRC) ...
+  EXPECT_EQ(ProducedCrc(0, data.data(), data.size(), {{kLong, 3, 0, 100, 0xdeadbeef}}), whole);
+  // ... and overlapping spans are not trusted at all.
+  const FileSpans overlapping = {{0, 3, 0, kLong + 1, 0xdeadbeef}, {kLong, 3, 0, kLong, 0xdeadbeef}};
+  EXPECT_EQ(ProducedCrc(0, data.data(), data.size(), overlapping), whole);
 }
 
 }  // namespace

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "container/crc32.h"
+#include "util/crc32.h"
 
 namespace reshard {
 namespace {
@@ -23,7 +23,9 @@ struct Checked {
     if (damaged) bytes[42] ^= 1;
     crcs = std::make_shared<RecordCrcs>("f.pt", std::vector<std::pair<std::string, ZipRecord>>{{"a/data/0", record}});
   }
-  void Read(uint64_t begin, uint64_t end) { crcs->Note(10 + begin, end - begin, bytes.data() + begin); }
+  void Read(uint64_t begin, uint64_t end) {
+    crcs->Note(10 + begin, end - begin, Crc32(0, bytes.data() + begin, end - begin));
+  }
 };
 
 TEST(RecordCrcsTest, PiecesInAnyOrderCheckTheRecord) {

@@ -5,6 +5,8 @@
 #include <cstring>
 #include <fstream>
 
+#include "container/record_crc.h"
+#include "container/zip_directory.h"
 #include "test_util.h"
 
 namespace reshard {
@@ -57,6 +59,59 @@ TEST(TorchFileTest, StoragesPointIntoTheFileMapping) {
   EXPECT_EQ(s.record_key, "0");
   EXPECT_NE(s.bytes.owner, nullptr);
   EXPECT_EQ(s.bytes.size, 4u);
+}
+
+// A tensor big enough that its record is copied by the kernel.
+Value LargeTensor() {
+  std::vector<float> values(1 << 17);
+  for (size_t i = 0; i < values.size(); ++i) values[i] = static_cast<float>(i % 128);  // exact in bf16
+  return MakeOrderedDict({{Value::String("w"), Bf16Tensor(values, {static_cast<int64_t>(values.size())})}});
+}
+
+ZipRecord RecordOf(const std::string& path, const std::string& name) {
+  auto file = MappedFile::Open(path);
+  EXPECT_TRUE(file.ok());
+  auto zip = ZipDirectory::Read(**file);
+  EXPECT_TRUE(zip.ok());
+  return *zip->Find(name);
+}
+
+// A source record written again whole: the target record's CRC is the one
+// computed as the source was read and checked, and it is the CRC its bytes have.
+TEST(TorchFileTest, ARecordCopiedWholeKeepsItsCrcAndReadsBack) {
+  TempDir dir;
+  const std::string source = (dir.path() / "source.pt").string(), target = (dir.path() / "target.pt").string();
+  ASSERT_TRUE(WriteTorchFile(source, LargeTensor()).ok());
+  {
+    Result<Value> read = ReadTorchFile(source);
+    ASSERT_TRUE(read.ok());
+    ASSERT_TRUE(WriteTorchFile(target, *read).ok());
+    EXPECT_TRUE(CheckReadRecords().ok());
+  }
+  EXPECT_EQ(RecordOf(target, "data/0").crc, RecordOf(source, "data/0").crc);
+  Result<Value> back = ReadTorchFile(target);
+  ASSERT_TRUE(back.ok()) << back.status().message();
+  const Storage& s = *Find(*back, "w")->as_tensor().storage;
+  EXPECT_EQ(LoadAsDouble(DType::kBFloat16, s.bytes.data + 2 * 1000), 1000 % 128);
+  EXPECT_EQ(Crc32(0, s.bytes.data, s.bytes.size), RecordOf(target, "data/0").crc);
+}
+
+TEST(TorchFileTest, ADamagedSourceRecordCopiedWholeIsStillRefused) {
+  TempDir dir;
+  const std::string source = (dir.path() / "source.pt").string(), target = (dir.path() / "target.pt").string();
+  ASSERT_TRUE(WriteTorchFile(source, LargeTensor()).ok());
+  const ZipRecord record = RecordOf(source, "data/0");
+  {
+    std::fstream f(source, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(static_cast<std::streamoff>(record.data_offset + 1000));
+    f.put('\x55');
+  }
+  Result<Value> read = ReadTorchFile(source);
+  ASSERT_TRUE(read.ok());
+  ASSERT_TRUE(WriteTorchFile(target, *read).ok());
+  const Status checked = CheckReadRecords();
+  EXPECT_EQ(checked.code(), Status::Code::kInvalidInput);
+  EXPECT_NE(checked.message().find("source.pt: record"), std::string::npos) << checked.message();
 }
 
 TEST(TorchFileTest, ReadsWhatTorchSaveWrote) {

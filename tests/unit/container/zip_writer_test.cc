@@ -10,10 +10,10 @@
 #include <string>
 #include <vector>
 
-#include "container/crc32.h"
 #include "container/torch_file.h"
 #include "pickle/pickle_writer.h"
 #include "test_util.h"
+#include "util/crc32.h"
 
 namespace reshard {
 namespace {

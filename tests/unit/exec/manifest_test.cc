@@ -7,7 +7,7 @@
 #include <map>
 #include <string>
 
-#include "container/crc32.h"
+#include "util/crc32.h"
 
 namespace reshard {
 namespace {

@@ -7,6 +7,8 @@
 #include <cstring>
 #include <vector>
 
+#include "util/crc32.h"
+
 namespace reshard {
 namespace {
 
@@ -48,6 +50,22 @@ TEST(ByteProducerTest, ContinuingNotesMergeAndNotesOutsideTheRangeAreDropped) {
   EXPECT_EQ(spans[0].length, 30);
   EXPECT_EQ(spans[1].at, 30);
   EXPECT_EQ(spans[2].fd, 4);
+}
+
+TEST(ByteProducerTest, MergedNotesJoinTheirCrcsWhereBothHaveOne) {
+  std::vector<uint8_t> buffer(100);
+  for (size_t i = 0; i < buffer.size(); ++i) buffer[i] = static_cast<uint8_t>(i * 3);
+  const auto crc = [&](int64_t at, int64_t n) { return Crc32(0, buffer.data() + at, static_cast<size_t>(n)); };
+  FileSpans spans;
+  const SpanSink sink(&spans, buffer.data(), 100);
+  sink.Note(buffer.data(), 3, 0, 10, crc(0, 10));
+  sink.Note(buffer.data() + 10, 3, 10, 30, crc(10, 30));
+  sink.Note(buffer.data() + 50, 3, 60, 10, crc(50, 10));
+  sink.Note(buffer.data() + 60, 3, 70, 10);  // no CRC: the merged span has none
+  ASSERT_EQ(spans.size(), 2u);
+  EXPECT_EQ(spans[0].crc, crc(0, 40));
+  EXPECT_EQ(spans[1].length, 20);
+  EXPECT_FALSE(spans[1].crc.has_value());
 }
 
 TEST(ByteProducerTest, JoinedBytesPlacesPiecesWithZerosBetweenAndForwardsSpans) {

@@ -3,6 +3,7 @@
 #include "formats/deepspeed/files/file_names.h"
 #include "formats/deepspeed/optimizer/state_tensor.h"
 #include "formats/deepspeed/pipeline/model_states_writer.h"
+#include "formats/deepspeed/pipeline/unchanged_layer_file.h"
 #include "formats/deepspeed/pipeline/zero_shard_writer.h"
 
 namespace reshard {
@@ -48,6 +49,13 @@ Result<PlannedFile> LayerFile(const LogicalCheckpoint& src, const SourceOptimize
   for (const TensorPlan& tp : file.tensors) {
     const LogicalTensor& lt = layer.tensors[tp.tensor_index];
     SetFrom(&f, lt.key, "(" + lt.rule->Describe() + ") " + DescribeSources(tp));
+  }
+  if (std::optional<SourceFileCopy> same = UnchangedSourceFile(src, file)) {
+    CopyWhereSame(&f, std::move(same->path), [holds = std::move(same->holds), read, bytes = f.bytes] {
+      if (!holds()) return false;
+      *read += bytes;  // the copy reads them
+      return true;
+    });
   }
   return f;
 }
