@@ -53,6 +53,13 @@ class Kwargs {
     if (!value.is_none()) *field = value.cast<T>();
   }
 
+  // The argument `name` (None when not given), as a Python object.
+  py::object Take(const char* name) {
+    py::object value = py::none();
+    Get(name, &value);
+    return value;
+  }
+
   void Done(const char* function) const {
     for (const auto& item : kwargs_) {
       const std::string name = py::str(item.first);
@@ -234,9 +241,7 @@ py::dict RunWriting(Progress* progress, F run) {
 py::dict Convert(const std::string& input, const std::string& output, py::kwargs kwargs) {
   reshard::ConvertOptions o;
   Kwargs kw(kwargs);
-  py::object callback = py::none();
-  kw.Get("progress", &callback);
-  Progress progress(callback);
+  Progress progress(kw.Take("progress"));
   ReadWrite(kw, &o, &progress);
   kw.Get("tp", &o.target_tp);
   kw.Get("pp", &o.target_pp);
@@ -252,9 +257,7 @@ py::dict Convert(const std::string& input, const std::string& output, py::kwargs
 py::dict Export(const std::string& input, const std::string& output, py::kwargs kwargs) {
   reshard::ExportOptions o;
   Kwargs kw(kwargs);
-  py::object callback = py::none();
-  kw.Get("progress", &callback);
-  Progress progress(callback);
+  Progress progress(kw.Take("progress"));
   ReadWrite(kw, &o, &progress);
   ReadExport(kw, &o);
   kw.Done("export");
