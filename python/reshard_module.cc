@@ -432,9 +432,10 @@ class PyCheckpoint {
   std::map<std::string, size_t> index_;
 };
 
-reshard::RankSpec Rank(int tp, int pp, int dp, int tp_rank, int pp_rank, int dp_rank) {
+reshard::RankSpec Rank(int tp, int pp, int dp, int ep, int tp_rank, int pp_rank, int dp_rank, int ep_rank) {
   reshard::RankSpec r;
-  r.tp = tp, r.pp = pp, r.dp = dp, r.tp_rank = tp_rank, r.pp_rank = pp_rank, r.dp_rank = dp_rank;
+  r.tp = tp, r.pp = pp, r.dp = dp, r.ep = ep;
+  r.tp_rank = tp_rank, r.pp_rank = pp_rank, r.dp_rank = dp_rank, r.ep_rank = ep_rank;
   return r;
 }
 
@@ -468,15 +469,17 @@ PYBIND11_MODULE(_reshard, m) {
       .def("tensor", &PyCheckpoint::Tensor, py::arg("name"), py::arg("factories"))
       .def(
           "state_dict",
-          [](const PyCheckpoint& c, const Factories& f, int tp, int pp, int tp_rank, int pp_rank) {
-            return c.StateDict(Rank(tp, pp, 1, tp_rank, pp_rank, 0), f);
-          },
-          py::arg("factories"), py::arg("tp"), py::arg("pp"), py::arg("tp_rank"), py::arg("pp_rank"))
+          [](const PyCheckpoint& c, const Factories& f, int tp, int pp, int ep, int tp_rank, int pp_rank,
+             int ep_rank) { return c.StateDict(Rank(tp, pp, 1, ep, tp_rank, pp_rank, 0, ep_rank), f); },
+          py::arg("factories"), py::arg("tp"), py::arg("pp"), py::arg("ep"), py::arg("tp_rank"), py::arg("pp_rank"),
+          py::arg("ep_rank"))
       .def(
           "optimizer_state",
-          [](const PyCheckpoint& c, const Factories& f, int tp, int pp, int dp, int tp_rank, int pp_rank,
-             int dp_rank) { return c.OptimizerState(Rank(tp, pp, dp, tp_rank, pp_rank, dp_rank), f); },
-          py::arg("factories"), py::arg("tp"), py::arg("pp"), py::arg("dp"), py::arg("tp_rank"), py::arg("pp_rank"),
-          py::arg("dp_rank"))
+          [](const PyCheckpoint& c, const Factories& f, int tp, int pp, int dp, int ep, int tp_rank, int pp_rank,
+             int dp_rank, int ep_rank) {
+            return c.OptimizerState(Rank(tp, pp, dp, ep, tp_rank, pp_rank, dp_rank, ep_rank), f);
+          },
+          py::arg("factories"), py::arg("tp"), py::arg("pp"), py::arg("dp"), py::arg("ep"), py::arg("tp_rank"),
+          py::arg("pp_rank"), py::arg("dp_rank"), py::arg("ep_rank"))
       .def("export", &PyCheckpoint::Export, py::arg("factories"));
 }

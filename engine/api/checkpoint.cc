@@ -52,22 +52,35 @@ TensorMeta MetaOf(const FullTensor& t, const SourceInfo& info, const std::map<st
                     t.vocab ? info.vocab_size.value_or(0) : 0};
 }
 
-Status CheckRank(const RankSpec& r) {
-  if (r.tp < 1 || r.pp < 1 || r.dp < 1) return Status::InvalidInput("tp, pp and dp must each be at least 1");
+std::string RankText(const RankSpec& r) {
+  std::string text = "rank (tp_rank " + std::to_string(r.tp_rank) + ", pp_rank " + std::to_string(r.pp_rank) +
+                     ", dp_rank " + std::to_string(r.dp_rank);
+  if (r.ep != 1) text += ", ep_rank " + std::to_string(r.ep_rank);
+  return text + ")";
+}
+
+std::string LayoutText(const RankSpec& r) {
+  std::string text = "TP " + std::to_string(r.tp) + " x PP " + std::to_string(r.pp) + " x DP " + std::to_string(r.dp);
+  return r.ep != 1 ? text + " (EP " + std::to_string(r.ep) + ")" : text;
+}
+
+Status CheckRank(const SourceCheckpoint& src, const RankSpec& r) {
+  if (r.tp < 1 || r.pp < 1 || r.dp < 1 || r.ep < 1) {
+    return Status::InvalidInput("tp, pp, dp and ep must each be at least 1");
+  }
+  if (r.ep != 1 && !src.info().has_experts) {
+    return Status::InvalidInput("this checkpoint has no experts; leave ep at 1");
+  }
   if (r.tp_rank < 0 || r.tp_rank >= r.tp || r.pp_rank < 0 || r.pp_rank >= r.pp || r.dp_rank < 0 ||
-      r.dp_rank >= r.dp) {
-    return Status::InvalidInput("rank (tp_rank " + std::to_string(r.tp_rank) + ", pp_rank " +
-                                std::to_string(r.pp_rank) + ", dp_rank " + std::to_string(r.dp_rank) +
-                                ") is outside the layout TP " + std::to_string(r.tp) + " x PP " +
-                                std::to_string(r.pp) + " x DP " + std::to_string(r.dp) +
-                                "; ranks count from 0");
+      r.dp_rank >= r.dp || r.ep_rank < 0 || r.ep_rank >= r.ep) {
+    return Status::InvalidInput(RankText(r) + " is outside the layout " + LayoutText(r) + "; ranks count from 0");
   }
   return Status::Ok();
 }
 
 bool RoleOf(const FileRole& role, FileRole::Holds holds, const RankSpec& r) {
   return role.holds == holds && role.tp == r.tp_rank && role.pp == r.pp_rank &&
-         (role.dp < 0 || role.dp == r.dp_rank);
+         (role.dp < 0 || role.dp == r.dp_rank) && (role.ep < 0 || role.ep == r.ep_rank);
 }
 
 // The file's tree, or its entry `entry`.
@@ -141,29 +154,35 @@ namespace {
 // The plan Convert would make for the layout of `r`.
 Result<OutputPlan> PlanLayout(const SourceCheckpoint& src, const OpenOptions& options, const RankSpec& r,
                               bool weights_only) {
-  RESHARD_RETURN_IF_ERROR(CheckRank(r));
+  RESHARD_RETURN_IF_ERROR(CheckRank(src, r));
   RESHARD_RETURN_IF_ERROR(CheckPipelineComputes(src));
   ConvertOptions convert;
   static_cast<PreflightOptions&>(convert) = options;
   convert.target_tp = r.tp;
   convert.target_pp = r.pp;
   convert.target_dp = r.dp;
+  if (src.info().has_experts) convert.target_ep = r.ep;
   convert.weights_only = weights_only || options.weights_only;
   std::vector<std::string> notes;
   return src.Plan(convert, &notes);
 }
 
 Status NoFileFor(const SourceCheckpoint& src, const std::string& what, const RankSpec& r, const std::string& hint) {
-  return Status::Unsupported("this " + src.info().kind + " checkpoint at TP " + std::to_string(r.tp) + " x PP " +
-                             std::to_string(r.pp) + " x DP " + std::to_string(r.dp) + " has no " + what +
-                             " for rank (tp_rank " + std::to_string(r.tp_rank) + ", pp_rank " +
-                             std::to_string(r.pp_rank) + ", dp_rank " + std::to_string(r.dp_rank) + "); " + hint);
+  return Status::Unsupported("this " + src.info().kind + " checkpoint at " + LayoutText(r) + " has no " + what +
+                             " for " + RankText(r) + "; " + hint);
 }
 
 }  // namespace
 
 Result<std::vector<std::pair<std::string, TensorBytes>>> Checkpoint::StateDict(const RankSpec& rank) const {
-  RESHARD_ASSIGN_OR_RETURN(OutputPlan plan, PlanLayout(*rep_->src, rep_->options, rank, true));
+  if (rep_->src->info().kind == "ZeRO-3") {  // its weights too are partitioned over DP
+    return NoFileFor(*rep_->src, "layer files", rank, "its ranks hold their weights as partitions in the optimizer "
+                     "state; read them whole by name with tensor()");
+  }
+  RankSpec layout = rank;  // weights are the same at every DP size EP divides
+  layout.dp = rank.ep;
+  layout.dp_rank = 0;
+  RESHARD_ASSIGN_OR_RETURN(OutputPlan plan, PlanLayout(*rep_->src, rep_->options, layout, true));
   std::vector<std::pair<std::string, TensorBytes>> out;
   bool found = false;
   for (const PlannedFile& file : plan.files) {
@@ -180,6 +199,12 @@ Result<std::vector<std::pair<std::string, TensorBytes>>> Checkpoint::StateDict(c
 
 Result<TreeValue> Checkpoint::OptimizerState(const RankSpec& rank) const {
   if (rep_->options.weights_only) return Status::InvalidInput("the checkpoint was opened weights_only");
+  if (rank.ep > 1 && rank.dp_rank % rank.ep != rank.ep_rank) {
+    return Status::InvalidInput("DP rank " + std::to_string(rank.dp_rank) + " holds the experts of EP rank " +
+                                std::to_string(rank.dp_rank % rank.ep) + " at EP " + std::to_string(rank.ep) +
+                                " (DeepSpeed gives DP rank d EP rank d % ep); ask for ep_rank " +
+                                std::to_string(rank.dp_rank % rank.ep));
+  }
   RESHARD_ASSIGN_OR_RETURN(OutputPlan plan, PlanLayout(*rep_->src, rep_->options, rank, false));
   for (const PlannedFile& file : plan.files) {
     for (const FileRole& role : file.roles) {

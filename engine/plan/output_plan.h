@@ -92,6 +92,7 @@ struct FileRole {
   // ("layer_02.").
   std::string entry;
   std::string prefix;
+  int ep = -1;  // DeepSpeed MoE: the EP rank that loads it; -1 for files every EP rank loads
 };
 
 struct PlannedFile {

@@ -73,10 +73,13 @@ struct TreeValue {
 };
 
 // One rank of a target layout: a model-parallel rank (tp_rank, pp_rank) of
-// TP `tp` x PP `pp`, and for the optimizer state its DP rank of `dp`.
+// TP `tp` x PP `pp`, and for the optimizer state its DP rank of `dp`. A
+// DeepSpeed MoE checkpoint's rank also has an expert-parallel rank of EP
+// `ep`, which holds experts ep_rank * E/EP .. (ep_rank + 1) * E/EP - 1 of
+// each MoE layer of E experts; DeepSpeed gives DP rank d the EP rank d % ep.
 struct RankSpec {
-  int tp = 1, pp = 1, dp = 1;
-  int tp_rank = 0, pp_rank = 0, dp_rank = 0;
+  int tp = 1, pp = 1, dp = 1, ep = 1;
+  int tp_rank = 0, pp_rank = 0, dp_rank = 0, ep_rank = 0;
 };
 
 // An export in memory: what `Export` would write, without writing it.
@@ -112,11 +115,15 @@ class Checkpoint {
 
   // The weights rank (rank.tp_rank, rank.pp_rank) of TP rank.tp x PP rank.pp
   // loads: every tensor of its layer files, keyed "layer_NN.<key in the
-  // file>", as `Convert` to that layout would write them.
+  // file>", as `Convert` to that layout would write them (the DP size does
+  // not matter). A non-pipeline checkpoint's rank loads its mp_rank file's
+  // module, keyed as there; a MoE checkpoint's rank (at EP rank.ep) that
+  // module and its EP rank's expert files, keyed as there.
   Result<std::vector<std::pair<std::string, TensorBytes>>> StateDict(const RankSpec& rank) const;
 
-  // The optimizer state the rank loads (its ZeRO shard at DP rank.dp), the
-  // tree of the file `Convert` to that layout would write for it.
+  // The optimizer state the rank loads (its ZeRO shard at DP rank.dp; a MoE
+  // rank's EP rank must be rank.dp_rank % rank.ep), the tree of the file
+  // `Convert` to that layout would write for it.
   Result<TreeValue> OptimizerState(const RankSpec& rank) const;
 
   // The export `options.to` ("hf", "consolidated", ...) made in memory, as

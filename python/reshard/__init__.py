@@ -126,15 +126,22 @@ class Checkpoint:
         """The tensor ``name`` whole, TP replicas merged as the open's ``replicated`` says."""
         return self._c.tensor(name, _factories(as_numpy))
 
-    def state_dict(self, tp=1, pp=1, tp_rank=0, pp_rank=0, as_numpy=False):
+    def state_dict(self, tp=1, pp=1, tp_rank=0, pp_rank=0, ep=1, ep_rank=0, as_numpy=False):
         """The weights rank (tp_rank, pp_rank) of TP ``tp`` x PP ``pp`` loads: every tensor of
-        its layer files as ``convert`` would write them, keyed ``layer_NN.<key in the file>``."""
-        return self._c.state_dict(_factories(as_numpy), tp, pp, tp_rank, pp_rank)
+        its layer files as ``convert`` would write them, keyed ``layer_NN.<key in the file>``
+        (a non-pipeline checkpoint: its mp_rank file's module, keyed as there). A DeepSpeed MoE
+        checkpoint's rank at EP ``ep`` loads that module and the expert files of EP rank
+        ``ep_rank``, keyed as there."""
+        return self._c.state_dict(_factories(as_numpy), tp, pp, ep, tp_rank, pp_rank, ep_rank)
 
-    def optimizer_state(self, tp=1, pp=1, dp=1, tp_rank=0, pp_rank=0, dp_rank=0, as_numpy=False):
+    def optimizer_state(self, tp=1, pp=1, dp=1, tp_rank=0, pp_rank=0, dp_rank=0, ep=1, ep_rank=None,
+                        as_numpy=False):
         """The optimizer state that rank loads: the tree of the ZeRO shard file ``convert``
-        would write for it at DP ``dp``, as torch.load would give it."""
-        return self._c.optimizer_state(_factories(as_numpy), tp, pp, dp, tp_rank, pp_rank, dp_rank)
+        would write for it at DP ``dp`` (and EP ``ep``: DP rank d is EP rank d % ep, the
+        default ``ep_rank``), as torch.load would give it."""
+        if ep_rank is None:
+            ep_rank = dp_rank % ep if ep > 0 else 0
+        return self._c.optimizer_state(_factories(as_numpy), tp, pp, dp, ep, tp_rank, pp_rank, dp_rank, ep_rank)
 
     def export(self, to, as_numpy=False, **options):
         """What ``reshard.export(..., to=to)`` would write, made in memory: a dict with

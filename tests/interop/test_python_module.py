@@ -6,6 +6,10 @@
   for Megatron-DeepSpeed sources with bf16 ZeRO and fp32 ZeRO-1 optimizers, an HF folder, a
   DeepSpeed universal checkpoint and a Megatron-Core torch_dist checkpoint.
 * `optimizer_state(tp, pp, dp, ...)` is the tree of the ZeRO shard file convert writes for the rank.
+* For DeepSpeed MoE saves (TP, PP, EP and DP changed, ZeRO and not), `state_dict(..., ep, ep_rank)`
+  is convert's mp_rank module and that EP rank's expert files, and `optimizer_state` the DP rank's
+  shard (without ZeRO, its EP rank's expp_rank file's torch state); a ZeRO-3 rank's
+  `optimizer_state` is its partition file.
 * `tensor(name)` is `export --to consolidated --from weights`'s tensor; `export(to="hf")` in memory
   is `export --to hf`'s files, and the HF model's logits from it are the export's.
 * A tensor stored contiguously comes back mapped copy-on-write, not copied: writing to it leaves
@@ -175,6 +179,84 @@ class StateDictTest(support.FixtureTestCase):
             ours = ckpt.optimizer_state(dp=3, dp_rank=d)
             theirs = load(os.path.join(tag, f'bf16_zero_pp_rank_{d}_mp_rank_00_optim_states.pt'))
             self.assertEqual(same_tree(ours, theirs, f'DP rank {d}'), [])
+
+    def test_zero3(self):
+        """A ZeRO-3 rank's optimizer state is its partition file; its weights are partitions too,
+        which state_dict refuses (tensor() reads them whole)."""
+        from fixtures import deepspeed_nonpipe as dn
+        src = self.path('zero3')
+        dn.write_nonpipe(src, dn.NonPipeConfig(zero_stage=3, dtype='bf16', dp=2, sub_group_size=40))
+        tag = os.path.join(convert(src, self.path('converted'), '--tp', 1, '--pp', 1, '--dp', 3), 'global_step10')
+        ckpt = reshard.open(src)
+        for d in range(3):
+            ours = ckpt.optimizer_state(dp=3, dp_rank=d)
+            theirs = load(os.path.join(tag, f'bf16_zero_pp_rank_{d}_mp_rank_00_optim_states.pt'))
+            self.assertEqual(same_tree(ours, theirs, f'DP rank {d}'), [])
+        with self.assertRaisesRegex(reshard.Error, 'has no layer files for rank .*tensor\\(\\)'):
+            ckpt.state_dict()
+        self.assertTrue(ckpt.keys())
+
+    # DeepSpeed MoE saves: (source, target TP, PP, EP, DP): bf16 ZeRO-1 of the pipeline engine at
+    # PP 2 -> 1 and EP 2 -> 4; fp32 ZeRO-2 at TP 2 -> 1 and EP 2 -> 1; fp32 without ZeRO (each EP
+    # rank's torch state in its expp_rank file) at EP 2 -> 4, DP 4 -> 8.
+    MOE_CASES = [
+        (dict(engine='pipe', pp=2, dp=4, ep=2, dtype='bf16'), 1, 1, 4, 4),
+        (dict(engine='module', tp=2, dp=4, ep=2, zero_stage=2), 1, 1, 1, 2),
+        (dict(engine='module', dp=4, ep=2, zero_stage=0), 1, 1, 4, 8),
+    ]
+
+    def test_moe(self):
+        from fixtures import deepspeed_moe as dm
+        for i, (source, tp, pp, ep, dp) in enumerate(self.MOE_CASES):
+            cfg = dm.MoeConfig(**source)
+            with self.subTest(source=source, tp=tp, pp=pp, ep=ep, dp=dp):
+                src = self.path(f'moe{i}')
+                dm.write_moe(src, cfg)
+                rules = dm.TOY_RULES[cfg.engine]
+                out = convert(src, self.path(f'moe{i}-converted'), '--tp', tp, '--pp', pp, '--ep', ep, '--dp', dp,
+                              '--rules', rules)
+                tag = dm.resolve_tag_dir(out)
+                dm.install_pickle_shims()
+                ckpt = reshard.open(src, rules=rules)
+                local = cfg.num_experts // ep
+                seen = 0
+                for t in range(tp):
+                    for p in range(pp):
+                        mp = p * tp + t
+                        module = dict(load(os.path.join(tag, f'mp_rank_{mp:02d}_model_states.pt'))['module'])
+                        for e in range(ep):
+                            theirs = dict(module)
+                            for n in sorted(os.listdir(tag)):
+                                m = re.fullmatch(rf'layer_\d+_expert_(\d+)_mp_rank_{mp:02d}_model_states\.pt', n)
+                                if m and int(m.group(1)) // local == e:
+                                    theirs.update(load(os.path.join(tag, n)))
+                            ours = ckpt.state_dict(tp=tp, pp=pp, tp_rank=t, pp_rank=p, ep=ep, ep_rank=e)
+                            self.assertGreater(len(theirs), len(module))
+                            self.assertEqual(differences(ours, theirs, f'rank {t},{p}, EP rank {e}'), [])
+                            seen += len(ours) - len(module)
+                        seen += len(module)
+                        for d in range(dp):
+                            ours = ckpt.optimizer_state(tp=tp, pp=pp, dp=dp, ep=ep, tp_rank=t, pp_rank=p, dp_rank=d)
+                            if cfg.zero_stage == 0:
+                                name = f'expp_rank_{d % ep}_mp_rank_{mp:02d}_optim_states.pt'
+                                theirs = load(os.path.join(tag, name))['optimizer']
+                            else:
+                                name = [n for n in os.listdir(tag) if re.fullmatch(
+                                    rf'(bf16_)?zero_pp_rank_{d}_mp_rank_{mp:02d}_optim_states\.pt', n)][0]
+                                theirs = load(os.path.join(tag, name))
+                            self.assertEqual(same_tree(ours, theirs, name), [])
+                # Every tensor of the target's model files, once.
+                self.assertEqual(seen, sum(len(load(os.path.join(tag, n)).get('module', {}))
+                                           if n.startswith('mp_rank') else len(load(os.path.join(tag, n)))
+                                           for n in os.listdir(tag) if n.endswith('_model_states.pt')))
+                with self.assertRaisesRegex(reshard.Error, 'DP rank 1 holds the experts of EP rank 1 .*ep_rank 1'):
+                    ckpt.optimizer_state(dp=4, ep=2, dp_rank=1, ep_rank=0)
+                with self.assertRaisesRegex(reshard.Error, r'\(tp_rank 0, pp_rank 0, dp_rank 0, ep_rank 2\) is '
+                                            r'outside the layout TP 1 x PP 1 x DP 2 \(EP 2\)'):
+                    ckpt.state_dict(ep=2, ep_rank=2)
+        dense = reshard.open(make_fixture(self.path('dense'), tp=1, pp=1, dp=1, **FAMILIES['ms_gpt2']))
+        with self.assertRaisesRegex(reshard.Error, 'has no experts; leave ep at 1'):
+            dense.state_dict(ep=2)
 
     def test_tensor_and_exports_in_memory(self):
         src = make_fixture(self.path('gpt2'), tp=2, pp=2, dp=2, optimizer='bf16_zero', **FAMILIES['ms_gpt2'])

@@ -208,7 +208,7 @@ std::vector<MoeBlock> StageBlocks(const MoeLayout& layout, int pp_rank, LayerRan
 
 // The source expert files of the stage's MoE layers under their target names.
 Status PlanExpertFiles(const CheckpointFiles& files, const MoeLayout& layout, const LogicalCheckpoint& src, int t,
-                       MoeStagePlan* stage) {
+                       int ep, MoeStagePlan* stage) {
   for (const MoeBlock& target : stage->blocks) {
     const MoeBlock& source = *std::find_if(layout.blocks.begin(), layout.blocks.end(),
                                            [&](const MoeBlock& b) { return b.layer_id == target.layer_id; });
@@ -220,7 +220,8 @@ Status PlanExpertFiles(const CheckpointFiles& files, const MoeLayout& layout, co
                                   ModelStatesName(source_mp) + "; the folder is incomplete");
     }
     for (const auto& [e, path] : by_layer->second.at(m)) {
-      stage->expert_files.push_back({ExpertFileName(layout.old_file_form ? -1 : target.index, e, stage->mp), path});
+      stage->expert_files.push_back(
+          {ExpertFileName(layout.old_file_form ? -1 : target.index, e, stage->mp), path, e / (target.experts / ep)});
     }
   }
   return Status::Ok();
@@ -340,7 +341,7 @@ Result<MoePlan> MakeMoePlan(const LogicalCheckpoint& src, const CheckpointFiles&
       stage.source_mp = (p < src.pp ? p : 0) * src.tp + st;
       stage.blocks = StageBlocks(layout, p, range);
       RESHARD_RETURN_IF_ERROR(PlanModule(src, index, st, range, &stage));
-      RESHARD_RETURN_IF_ERROR(PlanExpertFiles(files, layout, src, st, &stage));
+      RESHARD_RETURN_IF_ERROR(PlanExpertFiles(files, layout, src, st, target.ep, &stage));
       if (opt != nullptr) {
         StageTarget x{src, *opt, index, group_kinds, {}, t, target.ep, target.dp, layout.ep, plan.tensors, st};
         for (const MoeBlock& b : layout.blocks) x.experts[b.layer_id] = b.experts;

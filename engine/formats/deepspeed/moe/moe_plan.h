@@ -70,6 +70,7 @@ struct MoeModuleEntry {
 struct MoeExpertFilePlan {
   std::string name;    // in the target folder
   std::string source;  // path of the source file
+  int ep_rank = 0;     // the target EP rank whose expert it is
 };
 
 // Where a target optimizer group takes its hyperparameters and torch state

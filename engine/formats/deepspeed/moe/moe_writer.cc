@@ -139,6 +139,12 @@ Value StageTemplate(const MoeOptimizer& opt, const MoeStagePlan& stage) {
   return like;
 }
 
+// What a file of `stage` is to the rank that loads it: DP rank `dp` (-1:
+// every DP rank), EP rank `ep` (-1: every EP rank).
+FileRole StageRole(const MoeStagePlan& stage, FileRole::Holds holds, int dp, std::string entry, int ep) {
+  return FileRole{holds, stage.tp_rank, stage.pp_rank, dp, std::move(entry), "", ep};
+}
+
 // Plans the files of a MoePlan, stage by stage.
 class MoeWriter {
  public:
@@ -232,10 +238,12 @@ Status MoeWriter::AddStage(const MoeStagePlan& stage, std::vector<PlannedFile>* 
   RESHARD_ASSIGN_OR_RETURN(Value states, ModelStates(stage));
   RESHARD_ASSIGN_OR_RETURN(PlannedFile model, TorchFile(ModelStatesFileName(stage.mp), plan_.StageWhat(stage),
                                                         std::move(states)));
+  model.roles.push_back(StageRole(stage, FileRole::Holds::kWeights, -1, "module", -1));
   out->push_back(std::move(model));
   for (const MoeExpertFilePlan& f : stage.expert_files) {
     RESHARD_ASSIGN_OR_RETURN(Value root, ExpertFile(stage, f));
     RESHARD_ASSIGN_OR_RETURN(PlannedFile expert, TorchFile(f.name, "from " + BaseName(f.source), std::move(root)));
+    expert.roles.push_back(StageRole(stage, FileRole::Holds::kWeights, -1, "", f.ep_rank));
     out->push_back(std::move(expert));
   }
   return AddOptimizerFiles(stage, out);
@@ -267,12 +275,14 @@ Status MoeWriter::AddOptimizerFiles(const MoeStagePlan& stage, std::vector<Plann
                         std::to_string(d),
                     std::move(shards[k])));
       shard.detail = plan_.OptimizerDetail(o);
+      shard.roles.push_back(StageRole(stage, FileRole::Holds::kOptimizer, d, "", o.ep_rank));
       out->push_back(std::move(shard));
     }
   }
   for (int r = 0; r < plan_.ep; ++r) {
     RESHARD_ASSIGN_OR_RETURN(PlannedFile file, TorchFile(ExpertOptimizerFileName(r, mp), plan_.ExppWhat(r),
                                                          std::move(expp_files[r])));
+    if (plan_.state_in_expp) file.roles.push_back(StageRole(stage, FileRole::Holds::kOptimizer, -1, "optimizer", r));
     out->push_back(std::move(file));
   }
   return Status::Ok();

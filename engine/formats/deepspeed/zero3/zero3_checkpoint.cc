@@ -327,6 +327,8 @@ Result<std::vector<PlannedFile>> Zero3Checkpoint::Files(int target_dp, bool bf16
                                          [this, mp, target, d, read] {
                                            return Result<Value>(TargetOptimizer(mp, target, d, read));
                                          }));
+      // ZeRO-3 keeps no pipeline: the mp rank is the TP rank.
+      optimizer.roles.push_back(FileRole{FileRole::Holds::kOptimizer, mp, 0, d, "", ""});
       files.push_back(std::move(model));
       files.push_back(std::move(optimizer));
     }
