@@ -154,7 +154,6 @@ namespace {
 // The plan Convert would make for the layout of `r`.
 Result<OutputPlan> PlanLayout(const SourceCheckpoint& src, const OpenOptions& options, const RankSpec& r,
                               bool weights_only) {
-  RESHARD_RETURN_IF_ERROR(CheckRank(src, r));
   RESHARD_RETURN_IF_ERROR(CheckPipelineComputes(src));
   ConvertOptions convert;
   static_cast<PreflightOptions&>(convert) = options;
@@ -175,6 +174,7 @@ Status NoFileFor(const SourceCheckpoint& src, const std::string& what, const Ran
 }  // namespace
 
 Result<std::vector<std::pair<std::string, TensorBytes>>> Checkpoint::StateDict(const RankSpec& rank) const {
+  RESHARD_RETURN_IF_ERROR(CheckRank(*rep_->src, rank));
   if (rep_->src->info().kind == "ZeRO-3") {  // its weights too are partitioned over DP
     return NoFileFor(*rep_->src, "layer files", rank, "its ranks hold their weights as partitions in the optimizer "
                      "state; read them whole by name with tensor()");
@@ -199,6 +199,7 @@ Result<std::vector<std::pair<std::string, TensorBytes>>> Checkpoint::StateDict(c
 
 Result<TreeValue> Checkpoint::OptimizerState(const RankSpec& rank) const {
   if (rep_->options.weights_only) return Status::InvalidInput("the checkpoint was opened weights_only");
+  RESHARD_RETURN_IF_ERROR(CheckRank(*rep_->src, rank));
   if (rank.ep > 1 && rank.dp_rank % rank.ep != rank.ep_rank) {
     return Status::InvalidInput("DP rank " + std::to_string(rank.dp_rank) + " holds the experts of EP rank " +
                                 std::to_string(rank.dp_rank % rank.ep) + " at EP " + std::to_string(rank.ep) +

@@ -252,7 +252,7 @@ class StateDictTest(support.FixtureTestCase):
                 with self.assertRaisesRegex(reshard.Error, 'DP rank 1 holds the experts of EP rank 1 .*ep_rank 1'):
                     ckpt.optimizer_state(dp=4, ep=2, dp_rank=1, ep_rank=0)
                 with self.assertRaisesRegex(reshard.Error, r'\(tp_rank 0, pp_rank 0, dp_rank 0, ep_rank 2\) is '
-                                            r'outside the layout TP 1 x PP 1 x DP 2 \(EP 2\)'):
+                                            r'outside the layout TP 1 x PP 1 x DP 1 \(EP 2\)'):
                     ckpt.state_dict(ep=2, ep_rank=2)
         dense = reshard.open(make_fixture(self.path('dense'), tp=1, pp=1, dp=1, **FAMILIES['ms_gpt2']))
         with self.assertRaisesRegex(reshard.Error, 'has no experts; leave ep at 1'):
