@@ -81,7 +81,7 @@ def rank(r, port):
     if r == 0:  # a replicated tensor's shards are one box; an empty shard is still a shard
         with open('/work/world2_shards.json', 'w') as f:
             json.dump({k: len({json.dumps(b[k]) for b in every}) for k in DTENSORS}, f)
-    dist.destroy_process_group()
+    end_rank(dist)
 
 def load_back(name, want):
     """dcp.load into zeros in this process (no process group); must give back what was saved."""
@@ -128,7 +128,7 @@ class DcpTorch2Test(FixtureTestCase):
         root = torch2_chroot.root_or_skip()
         cls.work = tempfile.mkdtemp(prefix='reshard-torch2-')
         cls.addClassCleanup(shutil.rmtree, cls.work)
-        p = torch2_chroot.run(root, GENERATE, {cls.work: '/work'})
+        p = torch2_chroot.run(root, torch2_chroot.END_RANK + GENERATE, {cls.work: '/work'})
         if p.returncode:
             raise AssertionError('torch 2 could not write the saves:\n' + p.stdout + p.stderr)
         print(p.stdout.strip(), file=sys.stderr)

@@ -139,7 +139,7 @@ def check(m):
                                 timeout=datetime.timedelta(seconds=300))
         torch.set_num_threads(1)
         load_and_step(rank, label, ckpt, shape)
-        dist.destroy_process_group()
+        end_rank(dist)
 
     for label, ckpt, shape in RUN['loads']:  # forked first, while this process has no threads
         if not shape:
@@ -167,7 +167,7 @@ def load_in_torch2(test, run_spec, binds):
     results = test.path('torch2_results')
     os.makedirs(results, exist_ok=True)
     binds = dict(binds, **{os.path.abspath(DATA): '/data', os.path.abspath(FIXTURES): '/fixtures', results: '/out'})
-    p = torch2_chroot.run(root, f'RUN = {run_spec!r}\n' + LOAD_AND_STEP, binds)
+    p = torch2_chroot.run(root, f'RUN = {run_spec!r}\n' + torch2_chroot.END_RANK + LOAD_AND_STEP, binds)
     test.assertEqual(p.returncode, 0, p.stdout + p.stderr)
     out = {}
     for label, _, _ in run_spec['loads']:
