@@ -10,7 +10,7 @@
 
 #include "api/common.h"
 #include "api/tensor_bytes.h"
-#include "formats/format.h"
+#include "formats/registry.h"
 
 namespace reshard {
 

@@ -25,7 +25,7 @@
 #include "exec/memory_budget.h"
 #include "exec/output_folder.h"
 #include "exec/plan_writer.h"
-#include "formats/format.h"
+#include "formats/registry.h"
 #include "reshard/reshard.h"
 #include "util/human.h"
 

@@ -1,5 +1,5 @@
 // reshard::Inspect: a readable description of a checkpoint.
-#include "formats/format.h"
+#include "formats/registry.h"
 #include "reshard/reshard.h"
 
 namespace reshard {

@@ -2,7 +2,7 @@
 
 #include "api/common.h"
 #include "container/torch_check.h"
-#include "formats/format.h"
+#include "formats/registry.h"
 #include "reshard/reshard.h"
 
 namespace reshard {

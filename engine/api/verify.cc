@@ -17,7 +17,7 @@
 #include "container/mapped_file.h"
 #include "exec/executor.h"
 #include "exec/memory_budget.h"
-#include "formats/format.h"
+#include "formats/registry.h"
 #include "reshard/cluster.h"
 #include "util/shape.h"
 

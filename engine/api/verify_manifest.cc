@@ -14,7 +14,7 @@
 #include "container/write_fully.h"
 #include "exec/executor.h"
 #include "exec/manifest.h"
-#include "formats/format.h"
+#include "formats/registry.h"
 #include "reshard/reshard.h"
 #include "util/crc32.h"
 

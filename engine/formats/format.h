@@ -4,10 +4,11 @@
 // SourceCheckpoint: everything `lint`, `inspect`, `convert` and `verify` need
 // of a checkpoint, whatever its files look like. Converting asks the source
 // for an OutputPlan (plan/output_plan.h), which exec/plan_writer turns into
-// jobs for the executor. Exporting plans the target with another format (PlanExport).
-// The commands in engine/api/ use only this interface; a new format is a
-// folder beside formats/deepspeed/ and a line in OpenCheckpoint (a source)
-// or PlanExport (a target).
+// jobs for the executor. Exporting plans the target with another format
+// (PlanExport, formats/registry.h). Every format folder includes this
+// interface and no other format folder; only the registry includes them. A
+// new format is a folder beside formats/deepspeed/ and a line in
+// OpenCheckpoint (a source) or PlanExport (a target).
 #pragma once
 
 #include <atomic>
@@ -173,24 +174,5 @@ class SourceCheckpoint {
  protected:
   SourceInfo info_;  // set by the format as it opens the checkpoint
 };
-
-// Opens the checkpoint at `path` (a tag folder, or a root holding `latest`)
-// with the format that recognises it.
-Result<std::unique_ptr<SourceCheckpoint>> OpenCheckpoint(const std::string& path,
-                                                         const CommonOptions& options);
-
-// The folder holding a checkpoint's files at `path`: `path` itself, or the
-// checkpoint a format's pointer file in it names (a root holding `latest`).
-std::string CheckpointFolder(const std::string& path);
-
-// Refuses, naming the args field and the target that takes it, a `src` its
-// rule set's Megatron-DeepSpeed model does not compute (`pipeline.requires`):
-// what convert and the universal export check before writing that layout.
-Status CheckPipelineComputes(const SourceCheckpoint& src);
-
-// Plans `src` written in the format `options.to` names. `src` must outlive
-// the plan and its jobs.
-Result<OutputPlan> PlanExport(const SourceCheckpoint& src, const ExportOptions& options,
-                                               std::vector<std::string>* notes);
 
 }  // namespace reshard

@@ -1,4 +1,4 @@
-#include "formats/format.h"
+#include "formats/registry.h"
 
 #include "container/record_crc.h"
 #include "formats/consolidated/consolidated_export.h"

@@ -1,0 +1,35 @@
+// The registry: the one place that knows every format. It opens a
+// checkpoint with the format that recognises it and plans an export with
+// the format `--to` names. The commands in engine/api/ reach the formats
+// through it and through the interface in formats/format.h; it is the only
+// file that includes format folders.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "formats/format.h"
+
+namespace reshard {
+
+// Opens the checkpoint at `path` (a tag folder, or a root holding `latest`)
+// with the format that recognises it.
+Result<std::unique_ptr<SourceCheckpoint>> OpenCheckpoint(const std::string& path,
+                                                         const CommonOptions& options);
+
+// The folder holding a checkpoint's files at `path`: `path` itself, or the
+// checkpoint a format's pointer file in it names (a root holding `latest`).
+std::string CheckpointFolder(const std::string& path);
+
+// Refuses, naming the args field and the target that takes it, a `src` its
+// rule set's Megatron-DeepSpeed model does not compute (`pipeline.requires`):
+// what convert and the universal export check before writing that layout.
+Status CheckPipelineComputes(const SourceCheckpoint& src);
+
+// Plans `src` written in the format `options.to` names. `src` must outlive
+// the plan and its jobs.
+Result<OutputPlan> PlanExport(const SourceCheckpoint& src, const ExportOptions& options,
+                                               std::vector<std::string>* notes);
+
+}  // namespace reshard
