@@ -10,7 +10,11 @@ other format folder, and only the .cc files directly in engine/formats/ (the
 OpenCheckpoint registry) may include a format folder. A line
 `formats/<name>: a | b c | .` gives a format folder floors of its own: its
 sub-folders, lowest first, floors separated by `|`, `.` for the files directly
-in it; every sub-folder holding sources must then be listed. The front ends,
+in it; every sub-folder holding sources must then be listed. A line
+`formats: a b | *` puts the shared folders formats/a and formats/b below every
+other format folder (`*`): code that formats of one family share, which any
+format folder may include; a shared folder includes no format folder (nor a
+shared folder on its own floor). The front ends,
 cli/ and python/ (the Python module's binding), may include only
 include/reshard/. Every folder under engine/ holding sources must be
 listed. tests/ and benchmarks/ are not scanned.
@@ -50,6 +54,7 @@ class Layers:
         self.floor = {}        # folder name -> floor number
         self.families = set()  # `x/*` entries: every engine/x/<name>/ is a folder
         self.inner = {}        # folder -> {sub-folder or ".": floor inside it}
+        self.shared = {}       # family -> {shared member or "*": floor among its members}
 
     def floor_of(self, folder):
         if folder in self.floor:
@@ -94,6 +99,26 @@ def parse_inner(layers, path, lineno, folder, text):
     layers.inner[folder] = floors
 
 
+def parse_shared(layers, path, lineno, family, text):
+    """`family: a b | *`: shared folders of a family, below its other members (`*`)."""
+    if family not in layers.families:
+        raise LayersError(f"{path}:{lineno}: '{family}' is not a `name/*` family listed above")
+    if family in layers.shared:
+        raise LayersError(f"{path}:{lineno}: the shared folders of '{family}' are listed twice")
+    groups = [group.split() for group in text.split("|")]
+    if len(groups) < 2 or groups[-1] != ["*"]:
+        raise LayersError(f"{path}:{lineno}: '{family}:' lists shared folders, then `| *` (every other folder)")
+    floors = {"*": len(groups)}
+    for number, group in enumerate(groups[:-1], 1):
+        for name in group:
+            if not FOLDER_RE.match(name):
+                raise LayersError(f"{path}:{lineno}: '{name}' is not a folder name")
+            if name in floors:
+                raise LayersError(f"{path}:{lineno}: '{name}' is listed twice in '{family}:'")
+            floors[name] = number
+    layers.shared[family] = floors
+
+
 def parse_layers(path):
     layers = Layers()
     try:
@@ -106,7 +131,10 @@ def parse_layers(path):
         text = raw.split("#", 1)[0]
         if ":" in text:
             folder, _, floors = text.partition(":")
-            parse_inner(layers, path, lineno, folder.strip(), floors)
+            if "/" in folder:
+                parse_inner(layers, path, lineno, folder.strip(), floors)
+            else:
+                parse_shared(layers, path, lineno, folder.strip(), floors)
             continue
         names = text.split()
         if not names:
@@ -302,6 +330,9 @@ def check(root, layers_path=None):
                         and path.endswith(".cc") and path.count("/") == 2):
                     continue  # the registry (engine/formats/*.cc) includes a format folder
                 if member_s and member_d and family_s == family_d:
+                    shared = layers.shared.get(family_s)
+                    if shared and shared.get(member_d, shared["*"]) < shared.get(member_s, shared["*"]):
+                        continue  # a format folder includes a shared folder below it
                     reason += ": one format folder may not include another"
                 elif not member_s and member_d:
                     reason += f": only the .cc files directly in engine/{src}/ may"
@@ -341,6 +372,7 @@ exec cluster   # same floor
 formats formats/*
 api
 formats/alpha: low | sub | .   # floors inside a format folder
+formats: shared | *             # shared by the format folders
 """
 
 CLEAN_TREE = {
@@ -367,7 +399,8 @@ CLEAN_TREE = {
     "engine/formats/alpha/a.cc": '#include "a.h"\n#include "formats/alpha/a.h"\n',
     "engine/formats/alpha/sub/deep.h": '#include "formats/alpha/low/l.h"\n#include "formats/format.h"\n',
     "engine/formats/alpha/low/l.h": '#include "formats/format.h"\n#include "plan/pl.h"\n',
-    "engine/formats/beta/b.h": '#include "formats/format.h"\n',
+    "engine/formats/beta/b.h": '#include "formats/format.h"\n#include "formats/shared/s.h"\n',
+    "engine/formats/shared/s.h": '#include "formats/format.h"\n',
     "engine/api/x.cc": '#include "formats/format.h"\n#include "cluster/c.h"\n'
                        '#include "exec/e.h"\n#include "reshard/reshard.h"\n',
     "cli/main.cc": '#include <CLI/CLI.hpp>\n#include "reshard/reshard.h"\n#include "reshard/new_api.h"\n',
@@ -401,6 +434,8 @@ DIRTY_FILES = {
     # sub-folder its line does not list
     "engine/formats/alpha/low/up.h": '#include "formats/alpha/sub/deep.h"\n#include "formats/alpha/a.h"\n',
     "engine/formats/alpha/odd/o.h": '#include "formats/alpha/low/l.h"\n',
+    # a shared folder includes a format folder
+    "engine/formats/shared/up.h": '#include "formats/shared/s.h"\n#include "formats/beta/b.h"\n',
 }
 
 DIRTY_EXPECTED = {
@@ -418,6 +453,7 @@ DIRTY_EXPECTED = {
     ("engine/formats/alpha/low/up.h", 1, "formats/alpha", "formats/alpha/sub/deep.h"),
     ("engine/formats/alpha/low/up.h", 2, "formats/alpha", "formats/alpha/a.h"),
     ("engine/formats/alpha/odd/", 0, "formats/alpha", None),
+    ("engine/formats/shared/up.h", 2, "formats/shared", "formats/beta/b.h"),
 }
 
 
@@ -452,7 +488,7 @@ def self_test():
         found, nfiles, nincludes = check(clean)
         expect(not found, "clean tree: unexpected violations:\n  " +
                "\n  ".join(str(v) for v in found))
-        expect(nfiles == 22, f"clean tree: scanned {nfiles} files, expected 22")
+        expect(nfiles == 23, f"clean tree: scanned {nfiles} files, expected 23")
         rc, out = run_cli(clean)
         expect(rc == 0, f"clean tree: exit {rc}, expected 0")
         expect(out == [f"layering ok: {nfiles} files, {nincludes} includes"],

@@ -1,7 +1,7 @@
 """`export --to torch_dist --megatron-core-version 0.14`: Megatron-Core 0.14's form (common.pt,
 metadata.json's common_backend, the optimizer layout fully_sharded_model_space with `.metadata`'s
-mcore_data), and `--ddp-bucket-size` for 0.19's dp_reshardable (engine/formats/megatron/
-torch_dist_export.h, engine/logical/nd_reformulation.h, engine/logical/megatron_buckets.h).
+mcore_data), and `--ddp-bucket-size` for 0.19's dp_reshardable (engine/formats/megatron_core/:
+torch_dist/torch_dist_export.h, common/nd_reformulation.h, common/megatron_buckets.h).
 
 Checked:
 

@@ -1,5 +1,5 @@
 """`export --to torch_dist` with the optimizer state: Megatron-Core 0.19's `fully_reshardable` layout
-(engine/formats/megatron/torch_dist_export.h), its param groups from the source
+(engine/formats/megatron_core/torch_dist/torch_dist_export.h), its param groups from the source
 (SourceCheckpoint::ParamGroupsAndStep).
 
 Checked:
@@ -13,7 +13,7 @@ Checked:
   be built) `dcp.load`s every `optimizer.state.{param,exp_avg,exp_avg_sq}.<key>` equal to
   `TAG_optim_full.pt`, and a common state whose optimizer entry has the save's param groups (lr,
   betas, eps, weight_decay, step, wd_mult) and `param_state_sharding_type` fully_reshardable;
-* `--optimizer-layout dp_reshardable` (engine/formats/megatron/dp_reshardable_items.h) writes what
+* `--optimizer-layout dp_reshardable` (engine/formats/megatron_core/torch_dist/dp_reshardable_items.h) writes what
   Megatron-Core 0.19 writes: exporting each save's fully_reshardable folder at its own layout gives
   the chunks, the per_bucket_numel items, the param groups and every parameter's element of the
   flat buckets of the save's own dp_reshardable folder, as real torch 2.6 loads both (the alignment

@@ -1,5 +1,5 @@
 """The distributed optimizer's state of Megatron-LM's `torch` format: `distrib_optim.pt` beside each
-model_optim_rng.pt (engine/formats/megatron/distrib_optim.h, engine/logical/megatron_gathered.h),
+model_optim_rng.pt (engine/formats/megatron_core/torch/distrib_optim.h, engine/formats/megatron_core/common/megatron_gathered.h),
 written by `export --to megatron` and read by the Megatron-LM torch source.
 
 Checked:

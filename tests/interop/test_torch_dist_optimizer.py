@@ -1,5 +1,5 @@
 """The distributed optimizer's state of Megatron-Core `torch_dist` checkpoints carried into
-Megatron-DeepSpeed (engine/formats/dcp/torch_dist_optimizer.h, formats/deepspeed/optimizer/imported_state.h).
+Megatron-DeepSpeed (engine/formats/megatron_core/torch_dist/torch_dist_optimizer.h, formats/deepspeed/optimizer/imported_state.h).
 
 The sources are the real Megatron-Core 0.19 saves after one AdamW step in both of its layouts,
 `fully_reshardable` (per-key states chunked like the weights) and `dp_reshardable` (flat bucket
@@ -26,7 +26,7 @@ holds each key's whole fp32 `param`, `exp_avg` and `exp_avg_sq`. Checked:
   against them to 1e-5.) `verify` finds the save equal to its conversion and to its
   `export --to torch_dist --optimizer-layout fully_reshardable` at TP 1;
 * Megatron-Core 0.14's `dp_zero_gather_scatter` (each model-parallel rank's state gathered onto DP
-  rank 0 and pickled whole: engine/logical/megatron_gathered.h) holds the same state after the same
+  rank 0 and pickled whole: engine/formats/megatron_core/common/megatron_gathered.h) holds the same state after the same
   step as its `fully_sharded_model_space` twin: `verify` finds the two saves equal, weights and
   states, and both convert to Megatron-DeepSpeed files equal byte for byte, optimizer shards
   included; a damaged item (a buffer whose numel_unpadded its tensors do not have) is refused in

@@ -3,7 +3,7 @@
 #include <sys/stat.h>
 
 #include "container/regular_file.h"
-#include "formats/dcp/dcp_content.h"
+#include "formats/dcp_common/dcp_content.h"
 #include "plan/materialize.h"
 #include "plan/slicing.h"
 #include "util/human.h"

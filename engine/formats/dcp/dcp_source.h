@@ -13,7 +13,7 @@
 #include <memory>
 #include <string>
 
-#include "formats/dcp/dcp_content.h"
+#include "formats/dcp_common/dcp_content.h"
 #include "formats/format.h"
 
 namespace reshard {

@@ -1,0 +1,52 @@
+// Megatron-LM's `distrib_optim.pt`: the distributed optimizer's state of one
+// (TP, PP) rank of a `torch` checkpoint saved with --use-distributed-optimizer,
+// beside the rank's model_optim_rng.pt. It is the rank's buffers gathered
+// onto DP rank 0 (DistributedOptimizer.save_parameter_state; the object is
+// formats/megatron_core/common/megatron_gathered.h's), which load_parameter_state scatters back
+// at the loading run's DP size: the file does not depend on DP.
+//
+// The rank's parameters are its model_optim_rng.pt's Megatron-Core keys
+// (layer indices local to the stage), in the order the stage registers them:
+// the rule set's torch_dist.optimizer_order (formats/megatron_core/common/megatron_buckets.h,
+// StageRegistrationOrder), each TP piece flattened as the rank holds it.
+// model_optim_rng.pt's `optimizer` entry then holds what
+// DistributedOptimizer.state_dict() gives: `{'optimizer': {'param_groups':
+// [...]}}` (no `state`: the states are in distrib_optim.pt), and
+// `grad_scaler` for a run that has one.
+#pragma once
+
+#include <array>
+#include <string>
+#include <vector>
+
+#include "formats/format.h"
+#include "formats/megatron_core/common/megatron_gathered.h"
+#include "rules/rule_set.h"
+
+namespace reshard {
+
+// The file name beside model_optim_rng.pt.
+inline constexpr char kDistribOptimFile[] = "distrib_optim.pt";
+
+// The model keys of stage `stage` of `pp` (with `blocks_per_stage` layers
+// each) in registration order: every key optimizer_order can give, the
+// layer keys with the stage's own layer index, the tied head's on the last
+// stage; the caller skips those the model lacks.
+Result<std::vector<std::string>> StageKeysInRegistrationOrder(const TorchDistLayout& layout, int stage, int pp,
+                                                              int blocks_per_stage);
+
+// One parameter of a rank, for the export.
+struct RankParamState {
+  GatheredParam param;  // name: its model key
+  std::array<ByteProducer, 3> states;  // fp32 master, exp_avg, exp_avg_sq (kTorchDistStates), fp32
+};
+
+// The distrib_optim.pt object of stage `stage` of a rank whose parameters
+// are `params` (any order), at `dp` DP ranks; `grad_dtype(param dtype)` is
+// the run's gradient dtype. Unsupported, naming the key, for a parameter
+// optimizer_order does not place.
+Result<Value> DistribOptimValue(const TorchDistLayout& layout, int stage, int pp, int blocks_per_stage,
+                                std::vector<RankParamState> params, int dp,
+                                const std::function<DType(DType)>& grad_dtype);
+
+}  // namespace reshard

@@ -1,0 +1,602 @@
+#include "formats/megatron_core/torch/megatron_torch_import.h"
+
+#include <algorithm>
+#include <array>
+#include <cctype>
+#include <functional>
+#include <filesystem>
+#include <map>
+#include <optional>
+
+#include "container/regular_file.h"
+#include "container/torch_file.h"
+#include "formats/megatron_core/common/megatron_layout.h"
+#include "formats/megatron_core/common/torch_dist_family.h"
+#include "formats/megatron_core/torch/distrib_optim.h"
+#include "logical/tp_placement.h"
+#include "util/human.h"
+#include "util/list_folder.h"
+#include "util/shape.h"
+#include "util/strings.h"
+
+namespace reshard {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr char kRankFile[] = "model_optim_rng.pt";
+constexpr char kExtraState[] = "._extra_state";
+constexpr char kWeightsOnlyFix[] = "; pass --weights-only to convert the weights without it";
+
+bool Exists(const fs::path& p) {
+  std::error_code ec;
+  return fs::exists(p, ec);
+}
+
+// "mp_rank_01_002": MegatronFileName's rank folder.
+std::string RankFolderName(int tp_rank, int stage, int pp) {
+  return fs::path(MegatronFileName(0, tp_rank, stage, pp)).parent_path().filename();
+}
+
+// The iteration a root's latest_checkpointed_iteration.txt names.
+std::optional<int64_t> LatestIteration(const std::string& root) {
+  Result<std::string> text = ReadRegularFile(root + "/" + kLatestIterationFile, 64);
+  if (!text.ok()) return std::nullopt;
+  std::string digits = *text;
+  digits.erase(std::remove_if(digits.begin(), digits.end(), [](char c) { return std::isspace(c) != 0; }),
+               digits.end());
+  int64_t iteration = 0;
+  if (!ParseInt(digits, &iteration)) return std::nullopt;
+  return iteration;
+}
+
+// A rank's tensors under one key: each TP rank's piece, in rank order.
+struct StoredKey {
+  int stage = 0;
+  std::string key;                    // as the files name it (the stage's own layer index)
+  std::vector<const Tensor*> ranks;   // by TP rank
+};
+
+// The rank files read, checked against each other, before any rule set.
+struct RankFiles {
+  std::string folder;
+  int tp = 0, pp = 0;
+  std::vector<std::string> paths;  // stage by stage, TP rank by TP rank
+  std::vector<Value> roots;        // the files' objects, in the same order
+  std::vector<StoredKey> keys;     // stage by stage, in the first TP rank's order
+  int blocks_per_stage = 0;
+  int64_t extra_states = 0;
+  bool optimizer = false;          // a file holds an `optimizer` entry
+  bool distrib_optim = false;      // distrib_optim.pt files
+
+  const std::string& Path(int tp_rank, int stage) const { return paths[stage * tp + tp_rank]; }
+  std::string Name(int tp_rank, int stage) const { return RankFolderName(tp_rank, stage, pp); }
+  const Value& Root(int tp_rank = 0, int stage = 0) const { return roots[stage * tp + tp_rank]; }
+};
+
+// The layout the rank folders give: TP and PP from the highest ranks.
+Result<RankFiles> ScanRanks(const std::string& folder) {
+  RESHARD_ASSIGN_OR_RETURN(std::vector<fs::directory_entry> entries, ListFolder(folder));
+  RankFiles files;
+  files.folder = folder;
+  std::optional<bool> staged;
+  for (const fs::directory_entry& e : entries) {
+    const std::optional<RankFolder> rank = ParseRankFolder(e.path().filename());
+    if (!rank) continue;
+    if (staged && *staged != rank->staged) {
+      return Status::InvalidInput(folder + " holds mp_rank_TT folders and mp_rank_TT_PPP folders: they are the "
+                                  "files of two checkpoints; keep one layout's");
+    }
+    staged = rank->staged;
+    files.tp = std::max(files.tp, rank->tp_rank + 1);
+    files.pp = std::max(files.pp, rank->pp_rank + 1);
+    files.distrib_optim = files.distrib_optim || Exists(e.path() / kDistribOptimFile);
+  }
+  return files;
+}
+
+// The TP and PP the args record, where they exceed what the folders show: a
+// rank folder missing at the end is then named.
+void WidenToArgs(RankFiles* files, const Value& root) {
+  const Value* args = Find(root, "args");
+  if (args == nullptr) return;
+  files->tp = std::max<int>(files->tp, static_cast<int>(MetadataInt(*args, "tensor_model_parallel_size", 1)));
+  files->pp = std::max<int>(files->pp, static_cast<int>(MetadataInt(*args, "pipeline_model_parallel_size", 1)));
+}
+
+Status ReadFiles(const CommonOptions& options, RankFiles* files) {
+  PickleReadOptions read;
+  read.inert_unknown_classes = true;  // plain data is read out of the args; nothing is written back
+  read.allowed_globals = options.allowed_classes;
+  for (int p = 0; p < files->pp; ++p) {
+    for (int t = 0; t < files->tp; ++t) {
+      const std::string rank = RankFolderName(t, p, files->pp);
+      const std::string path = files->folder + "/" + rank + "/" + kRankFile;
+      if (!Exists(path)) {
+        return Status::InvalidInput(files->folder + " lacks " + rank + "/" + kRankFile + ": a Megatron-LM checkpoint at TP " + std::to_string(files->tp) +
+                                    ", PP " + std::to_string(files->pp) + " has one file per rank; restore it "
+                                    "from the saved checkpoint");
+      }
+      RESHARD_ASSIGN_OR_RETURN(Value root, ReadTorchFile(path, read));
+      if (p == 0 && t == 0) WidenToArgs(files, root);
+      if (Find(root, "model") == nullptr || DictItems(*Find(root, "model")) == nullptr) {
+        return Status::InvalidInput(path + " holds no `model` dict; it is not a Megatron-LM checkpoint file");
+      }
+      files->optimizer = files->optimizer || Find(root, "optimizer") != nullptr;
+      files->paths.push_back(path);
+      files->roots.push_back(std::move(root));
+    }
+  }
+  return Status::Ok();
+}
+
+// The tensors of `model` by flat key: Megatron-Core's keys as they are, the
+// legacy model's nested dicts joined with dots.
+void Flatten(const Value& model, const std::string& prefix, std::vector<std::pair<std::string, const Value*>>* out) {
+  for (const auto& [k, v] : *DictItems(model)) {
+    if (!k.is(Value::Kind::kString)) continue;
+    const std::string key = prefix + k.as_string();
+    if (DictItems(v) != nullptr) {
+      Flatten(v, key + ".", out);
+    } else {
+      out->emplace_back(key, &v);
+    }
+  }
+}
+
+// Every key of every stage, each TP rank's piece beside the others; TP
+// ranks must hold the same keys, their pieces of one shape and dtype.
+Status CollectKeys(RankFiles* files) {
+  for (int p = 0; p < files->pp; ++p) {
+    std::map<std::string, size_t> index;  // key -> files->keys
+    int layers = 0;
+    for (int t = 0; t < files->tp; ++t) {
+      std::vector<std::pair<std::string, const Value*>> flat;
+      Flatten(*Find(files->Root(t, p), "model"), "", &flat);
+      size_t held = 0;
+      for (const auto& [key, v] : flat) {
+        if (std::optional<std::pair<std::string, int>> layer = SplitLayerKey(key)) {
+          layers = std::max(layers, layer->second + 1);
+        }
+        if (key.size() > sizeof(kExtraState) - 1 &&
+            key.compare(key.size() - (sizeof(kExtraState) - 1), std::string::npos, kExtraState) == 0) {
+          if (t == 0) files->extra_states++;
+          continue;
+        }
+        if (!v->is(Value::Kind::kTensor)) {
+          return Status::InvalidInput(files->Path(t, p) + "'s model." + key + " is " + v->DebugString(40) +
+                                      ", not a tensor; it is not a Megatron-LM checkpoint file");
+        }
+        const Tensor& tensor = v->as_tensor();
+        if (!tensor.IsContiguous()) {
+          return Status::Unsupported(files->Path(t, p) + "'s model." + key + " is not contiguous in its storage; "
+                                     "save it with .contiguous() tensors");
+        }
+        auto it = index.find(key);
+        if (t == 0) {
+          index.emplace(key, files->keys.size());
+          files->keys.push_back({p, key, {&tensor}});
+          continue;
+        }
+        if (it == index.end()) {
+          return Status::InvalidInput(files->Name(t, p) + " holds " + key + ", which " + files->Name(0, p) +
+                                      " lacks; the TP ranks of a stage hold the same keys");
+        }
+        const Tensor& first = *files->keys[it->second].ranks[0];
+        if (tensor.sizes != first.sizes || tensor.storage->dtype != first.storage->dtype) {
+          return Status::InvalidInput(files->Name(t, p) + "'s " + key + " is " + ShapeString(tensor.sizes) + " " +
+                                      DTypeName(tensor.storage->dtype) + " where " + files->Name(0, p) + "'s is " +
+                                      ShapeString(first.sizes) + " " + DTypeName(first.storage->dtype) +
+                                      "; every TP rank holds an equal piece of it: the file is damaged or "
+                                      "of another checkpoint");
+        }
+        files->keys[it->second].ranks.push_back(&tensor);
+        ++held;
+      }
+      if (t > 0 && held != index.size()) {
+        for (const auto& [key, at] : index) {
+          if (files->keys[at].ranks.size() <= static_cast<size_t>(t)) {
+            return Status::InvalidInput(files->Name(t, p) + " lacks " + key + ", which " + files->Name(0, p) +
+                                        " holds; the TP ranks of a stage hold the same keys");
+          }
+        }
+      }
+    }
+    if (p > 0 && layers != files->blocks_per_stage) {
+      return Status::InvalidInput(files->Name(0, p) + " holds " + Count(layers, "layer") + " and " +
+                                  files->Name(0, 0) + " " + std::to_string(files->blocks_per_stage) +
+                                  "; Megatron-LM gives every stage as many");
+    }
+    files->blocks_per_stage = layers;
+  }
+  return Status::Ok();
+}
+
+Result<RankFiles> ReadRankFiles(const std::string& folder, const CommonOptions& options) {
+  RESHARD_ASSIGN_OR_RETURN(RankFiles files, ScanRanks(folder));
+  RESHARD_RETURN_IF_ERROR(ReadFiles(options, &files));
+  RESHARD_RETURN_IF_ERROR(CollectKeys(&files));
+  return files;
+}
+
+// Which of Megatron-Core's layer specs the keys are of, where a key tells.
+enum class SpecSeen { kNone, kLocal, kTransformerEngine };
+
+// Reads the rank files as the model of one rule set.
+class FamilyReader {
+ public:
+  FamilyReader(const RankFiles& files, const RuleSet& rules, const CommonOptions& options)
+      : f_(files),
+        options_(options),
+        family_(rules, RunMetadata(files), options, "megatron"),
+        layout_(*rules.torch_dist()) {}
+
+  Result<MegatronTorchImport> Read() {
+    RESHARD_RETURN_IF_ERROR(family_.Start());
+    RESHARD_RETURN_IF_ERROR(CheckTying());
+    blocks_ = static_cast<int64_t>(f_.blocks_per_stage) * f_.pp;
+    RESHARD_RETURN_IF_ERROR(MapKeys());
+    RESHARD_RETURN_IF_ERROR(family_.RecordBlocks(blocks_, f_.folder));
+    std::map<std::string, ImportedTensor> tensors;
+    for (const auto& [name, stored] : mapped_) RESHARD_RETURN_IF_ERROR(JoinPieces(name, stored, &tensors));
+    ReadOptimizer();
+    RESHARD_RETURN_IF_ERROR(family_.Satisfy());
+    auto keys_of = [this](const std::string& name) { return family_.KeysOf(name); };
+    RESHARD_ASSIGN_OR_RETURN(LogicalCheckpoint logical, family_.Finish(tensors, keys_of, f_.folder));
+    return Finish(std::move(logical));
+  }
+
+ private:
+  static Value RunMetadata(const RankFiles& files) {
+    const Value& root = files.Root();
+    return ImportedRunMetadata(Find(root, "args"), Find(root, "iteration"), 0);
+  }
+
+  // Megatron-LM's args say whether the output layer is the word embedding
+  // (the last stage's output_layer.weight is then its replica, not a head).
+  Status CheckTying() const {
+    const Value* untied = family_.inputs().Find("args.untie_embeddings_and_output_weights");
+    if (untied == nullptr || !untied->is(Value::Kind::kBool) || untied->as_bool() != TiesEmbedding()) {
+      return Status::Ok();
+    }
+    return family_.Refuse(std::string("its args ") + (untied->as_bool() ? "untie" : "tie") + " the output layer " +
+                          "and the word embedding, which the rule set's model does not");
+  }
+
+  bool TiesEmbedding() const {
+    for (const auto& [role, rules] : family_.rules().layers()) {
+      for (const ParamRule& rule : rules) {
+        if (rule.tied && rule.policy == ParamRule::Policy::kVocab && role == "embedding") return true;
+      }
+    }
+    return false;
+  }
+
+  // Each stored key as the canonical tensor its torch_dist entry names.
+  Status MapKeys() {
+    for (const StoredKey& stored : f_.keys) {
+      std::string key = stored.key;
+      int64_t block = -1;
+      if (std::optional<std::pair<std::string, int>> layer = SplitLayerKey(stored.key)) {
+        key = layer->first;
+        block = static_cast<int64_t>(stored.stage) * f_.blocks_per_stage + layer->second;
+      }
+      const TorchDistTensor* entry = family_.EntryOf(key);
+      if (entry == nullptr && key == layout_.tied_head && stored.stage == f_.pp - 1) {
+        tied_copies_ += static_cast<int64_t>(stored.ranks.size());  // the last stage's replica of the tied embedding
+        continue;
+      }
+      if (entry == nullptr || (entry->name.find("{block}") != std::string::npos) != (block >= 0)) {
+        return family_.Refuse(f_.Name(0, stored.stage) + "/" + kRankFile + "'s " + stored.key +
+                              " is not a tensor of the model as its torch_dist section maps it");
+      }
+      NoteSpec(*entry, key);
+      const std::string name = WithBlock(entry->name, block);
+      if (!mapped_.emplace(name, Mapped{entry, &stored}).second) {
+        return family_.Refuse(stored.key + " and another key are both " + name);
+      }
+    }
+    return Status::Ok();
+  }
+
+  void NoteSpec(const TorchDistTensor& entry, const std::string& key) {
+    if (entry.local_key.empty() || entry.keys.size() < 2) return;
+    spec_ = key == entry.local_key ? SpecSeen::kLocal : SpecSeen::kTransformerEngine;
+  }
+
+  struct Mapped {
+    const TorchDistTensor* entry;
+    const StoredKey* stored;
+  };
+
+  // The canonical tensor `name` joined from its TP ranks' pieces, each where
+  // the rule's TP cut puts that rank's piece.
+  Status JoinPieces(const std::string& name, const Mapped& m, std::map<std::string, ImportedTensor>* tensors) {
+    const StoredKey& s = *m.stored;
+    const DType dtype = s.ranks[0]->storage->dtype;
+    auto piece = [&s](int t) { return SourceShard::Of(*s.ranks[t], ShardCoords{t, s.stage, 0, 0}); };
+    RESHARD_ASSIGN_OR_RETURN(SourceShard runs, JoinRanks(name, m, ElementSize(dtype), piece, true));
+    auto unread = [name](int64_t, int64_t, uint8_t*) {
+      return Status::Internal(name + " is read through its runs, not its placeholder tensor");
+    };
+    (*tensors)[name] = ImportedTensor{MakeProducedTensor(dtype, runs.shape, unread), std::move(runs)};
+    return Status::Ok();
+  }
+
+  // The elements of canonical tensor `name` in row-major order, from its TP
+  // ranks' pieces (`piece(t)`: rank t's elements), each placed where the
+  // rule's TP cut puts it; `check` checks the shape against the section's.
+  Result<SourceShard> JoinRanks(const std::string& name, const Mapped& m, int element_size,
+                                const std::function<SourceShard(int)>& piece, bool check) {
+    RESHARD_ASSIGN_OR_RETURN(const ParamRule* rule, family_.RuleOf(name, blocks_));
+    const StoredKey& s = *m.stored;
+    std::vector<int64_t> full = s.ranks[0]->sizes;
+    if (rule->policy != ParamRule::Policy::kReplicated) {
+      const bool vocab = rule->policy == ParamRule::Policy::kVocab;
+      const size_t axis = vocab ? 0 : static_cast<size_t>(rule->dim);
+      const int parts = vocab ? 1 : rule->parts;
+      if (axis >= full.size() || full[axis] % parts != 0) {
+        return Status::InvalidInput(f_.Name(0, s.stage) + "'s " + s.key + " is " + ShapeString(full) + ", which "
+                                    "rule set " + family_.rules().name() + "'s " + rule->Describe() + " (line " +
+                                    std::to_string(rule->line) + ") cannot cut");
+      }
+      full[axis] *= f_.tp;
+    }
+    if (check) RESHARD_RETURN_IF_ERROR(family_.CheckShape(*m.entry, s.key, full));
+    std::vector<SourceShard> pieces;
+    // A replicated tensor is read from TP rank 0; its replicas are not compared.
+    const int readers = rule->policy == ParamRule::Policy::kReplicated ? 1 : f_.tp;
+    for (int t = 0; t < readers; ++t) {
+      SourceShard p = piece(t);
+      p.placements = PlaceTpRank(*rule, full, f_.tp, t).placements;
+      pieces.push_back(std::move(p));
+    }
+    return JoinRuns(pieces, full, element_size, -1);
+  }
+
+  // ---- distrib_optim.pt ----------------------------------------------------
+
+  // Each rank's flat pieces of each state, by stored key and TP rank.
+  using StatePieces = std::map<std::pair<const StoredKey*, int>, std::array<SourceShard, 3>>;
+
+  // The distributed optimizer's state: each rank's distrib_optim.pt cut by
+  // the bucket layout of its parameters in registration order, each state of
+  // a canonical tensor joined like its weight. A file that cannot be read
+  // leaves the reason for the commands that need the state.
+  void ReadOptimizer() {
+    if (!f_.distrib_optim) return;
+    Result<ImportedOptimizer> read = ReadDistribOptim();
+    if (!read.ok()) {
+      optimizer_status_ = read.status().WithContext("megatron");
+      return;
+    }
+    family_.notes().push_back("megatron: " + read->what + ": fp32 masters, exp_avg and exp_avg_sq of " +
+                              Count(static_cast<int64_t>(read->params.size()), "tensor") + ", " +
+                              Count(static_cast<int64_t>(read->param_groups.size()), "param group") +
+                              (read->step ? ", step " + read->step->DebugString(20) : std::string()));
+    optimizer_ = std::move(*read);
+  }
+
+  Result<ImportedOptimizer> ReadDistribOptim() {
+    if (layout_.optimizer_order.empty()) {
+      return Status::Unsupported("the rule set's torch_dist section gives no optimizer_order, the registration order "
+                                 "distrib_optim.pt's buffers follow; add one (docs/rules.md)" +
+                                 std::string(kWeightsOnlyFix));
+    }
+    // The order given is the local spec's; Transformer Engine's layers
+    // register the fused input norm after linear_proj.
+    if (spec_ == SpecSeen::kTransformerEngine) {
+      return Status::Unsupported("distrib_optim.pt of Transformer Engine layer-spec files: its buffers follow that "
+                                 "spec's registration order, which the rule set does not give (its "
+                                 "torch_dist.optimizer_order is the local spec's)" + std::string(kWeightsOnlyFix));
+    }
+    for (const auto& [name, m] : mapped_) {
+      RESHARD_ASSIGN_OR_RETURN(const ParamRule* rule, family_.RuleOf(name, blocks_));
+      if (rule->tied && rule->policy == ParamRule::Policy::kVocab) tied_embedding_ = m.stored;
+    }
+    StatePieces pieces;
+    for (int p = 0; p < f_.pp; ++p) {
+      for (int t = 0; t < f_.tp; ++t) RESHARD_RETURN_IF_ERROR(ReadRankState(t, p, &pieces));
+    }
+    ImportedOptimizer opt;
+    opt.moments = {kTorchDistStates[1], kTorchDistStates[2]};
+    for (const auto& [name, m] : mapped_) {
+      ImportedOptimizer::Param& param = opt.params[name];
+      for (int s = 0; s < 3; ++s) {
+        auto piece = [&pieces, &m = m, s](int t) { return pieces.at({m.stored, t})[s]; };
+        RESHARD_ASSIGN_OR_RETURN(SourceShard runs, JoinRanks(name, m, ElementSize(DType::kFloat32), piece, false));
+        if (s == 0) {
+          param.master = std::move(runs);
+        } else {
+          param.moments.push_back(std::move(runs));
+        }
+      }
+    }
+    RESHARD_RETURN_IF_ERROR(ReadParamGroups(&opt));
+    opt.what = "Megatron-LM's distributed optimizer (distrib_optim.pt)";
+    opt.layout = kDistribOptimFile;
+    return opt;
+  }
+
+  // The stage's stored keys in registration order, each with whether it is a
+  // tied embedding's pipeline copy (a bucket of its own); every stored key
+  // must have a place.
+  Result<std::vector<std::pair<const StoredKey*, bool>>> StageParams(int stage) const {
+    std::map<std::string, const StoredKey*> stored;
+    for (const StoredKey& k : f_.keys) {
+      if (k.stage == stage) stored[k.key] = &k;
+    }
+    RESHARD_ASSIGN_OR_RETURN(std::vector<std::string> order,
+                             StageKeysInRegistrationOrder(layout_, stage, f_.pp, f_.blocks_per_stage));
+    const bool tied = f_.pp > 1 && tied_copies_ > 0;
+    std::vector<std::pair<const StoredKey*, bool>> params;
+    for (const std::string& key : order) {
+      auto it = stored.find(key);
+      if (it == stored.end()) continue;
+      const bool copy = tied && ((stage == f_.pp - 1 && key == layout_.tied_head) ||
+                                 (stage == 0 && it->second == tied_embedding_));
+      params.emplace_back(it->second, copy);
+      stored.erase(it);
+    }
+    if (!stored.empty()) {
+      return Status::Unsupported(f_.Name(0, stage) + "'s " + stored.begin()->first + " is not in the rule set's "
+                                 "torch_dist.optimizer_order, the registration order distrib_optim.pt's buffers "
+                                 "follow; add it (docs/rules.md)" + std::string(kWeightsOnlyFix));
+    }
+    return params;
+  }
+
+  Status ReadRankState(int t, int p, StatePieces* pieces) {
+    const std::string path = f_.folder + "/" + f_.Name(t, p) + "/" + kDistribOptimFile;
+    if (!Exists(path)) {
+      return Status::InvalidInput(f_.folder + " lacks " + f_.Name(t, p) + "/" + kDistribOptimFile + ", which the "
+                                  "other ranks have: restore it from the saved checkpoint" + kWeightsOnlyFix);
+    }
+    PickleReadOptions read;
+    read.allowed_globals = options_.allowed_classes;
+    RESHARD_ASSIGN_OR_RETURN(Value root, ReadTorchFile(path, read));
+    RESHARD_ASSIGN_OR_RETURN(std::vector<GatheredBuffer> stored, ReadGatheredState(root, path, kWeightsOnlyFix));
+    RESHARD_ASSIGN_OR_RETURN(auto params, StageParams(p));
+    std::vector<GatheredParam> list;
+    for (const auto& [k, copy] : params) {
+      list.push_back({k->key, k->ranks[t]->storage->dtype, k->ranks[t]->numel(), copy});
+    }
+    RESHARD_ASSIGN_OR_RETURN(std::vector<GradBuffer> buffers, MegatronGradBuffers(list, BucketOptions{}));
+    for (size_t b = 0; b < std::max(buffers.size(), stored.size()); ++b) {
+      if (b >= buffers.size() || b >= stored.size() || buffers[b].param_dtype != stored[b].param_dtype ||
+          buffers[b].numel_unpadded != stored[b].numel_unpadded) {
+        return Status::InvalidInput(path + "'s grad buffers (" + BuffersText(stored) + ") are not those its rank's "
+                                    "parameters in registration order lay out (" + BuffersText(buffers) + "): the "
+                                    "file is damaged or of another checkpoint, or the rule set's optimizer_order "
+                                    "does not describe the run" + kWeightsOnlyFix);
+      }
+      for (size_t j = 0; j < buffers[b].params.size(); ++j) {
+        const StoredKey* key = params[buffers[b].params[j]].first;
+        std::array<SourceShard, 3>& out = (*pieces)[{key, t}];
+        for (int s = 0; s < 3; ++s) {
+          const SourceShard flat = SourceShard::Of(*stored[b].states[s], ShardCoords{t, p, 0, 0});
+          out[s].at = flat.at;
+          out[s].shape = key->ranks[t]->sizes;
+          out[s].runs = flat.RunsOf(buffers[b].offsets[j], buffers[b].layout.slots[j].numel, ElementSize(DType::kFloat32));
+        }
+      }
+    }
+    return Status::Ok();
+  }
+
+  template <typename Buffer>
+  static std::string BuffersText(const std::vector<Buffer>& buffers) {
+    std::vector<std::string> parts;
+    for (const Buffer& b : buffers) parts.push_back(std::string(DTypeName(b.param_dtype)) + " " + std::to_string(b.numel_unpadded));
+    return Join(parts, ", ");
+  }
+
+  // DistributedOptimizer.state_dict()'s param groups in model_optim_rng.pt's
+  // `optimizer` entry, without `params`, decayed groups (wd_mult != 0) first;
+  // the step of the first.
+  Status ReadParamGroups(ImportedOptimizer* opt) const {
+    const Value* entry = Find(f_.Root(), "optimizer");
+    const Value* inner = entry != nullptr ? Find(*entry, "optimizer") : nullptr;
+    const Value* groups = inner != nullptr ? Find(*inner, "param_groups") : nullptr;
+    if (groups == nullptr || !groups->is(Value::Kind::kList) || groups->as_list().items.empty()) {
+      return Status::InvalidInput(f_.paths[0] + " holds distrib_optim.pt's state but no optimizer.optimizer."
+                                  "param_groups beside it; the checkpoint's optimizer state is incomplete" +
+                                  std::string(kWeightsOnlyFix));
+    }
+    for (Value group : groups->as_list().items) {
+      if (DictItems(group) == nullptr) return Status::InvalidInput(f_.paths[0] + "'s param_groups are not dicts");
+      Items& items = *MutableDictItems(group);
+      items.erase(std::remove_if(items.begin(), items.end(), [](const auto& kv) {
+                    return kv.first.is(Value::Kind::kString) && kv.first.as_string() == "params";
+                  }), items.end());
+      opt->param_groups.push_back(std::move(group));
+    }
+    if (const Value* step = Find(opt->param_groups[0], "step")) opt->step = *step;
+    std::stable_partition(opt->param_groups.begin(), opt->param_groups.end(), [](const Value& g) {
+      const Value* wd_mult = Find(g, "wd_mult");
+      return wd_mult == nullptr || !wd_mult->is(Value::Kind::kFloat) || wd_mult->as_float() != 0.0;
+    });
+    return Status::Ok();
+  }
+
+  std::string KeysName() const {
+    switch (spec_) {
+      case SpecSeen::kLocal: return "Megatron-Core keys, local layer spec";
+      case SpecSeen::kTransformerEngine: return "Megatron-Core keys, Transformer Engine layer spec";
+      case SpecSeen::kNone: break;
+    }
+    return "Megatron-Core keys";
+  }
+
+  Result<MegatronTorchImport> Finish(LogicalCheckpoint logical) {
+    std::vector<std::string>& notes = family_.notes();
+    if (f_.tp > 1) notes.push_back("megatron: replicated tensors (norms) are read from TP rank 0");
+    if (tied_copies_ > 0) {
+      notes.push_back("megatron: the last stage's " + layout_.tied_head + " is the tied word embedding's replica "
+                      "(" + Count(tied_copies_, "TP piece") + "); it is dropped, the first stage's embedding is read");
+    }
+    if (f_.extra_states > 0) {
+      notes.push_back("megatron: _extra_state (" + Count(f_.extra_states, "item") + " in each TP rank's files) is ignored: "
+                      "Megatron-DeepSpeed's layer files have no place for it");
+    }
+    if (!optimizer_status_.ok()) {
+      notes.push_back(optimizer_status_.message());  // "megatron: <why it is not read>; <fix>"
+    } else if (f_.optimizer && !f_.distrib_optim) {
+      notes.push_back("megatron: weights only: the optimizer state of a run without --use-distributed-optimizer "
+                      "(in model_optim_rng.pt) is not read; convert writes the weights without it");
+    }
+    MegatronTorchImport out;
+    out.logical = std::move(logical);
+    out.files = f_.paths;
+    const int64_t iteration = out.logical.iteration;
+    out.what = "Megatron-LM torch checkpoint (" + KeysName() + "): TP " + std::to_string(f_.tp) + ", PP " +
+               std::to_string(f_.pp) + (iteration > 0 ? "; iteration " + std::to_string(iteration) : std::string()) +
+               " (" + Count(static_cast<int64_t>(f_.paths.size()), "rank file") + ")";
+    out.notes = std::move(notes);
+    out.optimizer = std::move(optimizer_);
+    out.optimizer_status = optimizer_status_;
+    return out;
+  }
+
+  const RankFiles& f_;
+  const CommonOptions& options_;
+  TorchDistFamily family_;
+  const TorchDistLayout& layout_;
+  int64_t blocks_ = 0;
+  std::map<std::string, Mapped> mapped_;
+  int64_t tied_copies_ = 0;
+  const StoredKey* tied_embedding_ = nullptr;  // the first stage's word embedding, when tied
+  SpecSeen spec_ = SpecSeen::kNone;
+  std::optional<ImportedOptimizer> optimizer_;
+  Status optimizer_status_;
+};
+
+}  // namespace
+
+std::string MegatronTorchFolder(const std::string& path) {
+  auto holds_ranks = [](const std::string& folder) {
+    return Exists(fs::path(folder) / "mp_rank_00" / kRankFile) || Exists(fs::path(folder) / "mp_rank_00_000" / kRankFile);
+  };
+  if (holds_ranks(path)) return path;
+  const std::optional<int64_t> iteration = LatestIteration(path);
+  if (!iteration) return "";
+  const std::string folder = fs::path(MegatronFileName(*iteration, 0, 0, 1)).parent_path().parent_path();
+  return holds_ranks(path + "/" + folder) ? path + "/" + folder : "";
+}
+
+Result<MegatronTorchImport> ReadMegatronTorchImport(const std::string& folder, const CommonOptions& options) {
+  RESHARD_ASSIGN_OR_RETURN(RankFiles files, ReadRankFiles(folder, options));
+  RESHARD_ASSIGN_OR_RETURN(std::vector<RuleSet> candidates,
+                           TorchDistCandidates(options.rules, "a Megatron-LM torch checkpoint's Megatron-Core keys"));
+  std::vector<std::string> reasons;
+  for (const RuleSet& rules : candidates) {
+    Result<MegatronTorchImport> imported = FamilyReader(files, rules, options).Read();
+    if (imported.ok() || !options.rules.empty()) return imported;
+    reasons.push_back(imported.status().message());
+  }
+  return Status::Unsupported("no built-in rule set reads the Megatron-LM torch checkpoint " + folder + " (" +
+                             Join(reasons, "; ") + "); write a rule file with a torch_dist section (docs/rules.md) "
+                             "and pass --rules FILE");
+}
+
+}  // namespace reshard

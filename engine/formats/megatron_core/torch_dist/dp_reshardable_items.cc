@@ -1,0 +1,92 @@
+#include "formats/megatron_core/torch_dist/dp_reshardable_items.h"
+
+#include <algorithm>
+#include <memory>
+
+namespace reshard {
+namespace {
+
+constexpr int kFp32Bytes = 4;
+
+// How Megatron-Core names a per-rank bytes item.
+std::string GroupItem(int group, const std::string& name) {
+  return "optimizer.distributed.dp_group_idx_" + std::to_string(group) + "." + name + "/shard_0_1";
+}
+
+// The bytes of bucket `bucket`'s tensor of state `state`: each parameter's
+// piece at its slot, zeros in the alignment gaps. Each DP chunk's item holds
+// a copy of the producer, which shares the pieces.
+ByteProducer BucketBytes(const BucketLayout& layout, int bucket, const std::vector<const DpParam*>& params,
+                         int state) {
+  std::vector<PlacedBytes> pieces;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const BucketSlot& slot = layout.slots[i];
+    if (slot.bucket == bucket) {
+      pieces.push_back({slot.offset * kFp32Bytes, slot.numel * kFp32Bytes, params[i]->states[state]});
+    }
+  }
+  return JoinedBytes(std::move(pieces));
+}
+
+// `{(param dtype, torch.float32): [numel per bucket]}`, one grad buffer's
+// entry of per_bucket_numel(_unpadded).
+Value BufferNumels(DType dtype, const std::vector<Value>& numels) {
+  auto torch_dtype = [](DType d) { return Value::MakeGlobal(Global{"torch", DTypeName(d)}); };
+  return Value::MakeDict({{Value::MakeTuple({torch_dtype(dtype), torch_dtype(DType::kFloat32)}),
+                           Value::MakeList(numels)}});
+}
+
+}  // namespace
+
+Result<std::vector<std::vector<DcpWriteItem>>> DpReshardableItems(int group, const std::vector<DpParam>& params,
+                                                                  const BucketOptions& buckets,
+                                                                  const Value& param_groups) {
+  const int dp = buckets.dp;
+  // DDP's grad buffers: one per param dtype, in the order each first appears.
+  std::vector<DType> dtypes;
+  std::vector<std::vector<const DpParam*>> buffers;
+  for (const DpParam& p : params) {
+    const size_t b = std::find(dtypes.begin(), dtypes.end(), p.dtype) - dtypes.begin();
+    if (b == dtypes.size()) {
+      dtypes.push_back(p.dtype);
+      buffers.emplace_back();
+    }
+    buffers[b].push_back(&p);
+  }
+  std::vector<std::vector<DcpWriteItem>> items(dp);
+  std::vector<Value> numels, unpadded;
+  for (size_t b = 0; b < buffers.size(); ++b) {
+    std::vector<BucketParam> list;
+    for (const DpParam* p : buffers[b]) list.push_back({p->key, p->numel, p->shared_embedding});
+    RESHARD_ASSIGN_OR_RETURN(BucketLayout layout, MegatronBucketLayout(list, buckets));
+    std::vector<Value> numel, numel_unpadded;
+    for (size_t k = 0; k < layout.buckets.size(); ++k) {
+      const Bucket& bucket = layout.buckets[k];
+      numel.push_back(Value::Int(bucket.numel));
+      numel_unpadded.push_back(Value::Int(bucket.numel_unpadded));
+      const int64_t share = bucket.numel / dp;
+      for (int s = 0; s < 3; ++s) {
+        const std::string key = MegatronBucketKey(group, static_cast<int>(b), dtypes[b], DType::kFloat32,
+                                                  static_cast<int>(k), kTorchDistStates[s]);
+        const ByteProducer flat = BucketBytes(layout, static_cast<int>(k), buffers[b], s);
+        for (const auto& [offset, size] : MegatronBucketChunks(layout, static_cast<int>(k), dp)) {
+          items[offset / share].push_back(DcpTensorItem(key, DType::kFloat32, {bucket.numel_unpadded},
+                                                        DcpChunk{{offset}, {size}},
+                                                        BytesFrom(flat, offset * kFp32Bytes)));
+        }
+      }
+    }
+    numels.push_back(BufferNumels(dtypes[b], numel));
+    unpadded.push_back(BufferNumels(dtypes[b], numel_unpadded));
+  }
+  // Megatron-Core wraps each object it saves in a list.
+  items[0].push_back(DcpBytesItem(GroupItem(group, "per_bucket_numel"), Value::MakeList({Value::MakeList(numels)})));
+  items[0].push_back(
+      DcpBytesItem(GroupItem(group, "per_bucket_numel_unpadded"), Value::MakeList({Value::MakeList(unpadded)})));
+  items[0].push_back(DcpBytesItem(
+      GroupItem(group, "optimizer"),
+      Value::MakeList({Value::MakeDict({{Value::String("param_groups"), param_groups}})})));
+  return items;
+}
+
+}  // namespace reshard

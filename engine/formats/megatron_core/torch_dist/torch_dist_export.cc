@@ -1,0 +1,626 @@
+#include "formats/megatron_core/torch_dist/torch_dist_export.h"
+
+#include <algorithm>
+#include <array>
+#include <cstdio>
+#include <cstring>
+#include <iterator>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+
+#include "container/dcp_writer.h"
+#include "formats/megatron_core/common/megatron_args.h"
+#include "formats/megatron_core/common/megatron_buckets.h"
+#include "formats/megatron_core/common/megatron_layout.h"
+#include "formats/megatron_core/common/megatron_param_groups.h"
+#include "formats/megatron_core/common/nd_reformulation.h"
+#include "formats/megatron_core/torch_dist/dp_reshardable_items.h"
+#include "formats/state_dict.h"
+#include "logical/logical_checkpoint.h"
+#include "logical/tp_placement.h"
+#include "util/human.h"
+#include "util/shape.h"
+#include "util/strings.h"
+
+namespace reshard {
+namespace {
+
+// The Megatron-Core versions whose forms are written: 0.19 keeps the common
+// state in a bytes item, 0.14 in common.pt, which metadata.json names.
+constexpr char kVersion014[] = "0.14";
+constexpr char kVersion019[] = "0.19";
+constexpr char kMetadataJson[] = "{\"sharded_backend\": \"torch_dist\", \"sharded_backend_version\": 1}";
+constexpr char kMetadataJson014[] =
+    "{\"sharded_backend\": \"torch_dist\", \"sharded_backend_version\": 1, \"common_backend\": \"torch\", "
+    "\"common_backend_version\": 1}";
+// How Megatron-Core names the item of a sharded object: shard `i` of `n`.
+constexpr char kCommonState[] = "common_state/shard_0_1";
+constexpr char kCommonFile[] = "common.pt";
+// A job's share of a big .distcp file.
+constexpr int64_t kPartBytes = int64_t{256} << 20;
+// The optimizer layouts written: 0.19's every state shaped like its model
+// key, or flat buckets per model-parallel rank (dp_reshardable_items.h);
+// 0.14's every rank's piece of a state flattened (nd_reformulation.h).
+constexpr char kFullyReshardable[] = "fully_reshardable";
+constexpr char kDpReshardable[] = "dp_reshardable";
+constexpr char kFullyShardedModelSpace[] = "fully_sharded_model_space";
+
+std::string IterationFolder(int64_t iteration) {
+  char name[32];
+  std::snprintf(name, sizeof(name), "iter_%07lld", static_cast<long long>(iteration));
+  return name;
+}
+
+// The torch_dist key of a canonical tensor, and its layer in a stacked key.
+struct KeyOf {
+  std::string key;
+  int block = -1;  // -1: the key is not stacked
+};
+
+// The torch_dist key of rank tensor `r`: what current Megatron-Core names it.
+Result<KeyOf> KeyOfTensor(const RuleSet& rules, const RankTensor& r) {
+  RESHARD_ASSIGN_OR_RETURN(const TorchDistTensor* entry, TorchDistEntryOf(rules, r, "torch_dist"));
+  return KeyOf{entry->keys.front(), r.block};
+}
+
+// A stacked key's global size and a layer's chunk of it: the layer axis first.
+std::vector<int64_t> StackedSize(const KeyOf& key, int blocks, std::vector<int64_t> size) {
+  if (key.block >= 0) size.insert(size.begin(), blocks);
+  return size;
+}
+
+DcpChunk StackedChunk(const KeyOf& key, DcpChunk chunk) {
+  if (key.block >= 0) {
+    chunk.offsets.insert(chunk.offsets.begin(), key.block);
+    chunk.sizes.insert(chunk.sizes.begin(), 1);
+  }
+  return chunk;
+}
+
+// The global shape of a rank tensor's canonical tensor over `tp` ranks.
+std::vector<int64_t> GlobalShape(const RankTensor& r, int tp) {
+  std::vector<int64_t> shape = r.shape;
+  if (r.rule->policy != ParamRule::Policy::kReplicated) shape[r.rule->dim] *= tp;
+  return shape;
+}
+
+// One box of a rank tensor in the canonical tensor, and where its bytes
+// start in the rank tensor's.
+struct RankBox {
+  DcpChunk chunk;
+  int64_t byte_offset = 0;
+};
+
+// TP rank `t`'s boxes (logical/tp_placement.h): one, or one per
+// sub-parameter (`parts`) of a split along dim 0, each contiguous in the
+// rank tensor.
+Result<std::vector<RankBox>> RankBoxes(const RankTensor& r, int t, int tp, DType dtype) {
+  const TpPlacement place = PlaceTpRank(*r.rule, GlobalShape(r, tp), tp, t);
+  if (place.placements.size() > 1 && r.rule->dim != 0) {
+    return Status::Unsupported("export --to torch_dist: " + r.name + " stacks " + std::to_string(r.rule->parts) +
+                               " sub-parameters along dim " + std::to_string(r.rule->dim) + ", whose pieces are "
+                               "not contiguous in a rank's tensor; only dim 0 is supported");
+  }
+  const int64_t rows = r.shape.empty() ? 0 : r.shape[0];
+  const int64_t row_bytes = rows == 0 ? 0 : ShapeNumel(r.shape) / rows * ElementSize(dtype);
+  std::vector<RankBox> boxes;
+  for (const Placement& p : place.placements) {
+    boxes.push_back({DcpChunk{p.global.offsets, p.global.sizes}, p.local.empty() ? 0 : p.local[0] * row_bytes});
+  }
+  return boxes;
+}
+
+struct Target {
+  TpCut cut;
+  int pp = 1, dp = 1;
+  int blocks = 0, blocks_per_stage = 0;
+  std::optional<DType> dtype;
+  std::string version;                 // kVersion014 or kVersion019
+  std::string layout;                  // of the optimizer state
+  std::optional<int64_t> bucket_size;  // dp_reshardable's, on the first stage
+};
+
+// The items of every rank's `.distcp` file.
+class RankFiles {
+ public:
+  explicit RankFiles(const Target& target)
+      : tp_(target.cut.tp), dp_(target.dp), items_(target.cut.tp * target.dp * target.pp) {}
+
+  // Megatron's default rank order: TP fastest, then DP, then PP.
+  static int Rank(int tp_rank, int pp_rank, int dp_rank, int tp, int dp) { return tp_rank + tp * (dp_rank + dp * pp_rank); }
+  std::vector<DcpWriteItem>& At(int tp_rank, int pp_rank, int dp_rank = 0) {
+    return items_[Rank(tp_rank, pp_rank, dp_rank, tp_, dp_)];
+  }
+  std::vector<std::vector<DcpWriteItem>>& all() { return items_; }
+
+ private:
+  int tp_, dp_;
+  std::vector<std::vector<DcpWriteItem>> items_;  // by rank
+};
+
+int StageOf(const RankTensor& r, const Target& target) {
+  if (r.block >= 0) return r.block / target.blocks_per_stage;
+  return r.rule->role == "embedding" ? 0 : target.pp - 1;
+}
+
+// The items of TP rank `t`'s tensors.
+Status AddRankItems(const RuleSet& rules, const std::vector<RankTensor>& tensors, int t, const Target& target,
+                    RankFiles* files) {
+  for (const RankTensor& r : tensors) {
+    if (t > 0 && r.rule->policy == ParamRule::Policy::kReplicated) continue;  // TP rank 0 writes it
+    RESHARD_ASSIGN_OR_RETURN(KeyOf key, KeyOfTensor(rules, r));
+    const DType dtype = WrittenDType(r, target.dtype);
+    RESHARD_ASSIGN_OR_RETURN(std::vector<RankBox> boxes, RankBoxes(r, t, target.cut.tp, dtype));
+    const std::vector<int64_t> size = StackedSize(key, target.blocks, GlobalShape(r, target.cut.tp));
+    const ByteProducer bytes = dtype == r.dtype ? r.produce : CastBytes(r.produce, r.dtype, dtype);
+    for (RankBox& box : boxes) {
+      files->At(t, StageOf(r, target)).push_back(
+          DcpTensorItem(key.key, dtype, size, StackedChunk(key, std::move(box.chunk)), BytesFrom(bytes, box.byte_offset)));
+    }
+  }
+  return Status::Ok();
+}
+
+// Each linear layer's extra state, empty, as Megatron-Core wraps an object:
+// [None], item `shard_{layer}_{layers}`.
+void AddExtraStates(const RuleSet& rules, const Target& target, RankFiles* files) {
+  for (const std::string& module : rules.torch_dist()->extra_state) {
+    for (int l = 0; l < target.blocks; ++l) {
+      const std::string fqn = module + "._extra_state/shard_" + std::to_string(l) + "_" + std::to_string(target.blocks);
+      files->At(0, l / target.blocks_per_stage).push_back(DcpBytesItem(fqn, Value::MakeList({Value::None()})));
+    }
+  }
+}
+
+// Megatron-Core's name of an optimizer state in `optimizer.state.<name>.<key>`.
+Result<std::string> StateName(const FullTensor& t) {
+  if (t.state == kFp32Master) return std::string("param");
+  if (t.state == "exp_avg" || t.state == "exp_avg_sq") return t.state;
+  return Status::Unsupported("export --to torch_dist: the optimizer state '" + t.state + "' of " + t.param +
+                             " has no place in Megatron-Core's Adam state; export with --weights-only");
+}
+
+// `t` with `rows` rows: its own, cut or followed by zero rows (a vocabulary
+// padded for another TP).
+ByteProducer WithRows(const FullTensor& t, int64_t rows) {
+  const int64_t row_bytes = ShapeNumel(t.shape) / t.shape[0] * ElementSize(t.dtype);
+  const int64_t have = std::min(rows, t.shape[0]) * row_bytes;
+  return ByteProducer::Traced([from = t.produce, have](int64_t offset, int64_t length, uint8_t* dst,
+                                                       const SpanSink& spans) {
+    const int64_t own = std::clamp<int64_t>(have - offset, 0, length);
+    if (own > 0) RESHARD_RETURN_IF_ERROR(from(offset, own, dst, spans));
+    std::fill(dst + own, dst + length, uint8_t{0});
+    return Status::Ok();
+  });
+}
+
+// The fully_reshardable layout: every state of every parameter whole under
+// `optimizer.state.<state>.<key>`, fp32, shaped like the model key (a
+// stacked key's layers one chunk each), written by TP rank 0 of the stage
+// holding the weight. `weights` gives each parameter's key, stage and shape.
+Status AddOptimizerItems(const RuleSet& rules, const std::vector<FullTensor>& states,
+                         const std::vector<RankTensor>& weights, const Target& target, RankFiles* files) {
+  std::map<std::string, const RankTensor*> weight_of;
+  for (const RankTensor& r : weights) weight_of[r.name] = &r;
+  for (const FullTensor& t : states) {
+    auto it = weight_of.find(t.param);
+    if (it == weight_of.end()) return Status::Internal("optimizer state of " + t.param + ", which is no weight");
+    const RankTensor& r = *it->second;
+    RESHARD_ASSIGN_OR_RETURN(std::string state, StateName(t));
+    RESHARD_ASSIGN_OR_RETURN(KeyOf key, KeyOfTensor(rules, r));
+    const std::vector<int64_t> shape = GlobalShape(r, target.cut.tp);
+    if (shape.empty() || shape.size() != t.shape.size() || !std::equal(shape.begin() + 1, shape.end(), t.shape.begin() + 1) ||
+        (!t.vocab && shape[0] != t.shape[0])) {
+      return Status::Internal("optimizer " + t.state + " of " + t.param + " is " + ShapeString(t.shape) +
+                              ", its weight " + ShapeString(shape));
+    }
+    ByteProducer bytes = t.vocab ? WithRows(t, shape[0]) : t.produce;
+    if (t.dtype != DType::kFloat32) bytes = CastBytes(std::move(bytes), t.dtype, DType::kFloat32);
+    const DcpChunk chunk = StackedChunk(key, {std::vector<int64_t>(shape.size(), 0), shape});
+    files->At(0, StageOf(r, target)).push_back(DcpTensorItem("optimizer.state." + state + "." + key.key,
+                                                            DType::kFloat32, StackedSize(key, target.blocks, shape),
+                                                            chunk, std::move(bytes)));
+  }
+  return Status::Ok();
+}
+
+// Every state written belongs to a group, or Megatron-Core would not know its hyperparameters.
+Status CheckGrouped(const OptimizerParamGroups& groups, const std::vector<FullTensor>& states) {
+  std::set<std::string> grouped;
+  for (const OptimizerParamGroup& g : groups.groups) grouped.insert(g.params.begin(), g.params.end());
+  for (const FullTensor& t : states) {
+    if (grouped.count(t.param) == 0) {
+      return Status::Internal("optimizer state of " + t.param + ", which is in no optimizer group");
+    }
+  }
+  return Status::Ok();
+}
+
+// TP rank `t`'s tensors of stage `p` by (torch_dist key, layer); at PP > 1
+// the tied embedding also as the last stage's tied head.
+Result<std::map<std::pair<std::string, int64_t>, const RankTensor*>> StageTensors(const RuleSet& rules,
+                                                                                   const TpWeights& weights, int t,
+                                                                                   int p, const Target& target) {
+  std::map<std::pair<std::string, int64_t>, const RankTensor*> by_key;
+  for (const RankTensor& r : weights.ranks[t]) {
+    if (IsTiedVocab(r) && target.pp > 1 && p == target.pp - 1) {
+      if (rules.torch_dist()->tied_head.empty()) {
+        return Status::Unsupported("export --to torch_dist: rule set " + rules.name() + " ties the embedding, and its "
+                                   "torch_dist section names no tied_head, the last stage's copy the dp_reshardable "
+                                   "buckets hold at PP > 1; add one (docs/rules.md) or use --optimizer-layout "
+                                   "fully_reshardable");
+      }
+      by_key[{rules.torch_dist()->tied_head, -1}] = &r;
+    }
+    if (StageOf(r, target) != p) continue;
+    RESHARD_ASSIGN_OR_RETURN(KeyOf key, KeyOfTensor(rules, r));
+    by_key[{key.key, r.block}] = &r;
+  }
+  return by_key;
+}
+
+// The source's fp32 masters, exp_avg and exp_avg_sq (kTorchDistStates'
+// order), each cut for the target TP exactly as the weights.
+using StateWeights = std::array<TpWeights, 3>;
+Result<StateWeights> CutStates(const SourceCheckpoint& src, const Target& target, std::atomic<int64_t>* read) {
+  StateWeights states;
+  const char* source_states[] = {kFp32Master, "exp_avg", "exp_avg_sq"};
+  std::vector<std::string> repeated_notes;  // the weights' cut said them already
+  for (size_t s = 0; s < states.size(); ++s) {
+    TpCut cut = target.cut;
+    cut.state = source_states[s];
+    RESHARD_ASSIGN_OR_RETURN(states[s], src.WeightsForTp(cut, &repeated_notes, read));
+  }
+  return states;
+}
+
+// TP rank `t`'s piece of state `s` (of CutStates) of the weight `name`, as
+// fp32 bytes.
+Result<ByteProducer> Fp32StateOf(const TpWeights& state, int t, const std::string& name, size_t s) {
+  for (const RankTensor& r : state.ranks[t]) {
+    if (r.name != name) continue;
+    return r.dtype == DType::kFloat32 ? r.produce : CastBytes(r.produce, r.dtype, DType::kFloat32);
+  }
+  return Status::Internal("no optimizer " + std::string(kTorchDistStates[s]) + " of " + name);
+}
+
+// The stage's parameters of TP rank `t` in registration order, each with
+// its pieces of the states (`states`: the source's fp32 masters, exp_avg
+// and exp_avg_sq cut like `weights`).
+Result<std::vector<DpParam>> StageParams(const RuleSet& rules, const TpWeights& weights,
+                                         const StateWeights& states, int t, int p, const Target& target) {
+  RESHARD_ASSIGN_OR_RETURN(auto by_key, StageTensors(rules, weights, t, p, target));
+  const TorchDistLayout& layout = *rules.torch_dist();
+  std::vector<DpParam> params;
+  for (const RegisteredParam& reg : StageRegistrationOrder(
+           layout.optimizer_order, [&layout](const std::string& key) { return layout.IsStackedKey(key); },
+           int64_t{p} * target.blocks_per_stage, target.blocks_per_stage, p == 0, p == target.pp - 1,
+           layout.tied_head)) {
+    auto it = by_key.find({reg.key, reg.layer});
+    if (it == by_key.end()) continue;
+    const RankTensor& r = *it->second;
+    DpParam param{reg.key, WrittenDType(r, target.dtype), ShapeNumel(r.shape), IsTiedVocab(r) && target.pp > 1, {}};
+    for (size_t s = 0; s < states.size(); ++s) {
+      RESHARD_ASSIGN_OR_RETURN(param.states[s], Fp32StateOf(states[s], t, r.name, s));
+    }
+    params.push_back(std::move(param));
+    by_key.erase(it);
+  }
+  if (!by_key.empty()) {
+    return Status::Unsupported("export --to torch_dist: " + by_key.begin()->first.first + " is not in rule set " +
+                               rules.name() + "'s torch_dist.optimizer_order, the registration order dp_reshardable "
+                               "buffers follow; add it (docs/rules.md) or use --optimizer-layout fully_reshardable");
+  }
+  return params;
+}
+
+// The dp_reshardable layout: each model-parallel rank's buckets
+// (dp_reshardable_items.h) from its pieces of every state, cut for the
+// target TP exactly as its weights.
+Status AddDpReshardableItems(const SourceCheckpoint& src, const TpWeights& weights, const Value& param_groups,
+                             const Target& target, std::atomic<int64_t>* read, RankFiles* files) {
+  const RuleSet& rules = *src.info().rules;
+  RESHARD_ASSIGN_OR_RETURN(const StateWeights states, CutStates(src, target, read));
+  for (int p = 0; p < target.pp; ++p) {
+    // Megatron-Core's DistributedDataParallel cuts buckets on the first stage only.
+    const std::optional<int64_t> bucket_size = p == 0 ? target.bucket_size : std::nullopt;
+    for (int t = 0; t < target.cut.tp; ++t) {
+      RESHARD_ASSIGN_OR_RETURN(std::vector<DpParam> params, StageParams(rules, weights, states, t, p, target));
+      RESHARD_ASSIGN_OR_RETURN(std::vector<std::vector<DcpWriteItem>> items,
+                               DpReshardableItems(MegatronDpGroupIdx(t, p, target.cut.tp), params,
+                                                  {target.dp, bucket_size}, param_groups));
+      for (int d = 0; d < target.dp; ++d) {
+        std::move(items[d].begin(), items[d].end(), std::back_inserter(files->At(t, p, d)));
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+// The fully_sharded_model_space layout of Megatron-Core 0.14: each state
+// of each parameter under `optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.
+// <key>`, reformulated (formats/megatron_core/common/nd_reformulation.h): each box a TP rank
+// writes of the weight (a layer's piece) is one fragment, flattened, written
+// by the rank that writes the weight's box (TP rank 0 alone for a
+// replicated tensor). Megatron-Core cuts a fragment at its DP ranks' shard
+// bounds; here DP rank 0 writes each whole, which loads the same.
+Status AddModelSpaceItems(const SourceCheckpoint& src, const TpWeights& weights, const Target& target,
+                          std::atomic<int64_t>* read, RankFiles* files) {
+  const RuleSet& rules = *src.info().rules;
+  RESHARD_ASSIGN_OR_RETURN(const StateWeights states, CutStates(src, target, read));
+  for (int t = 0; t < target.cut.tp; ++t) {
+    for (const RankTensor& r : weights.ranks[t]) {
+      if (t > 0 && r.rule->policy == ParamRule::Policy::kReplicated) continue;  // TP rank 0 writes it
+      RESHARD_ASSIGN_OR_RETURN(KeyOf key, KeyOfTensor(rules, r));
+      const std::vector<int64_t> global = StackedSize(key, target.blocks, GlobalShape(r, target.cut.tp));
+      RESHARD_ASSIGN_OR_RETURN(std::vector<RankBox> boxes, RankBoxes(r, t, target.cut.tp, DType::kFloat32));
+      for (size_t s = 0; s < states.size(); ++s) {
+        RESHARD_ASSIGN_OR_RETURN(ByteProducer bytes, Fp32StateOf(states[s], t, r.name, s));
+        // Megatron-Core 0.14 names the fp32 master `fp32_param`.
+        const std::string fqn = std::string("optimizer.state.") + (s == 0 ? "fp32_param" : kTorchDistStates[s]) + "." + key.key;
+        for (const RankBox& box : boxes) {
+          const DcpChunk piece = StackedChunk(key, box.chunk);
+          RESHARD_ASSIGN_OR_RETURN(NdReformulation reform, NdReformulationOf(global, piece.sizes, fqn));
+          DcpChunk row{reform.FragmentIndex(Box{piece.offsets, piece.sizes}), std::vector<int64_t>(global.size(), 1)};
+          row.offsets.push_back(0);
+          row.sizes.push_back(reform.fragment_numel());
+          DcpWriteItem item = DcpTensorItem(fqn, DType::kFloat32, reform.saved_shape(), std::move(row),
+                                            BytesFrom(bytes, box.byte_offset));
+          item.reformulated_from = global;
+          files->At(t, StageOf(r, target)).push_back(std::move(item));
+        }
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+// What Megatron-Core 0.14's common state keeps of each parameter's state
+// beside the reformulated tensors: {index: {'step': tensor(step)}} for the
+// parameters of the rank that saves it (TP rank 0 of the first stage).
+Result<Value> ModelSpaceParamState(const TpWeights& weights, const Value& param_groups, const Target& target) {
+  const Value* step = param_groups.as_list().items.empty() ? nullptr : Find(param_groups.as_list().items[0], "step");
+  if (step == nullptr || !step->is(Value::Kind::kFloat)) {
+    return Status::Internal("Megatron-Core's param groups record no float step");
+  }
+  const float value = static_cast<float>(step->as_float());
+  auto bytes = std::make_shared<std::vector<uint8_t>>(sizeof(float));
+  std::memcpy(bytes->data(), &value, sizeof(float));
+  const Value tensor = MakeOwnedTensor(DType::kFloat32, {}, bytes);
+  Items params;
+  for (const RankTensor& r : weights.ranks[0]) {
+    if (StageOf(r, target) != 0) continue;
+    params.emplace_back(Value::Int(static_cast<int64_t>(params.size())),
+                        Value::MakeDict({{Value::String("step"), tensor}}));
+  }
+  return Value::MakeDict(std::move(params));
+}
+
+// The optimizer state in `target.layout`, and the common state's `optimizer`
+// entry as Megatron-Core writes it for that layout (fully_reshardable and
+// fully_sharded_model_space keep the param groups there; dp_reshardable in
+// each rank's items).
+Result<Value> AddOptimizer(const SourceCheckpoint& src, const std::vector<FullTensor>& states,
+                           const TpWeights& weights, const Target& target, std::atomic<int64_t>* read,
+                           RankFiles* files) {
+  RESHARD_ASSIGN_OR_RETURN(OptimizerParamGroups groups, src.ParamGroupsAndStep());
+  RESHARD_RETURN_IF_ERROR(CheckGrouped(groups, states));
+  RESHARD_ASSIGN_OR_RETURN(Value param_groups,
+                           MegatronParamGroups(groups, Find(src.info().metadata, "args"), target.version));
+  for (const FullTensor& t : states) RESHARD_RETURN_IF_ERROR(StateName(t).status());
+  Value out = Value::MakeDict();
+  if (target.layout == kDpReshardable) {
+    RESHARD_RETURN_IF_ERROR(AddDpReshardableItems(src, weights, param_groups, target, read, files));
+  } else if (target.layout == kFullyShardedModelSpace) {
+    RESHARD_RETURN_IF_ERROR(AddModelSpaceItems(src, weights, target, read, files));
+    RESHARD_ASSIGN_OR_RETURN(Value param_state, ModelSpaceParamState(weights, param_groups, target));
+    Set(out, "optimizer", Value::MakeDict({{Value::String("param_groups"), std::move(param_groups)}}));
+    Set(out, "param_state", std::move(param_state));
+  } else {
+    RESHARD_RETURN_IF_ERROR(AddOptimizerItems(*src.info().rules, states, weights.ranks[0], target, files));
+    Set(out, "optimizer", Value::MakeDict({{Value::String("param_groups"), std::move(param_groups)}}));
+  }
+  Set(out, "param_state_sharding_type", Value::String(target.layout));
+  return out;
+}
+
+// The common state: what Megatron-LM's load reads before the tensors.
+// 0.14's also says how its sharded state dict was made (content_metadata:
+// Megatron-LM 0.14 picks the optimizer layout to load by it).
+Value CommonState(const SourceCheckpoint& src, const Target& target, int64_t padded_vocab,
+                  std::optional<Value> optimizer, std::vector<std::string>* notes) {
+  Value state = Value::MakeDict();
+  if (target.version == kVersion014) {
+    Value content = Value::MakeDict();
+    if (optimizer) Set(content, "distrib_optim_sharding_type", Value::String(target.layout));
+    Set(content, "chained_optim_avoid_prefix", Value::Bool(true));
+    Set(content, "singleton_local_shards", Value::Bool(false));
+    Set(state, "content_metadata", std::move(content));
+  }
+  if (optimizer) Set(state, "optimizer", std::move(*optimizer));
+  const Value* args = Find(src.info().metadata, "args");
+  if (args != nullptr && DictItems(*args) != nullptr) {
+    Value written = MegatronArgs(*args, {target.cut.tp, target.pp, target.dp, padded_vocab}, notes);
+    // The true vocabulary size, as Megatron-LM's --vocab-size records it: what
+    // re-padding for another TP needs.
+    const std::optional<int64_t> vocab = target.cut.vocab_size ? target.cut.vocab_size : src.info().vocab_size;
+    if (vocab) Set(written, "vocab_size", Value::Int(*vocab));
+    Set(state, "args", std::move(written));
+  }
+  Set(state, "checkpoint_version", Value::Float(3.0));
+  Set(state, "iteration", Value::Int(src.info().iteration));
+  return state;
+}
+
+// The Megatron-Core version that loads `layout`: each loads only its own.
+std::string VersionOfLayout(const std::string& layout) {
+  return layout == kFullyShardedModelSpace ? kVersion014 : kVersion019;
+}
+
+// The version and optimizer layout written: as given; a version by its
+// layout, else the source's, else 0.19; a layout by its version (0.14's
+// default, or 0.19's: the source's dp_reshardable, else fully_reshardable).
+Status ChooseForm(const SourceCheckpoint& src, const ExportOptions& options, Target* target) {
+  const std::string& own = src.info().format_version;
+  target->version = !options.megatron_core_version.empty() ? options.megatron_core_version
+                    : !options.optimizer_layout.empty()    ? VersionOfLayout(options.optimizer_layout)
+                    : !own.empty()                         ? own
+                                                           : kVersion019;
+  if (target->version != kVersion014 && target->version != kVersion019) {
+    return Status::InvalidInput("unknown --megatron-core-version '" + target->version + "'; use 0.14 or 0.19");
+  }
+  const std::string fallback = target->version == kVersion014          ? kFullyShardedModelSpace
+                               : src.info().optimizer_layout == kDpReshardable ? kDpReshardable
+                                                                                : kFullyReshardable;
+  target->layout = options.optimizer_layout.empty() ? fallback : options.optimizer_layout;
+  if (VersionOfLayout(target->layout) != target->version) {
+    return Status::InvalidInput("Megatron-Core " + target->version + " does not load the optimizer layout " +
+                                target->layout + " (each version loads only its own); use --optimizer-layout " +
+                                fallback + ", or --megatron-core-version " + VersionOfLayout(target->layout) +
+                                " for " + target->layout);
+  }
+  if (options.ddp_bucket_size < 0) return Status::InvalidInput("--ddp-bucket-size must be >= 1");
+  if (options.ddp_bucket_size > 0) target->bucket_size = options.ddp_bucket_size;
+  return Status::Ok();
+}
+
+Status CheckSource(const SourceCheckpoint& src, const ExportOptions& options) {
+  const std::shared_ptr<const RuleSet>& rules = src.info().rules;
+  if (rules == nullptr || rules->torch_dist() == nullptr) {
+    return Status::Unsupported("export --to torch_dist writes the keys a rule set's torch_dist section names, and " +
+                               (rules == nullptr ? "this " + src.info().kind + " checkpoint is read without a rule set" +
+                                                      src.info().NoRulesWhy()
+                                                 : "rule set " + rules->name() + " has none") +
+                               "; export --to consolidated writes its tensors");
+  }
+  if (options.tp < 1 || options.pp < 1 || options.dp < 0) {
+    return Status::InvalidInput("export --to torch_dist needs the target layout: --tp N and --pp N (both >= 1), "
+                                "and --dp N >= 1 if given");
+  }
+  if (!options.optimizer_layout.empty() && options.optimizer_layout != kFullyReshardable &&
+      options.optimizer_layout != kDpReshardable && options.optimizer_layout != kFullyShardedModelSpace) {
+    return Status::InvalidInput("unknown --optimizer-layout '" + options.optimizer_layout + "'; use " +
+                                kFullyReshardable + ", " + kDpReshardable + " or " + kFullyShardedModelSpace);
+  }
+  if (!options.optimizer_layout.empty() && options.weights_only) {
+    return Status::InvalidInput("--weights-only leaves the optimizer state out, which --optimizer-layout lays out; "
+                                "give one of them");
+  }
+  if (!options.from.empty() && options.from != "weights" && options.from != "masters") {
+    return Status::InvalidInput("unknown --from '" + options.from + "'; use weights or masters");
+  }
+  return Status::Ok();
+}
+
+// The optimizer states to write: every one the source has, unless
+// --weights-only leaves them out.
+Result<std::vector<FullTensor>> OptimizerStates(const SourceCheckpoint& src, const ExportOptions& options,
+                                                std::atomic<int64_t>* read) {
+  std::vector<FullTensor> states;
+  if (options.weights_only) return states;
+  RESHARD_ASSIGN_OR_RETURN(std::vector<FullTensor> all, src.FullTensors(options.replicated, read));
+  for (FullTensor& t : all) {
+    if (t.section == "optimizer") states.push_back(std::move(t));
+  }
+  if (states.empty() && !options.optimizer_layout.empty()) {
+    return Status::InvalidInput("--optimizer-layout: the source has no optimizer state; drop the option");
+  }
+  return states;
+}
+
+// --ddp-bucket-size cuts dp_reshardable's buckets, and nothing else.
+Status CheckBucketSize(const Target& target, const std::vector<FullTensor>& states) {
+  if (!target.bucket_size || (!states.empty() && target.layout == kDpReshardable)) return Status::Ok();
+  return Status::InvalidInput("--ddp-bucket-size cuts the grad buffers of the optimizer layout dp_reshardable, and " +
+                              (states.empty() ? std::string("no optimizer state is written")
+                                              : "the layout written is " + target.layout) +
+                              "; drop it, or write --optimizer-layout dp_reshardable");
+}
+
+int CountBlocks(const std::vector<RankTensor>& tensors) {
+  int blocks = 0;
+  for (const RankTensor& t : tensors) blocks = std::max(blocks, t.block + 1);
+  return blocks;
+}
+
+}  // namespace
+
+// What a loader of the folder must be told.
+std::string LoadNote(const std::vector<FullTensor>& states, const std::string& layout) {
+  if (states.empty()) {
+    return "torch_dist: weights only, no optimizer or RNG state; load with --no-load-optim --no-load-rng (or "
+           "--finetune, which also restarts the iteration count)";
+  }
+  return "torch_dist: the optimizer state as " + layout + " (Megatron-Core " + VersionOfLayout(layout) + "'s" +
+         (layout == kFullyReshardable ? "; load with --dist-ckpt-optim-fully-reshardable" : "") +
+         "), no RNG state (load with --no-load-rng)";
+}
+
+Result<OutputPlan> PlanTorchDist(const SourceCheckpoint& src, const ExportOptions& options,
+                                 std::vector<std::string>* notes) {
+  RESHARD_RETURN_IF_ERROR(CheckSource(src, options));
+  const RuleSet& rules = *src.info().rules;
+  Target target;
+  target.cut = TpCut{options.tp, options.replicated, options.vocab_size, options.from == "masters" ? kFp32Master : ""};
+  target.pp = options.pp;
+  target.dp = std::max(options.dp, 1);
+  RESHARD_ASSIGN_OR_RETURN(target.dtype, ExportDType(options.dtype));
+  RESHARD_RETURN_IF_ERROR(ChooseForm(src, options, &target));
+  OutputPlan out;
+  RESHARD_ASSIGN_OR_RETURN(TpWeights weights, src.WeightsForTp(target.cut, notes, out.read.get()));
+  target.blocks = CountBlocks(weights.ranks[0]);
+  RESHARD_ASSIGN_OR_RETURN(target.blocks_per_stage, BlocksPerStage(target.blocks, target.pp));
+
+  RankFiles files(target);
+  for (int t = 0; t < options.tp; ++t) {
+    RESHARD_RETURN_IF_ERROR(AddRankItems(rules, weights.ranks[t], t, target, &files));
+  }
+  RESHARD_ASSIGN_OR_RETURN(std::vector<FullTensor> states, OptimizerStates(src, options, out.read.get()));
+  RESHARD_RETURN_IF_ERROR(CheckBucketSize(target, states));
+  std::optional<Value> optimizer;
+  if (!states.empty()) {
+    RESHARD_ASSIGN_OR_RETURN(optimizer, AddOptimizer(src, states, weights, target, out.read.get(), &files));
+  }
+  AddExtraStates(rules, target, &files);
+  const std::string folder = IterationFolder(src.info().iteration);
+  Value common = CommonState(src, target, weights.padded_vocab, std::move(optimizer), notes);
+  const bool v014 = target.version == kVersion014;
+  if (v014) {
+    RESHARD_ASSIGN_OR_RETURN(PlannedFile common_file,
+                             TorchFile(folder + "/" + kCommonFile, "common state", std::move(common)));
+    out.files.push_back(std::move(common_file));
+  } else {
+    files.At(0, 0).push_back(DcpBytesItem(kCommonState, Value::MakeList({std::move(common)})));
+  }
+
+  for (int rank = 0; rank < static_cast<int>(files.all().size()); ++rank) {
+    if (files.all()[rank].empty()) continue;  // a DP rank of a layout that gives it nothing to write
+    const int t = rank % options.tp, d = rank / options.tp % target.dp, p = rank / (options.tp * target.dp);
+    RESHARD_ASSIGN_OR_RETURN(DcpFileLayout file,
+                             LayOutDcpFile("__" + std::to_string(rank) + "_0.distcp", std::move(files.all()[rank])));
+    out.files.push_back(DcpDataFile(folder, "stage " + std::to_string(p) + ", TP rank " + std::to_string(t) +
+                                                (target.dp > 1 ? ", DP rank " + std::to_string(d) : ""),
+                                    std::move(file), kPartBytes));
+  }
+  std::vector<const PlannedFile*> data;
+  for (const PlannedFile& f : out.files) {
+    if (f.container == PlannedFile::Container::kDcp) data.push_back(&f);
+  }
+  RESHARD_ASSIGN_OR_RETURN(PlannedFile metadata, DcpMetadataFile(folder, data, {v014}));
+  out.files.push_back(std::move(metadata));
+  out.files.push_back(TextFile(folder + "/metadata.json", v014 ? kMetadataJson014 : kMetadataJson));
+  out.files.push_back(TextFile(kLatestIterationFile, std::to_string(src.info().iteration)));
+  out.summary = "torch_dist (Megatron-Core " + target.version + "): TP " + std::to_string(options.tp) + ", PP " + std::to_string(target.pp) +
+                (target.dp > 1 ? ", DP " + std::to_string(target.dp) : "") + ", iteration " + std::to_string(src.info().iteration) + "; " +
+                Count(target.blocks, "block") + ", stacked; padded vocabulary " +
+                std::to_string(weights.padded_vocab) +
+                (states.empty() ? "; weights only" : "; optimizer state " + target.layout) +
+                (target.bucket_size ? ", first stage's buckets of " + std::to_string(*target.bucket_size) + " elements" : "") +
+                "\n";
+  notes->push_back(LoadNote(states, target.layout));
+  return out;
+}
+
+}  // namespace reshard

@@ -1,0 +1,224 @@
+#include "formats/megatron_core/torch_dist/torch_dist_import.h"
+
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <map>
+#include <set>
+
+#include "container/torch_file.h"
+#include "formats/megatron_core/common/torch_dist_family.h"
+#include "formats/megatron_core/torch_dist/torch_dist_optimizer.h"
+#include "util/human.h"
+#include "util/strings.h"
+
+namespace reshard {
+namespace {
+
+// Megatron-Core before 0.19 writes the common state beside the data files;
+// 0.19 writes it as a bytes item.
+constexpr char kCommonFile[] = "common.pt";
+constexpr char kCommonItemPrefix[] = "common_state/";
+// Keys of Transformer Engine's per-module state.
+constexpr char kExtraState[] = "._extra_state";
+
+bool IsFile(const std::string& path) {
+  struct stat st;
+  return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+}
+
+// The common state dict (None when the checkpoint has none). Megatron wraps
+// the bytes item's object in a list of one.
+Result<Value> CommonState(const DcpContent& c) {
+  const std::string file = c.folder + "/" + kCommonFile;
+  if (IsFile(file)) {
+    PickleReadOptions options;
+    options.inert_unknown_classes = true;  // plain data is read out of it; nothing is written back
+    return ReadTorchFile(file, options);
+  }
+  for (const std::string& fqn : c.bytes_items) {
+    if (fqn.rfind(kCommonItemPrefix, 0) != 0) continue;
+    RESHARD_ASSIGN_OR_RETURN(Value v, c.ReadBytes(fqn));
+    if (v.is(Value::Kind::kList) && v.as_list().items.size() == 1) return v.as_list().items[0];
+    return v;
+  }
+  return Value::None();
+}
+
+// The Megatron-Core version whose form the folder has: 0.19's where its
+// optimizer layout is one only 0.19 writes, else 0.14's where it has a
+// common.pt (which versions up to 0.18 write; 0.14 is the one whose form
+// reshard writes), else 0.19's.
+std::string MegatronCoreVersion(const DcpContent& c, const std::optional<ImportedOptimizer>& optimizer) {
+  if (optimizer && (optimizer->layout == "fully_reshardable" || optimizer->layout == "dp_reshardable")) return "0.19";
+  return IsFile(c.folder + "/" + kCommonFile) ? "0.14" : "0.19";
+}
+
+// Reads the checkpoint as the model of one rule set.
+class FamilyReader {
+ public:
+  FamilyReader(const DcpContent& content, const RuleSet& rules, const Value& common, const CommonOptions& options)
+      : c_(content),
+        family_(rules, ImportedRunMetadata(Find(common, "args"), Find(common, "iteration"), IterationOfFolder(content.folder)),
+                options, "torch_dist"),
+        layout_(*rules.torch_dist()),
+        common_(common) {}
+
+  Result<TorchDistImport> Read() {
+    RESHARD_RETURN_IF_ERROR(family_.Start());
+    RESHARD_RETURN_IF_ERROR(MapTensors());
+    RESHARD_RETURN_IF_ERROR(CheckUnmapped());
+    RESHARD_RETURN_IF_ERROR(family_.RecordBlocks(blocks_, c_.folder));
+    RESHARD_RETURN_IF_ERROR(family_.Satisfy());
+    ReadOptimizer();  // before the args say TP 1, PP 1: a dp_reshardable layout is read with the save's
+    auto keys_of = [this](const std::string& name) { return family_.KeysOf(name); };
+    RESHARD_ASSIGN_OR_RETURN(LogicalCheckpoint logical, family_.Finish(tensors_, keys_of, c_.folder));
+    return Finish(std::move(logical));
+  }
+
+ private:
+  Status MapTensors() {
+    for (const TorchDistTensor& entry : layout_.tensors) {
+      const DcpTensor* t = FindAny(entry.keys);
+      if (t == nullptr) continue;  // LayOutImported refuses it when the rules need it
+      used_.insert(t->fqn);
+      if (entry.name.find("{block}") == std::string::npos) {
+        RESHARD_RETURN_IF_ERROR(family_.CheckShape(entry, t->fqn, t->size));
+        Add(entry.name, *t, -1);
+        continue;
+      }
+      if (t->size.empty()) return family_.Refuse(t->fqn + " has no layer axis to stack " + entry.name + " on");
+      if (blocks_ >= 0 && t->size[0] != blocks_) {
+        return family_.Refuse(t->fqn + " stacks " + std::to_string(t->size[0]) + " layers, and the keys before it " +
+                              std::to_string(blocks_));
+      }
+      blocks_ = t->size[0];
+      RESHARD_RETURN_IF_ERROR(family_.CheckShape(entry, t->fqn, {t->size.begin() + 1, t->size.end()}));
+      for (int64_t l = 0; l < blocks_; ++l) Add(WithBlock(entry.name, l), *t, l);
+    }
+    return Status::Ok();
+  }
+
+  const DcpTensor* FindAny(const std::vector<std::string>& keys) const {
+    for (const std::string& key : keys) {
+      if (const DcpTensor* t = c_.FindTensor(key)) return t;
+    }
+    return nullptr;
+  }
+
+  void Add(const std::string& name, const DcpTensor& t, int64_t layer) {
+    mapped_.push_back({name, t.fqn, layer});
+    SourceShard runs = SliceRuns(t, layer);
+    auto unread = [name](int64_t, int64_t, uint8_t*) {
+      return Status::Internal(name + " is read through its runs, not its placeholder tensor");
+    };
+    tensors_[name] = ImportedTensor{MakeProducedTensor(t.dtype, runs.shape, unread), std::move(runs)};
+  }
+
+  // The distributed optimizer's state, each state of each model key sliced
+  // into canonical tensors as the key's weights are. A layout that cannot be
+  // read leaves the reason for the commands that need the state.
+  void ReadOptimizer() {
+    auto args = [this](const std::string& path) { return MetaRef{{path}}.Resolve(family_.inputs()); };
+    Result<std::optional<TorchDistOptimizer>> read = ReadTorchDistOptimizer(c_, common_, layout_, args);
+    if (!read.ok()) {
+      optimizer_status_ = read.status().WithContext("torch_dist");
+      return;
+    }
+    if (!*read) return;
+    TorchDistOptimizer& states = **read;
+    ImportedOptimizer opt;
+    opt.moments = {kTorchDistStates[1], kTorchDistStates[2]};
+    for (const Mapped& m : mapped_) {
+      ImportedOptimizer::Param& p = opt.params[m.name];
+      p.master = SliceRuns(states.states[kTorchDistStates[0]].at(m.key), m.layer);
+      for (const std::string& moment : opt.moments) p.moments.push_back(SliceRuns(states.states[moment].at(m.key), m.layer));
+    }
+    // Megatron-Core marks the groups without weight decay by wd_mult 0.
+    std::stable_partition(states.param_groups.begin(), states.param_groups.end(), [](const Value& g) {
+      const Value* wd_mult = Find(g, "wd_mult");
+      return wd_mult == nullptr || !wd_mult->is(Value::Kind::kFloat) || wd_mult->as_float() != 0.0;
+    });
+    opt.param_groups = std::move(states.param_groups);
+    opt.step = std::move(states.step);
+    opt.what = "Megatron-Core's distributed optimizer (" + states.layout + ")";
+    opt.layout = states.layout;
+    family_.notes().push_back("torch_dist: " + opt.what + ": fp32 masters, exp_avg and exp_avg_sq of " +
+                              Count(static_cast<int64_t>(opt.params.size()), "tensor") + ", " +
+                              Count(static_cast<int64_t>(opt.param_groups.size()), "param group") +
+                              (opt.step ? ", step " + opt.step->DebugString(20) : std::string()));
+    optimizer_ = std::move(opt);
+  }
+
+  // Every model key must be the family's; the optimizer's keys are read by
+  // ReadOptimizer, Transformer Engine's state is noted.
+  Status CheckUnmapped() {
+    for (const DcpTensor& t : c_.tensors) {
+      if (used_.count(t.fqn)) continue;
+      if (IsOptimizerKey(t.fqn)) continue;  // ReadOptimizer's
+      return family_.Refuse(t.fqn + " is not a tensor of the model as its torch_dist section maps it");
+    }
+    for (const std::string& fqn : c_.bytes_items) {
+      if (fqn.find(kExtraState) != std::string::npos) extra_states_++;
+    }
+    return Status::Ok();
+  }
+
+  Result<TorchDistImport> Finish(LogicalCheckpoint logical) {
+    std::vector<std::string>& notes = family_.notes();
+    if (!optimizer_status_.ok()) {
+      notes.push_back(optimizer_status_.message());  // "torch_dist: <why it is not read>; <fix>"
+    }
+    if (extra_states_ > 0) {
+      notes.push_back("torch_dist: Transformer Engine's _extra_state (" + Count(extra_states_, "item") +
+                    ") is dropped: Megatron-DeepSpeed's layer files have no place for it");
+    }
+    TorchDistImport out;
+    out.logical = std::move(logical);
+    out.files = c_.Paths();
+    const int64_t iteration = out.logical.iteration;
+    out.what = "Megatron-Core torch_dist checkpoint" +
+               (iteration > 0 ? "; iteration " + std::to_string(iteration) : std::string()) + " (" +
+               Count(static_cast<int64_t>(c_.files.size()), ".distcp file") + ")";
+    out.notes = std::move(notes);
+    out.megatron_core_version = MegatronCoreVersion(c_, optimizer_);
+    out.optimizer = std::move(optimizer_);
+    out.optimizer_status = optimizer_status_;
+    return out;
+  }
+
+  const DcpContent& c_;
+  TorchDistFamily family_;
+  const TorchDistLayout& layout_;
+  const Value& common_;
+  // Which key (and layer of it) each canonical tensor is read from.
+  struct Mapped {
+    std::string name, key;
+    int64_t layer = -1;
+  };
+  std::vector<Mapped> mapped_;
+  std::optional<ImportedOptimizer> optimizer_;
+  Status optimizer_status_;
+  std::map<std::string, ImportedTensor> tensors_;
+  std::set<std::string> used_;
+  int64_t blocks_ = -1;
+  int64_t extra_states_ = 0;
+};
+
+}  // namespace
+
+Result<TorchDistImport> ReadTorchDistImport(const DcpContent& content, const CommonOptions& options) {
+  RESHARD_ASSIGN_OR_RETURN(Value common, CommonState(content));
+  RESHARD_ASSIGN_OR_RETURN(std::vector<RuleSet> candidates,
+                           TorchDistCandidates(options.rules, "a Megatron-Core torch_dist checkpoint"));
+  std::vector<std::string> reasons;
+  for (const RuleSet& rules : candidates) {
+    Result<TorchDistImport> imported = FamilyReader(content, rules, common, options).Read();
+    if (imported.ok() || !options.rules.empty()) return imported;
+    reasons.push_back(imported.status().message());
+  }
+  return Status::Unsupported("no built-in rule set reads this torch_dist checkpoint (" + Join(reasons, "; ") +
+                             "); write a rule file with a torch_dist section (docs/rules.md) and pass --rules FILE");
+}
+
+}  // namespace reshard
