@@ -5,14 +5,14 @@
 #include "formats/dcp/dcp_source.h"
 #include "formats/deepspeed/deepspeed_source.h"
 #include "formats/hf/hf_export.h"
-#include "formats/hf/hf_folder.h"
-#include "formats/hf/hf_import.h"
-#include "formats/hf/torchtitan_export.h"
-#include "formats/hf/torchtitan_import.h"
+#include "formats/hf_common/hf_folder.h"
+#include "formats/hf_common/hf_import.h"
 #include "formats/megatron_core/torch/megatron_export.h"
 #include "formats/megatron_core/torch/megatron_torch_import.h"
 #include "formats/megatron_core/torch_dist/torch_dist_export.h"
 #include "formats/megatron_core/torch_dist/torch_dist_import.h"
+#include "formats/torchtitan/torchtitan_export.h"
+#include "formats/torchtitan/torchtitan_import.h"
 #include "logical/settings.h"
 
 namespace reshard {

@@ -11,7 +11,7 @@
 #include <filesystem>
 #include <string>
 
-#include "formats/hf/hf_folder.h"
+#include "formats/hf_common/hf_folder.h"
 
 namespace {
 

@@ -1,4 +1,4 @@
-"""`export --to torchtitan --dp-shard N [--tp T]` (engine/formats/hf/torchtitan_export.h): a
+"""`export --to torchtitan --dp-shard N [--tp T]` (engine/formats/torchtitan/torchtitan_export.h): a
 torchtitan checkpoint (`OUT/step-N/`, FSDP2 `Shard(0)` over N ranks, or FSDP x TP over the mesh
 [dp_shard N, tp T] as torchtitan's TP plan shards each tensor) with its AdamW state.
 

@@ -37,7 +37,7 @@ std::unique_ptr<SourceCheckpoint> MakePipelineSource(std::unique_ptr<DeepSpeedMo
 // A universal checkpoint read by universal_reader.h.
 std::unique_ptr<SourceCheckpoint> MakeUniversalSource(UniversalCheckpoint universal,
                                                       const CommonOptions& options);
-// A model another format read (formats/hf/hf_import.h): `logical` is a
+// A model another format read (formats/hf_common/hf_import.h): `logical` is a
 // pipeline model at TP 1, PP 1 with its rules, read from `files` in `dir`,
 // its metadata in no format's layout (args, iteration, the keys the rules
 // read), which becomes a fresh run's mp_rank metadata (FreshRunModelStates);

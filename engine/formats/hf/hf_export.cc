@@ -8,9 +8,10 @@
 
 #include "container/regular_file.h"
 #include "container/safetensors_writer.h"
-#include "formats/hf/hf_config.h"
-#include "formats/hf/hf_folder.h"
-#include "formats/hf/hf_tensors.h"
+#include "formats/hf_common/hf_config.h"
+#include "formats/hf_common/hf_folder.h"
+#include "formats/hf_common/hf_mapping.h"
+#include "formats/hf_common/hf_tensors.h"
 #include "formats/state_dict.h"
 #include "logical/settings.h"
 #include "util/list_folder.h"
@@ -211,27 +212,6 @@ DType FloatingDType(const std::vector<ChosenTensor>& chosen) {
 }
 
 }  // namespace
-
-Result<const HfExport*> FamilyExport(const SourceCheckpoint& src, const RuleInputs& inputs) {
-  const RuleSet* rules = src.info().rules.get();
-  if (rules == nullptr) {
-    return Status::Unsupported("a " + src.info().kind + " checkpoint is not described by a rule set" +
-                               src.info().NoRulesWhy() + ", so reshard does not know its architecture; export --to consolidated writes its tensors");
-  }
-  const HfExport* hf = rules->hf();
-  if (hf == nullptr) {
-    return Status::Unsupported("rule set " + rules->name() + " (" + rules->description() + ") declares no HF "
-                               "architecture: " + rules->origin() + " has no hf section; add one "
-                               "(docs/rules.md) or export --to consolidated");
-  }
-  const std::string mismatch = ArgsMismatch(inputs, hf->requirements);
-  if (!mismatch.empty()) {
-    return Status::Unsupported(hf->architecture + " does not compute this model: " + mismatch + " (hf.requires "
-                               "in " + rules->origin() + "); if the checkpoint does not record it, give the "
-                               "training value with --set; else export --to consolidated");
-  }
-  return hf;
-}
 
 Result<OutputPlan> PlanHf(const SourceCheckpoint& src, const ExportOptions& options,
                                            std::vector<std::string>* notes) {

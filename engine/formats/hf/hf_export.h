@@ -6,7 +6,7 @@
 // It is the consolidated export renamed and reordered: each parameter chosen
 // whole from the source (its bf16/fp16 weight, or its fp32 master with
 // --from masters; vocabulary padding stripped), then mapped by
-// formats/hf/hf_tensors.h, and written by formats/state_dict.h.
+// formats/hf_common/hf_tensors.h, and written by formats/state_dict.h.
 #pragma once
 
 #include <memory>
@@ -16,12 +16,6 @@
 #include "formats/format.h"
 
 namespace reshard {
-
-// The family's HF mapping (its rules' hf section), refused in one line when
-// the checkpoint has no rule set, the rule set no hf section, or the model is
-// not one the architecture computes (hf.requires). Also what the torchtitan
-// export maps through.
-Result<const HfExport*> FamilyExport(const SourceCheckpoint& src, const RuleInputs& inputs);
 
 // Plans the folder. `src` must outlive the plan and its jobs.
 Result<OutputPlan> PlanHf(const SourceCheckpoint& src, const ExportOptions& options,

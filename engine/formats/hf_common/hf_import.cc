@@ -1,4 +1,4 @@
-#include "formats/hf/hf_import.h"
+#include "formats/hf_common/hf_import.h"
 
 #include <re2/re2.h>
 
@@ -8,8 +8,8 @@
 #include <memory>
 #include <set>
 
-#include "formats/hf/hf_folder.h"
-#include "formats/hf/hf_tensors.h"
+#include "formats/hf_common/hf_folder.h"
+#include "formats/hf_common/hf_tensors.h"
 #include "logical/imported_layers.h"
 #include "logical/rule_selection.h"
 #include "logical/settings.h"

@@ -1,12 +1,12 @@
-#include "formats/hf/torchtitan_import.h"
+#include "formats/torchtitan/torchtitan_import.h"
 
 #include <algorithm>
 #include <memory>
 #include <regex>
 #include <set>
 
-#include "formats/hf/hf_import.h"
-#include "formats/hf/hf_tensors.h"
+#include "formats/hf_common/hf_import.h"
+#include "formats/hf_common/hf_tensors.h"
 #include "logical/settings.h"
 #include "rules/builtin_rules.h"
 #include "rules/size_expression.h"

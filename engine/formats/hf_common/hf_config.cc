@@ -1,4 +1,4 @@
-#include "formats/hf/hf_config.h"
+#include "formats/hf_common/hf_config.h"
 
 #include <algorithm>
 #include <cmath>

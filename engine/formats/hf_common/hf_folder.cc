@@ -1,4 +1,4 @@
-#include "formats/hf/hf_folder.h"
+#include "formats/hf_common/hf_folder.h"
 
 #include <filesystem>
 #include <set>

@@ -1,4 +1,4 @@
-#include "formats/hf/hf_tensors.h"
+#include "formats/hf_common/hf_tensors.h"
 
 #include <re2/re2.h>
 

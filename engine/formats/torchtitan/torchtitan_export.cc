@@ -1,4 +1,4 @@
-#include "formats/hf/torchtitan_export.h"
+#include "formats/torchtitan/torchtitan_export.h"
 
 #include <algorithm>
 #include <cstring>
@@ -7,11 +7,11 @@
 #include <optional>
 
 #include "container/dcp_writer.h"
-#include "formats/hf/hf_config.h"
-#include "formats/hf/hf_export.h"
-#include "formats/hf/hf_tensors.h"
-#include "formats/hf/torchtitan_import.h"
+#include "formats/hf_common/hf_config.h"
+#include "formats/hf_common/hf_mapping.h"
+#include "formats/hf_common/hf_tensors.h"
 #include "formats/state_dict.h"
+#include "formats/torchtitan/torchtitan_import.h"
 #include "rules/size_expression.h"
 #include "util/human.h"
 #include "util/shape.h"

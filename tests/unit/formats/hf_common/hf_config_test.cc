@@ -1,6 +1,6 @@
 // config.json of the HF export: each field from the metadata, --set, a
 // literal fallback or the case that holds; a missing value is asked for.
-#include "formats/hf/hf_config.h"
+#include "formats/hf_common/hf_config.h"
 
 #include <gtest/gtest.h>
 

@@ -1,7 +1,7 @@
 // The HF export's tensor transforms: which rows split_qkv and split_halves
 // take, the gathers and transposes that stream them, and the mapping of
 // canonical tensors to HF tensors.
-#include "formats/hf/hf_tensors.h"
+#include "formats/hf_common/hf_tensors.h"
 
 #include <gtest/gtest.h>
 
