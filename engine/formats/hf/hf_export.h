@@ -23,8 +23,7 @@ namespace reshard {
 // export maps through.
 Result<const HfExport*> FamilyExport(const SourceCheckpoint& src, const RuleInputs& inputs);
 
-// Plans the folder. `src` must outlive the plan and its jobs.
-Result<OutputPlan> PlanHf(const SourceCheckpoint& src, const ExportOptions& options,
-                                           std::vector<std::string>* notes);
+// `export --to hf`: its options and its planner.
+TargetFormat HfTarget();
 
 }  // namespace reshard
