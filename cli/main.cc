@@ -104,6 +104,87 @@ void AddWriteOptions(CLI::App* cmd, reshard::WriteOptions* o, bool* quiet) {
   AddPreflightOptions(cmd, o);
 }
 
+// ---- the target formats' options, as the engine declares them ----
+
+std::string Join(const std::vector<std::string>& items, const std::string& sep = ", ") {
+  std::string out;
+  for (const std::string& item : items) out += (out.empty() ? "" : sep) + item;
+  return out;
+}
+
+std::vector<std::string> TargetNames() {
+  std::vector<std::string> names;
+  for (const reshard::TargetFormatInfo& t : reshard::TargetFormats()) names.push_back(t.name);
+  return names;
+}
+
+// "consolidated (one state dict ...), hf (...), ...".
+std::string TargetsHelp() {
+  std::vector<std::string> parts;
+  for (const reshard::TargetFormatInfo& t : reshard::TargetFormats()) parts.push_back(t.name + " (" + t.help + ")");
+  return Join(parts, "; ");
+}
+
+std::string OutputsHelp() {
+  std::vector<std::string> parts;
+  for (const reshard::TargetFormatInfo& t : reshard::TargetFormats()) parts.push_back(t.name + ": " + t.output);
+  return Join(parts, "; ");
+}
+
+// --tp, --pp, --dp, each naming the targets whose layout it sets.
+void AddExportLayout(CLI::App* cmd, reshard::ExportOptions* o) {
+  const struct {
+    const char* flag;
+    const char* what;
+    int* value;
+    bool reshard::TargetFormatInfo::*taken;
+  } sizes[] = {{"--tp", "Target tensor-parallel size", &o->tp, &reshard::TargetFormatInfo::tp},
+               {"--pp", "Target pipeline-parallel size", &o->pp, &reshard::TargetFormatInfo::pp},
+               {"--dp", "Target data-parallel size", &o->dp, &reshard::TargetFormatInfo::dp}};
+  for (const auto& size : sizes) {
+    std::vector<std::string> takers;
+    for (const reshard::TargetFormatInfo& t : reshard::TargetFormats()) {
+      if (t.*size.taken) takers.push_back(t.name);
+    }
+    cmd->add_option(size.flag, *size.value, std::string(size.what) + " (" + Join(takers) + ")")
+        ->check(CLI::Range(1, 1 << 20));
+  }
+}
+
+// One flag per option name the target formats declare (several may declare
+// one), its help saying which targets take it and their defaults.
+void AddFormatOptions(CLI::App* cmd, std::map<std::string, std::string>* given) {
+  struct Declared {
+    reshard::FormatOptionInfo info;
+    std::vector<std::string> targets;
+    std::map<std::string, std::vector<std::string>> defaults;  // value -> targets
+  };
+  std::vector<std::string> order;
+  std::map<std::string, Declared> declared;
+  for (const reshard::TargetFormatInfo& t : reshard::TargetFormats()) {
+    for (const reshard::FormatOptionInfo& o : t.options) {
+      if (!declared.count(o.name)) order.push_back(o.name);
+      Declared& d = declared[o.name];
+      d.info = o;
+      d.targets.push_back(t.name);
+      if (!o.default_value.empty()) d.defaults[o.default_value].push_back(t.name);
+    }
+  }
+  for (const std::string& name : order) {
+    const Declared& d = declared[name];
+    std::vector<std::string> defaults;
+    for (const auto& [value, targets] : d.defaults) {
+      defaults.push_back(d.defaults.size() == 1 ? value : value + " for " + Join(targets));
+    }
+    const std::string help = Join(d.targets) + ": " + d.info.help +
+                             (defaults.empty() ? "" : " (default " + Join(defaults, "; ") + ")");
+    CLI::Option* option = cmd->add_option_function<std::string>(
+        "--" + name, [given, name](const std::string& value) { (*given)[name] = value; }, help);
+    if (d.info.bytes) option->transform(CLI::AsSizeValue(false));
+    if (!d.info.choices.empty()) option->check(CLI::IsMember(d.info.choices));
+  }
+}
+
 void PrintFindings(const std::vector<reshard::Finding>& findings) {
   for (const reshard::Finding& f : findings) {
     const char* tag = f.severity == reshard::Finding::Severity::kError     ? "error"
@@ -119,9 +200,13 @@ int RunLint(const std::string& ckpt, const reshard::LintOptions& o) {
   std::cout << r->summary << "\n";
   for (const std::string& n : r->notes) std::cout << "note: " << n << "\n";
   PrintFindings(r->findings);
-  const std::string to = o.target_tp > 0 ? " to TP " + std::to_string(o.target_tp) + ", PP " +
-                                               std::to_string(o.target_pp)
-                                         : "";
+  std::vector<std::string> target;
+  if (!o.to.empty()) target.push_back(o.to);
+  for (const auto& [name, size] : {std::pair<const char*, int>{"TP", o.target_tp}, {"PP", o.target_pp},
+                                   {"DP", o.target_dp}, {"EP", o.target_ep}}) {
+    if (size > 0) target.push_back(name + (" " + std::to_string(size)));
+  }
+  const std::string to = target.empty() ? "" : " to " + Join(target);
   const std::string with = to + (r->rule_set.empty() ? "" : " with rule set '" + r->rule_set + "'");
   if (!r->ok()) {
     std::cout << "lint: the checkpoint cannot be converted" << with << "\n";
@@ -268,10 +353,11 @@ std::string CommandLine(int argc, char** argv) {
 
 int Run(int argc, char** argv) {
   CLI::App app{
-      "reshard: reshape DeepSpeed / Megatron-DeepSpeed checkpoints between tensor-, pipeline- "
-      "and data-parallel layouts, driven by declarative rule files.\n"
-      "CHECKPOINT is a tag folder (ckpts/global_step20), a root holding 'latest', or a Hugging Face "
-      "transformers folder (config.json and its weights), read as its family's Megatron-DeepSpeed model.",
+      "reshard: reshape training checkpoints between parallel layouts (TP, PP, DP, EP) and formats "
+      "(DeepSpeed / Megatron-DeepSpeed, Megatron-Core torch_dist, Megatron-LM, torchtitan, Hugging Face, "
+      "DeepSpeed universal), driven by declarative rule files.\n"
+      "CHECKPOINT is a checkpoint folder of any of these formats (a DeepSpeed tag folder, a Megatron iter_N, "
+      "a torchtitan step-N, a DCP folder, an HF transformers folder) or a root whose pointer file names one.",
       "reshard"};
   app.set_version_flag("--version", VersionText(), "Print the version, the commit built and the build type");
   app.require_subcommand(1);
@@ -290,6 +376,7 @@ int Run(int argc, char** argv) {
                        "Target tensor-parallel size convert will be given (with --pp): lint checks that layout")
       ->check(CLI::Range(1, 4096));
   lint_cmd->add_option("--pp", lint.target_pp, "Target pipeline-parallel size (with --tp)")->check(CLI::Range(1, 4096));
+  lint_cmd->add_option("--to", lint.to, "The format convert will write (default: the source's own)");
   lint_cmd->add_option("--dp", lint.target_dp, "Target data-parallel size (default: the source's)")
       ->check(CLI::Range(1, 1 << 20));
   lint_cmd->add_option("--ep", lint.target_ep, "Target expert-parallel size of a MoE checkpoint")
@@ -305,20 +392,22 @@ int Run(int argc, char** argv) {
 
   reshard::ConvertOptions convert;
   bool no_latest = false;
-  CLI::App* convert_cmd =
-      app.add_subcommand("convert", "Write the checkpoint at another TP / PP / DP layout");
+  CLI::App* convert_cmd = app.add_subcommand(
+      "convert", "Write the checkpoint at another layout (TP / PP / DP / EP), in its own format or another (--to)");
   convert_cmd->add_option("INPUT", ckpt, "Source checkpoint, or an HF transformers folder to import")->required();
   convert_cmd->add_option("OUTPUT", out,
-                          "Target tag folder, written exactly here (e.g. out/global_step20); with a root "
-                          "INPUT (holding 'latest'), the root to write the tag folder and 'latest' into")
+                          "deepspeed: the target tag folder, written exactly here (e.g. out/global_step20); with a "
+                          "root INPUT (holding 'latest'), the root to write the tag folder and 'latest' into. "
+                          "Other formats: as export says")
       ->required();
+  convert_cmd->add_option("--to", convert.to,
+                          "Target format: " + Join(TargetNames()) +
+                              " (default: the source's own; an HF folder converts to deepspeed)");
   // Bounds far above any training run, so that a typo cannot ask for a
   // billion files.
-  convert_cmd->add_option("--tp", convert.target_tp, "Target tensor-parallel size")
-      ->required()
+  convert_cmd->add_option("--tp", convert.target_tp, "Target tensor-parallel size (default: the source's)")
       ->check(CLI::Range(1, 4096));
-  convert_cmd->add_option("--pp", convert.target_pp, "Target pipeline-parallel size")
-      ->required()
+  convert_cmd->add_option("--pp", convert.target_pp, "Target pipeline-parallel size (default: the source's)")
       ->check(CLI::Range(1, 4096));
   convert_cmd->add_option("--dp", convert.target_dp, "Target data-parallel size (default: the source's)")
       ->check(CLI::Range(1, 1 << 20));
@@ -333,71 +422,15 @@ int Run(int argc, char** argv) {
   convert_cmd->add_flag("--no-update-latest", no_latest,
                         "Do not write 'latest' (nor the root's zero_to_fp32.py) next to OUTPUT");
   AddWriteOptions(convert_cmd, &convert, &quiet);
+  AddFormatOptions(convert_cmd, &convert.format_options);
 
   reshard::ExportOptions exporting;
-  CLI::App* export_cmd = app.add_subcommand(
-      "export", "Write the checkpoint in another format: --to consolidated (one state dict of whole "
-                "tensors), hf (a Hugging Face transformers folder), megatron (NVIDIA Megatron-LM's torch "
-                "checkpoint at --tp / --pp), torch_dist (Megatron-Core's distributed checkpoint at --tp / --pp), "
-                "torchtitan (a torchtitan step-N/ checkpoint, FSDP2 over --dp-shard ranks, x --tp) or universal (DeepSpeed's universal checkpoint)");
+  CLI::App* export_cmd = app.add_subcommand("export", "Write the checkpoint in another format: " + TargetsHelp());
   export_cmd->add_option("INPUT", ckpt, "Source checkpoint")->required();
-  export_cmd->add_option("OUTPUT", out,
-                         "Folder to write (new, or empty); for megatron and torch_dist the root holding iter_N/ and "
-                         "latest_checkpointed_iteration.txt; for torchtitan the root holding step-N/; for universal the tag folder, e.g. "
-                         "ckpts/global_step20_universal, named by latest_universal beside it")
-      ->required();
-  export_cmd->add_option("--to", exporting.to, "Target format: consolidated, hf, megatron, torch_dist, torchtitan or universal")
-      ->required()
-      ->check(CLI::IsMember({"consolidated", "hf", "megatron", "torch_dist", "torchtitan", "universal"}));
-  export_cmd->add_option("--tp", exporting.tp,
-                         "megatron, torch_dist: target tensor-parallel size; torchtitan: the TP size of a 2-D "
-                         "FSDP x TP mesh (--dp-shard x --tp ranks), as torchtitan's TP plan shards each tensor")
-      ->check(CLI::Range(1, 4096));
-  export_cmd->add_option("--pp", exporting.pp, "megatron, torch_dist: target pipeline-parallel size")
-      ->check(CLI::Range(1, 4096));
-  export_cmd->add_option("--from", exporting.from,
-                         "Tensors from the fp32 masters or the weights (default: consolidated and torchtitan "
-                         "masters, hf, megatron and torch_dist weights)")
-      ->check(CLI::IsMember({"masters", "weights"}));
-  export_cmd->add_option("--layer-spec", exporting.layer_spec,
-                         "megatron: the keys of Megatron-Core's GPTModel with the local (default) or Transformer "
-                         "Engine (te) layer spec, or of the legacy GPTModel (legacy, --use-legacy-models)")
-      ->check(CLI::IsMember({"local", "te", "legacy"}));
-  export_cmd->add_option("--dp", exporting.dp,
-                         "torch_dist: the data-parallel size the optimizer state is laid out for (default 1)")
-      ->check(CLI::Range(1, 1 << 20));
-  export_cmd->add_option("--dp-shard", exporting.dp_shard,
-                         "torchtitan: the FSDP2 world size every parameter and its AdamW state are sharded over "
-                         "(Shard(0), as torch.chunk cuts dim 0)")
-      ->check(CLI::Range(1, 1 << 20));
-  export_cmd->add_option("--optimizer-layout", exporting.optimizer_layout,
-                         "torch_dist: the optimizer state's layout, Megatron-Core 0.19's fully_reshardable or "
-                         "dp_reshardable (its training default), or 0.14's fully_sharded_model_space (its "
-                         "default); default: the version's (0.19: a torch_dist source's own, else "
-                         "fully_reshardable); the state is written unless --weights-only")
-      ->check(CLI::IsMember({"fully_reshardable", "dp_reshardable", "fully_sharded_model_space"}));
-  export_cmd->add_option("--megatron-core-version", exporting.megatron_core_version,
-                         "torch_dist: the Megatron-Core version whose form is written, 0.14 (common.pt) or 0.19 "
-                         "(the common_state item); default: the --optimizer-layout's, else a torch_dist "
-                         "source's own, else 0.19")
-      ->check(CLI::IsMember({"0.14", "0.19"}));
-  export_cmd->add_option("--ddp-bucket-size", exporting.ddp_bucket_size,
-                         "torch_dist, dp_reshardable: Megatron-LM's --ddp-bucket-size (elements), the buckets "
-                         "of the first stage's grad buffers as --overlap-grad-reduce cuts them (default: one "
-                         "bucket per buffer)")
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 62));
-  export_cmd->add_option("--tokenizer", exporting.tokenizer,
-                         "hf: folder whose tokenizer files (tokenizer.json, vocab.json, ...) are copied "
-                         "beside the model");
-  export_cmd->add_option("--format", exporting.file_format,
-                         "Files: safetensors (default) or pt (torch.save)")
-      ->check(CLI::IsMember({"safetensors", "pt"}));
-  export_cmd->add_option("--dtype", exporting.dtype,
-                         "Cast floating tensors: fp32, bf16 or fp16 (default: as stored)")
-      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
-  export_cmd->add_option("--max-shard-size", exporting.max_shard_size,
-                         "Largest file, e.g. 5GB (default); a bigger tensor gets a file of its own")
-      ->transform(CLI::AsSizeValue(false));
+  export_cmd->add_option("OUTPUT", out, "Folder to write: " + OutputsHelp())->required();
+  export_cmd->add_option("--to", exporting.to, "Target format: " + Join(TargetNames()))->required();
+  AddExportLayout(export_cmd, &exporting);
+  AddFormatOptions(export_cmd, &exporting.format_options);
   AddWriteOptions(export_cmd, &exporting, &quiet);
 
   reshard::VerifyOptions verify;

@@ -139,22 +139,32 @@ void ReadWrite(Kwargs& kw, reshard::WriteOptions* o, Progress* progress) {
   kw.Get("command", &o->command);
 }
 
-// What an export is told beyond the write options.
+// The keyword argument of a target format's option: `-` written `_`, and
+// `from` as `from_` (a Python keyword).
+std::string KeywordOf(const std::string& option) {
+  std::string name = option;
+  std::replace(name.begin(), name.end(), '-', '_');
+  return name == "from" ? "from_" : name;
+}
+
+// The options the target formats declare, each given as any value (its text).
+void ReadFormatOptions(Kwargs& kw, std::map<std::string, std::string>* given) {
+  for (const reshard::TargetFormatInfo& target : reshard::TargetFormats()) {
+    for (const reshard::FormatOptionInfo& option : target.options) {
+      py::object value = kw.Take(KeywordOf(option.name).c_str());
+      if (!value.is_none()) (*given)[option.name] = py::str(value);
+    }
+  }
+}
+
+// What an export is told beyond the write options: the target, its layout
+// and its options.
 void ReadExport(Kwargs& kw, reshard::ExportOptions* o) {
   kw.Get("to", &o->to);
   kw.Get("tp", &o->tp);
   kw.Get("pp", &o->pp);
   kw.Get("dp", &o->dp);
-  kw.Get("dp_shard", &o->dp_shard);
-  kw.Get("dtype", &o->dtype);
-  kw.Get("max_shard_size", &o->max_shard_size);
-  kw.Get("format", &o->file_format);
-  kw.Get("from_", &o->from);
-  kw.Get("tokenizer", &o->tokenizer);
-  kw.Get("layer_spec", &o->layer_spec);
-  kw.Get("optimizer_layout", &o->optimizer_layout);
-  kw.Get("megatron_core_version", &o->megatron_core_version);
-  kw.Get("ddp_bucket_size", &o->ddp_bucket_size);
+  ReadFormatOptions(kw, &o->format_options);
 }
 
 // ---- reports ---------------------------------------------------------------
@@ -208,6 +218,7 @@ py::dict Lint(const std::string& path, py::kwargs kwargs) {
   kw.Get("pp", &o.target_pp);
   kw.Get("dp", &o.target_dp);
   kw.Get("ep", &o.target_ep);
+  kw.Get("to", &o.to);
   kw.Get("deep", &o.deep);
   kw.Get("max_drift_lines", &o.max_drift_lines);
   kw.Done("lint");
@@ -250,6 +261,8 @@ py::dict Convert(const std::string& input, const std::string& output, py::kwargs
   kw.Get("layers_per_stage", &o.layers_per_stage);
   kw.Get("vocab_pad_value", &o.vocab_pad_value);
   kw.Get("update_latest", &o.update_latest);
+  kw.Get("to", &o.to);
+  ReadFormatOptions(kw, &o.format_options);
   kw.Done("convert");
   return RunWriting(&progress, [&] { return reshard::Convert(input, output, o); });
 }
@@ -288,6 +301,26 @@ py::dict Verify(const std::string& a, std::optional<std::string> b, py::kwargs k
     return reshard::Verify(a, *b, o);
   }();
   return VerifyDict(Take(std::move(r)));
+}
+
+py::list TargetFormats() {
+  py::list out;
+  for (const reshard::TargetFormatInfo& t : reshard::TargetFormats()) {
+    py::list options;
+    for (const reshard::FormatOptionInfo& o : t.options) {
+      options.append(py::dict(py::arg("name") = KeywordOf(o.name),
+                              py::arg("kind") = o.kind == reshard::FormatOptionInfo::Kind::kCount ? "count" : "text",
+                              py::arg("help") = o.help, py::arg("choices") = o.choices,
+                              py::arg("default") = o.default_value));
+    }
+    py::list sizes;
+    if (t.tp) sizes.append("tp");
+    if (t.pp) sizes.append("pp");
+    if (t.dp) sizes.append("dp");
+    out.append(py::dict(py::arg("name") = t.name, py::arg("help") = t.help, py::arg("output") = t.output,
+                        py::arg("layout") = sizes, py::arg("options") = options));
+  }
+  return out;
 }
 
 py::list RuleSets() {
@@ -459,6 +492,7 @@ PYBIND11_MODULE(_reshard, m) {
   m.def("convert", &Convert, py::arg("input"), py::arg("output"));
   m.def("export", &Export, py::arg("input"), py::arg("output"));
   m.def("verify", &Verify, py::arg("a"), py::arg("b") = py::none());
+  m.def("target_formats", &TargetFormats);
   m.def("rule_sets", &RuleSets);
 
   py::class_<PyCheckpoint>(m, "Checkpoint")

@@ -337,19 +337,9 @@ Result<ConvertReport> WriteCheckpoint(const std::string& input, const std::strin
 
 Result<ConvertReport> Convert(const std::string& input, const std::string& output,
                               const ConvertOptions& options) {
-  if (options.target_tp < 1 || options.target_pp < 1) {
-    return Status::InvalidInput("convert needs the target layout: --tp N and --pp N (both >= 1)");
-  }
   return WriteCheckpoint(input, output, options,
-                         [&options](const SourceCheckpoint& src, std::vector<std::string>* notes)
-                             -> Result<OutputPlan> {
-                           if (options.target_ep > 0 && !src.info().has_experts) {
-                             return Status::InvalidInput("--ep sets the expert-parallel size of a DeepSpeed "
-                                                         "MoE checkpoint, and this " + src.info().kind +
-                                                         " checkpoint has no experts; leave it out");
-                           }
-                           RESHARD_RETURN_IF_ERROR(CheckPipelineComputes(src));
-                           return src.Plan(options, notes);
+                         [&options](const SourceCheckpoint& src, std::vector<std::string>* notes) {
+                           return PlanConvert(src, options, notes);
                          });
 }
 

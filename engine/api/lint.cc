@@ -21,38 +21,29 @@ namespace {
 void LintTarget(const SourceCheckpoint& src, const LintOptions& options, LintReport* report) {
   ConvertOptions convert;
   static_cast<PreflightOptions&>(convert) = options;
+  convert.to = options.to;
   convert.target_tp = options.target_tp;
   convert.target_pp = options.target_pp;
   convert.target_dp = options.target_dp;
   convert.target_ep = options.target_ep;
   convert.dry_run = true;
-  if (Status computes = CheckPipelineComputes(src); !computes.ok()) {
-    report->findings.push_back({Finding::Severity::kError, computes.message()});
-    return;
-  }
   std::vector<std::string> notes;
-  Result<OutputPlan> plan = src.Plan(convert, &notes);
+  Result<OutputPlan> plan = PlanConvert(src, convert, &notes);
   if (!plan.ok()) report->findings.push_back({Finding::Severity::kError, plan.status().message()});
 }
 
 }  // namespace
 
 Result<LintReport> Lint(const std::string& checkpoint, const LintOptions& options) {
-  if ((options.target_tp > 0) != (options.target_pp > 0)) {
-    return Status::InvalidInput("lint's target layout is --tp N and --pp N together, as convert takes it; give "
-                                "both, or neither (lint then checks a conversion at the source's TP and warns of "
-                                "what a TP change needs)");
-  }
-  if (options.target_tp == 0 && (options.target_dp > 0 || options.target_ep > 0)) {
-    return Status::InvalidInput("--dp and --ep complete lint's target layout, which needs --tp N and --pp N too");
-  }
   RESHARD_ASSIGN_OR_RETURN(std::unique_ptr<SourceCheckpoint> src, OpenCheckpoint(checkpoint, options));
   RESHARD_RETURN_IF_ERROR(CheckVocabSize(*src, options.vocab_size));
   LintReport report;
   report.summary = src->info().summary;
   report.findings = src->info().findings;
   src->Lint(options, &report);
-  if (options.target_tp > 0 && report.ok()) LintTarget(*src, options, &report);
+  const bool target = !options.to.empty() || options.target_tp > 0 || options.target_pp > 0 || options.target_dp > 0 ||
+                      options.target_ep > 0;
+  if (target && report.ok()) LintTarget(*src, options, &report);
   if (options.deep) {
     // LibTorch's reader reads every file as well: a second, independent
     // reader of the container, which reshard otherwise reads on its own.

@@ -2,16 +2,18 @@
 //
 // A format recognises a checkpoint folder and opens it as a
 // SourceCheckpoint: everything `lint`, `inspect`, `convert` and `verify` need
-// of a checkpoint, whatever its files look like. Converting asks the source
-// for an OutputPlan (plan/output_plan.h), which exec/plan_writer turns into
-// jobs for the executor. Exporting plans the target with another format
-// (PlanExport, formats/registry.h). Every format folder includes this
-// interface and no other format folder; only the registry includes them. A
-// new format is a folder beside formats/deepspeed/ and a line in
-// OpenCheckpoint (a source) or PlanExport (a target).
+// of a checkpoint, whatever its files look like. A format that is written
+// declares itself as a TargetFormat: its layout sizes and options, and how it
+// plans an OutputPlan (plan/output_plan.h) from any source, which
+// exec/plan_writer turns into jobs for the executor. Every format folder
+// includes this interface and no other format folder; only the registry
+// (formats/registry.h) includes them. A new format is a folder beside
+// formats/deepspeed/ and a line in OpenCheckpoint (a source) or in the
+// table of targets (a target).
 #pragma once
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -90,6 +92,12 @@ struct OptimizerParamGroups {
 
 // What a checkpoint is, known once it is open.
 struct SourceInfo {
+  // The format that read it, as --to names it ("deepspeed", "torch_dist",
+  // "torchtitan", "megatron", "hf", "dcp"): what convert writes by default.
+  std::string format;
+  // The parallel layout it was saved at, where the format records it (0:
+  // not recorded): what convert keeps of it when not told otherwise.
+  int tp = 0, pp = 0, dp = 0;
   std::string kind;      // "pipeline", "non-pipeline", "ZeRO-3", "MoE": verify compares like with like
   std::string tag_dir;   // the folder holding the files
   std::vector<std::string> files;  // every file of the checkpoint (lint --deep checks their bytes)
@@ -142,7 +150,7 @@ class SourceCheckpoint {
   // approximated, merged or filled).
   virtual Result<OutputPlan> Plan(const ConvertOptions& options, std::vector<std::string>* notes) const = 0;
   // Plans the source in a format of its own family other than its native
-  // layout, as `options.to` names it: "universal" (DeepSpeed's), the only one.
+  // layout, as `options.to` names it, for a target only the family writes.
   virtual Result<OutputPlan> PlanFamilyFormat(const ExportOptions& options, std::vector<std::string>*) const {
     return Status::Unsupported("a " + info_.kind + " checkpoint cannot be exported --to " + options.to);
   }
@@ -171,8 +179,45 @@ class SourceCheckpoint {
   // Observations verify reports about this side (replicas that differ, ...).
   virtual std::vector<std::string> VerifyNotes() const { return {}; }
 
+  // The registry names the format that opened the checkpoint and the layout
+  // it was saved at, where the reader found it (0: leaves the size as the
+  // source set it).
+  void SetOrigin(const std::string& format, int tp = 0, int pp = 0, int dp = 0) {
+    info_.format = format;
+    if (tp > 0) info_.tp = tp;
+    if (pp > 0) info_.pp = pp;
+    if (dp > 0) info_.dp = dp;
+  }
+
  protected:
   SourceInfo info_;  // set by the format as it opens the checkpoint
 };
+
+// A format reshard writes: what it declares (its name, the layout sizes and
+// options it takes: TargetFormats() publishes them, and PlanExport refuses
+// what a target does not declare), and how it plans the files from a source.
+struct TargetFormat {
+  TargetFormatInfo info;
+  // Called with every option the target declares set: as given, else its
+  // default. `src` must outlive the plan and its jobs.
+  std::function<Result<OutputPlan>(const SourceCheckpoint& src, const ExportOptions& options,
+                                   std::vector<std::string>* notes)>
+      plan;
+};
+
+// The value of the target option `name` (its default when not given; "" when
+// it has neither). Only for a name the target declares.
+inline std::string FormatOption(const ExportOptions& options, const std::string& name) {
+  auto it = options.format_options.find(name);
+  return it == options.format_options.end() ? "" : it->second;
+}
+// The same, of a kCount option (0 when neither given nor defaulted).
+int64_t FormatCount(const ExportOptions& options, const std::string& name);
+
+// Options several targets declare alike.
+// --from: the tensors from the fp32 masters or the weights, `fallback` by default.
+FormatOptionInfo FromOption(const std::string& fallback);
+// --dtype: floating tensors cast to fp32, bf16 or fp16 (default: as stored).
+FormatOptionInfo DTypeOption();
 
 }  // namespace reshard

@@ -1,17 +1,12 @@
 #include "formats/registry.h"
 
 #include "container/record_crc.h"
-#include "formats/consolidated/consolidated_export.h"
 #include "formats/dcp/dcp_source.h"
 #include "formats/deepspeed/deepspeed_source.h"
-#include "formats/hf/hf_export.h"
 #include "formats/hf_common/hf_folder.h"
 #include "formats/hf_common/hf_import.h"
-#include "formats/megatron_core/torch/megatron_export.h"
 #include "formats/megatron_core/torch/megatron_torch_import.h"
-#include "formats/megatron_core/torch_dist/torch_dist_export.h"
 #include "formats/megatron_core/torch_dist/torch_dist_import.h"
-#include "formats/torchtitan/torchtitan_export.h"
 #include "formats/torchtitan/torchtitan_import.h"
 #include "logical/settings.h"
 
@@ -21,6 +16,14 @@ namespace {
 
 // `--rules none`: a DCP folder read as it is, even where a rule set reads it.
 constexpr char kNoRules[] = "none";
+
+// `opened`, named as read by `format`, saved at `tp` x `pp` x `dp` where known.
+Result<std::unique_ptr<SourceCheckpoint>> Named(const std::string& format,
+                                                Result<std::unique_ptr<SourceCheckpoint>> opened, int tp = 0,
+                                                int pp = 0, int dp = 0) {
+  if (opened.ok()) (*opened)->SetOrigin(format, tp, pp, dp);
+  return opened;
+}
 
 // A Megatron-Core torch_dist folder is read as the pipeline model its
 // family's rules describe; any other DCP folder, or one no built-in rule set
@@ -42,31 +45,36 @@ DcpTensors TensorsOf(const DcpContent& content) {
 // any other, or one no family reads, as what it is.
 Result<std::unique_ptr<SourceCheckpoint>> OpenTorchtitan(DcpContent content, const CommonOptions& options) {
   const DcpTensors tensors = TensorsOf(content);
-  if (!LooksLikeTorchtitan(tensors, options.rules)) return OpenDcpCheckpoint(std::move(content), "");
+  if (!LooksLikeTorchtitan(tensors, options.rules)) return Named("dcp", OpenDcpCheckpoint(std::move(content), ""));
   Result<TorchtitanImport> imported = ReadTorchtitanImport(tensors, options);
   if (!imported.ok()) {
     if (!options.rules.empty()) return imported.status();
-    return OpenDcpCheckpoint(std::move(content), imported.status().message());
+    return Named("dcp", OpenDcpCheckpoint(std::move(content), imported.status().message()));
   }
-  return MakeImportedSource({std::move(imported->logical), content.folder, std::move(imported->what),
-                             std::move(imported->files), std::move(imported->notes), std::move(imported->optimizer),
-                             imported->optimizer_status},
-                            options);
+  return Named("torchtitan",
+               MakeImportedSource({std::move(imported->logical), content.folder, std::move(imported->what),
+                                   std::move(imported->files), std::move(imported->notes),
+                                   std::move(imported->optimizer), imported->optimizer_status},
+                                  options));
 }
 
 Result<std::unique_ptr<SourceCheckpoint>> OpenDcp(const std::string& folder, const CommonOptions& options) {
   RESHARD_ASSIGN_OR_RETURN(DcpContent content, ReadDcpContent(folder));
-  if (options.rules == kNoRules) return OpenDcpCheckpoint(std::move(content), "");
+  if (options.rules == kNoRules) return Named("dcp", OpenDcpCheckpoint(std::move(content), ""));
   if (!IsTorchDistFolder(folder)) return OpenTorchtitan(std::move(content), options);
   Result<TorchDistImport> imported = ReadTorchDistImport(content, options);
   if (!imported.ok()) {
     if (!options.rules.empty() || imported.status().code() != Status::Code::kUnsupported) return imported.status();
-    return OpenDcpCheckpoint(std::move(content), imported.status().message());
+    return Named("dcp", OpenDcpCheckpoint(std::move(content), imported.status().message()));
   }
-  return MakeImportedSource({std::move(imported->logical), folder, std::move(imported->what),
-                             std::move(imported->files), std::move(imported->notes), std::move(imported->optimizer),
-                             imported->optimizer_status, std::move(imported->megatron_core_version)},
-                            options);
+  const int tp = imported->tp, pp = imported->pp, dp = imported->dp;
+  return Named("torch_dist",
+               MakeImportedSource({std::move(imported->logical), folder, std::move(imported->what),
+                                   std::move(imported->files), std::move(imported->notes),
+                                   std::move(imported->optimizer), imported->optimizer_status,
+                                   std::move(imported->megatron_core_version)},
+                                  options),
+               tp, pp, dp);
 }
 
 // Where `args.<field>` comes from in an HF folder: "config.json's
@@ -107,65 +115,26 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenCheckpoint(const std::string& path
   // family's rules describe, which converts into DeepSpeed's layout.
   if (IsHfFolder(path)) {
     RESHARD_ASSIGN_OR_RETURN(HfImport hf, ReadHfImport(path, options));
-    return MakeImportedSource({std::move(hf.logical), path, std::move(hf.what), std::move(hf.files), std::move(hf.notes),
-                               std::nullopt, Status::Ok()},
-                              options);
+    return Named("hf", MakeImportedSource({std::move(hf.logical), path, std::move(hf.what), std::move(hf.files),
+                                           std::move(hf.notes), std::nullopt, Status::Ok()},
+                                          options));
   }
   if (const std::string mlm = MegatronTorchFolder(path); !mlm.empty()) {
     RESHARD_ASSIGN_OR_RETURN(MegatronTorchImport imported, ReadMegatronTorchImport(mlm, options));
-    return MakeImportedSource({std::move(imported.logical), mlm, std::move(imported.what), std::move(imported.files),
-                               std::move(imported.notes), std::move(imported.optimizer), imported.optimizer_status},
-                              options);
+    return Named("megatron", MakeImportedSource({std::move(imported.logical), mlm, std::move(imported.what),
+                                                 std::move(imported.files), std::move(imported.notes),
+                                                 std::move(imported.optimizer), imported.optimizer_status},
+                                                options));
   }
   if (const std::string dcp = DcpCheckpointFolder(path); !dcp.empty()) return OpenDcp(dcp, options);
   RESHARD_ASSIGN_OR_RETURN(CheckpointFiles files, ScanCheckpoint(path));
-  return OpenDeepSpeedCheckpoint(std::move(files), options);
+  return Named("deepspeed", OpenDeepSpeedCheckpoint(std::move(files), options));
 }
 
 std::string CheckpointFolder(const std::string& path) {
   if (const std::string mlm = MegatronTorchFolder(path); !mlm.empty()) return mlm;
   const std::string dcp = DcpCheckpointFolder(path);
   return dcp.empty() ? FollowLatest(path) : dcp;
-}
-
-Result<OutputPlan> PlanExport(const SourceCheckpoint& src, const ExportOptions& options,
-                                               std::vector<std::string>* notes) {
-  if (!options.optimizer_layout.empty() && options.to != "torch_dist") {
-    return Status::InvalidInput("--optimizer-layout lays out the optimizer state of --to torch_dist; the " + options.to +
-                                " export has none of its own, so leave it out");
-  }
-  if ((!options.megatron_core_version.empty() || options.ddp_bucket_size != 0) && options.to != "torch_dist") {
-    return Status::InvalidInput(std::string(options.ddp_bucket_size != 0 ? "--ddp-bucket-size" : "--megatron-core-version") +
-                                " chooses the form of --to torch_dist; leave it out of --to " + options.to);
-  }
-  if (options.dp_shard != 0 && options.to != "torchtitan") {
-    return Status::InvalidInput("--dp-shard chooses the FSDP2 sharding of --to torchtitan; the " + options.to +
-                                " export has none, so leave it out");
-  }
-  if (options.to == "megatron") return PlanMegatron(src, options, notes);
-  if (!options.layer_spec.empty()) {
-    return Status::InvalidInput("--layer-spec chooses the keys of --to megatron; leave it out of --to " + options.to);
-  }
-  if (options.to == "torch_dist") return PlanTorchDist(src, options, notes);
-  if (options.dp != 0) {
-    return Status::InvalidInput("--dp lays out the optimizer state of --to torch_dist; the " + options.to +
-                                " export has no data-parallel layout, so leave it out");
-  }
-  if (options.to == "torchtitan") return PlanTorchtitan(src, options, notes);
-  if (options.tp != 0 || options.pp != 0) {
-    return Status::InvalidInput("--tp and --pp choose the layout of --to megatron and --to torch_dist; the " +
-                                options.to + " export has none, so leave them out");
-  }
-  if (options.to == "universal") {
-    RESHARD_RETURN_IF_ERROR(CheckPipelineComputes(src));
-    return src.PlanFamilyFormat(options, notes);
-  }
-  if (options.to == "hf") return PlanHf(src, options, notes);
-  if (options.to != "consolidated") {
-    return Status::InvalidInput("unknown export format '" + options.to + "'; use consolidated, hf, megatron, torch_dist, torchtitan or universal");
-  }
-  RESHARD_ASSIGN_OR_RETURN(ConsolidatedOptions consolidated, ConsolidatedOptionsFrom(options));
-  return PlanConsolidated(src, consolidated, notes);
 }
 
 }  // namespace reshard

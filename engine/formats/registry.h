@@ -1,6 +1,7 @@
 // The registry: the one place that knows every format. It opens a
-// checkpoint with the format that recognises it and plans an export with
-// the format `--to` names. The commands in engine/api/ reach the formats
+// checkpoint with the format that recognises it (registry.cc) and plans a
+// conversion or an export with the format `--to` names (targets.cc, the
+// table of targets). The commands in engine/api/ reach the formats
 // through it and through the interface in formats/format.h; it is the only
 // file that includes format folders.
 #pragma once
@@ -27,9 +28,15 @@ std::string CheckpointFolder(const std::string& path);
 // what convert and the universal export check before writing that layout.
 Status CheckPipelineComputes(const SourceCheckpoint& src);
 
-// Plans `src` written in the format `options.to` names. `src` must outlive
-// the plan and its jobs.
+// Plans convert's output: `src` in the format `options.to` names, else in its
+// own, each layout size not given kept from the source.
+Result<OutputPlan> PlanConvert(const SourceCheckpoint& src, const ConvertOptions& options,
+                               std::vector<std::string>* notes);
+
+// Plans `src` written in the format `options.to` names, once its options
+// are checked against the target's declaration. `src` must outlive the
+// plan and its jobs.
 Result<OutputPlan> PlanExport(const SourceCheckpoint& src, const ExportOptions& options,
-                                               std::vector<std::string>* notes);
+                              std::vector<std::string>* notes);
 
 }  // namespace reshard

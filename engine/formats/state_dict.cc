@@ -236,6 +236,15 @@ Result<std::vector<ChosenTensor>> ChooseTensors(const std::vector<FullTensor>& a
   return TensorChoice(all, options).Choose(kind, notes);
 }
 
+std::vector<FormatOptionInfo> StateDictOptions(const std::string& from) {
+  using Kind = FormatOptionInfo::Kind;
+  return {{kFileFormat, Kind::kText, "Files: safetensors or pt (torch.save)", {"safetensors", "pt"}, false, "safetensors"},
+          {kMaxShardSize, Kind::kCount, "Largest file, e.g. 5GB; a bigger tensor gets a file of its own", {}, true,
+           "5000000000"},
+          FromOption(from),
+          DTypeOption()};
+}
+
 Result<std::optional<DType>> ExportDType(const std::string& name) {
   const std::map<std::string, DType> dtypes = {
       {"fp32", DType::kFloat32}, {"bf16", DType::kBFloat16}, {"fp16", DType::kFloat16}};

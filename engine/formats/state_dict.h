@@ -46,6 +46,13 @@ Result<std::vector<ChosenTensor>> ChooseTensors(const std::vector<FullTensor>& a
                                                 const TensorChoiceOptions& options,
                                                 std::vector<std::string>* notes);
 
+// The options every target writing a state dict declares: kFileFormat
+// (safetensors or pt, torch.save), kMaxShardSize (bytes per file; a bigger
+// tensor gets a file of its own), --from (`from` by default) and --dtype.
+inline constexpr char kFileFormat[] = "format";
+inline constexpr char kMaxShardSize[] = "max-shard-size";
+std::vector<FormatOptionInfo> StateDictOptions(const std::string& from);
+
 // The dtype `--dtype` names: fp32, bf16, fp16, or "" (nullopt: as stored).
 Result<std::optional<DType>> ExportDType(const std::string& name);
 

@@ -1,18 +1,21 @@
-// reshard: reshape DeepSpeed / Megatron-DeepSpeed checkpoints between
-// tensor- (TP), pipeline- (PP) and data-parallel (DP) layouts.
+// reshard: reshape large-model training checkpoints between parallel layouts
+// (TP, PP, DP, EP) and formats (DeepSpeed / Megatron-DeepSpeed, Megatron-Core
+// torch_dist, Megatron-LM, torchtitan, Hugging Face, DeepSpeed universal).
 //
-// The library behind the `reshard` command. Four entry points:
+// The library behind the `reshard` command:
 //
 //   Lint     dry run: discover the layout, match every tensor against the
 //            rule set, report unknown or missing keys, inconsistent shapes
 //            and drift between TP-replicated copies.
 //   Inspect  a human-readable description of a checkpoint.
 //   Convert  write the checkpoint at another TP / PP (and DP) layout.
+//   Export   write it in another format (TargetFormats lists them).
 //   Verify   compare two checkpoints tensor by tensor, whatever their layouts;
 //            VerifyManifest: check an output against the manifest reshard wrote into it.
+//   Checkpoint (checkpoint.h): a checkpoint read in place, any rank's state dict.
 //
-// Every function takes a checkpoint path that is either a tag folder
-// (`ckpts/global_step20`) or a root holding `latest`. Inputs are never
+// Every function takes a checkpoint path: a folder of any format reshard
+// reads, or a root whose pointer file names one. Inputs are never
 // modified. Failures come back as a Status whose message is one line naming
 // the problem and the fix.
 //
@@ -84,6 +87,8 @@ struct PreflightOptions : CommonOptions {
 };
 
 struct LintOptions : PreflightOptions {
+  // The format convert will write (ConvertOptions::to; empty: the source's own).
+  std::string to;
   // The layout convert will be given (0: none). Without a target, lint
   // checks what every conversion needs and warns of what a TP change adds.
   int target_tp = 0;
@@ -128,69 +133,66 @@ struct WriteOptions : PreflightOptions {
   std::string command;
 };
 
+// convert: the checkpoint written at another layout, in its own format or
+// in the one `to` names.
 struct ConvertOptions : WriteOptions {
-  int target_tp = 0;  // required, >= 1
-  int target_pp = 0;  // required, >= 1
+  // The target format (TargetFormats, or "deepspeed"); empty: the source's
+  // own (an HF folder, which has no parallel layout, converts to deepspeed).
+  std::string to;
+  int target_tp = 0;  // 0 = keep the source's tensor-parallel size
+  int target_pp = 0;  // 0 = keep the source's pipeline-parallel size
   int target_dp = 0;  // 0 = keep the source's DP size
   int target_ep = 0;  // DeepSpeed MoE: 0 = keep the source's expert-parallel size
-  // Explicit transformer blocks per target stage (sums to the block count);
-  // empty = DeepSpeed's partition method recorded in the checkpoint.
+  // A target other than deepspeed: its own options, as for export.
+  std::map<std::string, std::string> format_options;
+  // deepspeed: explicit transformer blocks per target stage (sums to the
+  // block count); empty = DeepSpeed's partition method recorded in the checkpoint.
   std::vector<int> layers_per_stage;
-  // Value of vocabulary padding rows that the target layout adds.
+  // deepspeed: value of vocabulary padding rows that the target layout adds.
   double vocab_pad_value = 0.0;
-  bool update_latest = true;    // write `latest` next to the output folder
+  bool update_latest = true;    // deepspeed: write `latest` next to the output folder
 };
 
-// An export to another format: "consolidated" (the checkpoint's full tensors
-// under their canonical names, from the fp32 masters where the checkpoint has
-// optimizer state, from the weights with `weights_only`), "hf" (a Hugging
-// Face transformers folder, as the rule set's hf section maps it; from the
-// weights unless `from` is "masters"), "megatron" (NVIDIA Megatron-LM's
-// legacy torch checkpoint at TP `tp` and PP `pp`; weights unless `from` is
-// "masters"), "torch_dist" (Megatron-Core's distributed checkpoint at TP `tp`
-// and PP `pp`, weights alike, with the optimizer state unless `weights_only`)
-// or "universal" (DeepSpeed's).
+// One option a target format takes beyond the layout, as the format declares
+// it (TargetFormats): the CLI's `--<name>`, the Python module's keyword
+// argument (`-` written `_`, `from` as `from_`).
+struct FormatOptionInfo {
+  enum class Kind {
+    kText,   // any text, or one of `choices`
+    kCount,  // an integer >= 1
+  };
+  std::string name;  // "tokenizer", "layer-spec", ...
+  Kind kind = Kind::kText;
+  std::string help;
+  std::vector<std::string> choices;  // the values it takes; empty = any
+  bool bytes = false;                // kCount: a size in bytes ("5GB" on the command line)
+  std::string default_value;         // what the format uses when it is not given ("" = nothing)
+};
+
+// A format reshard writes, as the registry of formats declares it.
+struct TargetFormatInfo {
+  std::string name;    // what --to takes: "hf", "torch_dist", ...
+  std::string help;    // one line: what it writes
+  std::string output;  // what OUTPUT is for it
+  // The layout sizes (--tp, --pp, --dp) it takes; others are refused.
+  bool tp = false, pp = false, dp = false;
+  std::vector<FormatOptionInfo> options;
+};
+
+// Every format `export --to` writes, in the order --help lists them.
+const std::vector<TargetFormatInfo>& TargetFormats();
+
+// An export to another format (TargetFormats: consolidated, hf, megatron,
+// torch_dist, torchtitan, universal).
 struct ExportOptions : WriteOptions {
-  std::string to;  // "consolidated", "hf", "megatron", "torch_dist", "torchtitan" or "universal"
-  // megatron, torch_dist: the target tensor- and pipeline-parallel sizes
-  // (required there, refused elsewhere).
-  int tp = 0, pp = 0;
-  // torch_dist: the data-parallel size the optimizer state is laid out for
-  // (0 = 1; refused elsewhere).
-  int dp = 0;
-  // torchtitan: the FSDP2 world size the parameters are sharded over
-  // (required there, refused elsewhere).
-  int dp_shard = 0;
-  std::string dtype;  // "fp32", "bf16", "fp16"; empty = as stored
-  // Largest file; a bigger tensor gets a file of its own.
-  int64_t max_shard_size = int64_t{5} * 1000 * 1000 * 1000;
-  std::string file_format = "safetensors";  // or "pt" (torch.save)
-  // Where the tensors come from: "masters" (the fp32 masters), "weights", or
-  // empty for the format's default (consolidated: masters; hf: weights).
-  std::string from;
-  // hf: a folder whose tokenizer files are copied beside the model; empty = none.
-  std::string tokenizer;
-  // megatron: whose model's keys the files hold: "local" (the default) or
-  // "te", Megatron-Core's GPTModel with its local or Transformer Engine
-  // layer spec; "legacy", the legacy GPTModel (--use-legacy-models).
-  std::string layer_spec;
-  // torch_dist: the layout of the optimizer state, written whenever the
-  // source has some and weights_only is not set: Megatron-Core 0.19's
-  // "fully_reshardable" or "dp_reshardable" (its training default: flat
-  // buckets per model-parallel rank, sharded over `dp`), or 0.14's
-  // "fully_sharded_model_space" (its default). Empty: the version's default
-  // (0.14: fully_sharded_model_space; 0.19: a torch_dist source's own layout
-  // where it is dp_reshardable, else fully_reshardable).
-  std::string optimizer_layout;
-  // torch_dist: the Megatron-Core version whose form is written, "0.14"
-  // (common.pt, fully_sharded_model_space) or "0.19" (the common_state item,
-  // fully_reshardable / dp_reshardable). Empty: the version the
-  // optimizer_layout belongs to, else a torch_dist source's own, else 0.19.
-  std::string megatron_core_version;
-  // torch_dist, dp_reshardable: Megatron-LM's --ddp-bucket-size, the
-  // elements after which a grad buffer's bucket closes on the first pipeline
-  // stage (as with --overlap-grad-reduce); 0: one bucket per buffer.
-  int64_t ddp_bucket_size = 0;
+  std::string to;  // the target format's name
+  // The target's parallel layout, where its format has one (0: the format's
+  // default); a size the target does not take is refused.
+  int tp = 0, pp = 0, dp = 0;
+  // The target format's own options by name, as it declares them
+  // ({"tokenizer", "tok/"}); a name it does not declare, or a value it does
+  // not take, is refused before anything is read.
+  std::map<std::string, std::string> format_options;
 };
 
 struct ConvertReport {

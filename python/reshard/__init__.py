@@ -30,7 +30,7 @@ from ._reshard import Error
 from . import _reshard
 
 __all__ = ["Error", "PickledObject", "Checkpoint", "open", "lint", "inspect", "convert",
-           "export", "verify", "rule_sets"]
+           "export", "verify", "target_formats", "rule_sets"]
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
           "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4,
@@ -179,14 +179,17 @@ def inspect(checkpoint, **options):
 
 
 def convert(input, output, **options):  # noqa: A002
-    """Writes the checkpoint at another layout (tp=, pp= required; dp=, ep=, ...); returns the
-    report (files, bytes, memory, phases, notes). ``progress``: a callable taking each line."""
+    """Writes the checkpoint at another layout (tp=, pp=, dp=, ep=; each kept from the source when
+    not given), in its own format or the one ``to=`` names ("deepspeed", or any of
+    ``target_formats()``, with that format's options as for ``export``); returns the report
+    (files, bytes, memory, phases, notes). ``progress``: a callable taking each line."""
     return _reshard.convert(str(input), str(output), **_sizes(_stringify_set(options)))
 
 
 def export(input, output, **options):  # noqa: A002
-    """Writes the checkpoint in another format (to="hf", "consolidated", "megatron",
-    "torch_dist", "torchtitan" or "universal"); ``from_`` is the CLI's --from."""
+    """Writes the checkpoint in another format (``to=``, one of ``target_formats()``), with the
+    options that format declares as keyword arguments (the CLI's --layer-spec is layer_spec=,
+    --from is from_=)."""
     return _reshard.export(str(input), str(output), **_sizes(_stringify_set(options)))
 
 
@@ -194,6 +197,12 @@ def verify(a, b=None, **options):
     """Compares two checkpoints tensor by tensor (a dict with same, differences, ...), or with
     ``b`` left out checks ``a`` against the manifest reshard wrote into it."""
     return _reshard.verify(str(a), None if b is None else str(b), **_sizes(_stringify_set(options)))
+
+
+def target_formats():
+    """The formats convert and export write: name, help, output, the layout sizes (tp, pp, dp)
+    each takes, and its options (name, kind, help, choices, default)."""
+    return _reshard.target_formats()
 
 
 def rule_sets():

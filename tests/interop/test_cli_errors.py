@@ -468,10 +468,10 @@ class TargetTests(ReshardTestCase):
     def test_bad_target_arguments(self):
         tag = self.bloom()
         out = self.path('out')
-        cases = [('missing --tp', ['--pp', 1], ['--tp']),
-                 ('--tp 0', ['--tp', 0, '--pp', 1], ['--tp']),
+        cases = [('--tp 0', ['--tp', 0, '--pp', 1], ['--tp']),
                  ('--tp not a number', ['--tp', 'two', '--pp', 1], ['--tp']),
-                 ('bad --replicated', ['--tp', 1, '--pp', 1, '--replicated', 'mean'], ['--replicated'])]
+                 ('bad --replicated', ['--tp', 1, '--pp', 1, '--replicated', 'mean'], ['--replicated']),
+                 ('unknown --to', ['--to', 'hff'], ["unknown format 'hff'; did you mean 'hf'?"])]
         for name, args, needles in cases:
             with self.subTest(case=name):
                 self.assertRefused(['convert', tag, out, *args], needles, watch=[self.path('src')], out=out)

@@ -93,7 +93,7 @@ class DcpSourceTest(FixtureTestCase):
         self.assertEqual(p.returncode, 1, p.stdout + p.stderr)
         self.assertIn('read without a rule set', p.stdout)
         out = self.path('converted')
-        p = run('convert', folder, out, '--tp', 1, '--pp', 1)
+        p = run('convert', '--to', 'deepspeed', folder, out, '--tp', 1, '--pp', 1)
         self.assertRefused(p, 'is a Distributed Checkpoint read without a rule set', out)
         p = run('verify', folder, folder)
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)

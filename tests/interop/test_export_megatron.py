@@ -491,14 +491,14 @@ class ExportMegatronTest(FixtureTestCase):
             ((src, '--to', 'megatron', '--tp', 2, '--pp', 4), 'choose a --pp that divides 6'),
             ((src, '--to', 'megatron', '--tp', 5, '--pp', 1), 'over 5 TP ranks'),
             ((src, '--to', 'megatron', '--tp', 2), 'needs the target layout: --tp N and --pp N'),
-            ((src, '--to', 'consolidated', '--tp', 2, '--pp', 1), '--tp and --pp choose the layout of --to megatron'),
-            ((src, '--to', 'megatron-lm', '--tp', 2, '--pp', 1), 'megatron-lm not in'),
+            ((src, '--to', 'consolidated', '--tp', 2, '--pp', 1), '--tp sets the layout of --to deepspeed, megatron, torch_dist'),
+            ((src, '--to', 'megatron-lm', '--tp', 2, '--pp', 1), "unknown export format 'megatron-lm'"),
             ((src, '--to', 'megatron', '--tp', 2, '--pp', 1, '--from', 'masters'), 'no fp32 masters'),
             ((moe, '--to', 'megatron', '--tp', 1, '--pp', 1, '--rules', moe_rules), 'DeepSpeed MoE experts'),
             ((nonpipe, '--to', 'megatron', '--tp', 1, '--pp', 1), 'is read without one'),
             ((bloom, '--to', 'megatron', '--tp', 1, '--pp', 1, '--layer-spec', 'te'),
              'rule set bigscience-bloom has none; add one (docs/rules.md), or use --layer-spec legacy'),
-            ((src, '--to', 'consolidated', '--layer-spec', 'te'), '--layer-spec chooses the keys of --to megatron'),
+            ((src, '--to', 'consolidated', '--layer-spec', 'te'), '--layer-spec is an option of --to megatron; the consolidated'),
         ]
         for i, (args, message) in enumerate(cases):
             with self.subTest(args=args[1:]):

@@ -83,7 +83,7 @@ class ExportTorchDistTest(FixtureTestCase):
                 self.assertIn('same model', p.stdout)
                 direct, back = self.path(name.replace('/', '_') + '_direct'), self.path(name.replace('/', '_') + '_back')
                 for src, dst in ((folder, direct), (out, back)):
-                    p = run('convert', src, dst, '--tp', layout['tp'], '--pp', layout['pp'], *sizes(config),
+                    p = run('convert', '--to', 'deepspeed', src, dst, '--tp', layout['tp'], '--pp', layout['pp'], *sizes(config),
                             '--no-update-latest')
                     self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
                 want, got = self.layer_files(direct), self.layer_files(back)
@@ -139,7 +139,7 @@ class ExportTorchDistTest(FixtureTestCase):
                 out = self.path(family + '_td')
                 self.export(src, out, *target)
                 back = self.path(family + '_back')
-                p = run('convert', out, back, '--tp', 2, '--pp', 2, '--no-update-latest')
+                p = run('convert', '--to', 'deepspeed', out, back, '--tp', 2, '--pp', 2, '--no-update-latest')
                 self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
                 self.assertEqual(support.layer_file_differences(self.layer_files(src), self.layer_files(back),
                                                                 FAMILIES[family]['V']), [])

@@ -157,7 +157,7 @@ class ExportTorchDistMc014Test(FixtureTestCase):
         itself = run('verify', src, src)
         out, back = self.path('td'), self.path('back')
         self.export(src, out, 2, 1, '--dp', 2, '--megatron-core-version', '0.14')
-        p = run('convert', out, back, '--tp', 2, '--pp', 2, '--dp', 1, '--no-update-latest')
+        p = run('convert', '--to', 'deepspeed', out, back, '--tp', 2, '--pp', 2, '--dp', 1, '--no-update-latest')
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         p = run('verify', src, back)
         # torch_dist carries no learning-rate scheduler or sample counter.
@@ -211,7 +211,7 @@ class ExportTorchDistMc014Test(FixtureTestCase):
                 p = run('export', src, out, '--to', 'torch_dist', '--tp', 1, '--pp', 1, *extra, *sizes(config))
                 self.assertRefused(p, message, out)
         p = run('export', src, out, '--to', 'hf', '--megatron-core-version', '0.14', *sizes(config))
-        self.assertRefused(p, '--megatron-core-version chooses the form of --to torch_dist', out)
+        self.assertRefused(p, '--megatron-core-version is an option of --to torch_dist; the hf export does not take it', out)
 
     def test_dp_reshardable_at_two_bucket_sizes_reads_back_equal(self):
         name = 'w2_tp2'

@@ -129,7 +129,7 @@ class ExportTorchDistOptimizerTest(FixtureTestCase):
                     weights = sum(layers if k.startswith('decoder.layers.') else 1 for k in keys)
                     self.assertEqual(compared(p.stdout), 4 * weights, p.stdout)
                     back = self.path(f'{name}_{layout}_ds')
-                    p = run('convert', out, back, '--tp', 1, '--pp', 1, *sizes(config))
+                    p = run('convert', '--to', 'deepspeed', out, back, '--tp', 1, '--pp', 1, *sizes(config))
                     self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
                     elements += self.check_states(tag, config, *self.universal_states(back, config))
         print(f'\n[ states ] {2 * len(saves())} exports, {elements} elements of fp32 / exp_avg / exp_avg_sq '
@@ -196,7 +196,7 @@ class ExportTorchDistOptimizerTest(FixtureTestCase):
                 self.assertEqual(p.stdout.count('weights and optimizer state'), 2, p.stdout)
                 self.assertNotIn('elements differ', p.stdout)
                 back = self.path(name + '_dp2_ds')
-                p = run('convert', out, back, '--tp', 1, '--pp', 1, *sizes(config))
+                p = run('convert', '--to', 'deepspeed', out, back, '--tp', 1, '--pp', 1, *sizes(config))
                 self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
                 self.check_states(tag, config, *self.universal_states(back, config))
 
@@ -217,7 +217,7 @@ class ExportTorchDistOptimizerTest(FixtureTestCase):
         self.assertEqual({g: buckets[(g, 0)] for g in (4, 5)}, {4: piece, 5: piece}, listing)
         self.assertEqual(sorted(k for g, k in buckets if g in (2, 3)), [0, 0])
         back = self.path('back')
-        p = run('convert', out, back, '--tp', 2, '--pp', 2, '--dp', 1, '--no-update-latest')
+        p = run('convert', '--to', 'deepspeed', out, back, '--tp', 2, '--pp', 2, '--dp', 1, '--no-update-latest')
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         p = run('verify', src, back)
         self.assertEqual(re.findall(r'differs: (.*)', p.stdout), ['lr_scheduler differs', 'global_samples differs'])
@@ -234,7 +234,7 @@ class ExportTorchDistOptimizerTest(FixtureTestCase):
                 # At TP 2 the vocabulary keeps its padding rows (the fixture's are not zero).
                 self.export(src, out, 2, 1, '--optimizer-layout', layout, '--dp', 2)
                 back = self.path('back_' + layout)
-                p = run('convert', out, back, '--tp', 2, '--pp', 2, '--dp', 1, '--no-update-latest')
+                p = run('convert', '--to', 'deepspeed', out, back, '--tp', 2, '--pp', 2, '--dp', 1, '--no-update-latest')
                 self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
                 p = run('verify', src, back)
                 # Every tensor, the optimizer state's too, is equal; the torch_dist export does not carry
@@ -261,7 +261,7 @@ class ExportTorchDistOptimizerTest(FixtureTestCase):
                 '--optimizer-layout', 'fully_reshardable')
         self.assertRefused(p, 'the source has no optimizer state; drop the option', refused)
         p = run('export', src, refused, '--to', 'consolidated', '--optimizer-layout', 'fully_reshardable')
-        self.assertRefused(p, '--optimizer-layout lays out the optimizer state of --to torch_dist', refused)
+        self.assertRefused(p, '--optimizer-layout is an option of --to torch_dist; the consolidated export does not take it', refused)
 
 
 if __name__ == '__main__':

@@ -360,7 +360,7 @@ class ExportTorchtitanTest(FixtureTestCase):
                 self.assertIn('39 of 39 tensors from the fp32 masters', p.stdout + p.stderr)
                 step = os.path.join(tt, 'step-10')
                 back = self.path(f'back{dp}x{tp}')
-                p = run('convert', step, back, '--tp', 2, '--pp', 2, '--dp', 1, '--no-update-latest', *heads,
+                p = run('convert', '--to', 'deepspeed', step, back, '--tp', 2, '--pp', 2, '--dp', 1, '--no-update-latest', *heads,
                         '--set', 'make_vocab_size_divisible_by=8')
                 self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
                 p = run('verify', step, back, *heads)
@@ -420,7 +420,7 @@ class ExportTorchtitanTest(FixtureTestCase):
         p = run('export', SAVE, out, '--to', 'torchtitan', *HEADS)
         self.assertRefused(p, 'needs --dp-shard N', out)
         p = run('export', SAVE, out, '--to', 'torchtitan', '--dp-shard', 2, '--tp', 2, '--pp', 2, *HEADS)
-        self.assertRefused(p, 'no pipeline parallelism; leave out --pp', out)
+        self.assertRefused(p, '--pp sets the layout of --to deepspeed, megatron, torch_dist; the torchtitan export has no such size', out)
         # a --tp that cuts a KV head, or splits the vocabulary's 100 rows unevenly
         p = run('export', SAVE, out, '--to', 'torchtitan', '--dp-shard', 1, '--tp', 4, *HEADS)
         self.assertRefused(p, "--tp 4 does not divide layers.0.attention.wk.weight's num_key_value_heads = 2, which "
@@ -438,7 +438,7 @@ class ExportTorchtitanTest(FixtureTestCase):
         self.assertRefused(p, "declares no tensor's TP sharding (tp: {dim: ...}); add them (docs/rules.md) or leave "
                               "out --tp", out)
         p = run('export', SAVE, out, '--to', 'hf', '--dp-shard', 2, *HEADS)
-        self.assertRefused(p, '--dp-shard chooses the FSDP2 sharding of --to torchtitan', out)
+        self.assertRefused(p, '--dp-shard is an option of --to torchtitan; the hf export does not take it', out)
         p = run('export', SAVE, out, '--to', 'torchtitan', '--dp-shard', 2, '--dtype', 'bf16', *HEADS)
         self.assertRefused(p, 'add --weights-only', out)
         gpt = make_fixture(self.path('gpt'), **dict(FAMILIES['ms_gpt2'], tp=1, pp=1, dp=1))

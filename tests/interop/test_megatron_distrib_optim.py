@@ -64,7 +64,7 @@ class MegatronDistribOptimTest(FixtureTestCase):
             weights = sum(v.numel() for k, v in rank['model'].items() if torch.is_tensor(v) and v.is_floating_point())
             self.assertTrue(weights <= n < weights + 64 * len(rank['model']), (weights, n))
         back = self.path('back')
-        p = run('convert', out, back, '--tp', 2, '--pp', 2, '--dp', 1, '--no-update-latest', '--vocab-size', 100)
+        p = run('convert', '--to', 'deepspeed', out, back, '--tp', 2, '--pp', 2, '--dp', 1, '--no-update-latest', '--vocab-size', 100)
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         self.assertIn("Megatron-LM's distributed optimizer (distrib_optim.pt): fp32 masters, exp_avg and exp_avg_sq "
                       "of 39 tensors, 2 param groups, step 10.0", p.stdout + p.stderr)
@@ -124,11 +124,11 @@ class MegatronDistribOptimTest(FixtureTestCase):
         buffer['numel_unpadded'] = n - 64
         torch.save(state, path)
         out = self.path('refused')
-        p = run('convert', mlm, out, '--tp', 1, '--pp', 1, '--vocab-size', 100)
+        p = run('convert', '--to', 'deepspeed', mlm, out, '--tp', 1, '--pp', 1, '--vocab-size', 100)
         self.assertRefused(p, f"distrib_optim.pt's grad buffers (bfloat16 {n - 64}) are not those its rank's "
                               f"parameters in registration order lay out (bfloat16 {n})", out)
         self.assertIn('pass --weights-only', p.stderr)
-        p = run('convert', mlm, out, '--tp', 1, '--pp', 1, '--vocab-size', 100, '--weights-only')
+        p = run('convert', '--to', 'deepspeed', mlm, out, '--tp', 1, '--pp', 1, '--vocab-size', 100, '--weights-only')
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         self.assertEqual(glob.glob(os.path.join(out, '*optim_states.pt')), [])
 

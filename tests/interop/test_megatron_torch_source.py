@@ -69,7 +69,7 @@ class MegatronTorchSourceTest(FixtureTestCase):
                         self.assertEqual(tensors_compared(p.stdout), tensors_compared(run('verify', src, src).stdout))
                         back = self.path(f'{family}_{spec}_{tp}{pp}_back')
                         # Megatron-LM's args record the padded vocabulary only: the true size is given.
-                        p = run('convert', mlm, back, '--tp', 2, '--pp', 2, '--vocab-size', FAMILIES[family]['V'])
+                        p = run('convert', '--to', 'deepspeed', mlm, back, '--tp', 2, '--pp', 2, '--vocab-size', FAMILIES[family]['V'])
                         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
                         compared += self.assertSameLayerFiles(family, src, back)
                         p = run('verify', mlm, back)
@@ -90,7 +90,7 @@ class MegatronTorchSourceTest(FixtureTestCase):
         self.assertIn('rule set megatron-gpt2', p.stdout)
         self.assertIn('word_embeddings.weight  bfloat16[112, 48]  vocab', p.stdout)  # 100 rows padded for TP 2
         # What the reading leaves out, as convert says it.
-        p = run('convert', mlm, self.path('plan'), '--tp', 1, '--pp', 1, '--vocab-size', 100, '--dry-run')
+        p = run('convert', '--to', 'deepspeed', mlm, self.path('plan'), '--tp', 1, '--pp', 1, '--vocab-size', 100, '--dry-run')
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         self.assertIn("output_layer.weight is the tied word embedding's replica (2 TP pieces); it is dropped", p.stdout)
         self.assertIn('_extra_state (', p.stdout)
@@ -106,7 +106,7 @@ class MegatronTorchSourceTest(FixtureTestCase):
         shutil.copytree(mlm, missing)
         os.remove(os.path.join(missing, 'iter_0000010', 'mp_rank_01_001', 'model_optim_rng.pt'))
         out = self.path('out_missing')
-        self.assertRefused(run('convert', missing, out, '--tp', 1, '--pp', 1), 'lacks mp_rank_01_001/model_optim_rng.pt',
+        self.assertRefused(run('convert', '--to', 'deepspeed', missing, out, '--tp', 1, '--pp', 1), 'lacks mp_rank_01_001/model_optim_rng.pt',
                            out)
 
         wrong = self.path('wrong')
@@ -117,7 +117,7 @@ class MegatronTorchSourceTest(FixtureTestCase):
         state['model'][key] = state['model'][key][:-1].clone()
         torch.save(state, path)
         out = self.path('out_wrong')
-        p = run('convert', wrong, out, '--tp', 1, '--pp', 1)
+        p = run('convert', '--to', 'deepspeed', wrong, out, '--tp', 1, '--pp', 1)
         self.assertRefused(p, "mp_rank_01_000's " + key, out)
         # The input is never modified.
         self.assertEqual(len(glob.glob(os.path.join(wrong, '**', '*'), recursive=True)),

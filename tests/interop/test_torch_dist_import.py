@@ -63,7 +63,7 @@ def layer_key(key, layers_per_stage, stage, last_layer_file):
 class TorchDistImportTest(FixtureTestCase):
 
     def convert(self, folder, config, out, tp, pp, *extra):
-        p = run('convert', folder, out, '--tp', tp, '--pp', pp, *sizes(config), *extra)
+        p = run('convert', '--to', 'deepspeed', folder, out, '--tp', tp, '--pp', pp, *sizes(config), *extra)
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         return p
 
@@ -101,7 +101,7 @@ class TorchDistImportTest(FixtureTestCase):
                 self.convert(folder, config, direct, layout['tp'], layout['pp'])
                 back = self.path(name.replace('/', '_') + '_back')
                 # The sizes given with --set are recorded in the converted checkpoint's args.
-                p = run('convert', other, back, '--tp', layout['tp'], '--pp', layout['pp'], '--vocab-size',
+                p = run('convert', '--to', 'deepspeed', other, back, '--tp', layout['tp'], '--pp', layout['pp'], '--vocab-size',
                         config['model']['vocab'], '--no-update-latest')
                 self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
                 for path in sorted(glob.glob(os.path.join(direct, 'layer_*'))):
@@ -160,7 +160,7 @@ class TorchDistImportTest(FixtureTestCase):
         self.assertIn('rule set megatron-llama', p.stdout)
         folder = os.path.join(DATA, '0.19', 'w2_tp2_optim_dp_reshardable')
         self.assertIn('rule set megatron-core-gpt', run('inspect', folder).stdout)
-        p = run('convert', folder, self.path('out'), '--tp', 1, '--pp', 1, '--set', 'num_attention_heads=4',
+        p = run('convert', '--to', 'deepspeed', folder, self.path('out'), '--tp', 1, '--pp', 1, '--set', 'num_attention_heads=4',
                 '--set', 'num_key_value_heads=2', '--vocab-size', 64, '--set', 'make_vocab_size_divisible_by=16')
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         self.assertIn("Megatron-Core's distributed optimizer (dp_reshardable)", p.stdout)
@@ -179,7 +179,7 @@ class TorchDistImportTest(FixtureTestCase):
             text = text.replace('    - output_layer.weight\n', '    - output_layer.other\n')  # its optimizer_order
         with open(rules, 'w') as f:
             f.write(text)
-        p = run('convert', folder, self.path('out'), '--tp', 1, '--pp', 1, '--rules', rules)
+        p = run('convert', '--to', 'deepspeed', folder, self.path('out'), '--tp', 1, '--pp', 1, '--rules', rules)
         self.assertRefused(p, 'output_layer.weight is not a tensor of the model as its torch_dist section maps it',
                            self.path('out'))
 

@@ -102,7 +102,7 @@ def damage_pickled_item(path, old, new):
 
 class TorchDistOptimizerTest(FixtureTestCase):
     def convert(self, source, config, out, tp, pp):
-        p = run('convert', source, out, '--tp', tp, '--pp', pp, *sizes(config))
+        p = run('convert', '--to', 'deepspeed', source, out, '--tp', tp, '--pp', pp, *sizes(config))
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         return p
 
@@ -295,7 +295,7 @@ class TorchDistOptimizerTest(FixtureTestCase):
         damage_pickled_item(os.path.join(source, '__1_1.distcp'), b'numel_unpaddedq$M\x80\x0f',
                             b'numel_unpaddedq$M\x81\x0f')
         out = self.path('refused')
-        p = run('convert', source, out, '--tp', 1, '--pp', 1, *sizes(config))
+        p = run('convert', '--to', 'deepspeed', source, out, '--tp', 1, '--pp', 1, *sizes(config))
         self.assertRefused(p, "optimizer.distributed.dp_group_idx_1.param_state/shard_0_1's grad buffer 0's 'param' "
                               "is tensor(float32, [3968])", out)
         self.assertIn('not a flat fp32 tensor of its numel_unpadded 3969; pass --weights-only', p.stderr)

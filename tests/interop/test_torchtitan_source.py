@@ -130,7 +130,7 @@ class TorchtitanSourceTest(FixtureTestCase):
             with self.subTest(save=name):
                 cfg = config(name)
                 ms = self.path('ms_' + name, 'global_step1')
-                p = run('convert', step_folder(name), ms, *layout, *HEADS)
+                p = run('convert', '--to', 'deepspeed', step_folder(name), ms, *layout, *HEADS)
                 self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
                 self.assertIn('dataloader, lr_scheduler, train_state not carried', p.stdout + p.stderr)
                 p = run('verify', step_folder(name), ms, *HEADS)
@@ -179,13 +179,13 @@ class TorchtitanSourceTest(FixtureTestCase):
 
     def test_the_head_count_is_needed_and_checked(self):
         out = self.path('no_heads')
-        p = run('convert', step_folder('fsdp2_w2'), out, '--tp', 1, '--pp', 1)
+        p = run('convert', '--to', 'deepspeed', step_folder('fsdp2_w2'), out, '--tp', 1, '--pp', 1)
         self.assertRefused(p, '--set num_attention_heads=N', out)
         self.assertIn('records no model config', p.stderr)
         p = run('inspect', step_folder('fsdp2_w2'))
         self.assertEqual(p.returncode, 0, p.stderr)
         self.assertIn('no rule set (the torchtitan checkpoint records no model config', p.stdout)
-        p = run('convert', step_folder('fsdp2_w2'), out, '--tp', 1, '--pp', 1, '--set', 'num_attention_heads=3')
+        p = run('convert', '--to', 'deepspeed', step_folder('fsdp2_w2'), out, '--tp', 1, '--pp', 1, '--set', 'num_attention_heads=3')
         self.assertNotEqual(p.returncode, 0)
         self.assertFalse(os.path.exists(out))
         self.assertEqual(len(p.stderr.strip().splitlines()), 1, p.stderr)

@@ -3,20 +3,30 @@
 #include "formats/state_dict.h"
 
 namespace reshard {
+namespace {
 
-Result<ConsolidatedOptions> ConsolidatedOptionsFrom(const ExportOptions& options) {
+ConsolidatedOptions ConsolidatedOptionsFrom(const ExportOptions& options, std::optional<DType> dtype) {
   ConsolidatedOptions out;
   out.replicated = options.replicated;
-  out.from_weights = options.weights_only || options.from == "weights";
+  out.from_weights = options.weights_only || FormatOption(options, "from") == "weights";
   out.vocab_size = options.vocab_size;
-  out.max_shard_size = options.max_shard_size;
-  if (out.max_shard_size < 1) return Status::InvalidInput("--max-shard-size must be at least 1 byte");
-  if (options.file_format != "safetensors" && options.file_format != "pt") {
-    return Status::InvalidInput("unknown --format '" + options.file_format + "'; use safetensors or pt");
-  }
-  out.torch_format = options.file_format == "pt";
-  RESHARD_ASSIGN_OR_RETURN(out.dtype, ExportDType(options.dtype));
+  out.max_shard_size = FormatCount(options, kMaxShardSize);
+  out.torch_format = FormatOption(options, kFileFormat) == "pt";
+  out.dtype = dtype;
   return out;
+}
+
+}  // namespace
+
+TargetFormat ConsolidatedTarget() {
+  TargetFormatInfo info{"consolidated", "one state dict of whole tensors under their canonical names",
+                        "the folder to write (new, or empty)"};
+  info.options = StateDictOptions("masters");
+  return {std::move(info), [](const SourceCheckpoint& src, const ExportOptions& options,
+                              std::vector<std::string>* notes) -> Result<OutputPlan> {
+            RESHARD_ASSIGN_OR_RETURN(std::optional<DType> dtype, ExportDType(FormatOption(options, "dtype")));
+            return PlanConsolidated(src, ConsolidatedOptionsFrom(options, dtype), notes);
+          }};
 }
 
 Result<OutputPlan> PlanConsolidated(const SourceCheckpoint& src,

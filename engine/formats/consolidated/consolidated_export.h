@@ -29,8 +29,8 @@ struct ConsolidatedOptions {
   std::optional<int64_t> vocab_size;   // true vocabulary rows; unset = as the source records
 };
 
-// The options of `export --to consolidated`, checked.
-Result<ConsolidatedOptions> ConsolidatedOptionsFrom(const ExportOptions& options);
+// `export --to consolidated`: its options and its planner.
+TargetFormat ConsolidatedTarget();
 
 // Plans the files. `src` must outlive the plan and its jobs.
 Result<OutputPlan> PlanConsolidated(const SourceCheckpoint& src,

@@ -77,6 +77,11 @@ void DeepSpeedModelSource::SetInfo(std::string kind, std::string summary, bool v
   info_.optimizer_layout = model_->foreign_optimizer_layout;
   info_.format_version = model_->foreign_format_version;
   info_.records_run_state = model_->foreign.empty();
+  if (model_->foreign.empty()) {  // an import's layout is the one it is laid out in, not the one it was saved at
+    info_.tp = ckpt().tp;
+    info_.pp = ckpt().pp;
+    info_.dp = ckpt().dp;
+  }
   if (!vocab) return;
   info_.vocab_rows = ckpt().vocab.padded_rows;
   info_.vocab_size = ckpt().vocab.original_size;

@@ -20,6 +20,8 @@
 namespace reshard {
 namespace {
 
+constexpr char kTokenizer[] = "tokenizer";  // the option naming a tokenizer folder
+
 // Files of a tokenizer folder that transformers' AutoTokenizer reads; a
 // model folder passed as --tokenizer keeps its config and weights to itself.
 bool IsTokenizerFile(const std::string& name) {
@@ -170,17 +172,14 @@ Result<HfConfigExtras> ConfigExtras(const SourceCheckpoint& src, const ExportOpt
     RESHARD_ASSIGN_OR_RETURN(*source_config, ReadJsonFile((std::filesystem::path(src.info().tag_dir) / "config.json").string()));
     if (source_config->is(Value::Kind::kDict)) extras.source = source_config;
   }
-  if (!options.tokenizer.empty()) {
-    RESHARD_ASSIGN_OR_RETURN(extras.token_ids, SpecialTokenIds(options.tokenizer, notes));
+  if (const std::string tokenizer = FormatOption(options, kTokenizer); !tokenizer.empty()) {
+    RESHARD_ASSIGN_OR_RETURN(extras.token_ids, SpecialTokenIds(tokenizer, notes));
   }
   return extras;
 }
 
 Result<TensorChoiceOptions> ChoiceOptions(const ExportOptions& options, const std::vector<FullTensor>& all) {
-  if (!options.from.empty() && options.from != "weights" && options.from != "masters") {
-    return Status::InvalidInput("unknown --from '" + options.from + "'; use weights or masters");
-  }
-  const bool masters = options.from == "masters";
+  const bool masters = FormatOption(options, "from") == "masters";
   if (masters && options.weights_only) {
     return Status::InvalidInput("--from masters and --weights-only contradict each other; keep one");
   }
@@ -190,7 +189,7 @@ Result<TensorChoiceOptions> ChoiceOptions(const ExportOptions& options, const st
   }
   TensorChoiceOptions choice{"hf", masters ? "" : "--from weights, the default", !masters, std::nullopt,
                              options.vocab_size};
-  RESHARD_ASSIGN_OR_RETURN(choice.dtype, ExportDType(options.dtype));
+  RESHARD_ASSIGN_OR_RETURN(choice.dtype, ExportDType(FormatOption(options, "dtype")));
   return choice;
 }
 
@@ -211,23 +210,16 @@ DType FloatingDType(const std::vector<ChosenTensor>& chosen) {
   return DType::kFloat32;
 }
 
-}  // namespace
-
-Result<OutputPlan> PlanHf(const SourceCheckpoint& src, const ExportOptions& options,
-                                           std::vector<std::string>* notes) {
+Result<OutputPlan> PlanHf(const SourceCheckpoint& src, const ExportOptions& options, std::vector<std::string>* notes) {
   const RuleInputs inputs{src.info().metadata, src.info().settings};
   RESHARD_ASSIGN_OR_RETURN(const HfExport* hf, FamilyExport(src, inputs));
-  if (options.max_shard_size < 1) return Status::InvalidInput("--max-shard-size must be at least 1 byte");
-  if (options.file_format != "safetensors" && options.file_format != "pt") {
-    return Status::InvalidInput("unknown --format '" + options.file_format + "'; use safetensors or pt");
-  }
   std::atomic<int64_t> unused{0};  // planning reads no tensor bytes
   RESHARD_ASSIGN_OR_RETURN(std::vector<FullTensor> all, src.FullTensors(options.replicated, &unused));
   RESHARD_ASSIGN_OR_RETURN(TensorChoiceOptions choice, ChoiceOptions(options, all));
   if (!choice.vocab_size) choice.vocab_size = src.info().vocab_size;
   RESHARD_ASSIGN_OR_RETURN(std::vector<ChosenTensor> chosen, ChooseTensors(all, src.info().kind, choice, notes));
-  StateDictLayout layout{"hf " + hf->architecture, options.replicated, options.max_shard_size,
-                         options.file_format == "pt"};
+  StateDictLayout layout{"hf " + hf->architecture, options.replicated, FormatCount(options, kMaxShardSize),
+                         FormatOption(options, kFileFormat) == "pt"};
   layout.scratch = std::make_shared<ScratchFolder>();
   RESHARD_ASSIGN_OR_RETURN(std::vector<StateDictTensor> tensors,
                            MapHfTensors(*hf, chosen, inputs, layout.scratch, &layout.scratch_bytes));
@@ -236,14 +228,25 @@ Result<OutputPlan> PlanHf(const SourceCheckpoint& src, const ExportOptions& opti
   RESHARD_ASSIGN_OR_RETURN(HfConfigExtras extras, ConfigExtras(src, options, &source_config, notes));
   RESHARD_ASSIGN_OR_RETURN(std::string config, HfConfigJson(*hf, inputs, vocab, FloatingDType(chosen), extras));
   std::vector<SideFile> side = {{"config.json", config, ""}};
-  if (!options.tokenizer.empty()) {
-    RESHARD_ASSIGN_OR_RETURN(std::vector<SideFile> tokenizer, TokenizerFiles(options.tokenizer));
+  if (const std::string folder = FormatOption(options, kTokenizer); !folder.empty()) {
+    RESHARD_ASSIGN_OR_RETURN(std::vector<SideFile> tokenizer, TokenizerFiles(folder));
     side.insert(side.end(), tokenizer.begin(), tokenizer.end());
   } else {
     notes->push_back("hf: no --tokenizer given, so the folder has no tokenizer files; transformers and "
                      "lm-eval-harness need them beside config.json");
   }
   return PlanStateDict(src, std::move(layout), std::move(tensors), std::move(side));
+}
+
+}  // namespace
+
+TargetFormat HfTarget() {
+  TargetFormatInfo info{"hf", "a Hugging Face transformers folder: config.json and the weights",
+                        "the folder to write (new, or empty)"};
+  info.options = StateDictOptions("weights");
+  info.options.push_back({kTokenizer, FormatOptionInfo::Kind::kText,
+                          "Folder whose tokenizer files (tokenizer.json, vocab.json, ...) are copied beside the model"});
+  return {std::move(info), PlanHf};
 }
 
 }  // namespace reshard

@@ -17,8 +17,7 @@
 
 namespace reshard {
 
-// Plans the folder. `src` must outlive the plan and its jobs.
-Result<OutputPlan> PlanHf(const SourceCheckpoint& src, const ExportOptions& options,
-                                           std::vector<std::string>* notes);
+// `export --to hf`: its options and its planner.
+TargetFormat HfTarget();
 
 }  // namespace reshard

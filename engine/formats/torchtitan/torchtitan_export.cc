@@ -20,6 +20,8 @@
 namespace reshard {
 namespace {
 
+constexpr char kDpShard[] = "dp-shard";  // the option naming the FSDP2 world size
+
 // A job's share of a big .distcp file.
 constexpr int64_t kPartBytes = int64_t{256} << 20;
 // The moments of torch's AdamW, in its order; the master is the parameter.
@@ -47,11 +49,7 @@ Status CheckRequest(const SourceCheckpoint& src, const ExportOptions& options) {
     return Status::Unsupported("export --to torchtitan writes the keys of a rule set's torchtitan section, and rule set " +
                                rules->name() + " has none (" + rules->origin() + "); export --to hf or consolidated");
   }
-  if (options.pp != 0) {
-    return Status::InvalidInput("export --to torchtitan writes FSDP2 (--dp-shard N) and tensor parallelism (--tp T), "
-                                "no pipeline parallelism; leave out --pp");
-  }
-  if (options.dp_shard < 1) {
+  if (FormatCount(options, kDpShard) < 1) {
     return Status::InvalidInput("export --to torchtitan needs --dp-shard N (>= 1), the FSDP2 world size the "
                                 "parameters are sharded over");
   }
@@ -62,9 +60,6 @@ Status CheckRequest(const SourceCheckpoint& src, const ExportOptions& options) {
                                  ") declares no tensor's TP sharding (tp: {dim: ...}); add them (docs/rules.md) "
                                  "or leave out --tp");
     }
-  }
-  if (!options.from.empty() && options.from != "weights" && options.from != "masters") {
-    return Status::InvalidInput("unknown --from '" + options.from + "'; use weights or masters");
   }
   return Status::Ok();
 }
@@ -293,9 +288,9 @@ bool WritesOptimizer(const std::vector<FullTensor>& all, const ExportOptions& op
 Result<std::vector<ChosenTensor>> ChooseParameters(const SourceCheckpoint& src, const std::vector<FullTensor>& all,
                                                    const ExportOptions& options, bool optimizer,
                                                    std::vector<std::string>* notes) {
-  TensorChoiceOptions choice{"torchtitan", "--from weights", options.from == "weights", std::nullopt,
+  TensorChoiceOptions choice{"torchtitan", "--from weights", FormatOption(options, "from") == "weights", std::nullopt,
                              options.vocab_size ? options.vocab_size : src.info().vocab_size};
-  RESHARD_ASSIGN_OR_RETURN(choice.dtype, ExportDType(options.dtype));
+  RESHARD_ASSIGN_OR_RETURN(choice.dtype, ExportDType(FormatOption(options, "dtype")));
   RESHARD_ASSIGN_OR_RETURN(std::vector<ChosenTensor> chosen, ChooseTensors(all, src.info().kind, choice, notes));
   if (!optimizer) return chosen;
   for (const ChosenTensor& t : chosen) {
@@ -474,8 +469,6 @@ std::string MeshSummary(const Mesh& mesh) {
          Count(mesh.ranks(), "rank");
 }
 
-}  // namespace
-
 Result<OutputPlan> PlanTorchtitan(const SourceCheckpoint& src, const ExportOptions& options,
                                   std::vector<std::string>* notes) {
   RESHARD_RETURN_IF_ERROR(CheckRequest(src, options));
@@ -486,7 +479,7 @@ Result<OutputPlan> PlanTorchtitan(const SourceCheckpoint& src, const ExportOptio
   RESHARD_ASSIGN_OR_RETURN(std::vector<FullTensor> all, src.FullTensors(options.replicated, out.read.get()));
   const bool optimizer = WritesOptimizer(all, options);
   RESHARD_ASSIGN_OR_RETURN(std::vector<ChosenTensor> params, ChooseParameters(src, all, options, optimizer, notes));
-  const Mesh mesh{options.dp_shard, std::max(options.tp, 1)};
+  const Mesh mesh{static_cast<int>(FormatCount(options, kDpShard)), std::max(options.tp, 1)};
   Writer writer(*src.info().rules, *hf, inputs, mesh);
   std::vector<std::string> keys;
   RESHARD_RETURN_IF_ERROR(AddModel(*hf, params, inputs, all, &out, &writer, &keys));
@@ -511,6 +504,19 @@ Result<OutputPlan> PlanTorchtitan(const SourceCheckpoint& src, const ExportOptio
                    "the model config is not recorded: run torchtitan with the source's (export --to hf's "
                    "config.json gives it)");
   return out;
+}
+
+}  // namespace
+
+TargetFormat TorchtitanTarget() {
+  TargetFormatInfo info{"torchtitan", "a torchtitan step-N/ checkpoint: FSDP2 over --dp-shard ranks, x --tp",
+                        "the root holding step-N/"};
+  info.tp = true;
+  info.options = {{kDpShard, FormatOptionInfo::Kind::kCount,
+                   "The FSDP2 world size every parameter and its AdamW state are sharded over (Shard(0), as "
+                   "torch.chunk cuts dim 0); required"},
+                  FromOption("masters"), DTypeOption()};
+  return {std::move(info), PlanTorchtitan};
 }
 
 }  // namespace reshard

@@ -43,8 +43,7 @@
 
 namespace reshard {
 
-// Plans the folder. `src` must outlive the plan and its jobs.
-Result<OutputPlan> PlanTorchtitan(const SourceCheckpoint& src, const ExportOptions& options,
-                                  std::vector<std::string>* notes);
+// `export --to torchtitan`: its options and its planner.
+TargetFormat TorchtitanTarget();
 
 }  // namespace reshard

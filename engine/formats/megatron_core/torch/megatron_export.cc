@@ -18,6 +18,8 @@
 namespace reshard {
 namespace {
 
+constexpr char kLayerSpec[] = "layer-spec";  // the option choosing the keys
+
 // One tensor of a file: a rank tensor at its place in `model`.
 struct FileTensor {
   std::vector<std::string> path;
@@ -75,16 +77,17 @@ Status ChooseKeys(const SourceCheckpoint& src, const ExportOptions& options, Meg
                   std::vector<std::string>* notes) {
   plan->rules = src.info().rules.get();
   plan->layout = plan->rules->torch_dist();
-  if (options.layer_spec == "legacy") {
+  const std::string layer_spec = FormatOption(options, kLayerSpec);
+  if (layer_spec == "legacy") {
     plan->keys = Keys::kLegacy;
   } else if (plan->layout != nullptr) {
-    plan->keys = options.layer_spec == "te" ? Keys::kTransformerEngine : Keys::kLocal;
-  } else if (options.layer_spec.empty()) {
+    plan->keys = layer_spec == "te" ? Keys::kTransformerEngine : Keys::kLocal;
+  } else if (layer_spec.empty()) {
     plan->keys = Keys::kLegacy;
     notes->push_back("megatron: rule set " + plan->rules->name() + " names no Megatron-Core keys (it has no "
                      "torch_dist section), so the files hold the legacy GPTModel's");
   } else {
-    return Status::Unsupported("--layer-spec " + options.layer_spec + " writes Megatron-Core's keys as the rule "
+    return Status::Unsupported("--layer-spec " + layer_spec + " writes Megatron-Core's keys as the rule "
                                "set's torch_dist section names them, and rule set " + plan->rules->name() +
                                " has none; add one (docs/rules.md), or use --layer-spec legacy");
   }
@@ -95,17 +98,11 @@ Result<TpCut> CutOf(const ExportOptions& options) {
   if (options.tp < 1 || options.pp < 1) {
     return Status::InvalidInput("export --to megatron needs the target layout: --tp N and --pp N (both >= 1)");
   }
-  if (!options.from.empty() && options.from != "weights" && options.from != "masters") {
-    return Status::InvalidInput("unknown --from '" + options.from + "'; use weights or masters");
-  }
-  if (options.from == "masters" && options.weights_only) {
+  const bool masters = FormatOption(options, "from") == "masters";
+  if (masters && options.weights_only) {
     return Status::InvalidInput("--from masters and --weights-only contradict each other; keep one");
   }
-  if (!options.tokenizer.empty()) {
-    return Status::InvalidInput("--tokenizer is for --to hf; a Megatron-LM checkpoint holds no tokenizer "
-                                "(Megatron-LM takes --vocab-file / --tokenizer-model at launch)");
-  }
-  return TpCut{options.tp, options.replicated, options.vocab_size, options.from == "masters" ? kFp32Master : ""};
+  return TpCut{options.tp, options.replicated, options.vocab_size, masters ? kFp32Master : ""};
 }
 
 // The source's data-parallel size, which the export keeps; the world size is
@@ -397,15 +394,13 @@ std::string Summary(const MegatronExportPlan& plan) {
   return out + "\n";
 }
 
-}  // namespace
-
 Result<OutputPlan> PlanMegatron(const SourceCheckpoint& src, const ExportOptions& options,
-                                                 std::vector<std::string>* notes) {
+                                std::vector<std::string>* notes) {
   RESHARD_RETURN_IF_ERROR(CheckSource(src));
   MegatronExportPlan plan;
   RESHARD_ASSIGN_OR_RETURN(plan.cut, CutOf(options));
   RESHARD_RETURN_IF_ERROR(ChooseKeys(src, options, &plan, notes));
-  RESHARD_ASSIGN_OR_RETURN(plan.dtype, ExportDType(options.dtype));
+  RESHARD_ASSIGN_OR_RETURN(plan.dtype, ExportDType(FormatOption(options, "dtype")));
   plan.pp = options.pp;
   plan.iteration = src.info().iteration;
   OutputPlan out;
@@ -438,6 +433,21 @@ Result<OutputPlan> PlanMegatron(const SourceCheckpoint& src, const ExportOptions
   }
   out.files.push_back(TextFile(kLatestIterationFile, std::to_string(plan.iteration)));
   return out;
+}
+
+}  // namespace
+
+TargetFormat MegatronTarget() {
+  TargetFormatInfo info{"megatron", "NVIDIA Megatron-LM's torch checkpoint at --tp / --pp",
+                        "the root holding iter_N/ and latest_checkpointed_iteration.txt"};
+  info.tp = info.pp = info.dp = true;
+  info.options = {{kLayerSpec, FormatOptionInfo::Kind::kText,
+                   "The keys of Megatron-Core's GPTModel with the local or Transformer Engine (te) layer spec, or of "
+                   "the legacy GPTModel (legacy, --use-legacy-models); default: local where the rule set names "
+                   "Megatron-Core keys, else legacy",
+                   {"local", "te", "legacy"}},
+                  FromOption("weights"), DTypeOption()};
+  return {std::move(info), PlanMegatron};
 }
 
 }  // namespace reshard

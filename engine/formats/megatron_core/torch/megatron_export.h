@@ -29,8 +29,7 @@
 
 namespace reshard {
 
-// Plans the folder. `src` must outlive the plan and its jobs.
-Result<OutputPlan> PlanMegatron(const SourceCheckpoint& src, const ExportOptions& options,
-                                                 std::vector<std::string>* notes);
+// `export --to megatron`: its options and its planner.
+TargetFormat MegatronTarget();
 
 }  // namespace reshard

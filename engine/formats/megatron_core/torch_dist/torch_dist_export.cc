@@ -27,6 +27,11 @@
 namespace reshard {
 namespace {
 
+// The options that choose the form written.
+constexpr char kLayoutOption[] = "optimizer-layout";
+constexpr char kVersionOption[] = "megatron-core-version";
+constexpr char kBucketSizeOption[] = "ddp-bucket-size";
+
 // The Megatron-Core versions whose forms are written: 0.19 keeps the common
 // state in a bytes item, 0.14 in common.pt, which metadata.json names.
 constexpr char kVersion014[] = "0.14";
@@ -464,25 +469,21 @@ std::string VersionOfLayout(const std::string& layout) {
 // default, or 0.19's: the source's dp_reshardable, else fully_reshardable).
 Status ChooseForm(const SourceCheckpoint& src, const ExportOptions& options, Target* target) {
   const std::string& own = src.info().format_version;
-  target->version = !options.megatron_core_version.empty() ? options.megatron_core_version
-                    : !options.optimizer_layout.empty()    ? VersionOfLayout(options.optimizer_layout)
-                    : !own.empty()                         ? own
-                                                           : kVersion019;
-  if (target->version != kVersion014 && target->version != kVersion019) {
-    return Status::InvalidInput("unknown --megatron-core-version '" + target->version + "'; use 0.14 or 0.19");
-  }
+  const std::string version = FormatOption(options, kVersionOption), layout = FormatOption(options, kLayoutOption);
+  target->version = !version.empty() ? version : !layout.empty() ? VersionOfLayout(layout) : !own.empty() ? own : kVersion019;
   const std::string fallback = target->version == kVersion014          ? kFullyShardedModelSpace
                                : src.info().optimizer_layout == kDpReshardable ? kDpReshardable
                                                                                 : kFullyReshardable;
-  target->layout = options.optimizer_layout.empty() ? fallback : options.optimizer_layout;
+  target->layout = layout.empty() ? fallback : layout;
   if (VersionOfLayout(target->layout) != target->version) {
     return Status::InvalidInput("Megatron-Core " + target->version + " does not load the optimizer layout " +
                                 target->layout + " (each version loads only its own); use --optimizer-layout " +
                                 fallback + ", or --megatron-core-version " + VersionOfLayout(target->layout) +
                                 " for " + target->layout);
   }
-  if (options.ddp_bucket_size < 0) return Status::InvalidInput("--ddp-bucket-size must be >= 1");
-  if (options.ddp_bucket_size > 0) target->bucket_size = options.ddp_bucket_size;
+  if (const int64_t bucket_size = FormatCount(options, kBucketSizeOption); bucket_size > 0) {
+    target->bucket_size = bucket_size;
+  }
   return Status::Ok();
 }
 
@@ -499,17 +500,9 @@ Status CheckSource(const SourceCheckpoint& src, const ExportOptions& options) {
     return Status::InvalidInput("export --to torch_dist needs the target layout: --tp N and --pp N (both >= 1), "
                                 "and --dp N >= 1 if given");
   }
-  if (!options.optimizer_layout.empty() && options.optimizer_layout != kFullyReshardable &&
-      options.optimizer_layout != kDpReshardable && options.optimizer_layout != kFullyShardedModelSpace) {
-    return Status::InvalidInput("unknown --optimizer-layout '" + options.optimizer_layout + "'; use " +
-                                kFullyReshardable + ", " + kDpReshardable + " or " + kFullyShardedModelSpace);
-  }
-  if (!options.optimizer_layout.empty() && options.weights_only) {
+  if (!FormatOption(options, kLayoutOption).empty() && options.weights_only) {
     return Status::InvalidInput("--weights-only leaves the optimizer state out, which --optimizer-layout lays out; "
                                 "give one of them");
-  }
-  if (!options.from.empty() && options.from != "weights" && options.from != "masters") {
-    return Status::InvalidInput("unknown --from '" + options.from + "'; use weights or masters");
   }
   return Status::Ok();
 }
@@ -524,7 +517,7 @@ Result<std::vector<FullTensor>> OptimizerStates(const SourceCheckpoint& src, con
   for (FullTensor& t : all) {
     if (t.section == "optimizer") states.push_back(std::move(t));
   }
-  if (states.empty() && !options.optimizer_layout.empty()) {
+  if (states.empty() && !FormatOption(options, kLayoutOption).empty()) {
     return Status::InvalidInput("--optimizer-layout: the source has no optimizer state; drop the option");
   }
   return states;
@@ -545,8 +538,6 @@ int CountBlocks(const std::vector<RankTensor>& tensors) {
   return blocks;
 }
 
-}  // namespace
-
 // What a loader of the folder must be told.
 std::string LoadNote(const std::vector<FullTensor>& states, const std::string& layout) {
   if (states.empty()) {
@@ -563,10 +554,11 @@ Result<OutputPlan> PlanTorchDist(const SourceCheckpoint& src, const ExportOption
   RESHARD_RETURN_IF_ERROR(CheckSource(src, options));
   const RuleSet& rules = *src.info().rules;
   Target target;
-  target.cut = TpCut{options.tp, options.replicated, options.vocab_size, options.from == "masters" ? kFp32Master : ""};
+  target.cut = TpCut{options.tp, options.replicated, options.vocab_size,
+                     FormatOption(options, "from") == "masters" ? kFp32Master : ""};
   target.pp = options.pp;
   target.dp = std::max(options.dp, 1);
-  RESHARD_ASSIGN_OR_RETURN(target.dtype, ExportDType(options.dtype));
+  RESHARD_ASSIGN_OR_RETURN(target.dtype, ExportDType(FormatOption(options, "dtype")));
   RESHARD_RETURN_IF_ERROR(ChooseForm(src, options, &target));
   OutputPlan out;
   RESHARD_ASSIGN_OR_RETURN(TpWeights weights, src.WeightsForTp(target.cut, notes, out.read.get()));
@@ -621,6 +613,31 @@ Result<OutputPlan> PlanTorchDist(const SourceCheckpoint& src, const ExportOption
                 "\n";
   notes->push_back(LoadNote(states, target.layout));
   return out;
+}
+
+}  // namespace
+
+TargetFormat TorchDistTarget() {
+  using Kind = FormatOptionInfo::Kind;
+  TargetFormatInfo info{"torch_dist", "Megatron-Core's distributed checkpoint at --tp / --pp (--dp: the optimizer's)",
+                        "the root holding iter_N/ and latest_checkpointed_iteration.txt"};
+  info.tp = info.pp = info.dp = true;
+  info.options = {
+      {kLayoutOption, Kind::kText,
+       "The optimizer state's layout, Megatron-Core 0.19's fully_reshardable or dp_reshardable (its training "
+       "default), or 0.14's fully_sharded_model_space (its default); default: the version's (0.19: a torch_dist "
+       "source's own, else fully_reshardable); the state is written unless --weights-only",
+       {kFullyReshardable, kDpReshardable, kFullyShardedModelSpace}},
+      {kVersionOption, Kind::kText,
+       "The Megatron-Core version whose form is written, 0.14 (common.pt) or 0.19 (the common_state item); "
+       "default: the --optimizer-layout's, else a torch_dist source's own, else 0.19",
+       {kVersion014, kVersion019}},
+      {kBucketSizeOption, Kind::kCount,
+       "dp_reshardable: Megatron-LM's --ddp-bucket-size (elements), the buckets of the first stage's grad buffers as "
+       "--overlap-grad-reduce cuts them (default: one bucket per buffer)"},
+      FromOption("weights"),
+      DTypeOption()};
+  return {std::move(info), PlanTorchDist};
 }
 
 }  // namespace reshard

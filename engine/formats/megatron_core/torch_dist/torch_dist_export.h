@@ -42,8 +42,7 @@
 
 namespace reshard {
 
-// Plans the folder. `src` must outlive the plan and its jobs.
-Result<OutputPlan> PlanTorchDist(const SourceCheckpoint& src, const ExportOptions& options,
-                                 std::vector<std::string>* notes);
+// `export --to torch_dist`: its options and its planner.
+TargetFormat TorchDistTarget();
 
 }  // namespace reshard

@@ -182,6 +182,11 @@ class FamilyReader {
                Count(static_cast<int64_t>(c_.files.size()), ".distcp file") + ")";
     out.notes = std::move(notes);
     out.megatron_core_version = MegatronCoreVersion(c_, optimizer_);
+    if (const Value* args = Find(common_, "args")) {
+      out.tp = static_cast<int>(MetadataInt(*args, "tensor_model_parallel_size", 0));
+      out.pp = static_cast<int>(MetadataInt(*args, "pipeline_model_parallel_size", 0));
+      out.dp = static_cast<int>(MetadataInt(*args, "data_parallel_size", 0));
+    }
     out.optimizer = std::move(optimizer_);
     out.optimizer_status = optimizer_status_;
     return out;

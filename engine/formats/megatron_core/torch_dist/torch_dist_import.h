@@ -51,6 +51,8 @@ struct TorchDistImport {
   // or the layout fully_sharded_model_space) or "0.19" (the common_state
   // item, or a layout of 0.19's).
   std::string megatron_core_version;
+  // The layout it was saved at, as its args record it (0: not recorded).
+  int tp = 0, pp = 0, dp = 0;
 };
 
 // Reads `content` (a torch_dist folder) as the model of the first family

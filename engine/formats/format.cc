@@ -1,0 +1,22 @@
+// The helpers of the seam that every target format uses.
+#include "formats/format.h"
+
+#include "util/strings.h"
+
+namespace reshard {
+
+int64_t FormatCount(const ExportOptions& options, const std::string& name) {
+  int64_t n = 0;
+  return ParseInt(FormatOption(options, name), &n) ? n : 0;
+}
+
+FormatOptionInfo FromOption(const std::string& fallback) {
+  return {"from", FormatOptionInfo::Kind::kText, "Tensors from the fp32 masters or the weights", {"masters", "weights"},
+          false, fallback};
+}
+
+FormatOptionInfo DTypeOption() {
+  return {"dtype", FormatOptionInfo::Kind::kText, "Cast floating tensors (default: as stored)", {"fp32", "bf16", "fp16"}};
+}
+
+}  // namespace reshard

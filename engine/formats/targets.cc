@@ -1,0 +1,231 @@
+// The formats reshard writes, and PlanExport: the one place that lists them.
+// Each target declares its layout sizes and options with its planner; what
+// a target does not declare is refused here, before the source is read
+// further, so no planner repeats another's option checks.
+#include <algorithm>
+
+#include "formats/consolidated/consolidated_export.h"
+#include "formats/hf/hf_export.h"
+#include "formats/megatron_core/torch/megatron_export.h"
+#include "formats/megatron_core/torch_dist/torch_dist_export.h"
+#include "formats/registry.h"
+#include "formats/torchtitan/torchtitan_export.h"
+#include "util/strings.h"
+
+namespace reshard {
+namespace {
+
+constexpr char kDeepSpeed[] = "deepspeed";
+
+std::string TargetsTaking(const std::string& name);
+
+// A size of the layout convert writes: as given, else the source's.
+Result<int> KeptSize(int given, int saved, const SourceCheckpoint& src, const std::string& flag) {
+  if (given > 0) return given;
+  if (saved > 0) return saved;
+  return Status::InvalidInput("this " + src.info().format + " checkpoint does not record the layout it was saved at; "
+                              "give the target's " + flag + " N");
+}
+
+// DeepSpeed's own layout (Megatron-DeepSpeed's pipeline, or the source's
+// kind: ZeRO-3, MoE), planned by a DeepSpeed source itself; an import
+// planned as the pipeline model its rule set describes.
+Result<OutputPlan> PlanDeepSpeed(const SourceCheckpoint& src, const ConvertOptions& options,
+                                 std::vector<std::string>* notes) {
+  if (options.target_ep > 0 && !src.info().has_experts) {
+    return Status::InvalidInput("--ep sets the expert-parallel size of a DeepSpeed MoE checkpoint, and this " +
+                                src.info().kind + " checkpoint has no experts; leave it out");
+  }
+  if (!options.format_options.empty()) {
+    const std::string& name = options.format_options.begin()->first;
+    return Status::InvalidInput("--" + name + " is an option of " + TargetsTaking(name) +
+                                "; convert to deepspeed does not take it, so leave it out");
+  }
+  ConvertOptions native = options;
+  RESHARD_ASSIGN_OR_RETURN(native.target_tp, KeptSize(options.target_tp, src.info().tp, src, "--tp"));
+  RESHARD_ASSIGN_OR_RETURN(native.target_pp, KeptSize(options.target_pp, src.info().pp, src, "--pp"));
+  RESHARD_RETURN_IF_ERROR(CheckPipelineComputes(src));
+  return src.Plan(native, notes);
+}
+
+TargetFormat DeepSpeedTarget() {
+  TargetFormatInfo info{kDeepSpeed, "DeepSpeed / Megatron-DeepSpeed at --tp / --pp / --dp, with its optimizer state",
+                        "the tag folder, written exactly there (e.g. out/global_step20), with 'latest' beside it"};
+  info.tp = info.pp = info.dp = true;
+  return {std::move(info), [](const SourceCheckpoint& src, const ExportOptions& options,
+                              std::vector<std::string>* notes) -> Result<OutputPlan> {
+            ConvertOptions convert;
+            static_cast<WriteOptions&>(convert) = options;
+            convert.target_tp = options.tp;
+            convert.target_pp = options.pp;
+            convert.target_dp = options.dp;
+            return PlanDeepSpeed(src, convert, notes);
+          }};
+}
+
+// DeepSpeed's universal checkpoint, planned by a DeepSpeed source itself.
+TargetFormat UniversalTarget() {
+  TargetFormatInfo info{"universal", "DeepSpeed's universal checkpoint (one folder per parameter)",
+                        "the tag folder, e.g. ckpts/global_step20_universal, named by latest_universal beside it"};
+  return {std::move(info), [](const SourceCheckpoint& src, const ExportOptions& options, std::vector<std::string>* notes)
+                               -> Result<OutputPlan> {
+            RESHARD_RETURN_IF_ERROR(CheckPipelineComputes(src));
+            return src.PlanFamilyFormat(options, notes);
+          }};
+}
+
+const std::vector<TargetFormat>& Targets() {
+  static const std::vector<TargetFormat> targets = {DeepSpeedTarget(), ConsolidatedTarget(), HfTarget(),
+                                                    MegatronTarget(),  TorchDistTarget(),    TorchtitanTarget(),
+                                                    UniversalTarget()};
+  return targets;
+}
+
+const TargetFormat* FindTarget(const std::string& name) {
+  for (const TargetFormat& t : Targets()) {
+    if (t.info.name == name) return &t;
+  }
+  return nullptr;
+}
+
+std::vector<std::string> TargetNames() {
+  std::vector<std::string> names;
+  for (const TargetFormat& t : Targets()) names.push_back(t.info.name);
+  return names;
+}
+
+// "--to megatron, torch_dist": the targets that declare option `name`.
+std::string TargetsTaking(const std::string& name) {
+  std::vector<std::string> takers;
+  for (const TargetFormat& t : Targets()) {
+    for (const FormatOptionInfo& o : t.info.options) {
+      if (o.name == name) takers.push_back(t.info.name);
+    }
+  }
+  return takers.empty() ? "no export" : "--to " + Join(takers, ", ");
+}
+
+// Refuses a layout size `target` does not take, naming those that do.
+Status CheckLayout(const TargetFormatInfo& target, const ExportOptions& options) {
+  const struct {
+    const char* flag;
+    int value;
+    bool TargetFormatInfo::*taken;
+  } sizes[] = {{"--tp", options.tp, &TargetFormatInfo::tp},
+               {"--pp", options.pp, &TargetFormatInfo::pp},
+               {"--dp", options.dp, &TargetFormatInfo::dp}};
+  for (const auto& size : sizes) {
+    if (size.value == 0 || target.*size.taken) continue;
+    std::vector<std::string> takers;
+    for (const TargetFormat& t : Targets()) {
+      if (t.info.*size.taken) takers.push_back(t.info.name);
+    }
+    return Status::InvalidInput(std::string(size.flag) + " sets the layout of --to " + Join(takers, ", ") + "; the " +
+                                target.name + " export has no such size, so leave it out");
+  }
+  return Status::Ok();
+}
+
+// Refuses a value `option` does not take.
+Status CheckValue(const FormatOptionInfo& option, const std::string& value) {
+  if (option.kind == FormatOptionInfo::Kind::kCount) {
+    int64_t n = 0;
+    if (!ParseInt(value, &n) || n < 1) return Status::InvalidInput("--" + option.name + " takes a whole number >= 1, not '" + value + "'");
+    return Status::Ok();
+  }
+  if (option.choices.empty() || std::count(option.choices.begin(), option.choices.end(), value)) return Status::Ok();
+  return Status::InvalidInput("--" + option.name + " does not take '" + value + "'; " + Hint(value, option.choices));
+}
+
+// `options` with every option the target declares a default for set, once
+// each given one is checked against the declaration.
+Result<ExportOptions> CheckedOptions(const TargetFormatInfo& target, const ExportOptions& options) {
+  RESHARD_RETURN_IF_ERROR(CheckLayout(target, options));
+  ExportOptions checked = options;
+  for (const auto& [name, value] : options.format_options) {
+    auto declared = std::find_if(target.options.begin(), target.options.end(),
+                                 [&name = name](const FormatOptionInfo& o) { return o.name == name; });
+    if (declared == target.options.end()) {
+      return Status::InvalidInput("--" + name + " is an option of " + TargetsTaking(name) + "; the " + target.name +
+                                  " export does not take it, so leave it out");
+    }
+    RESHARD_RETURN_IF_ERROR(CheckValue(*declared, value));
+  }
+  for (const FormatOptionInfo& o : target.options) {
+    if (!o.default_value.empty()) checked.format_options.emplace(o.name, o.default_value);
+  }
+  return checked;
+}
+
+// The format convert writes: as asked, else the source's own. An HF folder
+// has no parallel layout to keep, and converts to deepspeed, as it always has.
+Result<std::string> ConvertTarget(const SourceCheckpoint& src, const ConvertOptions& options) {
+  const std::vector<std::string> names = TargetNames();
+  if (!options.to.empty()) {
+    if (FindTarget(options.to) != nullptr) return options.to;
+    return Status::InvalidInput("unknown format '" + options.to + "'; " + Hint(options.to, names));
+  }
+  const std::string& own = src.info().format;
+  if (own == "hf") return std::string(kDeepSpeed);
+  if (FindTarget(own) != nullptr) return own;
+  return Status::InvalidInput("reshard writes no " + own + " checkpoint of its own kind; give the format to "
+                              "write with --to (" + Join(names, ", ") + ")");
+}
+
+// Refuses an option of convert that only the deepspeed target takes.
+Status CheckDeepSpeedOnly(const ConvertOptions& options, const std::string& to) {
+  const char* flag = options.target_ep > 0              ? "--ep"
+                     : !options.layers_per_stage.empty() ? "--layers-per-stage"
+                     : options.vocab_pad_value != 0      ? "--vocab-pad-value"
+                     : !options.update_latest            ? "--no-update-latest"
+                                                         : nullptr;
+  if (flag == nullptr) return Status::Ok();
+  return Status::InvalidInput(std::string(flag) + " is an option of --to deepspeed; leave it out of --to " + to);
+}
+
+// Convert to a format other than DeepSpeed's: the export to it, each layout
+// size the target has and the user did not give kept from the source.
+Result<OutputPlan> PlanOtherFormat(const SourceCheckpoint& src, const ConvertOptions& options, const std::string& to,
+                                   std::vector<std::string>* notes) {
+  RESHARD_RETURN_IF_ERROR(CheckDeepSpeedOnly(options, to));
+  const TargetFormatInfo& target = FindTarget(to)->info;
+  ExportOptions exporting;
+  static_cast<WriteOptions&>(exporting) = options;
+  exporting.to = to;
+  exporting.format_options = options.format_options;
+  exporting.tp = options.target_tp > 0 || !target.tp ? options.target_tp : src.info().tp;
+  exporting.pp = options.target_pp > 0 || !target.pp ? options.target_pp : src.info().pp;
+  exporting.dp = options.target_dp > 0 || !target.dp ? options.target_dp : src.info().dp;
+  if (!options.dry_run) RESHARD_RETURN_IF_ERROR(src.CheckReplicas(options.replicated, notes));
+  return PlanExport(src, exporting, notes);
+}
+
+}  // namespace
+
+const std::vector<TargetFormatInfo>& TargetFormats() {
+  static const std::vector<TargetFormatInfo> infos = [] {
+    std::vector<TargetFormatInfo> out;
+    for (const TargetFormat& t : Targets()) out.push_back(t.info);
+    return out;
+  }();
+  return infos;
+}
+
+Result<OutputPlan> PlanConvert(const SourceCheckpoint& src, const ConvertOptions& options,
+                               std::vector<std::string>* notes) {
+  RESHARD_ASSIGN_OR_RETURN(const std::string to, ConvertTarget(src, options));
+  if (to == kDeepSpeed) return PlanDeepSpeed(src, options, notes);
+  return PlanOtherFormat(src, options, to, notes);
+}
+
+Result<OutputPlan> PlanExport(const SourceCheckpoint& src, const ExportOptions& options,
+                              std::vector<std::string>* notes) {
+  const TargetFormat* target = FindTarget(options.to);
+  if (target == nullptr) {
+    return Status::InvalidInput("unknown export format '" + options.to + "'; " + Hint(options.to, TargetNames()));
+  }
+  RESHARD_ASSIGN_OR_RETURN(ExportOptions checked, CheckedOptions(target->info, options));
+  return target->plan(src, checked, notes);
+}
+
+}  // namespace reshard
