@@ -24,6 +24,16 @@ int ThreadCount(int requested) {
   return std::max(1u, std::thread::hardware_concurrency());
 }
 
+Result<OutputPlan> PlanConversion(const SourceCheckpoint& src, const ConvertOptions& options,
+                                  std::vector<std::string>* notes) {
+  if (options.target_ep > 0 && !src.info().has_experts) {
+    return Status::InvalidInput("--ep sets the expert-parallel size of a DeepSpeed MoE checkpoint, and this " +
+                                src.info().kind + " checkpoint has no experts; leave it out");
+  }
+  RESHARD_RETURN_IF_ERROR(CheckPipelineComputes(src));
+  return src.Plan(options, notes);
+}
+
 Status CheckVocabSize(const SourceCheckpoint& src, std::optional<int64_t> given) {
   if (!given) return Status::Ok();
   const std::string what = "--vocab-size " + std::to_string(*given);

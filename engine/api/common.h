@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "plan/output_plan.h"
 #include "reshard/reshard.h"
 
 namespace reshard {
@@ -21,6 +22,12 @@ int ThreadCount(int requested);
 // rows than its vocabulary tensors hold, or another size than it records
 // (rows past it would be taken for padding, or padding for tokens).
 Status CheckVocabSize(const SourceCheckpoint& src, std::optional<int64_t> given);
+
+// What convert plans for `options`, after every check it makes of the
+// source and the target: what lint runs too (with a dry run), so that lint
+// says ok exactly where convert accepts.
+Result<OutputPlan> PlanConversion(const SourceCheckpoint& src, const ConvertOptions& options,
+                                  std::vector<std::string>* notes);
 
 // Reads every record of every torch.save file (*.pt, *.bin) of `src` and
 // checks it against its CRC-32, then has `torch` (LibTorch's reader; may be

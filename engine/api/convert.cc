@@ -341,15 +341,8 @@ Result<ConvertReport> Convert(const std::string& input, const std::string& outpu
     return Status::InvalidInput("convert needs the target layout: --tp N and --pp N (both >= 1)");
   }
   return WriteCheckpoint(input, output, options,
-                         [&options](const SourceCheckpoint& src, std::vector<std::string>* notes)
-                             -> Result<OutputPlan> {
-                           if (options.target_ep > 0 && !src.info().has_experts) {
-                             return Status::InvalidInput("--ep sets the expert-parallel size of a DeepSpeed "
-                                                         "MoE checkpoint, and this " + src.info().kind +
-                                                         " checkpoint has no experts; leave it out");
-                           }
-                           RESHARD_RETURN_IF_ERROR(CheckPipelineComputes(src));
-                           return src.Plan(options, notes);
+                         [&options](const SourceCheckpoint& src, std::vector<std::string>* notes) {
+                           return PlanConversion(src, options, notes);
                          });
 }
 

@@ -16,22 +16,21 @@ bool LintReport::ok() const {
 
 namespace {
 
-// With a target layout: what convert to it would refuse, found by planning
-// it (which reads metadata only) with the options lint was given.
-void LintTarget(const SourceCheckpoint& src, const LintOptions& options, LintReport* report) {
+// What convert to the target layout (without one, to the source's own)
+// would refuse, found by planning it as convert does (which reads metadata
+// only) with the options lint was given.
+void LintConversion(const SourceCheckpoint& src, const LintOptions& options, LintReport* report) {
   ConvertOptions convert;
   static_cast<PreflightOptions&>(convert) = options;
-  convert.target_tp = options.target_tp;
-  convert.target_pp = options.target_pp;
+  const bool target = options.target_tp > 0;
+  convert.target_tp = target ? options.target_tp : src.info().own_tp;
+  convert.target_pp = target ? options.target_pp : src.info().own_pp;
   convert.target_dp = options.target_dp;
   convert.target_ep = options.target_ep;
   convert.dry_run = true;
-  if (Status computes = CheckPipelineComputes(src); !computes.ok()) {
-    report->findings.push_back({Finding::Severity::kError, computes.message()});
-    return;
-  }
+  if (convert.target_tp < 1) return;  // convert writes nothing from this source
   std::vector<std::string> notes;
-  Result<OutputPlan> plan = src.Plan(convert, &notes);
+  Result<OutputPlan> plan = PlanConversion(src, convert, &notes);
   if (!plan.ok()) report->findings.push_back({Finding::Severity::kError, plan.status().message()});
 }
 
@@ -52,7 +51,7 @@ Result<LintReport> Lint(const std::string& checkpoint, const LintOptions& option
   report.summary = src->info().summary;
   report.findings = src->info().findings;
   src->Lint(options, &report);
-  if (options.target_tp > 0 && report.ok()) LintTarget(*src, options, &report);
+  if (report.ok()) LintConversion(*src, options, &report);
   if (options.deep) {
     // LibTorch's reader reads every file as well: a second, independent
     // reader of the container, which reshard otherwise reads on its own.

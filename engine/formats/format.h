@@ -103,6 +103,10 @@ struct SourceInfo {
   int64_t vocab_rows = 0;              // rows of the vocabulary tensors (0 when none)
   std::optional<int64_t> vocab_size;   // the true vocabulary size, when the checkpoint records it
   bool has_experts = false;            // DeepSpeed MoE: its EP size is what convert --ep sets
+  // The target convert keeps the checkpoint's own layout with (--tp, --pp;
+  // 0 when convert writes nothing from it): lint without a target checks
+  // that conversion, so that it refuses exactly where convert refuses.
+  int own_tp = 0, own_pp = 0;
   // How the source's format laid its optimizer state out, where it names
   // it (torch_dist: "dp_reshardable"): an export to that format keeps it.
   std::string optimizer_layout;

@@ -77,6 +77,8 @@ void DeepSpeedModelSource::SetInfo(std::string kind, std::string summary, bool v
   info_.optimizer_layout = model_->foreign_optimizer_layout;
   info_.format_version = model_->foreign_format_version;
   info_.records_run_state = model_->foreign.empty();
+  info_.own_tp = ckpt().tp;
+  info_.own_pp = ckpt().pp;
   if (!vocab) return;
   info_.vocab_rows = ckpt().vocab.padded_rows;
   info_.vocab_size = ckpt().vocab.original_size;
