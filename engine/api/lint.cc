@@ -50,6 +50,7 @@ Result<LintReport> Lint(const std::string& checkpoint, const LintOptions& option
   LintReport report;
   report.summary = src->info().summary;
   report.findings = src->info().findings;
+  report.notes = src->info().notes;
   src->Lint(options, &report);
   if (report.ok()) LintConversion(*src, options, &report);
   if (options.deep) {

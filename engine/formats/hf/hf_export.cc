@@ -233,6 +233,13 @@ Result<const HfExport*> FamilyExport(const SourceCheckpoint& src, const RuleInpu
   return hf;
 }
 
+Result<std::string> RecordedConfigJson(const HfExport& hf, const RuleInputs& inputs,
+                                       const std::vector<ChosenTensor>& chosen, const std::vector<FullTensor>& all,
+                                       std::vector<std::string>* left_out) {
+  RESHARD_ASSIGN_OR_RETURN(int64_t vocab, VocabRows(chosen, all));
+  return RecordedHfConfigJson(hf, inputs, vocab, FloatingDType(chosen), left_out);
+}
+
 Result<OutputPlan> PlanHf(const SourceCheckpoint& src, const ExportOptions& options,
                                            std::vector<std::string>* notes) {
   const RuleInputs inputs{src.info().metadata, src.info().settings};

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "formats/format.h"
+#include "formats/state_dict.h"
 
 namespace reshard {
 
@@ -24,6 +25,13 @@ namespace reshard {
 Result<const HfExport*> FamilyExport(const SourceCheckpoint& src, const RuleInputs& inputs);
 
 // Plans the folder. `src` must outlive the plan and its jobs.
+// The HF config of the model `chosen` (ChooseTensors' choice of `all`) as
+// far as the checkpoint records it: RecordedHfConfigJson (hf_config.h) with
+// the chosen tensors' vocabulary rows and dtype.
+Result<std::string> RecordedConfigJson(const HfExport& hf, const RuleInputs& inputs,
+                                       const std::vector<ChosenTensor>& chosen, const std::vector<FullTensor>& all,
+                                       std::vector<std::string>* left_out);
+
 Result<OutputPlan> PlanHf(const SourceCheckpoint& src, const ExportOptions& options,
                                            std::vector<std::string>* notes);
 
