@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "plan/output_plan.h"
 #include "reshard/reshard.h"
 
 namespace reshard {

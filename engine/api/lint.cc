@@ -16,9 +16,10 @@ bool LintReport::ok() const {
 
 namespace {
 
-// With a target layout: what convert to it would refuse, found by planning
-// it (which reads metadata only) with the options lint was given.
-void LintTarget(const SourceCheckpoint& src, const LintOptions& options, LintReport* report) {
+// What convert to the target layout (without one, to the source's own)
+// would refuse, found by planning it as convert does (which reads metadata
+// only) with the options lint was given.
+void LintConversion(const SourceCheckpoint& src, const LintOptions& options, LintReport* report) {
   ConvertOptions convert;
   static_cast<PreflightOptions&>(convert) = options;
   convert.to = options.to;
@@ -40,10 +41,13 @@ Result<LintReport> Lint(const std::string& checkpoint, const LintOptions& option
   LintReport report;
   report.summary = src->info().summary;
   report.findings = src->info().findings;
+  report.notes = src->info().notes;
   src->Lint(options, &report);
+  // Without a target, the conversion to the source's own format and layout,
+  // where it records its layout (else convert needs to be told one).
   const bool target = !options.to.empty() || options.target_tp > 0 || options.target_pp > 0 || options.target_dp > 0 ||
                       options.target_ep > 0;
-  if (target && report.ok()) LintTarget(*src, options, &report);
+  if (report.ok() && (target || src->info().tp > 0)) LintConversion(*src, options, &report);
   if (options.deep) {
     // LibTorch's reader reads every file as well: a second, independent
     // reader of the container, which reshard otherwise reads on its own.

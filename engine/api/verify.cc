@@ -250,8 +250,10 @@ Result<VerifyReport> Verify(const std::string& a_path, const std::string& b_path
     }
   }
   VerifyReport report;
-  report.notes.push_back("A: " + a->info().summary);
-  report.notes.push_back("B: " + b->info().summary);
+  for (const auto& [side, src] : {std::pair{"A: ", a.get()}, std::pair{"B: ", b.get()}}) {
+    report.notes.push_back(side + src->info().summary);
+    for (const std::string& note : src->info().notes) report.notes.push_back(side + note);
+  }
   std::atomic<int64_t> read{0};
   RESHARD_ASSIGN_OR_RETURN(std::vector<FullTensor> ta, a->FullTensors(options.replicated, &read));
   RESHARD_ASSIGN_OR_RETURN(std::vector<FullTensor> tb, b->FullTensors(options.replicated, &read));

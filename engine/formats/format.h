@@ -104,6 +104,10 @@ struct SourceInfo {
   int64_t iteration = 0;
   std::string summary;   // one line: kind, layout, iteration, counts
   std::vector<Finding> findings;  // problems found while reading (errors make convert refuse)
+  // What reading chose that the user should know (a value the checkpoint
+  // does not record filled by a default, what no target carries): every
+  // command that reads the checkpoint says them.
+  std::vector<std::string> notes;
   Value metadata;        // what verify compares (scheduler, counters): a dict-like value
   // The rule set that describes the tensors (null for a checkpoint read
   // without rules), and the --set values its rules read beside the metadata.

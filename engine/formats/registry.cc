@@ -115,9 +115,12 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenCheckpoint(const std::string& path
   // family's rules describe, which converts into DeepSpeed's layout.
   if (IsHfFolder(path)) {
     RESHARD_ASSIGN_OR_RETURN(HfImport hf, ReadHfImport(path, options));
-    return Named("hf", MakeImportedSource({std::move(hf.logical), path, std::move(hf.what), std::move(hf.files),
-                                           std::move(hf.notes), std::nullopt, Status::Ok()},
-                                          options));
+    // Whole tensors: an HF folder is saved at TP 1, PP 1, DP 1.
+    return Named("hf",
+                 MakeImportedSource({std::move(hf.logical), path, std::move(hf.what), std::move(hf.files),
+                                     std::move(hf.notes), std::nullopt, Status::Ok()},
+                                    options),
+                 1, 1, 1);
   }
   if (const std::string mlm = MegatronTorchFolder(path); !mlm.empty()) {
     RESHARD_ASSIGN_OR_RETURN(MegatronTorchImport imported, ReadMegatronTorchImport(mlm, options));

@@ -912,12 +912,14 @@ Status Parser::StackGlobal() {
 Status Parser::PushGlobal(std::string module, std::string name) {
   Global g{Py3Module(module), std::move(name)};
   const std::string q = g.Qualified();
-  if (!UseOf(q, options_)) {
+  const std::optional<Use> use = UseOf(q, options_);
+  if (!use) {
     return Status::Unsupported("pickle refers to class '" + q +
                                "', which reshard does not know; reshard never runs code from "
                                "checkpoints. Pass --allow-class " +
-                               q + " to carry it through unchanged");
+                               q + " to read it");
   }
+  g.trusted_only = *use == Use::kUser || *use == Use::kInert;
   Push(NewLeaf(Value::MakeGlobal(std::move(g))));
   return Status::Ok();
 }
@@ -1153,7 +1155,7 @@ Status Parser::Refuse(const std::string& what, const std::string& allow) const {
   std::string message = "pickle " + what +
                         "; reshard never executes pickled code and refuses calls that could run "
                         "code when the file is loaded";
-  if (!allow.empty()) message += ". Pass --allow-class " + allow + " to carry it through unchanged";
+  if (!allow.empty()) message += ". Pass --allow-class " + allow + " to read it";
   return Status::Unsupported(message);
 }
 

@@ -63,7 +63,8 @@ struct PickleReadOptions {
   // &DeepSpeedKnownClasses(); not owned, must outlive the reader.
   const KnownClasses* known_classes = nullptr;
   // Classes the user allows (--allow-class "module.name"): any call of them
-  // is carried through unchanged, on the user's word. They override a
+  // is read as an opaque Object, on the user's word, its Global marked
+  // trusted_only, which no writer writes (CheckWritable). They override a
   // format's class of the same name, never a generic one. "module.Enum.member"
   // allows getattr(module.Enum, 'member') for a member of a format's enum
   // that KnownClass::members does not list.

@@ -262,9 +262,65 @@ class Writer {
   std::map<const Storage*, std::string> keys_;
 };
 
+// `where` and one step further into it, for messages: "args.gizmo", "[3]".
+std::string Into(const std::string& where, const Value& key) {
+  if (!key.is(Value::Kind::kString)) return where + "[" + key.DebugString(40) + "]";
+  return where.empty() ? key.as_string() : where + "." + key.as_string();
+}
+
+// The first class taken on trust in `v` (at `where`): its refusal.
+Status FirstTrustedOnly(const Value& v, const std::string& where);
+
+Status EachWritable(const std::vector<Value>& items, const std::string& where) {
+  for (size_t i = 0; i < items.size(); ++i) {
+    RESHARD_RETURN_IF_ERROR(FirstTrustedOnly(items[i], where + "[" + std::to_string(i) + "]"));
+  }
+  return Status::Ok();
+}
+
+Status EachWritable(const Items& items, const std::string& where) {
+  for (const auto& [key, value] : items) {
+    RESHARD_RETURN_IF_ERROR(FirstTrustedOnly(key, where));
+    RESHARD_RETURN_IF_ERROR(FirstTrustedOnly(value, Into(where, key)));
+  }
+  return Status::Ok();
+}
+
+Status Refuse(const Global& g, const std::string& where) {
+  return Status::Unsupported((where.empty() ? std::string("the value") : where) + " is " + g.Qualified() +
+                             ", which --allow-class let reshard read; reshard writes no call it does not know to "
+                             "be data, as torch.load of the output would make it. Remove it from the checkpoint, "
+                             "or export --to hf or consolidated, which keep no pickled metadata");
+}
+
+Status FirstTrustedOnly(const Value& v, const std::string& where) {
+  switch (v.kind()) {
+    case Value::Kind::kList: return EachWritable(v.as_list().items, where);
+    case Value::Kind::kTuple: return EachWritable(v.as_tuple().items, where);
+    case Value::Kind::kSet: return EachWritable(v.as_set().items, where);
+    case Value::Kind::kFrozenSet: return EachWritable(v.as_frozenset().items, where);
+    case Value::Kind::kDict: return EachWritable(v.as_dict().items, where);
+    case Value::Kind::kGlobal: return v.as_global().trusted_only ? Refuse(v.as_global(), where) : Status::Ok();
+    case Value::Kind::kTensor: return EachWritable(v.as_tensor().extra_args, where);
+    case Value::Kind::kObject: {
+      const Object& o = v.as_object();
+      if (o.cls.trusted_only) return Refuse(o.cls, where);
+      RESHARD_RETURN_IF_ERROR(EachWritable(o.args, where));
+      RESHARD_RETURN_IF_ERROR(EachWritable(o.dict_items, where));
+      RESHARD_RETURN_IF_ERROR(EachWritable(o.list_items, where));
+      // A record's state dict names its attributes ("args.gizmo").
+      return o.state ? FirstTrustedOnly(*o.state, where) : Status::Ok();
+    }
+    default: return Status::Ok();
+  }
+}
+
 }  // namespace
 
+Status CheckWritable(const Value& root) { return FirstTrustedOnly(root, ""); }
+
 Result<std::string> WritePickle(const Value& root, const StorageSink& sink) {
+  RESHARD_RETURN_IF_ERROR(CheckWritable(root));
   Writer writer(sink);
   return writer.Run(root);
 }

@@ -20,7 +20,15 @@ namespace reshard {
 // Receives every distinct storage once, with the key the pickle refers to it by.
 using StorageSink = std::function<Status(const std::string& key, const Storage& storage)>;
 
-// Serialises `root`. Storages shared between tensors are emitted once.
+// Refuses a tree holding a class the reader took only on trust
+// (Global::trusted_only: one --allow-class let it read, an inert record):
+// torch.load of the output would make its call, and reshard passes on no
+// call it does not know to be data. The error names the class and where it
+// lies in the tree ("args.gizmo").
+Status CheckWritable(const Value& root);
+
+// Serialises `root` (CheckWritable first). Storages shared between tensors
+// are emitted once.
 Result<std::string> WritePickle(const Value& root, const StorageSink& sink);
 
 }  // namespace reshard

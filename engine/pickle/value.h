@@ -55,6 +55,10 @@ struct Storage {
 struct Global {
   std::string module;
   std::string name;
+  // Read only on trust: the reader took it without knowing its call to be
+  // data (a class the user allowed, an inert record). reshard reads such a
+  // value and never writes one (CheckWritable, pickle_writer.h).
+  bool trusted_only = false;
   std::string Qualified() const { return module + "." + name; }
   bool Is(const char* m, const char* n) const { return module == m && name == n; }
   bool operator==(const Global& o) const { return module == o.module && name == o.name; }

@@ -4,6 +4,7 @@
 
 #include "container/torch_file.h"
 #include "pickle/dtype.h"
+#include "pickle/pickle_writer.h"
 #include "util/human.h"
 #include "util/strings.h"
 
@@ -79,9 +80,15 @@ std::string TensorLine(const PlannedTensor& t) {
          "\n";
 }
 
+// Refuses now, while planning, a tree the writer would refuse (CheckWritable).
+Status CheckWritableTree(const std::string& name, const Value& tree) {
+  return CheckWritable(tree).WithContext(name);
+}
+
 }  // namespace
 
 Result<PlannedFile> TorchFile(std::string name, std::string what, Value tree) {
+  RESHARD_RETURN_IF_ERROR(CheckWritableTree(name, tree));
   PlannedFile f;
   f.name = std::move(name);
   f.what = std::move(what);
@@ -93,6 +100,7 @@ Result<PlannedFile> TorchFile(std::string name, std::string what, Value tree) {
 
 Result<PlannedFile> TorchFile(std::string name, std::string what, std::function<Result<Value>()> make) {
   RESHARD_ASSIGN_OR_RETURN(Value sized, make());
+  RESHARD_RETURN_IF_ERROR(CheckWritableTree(name, sized));
   PlannedFile f;
   f.name = std::move(name);
   f.what = std::move(what);

@@ -17,7 +17,9 @@ layouts (TP 1/2/3/4, PP 1/2, padded vocabularies). Two independent oracles:
   k/v or gate/up, reorder QKV, change the activation, the norm epsilon, the rotary base, the
   ALiBi slopes or the residual in a copy and must move the logits by more than 1e-6.
 
-Also: config.json fields; shards with an index and {"format": "pt"}; --tokenizer copies only
+Also: a Llama through torchtitan and back (its config recorded beside the torchtitan checkpoint,
+read back with no --set; without the record, every command names torchtitan's defaults in one
+note); config.json fields; shards with an index and {"format": "pt"}; --tokenizer copies only
 tokenizer files; replicated drift under --replicated; refusals (a family without an HF
 architecture, a value the checkpoint does not record, a condition the architecture needs)
 exit 2 and write nothing.
@@ -500,6 +502,41 @@ class ExportHfTest(FixtureTestCase):
         self.export(tag, out, '--dtype', 'fp32')
         tensors, config = read_folder(out)
         self.assertSameTensors(tensors, {n: t.to(torch.bfloat16) for n, t in want.items()}, torch.float32)
+
+    # -- through torchtitan, which records no model config ------------------------------------------
+
+    def test_llama_through_torchtitan_keeps_its_config(self):
+        """HF -> torchtitan -> HF: torchtitan keeps its model config outside the checkpoint, so the
+        export records it in step-N/reshard-model.json and the torchtitan reader reads it back: the
+        second HF export needs no --set, its config.json is the first's (rope_theta 10000,
+        max_position_embeddings 32, where torchtitan's defaults are 500000.0 and 131072) and its
+        logits the Megatron source's. Without the record every command names the defaults it fills,
+        in one note."""
+        _, _, config, megatron = self.exported('llama', LLAMA, 1, 1)
+        tt = self.path('tt')
+        p = run('export', self.path('llama_hf'), tt, '--to', 'torchtitan', '--dp-shard', 2)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        step = os.path.join(tt, 'step-0')
+        self.assertEqual(sorted(os.listdir(step)), ['.metadata', '__0_0.distcp', '__1_0.distcp', 'reshard-model.json'])
+        back = self.path('back')
+        p = self.export(step, back)
+        self.assertNotIn("torchtitan's defaults", p.stdout)
+        tensors, got = read_folder(back)
+        self.assertEqual(got, config)
+        self.assertLogitsClose(hf_llama_logits(tensors, got, TOKENS), megatron)
+        os.remove(os.path.join(step, 'reshard-model.json'))
+        heads = ('--set', f'num_attention_heads={LLAMA["n"]}')
+        for args in (['export', step, self.path('defaulted'), '--to', 'hf', *heads],
+                     ['convert', step, self.path('converted', 'global_step0'), '--tp', 1, '--pp', 1, *heads],
+                     ['lint', step, *heads], ['inspect', step, *heads]):
+            with self.subTest(command=args[0]):
+                p = run(*args)
+                self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+                notes = [line for line in p.stdout.splitlines() if "torchtitan's defaults" in line]
+                self.assertEqual(len(notes), 1, p.stdout)
+                self.assertIn('rope_theta 500000.0', notes[0])
+                self.assertIn('max_position_embeddings 131072', notes[0])
+        self.assertEqual(read_folder(self.path('defaulted'))[1]['rope_theta'], 500000.0)
 
     # -- BLOOM ------------------------------------------------------------------------------------
 

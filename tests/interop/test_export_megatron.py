@@ -18,7 +18,8 @@ every file reshard wrote, loaded with real PyTorch, tensor by tensor and bit for
   module (a subprocess), the layout fields rewritten, BigScience's PositionEmbeddingType made a
   Megatron-LM string, tensors in args dropped, and every field NVIDIA Megatron-LM 0.17's
   --use-checkpoint-args reads of the type and spelling it accepts (megatron_lm_problems, rules
-  derived from its load_args_from_checkpoint, validate_args and legacy model);
+  derived from its load_args_from_checkpoint, validate_args and legacy model), num_query_groups
+  also where the source's args already say group_query_attention;
 * families bs_bloom, bs_gpt (rotary; GLU), ms_gpt2, ms_llama (GQA); sources at TP 1-2, PP 1-2
   and a universal checkpoint; targets TP 1, 2, 4 and PP 1, 2; the weights (bf16) and
   `--from masters` (fp32);
@@ -450,6 +451,21 @@ class ExportMegatronTest(FixtureTestCase):
             changed[name] = got[name].clone()
             changed[name][0, 0] += 1
             self.assertEqual(tensor_differences(changed, right), [f'{name}: values differ'])
+
+    def test_args_that_already_say_group_query_attention(self):
+        """A GQA source whose args record Megatron-LM's group_query_attention beside the fork's
+        num_key_value_heads (and no num_query_groups): the written args hold the groups the
+        weights were cut with, and the flags name them."""
+        cfg, src = self.source('ms_llama', 1, 1)
+        for mp in range(cfg.tp * cfg.pp):
+            rewrite(support.mp_file(src, mp), lambda sd: setattr(sd['args'], 'group_query_attention', True))
+        out = self.path('gqa')
+        p = self.export(src, out, '--tp', 2, '--pp', 1)
+        self.assertIn(f'--group-query-attention --num-query-groups {cfg.nkv} ', p.stdout)
+        self.assertNotIn('--num-query-groups 0', p.stdout)
+        args = self.check_export(cfg, out, 2, 1)[(0, 0)]['args']
+        self.assertTrue(args.group_query_attention)
+        self.assertEqual(args.num_query_groups, cfg.nkv)
 
     def test_args_tensors_are_dropped(self):
         """Microsoft's args may hold (CUDA) tensors: dropped, with a note naming them."""

@@ -267,7 +267,7 @@ class ExportTorchtitanTest(FixtureTestCase):
                 out = self.path(f'{os.path.basename(hf_src)}_tt{dp}x{tp}')
                 self.export(save, out, dp, '--tp', tp, *HEADS)
                 self.assertEqual(sorted(os.listdir(os.path.join(out, 'step-1'))),
-                                 ['.metadata'] + [f'__{r}_0.distcp' for r in range(dp * tp)])
+                                 ['.metadata'] + [f'__{r}_0.distcp' for r in range(dp * tp)] + ['reshard-model.json'])
                 got = dcp_tensors(os.path.join(out, 'step-1'))
                 ranks = chunk_ranks(os.path.join(out, 'step-1'))
                 self.assertEqual(sorted(got), sorted(want))

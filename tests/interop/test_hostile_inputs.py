@@ -8,7 +8,10 @@ inconsistency as an error finding (exit 1):
   * pickles whose allowed calls compose into ``eval`` when torch.load replays them
     (``getattr`` of a function's ``__globals__``; ``_rebuild_from_type_v2`` calling what it is
     handed), placed in the mp_rank files' ``args``; the payload would create a file, which must
-    never appear;
+    never appear; and a call of ``os.system`` that ``--allow-class`` lets reshard read, which no
+    command writes (convert refuses it by name, lint with the same line; export --to megatron
+    drops it, and what it and an export keeping no pickled metadata write loads in torch without
+    running it);
   * a storage declaring 2**62 + 16 float32 elements over a 64-byte record (the byte count wraps
     to 64 in 64 bits), and one whose record is shorter than its elements;
   * counts in ``args`` that would be allocated (``num_layers`` = 2**62) or whose product wraps
@@ -47,7 +50,7 @@ import torch
 
 import interop_support as support
 from interop_support import layer_file, mp_file, rewrite
-from test_cli_errors import ReshardTestCase
+from test_cli_errors import SYSTEM, ReshardTestCase, _RunsSystem
 import test_export_hf as hf
 import test_import_hf as hf_import
 
@@ -167,6 +170,44 @@ class PickleGadgetTests(HostileTestCase):
                           'pickle calls torch._tensor._rebuild_from_type_v2(builtins.getattr, '
                           'torch.Tensor, (...), None), which reshard accepts only as '
                           '_rebuild_from_type_v2(torch._utils._rebuild_tensor_v2, torch.Tensor')
+
+    def test_an_allowed_class_is_read_and_never_written(self):
+        """--allow-class lets reshard read a call of posix.system in args, never write it: convert
+        refuses, naming the class and its place, and lint says the same line; export --to megatron,
+        which keeps only what Megatron-LM can unpickle, drops it (a note names it), and what that and
+        an export keeping no pickled metadata write loads in torch without running the call."""
+        tag = self.bloom()
+        pwned = self.path('pwned')
+
+        def add(sd):
+            sd['args'].evil = _RunsSystem(f'touch {pwned}')
+        for mp in range(4):
+            rewrite(mp_file(tag, mp), add)
+        allow = ['--allow-class', SYSTEM]
+        refusal = (f'args.evil is {SYSTEM}, which --allow-class let reshard read; reshard writes no call it '
+                   'does not know to be data')
+        out = self.path('out', 'global_step10')
+        line = self.assertRefused(['convert', tag, out, '--tp', 1, '--pp', 1, *allow],
+                                  ['mp_rank_00_model_states.pt', refusal], watch=[self.path('src')], out=out)
+        lint = support.reshard('lint', tag, *allow)
+        self.assertEqual(lint.returncode, 1, lint.stdout + lint.stderr)
+        self.assertIn('error: ' + line[len('reshard: error: '):], lint.stdout.splitlines())
+        loaded = 0
+        for to, extra, note in (('megatron', ['--tp', 1, '--pp', 1], 'evil'),
+                                ('consolidated', ['--format', 'pt'], None)):
+            written = self.path(to)
+            p = support.reshard('export', tag, written, '--to', to, *extra, *allow)
+            self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+            if note:
+                self.assertIn(f"dropped 1 field(s) NVIDIA Megatron-LM cannot unpickle or rebuilds itself "
+                              f"(tensors, fork-only classes): {note}", p.stdout)
+            for folder, _, names in os.walk(written):
+                for name in names:
+                    if name.endswith('.bin') or name.endswith('.pt'):
+                        torch.load(os.path.join(folder, name), weights_only=False)
+                        loaded += 1
+        self.assertGreater(loaded, 1)
+        self.assertFalse(os.path.exists(pwned), 'a file reshard wrote ran code when torch.load read it')
 
     def test_the_fixtures_enum_members_still_load(self):
         # The same files without a gadget: args.position_embedding_type is

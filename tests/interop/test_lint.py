@@ -24,6 +24,7 @@ from fixtures import megatron_fixture as mf
 from fixtures.megatron_fixture import FixtureConfig
 
 import interop_support as support
+import test_import_hf as hf_import
 from interop_support import FixtureTestCase, layer_file, make_fixture, rewrite
 
 RULES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), 'rules')
@@ -261,6 +262,68 @@ class FindingTests(LintTestCase):
         p = run('lint', tag, '--rules', 'no-such-set')
         self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
         self.assertIn("unknown rule set 'no-such-set'", p.stderr)
+
+
+# ---------------------------------------------------------------------------------------------
+# lint refuses exactly where convert refuses
+# ---------------------------------------------------------------------------------------------
+
+class LintConvertAgreementTests(LintTestCase):
+    """Without a target lint checks the conversion to the source's own layout, as convert plans it:
+    where convert refuses, lint says convert's line as its error, and where the fix is
+    --weights-only the line says so."""
+
+    def assertSameRefusal(self, tag, *options, own=('--tp', 2, '--pp', 2)):
+        """convert to the source's layout refuses; lint (no target) errs with the same line. Returns it."""
+        out = self.path(f'out{len(os.listdir(self.tmp))}', 'global_step10')
+        convert = run('convert', tag, out, *own, *options)
+        self.assertEqual(convert.returncode, 2, convert.stdout + convert.stderr)
+        self.assertFalse(os.path.exists(out))
+        line = convert.stderr.strip()
+        self.assertTrue(line.startswith('reshard: error: '), line)
+        line = line[len('reshard: error: '):]
+        p = self.lint(tag, *options, code=1)
+        self.assertEqual(lines_with('error:', p.stdout), ['error: ' + line], p.stdout)
+        return line
+
+    def test_a_block_parameter_the_optimizer_shards_lack(self):
+        # A q norm in every block's layer files, which a rule set explains, but no optimizer shard holds.
+        tag = make_fixture(self.path('src'), style='bs_bloom', tp=2, pp=2, dp=1, optimizer='bf16_zero')
+        for layer in range(3, 7):
+            for t in range(2):
+                rewrite(layer_file(tag, layer, t),
+                        lambda sd: sd.__setitem__('self_attention.q_norm.weight', torch.ones(4, dtype=torch.bfloat16)))
+        with open(os.path.join(RULES_DIR, 'bigscience-bloom.yaml')) as f:
+            text = f.read()
+        block = "  block:\n"
+        self.assertIn(block, text)
+        rules = self.path('bloom-qnorm.yaml')
+        with open(rules, 'w') as f:
+            f.write(text.replace('name: bigscience-bloom', 'name: bloom-qnorm').replace(
+                block, block + "    - key: 'self_attention\\.q_norm\\.weight'\n"
+                               "      name: 'layers.{block}.self_attention.q_norm.weight'\n"
+                               "      replicated: true\n", 1))
+        line = self.assertSameRefusal(tag, '--rules', rules)
+        self.assertIn('has no optimizer state in the source shards', line)
+        self.assertIn('pass --weights-only', line)
+        # And what the line says is the fix: both accept it.
+        p = self.lint(tag, '--rules', rules, '--weights-only', code=0)
+        self.assertVerdict(p, True, 'bloom-qnorm')
+        out = self.path('weights', 'global_step10')
+        p = run('convert', tag, out, '--tp', 2, '--pp', 2, '--rules', rules, '--weights-only', '-q')
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+
+    def test_a_vocabulary_divisor_convert_refuses(self):
+        # An HF folder records no divisor: convert to its layout (TP 1, PP 1) pads the vocabulary by --set's.
+        canon = hf_import.mf.canonical_tensors(hf_import.mf.FixtureConfig(**support.FAMILIES['ms_gpt2']))
+        folder = self.path('hf')
+        hf_import.write_folder(folder, {k: v.to(torch.bfloat16) for k, v in hf_import.EXPECTED['ms_gpt2'](canon).items()},
+                               dict(hf_import.CONFIGS['ms_gpt2']))
+        for divisor in (0, -128):
+            with self.subTest(divisor=divisor):
+                line = self.assertSameRefusal(folder, '--set', f'make_vocab_size_divisible_by={divisor}',
+                                              own=('--tp', 1, '--pp', 1))
+                self.assertIn(f'make_vocab_size_divisible_by, which is {divisor}', line)
 
 
 # ---------------------------------------------------------------------------------------------

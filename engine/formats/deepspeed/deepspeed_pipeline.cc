@@ -138,7 +138,6 @@ class PipelineSource : public DeepSpeedModelSource {
   Result<OutputPlan> Plan(const ConvertOptions& options, std::vector<std::string>* notes) const override {
     RESHARD_RETURN_IF_ERROR(CheckValuesGiven(ckpt(), options.target_tp, options.vocab_size));
     RESHARD_RETURN_IF_ERROR(ckpt().FirstError());
-    notes->insert(notes->end(), model_->foreign_notes.begin(), model_->foreign_notes.end());
     const SourceOptimizer* opt = nullptr;
     if (HasOptimizerState()) {
       if (options.weights_only) {

@@ -71,6 +71,7 @@ void DeepSpeedModelSource::SetInfo(std::string kind, std::string summary, bool v
   info_.iteration = ckpt().iteration;
   info_.summary = std::move(summary);
   info_.findings = ckpt().findings;
+  info_.notes = model_->foreign_notes;
   info_.metadata = ckpt().metadata[0];
   info_.rules = ckpt().rules;
   info_.settings = ckpt().settings;

@@ -24,6 +24,8 @@ class Zero3Source : public SourceCheckpoint {
     info_.iteration = ckpt_->iteration();
     info_.summary = ckpt_->Summary();
     info_.metadata = ckpt_->ranks()[0].model_states[0];
+    info_.tp = ckpt_->mp();
+    info_.pp = 1;
   }
 
   // Loading checked every partition and sub-group against param_shapes.

@@ -193,23 +193,6 @@ Result<TensorChoiceOptions> ChoiceOptions(const ExportOptions& options, const st
   return choice;
 }
 
-// config.json's vocab_size: the rows of the (stripped) vocabulary tensors.
-Result<int64_t> VocabRows(const std::vector<ChosenTensor>& chosen, const std::vector<FullTensor>& all) {
-  for (const ChosenTensor& t : chosen) {
-    if (all[t.source].vocab) return t.shape[0];
-  }
-  return Status::Unsupported("the checkpoint has no vocabulary tensor, so config.json has no vocab_size");
-}
-
-// config.json's torch_dtype: the dtype of the floating tensors (the first,
-// as stored or cast; they are alike unless a buffer keeps another).
-DType FloatingDType(const std::vector<ChosenTensor>& chosen) {
-  for (const ChosenTensor& t : chosen) {
-    if (IsFloatingPoint(t.dtype)) return t.dtype;
-  }
-  return DType::kFloat32;
-}
-
 Result<OutputPlan> PlanHf(const SourceCheckpoint& src, const ExportOptions& options, std::vector<std::string>* notes) {
   const RuleInputs inputs{src.info().metadata, src.info().settings};
   RESHARD_ASSIGN_OR_RETURN(const HfExport* hf, FamilyExport(src, inputs));

@@ -104,6 +104,46 @@ Result<Value> HfConfigValue(const HfConfigField& field, const RuleInputs& inputs
                               (first.rfind("args.", 0) == 0 ? first.substr(5) : first) + "=VALUE");
 }
 
+namespace {
+
+// The rule file's fields, each as JSON text, into `fields`. Without
+// `left_out`, a field the checkpoint does not record is an error; with it,
+// it is left out and named there.
+Status PutRuleFields(const HfExport& hf, const RuleInputs& inputs, std::vector<std::pair<std::string, std::string>>* fields,
+                     std::vector<std::string>* left_out) {
+  for (const HfConfigField& field : hf.config) {
+    Result<std::string> text = [&]() -> Result<std::string> {
+      RESHARD_ASSIGN_OR_RETURN(Value value, HfConfigValue(field, inputs));
+      // Only a case's mapping (rope_scaling) is a container.
+      return Json(value, "config.json " + field.key, !field.cases.empty());
+    }();
+    if (!text.ok() && left_out == nullptr) return text.status();
+    if (!text.ok()) {
+      left_out->push_back(field.key);
+      continue;
+    }
+    Put(fields, field.key, std::move(*text));
+  }
+  return Status::Ok();
+}
+
+std::string JsonObject(const std::vector<std::pair<std::string, std::string>>& fields) {
+  std::string json;
+  for (const auto& [key, text] : fields) json += (json.empty() ? "{\n  " : ",\n  ") + JsonString(key) + ": " + text;
+  return json + "\n}\n";
+}
+
+}  // namespace
+
+Result<std::string> RecordedHfConfigJson(const HfExport& hf, const RuleInputs& inputs, int64_t vocab_size,
+                                         DType dtype, std::vector<std::string>* left_out) {
+  std::vector<std::pair<std::string, std::string>> fields = {{"architectures", "[" + JsonString(hf.architecture) + "]"}};
+  RESHARD_RETURN_IF_ERROR(PutRuleFields(hf, inputs, &fields, left_out));
+  Put(&fields, "vocab_size", std::to_string(vocab_size));
+  Put(&fields, "torch_dtype", JsonString(DTypeName(dtype)));
+  return JsonObject(fields);
+}
+
 Result<std::string> HfConfigJson(const HfExport& hf, const RuleInputs& inputs, int64_t vocab_size, DType dtype,
                                  const HfConfigExtras& extras) {
   // The source's fields first, in its order, so that the ones written below
@@ -117,12 +157,7 @@ Result<std::string> HfConfigJson(const HfExport& hf, const RuleInputs& inputs, i
     }
   }
   Put(&fields, "architectures", "[" + JsonString(hf.architecture) + "]");
-  for (const HfConfigField& field : hf.config) {
-    RESHARD_ASSIGN_OR_RETURN(Value value, HfConfigValue(field, inputs));
-    // Only a case's mapping (rope_scaling) is a container.
-    RESHARD_ASSIGN_OR_RETURN(std::string text, Json(value, "config.json " + field.key, !field.cases.empty()));
-    Put(&fields, field.key, std::move(text));
-  }
+  RESHARD_RETURN_IF_ERROR(PutRuleFields(hf, inputs, &fields, nullptr));
   Put(&fields, "vocab_size", std::to_string(vocab_size));
   Put(&fields, "torch_dtype", JsonString(DTypeName(dtype)));
   for (const auto& [key, id] : extras.token_ids) {
@@ -130,9 +165,7 @@ Result<std::string> HfConfigJson(const HfExport& hf, const RuleInputs& inputs, i
       fields.emplace_back(key, std::to_string(id));
     }
   }
-  std::string json;
-  for (const auto& [key, text] : fields) json += (json.empty() ? "{\n  " : ",\n  ") + JsonString(key) + ": " + text;
-  return json + "\n}\n";
+  return JsonObject(fields);
 }
 
 }  // namespace reshard

@@ -38,4 +38,11 @@ struct HfConfigExtras {
 Result<std::string> HfConfigJson(const HfExport& hf, const RuleInputs& inputs, int64_t vocab_size, DType dtype,
                                  const HfConfigExtras& extras = {});
 
+// HfConfigJson without extras, each rule-file field the checkpoint does not
+// record left out instead of asked for (`left_out` learns their keys): what
+// an export that keeps the model's config beside files of its own records
+// (torchtitan_export.h's reshard-model.json).
+Result<std::string> RecordedHfConfigJson(const HfExport& hf, const RuleInputs& inputs, int64_t vocab_size,
+                                         DType dtype, std::vector<std::string>* left_out);
+
 }  // namespace reshard

@@ -1,5 +1,6 @@
 #include "formats/hf_common/hf_mapping.h"
 
+#include "formats/hf_common/hf_config.h"
 #include "logical/settings.h"
 
 namespace reshard {
@@ -23,6 +24,27 @@ Result<const HfExport*> FamilyExport(const SourceCheckpoint& src, const RuleInpu
                                "training value with --set; else export --to consolidated");
   }
   return hf;
+}
+
+Result<int64_t> VocabRows(const std::vector<ChosenTensor>& chosen, const std::vector<FullTensor>& all) {
+  for (const ChosenTensor& t : chosen) {
+    if (all[t.source].vocab) return t.shape[0];
+  }
+  return Status::Unsupported("the checkpoint has no vocabulary tensor, so config.json has no vocab_size");
+}
+
+DType FloatingDType(const std::vector<ChosenTensor>& chosen) {
+  for (const ChosenTensor& t : chosen) {
+    if (IsFloatingPoint(t.dtype)) return t.dtype;
+  }
+  return DType::kFloat32;
+}
+
+Result<std::string> RecordedConfigJson(const HfExport& hf, const RuleInputs& inputs,
+                                       const std::vector<ChosenTensor>& chosen, const std::vector<FullTensor>& all,
+                                       std::vector<std::string>* left_out) {
+  RESHARD_ASSIGN_OR_RETURN(int64_t vocab, VocabRows(chosen, all));
+  return RecordedHfConfigJson(hf, inputs, vocab, FloatingDType(chosen), left_out);
 }
 
 }  // namespace reshard

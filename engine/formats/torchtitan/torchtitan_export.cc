@@ -496,13 +496,17 @@ Result<OutputPlan> PlanTorchtitan(const SourceCheckpoint& src, const ExportOptio
   for (const PlannedFile& f : out.files) data.push_back(&f);
   RESHARD_ASSIGN_OR_RETURN(PlannedFile metadata, DcpMetadataFile(folder, data));
   out.files.push_back(std::move(metadata));
+  std::vector<std::string> left_out;
+  RESHARD_ASSIGN_OR_RETURN(std::string model, RecordedConfigJson(*hf, inputs, params, all, &left_out));
+  out.files.push_back(TextFile(folder + "/" + kTorchtitanModelFile, std::move(model)));
   out.summary = "torchtitan: " + MeshSummary(mesh) + ", step " +
                 std::to_string(src.info().iteration) + "; " + Count(static_cast<int64_t>(keys.size()), "model tensor") +
                 (optimizer ? "; AdamW state (exp_avg, exp_avg_sq, step, param_groups)" : "; weights only") + "\n";
   notes->push_back("torchtitan: no train_state, lr_scheduler or dataloader items: load with "
                    "--checkpoint.exclude_from_loading train_state,lr_scheduler,dataloader (they start afresh); "
-                   "the model config is not recorded: run torchtitan with the source's (export --to hf's "
-                   "config.json gives it)");
+                   "torchtitan keeps the model config in its run's args: run it with the source's, which " +
+                   folder + "/" + kTorchtitanModelFile + " records for reshard as config.json fields" +
+                   (left_out.empty() ? "" : " (but " + Join(left_out, ", ") + ", which the source does not record)"));
   return out;
 }
 

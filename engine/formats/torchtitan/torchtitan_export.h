@@ -6,6 +6,9 @@
 //
 //   OUT/step-<iteration>/.metadata           the index of every item
 //   OUT/step-<iteration>/__<rank>_0.distcp   rank 0 .. N T - 1, as FileSystemWriter names them
+//   OUT/step-<iteration>/reshard-model.json  the model config as HF config.json fields (the
+//                                            ones the source records), which torchtitan keeps
+//                                            in its run's args and reshard reads back
 //
 // The model is the HF export's tensors (hf_tensors.h, MapHfTensors) under
 // the section's keys (the first of each entry), the q/k rows of each head

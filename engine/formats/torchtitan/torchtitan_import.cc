@@ -1,10 +1,12 @@
 #include "formats/torchtitan/torchtitan_import.h"
 
 #include <algorithm>
+#include <filesystem>
 #include <memory>
 #include <regex>
 #include <set>
 
+#include "formats/hf_common/hf_folder.h"
 #include "formats/hf_common/hf_import.h"
 #include "formats/hf_common/hf_tensors.h"
 #include "logical/settings.h"
@@ -93,10 +95,13 @@ class Reader {
     HfFolder folder;
     folder.dir = dcp_.folder;
     folder.files = dcp_.files;
-    folder.config_label = "the torchtitan checkpoint " + dcp_.folder + " (which records no model config)";
+    RESHARD_ASSIGN_OR_RETURN(std::optional<Value> recorded, RecordedConfig());
+    if (recorded) folder.files.push_back(RecordedConfigPath());
+    folder.config_label = recorded ? RecordedConfigPath()
+                                   : "the torchtitan checkpoint " + dcp_.folder + " (which records no model config)";
     folder.config_fix = "give it with";
     folder.tensors_label = "the torchtitan checkpoint";
-    RESHARD_ASSIGN_OR_RETURN(folder.config, Config());
+    RESHARD_ASSIGN_OR_RETURN(folder.config, Config(recorded ? std::move(*recorded) : Value::MakeDict()));
     RESHARD_RETURN_IF_ERROR(AddTensors("", &folder));
     RESHARD_ASSIGN_OR_RETURN(HfImport hf, ImportHfModel(folder, rules_, options_));
     TorchtitanImport out;
@@ -111,7 +116,7 @@ class Reader {
     } else {
       out.optimizer_status = optimizer.status();
     }
-    out.files = dcp_.files;
+    out.files = folder.files;
     out.what = "torchtitan checkpoint (rule set " + rules_.name() + ": " + rules_.hf()->architecture +
                " under torchtitan's keys; " + std::to_string(dcp_.tensors.size()) + " tensors)";
     return out;
@@ -187,14 +192,36 @@ class Reader {
     return nullptr;
   }
 
-  // config.json as the section derives it. A size whose terms are unknown
-  // is left out: the HF import then names the --set that gives it.
-  Result<Value> Config() {
-    Value config = Value::MakeDict();
+  std::string RecordedConfigPath() const { return dcp_.folder + "/" + kTorchtitanModelFile; }
+
+  // The config export --to torchtitan recorded beside `.metadata`; none in
+  // a folder torchtitan saved.
+  Result<std::optional<Value>> RecordedConfig() const {
+    std::error_code ec;
+    if (std::filesystem::symlink_status(RecordedConfigPath(), ec).type() == std::filesystem::file_type::not_found) {
+      return std::optional<Value>();
+    }
+    RESHARD_ASSIGN_OR_RETURN(Value config, ReadJsonFile(RecordedConfigPath()));
+    if (!config.is(Value::Kind::kDict)) {
+      return Status::InvalidInput(RecordedConfigPath() + " does not hold a JSON object of config.json fields; "
+                                  "restore the file export --to torchtitan wrote, or remove it and give the "
+                                  "model's config with --set");
+    }
+    return std::optional<Value>(std::move(config));
+  }
+
+  // config.json: the fields `recorded` gives (the export's record), then
+  // those --set gives, then the section's: a size derived from the tensors,
+  // or torchtitan's default, named in a note. A size whose terms are
+  // unknown is left out: the HF import then names the --set that gives it.
+  Result<Value> Config(Value recorded) {
+    Value config = std::move(recorded);
     Set(config, "architectures", Value::MakeList({Value::String(rules_.hf()->architecture)}));
-    // What --set gives is the run's config, recorded as config.json would.
+    // What --set gives is the run's config, recorded as config.json would;
+    // where the record says otherwise, the import refuses the contradiction.
     for (const HfConfigField& f : rules_.hf()->config) {
-      if (const Value* v = GivenBySet(f.key)) Set(config, f.key, *v);
+      const Value* v = GivenBySet(f.key);
+      if (v != nullptr && Find(config, f.key) == nullptr) Set(config, f.key, *v);
     }
     std::vector<std::string> defaults;
     for (const auto& [key, text] : layout_.config) {

@@ -9,10 +9,11 @@
 // projections' rows of each head in interleaved rotary pairs: the section
 // renames each key and reorders those rows (runs of the chunks' bytes,
 // nothing copied), and the HF import (hf_import.h) joins the HF tensors
-// into the canonical ones. torchtitan records no model config: the
-// section's `config` derives config.json's fields from the tensors' shapes,
-// or gives torchtitan's defaults (a note lists those); the head count comes
-// from --set.
+// into the canonical ones. torchtitan records no model config: a folder
+// reshard exported holds it in reshard-model.json (kTorchtitanModelFile),
+// whose fields win; the section's `config` derives the others from the
+// tensors' shapes, or gives torchtitan's defaults (a note that every command
+// prints lists those); the head count comes from --set.
 //
 // The optimizer state is torchtitan's flat, FQN-keyed AdamW state dict under
 // `optimizer.`: `state.<key>.{exp_avg, exp_avg_sq, step}` and
@@ -39,6 +40,10 @@ namespace reshard {
 // and `<groups prefix><key>.<hyperparameter>`.
 inline constexpr char kTorchtitanStatePrefix[] = "optimizer.state.";
 inline constexpr char kTorchtitanGroupsPrefix[] = "optimizer.param_groups.";
+// The model config export --to torchtitan records beside `.metadata`, as
+// HF config.json fields: what torchtitan keeps outside its checkpoint (in
+// its run's model args), read back by this import.
+inline constexpr char kTorchtitanModelFile[] = "reshard-model.json";
 
 // A DCP checkpoint's content as the format registry hands it over.
 struct DcpTensors {

@@ -226,7 +226,7 @@ TEST(PickleReaderTest, UnknownGlobalIsRefused) {
   EXPECT_EQ(root.status().code(), Status::Code::kUnsupported);
   EXPECT_EQ(root.status().message(),
             "pickle refers to class 'mymod.Thing', which reshard does not know; reshard never runs "
-            "code from checkpoints. Pass --allow-class mymod.Thing to carry it through unchanged");
+            "code from checkpoints. Pass --allow-class mymod.Thing to read it");
 }
 
 TEST(PickleReaderTest, AllowedGlobalIsCarriedAsObject) {
@@ -560,7 +560,7 @@ TEST(PickleReaderCallShapeTest, EnumMembers) {
                 "which is not one of the members reshard knows (disabled, gradients, max_stage, "
                 "optimizer_states, weights); reshard never executes pickled code and refuses calls "
                 "that could run code when the file is loaded. Pass --allow-class "
-                "deepspeed.runtime.zero.config.ZeroStageEnum.offload to carry it through unchanged");
+                "deepspeed.runtime.zero.config.ZeroStageEnum.offload to read it");
   PickleReadOptions allowed = testing_pickle::DeepSpeedReadOptions();
   allowed.allowed_globals = {"deepspeed.runtime.zero.config.ZeroStageEnum.offload"};
   EXPECT_TRUE(ParseString(newer, allowed).ok());
@@ -587,7 +587,7 @@ TEST(PickleReaderCallShapeTest, StateAndItemsOnlyWhereTheClassTakesThem) {
   ExpectRefused(fragment + "Na.", "appends items to");
   // A format's class called another way: the user may vouch for it.
   ExpectRefused(G("deepspeed.utils.tensor_fragment", "fragment_address") + "(I1\nI2\ntR.",
-                "Pass --allow-class deepspeed.utils.tensor_fragment.fragment_address to carry it");
+                "Pass --allow-class deepspeed.utils.tensor_fragment.fragment_address to read it");
   // Generic classes have no such way out.
   Result<Value> od = ParseString(G("collections", "OrderedDict") + "(I1\ntR.");
   ASSERT_FALSE(od.ok());

@@ -421,5 +421,40 @@ TEST(PickleWriterTest, TorchLoadsWhatWeWrite) {
             "[3.0, 4.0, 5.0] torch.float32 [1.5, -2.0, 3.0] True True\n");
 }
 
+
+// ---- What is never written ------------------------------------------------------------
+
+// A class --allow-class let the reader take (any call of it) is read, and
+// refused by the writer wherever it lies, naming it and its place: torch.load
+// of the output would make the call (os.system here).
+TEST(PickleWriterTest, AClassReadOnTrustIsNeverWritten) {
+  // {'args': Namespace(gadget=posix.system('touch pwned'))}, protocol 0.
+  const std::string pickle = "(dVargs\ncargparse\nNamespace\n)\x81(dVgadget\ncposix\nsystem\n(Vtouch pwned\ntRsbs.";
+  PickleReadOptions options;
+  options.allowed_globals = {"posix.system"};
+  Result<Value> read = ParseString(pickle, options);
+  ASSERT_TRUE(read.ok()) << read.status().message();
+  const std::string refusal = "args.gadget is posix.system, which --allow-class let reshard read; reshard writes no "
+                              "call it does not know to be data, as torch.load of the output would make it. Remove "
+                              "it from the checkpoint, or export --to hf or consolidated, which keep no pickled metadata";
+  EXPECT_EQ(CheckWritable(*read).message(), refusal);
+  Result<std::string> written = WritePickle(*read, nullptr);
+  ASSERT_FALSE(written.ok());
+  EXPECT_EQ(written.status().message(), refusal);
+  // Inside a list, as a bare global, and as a getattr of an allowed enum.
+  for (const char* inner : {"(lp0\ncposix\nsystem\na.", "cposix\nsystem\n.",
+                            "c__builtin__\ngetattr\n(cposix\nsystem\nVmember\ntR."}) {
+    Result<Value> v = ParseString(inner, options);
+    ASSERT_TRUE(v.ok()) << inner << ": " << v.status().message();
+    EXPECT_FALSE(CheckWritable(*v).ok()) << inner;
+  }
+  // The same data with a class the reader knows to be data is written.
+  const std::string known = "(dVargs\ncargparse\nNamespace\n)\x81(dVlr\nF0.5\nsbs.";
+  Result<Value> plain = ParseString(known, options);
+  ASSERT_TRUE(plain.ok()) << plain.status().message();
+  EXPECT_TRUE(CheckWritable(*plain).ok());
+  EXPECT_TRUE(WritePickle(*plain, nullptr).ok());
+}
+
 }  // namespace
 }  // namespace reshard

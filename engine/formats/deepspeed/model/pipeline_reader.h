@@ -19,7 +19,7 @@
 namespace reshard {
 
 // A torch.save file of a DeepSpeed checkpoint: the classes DeepSpeed and
-// Megatron pickle are known, `allowed_classes` are carried through unchanged.
+// Megatron pickle are known, `allowed_classes` are read (and never written).
 Result<Value> ReadDeepSpeedFile(const std::string& path, const std::set<std::string>& allowed_classes);
 
 struct DeepSpeedModel {
@@ -28,7 +28,7 @@ struct DeepSpeedModel {
   bool universal = false;  // a universal checkpoint (universal_reader.h)
   // Set for a model read from another format (an HF folder): what it is,
   // as the summary names it, and what reading it chose for the user to know
-  // (convert's notes). Its files are files.foreign_files.
+  // (SourceInfo::notes). Its files are files.foreign_files.
   std::string foreign;
   std::vector<std::string> foreign_notes;
   std::string foreign_optimizer_layout;  // SourceInfo::optimizer_layout

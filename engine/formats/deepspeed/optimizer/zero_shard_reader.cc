@@ -456,7 +456,8 @@ Result<SourceShard> ShardOptimizer::Locate(const std::string& name, int t,
                                             const std::string& state) const {
   auto owner = owner_.find(name);
   if (owner == owner_.end()) {
-    return Status::InvalidInput("parameter " + name + " has no optimizer state in the source shards");
+    return Status::InvalidInput("parameter " + name + " has no optimizer state in the source shards, so its "
+                                "state cannot be written; pass --weights-only to convert the weights alone");
   }
   const Owner& o = owner->second;
   const Stage& stage = stages_[o.stage * tp_ + t];

@@ -119,12 +119,16 @@ void Normalization(Value* args, std::vector<std::string>* changes) {
 }
 
 // group_query_attention and num_query_groups (the legacy ParallelAttention
-// reads the groups only with the flag), from the fork's num_key_value_heads
-// (None: multi-head attention).
+// and Megatron-Core read the groups only with the flag), from
+// num_key_value_heads, the group count the rules cut the weights with (the
+// fork's field, or an import's; None: multi-head attention). Args that
+// already say group_query_attention keep it, and get the groups it needs.
 void QueryGroups(Value* args, std::vector<std::string>* changes) {
-  if (Find(*args, "num_key_value_heads") == nullptr || Find(*args, "group_query_attention") != nullptr) return;
+  if (Find(*args, "num_key_value_heads") == nullptr) return;
   const std::optional<int64_t> kv = IntField(*args, "num_key_value_heads");
-  const bool grouped = kv && IntField(*args, "num_attention_heads") != kv;
+  const bool grouped = BoolField(*args, "group_query_attention", false) ||
+                       (kv && IntField(*args, "num_attention_heads") != kv);
+  if (grouped && !kv) return;  // no group count to give: left as the run saved it
   Write(args, "group_query_attention", Value::Bool(grouped), changes);
   Write(args, "num_query_groups", grouped ? Value::Int(*kv) : Value::None(), changes);
 }
@@ -178,9 +182,9 @@ std::vector<std::string> ArchitectureFlags(const Value& args) {
     flags.push_back("--normalization " + norm->as_string());
   }
   if (BoolField(args, "swiglu", false)) flags.push_back("--swiglu");
-  if (BoolField(args, "group_query_attention", false)) {
-    flags.push_back("--group-query-attention --num-query-groups " +
-                    std::to_string(IntField(args, "num_query_groups").value_or(0)));
+  if (const std::optional<int64_t> groups = IntField(args, "num_query_groups");
+      groups && BoolField(args, "group_query_attention", false)) {
+    flags.push_back("--group-query-attention --num-query-groups " + std::to_string(*groups));
   }
   if (BoolField(args, "untie_embeddings_and_output_weights", false)) {
     flags.push_back("--untie-embeddings-and-output-weights");

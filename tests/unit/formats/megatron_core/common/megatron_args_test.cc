@@ -162,6 +162,40 @@ TEST(MegatronArgsTest, MultiHeadAttentionHasNoQueryGroups) {
   EXPECT_EQ(Find(out, "position_embedding_type")->as_string(), "learned_absolute");
 }
 
+// Args that already say group_query_attention (an import's, a fork's that
+// records Megatron-LM's flag beside num_key_value_heads) get the groups it
+// needs; the flags never name a group count the args do not hold.
+TEST(MegatronArgsTest, GroupQueryAttentionAlreadySaidGetsItsGroups) {
+  std::vector<std::string> notes;
+  const Value out = MegatronArgs(MakeNamespace({{Value::String("num_attention_heads"), Value::Int(12)},
+                                                {Value::String("num_key_value_heads"), Value::Int(4)},
+                                                {Value::String("group_query_attention"), Value::Bool(true)}}),
+                                 kLayout, &notes);
+  EXPECT_TRUE(Find(out, "group_query_attention")->as_bool());
+  ASSERT_NE(Find(out, "num_query_groups"), nullptr);
+  EXPECT_EQ(Find(out, "num_query_groups")->as_int(), 4);
+  ASSERT_EQ(notes.size(), 2u);
+  EXPECT_EQ(notes[0], "args: the architecture written as NVIDIA Megatron-LM's --use-checkpoint-args reads it: "
+                      "num_query_groups=4");
+  EXPECT_EQ(notes[1], "megatron: load with --use-checkpoint-args, or give the architecture on the command line: "
+                      "--group-query-attention --num-query-groups 4");
+  // A flag that contradicts the weights' groups is the weights'.
+  notes.clear();
+  const Value contradicting = MegatronArgs(MakeNamespace({{Value::String("num_attention_heads"), Value::Int(12)},
+                                                          {Value::String("num_key_value_heads"), Value::Int(4)},
+                                                          {Value::String("group_query_attention"), Value::Bool(false)}}),
+                                           kLayout, &notes);
+  EXPECT_TRUE(Find(contradicting, "group_query_attention")->as_bool());
+  EXPECT_EQ(Find(contradicting, "num_query_groups")->as_int(), 4);
+  // No group count anywhere: no flag naming one.
+  notes.clear();
+  MegatronArgs(MakeNamespace({{Value::String("num_attention_heads"), Value::Int(12)},
+                              {Value::String("group_query_attention"), Value::Bool(true)}}),
+               kLayout, &notes);
+  ASSERT_FALSE(notes.empty());
+  EXPECT_EQ(notes.back().find("--num-query-groups"), std::string::npos) << notes.back();
+}
+
 TEST(MegatronArgsTest, OtherForkEnumsBecomeTheirMemberNames) {
   std::vector<std::string> notes;
   const Value mask = Call({"builtins", "getattr"},
