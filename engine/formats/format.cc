@@ -5,11 +5,13 @@
 #include "formats/dcp/dcp_source.h"
 #include "formats/dcp/torch_dist_import.h"
 #include "formats/deepspeed/deepspeed_source.h"
+#include "formats/folder_hint.h"
 #include "formats/hf/hf_export.h"
 #include "formats/hf/hf_folder.h"
 #include "formats/hf/hf_import.h"
 #include "formats/hf/torchtitan_export.h"
 #include "formats/hf/torchtitan_import.h"
+#include "formats/hf/weights_source.h"
 #include "formats/megatron/megatron_export.h"
 #include "formats/megatron/megatron_torch_import.h"
 #include "formats/megatron/torch_dist_export.h"
@@ -118,14 +120,19 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenCheckpoint(const std::string& path
                               options);
   }
   if (const std::string dcp = DcpCheckpointFolder(path); !dcp.empty()) return OpenDcp(dcp, options);
+  if (IsWeightsWithoutConfig(path)) return OpenWeightsWithoutConfig(path);
+  // A root holding one checkpoint folder is read as it; one holding several is refused naming them.
+  RESHARD_ASSIGN_OR_RETURN(const std::string inside, CheckpointInsideRoot(path));
+  if (!inside.empty()) return OpenCheckpoint(inside, options);
   RESHARD_ASSIGN_OR_RETURN(CheckpointFiles files, ScanCheckpoint(path));
   return OpenDeepSpeedCheckpoint(std::move(files), options);
 }
 
 std::string CheckpointFolder(const std::string& path) {
   if (const std::string mlm = MegatronTorchFolder(path); !mlm.empty()) return mlm;
-  const std::string dcp = DcpCheckpointFolder(path);
-  return dcp.empty() ? FollowLatest(path) : dcp;
+  if (const std::string dcp = DcpCheckpointFolder(path); !dcp.empty()) return dcp;
+  if (Result<std::string> inside = CheckpointInsideRoot(path); inside.ok() && !inside->empty()) return *inside;
+  return FollowLatest(path);
 }
 
 Result<OutputPlan> PlanExport(const SourceCheckpoint& src, const ExportOptions& options,

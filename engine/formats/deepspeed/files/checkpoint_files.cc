@@ -71,16 +71,7 @@ namespace {
 
 // Lists subfolders that look like tags, for the "which one?" hint.
 std::string TagFolderHint(const fs::path& dir) {
-  std::vector<std::string> tags;
-  Result<std::vector<fs::directory_entry>> entries = ListFolder(dir.string());
-  if (!entries.ok()) return "";
-  for (const fs::directory_entry& entry : *entries) {
-    std::error_code ec;
-    if (entry.is_directory(ec) && fs::exists(entry.path() / "mp_rank_00_model_states.pt", ec)) {
-      tags.push_back(entry.path().filename().string());
-    }
-  }
-  std::sort(tags.begin(), tags.end());
+  const std::vector<std::string> tags = TagFoldersIn(dir.string());
   if (tags.empty()) return "";
   std::string hint = "; it holds the tag folders";
   for (const auto& t : tags) hint += " " + t;
@@ -134,6 +125,20 @@ std::string MissingRanks(const std::set<int>& present, int n) {
 }
 
 }  // namespace
+
+std::vector<std::string> TagFoldersIn(const std::string& dir) {
+  std::vector<std::string> tags;
+  Result<std::vector<fs::directory_entry>> entries = ListFolder(dir);
+  if (!entries.ok()) return tags;
+  for (const fs::directory_entry& entry : *entries) {
+    std::error_code ec;
+    if (entry.is_directory(ec) && fs::exists(entry.path() / "mp_rank_00_model_states.pt", ec)) {
+      tags.push_back(entry.path().filename().string());
+    }
+  }
+  std::sort(tags.begin(), tags.end());
+  return tags;
+}
 
 std::vector<std::string> CheckpointFiles::Paths() const {
   std::vector<std::string> paths;
