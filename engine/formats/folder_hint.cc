@@ -77,7 +77,7 @@ std::string PassInstead(const std::string& root, const std::vector<Inside>& insi
   if (inside.empty()) return "it holds no checkpoint folder (iter_NNNNNNN, release or step-N) to pass instead";
   const std::string newest = (fs::path(root) / inside.back().name).string();
   if (inside.size() == 1) return "it holds " + inside.back().name + ": pass " + newest;
-  return "it holds " + Names(inside) + ": pass one of them (" + newest + " is the newest)";
+  return "it holds " + Names(inside) + ": pass " + newest + " (the newest) or another of them";
 }
 
 // Megatron-LM's name for the folder of the tracker's `text`: iter_%07d of
@@ -114,6 +114,24 @@ Result<std::string> ThroughTracker(const std::string& root, const std::vector<In
                               ", or write its iteration into " + kTracker);
 }
 
+// A DeepSpeed root without `latest`: which of its tag folders to pass (the
+// one its `latest_universal` names, when it does).
+Status DeepSpeedRootRefusal(const std::string& root, const std::vector<std::string>& tags) {
+  const Result<std::string> universal = ReadRegularFile((fs::path(root) / "latest_universal").string(), 4096);
+  if (universal.ok()) {
+    const std::string named = universal->substr(0, universal->find_first_of("\r\n"));
+    if (std::find(tags.begin(), tags.end(), named) != tags.end()) {
+      return Status::InvalidInput(root + " holds no 'latest', and its latest_universal names the universal "
+                                  "checkpoint " + named + ": pass " + (fs::path(root) / named).string());
+    }
+  }
+  const std::string first = (fs::path(root) / tags.front()).string();
+  return Status::InvalidInput(root + " is a DeepSpeed checkpoint root without the 'latest' file that names its tag; " +
+                              (tags.size() == 1 ? "it holds " + tags.front() + ": pass " + first
+                                                : "it holds " + Join(tags, ", ") + ": pass " + first + " or another of them") +
+                              ", or write the tag's name into " + (fs::path(root) / "latest").string());
+}
+
 std::string RootKind(const std::vector<Inside>& inside) {
   const bool torchtitan = std::all_of(inside.begin(), inside.end(), [](const Inside& i) { return i.torchtitan; });
   const bool megatron = std::none_of(inside.begin(), inside.end(), [](const Inside& i) { return i.torchtitan; });
@@ -127,9 +145,9 @@ std::string RootKind(const std::vector<Inside>& inside) {
 Result<std::string> CheckpointInsideRoot(const std::string& path) {
   std::error_code ec;
   if (!fs::is_directory(path, ec) || HasEntry(fs::path(path) / "latest")) return std::string();
-  // A DeepSpeed root (Megatron-DeepSpeed's keeps a tracker too): DeepSpeed's
-  // reading names its tag folders.
-  if (!TagFoldersIn(path).empty()) return std::string();
+  // A DeepSpeed root (Megatron-DeepSpeed's keeps a tracker too) is read
+  // through `latest` alone.
+  if (const std::vector<std::string> tags = TagFoldersIn(path); !tags.empty()) return DeepSpeedRootRefusal(path, tags);
   RESHARD_ASSIGN_OR_RETURN(std::vector<Inside> inside, CheckpointsInside(path));
   if (HasEntry(fs::path(path) / kTracker)) return ThroughTracker(path, inside);
   if (inside.empty()) return std::string();

@@ -69,15 +69,6 @@ std::string FollowLatest(const std::string& path) {
 
 namespace {
 
-// Lists subfolders that look like tags, for the "which one?" hint.
-std::string TagFolderHint(const fs::path& dir) {
-  const std::vector<std::string> tags = TagFoldersIn(dir.string());
-  if (tags.empty()) return "";
-  std::string hint = "; it holds the tag folders";
-  for (const auto& t : tags) hint += " " + t;
-  return hint + " (pass one of them, or add a 'latest' file)";
-}
-
 // Sorts `name` into its family. `ranks` maps each RankFileName seen to the
 // file that had it: a second file of the same rank would silently replace
 // the first, so it is refused.
@@ -204,8 +195,7 @@ Result<CheckpointFiles> ScanCheckpoint(const std::string& path) {
   if (files.mp_rank_files.empty() && !files.IsZero3()) {
     return Status::InvalidInput(files.tag_dir +
                                 " has no mp_rank_*_model_states.pt files, so it is not a DeepSpeed "
-                                "checkpoint tag folder" +
-                                TagFolderHint(tag_dir));
+                                "checkpoint tag folder");
   }
   return files;
 }
