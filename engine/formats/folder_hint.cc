@@ -24,7 +24,7 @@ constexpr char kRelease[] = "release";
 // A checkpoint folder inside a root, and the number its name gives it.
 struct Inside {
   std::string name;
-  int64_t number = 0;  // the step or iteration; release after every iteration
+  int64_t number = 0;  // the step or iteration; release (-1) before every iteration
   bool torchtitan = false;
 };
 
@@ -43,7 +43,7 @@ bool HoldsCheckpoint(const std::string& dir) {
 // iter_NNNNNNN or release (Megatron-LM); nothing for any other name.
 std::optional<Inside> Named(const std::string& name) {
   int64_t n = 0;
-  if (name == kRelease) return Inside{name, INT64_MAX, false};
+  if (name == kRelease) return Inside{name, -1, false};
   if (name.rfind("step-", 0) == 0 && ParseInt(name.substr(5), &n) && n >= 0) return Inside{name, n, true};
   if (name.rfind("iter_", 0) == 0 && name.size() >= 12 && ParseInt(name.substr(5), &n) && n >= 0) {
     return Inside{name, n, false};
@@ -84,7 +84,8 @@ std::string PassInstead(const std::string& root, const std::vector<Inside>& insi
 // an iteration, or release; "" when the text is neither.
 std::string TrackedFolder(const std::string& text) {
   const size_t begin = text.find_first_not_of(" \t\r\n");
-  const std::string word = begin == std::string::npos ? "" : text.substr(begin, text.find_first_of(" \t\r\n", begin) - begin);
+  const std::string word =
+      begin == std::string::npos ? "" : text.substr(begin, text.find_first_of(" \t\r\n", begin) - begin);
   int64_t iteration = 0;
   if (word == kRelease) return kRelease;
   if (!ParseInt(word, &iteration) || iteration < 0) return "";
@@ -126,10 +127,10 @@ Status DeepSpeedRootRefusal(const std::string& root, const std::vector<std::stri
     }
   }
   const std::string first = (fs::path(root) / tags.front()).string();
+  const std::string pass = tags.size() == 1 ? first : first + " or another of them";
   return Status::InvalidInput(root + " is a DeepSpeed checkpoint root without the 'latest' file that names its tag; " +
-                              (tags.size() == 1 ? "it holds " + tags.front() + ": pass " + first
-                                                : "it holds " + Join(tags, ", ") + ": pass " + first + " or another of them") +
-                              ", or write the tag's name into " + (fs::path(root) / "latest").string());
+                              "it holds " + Join(tags, ", ") + ": pass " + pass + ", or write the tag's name into " +
+                              (fs::path(root) / "latest").string());
 }
 
 std::string RootKind(const std::vector<Inside>& inside) {

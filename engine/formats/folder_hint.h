@@ -6,8 +6,11 @@
 // A root that holds one such checkpoint is read as that checkpoint; one that
 // holds several, or whose latest_checkpointed_iteration.txt names none of
 // them, is refused in one line naming the folders to pass instead, rather
-// than with the DeepSpeed reader's "not a tag folder". Only the names and
-// the files that mark a checkpoint are looked at; nothing is read whole.
+// than with the DeepSpeed reader's "not a tag folder". So is a DeepSpeed
+// root without `latest` (its tag folders; the one its `latest_universal`
+// names): a root given as a DeepSpeed source is read through `latest` alone,
+// as convert then writes a root. Only the names and the files that mark a
+// checkpoint are looked at; nothing is read whole.
 //
 // It sits in formats/ itself because it asks several format folders
 // whether a folder is theirs.
