@@ -3,6 +3,8 @@
 #include "container/record_crc.h"
 #include "formats/dcp/dcp_source.h"
 #include "formats/deepspeed/deepspeed_source.h"
+#include "formats/folder_hint.h"
+#include "formats/consolidated/consolidated_source.h"
 #include "formats/hf_common/hf_folder.h"
 #include "formats/hf_common/hf_import.h"
 #include "formats/megatron_core/torch/megatron_torch_import.h"
@@ -130,14 +132,19 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenCheckpoint(const std::string& path
                                                 options));
   }
   if (const std::string dcp = DcpCheckpointFolder(path); !dcp.empty()) return OpenDcp(dcp, options);
+  if (IsWeightsWithoutConfig(path)) return Named("consolidated", OpenWeightsWithoutConfig(path));
+  // A root holding one checkpoint folder is read as it; one holding several is refused naming them.
+  RESHARD_ASSIGN_OR_RETURN(const std::string inside, CheckpointInsideRoot(path));
+  if (!inside.empty()) return OpenCheckpoint(inside, options);
   RESHARD_ASSIGN_OR_RETURN(CheckpointFiles files, ScanCheckpoint(path));
   return Named("deepspeed", OpenDeepSpeedCheckpoint(std::move(files), options));
 }
 
 std::string CheckpointFolder(const std::string& path) {
   if (const std::string mlm = MegatronTorchFolder(path); !mlm.empty()) return mlm;
-  const std::string dcp = DcpCheckpointFolder(path);
-  return dcp.empty() ? FollowLatest(path) : dcp;
+  if (const std::string dcp = DcpCheckpointFolder(path); !dcp.empty()) return dcp;
+  if (Result<std::string> inside = CheckpointInsideRoot(path); inside.ok() && !inside->empty()) return *inside;
+  return FollowLatest(path);
 }
 
 }  // namespace reshard

@@ -203,7 +203,7 @@ class InputFolderTests(ReshardTestCase):
         os.remove(os.path.join(os.path.dirname(tag), 'latest'))
         out = self.path('out')
         self.assertRefused(['convert', os.path.dirname(tag), out, '--tp', 1, '--pp', 1],
-                           ['no mp_rank_', 'global_step10'], watch=[self.path('src')], out=out)
+                           ["root without the 'latest' file", 'pass ' + tag], watch=[self.path('src')], out=out)
 
     def test_mp_rank_files_but_no_layer_files(self):
         tag = self.bloom()

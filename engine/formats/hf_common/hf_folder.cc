@@ -78,6 +78,7 @@ Status AddTensors(const fs::path& file, std::vector<std::pair<std::string, Value
     if (!folder->tensors.emplace(name, std::move(tensor)).second) {
       return Status::InvalidInput(name + " is in two weight files of " + folder->dir + "; keep one save per folder");
     }
+    folder->order.push_back(name);
   }
   if (indexed == nullptr) return Status::Ok();
   for (const std::string& name : *indexed) {
@@ -111,6 +112,13 @@ Status ReadWeights(const fs::path& dir, HfFolder* folder) {
                               "model.safetensors.index.json, pytorch_model.bin or its index)");
 }
 
+bool HoldsWeights(const fs::path& dir) {
+  for (const auto& [single, index] : kWeightNames) {
+    if (Exists(dir / single) || Exists(dir / index)) return true;
+  }
+  return false;
+}
+
 }  // namespace
 
 Result<Value> ReadJsonFile(const std::string& path) {
@@ -122,11 +130,12 @@ bool IsHfFolder(const std::string& path) {
   const fs::path dir(path);
   // An HF Trainer checkpoint-N/ folder has both: its DeepSpeed checkpoint
   // (named by `latest`) is what a DeepSpeed tool is asked to read.
-  if (!Exists(dir / kConfig) || Exists(dir / "latest")) return false;
-  for (const auto& [single, index] : kWeightNames) {
-    if (Exists(dir / single) || Exists(dir / index)) return true;
-  }
-  return false;
+  return Exists(dir / kConfig) && !Exists(dir / "latest") && HoldsWeights(dir);
+}
+
+bool IsWeightsWithoutConfig(const std::string& path) {
+  const fs::path dir(path);
+  return !Exists(dir / kConfig) && !Exists(dir / "latest") && HoldsWeights(dir);
 }
 
 Result<HfFolder> ReadHfFolder(const std::string& dir) {
@@ -137,6 +146,14 @@ Result<HfFolder> ReadHfFolder(const std::string& dir) {
     return Status::InvalidInput((fs::path(dir) / kConfig).string() + " does not hold a JSON object");
   }
   folder.files.push_back((fs::path(dir) / kConfig).string());
+  RESHARD_RETURN_IF_ERROR(ReadWeights(dir, &folder));
+  if (folder.tensors.empty()) return Status::InvalidInput(dir + "'s weight files hold no tensors");
+  return folder;
+}
+
+Result<HfFolder> ReadWeightsWithoutConfig(const std::string& dir) {
+  HfFolder folder;
+  folder.dir = dir;
   RESHARD_RETURN_IF_ERROR(ReadWeights(dir, &folder));
   if (folder.tensors.empty()) return Status::InvalidInput(dir + "'s weight files hold no tensors");
   return folder;

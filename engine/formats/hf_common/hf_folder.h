@@ -20,6 +20,7 @@ struct HfFolder {
   std::string dir;
   Value config;                          // config.json
   std::map<std::string, Value> tensors;  // every weight by name
+  std::vector<std::string> order;        // their names as the weight files list them
   std::vector<std::string> files;        // config.json and the weight files
   // Tensors whose elements lie in runs (an HF model read from another
   // format's pieces): their `tensors` entry gives only dtype and shape.
@@ -42,6 +43,11 @@ struct HfFolder {
 // DeepSpeed checkpoint it holds).
 bool IsHfFolder(const std::string& path);
 
+// Whether `path` holds those weights without config.json (nor `latest`):
+// what `export --to consolidated` writes, or a model whose config was left
+// behind.
+bool IsWeightsWithoutConfig(const std::string& path);
+
 // A JSON file (config.json, a tokenizer's files) as Values.
 Result<Value> ReadJsonFile(const std::string& path);
 
@@ -49,5 +55,8 @@ Result<Value> ReadJsonFile(const std::string& path);
 // tensor its file lacks (or leaving one out), a name in two files, a file
 // that is not what its name says.
 Result<HfFolder> ReadHfFolder(const std::string& dir);
+
+// The same without config.json: `config` is left none.
+Result<HfFolder> ReadWeightsWithoutConfig(const std::string& dir);
 
 }  // namespace reshard

@@ -69,24 +69,6 @@ std::string FollowLatest(const std::string& path) {
 
 namespace {
 
-// Lists subfolders that look like tags, for the "which one?" hint.
-std::string TagFolderHint(const fs::path& dir) {
-  std::vector<std::string> tags;
-  Result<std::vector<fs::directory_entry>> entries = ListFolder(dir.string());
-  if (!entries.ok()) return "";
-  for (const fs::directory_entry& entry : *entries) {
-    std::error_code ec;
-    if (entry.is_directory(ec) && fs::exists(entry.path() / "mp_rank_00_model_states.pt", ec)) {
-      tags.push_back(entry.path().filename().string());
-    }
-  }
-  std::sort(tags.begin(), tags.end());
-  if (tags.empty()) return "";
-  std::string hint = "; it holds the tag folders";
-  for (const auto& t : tags) hint += " " + t;
-  return hint + " (pass one of them, or add a 'latest' file)";
-}
-
 // Sorts `name` into its family. `ranks` maps each RankFileName seen to the
 // file that had it: a second file of the same rank would silently replace
 // the first, so it is refused.
@@ -134,6 +116,20 @@ std::string MissingRanks(const std::set<int>& present, int n) {
 }
 
 }  // namespace
+
+std::vector<std::string> TagFoldersIn(const std::string& dir) {
+  std::vector<std::string> tags;
+  Result<std::vector<fs::directory_entry>> entries = ListFolder(dir);
+  if (!entries.ok()) return tags;
+  for (const fs::directory_entry& entry : *entries) {
+    std::error_code ec;
+    if (entry.is_directory(ec) && fs::exists(entry.path() / "mp_rank_00_model_states.pt", ec)) {
+      tags.push_back(entry.path().filename().string());
+    }
+  }
+  std::sort(tags.begin(), tags.end());
+  return tags;
+}
 
 std::vector<std::string> CheckpointFiles::Paths() const {
   std::vector<std::string> paths;
@@ -199,8 +195,7 @@ Result<CheckpointFiles> ScanCheckpoint(const std::string& path) {
   if (files.mp_rank_files.empty() && !files.IsZero3()) {
     return Status::InvalidInput(files.tag_dir +
                                 " has no mp_rank_*_model_states.pt files, so it is not a DeepSpeed "
-                                "checkpoint tag folder" +
-                                TagFolderHint(tag_dir));
+                                "checkpoint tag folder");
   }
   return files;
 }

@@ -73,6 +73,10 @@ Result<CheckpointFiles> ScanCheckpoint(const std::string& path);
 // when it holds no `latest` naming one folder inside it.
 std::string FollowLatest(const std::string& path);
 
+// The subfolders of `dir` that look like tag folders (holding
+// mp_rank_00_model_states.pt), sorted by name.
+std::vector<std::string> TagFoldersIn(const std::string& dir);
+
 // Checks that the files form a complete grid: every layer id has TP ranks
 // 0..TP-1 (the same TP for all), mp_rank files 0..TP*PP-1, and optimizer files
 // for every (dp, mp). Fills *tp, *pp, *dp (dp = 0 without optimizer files).

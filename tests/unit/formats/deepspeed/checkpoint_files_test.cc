@@ -80,15 +80,20 @@ TEST(CheckpointFilesTest, EmptyFolder) {
   EXPECT_NE(r.status().message().find("is an empty folder"), std::string::npos);
 }
 
-TEST(CheckpointFilesTest, NoMpRankFilesNamesTheTagFolders) {
+// A root without `latest`: not a tag folder; its tag folders are what
+// OpenCheckpoint's refusal names (formats/folder_hint.h).
+TEST(CheckpointFilesTest, NoMpRankFilesIsNotATagFolderAndItsTagFoldersAreListed) {
   TempDir dir;
-  fs::create_directory(dir.path() / "global_step10");
-  Touch(dir.path() / "global_step10" / "mp_rank_00_model_states.pt");
+  for (const char* tag : {"global_step9", "global_step10"}) {
+    fs::create_directory(dir.path() / tag);
+    Touch(dir.path() / tag / "mp_rank_00_model_states.pt");
+  }
+  fs::create_directory(dir.path() / "logs");
   Touch(dir.path() / "notes.txt");
   Result<CheckpointFiles> r = ScanCheckpoint(dir.path().string());
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.status().message().find("has no mp_rank_*_model_states.pt files"), std::string::npos);
-  EXPECT_NE(r.status().message().find("global_step10"), std::string::npos);
+  EXPECT_EQ(TagFoldersIn(dir.path().string()), (std::vector<std::string>{"global_step10", "global_step9"}));
 }
 
 TEST(CheckpointFilesTest, LatestIsFollowed) {
