@@ -1,7 +1,12 @@
 #include "logical/torch_dist_family.h"
 
-#include <algorithm>
+#include <sys/stat.h>
 
+#include <algorithm>
+#include <cctype>
+#include <cstdio>
+
+#include "container/regular_file.h"
 #include "logical/settings.h"
 #include "rules/builtin_rules.h"
 #include "util/human.h"
@@ -25,6 +30,39 @@ Value ImportedRunMetadata(const Value* args, const Value* iteration, int64_t fal
       {{Value::String("args"), args != nullptr && !args->is_none() ? *args : MakeNamespace({})},
        {Value::String("iteration"),
         iteration != nullptr && iteration->is(Value::Kind::kInt) ? *iteration : Value::Int(fallback)}});
+}
+
+Status CheckRunState(const Value& state, const std::string& where) {
+  if (DictItems(state) == nullptr || state.is(Value::Kind::kObject)) {
+    return Status::InvalidInput(where + " holds " + state.DebugString(80) + ", not the dict Megatron saves");
+  }
+  const Value* args = Find(state, "args");
+  const bool namespace_args = args == nullptr || args->is_none() ||
+                              (args->is(Value::Kind::kObject) && args->as_object().cls.Qualified() == "argparse.Namespace");
+  if (!namespace_args) return Status::InvalidInput(where + " holds args " + args->DebugString(80) + ", not an argparse.Namespace");
+  const Value* iteration = Find(state, "iteration");
+  if (iteration != nullptr && !iteration->is(Value::Kind::kInt)) {
+    return Status::InvalidInput(where + " holds the iteration " + iteration->DebugString(60) + ", not an int");
+  }
+  return Status::Ok();
+}
+
+Result<std::string> MegatronTrackedFolder(const std::string& root) {
+  const std::string path = root + "/latest_checkpointed_iteration.txt";
+  struct stat st;
+  if (::lstat(path.c_str(), &st) != 0) return std::string();
+  RESHARD_ASSIGN_OR_RETURN(std::string text, ReadRegularFile(path, 64));
+  const size_t begin = text.find_first_not_of(" \t\r\n");
+  const std::string word = begin == std::string::npos ? "" : text.substr(begin, text.find_last_not_of(" \t\r\n") + 1 - begin);
+  if (word == "release") return word;
+  int64_t iteration = -1;
+  if (!word.empty() && std::isdigit(static_cast<unsigned char>(word[0])) && ParseInt(word, &iteration)) {
+    char folder[32];
+    std::snprintf(folder, sizeof(folder), "iter_%07lld", static_cast<long long>(iteration));
+    return std::string(folder);
+  }
+  return Status::InvalidInput(path + " holds '" + word.substr(0, 40) + "', not an iteration number or 'release': it is Megatron-LM's tracker file, which names the folder "
+                              "iter_NNNNNNN of the root to read (write the iteration there, or pass that folder)");
 }
 
 Result<std::vector<RuleSet>> TorchDistCandidates(const std::string& spec, const std::string& what) {
