@@ -81,10 +81,9 @@ Status CheckRecordCrcs(const SourceCheckpoint& src, int threads, const TorchChec
   std::mutex mu;
   std::vector<Job> jobs;
   for (const std::string& path : src.info().files) {
-    auto folder = dcp_folders.find(std::filesystem::path(path).parent_path());
     const bool distcp = EndsWith(path, ".distcp");
     if (!IsTorchSaveName(path) && !distcp) continue;  // safetensors and JSON files keep no CRCs
-    const DcpMetadata* meta = distcp ? folder->second.get() : nullptr;
+    const DcpMetadata* meta = distcp ? dcp_folders.at(std::filesystem::path(path).parent_path()).get() : nullptr;
     std::error_code ec;
     const int64_t bytes = static_cast<int64_t>(std::filesystem::file_size(path, ec));
     const int64_t size = ec ? 0 : bytes;

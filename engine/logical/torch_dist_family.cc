@@ -53,7 +53,8 @@ Result<std::string> MegatronTrackedFolder(const std::string& root) {
   if (::lstat(path.c_str(), &st) != 0) return std::string();
   RESHARD_ASSIGN_OR_RETURN(std::string text, ReadRegularFile(path, 64));
   const size_t begin = text.find_first_not_of(" \t\r\n");
-  const std::string word = begin == std::string::npos ? "" : text.substr(begin, text.find_last_not_of(" \t\r\n") + 1 - begin);
+  const std::string word =
+      begin == std::string::npos ? "" : text.substr(begin, text.find_last_not_of(" \t\r\n") + 1 - begin);
   if (word == "release") return word;
   int64_t iteration = -1;
   if (!word.empty() && std::isdigit(static_cast<unsigned char>(word[0])) && ParseInt(word, &iteration)) {
@@ -61,8 +62,9 @@ Result<std::string> MegatronTrackedFolder(const std::string& root) {
     std::snprintf(folder, sizeof(folder), "iter_%07lld", static_cast<long long>(iteration));
     return std::string(folder);
   }
-  return Status::InvalidInput(path + " holds '" + word.substr(0, 40) + "', not an iteration number or 'release': it is Megatron-LM's tracker file, which names the folder "
-                              "iter_NNNNNNN of the root to read (write the iteration there, or pass that folder)");
+  return Status::InvalidInput(path + " holds '" + word.substr(0, 40) + "', not an iteration number or 'release': "
+                              "it is Megatron-LM's tracker file, which names the folder iter_NNNNNNN of the root "
+                              "to read (write the iteration there, or pass that folder)");
 }
 
 Result<std::vector<RuleSet>> TorchDistCandidates(const std::string& spec, const std::string& what) {

@@ -726,7 +726,10 @@ class DcpDamagedItemTests(HostileTestCase):
                     self.check_module(module, src, extra, damage)
 
     def check_module(self, module, src, extra, damage):
-        ckpt = module.open(src, set=dict(a.split('=', 1) for a in extra[1::2]) or None)
+        flags = list(zip(extra[::2], extra[1::2]))
+        values = dict(value.split('=', 1) for flag, value in flags if flag == '--set')
+        vocab = {'vocab_size': int(value) for flag, value in flags if flag == '--vocab-size'}
+        ckpt = module.open(src, set=values or None, **vocab)
         errors = []
         for name in ckpt.keys():
             try:
