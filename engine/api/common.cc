@@ -4,10 +4,13 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
 
+#include "container/dcp_item.h"
 #include "container/mapped_file.h"
 #include "container/torch_check.h"
 #include "container/zip_directory.h"
@@ -41,36 +44,57 @@ Status CheckVocabSize(const SourceCheckpoint& src, std::optional<int64_t> given)
 
 namespace {
 
-bool IsTorchSaveName(const std::string& path) {
-  auto ends_with = [&](const std::string& suffix) {
-    return path.size() >= suffix.size() && path.compare(path.size() - suffix.size(), suffix.size(), suffix) == 0;
-  };
-  return ends_with(".pt") || ends_with(".bin");
+bool EndsWith(const std::string& path, const std::string& suffix) {
+  return path.size() >= suffix.size() && path.compare(path.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+bool IsTorchSaveName(const std::string& path) { return EndsWith(path, ".pt") || EndsWith(path, ".bin"); }
+
+// The `.metadata` of each folder of `paths` holding `.distcp` files: where
+// their items lie.
+Result<std::map<std::string, std::shared_ptr<const DcpMetadata>>> DcpFolders(const std::vector<std::string>& paths) {
+  std::map<std::string, std::shared_ptr<const DcpMetadata>> out;
+  for (const std::string& path : paths) {
+    const std::string folder = std::filesystem::path(path).parent_path();
+    if (!EndsWith(path, ".distcp") || out.count(folder)) continue;
+    RESHARD_ASSIGN_OR_RETURN(DcpMetadata meta, ReadDcpMetadata(folder + "/.metadata"));
+    out[folder] = std::make_shared<const DcpMetadata>(std::move(meta));
+  }
+  return out;
+}
+
+// Every record of the file `path` checked against its CRC-32: a torch.save
+// file's, or those of each item of a `.distcp` file (`meta`, else null).
+Status CheckFileCrcs(const std::string& path, const DcpMetadata* meta, const TorchCheck* torch) {
+  RESHARD_ASSIGN_OR_RETURN(std::shared_ptr<const MappedFile> file, MappedFile::Open(path));
+  if (meta != nullptr) return CheckDcpItemCrcs(*file, std::filesystem::path(path).filename(), *meta);
+  RESHARD_ASSIGN_OR_RETURN(ZipDirectory directory, ZipDirectory::Read(*file));
+  RESHARD_RETURN_IF_ERROR(directory.CheckCrcs(*file));
+  return torch != nullptr ? torch->Check(path) : Status::Ok();
 }
 
 }  // namespace
 
 Status CheckRecordCrcs(const SourceCheckpoint& src, int threads, const TorchCheck* torch,
                        const std::function<void(const std::string&)>& progress, std::vector<std::string>* damaged) {
+  RESHARD_ASSIGN_OR_RETURN(auto dcp_folders, DcpFolders(src.info().files));
   std::mutex mu;
   std::vector<Job> jobs;
   for (const std::string& path : src.info().files) {
-    if (!IsTorchSaveName(path)) continue;  // safetensors and JSON files keep no CRCs
+    const bool distcp = EndsWith(path, ".distcp");
+    if (!IsTorchSaveName(path) && !distcp) continue;  // safetensors and JSON files keep no CRCs
+    const DcpMetadata* meta = distcp ? dcp_folders.at(std::filesystem::path(path).parent_path()).get() : nullptr;
     std::error_code ec;
     const int64_t bytes = static_cast<int64_t>(std::filesystem::file_size(path, ec));
-    jobs.push_back({path, ec ? 0 : bytes, [path, torch, damaged, &mu](JobContext& ctx) {
-                      Status st = [&]() -> Status {
-                        RESHARD_ASSIGN_OR_RETURN(std::shared_ptr<const MappedFile> file, MappedFile::Open(path));
-                        RESHARD_ASSIGN_OR_RETURN(ZipDirectory directory, ZipDirectory::Read(*file));
-                        RESHARD_RETURN_IF_ERROR(directory.CheckCrcs(*file));
-                        if (torch != nullptr) RESHARD_RETURN_IF_ERROR(torch->Check(path));
-                        ctx.done(static_cast<int64_t>(file->size()));
+    const int64_t size = ec ? 0 : bytes;
+    jobs.push_back({path, size, [path, size, meta, torch, damaged, &mu](JobContext& ctx) {
+                      const Status st = CheckFileCrcs(path, meta, torch);
+                      if (st.ok()) {
+                        ctx.done(size);
                         return Status::Ok();
-                      }();
-                      if (!st.ok()) {
-                        std::lock_guard<std::mutex> lock(mu);
-                        damaged->push_back(st.message());
                       }
+                      std::lock_guard<std::mutex> lock(mu);
+                      damaged->push_back(st.message());
                       return Status::Ok();  // every file is checked
                     }});
   }

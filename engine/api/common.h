@@ -23,8 +23,9 @@ int ThreadCount(int requested);
 // (rows past it would be taken for padding, or padding for tokens).
 Status CheckVocabSize(const SourceCheckpoint& src, std::optional<int64_t> given);
 
-// Reads every record of every torch.save file (*.pt, *.bin) of `src` and
-// checks it against its CRC-32, then has `torch` (LibTorch's reader; may be
+// Reads every record of every torch.save file (*.pt, *.bin) and of every
+// item of a Distributed Checkpoint's `.distcp` files of `src` and checks it
+// against its CRC-32, then has `torch` (LibTorch's reader; may be
 // null) read the file too, a file per job on `threads` workers; each damaged
 // file adds its one-line message to `damaged` (`lint --deep`, `verify --deep`).
 Status CheckRecordCrcs(const SourceCheckpoint& src, int threads, const TorchCheck* torch,

@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "container/torch_file.h"
+#include "container/zip_directory.h"
 
 namespace reshard {
 
@@ -33,6 +34,15 @@ Result<Value> ReadDcpChunk(std::shared_ptr<const MappedFile> file, const DcpMeta
                                 DTypeName(item->second.dtype) + " tensor its .metadata describes");
   }
   return value;
+}
+
+Status CheckDcpItemCrcs(const MappedFile& file, const std::string& name, const DcpMetadata& meta) {
+  for (const auto& [key, storage] : meta.storage) {
+    if (storage.relative_path != name) continue;
+    RESHARD_ASSIGN_OR_RETURN(ZipDirectory items, ZipDirectory::Read(file, FileWindow{storage.offset, storage.length}));
+    RESHARD_RETURN_IF_ERROR(items.CheckCrcs(file));
+  }
+  return Status::Ok();
 }
 
 }  // namespace reshard

@@ -30,4 +30,10 @@ Result<Value> ReadDcpItem(std::shared_ptr<const MappedFile> file, const DcpStora
 Result<Value> ReadDcpChunk(std::shared_ptr<const MappedFile> file, const DcpMetadata& meta,
                            const std::string& fqn, const DcpChunk& chunk);
 
+// Reads every record of every item `meta` stores in `file` (the file of the
+// checkpoint folder named `name`) and refuses the first whose bytes do not
+// have the CRC-32 its archive records, naming the file and the item's window
+// (`lint --deep`).
+Status CheckDcpItemCrcs(const MappedFile& file, const std::string& name, const DcpMetadata& meta);
+
 }  // namespace reshard

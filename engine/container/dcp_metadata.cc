@@ -139,7 +139,7 @@ class MetadataParser {
     } else {
       return Bad("describes item '" + fqn + "' as " + item.DebugString(80));
     }
-    meta_.items.emplace(fqn, std::move(out));
+    if (!meta_.items.emplace(fqn, std::move(out)).second) return Bad("lists item '" + fqn + "' twice");
     return Status::Ok();
   }
 
@@ -278,15 +278,27 @@ class MetadataParser {
 
 }  // namespace
 
+const std::set<std::string>& MegatronPackages() {
+  static const std::set<std::string> packages = {"megatron"};
+  return packages;
+}
+
 Result<DcpMetadata> ReadDcpMetadata(const std::string& path) {
   RESHARD_ASSIGN_OR_RETURN(std::shared_ptr<const MappedFile> file, MappedFile::Open(path));
+  const std::string not_readable = "; it is not a readable Distributed Checkpoint .metadata file (restore it from "
+                                   "the saved checkpoint)";
+  if (file->size() == 0) return Status::InvalidInput(path + " is empty" + not_readable);
   PickleReadOptions options;
   options.known_classes = &DcpKnownClasses();
-  // Only plain data is taken from the tree, so other libraries' classes
-  // (Megatron-Core's MCoreSavePlan) may stay opaque.
-  options.inert_unknown_classes = true;
+  // Only plain data is taken from the tree, so Megatron-Core's classes
+  // (MCoreSavePlan) may stay opaque.
+  options.inert_packages = MegatronPackages();
   PickleReader reader(options, StorageResolver());
   Result<Value> root = reader.Parse(file->data(), file->size());
+  if (!root.ok() && root.status().code() == Status::Code::kInvalidInput) {
+    return Status::InvalidInput(path + " (" + std::to_string(file->size()) + " bytes): " + root.status().message() +
+                                not_readable);
+  }
   if (!root.ok()) return root.status().WithContext(path);
   return MetadataParser(path).Parse(*root);
 }

@@ -7,8 +7,8 @@
 // it, that were written) or a bytes item (a pickled plain object), and says
 // where each chunk or bytes item lies: a file of the folder, an offset and a
 // length. The pickle is parsed with reshard's own reader and an allow-list of
-// DCP's classes; other libraries' classes (Megatron-Core adds its own) are
-// read as inert records and ignored. Nothing is executed.
+// DCP's classes; Megatron-Core's own classes are read as inert records and
+// ignored, any other is refused. Nothing is executed.
 //
 //   Result<DcpMetadata> meta = ReadDcpMetadata(folder + "/.metadata");
 //   const DcpStorage* where = meta->Find("w", meta->items.at("w").chunks[0].offsets);
@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -85,10 +86,18 @@ std::string DcpTilingProblem(const std::string& fqn, const DcpItem& item);
 // encodings, pathlib's paths), with the calls torch's pickler makes of them.
 const KnownClasses& DcpKnownClasses();
 
+// The top-level packages of Megatron-Core and Megatron-LM, whose classes
+// (MCoreSavePlan, the enums in args) sit beside the plain data of a DCP
+// `.metadata`, a common state or a Megatron-LM rank file: read as inert
+// records (PickleReadOptions::inert_packages), where any other unknown
+// global is refused.
+const std::set<std::string>& MegatronPackages();
+
 // Reads and checks `path`. Errors (one line naming the file): InvalidInput
 // for a file that is not a DCP metadata pickle or whose content does not fit
 // (an unknown dtype, a chunk outside its tensor, a chunk or bytes item with
-// no storage entry, a storage path that leaves the folder); Unsupported for
+// no storage entry, an item listed twice, a storage path that leaves the
+// folder), an empty or truncated file; Unsupported for
 // what torch may write but reshard cannot read (stream transforms).
 Result<DcpMetadata> ReadDcpMetadata(const std::string& path);
 

@@ -55,9 +55,11 @@ class MappedFile {
   bool ReadInto(const uint8_t* from, size_t n, uint8_t* dst) const;
 
   // Has the CRC-32 of `crcs`' records checked as CopyFromView copies them
-  // out; set once, before the file's bytes are read by more than one thread.
+  // out; set once, before the file's bytes are read by more than one thread
+  // (the records of a file's further archives are added to it: record_crcs).
   void CheckRecords(std::shared_ptr<RecordCrcs> crcs) const { crcs_ = std::move(crcs); }
   bool ChecksRecords() const { return crcs_ != nullptr; }
+  const std::shared_ptr<RecordCrcs>& record_crcs() const { return crcs_; }
   // Tells the record check (if any) that [from, from + n) was read, and
   // that `crc` is its CRC-32.
   void NoteRead(const uint8_t* from, size_t n, uint32_t crc) const;

@@ -34,9 +34,19 @@ std::vector<std::shared_ptr<RecordCrcs>> Live() {
 
 RecordCrcs::RecordCrcs(std::string path, std::vector<std::pair<std::string, ZipRecord>> records)
     : path_(std::move(path)) {
-  for (auto& [name, zip] : records) records_.push_back({std::move(name), zip, {}, false});
-  std::sort(records_.begin(), records_.end(),
-            [](const Record& a, const Record& b) { return a.zip.data_offset < b.zip.data_offset; });
+  Add(std::move(records));
+}
+
+void RecordCrcs::Add(std::vector<std::pair<std::string, ZipRecord>> records) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto by_offset = [](const Record& a, const Record& b) { return a.zip.data_offset < b.zip.data_offset; };
+  const size_t known = records_.size();
+  for (auto& [name, zip] : records) {
+    Record r{std::move(name), zip, {}, false};
+    // An archive read again (an item read twice) adds nothing.
+    if (!std::binary_search(records_.begin(), records_.begin() + known, r, by_offset)) records_.push_back(std::move(r));
+  }
+  std::sort(records_.begin(), records_.end(), by_offset);
 }
 
 void RecordCrcs::Note(uint64_t offset, size_t n, uint32_t crc) {

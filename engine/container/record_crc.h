@@ -24,6 +24,9 @@ class RecordCrcs {
  public:
   // `records` (the storages' records of `path`) must not overlap.
   RecordCrcs(std::string path, std::vector<std::pair<std::string, ZipRecord>> records);
+  // Adds the records of another archive in the same file (a Distributed
+  // Checkpoint's `.distcp` file holds one per item); before any Note.
+  void Add(std::vector<std::pair<std::string, ZipRecord>> records);
 
   // Notes that the file's bytes [offset, offset + n) were read, and had the
   // CRC-32 `crc`. A read overlapping bytes already noted is not counted again.

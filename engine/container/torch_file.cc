@@ -61,13 +61,23 @@ StorageResolver MakeResolver(std::shared_ptr<const ZipDirectory> zip,
 }
 
 // Has the CRC-32 of every storage record checked as the run copies it out
-// (the pickle's is checked on its own, above).
-void WatchStorageRecords(const ZipDirectory& zip, const MappedFile& file) {
+// (the pickle's is checked on its own, above). The archives of one file (a
+// `.distcp` file's items) share its checks; their records are named with
+// the archive's window, as every item's archive has the same record names.
+void WatchStorageRecords(const ZipDirectory& zip, const MappedFile& file, const FileWindow& window) {
+  const std::string in_window =
+      window.offset == 0 && window.size == file.size()
+          ? ""
+          : " of the item at bytes " + std::to_string(window.offset) + "-" + std::to_string(window.offset + window.size);
   std::vector<std::pair<std::string, ZipRecord>> storages;
   for (const auto& [name, record] : zip.records()) {
-    if (name.find("/data/") != std::string::npos) storages.emplace_back(name, record);
+    if (name.find("/data/") != std::string::npos) storages.emplace_back(name + in_window, record);
   }
   if (storages.empty()) return;
+  if (file.record_crcs() != nullptr) {
+    file.record_crcs()->Add(std::move(storages));
+    return;
+  }
   auto crcs = std::make_shared<RecordCrcs>(file.path(), std::move(storages));
   RegisterRecordCrcs(crcs);
   file.CheckRecords(std::move(crcs));
@@ -102,7 +112,7 @@ Result<Value> ReadTorchArchive(std::shared_ptr<const MappedFile> file, const Fil
     return Status::InvalidInput(name + ": its data.pkl does not have the CRC-32 its zip directory "
                                 "records; the file is damaged");
   }
-  if (RecordCrcChecksOn()) WatchStorageRecords(*records, *file);
+  if (RecordCrcChecksOn()) WatchStorageRecords(*records, *file, window);
   PickleReader reader(options, MakeResolver(records, file));
   Result<Value> root = reader.Parse(bytes, size);
   if (!root.ok()) return root.status().WithContext(name);

@@ -237,6 +237,7 @@ Status Parser::Run(std::string* archive, std::map<std::string, ZipRecord>* recor
 Result<ZipDirectory> ZipDirectory::Read(const MappedFile& file, const FileWindow& window) {
   RESHARD_RETURN_IF_ERROR(file.CheckWindow(window));
   ZipDirectory directory;
+  directory.window_ = window;
   RESHARD_RETURN_IF_ERROR(Parser(file, window).Run(&directory.archive_, &directory.records_));
   return directory;
 }
@@ -261,7 +262,7 @@ Status ZipDirectory::CheckCrcs(const MappedFile& file) const {
       pages.Note(view, at, n);
     }
     if (crc != record.crc) {
-      return Status::InvalidInput(file.path() + ": record " + name + " does not have the CRC-32 its zip "
+      return Status::InvalidInput(file.Name(window_) + ": record " + name + " does not have the CRC-32 its zip "
                                   "directory records; its bytes are damaged");
     }
   }

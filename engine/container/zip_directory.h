@@ -45,11 +45,12 @@ class ZipDirectory {
   const std::map<std::string, ZipRecord>& records() const { return records_; }
 
   // Reads every record of `file` (the file Read was given) and refuses the
-  // first whose bytes do not have the CRC-32 the directory records; the
-  // pages read are released as it goes.
+  // first whose bytes do not have the CRC-32 the directory records, naming
+  // the file and the archive's window; the pages read are released as it goes.
   Status CheckCrcs(const MappedFile& file) const;
 
  private:
+  FileWindow window_;                         // of the file Read was given
   std::string archive_;                       // with its trailing '/'
   std::map<std::string, ZipRecord> records_;  // by full name
 };

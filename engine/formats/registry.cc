@@ -1,10 +1,11 @@
 #include "formats/registry.h"
 
 #include "container/record_crc.h"
+#include "formats/consolidated/consolidated_source.h"
 #include "formats/dcp/dcp_source.h"
+#include "formats/dcp_common/megatron_tracker.h"
 #include "formats/deepspeed/deepspeed_source.h"
 #include "formats/folder_hint.h"
-#include "formats/consolidated/consolidated_source.h"
 #include "formats/hf_common/hf_folder.h"
 #include "formats/hf_common/hf_import.h"
 #include "formats/megatron_core/torch/megatron_torch_import.h"
@@ -63,7 +64,7 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenTorchtitan(DcpContent content, con
 Result<std::unique_ptr<SourceCheckpoint>> OpenDcp(const std::string& folder, const CommonOptions& options) {
   RESHARD_ASSIGN_OR_RETURN(DcpContent content, ReadDcpContent(folder));
   if (options.rules == kNoRules) return Named("dcp", OpenDcpCheckpoint(std::move(content), ""));
-  if (!IsTorchDistFolder(folder)) return OpenTorchtitan(std::move(content), options);
+  if (!content.torch_dist) return OpenTorchtitan(std::move(content), options);
   Result<TorchDistImport> imported = ReadTorchDistImport(content, options);
   if (!imported.ok()) {
     if (!options.rules.empty() || imported.status().code() != Status::Code::kUnsupported) return imported.status();
@@ -112,6 +113,9 @@ Status CheckPipelineComputes(const SourceCheckpoint& src) {
 Result<std::unique_ptr<SourceCheckpoint>> OpenCheckpoint(const std::string& path,
                                                          const CommonOptions& options) {
   SetRecordCrcChecks(options.check_crc);
+  // A Megatron-LM root's tracker that names no folder is refused by name,
+  // not taken for another format's folder.
+  RESHARD_RETURN_IF_ERROR(MegatronTrackedFolder(path).status());
   // A new format recognises its own folders here, before DeepSpeed's
   // refusal of the rest. An HF folder is read as the pipeline model its
   // family's rules describe, which converts into DeepSpeed's layout.

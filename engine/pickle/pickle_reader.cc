@@ -42,7 +42,7 @@ enum class Use {
   kEnum,           // a format's enum (KnownClass::Kind::kEnum)
   kTupleRecord,    // NEWOBJ of no arguments, then BUILD of a tuple (KnownClass::Kind::kTupleRecord)
   kValue,          // Class(constants) (KnownClass::Kind::kValue)
-  kInert,          // a global on no list, read as an inert record (inert_unknown_classes)
+  kInert,          // a global on no list, read as an inert record (inert_packages)
   kUser,           // allowed by the user: any call, on the user's word
 };
 
@@ -138,7 +138,7 @@ std::optional<Use> UseOf(const std::string& qualified, const PickleReadOptions& 
       }
     }
   }
-  if (options.inert_unknown_classes) return Use::kInert;
+  if (options.inert_packages.count(qualified.substr(0, qualified.find('.')))) return Use::kInert;
   return std::nullopt;
 }
 

@@ -69,12 +69,14 @@ struct PickleReadOptions {
   // allows getattr(module.Enum, 'member') for a member of a format's enum
   // that KnownClass::members does not list.
   std::set<std::string> allowed_globals;
-  // Read a global on no list as an inert record (any call of it is carried
-  // through as an opaque Object) instead of refusing it. Only for callers
-  // that take plain data out of the tree and never write it back: a
-  // Distributed Checkpoint's `.metadata` holds other libraries' classes
-  // (Megatron's MCoreSavePlan) beside the fields reshard reads.
-  bool inert_unknown_classes = false;
+  // Top-level packages ("megatron") whose globals on no list are read as
+  // inert records (any call of them is carried through as an opaque Object)
+  // instead of being refused. Only for callers that take plain data out of
+  // the tree and never write it back: a Distributed Checkpoint's `.metadata`
+  // holds other libraries' classes (Megatron's MCoreSavePlan) beside the
+  // fields reshard reads. A global of any other package (os.system) is
+  // refused as ever.
+  std::set<std::string> inert_packages;
   // Refuse streams nested deeper than this (protects the stack).
   int max_depth = 1000;
 };

@@ -161,22 +161,22 @@ struct FormatOptionInfo {
     kText,   // any text, or one of `choices`
     kCount,  // an integer >= 1
   };
-  std::string name;  // "tokenizer", "layer-spec", ...
+  std::string name = "";  // "tokenizer", "layer-spec", ...
   Kind kind = Kind::kText;
-  std::string help;
-  std::vector<std::string> choices;  // the values it takes; empty = any
-  bool bytes = false;                // kCount: a size in bytes ("5GB" on the command line)
-  std::string default_value;         // what the format uses when it is not given ("" = nothing)
+  std::string help = "";
+  std::vector<std::string> choices = {};  // the values it takes; empty = any
+  bool bytes = false;                     // kCount: a size in bytes ("5GB" on the command line)
+  std::string default_value = "";         // what the format uses when it is not given ("" = nothing)
 };
 
 // A format reshard writes, as the registry of formats declares it.
 struct TargetFormatInfo {
-  std::string name;    // what --to takes: "hf", "torch_dist", ...
-  std::string help;    // one line: what it writes
-  std::string output;  // what OUTPUT is for it
+  std::string name = "";    // what --to takes: "hf", "torch_dist", ...
+  std::string help = "";    // one line: what it writes
+  std::string output = "";  // what OUTPUT is for it
   // The layout sizes (--tp, --pp, --dp) it takes; others are refused.
   bool tp = false, pp = false, dp = false;
-  std::vector<FormatOptionInfo> options;
+  std::vector<FormatOptionInfo> options = {};
 };
 
 // Every format `export --to` writes, in the order --help lists them.

@@ -29,6 +29,16 @@ inconsistency as an error finding (exit 1):
   * ``--tokenizer`` files that cannot be copied or are links out of the tokenizer's repository;
   * a flipped byte in a layer file's tensor or an optimizer shard: the CRC-32 of every record a
     run reads whole is checked as it is read (``--no-check-crc`` opts out).
+  * a flipped byte in a tensor item of a Distributed Checkpoint's ``.distcp`` file, for each DCP
+    flavour (Megatron-Core 0.19 and 0.14 ``torch_dist``, plain ``dcp.save``, torchtitan): every
+    item is a torch.save archive with CRC-32s, checked as it is read and by ``lint --deep``;
+  * a Megatron-Core save's broken metadata: a ``common.pt`` missing, a FIFO, a link to
+    ``/dev/zero`` or a pickle gadget; a ``metadata.json`` that is not Megatron-Core's (not JSON,
+    empty, an array, another backend or version, a FIFO, ``/dev/zero``); a gadget in 0.19's
+    ``common_state`` item or in ``.metadata``'s save plans: each refused naming the file, never
+    read as plain DCP;
+  * a ``.metadata`` that is a FIFO, a device, a folder, empty or cut short; a Megatron-LM tracker
+    naming no iteration; a ``model_optim_rng.pt`` that is a gadget: each named for what it is.
 
 This script never unpickles the malicious files itself.
 
@@ -37,13 +47,16 @@ PYTHONPATH=tests.
 """
 
 import builtins
+import glob
 import io
 import json
 import os
+import pickle
 import pickletools
 import shutil
 import struct
 import subprocess
+import sys
 import zipfile
 
 import torch
@@ -53,6 +66,7 @@ from interop_support import layer_file, mp_file, rewrite
 from test_cli_errors import SYSTEM, ReshardTestCase, _RunsSystem
 import test_export_hf as hf
 import test_import_hf as hf_import
+from megatron_core_data import config_of, sizes
 
 NEVER_EXECUTES = 'reshard never executes pickled code'
 
@@ -624,6 +638,323 @@ class DamagedRecordTests(HostileTestCase):
         self.assertRefused(['convert', tag, out, '--tp', 1, '--pp', 1, '-q'],
                            [f'{path}: record {record} does not have the CRC-32'],
                            watch=[self.path('src')], out=out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Distributed Checkpoint folders: damaged items, broken Megatron-Core metadata, misleading names
+# ---------------------------------------------------------------------------------------------
+
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'data')
+MC_SIZES = sizes(config_of('0.19/w2_tp2'))  # what the Megatron-Core samples do not record (0.14's are alike)
+
+
+def distcp_items(path):
+    """(start, end, [ZipInfo]) of each item archive of the `.distcp` file ``path``, in order."""
+    with open(path, 'rb') as f:
+        data = f.read()
+    out, start = [], 0
+    while True:
+        end_record = data.find(b'PK\x05\x06', start)
+        if end_record < 0:
+            return out
+        end = end_record + 22 + struct.unpack('<H', data[end_record + 20:end_record + 22])[0]
+        with zipfile.ZipFile(io.BytesIO(data[start:end])) as z:
+            out.append((start, end, z.infolist()))
+        start = end
+
+
+def flip_byte_in_distcp(path, first=False):
+    """Flips one byte inside a tensor record of an item of ``path``: of the first item holding one
+    (``first``), else of the biggest. Returns the record's offset in the file."""
+    records = []
+    for start, end, infos in distcp_items(path):
+        for info in infos:
+            if '/data/' in info.filename and info.file_size >= 64:
+                records.append((start, info))
+    start, info = records[0] if first else max(records, key=lambda r: r[1].file_size)
+    with open(path, 'r+b') as f:
+        f.seek(start + info.header_offset + 26)
+        name_length, extra_length = struct.unpack('<HH', f.read(4))
+        at = start + info.header_offset + 30 + name_length + extra_length + info.file_size // 2
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x40]))
+    return start
+
+
+def torch_save_bytes(pickled):
+    """A torch.save-like zip holding the pickle ``pickled`` and no storage."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, 'w') as z:
+        z.writestr('archive/data.pkl', pickled)
+        z.writestr('archive/byteorder', 'little')
+        z.writestr('archive/version', '3\n')
+    return buf.getvalue()
+
+
+def gadget_pickle(command, wrap=lambda g: g):
+    return pickle_dumps(wrap(_Call(os.system, command)))
+
+
+def write(path, data):
+    with open(path, 'wb' if isinstance(data, bytes) else 'w') as f:
+        f.write(data)
+
+
+def pickle_dumps(obj):
+    return pickle.dumps(obj, protocol=2)
+
+
+def errors_of(p):
+    return [line for line in p.stdout.splitlines() if line.startswith('error:')]
+
+
+def python_module(binary):
+    """The reshard module built beside ``binary``, or None."""
+    module_dir = os.path.join(os.path.dirname(binary), 'python')
+    if not glob.glob(os.path.join(module_dir, 'reshard', '_reshard*.so')):
+        return None
+    sys.path.insert(0, module_dir)
+    import reshard
+    return reshard
+
+
+class DcpDamagedItemTests(HostileTestCase):
+    """One flipped byte inside a tensor record of `__0_0.distcp`: refused wherever it is read."""
+
+    FLAVOURS = {  # name: (sample, the exports that read the damaged tensor, extra args, first record)
+        'torch_dist 0.19': ('megatron-core/0.19/w2_tp2', [['--to', 'consolidated'], ['--to', 'megatron', '--tp', 1, '--pp', 1],
+                                                         ['--to', 'megatron', '--tp', 2, '--pp', 1]], MC_SIZES, False),
+        'torch_dist 0.14': ('megatron-core/0.14/w2_tp2', [['--to', 'consolidated'], ['--to', 'megatron', '--tp', 1, '--pp', 1],
+                                                         ['--to', 'megatron', '--tp', 2, '--pp', 1]], MC_SIZES, False),
+        'plain DCP': ('dcp/single_model_optim', [['--to', 'consolidated']], [], False),
+        'torchtitan': ('torchtitan/fsdp2_w2/step-1', [['--to', 'consolidated'], ['--to', 'hf']],
+                       ['--set', 'num_attention_heads=4'], True),
+    }
+
+    def damaged(self, sample, first):
+        src = self.path(sample.replace('/', '_'))
+        shutil.copytree(os.path.join(DATA, sample), src)
+        distcp = sorted(glob.glob(os.path.join(src, '**', '__0_0.distcp'), recursive=True))[0]
+        start = flip_byte_in_distcp(distcp, first)
+        return src, distcp, start
+
+    def test_a_flipped_byte_in_an_item_is_refused_by_every_reader(self):
+        module = python_module(support.RESHARD)
+        for flavour, (sample, exports, extra, first) in self.FLAVOURS.items():
+            with self.subTest(flavour=flavour):
+                src, distcp, start = self.damaged(sample, first)
+                damage = [f'{distcp}', f'of the item at bytes {start}-', 'does not have the CRC-32']
+                # Without --deep lint reads no CRC (a plain DCP folder's lint has its own error:
+                # convert needs a rule set); --deep adds the damaged record's.
+                shallow = errors_of(support.reshard('lint', src, *extra))
+                p = support.reshard('lint', src, *extra, '--deep')
+                self.assertEqual(p.returncode, 1, p.stdout + p.stderr)
+                errors = [e for e in errors_of(p) if e not in shallow]
+                self.assertEqual(len(errors), 1, p.stdout)
+                self.assertIn(f'error: {distcp} [bytes {start}-', errors[0])
+                self.assertIn('does not have the CRC-32 its zip directory records', errors[0])
+                for export in exports:
+                    out = self.path('out')
+                    self.assertRefused(['export', src, out, *export, *extra, '-q'],
+                                       damage + ['nothing was published', '--no-check-crc'],
+                                       watch=[src], out=out)
+                unchecked = self.path('unchecked', sample.replace('/', '_'))
+                p = support.reshard('export', src, unchecked, *exports[0], *extra, '--no-check-crc', '-q')
+                self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+                if module is not None:
+                    self.check_module(module, src, extra, damage)
+
+    def check_module(self, module, src, extra, damage):
+        flags = list(zip(extra[::2], extra[1::2]))
+        values = dict(value.split('=', 1) for flag, value in flags if flag == '--set')
+        vocab = {'vocab_size': int(value) for flag, value in flags if flag == '--vocab-size'}
+        ckpt = module.open(src, set=values or None, **vocab)
+        errors = []
+        for name in ckpt.keys():
+            try:
+                ckpt.tensor(name)
+            except module.Error as e:
+                errors.append(str(e))
+        self.assertTrue(errors, 'tensor() read the damaged item without a word')
+        for needle in damage:
+            self.assertIn(needle, errors[0])
+
+
+class MegatronCoreMetadataTests(HostileTestCase):
+    """A torch_dist save's common.pt and metadata.json, broken: refused naming the file, never read
+    as a plain DCP folder (which would write the raw keys and lose the args and iteration)."""
+
+    def sample(self, version='0.14', case=''):
+        src = self.path('src', version, ''.join(c for c in case if c.isalnum()) or 'intact')
+        shutil.copytree(os.path.join(DATA, 'megatron-core', version, 'w2_tp2'), src)
+        return src
+
+    def assertEveryCommandRefuses(self, src, needles):
+        out = self.path('out')
+        for args in (['lint', src], ['inspect', src], ['export', src, out, '--to', 'consolidated'],
+                     ['export', src, out, '--to', 'megatron', '--tp', 1, '--pp', 1, *MC_SIZES],
+                     ['convert', src, os.path.join(out, 'global_step1'), '--tp', 1, '--pp', 1,
+                      *MC_SIZES]):
+            with self.subTest(command=args[0], to=args[4] if len(args) > 4 else None):
+                self.assertRefused(args, needles, out=out if args[0] in ('export', 'convert') else None)
+
+    def test_the_samples_read_with_their_models(self):
+        # The refusals below are not the only answer: the intact samples read as their models.
+        for version in ('0.14', '0.19'):
+            p = support.reshard('inspect', os.path.join(DATA, 'megatron-core', version, 'w2_tp2'))
+            self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+            self.assertIn('rule set', p.stdout)
+
+    def test_a_broken_common_pt(self):
+        pwned = self.path('pwned')
+        for case, make, needles in (
+                ('missing', os.remove, ['has neither common.pt', 'nor a common_state item']),
+                ('FIFO', replace_with_fifo, ['common.pt is a FIFO (named pipe), not a regular file']),
+                ('/dev/zero', lambda p: replace_with_link(p, '/dev/zero'),
+                 ['common.pt is a character device, not a regular file']),
+                ('gadget', lambda p: write(p, torch_save_bytes(gadget_pickle(f'touch {pwned}')))
+                 , ['common.pt', "pickle refers to class 'posix.system'", 'never runs code']),
+                ('gadget args', lambda p: write(p, torch_save_bytes(
+                    gadget_pickle(f'touch {pwned}', lambda g: {'args': g, 'iteration': 3}))),
+                 ['common.pt', "pickle refers to class 'posix.system'"]),
+                ('not a dict', lambda p: write(p, torch_save_bytes(pickle_dumps([1, 2]))),
+                 ['common.pt holds [1, 2], not the dict Megatron saves']),
+                ('args not a Namespace', lambda p: write(p, torch_save_bytes(pickle_dumps({'args': 7}))),
+                 ['common.pt holds args 7, not an argparse.Namespace'])):
+            with self.subTest(case=case):
+                src = self.sample(case=case)
+                make(os.path.join(src, 'common.pt'))
+                self.assertEveryCommandRefuses(src, [src] + needles)
+                self.assertFalse(os.path.exists(pwned), 'reshard executed code from a pickle')
+
+    def test_a_broken_metadata_json(self):
+        for version in ('0.14', '0.19'):
+            for case, make, needles in (
+                    ('not JSON', lambda p: write(p, '{"sharded_backend": '), ['is not valid JSON']),
+                    ('empty', lambda p: write(p, ''), ['is not valid JSON']),
+                    ('an array', lambda p: write(p, '["torch_dist"]'), ["holds ['torch_dist'], not a JSON object"]),
+                    ('zarr', lambda p: write(p, '{"sharded_backend": "zarr", "sharded_backend_version": 1}'),
+                     ["has sharded_backend 'zarr' where Megatron-Core writes 'torch_dist'"]),
+                    ('version 99', lambda p: write(p, '{"sharded_backend": "torch_dist", '
+                                                                 '"sharded_backend_version": 99}'),
+                     ['has sharded_backend_version 99 where Megatron-Core writes 1']),
+                    ('FIFO', replace_with_fifo, ['is a FIFO (named pipe), not a regular file']),
+                    ('/dev/zero', lambda p: replace_with_link(p, '/dev/zero'), ['is a character device'])):
+                with self.subTest(version=version, case=case):
+                    src = self.sample(version, case)
+                    marker = os.path.join(src, 'metadata.json')
+                    make(marker)
+                    self.assertEveryCommandRefuses(src, [marker] + needles)
+
+    def test_a_gadget_in_the_common_state_item(self):
+        src = self.sample('0.19')
+        pwned = self.path('pwned')
+        distcp = os.path.join(src, '__0_0.distcp')
+        # The common_state item is the one bytes item whose object is [{}] (the samples record no args).
+        start, end, _ = next((s, e, i) for s, e, i in distcp_items(distcp)
+                             if not any('/data/' in x.filename for x in i) and
+                             self.item_pickle(distcp, s, e) == b'\x80\x02]q\x00}q\x01a.')
+        with open(distcp, 'r+b') as f:
+            f.seek(start)
+            f.write(archive_of_length(gadget_pickle(f'touch {pwned}', lambda g: [g]), end - start))
+        self.assertEveryCommandRefuses(src, [src, 'common_state', "pickle refers to class 'posix.system'",
+                                             'never runs code'])
+        self.assertFalse(os.path.exists(pwned), 'reshard executed code from a pickle')
+
+    @staticmethod
+    def item_pickle(path, start, end):
+        with open(path, 'rb') as f:
+            f.seek(start)
+            with zipfile.ZipFile(io.BytesIO(f.read(end - start))) as z:
+                return z.read('archive/data.pkl')
+
+    def test_a_gadget_in_the_metadata_save_plans(self):
+        # 0.14's .metadata holds its ranks' save plans as megatron.core's MCoreSavePlan, read as an
+        # inert record; os.system called in its place is refused as in any other pickle.
+        src = self.sample('0.14')
+        path = os.path.join(src, '.metadata')
+        with open(path, 'rb') as f:
+            data = f.read()
+        plan = b'\x8c1megatron.core.dist_checkpointing.strategies.torch\x94\x8c\rMCoreSavePlan\x94\x93\x94)\x81\x94'
+        self.assertIn(plan, data)
+        gadget = b'\x8c\x05posix\x94\x8c\x06system\x94\x93\x94\x8c\x0btouch PWNED\x85R\x94'
+        # Protocol 4: one FRAME (opcode, 8-byte length) holds the rest of the file.
+        self.assertEqual(data[2:3], b'\x95')
+        frame = struct.unpack('<Q', data[3:11])[0] - len(plan) + len(gadget)
+        with open(path, 'wb') as f:
+            f.write(data[:3] + struct.pack('<Q', frame) + data[11:].replace(plan, gadget))
+        self.assertEveryCommandRefuses(src, [path, "pickle refers to class 'posix.system'", 'never runs code'])
+
+
+def archive_of_length(pickled, length):
+    """A torch.save-like zip of exactly ``length`` bytes holding ``pickled``, padded by a record."""
+    for pad in range(length):
+        buf = io.BytesIO()
+        with zipfile.ZipFile(buf, 'w') as z:
+            z.writestr('archive/data.pkl', pickled)
+            z.writestr('archive/version', '3\n')
+            z.writestr('archive/pad', b'\0' * pad)
+        if len(buf.getvalue()) == length:
+            return buf.getvalue()
+    raise AssertionError(f'no archive of {length} bytes holds the pickle')
+
+
+class MisleadingInputTests(HostileTestCase):
+    """Input refused for what it is, not as a DeepSpeed folder that is not one."""
+
+    def test_a_metadata_that_is_no_regular_file(self):
+        for case, make, what in (('FIFO', replace_with_fifo, 'a FIFO (named pipe)'),
+                                 ('/dev/zero', lambda p: replace_with_link(p, '/dev/zero'), 'a character device'),
+                                 ('folder', lambda p: (os.remove(p), os.mkdir(p)), 'a folder')):
+            with self.subTest(case=case):
+                src = self.path(case.strip('/'))
+                shutil.copytree(os.path.join(DATA, 'dcp', 'single_model_optim'), src)
+                path = os.path.join(src, '.metadata')
+                make(path)
+                for args in (['lint', src], ['export', src, self.path('out'), '--to', 'consolidated']):
+                    self.assertRefused(args, [f'{path} is {what}, not a regular file'],
+                                       out=self.path('out') if args[0] == 'export' else None)
+
+    def test_an_empty_or_truncated_metadata(self):
+        src = self.path('src')
+        shutil.copytree(os.path.join(DATA, 'dcp', 'single_model_optim'), src)
+        path = os.path.join(src, '.metadata')
+        with open(path, 'rb') as f:
+            data = f.read()
+        for case, cut, needles in (('empty', 0, [f'{path} is empty']),
+                                   ('cut short', len(data) // 2, [f'{path} ({len(data) // 2} bytes): malformed pickle'])):
+            with self.subTest(case=case):
+                with open(path, 'wb') as f:
+                    f.write(data[:cut])
+                self.assertRefused(['lint', src], needles + ['not a readable Distributed Checkpoint .metadata file'])
+
+    def test_a_megatron_lm_tracker_naming_no_iteration(self):
+        for case, make, needles in (
+                ('a path', lambda p: write(p, '../../../etc\n'), ["holds '../../../etc', not an iteration"]),
+                ('10^40', lambda p: write(p, '1' + '0' * 40), ["holds '1" + '0' * 39]),
+                ('-1', lambda p: write(p, '-1\n'), ["holds '-1', not an iteration"]),
+                ('FIFO', lambda p: os.mkfifo(p), ['is a FIFO (named pipe), not a regular file'])):
+            with self.subTest(case=case):
+                root = self.path(case.replace(' ', '_').replace('^', ''))
+                os.makedirs(root)
+                tracker = os.path.join(root, 'latest_checkpointed_iteration.txt')
+                make(tracker)
+                for args in (['lint', root], ['export', root, self.path('out'), '--to', 'consolidated']):
+                    self.assertRefused(args, [tracker] + needles, out=self.path('out') if args[0] == 'export' else None)
+
+    def test_a_megatron_lm_rank_file_that_is_a_gadget(self):
+        root = self.path('mlm')
+        p = support.reshard('export', os.path.join(DATA, 'megatron-core', '0.19', 'w2_tp2'), root, '--to', 'megatron',
+                            '--tp', 1, '--pp', 1, *MC_SIZES, '-q')
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        rank_file = glob.glob(os.path.join(root, 'iter_*', 'mp_rank_00', 'model_optim_rng.pt'))[0]
+        pwned = self.path('pwned')
+        with open(rank_file, 'wb') as f:
+            f.write(torch_save_bytes(gadget_pickle(f'touch {pwned}')))
+        self.assertRefused(['lint', root], [rank_file, "pickle refers to class 'posix.system'", 'never runs code'])
+        self.assertFalse(os.path.exists(pwned), 'reshard executed code from a pickle')
 
 
 if __name__ == '__main__':

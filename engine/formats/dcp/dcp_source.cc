@@ -4,6 +4,7 @@
 
 #include "container/regular_file.h"
 #include "formats/dcp_common/dcp_content.h"
+#include "formats/dcp_common/megatron_tracker.h"
 #include "plan/materialize.h"
 #include "plan/slicing.h"
 #include "util/human.h"
@@ -12,17 +13,12 @@
 namespace reshard {
 namespace {
 
-constexpr char kLatestIterationFile[] = "latest_checkpointed_iteration.txt";
-
+// A `.metadata` entry of any kind makes the folder a DCP folder: one that is
+// not a regular file (a FIFO, a link to a device, a folder) is refused by
+// name when it is read, never taken for another format's folder.
 bool IsDcpFolder(const std::string& path) {
   struct stat st;
-  return ::stat((path + "/" + kDcpMetadataFile).c_str(), &st) == 0 && S_ISREG(st.st_mode);
-}
-
-std::string FirstWord(const std::string& text) {
-  const size_t begin = text.find_first_not_of(" \t\r\n");
-  if (begin == std::string::npos) return "";
-  return text.substr(begin, text.find_first_of(" \t\r\n", begin) - begin);
+  return ::lstat((path + "/" + kDcpMetadataFile).c_str(), &st) == 0;
 }
 
 class DcpSource : public SourceCheckpoint {
@@ -104,7 +100,7 @@ class DcpSource : public SourceCheckpoint {
       bytes += Box::Whole(t.size).numel() * ElementSize(t.dtype);
     }
     std::string s =
-        IsTorchDistFolder(c_.folder) ? "Megatron-Core torch_dist checkpoint" : "PyTorch Distributed Checkpoint";
+        c_.torch_dist ? "Megatron-Core torch_dist checkpoint" : "PyTorch Distributed Checkpoint";
     if (info_.iteration > 0) s += "; iteration " + std::to_string(info_.iteration);
     return s + "; " + Count(static_cast<int64_t>(c_.tensors.size()), "tensor") + " in " + Count(chunks, "chunk") +
            " (" + HumanBytes(bytes) + "), " + Count(static_cast<int64_t>(c_.bytes_items.size()), "bytes item") +
@@ -118,18 +114,11 @@ class DcpSource : public SourceCheckpoint {
 
 std::string DcpCheckpointFolder(const std::string& path) {
   if (IsDcpFolder(path)) return path;
-  // Megatron-LM's root: the file holds the iteration ("release" for a
-  // released model), whose folder is iter_%07d.
-  Result<std::string> latest = ReadRegularFile(path + "/" + kLatestIterationFile, 64);
-  if (!latest.ok()) return "";
-  const std::string iteration = FirstWord(*latest);
-  std::string folder = iteration == "release" ? "release" : "";
-  if (folder.empty() && !iteration.empty() && iteration.size() <= 7 &&
-      iteration.find_first_not_of("0123456789") == std::string::npos) {
-    folder = "iter_" + std::string(7 - iteration.size(), '0') + iteration;
-  }
-  const std::string at = path + "/" + folder;
-  return !folder.empty() && IsDcpFolder(at) ? at : "";
+  // Megatron-LM's root: its tracker names the folder (OpenCheckpoint refuses a bad one).
+  const Result<std::string> folder = MegatronTrackedFolder(path);
+  if (!folder.ok() || folder->empty()) return "";
+  const std::string at = path + "/" + *folder;
+  return IsDcpFolder(at) ? at : "";
 }
 
 std::unique_ptr<SourceCheckpoint> OpenDcpCheckpoint(DcpContent content, std::string why_no_rules) {

@@ -1,5 +1,7 @@
 #include "formats/dcp_common/dcp_content.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <regex>
 
@@ -80,12 +82,42 @@ std::vector<std::string> DcpContent::Paths() const {
   return paths;
 }
 
-bool IsTorchDistFolder(const std::string& folder) {
-  Result<std::string> text = ReadRegularFile(folder + "/metadata.json", 1 << 16);
-  if (!text.ok()) return false;
-  Result<Value> json = ParseJson(*text, folder + "/metadata.json");
-  const Value* backend = json.ok() ? Find(*json, "sharded_backend") : nullptr;
-  return backend != nullptr && backend->is(Value::Kind::kString) && backend->as_string() == "torch_dist";
+namespace {
+
+// What Megatron-Core's torch_dist save writes in metadata.json.
+constexpr char kMarkerFile[] = "metadata.json";
+constexpr char kTorchDistBackend[] = "torch_dist";
+constexpr int64_t kTorchDistVersion = 1;
+constexpr char kCommonBackend[] = "torch";
+
+// Empty when `json`'s `key` is absent (unless `required`) or holds `want`;
+// else what it holds instead.
+std::string Mismatch(const Value& json, const char* key, const Value& want, bool required) {
+  const Value* v = Find(json, key);
+  if (v == nullptr) return required ? std::string("has no ") + key : "";
+  if (v->kind() == want.kind() && v->DebugString(80) == want.DebugString(80)) return "";
+  return std::string("has ") + key + " " + v->DebugString(60) + " where Megatron-Core writes " + want.DebugString(60);
+}
+
+}  // namespace
+
+Result<bool> ReadTorchDistMarker(const std::string& folder) {
+  const std::string path = folder + "/" + kMarkerFile;
+  struct stat st;
+  if (::lstat(path.c_str(), &st) != 0) return false;  // a plain DCP folder
+  RESHARD_ASSIGN_OR_RETURN(std::string text, ReadRegularFile(path, 1 << 16));
+  RESHARD_ASSIGN_OR_RETURN(Value json, ParseJson(text, path));
+  const std::string fix = "; it is not the metadata.json Megatron-Core's torch_dist save writes, so the folder's "
+                          "model cannot be told (restore the file from the saved checkpoint)";
+  if (DictItems(json) == nullptr) return Status::InvalidInput(path + " holds " + json.DebugString(60) + ", not a JSON object" + fix);
+  for (const std::string& problem :
+       {Mismatch(json, "sharded_backend", Value::String(kTorchDistBackend), true),
+        Mismatch(json, "sharded_backend_version", Value::Int(kTorchDistVersion), true),
+        Mismatch(json, "common_backend", Value::String(kCommonBackend), false),
+        Mismatch(json, "common_backend_version", Value::Int(kTorchDistVersion), false)}) {
+    if (!problem.empty()) return Status::InvalidInput(path + " " + problem + fix);
+  }
+  return true;
 }
 
 int64_t IterationOfFolder(const std::string& folder) {
@@ -99,6 +131,7 @@ Result<DcpContent> ReadDcpContent(const std::string& folder) {
   DcpContent content;
   content.folder = folder;
   RESHARD_ASSIGN_OR_RETURN(content.meta, ReadDcpMetadata(folder + "/" + kDcpMetadataFile));
+  RESHARD_ASSIGN_OR_RETURN(content.torch_dist, ReadTorchDistMarker(folder));
   RESHARD_RETURN_IF_ERROR(ContentReader(&content).ReadAll());
   return content;
 }

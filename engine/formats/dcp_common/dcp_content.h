@@ -27,6 +27,7 @@ struct DcpTensor {
 
 struct DcpContent {
   std::string folder;
+  bool torch_dist = false;  // Megatron-Core's (ReadTorchDistMarker)
   DcpMetadata meta;
   std::map<std::string, std::shared_ptr<const MappedFile>> files;  // by name in the folder
   std::vector<DcpTensor> tensors;        // in key order
@@ -49,16 +50,21 @@ SourceShard SliceRuns(const DcpTensor& t, int64_t layer);
 // The name of a DCP checkpoint's metadata file.
 inline constexpr char kDcpMetadataFile[] = ".metadata";
 
-// Whether `folder` is Megatron-Core's `torch_dist` (its metadata.json says so).
-bool IsTorchDistFolder(const std::string& folder);
+// Whether `folder` is Megatron-Core's `torch_dist`: its metadata.json says
+// so. A folder without one is a plain DCP folder; a metadata.json that is not
+// Megatron-Core's for torch_dist (not a regular file, not a JSON object,
+// another backend or version) is InvalidInput naming it and the problem, as
+// reading the folder as plain DCP would lose its model's layout silently.
+Result<bool> ReadTorchDistMarker(const std::string& folder);
 
 // The iteration Megatron-LM names a checkpoint folder after (iter_0000010); 0 else.
 int64_t IterationOfFolder(const std::string& folder);
 
-// Reads `folder`'s `.metadata` and every chunk it lists. Errors (one line
-// naming the file): a `.metadata` that does not parse or does not fit its
-// files (chunks that do not tile their tensor, items outside their `.distcp`
-// file, an item whose archive holds something other than its chunk).
+// Reads `folder`'s `.metadata` and every chunk it lists, and its
+// metadata.json. Errors (one line naming the file): a `.metadata` that does
+// not parse or does not fit its files (chunks that do not tile their tensor,
+// items outside their `.distcp` file, an item whose archive holds something
+// other than its chunk); a metadata.json ReadTorchDistMarker refuses.
 Result<DcpContent> ReadDcpContent(const std::string& folder);
 
 }  // namespace reshard

@@ -297,6 +297,44 @@ TEST(DcpMetadataTest, MalformedFilesGiveOneLineErrors) {
   EXPECT_NE(ErrorFor(dir, ""), "(read without error)");
 }
 
+// `meta` with `planner_data` added to its fields.
+Value WithPlannerData(Value meta, Value planner_data) {
+  Set(meta, "planner_data", std::move(planner_data));
+  return meta;
+}
+
+TEST(DcpMetadataTest, OnlyMegatronsClassesAreInert) {
+  TempDir dir;
+  const Value meta = OneTensorMetadata({5, 7}, {{{0, 0}, {5, 7}}}, true);
+  EXPECT_EQ(ErrorFor(dir, Pickled(WithPlannerData(
+                              meta, Record("megatron.core.dist_checkpointing.strategies.torch.MCoreSavePlan", {})))),
+            "(read without error)");
+  Object call;
+  call.cls = Global{"posix", "system"};
+  call.args = {Value::String("touch pwned")};
+  const std::string gadget = ErrorFor(dir, Pickled(WithPlannerData(meta, Value::MakeObject(std::move(call)))));
+  EXPECT_NE(gadget.find("pickle refers to class 'posix.system', which reshard does not know"), std::string::npos)
+      << gadget;
+}
+
+TEST(DcpMetadataTest, AnItemListedTwiceIsNamed) {
+  TempDir dir;
+  Value meta = OneTensorMetadata({5, 7}, {{{0, 0}, {5, 7}}}, true);
+  Items& items = *MutableDictItems(*FindMutable(meta, "state_dict_metadata"));
+  items.push_back(items[0]);
+  EXPECT_NE(ErrorFor(dir, Pickled(meta)).find("lists item 'w' twice"), std::string::npos);
+}
+
+TEST(DcpMetadataTest, EmptyAndTruncatedFilesSaySo) {
+  TempDir dir;
+  EXPECT_NE(ErrorFor(dir, "").find(".metadata is empty; it is not a readable Distributed Checkpoint"),
+            std::string::npos);
+  const std::string whole = Pickled(OneTensorMetadata({5, 7}, {{{0, 0}, {5, 7}}}, true));
+  const std::string cut = ErrorFor(dir, whole.substr(0, 100));
+  EXPECT_NE(cut.find(".metadata (100 bytes): malformed pickle"), std::string::npos) << cut;
+  EXPECT_NE(cut.find("not a readable Distributed Checkpoint .metadata file"), std::string::npos) << cut;
+}
+
 TEST(DcpMetadataTest, TruncatedRealFileGivesOneLineError) {
   std::ifstream in(kData / "megatron-core/0.14/w2_tp2/.metadata", std::ios::binary);
   const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());

@@ -48,5 +48,18 @@ TEST(RecordCrcsTest, ARecordReadInPartIsCounted) {
   EXPECT_EQ(c.crcs->PartlyRead(), 1);
 }
 
+TEST(RecordCrcsTest, RecordsAddedLaterAreCheckedAndOnlyOnce) {
+  Checked c(true);
+  std::vector<uint8_t> later(50, 3);
+  const ZipRecord record{200, 50, Crc32(0, later.data(), later.size())};
+  c.crcs->Add({{"b/data/0", record}});
+  c.crcs->Add({{"b/data/0", record}});  // the same archive read again
+  c.crcs->Note(200, 50, Crc32(0, later.data(), later.size()));
+  EXPECT_EQ(c.crcs->Damage(), "");
+  EXPECT_EQ(c.crcs->PartlyRead(), 0);
+  c.Read(0, 100);
+  EXPECT_NE(c.crcs->Damage().find("f.pt: record a/data/0 does not have the CRC-32"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace reshard

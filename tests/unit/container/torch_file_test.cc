@@ -4,6 +4,7 @@
 
 #include <cstring>
 #include <fstream>
+#include <iterator>
 
 #include "container/record_crc.h"
 #include "container/zip_directory.h"
@@ -112,6 +113,39 @@ TEST(TorchFileTest, ADamagedSourceRecordCopiedWholeIsStillRefused) {
   const Status checked = CheckReadRecords();
   EXPECT_EQ(checked.code(), Status::Code::kInvalidInput);
   EXPECT_NE(checked.message().find("source.pt: record"), std::string::npos) << checked.message();
+}
+
+// Two archives in one file, as a Distributed Checkpoint's `.distcp` file
+// holds its items: a damaged byte in the first is found after the second
+// was read too (the second's checks must not replace the first's).
+TEST(TorchFileTest, EveryArchiveOfAFileIsChecked) {
+  TempDir dir;
+  const std::string one = (dir.path() / "one.pt").string(), joined = (dir.path() / "items.distcp").string();
+  ASSERT_TRUE(WriteTorchFile(one, LargeTensor()).ok());
+  std::ifstream in(one, std::ios::binary);
+  const std::string archive((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const ZipRecord record = RecordOf(one, "data/0");
+  std::string file = archive + archive;
+  file[record.data_offset + 1000] ^= 0x55;  // in the first archive only
+  std::ofstream(joined, std::ios::binary) << file;
+  Result<std::shared_ptr<const MappedFile>> mapped = MappedFile::Open(joined);
+  ASSERT_TRUE(mapped.ok());
+  std::vector<uint8_t> copy(record.size);
+  for (const uint64_t at : {uint64_t{0}, static_cast<uint64_t>(archive.size())}) {
+    Result<Value> read = ReadTorchArchive(*mapped, FileWindow{at, archive.size()});
+    ASSERT_TRUE(read.ok()) << read.status().message();
+    ASSERT_TRUE(ReadTorchArchive(*mapped, FileWindow{at, archive.size()}).ok());  // read twice: counted once
+    const Storage& s = *Find(*read, "w")->as_tensor().storage;
+    CopyFromView(s.bytes, s.bytes.data, s.bytes.size, copy.data(), nullptr);
+  }
+  const Status checked = CheckReadRecords();
+  EXPECT_EQ(checked.code(), Status::Code::kInvalidInput);
+  EXPECT_NE(checked.message().find("items.distcp: record "), std::string::npos) << checked.message();
+  EXPECT_NE(checked.message().find("/data/0 of the item at bytes 0-" + std::to_string(archive.size()) +
+                                   " does not have the CRC-32"),
+            std::string::npos)
+      << checked.message();
+  EXPECT_EQ(PartlyReadRecordsNote(), "");
 }
 
 TEST(TorchFileTest, ReadsWhatTorchSaveWrote) {

@@ -1,7 +1,12 @@
 #include "formats/megatron_core/common/torch_dist_family.h"
 
-#include <algorithm>
+#include <sys/stat.h>
 
+#include <algorithm>
+#include <cctype>
+#include <cstdio>
+
+#include "container/regular_file.h"
 #include "logical/settings.h"
 #include "rules/builtin_rules.h"
 #include "util/human.h"
@@ -25,6 +30,21 @@ Value ImportedRunMetadata(const Value* args, const Value* iteration, int64_t fal
       {{Value::String("args"), args != nullptr && !args->is_none() ? *args : MakeNamespace({})},
        {Value::String("iteration"),
         iteration != nullptr && iteration->is(Value::Kind::kInt) ? *iteration : Value::Int(fallback)}});
+}
+
+Status CheckRunState(const Value& state, const std::string& where) {
+  if (DictItems(state) == nullptr || state.is(Value::Kind::kObject)) {
+    return Status::InvalidInput(where + " holds " + state.DebugString(80) + ", not the dict Megatron saves");
+  }
+  const Value* args = Find(state, "args");
+  const bool namespace_args = args == nullptr || args->is_none() ||
+                              (args->is(Value::Kind::kObject) && args->as_object().cls.Qualified() == "argparse.Namespace");
+  if (!namespace_args) return Status::InvalidInput(where + " holds args " + args->DebugString(80) + ", not an argparse.Namespace");
+  const Value* iteration = Find(state, "iteration");
+  if (iteration != nullptr && !iteration->is(Value::Kind::kInt)) {
+    return Status::InvalidInput(where + " holds the iteration " + iteration->DebugString(60) + ", not an int");
+  }
+  return Status::Ok();
 }
 
 Result<std::vector<RuleSet>> TorchDistCandidates(const std::string& spec, const std::string& what) {

@@ -30,6 +30,12 @@ std::string WithBlock(std::string name, int64_t block);
 // absent) and `iteration` (`fallback` when absent).
 Value ImportedRunMetadata(const Value* args, const Value* iteration, int64_t fallback);
 
+// Refuses the run state `state` (a common state dict, a Megatron-LM rank
+// file's object; `where` names it) when it is not a dict, or its args are
+// not an argparse.Namespace or its iteration not an int: the import would
+// lose them silently.
+Status CheckRunState(const Value& state, const std::string& where);
+
 // The rule sets that may read a Megatron-Core model: `spec` (--rules) alone,
 // which must have a torch_dist section (`what` names the checkpoint kind for
 // the message), else every built-in set that has one.

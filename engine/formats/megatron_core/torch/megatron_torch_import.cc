@@ -8,8 +8,9 @@
 #include <map>
 #include <optional>
 
-#include "container/regular_file.h"
+#include "container/dcp_metadata.h"
 #include "container/torch_file.h"
+#include "formats/dcp_common/megatron_tracker.h"
 #include "formats/megatron_core/common/megatron_layout.h"
 #include "formats/megatron_core/common/torch_dist_family.h"
 #include "formats/megatron_core/torch/distrib_optim.h"
@@ -36,18 +37,6 @@ bool Exists(const fs::path& p) {
 // "mp_rank_01_002": MegatronFileName's rank folder.
 std::string RankFolderName(int tp_rank, int stage, int pp) {
   return fs::path(MegatronFileName(0, tp_rank, stage, pp)).parent_path().filename();
-}
-
-// The iteration a root's latest_checkpointed_iteration.txt names.
-std::optional<int64_t> LatestIteration(const std::string& root) {
-  Result<std::string> text = ReadRegularFile(root + "/" + kLatestIterationFile, 64);
-  if (!text.ok()) return std::nullopt;
-  std::string digits = *text;
-  digits.erase(std::remove_if(digits.begin(), digits.end(), [](char c) { return std::isspace(c) != 0; }),
-               digits.end());
-  int64_t iteration = 0;
-  if (!ParseInt(digits, &iteration)) return std::nullopt;
-  return iteration;
 }
 
 // A rank's tensors under one key: each TP rank's piece, in rank order.
@@ -106,7 +95,7 @@ void WidenToArgs(RankFiles* files, const Value& root) {
 
 Status ReadFiles(const CommonOptions& options, RankFiles* files) {
   PickleReadOptions read;
-  read.inert_unknown_classes = true;  // plain data is read out of the args; nothing is written back
+  read.inert_packages = MegatronPackages();  // plain data is read out of the args; nothing is written back
   read.allowed_globals = options.allowed_classes;
   for (int p = 0; p < files->pp; ++p) {
     for (int t = 0; t < files->tp; ++t) {
@@ -118,6 +107,7 @@ Status ReadFiles(const CommonOptions& options, RankFiles* files) {
                                     "from the saved checkpoint");
       }
       RESHARD_ASSIGN_OR_RETURN(Value root, ReadTorchFile(path, read));
+      RESHARD_RETURN_IF_ERROR(CheckRunState(root, path));
       if (p == 0 && t == 0) WidenToArgs(files, root);
       if (Find(root, "model") == nullptr || DictItems(*Find(root, "model")) == nullptr) {
         return Status::InvalidInput(path + " holds no `model` dict; it is not a Megatron-LM checkpoint file");
@@ -578,10 +568,8 @@ std::string MegatronTorchFolder(const std::string& path) {
     return Exists(fs::path(folder) / "mp_rank_00" / kRankFile) || Exists(fs::path(folder) / "mp_rank_00_000" / kRankFile);
   };
   if (holds_ranks(path)) return path;
-  const std::optional<int64_t> iteration = LatestIteration(path);
-  if (!iteration) return "";
-  const std::string folder = fs::path(MegatronFileName(*iteration, 0, 0, 1)).parent_path().parent_path();
-  return holds_ranks(path + "/" + folder) ? path + "/" + folder : "";
+  const Result<std::string> folder = MegatronTrackedFolder(path);  // OpenCheckpoint refuses a bad tracker
+  return folder.ok() && !folder->empty() && holds_ranks(path + "/" + *folder) ? path + "/" + *folder : "";
 }
 
 Result<MegatronTorchImport> ReadMegatronTorchImport(const std::string& folder, const CommonOptions& options) {

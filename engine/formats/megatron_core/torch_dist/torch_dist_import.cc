@@ -6,6 +6,7 @@
 #include <map>
 #include <set>
 
+#include "container/dcp_metadata.h"
 #include "container/torch_file.h"
 #include "formats/megatron_core/common/torch_dist_family.h"
 #include "formats/megatron_core/torch_dist/torch_dist_optimizer.h"
@@ -22,27 +23,46 @@ constexpr char kCommonItemPrefix[] = "common_state/";
 // Keys of Transformer Engine's per-module state.
 constexpr char kExtraState[] = "._extra_state";
 
-bool IsFile(const std::string& path) {
+// Whether `path` names anything: a FIFO or a link to a device there is a
+// broken common.pt, which reading refuses by name, not a missing one.
+bool Exists(const std::string& path) {
   struct stat st;
-  return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+  return ::lstat(path.c_str(), &st) == 0;
 }
 
-// The common state dict (None when the checkpoint has none). Megatron wraps
-// the bytes item's object in a list of one.
+// The common state dict, which every Megatron-Core save writes: common.pt
+// before 0.19, the common_state item (its object wrapped in a list of one)
+// from 0.19. Refused when neither is there or it is not a dict with its
+// args a Namespace: the args and iteration would be lost silently.
 Result<Value> CommonState(const DcpContent& c) {
   const std::string file = c.folder + "/" + kCommonFile;
-  if (IsFile(file)) {
+  std::string where = file;
+  Result<Value> common = Status::InvalidInput(c.folder + " has neither " + kCommonFile + " (Megatron-Core up to 0.18) "
+                                              "nor a common_state item (0.19): every Megatron-Core save writes its "
+                                              "common state, the args and iteration (restore it from the saved "
+                                              "checkpoint)");
+  if (Exists(file)) {
     PickleReadOptions options;
-    options.inert_unknown_classes = true;  // plain data is read out of it; nothing is written back
-    return ReadTorchFile(file, options);
+    options.inert_packages = MegatronPackages();  // plain data is read out of it
+    common = ReadTorchFile(file, options);
+  } else {
+    for (const std::string& fqn : c.bytes_items) {
+      if (fqn.rfind(kCommonItemPrefix, 0) != 0) continue;
+      where = c.folder + "'s item " + fqn;
+      common = c.ReadBytes(fqn);
+      if (!common.ok()) {
+        common = Status::InvalidInput(common.status().message() + " (Megatron-Core's common state, item " + fqn + ")");
+      }
+      if (common.ok() && common->is(Value::Kind::kList) && common->as_list().items.size() == 1) {
+        common = Value(common->as_list().items[0]);
+      }
+      break;
+    }
   }
-  for (const std::string& fqn : c.bytes_items) {
-    if (fqn.rfind(kCommonItemPrefix, 0) != 0) continue;
-    RESHARD_ASSIGN_OR_RETURN(Value v, c.ReadBytes(fqn));
-    if (v.is(Value::Kind::kList) && v.as_list().items.size() == 1) return v.as_list().items[0];
-    return v;
-  }
-  return Value::None();
+  // Not Unsupported: a common state reshard cannot read is no reason to read the folder without rules.
+  if (!common.ok()) return Status::InvalidInput(common.status().message());
+  RESHARD_RETURN_IF_ERROR(CheckRunState(*common, where));
+  return common;
 }
 
 // The Megatron-Core version whose form the folder has: 0.19's where its
@@ -51,7 +71,7 @@ Result<Value> CommonState(const DcpContent& c) {
 // reshard writes), else 0.19's.
 std::string MegatronCoreVersion(const DcpContent& c, const std::optional<ImportedOptimizer>& optimizer) {
   if (optimizer && (optimizer->layout == "fully_reshardable" || optimizer->layout == "dp_reshardable")) return "0.19";
-  return IsFile(c.folder + "/" + kCommonFile) ? "0.14" : "0.19";
+  return Exists(c.folder + "/" + kCommonFile) ? "0.14" : "0.19";
 }
 
 // Reads the checkpoint as the model of one rule set.

@@ -23,7 +23,7 @@ DcpContent Content() {
 
 Result<std::optional<TorchDistOptimizer>> Read(const DcpContent& c) {
   PickleReadOptions options;
-  options.inert_unknown_classes = true;
+  options.inert_packages = MegatronPackages();
   Result<Value> common = ReadTorchFile(kSave + "/common.pt", options);
   EXPECT_TRUE(common.ok()) << common.status().message();
   static const TorchDistLayout layout;  // read without the rule set's registration order
