@@ -201,10 +201,11 @@ std::vector<std::string> PublishedNames(const Publication& publication) {
   return names;
 }
 
-// Whether the folder `parent` of the output `name` was made for it: absent,
-// or holding nothing but the output, what `publication` writes beside it and
-// what runs writing it leave (their staging folders, lock and temporary
-// files), as when a killed run made it. Never the current folder, which a
+// Whether the folder `parent` of the output `name` was made for it: absent
+// (this run makes it), or holding something and nothing but the output, what
+// `publication` writes beside it and what runs writing it leave (their
+// staging folders, lock and temporary files), as when a killed run made it.
+// Not an empty folder the user made, and never the current folder, which a
 // bare OUT name does not make a root.
 bool MadeForOutput(const fs::path& parent, const std::string& name, const Publication& publication) {
   std::error_code ec;
@@ -220,7 +221,7 @@ bool MadeForOutput(const fs::path& parent, const std::string& name, const Public
     const bool left = entry_name.rfind(name + ".reshard-", 0) == 0 || entry_name.find(".reshard-tmp-") != std::string::npos;
     if (!own.count(entry_name) && !left) return false;
   }
-  return true;
+  return !entries->empty();
 }
 
 // The staging folders and lock files of outputs in progress, for

@@ -103,10 +103,10 @@ struct OutputPlace {
 // the root, unless OUT is itself named as the tag (then OUT is the tag
 // folder: never OUT/<tag>/<tag>, which no reader finds). A tag folder's
 // root is its parent when that already is a checkpoint root (it holds one
-// of the publication's `root_markers`), or when it is not the current folder
-// and holds nothing but this output and what runs writing it leave (the run
-// makes it, or a killed run did); never the current folder merely because
-// OUT was a bare name.
+// of the publication's `root_markers`), or when the run makes it, or when it
+// holds nothing but this output and what runs writing it leave (a killed run
+// made it); never an empty folder the user made, nor the current folder
+// merely because OUT was a bare name.
 OutputPlace PlaceOutput(const std::string& out, const Publication& publication);
 
 // The (name, text) of each pointer `publication` writes beside the output

@@ -154,6 +154,8 @@ TEST(PlaceOutput, TheParentOfATagFolderIsARootOnlyWhenMadeForItOrAlreadyOne) {
   const fs::path parent = tmp.path() / "run2";
   const std::string out = (parent / "global_step100").string();
   EXPECT_EQ(PlaceOutput(out, LatestPublication()).root, parent.string());  // absent: the run makes it
+  fs::create_directories(parent);
+  EXPECT_EQ(PlaceOutput(out, LatestPublication()).root, "");  // an empty folder the user made
   fs::create_directories(parent / "global_step100.reshard-partial-999999999");
   EXPECT_EQ(PlaceOutput(out, LatestPublication()).root, parent.string());  // a killed run made it
   WriteText(parent / "notes.txt", "the user's");
