@@ -89,7 +89,8 @@ void AddPreflightOptions(CLI::App* cmd, reshard::PreflightOptions* o) {
 // --overwrite, --dry-run, --max-memory, -q and the preflight options: what
 // every command that writes a checkpoint takes.
 void AddWriteOptions(CLI::App* cmd, reshard::WriteOptions* o, bool* quiet) {
-  cmd->add_flag("--overwrite", o->overwrite, "Replace a non-empty OUTPUT folder");
+  cmd->add_flag("--overwrite", o->overwrite,
+                "Replace an earlier reshard output at OUTPUT, and a pointer such as 'latest' naming another checkpoint");
   cmd->add_flag("--dry-run", o->dry_run,
                 "Print the plan, the files and bytes to write and the memory estimate; write nothing");
   cmd->add_option("--max-memory", o->max_memory,

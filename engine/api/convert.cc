@@ -32,47 +32,41 @@
 namespace reshard {
 namespace {
 
-// The names of the pointer files `publication` writes.
-std::vector<std::string> PointerNames(const Publication& publication) {
-  std::vector<std::string> names;
-  for (const PointerFile& pointer : publication.pointers) names.push_back(pointer.name);
-  return names;
-}
-
-// Checks the output folder and what the plan publishes beside it.
-Result<OutputFolder> CheckOutput(const std::string& input, const SourceCheckpoint& src,
-                                 const std::string& output, const WriteOptions& options,
-                                 const Publication& publication) {
+// Checks the output folder and what the plan publishes beside it, in `place`.
+Result<OutputFolder> CheckOutput(const std::string& input, const SourceCheckpoint& src, const OutputPlace& place,
+                                 const WriteOptions& options, const Publication& publication) {
   RESHARD_ASSIGN_OR_RETURN(OutputFolder out,
-                           OutputFolder::Check(output, {input, src.info().tag_dir}, options.overwrite));
+                           OutputFolder::Check(place.folder, {input, src.info().tag_dir}, options.overwrite));
   namespace fs = std::filesystem;
   std::error_code ec;
   const fs::path parent = fs::path(out.path()).parent_path();
-  RESHARD_RETURN_IF_ERROR(CheckReplaceable(parent.string(), PointerNames(publication)));
   if (!publication.protected_folder.empty() && fs::equivalent(parent, publication.protected_folder, ec)) {
     return Status::InvalidInput("the output folder " + out.path() + " is beside the input in " +
                                 parent.string() + ", " + publication.protected_hint);
   }
+  if (!place.root.empty()) {
+    RESHARD_RETURN_IF_ERROR(CheckPointers(place.root, PointerTexts(publication, out.path()), options.overwrite));
+  }
   return out;
 }
 
-// Moves the finished folder into place, then what the plan publishes beside it.
-Status Publish(OutputFolder* out, const Publication& publication, std::vector<std::string>* notes) {
+// Moves the finished folder into place, then what the plan publishes into
+// `root` ("" when nothing may be).
+Status Publish(OutputFolder* out, const Publication& publication, const std::string& root,
+               std::vector<std::string>* notes) {
   RESHARD_RETURN_IF_ERROR(out->Commit());
-  namespace fs = std::filesystem;
-  const fs::path out_path(out->path());
-  const std::string parent = out_path.parent_path().string();
+  if (!out->kept().empty()) {
+    notes->push_back("kept the old output as " + out->kept() + ": something no reshard run wrote was put into it "
+                     "during this run");
+  }
+  if (root.empty()) return Status::Ok();
   for (const std::string& from : publication.copies) {
-    const std::string name = fs::path(from).filename().string();
-    RESHARD_ASSIGN_OR_RETURN(bool copied, CopyIntoRoot(from, parent));
+    const std::string name = std::filesystem::path(from).filename().string();
+    RESHARD_ASSIGN_OR_RETURN(bool copied, CopyIntoRoot(from, root));
     notes->push_back(copied ? "copied " + name + " from the source root beside the output"
                             : name + " already exists beside the output; left as it is");
   }
-  std::vector<std::pair<std::string, std::string>> pointers;
-  for (const PointerFile& pointer : publication.pointers) {
-    pointers.emplace_back(pointer.name, pointer.text.value_or(out_path.filename().string()));
-  }
-  return WriteFilesInOrder(parent, pointers);
+  return WriteFilesInOrder(root, PointerTexts(publication, out->path()));
 }
 
 // Times the phases of a conversion.
@@ -163,6 +157,7 @@ struct Prepared {
   std::multimap<std::string, FileDigest> pieces;  // of this process's files, as its jobs report them
   ExecuteOptions exec;
   std::optional<OutputFolder> out;
+  std::string root;  // where the publication goes ("" = nowhere), from PlaceOutput
   std::string fingerprint;              // of this run, for resuming it ("" = never)
   std::unique_ptr<RunJournal> journal;  // in the staging folder, when there is a fingerprint
 };
@@ -225,11 +220,11 @@ Status Prepare(const std::string& input, const std::string& output, const WriteO
   RESHARD_ASSIGN_OR_RETURN(p->plan, make_plan(*p->src, &report->notes));
   report->plan = PlanText(*p->plan, options.dry_run);
   const Publication& publication = p->plan->publication;
-  const std::string placed = publication.output_subfolder.empty()
-                                 ? output
-                                 : (std::filesystem::path(output) / publication.output_subfolder).string();
-  RESHARD_ASSIGN_OR_RETURN(OutputFolder folder, CheckOutput(input, *p->src, placed, options, publication));
+  OutputPlace place = PlaceOutput(output, publication);
+  RESHARD_ASSIGN_OR_RETURN(OutputFolder folder, CheckOutput(input, *p->src, place, options, publication));
   p->out.emplace(std::move(folder));
+  p->root = place.root;
+  for (std::string& note : place.notes) report->notes.push_back(std::move(note));
   RESHARD_RETURN_IF_ERROR(SizeBuffers(options, p->plan->scratch_bytes, &p->exec, report));
   std::vector<Job> all = PlanJobs(*p->plan);
   p->files = FilesOf(all);
@@ -311,7 +306,7 @@ Status Execute(Prepared* p, const WriteOptions& options, PhaseClock* clock,
   report->bytes_read = p->plan->read->load();
   if (options.check_crc && !PartlyReadRecordsNote().empty()) report->notes.push_back(PartlyReadRecordsNote());
   if (!IsRoot(cluster)) return Status::Ok();
-  RESHARD_RETURN_IF_ERROR(Publish(&*p->out, p->plan->publication, &report->notes));
+  RESHARD_RETURN_IF_ERROR(Publish(&*p->out, p->plan->publication, p->root, &report->notes));
   clock->End("commit");
   return Status::Ok();
 }

@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include <algorithm>
 #include <deque>
 #include <filesystem>
 #include <fstream>
@@ -17,7 +18,9 @@
 
 #include "container/regular_file.h"
 #include "exec/journal.h"
+#include "exec/manifest.h"
 #include "util/list_folder.h"
+#include "util/strings.h"
 
 namespace reshard {
 namespace fs = std::filesystem;
@@ -111,6 +114,116 @@ bool IsLeftover(const std::string& name, const std::string& base) {
   return ::kill(static_cast<pid_t>(std::stol(pid)), 0) != 0 && errno == ESRCH;
 }
 
+// The relative path of each file `manifest` lists, the manifest's own, and of
+// each folder on the way to one.
+struct ListedEntries {
+  std::set<std::string> files, folders;
+};
+
+ListedEntries EntriesOf(const Manifest& manifest) {
+  ListedEntries listed;
+  listed.files.insert(kManifestName);
+  for (const auto& [name, digest] : manifest.files) {
+    listed.files.insert(name);
+    for (size_t at = name.find('/'); at != std::string::npos; at = name.find('/', at + 1)) {
+      listed.folders.insert(name.substr(0, at));
+    }
+  }
+  return listed;
+}
+
+// The first entry under `dir` (its path relative to the output folder,
+// `prefix` + name; in name order, depth first) that is neither a listed file
+// nor a listed folder holding only listed entries; "" when there is none.
+std::string FirstUnlisted(const fs::path& dir, const std::string& prefix, const ListedEntries& listed) {
+  Result<std::vector<fs::directory_entry>> entries = ListFolder(dir.string());
+  if (!entries.ok()) return prefix.empty() ? "." : prefix;  // what cannot be read is not known to be reshard's
+  std::vector<std::string> names;
+  for (const fs::directory_entry& entry : *entries) names.push_back(entry.path().filename().string());
+  std::sort(names.begin(), names.end());
+  for (const std::string& name : names) {
+    const std::string rel = prefix + name;
+    std::error_code ec;
+    const bool folder = fs::is_directory(fs::symlink_status(dir / name, ec));  // a link is not followed
+    if (folder && listed.folders.count(rel)) {
+      const std::string first = FirstUnlisted(dir / name, rel + "/", listed);
+      if (!first.empty()) return first;
+    } else if (folder || !listed.files.count(rel)) {
+      return rel + (folder ? "/" : "");
+    }
+  }
+  return "";
+}
+
+// The entries of an earlier output `dir` that its manifest lists ({} when it
+// has none; an unreadable manifest lists nothing).
+ListedEntries ListedIn(const fs::path& dir) {
+  std::error_code ec;
+  const fs::path manifest = dir / kManifestName;
+  if (!fs::exists(fs::symlink_status(manifest, ec))) return {};
+  Result<Manifest> read = ReadManifest(manifest.string());
+  return read.ok() ? EntriesOf(*read) : ListedEntries{};
+}
+
+// `text` without the white space around it.
+std::string Trimmed(const std::string& text) {
+  const size_t begin = text.find_first_not_of(" \t\r\n");
+  if (begin == std::string::npos) return "";
+  return text.substr(begin, text.find_last_not_of(" \t\r\n") - begin + 1);
+}
+
+// A pointer's content for a message: quoted, cut short, bytes that are not
+// printable as '?'.
+std::string Shown(const std::string& text) {
+  constexpr size_t kShown = 60;
+  std::string out;
+  for (size_t i = 0; i < std::min(text.size(), kShown); ++i) {
+    const unsigned char c = static_cast<unsigned char>(text[i]);
+    out += (c >= 0x20 && c < 0x7f) ? static_cast<char>(c) : '?';
+  }
+  return "'" + out + (text.size() > kShown ? "...'" : "'");
+}
+
+// Whether `folder` holds one of `markers`: a checkpoint root.
+bool HoldsMarker(const fs::path& folder, const std::vector<std::string>& markers) {
+  for (const std::string& marker : markers) {
+    std::error_code ec;
+    if (fs::exists(fs::symlink_status(folder / marker, ec))) return true;
+  }
+  return false;
+}
+
+// The names `publication` writes into a root: its pointers and copies.
+std::vector<std::string> PublishedNames(const Publication& publication) {
+  std::vector<std::string> names;
+  for (const PointerFile& pointer : publication.pointers) names.push_back(pointer.name);
+  for (const std::string& from : publication.copies) names.push_back(fs::path(from).filename().string());
+  return names;
+}
+
+// Whether the folder `parent` of the output `name` was made for it: absent
+// (this run makes it), or holding something and nothing but the output, what
+// `publication` writes beside it and what runs writing it leave (their
+// staging folders, lock and temporary files), as when a killed run made it.
+// Not an empty folder the user made, and never the current folder, which a
+// bare OUT name does not make a root.
+bool MadeForOutput(const fs::path& parent, const std::string& name, const Publication& publication) {
+  std::error_code ec;
+  if (!fs::exists(parent, ec)) return true;
+  if (fs::equivalent(parent, fs::current_path(ec), ec)) return false;
+  Result<std::vector<fs::directory_entry>> entries = ListFolder(parent.string());
+  if (!entries.ok()) return false;
+  const std::vector<std::string> published = PublishedNames(publication);
+  std::set<std::string> own(published.begin(), published.end());
+  own.insert({name, "." + name + ".reshard-lock"});
+  for (const fs::directory_entry& entry : *entries) {
+    const std::string entry_name = entry.path().filename().string();
+    const bool left = entry_name.rfind(name + ".reshard-", 0) == 0 || entry_name.find(".reshard-tmp-") != std::string::npos;
+    if (!own.count(entry_name) && !left) return false;
+  }
+  return !entries->empty();
+}
+
 // The staging folders and lock files of outputs in progress, for
 // RemoveStagingFolders.
 std::mutex staging_mu;
@@ -152,7 +265,8 @@ OutputFolder::OutputFolder(OutputFolder&& other) noexcept
       lock_fd_(other.lock_fd_),
       created_parents_(std::move(other.created_parents_)),
       leftovers_(std::move(other.leftovers_)),
-      resumed_(std::move(other.resumed_)) {
+      resumed_(std::move(other.resumed_)),
+      kept_(std::move(other.kept_)) {
   other.committed_ = true;  // the moved-from object owns nothing
   other.lock_fd_ = -1;
 }
@@ -196,9 +310,10 @@ void OutputFolder::Unlock() {
   lock_fd_ = -1;
 }
 
-Status OutputFolder::CheckStillEmpty() const {
+Status OutputFolder::CheckStillReplaceable() const {
   std::error_code ec;
-  if (overwrite_ || !fs::exists(out_, ec) || fs::is_empty(out_, ec)) return Status::Ok();
+  if (!fs::exists(out_, ec) || fs::is_empty(out_, ec)) return Status::Ok();
+  if (overwrite_) return CheckOverwritable(out_);
   return Status::InvalidInput("the output folder " + out_ +
                               " is no longer empty (something wrote into it during this run); "
                               "pass --overwrite to replace it");
@@ -248,6 +363,7 @@ Result<OutputFolder> OutputFolder::Check(const std::string& out, const std::vect
       return Status::InvalidInput("the output folder " + target.string() +
                                   " is not empty; pass --overwrite to replace it");
     }
+    if (overwrite) RESHARD_RETURN_IF_ERROR(CheckOverwritable(target.string()));
   }
   OutputFolder folder(target.string());
   folder.overwrite_ = overwrite;
@@ -262,7 +378,7 @@ Status OutputFolder::Begin(const std::string& fingerprint) {
   fs::create_directories(fs::path(out_).parent_path(), ec);
   if (ec) return Status::IoError("cannot create " + fs::path(out_).parent_path().string() + ": " + ec.message());
   RESHARD_RETURN_IF_ERROR(Lock());
-  RESHARD_RETURN_IF_ERROR(CheckStillEmpty());
+  RESHARD_RETURN_IF_ERROR(CheckStillReplaceable());
   fs::remove_all(staging_, ec);
   RemoveLeftovers(fingerprint);
   Track(staging_, true);
@@ -275,7 +391,7 @@ Status OutputFolder::Begin(const std::string& fingerprint) {
 Status OutputFolder::Commit() {
   // The files were flushed by SyncFiles; their names are flushed here.
   RESHARD_RETURN_IF_ERROR(SyncPath(staging_, true));
-  RESHARD_RETURN_IF_ERROR(CheckStillEmpty());
+  RESHARD_RETURN_IF_ERROR(CheckStillReplaceable());
   std::error_code ec;
   if (fs::exists(out_, ec)) {
     // One atomic exchange: at every instant OUT is the old folder or the new.
@@ -284,7 +400,7 @@ Status OutputFolder::Commit() {
     }
     committed_ = true;
     Track(staging_, false);
-    fs::remove_all(staging_, ec);  // now the old OUT
+    RemoveOld(staging_);  // now the old OUT
   } else {
     fs::rename(staging_, out_, ec);
     if (ec) return Status::IoError("cannot rename " + staging_ + " to " + out_ + ": " + ec.message());
@@ -293,6 +409,111 @@ Status OutputFolder::Commit() {
   }
   RESHARD_RETURN_IF_ERROR(SyncPath(fs::path(out_).parent_path(), true));
   Unlock();
+  return Status::Ok();
+}
+
+void OutputFolder::RemoveOld(const std::string& old) {
+  const ListedEntries listed = ListedIn(old);
+  std::error_code ec;
+  for (const std::string& name : listed.files) fs::remove(fs::path(old) / name, ec);
+  // Deepest first: a folder's path is longer than its parent's.
+  std::vector<std::string> folders(listed.folders.begin(), listed.folders.end());
+  std::sort(folders.begin(), folders.end(), [](const std::string& a, const std::string& b) { return a.size() > b.size(); });
+  for (const std::string& folder : folders) fs::remove(fs::path(old) / folder, ec);  // only when empty
+  fs::remove(old, ec);
+  if (!fs::exists(old, ec)) return;
+  // Something no reshard run wrote was put into OUT while this run wrote:
+  // kept under a name no later run removes as a leftover.
+  kept_ = out_ + ".reshard-kept-" + std::to_string(::getpid());
+  fs::rename(old, kept_, ec);
+  if (ec) kept_ = old;
+}
+
+Status CheckOverwritable(const std::string& dir) {
+  std::error_code ec;
+  if (fs::is_empty(dir, ec) && !ec) return Status::Ok();
+  const fs::path manifest = fs::path(dir) / kManifestName;
+  ListedEntries listed;
+  if (fs::exists(fs::symlink_status(manifest, ec))) {
+    Result<Manifest> read = ReadManifest(manifest.string());
+    if (!read.ok()) {
+      return Status::InvalidInput("--overwrite replaces only what a reshard run wrote, as its manifest lists, and " +
+                                  read.status().message() + "; move the folder away or choose another output folder");
+    }
+    listed = EntriesOf(*read);
+  }
+  const std::string first = FirstUnlisted(dir, "", listed);
+  if (first.empty()) return Status::Ok();
+  const std::string why = listed.files.empty() ? "it has no " + std::string(kManifestName) + " saying a reshard run wrote it"
+                                               : "its " + std::string(kManifestName) + " does not list it";
+  return Status::InvalidInput("will not overwrite " + dir + ": it holds " + first + ", which no reshard run wrote (" +
+                              why + "); --overwrite replaces only an earlier reshard output or an empty folder, so "
+                              "move " + first + " away or choose another output folder");
+}
+
+OutputPlace PlaceOutput(const std::string& out, const Publication& publication) {
+  OutputPlace place;
+  const fs::path given = Canonical(out);
+  const std::string& tag = publication.output_subfolder;
+  if (!tag.empty() && given.filename().string() != tag) {
+    place.folder = (given / tag).string();
+    place.root = given.string();
+    return place;
+  }
+  place.folder = given.string();
+  if (!tag.empty()) {
+    place.notes.push_back(out + " is named as the source's tag: it is written as that tag folder, not as a root "
+                          "holding " + (fs::path(out) / tag).string());
+  }
+  const fs::path parent = given.parent_path();
+  const std::vector<std::string> published = PublishedNames(publication);
+  if (published.empty() || HoldsMarker(parent, publication.root_markers) ||
+      MadeForOutput(parent, given.filename().string(), publication)) {
+    place.root = parent.string();
+    return place;
+  }
+  std::error_code ec;
+  const bool here = fs::equivalent(parent, fs::current_path(ec), ec);
+  place.notes.push_back(Join(published, ", ") + " not written into " + parent.string() +
+                        (here ? " (the current folder)" : "") + ": it is not a checkpoint root, and this run did "
+                        "not make it; give OUT inside a root or a new folder to have them written");
+  return place;
+}
+
+std::vector<std::pair<std::string, std::string>> PointerTexts(const Publication& publication,
+                                                              const std::string& folder) {
+  std::vector<std::pair<std::string, std::string>> texts;
+  for (const PointerFile& pointer : publication.pointers) {
+    texts.emplace_back(pointer.name, pointer.text.value_or(fs::path(folder).filename().string()));
+  }
+  return texts;
+}
+
+Status CheckPointers(const std::string& root, const std::vector<std::pair<std::string, std::string>>& pointers,
+                     bool overwrite) {
+  for (const auto& [name, text] : pointers) {
+    const fs::path path = fs::path(root) / name;
+    std::error_code ec;
+    if (fs::is_directory(fs::symlink_status(path, ec))) {
+      return Status::InvalidInput("cannot replace " + path.string() + ": it is a folder; move it away");
+    }
+  }
+  // Readers follow the last pointer: it is the one named when several differ.
+  for (auto it = pointers.rbegin(); it != pointers.rend(); ++it) {
+    const auto& [name, text] = *it;
+    const fs::path path = fs::path(root) / name;
+    std::error_code ec;
+    if (overwrite || !fs::exists(fs::symlink_status(path, ec))) continue;
+    Result<std::string> held = ReadRegularFile(path.string(), 4096);
+    if (!held.ok()) {
+      return Status::InvalidInput("will not replace " + path.string() + " (" + held.status().message() +
+                                  "); pass --overwrite to replace it");
+    }
+    if (Trimmed(*held) == text) continue;
+    return Status::InvalidInput(path.string() + " names " + Shown(Trimmed(*held)) + ", not this output's '" + text +
+                                "': the next resume follows it, so it is replaced only with --overwrite (or write "
+                                "the output elsewhere)");
+  }
   return Status::Ok();
 }
 
@@ -313,17 +534,6 @@ Result<bool> CopyIntoRoot(const std::string& from, const std::string& root) {
   RESHARD_ASSIGN_OR_RETURN(std::string content, ReadRegularFile(from));
   RESHARD_RETURN_IF_ERROR(WriteFileAtomically(to, content));
   return true;
-}
-
-Status CheckReplaceable(const std::string& root, const std::vector<std::string>& names) {
-  for (const std::string& name : names) {
-    std::error_code ec;
-    const fs::path path = fs::path(root) / name;
-    if (fs::is_directory(path, ec)) {
-      return Status::InvalidInput("cannot replace " + path.string() + ": it is a folder; move it away");
-    }
-  }
-  return Status::Ok();
 }
 
 Status WriteFilesInOrder(const std::string& root,

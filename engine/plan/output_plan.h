@@ -47,6 +47,10 @@ struct Publication {
   // Written after the copies, each atomically, in this order: readers follow
   // the last, so it goes last.
   std::vector<PointerFile> pointers;
+  // Files whose presence makes a folder a checkpoint root of the format (a
+  // `latest`): beside a tag folder, the copies and pointers go only into such
+  // a root or a folder made for the output (exec/output_folder.h's PlaceOutput).
+  std::vector<std::string> root_markers;
   // The folder of the input whose pointers these are: an output placed in
   // it would change which checkpoint the input names, which is modifying the
   // input. `protected_hint` says what to do instead.

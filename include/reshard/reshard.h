@@ -118,7 +118,7 @@ Result<std::string> Inspect(const std::string& checkpoint, const InspectOptions&
 
 // What every command that writes a checkpoint (convert, export) is told.
 struct WriteOptions : PreflightOptions {
-  bool overwrite = false;       // replace a non-empty output folder
+  bool overwrite = false;       // replace an earlier reshard output, and pointers naming another checkpoint
   bool dry_run = false;         // plan and report; write nothing
   // Resident memory the whole run may use; it sets the streaming buffer of
   // each thread. Refused when reading the metadata already needs it.

@@ -395,9 +395,15 @@ class TargetTests(ReshardTestCase):
             f.write('precious')
         self.assertRefused(['convert', tag, out, '--tp', 1, '--pp', 1],
                            [out, 'not empty', '--overwrite'], watch=[self.path('src')], out=out)
+        # --overwrite replaces only what a reshard run wrote: the user's file is named and kept.
+        self.assertRefused(['convert', tag, out, '--tp', 1, '--pp', 1, '--overwrite'],
+                           [out, 'it holds keep.txt, which no reshard run wrote'], watch=[self.path('src')], out=out)
+        os.remove(os.path.join(out, 'keep.txt'))
+        self.assertConverted(['convert', tag, out, '--tp', 1, '--pp', 2, '-q'], out, watch=[self.path('src')])
         self.assertConverted(['convert', tag, out, '--tp', 1, '--pp', 1, '--overwrite', '-q'], out,
                              watch=[self.path('src')])
-        self.assertFalse(os.path.exists(os.path.join(out, 'keep.txt')), 'old content must be replaced')
+        self.assertFalse(os.path.exists(os.path.join(out, 'mp_rank_01_model_states.pt')),
+                         'the earlier output must be replaced')
 
     def test_output_inside_the_input_tag_folder(self):
         tag = self.bloom()

@@ -14,6 +14,19 @@
 * When `latest` cannot be replaced, the run is refused before writing anything: the root's state
   (latest_checkpointed_iteration.txt included) is unchanged and no temporary file is left.
 
+Where reshard writes (WhereReshardWritesTest), for convert and every export:
+
+* `--overwrite` over a folder holding a user's files is refused in one line naming the first of
+  them, every file left; over reshard's own earlier output it replaces it.
+* A bare OUT name run from an empty folder leaves only OUT there: no `latest`,
+  `latest_checkpointed_iteration.txt`, `zero_to_fp32.py` or `latest_universal` (DeepSpeed, HF,
+  torch_dist and torchtitan sources alike), and a note says so.
+* Another run's `latest` (or `latest_universal`, or iteration file) is not replaced: the refusal
+  says what it names; `--overwrite` replaces it. A Megatron-LM, torch_dist or torchtitan root
+  holding another run's iterations is refused even with `--overwrite`, naming the iteration.
+* A root in with OUT named as its tag writes that tag folder (no OUT/<tag>/<tag>), `latest` beside
+  it, and `verify` reads it back (the README's MoE examples).
+
 Each refusal: exit 2 (3 for I/O), one line on stderr, nothing written, the input's bytes unchanged.
 
 Run: /usr/bin/python3 tests/interop/test_output_safety.py --reshard build/reshard
@@ -21,6 +34,7 @@ Run: /usr/bin/python3 tests/interop/test_output_safety.py --reshard build/reshar
 import fcntl
 import hashlib
 import os
+import re
 import signal
 import subprocess
 import time
@@ -189,6 +203,205 @@ class OutputSafetyTest(FixtureTestCase):
                             '--tp', '1', '--pp', '1', '-q'], capture_output=True, text=True, timeout=120)
         self.assertRefused(p, 'File too large', code=3)
         self.assertEqual(os.listdir(self.path('out')) if os.path.exists(self.path('out')) else [], [])
+
+
+LLAMA = dict(support.FAMILIES['ms_llama'], optimizer='bf16_zero', tp=2, pp=2, dp=1)
+HEADS = ('--set', 'num_attention_heads=12')
+# Each writing command: the output's `--to` and layout options (convert's target layout).
+COMMANDS = {
+    'convert': ('convert', '--tp', 1, '--pp', 1),
+    'consolidated': ('export', '--to', 'consolidated'),
+    'hf': ('export', '--to', 'hf', *HEADS),
+    'universal': ('export', '--to', 'universal'),
+    'torch_dist': ('export', '--to', 'torch_dist', '--tp', 1, '--pp', 1),
+    'torchtitan': ('export', '--to', 'torchtitan', '--dp-shard', 1, *HEADS),
+    'megatron': ('export', '--to', 'megatron', '--tp', 1, '--pp', 1),
+}
+MOE = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'data', 'deepspeed_moe')
+
+
+def command(name, src, out, *extra):
+    verb, *options = COMMANDS[name]
+    return [verb, src, out, *options, *extra]
+
+
+def run_in(cwd, *args):
+    return subprocess.run([support.RESHARD, *map(str, args)], capture_output=True, text=True, timeout=300, cwd=cwd)
+
+
+def snapshot(root):
+    """{relative path: bytes (None for a folder)} of everything under root."""
+    out = {}
+    for folder, dirs, files in os.walk(root):
+        for name in dirs:
+            out[os.path.relpath(os.path.join(folder, name), root)] = None
+        for name in files:
+            with open(os.path.join(folder, name), 'rb') as f:
+                out[os.path.relpath(os.path.join(folder, name), root)] = f.read()
+    return out
+
+
+def write(path, text):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, 'w') as f:
+        f.write(text)
+
+
+def read(path):
+    with open(path) as f:
+        return f.read().strip()
+
+
+class WhereReshardWritesTest(FixtureTestCase):
+
+    def setUp(self):
+        super().setUp()
+        self.tag = make_fixture(self.path('ckpt'), **LLAMA)
+        self.root = os.path.dirname(self.tag)
+
+    def assertRefusedOneLine(self, p, text):
+        self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
+        self.assertEqual(len(p.stderr.strip().splitlines()), 1, p.stderr)
+        self.assertIn(text, p.stderr)
+
+    def assertRan(self, p):
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        return p.stdout + p.stderr
+
+    def user_folder(self, name):
+        home = self.path(name)
+        write(os.path.join(home, 'notes.txt'), 'precious')
+        write(os.path.join(home, 'projects', 'plan.md'), 'mine')
+        return home
+
+    def test_overwrite_never_removes_a_users_files(self):
+        for name in COMMANDS:
+            with self.subTest(command=name):
+                home = self.user_folder('home_' + name)
+                before = snapshot(home)
+                p = run(*command(name, self.tag, home, '--overwrite'))
+                self.assertRefusedOneLine(p, f'will not overwrite {home}: it holds notes.txt, which no reshard run '
+                                             'wrote (it has no reshard-manifest.json')
+                self.assertEqual(snapshot(home), before)
+
+    def test_overwrite_replaces_reshards_own_output_and_only_it(self):
+        for name in COMMANDS:
+            with self.subTest(command=name):
+                out = self.path('again_' + name, 'global_step10')
+                self.assertRan(run(*command(name, self.tag, out)))
+                self.assertRan(run(*command(name, self.tag, out, '--overwrite')))
+                self.assertIn(support.MANIFEST, os.listdir(out))
+                write(os.path.join(out, 'mine', 'notes.txt'), 'precious')
+                before = snapshot(out)
+                p = run(*command(name, self.tag, out, '--overwrite'))
+                self.assertRefusedOneLine(p, f'will not overwrite {out}: it holds mine/, which no reshard run wrote '
+                                             '(its reshard-manifest.json does not list it)')
+                self.assertEqual(snapshot(out), before)
+
+    def sources(self):
+        """{name: a checkpoint of each source kind that convert writes DeepSpeed files from, and the options}."""
+        hf, td, tt = self.path('src_hf'), self.path('src_td'), self.path('src_tt')
+        for name, out in (('hf', hf), ('torch_dist', td), ('torchtitan', tt)):
+            self.assertRan(run(*command(name, self.tag, out)))
+        return {'deepspeed': (self.tag, ()), 'hf': (hf, ()), 'torch_dist': (td, ()),
+                'torchtitan': (os.path.join(tt, 'step-10'), (*HEADS, '--set', 'make_vocab_size_divisible_by=8'))}
+
+    def test_a_bare_out_name_writes_nothing_into_the_current_folder(self):
+        empty = self.path('empty')
+        os.makedirs(empty)
+        wrote = []
+        for name, (src, extra) in self.sources().items():
+            with self.subTest(source=name):
+                out = 'out_' + name
+                said = self.assertRan(run_in(empty, 'convert', src, out, '--tp', 1, '--pp', 1, *extra))
+                wrote.append(out)
+                self.assertRegex(said, r'note: (.*, )?latest(, .*)? not written into ' + re.escape(os.path.realpath(empty)) +
+                                 r' \(the current folder\)')
+                self.assertIn('mp_rank_00_model_states.pt', os.listdir(os.path.join(empty, out)))
+                self.assertEqual(sorted(os.listdir(empty)), sorted(wrote))
+        said = self.assertRan(run_in(empty, 'export', self.tag, 'universal_out', '--to', 'universal'))
+        self.assertIn('latest_universal not written into', said)
+        self.assertEqual(sorted(os.listdir(empty)), sorted(wrote + ['universal_out']))
+
+    def test_another_runs_latest_is_kept_unless_overwrite(self):
+        run2 = self.path('run2')
+        write(os.path.join(run2, 'latest'), 'global_step5000')
+        write(os.path.join(run2, 'latest_checkpointed_iteration.txt'), '5000')
+        write(os.path.join(run2, 'global_step5000', 'mp_rank_00_model_states.pt'), 'the run')
+        before = snapshot(run2)
+        out = os.path.join(run2, 'global_step10')
+        p = run('convert', self.tag, out, '--tp', 1, '--pp', 1)
+        self.assertRefusedOneLine(p, os.path.join(run2, 'latest') + " names 'global_step5000', not this output's "
+                                     "'global_step10'")
+        self.assertEqual(snapshot(run2), before)
+        self.assertRan(run('convert', self.tag, out, '--tp', 1, '--pp', 1, '--overwrite'))
+        self.assertEqual(read(os.path.join(run2, 'latest')), 'global_step10')
+        self.assertEqual(read(os.path.join(run2, 'latest_checkpointed_iteration.txt')), '10')
+        self.assertEqual(snapshot(os.path.join(run2, 'global_step5000')), {'mp_rank_00_model_states.pt': b'the run'})
+        # The iteration file alone naming another iteration is refused the same way.
+        run4 = self.path('run4')
+        write(os.path.join(run4, 'latest'), 'global_step10')
+        write(os.path.join(run4, 'latest_checkpointed_iteration.txt'), '5000')
+        p = run('convert', self.tag, os.path.join(run4, 'global_step10'), '--tp', 1, '--pp', 1)
+        self.assertRefusedOneLine(p, "latest_checkpointed_iteration.txt names '5000', not this output's '10'")
+        self.assertEqual(sorted(os.listdir(run4)), ['latest', 'latest_checkpointed_iteration.txt'])
+
+    def test_another_runs_latest_universal_is_kept_unless_overwrite(self):
+        write(os.path.join(self.root, 'latest_universal'), 'global_step5000_universal')
+        out = os.path.join(self.root, 'global_step10_universal')
+        p = run('export', self.tag, out, '--to', 'universal')
+        self.assertRefusedOneLine(p, "latest_universal names 'global_step5000_universal', not this output's "
+                                     "'global_step10_universal'")
+        self.assertFalse(os.path.exists(out))
+        self.assertRan(run('export', self.tag, out, '--to', 'universal', '--overwrite'))
+        self.assertEqual(read(os.path.join(self.root, 'latest_universal')), 'global_step10_universal')
+        self.assertEqual(read(os.path.join(self.root, 'latest')), 'global_step10')
+
+    def test_an_hf_source_keeps_another_runs_latest(self):
+        hf = self.path('src_hf')
+        self.assertRan(run(*command('hf', self.tag, hf)))
+        write(self.path('run3', 'latest'), 'global_step5000')
+        p = run('convert', hf, self.path('run3', 'global_step0'), '--tp', 1, '--pp', 1)
+        self.assertRefusedOneLine(p, "latest names 'global_step5000', not this output's 'global_step0'")
+        self.assertEqual(os.listdir(self.path('run3')), ['latest'])
+
+    def test_a_root_of_another_runs_iterations_is_kept_even_with_overwrite(self):
+        for name, iteration in (('megatron', 'iter_0005000'), ('torch_dist', 'iter_0005000'),
+                                ('torchtitan', 'step-5000')):
+            with self.subTest(command=name):
+                out = self.path('trained_' + name)
+                write(os.path.join(out, iteration, 'model'), 'the run')
+                if name != 'torchtitan':
+                    write(os.path.join(out, 'latest_checkpointed_iteration.txt'), '5000')
+                before = snapshot(out)
+                self.assertRefusedOneLine(run(*command(name, self.tag, out)), 'is not empty; pass --overwrite')
+                p = run(*command(name, self.tag, out, '--overwrite'))
+                self.assertRefusedOneLine(p, f'it holds {iteration}/, which no reshard run wrote')
+                self.assertEqual(snapshot(out), before)
+
+    def test_a_root_in_with_out_named_as_its_tag_is_that_tag_folder(self):
+        parent = self.path('t', 'r1')
+        said = self.assertRan(run('convert', self.root, os.path.join(parent, 'global_step10'), '--tp', 1, '--pp', 1))
+        self.assertIn(os.path.join(parent, 'global_step10') + " is named as the source's tag", said)
+        self.assertFalse(os.path.exists(os.path.join(parent, 'global_step10', 'global_step10')))
+        self.assertIn('mp_rank_00_model_states.pt', os.listdir(os.path.join(parent, 'global_step10')))
+        self.assertEqual(read(os.path.join(parent, 'latest')), 'global_step10')
+        self.assertIn('same model', run('verify', self.root, parent).stdout)
+        # A root in with OUT of another name stays a root out.
+        self.assertRan(run('convert', self.root, self.path('r2'), '--tp', 1, '--pp', 1))
+        self.assertEqual(sorted(os.listdir(self.path('r2'))),
+                         ['global_step10', 'latest', 'latest_checkpointed_iteration.txt', 'zero_to_fp32.py'])
+
+    def test_the_readmes_moe_examples_verify(self):
+        for src, rules, layout in (('zero1_fp32_ep2_dp4', 'toy-moe-nonpipe.yaml', ('--ep', 4, '--dp', 8)),
+                                   ('pipe_pp2_ep2_dp2', 'toy-moe-pipe.yaml', ('--ep', 1, '--dp', 2))):
+            with self.subTest(source=src):
+                out = self.path('moe_' + src)
+                rules = ('--rules', os.path.join(MOE, rules))
+                self.assertRan(run('convert', os.path.join(MOE, src), os.path.join(out, 'global_step2'),
+                                   '--tp', 1, '--pp', 1, *layout, *rules, '-q'))
+                p = run('verify', os.path.join(MOE, src), out, *rules)
+                self.assertIn('same model', p.stdout, p.stdout + p.stderr)
 
 
 if __name__ == '__main__':

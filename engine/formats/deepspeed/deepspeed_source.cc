@@ -45,6 +45,7 @@ Publication NativePublication(const CheckpointFiles& files, int64_t iteration, b
   Publication out;
   if (files.via_root) out.output_subfolder = files.tag;
   if (!update_latest) return out;
+  out.root_markers.assign(std::begin(kRootPointers), std::end(kRootPointers));
   namespace fs = std::filesystem;
   for (const std::string& name : files.root_scripts) out.copies.push_back((fs::path(files.root_dir) / name).string());
   std::error_code ec;

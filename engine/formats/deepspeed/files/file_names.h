@@ -35,6 +35,11 @@ struct DeepSpeedFileName {
 // save; they belong with a converted checkpoint's root too.
 inline constexpr const char* kRootScripts[] = {"zero_to_fp32.py"};
 
+// The pointer files whose presence makes a folder a checkpoint root of the
+// DeepSpeed family (Megatron-DeepSpeed writes the iteration file beside
+// `latest`; ds_to_universal writes `latest_universal`).
+inline constexpr const char* kRootPointers[] = {"latest", "latest_checkpointed_iteration.txt", "latest_universal"};
+
 // What the base name `name` is; kOther for names DeepSpeed does not write.
 DeepSpeedFileName ParseDeepSpeedFileName(const std::string& name);
 

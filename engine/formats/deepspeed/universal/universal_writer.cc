@@ -155,6 +155,7 @@ Result<OutputPlan> UniversalOutput(const UniversalFiles& files) {
   OutputPlan out;
   out.summary = Summary(files);
   out.publication.pointers = {PointerFile{"latest_universal", std::nullopt}};
+  out.publication.root_markers.assign(std::begin(kRootPointers), std::end(kRootPointers));
   for (const auto& [name, path] : files.copies) out.files.push_back(CopiedFile(name, path, true));
   RESHARD_ASSIGN_OR_RETURN(PlannedFile optimizer, TorchFile("zero/optimizer_state.pt", "", files.optimizer_state));
   out.files.push_back(std::move(optimizer));
