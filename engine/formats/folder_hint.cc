@@ -8,6 +8,7 @@
 
 #include "container/regular_file.h"
 #include "formats/dcp/dcp_source.h"
+#include "formats/dcp_common/megatron_tracker.h"
 #include "formats/deepspeed/files/checkpoint_files.h"
 #include "formats/megatron_core/torch/megatron_torch_import.h"
 #include "util/list_folder.h"
@@ -80,31 +81,13 @@ std::string PassInstead(const std::string& root, const std::vector<Inside>& insi
   return "it holds " + Names(inside) + ": pass " + newest + " (the newest) or another of them";
 }
 
-// Megatron-LM's name for the folder of the tracker's `text`: iter_%07d of
-// an iteration, or release; "" when the text is neither.
-std::string TrackedFolder(const std::string& text) {
-  const size_t begin = text.find_first_not_of(" \t\r\n");
-  const std::string word =
-      begin == std::string::npos ? "" : text.substr(begin, text.find_first_of(" \t\r\n", begin) - begin);
-  int64_t iteration = 0;
-  if (word == kRelease) return kRelease;
-  if (!ParseInt(word, &iteration) || iteration < 0) return "";
-  const std::string digits = std::to_string(iteration);
-  return "iter_" + std::string(digits.size() < 7 ? 7 - digits.size() : 0, '0') + digits;
-}
-
 // A root whose tracker no reader followed to a checkpoint: the folder it
 // names when that one is a checkpoint after all, else what is wrong.
 Result<std::string> ThroughTracker(const std::string& root, const std::vector<Inside>& inside) {
   const std::string tracker = (fs::path(root) / kTracker).string();
-  RESHARD_ASSIGN_OR_RETURN(std::string text, ReadRegularFile(tracker, 64));
-  const std::string folder = TrackedFolder(text);
-  if (folder.empty()) {
-    std::string shown = text.substr(0, text.find_first_of("\r\n"));
-    if (shown.size() > 24) shown = shown.substr(0, 24) + "...";
-    return Status::InvalidInput(tracker + " holds '" + shown + "', which is not an iteration (Megatron-LM writes "
-                                "a number or 'release'); " + PassInstead(root, inside));
-  }
+  Result<std::string> tracked = MegatronTrackedFolder(root);
+  if (!tracked.ok()) return Status::InvalidInput(tracked.status().message() + "; " + PassInstead(root, inside));
+  const std::string folder = *tracked;
   const auto named = std::find_if(inside.begin(), inside.end(), [&](const Inside& i) { return i.name == folder; });
   if (named != inside.end()) return (fs::path(root) / folder).string();
   const std::string why = HasEntry(fs::path(root) / folder)

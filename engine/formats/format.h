@@ -92,8 +92,9 @@ struct OptimizerParamGroups {
 
 // What a checkpoint is, known once it is open.
 struct SourceInfo {
-  // The format that read it, as --to names it ("deepspeed", "torch_dist",
-  // "torchtitan", "megatron", "hf", "dcp"): what convert writes by default.
+  // The format that read it, as --to names it where reshard writes it
+  // ("deepspeed", "torch_dist", "torchtitan", "megatron", "hf"; also "dcp",
+  // "state dict"): what convert writes by default.
   std::string format;
   // The parallel layout it was saved at, where the format records it (0:
   // not recorded): what convert keeps of it when not told otherwise.

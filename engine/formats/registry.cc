@@ -114,8 +114,11 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenCheckpoint(const std::string& path
                                                          const CommonOptions& options) {
   SetRecordCrcChecks(options.check_crc);
   // A Megatron-LM root's tracker that names no folder is refused by name,
-  // not taken for another format's folder.
-  RESHARD_RETURN_IF_ERROR(MegatronTrackedFolder(path).status());
+  // not taken for another format's folder, with the folder to pass instead.
+  if (Status tracker = MegatronTrackedFolder(path).status(); !tracker.ok()) {
+    Result<std::string> inside = CheckpointInsideRoot(path);
+    return inside.ok() ? tracker : inside.status();
+  }
   // A new format recognises its own folders here, before DeepSpeed's
   // refusal of the rest. An HF folder is read as the pipeline model its
   // family's rules describe, which converts into DeepSpeed's layout.
@@ -136,7 +139,7 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenCheckpoint(const std::string& path
                                                 options));
   }
   if (const std::string dcp = DcpCheckpointFolder(path); !dcp.empty()) return OpenDcp(dcp, options);
-  if (IsWeightsWithoutConfig(path)) return Named("consolidated", OpenWeightsWithoutConfig(path));
+  if (IsWeightsWithoutConfig(path)) return Named("state dict", OpenWeightsWithoutConfig(path));
   // A root holding one checkpoint folder is read as it; one holding several is refused naming them.
   RESHARD_ASSIGN_OR_RETURN(const std::string inside, CheckpointInsideRoot(path));
   if (!inside.empty()) return OpenCheckpoint(inside, options);

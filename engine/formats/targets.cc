@@ -158,18 +158,16 @@ Result<ExportOptions> CheckedOptions(const TargetFormatInfo& target, const Expor
 }
 
 // The format convert writes: as asked, else the source's own. An HF folder
-// has no parallel layout to keep, and converts to deepspeed, as it always has.
+// has no parallel layout to keep, and converts to deepspeed, as it always
+// has; so does a format reshard does not write (a plain DCP folder, a state
+// dict), whose refusal then says what it lacks.
 Result<std::string> ConvertTarget(const SourceCheckpoint& src, const ConvertOptions& options) {
-  const std::vector<std::string> names = TargetNames();
   if (!options.to.empty()) {
     if (FindTarget(options.to) != nullptr) return options.to;
-    return Status::InvalidInput("unknown format '" + options.to + "'; " + Hint(options.to, names));
+    return Status::InvalidInput("unknown format '" + options.to + "'; " + Hint(options.to, TargetNames()));
   }
   const std::string& own = src.info().format;
-  if (own == "hf") return std::string(kDeepSpeed);
-  if (FindTarget(own) != nullptr) return own;
-  return Status::InvalidInput("reshard writes no " + own + " checkpoint of its own kind; give the format to "
-                              "write with --to (" + Join(names, ", ") + ")");
+  return own != "hf" && FindTarget(own) != nullptr ? own : std::string(kDeepSpeed);
 }
 
 // Refuses an option of convert that only the deepspeed target takes.
@@ -213,6 +211,10 @@ const std::vector<TargetFormatInfo>& TargetFormats() {
 
 Result<OutputPlan> PlanConvert(const SourceCheckpoint& src, const ConvertOptions& options,
                                std::vector<std::string>* notes) {
+  for (const auto& [flag, size] : {std::pair<const char*, int>{"--tp", options.target_tp}, {"--pp", options.target_pp},
+                                   {"--dp", options.target_dp}, {"--ep", options.target_ep}}) {
+    if (size < 0) return Status::InvalidInput(std::string(flag) + " " + std::to_string(size) + ": a size is at least 1");
+  }
   RESHARD_ASSIGN_OR_RETURN(const std::string to, ConvertTarget(src, options));
   if (to == kDeepSpeed) return PlanDeepSpeed(src, options, notes);
   return PlanOtherFormat(src, options, to, notes);

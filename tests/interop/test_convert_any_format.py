@@ -10,7 +10,8 @@ Checked:
 * a real torchtitan save at 2 ranks converted to 3 (--dp-shard 3) with no --to stays torchtitan;
 * `convert --to FORMAT` writes what `export --to FORMAT` writes, byte for byte;
 * refusals in one line: an option of the DeepSpeed target with another --to, an option of another
-  target with deepspeed, a plain DCP folder with no --to (it has no format of its own to write).
+  target with deepspeed, a plain DCP folder (no format reshard writes: converted to deepspeed, which
+  needs a rule set).
 
 Run: /usr/bin/python3 tests/interop/test_convert_any_format.py --reshard build/reshard
 """
@@ -94,9 +95,9 @@ class ConvertAnyFormatTest(FixtureTestCase):
         p = run('convert', src, out, '--to', 'consolidated', '--tp', 2)
         self.assertRefused(p, '--tp sets the layout of --to deepspeed, megatron, torch_dist, torchtitan; the consolidated export '
                               'has no such size', out)
-        p = run('convert', PLAIN_DCP, out)
-        self.assertRefused(p, 'reshard writes no dcp checkpoint of its own kind; give the format to write with --to',
-                           out)
+        # A format reshard does not write converts to deepspeed, which needs rules.
+        p = run('convert', PLAIN_DCP, out, '--tp', 1, '--pp', 1)
+        self.assertRefused(p, 'is a Distributed Checkpoint read without a rule set', out)
 
 
 if __name__ == '__main__':

@@ -527,7 +527,7 @@ class ExportHfTest(FixtureTestCase):
         os.remove(os.path.join(step, 'reshard-model.json'))
         heads = ('--set', f'num_attention_heads={LLAMA["n"]}')
         for args in (['export', step, self.path('defaulted'), '--to', 'hf', *heads],
-                     ['convert', step, self.path('converted', 'global_step0'), '--tp', 1, '--pp', 1, *heads],
+                     ['convert', step, self.path('converted', 'global_step0'), '--to', 'deepspeed', '--tp', 1, '--pp', 1, *heads],
                      ['lint', step, *heads], ['inspect', step, *heads]):
             with self.subTest(command=args[0]):
                 p = run(*args)

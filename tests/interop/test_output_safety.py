@@ -313,7 +313,7 @@ class WhereReshardWritesTest(FixtureTestCase):
         for name, (src, extra) in self.sources().items():
             with self.subTest(source=name):
                 out = 'out_' + name
-                said = self.assertRan(run_in(empty, 'convert', src, out, '--tp', 1, '--pp', 1, *extra))
+                said = self.assertRan(run_in(empty, 'convert', src, out, '--to', 'deepspeed', '--tp', 1, '--pp', 1, *extra))
                 wrote.append(out)
                 self.assertRegex(said, r'note: (.*, )?latest(, .*)? not written into ' + re.escape(os.path.realpath(empty)) +
                                  r' \(the current folder\)')

@@ -60,7 +60,8 @@ def convert(src, out, *args):
 
 def stage_bounds(src, tp, pp, *args):
     """The target's stage bounds (spec ids) as the plan prints them."""
-    p = support.reshard('convert', src, '/nonexistent-out', '--tp', tp, '--pp', pp, '--dry-run', *args)
+    p = support.reshard('convert', src, '/nonexistent-out', '--to', 'deepspeed', '--tp', tp, '--pp', pp, '--dry-run',
+                        *args)
     assert p.returncode == 0, p.stderr
     return [int(b) for b in re.search(r'stage bounds \(spec ids\)((?: \d+)+)', p.stdout).group(1).split()]
 
@@ -120,7 +121,7 @@ class StateDictTest(support.FixtureTestCase):
             with self.subTest(src=src, tp=tp, pp=pp, dp=dp):
                 out = self.path('converted', os.path.basename(src), f'{tp}_{pp}_{dp}')
                 # The layouts of one source sit side by side: none of them is the root's `latest`.
-                convert(src, out, '--tp', tp, '--pp', pp, '--dp', dp, '--no-update-latest', *convert_args)
+                convert(src, out, '--to', 'deepspeed', '--tp', tp, '--pp', pp, '--dp', dp, '--no-update-latest', *convert_args)
                 tag = os.path.join(out, sorted(d for d in os.listdir(out) if d.startswith('global_step'))[0]) \
                     if not os.path.exists(os.path.join(out, 'mp_rank_00_model_states.pt')) else out
                 bounds = stage_bounds(src, tp, pp, *convert_args)
@@ -421,7 +422,7 @@ class CommandsTest(support.FixtureTestCase):
             reshard.convert(src, self.path('stopped'), tp=1, pp=1, progress=fail)
 
         with self.assertRaises(reshard.Error) as e:
-            reshard.convert(src, self.path('x'), tp=0, pp=1)
+            reshard.convert(src, self.path('x'), tp=-1, pp=1)
         self.assertEqual(len(str(e.exception).splitlines()), 1)
         self.assertIn('--tp', str(e.exception))
         self.assertFalse(os.path.exists(self.path('x')))

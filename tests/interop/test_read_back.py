@@ -91,7 +91,7 @@ class ReadBackTest(FixtureTestCase):
         self.outputs = getattr(self, 'outputs', 0) + 1
         if self.assertRead(path, folder, *options):
             out = self.path(f'converted{self.outputs}', os.path.basename(folder))
-            p = run('convert', path, out, '--tp', 1, '--pp', 1, *options, '-q')
+            p = run('convert', '--to', 'deepspeed', path, out, '--tp', 1, '--pp', 1, *options, '-q')
             self.assertEqual(p.returncode, 0, p.stderr)
             return None
         out = self.path(f'reexported{self.outputs}', os.path.basename(folder))
@@ -102,7 +102,7 @@ class ReadBackTest(FixtureTestCase):
     def assertRefusedNaming(self, path, folder):
         """Every command refuses `path` in one line naming `folder` to pass; which is then read."""
         for command in (('inspect', path), ('lint', path), ('export', path, self.path('x'), '--to', 'consolidated'),
-                        ('convert', path, self.path('x'), '--tp', 1, '--pp', 1)):
+                        ('convert', '--to', 'deepspeed', path, self.path('x'), '--tp', 1, '--pp', 1)):
             with self.subTest(command=command[0]):
                 p = run(*command)
                 self.assertRefused(p, 'pass ' + folder, self.path('x'))
@@ -166,7 +166,7 @@ class ReadBackTest(FixtureTestCase):
         want, _ = read_safetensors(os.path.join(self.out['hf'], 'model.safetensors'))
         self.assertEqual(list(got), list(want))
         self.assertEqual(support.differences(got, want), [])
-        p = run('convert', folder, self.path('x'), '--tp', 1, '--pp', 1)
+        p = run('convert', '--to', 'deepspeed', folder, self.path('x'), '--tp', 1, '--pp', 1)
         self.assertRefused(p, "it has no config.json; with the model's config.json beside the weights it is read "
                               "as a Hugging Face model", self.path('x'))
 

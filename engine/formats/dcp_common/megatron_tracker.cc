@@ -25,9 +25,8 @@ Result<std::string> MegatronTrackedFolder(const std::string& root) {
     std::snprintf(folder, sizeof(folder), "iter_%07lld", static_cast<long long>(iteration));
     return std::string(folder);
   }
-  return Status::InvalidInput(path + " holds '" + word.substr(0, 40) + "', not an iteration number or 'release': "
-                              "it is Megatron-LM's tracker file, which names the folder iter_NNNNNNN of the root "
-                              "to read (write the iteration there, or pass that folder)");
+  return Status::InvalidInput(path + " holds '" + word.substr(0, 40) + "', not an iteration number or 'release' "
+                              "(Megatron-LM's tracker names the folder iter_NNNNNNN of the root to read)");
 }
 
 }  // namespace reshard
