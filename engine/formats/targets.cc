@@ -1,4 +1,5 @@
-// The formats reshard writes, and PlanExport: the one place that lists them.
+// The formats reshard writes, and PlanConvert / PlanExport: the one place
+// that lists them.
 // Each target declares its layout sizes and options with its planner; what
 // a target does not declare is refused here, before the source is read
 // further, so no planner repeats another's option checks.
