@@ -7,6 +7,7 @@ Both do their mounts inside a private mount namespace (`unshare -m`), so the mou
 process that made them: a failed or killed run leaves nothing mounted on the host.
 """
 import fcntl
+import glob
 import os
 import shlex
 import shutil
@@ -14,10 +15,30 @@ import signal
 import socket
 import subprocess
 import sys
+import urllib.parse
 
 ROOT = os.environ.get('RESHARD_TORCH2_ROOT', '/var/cache/reshard/trixie-torch2')
-MIRROR = 'http://deb.debian.org/debian'
 PACKAGES = ['python3-torch', 'python3-numpy']
+
+
+def _mirror():
+    """The Debian archive to build from: $RESHARD_DEBIAN_MIRROR, else the first archive this
+    machine's own apt sources name (deb822 `URIs:` or one-line `deb URI ...`), else None."""
+    if os.environ.get('RESHARD_DEBIAN_MIRROR'):
+        return os.environ['RESHARD_DEBIAN_MIRROR']
+    for path in ['/etc/apt/sources.list'] + sorted(glob.glob('/etc/apt/sources.list.d/*.sources')) + \
+            sorted(glob.glob('/etc/apt/sources.list.d/*.list')):
+        try:
+            with open(path) as f:
+                for line in f:
+                    words = line.split()
+                    if words[:1] == ['URIs:'] and len(words) > 1:
+                        return words[1]
+                    if words[:1] == ['deb'] and len(words) > 1:
+                        return next((w for w in words[1:] if '://' in w), None)
+        except OSError:
+            continue
+    return None
 
 
 def root_or_skip():
@@ -42,22 +63,26 @@ def ensure():
         _quiet(['apt-get', 'install', '-y', 'debootstrap'])
         if not shutil.which('debootstrap'):
             return None, 'debootstrap is missing and `apt-get install debootstrap` did not install it'
+    mirror = _mirror()
+    if mirror is None:
+        return None, 'no Debian archive to build the torch 2 chroot from: set RESHARD_DEBIAN_MIRROR'
+    url = urllib.parse.urlsplit(mirror)
     try:
-        socket.create_connection(('deb.debian.org', 80), timeout=10).close()
+        socket.create_connection((url.hostname, url.port or 80), timeout=10).close()
     except OSError as e:
-        return None, f'cannot reach the Debian archive deb.debian.org:80 to build the torch 2 chroot ({e})'
+        return None, f'cannot reach the Debian archive {mirror} to build the torch 2 chroot ({e})'
     os.makedirs(os.path.dirname(ROOT), exist_ok=True)
     # One builder at a time; a second waits, then finds the chroot finished.
     with open(ROOT + '.lock', 'w') as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not os.path.exists(ROOT):
-            why = _build()
+            why = _build(mirror)
             if why:
                 return None, why
     return ROOT, None
 
 
-def _build():
+def _build(mirror):
     """Builds into ROOT.partial and renames it to ROOT only when complete, so a killed build is never
     taken for a finished one. Returns None, or why it failed."""
     partial, log = ROOT + '.partial', ROOT + '.log'
@@ -65,7 +90,7 @@ def _build():
     install = ('apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends '
                + ' '.join(PACKAGES) + ' && apt-get clean')
     steps = [('debootstrap', ['unshare', '-m', '--propagation', 'private',
-                              'debootstrap', '--variant=minbase', 'trixie', partial, MIRROR]),
+                              'debootstrap', '--variant=minbase', 'trixie', partial, mirror]),
              ('apt-get install', _chroot_command(partial, ['sh', '-c', install], {}))]
     with open(log, 'w') as out:
         for name, step in steps:
