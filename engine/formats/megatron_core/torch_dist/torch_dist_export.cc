@@ -16,6 +16,7 @@
 #include "formats/megatron_core/common/megatron_layout.h"
 #include "formats/megatron_core/common/megatron_param_groups.h"
 #include "formats/megatron_core/common/nd_reformulation.h"
+#include "formats/megatron_core/common/optimizer_layouts.h"
 #include "formats/megatron_core/torch_dist/dp_reshardable_items.h"
 #include "formats/state_dict.h"
 #include "logical/logical_checkpoint.h"
@@ -45,12 +46,6 @@ constexpr char kCommonState[] = "common_state/shard_0_1";
 constexpr char kCommonFile[] = "common.pt";
 // A job's share of a big .distcp file.
 constexpr int64_t kPartBytes = int64_t{256} << 20;
-// The optimizer layouts written: 0.19's every state shaped like its model
-// key, or flat buckets per model-parallel rank (dp_reshardable_items.h);
-// 0.14's every rank's piece of a state flattened (nd_reformulation.h).
-constexpr char kFullyReshardable[] = "fully_reshardable";
-constexpr char kDpReshardable[] = "dp_reshardable";
-constexpr char kFullyShardedModelSpace[] = "fully_sharded_model_space";
 
 std::string IterationFolder(int64_t iteration) {
   char name[32];

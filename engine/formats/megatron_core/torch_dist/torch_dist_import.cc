@@ -8,6 +8,7 @@
 
 #include "container/dcp_metadata.h"
 #include "container/torch_file.h"
+#include "formats/megatron_core/common/optimizer_layouts.h"
 #include "formats/megatron_core/common/torch_dist_family.h"
 #include "formats/megatron_core/torch_dist/torch_dist_optimizer.h"
 #include "util/human.h"
@@ -70,7 +71,7 @@ Result<Value> CommonState(const DcpContent& c) {
 // common.pt (which versions up to 0.18 write; 0.14 is the one whose form
 // reshard writes), else 0.19's.
 std::string MegatronCoreVersion(const DcpContent& c, const std::optional<ImportedOptimizer>& optimizer) {
-  if (optimizer && (optimizer->layout == "fully_reshardable" || optimizer->layout == "dp_reshardable")) return "0.19";
+  if (optimizer && (optimizer->layout == kFullyReshardable || optimizer->layout == kDpReshardable)) return "0.19";
   return Exists(c.folder + "/" + kCommonFile) ? "0.14" : "0.19";
 }
 

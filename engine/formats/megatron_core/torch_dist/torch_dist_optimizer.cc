@@ -6,6 +6,7 @@
 #include "formats/megatron_core/common/megatron_buckets.h"
 #include "formats/megatron_core/common/megatron_gathered.h"
 #include "formats/megatron_core/common/nd_reformulation.h"
+#include "formats/megatron_core/common/optimizer_layouts.h"
 #include "util/human.h"
 #include "util/shape.h"
 #include "util/strings.h"
@@ -13,10 +14,6 @@
 namespace reshard {
 namespace {
 
-constexpr char kFullyReshardable[] = "fully_reshardable";
-constexpr char kDpReshardable[] = "dp_reshardable";
-constexpr char kFullyShardedModelSpace[] = "fully_sharded_model_space";
-constexpr char kDpZeroGatherScatter[] = "dp_zero_gather_scatter";
 constexpr char kWeightsOnlyFix[] = "; pass --weights-only to convert the weights without it";
 
 // The list Megatron wraps a bytes item's object in, unwrapped.
