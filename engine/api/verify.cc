@@ -63,11 +63,6 @@ std::vector<int64_t> ComparedShape(const FullTensor& a, const FullTensor& other)
   return shape;
 }
 
-// "layers.1.mlp.dense_4h_to_h.weight at layer_04/mlp.dense_4h_to_h.weight"
-std::string Label(const FullTensor& t) {
-  return t.where.empty() || t.where == t.name ? t.name : t.name + " at " + t.where;
-}
-
 std::set<std::string> Sections(const std::vector<FullTensor>& tensors) {
   std::set<std::string> sections;
   for (const FullTensor& t : tensors) sections.insert(t.section);
@@ -98,14 +93,14 @@ class Comparison {
       if (!sb.count(a.section)) continue;
       auto other = by_name.find(a.name);
       if (other == by_name.end()) {
-        lines_.push_back({i, Label(a) + ": only in A"});
+        lines_.push_back({i, a.Label() + ": only in A"});
         continue;
       }
       const FullTensor& b = *other->second;
       matched_.insert(b.name);
       const std::vector<int64_t> shape = ComparedShape(a, b);
       if (a.dtype != b.dtype || shape != ComparedShape(b, a)) {
-        lines_.push_back({i, Label(a) + ": " + DTypeName(a.dtype) + " vs " + DTypeName(b.dtype) +
+        lines_.push_back({i, a.Label() + ": " + DTypeName(a.dtype) + " vs " + DTypeName(b.dtype) +
                                  ", shapes differ"});
         continue;
       }
@@ -118,7 +113,7 @@ class Comparison {
                       }});
     }
     for (const FullTensor& b : b_) {
-      if (sa.count(b.section) && !matched_.count(b.name)) only_b_.push_back(Label(b) + ": only in B");
+      if (sa.count(b.section) && !matched_.count(b.name)) only_b_.push_back(b.Label() + ": only in B");
     }
     return jobs;
   }
@@ -163,7 +158,7 @@ class Comparison {
       std::snprintf(buf, sizeof(buf), ": %lld of %lld elements differ, max |diff| %.3g",
                     static_cast<long long>(o.differing),
                     static_cast<long long>(ShapeNumel(a_[i].shape)), o.max_diff);
-      lines_.push_back({i, Label(a_[i]) + buf});
+      lines_.push_back({i, a_[i].Label() + buf});
     }
     std::stable_sort(lines_.begin(), lines_.end(),
                      [](const auto& x, const auto& y) { return x.first < y.first; });

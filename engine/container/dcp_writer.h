@@ -59,6 +59,9 @@ struct DcpWriteItem {
   // A tensor Megatron-Core 0.14 saved nd-reformulated: the original global
   // shape, which `.metadata`'s mcore_data records (empty: not reformulated).
   std::vector<int64_t> reformulated_from;
+  // Where its elements come from, for `--dry-run` ("" when it is not said);
+  // not written.
+  std::string from;
 };
 
 DcpWriteItem DcpTensorItem(std::string fqn, DType dtype, std::vector<int64_t> size, DcpChunk chunk,

@@ -1,9 +1,11 @@
-// The helpers of the seam that every target format uses.
+// The helpers of the seam that the formats share.
 #include "formats/format.h"
 
 #include "util/strings.h"
 
 namespace reshard {
+
+std::string RankTensor::Label() const { return name + " (" + rule->Describe() + "): " + detail; }
 
 int64_t FormatCount(const ExportOptions& options, const std::string& name) {
   int64_t n = 0;

@@ -44,6 +44,10 @@ struct FullTensor {
   std::vector<int64_t> shape;
   bool vocab = false;  // dim 0 is a padded vocabulary: rows both sides have are compared
   ByteProducer produce;  // bytes of the whole tensor, row-major
+
+  // Its name, and where it lies when the name does not say: what messages
+  // and --dry-run call it ("layers.1.mlp.dense_4h_to_h.weight at layer_04/...").
+  std::string Label() const { return where.empty() || where == name ? name : name + " at " + where; }
 };
 
 // How a source cuts its weights for another tensor-parallel layout
@@ -67,6 +71,9 @@ struct RankTensor {
   std::vector<int64_t> shape;       // the rank's
   std::string detail;               // where its elements come from, for --dry-run
   ByteProducer produce;             // bytes of the rank's tensor, row-major
+
+  // Its name, its TP policy and `detail`: what --dry-run says it is made of.
+  std::string Label() const;
 };
 
 struct TpWeights {

@@ -128,7 +128,7 @@ PlannedFile DcpDataFile(const std::string& folder, std::string what, DcpFileLayo
   f.bytes = DcpTensorBytes(layout, 0, layout.items.size());
   for (const DcpWriteItem& item : layout.items) {
     if (item.kind == DcpItem::Kind::kTensor) {
-      f.tensors.push_back({ChunkKey(item), item.dtype, item.chunk.sizes, ""});
+      f.tensors.push_back({ChunkKey(item), item.dtype, item.chunk.sizes, item.from});
     } else {
       f.detail.push_back(item.fqn + ": " + item.object.DebugString(60));
     }
@@ -178,6 +178,12 @@ void SetFrom(PlannedFile* file, const std::string& key, std::string from) {
       t.from = std::move(from);
       return;
     }
+  }
+}
+
+void SetUnsaidFrom(PlannedFile* file, const std::string& prefix, const std::string& from) {
+  for (PlannedTensor& t : file->tensors) {
+    if (t.from.empty() && t.key.compare(0, prefix.size(), prefix) == 0) t.from = from;
   }
 }
 

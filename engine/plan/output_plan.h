@@ -172,6 +172,9 @@ void CopyWhereSame(PlannedFile* f, std::string from, std::function<bool()> holds
 
 // Sets where the tensor `key` of `file` comes from, for the dry run.
 void SetFrom(PlannedFile* file, const std::string& key, std::string from);
+// Sets `from` of every tensor of `file` that has none yet whose key starts
+// with `prefix`.
+void SetUnsaidFrom(PlannedFile* file, const std::string& prefix, const std::string& from);
 
 
 // The plan for people: its summary, each file with what it is, its tensor

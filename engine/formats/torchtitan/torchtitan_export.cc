@@ -64,14 +64,16 @@ Status CheckRequest(const SourceCheckpoint& src, const ExportOptions& options) {
   return Status::Ok();
 }
 
-// One tensor of the checkpoint, whole: its key, how its bytes are made and
-// the dim torchtitan's TP plan shards (-1: replicated on the TP mesh).
+// One tensor of the checkpoint, whole: its key, how its bytes are made,
+// the dim torchtitan's TP plan shards (-1: replicated on the TP mesh) and
+// where it comes from (for --dry-run).
 struct KeyedTensor {
   std::string key;
   DType dtype = DType::kFloat32;
   std::vector<int64_t> shape;
   std::function<ByteProducer(const std::vector<FullTensor>&)> bytes;
   int tp_dim = -1;
+  std::string from;
 };
 
 // The ranks: torchtitan's device mesh [dp_shard, tp], TP the fastest
@@ -120,7 +122,9 @@ class Writer {
       const std::string key = HfNameTemplate(entry->keys.front()).With(block);
       RESHARD_RETURN_IF_ERROR(CheckTpCut(key, *entry, t.shape));
       auto bytes = std::move(t.bytes);
+      std::string from = std::move(t.detail);
       if (!entry->interleaved_heads.empty()) {
+        from += ", heads interleaved";
         RESHARD_ASSIGN_OR_RETURN(std::vector<RowRun> runs, Interleaving(key, *entry, t.shape));
         const int64_t row_bytes = ShapeNumel(t.shape) / t.shape[0] * ElementSize(t.dtype);
         bytes = [bytes = std::move(bytes), row_bytes, runs = std::move(runs)](const std::vector<FullTensor>& s) {
@@ -128,7 +132,7 @@ class Writer {
         };
       }
       shapes_.emplace(key, t.shape);
-      out.push_back({prefix + key + suffix, t.dtype, t.shape, std::move(bytes), entry->tp_dim});
+      out.push_back({prefix + key + suffix, t.dtype, t.shape, std::move(bytes), entry->tp_dim, std::move(from)});
     }
     return out;
   }
@@ -149,7 +153,9 @@ class Writer {
         std::optional<DcpChunk> box = BoxOf(t, d, tp_rank);
         if (!box) continue;
         ByteProducer part = BoxBytes(t, bytes, *box, tp_rank);
-        files_[d * mesh_.tp + tp_rank].push_back(DcpTensorItem(t.key, t.dtype, t.shape, std::move(*box), std::move(part)));
+        DcpWriteItem item = DcpTensorItem(t.key, t.dtype, t.shape, std::move(*box), std::move(part));
+        item.from = t.from;
+        files_[d * mesh_.tp + tp_rank].push_back(std::move(item));
       }
     }
   }
@@ -447,7 +453,9 @@ Status AddOptimizer(const SourceCheckpoint& src, const HfExport& hf, const std::
                            MapHfTensors(hf, params, inputs, out->scratch, &out->scratch_bytes));
   for (const StateDictTensor& t : hf_tensors) {
     const std::string key = writer->KeyOf(t.name);
-    writer->AddToRankZero(DcpTensorItem(kTorchtitanStatePrefix + key + ".step", DType::kFloat32, {}, DcpChunk{}, FloatBytes(step)));
+    DcpWriteItem item = DcpTensorItem(kTorchtitanStatePrefix + key + ".step", DType::kFloat32, {}, DcpChunk{}, FloatBytes(step));
+    item.from = "the source's optimizer step";
+    writer->AddToRankZero(std::move(item));
     RESHARD_ASSIGN_OR_RETURN(Items fields, AdamwGroup(groups, CanonicalOf(hf, t.name), &defaulted));
     for (auto& [name, value] : fields) {
       writer->AddToRankZero(DcpBytesItem(kTorchtitanGroupsPrefix + key + "." + name.as_string(), std::move(value)));

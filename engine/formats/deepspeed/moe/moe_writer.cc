@@ -165,6 +165,9 @@ class MoeWriter {
   // Tensor src.layers[layer].tensors[tensor] at the stage's TP rank, cut
   // from every source TP rank's, stored as `like` (its saved tensor) was.
   Result<Value> CutTensor(const MoeStagePlan& stage, int layer, int tensor, const Value& like) const;
+  // Where the tensor `key` of a file made from the source file `source`
+  // comes from, for --dry-run: as saved there, or cut as CutTensor cuts it.
+  std::string TensorFrom(const MoeStagePlan& stage, const std::string& key, const std::string& source) const;
   // The optimizer shards of the stage and its expp_rank files.
   Status AddOptimizerFiles(const MoeStagePlan& stage, std::vector<PlannedFile>* out) const;
 
@@ -187,6 +190,15 @@ Result<Value> MoeWriter::CutTensor(const MoeStagePlan& stage, int layer, int ten
     cut.as_tensor().requires_grad = like.as_tensor().requires_grad;
   }
   return cut;
+}
+
+std::string MoeWriter::TensorFrom(const MoeStagePlan& stage, const std::string& key,
+                                  const std::string& source) const {
+  auto at = index_.find(key);
+  if (plan_.tp == plan_.source_tp || at == index_.end()) return BaseName(source) + " " + key;
+  const auto [layer, tensor] = at->second;
+  const LogicalTensor& t = src_.layers[layer].tensors[tensor];
+  return "(" + t.rule->Describe() + ") " + DescribeSources(PlanTensor(src_, layer, tensor, stage.tp_rank, plan_.tensors));
 }
 
 Result<Value> MoeWriter::ExpertFile(const MoeStagePlan& stage, const MoeExpertFilePlan& file) const {
@@ -239,11 +251,16 @@ Status MoeWriter::AddStage(const MoeStagePlan& stage, std::vector<PlannedFile>* 
   RESHARD_ASSIGN_OR_RETURN(PlannedFile model, TorchFile(ModelStatesFileName(stage.mp), plan_.StageWhat(stage),
                                                         std::move(states)));
   model.roles.push_back(StageRole(stage, FileRole::Holds::kWeights, -1, "module", -1));
+  for (const MoeModuleEntry& e : stage.module_entries) {
+    SetFrom(&model, "module/" + e.key, TensorFrom(stage, e.key, ModelStatesName(e.mp)));
+  }
+  SetUnsaidFrom(&model, "", "as " + ModelStatesName(stage.source_mp) + " holds it");
   out->push_back(std::move(model));
   for (const MoeExpertFilePlan& f : stage.expert_files) {
     RESHARD_ASSIGN_OR_RETURN(Value root, ExpertFile(stage, f));
     RESHARD_ASSIGN_OR_RETURN(PlannedFile expert, TorchFile(f.name, "from " + BaseName(f.source), std::move(root)));
     expert.roles.push_back(StageRole(stage, FileRole::Holds::kWeights, -1, "", f.ep_rank));
+    for (PlannedTensor& t : expert.tensors) t.from = TensorFrom(stage, t.key, f.source);
     out->push_back(std::move(expert));
   }
   return AddOptimizerFiles(stage, out);
@@ -275,6 +292,7 @@ Status MoeWriter::AddOptimizerFiles(const MoeStagePlan& stage, std::vector<Plann
                         std::to_string(d),
                     std::move(shards[k])));
       shard.detail = plan_.OptimizerDetail(o);
+      SetUnsaidFrom(&shard, "", kOptimizerStateFrom);
       shard.roles.push_back(StageRole(stage, FileRole::Holds::kOptimizer, d, "", o.ep_rank));
       out->push_back(std::move(shard));
     }

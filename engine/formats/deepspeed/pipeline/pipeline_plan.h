@@ -100,6 +100,10 @@ struct DeepSpeedPlan {
   std::vector<std::string> OptimizerDetail(const OptimizerStagePlan& stage, int d) const;
 };
 
+// For the dry run: where the tensors of an optimizer state come from, which
+// OptimizerDetail's lines lay out.
+inline constexpr char kOptimizerStateFrom[] = "the optimizer state the group lines below lay out";
+
 // A pipeline checkpoint at another TP / PP / DP; `opt` (may be null) is the
 // source's optimizer state, planned along when not weights-only.
 Result<DeepSpeedPlan> MakePipelinePlan(const LogicalCheckpoint& src, const SourceOptimizer* opt,

@@ -74,6 +74,8 @@ Status AddStageFiles(const SourceOptimizer* opt, const DeepSpeedPlan& plan, size
     shards.clear();
   }
   RESHARD_ASSIGN_OR_RETURN(PlannedFile model, TorchFile(ms.name, plan.ModelStatesWhat(ms), std::move(model_states)));
+  SetUnsaidFrom(&model, "optimizer/", kOptimizerStateFrom);
+  SetUnsaidFrom(&model, "", "as " + ModelStatesName(ms.source_mp) + " holds it");
   if (!plan.pipeline) {  // a non-pipeline model's weights are the mp_rank file's `module`
     model.roles.push_back(FileRole{FileRole::Holds::kWeights, ms.tp_rank, ms.pp_rank, -1, "module", ""});
   }
@@ -89,6 +91,7 @@ Status AddStageFiles(const SourceOptimizer* opt, const DeepSpeedPlan& plan, size
         TorchFile(OptimizerFileName(plan.optimizer_format.bf16_prefix, static_cast<int>(d), mp),
                   "optimizer of " + ModelStatesName(mp) + ", DP rank " + std::to_string(d), std::move(shards[d])));
     shard.detail = plan.OptimizerDetail(plan.optimizer[i], static_cast<int>(d));
+    SetUnsaidFrom(&shard, "", kOptimizerStateFrom);
     shard.roles.push_back(FileRole{FileRole::Holds::kOptimizer, ms.tp_rank, ms.pp_rank, static_cast<int>(d), "", ""});
     files->push_back(std::move(shard));
   }

@@ -24,6 +24,7 @@ struct StateFile {
   // The whole tensor's bytes, made from the source's shards while it is
   // written; they add the bytes they read to *read.
   std::function<ByteProducer(std::atomic<int64_t>* read)> produce;
+  std::string from;  // where its elements come from, for --dry-run
 };
 
 std::string StatePath(const std::string& param, const std::string& state) {
@@ -57,8 +58,8 @@ Result<Items> LayoutKeys(const ParamRule& rule, const std::string& param) {
 Result<StateFile> MakeStateFile(const LogicalCheckpoint& src, const SourceOptimizer& opt,
                                 ReplicatedPolicy replicated, const std::string& param, const std::string& state) {
   RESHARD_ASSIGN_OR_RETURN(StateTensor st, LocateState(src, opt, param, state));
-  StateFile f{param, state, st.tensor.full_shape, {}, nullptr};
   const TensorPlan plan = PlanFullTensor(src, st.layer_index, st.tensor_index, replicated);
+  StateFile f{param, state, st.tensor.full_shape, {}, nullptr, "optimizer " + state + ": " + DescribeSources(plan)};
   f.produce = [source = SourceTensor::Of(st.tensor), plan](std::atomic<int64_t>* read) {
     return RangeProducer(source, plan, read);
   };
@@ -162,6 +163,7 @@ Result<OutputPlan> UniversalOutput(const UniversalFiles& files) {
   for (const StateFile& f : files.states) {
     RESHARD_ASSIGN_OR_RETURN(PlannedFile state, TorchFile(StatePath(f.param, f.state), LayoutText(f.layout),
                                                           StateTree(f, files.bare, out.read.get())));
+    for (PlannedTensor& t : state.tensors) t.from = f.from;  // the one tensor
     out.files.push_back(std::move(state));
     if (files.step && f.state == kMasterState) {
       RESHARD_ASSIGN_OR_RETURN(PlannedFile step, TorchFile(StatePath(f.param, "step"), "", *files.step));
@@ -175,7 +177,9 @@ Result<OutputPlan> UniversalOutput(const UniversalFiles& files) {
 StateFile WholeState(const std::string& param, const std::string& state, std::vector<int64_t> shape,
                      SourceShard shard) {
   const int64_t numel = shard.numel();
-  StateFile f{param, state, std::move(shape), {}, nullptr};
+  const std::string from = "optimizer " + state + ": " + Count(static_cast<int64_t>(shard.runs.size()), "run") +
+                           " of the optimizer partitions from DP rank " + std::to_string(shard.at.dp);
+  StateFile f{param, state, std::move(shape), {}, nullptr, from};
   f.produce = [source = SourceTensor{DType::kFloat32, {std::move(shard)}}, numel](std::atomic<int64_t>* read) {
     return RangeProducer(source, WholeShardPlan(0, numel), read);
   };

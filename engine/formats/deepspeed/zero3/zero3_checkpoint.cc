@@ -9,6 +9,7 @@
 #include "formats/deepspeed/optimizer/zero_shard_reader.h"
 #include "plan/materialize.h"
 #include "util/shape.h"
+#include "util/strings.h"
 
 namespace reshard {
 namespace {
@@ -238,9 +239,16 @@ Zero3Target Zero3Checkpoint::Retarget(int mp, int target_dp) const {
   return t;
 }
 
+namespace {
+
+// The source DP rank whose model states target DP rank `d`'s are made
+// from: DP rank 0's file keeps rank-0-only fields (shared_params).
+int ModelStatesTemplate(int d, int source_dp) { return d == 0 ? 0 : std::min(1, source_dp - 1); }
+
+}  // namespace
+
 Value Zero3Checkpoint::TargetModelStates(int mp, const Zero3Target& t, int d) const {
-  // DP rank 0's file keeps rank-0-only fields (shared_params).
-  Value model = ranks_[mp].model_states[d == 0 ? 0 : std::min(1, dp_ - 1)];
+  Value model = ranks_[mp].model_states[ModelStatesTemplate(d, dp_)];
   Set(model, "dp_world_size", Value::Int(t.dp));
   std::vector<Value> shapes;
   for (const auto& group : t.sub_groups) {
@@ -309,6 +317,20 @@ Value Zero3Checkpoint::TargetOptimizer(int mp, const std::shared_ptr<const Zero3
   return opt;
 }
 
+namespace {
+
+// Where DP rank `d`'s flat tensor of `state` of sub-group `sg` comes from,
+// for --dry-run: its slice of each parameter, from the source's partitions.
+std::string FlatFrom(const Zero3Target& t, size_t sg, const std::string& state, int d, int source_dp) {
+  const std::vector<Zero3Param>& params = t.sub_groups[sg];
+  std::string names = params.empty() ? "" : " (" + params.front().name + (params.size() > 1 ? " ... " + params.back().name : "") + ")";
+  return "optimizer " + state + ": slice " + std::to_string(d) + " of " + std::to_string(t.dp) + " of each of " +
+         Count(static_cast<int64_t>(params.size()), "parameter") + names + ", from the source's " +
+         std::to_string(source_dp) + " DP partitions";
+}
+
+}  // namespace
+
 Result<std::vector<PlannedFile>> Zero3Checkpoint::Files(int target_dp, bool bf16_prefix,
                                                        std::atomic<int64_t>* read) const {
   // Each file's tree is built while the file is written: a tree per target
@@ -329,6 +351,17 @@ Result<std::vector<PlannedFile>> Zero3Checkpoint::Files(int target_dp, bool bf16
                                          }));
       // ZeRO-3 keeps no pipeline: the mp rank is the TP rank.
       optimizer.roles.push_back(FileRole{FileRole::Holds::kOptimizer, mp, 0, d, "", ""});
+      const std::string saved = "as the source's DP rank " + std::to_string(ModelStatesTemplate(d, dp_)) + " saved it";
+      for (PlannedTensor& t : model.tensors) t.from = saved;
+      for (size_t sg = 0; sg < target->sub_groups.size(); ++sg) {
+        const std::string group = std::to_string(sg);
+        SetFrom(&optimizer, "optimizer_state_dict/fp32_flat_groups/" + group, FlatFrom(*target, sg, kMasterState, d, dp_));
+        for (size_t s = 1; s < states_.size(); ++s) {
+          SetFrom(&optimizer, "optimizer_state_dict/optimizer_state_dict/state/" + group + "/" + states_[s],
+                  FlatFrom(*target, sg, states_[s], d, dp_));
+        }
+      }
+      SetUnsaidFrom(&optimizer, "", "the source's optimizer step");  // the per-sub-group steps
       files.push_back(std::move(model));
       files.push_back(std::move(optimizer));
     }

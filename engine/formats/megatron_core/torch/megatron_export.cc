@@ -173,8 +173,7 @@ Status PlaceTensors(const TpWeights& weights, MegatronExportPlan* plan) {
     }
     for (const auto& [at, i] : places) {
       const RankTensor& r = tensors[i];
-      plan->files[at.stage * tp + t].tensors.push_back({at.path, i, r.name + " (" + r.rule->Describe() + "): " +
-                                                                        r.detail});
+      plan->files[at.stage * tp + t].tensors.push_back({at.path, i, r.Label()});
     }
   }
   return Status::Ok();
@@ -340,6 +339,8 @@ Status PlanDistribOptim(const SourceCheckpoint& src, const MegatronExportPlan& p
     RESHARD_ASSIGN_OR_RETURN(PlannedFile file,
                              TorchFile(name, "the distributed optimizer's state of stage " + std::to_string(f.pp_rank) +
                                                  ", TP rank " + std::to_string(f.tp_rank), std::move(state)));
+    SetUnsaidFrom(&file, "", "the " + Count(static_cast<int64_t>(f.tensors.size()), "parameter") +
+                                 " of model_optim_rng.pt, cut for TP as their weights, in Megatron's buffer order");
     out->files.push_back(std::move(file));
   }
   notes->push_back("megatron: the distributed optimizer's state in distrib_optim.pt beside each model_optim_rng.pt "

@@ -28,6 +28,20 @@ ByteProducer BucketBytes(const BucketLayout& layout, int bucket, const std::vect
   return JoinedBytes(std::move(pieces));
 }
 
+// Where the chunk [offset, offset + size) of bucket `bucket`'s tensor of
+// state `state` comes from, for --dry-run: the parameter piece it lies in
+// (MegatronBucketChunks cuts at every piece's bounds), else alignment zeros.
+std::string ChunkFrom(const BucketLayout& layout, int bucket, const std::vector<const DpParam*>& params, int state,
+                      int64_t offset, int64_t size) {
+  for (size_t i = 0; i < params.size(); ++i) {
+    const BucketSlot& slot = layout.slots[i];
+    if (slot.bucket != bucket || offset < slot.offset || offset >= slot.offset + slot.numel) continue;
+    const int64_t first = offset - slot.offset;
+    return params[i]->from[state] + ", elements [" + std::to_string(first) + "," + std::to_string(first + size) + ")";
+  }
+  return "zeros (bucket alignment)";
+}
+
 // `{(param dtype, torch.float32): [numel per bucket]}`, one grad buffer's
 // entry of per_bucket_numel(_unpadded).
 Value BufferNumels(DType dtype, const std::vector<Value>& numels) {
@@ -70,9 +84,10 @@ Result<std::vector<std::vector<DcpWriteItem>>> DpReshardableItems(int group, con
                                                   static_cast<int>(k), kTorchDistStates[s]);
         const ByteProducer flat = BucketBytes(layout, static_cast<int>(k), buffers[b], s);
         for (const auto& [offset, size] : MegatronBucketChunks(layout, static_cast<int>(k), dp)) {
-          items[offset / share].push_back(DcpTensorItem(key, DType::kFloat32, {bucket.numel_unpadded},
-                                                        DcpChunk{{offset}, {size}},
-                                                        BytesFrom(flat, offset * kFp32Bytes)));
+          DcpWriteItem item = DcpTensorItem(key, DType::kFloat32, {bucket.numel_unpadded}, DcpChunk{{offset}, {size}},
+                                            BytesFrom(flat, offset * kFp32Bytes));
+          item.from = ChunkFrom(layout, static_cast<int>(k), buffers[b], s, offset, size);
+          items[offset / share].push_back(std::move(item));
         }
       }
     }

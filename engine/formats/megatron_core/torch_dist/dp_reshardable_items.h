@@ -38,6 +38,7 @@ struct DpParam {
   // The piece's fp32 master, exp_avg and exp_avg_sq (kTorchDistStates),
   // fp32, flattened as the rank holds the piece.
   std::array<ByteProducer, 3> states;
+  std::array<std::string, 3> from;  // where each comes from, for --dry-run
 };
 
 // The items of model-parallel rank `group` (MegatronDpGroupIdx) whose

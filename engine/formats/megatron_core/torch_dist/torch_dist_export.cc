@@ -156,8 +156,10 @@ Status AddRankItems(const RuleSet& rules, const std::vector<RankTensor>& tensors
     const std::vector<int64_t> size = StackedSize(key, target.blocks, GlobalShape(r, target.cut.tp));
     const ByteProducer bytes = dtype == r.dtype ? r.produce : CastBytes(r.produce, r.dtype, dtype);
     for (RankBox& box : boxes) {
-      files->At(t, StageOf(r, target)).push_back(
-          DcpTensorItem(key.key, dtype, size, StackedChunk(key, std::move(box.chunk)), BytesFrom(bytes, box.byte_offset)));
+      DcpWriteItem item =
+          DcpTensorItem(key.key, dtype, size, StackedChunk(key, std::move(box.chunk)), BytesFrom(bytes, box.byte_offset));
+      item.from = r.Label();
+      files->At(t, StageOf(r, target)).push_back(std::move(item));
     }
   }
   return Status::Ok();
@@ -219,9 +221,11 @@ Status AddOptimizerItems(const RuleSet& rules, const std::vector<FullTensor>& st
     ByteProducer bytes = t.vocab ? WithRows(t, shape[0]) : t.produce;
     if (t.dtype != DType::kFloat32) bytes = CastBytes(std::move(bytes), t.dtype, DType::kFloat32);
     const DcpChunk chunk = StackedChunk(key, {std::vector<int64_t>(shape.size(), 0), shape});
-    files->At(0, StageOf(r, target)).push_back(DcpTensorItem("optimizer.state." + state + "." + key.key,
-                                                            DType::kFloat32, StackedSize(key, target.blocks, shape),
-                                                            chunk, std::move(bytes)));
+    DcpWriteItem item = DcpTensorItem("optimizer.state." + state + "." + key.key, DType::kFloat32,
+                                      StackedSize(key, target.blocks, shape), chunk, std::move(bytes));
+    item.from = t.Label();
+    if (t.vocab && shape[0] != t.shape[0]) item.from += ", rows to " + std::to_string(shape[0]);
+    files->At(0, StageOf(r, target)).push_back(std::move(item));
   }
   return Status::Ok();
 }
@@ -277,11 +281,16 @@ Result<StateWeights> CutStates(const SourceCheckpoint& src, const Target& target
 }
 
 // TP rank `t`'s piece of state `s` (of CutStates) of the weight `name`, as
-// fp32 bytes.
-Result<ByteProducer> Fp32StateOf(const TpWeights& state, int t, const std::string& name, size_t s) {
+// fp32 bytes, and where they come from.
+struct Fp32Piece {
+  ByteProducer bytes;
+  std::string from;
+};
+Result<Fp32Piece> Fp32StateOf(const TpWeights& state, int t, const std::string& name, size_t s) {
   for (const RankTensor& r : state.ranks[t]) {
     if (r.name != name) continue;
-    return r.dtype == DType::kFloat32 ? r.produce : CastBytes(r.produce, r.dtype, DType::kFloat32);
+    return Fp32Piece{r.dtype == DType::kFloat32 ? r.produce : CastBytes(r.produce, r.dtype, DType::kFloat32),
+                     r.Label()};
   }
   return Status::Internal("no optimizer " + std::string(kTorchDistStates[s]) + " of " + name);
 }
@@ -301,9 +310,11 @@ Result<std::vector<DpParam>> StageParams(const RuleSet& rules, const TpWeights& 
     auto it = by_key.find({reg.key, reg.layer});
     if (it == by_key.end()) continue;
     const RankTensor& r = *it->second;
-    DpParam param{reg.key, WrittenDType(r, target.dtype), ShapeNumel(r.shape), IsTiedVocab(r) && target.pp > 1, {}};
+    DpParam param{reg.key, WrittenDType(r, target.dtype), ShapeNumel(r.shape), IsTiedVocab(r) && target.pp > 1, {}, {}};
     for (size_t s = 0; s < states.size(); ++s) {
-      RESHARD_ASSIGN_OR_RETURN(param.states[s], Fp32StateOf(states[s], t, r.name, s));
+      RESHARD_ASSIGN_OR_RETURN(Fp32Piece piece, Fp32StateOf(states[s], t, r.name, s));
+      param.states[s] = std::move(piece.bytes);
+      param.from[s] = std::move(piece.from);
     }
     params.push_back(std::move(param));
     by_key.erase(it);
@@ -357,7 +368,7 @@ Status AddModelSpaceItems(const SourceCheckpoint& src, const TpWeights& weights,
       const std::vector<int64_t> global = StackedSize(key, target.blocks, GlobalShape(r, target.cut.tp));
       RESHARD_ASSIGN_OR_RETURN(std::vector<RankBox> boxes, RankBoxes(r, t, target.cut.tp, DType::kFloat32));
       for (size_t s = 0; s < states.size(); ++s) {
-        RESHARD_ASSIGN_OR_RETURN(ByteProducer bytes, Fp32StateOf(states[s], t, r.name, s));
+        RESHARD_ASSIGN_OR_RETURN(Fp32Piece state, Fp32StateOf(states[s], t, r.name, s));
         // Megatron-Core 0.14 names the fp32 master `fp32_param`.
         const std::string fqn = std::string("optimizer.state.") + (s == 0 ? "fp32_param" : kTorchDistStates[s]) + "." + key.key;
         for (const RankBox& box : boxes) {
@@ -367,8 +378,9 @@ Status AddModelSpaceItems(const SourceCheckpoint& src, const TpWeights& weights,
           row.offsets.push_back(0);
           row.sizes.push_back(reform.fragment_numel());
           DcpWriteItem item = DcpTensorItem(fqn, DType::kFloat32, reform.saved_shape(), std::move(row),
-                                            BytesFrom(bytes, box.byte_offset));
+                                            BytesFrom(state.bytes, box.byte_offset));
           item.reformulated_from = global;
+          item.from = state.from;
           files->At(t, StageOf(r, target)).push_back(std::move(item));
         }
       }
@@ -577,6 +589,7 @@ Result<OutputPlan> PlanTorchDist(const SourceCheckpoint& src, const ExportOption
   if (v014) {
     RESHARD_ASSIGN_OR_RETURN(PlannedFile common_file,
                              TorchFile(folder + "/" + kCommonFile, "common state", std::move(common)));
+    SetUnsaidFrom(&common_file, "", "the source's optimizer step");  // each parameter's
     out.files.push_back(std::move(common_file));
   } else {
     files.At(0, 0).push_back(DcpBytesItem(kCommonState, Value::MakeList({std::move(common)})));
