@@ -33,8 +33,8 @@ class LayerFileCopyTest(unittest.TestCase):
         self.addCleanup(tmp.cleanup)
         self.tmp = tmp.name
 
-    def fixture(self, name, **kw):
-        return support.make_fixture(os.path.join(self.tmp, name), style='ms_gpt2', tp=2, pp=2, dp=2,
+    def fixture(self, name, style='ms_gpt2', **kw):
+        return support.make_fixture(os.path.join(self.tmp, name), style=style, tp=2, pp=2, dp=2,
                                     optimizer='bf16_zero', **kw)
 
     def convert(self, src, name, *layout, expect_ok=True):
@@ -50,16 +50,20 @@ class LayerFileCopyTest(unittest.TestCase):
         return [n for n in names if filecmp.cmp(os.path.join(src, n), os.path.join(out, n), shallow=False)]
 
     def test_dp_and_pp_changes_copy_every_layer_file(self):
-        src = self.fixture('src')
-        for name, layout in (('dp4', ('--tp', 2, '--pp', 2, '--dp', 4)), ('pp1', ('--tp', 2, '--pp', 1, '--dp', 4))):
-            with self.subTest(layout=name):
-                dry = reshard('convert', src, os.path.join(self.tmp, 'dry'), *layout, '--dry-run')
-                self.assertIn('copied from ' + support.layer_file(src, 3, 1), dry.stdout)
-                out, _ = self.convert(src, name, *layout)
-                self.assertEqual(self.same_as_source(src, out), layer_files(src))
-                support.load(support.layer_file(out, 3, 1))  # torch reads it
-                self.assertIn('same model', reshard('verify', src, out).stdout)
-                self.assertEqual(reshard('verify', out).returncode, 0)  # the manifest has the copies' CRCs
+        """Also where a weight is planned as several boxes: the SwiGLU [gate; up] weight of a
+        Llama-style block, one box per half."""
+        for style in ('ms_gpt2', 'ms_llama'):
+            src = self.fixture(style, style=style)
+            for name, layout in (('dp4', ('--tp', 2, '--pp', 2, '--dp', 4)),
+                                 ('pp1', ('--tp', 2, '--pp', 1, '--dp', 4))):
+                with self.subTest(style=style, layout=name):
+                    dry = reshard('convert', src, os.path.join(self.tmp, 'dry'), *layout, '--dry-run')
+                    self.assertIn('copied from ' + support.layer_file(src, 3, 1), dry.stdout)
+                    out, _ = self.convert(src, style + name, *layout)
+                    self.assertEqual(self.same_as_source(src, out), layer_files(src))
+                    support.load(support.layer_file(out, 3, 1))  # torch reads it
+                    self.assertIn('same model', reshard('verify', src, out).stdout)
+                    self.assertEqual(reshard('verify', out).returncode, 0)  # the manifest has the copies' CRCs
 
     def test_a_tp_change_writes_the_files_it_splits(self):
         """TP 2 -> 1 merges the blocks' split tensors: their files are written. A file of

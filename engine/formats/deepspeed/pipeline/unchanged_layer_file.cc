@@ -7,21 +7,24 @@
 #include <vector>
 
 #include "container/mapped_file.h"
+#include "util/shape.h"
 
 namespace reshard {
 namespace {
 
-bool AllZero(const std::vector<int64_t>& v) {
-  return std::all_of(v.begin(), v.end(), [](int64_t x) { return x == 0; });
-}
-
-// The source shard the plan makes the whole target tensor of, as it is, or -1.
+// The source shard the plan makes the whole target tensor of, as it is, or
+// -1: its boxes (one, or one per sub-parameter of a gated or fused weight)
+// all come from that shard, each from where it lands. A plan's boxes are
+// disjoint, so boxes as large as the tensor make all of it.
 int WholeShardCopied(const TensorPlan& plan) {
-  if (plan.average || !plan.fills.empty() || plan.copies.size() != 1) return -1;
-  const BoxCopy& c = plan.copies[0];
-  const bool whole = c.src_shape == plan.shape && AllZero(c.src_offsets) && AllZero(c.dst.offsets) &&
-                     c.dst.sizes == plan.shape;
-  return whole ? c.src_shard : -1;
+  if (plan.average || !plan.fills.empty() || plan.copies.empty()) return -1;
+  const int shard = plan.copies[0].src_shard;
+  int64_t copied = 0;
+  for (const BoxCopy& c : plan.copies) {
+    if (c.src_shard != shard || c.src_shape != plan.shape || c.src_offsets != c.dst.offsets) return -1;
+    copied += ShapeNumel(c.dst.sizes);
+  }
+  return copied == ShapeNumel(plan.shape) ? shard : -1;
 }
 
 // The mapped file the shard lies in, as one run, or null.
