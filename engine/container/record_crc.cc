@@ -60,15 +60,27 @@ void RecordCrcs::Note(uint64_t offset, size_t n, uint32_t crc) {
   if (!r.checked) Join(&r, begin, end, crc);
 }
 
-void RecordCrcs::NoteBytes(uint64_t offset, const uint8_t* bytes, size_t n) {
+uint32_t RecordCrcs::NoteBytes(uint64_t offset, const uint8_t* bytes, size_t n) {
   const uint64_t end = offset + n;
+  uint32_t crc = 0;
+  uint64_t at = offset;  // the bytes before it are in `crc`
+  auto add = [&](uint64_t to) {
+    const uint32_t piece = Crc32(0, bytes + (at - offset), to - at);
+    crc = Crc32Combine(crc, piece, static_cast<int64_t>(to - at));
+    at = to;
+    return piece;
+  };
   auto r = std::upper_bound(records_.begin(), records_.end(), offset,
                             [](uint64_t at, const Record& rec) { return at < rec.zip.data_offset; });
   if (r != records_.begin()) --r;  // the record `offset` may lie in
   for (; r != records_.end() && r->zip.data_offset < end; ++r) {
     const uint64_t lo = std::max(offset, r->zip.data_offset), hi = std::min(end, r->zip.data_offset + r->zip.size);
-    if (lo < hi) Note(lo, hi - lo, Crc32(0, bytes + (lo - offset), hi - lo));
+    if (lo >= hi) continue;
+    if (at < lo) add(lo);  // bytes between records
+    Note(lo, hi - lo, add(hi));
   }
+  if (at < end) add(end);
+  return crc;
 }
 
 // Adds the piece [begin, end) and joins it with the pieces it meets; the

@@ -32,8 +32,9 @@ class RecordCrcs {
   // CRC-32 `crc`. A read overlapping bytes already noted is not counted again.
   void Note(uint64_t offset, size_t n, uint32_t crc);
   // Notes the file's bytes [offset, offset + n), held in `bytes`, which may
-  // run over several records (a file copied whole).
-  void NoteBytes(uint64_t offset, const uint8_t* bytes, size_t n);
+  // run over several records (a file copied whole), and returns their CRC-32,
+  // joined from the records' pieces: each byte is CRC'd once.
+  uint32_t NoteBytes(uint64_t offset, const uint8_t* bytes, size_t n);
 
   // The first damaged record's error ("" when none), and how many records
   // were read in part only (so not checked).

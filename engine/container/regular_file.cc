@@ -80,8 +80,8 @@ Status CopyRegularFile(const std::string& from, const std::string& to, std::vect
     const FileSpans same = {FileSpan{0, in.fd, digest->bytes, static_cast<int64_t>(n)}};
     if (read_err == 0 && !cloned) write_err = WriteProduced(out, buffer.data(), n, -1, same);
     if (read_err != 0 || write_err != 0) break;
-    if (seen) seen(digest->bytes, buffer.data(), n);
-    digest->crc32 = Crc32(digest->crc32, buffer.data(), n);
+    const uint32_t crc = seen ? seen(digest->bytes, buffer.data(), n) : Crc32(0, buffer.data(), n);
+    digest->crc32 = Crc32Combine(digest->crc32, crc, static_cast<int64_t>(n));
     digest->bytes += static_cast<int64_t>(n);
     if (copied) copied(static_cast<int64_t>(n));
   }

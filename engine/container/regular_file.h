@@ -36,10 +36,11 @@ Result<std::string> ReadRegularFile(const std::string& path, int64_t max_bytes =
 
 // Copies the regular file `from` to `to` (created or truncated) through
 // `buffer`, exactly the size it had when opened; `digest` learns the copy's
-// size and CRC-32, `copied` (may be empty) each piece's byte count and `seen`
-// (may be empty) each piece as read, at its offset. Errors name the file
-// that could not be read or written.
-using SeenBytes = std::function<void(int64_t offset, const uint8_t* bytes, size_t n)>;
+// size and CRC-32, `copied` (may be empty) each piece's byte count. `seen`
+// (may be empty) is handed each piece as read, at its offset, and returns
+// its CRC-32, which the digest takes instead of computing it again. Errors
+// name the file that could not be read or written.
+using SeenBytes = std::function<uint32_t(int64_t offset, const uint8_t* bytes, size_t n)>;
 Status CopyRegularFile(const std::string& from, const std::string& to, std::vector<uint8_t>& buffer,
                        FileDigest* digest, const std::function<void(int64_t)>& copied = {},
                        const SeenBytes& seen = {});

@@ -52,7 +52,7 @@ Status WriteCopy(JobContext& ctx, const PlannedFile& file) {
   SeenBytes check;
   if (std::shared_ptr<RecordCrcs> crcs = RecordCrcsOf(file.copy_of)) {
     check = [crcs](int64_t offset, const uint8_t* bytes, size_t n) {
-      crcs->NoteBytes(static_cast<uint64_t>(offset), bytes, n);
+      return crcs->NoteBytes(static_cast<uint64_t>(offset), bytes, n);
     };
   }
   RESHARD_RETURN_IF_ERROR(CopyRegularFile(file.copy_of, ctx.dir + "/" + file.name, ctx.buffer, &digest,
