@@ -66,22 +66,28 @@ class UnrecordedValuesTest(FixtureTestCase):
         self.assertEqual(p.returncode, 1, p.stdout)
         errors = [l for l in p.stdout.splitlines() if l.startswith('error:')]
         self.assertEqual(len(errors), 1, p.stdout)  # once, not once per tensor
-        self.assertIn('does not record 1 value every conversion needs: args.num_attention_heads', errors[0])
-        self.assertIn('--set args.num_attention_heads=N (or as a fallback in the rule file', errors[0])
+        # The fused QKV is cut by KV groups, else by heads: both are named.
+        self.assertIn('does not record 2 values every conversion needs: [args.num_key_value_heads, '
+                      'args.num_attention_heads] (the block count of layer_02/self_attention.query_key_value.weight) '
+                      'and args.num_attention_heads', errors[0])
+        self.assertIn('--set args.num_key_value_heads=N --set args.num_attention_heads=N (or as fallbacks in the rule '
+                      'file', errors[0])
 
     def test_one_refusal_names_every_missing_value(self):
-        # A TP change of a DeepSpeed-only save lacks three values: one refusal names them all,
+        # A TP change of a DeepSpeed-only save lacks four values: one refusal names them all,
         # with a line to paste, where it once took three tries.
         tag = self.deepspeed_only()
         out = self.path('out', 'x')
         p = run('convert', tag, out, '--tp', 1, '--pp', 1, '--rules', 'megatron-gpt2')
         self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
         self.assertEqual(len(p.stderr.strip().splitlines()), 1, p.stderr)
-        self.assertIn('the checkpoint does not record 3 values this conversion needs: args.num_attention_heads', p.stderr)
-        self.assertIn('--set args.num_attention_heads=N --set args.make_vocab_size_divisible_by=N --vocab-size N',
-                      p.stderr)
+        self.assertIn('the checkpoint does not record 4 values this conversion needs: [args.num_key_value_heads, '
+                      'args.num_attention_heads]', p.stderr)
+        self.assertIn('--set args.num_key_value_heads=N --set args.num_attention_heads=N '
+                      '--set args.make_vocab_size_divisible_by=N --vocab-size N', p.stderr)
         self.assertFalse(os.path.exists(out))
-        # The pasted values (--vocab-size standing for the recorded size) convert.
+        # The values (--vocab-size standing for the recorded size) convert; the head count alone
+        # is the KV group count of a multi-head model.
         given = ['--set', f'num_attention_heads={MODEL["n"]}', '--set', f'make_vocab_size_divisible_by={MODEL["mvsdb"]}',
                  '--vocab-size', MODEL['V']]
         self.assertOk(run('convert', tag, out, '--tp', 1, '--pp', 1, '--rules', 'megatron-gpt2', *given, '-q'))
@@ -131,6 +137,8 @@ class UnrecordedValuesTest(FixtureTestCase):
         with open(os.path.join(RULES_DIR, 'megatron-gpt2.yaml')) as f:
             text = f.read()
         text = text.replace('blocks: args.num_attention_heads', f'blocks: [args.num_attention_heads, {MODEL["n"]}]')
+        text = text.replace('blocks: [args.num_key_value_heads, args.num_attention_heads]',
+                            f'blocks: [args.num_key_value_heads, args.num_attention_heads, {MODEL["n"]}]')
         text = text.replace('original_size: [universal_checkpoint_info.original_vocab_size]',
                             f'original_size: [universal_checkpoint_info.original_vocab_size, {MODEL["V"]}]')
         text = text.replace('divisible_by: [args.make_vocab_size_divisible_by]',

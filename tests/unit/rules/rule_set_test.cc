@@ -732,7 +732,7 @@ std::string Layout(const std::string& rules, const std::string& role, const std:
 
 TEST(RuleSetBuiltin, TensorParallelLayouts) {
   EXPECT_EQ(Layout("megatron-gpt2", "block", "self_attention.query_key_value.bias"),
-            "split dim 0 (blocks args.num_attention_heads)");
+            "split dim 0 (blocks [args.num_key_value_heads, args.num_attention_heads])");
   EXPECT_EQ(Layout("megatron-gpt2", "block", "self_attention.dense.weight"),
             "split dim 1 (blocks args.num_attention_heads)");
   EXPECT_EQ(Layout("megatron-gpt2", "block", "mlp.dense_4h_to_h.bias"), "replicated");

@@ -1,0 +1,132 @@
+"""Real Megatron-Core from PyPI, run in the torch 2.6 chroot (torch2_chroot.py), for the tests that
+need the framework itself to write a checkpoint or to load one.
+
+ensure() downloads the pinned wheels once per machine (`pip download --no-deps`, for the chroot's
+Python) into a cache under $RESHARD_PYPI_CACHE (default /var/cache/reshard/pypi), one folder per set
+of pins, and unpacks them there; run() runs a python3 script in the chroot with them first on its
+path. Nothing is installed into the chroot or anywhere else.
+
+The pins: Megatron-Core itself, and the pure-Python packages it imports that Debian's python3-torch
+does not bring (torch.utils.cpp_extension, which Megatron-Core imports, imports setuptools).
+Megatron-Core's wheel holds one compiled module (its dataset helpers), which these tests never load.
+"""
+import fcntl
+import glob
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import zipfile
+
+import torch2_chroot
+
+PINS = ('megatron-core==0.19.1', 'setuptools==80.9.0', 'packaging==25.0')
+CACHE = os.environ.get('RESHARD_PYPI_CACHE', '/var/cache/reshard/pypi')
+INSIDE = '/megatron-core-site'  # where run() mounts the unpacked wheels in the chroot
+
+# Run first by every script: the unpacked wheels on the path, and what a CPU-only host lacks.
+# * Megatron-Core's pipeline schedules import the MoE paged-stash kernels, which import triton (a
+#   GPU compiler that is no pure-Python wheel): a stand-in module, whose kernels refuse to run.
+# * Megatron-Core moves tensors to the GPU where it all-reduces them (a tied model's last stage
+#   copies the word embedding so; dist_checkpointing.save agrees on failures so) and waits for the
+#   GPU before writing: without CUDA, .cuda() keeps a tensor where it is, the current device is
+#   the CPU and there is nothing to wait for, so gloo does the collectives on the CPU.
+# * Megatron-Core 0.19's load reads the common state (and its tensors) with torch's
+#   `dcp.load(..., no_dist=True)`, each rank alone, a keyword torch 2.6's dcp.load lacks: it goes
+#   to torch 2.6's own one-process reader (`_load_state_dict(no_dist=True)`), which dcp.load calls
+#   for such plain state dicts.
+PRELUDE = r'''
+import sys, types
+sys.path.insert(0, %r)
+import torch
+_stash = types.ModuleType('megatron.core.transformer.moe.ops.paged_stash')
+_stash.GLOBAL_BLOCK_SIZE = 1024
+def _needs_triton(*args, **kwargs):
+    raise RuntimeError('the MoE paged stash kernels need triton, which this CPU-only run lacks')
+_stash.paged_stash_copy_kernel = _stash.paged_stash_pop_kernel = _needs_triton
+sys.modules[_stash.__name__] = _stash
+import inspect
+import torch.distributed.checkpoint as _dcp
+from torch.distributed.checkpoint import state_dict_loader as _dcp_loader
+if 'no_dist' not in inspect.signature(_dcp_loader.load).parameters:
+    def _dcp_load(state_dict, storage_reader=None, planner=None, *, no_dist=False, **kwargs):
+        if not no_dist:
+            return _dcp_loader.load(state_dict, storage_reader=storage_reader, planner=planner, **kwargs)
+        return _dcp_loader._load_state_dict(state_dict, storage_reader=storage_reader, planner=planner, no_dist=True)
+    _dcp.load = _dcp_load
+if not torch.cuda.is_available():
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    torch.cuda.current_device = lambda: 'cpu'
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+''' % INSIDE
+
+
+def _python_version(root):
+    """The chroot's Python as pip's --python-version wants it ('3.13'), or None."""
+    found = sorted(glob.glob(os.path.join(root, 'usr', 'lib', 'python3.*')))
+    return os.path.basename(found[-1])[len('python'):] if found else None
+
+
+def site_or_skip(root):
+    """The unpacked wheels' folder for the chroot at `root`; else the test (or its class) is skipped
+    with one line saying why."""
+    import unittest
+    site, why = ensure(root)
+    if site is None:
+        print('skipped:', why, file=sys.stderr)
+        raise unittest.SkipTest(why)
+    return site
+
+
+def ensure(root):
+    """(folder of the unpacked pinned wheels, None), or (None, one line saying why they cannot be had)."""
+    version = _python_version(root)
+    if version is None:
+        return None, f'the torch 2 chroot {root} has no python3.N library folder'
+    key = hashlib.sha256(' '.join(PINS + (version, platform.machine())).encode()).hexdigest()[:16]
+    site = os.path.join(CACHE, key)
+    if os.path.exists(os.path.join(site, 'megatron', 'core', '__init__.py')):
+        return site, None
+    try:
+        os.makedirs(CACHE, exist_ok=True)
+    except OSError as e:
+        return None, f'cannot make the PyPI cache {CACHE} ({e}): set RESHARD_PYPI_CACHE'
+    # One downloader at a time; a second waits, then finds the folder finished.
+    with open(site + '.lock', 'w') as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(site):
+            why = _download(site, version)
+            if why:
+                return None, why
+    return site, None
+
+
+def _download(site, version):
+    """Downloads the pins' wheels for the chroot's Python and unpacks them into site.partial, renamed
+    to `site` only when complete. Returns None, or why it failed."""
+    partial, wheels = site + '.partial', site + '.wheels'
+    shutil.rmtree(partial, ignore_errors=True)
+    shutil.rmtree(wheels, ignore_errors=True)
+    machine = platform.machine()
+    # Exact pins: pip takes a yanked release (megatron-core 0.19.1 is) only when pinned so.
+    argv = [sys.executable, '-m', 'pip', 'download', '--no-deps', '--only-binary=:all:', '--dest', wheels,
+            '--python-version', version, '--implementation', 'cp',
+            '--platform', f'manylinux_2_28_{machine}', '--platform', f'manylinux2014_{machine}', *PINS]
+    p = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if p.returncode:
+        last = (p.stderr.strip().splitlines() or ['no output'])[-1]
+        return f'pip could not download {" ".join(PINS)} for Python {version}: {last}'
+    os.makedirs(partial)
+    for wheel in sorted(glob.glob(os.path.join(wheels, '*.whl'))):
+        with zipfile.ZipFile(wheel) as z:
+            z.extractall(partial)
+    shutil.rmtree(wheels)
+    os.rename(partial, site)
+    return None
+
+
+def run(root, site, script, binds, timeout=300):
+    """torch2_chroot.run of PRELUDE + script, with the wheels at `site` mounted where PRELUDE looks."""
+    return torch2_chroot.run(root, PRELUDE + script, {**binds, site: INSIDE}, timeout=timeout)
