@@ -20,6 +20,12 @@
 
 namespace reshard {
 
+// What the format that read a model records of its checkpoint, in that
+// format's own terms, as (name, value) lines ("form", "Megatron-Core 0.19"):
+// what inspect prints of an imported model instead of any other format's
+// metadata.
+using RecordedFacts = std::vector<std::pair<std::string, std::string>>;
+
 struct ImportedTensor {
   Value tensor;                      // its dtype and shape (and its bytes when `runs` is unset)
   std::optional<SourceShard> runs;   // the elements in order, when they are not `tensor`'s own

@@ -96,6 +96,7 @@ class Reader {
     folder.dir = dcp_.folder;
     folder.files = dcp_.files;
     RESHARD_ASSIGN_OR_RETURN(std::optional<Value> recorded, RecordedConfig());
+    const bool recorded_config = recorded.has_value();
     if (recorded) folder.files.push_back(RecordedConfigPath());
     folder.config_label = recorded ? RecordedConfigPath()
                                    : "the torchtitan checkpoint " + dcp_.folder + " (which records no model config)";
@@ -117,6 +118,7 @@ class Reader {
       out.optimizer_status = optimizer.status();
     }
     out.files = folder.files;
+    out.facts = Facts(out, recorded_config);
     out.what = "torchtitan checkpoint (rule set " + rules_.name() + ": " + rules_.hf()->architecture +
                " under torchtitan's keys; " + std::to_string(dcp_.tensors.size()) + " tensors)";
     return out;
@@ -313,6 +315,25 @@ class Reader {
     Set(*metadata, "iteration", Value::Int(iteration));
     SetPath(metadata, "args.iteration", Value::Int(iteration));
     *logical_iteration = iteration;
+  }
+
+  // What the step records, in torchtitan's terms.
+  RecordedFacts Facts(const TorchtitanImport& out, bool recorded_config) const {
+    RecordedFacts facts;
+    facts.emplace_back("step", out.logical.iteration > 0 ? std::to_string(out.logical.iteration)
+                                                         : "not recorded (the folder is not named step-N)");
+    facts.emplace_back("model config", recorded_config ? std::string(kTorchtitanModelFile)
+                                                       : "not recorded (sizes from the tensors' shapes and --set)");
+    std::string optimizer = "none";
+    if (out.optimizer) {
+      optimizer = out.optimizer->what + (out.optimizer->step ? ", step " + out.optimizer->step->DebugString(20) : "");
+    } else if (!out.optimizer_status.ok()) {
+      optimizer = "not read (" + out.optimizer_status.message() + ")";
+    }
+    facts.emplace_back("optimizer state", optimizer);
+    facts.emplace_back("files", Count(static_cast<int64_t>(dcp_.files.size()) - 1, ".distcp file") + ", " +
+                                    Count(static_cast<int64_t>(dcp_.tensors.size()), "tensor"));
+    return facts;
   }
 
   void NoteRunStates(std::vector<std::string>* notes) const {

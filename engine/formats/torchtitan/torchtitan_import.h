@@ -61,6 +61,7 @@ struct TorchtitanImport {
   std::vector<std::string> notes;  // what the import chose or left out
   std::optional<ImportedOptimizer> optimizer;
   Status optimizer_status;  // why the optimizer state is not read (ok when there is none)
+  RecordedFacts facts;      // its step, mesh and model config, for inspect
 };
 
 // Whether some key of `dcp` is a model key of a torchtitan section (the

@@ -208,9 +208,34 @@ class FamilyReader {
       out.pp = static_cast<int>(MetadataInt(*args, "pipeline_model_parallel_size", 0));
       out.dp = static_cast<int>(MetadataInt(*args, "data_parallel_size", 0));
     }
+    out.facts = Facts(out);
     out.optimizer = std::move(optimizer_);
     out.optimizer_status = optimizer_status_;
     return out;
+  }
+
+  // What the save records, in Megatron-Core's terms.
+  RecordedFacts Facts(const TorchDistImport& out) const {
+    RecordedFacts facts;
+    facts.emplace_back("form", "Megatron-Core " + out.megatron_core_version + "'s, its common state in " +
+                                   (Exists(c_.folder + "/" + kCommonFile) ? kCommonFile : "the common_state item"));
+    std::string optimizer = "none";
+    if (optimizer_) {
+      optimizer = "the distributed optimizer's, layout " + optimizer_->layout +
+                  (optimizer_->step ? ", step " + optimizer_->step->DebugString(20) : std::string());
+    } else if (!optimizer_status_.ok()) {
+      optimizer = "not read (" + optimizer_status_.message() + ")";
+    }
+    facts.emplace_back("optimizer state", optimizer);
+    facts.emplace_back("iteration", std::to_string(out.logical.iteration));
+    std::string layout;
+    for (const auto& [name, size] : {std::pair<const char*, int>{"TP", out.tp}, {"PP", out.pp}, {"DP", out.dp}}) {
+      layout += (layout.empty() ? "" : ", ") + std::string(name) + " " + (size > 0 ? std::to_string(size) : "not recorded");
+    }
+    facts.emplace_back("saved at", layout);
+    facts.emplace_back("files", Count(static_cast<int64_t>(c_.files.size()), ".distcp file") + ", " +
+                                    Count(static_cast<int64_t>(c_.meta.items.size()), "item"));
+    return facts;
   }
 
   const DcpContent& c_;

@@ -1,0 +1,78 @@
+"""`inspect` of a checkpoint another format than DeepSpeed's wrote speaks that format's terms.
+
+The sources are the real Megatron-Core 0.19 and 0.14 saves (tests/data/megatron-core), the real
+torchtitan steps (tests/data/torchtitan) and an HF folder exported from one of them. Checked:
+
+* `inspect` prints the format's own metadata (torch_dist: its form and version, optimizer layout,
+  iteration, saved layout; torchtitan: its step; HF: config.json's architecture values), then
+  every tensor by its canonical name with its global shape, dtype and TP policy; none of
+  DeepSpeed's mp_rank metadata (`module: None`, `mp_world_size`) or layer files (`layer_01`).
+
+Run: /usr/bin/python3 tests/interop/test_inspect_terms.py --reshard build/reshard
+"""
+import os
+
+import interop_support as support
+from interop_support import FixtureTestCase
+from megatron_core_data import DATA, config_of, sizes
+
+run = support.reshard
+
+TORCHTITAN = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'data', 'torchtitan')
+TORCHTITAN_HEADS = ('--set', 'num_attention_heads=4', '--set', 'num_key_value_heads=2')
+
+# What only DeepSpeed's metadata and layer files print.
+DEEPSPEED_TERMS = ('mp_rank', 'module: None', 'mp_world_size', 'layer files (', 'layer_0')
+
+
+class InspectTermsTest(FixtureTestCase):
+    def inspect(self, folder, *args):
+        p = run('inspect', folder, *args)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        for term in DEEPSPEED_TERMS:
+            self.assertNotIn(term, p.stdout)
+        return p.stdout
+
+    def test_torch_dist_prints_its_form_optimizer_layout_and_iteration(self):
+        for version, tag, layout in (('0.19', 'w2_tp2_swiglu_optim_fully_reshardable', 'fully_reshardable'),
+                                     ('0.19', 'w2_pp2_optim_dp_reshardable', 'dp_reshardable'),
+                                     ('0.14', 'w2_tp2_optim_fully_sharded_model_space', 'fully_sharded_model_space')):
+            with self.subTest(tag=tag):
+                name = tag.split('_optim')[0]
+                out = self.inspect(os.path.join(DATA, version, tag), *sizes(config_of(f'{version}/{name}'))[:-2])
+                self.assertIn('\ntorch_dist:\n', out)
+                self.assertIn(f'  form: Megatron-Core {version}', out)
+                self.assertIn(f'layout {layout}, step 1', out)
+                self.assertIn('  iteration: 1\n', out)
+                self.assertIn('tensors (canonical names, global shapes):\n', out)
+                self.assertRegex(out, r'\n  layers\.1\.self_attention\.query_key_value\.weight  float32\[32, 16\]  '
+                                      r'split dim 0 \(blocks ')
+                self.assertRegex(out, r'\n  embedding\.word_embeddings\.weight  float32\[64, 16\]  vocab\n')
+        # The 0.14 form keeps its common state in common.pt.
+        self.assertIn("its common state in common.pt", self.inspect(os.path.join(DATA, '0.14', 'w2_tp2'),
+                                                                 *sizes(config_of('0.14/w2_tp2'))[:-2]))
+
+    def test_torchtitan_prints_its_step(self):
+        out = self.inspect(os.path.join(TORCHTITAN, 'fsdp2_w2', 'step-1'), *TORCHTITAN_HEADS)
+        self.assertIn('\ntorchtitan:\n  step: 1\n', out)
+        self.assertIn("optimizer state: torchtitan's AdamW state", out)
+        self.assertRegex(out, r'\n  layers\.0\.mlp\.dense_4h_to_h\.weight  float32\[\d+, \d+\]  split dim 1\n')
+
+    def test_hf_prints_the_configs_architecture(self):
+        m = config_of('0.19/w2_tp2_swiglu')['model']
+        hf = self.path('hf')
+        p = run('export', os.path.join(DATA, '0.19', 'w2_tp2_swiglu'), hf, '--to', 'hf', '--vocab-size', m['vocab'],
+                *sizes(config_of('0.19/w2_tp2_swiglu'))[:-2], '--set', 'max_position_embeddings=32',
+                '--set', 'layernorm_epsilon=1e-5')
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        out = self.inspect(hf)
+        self.assertIn('\nhf:\n', out)
+        for line in ("  model_type: 'llama'", '  num_hidden_layers: 2', '  hidden_size: 16', '  num_attention_heads: 4',
+                     '  num_key_value_heads: 2', '  vocab_size: 64', "  torch_dtype: 'float32'",
+                     '  tie_word_embeddings: False'):
+            self.assertIn(line + '\n', out)
+        self.assertRegex(out, r'\n  lm_head\.weight  float32\[64, 16\]  vocab\n')
+
+
+if __name__ == '__main__':
+    support.main()
