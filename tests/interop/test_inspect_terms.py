@@ -3,6 +3,11 @@
 The sources are the real Megatron-Core 0.19 and 0.14 saves (tests/data/megatron-core), the real
 torchtitan steps (tests/data/torchtitan) and an HF folder exported from one of them. Checked:
 
+* the layout a torch_dist save was made at is read from the save where its args do not record
+  it, and only where the save shows it for certain: TP from the chunks along each tensor's TP
+  dimension, the world size from the ranks that wrote, PP 1 where one rank wrote every layer;
+  the derived sizes equal the layout the saves were made at (`TAG_config.json`), a save whose
+  PP the chunks cannot tell says so, and `convert` with no size keeps the derived ones;
 * `inspect` prints the format's own metadata (torch_dist: its form and version, optimizer layout,
   iteration, saved layout; torchtitan: its step; HF: config.json's architecture values), then
   every tensor by its canonical name with its global shape, dtype and TP policy; none of
@@ -51,6 +56,31 @@ class InspectTermsTest(FixtureTestCase):
         # The 0.14 form keeps its common state in common.pt.
         self.assertIn("its common state in common.pt", self.inspect(os.path.join(DATA, '0.14', 'w2_tp2'),
                                                                  *sizes(config_of('0.14/w2_tp2'))[:-2]))
+
+    def test_torch_dist_layout_is_derived_from_the_save(self):
+        for name in ('0.19/w1_tp1', '0.19/w2_tp2', '0.19/w2_tp2_bf16', '0.19/w2_tp2_swiglu', '0.14/w2_tp2'):
+            layout = config_of(name)['layout']
+            for tag in [os.path.basename(name)] + config_of(name).get('optim_folders', []):
+                with self.subTest(tag=tag):
+                    out = self.inspect(os.path.join(DATA, os.path.dirname(name), tag), *sizes(config_of(name))[:-2])
+                    self.assertIn(f"format: torch_dist, saved at TP {layout['tp']}, PP {layout['pp']}, "
+                                  f"DP {layout['dp']}\n", out)
+                    self.assertIn(f"  saved at: TP {layout['tp']} (the save), PP {layout['pp']} (the save), "
+                                  f"DP {layout['dp']} (the save); {layout['world']} rank", out)
+        # Each rank of the PP 2 save wrote one stage's layers: so would the two DP ranks of a PP 1
+        # save sharing the writing, so PP and DP stay open; TP is certain.
+        layout = config_of('0.19/w2_pp2')['layout']
+        self.assertEqual((layout['tp'], layout['pp']), (1, 2))
+        out = self.inspect(os.path.join(DATA, '0.19', 'w2_pp2'), *sizes(config_of('0.19/w2_pp2'))[:-2])
+        self.assertIn('format: torch_dist, saved at TP 1\n', out)
+        self.assertIn('  saved at: TP 1 (the save), PP not recorded, DP not recorded; 2 ranks wrote it\n', out)
+
+    def test_convert_keeps_the_derived_layout(self):
+        config = config_of('0.19/w2_tp2')
+        out = self.path('out')
+        p = run('convert', os.path.join(DATA, '0.19', 'w2_tp2'), out, *sizes(config))
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        self.assertIn('format: torch_dist, saved at TP 2, PP 1, DP 1\n', self.inspect(out, *sizes(config)[:-2]))
 
     def test_torchtitan_prints_its_step(self):
         out = self.inspect(os.path.join(TORCHTITAN, 'fsdp2_w2', 'step-1'), *TORCHTITAN_HEADS)
