@@ -12,6 +12,8 @@ torchtitan steps (tests/data/torchtitan) and an HF folder exported from one of t
   iteration, saved layout; torchtitan: its step; HF: config.json's architecture values), then
   every tensor by its canonical name with its global shape, dtype and TP policy; none of
   DeepSpeed's mp_rank metadata (`module: None`, `mp_world_size`) or layer files (`layer_01`).
+* messages about an imported model's tensors name them by canonical name and the source's own
+  key, never by a Megatron-DeepSpeed layer file (`layer_02/...`), for torch_dist and HF sources.
 
 Run: /usr/bin/python3 tests/interop/test_inspect_terms.py --reshard build/reshard
 """
@@ -81,6 +83,34 @@ class InspectTermsTest(FixtureTestCase):
         p = run('convert', os.path.join(DATA, '0.19', 'w2_tp2'), out, *sizes(config))
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         self.assertIn('format: torch_dist, saved at TP 2, PP 1, DP 1\n', self.inspect(out, *sizes(config)[:-2]))
+
+    def assertRefusedNaming(self, p, *names):
+        self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
+        self.assertNotIn('layer_0', p.stdout + p.stderr)
+        for name in names:
+            self.assertIn(name, p.stderr)
+
+    def test_messages_name_canonical_tensors_and_source_keys(self):
+        src = os.path.join(DATA, '0.19', 'w2_tp2_swiglu_optim_fully_reshardable')
+        qkv = 'layers.0.self_attention.query_key_value.weight'
+        # A value the save does not record, for every command that needs it.
+        self.assertRefusedNaming(run('convert', src, self.path('hf'), '--to', 'hf'),
+                                 f'first needed by {qkv} (from decoder.layers.self_attention.linear_qkv.weight)')
+        p = run('lint', src, '--tp', 2, '--pp', 1)
+        self.assertIn(f'the block count of {qkv} (from decoder.layers.self_attention.linear_qkv.weight)', p.stdout)
+        self.assertNotIn('layer_0', p.stdout)
+        # A TP the heads do not divide by, from torch_dist and from HF.
+        config = config_of('0.19/w2_tp2_swiglu')
+        self.assertRefusedNaming(run('convert', src, self.path('ds'), '--to', 'deepspeed', '--tp', 3, '--pp', 1,
+                                     *sizes(config)),
+                                 f'cannot split {qkv} (from decoder.layers.self_attention.linear_qkv.weight) over 3')
+        hf = self.path('hf_ok')
+        p = run('export', src, hf, '--to', 'hf', *sizes(config), '--set', 'max_position_embeddings=32',
+                '--set', 'layernorm_epsilon=1e-5', '--weights-only')
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        self.assertRefusedNaming(run('convert', hf, self.path('ds2'), '--to', 'deepspeed', '--tp', 3, '--pp', 1),
+                                 f'cannot split {qkv} (from model.layers.0.self_attn.q_proj.weight, '
+                                 'model.layers.0.self_attn.k_proj.weight, model.layers.0.self_attn.v_proj.weight) over 3')
 
     def test_torchtitan_prints_its_step(self):
         out = self.inspect(os.path.join(TORCHTITAN, 'fsdp2_w2', 'step-1'), *TORCHTITAN_HEADS)

@@ -94,7 +94,13 @@ class FamilyReader {
     RESHARD_RETURN_IF_ERROR(family_.RecordBlocks(blocks_, c_.folder));
     RESHARD_RETURN_IF_ERROR(family_.Satisfy());
     ReadOptimizer();  // before the args say TP 1, PP 1: a dp_reshardable layout is read with the save's
-    auto keys_of = [this](const std::string& name) { return family_.KeysOf(name); };
+    // A tensor is named by the key it was read from, else by the keys it may be read from.
+    auto keys_of = [this](const std::string& name) {
+      for (const Mapped& m : mapped_) {
+        if (m.name == name) return m.key;
+      }
+      return family_.KeysOf(name);
+    };
     RESHARD_ASSIGN_OR_RETURN(LogicalCheckpoint logical, family_.Finish(tensors_, keys_of, c_.folder));
     return Finish(std::move(logical));
   }
