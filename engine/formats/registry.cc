@@ -40,7 +40,9 @@ DcpTensors TensorsOf(const DcpContent& content) {
       return Status::Internal(fqn + " is read through its runs, not its placeholder tensor");
     };
     out.tensors[t.fqn] = ImportedTensor{MakeProducedTensor(t.dtype, t.size, unread), SliceRuns(t, -1)};
+    for (const DcpChunk& chunk : content.meta.items.at(t.fqn).chunks) out.chunk_offsets[t.fqn].push_back(chunk.offsets);
   }
+  out.writing_ranks = WritingRanks(content.folder);
   return out;
 }
 
@@ -54,12 +56,14 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenTorchtitan(DcpContent content, con
     if (!options.rules.empty()) return imported.status();
     return Named("dcp", OpenDcpCheckpoint(std::move(content), imported.status().message()));
   }
+  const int tp = imported->tp, pp = imported->pp;
   return Named("torchtitan",
                MakeImportedSource({std::move(imported->logical), content.folder, std::move(imported->what),
                                    std::move(imported->files), std::move(imported->notes),
                                    std::move(imported->optimizer), imported->optimizer_status, "",
                                    std::move(imported->facts)},
-                                  options));
+                                  options),
+               tp, pp);
 }
 
 Result<std::unique_ptr<SourceCheckpoint>> OpenDcp(const std::string& folder, const CommonOptions& options) {

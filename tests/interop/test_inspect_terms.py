@@ -8,6 +8,10 @@ torchtitan steps (tests/data/torchtitan) and an HF folder exported from one of t
   dimension, the world size from the ranks that wrote, PP 1 where one rank wrote every layer;
   the derived sizes equal the layout the saves were made at (`TAG_config.json`), a save whose
   PP the chunks cannot tell says so, and `convert` with no size keeps the derived ones;
+* torchtitan's mesh is read from its chunks (TP from the RowwiseParallel tensors' chunks along
+  dim 1, dp_shard from the ranks that wrote over TP where a tensor shows that many FSDP2
+  chunks): it equals the mesh the steps were saved at (`NAME_config.json`), and `convert` keeps
+  its TP;
 * `inspect` prints the format's own metadata (torch_dist: its form and version, optimizer layout,
   iteration, saved layout; torchtitan: its step; HF: config.json's architecture values), then
   every tensor by its canonical name with its global shape, dtype and TP policy; none of
@@ -17,6 +21,7 @@ torchtitan steps (tests/data/torchtitan) and an HF folder exported from one of t
 
 Run: /usr/bin/python3 tests/interop/test_inspect_terms.py --reshard build/reshard
 """
+import json
 import os
 
 import interop_support as support
@@ -111,6 +116,23 @@ class InspectTermsTest(FixtureTestCase):
         self.assertRefusedNaming(run('convert', hf, self.path('ds2'), '--to', 'deepspeed', '--tp', 3, '--pp', 1),
                                  f'cannot split {qkv} (from model.layers.0.self_attn.q_proj.weight, '
                                  'model.layers.0.self_attn.k_proj.weight, model.layers.0.self_attn.v_proj.weight) over 3')
+
+    def test_torchtitan_mesh_is_derived_from_the_chunks(self):
+        for name in ('fsdp2_tp_w4', 'fsdp2_w2', 'nested_w1', 'single_w1', 'single_tied_w1'):
+            with self.subTest(name=name):
+                with open(os.path.join(TORCHTITAN, name + '_config.json')) as f:
+                    config = json.load(f)
+                mesh = dict(zip(config['mesh']['dim_names'], config['mesh']['shape'])) if config.get('mesh') else {}
+                dp_shard, tp = mesh.get('dp_shard', 1), mesh.get('tp', 1)
+                self.assertEqual(dp_shard * tp, config['world'])
+                out = self.inspect(os.path.join(TORCHTITAN, name, 'step-1'), *TORCHTITAN_HEADS)
+                self.assertIn(f'format: torchtitan, saved at TP {tp}, PP 1\n', out)
+                self.assertIn(f"  mesh: dp_shard {dp_shard}, tp {tp} (the chunks; {config['world']} rank", out)
+        out = self.path('tt')
+        p = run('convert', os.path.join(TORCHTITAN, 'fsdp2_tp_w4', 'step-1'), out, '--dp-shard', 3, *TORCHTITAN_HEADS)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        self.assertIn('  mesh: dp_shard 3, tp 2 (the chunks; 6 ranks wrote it)\n',
+                      self.inspect(os.path.join(out, 'step-1'), *TORCHTITAN_HEADS))
 
     def test_torchtitan_prints_its_step(self):
         out = self.inspect(os.path.join(TORCHTITAN, 'fsdp2_w2', 'step-1'), *TORCHTITAN_HEADS)

@@ -7,8 +7,7 @@
 //          once; a rank's rows of a tensor of several parts, SwiGLU's
 //          [gate; up], lie in one piece per part): the number of distinct
 //          chunk offsets along it over its parts, the same for all.
-//   world  every rank writes its own `__<rank>_<i>.distcp` file, even an
-//          empty one: the number of ranks that wrote.
+//   world  the number of ranks that wrote (dcp_content.h's WritingRanks).
 //   PP     a rank writes only layers of its own pipeline stage, whatever
 //          rank of its data-parallel group writes which: a rank that wrote
 //          a chunk of every layer makes PP 1. A save whose ranks each wrote
@@ -26,10 +25,9 @@
 
 namespace reshard {
 
-// Sizes 0 where the save does not show them; `world` 0 when its file names
-// are not DCP's own.
+// Sizes 0 where the save does not show them.
 struct SavedLayout {
-  int tp = 0, pp = 0, dp = 0, world = 0;
+  int tp = 0, pp = 0, dp = 0;
 };
 
 // How the family splits a key over TP: its TP dimension in the key's own
@@ -48,11 +46,7 @@ struct SavedKeys {
   int64_t layers = 0;
 };
 
-// `data_files`: the names of every `.distcp` file in the save's folder.
-SavedLayout DeriveSavedLayout(const DcpMetadata& meta, const std::vector<std::string>& data_files,
-                              const SavedKeys& keys);
-
-// The names of the `.distcp` files in `folder`.
-std::vector<std::string> DataFilesIn(const std::string& folder);
+// `world`: the ranks that wrote the save (0: not known).
+SavedLayout DeriveSavedLayout(const DcpMetadata& meta, int world, const SavedKeys& keys);
 
 }  // namespace reshard

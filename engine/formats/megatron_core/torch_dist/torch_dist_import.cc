@@ -227,7 +227,8 @@ class FamilyReader {
     auto recorded = [args](const char* field) {
       return args == nullptr ? 0 : static_cast<int>(MetadataInt(*args, field, 0));
     };
-    const SavedLayout shown = DeriveSavedLayout(c_.meta, DataFilesIn(c_.folder), SavedKeysOf());
+    const int world = WritingRanks(c_.folder);
+    const SavedLayout shown = DeriveSavedLayout(c_.meta, world, SavedKeysOf());
     std::string text;
     for (const auto& [name, field, derived, size] :
          {std::tuple<const char*, const char*, int, int*>{"TP", "tensor_model_parallel_size", shown.tp, &out->tp},
@@ -238,7 +239,7 @@ class FamilyReader {
       text += (text.empty() ? "" : ", ") + std::string(name) + " " +
               (*size > 0 ? std::to_string(*size) + " (" + from + ")" : "not recorded");
     }
-    if (shown.world > 0) text += "; " + Count(shown.world, "rank") + " wrote it";
+    if (world > 0) text += "; " + Count(world, "rank") + " wrote it";
     return text;
   }
 
