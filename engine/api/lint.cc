@@ -36,6 +36,7 @@ void LintConversion(const SourceCheckpoint& src, const LintOptions& options, Lin
 }  // namespace
 
 Result<LintReport> Lint(const std::string& checkpoint, const LintOptions& options) {
+  if (!options.to.empty()) RESHARD_RETURN_IF_ERROR(CheckTargetFormat(options.to));
   RESHARD_ASSIGN_OR_RETURN(std::unique_ptr<SourceCheckpoint> src, OpenCheckpoint(checkpoint, options));
   RESHARD_RETURN_IF_ERROR(CheckVocabSize(*src, options.vocab_size));
   LintReport report;

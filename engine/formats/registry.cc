@@ -40,7 +40,9 @@ DcpTensors TensorsOf(const DcpContent& content) {
       return Status::Internal(fqn + " is read through its runs, not its placeholder tensor");
     };
     out.tensors[t.fqn] = ImportedTensor{MakeProducedTensor(t.dtype, t.size, unread), SliceRuns(t, -1)};
+    for (const DcpChunk& chunk : content.meta.items.at(t.fqn).chunks) out.chunk_offsets[t.fqn].push_back(chunk.offsets);
   }
+  out.writing_ranks = WritingRanks(content.folder);
   return out;
 }
 
@@ -54,11 +56,14 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenTorchtitan(DcpContent content, con
     if (!options.rules.empty()) return imported.status();
     return Named("dcp", OpenDcpCheckpoint(std::move(content), imported.status().message()));
   }
+  const int tp = imported->tp, pp = imported->pp;
   return Named("torchtitan",
                MakeImportedSource({std::move(imported->logical), content.folder, std::move(imported->what),
                                    std::move(imported->files), std::move(imported->notes),
-                                   std::move(imported->optimizer), imported->optimizer_status},
-                                  options));
+                                   std::move(imported->optimizer), imported->optimizer_status, "",
+                                   std::move(imported->facts)},
+                                  options),
+               tp, pp);
 }
 
 Result<std::unique_ptr<SourceCheckpoint>> OpenDcp(const std::string& folder, const CommonOptions& options) {
@@ -75,7 +80,7 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenDcp(const std::string& folder, con
                MakeImportedSource({std::move(imported->logical), folder, std::move(imported->what),
                                    std::move(imported->files), std::move(imported->notes),
                                    std::move(imported->optimizer), imported->optimizer_status,
-                                   std::move(imported->megatron_core_version)},
+                                   std::move(imported->megatron_core_version), std::move(imported->facts)},
                                   options),
                tp, pp, dp);
 }
@@ -127,7 +132,7 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenCheckpoint(const std::string& path
     // Whole tensors: an HF folder is saved at TP 1, PP 1, DP 1.
     return Named("hf",
                  MakeImportedSource({std::move(hf.logical), path, std::move(hf.what), std::move(hf.files),
-                                     std::move(hf.notes), std::nullopt, Status::Ok()},
+                                     std::move(hf.notes), std::nullopt, Status::Ok(), "", std::move(hf.facts)},
                                     options),
                  1, 1, 1);
   }
@@ -135,7 +140,8 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenCheckpoint(const std::string& path
     RESHARD_ASSIGN_OR_RETURN(MegatronTorchImport imported, ReadMegatronTorchImport(mlm, options));
     return Named("megatron", MakeImportedSource({std::move(imported.logical), mlm, std::move(imported.what),
                                                  std::move(imported.files), std::move(imported.notes),
-                                                 std::move(imported.optimizer), imported.optimizer_status},
+                                                 std::move(imported.optimizer), imported.optimizer_status,
+                                                 "", std::move(imported.facts)},
                                                 options));
   }
   if (const std::string dcp = DcpCheckpointFolder(path); !dcp.empty()) return OpenDcp(dcp, options);

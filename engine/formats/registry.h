@@ -28,6 +28,10 @@ std::string CheckpointFolder(const std::string& path);
 // what convert and the universal export check before writing that layout.
 Status CheckPipelineComputes(const SourceCheckpoint& src);
 
+// Ok when `to` names a format reshard writes; else InvalidInput in one
+// line: "unknown target format 'HF'; did you mean 'hf'? (the formats: ...)".
+Status CheckTargetFormat(const std::string& to);
+
 // Plans convert's output: `src` in the format `options.to` names, else in its
 // own, each layout size not given kept from the source.
 Result<OutputPlan> PlanConvert(const SourceCheckpoint& src, const ConvertOptions& options,

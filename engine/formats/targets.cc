@@ -95,6 +95,19 @@ std::vector<std::string> TargetNames() {
   return names;
 }
 
+}  // namespace
+
+Status CheckTargetFormat(const std::string& to) {
+  if (FindTarget(to) != nullptr) return Status::Ok();
+  const std::vector<std::string> names = TargetNames();
+  const std::string* guess = ClosestName(to, names);
+  return Status::InvalidInput("unknown target format '" + to + "'; " +
+                              (guess != nullptr ? "did you mean '" + *guess + "'? (the formats: " + Join(names, ", ") + ")"
+                                                : "the formats: " + Join(names, ", ")));
+}
+
+namespace {
+
 // "--to megatron, torch_dist": the targets that declare option `name`.
 std::string TargetsTaking(const std::string& name) {
   std::vector<std::string> takers;
@@ -165,7 +178,7 @@ Result<ExportOptions> CheckedOptions(const TargetFormatInfo& target, const Expor
 Result<std::string> ConvertTarget(const SourceCheckpoint& src, const ConvertOptions& options) {
   if (!options.to.empty()) {
     if (FindTarget(options.to) != nullptr) return options.to;
-    return Status::InvalidInput("unknown format '" + options.to + "'; " + Hint(options.to, TargetNames()));
+    return CheckTargetFormat(options.to);
   }
   const std::string& own = src.info().format;
   return own != "hf" && FindTarget(own) != nullptr ? own : std::string(kDeepSpeed);
@@ -223,10 +236,8 @@ Result<OutputPlan> PlanConvert(const SourceCheckpoint& src, const ConvertOptions
 
 Result<OutputPlan> PlanExport(const SourceCheckpoint& src, const ExportOptions& options,
                               std::vector<std::string>* notes) {
+  RESHARD_RETURN_IF_ERROR(CheckTargetFormat(options.to));
   const TargetFormat* target = FindTarget(options.to);
-  if (target == nullptr) {
-    return Status::InvalidInput("unknown export format '" + options.to + "'; " + Hint(options.to, TargetNames()));
-  }
   RESHARD_ASSIGN_OR_RETURN(ExportOptions checked, CheckedOptions(target->info, options));
   return target->plan(src, checked, notes);
 }

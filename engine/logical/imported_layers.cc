@@ -70,11 +70,13 @@ Result<std::vector<LogicalLayer>> LayOutImported(const RuleSet& rules, int64_t b
   std::set<std::string> placed;
   for (const auto& [id, file_rules] : files) {
     Items items;
+    std::map<std::string, std::string> key_labels;  // canonical names, not layer_NN/key
     for (const ImportedRule& r : file_rules) {
+      const std::string stored = source_of(r.name);
+      key_labels[r.key] = r.name + (stored.empty() || stored == r.name ? "" : " (from " + stored + ")");
       auto it = tensors.find(r.name);
       if (it == tensors.end()) {
         if (!r.rule->RequiredIn(false)) continue;
-        const std::string stored = source_of(r.name);
         return Status::InvalidInput(what + " lacks " + (stored.empty() ? r.name : stored) + ", which " + r.name +
                                     " of rule set " + rules.name() + " is made of" +
                                     (stored.empty() ? " (nothing is mapped to it)" : ""));
@@ -87,6 +89,7 @@ Result<std::vector<LogicalLayer>> LayOutImported(const RuleSet& rules, int64_t b
     layer.id = static_cast<int>(id);
     layer.label = LayerLabel(id);
     layer.roots.push_back(MakeOrderedDict(std::move(items)));
+    layer.key_labels = std::move(key_labels);
     layers.push_back(std::move(layer));
   }
   for (const auto& [name, tensor] : tensors) {

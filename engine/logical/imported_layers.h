@@ -20,6 +20,12 @@
 
 namespace reshard {
 
+// What the format that read a model records of its checkpoint, in that
+// format's own terms, as (name, value) lines ("form", "Megatron-Core 0.19"):
+// what inspect prints of an imported model instead of any other format's
+// metadata.
+using RecordedFacts = std::vector<std::pair<std::string, std::string>>;
+
 struct ImportedTensor {
   Value tensor;                      // its dtype and shape (and its bytes when `runs` is unset)
   std::optional<SourceShard> runs;   // the elements in order, when they are not `tensor`'s own
@@ -29,7 +35,10 @@ struct ImportedTensor {
 using ImportedRuns = std::map<std::pair<int, std::string>, SourceShard>;
 
 // The layers of `rules`' first numbering with `blocks` blocks, each holding
-// the canonical tensors its rules name. Errors: a rule whose key pattern
+// the canonical tensors its rules name; messages name each by its canonical
+// name and the stored tensors `source_of` says it is made of
+// ("layers.0.self_attention.query_key_value.weight (from
+// decoder.layers.self_attention.linear_qkv.weight)"), never by a layer file. Errors: a rule whose key pattern
 // names no one key, a required tensor missing (`source_of(name)` says which
 // stored tensors it would be made of, "" when none), a tensor no layer holds.
 Result<std::vector<LogicalLayer>> LayOutImported(const RuleSet& rules, int64_t blocks,

@@ -145,11 +145,11 @@ void DescribeLayer(LogicalLayer* layer, LogicalCheckpoint* ckpt) {
   for (const std::string& key : keys) {
     Result<const ParamRule*> rule = rules.Match(layer->role, key);
     if (!rule.ok()) {
-      AddError(ckpt, layer->label + "/" + key + ": " + rule.status().message());
+      AddError(ckpt, layer->TensorLabel(key) + ": " + rule.status().message());
       continue;
     }
     if (*rule == nullptr) {
-      AddError(ckpt, "unknown key " + layer->label + "/" + key + " (a " + layer->role +
+      AddError(ckpt, "unknown key " + layer->TensorLabel(key) + " (a " + layer->role +
                          " file): no rule of '" + rules.name() +
                          "' matches it; add one under layers." + layer->role + " in " +
                          rules.origin() + ", e.g. `- key: '" + key + "'` with split or replicated");
@@ -158,7 +158,7 @@ void DescribeLayer(LogicalLayer* layer, LogicalCheckpoint* ckpt) {
     used.insert(*rule);
     LogicalTensor lt;
     lt.key = key;
-    lt.label = layer->label + "/" + key;
+    lt.label = layer->TensorLabel(key);
     lt.name = (*rule)->CanonicalName(key, layer->id, BlockIndex(*ckpt, layer->id));
     lt.rule = *rule;
     if (!DescribeTensor(*layer, ckpt, &lt)) continue;

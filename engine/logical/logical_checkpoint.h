@@ -44,6 +44,16 @@ struct LogicalLayer {
   std::string role;    // spec role ("embedding", "block", ...)
   std::vector<Value> roots;  // the layer's state dict per source TP rank
   std::vector<LogicalTensor> tensors;  // in file order
+  // How messages name the tensor of a key, where its format names it
+  // otherwise than "<label>/<key>": a model another format read has no layer
+  // files, so its tensors are named by canonical name and source key.
+  std::map<std::string, std::string> key_labels;
+
+  // How messages name the tensor of `key` ("layer_05/mlp.dense_4h_to_h.weight").
+  std::string TensorLabel(const std::string& key) const {
+    auto it = key_labels.find(key);
+    return it != key_labels.end() ? it->second : label + "/" + key;
+  }
 };
 
 struct VocabInfo {

@@ -66,7 +66,7 @@ void MissingBlockCounts(const LogicalCheckpoint& src, std::vector<MissingValue>*
       if (n && *n > 0) continue;
       std::string key = rule.key_pattern;  // for people: without the regex's escapes
       key.erase(std::remove(key.begin(), key.end(), '\\'), key.end());
-      AddMissing({rule.blocks.ToString() + " (the block count of " + layer.label + "/" + key + ")",
+      AddMissing({rule.blocks.ToString() + " (the block count of " + layer.TensorLabel(key) + ")",
                   SetFlag(rule.blocks)},
                  missing);
     }

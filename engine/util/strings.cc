@@ -1,6 +1,7 @@
 #include "util/strings.h"
 
 #include <algorithm>
+#include <cctype>
 #include <charconv>
 
 namespace reshard {
@@ -33,14 +34,22 @@ size_t EditDistance(const std::string& a, const std::string& b) {
   return row[b.size()];
 }
 
-std::string Hint(const std::string& word, const std::vector<std::string>& allowed) {
+const std::string* ClosestName(const std::string& word, const std::vector<std::string>& allowed) {
+  auto lower = [](std::string s) {
+    std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return std::tolower(c); });
+    return s;
+  };
   const std::string* best = nullptr;
   size_t best_distance = 3;  // more than two edits away is not a typo
   for (const std::string& a : allowed) {
-    size_t d = EditDistance(word, a);
+    const size_t d = EditDistance(lower(word), lower(a));
     if (d < best_distance) best = &a, best_distance = d;
   }
-  if (best) return "did you mean '" + *best + "'?";
+  return best;
+}
+
+std::string Hint(const std::string& word, const std::vector<std::string>& allowed) {
+  if (const std::string* best = ClosestName(word, allowed)) return "did you mean '" + *best + "'?";
   return "expected one of: " + Join(allowed, ", ");
 }
 

@@ -24,9 +24,13 @@ std::string Count(int64_t n, const std::string& noun);
 // to turn `a` into `b`.
 size_t EditDistance(const std::string& a, const std::string& b);
 
-// The end of a message about an unknown `word`: "did you mean 'x'?" for the
-// closest of `allowed` when it is at most two edits away (a typo), else
-// "expected one of: a, b, c".
+// The one of `allowed` that `word` is a typo of: the closest, ignoring
+// case, when it is at most two edits away ("torchdist" for "torch_dist",
+// "HF" for "hf"); null when none is.
+const std::string* ClosestName(const std::string& word, const std::vector<std::string>& allowed);
+
+// The end of a message about an unknown `word`: "did you mean 'x'?" for
+// ClosestName, else "expected one of: a, b, c".
 std::string Hint(const std::string& word, const std::vector<std::string>& allowed);
 
 }  // namespace reshard

@@ -477,10 +477,17 @@ class TargetTests(ReshardTestCase):
         cases = [('--tp 0', ['--tp', 0, '--pp', 1], ['--tp']),
                  ('--tp not a number', ['--tp', 'two', '--pp', 1], ['--tp']),
                  ('bad --replicated', ['--tp', 1, '--pp', 1, '--replicated', 'mean'], ['--replicated']),
-                 ('unknown --to', ['--to', 'hff'], ["unknown format 'hff'; did you mean 'hf'?"])]
+                 ('unknown --to', ['--to', 'hff'], ["unknown target format 'hff'; did you mean 'hf'? (the formats: "]),
+                 ('--to in capitals', ['--to', 'HF'], ["unknown target format 'HF'; did you mean 'hf'?"]),
+                 ('--to without its underscore', ['--to', 'torchdist'], ["did you mean 'torch_dist'?"])]
         for name, args, needles in cases:
             with self.subTest(case=name):
                 self.assertRefused(['convert', tag, out, *args], needles, watch=[self.path('src')], out=out)
+        # export and lint name the formats alike, in one line.
+        for command in (['export', tag, out, '--to', 'HF'], ['lint', tag, '--to', 'HF']):
+            with self.subTest(command=command[0]):
+                self.assertRefused(command, ["unknown target format 'HF'; did you mean 'hf'? (the formats: deepspeed, "],
+                                   watch=[self.path('src')], out=out)
 
 
 # ---------------------------------------------------------------------------------------------

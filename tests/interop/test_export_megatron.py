@@ -508,7 +508,7 @@ class ExportMegatronTest(FixtureTestCase):
             ((src, '--to', 'megatron', '--tp', 5, '--pp', 1), 'over 5 TP ranks'),
             ((src, '--to', 'megatron', '--tp', 2), 'needs the target layout: --tp N and --pp N'),
             ((src, '--to', 'consolidated', '--tp', 2, '--pp', 1), '--tp sets the layout of --to deepspeed, megatron, torch_dist'),
-            ((src, '--to', 'megatron-lm', '--tp', 2, '--pp', 1), "unknown export format 'megatron-lm'"),
+            ((src, '--to', 'megatron-lm', '--tp', 2, '--pp', 1), "unknown target format 'megatron-lm'; the formats: deepspeed, "),
             ((src, '--to', 'megatron', '--tp', 2, '--pp', 1, '--from', 'masters'), 'no fp32 masters'),
             ((moe, '--to', 'megatron', '--tp', 1, '--pp', 1, '--rules', moe_rules), 'DeepSpeed MoE experts'),
             ((nonpipe, '--to', 'megatron', '--tp', 1, '--pp', 1), 'is read without one'),

@@ -89,6 +89,11 @@ class MegatronTorchSourceTest(FixtureTestCase):
         self.assertIn('weights only', p.stdout)
         self.assertIn('rule set megatron-gpt2', p.stdout)
         self.assertIn('word_embeddings.weight  bfloat16[112, 48]  vocab', p.stdout)  # 100 rows padded for TP 2
+        # In Megatron-LM's terms, not DeepSpeed's.
+        self.assertIn('\nmegatron:\n  keys: Megatron-Core keys, Transformer Engine layer spec\n  saved at: TP 2, PP 2, DP ',
+                      p.stdout)
+        self.assertNotIn('metadata (mp_rank_00)', p.stdout)
+        self.assertNotIn('layer_01', p.stdout)
         # What the reading leaves out, as convert says it.
         p = run('convert', '--to', 'deepspeed', mlm, self.path('plan'), '--tp', 1, '--pp', 1, '--vocab-size', 100, '--dry-run')
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)

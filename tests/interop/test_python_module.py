@@ -426,6 +426,9 @@ class CommandsTest(support.FixtureTestCase):
         self.assertEqual(len(str(e.exception).splitlines()), 1)
         self.assertIn('--tp', str(e.exception))
         self.assertFalse(os.path.exists(self.path('x')))
+        with self.assertRaisesRegex(reshard.Error, "^unknown target format 'HF'; did you mean 'hf'\\? \\(the formats: "):
+            reshard.convert(src, self.path('x'), to='HF')
+        self.assertFalse(os.path.exists(self.path('x')))
         with self.assertRaisesRegex(reshard.Error, 'no-such'):
             reshard.open(self.path('no-such'))
         with self.assertRaisesRegex(TypeError, "unexpected keyword argument 'tpp'"):

@@ -3,7 +3,9 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <regex>
+#include <set>
 
 #include "container/dcp_item.h"
 #include "container/json_reader.h"
@@ -134,6 +136,29 @@ Result<DcpContent> ReadDcpContent(const std::string& folder) {
   RESHARD_ASSIGN_OR_RETURN(content.torch_dist, ReadTorchDistMarker(folder));
   RESHARD_RETURN_IF_ERROR(ContentReader(&content).ReadAll());
   return content;
+}
+
+int64_t RankOfDataFile(const std::string& name) {
+  static const std::regex kDataFile("__([0-9]+)_[0-9]+\\.distcp");
+  std::smatch m;
+  int64_t rank = -1;
+  if (!std::regex_match(name, m, kDataFile) || !ParseInt(m[1].str(), &rank)) return -1;
+  return rank;
+}
+
+int WritingRanks(const std::string& folder) {
+  const std::string suffix = ".distcp";
+  std::set<int64_t> ranks;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(folder, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.size() <= suffix.size() || name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0) continue;
+    const int64_t rank = RankOfDataFile(name);
+    if (rank < 0) return 0;
+    ranks.insert(rank);
+  }
+  if (ec || ranks.empty() || *ranks.rbegin() + 1 != static_cast<int64_t>(ranks.size())) return 0;
+  return static_cast<int>(ranks.size());
 }
 
 }  // namespace reshard

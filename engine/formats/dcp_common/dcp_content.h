@@ -57,6 +57,15 @@ inline constexpr char kDcpMetadataFile[] = ".metadata";
 // reading the folder as plain DCP would lose its model's layout silently.
 Result<bool> ReadTorchDistMarker(const std::string& folder);
 
+// The rank DCP's writer names a data file after (`__3_0.distcp`: 3); -1
+// for another name.
+int64_t RankOfDataFile(const std::string& name);
+
+// The number of ranks that wrote `folder`: DCP's writer gives every rank
+// its own `__<rank>_<i>.distcp` files, written even when empty. 0 when a
+// data file is named otherwise or a rank is missing (who wrote is not known).
+int WritingRanks(const std::string& folder);
+
 // The iteration Megatron-LM names a checkpoint folder after (iter_0000010); 0 else.
 int64_t IterationOfFolder(const std::string& folder);
 

@@ -318,6 +318,7 @@ std::unique_ptr<SourceCheckpoint> MakeImportedSource(ImportedModel imported, con
   model->foreign = std::move(imported.what);
   model->foreign_notes = std::move(imported.notes);
   model->foreign_format_version = std::move(imported.format_version);
+  model->foreign_facts = std::move(imported.facts);
   model->logical = std::move(imported.logical);
   // Everything here reads a pipeline model's metadata as its mp_rank files
   // (inspect, verify, the writer): a model that has none gets a fresh run's.

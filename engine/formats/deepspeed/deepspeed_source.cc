@@ -178,8 +178,26 @@ std::string TensorLines(const LogicalCheckpoint& ckpt) {
   return out;
 }
 
+std::string CanonicalTensorLines(const LogicalCheckpoint& ckpt) {
+  std::string out;
+  for (const LogicalLayer& layer : ckpt.layers) {
+    for (const LogicalTensor& t : layer.tensors) {
+      out += "  " + t.name + "  " + DTypeName(ckpt.WeightDType(t)) + ShapeString(t.full_shape) + "  " +
+             t.rule->Describe() + "\n";
+    }
+  }
+  for (const Finding& f : ckpt.findings) out += "problem: " + f.message + "\n";
+  return out;
+}
+
 std::string DeepSpeedModelSource::Describe() const {
-  return MetadataLines(ckpt()) + "layer files (full logical shapes):\n" + TensorLines(ckpt());
+  if (model_->foreign.empty()) {
+    return MetadataLines(ckpt()) + "layer files (full logical shapes):\n" + TensorLines(ckpt());
+  }
+  // An imported model in the terms of the format that read it.
+  std::string out = info_.format + ":\n";
+  for (const auto& [name, value] : model_->foreign_facts) out += "  " + name + ": " + value + "\n";
+  return out + "tensors (canonical names, global shapes):\n" + CanonicalTensorLines(ckpt());
 }
 
 }  // namespace reshard

@@ -41,7 +41,9 @@ std::unique_ptr<SourceCheckpoint> MakeUniversalSource(UniversalCheckpoint univer
 // pipeline model at TP 1, PP 1 with its rules, read from `files` in `dir`,
 // its metadata in no format's layout (args, iteration, the keys the rules
 // read), which becomes a fresh run's mp_rank metadata (FreshRunModelStates);
-// `what` says what it is and `notes` what reading it chose. Converting it
+// `what` says what it is, `notes` what reading it chose and `facts` what its
+// format records of it, which inspect prints with its canonical tensors
+// instead of DeepSpeed's metadata and layer files. Converting it
 // writes DeepSpeed's layout, with `optimizer` (its optimizer state, when it
 // has one reshard reads; else why not in optimizer_status) as the shards
 // optimizer/imported_state.h chooses.
@@ -52,6 +54,7 @@ struct ImportedModel {
   std::optional<ImportedOptimizer> optimizer;
   Status optimizer_status;
   std::string format_version;  // SourceInfo::format_version
+  RecordedFacts facts;
 };
 std::unique_ptr<SourceCheckpoint> MakeImportedSource(ImportedModel imported, const CommonOptions& options);
 std::unique_ptr<SourceCheckpoint> MakeNonPipelineSource(std::unique_ptr<DeepSpeedModel> model,
@@ -139,5 +142,9 @@ std::string MetadataLines(const LogicalCheckpoint& ckpt);
 // The tensor lines of `inspect`: every layer's tensors with their rules and
 // names, then the problems found.
 std::string TensorLines(const LogicalCheckpoint& ckpt);
+// The same of an imported model, in no file's terms: every tensor by its
+// canonical name with its global shape, dtype and TP policy, then the
+// problems found.
+std::string CanonicalTensorLines(const LogicalCheckpoint& ckpt);
 
 }  // namespace reshard

@@ -540,6 +540,21 @@ DType WeightDType(const HfFolder& folder) {
 }
 
 
+// The architecture values config.json records, by its own names (GPT-2's
+// n_layer as well as Llama's num_hidden_layers), in this order.
+RecordedFacts ConfigFacts(const Value& config) {
+  static const char* kArchitectureFields[] = {
+      "architectures",       "model_type", "num_hidden_layers", "n_layer",           "hidden_size", "n_embd",
+      "intermediate_size",   "n_inner",    "num_attention_heads", "n_head",          "num_key_value_heads",
+      "head_dim",            "vocab_size", "max_position_embeddings", "n_positions", "rms_norm_eps",
+      "layer_norm_epsilon",  "rope_theta", "torch_dtype",       "tie_word_embeddings"};
+  RecordedFacts facts;
+  for (const char* field : kArchitectureFields) {
+    if (const Value* v = Find(config, field)) facts.emplace_back(field, v->DebugString(60));
+  }
+  return facts;
+}
+
 }  // namespace
 
 Result<HfImport> ImportHfModel(HfFolder folder, const RuleSet& rules, const CommonOptions& options) {
@@ -615,7 +630,11 @@ Result<HfImport> ReadHfImport(const std::string& dir, const CommonOptions& optio
   Status refusal = Status::Ok();
   for (const RuleSet& rules : families) {
     Result<HfImport> imported = ImportHfModel(folder, rules, options);
-    if (imported.ok()) return imported;
+    if (imported.ok()) {
+      imported->facts = ConfigFacts(folder.config);
+      imported->facts.emplace_back("weight files", std::to_string(folder.files.size() - 1));
+      return imported;
+    }
     if (refusal.ok()) refusal = imported.status();
   }
   return refusal;

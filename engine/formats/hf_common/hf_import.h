@@ -39,6 +39,7 @@ struct HfImport {
   // "HF folder (LlamaForCausalLM, 2 weight files)": what the source is.
   std::string what;
   std::vector<std::string> notes;  // what the import chose that the user should know
+  RecordedFacts facts;  // config.json's architecture values (ReadHfImport's), for inspect
 };
 
 // Errors (one line each): an architecture no rule set exports, a tensor the

@@ -96,6 +96,7 @@ class Reader {
     folder.dir = dcp_.folder;
     folder.files = dcp_.files;
     RESHARD_ASSIGN_OR_RETURN(std::optional<Value> recorded, RecordedConfig());
+    const bool recorded_config = recorded.has_value();
     if (recorded) folder.files.push_back(RecordedConfigPath());
     folder.config_label = recorded ? RecordedConfigPath()
                                    : "the torchtitan checkpoint " + dcp_.folder + " (which records no model config)";
@@ -117,6 +118,10 @@ class Reader {
       out.optimizer_status = optimizer.status();
     }
     out.files = folder.files;
+    const SavedMesh mesh = MeshOfChunks();
+    out.tp = mesh.tp;
+    out.pp = mesh.dp_shard > 0 ? 1 : 0;
+    out.facts = Facts(out, recorded_config, mesh);
     out.what = "torchtitan checkpoint (rule set " + rules_.name() + ": " + rules_.hf()->architecture +
                " under torchtitan's keys; " + std::to_string(dcp_.tensors.size()) + " tensors)";
     return out;
@@ -313,6 +318,72 @@ class Reader {
     Set(*metadata, "iteration", Value::Int(iteration));
     SetPath(metadata, "args.iteration", Value::Int(iteration));
     *logical_iteration = iteration;
+  }
+
+  // torchtitan's mesh [dp_shard, tp] (0: not shown).
+  struct SavedMesh {
+    int tp = 0, dp_shard = 0;
+  };
+
+  // The mesh as the chunks show it for certain. TP: the chunks along dim 1
+  // of the tensors its TP plan shards there (RowwiseParallel's), the same
+  // for all. FSDP2 cuts dim 0 of every tensor into at most dp_shard chunks
+  // (fewer where it has fewer rows), and dp_shard x TP ranks are at most
+  // the ranks that wrote: a tensor not TP-cut along dim 0 in world / TP
+  // chunks there makes dp_shard world / TP, and every rank one of the
+  // mesh's (no PP, CP or replicated DP).
+  SavedMesh MeshOfChunks() const {
+    SavedMesh mesh;
+    for (const auto& [key, entry] : entry_) {
+      if (entry->tp_dim != 1) continue;
+      const int n = ChunksAlong(stored_.at(key), 1);
+      if (n == 0 || (mesh.tp != 0 && n != mesh.tp)) return {};
+      mesh.tp = n;
+    }
+    const int world = dcp_.writing_ranks;
+    if (mesh.tp == 0 || world == 0 || world % mesh.tp != 0) return mesh;
+    for (const auto& [key, entry] : entry_) {
+      if (entry->tp_dim != 0 && ChunksAlong(stored_.at(key), 0) == world / mesh.tp) {
+        mesh.dp_shard = world / mesh.tp;
+        break;
+      }
+    }
+    return mesh;
+  }
+
+  // The distinct first indices of the chunks of `stored` along `dim` (0: unknown).
+  int ChunksAlong(const std::string& stored, size_t dim) const {
+    auto it = dcp_.chunk_offsets.find(stored);
+    if (it == dcp_.chunk_offsets.end()) return 0;
+    std::set<int64_t> offsets;
+    for (const std::vector<int64_t>& chunk : it->second) {
+      if (dim >= chunk.size()) return 0;
+      offsets.insert(chunk[dim]);
+    }
+    return static_cast<int>(offsets.size());
+  }
+
+  // What the step records, in torchtitan's terms.
+  RecordedFacts Facts(const TorchtitanImport& out, bool recorded_config, const SavedMesh& mesh) const {
+    RecordedFacts facts;
+    facts.emplace_back("step", out.logical.iteration > 0 ? std::to_string(out.logical.iteration)
+                                                         : "not recorded (the folder is not named step-N)");
+    std::string shown = mesh.dp_shard > 0 ? "dp_shard " + std::to_string(mesh.dp_shard) : "dp_shard not shown";
+    shown += mesh.tp > 0 ? ", tp " + std::to_string(mesh.tp) : ", tp not shown";
+    if (dcp_.writing_ranks > 0) shown += " (the chunks; " + Count(dcp_.writing_ranks, "rank") + " wrote it)";
+    facts.emplace_back("mesh", shown);
+    facts.emplace_back("model config", recorded_config ? std::string(kTorchtitanModelFile)
+                                                       : "not recorded (sizes from the tensors' shapes and --set)");
+    std::string optimizer = "none";
+    if (out.optimizer) {
+      optimizer = out.optimizer->what + (out.optimizer->step ? ", step " + out.optimizer->step->DebugString(20) : "");
+    } else if (!out.optimizer_status.ok()) {
+      optimizer = "not read (" + out.optimizer_status.message() + ")";
+    }
+    facts.emplace_back("optimizer state", optimizer);
+    facts.emplace_back("files", Count(static_cast<int64_t>(dcp_.files.size()) - 1, ".distcp file") + ", " +
+                                    Count(static_cast<int64_t>(dcp_.tensors.size()), "tensor"));
+    return facts;
   }
 
   void NoteRunStates(std::vector<std::string>* notes) const {

@@ -52,6 +52,10 @@ struct DcpTensors {
   std::map<std::string, ImportedTensor> tensors;  // every tensor whole, by key (runs of its chunks)
   std::vector<std::string> objects;               // the keys of the plain objects
   std::function<Result<Value>(const std::string& key)> read_object;
+  // Where the mesh is read from: each tensor's chunks (the first index of
+  // each along every dimension), by key, and the ranks that wrote (0: not known).
+  std::map<std::string, std::vector<std::vector<int64_t>>> chunk_offsets;
+  int writing_ranks = 0;
 };
 
 struct TorchtitanImport {
@@ -61,6 +65,11 @@ struct TorchtitanImport {
   std::vector<std::string> notes;  // what the import chose or left out
   std::optional<ImportedOptimizer> optimizer;
   Status optimizer_status;  // why the optimizer state is not read (ok when there is none)
+  RecordedFacts facts;      // its step, mesh and model config, for inspect
+  // The mesh it was saved at, where its chunks show it for certain (0: not
+  // shown): TP, and PP 1 when the data-parallel shards and TP account for
+  // every rank that wrote.
+  int tp = 0, pp = 0;
 };
 
 // Whether some key of `dcp` is a model key of a torchtitan section (the

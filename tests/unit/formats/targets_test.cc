@@ -78,7 +78,13 @@ TEST(TargetsTest, ValuesAreCheckedAgainstTheDeclaration) {
   options.format_options = {{"ddp-bucket-size", "0"}};
   EXPECT_EQ(Refusal(options), "--ddp-bucket-size takes a whole number >= 1, not '0'");
   options.to = "hf5";
-  EXPECT_EQ(Refusal(options), "unknown export format 'hf5'; did you mean 'hf'?");
+  EXPECT_EQ(Refusal(options), "unknown target format 'hf5'; did you mean 'hf'? (the formats: deepspeed, consolidated, "
+                              "hf, megatron, torch_dist, torchtitan, universal)");
+  options.to = "HF";
+  EXPECT_EQ(Refusal(options).substr(0, 50), "unknown target format 'HF'; did you mean 'hf'? (th");
+  options.to = "parquet";
+  EXPECT_EQ(Refusal(options), "unknown target format 'parquet'; the formats: deepspeed, consolidated, hf, megatron, "
+                              "torch_dist, torchtitan, universal");
 }
 
 TEST(TargetsTest, FormatOptionsReadWhatWasGiven) {

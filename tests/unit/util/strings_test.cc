@@ -50,6 +50,17 @@ TEST(Strings, HintSuggestsTheClosestWithinTwoEdits) {
   EXPECT_EQ(Hint("abcd", {"abxy", "abcx"}), "did you mean 'abcx'?");
 }
 
+TEST(Strings, ClosestNameIgnoresCase) {
+  const std::vector<std::string> formats = {"deepspeed", "hf", "torch_dist", "torchtitan"};
+  ASSERT_NE(ClosestName("HF", formats), nullptr);
+  EXPECT_EQ(*ClosestName("HF", formats), "hf");
+  EXPECT_EQ(*ClosestName("TORCH_DIST", formats), "torch_dist");  // ten letters of another case: no edit
+  EXPECT_EQ(*ClosestName("torchdist", formats), "torch_dist");
+  EXPECT_EQ(*ClosestName("DeepSpeed", formats), "deepspeed");
+  EXPECT_EQ(ClosestName("parquet", formats), nullptr);
+  EXPECT_EQ(Hint("TORCHTITAN", formats), "did you mean 'torchtitan'?");
+}
+
 TEST(Strings, HintListsEverythingForAFarName) {
   EXPECT_EQ(Hint("diagonal", {"column", "row", "vocab"}), "expected one of: column, row, vocab");
   EXPECT_EQ(Hint("abc", {"xyz"}), "expected one of: xyz");  // three edits is not a typo

@@ -13,6 +13,7 @@
 #include <string>
 
 #include "formats/deepspeed/files/checkpoint_files.h"
+#include "logical/imported_layers.h"
 #include "logical/logical_checkpoint.h"
 #include "pickle/value.h"
 
@@ -33,6 +34,7 @@ struct DeepSpeedModel {
   std::vector<std::string> foreign_notes;
   std::string foreign_optimizer_layout;  // SourceInfo::optimizer_layout
   std::string foreign_format_version;    // SourceInfo::format_version
+  RecordedFacts foreign_facts;           // what inspect prints of it (imported_layers.h)
   LogicalCheckpoint logical;
 };
 

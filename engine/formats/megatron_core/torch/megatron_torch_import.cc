@@ -543,9 +543,31 @@ class FamilyReader {
                std::to_string(f_.pp) + (iteration > 0 ? "; iteration " + std::to_string(iteration) : std::string()) +
                " (" + Count(static_cast<int64_t>(f_.paths.size()), "rank file") + ")";
     out.notes = std::move(notes);
+    out.facts = Facts(out);
     out.optimizer = std::move(optimizer_);
     out.optimizer_status = optimizer_status_;
     return out;
+  }
+
+  // What the rank files record, in Megatron-LM's terms: the TP and PP of
+  // their folders, the DP of their args.
+  RecordedFacts Facts(const MegatronTorchImport& out) const {
+    RecordedFacts facts;
+    facts.emplace_back("keys", KeysName());
+    const Value* args = Find(f_.Root(), "args");
+    const int64_t dp = args != nullptr ? MetadataInt(*args, "data_parallel_size", 0) : 0;
+    facts.emplace_back("saved at", "TP " + std::to_string(f_.tp) + ", PP " + std::to_string(f_.pp) + ", DP " +
+                                       (dp > 0 ? std::to_string(dp) : "not recorded"));
+    facts.emplace_back("iteration", std::to_string(out.logical.iteration));
+    std::string optimizer = "none read";
+    if (optimizer_) {
+      optimizer = optimizer_->what + (optimizer_->step ? ", step " + optimizer_->step->DebugString(20) : "");
+    } else if (!optimizer_status_.ok()) {
+      optimizer = "not read (" + optimizer_status_.message() + ")";
+    }
+    facts.emplace_back("optimizer state", optimizer);
+    facts.emplace_back("files", Count(static_cast<int64_t>(f_.paths.size()), "rank file"));
+    return facts;
   }
 
   const RankFiles& f_;

@@ -31,6 +31,7 @@
 #include <string>
 #include <vector>
 
+#include "logical/imported_layers.h"
 #include "logical/imported_optimizer.h"
 #include "logical/logical_checkpoint.h"
 #include "reshard/reshard.h"
@@ -46,6 +47,7 @@ struct MegatronTorchImport {
   // reads; else why not, in optimizer_status (ok when it holds none).
   std::optional<ImportedOptimizer> optimizer;
   Status optimizer_status;
+  RecordedFacts facts;  // its keys, saved layout, iteration and optimizer state, for inspect
 };
 
 // The iteration folder of the Megatron-LM `torch` checkpoint at `path`:

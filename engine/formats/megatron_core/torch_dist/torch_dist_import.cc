@@ -5,11 +5,13 @@
 #include <algorithm>
 #include <map>
 #include <set>
+#include <tuple>
 
 #include "container/dcp_metadata.h"
 #include "container/torch_file.h"
 #include "formats/megatron_core/common/optimizer_layouts.h"
 #include "formats/megatron_core/common/torch_dist_family.h"
+#include "formats/megatron_core/torch_dist/saved_layout.h"
 #include "formats/megatron_core/torch_dist/torch_dist_optimizer.h"
 #include "util/human.h"
 #include "util/strings.h"
@@ -92,7 +94,13 @@ class FamilyReader {
     RESHARD_RETURN_IF_ERROR(family_.RecordBlocks(blocks_, c_.folder));
     RESHARD_RETURN_IF_ERROR(family_.Satisfy());
     ReadOptimizer();  // before the args say TP 1, PP 1: a dp_reshardable layout is read with the save's
-    auto keys_of = [this](const std::string& name) { return family_.KeysOf(name); };
+    // A tensor is named by the key it was read from, else by the keys it may be read from.
+    auto keys_of = [this](const std::string& name) {
+      for (const Mapped& m : mapped_) {
+        if (m.name == name) return m.key;
+      }
+      return family_.KeysOf(name);
+    };
     RESHARD_ASSIGN_OR_RETURN(LogicalCheckpoint logical, family_.Finish(tensors_, keys_of, c_.folder));
     return Finish(std::move(logical));
   }
@@ -203,14 +211,70 @@ class FamilyReader {
                Count(static_cast<int64_t>(c_.files.size()), ".distcp file") + ")";
     out.notes = std::move(notes);
     out.megatron_core_version = MegatronCoreVersion(c_, optimizer_);
-    if (const Value* args = Find(common_, "args")) {
-      out.tp = static_cast<int>(MetadataInt(*args, "tensor_model_parallel_size", 0));
-      out.pp = static_cast<int>(MetadataInt(*args, "pipeline_model_parallel_size", 0));
-      out.dp = static_cast<int>(MetadataInt(*args, "data_parallel_size", 0));
-    }
+    const std::string layout = SetSavedLayout(&out);
+    out.facts = Facts(out, layout);
     out.optimizer = std::move(optimizer_);
     out.optimizer_status = optimizer_status_;
     return out;
+  }
+
+  // What the save records, in Megatron-Core's terms.
+  // The layout the save was made at (out->tp, pp, dp): each size as its
+  // args record it, else as the save itself shows it (saved_layout.h).
+  // Returns it as inspect says it, with where each size comes from.
+  std::string SetSavedLayout(TorchDistImport* out) const {
+    const Value* args = Find(common_, "args");
+    auto recorded = [args](const char* field) {
+      return args == nullptr ? 0 : static_cast<int>(MetadataInt(*args, field, 0));
+    };
+    const int world = WritingRanks(c_.folder);
+    const SavedLayout shown = DeriveSavedLayout(c_.meta, world, SavedKeysOf());
+    std::string text;
+    for (const auto& [name, field, derived, size] :
+         {std::tuple<const char*, const char*, int, int*>{"TP", "tensor_model_parallel_size", shown.tp, &out->tp},
+          {"PP", "pipeline_model_parallel_size", shown.pp, &out->pp},
+          {"DP", "data_parallel_size", shown.dp, &out->dp}}) {
+      *size = recorded(field) > 0 ? recorded(field) : derived;
+      const char* from = recorded(field) > 0 ? "args" : "the save";
+      text += (text.empty() ? "" : ", ") + std::string(name) + " " +
+              (*size > 0 ? std::to_string(*size) + " (" + from + ")" : "not recorded");
+    }
+    if (world > 0) text += "; " + Count(world, "rank") + " wrote it";
+    return text;
+  }
+
+  // The save's keys as the family splits and stacks them.
+  SavedKeys SavedKeysOf() const {
+    SavedKeys keys;
+    keys.layers = std::max<int64_t>(blocks_, 0);
+    std::set<std::string> seen;
+    for (const Mapped& m : mapped_) {
+      if (!seen.insert(m.key).second) continue;
+      if (m.layer >= 0) keys.stacked.push_back(m.key);
+      Result<const ParamRule*> rule = family_.RuleOf(m.name, keys.layers);
+      if (!rule.ok() || (*rule)->policy == ParamRule::Policy::kReplicated) continue;
+      keys.tp_splits[m.key] = TpSplit{(*rule)->dim + (m.layer >= 0 ? 1 : 0), (*rule)->parts};
+    }
+    return keys;
+  }
+
+  RecordedFacts Facts(const TorchDistImport& out, const std::string& layout) const {
+    RecordedFacts facts;
+    facts.emplace_back("form", "Megatron-Core " + out.megatron_core_version + "'s, its common state in " +
+                                   (Exists(c_.folder + "/" + kCommonFile) ? kCommonFile : "the common_state item"));
+    std::string optimizer = "none";
+    if (optimizer_) {
+      optimizer = "the distributed optimizer's, layout " + optimizer_->layout +
+                  (optimizer_->step ? ", step " + optimizer_->step->DebugString(20) : std::string());
+    } else if (!optimizer_status_.ok()) {
+      optimizer = "not read (" + optimizer_status_.message() + ")";
+    }
+    facts.emplace_back("optimizer state", optimizer);
+    facts.emplace_back("iteration", std::to_string(out.logical.iteration));
+    facts.emplace_back("saved at", layout);
+    facts.emplace_back("files", Count(static_cast<int64_t>(c_.files.size()), ".distcp file") + ", " +
+                                    Count(static_cast<int64_t>(c_.meta.items.size()), "item"));
+    return facts;
   }
 
   const DcpContent& c_;

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "formats/dcp_common/dcp_content.h"
+#include "logical/imported_layers.h"
 #include "logical/imported_optimizer.h"
 #include "logical/logical_checkpoint.h"
 #include "reshard/reshard.h"
@@ -53,6 +54,8 @@ struct TorchDistImport {
   std::string megatron_core_version;
   // The layout it was saved at, as its args record it (0: not recorded).
   int tp = 0, pp = 0, dp = 0;
+  // Its form, optimizer layout, iteration and saved layout, for inspect.
+  RecordedFacts facts;
 };
 
 // Reads `content` (a torch_dist folder) as the model of the first family
