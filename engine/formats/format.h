@@ -16,6 +16,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -29,6 +30,11 @@ namespace reshard {
 
 // FullTensor::state of the fp32 master weights.
 inline constexpr char kFp32Master[] = "fp32";
+
+// The run state a DeepSpeed checkpoint records: the iteration (SourceInfo::
+// iteration) and the metadata's scheduler and counters.
+inline constexpr char kIterationKey[] = "iteration";
+inline constexpr const char* kRunStateKeys[] = {kIterationKey, "lr_scheduler", "global_samples", "skipped_steps"};
 
 // One tensor whole, made a range at a time: what verify compares and what
 // exports write.
@@ -125,9 +131,12 @@ struct SourceInfo {
   // its layout fully_sharded_model_space, "0.19" for the common_state item):
   // an export to that format writes it by default.
   std::string format_version;
-  // False for a format that keeps no learning-rate scheduler or sample
-  // counters (an import's metadata is a fresh run's): verify leaves them out.
-  bool records_run_state = true;
+  // The run state the checkpoint records, by the names verify compares it
+  // under (kRunStateKeys): an import's format records its iteration at most
+  // (its metadata is otherwise a fresh run's), an HF folder or a state dict
+  // nothing. What one side of verify does not record is a note, not a
+  // difference.
+  std::set<std::string> run_state{std::begin(kRunStateKeys), std::end(kRunStateKeys)};
   // Why no rule set describes a checkpoint that one was looked for (a
   // torch_dist folder whose family's rules refused it): what the refusals
   // of commands that need one add.

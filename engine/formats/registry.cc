@@ -127,7 +127,8 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenCheckpoint(const std::string& path
     // Whole tensors: an HF folder is saved at TP 1, PP 1, DP 1.
     return Named("hf",
                  MakeImportedSource({std::move(hf.logical), path, std::move(hf.what), std::move(hf.files),
-                                     std::move(hf.notes), std::nullopt, Status::Ok()},
+                                     std::move(hf.notes), std::nullopt, Status::Ok(), "",
+                                     /*records_iteration=*/false},
                                     options),
                  1, 1, 1);
   }

@@ -33,6 +33,7 @@ struct DeepSpeedModel {
   std::vector<std::string> foreign_notes;
   std::string foreign_optimizer_layout;  // SourceInfo::optimizer_layout
   std::string foreign_format_version;    // SourceInfo::format_version
+  bool foreign_records_iteration = true;  // false: the iteration is a fresh run's 0
   LogicalCheckpoint logical;
 };
 
