@@ -105,6 +105,10 @@ struct SourceInfo {
   // The parallel layout it was saved at, where the format records it (0:
   // not recorded): what convert keeps of it when not told otherwise.
   int tp = 0, pp = 0, dp = 0;
+  // Saved as whole tensors (an HF folder, a state dict): at size 1 in every
+  // layout dimension, which convert takes, with a note, for the sizes of a
+  // target not given.
+  bool saved_whole = false;
   std::string kind;      // "pipeline", "non-pipeline", "ZeRO-3", "MoE": verify compares like with like
   std::string tag_dir;   // the folder holding the files
   std::vector<std::string> files;  // every file of the checkpoint (lint --deep checks their bytes)
@@ -201,6 +205,12 @@ class SourceCheckpoint {
     if (tp > 0) info_.tp = tp;
     if (pp > 0) info_.pp = pp;
     if (dp > 0) info_.dp = dp;
+  }
+
+  // The registry marks a checkpoint saved as whole tensors.
+  void SetSavedWhole() {
+    info_.saved_whole = true;
+    info_.tp = info_.pp = info_.dp = 1;
   }
 
  protected:

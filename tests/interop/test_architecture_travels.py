@@ -11,7 +11,10 @@ Checked:
 * a bf16 Megatron-DeepSpeed run -> torch_dist -> Megatron-DeepSpeed: every tensor and optimizer
   state equal; what torch_dist does not carry (the scheduler, the sample counters) is the only
   difference;
-* a bf16 Megatron-DeepSpeed run -> torchtitan -> hf.
+* a bf16 Megatron-DeepSpeed run -> torchtitan -> hf;
+* a layout size the source does not record: a source saved whole (an HF folder) is written at 1,
+  with one note naming the options; a source whose layout is merely unrecorded (a torch_dist
+  save converted to torchtitan) still refuses, naming the flag.
 
 Run: /usr/bin/python3 tests/interop/test_architecture_travels.py --reshard build/reshard
 """
@@ -71,7 +74,7 @@ class ArchitectureTravelsTest(FixtureTestCase):
         hf = self.path('hf')
         p = run('convert', TORCH_DIST, hf, '--to', 'hf', *TORCH_DIST_VALUES)
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
-        _, step, back = self.chain(hf, ('torchtitan', '--dp-shard', 1), ('hf',))
+        _, step, back = self.chain(hf, ('torchtitan',), ('hf',))
         self.assertTrue(os.path.exists(os.path.join(step, 'reshard-model.json')))
         self.assertSameModel(hf, back)
 
@@ -88,6 +91,26 @@ class ArchitectureTravelsTest(FixtureTestCase):
         src = make_fixture(self.path('ms'), **dict(FAMILIES['ms_llama'], tp=2, pp=2, dp=1, optimizer='bf16_zero'))
         _, step, hf = self.chain(src, ('torchtitan', '--dp-shard', 2), ('hf',))
         self.assertSameModel(src, hf)
+
+    def test_a_source_saved_whole_is_written_at_size_1_with_a_note(self):
+        hf = self.path('hf')
+        p = run('convert', TORCH_DIST, hf, '--to', 'hf', *TORCH_DIST_VALUES)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        self.step(hf, 'torchtitan')
+        self.assertIn('torchtitan: --tp 1, --dp-shard 1, as the hf source is saved whole; give them to shard it',
+                      self.notes)
+        self.step(hf, 'torch_dist')
+        self.assertIn('torch_dist: --tp 1, --pp 1, --dp 1, as the hf source is saved whole', self.notes)
+        self.step(hf, 'deepspeed')
+        self.assertIn('deepspeed: --tp 1, --pp 1, as the hf source is saved whole', self.notes)
+        # sizes given are not noted
+        self.step(hf, 'torchtitan', '--dp-shard', 2, '--tp', 1)
+        self.assertNotIn('saved whole', self.notes)
+
+    def test_a_source_whose_layout_is_unrecorded_still_refuses(self):
+        out = self.path('tt')
+        p = run('convert', TORCH_DIST, out, '--to', 'torchtitan', *TORCH_DIST_VALUES)
+        self.assertRefused(p, 'needs --dp-shard N', out)
 
 
 if __name__ == '__main__':
