@@ -9,8 +9,10 @@
 #include <cstdio>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <set>
 #include <sstream>
+#include <tuple>
 
 #include "api/common.h"
 #include "container/record_crc.h"
@@ -18,8 +20,11 @@
 #include "exec/executor.h"
 #include "exec/memory_budget.h"
 #include "formats/registry.h"
+#include "formats/state_dict.h"
 #include "reshard/cluster.h"
+#include "util/human.h"
 #include "util/shape.h"
+#include "util/strings.h"
 
 namespace reshard {
 namespace {
@@ -31,36 +36,61 @@ struct Outcome {
 };
 
 // Compares `n` elements of two producers, half of the buffer for each side.
-Status CompareStreams(const FullTensor& a, const FullTensor& b, int64_t n,
+Status CompareStreams(DType dtype, const ByteProducer& a, const ByteProducer& b, int64_t n,
                       JobContext& ctx, Outcome* out) {
-  const int es = ElementSize(a.dtype);
+  const int es = ElementSize(dtype);
   const int64_t chunk = std::max<int64_t>(1, static_cast<int64_t>(ctx.buffer.size()) / 2 / es);
   if (ctx.buffer.size() < static_cast<size_t>(2 * chunk * es)) ctx.buffer.resize(2 * chunk * es);
   uint8_t* da = ctx.buffer.data();
   uint8_t* db = da + chunk * es;
   for (int64_t at = 0; at < n; at += chunk) {
     const int64_t len = std::min(chunk, n - at);
-    RESHARD_RETURN_IF_ERROR(a.produce(at * es, len * es, da));
-    RESHARD_RETURN_IF_ERROR(b.produce(at * es, len * es, db));
+    RESHARD_RETURN_IF_ERROR(a(at * es, len * es, da));
+    RESHARD_RETURN_IF_ERROR(b(at * es, len * es, db));
     ctx.done(len * es);
     if (std::memcmp(da, db, static_cast<size_t>(len) * es) == 0) continue;
     for (int64_t i = 0; i < len; ++i) {
       if (std::memcmp(da + i * es, db + i * es, es) == 0) continue;
       ++out->differing;
-      if (IsFloatingPoint(a.dtype)) {
-        out->max_diff = std::max(out->max_diff, std::abs(LoadAsDouble(a.dtype, da + i * es) -
-                                                         LoadAsDouble(a.dtype, db + i * es)));
+      if (IsFloatingPoint(dtype)) {
+        out->max_diff = std::max(out->max_diff, std::abs(LoadAsDouble(dtype, da + i * es) -
+                                                         LoadAsDouble(dtype, db + i * es)));
       }
     }
   }
   return Status::Ok();
 }
 
-// The shape both sides are compared over: vocabulary tensors over the rows both have.
-std::vector<int64_t> ComparedShape(const FullTensor& a, const FullTensor& other) {
+// The shape both sides are compared over: vocabulary tensors over the rows
+// both have, and no further than the true vocabulary where a side records it
+// (the padding rows are no part of the model: a TP change re-makes them).
+std::vector<int64_t> ComparedShape(const FullTensor& a, const FullTensor& other, std::optional<int64_t> true_rows) {
   std::vector<int64_t> shape = a.shape;
-  if (a.vocab && !shape.empty() && !other.shape.empty()) shape[0] = std::min(shape[0], other.shape[0]);
+  if (a.vocab && !shape.empty() && !other.shape.empty()) {
+    shape[0] = std::min(shape[0], other.shape[0]);
+    if (true_rows) shape[0] = std::min(shape[0], *true_rows);
+  }
   return shape;
+}
+
+// The true vocabulary size, where either side records it.
+std::optional<int64_t> TrueVocabRows(const SourceInfo& a, const SourceInfo& b) {
+  if (a.vocab_size && b.vocab_size) return std::min(*a.vocab_size, *b.vocab_size);
+  return a.vocab_size ? a.vocab_size : b.vocab_size;
+}
+
+// The dtype two tensors are compared at: their own; the narrower of two
+// floating-point dtypes of different widths (a 16-bit run's weights against
+// another format's fp32 masters); none for any other pair.
+std::optional<DType> ComparedDType(DType a, DType b) {
+  if (a == b) return a;
+  if (!IsFloatingPoint(a) || !IsFloatingPoint(b) || ElementSize(a) == ElementSize(b)) return std::nullopt;
+  return ElementSize(a) < ElementSize(b) ? a : b;
+}
+
+// The bytes of `t` as elements of `dtype`.
+ByteProducer As(const FullTensor& t, DType dtype) {
+  return t.dtype == dtype ? t.produce : CastBytes(t.produce, t.dtype, dtype);
 }
 
 std::set<std::string> Sections(const std::vector<FullTensor>& tensors) {
@@ -73,8 +103,8 @@ std::set<std::string> Sections(const std::vector<FullTensor>& tensors) {
 // for a section only one side has, a note.
 class Comparison {
  public:
-  Comparison(std::vector<FullTensor> a, std::vector<FullTensor> b)
-      : a_(std::move(a)), b_(std::move(b)) {}
+  Comparison(std::vector<FullTensor> a, std::vector<FullTensor> b, std::optional<int64_t> true_rows)
+      : a_(std::move(a)), b_(std::move(b)), true_rows_(true_rows) {}
 
   std::vector<Job> Jobs(VerifyReport* report) {
     const std::set<std::string> sa = Sections(a_), sb = Sections(b_);
@@ -98,19 +128,31 @@ class Comparison {
       }
       const FullTensor& b = *other->second;
       matched_.insert(b.name);
-      const std::vector<int64_t> shape = ComparedShape(a, b);
-      if (a.dtype != b.dtype || shape != ComparedShape(b, a)) {
-        lines_.push_back({i, a.Label() + ": " + DTypeName(a.dtype) + " vs " + DTypeName(b.dtype) +
-                                 ", shapes differ"});
+      const std::vector<int64_t> shape = ComparedShape(a, b, true_rows_);
+      if (shape != ComparedShape(b, a, true_rows_)) {
+        lines_.push_back({i, a.Label() + ": shapes differ, " + ShapeString(a.shape) + " vs " + ShapeString(b.shape)});
         continue;
       }
+      const std::optional<DType> dtype = ComparedDType(a.dtype, b.dtype);
+      if (!dtype) {
+        lines_.push_back({i, a.Label() + ": " + DTypeName(a.dtype) + " vs " + DTypeName(b.dtype)});
+        continue;
+      }
+      if (*dtype != a.dtype || *dtype != b.dtype) ++cast_[{a.dtype, b.dtype}];
       const int64_t n = ShapeNumel(shape);
       ++report->tensors_compared;
       report->elements_compared += n;
       compared_.push_back(i);
-      jobs.push_back({a.name, n * ElementSize(a.dtype), [this, i, &b, n](JobContext& ctx) {
-                        return CompareStreams(a_[i], b, n, ctx, &outcomes_[i]);
+      jobs.push_back({a.name, n * ElementSize(*dtype),
+                      [this, i, dtype = *dtype, pa = As(a, *dtype), pb = As(b, *dtype), n](JobContext& ctx) {
+                        return CompareStreams(dtype, pa, pb, n, ctx, &outcomes_[i]);
                       }});
+    }
+    for (const auto& [dtypes, count] : cast_) {
+      report->notes.push_back(std::to_string(count) + " tensor(s) held as " + DTypeName(dtypes.first) + " in A and " +
+                              DTypeName(dtypes.second) + " in B compared at " +
+                              DTypeName(*ComparedDType(dtypes.first, dtypes.second)) +
+                              ": the wider one rounded to it, as a run makes its 16-bit weights of its fp32 masters");
     }
     for (const FullTensor& b : b_) {
       if (sa.count(b.section) && !matched_.count(b.name)) only_b_.push_back(b.Label() + ": only in B");
@@ -168,30 +210,40 @@ class Comparison {
 
  private:
   std::vector<FullTensor> a_, b_;
+  std::optional<int64_t> true_rows_;
   std::vector<Outcome> outcomes_;          // by index into a_
   std::vector<size_t> compared_;
   std::set<std::string> matched_;
   std::vector<std::pair<size_t, std::string>> lines_;
   std::vector<std::string> only_b_;
+  std::map<std::pair<DType, DType>, int> cast_;  // tensors compared at the narrower of their dtypes
 };
 
-void CompareMetadata(const SourceCheckpoint& a, const SourceCheckpoint& b, VerifyReport* report) {
-  if (a.info().iteration != b.info().iteration) {
-    report->differences.push_back("iteration: " + std::to_string(a.info().iteration) + " vs " +
-                                  std::to_string(b.info().iteration));
+// One item of run state as a side records it, for comparing.
+std::string RunStateText(const SourceCheckpoint& side, const std::string& key) {
+  if (key == kIterationKey) return std::to_string(side.info().iteration);
+  const Value* v = Find(side.info().metadata, key);
+  return v ? v->DebugString(100000) : "(absent)";
+}
+
+// The run state both sides record is compared; what only one records is
+// named in a note (a weights-only format's model is the same model).
+void CompareRunState(const SourceCheckpoint& a, const SourceCheckpoint& b, VerifyReport* report) {
+  std::vector<std::string> only_a, only_b;
+  for (const char* key : kRunStateKeys) {
+    const bool in_a = a.info().run_state.count(key) > 0, in_b = b.info().run_state.count(key) > 0;
+    if (in_a && !in_b) only_a.push_back(key);
+    if (in_b && !in_a) only_b.push_back(key);
+    if (!in_a || !in_b) continue;
+    const std::string sa = RunStateText(a, key), sb = RunStateText(b, key);
+    if (sa == sb) continue;
+    report->differences.push_back(key == std::string(kIterationKey) ? std::string(key) + ": " + sa + " vs " + sb
+                                                                    : std::string(key) + " differs");
   }
-  for (const SourceCheckpoint* side : {&a, &b}) {
-    if (side->info().records_run_state) continue;
-    report->notes.push_back(std::string(side == &a ? "A" : "B") + "'s format keeps no learning-rate scheduler or "
-                            "sample counters: lr_scheduler, global_samples and skipped_steps not compared");
-    return;
-  }
-  for (const char* key : {"lr_scheduler", "global_samples", "skipped_steps"}) {
-    const Value* va = Find(a.info().metadata, key);
-    const Value* vb = Find(b.info().metadata, key);
-    const std::string sa = va ? va->DebugString(100000) : "(absent)";
-    const std::string sb = vb ? vb->DebugString(100000) : "(absent)";
-    if (sa != sb) report->differences.push_back(std::string(key) + " differs");
+  for (const auto& [keys, side, other] : {std::tuple{&only_a, "A", &b}, std::tuple{&only_b, "B", &a}}) {
+    if (keys->empty()) continue;
+    report->notes.push_back(Join(*keys, ", ") + " not compared: only " + side + " records " +
+                            (keys->size() == 1 ? "it" : "them") + " (" + other->info().format + " does not)");
   }
 }
 
@@ -228,10 +280,6 @@ Result<VerifyReport> Verify(const std::string& a_path, const std::string& b_path
   CommonOptions b_options = options;
   if (!options.rules_b.empty()) b_options.rules = options.rules_b;
   RESHARD_ASSIGN_OR_RETURN(std::unique_ptr<SourceCheckpoint> b, OpenCheckpoint(b_path, b_options));
-  if (a->info().kind != b->info().kind) {
-    return Status::InvalidInput("A is a " + a->info().kind + " checkpoint and B a " + b->info().kind +
-                                " one; reshard compares checkpoints of the same kind");
-  }
   for (const auto& [src, path] : {std::pair{a.get(), a_path}, std::pair{b.get(), b_path}}) {
     for (const Finding& f : src->info().findings) {
       if (f.severity == Finding::Severity::kError) return Status::InvalidInput(f.message).WithContext(path);
@@ -252,17 +300,20 @@ Result<VerifyReport> Verify(const std::string& a_path, const std::string& b_path
   std::atomic<int64_t> read{0};
   RESHARD_ASSIGN_OR_RETURN(std::vector<FullTensor> ta, a->FullTensors(options.replicated, &read));
   RESHARD_ASSIGN_OR_RETURN(std::vector<FullTensor> tb, b->FullTensors(options.replicated, &read));
-  Comparison comparison(std::move(ta), std::move(tb));
+  const std::optional<int64_t> true_rows = TrueVocabRows(a->info(), b->info());
+  Comparison comparison(std::move(ta), std::move(tb), true_rows);
   RESHARD_RETURN_IF_ERROR(RunComparison(&comparison, comparison.Jobs(&report), options));
   RESHARD_RETURN_IF_ERROR(CheckMappedFilesUnchanged());
   RESHARD_RETURN_IF_ERROR(CheckReadRecords());
   comparison.Report(&report);
-  CompareMetadata(*a, *b, &report);
-  if (a->info().vocab_rows != b->info().vocab_rows) {
-    report.notes.push_back("vocabulary rows compared up to " +
-                           std::to_string(std::min(a->info().vocab_rows, b->info().vocab_rows)) +
-                           " (A has " + std::to_string(a->info().vocab_rows) + ", B " +
-                           std::to_string(b->info().vocab_rows) + ")");
+  CompareRunState(*a, *b, &report);
+  // A side without rules (a state dict) does not say which rows are vocabulary.
+  const int64_t rows_a = a->info().vocab_rows, rows_b = b->info().vocab_rows;
+  const int64_t compared_rows = std::min({rows_a, rows_b, true_rows.value_or(rows_a)});
+  if (rows_a > 0 && rows_b > 0 && compared_rows < std::max(rows_a, rows_b)) {
+    report.notes.push_back("vocabulary rows compared up to " + std::to_string(compared_rows) +
+                           (compared_rows < std::min(rows_a, rows_b) ? ", the true vocabulary" : "") + " (A has " +
+                           std::to_string(rows_a) + ", B " + std::to_string(rows_b) + ")");
   }
   for (const std::string& note : b->VerifyNotes()) report.notes.push_back("B's " + note);
   if (static_cast<int>(report.differences.size()) > options.max_difference_lines) {

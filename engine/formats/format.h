@@ -16,6 +16,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -29,6 +30,11 @@ namespace reshard {
 
 // FullTensor::state of the fp32 master weights.
 inline constexpr char kFp32Master[] = "fp32";
+
+// The run state a DeepSpeed checkpoint records: the iteration (SourceInfo::
+// iteration) and the metadata's scheduler and counters.
+inline constexpr char kIterationKey[] = "iteration";
+inline constexpr const char* kRunStateKeys[] = {kIterationKey, "lr_scheduler", "global_samples", "skipped_steps"};
 
 // One tensor whole, made a range at a time: what verify compares and what
 // exports write.
@@ -106,6 +112,10 @@ struct SourceInfo {
   // The parallel layout it was saved at, where the format records it (0:
   // not recorded): what convert keeps of it when not told otherwise.
   int tp = 0, pp = 0, dp = 0;
+  // Saved as whole tensors (an HF folder, a state dict): at size 1 in every
+  // layout dimension, which convert takes, with a note, for the sizes of a
+  // target not given.
+  bool saved_whole = false;
   std::string kind;      // "pipeline", "non-pipeline", "ZeRO-3", "MoE": verify compares like with like
   std::string tag_dir;   // the folder holding the files
   std::vector<std::string> files;  // every file of the checkpoint (lint --deep checks their bytes)
@@ -132,9 +142,12 @@ struct SourceInfo {
   // its layout fully_sharded_model_space, "0.19" for the common_state item):
   // an export to that format writes it by default.
   std::string format_version;
-  // False for a format that keeps no learning-rate scheduler or sample
-  // counters (an import's metadata is a fresh run's): verify leaves them out.
-  bool records_run_state = true;
+  // The run state the checkpoint records, by the names verify compares it
+  // under (kRunStateKeys): an import's format records its iteration at most
+  // (its metadata is otherwise a fresh run's), an HF folder or a state dict
+  // nothing. What one side of verify does not record is a note, not a
+  // difference.
+  std::set<std::string> run_state{std::begin(kRunStateKeys), std::end(kRunStateKeys)};
   // Why no rule set describes a checkpoint that one was looked for (a
   // torch_dist folder whose family's rules refused it): what the refusals
   // of commands that need one add.
@@ -199,6 +212,12 @@ class SourceCheckpoint {
     if (tp > 0) info_.tp = tp;
     if (pp > 0) info_.pp = pp;
     if (dp > 0) info_.dp = dp;
+  }
+
+  // The registry marks a checkpoint saved as whole tensors.
+  void SetSavedWhole() {
+    info_.saved_whole = true;
+    info_.tp = info_.pp = info_.dp = 1;
   }
 
  protected:

@@ -28,6 +28,12 @@ Result<std::unique_ptr<SourceCheckpoint>> Named(const std::string& format,
   return opened;
 }
 
+// `opened`, saved as whole tensors: an HF folder or a state dict.
+Result<std::unique_ptr<SourceCheckpoint>> SavedWhole(Result<std::unique_ptr<SourceCheckpoint>> opened) {
+  if (opened.ok()) (*opened)->SetSavedWhole();
+  return opened;
+}
+
 // A Megatron-Core torch_dist folder is read as the pipeline model its
 // family's rules describe; any other DCP folder, or one no built-in rule set
 // reads, as what it is.
@@ -129,12 +135,11 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenCheckpoint(const std::string& path
   // family's rules describe, which converts into DeepSpeed's layout.
   if (IsHfFolder(path)) {
     RESHARD_ASSIGN_OR_RETURN(HfImport hf, ReadHfImport(path, options));
-    // Whole tensors: an HF folder is saved at TP 1, PP 1, DP 1.
-    return Named("hf",
-                 MakeImportedSource({std::move(hf.logical), path, std::move(hf.what), std::move(hf.files),
-                                     std::move(hf.notes), std::nullopt, Status::Ok(), "", std::move(hf.facts)},
-                                    options),
-                 1, 1, 1);
+    return SavedWhole(Named("hf", MakeImportedSource({std::move(hf.logical), path, std::move(hf.what),
+                                                     std::move(hf.files), std::move(hf.notes), std::nullopt,
+                                                     Status::Ok(), "", std::move(hf.facts),
+                                                     /*records_iteration=*/false},
+                                                    options)));
   }
   if (const std::string mlm = MegatronTorchFolder(path); !mlm.empty()) {
     RESHARD_ASSIGN_OR_RETURN(MegatronTorchImport imported, ReadMegatronTorchImport(mlm, options));
@@ -145,7 +150,7 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenCheckpoint(const std::string& path
                                                 options));
   }
   if (const std::string dcp = DcpCheckpointFolder(path); !dcp.empty()) return OpenDcp(dcp, options);
-  if (IsWeightsWithoutConfig(path)) return Named("state dict", OpenWeightsWithoutConfig(path));
+  if (IsWeightsWithoutConfig(path)) return SavedWhole(Named("state dict", OpenWeightsWithoutConfig(path)));
   // A root holding one checkpoint folder is read as it; one holding several is refused naming them.
   RESHARD_ASSIGN_OR_RETURN(const std::string inside, CheckpointInsideRoot(path));
   if (!inside.empty()) return OpenCheckpoint(inside, options);

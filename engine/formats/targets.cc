@@ -4,6 +4,7 @@
 // a target does not declare is refused here, before the source is read
 // further, so no planner repeats another's option checks.
 #include <algorithm>
+#include <initializer_list>
 
 #include "formats/consolidated/consolidated_export.h"
 #include "formats/hf/hf_export.h"
@@ -28,6 +29,26 @@ Result<int> KeptSize(int given, int saved, const SourceCheckpoint& src, const st
                               "give the target's " + flag + " N");
 }
 
+// Says which layout sizes not given a source saved whole (an HF folder, a
+// state dict) is written at: 1, never silently, with the options to change.
+void NoteWholeSizes(const SourceCheckpoint& src, const std::string& to, const std::vector<std::string>& flags,
+                    std::vector<std::string>* notes) {
+  if (flags.empty()) return;
+  notes->push_back(to + ": " + Join(flags, " 1, ") + " 1, as the " + src.info().format + " source is saved whole; give " +
+                   (flags.size() == 1 ? "it" : "them") + " to shard it");
+}
+
+// The flags among `given` (flag, size) left out (0) for a source saved whole.
+std::vector<std::string> WholeSizes(const SourceCheckpoint& src,
+                                    std::initializer_list<std::pair<const char*, int>> given) {
+  std::vector<std::string> flags;
+  if (!src.info().saved_whole) return flags;
+  for (const auto& [flag, size] : given) {
+    if (size == 0) flags.push_back(flag);
+  }
+  return flags;
+}
+
 // DeepSpeed's own layout (Megatron-DeepSpeed's pipeline, or the source's
 // kind: ZeRO-3, MoE), planned by a DeepSpeed source itself; an import
 // planned as the pipeline model its rule set describes.
@@ -46,6 +67,7 @@ Result<OutputPlan> PlanDeepSpeed(const SourceCheckpoint& src, const ConvertOptio
   RESHARD_ASSIGN_OR_RETURN(native.target_tp, KeptSize(options.target_tp, src.info().tp, src, "--tp"));
   RESHARD_ASSIGN_OR_RETURN(native.target_pp, KeptSize(options.target_pp, src.info().pp, src, "--pp"));
   RESHARD_RETURN_IF_ERROR(CheckPipelineComputes(src));
+  NoteWholeSizes(src, kDeepSpeed, WholeSizes(src, {{"--tp", options.target_tp}, {"--pp", options.target_pp}}), notes);
   return src.Plan(native, notes);
 }
 
@@ -208,6 +230,15 @@ Result<OutputPlan> PlanOtherFormat(const SourceCheckpoint& src, const ConvertOpt
   exporting.tp = options.target_tp > 0 || !target.tp ? options.target_tp : src.info().tp;
   exporting.pp = options.target_pp > 0 || !target.pp ? options.target_pp : src.info().pp;
   exporting.dp = options.target_dp > 0 || !target.dp ? options.target_dp : src.info().dp;
+  std::vector<std::string> whole = WholeSizes(src, {{"--tp", target.tp ? options.target_tp : -1},
+                                                    {"--pp", target.pp ? options.target_pp : -1},
+                                                    {"--dp", target.dp ? options.target_dp : -1}});
+  for (const FormatOptionInfo& o : target.options) {
+    if (!o.layout || !src.info().saved_whole || options.format_options.count(o.name)) continue;
+    exporting.format_options[o.name] = "1";
+    whole.push_back("--" + o.name);
+  }
+  NoteWholeSizes(src, to, whole, notes);
   if (!options.dry_run) RESHARD_RETURN_IF_ERROR(src.CheckReplicas(options.replicated, notes));
   return PlanExport(src, exporting, notes);
 }

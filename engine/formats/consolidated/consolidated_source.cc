@@ -20,7 +20,7 @@ class WeightsSource : public SourceCheckpoint {
     info_.tag_dir = folder_.dir;
     info_.files = folder_.files;
     info_.metadata = Value::MakeDict();
-    info_.records_run_state = false;
+    info_.run_state.clear();
     info_.no_rules_reason = kNoConfig;
     info_.summary = Summary();
   }

@@ -195,7 +195,7 @@ class PipelineSource : public DeepSpeedModelSource {
       return NoStateForUniversal("optimizer state");
     }
     RESHARD_ASSIGN_OR_RETURN(const SourceOptimizer* opt, Optimizer());
-    RESHARD_ASSIGN_OR_RETURN(OutputPlan out, PlanUniversal(ckpt(), *opt, files(), options.replicated, notes));
+    RESHARD_ASSIGN_OR_RETURN(OutputPlan out, PlanUniversal(ckpt(), *opt, files(), options.replicated, options.vocab_size, notes));
     if (!model_->foreign.empty()) RESHARD_RETURN_IF_ERROR(AddModelStates(*opt, &out));
     return out;
   }
@@ -319,6 +319,7 @@ std::unique_ptr<SourceCheckpoint> MakeImportedSource(ImportedModel imported, con
   model->foreign_notes = std::move(imported.notes);
   model->foreign_format_version = std::move(imported.format_version);
   model->foreign_facts = std::move(imported.facts);
+  model->foreign_records_iteration = imported.records_iteration;
   model->logical = std::move(imported.logical);
   // Everything here reads a pipeline model's metadata as its mp_rank files
   // (inspect, verify, the writer): a model that has none gets a fresh run's.

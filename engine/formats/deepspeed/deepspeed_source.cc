@@ -78,7 +78,10 @@ void DeepSpeedModelSource::SetInfo(std::string kind, std::string summary, bool v
   info_.settings = ckpt().settings;
   info_.optimizer_layout = model_->foreign_optimizer_layout;
   info_.format_version = model_->foreign_format_version;
-  info_.records_run_state = model_->foreign.empty();
+  if (!model_->foreign.empty()) {
+    info_.run_state.clear();
+    if (model_->foreign_records_iteration) info_.run_state.insert(kIterationKey);
+  }
   if (model_->foreign.empty()) {  // an import's layout is the one it is laid out in, not the one it was saved at
     info_.tp = ckpt().tp;
     info_.pp = ckpt().pp;

@@ -55,6 +55,7 @@ struct ImportedModel {
   Status optimizer_status;
   std::string format_version;  // SourceInfo::format_version
   RecordedFacts facts;
+  bool records_iteration = true;  // false for a format that keeps none (an HF folder)
 };
 std::unique_ptr<SourceCheckpoint> MakeImportedSource(ImportedModel imported, const CommonOptions& options);
 std::unique_ptr<SourceCheckpoint> MakeNonPipelineSource(std::unique_ptr<DeepSpeedModel> model,

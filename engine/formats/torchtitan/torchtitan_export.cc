@@ -526,7 +526,8 @@ TargetFormat TorchtitanTarget() {
   info.tp = true;
   info.options = {{kDpShard, FormatOptionInfo::Kind::kCount,
                    "The FSDP2 world size every parameter and its AdamW state are sharded over (Shard(0), as "
-                   "torch.chunk cuts dim 0); required"},
+                   "torch.chunk cuts dim 0); required (convert: 1 for a source saved whole)",
+                   {}, false, "", /*layout=*/true},
                   FromOption("masters"), DTypeOption()};
   return {std::move(info), PlanTorchtitan};
 }

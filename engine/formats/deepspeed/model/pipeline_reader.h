@@ -35,6 +35,7 @@ struct DeepSpeedModel {
   std::string foreign_optimizer_layout;  // SourceInfo::optimizer_layout
   std::string foreign_format_version;    // SourceInfo::format_version
   RecordedFacts foreign_facts;           // what inspect prints of it (imported_layers.h)
+  bool foreign_records_iteration = true;  // false: the iteration is a fresh run's 0
   LogicalCheckpoint logical;
 };
 

@@ -56,7 +56,8 @@ Result<Items> LayoutKeys(const ParamRule& rule, const std::string& param) {
 // vocabulary's true rows are the first rows, so its producer is the padded
 // tensor's, cut short.
 Result<StateFile> MakeStateFile(const LogicalCheckpoint& src, const SourceOptimizer& opt,
-                                ReplicatedPolicy replicated, const std::string& param, const std::string& state) {
+                                ReplicatedPolicy replicated, std::optional<int64_t> vocab_size,
+                                const std::string& param, const std::string& state) {
   RESHARD_ASSIGN_OR_RETURN(StateTensor st, LocateState(src, opt, param, state));
   const TensorPlan plan = PlanFullTensor(src, st.layer_index, st.tensor_index, replicated);
   StateFile f{param, state, st.tensor.full_shape, {}, nullptr, "optimizer " + state + ": " + DescribeSources(plan)};
@@ -65,12 +66,13 @@ Result<StateFile> MakeStateFile(const LogicalCheckpoint& src, const SourceOptimi
   };
   RESHARD_ASSIGN_OR_RETURN(f.layout, LayoutKeys(*st.tensor.rule, param));
   if (st.tensor.rule->policy == ParamRule::Policy::kVocab) {
-    if (!src.vocab.original_size) {
+    const std::optional<int64_t> rows = src.vocab.original_size ? src.vocab.original_size : vocab_size;
+    if (!rows) {
       return Status::InvalidInput("universal checkpoints store vocabulary tensors without padding, and the "
                                   "true vocabulary size is " + src.rules->vocab_original_size().HowToGive() +
                                   " (or --vocab-size N)");
     }
-    f.shape[0] = *src.vocab.original_size;
+    f.shape[0] = *rows;
   }
   return f;
 }
@@ -221,12 +223,12 @@ Status NoStateForUniversal(const std::string& what) {
 
 Result<OutputPlan> PlanUniversal(const LogicalCheckpoint& src, const SourceOptimizer& opt,
                                                   const CheckpointFiles& files, ReplicatedPolicy replicated,
-                                                  std::vector<std::string>* notes) {
+                                                  std::optional<int64_t> vocab_size, std::vector<std::string>* notes) {
   RESHARD_RETURN_IF_ERROR(CheckShards(opt));
   std::vector<StateFile> states;
   for (const std::string& param : opt.ParamNames()) {
     for (const std::string& state : opt.states()) {
-      RESHARD_ASSIGN_OR_RETURN(StateFile f, MakeStateFile(src, opt, replicated, param, state));
+      RESHARD_ASSIGN_OR_RETURN(StateFile f, MakeStateFile(src, opt, replicated, vocab_size, param, state));
       states.push_back(std::move(f));
     }
   }

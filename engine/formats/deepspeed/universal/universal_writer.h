@@ -35,10 +35,11 @@ namespace reshard {
 // The refusal for a checkpoint without `what` (its optimizer state).
 Status NoStateForUniversal(const std::string& what);
 
-// `src`, `opt` and `files` must outlive the plan and its jobs.
+// `src`, `opt` and `files` must outlive the plan and its jobs; `vocab_size`
+// (--vocab-size) gives the true vocabulary where the source records none.
 Result<OutputPlan> PlanUniversal(const LogicalCheckpoint& src, const SourceOptimizer& opt,
                                                   const CheckpointFiles& files, ReplicatedPolicy replicated,
-                                                  std::vector<std::string>* notes);
+                                                  std::optional<int64_t> vocab_size, std::vector<std::string>* notes);
 // The same for a non-pipeline checkpoint at TP 1, its shapes from param_shapes.
 // DeepSpeed's ZeRO-3 form, from a ZeRO-3 checkpoint at TP 1 (what its ZeRO-3
 // loader reads): every model-states file copied; each parameter's states as

@@ -201,8 +201,16 @@ std::vector<std::string> ArchitectureFlags(const Value& args) {
   return flags;
 }
 
-void AsMegatronLm(Value* args, std::vector<std::string>* notes) {
+// untie_embeddings_and_output_weights, from the rules the model was read
+// with: a source whose args do not say it would otherwise be read back as
+// the other model (Megatron-LM's default ties them).
+void Tying(Value* args, std::optional<bool> tied, std::vector<std::string>* changes) {
+  if (tied) Write(args, "untie_embeddings_and_output_weights", Value::Bool(!*tied), changes);
+}
+
+void AsMegatronLm(Value* args, std::optional<bool> tied, std::vector<std::string>* notes) {
   std::vector<std::string> changes;
+  Tying(args, tied, &changes);
   NumExperts(args, &changes);
   Normalization(args, &changes);
   QueryGroups(args, &changes);
@@ -218,6 +226,15 @@ void AsMegatronLm(Value* args, std::vector<std::string>* notes) {
 }
 
 }  // namespace
+
+bool TiesEmbedding(const RuleSet& rules) {
+  for (const auto& [role, params] : rules.layers()) {
+    for (const ParamRule& rule : params) {
+      if (rule.tied && rule.policy == ParamRule::Policy::kVocab && role == "embedding") return true;
+    }
+  }
+  return false;
+}
 
 Value MegatronArgs(const Value& args, const MegatronLayout& layout, std::vector<std::string>* notes) {
   Value out = args;
@@ -253,7 +270,7 @@ Value MegatronArgs(const Value& args, const MegatronLayout& layout, std::vector<
                      " field(s) NVIDIA Megatron-LM cannot unpickle or rebuilds itself (tensors, fork-only "
                      "classes): " + Join(dropped, ", "));
   }
-  AsMegatronLm(&out, notes);
+  AsMegatronLm(&out, layout.tied_embedding, notes);
   return out;
 }
 

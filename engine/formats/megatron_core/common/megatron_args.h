@@ -11,15 +11,17 @@
 // --use-checkpoint-args reads them (num_experts None for the fork's [1],
 // normalization 'LayerNorm' / 'RMSNorm', group_query_attention and
 // num_query_groups, position_embedding_type, add_position_embedding True,
-// rotary_base); the notes name every field changed or dropped, and the
+// rotary_base, untie_embeddings_and_output_weights); the notes name every field changed or dropped, and the
 // flags that give the architecture to a run without --use-checkpoint-args.
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "pickle/value.h"
+#include "rules/rule_set.h"
 
 namespace reshard {
 
@@ -27,7 +29,15 @@ namespace reshard {
 struct MegatronLayout {
   int tp = 1, pp = 1, dp = 1;
   int64_t padded_vocab = 0;  // 0: the model has no vocabulary; the field is kept
+  // Whether the output layer is the word embedding, as the model's rules say
+  // (nullopt: no rules say; the field is kept): written as
+  // untie_embeddings_and_output_weights, which Megatron-LM and reshard's
+  // readers take the model's head from.
+  std::optional<bool> tied_embedding;
 };
+
+// Whether `rules` tie the word embedding and the output layer.
+bool TiesEmbedding(const RuleSet& rules);
 
 // `args` (dict-like: an argparse.Namespace as pickled) for `layout`: the
 // parallel sizes, world size and padded vocabulary rewritten (added when

@@ -413,7 +413,7 @@ Result<OutputPlan> PlanMegatron(const SourceCheckpoint& src, const ExportOptions
   const Value* args = Find(src.info().metadata, "args");
   const int dp = options.dp > 0 ? options.dp : SourceDp(src);
   if (args != nullptr && DictItems(*args) != nullptr) {
-    plan.args = MegatronArgs(*args, {plan.cut.tp, plan.pp, dp, plan.padded_vocab}, notes);
+    plan.args = MegatronArgs(*args, {plan.cut.tp, plan.pp, dp, plan.padded_vocab, src.info().rules ? std::optional<bool>(TiesEmbedding(*src.info().rules)) : std::nullopt}, notes);
   } else {
     notes->push_back("args: the source records no Megatron args, so the files have none (Megatron-LM then "
                      "skips its checks of the checkpoint's arguments)");

@@ -11,6 +11,7 @@
 #include "container/dcp_metadata.h"
 #include "container/torch_file.h"
 #include "formats/dcp_common/megatron_tracker.h"
+#include "formats/megatron_core/common/megatron_args.h"
 #include "formats/megatron_core/common/megatron_layout.h"
 #include "formats/megatron_core/common/torch_dist_family.h"
 #include "formats/megatron_core/torch/distrib_optim.h"
@@ -253,14 +254,7 @@ class FamilyReader {
                           "and the word embedding, which the rule set's model does not");
   }
 
-  bool TiesEmbedding() const {
-    for (const auto& [role, rules] : family_.rules().layers()) {
-      for (const ParamRule& rule : rules) {
-        if (rule.tied && rule.policy == ParamRule::Policy::kVocab && role == "embedding") return true;
-      }
-    }
-    return false;
-  }
+  bool TiesEmbedding() const { return reshard::TiesEmbedding(family_.rules()); }
 
   // Each stored key as the canonical tensor its torch_dist entry names.
   Status MapKeys() {

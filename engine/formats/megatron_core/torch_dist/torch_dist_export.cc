@@ -454,7 +454,9 @@ Value CommonState(const SourceCheckpoint& src, const Target& target, int64_t pad
   if (optimizer) Set(state, "optimizer", std::move(*optimizer));
   const Value* args = Find(src.info().metadata, "args");
   if (args != nullptr && DictItems(*args) != nullptr) {
-    Value written = MegatronArgs(*args, {target.cut.tp, target.pp, target.dp, padded_vocab}, notes);
+    const std::optional<bool> tied =
+        src.info().rules ? std::optional<bool>(TiesEmbedding(*src.info().rules)) : std::nullopt;
+    Value written = MegatronArgs(*args, {target.cut.tp, target.pp, target.dp, padded_vocab, tied}, notes);
     // The true vocabulary size, as Megatron-LM's --vocab-size records it: what
     // re-padding for another TP needs.
     const std::optional<int64_t> vocab = target.cut.vocab_size ? target.cut.vocab_size : src.info().vocab_size;

@@ -47,6 +47,24 @@ TEST(MegatronArgsTest, TheLayoutIsRewrittenInPlaceOrAdded) {
   EXPECT_EQ(out.as_object().cls.Qualified(), "argparse.Namespace");
 }
 
+// A run whose args do not say whether the head is tied gets the model's
+// answer written, so a reader does not take it for the other model; without
+// rules to say it the field is left as it was.
+TEST(MegatronArgsTest, TheTyingOfTheModelIsWritten) {
+  for (const bool tied : {false, true}) {
+    std::vector<std::string> notes;
+    MegatronLayout layout = kLayout;
+    layout.tied_embedding = tied;
+    const Value out = MegatronArgs(MakeNamespace({}), layout, &notes);
+    ASSERT_NE(Find(out, "untie_embeddings_and_output_weights"), nullptr);
+    EXPECT_EQ(Find(out, "untie_embeddings_and_output_weights")->as_bool(), !tied);
+    EXPECT_NE(notes.front().find(std::string("untie_embeddings_and_output_weights=") + (tied ? "False" : "True")),
+              std::string::npos) << notes.front();
+  }
+  std::vector<std::string> notes;
+  EXPECT_EQ(Find(MegatronArgs(MakeNamespace({}), kLayout, &notes), "untie_embeddings_and_output_weights"), nullptr);
+}
+
 TEST(MegatronArgsTest, PlainAndTorchValuesStay) {
   std::vector<std::string> notes;
   Value config = Value::MakeDict({{Value::String("zero_optimization"),
