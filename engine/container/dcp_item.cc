@@ -14,7 +14,7 @@ Result<Value> ReadDcpItem(std::shared_ptr<const MappedFile> file, const DcpStora
 }
 
 Result<Value> ReadDcpChunk(std::shared_ptr<const MappedFile> file, const DcpMetadata& meta,
-                           const std::string& fqn, const DcpChunk& chunk) {
+                           const std::string& fqn, const Box& chunk) {
   auto item = meta.items.find(fqn);
   const DcpStorage* storage = meta.Find(fqn, chunk.offsets);
   if (item == meta.items.end() || item->second.kind != DcpItem::Kind::kTensor ||

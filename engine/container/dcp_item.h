@@ -28,7 +28,7 @@ Result<Value> ReadDcpItem(std::shared_ptr<const MappedFile> file, const DcpStora
 // the item's dtype and the chunk's sizes (InvalidInput, naming the file and
 // window, when the archive holds anything else).
 Result<Value> ReadDcpChunk(std::shared_ptr<const MappedFile> file, const DcpMetadata& meta,
-                           const std::string& fqn, const DcpChunk& chunk);
+                           const std::string& fqn, const Box& chunk);
 
 // Reads every record of every item `meta` stores in `file` (the file of the
 // checkpoint folder named `name`) and refuses the first whose bytes do not

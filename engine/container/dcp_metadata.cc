@@ -55,7 +55,7 @@ std::string Dims(const std::vector<int64_t>& dims) {
 
 }  // namespace
 
-bool DcpChunkInside(const std::vector<int64_t>& size, const DcpChunk& chunk) {
+bool DcpChunkInside(const std::vector<int64_t>& size, const Box& chunk) {
   bool inside = chunk.offsets.size() == size.size() && chunk.sizes.size() == size.size();
   for (size_t d = 0; inside && d < size.size(); ++d) {
     inside = chunk.offsets[d] >= 0 && chunk.sizes[d] >= 0 && chunk.sizes[d] <= size[d] - chunk.offsets[d];
@@ -66,11 +66,8 @@ bool DcpChunkInside(const std::vector<int64_t>& size, const DcpChunk& chunk) {
 // Overlaps are found by a sweep along the first axis.
 std::string DcpTilingProblem(const std::string& fqn, const DcpItem& item) {
   int64_t covered = 0;
-  std::vector<Box> boxes;
-  for (const DcpChunk& c : item.chunks) {
-    boxes.push_back(Box{c.offsets, c.sizes});
-    covered += boxes.back().numel();
-  }
+  std::vector<Box> boxes = item.chunks;
+  for (const Box& c : boxes) covered += c.numel();
   std::sort(boxes.begin(), boxes.end(), [](const Box& a, const Box& b) { return a.offsets < b.offsets; });
   for (size_t i = 0; i < boxes.size(); ++i) {
     for (size_t j = i + 1; j < boxes.size(); ++j) {
@@ -154,7 +151,7 @@ class MetadataParser {
     if (chunks == nullptr || !chunks->is(Value::Kind::kList))
       return Bad("tensor '" + fqn + "' has no list of chunks");
     for (const Value& c : chunks->as_list().items) {
-      DcpChunk chunk;
+      Box chunk;
       const Value* offsets = IsObjectOf(c, "ChunkStorageMetadata") ? Find(c, "offsets") : nullptr;
       const Value* sizes = IsObjectOf(c, "ChunkStorageMetadata") ? Find(c, "sizes") : nullptr;
       if (offsets == nullptr || sizes == nullptr || !ReadIntSequence(*offsets, &chunk.offsets) ||
@@ -194,7 +191,7 @@ class MetadataParser {
   }
 
   Status CheckChunk(const std::string& fqn, const std::vector<int64_t>& size,
-                    const DcpChunk& chunk) const {
+                    const Box& chunk) const {
     if (DcpChunkInside(size, chunk)) return Status::Ok();
     return Bad("tensor '" + fqn + "' of size " + Dims(size) + " has a chunk at " +
                Dims(chunk.offsets) + " of size " + Dims(chunk.sizes) + " outside it");
@@ -264,7 +261,7 @@ class MetadataParser {
     for (const auto& [fqn, item] : meta_.items) {
       if (item.kind == DcpItem::Kind::kBytes && meta_.Find(fqn, {}) == nullptr)
         return Bad("has no storage entry for the bytes item '" + fqn + "'");
-      for (const DcpChunk& chunk : item.chunks) {
+      for (const Box& chunk : item.chunks) {
         if (meta_.Find(fqn, chunk.offsets) == nullptr)
           return Bad("has no storage entry for the chunk of '" + fqn + "' at " + Dims(chunk.offsets));
       }

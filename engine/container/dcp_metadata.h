@@ -23,14 +23,9 @@
 #include "pickle/dtype.h"
 #include "pickle/pickle_reader.h"
 #include "reshard/status.h"
+#include "util/box.h"
 
 namespace reshard {
-
-// A box of a tensor: its first element's index and its extent, per dimension.
-struct DcpChunk {
-  std::vector<int64_t> offsets;
-  std::vector<int64_t> sizes;
-};
 
 struct DcpItem {
   enum class Kind { kTensor, kBytes };
@@ -38,7 +33,7 @@ struct DcpItem {
   // Tensors only.
   DType dtype = DType::kFloat32;
   std::vector<int64_t> size;  // the global shape
-  std::vector<DcpChunk> chunks;
+  std::vector<Box> chunks;
 };
 
 // An entry of the storage index: an item's key and, for a tensor, the
@@ -73,7 +68,7 @@ struct DcpMetadata {
 };
 
 // True when `chunk` is a box of a tensor of `size`: of its rank, inside it.
-bool DcpChunkInside(const std::vector<int64_t>& size, const DcpChunk& chunk);
+bool DcpChunkInside(const std::vector<int64_t>& size, const Box& chunk);
 
 // Empty when the chunks of the tensor `item` tile it, as torch writes every
 // element exactly once (replicas are saved by one rank): none overlaps

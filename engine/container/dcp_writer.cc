@@ -174,7 +174,7 @@ Result<std::string> ItemPickle(const DcpWriteItem& item) {
 
 }  // namespace
 
-DcpWriteItem DcpTensorItem(std::string fqn, DType dtype, std::vector<int64_t> size, DcpChunk chunk,
+DcpWriteItem DcpTensorItem(std::string fqn, DType dtype, std::vector<int64_t> size, Box chunk,
                            ByteProducer produce) {
   DcpWriteItem item;
   item.fqn = std::move(fqn);
@@ -301,7 +301,7 @@ Value TensorProperties(DType dtype) {
 
 Value TensorStorageMetadata(const DcpItem& item) {
   std::vector<Value> chunks;
-  for (const DcpChunk& c : item.chunks) {
+  for (const Box& c : item.chunks) {
     chunks.push_back(Built(kMetadataModule, "ChunkStorageMetadata",
                            StringDict({{"offsets", MakeTorchSize(c.offsets)}, {"sizes", MakeTorchSize(c.sizes)}})));
   }

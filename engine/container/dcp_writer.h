@@ -49,7 +49,7 @@ struct DcpWriteItem {
   // this item holds, and the box's bytes, row-major.
   DType dtype = DType::kFloat32;
   std::vector<int64_t> size;
-  DcpChunk chunk;
+  Box chunk;
   ByteProducer produce;
   // A bytes item: a plain object (no tensors).
   Value object;
@@ -64,7 +64,7 @@ struct DcpWriteItem {
   std::string from;
 };
 
-DcpWriteItem DcpTensorItem(std::string fqn, DType dtype, std::vector<int64_t> size, DcpChunk chunk,
+DcpWriteItem DcpTensorItem(std::string fqn, DType dtype, std::vector<int64_t> size, Box chunk,
                            ByteProducer produce);
 DcpWriteItem DcpBytesItem(std::string fqn, Value object);
 

@@ -46,7 +46,7 @@ DcpTensors TensorsOf(const DcpContent& content) {
       return Status::Internal(fqn + " is read through its runs, not its placeholder tensor");
     };
     out.tensors[t.fqn] = ImportedTensor{MakeProducedTensor(t.dtype, t.size, unread), SliceRuns(t, -1)};
-    for (const DcpChunk& chunk : content.meta.items.at(t.fqn).chunks) out.chunk_offsets[t.fqn].push_back(chunk.offsets);
+    for (const Box& chunk : content.meta.items.at(t.fqn).chunks) out.chunk_offsets[t.fqn].push_back(chunk.offsets);
   }
   out.writing_ranks = WritingRanks(content.folder);
   return out;

@@ -29,7 +29,7 @@ class ContentReader {
         continue;
       }
       DcpTensor t{fqn, item.dtype, item.size, {}};
-      for (const DcpChunk& chunk : item.chunks) {
+      for (const Box& chunk : item.chunks) {
         RESHARD_ASSIGN_OR_RETURN(SourceShard shard, ReadChunk(fqn, chunk));
         t.shards.push_back(std::move(shard));
       }
@@ -39,12 +39,12 @@ class ContentReader {
   }
 
  private:
-  Result<SourceShard> ReadChunk(const std::string& fqn, const DcpChunk& chunk) {
+  Result<SourceShard> ReadChunk(const std::string& fqn, const Box& chunk) {
     const DcpStorage& where = *c_.meta.Find(fqn, chunk.offsets);  // ReadDcpMetadata checked it is there
     RESHARD_ASSIGN_OR_RETURN(std::shared_ptr<const MappedFile> file, File(where.relative_path));
     RESHARD_ASSIGN_OR_RETURN(Value tensor, ReadDcpChunk(file, c_.meta, fqn, chunk));
     SourceShard shard = SourceShard::Of(tensor.as_tensor(), ShardCoords{});
-    shard.placements = {Placement{Box{chunk.offsets, chunk.sizes}, std::vector<int64_t>(chunk.sizes.size(), 0)}};
+    shard.placements = {Placement{chunk, std::vector<int64_t>(chunk.sizes.size(), 0)}};
     return shard;
   }
 

@@ -150,7 +150,7 @@ class Writer {
     const ByteProducer bytes = t.bytes(sources);
     for (int d = 0; d < mesh_.dp_shard; ++d) {
       for (int tp_rank = 0; tp_rank < mesh_.tp; ++tp_rank) {
-        std::optional<DcpChunk> box = BoxOf(t, d, tp_rank);
+        std::optional<Box> box = BoxOf(t, d, tp_rank);
         if (!box) continue;
         ByteProducer part = BoxBytes(t, bytes, *box, tp_rank);
         DcpWriteItem item = DcpTensorItem(t.key, t.dtype, t.shape, std::move(*box), std::move(part));
@@ -173,10 +173,10 @@ class Writer {
   // tensor's _StridedShard(0)). Nothing for a rank without rows, and for a
   // TP replica but the first: it is written once, by the lowest rank, as
   // torch's planner may place it (dedup_save_to_lowest_rank).
-  std::optional<DcpChunk> BoxOf(const KeyedTensor& t, int d, int tp_rank) const {
+  std::optional<Box> BoxOf(const KeyedTensor& t, int d, int tp_rank) const {
     if (t.tp_dim < 0 && tp_rank > 0) return std::nullopt;
-    DcpChunk box{std::vector<int64_t>(t.shape.size(), 0), t.shape};
-    if (t.shape.empty()) return d == 0 ? std::optional<DcpChunk>(box) : std::nullopt;
+    Box box{std::vector<int64_t>(t.shape.size(), 0), t.shape};
+    if (t.shape.empty()) return d == 0 ? std::optional<Box>(box) : std::nullopt;
     if (t.tp_dim >= 0) {
       const Share share = ChunkShare(t.shape[t.tp_dim], mesh_.tp, tp_rank);
       box.offsets[t.tp_dim] = share.first;
@@ -192,7 +192,7 @@ class Writer {
   // The bytes of `box` of `t` (whole: `bytes`): a run of whole rows, or for
   // a TP Shard(1) box the TP rank's columns of each of its rows, one of the
   // tp equal pieces each row is (CheckTpCut).
-  ByteProducer BoxBytes(const KeyedTensor& t, const ByteProducer& bytes, const DcpChunk& box, int tp_rank) const {
+  ByteProducer BoxBytes(const KeyedTensor& t, const ByteProducer& bytes, const Box& box, int tp_rank) const {
     if (t.shape.empty()) return bytes;
     const int64_t row_bytes = ShapeNumel(t.shape) / t.shape[0] * ElementSize(t.dtype);
     if (t.tp_dim != 1 || mesh_.tp == 1) return BytesFrom(bytes, box.offsets[0] * row_bytes);
@@ -453,7 +453,7 @@ Status AddOptimizer(const SourceCheckpoint& src, const HfExport& hf, const std::
                            MapHfTensors(hf, params, inputs, out->scratch, &out->scratch_bytes));
   for (const StateDictTensor& t : hf_tensors) {
     const std::string key = writer->KeyOf(t.name);
-    DcpWriteItem item = DcpTensorItem(kTorchtitanStatePrefix + key + ".step", DType::kFloat32, {}, DcpChunk{}, FloatBytes(step));
+    DcpWriteItem item = DcpTensorItem(kTorchtitanStatePrefix + key + ".step", DType::kFloat32, {}, Box{}, FloatBytes(step));
     item.from = "the source's optimizer step";
     writer->AddToRankZero(std::move(item));
     RESHARD_ASSIGN_OR_RETURN(Items fields, AdamwGroup(groups, CanonicalOf(hf, t.name), &defaulted));

@@ -53,7 +53,7 @@ TEST(DcpMetadataTest, ReadsEveryRealMetadataFile) {
       }
       // The chunks written tile the tensor (a replica is written once).
       int64_t covered = 0;
-      for (const DcpChunk& c : item.chunks) covered += Volume(c.sizes);
+      for (const Box& c : item.chunks) covered += Volume(c.sizes);
       EXPECT_EQ(covered, Volume(item.size)) << fqn;
       stored += item.chunks.size();
     }
@@ -157,7 +157,7 @@ void ExpectChunksMatch(const fs::path& folder, const Value& tensors) {
     if (item.kind != DcpItem::Kind::kTensor) continue;
     const Value* whole = Find(tensors, fqn);
     ASSERT_NE(whole, nullptr) << fqn;
-    for (const DcpChunk& c : item.chunks) {
+    for (const Box& c : item.chunks) {
       Result<std::shared_ptr<const MappedFile>> file =
           MappedFile::Open((folder / meta->Find(fqn, c.offsets)->relative_path).string());
       ASSERT_TRUE(file.ok()) << file.status().message();
@@ -215,7 +215,7 @@ const std::string kMeta = "torch.distributed.checkpoint.metadata.";
 // is false, and the dtype `dtype` (a torch global's name).
 // A `.metadata` of one float tensor `w` of `size` cut into `chunks`, each
 // stored (when `stored`) in `file`.
-Value OneTensorMetadata(std::vector<int64_t> size, std::vector<DcpChunk> chunks, bool stored,
+Value OneTensorMetadata(std::vector<int64_t> size, std::vector<Box> chunks, bool stored,
                         const std::string& dtype = "float32", const std::string& file = "__0_0.distcp") {
   Value props = Record(kMeta + "TensorProperties", {});
   props.as_object().state = std::make_shared<Value>(Value::MakeTuple(
@@ -223,7 +223,7 @@ Value OneTensorMetadata(std::vector<int64_t> size, std::vector<DcpChunk> chunks,
   std::vector<Value> listed;
   Items storage;
   for (size_t i = 0; i < chunks.size(); ++i) {
-    const DcpChunk& chunk = chunks[i];
+    const Box& chunk = chunks[i];
     listed.push_back(Record(kMeta + "ChunkStorageMetadata", {{Value::String("offsets"), MakeTorchSize(chunk.offsets)},
                                                              {Value::String("sizes"), MakeTorchSize(chunk.sizes)}}));
     if (!stored) continue;

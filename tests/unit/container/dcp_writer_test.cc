@@ -21,7 +21,7 @@ namespace {
 namespace fs = std::filesystem;
 
 // A tensor item of the pattern PatternProducer makes (scale 1, shift `shift`).
-DcpWriteItem Chunk(const std::string& fqn, DType dtype, std::vector<int64_t> size, DcpChunk chunk,
+DcpWriteItem Chunk(const std::string& fqn, DType dtype, std::vector<int64_t> size, Box chunk,
                    double shift = 0) {
   ByteProducer produce = PatternProducer(dtype, size, Box{chunk.offsets, chunk.sizes}, 1, shift);
   return DcpTensorItem(fqn, dtype, std::move(size), std::move(chunk), std::move(produce));

@@ -144,7 +144,7 @@ TEST(PlanWriterTest, WritesEveryContainerAsPlanned) {
 }
 
 // A tensor chunk whose element i of the whole tensor is i * scale + shift.
-DcpWriteItem Pattern(const std::string& fqn, DType dtype, std::vector<int64_t> size, DcpChunk chunk, double scale,
+DcpWriteItem Pattern(const std::string& fqn, DType dtype, std::vector<int64_t> size, Box chunk, double scale,
                      double shift) {
   ByteProducer produce = PatternProducer(dtype, size, Box{chunk.offsets, chunk.sizes}, scale, shift);
   return DcpTensorItem(fqn, dtype, std::move(size), std::move(chunk), std::move(produce));

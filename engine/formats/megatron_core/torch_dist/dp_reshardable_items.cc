@@ -84,7 +84,7 @@ Result<std::vector<std::vector<DcpWriteItem>>> DpReshardableItems(int group, con
                                                   static_cast<int>(k), kTorchDistStates[s]);
         const ByteProducer flat = BucketBytes(layout, static_cast<int>(k), buffers[b], s);
         for (const auto& [offset, size] : MegatronBucketChunks(layout, static_cast<int>(k), dp)) {
-          DcpWriteItem item = DcpTensorItem(key, DType::kFloat32, {bucket.numel_unpadded}, DcpChunk{{offset}, {size}},
+          DcpWriteItem item = DcpTensorItem(key, DType::kFloat32, {bucket.numel_unpadded}, Box{{offset}, {size}},
                                             BytesFrom(flat, offset * kFp32Bytes));
           item.from = ChunkFrom(layout, static_cast<int>(k), buffers[b], s, offset, size);
           items[offset / share].push_back(std::move(item));

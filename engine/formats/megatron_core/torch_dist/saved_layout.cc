@@ -14,7 +14,7 @@ int TpOfChunks(const DcpMetadata& meta, const std::map<std::string, TpSplit>& tp
     auto it = meta.items.find(key);
     if (it == meta.items.end()) continue;
     std::set<int64_t> offsets;
-    for (const DcpChunk& chunk : it->second.chunks) {
+    for (const Box& chunk : it->second.chunks) {
       if (split.dim >= static_cast<int>(chunk.offsets.size())) return 0;
       offsets.insert(chunk.offsets[split.dim]);
     }
@@ -33,7 +33,7 @@ bool OneRankWroteEveryLayer(const DcpMetadata& meta, const SavedKeys& keys) {
   for (const std::string& key : keys.stacked) {
     auto it = meta.items.find(key);
     if (it == meta.items.end()) continue;
-    for (const DcpChunk& chunk : it->second.chunks) {
+    for (const Box& chunk : it->second.chunks) {
       const DcpStorage* where = meta.Find(key, chunk.offsets);
       const int64_t rank = where == nullptr ? -1 : RankOfDataFile(where->relative_path);
       if (rank < 0 || chunk.offsets.empty()) return false;

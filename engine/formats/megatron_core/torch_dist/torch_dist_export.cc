@@ -71,7 +71,7 @@ std::vector<int64_t> StackedSize(const KeyOf& key, int blocks, std::vector<int64
   return size;
 }
 
-DcpChunk StackedChunk(const KeyOf& key, DcpChunk chunk) {
+Box StackedChunk(const KeyOf& key, Box chunk) {
   if (key.block >= 0) {
     chunk.offsets.insert(chunk.offsets.begin(), key.block);
     chunk.sizes.insert(chunk.sizes.begin(), 1);
@@ -89,7 +89,7 @@ std::vector<int64_t> GlobalShape(const RankTensor& r, int tp) {
 // One box of a rank tensor in the canonical tensor, and where its bytes
 // start in the rank tensor's.
 struct RankBox {
-  DcpChunk chunk;
+  Box chunk;
   int64_t byte_offset = 0;
 };
 
@@ -107,7 +107,7 @@ Result<std::vector<RankBox>> RankBoxes(const RankTensor& r, int t, int tp, DType
   const int64_t row_bytes = rows == 0 ? 0 : ShapeNumel(r.shape) / rows * ElementSize(dtype);
   std::vector<RankBox> boxes;
   for (const Placement& p : place.placements) {
-    boxes.push_back({DcpChunk{p.global.offsets, p.global.sizes}, p.local.empty() ? 0 : p.local[0] * row_bytes});
+    boxes.push_back({p.global, p.local.empty() ? 0 : p.local[0] * row_bytes});
   }
   return boxes;
 }
@@ -220,7 +220,7 @@ Status AddOptimizerItems(const RuleSet& rules, const std::vector<FullTensor>& st
     }
     ByteProducer bytes = t.vocab ? WithRows(t, shape[0]) : t.produce;
     if (t.dtype != DType::kFloat32) bytes = CastBytes(std::move(bytes), t.dtype, DType::kFloat32);
-    const DcpChunk chunk = StackedChunk(key, {std::vector<int64_t>(shape.size(), 0), shape});
+    const Box chunk = StackedChunk(key, Box::Whole(shape));
     DcpWriteItem item = DcpTensorItem("optimizer.state." + state + "." + key.key, DType::kFloat32,
                                       StackedSize(key, target.blocks, shape), chunk, std::move(bytes));
     item.from = t.Label();
@@ -372,9 +372,9 @@ Status AddModelSpaceItems(const SourceCheckpoint& src, const TpWeights& weights,
         // Megatron-Core 0.14 names the fp32 master `fp32_param`.
         const std::string fqn = std::string("optimizer.state.") + (s == 0 ? "fp32_param" : kTorchDistStates[s]) + "." + key.key;
         for (const RankBox& box : boxes) {
-          const DcpChunk piece = StackedChunk(key, box.chunk);
+          const Box piece = StackedChunk(key, box.chunk);
           RESHARD_ASSIGN_OR_RETURN(NdReformulation reform, NdReformulationOf(global, piece.sizes, fqn));
-          DcpChunk row{reform.FragmentIndex(Box{piece.offsets, piece.sizes}), std::vector<int64_t>(global.size(), 1)};
+          Box row{reform.FragmentIndex(piece), std::vector<int64_t>(global.size(), 1)};
           row.offsets.push_back(0);
           row.sizes.push_back(reform.fragment_numel());
           DcpWriteItem item = DcpTensorItem(fqn, DType::kFloat32, reform.saved_shape(), std::move(row),

@@ -91,7 +91,7 @@ class Folder {
     const DcpItem& item = meta_.items.at(fqn);
     Whole w{item.size, {}, ElementSize(item.dtype)};
     w.bytes.resize(Volume(item.size) * w.esize);
-    for (const DcpChunk& c : item.chunks) {
+    for (const Box& c : item.chunks) {
       RESHARD_ASSIGN_OR_RETURN(std::shared_ptr<const MappedFile> file,
                                File(meta_.Find(fqn, c.offsets)->relative_path));
       RESHARD_ASSIGN_OR_RETURN(Value chunk, ReadDcpChunk(file, meta_, fqn, c));
@@ -110,7 +110,7 @@ class Folder {
     return files_[name] = f;
   }
 
-  static void CopyBox(const uint8_t* src, const DcpChunk& c, Whole* w) {
+  static void CopyBox(const uint8_t* src, const Box& c, Whole* w) {
     std::vector<int64_t> index(c.sizes.size(), 0);
     for (int64_t i = 0; i < Volume(c.sizes); ++i) {
       int64_t at = 0;
@@ -142,7 +142,7 @@ Result<Piece> PieceOf(const std::string& key, const DcpItem& item, int first_axi
   Piece piece;
   for (int d = first_axis; d < static_cast<int>(item.size.size()); ++d) {
     std::set<std::pair<int64_t, int64_t>> ranges;
-    for (const DcpChunk& c : item.chunks) ranges.insert({c.offsets[d], c.sizes[d]});
+    for (const Box& c : item.chunks) ranges.insert({c.offsets[d], c.sizes[d]});
     if (ranges.size() == 1) continue;
     if (piece.axis >= 0 || ranges.size() % tp != 0) {
       return Status::InvalidInput(key + ": chunks are no TP " + std::to_string(tp) + " cut");
@@ -336,7 +336,7 @@ void CheckBuffer(Folder& dp, Folder& twin, const SaveLayout& s, int group, int g
       const std::string key = MegatronBucketKey(group, gbuf, params[0]->dtype, grad, b, state);
       ASSERT_TRUE(dp.Has(key)) << key;
       std::vector<std::pair<int64_t, int64_t>> chunks;
-      for (const DcpChunk& c : dp.meta().items.at(key).chunks)
+      for (const Box& c : dp.meta().items.at(key).chunks)
         chunks.push_back({c.offsets[0], c.sizes[0]});
       std::sort(chunks.begin(), chunks.end());
       EXPECT_EQ(chunks, MegatronBucketChunks(*layout, b, s.dp)) << key;
