@@ -34,13 +34,11 @@ Result<std::unique_ptr<SourceCheckpoint>> SavedWhole(Result<std::unique_ptr<Sour
   return opened;
 }
 
-// A Megatron-Core torch_dist folder is read as the pipeline model its
-// family's rules describe; any other DCP folder, or one no built-in rule set
-// reads, as what it is.
 // Every tensor of `content` whole, as runs of its chunks, and its objects.
 DcpTensors TensorsOf(const DcpContent& content) {
   DcpTensors out{content.folder, content.Paths(), {}, content.bytes_items,
-                 [&content](const std::string& key) { return content.ReadBytes(key); }};
+                 [&content](const std::string& key) { return content.ReadBytes(key); }, {},
+                 WritingRanks(content.folder)};
   for (const DcpTensor& t : content.tensors) {
     auto unread = [fqn = t.fqn](int64_t, int64_t, uint8_t*) {
       return Status::Internal(fqn + " is read through its runs, not its placeholder tensor");
@@ -48,7 +46,6 @@ DcpTensors TensorsOf(const DcpContent& content) {
     out.tensors[t.fqn] = ImportedTensor{MakeProducedTensor(t.dtype, t.size, unread), SliceRuns(t, -1)};
     for (const Box& chunk : content.meta.items.at(t.fqn).chunks) out.chunk_offsets[t.fqn].push_back(chunk.offsets);
   }
-  out.writing_ranks = WritingRanks(content.folder);
   return out;
 }
 
@@ -62,16 +59,19 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenTorchtitan(DcpContent content, con
     if (!options.rules.empty()) return imported.status();
     return Named("dcp", OpenDcpCheckpoint(std::move(content), imported.status().message()));
   }
-  const int tp = imported->tp, pp = imported->pp;
+  const int tp = imported->tp, pp = imported->pp, dp = imported->dp;
   return Named("torchtitan",
                MakeImportedSource({std::move(imported->logical), content.folder, std::move(imported->what),
                                    std::move(imported->files), std::move(imported->notes),
                                    std::move(imported->optimizer), imported->optimizer_status, "",
                                    std::move(imported->facts)},
                                   options),
-               tp, pp);
+               tp, pp, dp);
 }
 
+// A Megatron-Core torch_dist folder is read as the pipeline model its
+// family's rules describe; any other DCP folder, or one no built-in rule set
+// reads, as what it is.
 Result<std::unique_ptr<SourceCheckpoint>> OpenDcp(const std::string& folder, const CommonOptions& options) {
   RESHARD_ASSIGN_OR_RETURN(DcpContent content, ReadDcpContent(folder));
   if (options.rules == kNoRules) return Named("dcp", OpenDcpCheckpoint(std::move(content), ""));

@@ -234,9 +234,9 @@ Result<OutputPlan> PlanOtherFormat(const SourceCheckpoint& src, const ConvertOpt
                                                     {"--pp", target.pp ? options.target_pp : -1},
                                                     {"--dp", target.dp ? options.target_dp : -1}});
   for (const FormatOptionInfo& o : target.options) {
-    if (!o.layout || !src.info().saved_whole || options.format_options.count(o.name)) continue;
-    exporting.format_options[o.name] = "1";
-    whole.push_back("--" + o.name);
+    if (!o.layout || options.format_options.count(o.name) || src.info().dp < 1) continue;
+    exporting.format_options[o.name] = std::to_string(src.info().dp);  // the source's DP size
+    if (src.info().saved_whole) whole.push_back("--" + o.name);
   }
   NoteWholeSizes(src, to, whole, notes);
   if (!options.dry_run) RESHARD_RETURN_IF_ERROR(src.CheckReplicas(options.replicated, notes));

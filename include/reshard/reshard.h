@@ -167,8 +167,9 @@ struct FormatOptionInfo {
   std::vector<std::string> choices = {};  // the values it takes; empty = any
   bool bytes = false;                     // kCount: a size in bytes ("5GB" on the command line)
   std::string default_value = "";         // what the format uses when it is not given ("" = nothing)
-  // kCount: a size of the target's parallel layout (torchtitan's dp-shard),
-  // which convert takes as 1 for a source saved whole, saying so.
+  // kCount: the target's data-parallel size under its own name (torchtitan's
+  // dp-shard), which convert keeps from the source's DP size where it records
+  // one (1 for a source saved whole, saying so).
   bool layout = false;
 };
 

@@ -58,7 +58,8 @@ class DryRunSourcesTest(FixtureTestCase):
     def test_megatron_core_to_torchtitan_and_hf(self):
         args = [os.path.join(DATA, '0.19', 'w2_tp2_swiglu_optim_fully_reshardable')] + sizes(config_of('0.19/w2_tp2_swiglu'))
         titan = self.dry_run(*args, '--to', 'torchtitan', '--dp-shard', '2')
-        self.assertIn('heads interleaved', titan['layers.0.attention.wq.weight[0:8, 0:16]'])
+        wq = [source for key, source in titan.items() if key.startswith('layers.0.attention.wq.weight')]
+        self.assertTrue(wq and all(source.endswith(', heads interleaved') for source in wq), wq)
         self.dry_run(*args, '--to', 'hf', '--set', 'max_position_embeddings=32', '--set', 'layernorm_epsilon=1e-5')
 
     def test_moe_expert_and_tensor_parallel_changes(self):

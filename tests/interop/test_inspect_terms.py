@@ -126,13 +126,16 @@ class InspectTermsTest(FixtureTestCase):
                 dp_shard, tp = mesh.get('dp_shard', 1), mesh.get('tp', 1)
                 self.assertEqual(dp_shard * tp, config['world'])
                 out = self.inspect(os.path.join(TORCHTITAN, name, 'step-1'), *TORCHTITAN_HEADS)
-                self.assertIn(f'format: torchtitan, saved at TP {tp}, PP 1\n', out)
+                self.assertIn(f'format: torchtitan, saved at TP {tp}, PP 1, DP {dp_shard}\n', out)
                 self.assertIn(f"  mesh: dp_shard {dp_shard}, tp {tp} (the chunks; {config['world']} rank", out)
-        out = self.path('tt')
-        p = run('convert', os.path.join(TORCHTITAN, 'fsdp2_tp_w4', 'step-1'), out, '--dp-shard', 3, *TORCHTITAN_HEADS)
-        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
-        self.assertIn('  mesh: dp_shard 3, tp 2 (the chunks; 6 ranks wrote it)\n',
-                      self.inspect(os.path.join(out, 'step-1'), *TORCHTITAN_HEADS))
+        # convert keeps what it is not told: the source's TP and dp_shard.
+        for given, mesh in ((('--dp-shard', 3), 'dp_shard 3, tp 2 (the chunks; 6 ranks'),
+                            ((), 'dp_shard 2, tp 2 (the chunks; 4 ranks')):
+            with self.subTest(given=given):
+                out = self.path('tt' + ''.join(map(str, given)))
+                p = run('convert', os.path.join(TORCHTITAN, 'fsdp2_tp_w4', 'step-1'), out, *given, *TORCHTITAN_HEADS)
+                self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+                self.assertIn('  mesh: ' + mesh, self.inspect(os.path.join(out, 'step-1'), *TORCHTITAN_HEADS))
 
     def test_torchtitan_prints_its_step(self):
         out = self.inspect(os.path.join(TORCHTITAN, 'fsdp2_w2', 'step-1'), *TORCHTITAN_HEADS)

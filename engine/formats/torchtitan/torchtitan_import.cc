@@ -121,6 +121,7 @@ class Reader {
     const SavedMesh mesh = MeshOfChunks();
     out.tp = mesh.tp;
     out.pp = mesh.dp_shard > 0 ? 1 : 0;
+    out.dp = mesh.dp_shard;
     out.facts = Facts(out, recorded_config, mesh);
     out.what = "torchtitan checkpoint (rule set " + rules_.name() + ": " + rules_.hf()->architecture +
                " under torchtitan's keys; " + std::to_string(dcp_.tensors.size()) + " tensors)";

@@ -67,9 +67,9 @@ struct TorchtitanImport {
   Status optimizer_status;  // why the optimizer state is not read (ok when there is none)
   RecordedFacts facts;      // its step, mesh and model config, for inspect
   // The mesh it was saved at, where its chunks show it for certain (0: not
-  // shown): TP, and PP 1 when the data-parallel shards and TP account for
-  // every rank that wrote.
-  int tp = 0, pp = 0;
+  // shown): TP; and the data-parallel shards (dp_shard) with PP 1 when they
+  // and TP account for every rank that wrote.
+  int tp = 0, pp = 0, dp = 0;
 };
 
 // Whether some key of `dcp` is a model key of a torchtitan section (the
