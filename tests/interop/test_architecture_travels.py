@@ -13,8 +13,9 @@ Checked:
   difference;
 * a bf16 Megatron-DeepSpeed run -> torchtitan -> hf;
 * a layout size the source does not record: a source saved whole (an HF folder) is written at 1,
-  with one note naming the options; a source whose layout is merely unrecorded (a torch_dist
-  save converted to torchtitan) still refuses, naming the flag.
+  with one note naming the options; a size its chunks show is kept (a torch_dist TP 2 save to
+  torchtitan: TP 2, its DP size 1 as dp_shard); a size neither records nor shows (the PP of a
+  torch_dist save whose ranks each wrote one layer) is refused, naming the flag.
 
 Run: /usr/bin/python3 tests/interop/test_architecture_travels.py --reshard build/reshard
 """
@@ -107,10 +108,17 @@ class ArchitectureTravelsTest(FixtureTestCase):
         self.step(hf, 'torchtitan', '--dp-shard', 2, '--tp', 1)
         self.assertNotIn('saved whole', self.notes)
 
+    def test_a_layout_the_chunks_show_is_kept(self):
+        step = self.step(TORCH_DIST, 'torchtitan', *TORCH_DIST_VALUES)
+        self.assertNotIn('saved whole', self.notes)
+        p = run('inspect', step, '--set', 'num_attention_heads=4')
+        self.assertIn('  mesh: dp_shard 1, tp 2 (the chunks; 2 ranks wrote it)\n', p.stdout)
+
     def test_a_source_whose_layout_is_unrecorded_still_refuses(self):
-        out = self.path('tt')
-        p = run('convert', TORCH_DIST, out, '--to', 'torchtitan', *TORCH_DIST_VALUES)
-        self.assertRefused(p, 'needs --dp-shard N', out)
+        out = self.path('pp')
+        p = run('convert', os.path.join(DATA, '0.19', 'w2_pp2'), out, '--set', 'num_attention_heads=4',
+                '--set', 'num_key_value_heads=2', '--set', 'make_vocab_size_divisible_by=16', '--vocab-size', 64)
+        self.assertRefused(p, 'needs the target layout: --tp N and --pp N', out)
 
 
 if __name__ == '__main__':
