@@ -16,10 +16,9 @@ Local tool, not run in CI.  For several (source -> target) layouts it
      except ``partition_count`` which is the DP degree.
 
 Nothing of DeepSpeed is installed or committed.  Make a source tree from the fetched bare git
-directory (the ``fetch`` tool gives /work/.mirror/deepspeedai+DeepSpeed/repo):
+directory of deepspeedai/DeepSpeed (GIT_DIR below), into a folder of your choosing (SRC):
 
-    mkdir -p /tmp/ds-src && git --git-dir=/work/.mirror/deepspeedai+DeepSpeed/repo \
-        archive HEAD deepspeed | tar -x -C /tmp/ds-src
+    mkdir -p SRC && git --git-dir=GIT_DIR archive HEAD deepspeed | tar -x -C SRC
 
 DeepSpeed's checkpoint package needs no GPU; this script imports it without running
 ``deepspeed/__init__.py`` (which wants accelerators and compiled ops): the fixture's pickle shims
@@ -47,8 +46,8 @@ tools/ds_universal_load_check.py (runs DeepSpeed's universal *loading* code on r
 Usage (PYTHONPATH must reach the repository's tests/ folder):
 
     PYTHONPATH=tests /usr/bin/python3 tools/ds_crosscheck.py --reshard build/reshard \
-        --deepspeed-src /tmp/ds-src [--case NAME ...] [--keep DIR] [-v]
-    PYTHONPATH=tests /usr/bin/python3 tools/ds_crosscheck.py --self-test --deepspeed-src /tmp/ds-src
+        --deepspeed-src SRC [--case NAME ...] [--keep DIR] [-v]
+    PYTHONPATH=tests /usr/bin/python3 tools/ds_crosscheck.py --self-test --deepspeed-src SRC
         (B is written by the fixture generator at the target layout instead: checks the harness)
 
 Exit status 0 when every comparison agreed (cases DeepSpeed cannot convert even from the source

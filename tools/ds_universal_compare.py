@@ -24,7 +24,7 @@ shares the source writer and the DeepSpeed import with this tool).
 Usage (PYTHONPATH must reach the repository's tests/ folder):
 
     PYTHONPATH=tests /usr/bin/python3 tools/ds_universal_compare.py --reshard build/reshard \
-        [--case nonpipe_zero2_bf16_dp2 ...] [--deepspeed-src /tmp/ds-src] [--keep DIR]
+        [--case nonpipe_zero2_bf16_dp2 ...] [--deepspeed-src SRC] [--keep DIR]
     PYTHONPATH=tests /usr/bin/python3 tools/ds_universal_compare.py --pair DS_ROOT OTHER_ROOT
 
 Every difference is printed, one line each, grouped by file; exit status 0 when there are none

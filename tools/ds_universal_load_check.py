@@ -32,7 +32,7 @@ then cuts them on the wrong dimension at TP > 1; reshard writes ``cat_dim 1`` fr
 Usage (PYTHONPATH must reach the repository's tests/ folder):
 
     PYTHONPATH=tests /usr/bin/python3 tools/ds_universal_load_check.py --reshard build/reshard \
-        --deepspeed-src /tmp/ds-src [--source NAME ...] [--no-data] [-v]
+        --deepspeed-src SRC [--source NAME ...] [--no-data] [-v]
 
 Exit status 0 when every slice loaded from reshard's output (and from the committed data, whose
 sources are TP 2 or TP 1 with ZeRO-1 at target TP 1/2) is right; ds_to_universal rows are

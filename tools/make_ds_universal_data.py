@@ -24,7 +24,7 @@ tools/ds_crosscheck.py says, and pass the commit it was archived from (``git --g
 rev-parse HEAD``), which is recorded in case.json:
 
     PYTHONPATH=tests /usr/bin/python3 tools/make_ds_universal_data.py \
-        --deepspeed-src /tmp/ds-src --deepspeed-commit SHA [--out tests/data/ds_universal] [--case NAME ...]
+        --deepspeed-src SRC --deepspeed-commit SHA [--out tests/data/ds_universal] [--case NAME ...]
     ... --check     regenerate into a temporary folder and compare byte for byte with OUT
                     (exit 1 on any difference); writes nothing
 """

@@ -43,7 +43,7 @@ universal checkpoint another case exported.
 
 Re-recording
 ------------
-  cd /work/main && PYTHONPATH=tests /usr/bin/python3 tests/interop/test_golden_outputs.py \\
+  PYTHONPATH=tests /usr/bin/python3 tests/interop/test_golden_outputs.py \\
       --reshard build/reshard --record
 
 `--record` runs every case twice, in two different temporary folders with sources generated
