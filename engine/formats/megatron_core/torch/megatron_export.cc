@@ -8,6 +8,7 @@
 #include "formats/megatron_core/common/megatron_args.h"
 #include "formats/megatron_core/common/megatron_layout.h"
 #include "formats/megatron_core/common/megatron_param_groups.h"
+#include "formats/megatron_core/common/adam_states.h"
 #include "formats/megatron_core/torch/distrib_optim.h"
 #include "formats/state_dict.h"
 #include "logical/logical_checkpoint.h"
@@ -309,14 +310,7 @@ std::function<DType(DType)> GradDType(const std::optional<Value>& args) {
 // masters and Adam's moments, cut for the target TP exactly as the weights.
 Status PlanDistribOptim(const SourceCheckpoint& src, const MegatronExportPlan& plan, const TpWeights& weights,
                         int dp, std::atomic<int64_t>* read, std::vector<std::string>* notes, OutputPlan* out) {
-  std::array<TpWeights, 3> states;
-  const char* source_states[] = {kFp32Master, kTorchDistStates[1], kTorchDistStates[2]};
-  std::vector<std::string> repeated_notes;  // the weights' cut said them already
-  for (size_t s = 0; s < states.size(); ++s) {
-    TpCut cut = plan.cut;
-    cut.state = source_states[s];
-    RESHARD_ASSIGN_OR_RETURN(states[s], src.WeightsForTp(cut, &repeated_notes, read));
-  }
+  RESHARD_ASSIGN_OR_RETURN(const AdamStates states, CutAdamStates(src, plan.cut, read));
   const std::function<DType(DType)> grad_dtype = GradDType(plan.args);
   for (const MegatronFile& f : plan.files) {
     std::vector<RankParamState> params;
@@ -324,12 +318,8 @@ Status PlanDistribOptim(const SourceCheckpoint& src, const MegatronExportPlan& p
       const RankTensor& r = weights.ranks[f.tp_rank][t.source];
       RankParamState p{{Join(t.path, "."), WrittenDType(r, plan.dtype), ShapeNumel(r.shape), IsTiedVocab(r) && plan.pp > 1}, {}};
       for (size_t s = 0; s < states.size(); ++s) {
-        for (const RankTensor& state : states[s].ranks[f.tp_rank]) {
-          if (state.name != r.name) continue;
-          p.states[s] = state.dtype == DType::kFloat32 ? state.produce
-                                                       : CastBytes(state.produce, state.dtype, DType::kFloat32);
-        }
-        if (!p.states[s]) return Status::Internal("no optimizer " + std::string(source_states[s]) + " of " + r.name);
+        RESHARD_ASSIGN_OR_RETURN(Fp32Piece piece, Fp32StateOf(states, f.tp_rank, r.name, s));
+        p.states[s] = std::move(piece.bytes);
       }
       params.push_back(std::move(p));
     }

@@ -11,6 +11,7 @@
 #include <set>
 
 #include "container/dcp_writer.h"
+#include "formats/megatron_core/common/adam_states.h"
 #include "formats/megatron_core/common/megatron_args.h"
 #include "formats/megatron_core/common/megatron_buckets.h"
 #include "formats/megatron_core/common/megatron_layout.h"
@@ -265,41 +266,11 @@ Result<std::map<std::pair<std::string, int64_t>, const RankTensor*>> StageTensor
   return by_key;
 }
 
-// The source's fp32 masters, exp_avg and exp_avg_sq (kTorchDistStates'
-// order), each cut for the target TP exactly as the weights.
-using StateWeights = std::array<TpWeights, 3>;
-Result<StateWeights> CutStates(const SourceCheckpoint& src, const Target& target, std::atomic<int64_t>* read) {
-  StateWeights states;
-  const char* source_states[] = {kFp32Master, "exp_avg", "exp_avg_sq"};
-  std::vector<std::string> repeated_notes;  // the weights' cut said them already
-  for (size_t s = 0; s < states.size(); ++s) {
-    TpCut cut = target.cut;
-    cut.state = source_states[s];
-    RESHARD_ASSIGN_OR_RETURN(states[s], src.WeightsForTp(cut, &repeated_notes, read));
-  }
-  return states;
-}
-
-// TP rank `t`'s piece of state `s` (of CutStates) of the weight `name`, as
-// fp32 bytes, and where they come from.
-struct Fp32Piece {
-  ByteProducer bytes;
-  std::string from;
-};
-Result<Fp32Piece> Fp32StateOf(const TpWeights& state, int t, const std::string& name, size_t s) {
-  for (const RankTensor& r : state.ranks[t]) {
-    if (r.name != name) continue;
-    return Fp32Piece{r.dtype == DType::kFloat32 ? r.produce : CastBytes(r.produce, r.dtype, DType::kFloat32),
-                     r.Label()};
-  }
-  return Status::Internal("no optimizer " + std::string(kTorchDistStates[s]) + " of " + name);
-}
-
 // The stage's parameters of TP rank `t` in registration order, each with
 // its pieces of the states (`states`: the source's fp32 masters, exp_avg
 // and exp_avg_sq cut like `weights`).
 Result<std::vector<DpParam>> StageParams(const RuleSet& rules, const TpWeights& weights,
-                                         const StateWeights& states, int t, int p, const Target& target) {
+                                         const AdamStates& states, int t, int p, const Target& target) {
   RESHARD_ASSIGN_OR_RETURN(auto by_key, StageTensors(rules, weights, t, p, target));
   const TorchDistLayout& layout = *rules.torch_dist();
   std::vector<DpParam> params;
@@ -312,7 +283,7 @@ Result<std::vector<DpParam>> StageParams(const RuleSet& rules, const TpWeights& 
     const RankTensor& r = *it->second;
     DpParam param{reg.key, WrittenDType(r, target.dtype), ShapeNumel(r.shape), IsTiedVocab(r) && target.pp > 1, {}, {}};
     for (size_t s = 0; s < states.size(); ++s) {
-      RESHARD_ASSIGN_OR_RETURN(Fp32Piece piece, Fp32StateOf(states[s], t, r.name, s));
+      RESHARD_ASSIGN_OR_RETURN(Fp32Piece piece, Fp32StateOf(states, t, r.name, s));
       param.states[s] = std::move(piece.bytes);
       param.from[s] = std::move(piece.from);
     }
@@ -333,7 +304,7 @@ Result<std::vector<DpParam>> StageParams(const RuleSet& rules, const TpWeights& 
 Status AddDpReshardableItems(const SourceCheckpoint& src, const TpWeights& weights, const Value& param_groups,
                              const Target& target, std::atomic<int64_t>* read, RankFiles* files) {
   const RuleSet& rules = *src.info().rules;
-  RESHARD_ASSIGN_OR_RETURN(const StateWeights states, CutStates(src, target, read));
+  RESHARD_ASSIGN_OR_RETURN(const AdamStates states, CutAdamStates(src, target.cut, read));
   for (int p = 0; p < target.pp; ++p) {
     // Megatron-Core's DistributedDataParallel cuts buckets on the first stage only.
     const std::optional<int64_t> bucket_size = p == 0 ? target.bucket_size : std::nullopt;
@@ -360,7 +331,7 @@ Status AddDpReshardableItems(const SourceCheckpoint& src, const TpWeights& weigh
 Status AddModelSpaceItems(const SourceCheckpoint& src, const TpWeights& weights, const Target& target,
                           std::atomic<int64_t>* read, RankFiles* files) {
   const RuleSet& rules = *src.info().rules;
-  RESHARD_ASSIGN_OR_RETURN(const StateWeights states, CutStates(src, target, read));
+  RESHARD_ASSIGN_OR_RETURN(const AdamStates states, CutAdamStates(src, target.cut, read));
   for (int t = 0; t < target.cut.tp; ++t) {
     for (const RankTensor& r : weights.ranks[t]) {
       if (t > 0 && r.rule->policy == ParamRule::Policy::kReplicated) continue;  // TP rank 0 writes it
@@ -368,7 +339,7 @@ Status AddModelSpaceItems(const SourceCheckpoint& src, const TpWeights& weights,
       const std::vector<int64_t> global = StackedSize(key, target.blocks, GlobalShape(r, target.cut.tp));
       RESHARD_ASSIGN_OR_RETURN(std::vector<RankBox> boxes, RankBoxes(r, t, target.cut.tp, DType::kFloat32));
       for (size_t s = 0; s < states.size(); ++s) {
-        RESHARD_ASSIGN_OR_RETURN(Fp32Piece state, Fp32StateOf(states[s], t, r.name, s));
+        RESHARD_ASSIGN_OR_RETURN(Fp32Piece state, Fp32StateOf(states, t, r.name, s));
         // Megatron-Core 0.14 names the fp32 master `fp32_param`.
         const std::string fqn = std::string("optimizer.state.") + (s == 0 ? "fp32_param" : kTorchDistStates[s]) + "." + key.key;
         for (const RankBox& box : boxes) {
