@@ -379,9 +379,11 @@ int Run(int argc, char** argv) {
   CLI::App app{
       "reshard: reshape training checkpoints between parallel layouts (TP, PP, DP, EP) and formats "
       "(DeepSpeed / Megatron-DeepSpeed, Megatron-Core torch_dist, Megatron-LM, torchtitan, Hugging Face, "
-      "DeepSpeed universal), driven by declarative rule files.\n"
-      "CHECKPOINT is a checkpoint folder of any of these formats (a DeepSpeed tag folder, a Megatron iter_N, "
-      "a torchtitan step-N, a DCP folder, an HF transformers folder) or a root whose pointer file names one.",
+      "DeepSpeed universal, consolidated state dicts), driven by declarative rule files.\n"
+      "CHECKPOINT (and INPUT) is a checkpoint folder of any format reshard reads: a DeepSpeed tag folder "
+      "(global_stepN), a DeepSpeed universal folder, a Megatron-Core torch_dist or Megatron-LM torch iter_N, "
+      "a torchtitan step-N, any PyTorch DCP folder, a Hugging Face transformers folder, a folder of weights "
+      "without config.json; or a root whose pointer file (latest, latest_checkpointed_iteration.txt) names one.",
       "reshard"};
   app.set_version_flag("--version", VersionText(), "Print the version, the commit built and the build type");
   app.require_subcommand(1);
@@ -418,7 +420,8 @@ int Run(int argc, char** argv) {
   bool no_latest = false;
   CLI::App* convert_cmd = app.add_subcommand(
       "convert", "Write the checkpoint at another layout (TP / PP / DP / EP), in its own format or another (--to)");
-  convert_cmd->add_option("INPUT", ckpt, "Source checkpoint, or an HF transformers folder to import")->required();
+  convert_cmd->add_option("INPUT", ckpt, "Source checkpoint, of any format reshard reads (see reshard --help)")
+      ->required();
   convert_cmd->add_option("OUTPUT", out,
                           "deepspeed: the target tag folder, written exactly here (e.g. out/global_step20); with a "
                           "root INPUT (holding 'latest'), the root to write the tag folder and 'latest' into. "
@@ -450,7 +453,8 @@ int Run(int argc, char** argv) {
 
   reshard::ExportOptions exporting;
   CLI::App* export_cmd = app.add_subcommand("export", "Write the checkpoint in another format: " + TargetsHelp());
-  export_cmd->add_option("INPUT", ckpt, "Source checkpoint")->required();
+  export_cmd->add_option("INPUT", ckpt, "Source checkpoint, of any format reshard reads (see reshard --help)")
+      ->required();
   export_cmd->add_option("OUTPUT", out, "Folder to write: " + OutputsHelp())->required();
   export_cmd->add_option("--to", exporting.to, "Target format: " + Join(TargetNames()))->required();
   AddExportLayout(export_cmd, &exporting);

@@ -13,7 +13,7 @@ and a checkpoint read in place, without writing a converted copy::
 
     ckpt = reshard.open("ckpts/global_step20")
     ckpt.keys()                              # canonical names
-    ckpt.tensor("transformer.final_layernorm.weight")
+    ckpt.tensor("final_layernorm.weight")
     ckpt.state_dict(tp=2, pp=1, tp_rank=0)   # what that rank's layer files hold
     ckpt.optimizer_state(tp=2, pp=1, dp=4, tp_rank=0, dp_rank=3)
 
