@@ -72,7 +72,7 @@ class FaultTest(FixtureTestCase):
         self.old = digest(old)
 
     def killed_run(self, syscall, n, root, overwrite):
-        args = [support.RESHARD, 'convert', self.src, os.path.join(root, 'global_step10'), *map(str, LAYOUT), '-q']
+        args = [support.RESHARD, 'convert', self.src, os.path.join(root, 'global_step10'), *map(str, LAYOUT)]
         if overwrite:
             args.append('--overwrite')
         p = subprocess.run(['strace', '-f', '-qq', '-o', '/dev/null', '-e', f'trace={syscall}',
