@@ -3,6 +3,7 @@
 // Exit status: 0 success; 1 lint found errors or verify found differences;
 // 2 unusable input or arguments (nothing written); 3 I/O or internal errors.
 #include <CLI/CLI.hpp>
+#include <unistd.h>
 
 #include <cstdio>
 #include <iostream>
@@ -10,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "progress_display.h"
 #include "reshard/cluster.h"
 #include "reshard/reshard.h"
 
@@ -101,7 +103,7 @@ void AddWriteOptions(CLI::App* cmd, reshard::WriteOptions* o, bool* quiet) {
                   "Each thread's streaming buffer and write size, e.g. 256KiB (default: up to 1MiB, as "
                   "--max-memory allows)")
       ->transform(CLI::AsSizeValue(false));
-  cmd->add_flag("-q,--quiet", *quiet, "Print only the summary (no progress, no plan)");
+  cmd->add_flag("-q,--quiet", *quiet, "Print only errors and the summary (no progress, plan or notes)");
   AddPreflightOptions(cmd, o);
 }
 
@@ -195,8 +197,29 @@ void PrintFindings(const std::vector<reshard::Finding>& findings) {
   }
 }
 
+// The notes, or with `quiet` only how many there are (nothing is hidden silently).
+void PrintNotes(const std::vector<std::string>& notes, bool quiet) {
+  if (!quiet) {
+    for (const std::string& n : notes) std::cout << "note: " << n << "\n";
+  } else if (!notes.empty()) {
+    std::cout << notes.size() << (notes.size() == 1 ? " note" : " notes") << " not shown (-q)\n";
+  }
+}
+
+// Runs `command` with its progress shown on stderr (unless `quiet`); the
+// progress line is ended before the command's result is printed.
+template <typename Options, typename Command>
+auto WithProgress(Options o, bool quiet, Command command) {
+  ProgressDisplay display(::isatty(STDERR_FILENO) == 1);
+  if (!quiet) o.progress = display.Callback();
+  auto result = command(o);
+  display.Finish();
+  return result;
+}
+
 int RunLint(const std::string& ckpt, const reshard::LintOptions& o) {
-  reshard::Result<reshard::LintReport> r = reshard::Lint(ckpt, o);
+  reshard::Result<reshard::LintReport> r =
+      WithProgress(o, false, [&](const reshard::LintOptions& with) { return reshard::Lint(ckpt, with); });
   if (!r.ok()) return Fail(r.status());
   std::cout << r->summary << "\n";
   for (const std::string& n : r->notes) std::cout << "note: " << n << "\n";
@@ -268,15 +291,13 @@ int RunWriter(const std::string& in, const std::string& out, Options o, bool qui
   if (!cluster.ok()) return Fail(cluster.status());
   o.cluster = cluster->get();
   const bool root = o.cluster->rank() == 0;
-  if (!quiet && root) o.progress = [](const std::string& line) { std::cerr << line << "\n"; };
-  reshard::Result<reshard::ConvertReport> r = run(in, out, o);
+  reshard::Result<reshard::ConvertReport> r =
+      WithProgress(o, quiet || !root, [&](const Options& with) { return run(in, out, with); });
   if (!r.ok()) return Fail(r.status());
   const std::string who =
       o.cluster->size() > 1 ? "rank " + std::to_string(o.cluster->rank()) + ": " : "";
   if (root && o.dry_run && !quiet) std::cout << r->plan;
-  if (root) {
-    for (const std::string& n : r->notes) std::cout << "note: " << n << "\n";
-  }
+  if (root) PrintNotes(r->notes, quiet);
   if (o.dry_run) {
     std::printf("%sdry run: nothing written; would write %lld files, %lld bytes of tensors (%s; "
                 "the checkpoint holds %s); memory about %s (%s); planned in %.2f s\n",
@@ -295,7 +316,8 @@ int RunVerify(const std::string& a, const std::string& b, reshard::VerifyOptions
   if (!cluster.ok()) return Fail(cluster.status());
   o.cluster = cluster->get();
   const bool root = o.cluster->rank() == 0;
-  reshard::Result<reshard::VerifyReport> r = reshard::Verify(a, b, o);
+  reshard::Result<reshard::VerifyReport> r =
+      WithProgress(o, !root, [&](const reshard::VerifyOptions& with) { return reshard::Verify(a, b, with); });
   if (!r.ok()) return Fail(r.status());
   if (!root) return r->same() ? 0 : 1;
   for (const std::string& n : r->notes) std::cout << "note: " << n << "\n";
@@ -306,7 +328,8 @@ int RunVerify(const std::string& a, const std::string& b, reshard::VerifyOptions
 }
 
 int RunVerifyManifest(const std::string& folder, const reshard::CommonOptions& o) {
-  reshard::Result<reshard::ManifestReport> r = reshard::VerifyManifest(folder, o);
+  reshard::Result<reshard::ManifestReport> r = WithProgress(
+      o, false, [&](const reshard::CommonOptions& with) { return reshard::VerifyManifest(folder, with); });
   if (!r.ok()) return Fail(r.status());
   if (!r->summary.empty()) std::cout << r->summary << "\n";
   for (const std::string& p : r->problems) std::cout << "problem: " << p << "\n";

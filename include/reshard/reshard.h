@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "reshard/cluster.h"
+#include "reshard/progress.h"
 #include "reshard/status.h"
 
 namespace reshard {
@@ -71,8 +72,8 @@ struct CommonOptions {
   // Check the CRC-32 of every zip record the command reads whole, as it
   // reads it (--no-check-crc: false).
   bool check_crc = true;
-  // Receives progress lines ("12/40 files, 1.2 GB"); may be empty.
-  std::function<void(const std::string&)> progress;
+  // Receives where the work stands about once a second; may be empty.
+  ProgressCallback progress;
 };
 
 // What convert is told about the checkpoint, and lint too: lint with the
@@ -219,8 +220,8 @@ struct ConvertReport {
 };
 
 // Makes an interrupted run leave nothing behind: on SIGINT, SIGTERM or
-// SIGHUP the staging folders of outputs in progress are removed before the
-// process dies of the signal, and a file-size limit (SIGXFSZ) fails the
+// SIGHUP the staging folders of outputs in progress are removed (a line on
+// stderr names each output left unwritten) before the process dies of the signal, and a file-size limit (SIGXFSZ) fails the
 // write that hits it with a clean error instead of killing the process. An
 // input file that shrinks under the run (SIGBUS) ends it with one line
 // naming the file.
