@@ -12,6 +12,8 @@ FSDP2's Shard(0) cuts them unevenly.
 * `appstate_w3`: FSDP2 at world 3 (uneven shares: 100 vocabulary rows as 34 + 33 + 33), saved as the tutorial's
   `{"app": AppState(model, optimizer)}` (keys `app.model.` / `app.optim.`);
 * `sgd_w1`: one process, SGD with momentum (no Adam moments): refused in one line;
+* `qknorm_w1`: one process, a parameter no built-in family's HF names have: refused in one line
+  naming the rule-file sections to add;
 * `ambiguous_w1`: one process, the model under both `model` and `ema` beside `optim`: refused in
   one line naming --state-dict-prefixes, read once the option names the pair.
 
@@ -173,6 +175,8 @@ def rank(r, world, port, name):
 
 def single(name):
     model = LlamaForCausalLM()
+    if name == 'qknorm_w1':  # a Qwen3-style norm of the queries, which no built-in family has
+        model.model.layers[0].self_attn.q_norm = nn.RMSNorm(HEAD_DIM)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if name == 'sgd_w1' else adamw(model)
     step(model, optimizer)
     model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -194,7 +198,7 @@ for name, world in (('recipe_w2', 2), ('appstate_w3', 3)):
         s.bind(('127.0.0.1', 0))
         port = s.getsockname()[1]
     mp.start_processes(rank, args=(world, port, name), nprocs=world, start_method='fork')
-for name in ('sgd_w1', 'ambiguous_w1'):
+for name in ('sgd_w1', 'ambiguous_w1', 'qknorm_w1'):
     single(name)
 for name in ('recipe_w2', 'appstate_w3', 'sgd_w1', 'ambiguous_w1'):
     load_back(name)
@@ -303,6 +307,12 @@ class DcpRecipeSourceTest(FixtureTestCase):
         p = run('convert', '--to', 'deepspeed', self.saved('sgd_w1'), out, '--tp', 1, '--pp', 1, '--weights-only',
                 *HEADS)
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+
+    def test_a_model_no_family_maps_is_refused_in_one_line(self):
+        out = self.path('ms_qknorm')
+        p = run('convert', '--to', 'deepspeed', self.saved('qknorm_w1'), out, '--tp', 1, '--pp', 1, *HEADS)
+        self.assertRefused(p, 'model.layers.0.self_attn.q_norm.weight is no HF name', out)
+        self.assertIn("needs a rule file whose hf section names its HF model and whose torchtitan section", p.stderr)
 
     def test_two_model_prefixes_are_refused_until_named(self):
         out = self.path('ms_ambiguous')

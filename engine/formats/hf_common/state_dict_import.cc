@@ -104,6 +104,7 @@ class Reader {
         rules_(rules),
         layout_(*rules.torchtitan()),
         keys_(rules, names.hf_keys),
+        section_keys_(rules, false),
         options_(options) {}
 
   Result<StateDictImport> Read() {
@@ -186,19 +187,15 @@ class Reader {
   // with HF keys, its HF name).
   const ImportedTensor* Stored(const std::string& name) const {
     std::string block;
-    const TorchtitanTensor* entry = nullptr;
-    for (const TorchtitanTensor& t : layout_.tensors) {
-      for (const std::string& k : t.keys) {
-        if (entry == nullptr && HfNameTemplate(k).Match(name, &block)) entry = &t;
-      }
-    }
+    const TorchtitanTensor* entry = section_keys_.Find(name, &block);
     std::vector<std::string> keys = entry ? entry->keys : std::vector<std::string>{name};
     if (entry && names_.hf_keys) keys = {entry->hf};
-    const std::string& prefix = names_.model_prefix.empty() ? names_.nested_prefix : names_.model_prefix;
+    const std::vector<std::string> prefixes = names_.model_prefix.empty()
+                                                  ? std::vector<std::string>{"", names_.nested_prefix}
+                                                  : std::vector<std::string>{names_.model_prefix};
     for (const std::string& k : keys) {
-      for (const std::string& p : {std::string(), prefix}) {
-        if (!names_.model_prefix.empty() && p.empty()) continue;
-        auto it = dcp_.tensors.find(p + HfNameTemplate(k).With(block));
+      for (const std::string& prefix : prefixes) {
+        auto it = dcp_.tensors.find(prefix + HfNameTemplate(k).With(block));
         if (it != dcp_.tensors.end()) return &it->second;
       }
     }
@@ -588,7 +585,8 @@ class Reader {
   const StateDictKeys& names_;
   const RuleSet& rules_;
   const TorchtitanLayout& layout_;
-  const KeyMap keys_;
+  const KeyMap keys_;          // the model's keys
+  const KeyMap section_keys_;  // the section's keys, which its sizes name
   const CommonOptions& options_;
   Value settings_;
   const Value none_ = Value::MakeDict();
