@@ -11,6 +11,8 @@ FSDP2's Shard(0) cuts them unevenly.
 * `recipe_w2`: FSDP2 (`fully_shard`) at world 2 on gloo, saved as `{"model": ..., "optim": ...}`;
 * `appstate_w3`: FSDP2 at world 3 (uneven shares: 100 vocabulary rows as 34 + 33 + 33), saved as the tutorial's
   `{"app": AppState(model, optimizer)}` (keys `app.model.` / `app.optim.`);
+* `flat_w1`: one process, the optimizer's state dict flattened (`flatten_optimizer_state_dict=True`:
+  `optim.param_groups.<fqn>.lr`, as torchtitan saves it);
 * `sgd_w1`: one process, SGD with momentum (no Adam moments): refused in one line;
 * `qknorm_w1`: one process, a parameter no built-in family's HF names have: refused in one line
   naming the rule-file sections to add;
@@ -44,7 +46,8 @@ CFG = dict(n_heads=4, n_kv_heads=2, head_dim=8, n_layers=2, tied=False)
 HEADS = ('--set', 'num_attention_heads=4')
 # verify compares the 15 canonical weights, and their fp32 masters, exp_avg and exp_avg_sq
 COMPARED = 'verify: 60 tensors'
-PREFIXES = {'recipe_w2': ('model.', 'optim.'), 'appstate_w3': ('app.model.', 'app.optim.')}
+PREFIXES = {'recipe_w2': ('model.', 'optim.'), 'appstate_w3': ('app.model.', 'app.optim.'),
+            'flat_w1': ('model.', 'optim.')}
 
 # Run by torch 2.6 in the chroot, the test's temporary folder at /work. Ranks are forked before this
 # process starts any thread (dcp.save writes through a thread pool).
@@ -56,7 +59,7 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -179,7 +182,8 @@ def single(name):
         model.model.layers[0].self_attn.q_norm = nn.RMSNorm(HEAD_DIM)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if name == 'sgd_w1' else adamw(model)
     step(model, optimizer)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    flat = StateDictOptions(flatten_optimizer_state_dict=(name == 'flat_w1'))
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=flat)
     state = {'model': model_sd, 'optim': optim_sd}
     if name == 'ambiguous_w1':  # an EMA copy of the model beside it
         state['ema'] = {k: v.clone() for k, v in model_sd.items()}
@@ -198,9 +202,9 @@ for name, world in (('recipe_w2', 2), ('appstate_w3', 3)):
         s.bind(('127.0.0.1', 0))
         port = s.getsockname()[1]
     mp.start_processes(rank, args=(world, port, name), nprocs=world, start_method='fork')
-for name in ('sgd_w1', 'ambiguous_w1', 'qknorm_w1'):
+for name in ('flat_w1', 'sgd_w1', 'ambiguous_w1', 'qknorm_w1'):
     single(name)
-for name in ('recipe_w2', 'appstate_w3', 'sgd_w1', 'ambiguous_w1'):
+for name in ('recipe_w2', 'appstate_w3', 'flat_w1', 'sgd_w1', 'ambiguous_w1'):
     load_back(name)
 print('torch', torch.__version__)
 '''
@@ -239,7 +243,7 @@ class DcpRecipeSourceTest(FixtureTestCase):
                 p = run('inspect', self.saved(name), *HEADS)
                 self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
                 self.assertIn('format: dcp_recipe', p.stdout)
-                self.assertIn(f'its HF names under {model} (optimizer: {optim})', p.stdout)
+                self.assertIn(f"HF's names (the model under {model}, the optimizer under {optim})", p.stdout)
                 self.assertIn("dcp_recipe's AdamW state (exp_avg, exp_avg_sq", p.stdout)
                 world = int(name[-1])
                 self.assertIn(f'dp_shard {world}', p.stdout)

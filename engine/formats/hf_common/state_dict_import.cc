@@ -147,12 +147,12 @@ class Reader {
   }
 
  private:
-  // Where the model's keys are, for `what`: "torchtitan's keys", "its HF
-  // names under model. (optimizer: optim.)".
+  // Where the model's keys are, for `what`: "torchtitan's keys", "HF's
+  // names (the model under model., the optimizer under optim.)".
   std::string KeysWhere() const {
     if (!names_.hf_keys) return names_.format + "'s keys";
-    return "its HF names under " + (names_.model_prefix.empty() ? "no prefix" : names_.model_prefix) +
-           " (optimizer: " + names_.optim_prefix + ")";
+    return "HF's names (the model " + (names_.model_prefix.empty() ? "at the top level" : "under " + names_.model_prefix) +
+           ", the optimizer under " + names_.optim_prefix + ")";
   }
 
   // Every model key's entry; a key the section does not map refuses the family.
