@@ -45,6 +45,9 @@ void AddCommonOptions(CLI::App* cmd, reshard::CommonOptions* o) {
                   "a Distributed Checkpoint (DCP, torch_dist) as it is, every item under its key");
   cmd->add_option("--allow-class", o->allowed_classes,
                   "Carry an unknown pickled class (module.name) through unchanged; never executed");
+  cmd->add_option("--state-dict-prefixes", o->state_dict_prefixes,
+                  "MODEL,OPTIM: the top-level prefixes a DCP folder saved by PyTorch's DCP recipe holds its model "
+                  "and optimizer under (default: found by their structure), e.g. app.model,app.optim");
   cmd->add_option("--threads", o->threads, "Worker threads (default: the number of cores)")
       ->check(CLI::Range(1, 1024));
   cmd->add_flag_function(

@@ -116,6 +116,7 @@ void ReadCommon(Kwargs& kw, reshard::CommonOptions* o, Progress* progress) {
   kw.Get("rules", &o->rules);
   kw.Get("allow_class", &o->allowed_classes);
   kw.Get("set", &o->set);
+  kw.Get("state_dict_prefixes", &o->state_dict_prefixes);
   kw.Get("threads", &o->threads);
   kw.Get("check_crc", &o->check_crc);
   if (progress != nullptr) o->progress = progress->Function();

@@ -67,6 +67,10 @@ struct CommonOptions {
   // args.<key>). Refused when the checkpoint records another value or no
   // rule reads it.
   std::map<std::string, std::string> set;
+  // The top-level prefixes a DCP folder holds a model's and its optimizer's
+  // state dicts under, "MODEL,OPTIM" ("model,optim", "app.model,app.optim"),
+  // where its structure does not tell (PyTorch's DCP recipe); empty: found.
+  std::string state_dict_prefixes;
   // Threads for reading and writing; 0 = the number of cores.
   int threads = 0;
   // Check the CRC-32 of every zip record the command reads whole, as it
