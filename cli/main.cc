@@ -5,6 +5,7 @@
 #include <CLI/CLI.hpp>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <iostream>
 #include <map>
@@ -13,6 +14,7 @@
 
 #include "progress_display.h"
 #include "reshard/cluster.h"
+#include "reshard/names.h"
 #include "reshard/reshard.h"
 
 // "reshard X.Y.Z", the commit and the build type: build/version.cc, written
@@ -360,6 +362,54 @@ int RunRules(const std::string& file) {
   return 0;
 }
 
+// The flags of other checkpoint tools and of Megatron's arguments that a
+// reshard option plays the part of.
+const std::map<std::string, std::string>& OtherToolsFlags() {
+  static const auto* flags = new std::map<std::string, std::string>{
+      {"--target-tensor-parallel-size", "--tp"},   {"--target-pipeline-parallel-size", "--pp"},
+      {"--target-expert-parallel-size", "--ep"},   {"--target-data-parallel-size", "--dp"},
+      {"--tensor-model-parallel-size", "--tp"},    {"--pipeline-model-parallel-size", "--pp"},
+      {"--expert-model-parallel-size", "--ep"},    {"--data-parallel-size", "--dp"},
+  };
+  return *flags;
+}
+
+// The subcommand argv names (its first word that is one), and where; null when none.
+const CLI::App* GivenSubcommand(const CLI::App& app, int argc, char** argv, int* at) {
+  for (int i = 1; i < argc; ++i) {
+    for (const CLI::App* sub : app.get_subcommands({})) {
+      if (sub->get_name() != argv[i]) continue;
+      *at = i;
+      return sub;
+    }
+  }
+  return nullptr;
+}
+
+// "; did you mean --tp (for --tpp)?" for a flag of argv the subcommand given
+// does not take: the option it is a typo of, or the one that plays its part.
+std::string FlagHints(const CLI::App& app, int argc, char** argv) {
+  int at = 0;
+  const CLI::App* cmd = GivenSubcommand(app, argc, argv, &at);
+  if (cmd == nullptr) return "";
+  std::vector<std::string> names;
+  for (const CLI::Option* o : cmd->get_options()) {
+    for (const std::string& name : o->get_lnames()) names.push_back("--" + name);
+  }
+  for (int i = at + 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg.rfind("--", 0) != 0) continue;
+    const std::string flag = arg.substr(0, arg.find('='));
+    if (std::find(names.begin(), names.end(), flag) != names.end()) continue;
+    const auto known = OtherToolsFlags().find(flag);
+    const std::string* typo = known != OtherToolsFlags().end() ? &known->second : reshard::ClosestName(flag, names);
+    if (typo != nullptr && std::find(names.begin(), names.end(), *typo) != names.end()) {
+      return "; did you mean " + *typo + " (for " + flag + ")?";
+    }
+  }
+  return "";
+}
+
 }  // namespace
 
 // The command line as a shell would take it back (arguments with spaces or
@@ -491,7 +541,10 @@ int Run(int argc, char** argv) {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     if (e.get_exit_code() == 0) return app.exit(e);  // --help
-    std::cerr << "reshard: error: " << e.what() << " (see reshard --help)\n";
+    int at = 0;
+    const CLI::App* cmd = GivenSubcommand(app, argc, argv, &at);
+    std::cerr << "reshard: error: " << e.what() << FlagHints(app, argc, argv) << " (see reshard "
+              << (cmd != nullptr ? cmd->get_name() + " " : "") << "--help)\n";
     return 2;
   }
 

@@ -97,7 +97,9 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenDcp(const std::string& folder, con
   if (!content.torch_dist) return OpenModelStateDict(std::move(content), options);
   Result<TorchDistImport> imported = ReadTorchDistImport(content, options);
   if (!imported.ok()) {
-    if (!options.rules.empty() || imported.status().code() != Status::Code::kUnsupported) return imported.status();
+    // Read as it is, the folder would take none of the values the user gave with --set.
+    const bool asked = !options.rules.empty() || !options.set.empty();
+    if (asked || imported.status().code() != Status::Code::kUnsupported) return imported.status();
     return Named("dcp", OpenDcpCheckpoint(std::move(content), imported.status().message()));
   }
   const int tp = imported->tp, pp = imported->pp, dp = imported->dp;

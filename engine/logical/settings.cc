@@ -117,9 +117,12 @@ Status CheckSettings(const Value& settings, const RuleSet& rules, const Value& m
   ForEachLeaf(settings, "", [&](const std::string& path, const Value& value) {
     if (!status.ok()) return;
     if (!read.count(path)) {
-      status = Status::InvalidInput(
-          "--set " + path + ": rule set " + rules.name() + " reads no such value" +
-          (read.empty() ? "" : " (it reads " + Join(std::vector<std::string>(read.begin(), read.end()), ", ") + ")"));
+      const std::vector<std::string> names(read.begin(), read.end());
+      const std::string* typo = ClosestName(path, names);
+      status = Status::InvalidInput("--set " + path + ": rule set " + rules.name() + " reads no such value" +
+                                    (typo != nullptr ? "; did you mean '" + *typo + "'?"
+                                     : read.empty()  ? ""
+                                                     : " (it reads " + Join(names, ", ") + ")"));
       return;
     }
     const Value* recorded = WalkPath(metadata, path);

@@ -63,6 +63,9 @@ Result<RuleSet> LoadRuleSet(const std::string& spec) {
     if (rs.name() == spec) return std::move(rs);
     names.push_back(rs.name());
   }
+  if (const std::string* typo = ClosestName(spec, names)) {
+    return Status::InvalidInput("unknown rule set '" + spec + "'; did you mean '" + *typo + "'?");
+  }
   return Status::InvalidInput("unknown rule set '" + spec + "'; built-in: " + Join(names, ", ") +
                               "; or pass the path of a rule file");
 }

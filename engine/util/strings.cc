@@ -35,8 +35,9 @@ size_t EditDistance(const std::string& a, const std::string& b) {
 }
 
 const std::string* ClosestName(const std::string& word, const std::vector<std::string>& allowed) {
+  // Case and the '-' / '_' spelling aside (`HF`, `num-attention-heads`, `torch-dist`).
   auto lower = [](std::string s) {
-    std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return std::tolower(c); });
+    std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return c == '-' ? '_' : std::tolower(c); });
     return s;
   };
   const std::string* best = nullptr;

@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "reshard/names.h"
+
 namespace reshard {
 
 // "a, b, c" for Join({"a", "b", "c"}, ", "); "" for an empty list.
@@ -24,13 +26,10 @@ std::string Count(int64_t n, const std::string& noun);
 // to turn `a` into `b`.
 size_t EditDistance(const std::string& a, const std::string& b);
 
-// The one of `allowed` that `word` is a typo of: the closest, ignoring
-// case, when it is at most two edits away ("torchdist" for "torch_dist",
-// "HF" for "hf"); null when none is.
-const std::string* ClosestName(const std::string& word, const std::vector<std::string>& allowed);
-
 // The end of a message about an unknown `word`: "did you mean 'x'?" for
-// ClosestName, else "expected one of: a, b, c".
+// ClosestName (reshard/names.h: "torchdist" for "torch_dist", "HF" for "hf",
+// "num-attention-heads" for "num_attention_heads"), else "expected one of:
+// a, b, c".
 std::string Hint(const std::string& word, const std::vector<std::string>& allowed);
 
 }  // namespace reshard

@@ -479,7 +479,15 @@ class TargetTests(ReshardTestCase):
                  ('bad --replicated', ['--tp', 1, '--pp', 1, '--replicated', 'mean'], ['--replicated']),
                  ('unknown --to', ['--to', 'hff'], ["unknown target format 'hff'; did you mean 'hf'? (the formats: "]),
                  ('--to in capitals', ['--to', 'HF'], ["unknown target format 'HF'; did you mean 'hf'?"]),
-                 ('--to without its underscore', ['--to', 'torchdist'], ["did you mean 'torch_dist'?"])]
+                 ('--to without its underscore', ['--to', 'torchdist'], ["did you mean 'torch_dist'?"]),
+                 ('--to with a dash', ['--to', 'torch-dist'], ["did you mean 'torch_dist'?"]),
+                 ('a misspelt flag', ['--tpp', 1], ['not expected', 'did you mean --tp (for --tpp)? '
+                                                    '(see reshard convert --help)']),
+                 ("another tool's flag", ['--target-tensor-parallel-size', 1],
+                  ['did you mean --tp (for --target-tensor-parallel-size)?']),
+                 ('a misspelt --set key', ['--tp', 1, '--pp', 1, '--set', 'num-attention-heads=4'],
+                  ["--set args.num-attention-heads: rule set bigscience-bloom reads no such value; did you mean "
+                   "'args.num_attention_heads'?"])]
         for name, args, needles in cases:
             with self.subTest(case=name):
                 self.assertRefused(['convert', tag, out, *args], needles, watch=[self.path('src')], out=out)

@@ -72,6 +72,15 @@ TEST(Settings, ValueNoRuleReadsIsRefusedWithWhatIsRead) {
             "args.num_attention_heads, args.swiglu, universal_checkpoint_info.original_vocab_size)");
 }
 
+TEST(Settings, AMisspeltValueIsRefusedWithTheOneItIsATypoOf) {
+  Result<Value> v = SettingsValue({{"num-attention-heads", "4"}});
+  ASSERT_TRUE(v.ok());
+  const Status st = CheckSettings(*v, Rules(), Metadata({}));
+  EXPECT_EQ(st.message(),
+            "--set args.num-attention-heads: rule set tiny reads no such value; did you mean "
+            "'args.num_attention_heads'?");
+}
+
 TEST(Settings, ContradictingTheCheckpointIsRefused) {
   Result<Value> v = SettingsValue({{"num_attention_heads", "8"}});
   ASSERT_TRUE(v.ok());

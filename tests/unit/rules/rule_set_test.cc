@@ -844,6 +844,12 @@ TEST(RuleSetBuiltin, UnknownNameListsTheBuiltins) {
             "megatron-gpt2, megatron-llama-tied, megatron-llama, qwen2-tied, qwen2; or pass the path of a rule file");
 }
 
+TEST(RuleSetBuiltin, AMisspeltNameGetsTheOneItIsATypoOf) {
+  Result<RuleSet> rs = LoadRuleSet("megatron-lama");
+  ASSERT_FALSE(rs.ok());
+  EXPECT_EQ(rs.status().message(), "unknown rule set 'megatron-lama'; did you mean 'megatron-llama'?");
+}
+
 TEST(RuleSetBuiltin, MissingFileIsNotTakenForAName) {
   Result<RuleSet> rs = LoadRuleSet("no/such/rules.yaml");
   ASSERT_FALSE(rs.ok());

@@ -61,6 +61,13 @@ TEST(Strings, ClosestNameIgnoresCase) {
   EXPECT_EQ(Hint("TORCHTITAN", formats), "did you mean 'torchtitan'?");
 }
 
+TEST(Strings, ClosestNameTakesADashForAnUnderscore) {
+  const std::vector<std::string> paths = {"args.num_attention_heads", "args.num_key_value_heads"};
+  ASSERT_NE(ClosestName("args.num-attention-heads", paths), nullptr);
+  EXPECT_EQ(*ClosestName("args.num-attention-heads", paths), "args.num_attention_heads");
+  EXPECT_EQ(*ClosestName("torch-dist", {"hf", "torch_dist"}), "torch_dist");
+}
+
 TEST(Strings, HintListsEverythingForAFarName) {
   EXPECT_EQ(Hint("diagonal", {"column", "row", "vocab"}), "expected one of: column, row, vocab");
   EXPECT_EQ(Hint("abc", {"xyz"}), "expected one of: xyz");  // three edits is not a typo
