@@ -2,6 +2,9 @@
 
 #include <functional>
 #include <map>
+#include <optional>
+#include <string>
+#include <vector>
 
 namespace reshard {
 namespace {
@@ -24,6 +27,28 @@ Value Hyper(const Value& hyper, const std::string& name, Value fallback) {
   return *v;
 }
 
+// The source's weight decay of `group`, where it records a number.
+std::optional<double> SourceDecay(const OptimizerParamGroup& group) {
+  const Value* v = Find(group.hyperparameters, "weight_decay");
+  if (v != nullptr && v->is(Value::Kind::kFloat)) return v->as_float();
+  if (v != nullptr && v->is(Value::Kind::kInt)) return static_cast<double>(v->as_int());
+  return std::nullopt;
+}
+
+// Whether Megatron-Core's scheduler applies less decay to `group` than the
+// source did: it multiplies the decay by the group's multiplier.
+bool DecayDropped(const OptimizerParamGroup& group) {
+  const std::optional<double> decay = SourceDecay(group);
+  return decay && *decay != 0.0 && group.weight_decay_multiplier != 1.0;
+}
+
+// A group's weight decay as Megatron-Core's scheduler applies it: the
+// source's times the group's multiplier.
+Value AppliedDecay(const OptimizerParamGroup& group) {
+  if (!DecayDropped(group)) return Hyper(group.hyperparameters, "weight_decay", Value::None());
+  return Value::Float(*SourceDecay(group) * group.weight_decay_multiplier);
+}
+
 // One Megatron-Core param group (default config: 0.19 says so, 0.14 not; no expert
 // parallelism) from a source group's hyperparameters; max_lr and min_lr
 // from the args where the source's group has none.
@@ -41,7 +66,8 @@ Value MegatronGroup(const OptimizerParamGroup& group, const Value& step, const V
   Set(out, "max_lr", Hyper(h, "max_lr", args_lr != nullptr ? *args_lr : lr));
   Set(out, "min_lr", Hyper(h, "min_lr", args_min_lr != nullptr ? *args_min_lr : Value::None()));
   Set(out, "lr", lr);
-  for (const char* name : {"betas", "eps", "weight_decay"}) Set(out, name, Hyper(h, name, Value::None()));
+  for (const char* name : {"betas", "eps"}) Set(out, name, Hyper(h, name, Value::None()));
+  Set(out, "weight_decay", AppliedDecay(group));
   for (const char* name : {"amsgrad", "maximize", "capturable", "differentiable"}) {
     Set(out, name, Hyper(h, name, Value::Bool(false)));
   }
@@ -52,7 +78,8 @@ Value MegatronGroup(const OptimizerParamGroup& group, const Value& step, const V
 
 }  // namespace
 
-Result<Value> MegatronParamGroups(const OptimizerParamGroups& groups, const Value* args, const std::string& version) {
+Result<Value> MegatronParamGroups(const OptimizerParamGroups& groups, const Value* args, const std::string& version,
+                                  std::vector<std::string>* notes) {
   RESHARD_ASSIGN_OR_RETURN(Value step, FloatStep(groups.step));
   std::map<double, const OptimizerParamGroup*, std::greater<double>> by_mult;
   for (const OptimizerParamGroup& g : groups.groups) {
@@ -64,7 +91,16 @@ Result<Value> MegatronParamGroups(const OptimizerParamGroups& groups, const Valu
     }
   }
   std::vector<Value> out;
-  for (const auto& [mult, g] : by_mult) out.push_back(MegatronGroup(*g, step, args, version != "0.14"));
+  for (const auto& [mult, g] : by_mult) {
+    out.push_back(MegatronGroup(*g, step, args, version != "0.14"));
+    if (DecayDropped(*g)) {
+      notes->push_back("optimizer: the source decays its norms and biases too (weight_decay " +
+                       Hyper(g->hyperparameters, "weight_decay", Value::None()).DebugString(20) +
+                       "); Megatron-Core keeps them in its wd_mult 0 group, which its scheduler does not decay: that "
+                       "group is written with weight_decay " + AppliedDecay(*g).DebugString(20) +
+                       ", the decay a resumed run applies");
+    }
+  }
   return Value::MakeList(std::move(out));
 }
 
