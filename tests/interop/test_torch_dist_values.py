@@ -14,8 +14,10 @@ Checked:
 * the universal-checkpoint version: torch_dist has no place for it, and Megatron-DeepSpeed's files
   written from the import record 0.2, as Megatron-DeepSpeed's writer does;
 * the weight decay Megatron-Core applies: torchtitan decays its norms, which Megatron-Core keeps in
-  its wd_mult 0 group and its scheduler sets to weight_decay x wd_mult; every group is written with
-  weight_decay equal to that product, and a note says the source's decay of that group is dropped;
+  its wd_mult 0 group (Megatron-LM's load pairs the saved groups with its own by wd_mult) and its
+  scheduler decays by weight_decay x wd_mult; the groups are written as Megatron-Core writes them
+  (the run's weight_decay, wd_mult 1 and 0), and a note says the norms' decay is dropped; a
+  Megatron-DeepSpeed source, whose no-decay group says so, gets no such note;
 * the KV-group count: a Megatron-DeepSpeed GQA run whose args leave num_key_value_heads None
   (given by --set) is written with group_query_attention and num_query_groups 6, read back as GQA,
   and no note suggests --num-query-groups 0.
@@ -127,18 +129,18 @@ class TorchDistValuesTest(FixtureTestCase):
         self.assertEqual(mp_rank(back)['args'].make_vocab_size_divisible_by, 8)
         self.assertEqual(mp_rank(back)['args'].padded_vocab_size, 104)
 
-    def test_the_decay_written_is_the_decay_megatron_core_applies(self):
+    def test_a_decay_megatron_core_does_not_apply_is_said(self):
         src = os.path.join(TORCHTITAN, 'fsdp2_w2', 'step-1')
         td, back, notes = self.round_trip(src, 'tt', '--set', 'num_attention_heads=4', tp_out=1, tp_back=1)
         self.assertIn('optimizer: the source decays its norms and biases too (weight_decay 0.1); Megatron-Core keeps '
-                      'them in its wd_mult 0 group, which its scheduler does not decay: that group is written with '
-                      'weight_decay 0.0', notes)
+                      'them in its wd_mult 0 group, whose decay its scheduler sets to weight_decay x wd_mult: a '
+                      'resumed run does not decay them', notes)
+        # Written as Megatron-Core writes its groups: the run's weight_decay, wd_mult 1 and 0.
         written = common_state(td)['optimizer']['optimizer']['param_groups']
-        for groups in (written, shard_groups(back)):
-            self.assertEqual(sorted(g['wd_mult'] for g in groups), [0.0, 1.0])
-            for g in groups:
-                # Megatron-Core's scheduler: weight_decay = the run's (0.1) x wd_mult.
-                self.assertEqual(g['weight_decay'], 0.1 * g['wd_mult'], g)
+        self.assertEqual([(g['wd_mult'], g['weight_decay']) for g in written], [(1.0, 0.1), (0.0, 0.1)])
+        # A source whose groups say what Megatron-Core applies gets no such note.
+        src = make_fixture(self.path('ms'), **dict(FAMILIES['ms_llama'], tp=1, pp=1, dp=1, optimizer='bf16_zero'))
+        self.assertNotIn('decays its norms', self.round_trip(src, 'ms', tp_out=1)[2])
 
     def test_the_kv_group_count_is_written_from_every_source_that_knows_it(self):
         src = make_fixture(self.path('gqa'), **dict(FAMILIES['ms_llama'], tp=2, pp=1, dp=1))

@@ -27,26 +27,23 @@ Value Hyper(const Value& hyper, const std::string& name, Value fallback) {
   return *v;
 }
 
-// The source's weight decay of `group`, where it records a number.
-std::optional<double> SourceDecay(const OptimizerParamGroup& group) {
-  const Value* v = Find(group.hyperparameters, "weight_decay");
+// A number the source's group records under `name`.
+std::optional<double> Number(const OptimizerParamGroup& group, const char* name) {
+  const Value* v = Find(group.hyperparameters, name);
   if (v != nullptr && v->is(Value::Kind::kFloat)) return v->as_float();
   if (v != nullptr && v->is(Value::Kind::kInt)) return static_cast<double>(v->as_int());
   return std::nullopt;
 }
 
-// Whether Megatron-Core's scheduler applies less decay to `group` than the
-// source did: it multiplies the decay by the group's multiplier.
+// Whether Megatron-Core's scheduler, which sets a group's weight_decay to
+// the run's times its wd_mult, decays `group` less than the source did (its
+// weight_decay times its own wd_mult where it records one, as Megatron's
+// groups do; torchtitan's decay every parameter).
 bool DecayDropped(const OptimizerParamGroup& group) {
-  const std::optional<double> decay = SourceDecay(group);
-  return decay && *decay != 0.0 && group.weight_decay_multiplier != 1.0;
-}
-
-// A group's weight decay as Megatron-Core's scheduler applies it: the
-// source's times the group's multiplier.
-Value AppliedDecay(const OptimizerParamGroup& group) {
-  if (!DecayDropped(group)) return Hyper(group.hyperparameters, "weight_decay", Value::None());
-  return Value::Float(*SourceDecay(group) * group.weight_decay_multiplier);
+  const std::optional<double> decay = Number(group, "weight_decay");
+  if (!decay) return false;
+  const double applied = *decay * Number(group, "wd_mult").value_or(1.0);
+  return applied > *decay * group.weight_decay_multiplier;
 }
 
 // One Megatron-Core param group (default config: 0.19 says so, 0.14 not; no expert
@@ -66,8 +63,7 @@ Value MegatronGroup(const OptimizerParamGroup& group, const Value& step, const V
   Set(out, "max_lr", Hyper(h, "max_lr", args_lr != nullptr ? *args_lr : lr));
   Set(out, "min_lr", Hyper(h, "min_lr", args_min_lr != nullptr ? *args_min_lr : Value::None()));
   Set(out, "lr", lr);
-  for (const char* name : {"betas", "eps"}) Set(out, name, Hyper(h, name, Value::None()));
-  Set(out, "weight_decay", AppliedDecay(group));
+  for (const char* name : {"betas", "eps", "weight_decay"}) Set(out, name, Hyper(h, name, Value::None()));
   for (const char* name : {"amsgrad", "maximize", "capturable", "differentiable"}) {
     Set(out, name, Hyper(h, name, Value::Bool(false)));
   }
@@ -96,9 +92,8 @@ Result<Value> MegatronParamGroups(const OptimizerParamGroups& groups, const Valu
     if (DecayDropped(*g)) {
       notes->push_back("optimizer: the source decays its norms and biases too (weight_decay " +
                        Hyper(g->hyperparameters, "weight_decay", Value::None()).DebugString(20) +
-                       "); Megatron-Core keeps them in its wd_mult 0 group, which its scheduler does not decay: that "
-                       "group is written with weight_decay " + AppliedDecay(*g).DebugString(20) +
-                       ", the decay a resumed run applies");
+                       "); Megatron-Core keeps them in its wd_mult 0 group, whose decay its scheduler sets to "
+                       "weight_decay x wd_mult: a resumed run does not decay them");
     }
   }
   return Value::MakeList(std::move(out));

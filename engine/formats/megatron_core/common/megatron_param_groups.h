@@ -8,9 +8,9 @@
 // (default config, no expert parallelism), each with its lr schedule bounds
 // and torch's Adam fields, the step a float in every group. Its scheduler
 // sets each group's weight_decay to the run's times wd_mult at every step,
-// and Megatron-LM always puts norms and biases in the wd_mult 0 group: a
-// group is written with the decay that applies to it, weight_decay times
-// wd_mult.
+// and Megatron-LM always puts norms and biases in the wd_mult 0 group (its
+// load pairs saved and built groups by wd_mult), so a source that decays
+// them (torchtitan) loses that decay: a note says so.
 #pragma once
 
 #include <string>
