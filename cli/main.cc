@@ -3,6 +3,7 @@
 // Exit status: 0 success; 1 lint found errors or verify found differences;
 // 2 unusable input or arguments (nothing written); 3 I/O or internal errors.
 #include <CLI/CLI.hpp>
+#include <unistd.h>
 
 #include <cstdio>
 #include <iostream>
@@ -10,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "progress_display.h"
 #include "reshard/cluster.h"
 #include "reshard/reshard.h"
 
@@ -43,6 +45,9 @@ void AddCommonOptions(CLI::App* cmd, reshard::CommonOptions* o) {
                   "a Distributed Checkpoint (DCP, torch_dist) as it is, every item under its key");
   cmd->add_option("--allow-class", o->allowed_classes,
                   "Carry an unknown pickled class (module.name) through unchanged; never executed");
+  cmd->add_option("--state-dict-prefixes", o->state_dict_prefixes,
+                  "MODEL,OPTIM: the top-level prefixes a DCP folder saved by PyTorch's DCP recipe holds its model "
+                  "and optimizer under (default: found by their structure), e.g. app.model,app.optim");
   cmd->add_option("--threads", o->threads, "Worker threads (default: the number of cores)")
       ->check(CLI::Range(1, 1024));
   cmd->add_flag_function(
@@ -101,7 +106,7 @@ void AddWriteOptions(CLI::App* cmd, reshard::WriteOptions* o, bool* quiet) {
                   "Each thread's streaming buffer and write size, e.g. 256KiB (default: up to 1MiB, as "
                   "--max-memory allows)")
       ->transform(CLI::AsSizeValue(false));
-  cmd->add_flag("-q,--quiet", *quiet, "Print only the summary (no progress, no plan)");
+  cmd->add_flag("-q,--quiet", *quiet, "Print only errors and the summary (no progress, plan or notes)");
   AddPreflightOptions(cmd, o);
 }
 
@@ -195,8 +200,29 @@ void PrintFindings(const std::vector<reshard::Finding>& findings) {
   }
 }
 
+// The notes, or with `quiet` only how many there are (nothing is hidden silently).
+void PrintNotes(const std::vector<std::string>& notes, bool quiet) {
+  if (!quiet) {
+    for (const std::string& n : notes) std::cout << "note: " << n << "\n";
+  } else if (!notes.empty()) {
+    std::cout << notes.size() << (notes.size() == 1 ? " note" : " notes") << " not shown (-q)\n";
+  }
+}
+
+// Runs `command` with its progress shown on stderr (unless `quiet`); the
+// progress line is ended before the command's result is printed.
+template <typename Options, typename Command>
+auto WithProgress(Options o, bool quiet, Command command) {
+  ProgressDisplay display(::isatty(STDERR_FILENO) == 1);
+  if (!quiet) o.progress = display.Callback();
+  auto result = command(o);
+  display.Finish();
+  return result;
+}
+
 int RunLint(const std::string& ckpt, const reshard::LintOptions& o) {
-  reshard::Result<reshard::LintReport> r = reshard::Lint(ckpt, o);
+  reshard::Result<reshard::LintReport> r =
+      WithProgress(o, false, [&](const reshard::LintOptions& with) { return reshard::Lint(ckpt, with); });
   if (!r.ok()) return Fail(r.status());
   std::cout << r->summary << "\n";
   for (const std::string& n : r->notes) std::cout << "note: " << n << "\n";
@@ -268,15 +294,13 @@ int RunWriter(const std::string& in, const std::string& out, Options o, bool qui
   if (!cluster.ok()) return Fail(cluster.status());
   o.cluster = cluster->get();
   const bool root = o.cluster->rank() == 0;
-  if (!quiet && root) o.progress = [](const std::string& line) { std::cerr << line << "\n"; };
-  reshard::Result<reshard::ConvertReport> r = run(in, out, o);
+  reshard::Result<reshard::ConvertReport> r =
+      WithProgress(o, quiet || !root, [&](const Options& with) { return run(in, out, with); });
   if (!r.ok()) return Fail(r.status());
   const std::string who =
       o.cluster->size() > 1 ? "rank " + std::to_string(o.cluster->rank()) + ": " : "";
   if (root && o.dry_run && !quiet) std::cout << r->plan;
-  if (root) {
-    for (const std::string& n : r->notes) std::cout << "note: " << n << "\n";
-  }
+  if (root) PrintNotes(r->notes, quiet);
   if (o.dry_run) {
     std::printf("%sdry run: nothing written; would write %lld files, %lld bytes of tensors (%s; "
                 "the checkpoint holds %s); memory about %s (%s); planned in %.2f s\n",
@@ -295,7 +319,8 @@ int RunVerify(const std::string& a, const std::string& b, reshard::VerifyOptions
   if (!cluster.ok()) return Fail(cluster.status());
   o.cluster = cluster->get();
   const bool root = o.cluster->rank() == 0;
-  reshard::Result<reshard::VerifyReport> r = reshard::Verify(a, b, o);
+  reshard::Result<reshard::VerifyReport> r =
+      WithProgress(o, !root, [&](const reshard::VerifyOptions& with) { return reshard::Verify(a, b, with); });
   if (!r.ok()) return Fail(r.status());
   if (!root) return r->same() ? 0 : 1;
   for (const std::string& n : r->notes) std::cout << "note: " << n << "\n";
@@ -306,7 +331,8 @@ int RunVerify(const std::string& a, const std::string& b, reshard::VerifyOptions
 }
 
 int RunVerifyManifest(const std::string& folder, const reshard::CommonOptions& o) {
-  reshard::Result<reshard::ManifestReport> r = reshard::VerifyManifest(folder, o);
+  reshard::Result<reshard::ManifestReport> r = WithProgress(
+      o, false, [&](const reshard::CommonOptions& with) { return reshard::VerifyManifest(folder, with); });
   if (!r.ok()) return Fail(r.status());
   if (!r->summary.empty()) std::cout << r->summary << "\n";
   for (const std::string& p : r->problems) std::cout << "problem: " << p << "\n";
@@ -356,9 +382,11 @@ int Run(int argc, char** argv) {
   CLI::App app{
       "reshard: reshape training checkpoints between parallel layouts (TP, PP, DP, EP) and formats "
       "(DeepSpeed / Megatron-DeepSpeed, Megatron-Core torch_dist, Megatron-LM, torchtitan, Hugging Face, "
-      "DeepSpeed universal), driven by declarative rule files.\n"
-      "CHECKPOINT is a checkpoint folder of any of these formats (a DeepSpeed tag folder, a Megatron iter_N, "
-      "a torchtitan step-N, a DCP folder, an HF transformers folder) or a root whose pointer file names one.",
+      "DeepSpeed universal, consolidated state dicts), driven by declarative rule files.\n"
+      "CHECKPOINT (and INPUT) is a checkpoint folder of any format reshard reads: a DeepSpeed tag folder "
+      "(global_stepN), a DeepSpeed universal folder, a Megatron-Core torch_dist or Megatron-LM torch iter_N, "
+      "a torchtitan step-N, any PyTorch DCP folder, a Hugging Face transformers folder, a folder of weights "
+      "without config.json; or a root whose pointer file (latest, latest_checkpointed_iteration.txt) names one.",
       "reshard"};
   app.set_version_flag("--version", VersionText(), "Print the version, the commit built and the build type");
   app.require_subcommand(1);
@@ -395,7 +423,8 @@ int Run(int argc, char** argv) {
   bool no_latest = false;
   CLI::App* convert_cmd = app.add_subcommand(
       "convert", "Write the checkpoint at another layout (TP / PP / DP / EP), in its own format or another (--to)");
-  convert_cmd->add_option("INPUT", ckpt, "Source checkpoint, or an HF transformers folder to import")->required();
+  convert_cmd->add_option("INPUT", ckpt, "Source checkpoint, of any format reshard reads (see reshard --help)")
+      ->required();
   convert_cmd->add_option("OUTPUT", out,
                           "deepspeed: the target tag folder, written exactly here (e.g. out/global_step20); with a "
                           "root INPUT (holding 'latest'), the root to write the tag folder and 'latest' into. "
@@ -427,7 +456,8 @@ int Run(int argc, char** argv) {
 
   reshard::ExportOptions exporting;
   CLI::App* export_cmd = app.add_subcommand("export", "Write the checkpoint in another format: " + TargetsHelp());
-  export_cmd->add_option("INPUT", ckpt, "Source checkpoint")->required();
+  export_cmd->add_option("INPUT", ckpt, "Source checkpoint, of any format reshard reads (see reshard --help)")
+      ->required();
   export_cmd->add_option("OUTPUT", out, "Folder to write: " + OutputsHelp())->required();
   export_cmd->add_option("--to", exporting.to, "Target format: " + Join(TargetNames()))->required();
   AddExportLayout(export_cmd, &exporting);

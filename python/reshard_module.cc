@@ -81,21 +81,21 @@ reshard::ReplicatedPolicy Policy(const std::string& name) {
   throw Error("replicated must be \"check\", \"average\" or \"first\", not \"" + name + "\"");
 }
 
-// A progress callback called from the engine's threads: each call takes
-// the GIL; the first exception it raises is raised again once the engine
+// A progress callback called from the engine's threads with each progress
+// line (Progress::Line): each call takes the GIL; the first exception it raises is raised again once the engine
 // returns (later lines are not reported).
 class Progress {
  public:
   explicit Progress(py::object callback) : callback_(std::move(callback)) {}
 
-  std::function<void(const std::string&)> Function() {
+  reshard::ProgressCallback Function() {
     if (callback_.is_none()) return nullptr;
-    return [this](const std::string& line) {
+    return [this](const reshard::Progress& progress) {
       py::gil_scoped_acquire gil;
       std::lock_guard<std::mutex> lock(mu_);
       if (error_) return;
       try {
-        callback_(line);
+        callback_(progress.Line());
       } catch (py::error_already_set& e) {
         error_.emplace(std::move(e));
       }
@@ -116,6 +116,7 @@ void ReadCommon(Kwargs& kw, reshard::CommonOptions* o, Progress* progress) {
   kw.Get("rules", &o->rules);
   kw.Get("allow_class", &o->allowed_classes);
   kw.Get("set", &o->set);
+  kw.Get("state_dict_prefixes", &o->state_dict_prefixes);
   kw.Get("threads", &o->threads);
   kw.Get("check_crc", &o->check_crc);
   if (progress != nullptr) o->progress = progress->Function();

@@ -76,7 +76,7 @@ Status CheckFileCrcs(const std::string& path, const DcpMetadata* meta, const Tor
 }  // namespace
 
 Status CheckRecordCrcs(const SourceCheckpoint& src, int threads, const TorchCheck* torch,
-                       const std::function<void(const std::string&)>& progress, std::vector<std::string>* damaged) {
+                       const ProgressCallback& progress, std::vector<std::string>* damaged) {
   RESHARD_ASSIGN_OR_RETURN(auto dcp_folders, DcpFolders(src.info().files));
   std::mutex mu;
   std::vector<Job> jobs;

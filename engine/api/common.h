@@ -29,6 +29,6 @@ Status CheckVocabSize(const SourceCheckpoint& src, std::optional<int64_t> given)
 // null) read the file too, a file per job on `threads` workers; each damaged
 // file adds its one-line message to `damaged` (`lint --deep`, `verify --deep`).
 Status CheckRecordCrcs(const SourceCheckpoint& src, int threads, const TorchCheck* torch,
-                       const std::function<void(const std::string&)>& progress, std::vector<std::string>* damaged);
+                       const ProgressCallback& progress, std::vector<std::string>* damaged);
 
 }  // namespace reshard

@@ -1,4 +1,5 @@
-// reshard::CleanUpOnSignals: an interrupted run removes its staging folders.
+// reshard::CleanUpOnSignals: an interrupted run removes its staging folders
+// and says which output was not written.
 //
 // The signals are blocked in every thread and taken by one thread with
 // sigwait, where removing folders is ordinary code (a signal handler could
@@ -6,6 +7,9 @@
 // default action, so the process still dies of it.
 #include <pthread.h>
 #include <signal.h>
+#include <unistd.h>
+
+#include <cstdio>
 
 #include <thread>
 
@@ -26,7 +30,11 @@ void CleanUpOnSignals() {
   std::thread([set] {
     int sig = 0;
     if (::sigwait(&set, &sig) != 0) return;
-    RemoveStagingFolders();
+    for (const std::string& out : RemoveStagingFolders()) {
+      // The progress line on a terminal is still open: end it first.
+      std::fprintf(stderr, "%sreshard: interrupted: nothing was written to %s (its partial files were removed); "
+                   "run the command again to write it\n", ::isatty(STDERR_FILENO) == 1 ? "\n" : "", out.c_str());
+    }
     ::signal(sig, SIG_DFL);
     sigset_t one;
     sigemptyset(&one);

@@ -254,6 +254,7 @@ Status RunJobs(std::vector<Job>& jobs, const VerifyOptions& options) {
   exec.threads = memory.threads;
   exec.buffer_bytes = memory.buffer_bytes;
   exec.progress = options.progress;
+  exec.unit = "tensors";
   return Execute(jobs, exec);
 }
 

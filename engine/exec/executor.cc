@@ -3,13 +3,10 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <cstdio>
 #include <map>
 #include <mutex>
 #include <system_error>
 #include <thread>
-
-#include "util/human.h"
 
 namespace reshard {
 namespace {
@@ -43,51 +40,43 @@ Status RunParallel(size_t n, int threads, const std::function<Status(size_t, int
   return first_error;
 }
 
-// Counts written bytes and files and reports them about once a second. A
-// file written in parts is done when its last part is.
-class Progress {
+// Counts the bytes and the items done (the jobs of one name are one item,
+// done when its last job is) and reports them about once a second, and once
+// when the last item is done.
+class ProgressCounter {
  public:
-  Progress(const std::vector<Job>& jobs, std::function<void(const std::string&)> report)
-      : bytes_(JobBytes(jobs)), report_(std::move(report)) {
+  ProgressCounter(const std::vector<Job>& jobs, const ExecuteOptions& options) : report_(options.progress) {
     for (const Job& job : jobs) ++parts_left_[job.name];
-    files_ = static_cast<int64_t>(parts_left_.size());
+    now_.unit = options.unit;
+    now_.total = static_cast<int64_t>(parts_left_.size());
+    now_.bytes = JobBytes(jobs);
   }
 
   void AddBytes(int64_t n) {
-    bytes_done_ += n;
-    MaybeReport(false);
+    std::lock_guard<std::mutex> lock(mu_);
+    now_.bytes_done += n;
+    MaybeReport();
   }
   void JobDone(const Job& job) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (--parts_left_[job.name] > 0) return;
-    }
-    MaybeReport(++files_done_ == files_);
+    std::lock_guard<std::mutex> lock(mu_);
+    if (--parts_left_[job.name] > 0) return;
+    ++now_.done;
+    MaybeReport();
   }
 
  private:
   using Clock = std::chrono::steady_clock;
-  void MaybeReport(bool last) {
+  void MaybeReport() {
     if (!report_) return;
-    std::lock_guard<std::mutex> lock(mu_);
-    const double t = std::chrono::duration<double>(Clock::now() - start_).count();
-    if (!last && t < next_report_) return;
-    next_report_ = t + 1.0;
-    const double rate = t > 0 ? bytes_done_ / t : 0;
-    const double eta = rate > 0 ? (bytes_ - bytes_done_) / rate : 0;
-    char line[256];
-    std::snprintf(line, sizeof(line), "%lld/%lld files, %s of %s, %s/s, ETA %.0f s",
-                  static_cast<long long>(files_done_.load()), static_cast<long long>(files_),
-                  HumanBytes(bytes_done_).c_str(), HumanBytes(bytes_).c_str(),
-                  HumanBytes(static_cast<int64_t>(rate)).c_str(), eta);
-    report_(line);
+    now_.seconds = std::chrono::duration<double>(Clock::now() - start_).count();
+    if (!now_.finished() && now_.seconds < next_report_) return;
+    next_report_ = now_.seconds + 1.0;
+    report_(now_);
   }
 
-  const int64_t bytes_;
-  int64_t files_ = 0;
-  std::map<std::string, int> parts_left_;  // by file name
-  std::function<void(const std::string&)> report_;
-  std::atomic<int64_t> files_done_{0}, bytes_done_{0};
+  const ProgressCallback report_;
+  std::map<std::string, int> parts_left_;  // by item name
+  Progress now_;
   std::mutex mu_;
   const Clock::time_point start_ = Clock::now();
   double next_report_ = 1.0;
@@ -117,7 +106,7 @@ int64_t JobBytes(const std::vector<Job>& jobs) {
 }
 
 Status Execute(std::vector<Job>& jobs, const ExecuteOptions& options) {
-  Progress progress(jobs, options.progress);
+  ProgressCounter progress(jobs, options);
   // More workers than jobs would only hold buffers.
   const int threads = static_cast<int>(std::clamp<size_t>(static_cast<size_t>(std::max(1, options.threads)), 1,
                                                           std::max<size_t>(1, jobs.size())));

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "exec/job.h"
+#include "reshard/progress.h"
 
 namespace reshard {
 
@@ -22,8 +23,9 @@ struct ExecuteOptions {
   int threads = 1;
   int64_t buffer_bytes = 1 << 20;  // each worker's streaming buffer
   std::string dir;                 // passed to every job
-  // Receives a progress line (jobs, bytes, rate, ETA) about once a second.
-  std::function<void(const std::string&)> progress;
+  // Receives where the jobs stand about once a second, and when the last is done.
+  ProgressCallback progress;
+  std::string unit = "files";  // what the jobs' names count (jobs of one name are one)
   // JobContext::wrote of every job (called from the worker threads).
   std::function<void(const std::string& name, const FileDigest& digest)> wrote;
 };

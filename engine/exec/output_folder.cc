@@ -26,6 +26,9 @@ namespace reshard {
 namespace fs = std::filesystem;
 namespace {
 
+// `<OUT>.reshard-partial-<pid>`: the staging folder of the run with that pid.
+constexpr char kStagingInfix[] = ".reshard-partial-";
+
 bool IsInside(const fs::path& child, const fs::path& parent) {
   auto c = child.begin(), p = parent.begin();
   for (; p != parent.end(); ++c, ++p) {
@@ -104,7 +107,7 @@ Status WriteFileAtomically(const fs::path& path, const std::string& content) {
 // (the files written beside OUT), whose process is gone.
 bool IsLeftover(const std::string& name, const std::string& base) {
   std::string pid;
-  for (const std::string kind : {".reshard-partial-", ".reshard-old-"}) {
+  for (const std::string kind : {kStagingInfix, ".reshard-old-"}) {
     if (name.rfind(base + kind, 0) == 0) pid = name.substr(base.size() + kind.size());
   }
   const std::string tmp = ".reshard-tmp-";
@@ -243,18 +246,21 @@ void Track(const std::string& path, bool in_progress) {
 
 }  // namespace
 
-void RemoveStagingFolders() {
+std::vector<std::string> RemoveStagingFolders() {
   std::lock_guard<std::mutex> lock(staging_mu);
+  std::vector<std::string> outs;
   for (const std::string& staging : StagingFolders()) {
+    outs.push_back(staging.substr(0, staging.rfind(kStagingInfix)));
     // Workers may still be creating files in it: a pass that meets one fails
     // (the folder is not empty when it is removed), so pass again.
     std::error_code ec;
     for (int pass = 0; pass < 1000 && fs::exists(staging, ec); ++pass) fs::remove_all(staging, ec);
   }
+  return outs;
 }
 
 OutputFolder::OutputFolder(std::string out) : out_(std::move(out)) {
-  staging_ = out_ + ".reshard-partial-" + std::to_string(::getpid());
+  staging_ = out_ + kStagingInfix + std::to_string(::getpid());
 }
 
 OutputFolder::OutputFolder(OutputFolder&& other) noexcept
@@ -328,7 +334,7 @@ void OutputFolder::RemoveLeftovers(const std::string& fingerprint) {
     if (!IsLeftover(name, out.filename().string())) continue;
     std::error_code ec;
     const bool same_run = !fingerprint.empty() && resumed_.empty() &&
-                          name.rfind(out.filename().string() + ".reshard-partial-", 0) == 0 &&
+                          name.rfind(out.filename().string() + kStagingInfix, 0) == 0 &&
                           HoldsJournalOf(entry.path().string(), fingerprint);
     if (same_run) {
       fs::rename(entry.path(), staging_, ec);

@@ -122,8 +122,9 @@ Status CheckPointers(const std::string& root, const std::vector<std::pair<std::s
                      bool overwrite);
 
 // Removes the staging folders and lock files of every OutputFolder begun
-// and not yet committed or destroyed in this process (for an interrupted run).
-void RemoveStagingFolders();
+// and not yet committed or destroyed in this process (for an interrupted run);
+// returns the output folders they were for.
+std::vector<std::string> RemoveStagingFolders();
 
 // Flushes every file written into `dir` (a staging folder) to the disk. One
 // flush of the file system after all writes lets the kernel write back in

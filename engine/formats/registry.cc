@@ -3,6 +3,7 @@
 #include "container/record_crc.h"
 #include "formats/consolidated/consolidated_source.h"
 #include "formats/dcp/dcp_source.h"
+#include "formats/dcp_recipe/dcp_recipe_import.h"
 #include "formats/dcp_common/megatron_tracker.h"
 #include "formats/deepspeed/deepspeed_source.h"
 #include "formats/folder_hint.h"
@@ -49,18 +50,18 @@ DcpTensors TensorsOf(const DcpContent& content) {
   return out;
 }
 
-// A DCP folder of torchtitan's model, read as its family's pipeline model;
-// any other, or one no family reads, as what it is.
-Result<std::unique_ptr<SourceCheckpoint>> OpenTorchtitan(DcpContent content, const CommonOptions& options) {
-  const DcpTensors tensors = TensorsOf(content);
-  if (!LooksLikeTorchtitan(tensors, options.rules)) return Named("dcp", OpenDcpCheckpoint(std::move(content), ""));
-  Result<TorchtitanImport> imported = ReadTorchtitanImport(tensors, options);
+// `imported` as format `format`'s pipeline model; when it is a refusal, the
+// DCP folder as what it is with the reason (the refusal itself where the user
+// asked for a reading: --rules, --state-dict-prefixes).
+Result<std::unique_ptr<SourceCheckpoint>> OpenStateDict(const std::string& format, DcpContent content,
+                                                        Result<StateDictImport> imported, bool asked,
+                                                        const CommonOptions& options) {
   if (!imported.ok()) {
-    if (!options.rules.empty()) return imported.status();
+    if (asked) return imported.status();
     return Named("dcp", OpenDcpCheckpoint(std::move(content), imported.status().message()));
   }
   const int tp = imported->tp, pp = imported->pp, dp = imported->dp;
-  return Named("torchtitan",
+  return Named(format,
                MakeImportedSource({std::move(imported->logical), content.folder, std::move(imported->what),
                                    std::move(imported->files), std::move(imported->notes),
                                    std::move(imported->optimizer), imported->optimizer_status, "",
@@ -69,13 +70,31 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenTorchtitan(DcpContent content, con
                tp, pp, dp);
 }
 
+// A DCP folder of torchtitan's model, or of a model and its optimizer saved
+// by PyTorch's DCP recipe, read as its family's pipeline model; any other, or
+// one no family reads, as what it is.
+Result<std::unique_ptr<SourceCheckpoint>> OpenModelStateDict(DcpContent content, const CommonOptions& options) {
+  const DcpTensors tensors = TensorsOf(content);
+  const bool asked = !options.rules.empty() || !options.state_dict_prefixes.empty();
+  if (options.state_dict_prefixes.empty() && LooksLikeTorchtitan(tensors, options.rules)) {
+    Result<StateDictImport> imported = ReadTorchtitanImport(tensors, options);
+    return OpenStateDict("torchtitan", std::move(content), std::move(imported), asked, options);
+  }
+  // A folder whose structure is the recipe's but ambiguous is refused, naming the option.
+  RESHARD_ASSIGN_OR_RETURN(std::optional<RecipePrefixes> recipe,
+                           FindRecipePrefixes(tensors, options.state_dict_prefixes));
+  if (!recipe) return Named("dcp", OpenDcpCheckpoint(std::move(content), ""));
+  Result<StateDictImport> imported = ReadDcpRecipeImport(tensors, *recipe, options);
+  return OpenStateDict("dcp_recipe", std::move(content), std::move(imported), asked, options);
+}
+
 // A Megatron-Core torch_dist folder is read as the pipeline model its
 // family's rules describe; any other DCP folder, or one no built-in rule set
 // reads, as what it is.
 Result<std::unique_ptr<SourceCheckpoint>> OpenDcp(const std::string& folder, const CommonOptions& options) {
   RESHARD_ASSIGN_OR_RETURN(DcpContent content, ReadDcpContent(folder));
   if (options.rules == kNoRules) return Named("dcp", OpenDcpCheckpoint(std::move(content), ""));
-  if (!content.torch_dist) return OpenTorchtitan(std::move(content), options);
+  if (!content.torch_dist) return OpenModelStateDict(std::move(content), options);
   Result<TorchDistImport> imported = ReadTorchDistImport(content, options);
   if (!imported.ok()) {
     if (!options.rules.empty() || imported.status().code() != Status::Code::kUnsupported) return imported.status();

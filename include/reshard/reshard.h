@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "reshard/cluster.h"
+#include "reshard/progress.h"
 #include "reshard/status.h"
 
 namespace reshard {
@@ -66,13 +67,17 @@ struct CommonOptions {
   // args.<key>). Refused when the checkpoint records another value or no
   // rule reads it.
   std::map<std::string, std::string> set;
+  // The top-level prefixes a DCP folder holds a model's and its optimizer's
+  // state dicts under, "MODEL,OPTIM" ("model,optim", "app.model,app.optim"),
+  // where its structure does not tell (PyTorch's DCP recipe); empty: found.
+  std::string state_dict_prefixes;
   // Threads for reading and writing; 0 = the number of cores.
   int threads = 0;
   // Check the CRC-32 of every zip record the command reads whole, as it
   // reads it (--no-check-crc: false).
   bool check_crc = true;
-  // Receives progress lines ("12/40 files, 1.2 GB"); may be empty.
-  std::function<void(const std::string&)> progress;
+  // Receives where the work stands about once a second; may be empty.
+  ProgressCallback progress;
 };
 
 // What convert is told about the checkpoint, and lint too: lint with the
@@ -219,8 +224,8 @@ struct ConvertReport {
 };
 
 // Makes an interrupted run leave nothing behind: on SIGINT, SIGTERM or
-// SIGHUP the staging folders of outputs in progress are removed before the
-// process dies of the signal, and a file-size limit (SIGXFSZ) fails the
+// SIGHUP the staging folders of outputs in progress are removed (a line on
+// stderr names each output left unwritten) before the process dies of the signal, and a file-size limit (SIGXFSZ) fails the
 // write that hits it with a clean error instead of killing the process. An
 // input file that shrinks under the run (SIGBUS) ends it with one line
 // naming the file.

@@ -13,7 +13,7 @@ and a checkpoint read in place, without writing a converted copy::
 
     ckpt = reshard.open("ckpts/global_step20")
     ckpt.keys()                              # canonical names
-    ckpt.tensor("transformer.final_layernorm.weight")
+    ckpt.tensor("final_layernorm.weight")
     ckpt.state_dict(tp=2, pp=1, tp_rank=0)   # what that rank's layer files hold
     ckpt.optimizer_state(tp=2, pp=1, dp=4, tp_rank=0, dp_rank=3)
 
@@ -155,7 +155,8 @@ def open(path, rules=None, set=None, **options):  # noqa: A001 (reshard.open, as
     """Opens the checkpoint at ``path`` (a tag folder or a root holding ``latest``), any format
     reshard reads, without writing anything. ``rules``: a rule file or built-in name; ``set``:
     values the rules need that the checkpoint does not record ({"num_attention_heads": 16});
-    also replicated, weights_only, vocab_size, allow_class, threads, check_crc."""
+    also replicated, weights_only, vocab_size, allow_class, state_dict_prefixes ("model,optim": a DCP
+    recipe save's prefixes where they are ambiguous), threads, check_crc."""
     if set is not None:
         options["set"] = {str(k): str(v) for k, v in set.items()}
     return Checkpoint(path, rules=rules, **options)

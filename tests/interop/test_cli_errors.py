@@ -353,7 +353,7 @@ class ContentTests(ReshardTestCase):
         for policy in ('average', 'first'):
             with self.subTest(policy=policy):
                 out = self.path(f'out_{policy}', 'global_step10')
-                stdout = self.assertConverted(['convert', tag, out, '--tp', 1, '--pp', 1, '-q',
+                stdout = self.assertConverted(['convert', tag, out, '--tp', 1, '--pp', 1,
                                                '--replicated', policy], out, watch=[self.path('src')])
                 self.assertIn('layer_05/self_attention.dense.bias', stdout)  # the merge note
                 got = torch.load(layer_file(out, 5, 0))['self_attention.dense.bias']
@@ -363,7 +363,7 @@ class ContentTests(ReshardTestCase):
     def test_weights_only_leaves_optimizer_shards_out(self):
         tag = self.bloom(dp=2, optimizer='bf16_zero')
         out = self.path('out', 'global_step10')
-        stdout = self.assertConverted(['convert', tag, out, '--tp', 1, '--pp', 1, '--weights-only', '-q'],
+        stdout = self.assertConverted(['convert', tag, out, '--tp', 1, '--pp', 1, '--weights-only'],
                                       out, watch=[self.path('src')])
         self.assertIn('weights only: the 8 optimizer shard files were not converted', stdout)
         self.assertFalse([n for n in os.listdir(out) if 'optim_states' in n])

@@ -31,7 +31,7 @@ import torch2_chroot
 
 run = support.reshard
 
-# Run by torch 2.6 in the chroot, the test's temporary folder at /work. Processes are forked, not
+# Run by torch 2.6 in the chroot, the test's temporary folder at /data. Processes are forked, not
 # spawned: `python3 -c` has no main file a spawned child could import its function from.
 GENERATE = r'''
 import datetime, json, socket, sys
@@ -75,21 +75,21 @@ def rank(r, port):
     for k, (shape, _, mesh, placements) in DTENSORS.items():
         state[k] = distribute_tensor(full[k], meshes[mesh], placements)
         boxes[k] = [list(v) for v in compute_local_shape_and_global_offset(shape, meshes[mesh], placements)]
-    dcp.save(state, checkpoint_id='/work/world2')
+    dcp.save(state, checkpoint_id='/data/world2')
     every = [None, None]
     dist.all_gather_object(every, boxes)
     if r == 0:  # a replicated tensor's shards are one box; an empty shard is still a shard
-        with open('/work/world2_shards.json', 'w') as f:
+        with open('/data/world2_shards.json', 'w') as f:
             json.dump({k: len({json.dumps(b[k]) for b in every}) for k in DTENSORS}, f)
     end_rank(dist)
 
 def load_back(name, want):
     """dcp.load into zeros in this process (no process group); must give back what was saved."""
     got = {k: torch.zeros(t.shape, dtype=t.dtype) for k, t in want.items()}
-    dcp.load(got, checkpoint_id='/work/' + name)
+    dcp.load(got, checkpoint_id='/data/' + name)
     bad = [k for k in want if not torch.equal(got[k], want[k])]
     assert not bad, f'{name}: dcp.load gave back other values for {bad}'
-    torch.save(got, f'/work/{name}_full.pt')
+    torch.save(got, f'/data/{name}_full.pt')
 
 # The two ranks are forked first, while this process has started no threads
 # (dcp.save writes through a thread pool, and a child forked after that can
@@ -101,7 +101,7 @@ mp.start_processes(rank, args=(port,), nprocs=2, start_method='fork')
 load_back('world2', world2())
 
 tensors = single()
-dcp.save({**tensors, 'note': 'made by torch ' + torch.__version__, 'step': 7}, checkpoint_id='/work/single')
+dcp.save({**tensors, 'note': 'made by torch ' + torch.__version__, 'step': 7}, checkpoint_id='/data/single')
 flat = {k: t for k, t in tensors.items() if k != 'nested'}
 flat['nested.bias'] = tensors['nested']['bias']
 load_back('single', flat)
@@ -128,7 +128,7 @@ class DcpTorch2Test(FixtureTestCase):
         root = torch2_chroot.root_or_skip()
         cls.work = tempfile.mkdtemp(prefix='reshard-torch2-')
         cls.addClassCleanup(shutil.rmtree, cls.work)
-        p = torch2_chroot.run(root, torch2_chroot.END_RANK + GENERATE, {cls.work: '/work'})
+        p = torch2_chroot.run(root, torch2_chroot.END_RANK + GENERATE, {cls.work: '/data'})
         if p.returncode:
             raise AssertionError('torch 2 could not write the saves:\n' + p.stdout + p.stderr)
         print(p.stdout.strip(), file=sys.stderr)

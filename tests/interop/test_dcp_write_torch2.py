@@ -25,7 +25,7 @@ import unittest
 import interop_support as support
 import torch2_chroot
 
-# Run by torch 2.6 in the chroot with the written folders under /work; FOLDER is set before it.
+# Run by torch 2.6 in the chroot with the written folders under /data; FOLDER is set before it.
 CHECK = r'''
 import pickle, torch
 import torch.distributed.checkpoint as dcp
@@ -100,7 +100,7 @@ class DcpWriteTorch2Test(unittest.TestCase):
             raise AssertionError(f'{unit_tests} did not write the checkpoints:\n' + p.stdout + p.stderr)
 
     def check(self, folder):
-        p = torch2_chroot.run(self.root, f'FOLDER = {"/work/" + folder!r}\n' + CHECK, {self.work: '/work'})
+        p = torch2_chroot.run(self.root, f'FOLDER = {"/data/" + folder!r}\n' + CHECK, {self.work: '/data'})
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         print(p.stdout.strip(), file=sys.stderr)
 

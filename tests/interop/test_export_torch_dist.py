@@ -117,7 +117,7 @@ class ExportTorchDistTest(FixtureTestCase):
                 out = self.path(name.replace('/', '_') + '_torch')
                 tp, pp = other_layout(config['layout'])
                 self.export(os.path.join(DATA, name), out, tp, pp, *sizes(config))
-                p = torch2_chroot.run(root, "FOLDER = '/work/iter_0000000'\n" + LOAD, {out: '/work'})
+                p = torch2_chroot.run(root, "FOLDER = '/data/iter_0000000'\n" + LOAD, {out: '/data'})
                 self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
                 loaded = torch.load(os.path.join(out, 'loaded.pt'))
                 full = torch.load(os.path.join(DATA, name + '_full.pt'))

@@ -177,7 +177,7 @@ class ExportTorchDistMc014Test(FixtureTestCase):
         # 0.14's form has no common_state item to load.
         load = LOAD.replace("state['common_state/shard_0_1'] = None\n", '')
         self.assertNotEqual(load, LOAD)
-        p = torch2_chroot.run(root, f"FOLDER = '/work/{folder}'\n" + load, {out: '/work'})
+        p = torch2_chroot.run(root, f"FOLDER = '/data/{folder}'\n" + load, {out: '/data'})
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         loaded = torch.load(os.path.join(out, 'loaded.pt'))
         full = support.load(os.path.join(DATA, '0.19', name + '_optim_full.pt'))['optimizer']

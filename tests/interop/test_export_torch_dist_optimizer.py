@@ -145,7 +145,7 @@ class ExportTorchDistOptimizerTest(FixtureTestCase):
                 self.export(f'{tag}_optim_dp_reshardable', out, tp, pp, '--optimizer-layout', 'fully_reshardable',
                             *sizes(config))
                 folder = os.path.basename(glob.glob(os.path.join(out, 'iter_*'))[0])
-                p = torch2_chroot.run(root, f"FOLDER = '/work/{folder}'\n" + LOAD, {out: '/work'})
+                p = torch2_chroot.run(root, f"FOLDER = '/data/{folder}'\n" + LOAD, {out: '/data'})
                 self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
                 loaded = torch.load(os.path.join(out, 'loaded.pt'))
                 full = support.load(tag + '_optim_full.pt')

@@ -72,7 +72,7 @@ class FaultTest(FixtureTestCase):
         self.old = digest(old)
 
     def killed_run(self, syscall, n, root, overwrite):
-        args = [support.RESHARD, 'convert', self.src, os.path.join(root, 'global_step10'), *map(str, LAYOUT), '-q']
+        args = [support.RESHARD, 'convert', self.src, os.path.join(root, 'global_step10'), *map(str, LAYOUT)]
         if overwrite:
             args.append('--overwrite')
         p = subprocess.run(['strace', '-f', '-qq', '-o', '/dev/null', '-e', f'trace={syscall}',
@@ -104,7 +104,7 @@ class FaultTest(FixtureTestCase):
                 killed += rc != 0
                 self.assert_consistent(root, overwrite, where)
                 out = os.path.join(root, 'global_step10')
-                again = ['convert', self.src, out, *LAYOUT, '-q']
+                again = ['convert', self.src, out, *LAYOUT]
                 if overwrite or (os.path.isdir(out) and os.listdir(out)):  # killed after the commit
                     again.append('--overwrite')
                 p = run(*again)
@@ -123,7 +123,7 @@ class FaultTest(FixtureTestCase):
         root = self.path('resume')
         self.assertEqual(self.killed_run('write', 20, root, overwrite=False), -9)
         out = os.path.join(root, 'global_step10')
-        p = run('convert', self.src, out, *LAYOUT, '-q')
+        p = run('convert', self.src, out, *LAYOUT)
         self.assertEqual(p.returncode, 0, p.stderr)
         reused = re.search(r'resumed the killed run\'s output \(global_step10\.reshard-partial-\d+\): '
                            r'(\d+) of (\d+) jobs reused', p.stdout)
@@ -158,7 +158,7 @@ class FullAndReadOnlyDiskTest(FixtureTestCase):
         self.assertIn('No space left on device', p.stderr)
         self.assertEqual(os.listdir(disk), ['filler'])  # not even the folders it made
         os.remove(filler)
-        p = run('convert', src, out, *LAYOUT, '-q')
+        p = run('convert', src, out, *LAYOUT)
         self.assertEqual(p.returncode, 0, p.stderr)
         self.assertEqual(read_text(os.path.join(disk, 'ckpt', 'latest')), 'global_step10')
 

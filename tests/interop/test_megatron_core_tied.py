@@ -102,8 +102,8 @@ def worlds(fn, cases):
         mp.start_processes(fn, args=(port, *case), nprocs=2, start_method='fork')
 ''' % json.dumps(MODEL)
 
-# Saves each sample at /work/TAG, then (no process group, after every fork) has torch's dcp.load
-# read its whole tensors into /work/TAG_full.pt.
+# Saves each sample at /data/TAG, then (no process group, after every fork) has torch's dcp.load
+# read its whole tensors into /data/TAG_full.pt.
 SAVE = r'''
 SAVES = json.loads(%r)
 
@@ -117,10 +117,10 @@ def save(r, port, tag):
     for p in model.parameters():
         if p.dim() == 1:
             p.data.add_(torch.randn(p.shape, generator=g))
-    os.makedirs('/work/' + tag, exist_ok=True)  # as Megatron-LM makes it
-    dist_checkpointing.save(model.sharded_state_dict(), '/work/' + tag)
+    os.makedirs('/data/' + tag, exist_ok=True)  # as Megatron-LM makes it
+    dist_checkpointing.save(model.sharded_state_dict(), '/data/' + tag)
     torch.save({k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)},
-               f'/work/{tag}_rank{r}.pt')
+               f'/data/{tag}_rank{r}.pt')
     end_megatron_rank()
 
 worlds(save, [(tag,) for tag in SAVES])
@@ -129,12 +129,12 @@ import pickle
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 for tag in SAVES:
-    with open(f'/work/{tag}/.metadata', 'rb') as f:
+    with open(f'/data/{tag}/.metadata', 'rb') as f:
         meta = pickle.load(f)
     full = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()
             if isinstance(m, TensorStorageMetadata)}
-    dcp.load(full, checkpoint_id='/work/' + tag)
-    torch.save(full, f'/work/{tag}_full.pt')
+    dcp.load(full, checkpoint_id='/data/' + tag)
+    torch.save(full, f'/data/{tag}_full.pt')
 print('megatron-core', __import__('megatron.core.package_info').core.package_info.__version__)
 ''' % json.dumps(SAVES)
 
@@ -147,7 +147,7 @@ def load(r, port, tag, out, kind, groups, tp, pp):
     start(r, port)
     model = build(kind, groups, tp, pp)
     held = {}
-    for name, folder in (('megatron', '/work/' + tag), ('reshard', out)):
+    for name, folder in (('megatron', '/data/' + tag), ('reshard', out)):
         for p in model.parameters():
             p.data.zero_()
         # As Megatron-LM loads: the model's state under 'model', the common state (args,
@@ -156,7 +156,7 @@ def load(r, port, tag, out, kind, groups, tp, pp):
                                         strict=StrictHandling.RAISE_ALL)
         model.load_state_dict(state['model'], strict=True)
         held[name] = {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
-    torch.save(held, f'/work/{tag}_loaded_rank{r}.pt')
+    torch.save(held, f'/data/{tag}_loaded_rank{r}.pt')
     end_megatron_rank()
 
 worlds(load, CASES)
@@ -240,7 +240,7 @@ class MegatronCoreTiedTest(FixtureTestCase):
 
     @classmethod
     def megatron(cls, script):
-        return megatron_core_pypi.run(cls.root, cls.site, script, {cls.work: '/work'}, timeout=240)
+        return megatron_core_pypi.run(cls.root, cls.site, script, {cls.work: '/data'}, timeout=240)
 
     def saved(self, name):
         return os.path.join(self.work, name)
@@ -334,7 +334,7 @@ class MegatronCoreTiedTest(FixtureTestCase):
             p = run('convert', self.saved(tag), out, '--tp', pp, '--pp', tp, *sizes(tag))
             self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
             self.assertFalse(os.path.exists(os.path.join(out, 'iter_0000000', 'common.pt')))
-            cases.append([tag, f'/work/{tag}_out/iter_0000000', kind, groups, pp, tp])
+            cases.append([tag, f'/data/{tag}_out/iter_0000000', kind, groups, pp, tp])
         p = self.megatron(torch2_chroot.END_RANK + BUILD + 'CASES = json.loads(%r)\n' % json.dumps(cases) + LOAD)
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr[-4000:])
         for tag, _, _, _, tp, pp in cases:

@@ -286,7 +286,7 @@ class MemoryBoundsTest(unittest.TestCase):
         dp_reshardable (TP 2, PP 2, DP 2: the tied embedding a bucket of its own on each end
         stage), then from that torch_dist checkpoint to TP 1, PP 2, DP 2 and to one consolidated
         file, each under the budget."""
-        dp_reshardable = ('--optimizer-layout', 'dp_reshardable', '--dp', '2', '--max-memory', BUDGET, '-q')
+        dp_reshardable = ('--optimizer-layout', 'dp_reshardable', '--dp', '2', '--max-memory', BUDGET)
         export_peaks, reshard_peaks, consolidated_peaks, sizes = {}, {}, {}, {}
         for size in SIZES:
             with self.subTest(size=size):

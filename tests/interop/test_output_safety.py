@@ -7,8 +7,8 @@
 * `--overwrite` replaces OUT in one exchange and leaves nothing beside it.
 * What a killed run left beside OUT (its staging folder) is removed by the next run, and said.
 * A second run writing the same OUT while one holds it is refused.
-* SIGINT, SIGTERM or SIGHUP during a conversion: the process dies of the signal and leaves
-  nothing beside OUT; a file-size limit (SIGXFSZ) is a clean I/O error.
+* SIGINT, SIGTERM or SIGHUP during a conversion: the process says which output it did not write,
+  dies of the signal and leaves nothing beside OUT; a file-size limit (SIGXFSZ) is a clean I/O error.
 * An input file that shrinks or is rewritten during the run: exit 3, a line naming it, OUT not
   published (a read past the new end is a SIGBUS, reported; other changes are found at commit).
 * When `latest` cannot be replaced, the run is refused before writing anything: the root's state
@@ -155,10 +155,11 @@ class OutputSafetyTest(FixtureTestCase):
                 proc, out, _ = self.start_big_conversion(sig.name)
                 parent = os.path.dirname(out)
                 proc.send_signal(sig)
-                proc.communicate(timeout=60)
+                _, stderr = proc.communicate(timeout=60)
                 if proc.returncode == 0:
                     self.skipTest('the conversion finished before the signal')
                 self.assertEqual(proc.returncode, -sig)  # it dies of the signal
+                self.assertIn(f'reshard: interrupted: nothing was written to {out} ', stderr)
                 # The folder reshard made for OUT may be gone too: a worker whose staging folder
                 # was removed under it can fail first, and that error path removes the folders
                 # the run created before the signal ends the process.

@@ -156,6 +156,9 @@ class PipelineSource : public DeepSpeedModelSource {
     }
     RESHARD_ASSIGN_OR_RETURN(DeepSpeedPlan plan, MakePipelinePlan(ckpt(), opt, PlanOptionsFrom(options)));
     notes->insert(notes->end(), plan.notes.begin(), plan.notes.end());
+    if (opt != nullptr) {
+      notes->insert(notes->end(), model_->foreign_deepspeed_notes.begin(), model_->foreign_deepspeed_notes.end());
+    }
     if (opt != nullptr && opt->format().per_parameter) {
       notes->push_back("optimizer: the torch optimizer state inside the mp_rank files is "
                        "reshaped with the weights (each parameter's states like the parameter, "
@@ -331,7 +334,7 @@ std::unique_ptr<SourceCheckpoint> MakeImportedSource(ImportedModel imported, con
   if (imported.optimizer) {
     model->foreign_optimizer_layout = imported.optimizer->layout;
     Result<std::unique_ptr<SourceOptimizer>> opt =
-        MakeImportedOptimizer(std::move(*imported.optimizer), model->logical, &model->foreign_notes);
+        MakeImportedOptimizer(std::move(*imported.optimizer), model->logical, &model->foreign_deepspeed_notes);
     if (opt.ok()) {
       optimizer = std::move(*opt);
     } else {

@@ -49,7 +49,7 @@ Result<HfImport> ReadHfImport(const std::string& dir, const CommonOptions& optio
 
 // `folder` read as the model of `rules`: ReadHfImport's reading of one
 // family, also for an HF model another format holds (its tensors as runs,
-// a config made for it; formats/torchtitan/torchtitan_import.h).
+// a config made for it; hf_common/state_dict_import.h).
 Result<HfImport> ImportHfModel(HfFolder folder, const RuleSet& rules, const CommonOptions& options);
 
 // The canonical tensors `folder`'s tensors make as `rules`' hf.tensors join

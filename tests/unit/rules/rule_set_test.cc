@@ -858,7 +858,8 @@ TEST(RuleSetBuiltin, ErrorsInAFileNameIt) {
   EXPECT_EQ(rs.status().message(), path + ":20: unknown drift policy 'avg'; use check, average or first");
 }
 
-// The ```yaml blocks of docs/rules.md, read in order, form the worked example.
+// The ```yaml blocks of docs/rules.md, read in order, form the worked example
+// (the field reference's snippets are ```yaml excerpt blocks).
 TEST(RuleSetBuiltin, DocsWorkedExampleLoads) {
   std::ifstream in(std::string(RESHARD_SOURCE_DIR) + "/docs/rules.md");
   ASSERT_TRUE(in) << "docs/rules.md not found";

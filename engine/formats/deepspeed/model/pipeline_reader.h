@@ -32,6 +32,9 @@ struct DeepSpeedModel {
   // (SourceInfo::notes). Its files are files.foreign_files.
   std::string foreign;
   std::vector<std::string> foreign_notes;
+  // What writing it as a DeepSpeed checkpoint chose (its optimizer's form):
+  // notes for a DeepSpeed target only, which its Plan gives.
+  std::vector<std::string> foreign_deepspeed_notes;
   std::string foreign_optimizer_layout;  // SourceInfo::optimizer_layout
   std::string foreign_format_version;    // SourceInfo::format_version
   RecordedFacts foreign_facts;           // what inspect prints of it (imported_layers.h)

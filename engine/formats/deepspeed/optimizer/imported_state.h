@@ -28,8 +28,9 @@
 namespace reshard {
 
 // `imported` over `ckpt` (the imported model, TP 1, PP 1), which must
-// outlive it. Errors: a weight without state, fp16 weights. Notes what the
-// target format takes that the source does not record.
+// outlive it. Errors: a weight without state, fp16 weights. Notes the
+// DeepSpeed optimizer it becomes and what its shards take that the source
+// does not record (for a DeepSpeed target).
 Result<std::unique_ptr<SourceOptimizer>> MakeImportedOptimizer(ImportedOptimizer imported,
                                                                const LogicalCheckpoint& ckpt,
                                                                std::vector<std::string>* notes);

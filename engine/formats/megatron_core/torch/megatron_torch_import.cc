@@ -520,8 +520,8 @@ class FamilyReader {
                       "(" + Count(tied_copies_, "TP piece") + "); it is dropped, the first stage's embedding is read");
     }
     if (f_.extra_states > 0) {
-      notes.push_back("megatron: _extra_state (" + Count(f_.extra_states, "item") + " in each TP rank's files) is ignored: "
-                      "Megatron-DeepSpeed's layer files have no place for it");
+      notes.push_back("megatron: _extra_state (" + Count(f_.extra_states, "item") + " in each TP rank's files) is not carried: "
+                      "reshard does not carry Transformer Engine's state yet");
     }
     if (!optimizer_status_.ok()) {
       notes.push_back(optimizer_status_.message());  // "megatron: <why it is not read>; <fix>"

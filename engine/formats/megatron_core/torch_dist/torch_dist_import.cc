@@ -200,7 +200,7 @@ class FamilyReader {
     }
     if (extra_states_ > 0) {
       notes.push_back("torch_dist: Transformer Engine's _extra_state (" + Count(extra_states_, "item") +
-                    ") is dropped: Megatron-DeepSpeed's layer files have no place for it");
+                    ") is not carried: reshard does not carry Transformer Engine's state yet");
     }
     TorchDistImport out;
     out.logical = std::move(logical);

@@ -1,0 +1,131 @@
+#include "formats/dcp_recipe/dcp_recipe_import.h"
+
+#include <algorithm>
+#include <map>
+#include <set>
+#include <vector>
+
+#include "util/strings.h"
+
+namespace reshard {
+namespace {
+
+constexpr char kState[] = "state.";
+constexpr char kParamGroups[] = "param_groups.";
+constexpr char kOption[] = "--state-dict-prefixes";
+
+bool StartsWith(const std::string& s, const std::string& prefix) { return s.rfind(prefix, 0) == 0; }
+
+// A prefix as given ("app.model"), with its dot ("app.model."); "" stays "".
+std::string Dotted(const std::string& prefix) { return prefix.empty() ? "" : prefix + "."; }
+
+// A prefix as the messages show it: without its dot, "(top level)" for none.
+std::string Shown(const std::string& prefix) {
+  return prefix.empty() ? "(top level)" : prefix.substr(0, prefix.size() - 1);
+}
+
+// Every optimizer prefix Q of `dcp` (an object under Q param_groups.) with
+// the FQNs its state holds (tensors Q state.<fqn>.<state>).
+std::map<std::string, std::set<std::string>> OptimizerStates(const DcpTensors& dcp) {
+  std::set<std::string> grouped;
+  for (const std::string& object : dcp.objects) {
+    for (size_t at = object.find(kParamGroups); at != std::string::npos; at = object.find(kParamGroups, at + 1)) {
+      if (at == 0 || object[at - 1] == '.') grouped.insert(object.substr(0, at));
+    }
+  }
+  std::map<std::string, std::set<std::string>> out;
+  for (const std::string& optim : grouped) {
+    for (const auto& [key, t] : dcp.tensors) {
+      if (!StartsWith(key, optim + kState)) continue;
+      const std::string rest = key.substr(optim.size() + sizeof(kState) - 1);
+      const size_t dot = rest.rfind('.');
+      if (dot != std::string::npos && dot > 0) out[optim].insert(rest.substr(0, dot));
+    }
+  }
+  return out;
+}
+
+// Whether every FQN of `fqns` is a tensor under `model`.
+bool HoldsAll(const DcpTensors& dcp, const std::string& model, const std::set<std::string>& fqns) {
+  return std::all_of(fqns.begin(), fqns.end(), [&](const std::string& f) { return dcp.tensors.count(model + f) > 0; });
+}
+
+// The model prefixes under which every FQN of `fqns` is a tensor.
+std::vector<std::string> ModelPrefixes(const DcpTensors& dcp, const std::string& optim,
+                                       const std::set<std::string>& fqns) {
+  const std::string& first = *fqns.begin();
+  std::vector<std::string> out;
+  for (const auto& [key, t] : dcp.tensors) {
+    if (StartsWith(key, optim + kState) || key.size() < first.size()) continue;
+    const size_t at = key.size() - first.size();
+    if (key.compare(at, std::string::npos, first) != 0 || (at > 0 && key[at - 1] != '.')) continue;
+    if (HoldsAll(dcp, key.substr(0, at), fqns)) out.push_back(key.substr(0, at));
+  }
+  return out;
+}
+
+// The prefixes `option` names, checked against the folder.
+Result<RecipePrefixes> GivenPrefixes(const DcpTensors& dcp, const std::string& option) {
+  const size_t comma = option.find(',');
+  if (comma == std::string::npos || option.find(',', comma + 1) != std::string::npos) {
+    return Status::InvalidInput(std::string(kOption) + " " + option + ": give MODEL,OPTIM, the two top-level "
+                                "prefixes (e.g. model,optim or app.model,app.optim)");
+  }
+  RecipePrefixes p{Dotted(option.substr(0, comma)), Dotted(option.substr(comma + 1))};
+  const auto states = OptimizerStates(dcp);
+  auto it = states.find(p.optim);
+  if (p.optim.empty() || it == states.end()) {
+    return Status::InvalidInput(std::string(kOption) + " " + option + ": " + dcp.folder + " holds no optimizer "
+                                "state under " + p.optim + kState + " beside " + p.optim + kParamGroups +
+                                " (inspect --rules none lists its keys)");
+  }
+  if (!HoldsAll(dcp, p.model, it->second)) {
+    return Status::InvalidInput(std::string(kOption) + " " + option + ": " + dcp.folder + " holds the parameters "
+                                "of the optimizer's state " + p.optim + kState + "<fqn> not all under " +
+                                Shown(p.model) + " (inspect --rules none lists its keys)");
+  }
+  return p;
+}
+
+}  // namespace
+
+Result<std::optional<RecipePrefixes>> FindRecipePrefixes(const DcpTensors& dcp, const std::string& option) {
+  if (!option.empty()) {
+    RESHARD_ASSIGN_OR_RETURN(RecipePrefixes given, GivenPrefixes(dcp, option));
+    return std::optional<RecipePrefixes>(std::move(given));
+  }
+  std::vector<RecipePrefixes> found;
+  for (const auto& [optim, fqns] : OptimizerStates(dcp)) {
+    if (fqns.empty()) continue;
+    for (const std::string& model : ModelPrefixes(dcp, optim, fqns)) found.push_back({model, optim});
+  }
+  if (found.empty()) return std::optional<RecipePrefixes>();
+  if (found.size() > 1) {
+    std::vector<std::string> pairs;
+    for (const RecipePrefixes& p : found) pairs.push_back(Shown(p.model) + "," + Shown(p.optim));
+    return Status::InvalidInput("the DCP folder " + dcp.folder + " holds a model with its optimizer's state under "
+                                "more than one pair of prefixes (" + Join(pairs, "; ") + "); name the pair to read "
+                                "with " + kOption + " MODEL,OPTIM, or read it as plain DCP with --rules none");
+  }
+  return std::optional<RecipePrefixes>(found.front());
+}
+
+Result<StateDictImport> ReadDcpRecipeImport(const DcpTensors& dcp, const RecipePrefixes& prefixes,
+                                            const CommonOptions& options) {
+  StateDictKeys keys;
+  keys.format = "dcp_recipe";
+  keys.label = "DCP recipe checkpoint";
+  keys.model_prefix = prefixes.model;
+  keys.optim_prefix = prefixes.optim;
+  keys.hf_keys = true;
+  if (prefixes.model.empty()) {  // the model at the top level: everything but the optimizer is its
+    keys.run_states = {prefixes.optim.substr(0, prefixes.optim.find('.'))};
+  }
+  Result<StateDictImport> imported = ReadStateDictImport(dcp, keys, options);
+  if (imported.ok() || imported.status().code() != Status::Code::kUnsupported) return imported;
+  return Status::Unsupported(imported.status().message() + "; the model's family needs a rule file whose hf section "
+                             "names its HF model and whose torchtitan section gives its sizes (docs/rules.md), "
+                             "given with --rules FILE");
+}
+
+}  // namespace reshard
