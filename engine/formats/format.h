@@ -133,6 +133,9 @@ struct SourceInfo {
   Value settings = Value::MakeDict();
   int64_t vocab_rows = 0;              // rows of the vocabulary tensors (0 when none)
   std::optional<int64_t> vocab_size;   // the true vocabulary size, when the checkpoint records it
+  // The vocabulary padding's divisor (Megatron's make_vocab_size_divisible_by),
+  // where the checkpoint or --set gives it.
+  std::optional<int64_t> vocab_divisible_by;
   bool has_experts = false;            // DeepSpeed MoE: its EP size is what convert --ep sets
   // How the source's format laid its optimizer state out, where it names
   // it (torch_dist: "dp_reshardable"): an export to that format keeps it.

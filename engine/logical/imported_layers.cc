@@ -125,10 +125,14 @@ void SetImportedLayoutArgs(DType weights, Value* metadata) {
 
 void SetImportedVocab(const RuleSet& rules, int64_t padded, std::optional<int64_t> original, Value* metadata) {
   for (const std::string& key : rules.detect().metadata_keys) {
-    if (Find(*metadata, key) != nullptr) continue;
-    Set(*metadata, key, Value::MakeDict());
-    // What Megatron-DeepSpeed writes beside the sizes (§9.2).
-    if (key == "universal_checkpoint_info") SetPath(metadata, key + ".universal_checkpoint_version", Value::Float(0.2));
+    if (Find(*metadata, key) == nullptr) Set(*metadata, key, Value::MakeDict());
+    // What Megatron-DeepSpeed writes beside the sizes (§9.2), also where the
+    // true size was recorded there first (SetImportedVocabSize): no import's
+    // format records it.
+    const std::string version = key + ".universal_checkpoint_version";
+    if (key == "universal_checkpoint_info" && WalkPath(*metadata, version) == nullptr) {
+      SetPath(metadata, version, Value::Float(0.2));
+    }
   }
   for (const std::string& path : rules.vocab_original_size().Paths()) {
     if (original) SetPath(metadata, path, Value::Int(*original));

@@ -64,6 +64,10 @@ struct VocabInfo {
   // The vocabulary tensors hold the true rows only (a universal checkpoint):
   // args.padded_vocab_size describes the checkpoint they were taken from.
   bool padding_stripped = false;
+  // The TP the padding was made for, where it is not the checkpoint's own
+  // `tp` (0: it is): an import lays a save of TP 2 out at TP 1 with TP 2's
+  // padding, which a TP 1 target must re-pad.
+  int padded_for_tp = 0;
 };
 
 struct LogicalCheckpoint {

@@ -41,6 +41,17 @@ Status CheckVocabRepaddable(const LogicalCheckpoint& src, std::optional<int64_t>
 
 namespace {
 
+// The TP the vocabulary's padding was made for: the checkpoint's own, or
+// the save's an import was read from.
+int PaddingTp(const LogicalCheckpoint& src) { return src.vocab.padded_for_tp > 0 ? src.vocab.padded_for_tp : src.tp; }
+
+// Whether the vocabulary of `src` is padded again for TP `tp`: its padding
+// was made for another TP, or stripped.
+bool Repadded(const LogicalCheckpoint& src, int tp) {
+  const VocabInfo& vocab = src.vocab;
+  return vocab.padded_rows != 0 && (tp != PaddingTp(src) || vocab.padding_stripped);
+}
+
 // How to give the value at `ref`'s first path.
 std::string SetFlag(const MetaRef& ref) {
   const std::vector<std::string> paths = ref.Paths();
@@ -80,8 +91,7 @@ std::vector<MissingValue> MissingValues(const LogicalCheckpoint& src, int tp, st
   if (src.rules == nullptr) return missing;
   MissingBlockCounts(src, &missing);
   const VocabInfo& vocab = src.vocab;
-  const bool repadded = vocab.padded_rows != 0 && !vocab.pad_to && (tp != src.tp || vocab.padding_stripped);
-  if (!repadded) return missing;
+  if (vocab.pad_to || !Repadded(src, tp)) return missing;
   if (!vocab.divisible_by) {  // one given but below 1 is refused as invalid (CheckVocabRepaddable)
     AddMissing({src.rules->vocab_divisible_by().ToString() + " (the vocabulary padding's divisor)",
                 SetFlag(src.rules->vocab_divisible_by())},
@@ -119,7 +129,7 @@ Status CheckValuesGiven(const LogicalCheckpoint& src, int tp, std::optional<int6
 void ReportMissingValues(const LogicalCheckpoint& src, const LintOptions& options, LintReport* report) {
   const bool target = options.target_tp > 0;
   const std::vector<MissingValue> missing =
-      MissingValues(src, target ? options.target_tp : src.tp, options.vocab_size);
+      MissingValues(src, target ? options.target_tp : PaddingTp(src), options.vocab_size);
   if (!missing.empty()) {
     // The reading's one-value findings are replaced by the finding naming them all.
     auto& findings = report->findings;
@@ -137,17 +147,17 @@ void ReportMissingValues(const LogicalCheckpoint& src, const LintOptions& option
   if (tp_change.size() == missing.size()) return;
   report->findings.push_back(
       {Finding::Severity::kWarning,
-       MissingValuesMessage("a TP change (convert --tp other than " + std::to_string(src.tp) +
+       MissingValuesMessage("a TP change (convert --tp other than " + std::to_string(PaddingTp(src)) +
                                 ") needs values the checkpoint does not record, which convert at TP " +
-                                std::to_string(src.tp) + " does without (lint --tp N checks a target)",
+                                std::to_string(PaddingTp(src)) + " does without (lint --tp N checks a target)",
                             tp_change)});
 }
 
 Result<int64_t> TargetPaddedVocab(const LogicalCheckpoint& src, int tp,
                                   std::optional<int64_t> vocab_size) {
   const VocabInfo& vocab = src.vocab;
-  // The same TP keeps the padding, unless it was stripped.
-  if (vocab.padded_rows == 0 || (tp == src.tp && !vocab.padding_stripped)) return vocab.padded_rows;
+  // The TP the padding was made for keeps it, unless it was stripped.
+  if (!Repadded(src, tp)) return vocab.padded_rows;
   if (vocab.pad_to) {
     if (*vocab.pad_to % tp != 0) {
       return Status::InvalidInput("args.pad_vocab_size_to = " + std::to_string(*vocab.pad_to) +

@@ -59,7 +59,9 @@ class ArchitectureTravelsTest(FixtureTestCase):
 
     def test_torch_dist_hf_torch_dist_hf(self):
         first = self.path('first')
-        p = run('convert', TORCH_DIST, first, '--to', 'torch_dist', '--tp', 1, '--pp', 1, *TORCH_DIST_VALUES)
+        # TP 2 -> 1 pads the vocabulary for TP 1, by a divisor the save does not record; it travels on.
+        p = run('convert', TORCH_DIST, first, '--to', 'torch_dist', '--tp', 1, '--pp', 1, *TORCH_DIST_VALUES,
+                '--set', 'make_vocab_size_divisible_by=16')
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         _, hf1, td2, hf2 = self.chain(first, ('hf',), ('torch_dist', '--tp', 1, '--pp', 1), ('hf',))
         with open(os.path.join(hf1, 'config.json')) as f:

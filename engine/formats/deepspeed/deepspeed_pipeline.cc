@@ -199,7 +199,7 @@ class PipelineSource : public DeepSpeedModelSource {
     }
     RESHARD_ASSIGN_OR_RETURN(const SourceOptimizer* opt, Optimizer());
     RESHARD_ASSIGN_OR_RETURN(OutputPlan out, PlanUniversal(ckpt(), *opt, files(), options.replicated, options.vocab_size, notes));
-    if (!model_->foreign.empty()) RESHARD_RETURN_IF_ERROR(AddModelStates(*opt, &out));
+    if (!model_->foreign.empty()) RESHARD_RETURN_IF_ERROR(AddModelStates(*opt, options.vocab_size, &out));
     return out;
   }
 
@@ -276,10 +276,12 @@ class PipelineSource : public DeepSpeedModelSource {
 
   // A model another format read has no mp_rank files for its universal
   // checkpoint to copy: it gets those a conversion at its own layout (TP 1,
-  // PP 1, DP 1) writes.
-  Status AddModelStates(const SourceOptimizer& opt, OutputPlan* out) const {
+  // PP 1, DP 1) writes, the vocabulary padded for TP 1 (`vocab_size`: the
+  // true size --vocab-size gives).
+  Status AddModelStates(const SourceOptimizer& opt, std::optional<int64_t> vocab_size, OutputPlan* out) const {
     PlanOptions own;
     own.dp = 1;
+    own.vocab_size = vocab_size;
     RESHARD_ASSIGN_OR_RETURN(DeepSpeedPlan plan, MakePipelinePlan(ckpt(), &opt, own));
     RESHARD_ASSIGN_OR_RETURN(OutputPlan native, DeepSpeedOutput(ckpt(), &opt, plan));
     for (PlannedFile& f : native.files) {

@@ -90,6 +90,7 @@ void DeepSpeedModelSource::SetInfo(std::string kind, std::string summary, bool v
   if (!vocab) return;
   info_.vocab_rows = ckpt().vocab.padded_rows;
   info_.vocab_size = ckpt().vocab.original_size;
+  info_.vocab_divisible_by = ckpt().vocab.divisible_by;
 }
 
 std::vector<std::string> DeepSpeedModelSource::DriftNotes() const {

@@ -90,12 +90,12 @@ class ImportedStateOptimizer : public SourceOptimizer {
       if (imported.step) state.emplace_back(Value::String(kStep), *imported.step);
       for (const std::string& moment : imported.moments) state.emplace_back(Value::String(moment), Value::None());
       per_group.emplace_back(Value::Int(static_cast<int64_t>(g)), Value::MakeDict(std::move(state)));
-      // torch keeps the step in each parameter's state; the group lists its one flat parameter.
+      // torch's Adam keeps the step in each parameter's state, DeepSpeed's
+      // FusedAdam (which Megatron-DeepSpeed trains with) in its group: each
+      // group keeps the step it records, else the source's. The group lists
+      // its one flat parameter.
       Value group = imported.param_groups[g];
-      Items& items = *MutableDictItems(group);
-      items.erase(std::remove_if(items.begin(), items.end(),
-                                 [](const auto& kv) { return kv.first.is(Value::Kind::kString) && kv.first.as_string() == kStep; }),
-                  items.end());
+      if (Find(group, kStep) == nullptr && imported.step) Set(group, kStep, *imported.step);
       Set(group, "params", Value::MakeList({Value::Int(static_cast<int64_t>(g))}));
       groups.push_back(std::move(group));
     }

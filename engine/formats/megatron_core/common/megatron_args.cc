@@ -119,18 +119,19 @@ void Normalization(Value* args, std::vector<std::string>* changes) {
 }
 
 // group_query_attention and num_query_groups (the legacy ParallelAttention
-// and Megatron-Core read the groups only with the flag), from
-// num_key_value_heads, the group count the rules cut the weights with (the
-// fork's field, or an import's; None: multi-head attention). Args that
-// already say group_query_attention keep it, and get the groups it needs.
-void QueryGroups(Value* args, std::vector<std::string>* changes) {
-  if (Find(*args, "num_key_value_heads") == nullptr) return;
-  const std::optional<int64_t> kv = IntField(*args, "num_key_value_heads");
+// and Megatron-Core read the groups only with the flag), from the group count
+// the rules cut the weights with (`kv_groups`, else the args'
+// num_key_value_heads: the fork's, an import's, or --set's; none:
+// multi-head attention unless the args say otherwise). Args that already say
+// group_query_attention keep it, and get the groups it needs.
+void QueryGroups(Value* args, std::optional<int64_t> kv_groups, std::vector<std::string>* changes) {
+  if (!kv_groups && Find(*args, "num_key_value_heads") == nullptr) return;
+  if (!kv_groups) kv_groups = IntField(*args, "num_key_value_heads");
   const bool grouped = BoolField(*args, "group_query_attention", false) ||
-                       (kv && IntField(*args, "num_attention_heads") != kv);
-  if (grouped && !kv) return;  // no group count to give: left as the run saved it
+                       (kv_groups && IntField(*args, "num_attention_heads") != kv_groups);
+  if (grouped && !kv_groups) return;  // no group count to give: left as the run saved it
   Write(args, "group_query_attention", Value::Bool(grouped), changes);
-  Write(args, "num_query_groups", grouped ? Value::Int(*kv) : Value::None(), changes);
+  Write(args, "num_query_groups", grouped ? Value::Int(*kv_groups) : Value::None(), changes);
 }
 
 // position_embedding_type, which the legacy model builds positions from,
@@ -183,7 +184,7 @@ std::vector<std::string> ArchitectureFlags(const Value& args) {
   }
   if (BoolField(args, "swiglu", false)) flags.push_back("--swiglu");
   if (const std::optional<int64_t> groups = IntField(args, "num_query_groups");
-      groups && BoolField(args, "group_query_attention", false)) {
+      groups && *groups > 0 && BoolField(args, "group_query_attention", false)) {
     flags.push_back("--group-query-attention --num-query-groups " + std::to_string(*groups));
   }
   if (BoolField(args, "untie_embeddings_and_output_weights", false)) {
@@ -208,12 +209,12 @@ void Tying(Value* args, std::optional<bool> tied, std::vector<std::string>* chan
   if (tied) Write(args, "untie_embeddings_and_output_weights", Value::Bool(!*tied), changes);
 }
 
-void AsMegatronLm(Value* args, std::optional<bool> tied, std::vector<std::string>* notes) {
+void AsMegatronLm(Value* args, const MegatronLayout& layout, std::vector<std::string>* notes) {
   std::vector<std::string> changes;
-  Tying(args, tied, &changes);
+  Tying(args, layout.tied_embedding, &changes);
   NumExperts(args, &changes);
   Normalization(args, &changes);
-  QueryGroups(args, &changes);
+  QueryGroups(args, layout.kv_groups, &changes);
   PositionEmbedding(args, &changes);
   RotaryBase(args, &changes);
   if (!changes.empty()) {
@@ -234,6 +235,11 @@ bool TiesEmbedding(const RuleSet& rules) {
     }
   }
   return false;
+}
+
+std::optional<int64_t> KvGroups(const Value& metadata, const Value& settings) {
+  const std::optional<int64_t> groups = MetaRef{{"args.num_key_value_heads"}}.Resolve(RuleInputs{metadata, settings});
+  return groups && *groups > 0 ? groups : std::nullopt;
 }
 
 Value MegatronArgs(const Value& args, const MegatronLayout& layout, std::vector<std::string>* notes) {
@@ -270,7 +276,7 @@ Value MegatronArgs(const Value& args, const MegatronLayout& layout, std::vector<
                      " field(s) NVIDIA Megatron-LM cannot unpickle or rebuilds itself (tensors, fork-only "
                      "classes): " + Join(dropped, ", "));
   }
-  AsMegatronLm(&out, layout.tied_embedding, notes);
+  AsMegatronLm(&out, layout, notes);
   return out;
 }
 

@@ -34,7 +34,15 @@ struct MegatronLayout {
   // untie_embeddings_and_output_weights, which Megatron-LM and reshard's
   // readers take the model's head from.
   std::optional<bool> tied_embedding;
+  // The KV-group count the model was read with (KvGroups; nullopt: none is
+  // known), written as num_query_groups where the attention is grouped.
+  std::optional<int64_t> kv_groups;
 };
+
+// The KV-group count the rules read, args.num_key_value_heads, from the
+// source's `metadata` or the --set `settings`: where a run's args leave it
+// None, --set gives it.
+std::optional<int64_t> KvGroups(const Value& metadata, const Value& settings);
 
 // Whether `rules` tie the word embedding and the output layer.
 bool TiesEmbedding(const RuleSet& rules);

@@ -2,6 +2,9 @@
 
 #include <functional>
 #include <map>
+#include <optional>
+#include <string>
+#include <vector>
 
 namespace reshard {
 namespace {
@@ -22,6 +25,25 @@ Value Hyper(const Value& hyper, const std::string& name, Value fallback) {
   if (v == nullptr) return fallback;
   if (v->is(Value::Kind::kList)) return Value::MakeTuple(v->as_list().items);
   return *v;
+}
+
+// A number the source's group records under `name`.
+std::optional<double> Number(const OptimizerParamGroup& group, const char* name) {
+  const Value* v = Find(group.hyperparameters, name);
+  if (v != nullptr && v->is(Value::Kind::kFloat)) return v->as_float();
+  if (v != nullptr && v->is(Value::Kind::kInt)) return static_cast<double>(v->as_int());
+  return std::nullopt;
+}
+
+// Whether Megatron-Core's scheduler, which sets a group's weight_decay to
+// the run's times its wd_mult, decays `group` less than the source did (its
+// weight_decay times its own wd_mult where it records one, as Megatron's
+// groups do; torchtitan's decay every parameter).
+bool DecayDropped(const OptimizerParamGroup& group) {
+  const std::optional<double> decay = Number(group, "weight_decay");
+  if (!decay) return false;
+  const double applied = *decay * Number(group, "wd_mult").value_or(1.0);
+  return applied > *decay * group.weight_decay_multiplier;
 }
 
 // One Megatron-Core param group (default config: 0.19 says so, 0.14 not; no expert
@@ -52,7 +74,8 @@ Value MegatronGroup(const OptimizerParamGroup& group, const Value& step, const V
 
 }  // namespace
 
-Result<Value> MegatronParamGroups(const OptimizerParamGroups& groups, const Value* args, const std::string& version) {
+Result<Value> MegatronParamGroups(const OptimizerParamGroups& groups, const Value* args, const std::string& version,
+                                  std::vector<std::string>* notes) {
   RESHARD_ASSIGN_OR_RETURN(Value step, FloatStep(groups.step));
   std::map<double, const OptimizerParamGroup*, std::greater<double>> by_mult;
   for (const OptimizerParamGroup& g : groups.groups) {
@@ -64,7 +87,15 @@ Result<Value> MegatronParamGroups(const OptimizerParamGroups& groups, const Valu
     }
   }
   std::vector<Value> out;
-  for (const auto& [mult, g] : by_mult) out.push_back(MegatronGroup(*g, step, args, version != "0.14"));
+  for (const auto& [mult, g] : by_mult) {
+    out.push_back(MegatronGroup(*g, step, args, version != "0.14"));
+    if (DecayDropped(*g)) {
+      notes->push_back("optimizer: the source decays its norms and biases too (weight_decay " +
+                       Hyper(g->hyperparameters, "weight_decay", Value::None()).DebugString(20) +
+                       "); Megatron-Core keeps them in its wd_mult 0 group, whose decay its scheduler sets to "
+                       "weight_decay x wd_mult: a resumed run does not decay them");
+    }
+  }
   return Value::MakeList(std::move(out));
 }
 

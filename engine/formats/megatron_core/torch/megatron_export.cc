@@ -344,7 +344,7 @@ Status PlanDistribOptim(const SourceCheckpoint& src, const MegatronExportPlan& p
 // reads with the optimizer.
 Status PlanOptimizerEntries(const SourceCheckpoint& src, MegatronExportPlan* plan, std::vector<std::string>* notes) {
   RESHARD_ASSIGN_OR_RETURN(OptimizerParamGroups groups, src.ParamGroupsAndStep());
-  RESHARD_ASSIGN_OR_RETURN(Value param_groups, MegatronParamGroups(groups, Find(src.info().metadata, "args")));
+  RESHARD_ASSIGN_OR_RETURN(Value param_groups, MegatronParamGroups(groups, Find(src.info().metadata, "args"), "0.19", notes));
   plan->optimizer = Value::MakeDict({{Value::String("optimizer"),
                                       Value::MakeDict({{Value::String("param_groups"), std::move(param_groups)}})}});
   const Value* scheduler = Find(src.info().metadata, "lr_scheduler");
@@ -403,7 +403,11 @@ Result<OutputPlan> PlanMegatron(const SourceCheckpoint& src, const ExportOptions
   const Value* args = Find(src.info().metadata, "args");
   const int dp = options.dp > 0 ? options.dp : SourceDp(src);
   if (args != nullptr && DictItems(*args) != nullptr) {
-    plan.args = MegatronArgs(*args, {plan.cut.tp, plan.pp, dp, plan.padded_vocab, src.info().rules ? std::optional<bool>(TiesEmbedding(*src.info().rules)) : std::nullopt}, notes);
+    plan.args = MegatronArgs(*args,
+                             {plan.cut.tp, plan.pp, dp, plan.padded_vocab,
+                              src.info().rules ? std::optional<bool>(TiesEmbedding(*src.info().rules)) : std::nullopt,
+                              KvGroups(src.info().metadata, src.info().settings)},
+                             notes);
   } else {
     notes->push_back("args: the source records no Megatron args, so the files have none (Megatron-LM then "
                      "skips its checks of the checkpoint's arguments)");

@@ -531,6 +531,7 @@ class FamilyReader {
     }
     MegatronTorchImport out;
     out.logical = std::move(logical);
+    out.logical.vocab.padded_for_tp = f_.tp;  // the rank files' padding, made for their TP
     out.files = f_.paths;
     const int64_t iteration = out.logical.iteration;
     out.what = "Megatron-LM torch checkpoint (" + KeysName() + "): TP " + std::to_string(f_.tp) + ", PP " +

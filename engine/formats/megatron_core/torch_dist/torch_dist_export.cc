@@ -387,11 +387,11 @@ Result<Value> ModelSpaceParamState(const TpWeights& weights, const Value& param_
 // each rank's items).
 Result<Value> AddOptimizer(const SourceCheckpoint& src, const std::vector<FullTensor>& states,
                            const TpWeights& weights, const Target& target, std::atomic<int64_t>* read,
-                           RankFiles* files) {
+                           RankFiles* files, std::vector<std::string>* notes) {
   RESHARD_ASSIGN_OR_RETURN(OptimizerParamGroups groups, src.ParamGroupsAndStep());
   RESHARD_RETURN_IF_ERROR(CheckGrouped(groups, states));
   RESHARD_ASSIGN_OR_RETURN(Value param_groups,
-                           MegatronParamGroups(groups, Find(src.info().metadata, "args"), target.version));
+                           MegatronParamGroups(groups, Find(src.info().metadata, "args"), target.version, notes));
   for (const FullTensor& t : states) RESHARD_RETURN_IF_ERROR(StateName(t).status());
   Value out = Value::MakeDict();
   if (target.layout == kDpReshardable) {
@@ -427,11 +427,18 @@ Value CommonState(const SourceCheckpoint& src, const Target& target, int64_t pad
   if (args != nullptr && DictItems(*args) != nullptr) {
     const std::optional<bool> tied =
         src.info().rules ? std::optional<bool>(TiesEmbedding(*src.info().rules)) : std::nullopt;
-    Value written = MegatronArgs(*args, {target.cut.tp, target.pp, target.dp, padded_vocab, tied}, notes);
+    Value written = MegatronArgs(*args,
+                                 {target.cut.tp, target.pp, target.dp, padded_vocab, tied,
+                                  KvGroups(src.info().metadata, src.info().settings)},
+                                 notes);
     // The true vocabulary size, as Megatron-LM's --vocab-size records it: what
     // re-padding for another TP needs.
     const std::optional<int64_t> vocab = target.cut.vocab_size ? target.cut.vocab_size : src.info().vocab_size;
     if (vocab) Set(written, "vocab_size", Value::Int(*vocab));
+    // And the divisor it pads to, given by --set where the source's args lack it.
+    if (const std::optional<int64_t> divisor = src.info().vocab_divisible_by; divisor && *divisor > 0) {
+      Set(written, "make_vocab_size_divisible_by", Value::Int(*divisor));
+    }
     Set(state, "args", std::move(written));
   }
   Set(state, "checkpoint_version", Value::Float(3.0));
@@ -553,7 +560,7 @@ Result<OutputPlan> PlanTorchDist(const SourceCheckpoint& src, const ExportOption
   RESHARD_RETURN_IF_ERROR(CheckBucketSize(target, states));
   std::optional<Value> optimizer;
   if (!states.empty()) {
-    RESHARD_ASSIGN_OR_RETURN(optimizer, AddOptimizer(src, states, weights, target, out.read.get(), &files));
+    RESHARD_ASSIGN_OR_RETURN(optimizer, AddOptimizer(src, states, weights, target, out.read.get(), &files, notes));
   }
   AddExtraStates(rules, target, &files);
   const std::string folder = IterationFolder(src.info().iteration);

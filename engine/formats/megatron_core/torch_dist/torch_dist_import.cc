@@ -212,6 +212,7 @@ class FamilyReader {
     out.notes = std::move(notes);
     out.megatron_core_version = MegatronCoreVersion(c_, optimizer_);
     const std::string layout = SetSavedLayout(&out);
+    out.logical.vocab.padded_for_tp = out.tp;  // the save's padding, made for its TP (0: not known)
     out.facts = Facts(out, layout);
     out.optimizer = std::move(optimizer_);
     out.optimizer_status = optimizer_status_;

@@ -214,6 +214,32 @@ TEST(MegatronArgsTest, GroupQueryAttentionAlreadySaidGetsItsGroups) {
   EXPECT_EQ(notes.back().find("--num-query-groups"), std::string::npos) << notes.back();
 }
 
+TEST(MegatronArgsTest, TheGroupsTheModelWasReadWithAreWritten) {
+  // Args that leave num_key_value_heads None beside group_query_attention
+  // (the groups given by --set): the count the model was read with.
+  std::vector<std::string> notes;
+  MegatronLayout layout = kLayout;
+  layout.kv_groups = 6;
+  const Value out = MegatronArgs(MakeNamespace({{Value::String("num_attention_heads"), Value::Int(12)},
+                                                {Value::String("num_key_value_heads"), Value::None()},
+                                                {Value::String("group_query_attention"), Value::Bool(true)}}),
+                                 layout, &notes);
+  EXPECT_TRUE(Find(out, "group_query_attention")->as_bool());
+  EXPECT_EQ(Find(out, "num_query_groups")->as_int(), 6);
+  EXPECT_NE(notes.back().find("--group-query-attention --num-query-groups 6"), std::string::npos) << notes.back();
+  EXPECT_EQ(KvGroups(Value::MakeDict({{Value::String("args"), out}}),
+                     Value::MakeDict({{Value::String("args"),
+                                       MakeNamespace({{Value::String("num_key_value_heads"), Value::Int(6)}})}})),
+            6);
+  // A count of 0 is no count: no flag suggests it.
+  notes.clear();
+  MegatronArgs(MakeNamespace({{Value::String("num_attention_heads"), Value::Int(12)},
+                              {Value::String("num_query_groups"), Value::Int(0)},
+                              {Value::String("group_query_attention"), Value::Bool(true)}}),
+               kLayout, &notes);
+  EXPECT_EQ(notes.back().find("--num-query-groups"), std::string::npos) << notes.back();
+}
+
 TEST(MegatronArgsTest, OtherForkEnumsBecomeTheirMemberNames) {
   std::vector<std::string> notes;
   const Value mask = Call({"builtins", "getattr"},
