@@ -38,7 +38,7 @@ import torch
 import interop_support as support
 from interop_support import FixtureTestCase
 import torch2_chroot
-from test_torchtitan_source import canonical, universal_folder
+from test_torchtitan_source import assert_universal_states, canonical
 
 run = support.reshard
 
@@ -49,7 +49,7 @@ COMPARED = 'verify: 60 tensors'
 PREFIXES = {'recipe_w2': ('model.', 'optim.'), 'appstate_w3': ('app.model.', 'app.optim.'),
             'flat_w1': ('model.', 'optim.')}
 
-# Run by torch 2.6 in the chroot, the test's temporary folder at /work. Ranks are forked before this
+# Run by torch 2.6 in the chroot, the test's temporary folder at /data. Ranks are forked before this
 # process starts any thread (dcp.save writes through a thread pool).
 GENERATE = r'''
 import datetime, socket
@@ -170,10 +170,10 @@ def rank(r, world, port, name):
     optimizer = adamw(model)
     step(model, optimizer)
     if name == 'appstate_w3':
-        dcp.save({'app': AppState(model, optimizer)}, checkpoint_id='/work/' + name)
+        dcp.save({'app': AppState(model, optimizer)}, checkpoint_id='/data/' + name)
     else:
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        dcp.save({'model': model_sd, 'optim': optim_sd}, checkpoint_id='/work/' + name)
+        dcp.save({'model': model_sd, 'optim': optim_sd}, checkpoint_id='/data/' + name)
     end_rank(dist)
 
 def single(name):
@@ -187,15 +187,15 @@ def single(name):
     state = {'model': model_sd, 'optim': optim_sd}
     if name == 'ambiguous_w1':  # an EMA copy of the model beside it
         state['ema'] = {k: v.clone() for k, v in model_sd.items()}
-    dcp.save(state, checkpoint_id='/work/' + name)
+    dcp.save(state, checkpoint_id='/data/' + name)
 
 def load_back(name):
     """Every tensor of the save, by key, as dcp.load gives it back in one process."""
-    metadata = dcp.FileSystemReader('/work/' + name).read_metadata()
+    metadata = dcp.FileSystemReader('/data/' + name).read_metadata()
     got = {k: torch.zeros(m.size, dtype=m.properties.dtype) for k, m in metadata.state_dict_metadata.items()
            if hasattr(m, 'chunks')}
-    dcp.load(got, checkpoint_id='/work/' + name)
-    torch.save(got, f'/work/{name}_full.pt')
+    dcp.load(got, checkpoint_id='/data/' + name)
+    torch.save(got, f'/data/{name}_full.pt')
 
 for name, world in (('recipe_w2', 2), ('appstate_w3', 3)):
     with socket.socket() as s:
@@ -226,7 +226,7 @@ class DcpRecipeSourceTest(FixtureTestCase):
         root = torch2_chroot.root_or_skip()
         cls.work = tempfile.mkdtemp(prefix='reshard-recipe-')
         cls.addClassCleanup(shutil.rmtree, cls.work)
-        p = torch2_chroot.run(root, torch2_chroot.END_RANK + GENERATE, {cls.work: '/work'}, timeout=600)
+        p = torch2_chroot.run(root, torch2_chroot.END_RANK + GENERATE, {cls.work: '/data'}, timeout=600)
         if p.returncode:
             raise AssertionError('torch 2 could not write the saves:\n' + p.stdout + p.stderr)
         print(p.stdout.strip(), file=sys.stderr)
@@ -265,15 +265,7 @@ class DcpRecipeSourceTest(FixtureTestCase):
                 want = {'fp32': canonical(hf_of(full, model), CFG)}
                 for state in ('exp_avg', 'exp_avg_sq'):
                     want[state] = canonical(hf_of(full, optim, state), CFG)
-                compared = 0
-                for canon in want['fp32']:
-                    folder = os.path.join(uni, 'zero', universal_folder(canon, CFG['n_layers']))
-                    for state, tensors in want.items():
-                        got = torch.load(os.path.join(folder, state + '.pt'))['param']
-                        rows = tensors[canon].shape[0]  # the vocabulary's padding rows follow
-                        self.assertEqual(support.differences(got[:rows], tensors[canon], canon + ' ' + state), [])
-                        self.assertTrue(torch.equal(got[:rows], tensors[canon]), canon + ' ' + state)
-                        compared += 1
+                compared = assert_universal_states(self, uni, want, CFG['n_layers'])
                 self.assertEqual(compared, 3 * 15)  # 15 canonical weights
                 shard = torch.load(sorted(glob.glob(os.path.join(ms, '*optim_states.pt')))[0])
                 inner = shard['optimizer_state_dict']['base_optimizer_state']

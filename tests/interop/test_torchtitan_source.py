@@ -98,6 +98,20 @@ def universal_folder(name, layers):
             'lm_head.weight': f'{layers + 3}.lm_head.weight'}[name]
 
 
+def assert_universal_states(test, uni, want, layers):
+    """Checks that every state of `want` ({'fp32' | moment: {canonical name: tensor}}) is the universal
+    export's at `uni`, its vocabulary padding rows aside; returns how many tensors were compared."""
+    compared = 0
+    for canon in want['fp32']:
+        folder = os.path.join(uni, 'zero', universal_folder(canon, layers))
+        for state, tensors in want.items():
+            got = torch.load(os.path.join(folder, state + '.pt'))['param']
+            rows = tensors[canon].shape[0]  # the vocabulary's padding rows follow
+            test.assertEqual(support.differences(got[:rows], tensors[canon], canon + ' ' + state), [])
+            compared += 1
+    return compared
+
+
 class TorchtitanSourceTest(FixtureTestCase):
 
     def test_hf_export_gives_the_reference_tensors_and_logits(self):
@@ -143,14 +157,7 @@ class TorchtitanSourceTest(FixtureTestCase):
                 want = {'fp32': canonical(ref.torchtitan_to_hf(full, cfg), cfg)}
                 for state in ('exp_avg', 'exp_avg_sq'):
                     want[state] = canonical(ref.torchtitan_to_hf(state_of(full, state), cfg), cfg)
-                compared = 0
-                for canon in want['fp32']:
-                    folder = os.path.join(uni, 'zero', universal_folder(canon, cfg['n_layers']))
-                    for state, tensors in want.items():
-                        got = torch.load(os.path.join(folder, state + '.pt'))['param']
-                        rows = tensors[canon].shape[0]  # the vocabulary's padding rows follow
-                        self.assertEqual(support.differences(got[:rows], tensors[canon], canon + ' ' + state), [])
-                        compared += 1
+                compared = assert_universal_states(self, uni, want, cfg['n_layers'])
                 self.assertEqual(compared, 3 * len(want['fp32']))
                 shard = torch.load(sorted(glob.glob(os.path.join(ms, '*optim_states.pt')))[0])
                 inner = shard['optimizer_state_dict']['base_optimizer_state']
