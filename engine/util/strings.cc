@@ -54,6 +54,8 @@ std::string Hint(const std::string& word, const std::vector<std::string>& allowe
   return "expected one of: " + Join(allowed, ", ");
 }
 
+bool StartsWith(const std::string& s, const std::string& prefix) { return s.rfind(prefix, 0) == 0; }
+
 std::string Count(int64_t n, const std::string& noun) {
   return std::to_string(n) + " " + noun + (n == 1 ? "" : "s");
 }

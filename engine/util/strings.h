@@ -19,6 +19,9 @@ std::string Join(const std::vector<std::string>& items, const std::string& sep);
 // "", "+1", "1e3" or "12 "), stored in *out.
 bool ParseInt(const std::string& s, int64_t* out);
 
+// Whether `s` begins with `prefix`.
+bool StartsWith(const std::string& s, const std::string& prefix);
+
 // "1 block", "3 blocks": a count and its noun, plural but for one.
 std::string Count(int64_t n, const std::string& noun);
 

@@ -14,8 +14,6 @@ constexpr char kState[] = "state.";
 constexpr char kParamGroups[] = "param_groups.";
 constexpr char kOption[] = "--state-dict-prefixes";
 
-bool StartsWith(const std::string& s, const std::string& prefix) { return s.rfind(prefix, 0) == 0; }
-
 // A prefix as given ("app.model"), with its dot ("app.model."); "" stays "".
 std::string Dotted(const std::string& prefix) { return prefix.empty() ? "" : prefix + "."; }
 

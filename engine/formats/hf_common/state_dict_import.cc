@@ -31,8 +31,6 @@ bool IsLiteral(const std::string& text) {
 
 std::string TopLevel(const std::string& key) { return key.substr(0, key.find('.')); }
 
-bool StartsWith(const std::string& s, const std::string& prefix) { return s.rfind(prefix, 0) == 0; }
-
 // Whether stored key `key` is the model's.
 bool IsModelKey(const StateDictKeys& keys, const std::string& key) {
   if (!keys.model_prefix.empty()) return StartsWith(key, keys.model_prefix);
