@@ -79,7 +79,7 @@ demo: deps
 # cp -r in both page-cache modes with the exports and mpirun -np 2, then the
 # cost model at three sizes. Never part of `make test`.
 BENCH_BUILD ?= build-bench
-BENCH_WORKDIR ?= /tmp/reshard-bench
+BENCH_WORKDIR ?= $(BENCH_BUILD)/work
 BENCH_LOG ?= $(BENCH_BUILD)/bench.log
 # BENCH_KEEP=--keep keeps the checkpoints (~30 GB) for the next run.
 BENCH_KEEP ?=

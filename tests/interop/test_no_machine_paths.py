@@ -77,8 +77,8 @@ class NoMachinePathsTest(unittest.TestCase):
                 'a.py': "OUT = '/" + "work/ckpts'\n",
                 'b.md': 'see /' + 'home/alice/data\n',
                 'c.sh': 'cd /' + 'root/src && make\n',
-                'd.py': "MIRROR = 'http://deb.debi" + "an.org/debian'\n",
-                'e.md': 'pip install --index-url https://pyp' + 'i.org/simple x\n',
+                'd.py': "MIRROR = 'http" + "://" + '.'.join(['deb', 'debian', 'org']) + "/debian'\n",
+                'e.md': 'pip install --index-url http' + 's://' + '.'.join(['pypi', 'org']) + '/simple x\n',
                 'ok.md': 'scratch in /tmp/reshard-bench; tests/data/x; the chroot sees /data/out; a/work/b\n',
             }
             for name, text in lines.items():
