@@ -282,6 +282,9 @@ Result<VerifyReport> Verify(const std::string& a_path, const std::string& b_path
   if (!options.rules_b.empty()) b_options.rules = options.rules_b;
   RESHARD_ASSIGN_OR_RETURN(std::unique_ptr<SourceCheckpoint> b, OpenCheckpoint(b_path, b_options));
   for (const auto& [src, path] : {std::pair{a.get(), a_path}, std::pair{b.get(), b_path}}) {
+    // Every value a side lacks in one refusal, before the first of its reading errors.
+    Status given = CheckNoneMissing(src->MissingValues(std::nullopt, std::nullopt), "the comparison");
+    if (!given.ok()) return given.WithContext(path);
     for (const Finding& f : src->info().findings) {
       if (f.severity == Finding::Severity::kError) return Status::InvalidInput(f.message).WithContext(path);
     }

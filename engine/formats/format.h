@@ -22,6 +22,7 @@
 
 #include "pickle/value.h"
 #include "plan/output_plan.h"
+#include "plan/tensor_plan.h"
 #include "reshard/reshard.h"
 #include "rules/rule_set.h"
 #include "util/byte_producer.h"
@@ -203,6 +204,14 @@ class SourceCheckpoint {
   virtual Result<OptimizerParamGroups> ParamGroupsAndStep() const {
     return Status::Unsupported("a " + info_.kind + " checkpoint does not give its optimizer's param groups; "
                                "export with --weights-only");
+  }
+  // The values reading the tensors needs that neither the checkpoint, its
+  // rule file nor --set gives (the rules' block counts), and with
+  // `repad_tp` those re-padding the vocabulary for that TP needs: what a
+  // command names, with the values of its own, in one refusal.
+  virtual std::vector<MissingValue> MissingValues(std::optional<int> /*repad_tp*/,
+                                                  std::optional<int64_t> /*vocab_size*/) const {
+    return {};
   }
   // Observations verify reports about this side (replicas that differ, ...).
   virtual std::vector<std::string> VerifyNotes() const { return {}; }

@@ -230,6 +230,18 @@ std::string Summary(const std::string& title, const std::vector<StateDictFile>& 
 
 }  // namespace
 
+Result<std::vector<FullTensor>> WholeTensors(const SourceCheckpoint& src, ReplicatedPolicy replicated,
+                                             std::optional<int64_t> vocab_size, std::vector<MissingValue> also,
+                                             std::atomic<int64_t>* read) {
+  std::vector<MissingValue> missing = src.MissingValues(std::nullopt, vocab_size);
+  if (src.info().vocab_rows > 0 && !vocab_size && !src.info().vocab_size) {
+    missing.push_back({"the true vocabulary size (the padding rows are stripped to it)", "--vocab-size N"});
+  }
+  missing.insert(missing.end(), std::make_move_iterator(also.begin()), std::make_move_iterator(also.end()));
+  RESHARD_RETURN_IF_ERROR(CheckNoneMissing(missing));
+  return src.FullTensors(replicated, read);
+}
+
 Result<std::vector<ChosenTensor>> ChooseTensors(const std::vector<FullTensor>& all, const std::string& kind,
                                                 const TensorChoiceOptions& options,
                                                 std::vector<std::string>* notes) {

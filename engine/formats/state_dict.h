@@ -40,6 +40,14 @@ struct ChosenTensor {
   bool master = false;            // made from the fp32 master
 };
 
+// The source's FullTensors for an export of whole tensors, or one refusal
+// naming every value the export lacks: those reading the tensors needs, the
+// true vocabulary size its padding rows are stripped to (`vocab_size`, else
+// the source's), and the target's own (`also`).
+Result<std::vector<FullTensor>> WholeTensors(const SourceCheckpoint& src, ReplicatedPolicy replicated,
+                                             std::optional<int64_t> vocab_size, std::vector<MissingValue> also,
+                                             std::atomic<int64_t>* read);
+
 // Every parameter once, in the source's order, with a note saying how many
 // come from the fp32 masters.
 Result<std::vector<ChosenTensor>> ChooseTensors(const std::vector<FullTensor>& all, const std::string& kind,

@@ -1,12 +1,15 @@
 #include "logical/logical_checkpoint.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cstdio>
 #include <map>
+#include <string_view>
 
 #include "logical/rule_selection.h"
 #include "logical/settings.h"
 #include "logical/tp_placement.h"
+#include "rules/builtin_rules.h"
 #include "util/human.h"
 #include "util/shape.h"
 #include "util/strings.h"
@@ -129,16 +132,65 @@ bool IsMoeLayer(const LogicalLayer& layer) {
   return std::any_of(layer.tensors.begin(), layer.tensors.end(), [](const LogicalTensor& t) { return t.rule->MoeOnly(); });
 }
 
-// Matches every key of a layer against the rule set; reports unknown keys and
-// required rules no key matched.
-void DescribeLayer(LogicalLayer* layer, LogicalCheckpoint* ckpt) {
+// `key` as a rule's regex: its metacharacters escaped, and an index (a
+// component of digits, such as an expert's number) any number, so that one
+// rule explains every file and index holding it.
+std::string KeyPattern(const std::string& key) {
+  std::string pattern;
+  for (size_t i = 0; i < key.size(); ++i) {
+    const bool component_start = i == 0 || key[i - 1] == '.';
+    size_t end = i;
+    while (end < key.size() && std::isdigit(static_cast<unsigned char>(key[end]))) ++end;
+    if (component_start && end > i && (end == key.size() || key[end] == '.')) {
+      pattern += "\\d+";
+      i = end - 1;
+      continue;
+    }
+    if (std::string_view(".[]{}()*+?^$|\\").find(key[i]) != std::string_view::npos) pattern += '\\';
+    pattern += key[i];
+  }
+  return pattern;
+}
+
+// Keys no rule matches, one entry per role and pattern however many files
+// hold them: a user adds one rule for each.
+struct UnknownKey {
+  std::string first;  // the first file's key, as messages name it
+  int files = 0;
+};
+using UnknownKeys = std::map<std::pair<std::string, std::string>, UnknownKey>;  // (role, pattern) ->
+
+// One finding per unknown key pattern, saying where to add its rule: in a
+// copy of a built-in rule file (never the file itself, which an upgrade
+// replaces), else in the user's own.
+void ReportUnknownKeys(const UnknownKeys& unknown, LogicalCheckpoint* ckpt) {
   const RuleSet& rules = *ckpt->rules;
+  const std::string where = IsBuiltinRuleFile(rules.origin())
+                                ? " of a copy of " + rules.origin() + " (give the copy a name: of its own and pass it "
+                                  "with --rules FILE)"
+                                : " in " + rules.origin();
+  for (const auto& [role_pattern, key] : unknown) {
+    const auto& [role, pattern] = role_pattern;
+    const std::string more = key.files > 1 ? "; also in " + Count(key.files - 1, "more " + role + " file") : "";
+    AddError(ckpt, "unknown key " + key.first + " (a " + role + " file" + more + "): no rule of '" + rules.name() +
+                       "' matches it; add one under layers." + role + where + ", e.g. `- key: '" + pattern +
+                       "'` with split or replicated");
+  }
+}
+
+// Matches every key of a layer against the rule set; reports required
+// rules no key matched, and adds the keys no rule matches to `unknown`.
+// Returns whether the rules explain the layer without a finding.
+bool DescribeLayer(LogicalLayer* layer, LogicalCheckpoint* ckpt, UnknownKeys* unknown) {
+  const RuleSet& rules = *ckpt->rules;
+  const size_t findings_before = ckpt->findings.size();
+  bool all_known = true;
   const std::vector<std::string> keys = KeysOf(layer->roots[0]);
   for (size_t t = 1; t < layer->roots.size(); ++t) {
     if (KeysOf(layer->roots[t]) != keys) {
       AddError(ckpt, layer->label + " files hold different keys on TP rank 0 and TP rank " +
                          std::to_string(t) + "; the checkpoint is inconsistent");
-      return;
+      return false;
     }
   }
   std::set<const ParamRule*> used;
@@ -149,10 +201,9 @@ void DescribeLayer(LogicalLayer* layer, LogicalCheckpoint* ckpt) {
       continue;
     }
     if (*rule == nullptr) {
-      AddError(ckpt, "unknown key " + layer->TensorLabel(key) + " (a " + layer->role +
-                         " file): no rule of '" + rules.name() +
-                         "' matches it; add one under layers." + layer->role + " in " +
-                         rules.origin() + ", e.g. `- key: '" + key + "'` with split or replicated");
+      UnknownKey& entry = (*unknown)[{layer->role, KeyPattern(key)}];
+      if (entry.files++ == 0) entry.first = layer->TensorLabel(key);
+      all_known = false;
       continue;
     }
     used.insert(*rule);
@@ -168,7 +219,7 @@ void DescribeLayer(LogicalLayer* layer, LogicalCheckpoint* ckpt) {
     layer->tensors.push_back(std::move(lt));
   }
   auto it = rules.layers().find(layer->role);
-  if (it == rules.layers().end()) return;
+  if (it == rules.layers().end()) return all_known && ckpt->findings.size() == findings_before;
   const bool moe = IsMoeLayer(*layer);
   for (const ParamRule& rule : it->second) {
     if (rule.RequiredIn(moe) && !used.count(&rule)) {
@@ -178,6 +229,7 @@ void DescribeLayer(LogicalLayer* layer, LogicalCheckpoint* ckpt) {
                          "may lack it");
     }
   }
+  return all_known && ckpt->findings.size() == findings_before;
 }
 
 // The first key of `a` that `b` lacks; empty when there is none.
@@ -318,11 +370,11 @@ Status DescribeCheckpoint(const std::string& rules, const std::map<std::string, 
   for (LogicalLayer& layer : ckpt->layers) layer.role = ckpt->specs[layer.id].role;
   CheckBlockCount(ckpt);
   std::set<int> clean;
+  UnknownKeys unknown;
   for (LogicalLayer& layer : ckpt->layers) {
-    const size_t findings_before = ckpt->findings.size();
-    DescribeLayer(&layer, ckpt);
-    if (ckpt->findings.size() == findings_before) clean.insert(layer.id);
+    if (DescribeLayer(&layer, ckpt, &unknown)) clean.insert(layer.id);
   }
+  ReportUnknownKeys(unknown, ckpt);
   CheckSameKeysPerRole(clean, ckpt);
   CheckNamesUnique(ckpt);
   DescribeVocab(ckpt);

@@ -86,12 +86,13 @@ void MissingBlockCounts(const LogicalCheckpoint& src, std::vector<MissingValue>*
 
 }  // namespace
 
-std::vector<MissingValue> MissingValues(const LogicalCheckpoint& src, int tp, std::optional<int64_t> vocab_size) {
+std::vector<MissingValue> MissingValues(const LogicalCheckpoint& src, std::optional<int> tp,
+                                        std::optional<int64_t> vocab_size) {
   std::vector<MissingValue> missing;
   if (src.rules == nullptr) return missing;
   MissingBlockCounts(src, &missing);
   const VocabInfo& vocab = src.vocab;
-  if (vocab.pad_to || !Repadded(src, tp)) return missing;
+  if (!tp || vocab.pad_to || !Repadded(src, *tp)) return missing;
   if (!vocab.divisible_by) {  // one given but below 1 is refused as invalid (CheckVocabRepaddable)
     AddMissing({src.rules->vocab_divisible_by().ToString() + " (the vocabulary padding's divisor)",
                 SetFlag(src.rules->vocab_divisible_by())},
@@ -118,11 +119,16 @@ std::string MissingValuesMessage(const std::string& lead, const std::vector<Miss
 }
 
 Status CheckValuesGiven(const LogicalCheckpoint& src, int tp, std::optional<int64_t> vocab_size) {
-  const std::vector<MissingValue> missing = MissingValues(src, tp, vocab_size);
+  return CheckNoneMissing(MissingValues(src, tp, vocab_size));
+}
+
+Status CheckNoneMissing(const std::vector<MissingValue>& all, const std::string& needer) {
+  std::vector<MissingValue> missing;  // each value once, however many things need it
+  for (const MissingValue& m : all) AddMissing(m, &missing);
   if (missing.empty()) return Status::Ok();
   return Status::InvalidInput(MissingValuesMessage(
-      "the checkpoint does not record " + std::to_string(missing.size()) + (missing.size() == 1 ? " value" : " values") +
-          " this conversion needs",
+      "the checkpoint does not record " + std::to_string(missing.size()) + (missing.size() == 1 ? " value " : " values ") +
+          needer + " needs",
       missing));
 }
 

@@ -66,17 +66,23 @@ struct MissingValue {
   std::string give;  // "--set args.num_attention_heads=N", "--vocab-size N"
 };
 
-// Those a conversion to TP `tp` needs (0: any TP but the source's): every
-// block count the rules read, at any TP, and the vocabulary's true size and
-// divisor where its padding is computed anew for `tp`.
-std::vector<MissingValue> MissingValues(const LogicalCheckpoint& src, int tp, std::optional<int64_t> vocab_size);
+// Those a conversion to TP `tp` needs (0: any TP but the source's; none:
+// the vocabulary's padding is not made anew): every block count the rules
+// read, at any TP, and the vocabulary's true size and divisor where its
+// padding is computed anew for `tp`.
+std::vector<MissingValue> MissingValues(const LogicalCheckpoint& src, std::optional<int> tp,
+                                        std::optional<int64_t> vocab_size);
 
 // "`lead`: a, b and c; give the values the run was trained with: --set ...
 // --vocab-size N (or as fallbacks in the rule file)".
 std::string MissingValuesMessage(const std::string& lead, const std::vector<MissingValue>& missing);
 
-// One refusal naming every value a conversion to TP `tp` lacks (ok when
-// none is missing), so that a user needs one more try, not one per value.
+// One refusal naming every value of `missing` that `needer` ("this
+// conversion") needs (ok when it is empty), so that a user needs one more
+// try, not one per value.
+Status CheckNoneMissing(const std::vector<MissingValue>& missing, const std::string& needer = "this conversion");
+
+// CheckNoneMissing of what a conversion to TP `tp` lacks.
 Status CheckValuesGiven(const LogicalCheckpoint& src, int tp, std::optional<int64_t> vocab_size);
 
 // What lint says of them: with a target TP (options.target_tp), an error

@@ -50,6 +50,12 @@ Result<std::vector<RuleSet>> LoadBuiltinRuleSets() {
   return sets;
 }
 
+bool IsBuiltinRuleFile(const std::string& path) {
+  std::error_code ec;
+  const fs::path dir = fs::canonical(BuiltinRulesDir(), ec);
+  return !ec && fs::canonical(path, ec).parent_path() == dir && !ec;
+}
+
 Result<RuleSet> LoadRuleSet(const std::string& spec) {
   std::error_code ec;
   if (fs::is_regular_file(spec, ec)) return RuleSet::LoadFile(spec);

@@ -22,6 +22,10 @@ class RuleSet;
 // use the same rule set name.
 Result<std::vector<RuleSet>> LoadBuiltinRuleSets();
 
+// Whether the rule file at `path` is one of the built-in rule sets (which a
+// user copies to change, never edits: an upgrade replaces it).
+bool IsBuiltinRuleFile(const std::string& path);
+
 // `spec` is a path to a YAML file or the name of a built-in rule set.
 Result<RuleSet> LoadRuleSet(const std::string& spec);
 

@@ -144,6 +144,25 @@ class FindingTests(LintTestCase):
         self.assertIn('unknown key layer_04/self_attention.q_norm.weight', errors[0])
         self.assertIn('add one under layers.block', errors[0])
 
+    def test_an_unknown_key_in_every_block_is_one_finding_with_its_escaped_pattern(self):
+        # bloom TP 2 has blocks in layers 3-6; a key with an index, in every block file, is one
+        # finding: its first file, how many more, and a rule to paste that explains every index.
+        tag = self.bloom()
+        for layer in range(3, 7):
+            def add(sd, layer=layer):
+                sd[f'mlp.experts.{layer}.w1.weight'] = torch.ones(4, dtype=torch.bfloat16)
+            for t in range(2):
+                rewrite(layer_file(tag, layer, t), add)
+        p = self.lint(tag, '--rules', 'bigscience-bloom', code=1)
+        errors = lines_with('error:', p.stdout)
+        self.assertEqual(len(errors), 1, p.stdout)
+        self.assertIn("unknown key layer_03/mlp.experts.3.w1.weight (a block file; also in 3 more block files): "
+                      "no rule of 'bigscience-bloom' matches it", errors[0])
+        # A built-in rule file is copied, not edited: an upgrade replaces it.
+        self.assertRegex(errors[0], r'add one under layers\.block of a copy of \S+bigscience-bloom\.yaml \(give the '
+                                    r'copy a name: of its own and pass it with --rules FILE\)')
+        self.assertIn(r"e.g. `- key: 'mlp\.experts\.\d+\.w1\.weight'` with split or replicated", errors[0])
+
     def test_unknown_key_auto_detected(self):
         # bigscience-bloom is the only rule set whose detection and layer numbering fit; lint must
         # report the key it does not explain as a finding rather than give up on detection.

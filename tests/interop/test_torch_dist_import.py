@@ -169,6 +169,33 @@ class TorchDistImportTest(FixtureTestCase):
         self.assertEqual(p.returncode, 1, p.stdout + p.stderr)
         self.assertIn('--set args.num_key_value_heads=N --set args.num_attention_heads=N', p.stdout)
 
+    def test_every_command_names_every_missing_value_in_one_refusal(self):
+        # This save records no Megatron args: each export asks once for all it lacks (the HF one
+        # for its config.json fields too), and the values given once are enough.
+        folder = os.path.join(DATA, '0.19', 'w2_tp2_swiglu_optim_dp_reshardable')
+        heads = '--set args.num_key_value_heads=N --set args.num_attention_heads=N'
+        wanted = {'hf': '5 values this conversion needs: [args.num_key_value_heads, args.num_attention_heads] (the '
+                        'block count of layers.0.self_attention.query_key_value.weight (from decoder.layers.'
+                        'self_attention.linear_qkv.weight))',
+                  'torchtitan': '3 values this conversion needs',
+                  'consolidated': '3 values this conversion needs'}
+        gives = {'hf': f'{heads} --vocab-size N --set args.max_position_embeddings=N --set args.layernorm_epsilon=N',
+                 'torchtitan': f'{heads} --vocab-size N', 'consolidated': f'{heads} --vocab-size N'}
+        values = ['--set', 'num_attention_heads=4', '--set', 'num_key_value_heads=2', '--vocab-size', 64]
+        for to, lead in wanted.items():
+            out = self.path('out-' + to)
+            layout = ['--dp-shard', 2] if to == 'torchtitan' else []
+            p = run('export', folder, out, '--to', to, *layout)
+            self.assertRefused(p, 'the checkpoint does not record ' + lead, out)
+            self.assertIn('give them as the run was trained: ' + gives[to] + ' (or as', p.stderr)
+            config = ['--set', 'max_position_embeddings=64', '--set', 'layernorm_epsilon=1e-5'] if to == 'hf' else []
+            p = run('export', folder, out, '--to', to, *layout, *values, *config, '-q')
+            self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        p = run('verify', folder, self.path('out-consolidated'))
+        self.assertRefused(p, folder + ': the checkpoint does not record 2 values the comparison needs',
+                           self.path('none'))
+        self.assertIn(f'give them as the run was trained: {heads} (or as', p.stderr)
+
     def test_a_save_no_rule_set_reads_is_read_without_one_saying_why(self):
         folder = self.path('renamed')
         import shutil

@@ -35,7 +35,8 @@ Result<OutputPlan> PlanConsolidated(const SourceCheckpoint& src,
   TensorChoiceOptions choice{"consolidated", "--weights-only", options.from_weights, options.dtype,
                              options.vocab_size ? options.vocab_size : src.info().vocab_size};
   std::atomic<int64_t> unused{0};  // planning reads no tensor bytes
-  RESHARD_ASSIGN_OR_RETURN(std::vector<FullTensor> all, src.FullTensors(options.replicated, &unused));
+  RESHARD_ASSIGN_OR_RETURN(std::vector<FullTensor> all,
+                           WholeTensors(src, options.replicated, options.vocab_size, {}, &unused));
   RESHARD_ASSIGN_OR_RETURN(std::vector<ChosenTensor> chosen, ChooseTensors(all, src.info().kind, choice, notes));
   std::vector<StateDictTensor> tensors;
   for (const ChosenTensor& t : chosen) {

@@ -194,6 +194,11 @@ std::string CanonicalTensorLines(const LogicalCheckpoint& ckpt) {
   return out;
 }
 
+std::vector<MissingValue> DeepSpeedModelSource::MissingValues(std::optional<int> repad_tp,
+                                                             std::optional<int64_t> vocab_size) const {
+  return reshard::MissingValues(ckpt(), repad_tp, vocab_size);
+}
+
 std::string DeepSpeedModelSource::Describe() const {
   if (model_->foreign.empty()) {
     return MetadataLines(ckpt()) + "layer files (full logical shapes):\n" + TensorLines(ckpt());

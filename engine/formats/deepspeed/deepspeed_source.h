@@ -99,6 +99,8 @@ class DeepSpeedModelSource : public SourceCheckpoint {
 
   // The metadata, the layer files' tensors and the problems found reading them.
   std::string Describe() const override;
+  std::vector<MissingValue> MissingValues(std::optional<int> repad_tp,
+                                          std::optional<int64_t> vocab_size) const override;
 
  protected:
   // Sets info_ from the model read, with the kind's name and summary;

@@ -197,7 +197,8 @@ Result<OutputPlan> PlanHf(const SourceCheckpoint& src, const ExportOptions& opti
   const RuleInputs inputs{src.info().metadata, src.info().settings};
   RESHARD_ASSIGN_OR_RETURN(const HfExport* hf, FamilyExport(src, inputs));
   std::atomic<int64_t> unused{0};  // planning reads no tensor bytes
-  RESHARD_ASSIGN_OR_RETURN(std::vector<FullTensor> all, src.FullTensors(options.replicated, &unused));
+  RESHARD_ASSIGN_OR_RETURN(std::vector<FullTensor> all, WholeTensors(src, options.replicated, options.vocab_size,
+                                                                     MissingHfConfigValues(*hf, inputs), &unused));
   RESHARD_ASSIGN_OR_RETURN(TensorChoiceOptions choice, ChoiceOptions(options, all));
   if (!choice.vocab_size) choice.vocab_size = src.info().vocab_size;
   RESHARD_ASSIGN_OR_RETURN(std::vector<ChosenTensor> chosen, ChooseTensors(all, src.info().kind, choice, notes));

@@ -104,6 +104,20 @@ Result<Value> HfConfigValue(const HfConfigField& field, const RuleInputs& inputs
                               (first.rfind("args.", 0) == 0 ? first.substr(5) : first) + "=VALUE");
 }
 
+std::vector<MissingValue> MissingHfConfigValues(const HfExport& hf, const RuleInputs& inputs) {
+  std::vector<MissingValue> missing;
+  for (const HfConfigField& field : hf.config) {
+    if (HfConfigValue(field, inputs).ok()) continue;
+    // A field of cases is given by the last args field they read; one of paths by its first.
+    const std::vector<std::string> paths = field.cases.empty() ? field.paths : CaseFields(field);
+    if (paths.empty()) continue;  // nothing to give: HfConfigValue's own refusal says why
+    const std::string& given = field.cases.empty() ? paths.front() : paths.back();
+    missing.push_back({"config.json " + field.key + " (" + Join(paths, field.cases.empty() ? " or " : ", ") + ")",
+                       "--set " + given + "=N"});
+  }
+  return missing;
+}
+
 namespace {
 
 // The rule file's fields, each as JSON text, into `fields`. Without

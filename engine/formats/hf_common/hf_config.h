@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "pickle/dtype.h"
+#include "plan/tensor_plan.h"
 #include "reshard/status.h"
 #include "rules/rule_set.h"
 
@@ -21,6 +22,11 @@ namespace reshard {
 // The value of one hf.config field; an error naming how to give it when the
 // checkpoint does not record it.
 Result<Value> HfConfigValue(const HfConfigField& field, const RuleInputs& inputs);
+
+// The hf.config fields the checkpoint does not record a value for, each
+// with how to give it: what an export names in one refusal with the other
+// values it lacks.
+std::vector<MissingValue> MissingHfConfigValues(const HfExport& hf, const RuleInputs& inputs);
 
 // What config.json carries beside what the conversion writes.
 struct HfConfigExtras {

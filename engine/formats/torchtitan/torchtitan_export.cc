@@ -484,7 +484,8 @@ Result<OutputPlan> PlanTorchtitan(const SourceCheckpoint& src, const ExportOptio
   RESHARD_ASSIGN_OR_RETURN(const HfExport* hf, FamilyExport(src, inputs));
   OutputPlan out;
   out.scratch = std::make_shared<ScratchFolder>();
-  RESHARD_ASSIGN_OR_RETURN(std::vector<FullTensor> all, src.FullTensors(options.replicated, out.read.get()));
+  RESHARD_ASSIGN_OR_RETURN(std::vector<FullTensor> all,
+                           WholeTensors(src, options.replicated, options.vocab_size, {}, out.read.get()));
   const bool optimizer = WritesOptimizer(all, options);
   RESHARD_ASSIGN_OR_RETURN(std::vector<ChosenTensor> params, ChooseParameters(src, all, options, optimizer, notes));
   const Mesh mesh{static_cast<int>(FormatCount(options, kDpShard)), std::max(options.tp, 1)};
