@@ -34,7 +34,25 @@ std::string EnumText(const Value& v) {
   return v.DebugString();
 }
 
+// Whether a setting says what the checkpoint records: numbers by value
+// (--set lr=1e-4 is a run's 0.0001), anything else as YAML writes it.
+bool SameValue(const Value& recorded, const Value& given) {
+  auto number = [](const Value& v) -> std::optional<double> {
+    if (v.is(Value::Kind::kFloat)) return v.as_float();
+    if (v.is(Value::Kind::kInt)) return static_cast<double>(v.as_int());
+    return std::nullopt;
+  };
+  const std::optional<double> a = number(recorded), b = number(given);
+  if (a && b) return *a == *b;
+  return ScalarText(recorded) == ScalarText(given);
+}
+
 }  // namespace
+
+const std::set<std::string>& RunValuePaths() {
+  static const std::set<std::string> kPaths = {"args.lr", "args.min_lr"};
+  return kPaths;
+}
 
 void SetPath(Value* root, const std::string& path, Value value) {
   const size_t dot = path.find('.');
@@ -112,7 +130,8 @@ Status RefuseSettings(const std::map<std::string, std::string>& set) {
 }
 
 Status CheckSettings(const Value& settings, const RuleSet& rules, const Value& metadata) {
-  const std::set<std::string> read = rules.ValuePaths();
+  std::set<std::string> read = rules.ValuePaths();
+  read.insert(RunValuePaths().begin(), RunValuePaths().end());
   Status status = Status::Ok();
   ForEachLeaf(settings, "", [&](const std::string& path, const Value& value) {
     if (!status.ok()) return;
@@ -122,11 +141,11 @@ Status CheckSettings(const Value& settings, const RuleSet& rules, const Value& m
       status = Status::InvalidInput("--set " + path + ": rule set " + rules.name() + " reads no such value" +
                                     (typo != nullptr ? "; did you mean '" + *typo + "'?"
                                      : read.empty()  ? ""
-                                                     : " (it reads " + Join(names, ", ") + ")"));
+                                                     : " (--set gives " + Join(names, ", ") + ")"));
       return;
     }
     const Value* recorded = WalkPath(metadata, path);
-    if (recorded != nullptr && ScalarText(*recorded) != ScalarText(value)) {
+    if (recorded != nullptr && !SameValue(*recorded, value)) {
       status = Status::InvalidInput("--set " + path + "=" + ScalarText(value) +
                                     " contradicts the checkpoint, which records " + path + " = " +
                                     ScalarText(*recorded) + "; drop the --set");

@@ -5,12 +5,14 @@
 // (rules/rule_set.h, MetaRef): a metadata path is read from the checkpoint's
 // metadata and, where the metadata does not record it, from the settings; a
 // literal number in the rule file is a constant or, after paths, the
-// fallback. A setting never overrides what the checkpoint records: one that
-// contradicts it, or that no rule reads, is refused.
+// fallback. A few values of the run no rule reads are written by the exports
+// (RunValuePaths). A setting never overrides what the checkpoint records: one
+// that contradicts it, or that neither a rule nor an export reads, is refused.
 #pragma once
 
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 
 #include "pickle/value.h"
@@ -24,7 +26,13 @@ namespace reshard {
 // means args.<key>; values are ints, true/false, numbers or strings.
 Result<Value> SettingsValue(const std::map<std::string, std::string>& set);
 
-// Refuses settings that `rules` does not read, or that contradict `metadata`.
+// The values of the run that no rule reads but an export writes, which
+// --set may give: the learning-rate schedule's bounds (args.lr, args.min_lr),
+// which Megatron-Core's optimizer load pairs saved param groups by.
+const std::set<std::string>& RunValuePaths();
+
+// Refuses settings that neither `rules` nor an export reads (RunValuePaths),
+// or that contradict `metadata` (numbers compared as numbers).
 Status CheckSettings(const Value& settings, const RuleSet& rules, const Value& metadata);
 
 // Refuses any setting for a checkpoint read without rules (no layer files),

@@ -162,7 +162,7 @@ class UnrecordedValuesTest(FixtureTestCase):
                       f'args.num_attention_heads = {MODEL["n"]}; drop the --set', p.stderr)
         p = run('lint', tag, '--set', 'num_heads=12')
         self.assertEqual(p.returncode, 2)
-        self.assertIn('--set args.num_heads: rule set megatron-gpt2 reads no such value (it reads ', p.stderr)
+        self.assertIn('--set args.num_heads: rule set megatron-gpt2 reads no such value (--set gives ', p.stderr)
         # The same value as recorded is harmless.
         self.assertOk(run('lint', tag, '--set', f'num_attention_heads={MODEL["n"]}'))
         self.assertFalse(os.path.exists(out))

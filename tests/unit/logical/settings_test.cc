@@ -68,8 +68,19 @@ TEST(Settings, ValueNoRuleReadsIsRefusedWithWhatIsRead) {
   const Status st = CheckSettings(*v, Rules(), Metadata({}));
   ASSERT_FALSE(st.ok());
   EXPECT_EQ(st.message(),
-            "--set args.num_heads: rule set tiny reads no such value (it reads "
+            "--set args.num_heads: rule set tiny reads no such value (--set gives args.lr, args.min_lr, "
             "args.num_attention_heads, args.swiglu, universal_checkpoint_info.original_vocab_size)");
+}
+
+// The run's learning-rate schedule, which no rule reads but the Megatron
+// exports write; a number is compared as a number.
+TEST(Settings, TheRunsLearningRateScheduleIsAccepted) {
+  Result<Value> v = SettingsValue({{"lr", "1e-4"}, {"min_lr", "0"}});
+  ASSERT_TRUE(v.ok());
+  EXPECT_TRUE(CheckSettings(*v, Rules(), Metadata({{Value::String("lr"), Value::Float(0.0001)}})).ok());
+  const Status st = CheckSettings(*v, Rules(), Metadata({{Value::String("min_lr"), Value::Float(1e-5)}}));
+  EXPECT_EQ(st.message(),
+            "--set args.min_lr=0 contradicts the checkpoint, which records args.min_lr = 1e-05; drop the --set");
 }
 
 TEST(Settings, AMisspeltValueIsRefusedWithTheOneItIsATypoOf) {

@@ -1,10 +1,14 @@
 #include "formats/megatron_core/common/megatron_param_groups.h"
 
+#include <algorithm>
 #include <functional>
 #include <map>
 #include <optional>
 #include <string>
 #include <vector>
+
+#include "rules/rule_set.h"
+#include "util/strings.h"
 
 namespace reshard {
 namespace {
@@ -27,12 +31,16 @@ Value Hyper(const Value& hyper, const std::string& name, Value fallback) {
   return *v;
 }
 
+std::optional<double> AsNumber(const Value& v) {
+  if (v.is(Value::Kind::kFloat)) return v.as_float();
+  if (v.is(Value::Kind::kInt)) return static_cast<double>(v.as_int());
+  return std::nullopt;
+}
+
 // A number the source's group records under `name`.
 std::optional<double> Number(const OptimizerParamGroup& group, const char* name) {
   const Value* v = Find(group.hyperparameters, name);
-  if (v != nullptr && v->is(Value::Kind::kFloat)) return v->as_float();
-  if (v != nullptr && v->is(Value::Kind::kInt)) return static_cast<double>(v->as_int());
-  return std::nullopt;
+  return v != nullptr ? AsNumber(*v) : std::nullopt;
 }
 
 // Whether Megatron-Core's scheduler, which sets a group's weight_decay to
@@ -48,21 +56,19 @@ bool DecayDropped(const OptimizerParamGroup& group) {
 
 // One Megatron-Core param group (default config: 0.19 says so, 0.14 not; no expert
 // parallelism) from a source group's hyperparameters; max_lr and min_lr
-// from the args where the source's group has none.
-Value MegatronGroup(const OptimizerParamGroup& group, const Value& step, const Value* args, bool default_config) {
+// from the schedule where the source's group has none.
+Value MegatronGroup(const OptimizerParamGroup& group, const Value& step, const LrSchedule& schedule,
+                    bool default_config) {
   const Value& h = group.hyperparameters;
-  const Value* args_lr = args != nullptr ? Find(*args, "lr") : nullptr;
-  const Value* args_min_lr = args != nullptr ? Find(*args, "min_lr") : nullptr;
-  const Value lr = Hyper(h, "lr", Value::None());
   Value out = Value::MakeDict();
   Set(out, "is_expert_parallel", Value::Bool(false));
   if (default_config) Set(out, "default_config", Value::Bool(true));
   Set(out, "wd_mult", Value::Float(group.weight_decay_multiplier));
   Set(out, "lr_mult", Hyper(h, "lr_mult", Value::Float(1.0)));
   Set(out, "is_decoupled_lr", Value::Bool(false));
-  Set(out, "max_lr", Hyper(h, "max_lr", args_lr != nullptr ? *args_lr : lr));
-  Set(out, "min_lr", Hyper(h, "min_lr", args_min_lr != nullptr ? *args_min_lr : Value::None()));
-  Set(out, "lr", lr);
+  Set(out, "max_lr", Hyper(h, "max_lr", schedule.max_lr));
+  Set(out, "min_lr", Hyper(h, "min_lr", schedule.min_lr));
+  Set(out, "lr", Hyper(h, "lr", Value::None()));
   for (const char* name : {"betas", "eps", "weight_decay"}) Set(out, name, Hyper(h, name, Value::None()));
   for (const char* name : {"amsgrad", "maximize", "capturable", "differentiable"}) {
     Set(out, name, Hyper(h, name, Value::Bool(false)));
@@ -72,10 +78,80 @@ Value MegatronGroup(const OptimizerParamGroup& group, const Value& step, const V
   return out;
 }
 
+// A bound of the schedule: its value, where it came from, the group key and
+// the Megatron-LM flag and --set key that give it.
+struct Bound {
+  const Value& value;
+  const std::string& from;
+  const char* key;
+  const char* flag;
+  const char* set;
+};
+
+// Refuses a --set bound that contradicts a source group's own.
+Status CheckGiven(const OptimizerParamGroup& group, const Bound& bound) {
+  const Value* own = Find(group.hyperparameters, bound.key);
+  if (own == nullptr || bound.value.is_none() || bound.from.rfind("--set", 0) != 0) return Status::Ok();
+  if (AsNumber(*own) && AsNumber(bound.value) && *AsNumber(*own) == *AsNumber(bound.value)) return Status::Ok();
+  return Status::InvalidInput(bound.from + "=" + bound.value.DebugString(20) + " contradicts the source's optimizer "
+                              "param groups, which record " + bound.key + " " + own->DebugString(20) +
+                              "; drop the --set");
+}
+
+// The notes on the bounds the groups took from the schedule: where each came
+// from, and the ones no source gave, with how to give them.
+void NoteBounds(const std::vector<Bound>& taken, std::vector<std::string>* notes) {
+  std::vector<std::string> known, missing, resume;
+  for (const Bound& b : taken) {
+    if (b.value.is_none()) {
+      missing.push_back(b.key);
+      continue;
+    }
+    known.push_back(std::string(b.key) + " " + b.value.DebugString(20) + " (" + b.from + ")");
+    resume.push_back(std::string(b.flag) + " " + b.value.DebugString(20));
+  }
+  if (!known.empty()) {
+    notes->push_back("optimizer: the param groups' " + Join(known, ", ") + ", written into the args too: Megatron-Core "
+                     "pairs saved groups with its own by them, so resume with " + Join(resume, " "));
+  }
+  if (missing.empty()) return;
+  std::vector<std::string> fix, flags;
+  for (const Bound& b : taken) {
+    if (!b.value.is_none()) continue;
+    fix.push_back(std::string("--set ") + b.set + "=<the run's " + b.flag + ">");
+    flags.push_back(b.flag);
+  }
+  notes->push_back("optimizer: the source records no " + Join(missing, " or ") + " (the run's " + Join(flags, " and ") +
+                   ") and none was given, so the param groups say None, which Megatron-Core's optimizer load of a "
+                   "run with " + Join(flags, " and ") + " does not match (KeyError); give them: " + Join(fix, " "));
+}
+
 }  // namespace
 
-Result<Value> MegatronParamGroups(const OptimizerParamGroups& groups, const Value* args, const std::string& version,
-                                  std::vector<std::string>* notes) {
+LrSchedule RunLrSchedule(const Value& metadata, const Value& settings) {
+  LrSchedule schedule;
+  auto take = [&](const char* name, Value* value, std::string* from) {
+    const std::string path = std::string("args.") + name;
+    if (const Value* v = WalkPath(metadata, path); v != nullptr && AsNumber(*v)) {
+      *value = Value::Float(*AsNumber(*v));
+      *from = "the source's " + path;
+    } else if (const Value* given = WalkPath(settings, path); given != nullptr && AsNumber(*given)) {
+      *value = Value::Float(*AsNumber(*given));
+      *from = std::string("--set ") + name;
+    }
+  };
+  take("lr", &schedule.max_lr, &schedule.max_lr_from);
+  take("min_lr", &schedule.min_lr, &schedule.min_lr_from);
+  return schedule;
+}
+
+void WriteLrSchedule(const LrSchedule& schedule, Value* args) {
+  if (!schedule.max_lr.is_none()) Set(*args, "lr", schedule.max_lr);
+  if (!schedule.min_lr.is_none()) Set(*args, "min_lr", schedule.min_lr);
+}
+
+Result<Value> MegatronParamGroups(const OptimizerParamGroups& groups, const LrSchedule& schedule,
+                                  const std::string& version, std::vector<std::string>* notes) {
   RESHARD_ASSIGN_OR_RETURN(Value step, FloatStep(groups.step));
   std::map<double, const OptimizerParamGroup*, std::greater<double>> by_mult;
   for (const OptimizerParamGroup& g : groups.groups) {
@@ -86,9 +162,19 @@ Result<Value> MegatronParamGroups(const OptimizerParamGroups& groups, const Valu
                                  "which Megatron-Core keeps in one group; export with --weights-only");
     }
   }
+  const std::vector<Bound> bounds = {{schedule.max_lr, schedule.max_lr_from, "max_lr", "--lr", "lr"},
+                                     {schedule.min_lr, schedule.min_lr_from, "min_lr", "--min-lr", "min_lr"}};
+  std::vector<Bound> taken;
+  for (const Bound& b : bounds) {
+    for (const auto& [mult, g] : by_mult) RESHARD_RETURN_IF_ERROR(CheckGiven(*g, b));
+    const bool all_own = std::all_of(by_mult.begin(), by_mult.end(),
+                                     [&](const auto& kv) { return Find(kv.second->hyperparameters, b.key) != nullptr; });
+    if (!by_mult.empty() && !all_own) taken.push_back(b);
+  }
+  NoteBounds(taken, notes);
   std::vector<Value> out;
   for (const auto& [mult, g] : by_mult) {
-    out.push_back(MegatronGroup(*g, step, args, version != "0.14"));
+    out.push_back(MegatronGroup(*g, step, schedule, version != "0.14"));
     if (DecayDropped(*g)) {
       notes->push_back("optimizer: the source decays its norms and biases too (weight_decay " +
                        Hyper(g->hyperparameters, "weight_decay", Value::None()).DebugString(20) +

@@ -344,7 +344,9 @@ Status PlanDistribOptim(const SourceCheckpoint& src, const MegatronExportPlan& p
 // reads with the optimizer.
 Status PlanOptimizerEntries(const SourceCheckpoint& src, MegatronExportPlan* plan, std::vector<std::string>* notes) {
   RESHARD_ASSIGN_OR_RETURN(OptimizerParamGroups groups, src.ParamGroupsAndStep());
-  RESHARD_ASSIGN_OR_RETURN(Value param_groups, MegatronParamGroups(groups, Find(src.info().metadata, "args"), "0.19", notes));
+  RESHARD_ASSIGN_OR_RETURN(
+      Value param_groups,
+      MegatronParamGroups(groups, RunLrSchedule(src.info().metadata, src.info().settings), "0.19", notes));
   plan->optimizer = Value::MakeDict({{Value::String("optimizer"),
                                       Value::MakeDict({{Value::String("param_groups"), std::move(param_groups)}})}});
   const Value* scheduler = Find(src.info().metadata, "lr_scheduler");
@@ -408,6 +410,7 @@ Result<OutputPlan> PlanMegatron(const SourceCheckpoint& src, const ExportOptions
                               src.info().rules ? std::optional<bool>(TiesEmbedding(*src.info().rules)) : std::nullopt,
                               KvGroups(src.info().metadata, src.info().settings)},
                              notes);
+    WriteLrSchedule(RunLrSchedule(src.info().metadata, src.info().settings), &*plan.args);
   } else {
     notes->push_back("args: the source records no Megatron args, so the files have none (Megatron-LM then "
                      "skips its checks of the checkpoint's arguments)");

@@ -390,8 +390,9 @@ Result<Value> AddOptimizer(const SourceCheckpoint& src, const std::vector<FullTe
                            RankFiles* files, std::vector<std::string>* notes) {
   RESHARD_ASSIGN_OR_RETURN(OptimizerParamGroups groups, src.ParamGroupsAndStep());
   RESHARD_RETURN_IF_ERROR(CheckGrouped(groups, states));
-  RESHARD_ASSIGN_OR_RETURN(Value param_groups,
-                           MegatronParamGroups(groups, Find(src.info().metadata, "args"), target.version, notes));
+  RESHARD_ASSIGN_OR_RETURN(
+      Value param_groups,
+      MegatronParamGroups(groups, RunLrSchedule(src.info().metadata, src.info().settings), target.version, notes));
   for (const FullTensor& t : states) RESHARD_RETURN_IF_ERROR(StateName(t).status());
   Value out = Value::MakeDict();
   if (target.layout == kDpReshardable) {
@@ -439,6 +440,8 @@ Value CommonState(const SourceCheckpoint& src, const Target& target, int64_t pad
     if (const std::optional<int64_t> divisor = src.info().vocab_divisible_by; divisor && *divisor > 0) {
       Set(written, "make_vocab_size_divisible_by", Value::Int(*divisor));
     }
+    // And the learning-rate schedule the optimizer's groups are paired by.
+    WriteLrSchedule(RunLrSchedule(src.info().metadata, src.info().settings), &written);
     Set(state, "args", std::move(written));
   }
   Set(state, "checkpoint_version", Value::Float(3.0));
