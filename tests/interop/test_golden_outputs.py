@@ -603,12 +603,19 @@ CASES = [
               'verify', '{src}', '{case:hf_source/ms_llama-safetensors-to-t2p2d1}', *MVSDB),
     read_only('hf_source', 'inspect-ms_gpt2-shards', 'hf.ms_gpt2.shards', 'inspect', '{src}'),
     read_only('hf_source', 'lint-bs_bloom-bin', 'hf.bs_bloom.bin', 'lint', '{src}'),
-    # -- FSDP2 Distributed Checkpoints: torchtitan -----------------------------------------
+    # -- FSDP2 Distributed Checkpoints: torchtitan ...  -------------------------------------
     export('fsdp2', 'torchtitan-ms_llama-t2p2d2-to-dp3', 'ms_llama.bf16_zero.t2p2d2', 'torchtitan',
            '--dp-shard', 3),
     export('fsdp2', 'torchtitan-ms_llama-t2p2d2-to-dp2_tp2', 'ms_llama.bf16_zero.t2p2d2', 'torchtitan',
            '--dp-shard', 2, '--tp', 2),
     export('fsdp2', 'dry_run-torchtitan-ms_llama-t2p2d2-to-dp3', 'ms_llama.bf16_zero.t2p2d2', 'torchtitan',
+           '--dp-shard', 3, '--dry-run'),
+    # -- ... and the PyTorch DCP recipe's layout -------------------------------------------
+    export('fsdp2', 'dcp_recipe-ms_llama-t2p2d2-to-dp3', 'ms_llama.bf16_zero.t2p2d2', 'dcp_recipe',
+           '--dp-shard', 3),
+    export('fsdp2', 'dcp_recipe-app_flat-ms_llama-t2p2d2-to-dp2', 'ms_llama.bf16_zero.t2p2d2', 'dcp_recipe',
+           '--dp-shard', 2, '--prefixes', 'app.model,app.optim', '--param-groups', 'flat'),
+    export('fsdp2', 'dry_run-dcp_recipe-ms_llama-t2p2d2-to-dp3', 'ms_llama.bf16_zero.t2p2d2', 'dcp_recipe',
            '--dp-shard', 3, '--dry-run'),
     # -- DeepSpeed MoE: EP, DP, PP and TP changes ----------------------------------------
     moe_convert('moe', 'module-fp32_z1-ep2d4-to-ep4d8', 'moe.module.fp32_z1.ep2d4', (1, 1, 4, 8)),
