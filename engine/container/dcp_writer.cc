@@ -330,11 +330,7 @@ Value StorageInfo(const DcpStorage& s) {
                            {"length", Value::Int(static_cast<int64_t>(s.length))}}));
 }
 
-Value PathTuple(const std::vector<std::string>& path) {
-  std::vector<Value> keys;
-  for (const std::string& key : path) keys.push_back(Value::String(key));
-  return Value::MakeTuple(std::move(keys));
-}
+Value PathTuple(const std::vector<Value>& path) { return Value::MakeTuple(path); }
 
 // What the files hold as the reader's plain data, checked as the reader
 // checks it, with each key's planner path.
@@ -356,7 +352,7 @@ class Gathered {
       if (!meta_.storage.emplace(DcpStorageKey{w.fqn, offsets}, where).second) {
         return Status::InvalidInput(file.name + ": two chunks of '" + w.fqn + "' start at one place");
       }
-      paths_.emplace(w.fqn, w.path.empty() ? std::vector<std::string>{w.fqn} : w.path);
+      paths_.emplace(w.fqn, w.path.empty() ? std::vector<Value>{Value::String(w.fqn)} : w.path);
     }
     return Status::Ok();
   }
@@ -419,7 +415,7 @@ class Gathered {
  private:
   DcpMetadata meta_;
   std::map<std::string, std::vector<int64_t>> reformulated_from_;
-  std::map<std::string, std::vector<std::string>> paths_;
+  std::map<std::string, std::vector<Value>> paths_;
 };
 
 }  // namespace

@@ -54,8 +54,9 @@ struct DcpWriteItem {
   // A bytes item: a plain object (no tensors).
   Value object;
   // The keys torch's dcp_to_torch_save nests the item under (`.metadata`'s
-  // planner_data); empty: {fqn}, a key of a flat state dict.
-  std::vector<std::string> path;
+  // planner_data): strings, and ints for list indices (a state dict's
+  // `param_groups`, 0); empty: {fqn}, a key of a flat state dict.
+  std::vector<Value> path;
   // A tensor Megatron-Core 0.14 saved nd-reformulated: the original global
   // shape, which `.metadata`'s mcore_data records (empty: not reformulated).
   std::vector<int64_t> reformulated_from;

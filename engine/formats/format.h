@@ -14,6 +14,7 @@
 
 #include <atomic>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <set>
@@ -152,6 +153,10 @@ struct SourceInfo {
   // nothing. What one side of verify does not record is a note, not a
   // difference.
   std::set<std::string> run_state{std::begin(kRunStateKeys), std::end(kRunStateKeys)};
+  // The options of its own format's target it was saved with, where the
+  // format records them (dcp_recipe: its prefixes, the form of its param
+  // groups), by option name: an export to that format takes each not given.
+  std::map<std::string, std::string> format_options;
   // Why no rule set describes a checkpoint that one was looked for (a
   // torch_dist folder whose family's rules refused it): what the refusals
   // of commands that need one add.
@@ -225,6 +230,10 @@ class SourceCheckpoint {
     if (pp > 0) info_.pp = pp;
     if (dp > 0) info_.dp = dp;
   }
+
+  // The registry records the options of its format's target the
+  // checkpoint was saved with (SourceInfo::format_options).
+  void SetFormatOptions(std::map<std::string, std::string> options) { info_.format_options = std::move(options); }
 
   // The registry marks a checkpoint saved as whole tensors.
   void SetSavedWhole() {

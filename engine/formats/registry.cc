@@ -85,7 +85,12 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenModelStateDict(DcpContent content,
                            FindRecipePrefixes(tensors, options.state_dict_prefixes));
   if (!recipe) return Named("dcp", OpenDcpCheckpoint(std::move(content), ""));
   Result<StateDictImport> imported = ReadDcpRecipeImport(tensors, *recipe, options);
-  return OpenStateDict("dcp_recipe", std::move(content), std::move(imported), asked, options);
+  Result<std::unique_ptr<SourceCheckpoint>> opened =
+      OpenStateDict("dcp_recipe", std::move(content), std::move(imported), asked, options);
+  if (opened.ok() && (*opened)->info().format == "dcp_recipe") {
+    (*opened)->SetFormatOptions(RecipeSaveOptions(tensors, *recipe));
+  }
+  return opened;
 }
 
 // A Megatron-Core torch_dist folder is read as the pipeline model its

@@ -7,6 +7,7 @@
 #include <initializer_list>
 
 #include "formats/consolidated/consolidated_export.h"
+#include "formats/dcp_recipe/dcp_recipe_export.h"
 #include "formats/hf/hf_export.h"
 #include "formats/megatron_core/torch/megatron_export.h"
 #include "formats/megatron_core/torch_dist/torch_dist_export.h"
@@ -98,9 +99,9 @@ TargetFormat UniversalTarget() {
 }
 
 const std::vector<TargetFormat>& Targets() {
-  static const std::vector<TargetFormat> targets = {DeepSpeedTarget(), ConsolidatedTarget(), HfTarget(),
-                                                    MegatronTarget(),  TorchDistTarget(),    TorchtitanTarget(),
-                                                    UniversalTarget()};
+  static const std::vector<TargetFormat> targets = {DeepSpeedTarget(),  ConsolidatedTarget(), DcpRecipeTarget(),
+                                                    HfTarget(),         MegatronTarget(),     TorchDistTarget(),
+                                                    TorchtitanTarget(), UniversalTarget()};
   return targets;
 }
 
@@ -269,7 +270,10 @@ Result<OutputPlan> PlanExport(const SourceCheckpoint& src, const ExportOptions& 
                               std::vector<std::string>* notes) {
   RESHARD_RETURN_IF_ERROR(CheckTargetFormat(options.to));
   const TargetFormat* target = FindTarget(options.to);
-  RESHARD_ASSIGN_OR_RETURN(ExportOptions checked, CheckedOptions(target->info, options));
+  ExportOptions kept = options;  // with the options the source was saved with, to its own format
+  if (options.to == src.info().format) kept.format_options.insert(src.info().format_options.begin(),
+                                                                  src.info().format_options.end());
+  RESHARD_ASSIGN_OR_RETURN(ExportOptions checked, CheckedOptions(target->info, kept));
   return target->plan(src, checked, notes);
 }
 

@@ -191,7 +191,7 @@ struct TargetFormatInfo {
 // Every format `export --to` writes, in the order --help lists them.
 const std::vector<TargetFormatInfo>& TargetFormats();
 
-// An export to another format (TargetFormats: consolidated, hf, megatron,
+// An export to another format (TargetFormats: consolidated, dcp_recipe, hf, megatron,
 // torch_dist, torchtitan, universal).
 struct ExportOptions : WriteOptions {
   std::string to;  // the target format's name

@@ -49,9 +49,9 @@ COMPARED = 'verify: 60 tensors'
 PREFIXES = {'recipe_w2': ('model.', 'optim.'), 'appstate_w3': ('app.model.', 'app.optim.'),
             'flat_w1': ('model.', 'optim.')}
 
-# Run by torch 2.6 in the chroot, the test's temporary folder at /data. Ranks are forked before this
-# process starts any thread (dcp.save writes through a thread pool).
-GENERATE = r'''
+# The model, its AdamW and a training step, as torch 2.6 in the chroot runs them (also
+# test_dcp_recipe_target's).
+MODEL = r'''
 import datetime, socket
 import torch
 import torch.distributed as dist
@@ -59,7 +59,7 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -137,27 +137,39 @@ class LlamaForCausalLM(nn.Module):
 
 class AppState(Stateful):
     """The DCP tutorial's wrapper: the model's and optimizer's state dicts under model / optim."""
-    def __init__(self, model, optimizer):
-        self.model, self.optimizer = model, optimizer
+    def __init__(self, model, optimizer, options=None):
+        self.model, self.optimizer, self.options = model, optimizer, options
 
     def state_dict(self):
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.options)
         return {'model': model_sd, 'optim': optim_sd}
 
     def load_state_dict(self, state_dict):
-        raise NotImplementedError
+        set_state_dict(self.model, self.optimizer, model_state_dict=state_dict['model'],
+                       optim_state_dict=state_dict['optim'], options=self.options)
 
-def step(model, optimizer):
-    g = torch.Generator().manual_seed(99)
+def batch_loss(model, seed):
+    """The loss of the fixed batch `seed` (every rank the same batch)."""
+    g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, VOCAB, (2, 9), generator=g)
     logits = model(tokens[:, :-1])
-    F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)).backward()
+    return F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+def step(model, optimizer, seed=99):
+    """One AdamW step on batch `seed`; its loss."""
+    loss = batch_loss(model, seed)
+    loss.backward()
     optimizer.step()
     optimizer.zero_grad()
+    return loss.item()
 
 def adamw(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+'''
 
+# Run by torch 2.6 in the chroot, the test's temporary folder at /data. Ranks are forked before this
+# process starts any thread (dcp.save writes through a thread pool).
+GENERATE = MODEL + r'''
 def rank(r, world, port, name):
     dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=r, world_size=world,
                             timeout=datetime.timedelta(seconds=120))

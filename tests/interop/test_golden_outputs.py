@@ -31,6 +31,7 @@ What is covered: every command and every kind of checkpoint, each at least once 
   * export --to consolidated (consolidated), --to hf with and without --tokenizer (hf),
     --to megatron with each --layer-spec (megatron);
   * HF transformers folders read by convert, export and verify (hf_source);
+  * export --to torchtitan, FSDP2 and FSDP2 x TP, and --to dcp_recipe, indexed and flat (fsdp2);
   * DeepSpeed MoE saves, the generator's and DeepSpeed's two real ones (tests/data/deepspeed_moe):
     EP, DP, PP and TP changes, expert-TP, an export, dry runs, inspect, lint, verify (moe).
 
@@ -602,6 +603,20 @@ CASES = [
               'verify', '{src}', '{case:hf_source/ms_llama-safetensors-to-t2p2d1}', *MVSDB),
     read_only('hf_source', 'inspect-ms_gpt2-shards', 'hf.ms_gpt2.shards', 'inspect', '{src}'),
     read_only('hf_source', 'lint-bs_bloom-bin', 'hf.bs_bloom.bin', 'lint', '{src}'),
+    # -- FSDP2 Distributed Checkpoints: torchtitan ...  -------------------------------------
+    export('fsdp2', 'torchtitan-ms_llama-t2p2d2-to-dp3', 'ms_llama.bf16_zero.t2p2d2', 'torchtitan',
+           '--dp-shard', 3),
+    export('fsdp2', 'torchtitan-ms_llama-t2p2d2-to-dp2_tp2', 'ms_llama.bf16_zero.t2p2d2', 'torchtitan',
+           '--dp-shard', 2, '--tp', 2),
+    export('fsdp2', 'dry_run-torchtitan-ms_llama-t2p2d2-to-dp3', 'ms_llama.bf16_zero.t2p2d2', 'torchtitan',
+           '--dp-shard', 3, '--dry-run'),
+    # -- ... and the PyTorch DCP recipe's layout -------------------------------------------
+    export('fsdp2', 'dcp_recipe-ms_llama-t2p2d2-to-dp3', 'ms_llama.bf16_zero.t2p2d2', 'dcp_recipe',
+           '--dp-shard', 3),
+    export('fsdp2', 'dcp_recipe-app_flat-ms_llama-t2p2d2-to-dp2', 'ms_llama.bf16_zero.t2p2d2', 'dcp_recipe',
+           '--dp-shard', 2, '--prefixes', 'app.model,app.optim', '--param-groups', 'flat'),
+    export('fsdp2', 'dry_run-dcp_recipe-ms_llama-t2p2d2-to-dp3', 'ms_llama.bf16_zero.t2p2d2', 'dcp_recipe',
+           '--dp-shard', 3, '--dry-run'),
     # -- DeepSpeed MoE: EP, DP, PP and TP changes ----------------------------------------
     moe_convert('moe', 'module-fp32_z1-ep2d4-to-ep4d8', 'moe.module.fp32_z1.ep2d4', (1, 1, 4, 8)),
     moe_convert('moe', 'threads4-module-fp32_z1-ep2d4-to-ep4d8', 'moe.module.fp32_z1.ep2d4', (1, 1, 4, 8),
@@ -650,7 +665,7 @@ CASES = [
 ]
 CASE_BY_NAME = {c.name: c for c in CASES}
 GROUPS = ('family', 'optimizer', 'layout', 'nonpipe', 'replicated', 'dry_run', 'read_only',
-          'universal', 'consolidated', 'hf', 'megatron', 'hf_source', 'moe')
+          'universal', 'consolidated', 'hf', 'megatron', 'hf_source', 'fsdp2', 'moe')
 
 
 # ---------------------------------------------------------------------------------------------
@@ -936,6 +951,9 @@ class GoldenOutputsTest(unittest.TestCase):
 
     def test_hf_folder_source(self):
         self.check_group('hf_source')
+
+    def test_fsdp2_exports(self):
+        self.check_group('fsdp2')
 
     def test_moe(self):
         self.check_group('moe')

@@ -5,6 +5,7 @@
 #include <set>
 #include <vector>
 
+#include "formats/dcp_recipe/dcp_recipe_export.h"
 #include "util/strings.h"
 
 namespace reshard {
@@ -106,6 +107,21 @@ Result<std::optional<RecipePrefixes>> FindRecipePrefixes(const DcpTensors& dcp, 
                                 "with " + kOption + " MODEL,OPTIM, or read it as plain DCP with --rules none");
   }
   return std::optional<RecipePrefixes>(found.front());
+}
+
+std::map<std::string, std::string> RecipeSaveOptions(const DcpTensors& dcp, const RecipePrefixes& prefixes) {
+  // torch's own param groups list their FQNs in `<i>.params`; flattened ones have none.
+  const std::string groups = prefixes.optim + kParamGroups;
+  const std::string params = ".params";
+  const bool indexed = std::any_of(dcp.objects.begin(), dcp.objects.end(), [&](const std::string& key) {
+    int64_t index = 0;
+    const size_t end = key.size() - params.size();
+    return StartsWith(key, groups) && key.size() > groups.size() + params.size() && key.substr(end) == params &&
+           ParseInt(key.substr(groups.size(), end - groups.size()), &index);
+  });
+  auto bare = [](const std::string& dotted) { return dotted.empty() ? dotted : dotted.substr(0, dotted.size() - 1); };
+  return {{kRecipePrefixesOption, bare(prefixes.model) + "," + bare(prefixes.optim)},
+          {kRecipeGroupsOption, indexed ? kIndexedGroups : kFlatGroups}};
 }
 
 Result<StateDictImport> ReadDcpRecipeImport(const DcpTensors& dcp, const RecipePrefixes& prefixes,

@@ -16,6 +16,7 @@
 // names the pair to read.
 #pragma once
 
+#include <map>
 #include <optional>
 #include <string>
 
@@ -36,6 +37,10 @@ struct RecipePrefixes {
 // beside a model and no option is given. Errors (one line): more than one
 // pair (naming them and the option), an option the folder does not fit.
 Result<std::optional<RecipePrefixes>> FindRecipePrefixes(const DcpTensors& dcp, const std::string& option);
+
+// The options of export --to dcp_recipe (dcp_recipe_export.h) that write
+// the save's form again: its prefixes and the form of its param groups.
+std::map<std::string, std::string> RecipeSaveOptions(const DcpTensors& dcp, const RecipePrefixes& prefixes);
 
 // Reads `dcp` under `prefixes` as the model of the first family that fits
 // it. Errors (one line): a model key no family's HF names map, naming the

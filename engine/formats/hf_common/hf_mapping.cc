@@ -1,6 +1,7 @@
 #include "formats/hf_common/hf_mapping.h"
 
 #include "formats/hf_common/hf_config.h"
+#include "formats/hf_common/hf_tensors.h"
 #include "logical/settings.h"
 
 namespace reshard {
@@ -45,6 +46,16 @@ Result<std::string> RecordedConfigJson(const HfExport& hf, const RuleInputs& inp
                                        std::vector<std::string>* left_out) {
   RESHARD_ASSIGN_OR_RETURN(int64_t vocab, VocabRows(chosen, all));
   return RecordedHfConfigJson(hf, inputs, vocab, FloatingDType(chosen), left_out);
+}
+
+std::string CanonicalOfHf(const HfExport& hf, const std::string& name) {
+  for (const HfTensorMap& map : hf.tensors) {
+    for (const std::string& to : map.to) {
+      std::string block;
+      if (HfNameTemplate(to).Match(name, &block)) return HfNameTemplate(map.from).With(block);
+    }
+  }
+  return name;
 }
 
 }  // namespace reshard

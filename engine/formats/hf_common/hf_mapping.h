@@ -33,4 +33,8 @@ Result<std::string> RecordedConfigJson(const HfExport& hf, const RuleInputs& inp
                                        const std::vector<ChosenTensor>& chosen, const std::vector<FullTensor>& all,
                                        std::vector<std::string>* left_out);
 
+// The canonical parameter the HF tensor `name` is (a part of): the
+// hf.tensors entry that makes it, at its block; `name` itself when none does.
+std::string CanonicalOfHf(const HfExport& hf, const std::string& name);
+
 }  // namespace reshard

@@ -166,7 +166,7 @@ OutputPlan DcpPlan(const std::string& folder, const DcpWriteOptions& options = {
   rank1.push_back(Pattern("scalar", DType::kFloat32, {}, {{}, {}}, 1, 2.5));
   rank0.push_back(DcpBytesItem("step", Value::Int(7)));
   DcpWriteItem lr = DcpBytesItem("optim.lr", Value::Float(0.001));
-  lr.path = {"optim", "lr"};  // saved from a nested dict
+  lr.path = {Value::String("optim"), Value::String("lr")};  // saved from a nested dict
   rank1.push_back(std::move(lr));
   Value note = Value::MakeDict();
   Set(note, "list", Value::MakeList({Value::Int(1), Value::Float(2.5), Value::String("x"), Value(),
