@@ -222,7 +222,8 @@ Result<OutputPlan> PlanDcpRecipe(const SourceCheckpoint& src, const ExportOption
   RESHARD_ASSIGN_OR_RETURN(const HfExport* hf, FamilyExport(src, inputs));
   OutputPlan out;
   out.scratch = std::make_shared<ScratchFolder>();
-  RESHARD_ASSIGN_OR_RETURN(std::vector<FullTensor> all, src.FullTensors(options.replicated, out.read.get()));
+  RESHARD_ASSIGN_OR_RETURN(std::vector<FullTensor> all,
+                           WholeTensors(src, options.replicated, options.vocab_size, {}, out.read.get()));
   const bool optimizer = WritesOptimizer(all, options);
   RESHARD_ASSIGN_OR_RETURN(std::vector<ChosenTensor> params,
                            ChooseFsdp2Parameters(src, all, options, optimizer, kDcpRecipe, notes));
