@@ -18,10 +18,15 @@ layout; at PP 1 the loaded model's loss, and its loss after one SGD step, are bi
 source's (Megatron's own save loaded at PP 1). Stage sizes that do not add up are refused in one
 line. Skipped with one line when the chroot or the wheels cannot be had.
 
+Without the framework: the optimizer state written at uneven stages (torch_dist's dp_reshardable
+buckets, the torch format's distrib_optim.pt) reads back as the source's, and a dp_reshardable save
+whose args do not record its stage sizes takes them from --set, as its refusal advises.
+
 Run: /usr/bin/python3 tests/interop/test_megatron_core_uneven_pipeline.py --reshard build/reshard
 """
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -29,7 +34,7 @@ import tempfile
 import torch
 
 import interop_support as support
-from interop_support import FixtureTestCase
+from interop_support import FAMILIES, FixtureTestCase, make_fixture
 import megatron_core_data
 import megatron_core_pypi
 import torch2_chroot
@@ -275,6 +280,36 @@ class DpReshardableStageSizesTest(FixtureTestCase):
         self.assertIn("optimizer state is laid out for 2 pipeline stages: the pipeline stage sizes (first stage 2) "
                       "leave 0 layers of 2 for 1 other stage, which Megatron-Core cannot split evenly; give --set "
                       "decoder_first_pipeline_num_layers=N", p.stdout)
+
+
+class UnevenOptimizerStateTest(FixtureTestCase):
+    """The optimizer state at uneven stages: a Megatron-DeepSpeed checkpoint with its state (6 layers)
+    exported as torch_dist's dp_reshardable at PP 2 (4, 2 layers) and as the torch format's
+    distrib_optim.pt at PP 3 (1, 1, 4 layers) is read back, by the split its args record, as the
+    same tensors, the optimizer state's too."""
+
+    def test_the_buckets_follow_the_stages(self):
+        src = make_fixture(self.path('ms'), **dict(FAMILIES['ms_llama'], tp=1, pp=1, dp=1, optimizer='bf16_zero'))
+        itself = run('verify', src, src)
+        exports = {'td': ('--to', 'torch_dist', '--pp', 2, FIRST, 4, '--optimizer-layout', 'dp_reshardable',
+                          '--dp', 2),
+                   'mg': ('--to', 'megatron', '--pp', 3, '--decoder-last-pipeline-num-layers', 4)}
+        for name, flags in exports.items():
+            with self.subTest(export=name):
+                out, back = self.path(name), self.path(name + '_back', 'global_step10')
+                p = run('export', src, out, '--tp', 1, *flags)
+                self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+                self.assertIn('recorded in the args', p.stdout)
+                p = run('convert', '--to', 'deepspeed', out, back, '--tp', 1, '--pp', 1, '--dp', 1,
+                        '--no-update-latest')
+                self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+                p = run('verify', src, back)
+                # Neither export carries the learning-rate scheduler and the sample counter.
+                self.assertEqual(re.findall(r'differs: (.*)', p.stdout),
+                                 ['lr_scheduler differs', 'global_samples differs'])
+                self.assertNotIn('elements differ', p.stdout)
+                self.assertEqual(re.findall(r'verify: (\d+) tensors', p.stdout),
+                                 re.findall(r'verify: (\d+) tensors', itself.stdout))
 
 
 if __name__ == '__main__':
