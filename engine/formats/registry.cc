@@ -173,7 +173,8 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenCheckpoint(const std::string& path
                                                  std::move(imported.files), std::move(imported.notes),
                                                  std::move(imported.optimizer), imported.optimizer_status,
                                                  "", std::move(imported.facts)},
-                                                options));
+                                                options),
+                 imported.tp, imported.pp, imported.dp);
   }
   if (const std::string dcp = DcpCheckpointFolder(path); !dcp.empty()) return OpenDcp(dcp, options);
   if (IsWeightsWithoutConfig(path)) return SavedWhole(Named("state dict", OpenWeightsWithoutConfig(path)));

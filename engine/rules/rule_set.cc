@@ -222,8 +222,11 @@ void AddHfPaths(const HfExport& hf, std::set<std::string>* paths) {
   }
 }
 
-// What a torch_dist import reads: Megatron-Core's args and the shapes' sizes.
+// What a torch_dist import reads: Megatron-Core's args, the shapes' sizes,
+// and how the run split its layers over the pipeline stages (Megatron-LM's
+// args, which its optimizer state's layout follows).
 void AddTorchDistPaths(const TorchDistLayout& layout, std::set<std::string>* paths) {
+  for (const char* field : kPipelineSplitArgs) paths->insert(std::string("args.") + field);
   for (const TorchDistArg& arg : layout.args) {
     if (!arg.from.empty()) paths->insert(arg.from);
     AddConditionPaths(arg.when, paths);

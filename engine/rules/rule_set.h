@@ -323,6 +323,14 @@ struct TorchDistTensor {
 // Megatron-Core's layer specs, whose modules name some tensors differently.
 enum class LayerSpec { kLocal, kTransformerEngine };
 
+// The Megatron-LM args fields that say how a run split its layers over the
+// pipeline stages (the first and last stage's layers, the embedding and the
+// loss counted as layers), which a torch_dist import reads beside a
+// section's args: its optimizer state's layout follows them.
+inline constexpr const char* kPipelineSplitArgs[] = {
+    "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+    "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"};
+
 // How the family's models are stored by Megatron-Core's `torch_dist`, and
 // the keys of Megatron-LM's `torch` format (one state_dict() per rank).
 struct TorchDistLayout {

@@ -504,7 +504,9 @@ class ExportMegatronTest(FixtureTestCase):
         moe = os.path.join(HERE, '..', 'data', 'deepspeed_moe', 'zero1_fp32_ep2_dp4')
         moe_rules = os.path.join(HERE, '..', 'data', 'deepspeed_moe', 'toy-moe-nonpipe.yaml')
         cases = [
-            ((src, '--to', 'megatron', '--tp', 2, '--pp', 4), 'choose a --pp that divides 6'),
+            ((src, '--to', 'megatron', '--tp', 2, '--pp', 4),
+             '6 layers do not divide into 4 stages; give --decoder-first-pipeline-num-layers N or '
+             '--decoder-last-pipeline-num-layers N, or a --pp that divides 6'),
             ((src, '--to', 'megatron', '--tp', 5, '--pp', 1), 'over 5 TP ranks'),
             ((src, '--to', 'megatron', '--tp', 2), 'needs the target layout: --tp N and --pp N'),
             ((src, '--to', 'consolidated', '--tp', 2, '--pp', 1), '--tp sets the layout of --to deepspeed, megatron, torch_dist'),

@@ -1,6 +1,7 @@
 #include "formats/megatron_core/common/megatron_args.h"
 
 #include <algorithm>
+#include <iterator>
 #include <optional>
 
 #include "util/strings.h"
@@ -209,6 +210,17 @@ void Tying(Value* args, std::optional<bool> tied, std::vector<std::string>* chan
   if (tied) Write(args, "untie_embeddings_and_output_weights", Value::Bool(!*tied), changes);
 }
 
+// The split's fields, where they differ from Megatron-LM's defaults (None,
+// False) or the args hold them already (a source's split of another layout).
+void WriteSplit(Value* args, const PipelineSplit& split) {
+  auto size = [](const std::optional<int>& n) { return n ? Value::Int(*n) : Value::None(); };
+  const Value values[] = {size(split.first), size(split.last), Value::Bool(split.embedding), Value::Bool(split.loss)};
+  for (size_t i = 0; i < std::size(kPipelineSplitArgs); ++i) {
+    const bool default_value = values[i].is_none() || (values[i].is(Value::Kind::kBool) && !values[i].as_bool());
+    if (!default_value || Find(*args, kPipelineSplitArgs[i]) != nullptr) Set(*args, kPipelineSplitArgs[i], values[i]);
+  }
+}
+
 void AsMegatronLm(Value* args, const MegatronLayout& layout, std::vector<std::string>* notes) {
   std::vector<std::string> changes;
   Tying(args, layout.tied_embedding, &changes);
@@ -268,6 +280,7 @@ Value MegatronArgs(const Value& args, const MegatronLayout& layout, std::vector<
   Set(out, "data_parallel_size", Value::Int(layout.dp));
   Set(out, "world_size", Value::Int(int64_t{layout.tp} * layout.pp * layout.dp));
   if (layout.padded_vocab > 0) Set(out, "padded_vocab_size", Value::Int(layout.padded_vocab));
+  WriteSplit(&out, layout.split);
   if (!renamed.empty()) {
     notes->push_back("args: fork-only values made plain for Megatron-LM: " + Join(renamed, ", "));
   }

@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "formats/megatron_core/common/megatron_layout.h"
 #include "pickle/value.h"
 #include "rules/rule_set.h"
 
@@ -37,6 +38,10 @@ struct MegatronLayout {
   // The KV-group count the model was read with (KvGroups; nullopt: none is
   // known), written as num_query_groups where the attention is grouped.
   std::optional<int64_t> kv_groups;
+  // How the layers are split over the `pp` stages: written as Megatron-LM's
+  // decoder_first_pipeline_num_layers, ... (kPipelineSplitArgs), each where
+  // it differs from Megatron-LM's default or the args hold it already.
+  PipelineSplit split;
 };
 
 // The KV-group count the rules read, args.num_key_value_heads, from the
@@ -48,7 +53,7 @@ std::optional<int64_t> KvGroups(const Value& metadata, const Value& settings);
 bool TiesEmbedding(const RuleSet& rules);
 
 // `args` (dict-like: an argparse.Namespace as pickled) for `layout`: the
-// parallel sizes, world size and padded vocabulary rewritten (added when
+// parallel sizes, the stage sizes, world size and padded vocabulary rewritten (added when
 // absent, since Megatron-LM compares them at load), fork-only values made
 // plain or dropped. Notes say what was dropped or renamed.
 Value MegatronArgs(const Value& args, const MegatronLayout& layout, std::vector<std::string>* notes);

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <utility>
@@ -35,9 +36,86 @@ struct RankFolder {
 };
 std::optional<RankFolder> ParseRankFolder(const std::string& name);
 
-// Blocks per pipeline stage: Megatron-LM gives every stage num_layers / PP
-// consecutive blocks and refuses a PP that does not divide them.
-Result<int> BlocksPerStage(int blocks, int pp);
+// How Megatron-Core splits the transformer layers over the pipeline stages:
+// evenly, unless the run gave Megatron-LM's --decoder-first-pipeline-num-layers /
+// --decoder-last-pipeline-num-layers (the first / last stage's layers, the
+// others share the rest evenly), or counted the embedding or the loss as one
+// more layer of the first / last stage (--account-for-embedding-in-pipeline-split,
+// --account-for-loss-in-pipeline-split), which Megatron-Core does not combine
+// with the stage sizes.
+// Its fields in Megatron-LM's args are kPipelineSplitArgs (rules/rule_set.h).
+struct PipelineSplit {
+  std::optional<int> first, last;
+  bool embedding = false, loss = false;
+
+  bool Even() const { return !first && !last && !embedding && !loss; }
+  // "first stage 2, last stage 1", "the embedding counted", ...; "even".
+  std::string Describe() const;
+};
+
+// The split a run's args record: `field(name)` gives an args field as an
+// integer (a bool as 0 / 1), nullopt where the args do not record it (or
+// record None).
+PipelineSplit SplitOfArgs(const std::function<std::optional<int64_t>(const std::string& field)>& field);
+PipelineSplit SplitOfArgs(const Value& args);
+
+// The layers of each of `pp` stages of a model of `layers` transformer
+// layers, as Megatron-Core 0.19 builds them for `split` (its
+// get_num_layers_to_build, without a virtual pipeline). Refused, in one
+// line naming the fix (`flags`: how the user gives the stage sizes), for a
+// split Megatron-Core refuses or that does not add up to `layers`.
+struct SplitFlags {
+  std::string first, last;  // "--decoder-first-pipeline-num-layers N", "--set decoder_first_pipeline_num_layers=N"
+};
+extern const SplitFlags kExportSplitFlags, kSetSplitFlags;
+Result<std::vector<int>> StageLayerCounts(int layers, int pp, const PipelineSplit& split, const SplitFlags& flags);
+
+// `counts` (each stage's layers) as Megatron-LM's stage sizes: even, or the
+// first and / or last stage's layers with the others equal. Refused for
+// counts no Megatron-Core run lays out.
+Result<PipelineSplit> SplitOfCounts(const std::vector<int>& counts);
+
+// The layers of each pipeline stage, and which stage holds a layer.
+class PipelineStages {
+ public:
+  PipelineStages() = default;
+  explicit PipelineStages(std::vector<int> layers);
+
+  int pp() const { return static_cast<int>(layers_.size()); }
+  int Layers(int stage) const { return layers_[stage]; }
+  // The global index of the stage's first layer.
+  int First(int stage) const { return first_[stage]; }
+  // The stage holding global layer `block`.
+  int StageOf(int block) const;
+  const std::vector<int>& counts() const { return layers_; }
+  // "2 blocks per stage", "blocks per stage 2, 1".
+  std::string Describe() const;
+
+ private:
+  std::vector<int> layers_, first_;
+};
+
+// The options of the Megatron-Core exports that set the target's stage
+// sizes, under Megatron-LM's flag names.
+inline constexpr char kFirstStageOption[] = "decoder-first-pipeline-num-layers";
+inline constexpr char kLastStageOption[] = "decoder-last-pipeline-num-layers";
+std::vector<FormatOptionInfo> PipelineSplitOptions();
+
+// The stages an export to `pp` stages of `layers` layers writes, and the
+// split its args record: the stage sizes given as options; else the
+// source's own split where it was saved at `pp` stages (a note says when
+// the source's uneven split is not kept); else even.
+struct TargetPipeline {
+  PipelineSplit split;
+  PipelineStages stages;
+};
+Result<TargetPipeline> ChooseTargetPipeline(const SourceCheckpoint& src, const ExportOptions& options, int layers,
+                                            int pp, std::vector<std::string>* notes);
+
+// What a loader of an export with `pipeline` must be told (Megatron-LM does
+// not take the stage sizes from the checkpoint's args): "" when even, else a
+// note naming Megatron-LM's flags, led by `target` ("torch_dist").
+std::string PipelineLoadNote(const std::string& target, const TargetPipeline& pipeline);
 
 // Where one weight goes.
 struct ModelPlace {
@@ -48,9 +126,9 @@ struct ModelPlace {
 };
 
 // The place of the weight `key` (module-local, as in the DeepSpeed layer
-// file) of a layer of `role` — block `block` for blocks, whose ids are local
-// to their stage — with `per_stage` blocks in each of `pp` stages.
-Result<ModelPlace> PlaceOf(const std::string& role, const std::string& key, int block, int per_stage, int pp);
+// file) of a layer of `role` — block `block` for blocks, a global index,
+// written with its stage's own index — in `stages`.
+Result<ModelPlace> PlaceOf(const std::string& role, const std::string& key, int block, const PipelineStages& stages);
 
 // The last stage's copy of a tied word embedding (PP > 1).
 ModelPlace HeadEmbeddingPlace(int pp);

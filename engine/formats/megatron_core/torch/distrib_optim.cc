@@ -8,13 +8,13 @@
 
 namespace reshard {
 
-Result<std::vector<std::string>> StageKeysInRegistrationOrder(const TorchDistLayout& layout, int stage, int pp,
-                                                              int blocks_per_stage) {
+Result<std::vector<std::string>> StageKeysInRegistrationOrder(const TorchDistLayout& layout, int stage,
+                                                              const PipelineStages& stages) {
   std::vector<std::string> keys;
-  const int64_t first = int64_t{stage} * blocks_per_stage;
+  const int64_t first = stages.First(stage);
   for (const RegisteredParam& reg : StageRegistrationOrder(
            layout.optimizer_order, [&layout](const std::string& key) { return layout.IsStackedKey(key); }, first,
-           blocks_per_stage, stage == 0, stage == pp - 1, layout.tied_head)) {
+           stages.Layers(stage), stage == 0, stage == stages.pp() - 1, layout.tied_head)) {
     if (reg.layer < 0) {
       keys.push_back(reg.key);
       continue;
@@ -25,13 +25,13 @@ Result<std::vector<std::string>> StageKeysInRegistrationOrder(const TorchDistLay
   return keys;
 }
 
-Result<Value> DistribOptimValue(const TorchDistLayout& layout, int stage, int pp, int blocks_per_stage,
+Result<Value> DistribOptimValue(const TorchDistLayout& layout, int stage, const PipelineStages& stages,
                                 std::vector<RankParamState> params, int dp,
                                 const std::function<DType(DType)>& grad_dtype) {
   std::map<std::string, size_t> by_key;
   for (size_t i = 0; i < params.size(); ++i) by_key[params[i].param.name] = i;
   RESHARD_ASSIGN_OR_RETURN(std::vector<std::string> order,
-                           StageKeysInRegistrationOrder(layout, stage, pp, blocks_per_stage));
+                           StageKeysInRegistrationOrder(layout, stage, stages));
   std::vector<RankParamState> ordered;
   for (const std::string& key : order) {
     auto it = by_key.find(key);

@@ -21,6 +21,7 @@
 
 #include "formats/format.h"
 #include "formats/megatron_core/common/megatron_gathered.h"
+#include "formats/megatron_core/common/megatron_layout.h"
 #include "rules/rule_set.h"
 
 namespace reshard {
@@ -28,12 +29,11 @@ namespace reshard {
 // The file name beside model_optim_rng.pt.
 inline constexpr char kDistribOptimFile[] = "distrib_optim.pt";
 
-// The model keys of stage `stage` of `pp` (with `blocks_per_stage` layers
-// each) in registration order: every key optimizer_order can give, the
+// The model keys of stage `stage` of `stages` in registration order: every key optimizer_order can give, the
 // layer keys with the stage's own layer index, the tied head's on the last
 // stage; the caller skips those the model lacks.
-Result<std::vector<std::string>> StageKeysInRegistrationOrder(const TorchDistLayout& layout, int stage, int pp,
-                                                              int blocks_per_stage);
+Result<std::vector<std::string>> StageKeysInRegistrationOrder(const TorchDistLayout& layout, int stage,
+                                                              const PipelineStages& stages);
 
 // One parameter of a rank, for the export.
 struct RankParamState {
@@ -45,7 +45,7 @@ struct RankParamState {
 // are `params` (any order), at `dp` DP ranks; `grad_dtype(param dtype)` is
 // the run's gradient dtype. Unsupported, naming the key, for a parameter
 // optimizer_order does not place.
-Result<Value> DistribOptimValue(const TorchDistLayout& layout, int stage, int pp, int blocks_per_stage,
+Result<Value> DistribOptimValue(const TorchDistLayout& layout, int stage, const PipelineStages& stages,
                                 std::vector<RankParamState> params, int dp,
                                 const std::function<DType(DType)>& grad_dtype);
 

@@ -46,7 +46,7 @@ struct MegatronExportPlan {
   const TorchDistLayout* layout = nullptr;  // the rule set's names of the keys (not for kLegacy)
   TpCut cut;
   int pp = 1;
-  int blocks_per_stage = 0;
+  TargetPipeline pipeline;  // the layers of each stage
   int64_t iteration = 0;
   int64_t padded_vocab = 0;
   std::optional<DType> dtype;  // floating tensors cast to it; unset = as the source gives them
@@ -129,13 +129,13 @@ Result<ModelPlace> McorePlaceOf(const MegatronExportPlan& plan, const RankTensor
   RESHARD_ASSIGN_OR_RETURN(const TorchDistTensor* entry, TorchDistEntryOf(*plan.rules, r, "megatron"));
   const std::string& key = TorchDistLayout::KeyOf(*entry, SpecOf(plan.keys));
   if (r.block < 0) return ModelPlace{StageOfModule(key, plan.pp), {key}};
-  const int stage = r.block / plan.blocks_per_stage;
-  RESHARD_ASSIGN_OR_RETURN(std::string layer_key, LayerKey(key, r.block - stage * plan.blocks_per_stage));
+  const int stage = plan.pipeline.stages.StageOf(r.block);
+  RESHARD_ASSIGN_OR_RETURN(std::string layer_key, LayerKey(key, r.block - plan.pipeline.stages.First(stage)));
   return ModelPlace{stage, {std::move(layer_key)}};
 }
 
 Result<ModelPlace> PlaceOfTensor(const MegatronExportPlan& plan, const RankTensor& r) {
-  if (plan.keys == Keys::kLegacy) return PlaceOf(r.rule->role, r.key, r.block, plan.blocks_per_stage, plan.pp);
+  if (plan.keys == Keys::kLegacy) return PlaceOf(r.rule->role, r.key, r.block, plan.pipeline.stages);
   return McorePlaceOf(plan, r);
 }
 
@@ -195,7 +195,7 @@ Status AddExtraState(const std::string& module, bool transformer_engine, Megatro
   for (int p = 0; p < plan->pp; ++p) {
     std::vector<std::string> keys;
     if (IsLayerKey(module)) {
-      for (int l = 0; l < plan->blocks_per_stage; ++l) {
+      for (int l = 0; l < plan->pipeline.stages.Layers(p); ++l) {
         RESHARD_ASSIGN_OR_RETURN(std::string key, LayerKey(module, l));
         keys.push_back(std::move(key));
       }
@@ -323,7 +323,7 @@ Status PlanDistribOptim(const SourceCheckpoint& src, const MegatronExportPlan& p
       }
       params.push_back(std::move(p));
     }
-    RESHARD_ASSIGN_OR_RETURN(Value state, DistribOptimValue(*plan.layout, f.pp_rank, plan.pp, plan.blocks_per_stage,
+    RESHARD_ASSIGN_OR_RETURN(Value state, DistribOptimValue(*plan.layout, f.pp_rank, plan.pipeline.stages,
                                                             std::move(params), dp, grad_dtype));
     const std::string name = f.name.substr(0, f.name.rfind('/') + 1) + kDistribOptimFile;
     RESHARD_ASSIGN_OR_RETURN(PlannedFile file,
@@ -382,7 +382,7 @@ const char* LoadFlag(Keys keys) {
 std::string Summary(const MegatronExportPlan& plan) {
   std::string out = "megatron (" + std::string(KeysName(plan.keys)) + "): TP " + std::to_string(plan.cut.tp) + ", PP " + std::to_string(plan.pp) +
                     ", iteration " + std::to_string(plan.iteration) + "; " +
-                    Count(plan.blocks_per_stage, "block") + " per stage";
+                    plan.pipeline.stages.Describe();
   if (plan.padded_vocab > 0) out += "; padded vocabulary " + std::to_string(plan.padded_vocab);
   return out + "\n";
 }
@@ -399,7 +399,8 @@ Result<OutputPlan> PlanMegatron(const SourceCheckpoint& src, const ExportOptions
   OutputPlan out;
   RESHARD_ASSIGN_OR_RETURN(TpWeights weights, src.WeightsForTp(plan.cut, notes, out.read.get()));
   plan.padded_vocab = weights.padded_vocab;
-  RESHARD_ASSIGN_OR_RETURN(plan.blocks_per_stage, BlocksPerStage(CountBlocks(weights.ranks[0]), plan.pp));
+  RESHARD_ASSIGN_OR_RETURN(plan.pipeline,
+                           ChooseTargetPipeline(src, options, CountBlocks(weights.ranks[0]), plan.pp, notes));
   RESHARD_RETURN_IF_ERROR(PlaceTensors(weights, &plan));
   RESHARD_RETURN_IF_ERROR(AddExtraStates(&plan));
   const Value* args = Find(src.info().metadata, "args");
@@ -408,7 +409,7 @@ Result<OutputPlan> PlanMegatron(const SourceCheckpoint& src, const ExportOptions
     plan.args = MegatronArgs(*args,
                              {plan.cut.tp, plan.pp, dp, plan.padded_vocab,
                               src.info().rules ? std::optional<bool>(TiesEmbedding(*src.info().rules)) : std::nullopt,
-                              KvGroups(src.info().metadata, src.info().settings)},
+                              KvGroups(src.info().metadata, src.info().settings), plan.pipeline.split},
                              notes);
     WriteLrSchedule(RunLrSchedule(src.info().metadata, src.info().settings), &*plan.args);
   } else {
@@ -416,6 +417,7 @@ Result<OutputPlan> PlanMegatron(const SourceCheckpoint& src, const ExportOptions
                      "skips its checks of the checkpoint's arguments)");
   }
   notes->push_back("megatron: " + std::string(KeysName(plan.keys)) + "; load with " + LoadFlag(plan.keys));
+  if (std::string note = PipelineLoadNote("megatron", plan.pipeline); !note.empty()) notes->push_back(note);
   RESHARD_ASSIGN_OR_RETURN(const bool optimizer, WritesOptimizer(src, options, plan, out.read.get(), notes));
   if (optimizer) {
     RESHARD_RETURN_IF_ERROR(PlanOptimizerEntries(src, &plan, notes));
@@ -445,6 +447,7 @@ TargetFormat MegatronTarget() {
                    "Megatron-Core keys, else legacy",
                    {"local", "te", "legacy"}},
                   FromOption("weights"), DTypeOption()};
+  for (FormatOptionInfo& o : PipelineSplitOptions()) info.options.push_back(std::move(o));
   return {std::move(info), PlanMegatron};
 }
 

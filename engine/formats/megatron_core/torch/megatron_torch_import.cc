@@ -15,6 +15,7 @@
 #include "formats/megatron_core/common/megatron_layout.h"
 #include "formats/megatron_core/common/torch_dist_family.h"
 #include "formats/megatron_core/torch/distrib_optim.h"
+#include "logical/settings.h"
 #include "logical/tp_placement.h"
 #include "util/human.h"
 #include "util/list_folder.h"
@@ -54,7 +55,7 @@ struct RankFiles {
   std::vector<std::string> paths;  // stage by stage, TP rank by TP rank
   std::vector<Value> roots;        // the files' objects, in the same order
   std::vector<StoredKey> keys;     // stage by stage, in the first TP rank's order
-  int blocks_per_stage = 0;
+  std::vector<int> stage_layers;   // each stage's transformer layers
   int64_t extra_states = 0;
   bool optimizer = false;          // a file holds an `optimizer` entry
   bool distrib_optim = false;      // distrib_optim.pt files
@@ -193,12 +194,7 @@ Status CollectKeys(RankFiles* files) {
         }
       }
     }
-    if (p > 0 && layers != files->blocks_per_stage) {
-      return Status::InvalidInput(files->Name(0, p) + " holds " + Count(layers, "layer") + " and " +
-                                  files->Name(0, 0) + " " + std::to_string(files->blocks_per_stage) +
-                                  "; Megatron-LM gives every stage as many");
-    }
-    files->blocks_per_stage = layers;
+    files->stage_layers.push_back(layers);
   }
   return Status::Ok();
 }
@@ -225,7 +221,9 @@ class FamilyReader {
   Result<MegatronTorchImport> Read() {
     RESHARD_RETURN_IF_ERROR(family_.Start());
     RESHARD_RETURN_IF_ERROR(CheckTying());
-    blocks_ = static_cast<int64_t>(f_.blocks_per_stage) * f_.pp;
+    stages_ = PipelineStages(f_.stage_layers);
+    blocks_ = stages_.First(f_.pp - 1) + stages_.Layers(f_.pp - 1);
+    RESHARD_RETURN_IF_ERROR(CheckStages());
     RESHARD_RETURN_IF_ERROR(MapKeys());
     RESHARD_RETURN_IF_ERROR(family_.RecordBlocks(blocks_, f_.folder));
     std::map<std::string, ImportedTensor> tensors;
@@ -256,6 +254,29 @@ class FamilyReader {
 
   bool TiesEmbedding() const { return reshard::TiesEmbedding(family_.rules()); }
 
+  // Each stage's layers as the rank files hold them, which the args' stage
+  // sizes must give where the args record any; recorded in the args where
+  // they record none, so that a conversion at this PP keeps them.
+  Status CheckStages() {
+    const std::string shown = f_.folder + "'s rank files hold " + stages_.Describe();
+    Result<PipelineSplit> split = SplitOfCounts(f_.stage_layers);
+    if (!split.ok()) return Status::InvalidInput(shown + ": " + split.status().message());
+    const Value& args = *Find(*family_.metadata(), "args");
+    const bool recorded = std::any_of(std::begin(kPipelineSplitArgs), std::end(kPipelineSplitArgs),
+                                      [&args](const char* field) { return Find(args, field) != nullptr; });
+    if (!recorded) {
+      if (split->first) SetPath(family_.metadata(), std::string("args.") + kPipelineSplitArgs[0], Value::Int(*split->first));
+      if (split->last) SetPath(family_.metadata(), std::string("args.") + kPipelineSplitArgs[1], Value::Int(*split->last));
+      return Status::Ok();
+    }
+    const PipelineSplit said = SplitOfArgs(args);
+    Result<std::vector<int>> counts = StageLayerCounts(static_cast<int>(blocks_), f_.pp, said, kSetSplitFlags);
+    if (counts.ok() && *counts == f_.stage_layers) return Status::Ok();
+    return Status::InvalidInput(shown + ", and its args' pipeline stage sizes (" + said.Describe() + ") " +
+                                (counts.ok() ? "give " + PipelineStages(*counts).Describe() : "do not add up") +
+                                ": the files are of another run; restore them from the saved checkpoint");
+  }
+
   // Each stored key as the canonical tensor its torch_dist entry names.
   Status MapKeys() {
     for (const StoredKey& stored : f_.keys) {
@@ -263,7 +284,7 @@ class FamilyReader {
       int64_t block = -1;
       if (std::optional<std::pair<std::string, int>> layer = SplitLayerKey(stored.key)) {
         key = layer->first;
-        block = static_cast<int64_t>(stored.stage) * f_.blocks_per_stage + layer->second;
+        block = stages_.First(stored.stage) + layer->second;
       }
       const TorchDistTensor* entry = family_.EntryOf(key);
       if (entry == nullptr && key == layout_.tied_head && stored.stage == f_.pp - 1) {
@@ -411,7 +432,7 @@ class FamilyReader {
       if (k.stage == stage) stored[k.key] = &k;
     }
     RESHARD_ASSIGN_OR_RETURN(std::vector<std::string> order,
-                             StageKeysInRegistrationOrder(layout_, stage, f_.pp, f_.blocks_per_stage));
+                             StageKeysInRegistrationOrder(layout_, stage, stages_));
     const bool tied = f_.pp > 1 && tied_copies_ > 0;
     std::vector<std::pair<const StoredKey*, bool>> params;
     for (const std::string& key : order) {
@@ -539,9 +560,18 @@ class FamilyReader {
                " (" + Count(static_cast<int64_t>(f_.paths.size()), "rank file") + ")";
     out.notes = std::move(notes);
     out.facts = Facts(out);
+    out.tp = f_.tp;
+    out.pp = f_.pp;
+    out.dp = static_cast<int>(DpOfArgs());
     out.optimizer = std::move(optimizer_);
     out.optimizer_status = optimizer_status_;
     return out;
+  }
+
+  // The data-parallel size the args record (0: none).
+  int64_t DpOfArgs() const {
+    const Value* args = Find(f_.Root(), "args");
+    return args != nullptr ? MetadataInt(*args, "data_parallel_size", 0) : 0;
   }
 
   // What the rank files record, in Megatron-LM's terms: the TP and PP of
@@ -549,8 +579,7 @@ class FamilyReader {
   RecordedFacts Facts(const MegatronTorchImport& out) const {
     RecordedFacts facts;
     facts.emplace_back("keys", KeysName());
-    const Value* args = Find(f_.Root(), "args");
-    const int64_t dp = args != nullptr ? MetadataInt(*args, "data_parallel_size", 0) : 0;
+    const int64_t dp = DpOfArgs();
     facts.emplace_back("saved at", "TP " + std::to_string(f_.tp) + ", PP " + std::to_string(f_.pp) + ", DP " +
                                        (dp > 0 ? std::to_string(dp) : "not recorded"));
     facts.emplace_back("iteration", std::to_string(out.logical.iteration));
@@ -569,6 +598,7 @@ class FamilyReader {
   const CommonOptions& options_;
   TorchDistFamily family_;
   const TorchDistLayout& layout_;
+  PipelineStages stages_;
   int64_t blocks_ = 0;
   std::map<std::string, Mapped> mapped_;
   int64_t tied_copies_ = 0;

@@ -48,6 +48,9 @@ struct MegatronTorchImport {
   std::optional<ImportedOptimizer> optimizer;
   Status optimizer_status;
   RecordedFacts facts;  // its keys, saved layout, iteration and optimizer state, for inspect
+  // The layout it was saved at: TP and PP as its rank folders show, DP as
+  // its args record it (0: not recorded).
+  int tp = 0, pp = 0, dp = 0;
 };
 
 // The iteration folder of the Megatron-LM `torch` checkpoint at `path`:

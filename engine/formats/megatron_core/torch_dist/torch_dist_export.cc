@@ -116,7 +116,8 @@ Result<std::vector<RankBox>> RankBoxes(const RankTensor& r, int t, int tp, DType
 struct Target {
   TpCut cut;
   int pp = 1, dp = 1;
-  int blocks = 0, blocks_per_stage = 0;
+  int blocks = 0;
+  TargetPipeline pipeline;  // the layers of each stage
   std::optional<DType> dtype;
   std::string version;                 // kVersion014 or kVersion019
   std::string layout;                  // of the optimizer state
@@ -142,7 +143,7 @@ class RankFiles {
 };
 
 int StageOf(const RankTensor& r, const Target& target) {
-  if (r.block >= 0) return r.block / target.blocks_per_stage;
+  if (r.block >= 0) return target.pipeline.stages.StageOf(r.block);
   return r.rule->role == "embedding" ? 0 : target.pp - 1;
 }
 
@@ -172,7 +173,7 @@ void AddExtraStates(const RuleSet& rules, const Target& target, RankFiles* files
   for (const std::string& module : rules.torch_dist()->extra_state) {
     for (int l = 0; l < target.blocks; ++l) {
       const std::string fqn = module + "._extra_state/shard_" + std::to_string(l) + "_" + std::to_string(target.blocks);
-      files->At(0, l / target.blocks_per_stage).push_back(DcpBytesItem(fqn, Value::MakeList({Value::None()})));
+      files->At(0, target.pipeline.stages.StageOf(l)).push_back(DcpBytesItem(fqn, Value::MakeList({Value::None()})));
     }
   }
 }
@@ -276,7 +277,7 @@ Result<std::vector<DpParam>> StageParams(const RuleSet& rules, const TpWeights& 
   std::vector<DpParam> params;
   for (const RegisteredParam& reg : StageRegistrationOrder(
            layout.optimizer_order, [&layout](const std::string& key) { return layout.IsStackedKey(key); },
-           int64_t{p} * target.blocks_per_stage, target.blocks_per_stage, p == 0, p == target.pp - 1,
+           target.pipeline.stages.First(p), target.pipeline.stages.Layers(p), p == 0, p == target.pp - 1,
            layout.tied_head)) {
     auto it = by_key.find({reg.key, reg.layer});
     if (it == by_key.end()) continue;
@@ -430,7 +431,7 @@ Value CommonState(const SourceCheckpoint& src, const Target& target, int64_t pad
         src.info().rules ? std::optional<bool>(TiesEmbedding(*src.info().rules)) : std::nullopt;
     Value written = MegatronArgs(*args,
                                  {target.cut.tp, target.pp, target.dp, padded_vocab, tied,
-                                  KvGroups(src.info().metadata, src.info().settings)},
+                                  KvGroups(src.info().metadata, src.info().settings), target.pipeline.split},
                                  notes);
     // The true vocabulary size, as Megatron-LM's --vocab-size records it: what
     // re-padding for another TP needs.
@@ -553,7 +554,7 @@ Result<OutputPlan> PlanTorchDist(const SourceCheckpoint& src, const ExportOption
   OutputPlan out;
   RESHARD_ASSIGN_OR_RETURN(TpWeights weights, src.WeightsForTp(target.cut, notes, out.read.get()));
   target.blocks = CountBlocks(weights.ranks[0]);
-  RESHARD_ASSIGN_OR_RETURN(target.blocks_per_stage, BlocksPerStage(target.blocks, target.pp));
+  RESHARD_ASSIGN_OR_RETURN(target.pipeline, ChooseTargetPipeline(src, options, target.blocks, target.pp, notes));
 
   RankFiles files(target);
   for (int t = 0; t < options.tp; ++t) {
@@ -597,12 +598,14 @@ Result<OutputPlan> PlanTorchDist(const SourceCheckpoint& src, const ExportOption
   out.files.push_back(TextFile(kLatestIterationFile, std::to_string(src.info().iteration)));
   out.summary = "torch_dist (Megatron-Core " + target.version + "): TP " + std::to_string(options.tp) + ", PP " + std::to_string(target.pp) +
                 (target.dp > 1 ? ", DP " + std::to_string(target.dp) : "") + ", iteration " + std::to_string(src.info().iteration) + "; " +
-                Count(target.blocks, "block") + ", stacked; padded vocabulary " +
+                Count(target.blocks, "block") + ", stacked" +
+                (target.pipeline.split.Even() ? "" : " (" + target.pipeline.stages.Describe() + ")") + "; padded vocabulary " +
                 std::to_string(weights.padded_vocab) +
                 (states.empty() ? "; weights only" : "; optimizer state " + target.layout) +
                 (target.bucket_size ? ", first stage's buckets of " + std::to_string(*target.bucket_size) + " elements" : "") +
                 "\n";
   notes->push_back(LoadNote(states, target.layout));
+  if (std::string note = PipelineLoadNote("torch_dist", target.pipeline); !note.empty()) notes->push_back(note);
   return out;
 }
 
@@ -628,6 +631,7 @@ TargetFormat TorchDistTarget() {
        "--overlap-grad-reduce cuts them (default: one bucket per buffer)"},
       FromOption("weights"),
       DTypeOption()};
+  for (FormatOptionInfo& o : PipelineSplitOptions()) info.options.push_back(std::move(o));
   return {std::move(info), PlanTorchDist};
 }
 

@@ -5,6 +5,7 @@
 
 #include "formats/megatron_core/common/megatron_buckets.h"
 #include "formats/megatron_core/common/megatron_gathered.h"
+#include "formats/megatron_core/common/megatron_layout.h"
 #include "formats/megatron_core/common/nd_reformulation.h"
 #include "formats/megatron_core/common/optimizer_layouts.h"
 #include "util/human.h"
@@ -272,9 +273,11 @@ class FlatBufferReader {
   }
 
  private:
-  // TP, PP, DP and the layers of a stage: the args where they record them;
-  // else TP from the first key's cut (the vocabulary-parallel embedding),
-  // PP from the number of model-parallel ranks, DP 1 (any DP that divides
+  // TP, PP, DP and the layers of each stage: TP and DP the args' where they
+  // record them, else TP from the first key's cut (the vocabulary-parallel
+  // embedding), and DP 1; PP from the number of model-parallel ranks; the
+  // stages' layers as Megatron-Core splits them by the args' (or --set's)
+  // stage sizes, evenly where they record none; DP 1 (any DP that divides
   // 128 lays the buffers out the same; the numels check it; the gathered
   // form is the same at any DP).
   Status ReadGrid() {
@@ -293,15 +296,25 @@ class FlatBufferReader {
     tp_ = static_cast<int>(args_("args.tensor_model_parallel_size").value_or(first->shards.size()));
     dp_ = static_cast<int>(args_("args.data_parallel_size").value_or(1));
     pp_ = tp_ > 0 ? groups / tp_ : 0;
+    int layers = 0;
     for (const std::string& key : layout_.optimizer_order) {
-      if (const DcpTensor* t = c_.FindTensor(key); t != nullptr && layout_.IsStackedKey(key)) layers_ = t->size[0];
+      if (const DcpTensor* t = c_.FindTensor(key); t != nullptr && layout_.IsStackedKey(key)) {
+        layers = static_cast<int>(t->size[0]);
+      }
     }
-    if (pp_ < 1 || pp_ * tp_ != groups || layers_ % pp_ != 0) {
-      return Status::Unsupported(c_.folder + " has " + std::to_string(groups) + " model-parallel optimizer groups, "
-                                 "no even TP " + std::to_string(tp_) + " x PP layout of its " +
-                                 std::to_string(layers_) + " layers; pass --set tensor_model_parallel_size=N" +
-                                 kWeightsOnlyFix);
+    if (pp_ < 1 || pp_ * tp_ != groups) {
+      return Status::Unsupported(c_.folder + " has " + Count(groups, "model-parallel optimizer group") +
+                                 ", which TP " + std::to_string(tp_) + " (from its chunks) does not divide into "
+                                 "pipeline stages" + kWeightsOnlyFix);
     }
+    // Each stage's layers, as the run split them (its args, or --set).
+    const PipelineSplit split = SplitOfArgs([this](const std::string& field) { return args_("args." + field); });
+    Result<std::vector<int>> counts = StageLayerCounts(layers, pp_, split, kSetSplitFlags);
+    if (!counts.ok()) {
+      return Status::Unsupported(c_.folder + "'s optimizer state is laid out for " + Count(pp_, "pipeline stage") +
+                                 ": " + counts.status().message() + kWeightsOnlyFix);
+    }
+    stages_ = PipelineStages(std::move(*counts));
     return Status::Ok();
   }
 
@@ -319,12 +332,11 @@ class FlatBufferReader {
   // The rank's parameters in registration order (StageRegistrationOrder),
   // those the checkpoint holds, and a tied embedding's last-stage copy.
   Result<std::vector<RankParam>> RankParams(int tp_rank, int pp_rank) const {
-    const int64_t per_stage = layers_ / pp_;
     const DcpTensor* tied = TiedEmbedding();
     std::vector<RankParam> params;
     for (const RegisteredParam& r : StageRegistrationOrder(
              layout_.optimizer_order, [this](const std::string& key) { return layout_.IsStackedKey(key); },
-             pp_rank * per_stage, per_stage, pp_rank == 0, pp_rank == pp_ - 1,
+             stages_.First(pp_rank), stages_.Layers(pp_rank), pp_rank == 0, pp_rank == pp_ - 1,
              tied != nullptr ? layout_.tied_head : "")) {
       const bool tied_head = tied != nullptr && r.key == layout_.tied_head;
       const DcpTensor* t = tied_head ? tied : c_.FindTensor(r.key);
@@ -401,9 +413,9 @@ class FlatBufferReader {
     options.dp = dp_;
     Result<BucketLayout> recorded = MegatronRecordedLayout(list, options, numel.numels, unpadded.numels, what);
     if (!recorded.ok()) {
-      return Status::InvalidInput(recorded.status().message() + "; the rule set's optimizer_order or the layout (--set "
-                                  "tensor_model_parallel_size, data_parallel_size) does not describe this run" +
-                                  kWeightsOnlyFix);
+      return Status::InvalidInput(recorded.status().message() + "; the rule set's optimizer_order or the pipeline "
+                                  "stage sizes (" + std::string(kSetSplitFlags.first) + ", " + kSetSplitFlags.last +
+                                  ") do not describe this run" + kWeightsOnlyFix);
     }
     const BucketLayout& bl = *recorded;
     for (int k = 0; k < static_cast<int>(bl.buckets.size()); ++k) {
@@ -498,7 +510,7 @@ class FlatBufferReader {
   const bool gathered_;
   TorchDistOptimizer& out_;
   int tp_ = 1, pp_ = 1, dp_ = 1;
-  int64_t layers_ = 0;
+  PipelineStages stages_;  // each stage's layers
   int flats_read_ = 0;
 };
 

@@ -45,45 +45,138 @@ TEST(MegatronLayoutTest, LayerKeysSplitIntoTheStackedKeyAndTheLocalIndex) {
   EXPECT_FALSE(SplitLayerKey("embedding.word_embeddings.weight"));
 }
 
-TEST(MegatronLayoutTest, StagesTakeEqualBlocks) {
-  EXPECT_EQ(*BlocksPerStage(24, 4), 6);
-  EXPECT_EQ(*BlocksPerStage(6, 6), 1);
-  Result<int> uneven = BlocksPerStage(6, 4);
+std::vector<int> Counts(int layers, int pp, const PipelineSplit& split) {
+  Result<std::vector<int>> counts = StageLayerCounts(layers, pp, split, kExportSplitFlags);
+  EXPECT_TRUE(counts.ok()) << counts.status().message();
+  return counts.ok() ? *counts : std::vector<int>{};
+}
+
+PipelineSplit FirstLast(std::optional<int> first, std::optional<int> last) {
+  PipelineSplit split;
+  split.first = first;
+  split.last = last;
+  return split;
+}
+
+TEST(MegatronLayoutTest, StagesTakeEqualLayersUnlessTold) {
+  EXPECT_EQ(Counts(24, 4, {}), (std::vector<int>{6, 6, 6, 6}));
+  EXPECT_EQ(Counts(6, 6, {}), (std::vector<int>{1, 1, 1, 1, 1, 1}));
+  Result<std::vector<int>> uneven = StageLayerCounts(3, 2, {}, kExportSplitFlags);
   ASSERT_FALSE(uneven.ok());
   EXPECT_EQ(uneven.status().message(),
-            "Megatron-LM gives every pipeline stage the same number of transformer blocks, and 6 blocks do not "
-            "divide into 4 stages; choose a --pp that divides 6");
-  EXPECT_FALSE(BlocksPerStage(2, 4).ok());
-  // One block, one stage: no "1 blocks".
-  EXPECT_NE(BlocksPerStage(1, 2).status().message().find("and 1 block does not divide into 2 stages"),
-            std::string::npos);
+            "Megatron-Core splits the transformer layers evenly over the pipeline stages unless given the first or "
+            "last stage's, and 3 layers do not divide into 2 stages; give --decoder-first-pipeline-num-layers N or "
+            "--decoder-last-pipeline-num-layers N, or a --pp that divides 3");
+  EXPECT_FALSE(StageLayerCounts(2, 4, {}, kExportSplitFlags).ok());
+}
+
+// Megatron-Core's get_num_layers_to_build: the stages without a size given
+// share the rest evenly.
+TEST(MegatronLayoutTest, FirstAndLastStageSizesLeaveTheRestEven) {
+  EXPECT_EQ(Counts(3, 2, FirstLast(2, std::nullopt)), (std::vector<int>{2, 1}));
+  EXPECT_EQ(Counts(3, 2, FirstLast(1, std::nullopt)), (std::vector<int>{1, 2}));
+  EXPECT_EQ(Counts(3, 2, FirstLast(std::nullopt, 1)), (std::vector<int>{2, 1}));
+  EXPECT_EQ(Counts(3, 2, FirstLast(2, 1)), (std::vector<int>{2, 1}));
+  EXPECT_EQ(Counts(11, 4, FirstLast(2, std::nullopt)), (std::vector<int>{2, 3, 3, 3}));
+  EXPECT_EQ(Counts(10, 4, FirstLast(1, std::nullopt)), (std::vector<int>{1, 3, 3, 3}));
+  EXPECT_EQ(Counts(10, 4, FirstLast(1, 1)), (std::vector<int>{1, 4, 4, 1}));
+  EXPECT_EQ(Counts(7, 4, FirstLast(std::nullopt, 1)), (std::vector<int>{2, 2, 2, 1}));
+  EXPECT_EQ(Counts(5, 1, FirstLast(5, std::nullopt)), (std::vector<int>{5}));
+  // Stage sizes that do not add up, or leave the other stages unequal or empty.
+  for (const PipelineSplit& bad : {FirstLast(2, 2), FirstLast(3, std::nullopt), FirstLast(0, std::nullopt)}) {
+    EXPECT_FALSE(StageLayerCounts(3, 2, bad, kExportSplitFlags).ok()) << bad.Describe();
+  }
+  Result<std::vector<int>> odd = StageLayerCounts(10, 4, FirstLast(3, std::nullopt), kSetSplitFlags);
+  ASSERT_FALSE(odd.ok());
+  EXPECT_EQ(odd.status().message(),
+            "the pipeline stage sizes (first stage 3) leave 7 layers of 10 for 3 other stages, which Megatron-Core "
+            "cannot split evenly; give --set decoder_first_pipeline_num_layers=N and --set "
+            "decoder_last_pipeline_num_layers=N that leave each other stage as many layers");
+}
+
+// --account-for-embedding/loss-in-pipeline-split: one more layer counted on
+// the first / last stage, which builds one layer fewer.
+TEST(MegatronLayoutTest, EmbeddingAndLossCountAsLayers) {
+  PipelineSplit embedding;
+  embedding.embedding = true;
+  EXPECT_EQ(Counts(7, 4, embedding), (std::vector<int>{1, 2, 2, 2}));
+  PipelineSplit both = embedding;
+  both.loss = true;
+  EXPECT_EQ(Counts(6, 4, both), (std::vector<int>{1, 2, 2, 1}));
+  EXPECT_EQ(Counts(3, 4, embedding), (std::vector<int>{0, 1, 1, 1}));
+  EXPECT_FALSE(StageLayerCounts(8, 4, embedding, kExportSplitFlags).ok());
+  PipelineSplit mixed = FirstLast(2, std::nullopt);
+  mixed.loss = true;
+  EXPECT_FALSE(StageLayerCounts(3, 2, mixed, kExportSplitFlags).ok());
+}
+
+TEST(MegatronLayoutTest, StageCountsAreReadBackAsStageSizes) {
+  EXPECT_TRUE(SplitOfCounts({2, 2, 2})->Even());
+  EXPECT_EQ(*SplitOfCounts({2, 1})->first, 2);
+  EXPECT_FALSE(SplitOfCounts({2, 1})->last);
+  const PipelineSplit ends = *SplitOfCounts({1, 4, 4, 1});
+  EXPECT_EQ(ends.first, 1);
+  EXPECT_EQ(ends.last, 1);
+  EXPECT_FALSE(SplitOfCounts({2, 3, 3, 3})->last);
+  EXPECT_EQ(SplitOfCounts({1, 2, 3})->last, 3);
+  EXPECT_FALSE(SplitOfCounts({1, 2, 3, 2}).ok());  // the stages between differ
+  EXPECT_FALSE(SplitOfCounts({0, 1, 1}).ok());
+}
+
+TEST(MegatronLayoutTest, StagesPlaceGlobalLayers) {
+  const PipelineStages stages({2, 1, 3});
+  EXPECT_EQ(stages.pp(), 3);
+  EXPECT_EQ(stages.First(1), 2);
+  EXPECT_EQ(stages.First(2), 3);
+  EXPECT_EQ(stages.StageOf(0), 0);
+  EXPECT_EQ(stages.StageOf(1), 0);
+  EXPECT_EQ(stages.StageOf(2), 1);
+  EXPECT_EQ(stages.StageOf(5), 2);
+  EXPECT_EQ(stages.Describe(), "blocks per stage 2, 1, 3");
+  EXPECT_EQ(PipelineStages({3, 3}).Describe(), "3 blocks per stage");
+  // A stage without layers (the embedding counted on the first).
+  EXPECT_EQ(PipelineStages({0, 1, 1}).StageOf(0), 1);
+}
+
+TEST(MegatronLayoutTest, SplitIsReadFromTheArgs) {
+  Value args = Value::MakeDict();
+  EXPECT_TRUE(SplitOfArgs(args).Even());
+  Set(args, "decoder_first_pipeline_num_layers", Value::Int(2));
+  Set(args, "decoder_last_pipeline_num_layers", Value::None());
+  Set(args, "account_for_loss_in_pipeline_split", Value::Bool(true));
+  const PipelineSplit split = SplitOfArgs(args);
+  EXPECT_EQ(split.first, 2);
+  EXPECT_FALSE(split.last);
+  EXPECT_FALSE(split.embedding);
+  EXPECT_TRUE(split.loss);
+  EXPECT_EQ(split.Describe(), "first stage 2, the loss counted as a layer");
 }
 
 TEST(MegatronLayoutTest, EmbeddingTensorsAreInTheirModulesOnTheFirstStage) {
-  Result<ModelPlace> word = PlaceOf("embedding", "word_embeddings.weight", -1, 3, 2);
+  Result<ModelPlace> word = PlaceOf("embedding", "word_embeddings.weight", -1, PipelineStages({3, 3}));
   EXPECT_EQ(word->stage, 0);
   EXPECT_EQ(word->path, (Path{"language_model", "embedding", "word_embeddings", "weight"}));
   // BigScience's embedding LayerNorm lives inside the word embedding module.
-  EXPECT_EQ(PlaceOf("embedding", "word_embeddings.norm.bias", -1, 3, 2)->path,
+  EXPECT_EQ(PlaceOf("embedding", "word_embeddings.norm.bias", -1, PipelineStages({3, 3}))->path,
             (Path{"language_model", "embedding", "word_embeddings", "norm.bias"}));
-  EXPECT_EQ(PlaceOf("embedding", "position_embeddings.weight", -1, 3, 2)->path,
+  EXPECT_EQ(PlaceOf("embedding", "position_embeddings.weight", -1, PipelineStages({3, 3}))->path,
             (Path{"language_model", "embedding", "position_embeddings", "weight"}));
 }
 
 TEST(MegatronLayoutTest, BlocksGoToTheirStageUnderLocalIds) {
-  Result<ModelPlace> first = PlaceOf("block", "input_layernorm.weight", 2, 3, 2);
+  Result<ModelPlace> first = PlaceOf("block", "input_layernorm.weight", 2, PipelineStages({3, 3}));
   EXPECT_EQ(first->stage, 0);
   EXPECT_EQ(first->path, (Path{"language_model", "encoder", "layers.2.input_layernorm.weight"}));
-  Result<ModelPlace> later = PlaceOf("block", "self_attention.dense.weight", 4, 3, 2);
+  Result<ModelPlace> later = PlaceOf("block", "self_attention.dense.weight", 4, PipelineStages({3, 3}));
   EXPECT_EQ(later->stage, 1);
   EXPECT_EQ(later->path, (Path{"language_model", "encoder", "layers.1.self_attention.dense.weight"}));
 }
 
 TEST(MegatronLayoutTest, FinalNormAndOutputLayerAreOnTheLastStage) {
-  Result<ModelPlace> norm = PlaceOf("final_norm", "bias", -1, 2, 3);
+  Result<ModelPlace> norm = PlaceOf("final_norm", "bias", -1, PipelineStages({2, 2, 2}));
   EXPECT_EQ(norm->stage, 2);
   EXPECT_EQ(norm->path, (Path{"language_model", "encoder", "final_layernorm.bias"}));
-  Result<ModelPlace> head = PlaceOf("head", "lm_head.weight", -1, 2, 3);
+  Result<ModelPlace> head = PlaceOf("head", "lm_head.weight", -1, PipelineStages({2, 2, 2}));
   EXPECT_EQ(head->stage, 2);
   EXPECT_EQ(head->path, (Path{"language_model", "output_layer", "weight"}));
   const ModelPlace tied = HeadEmbeddingPlace(3);
@@ -92,11 +185,11 @@ TEST(MegatronLayoutTest, FinalNormAndOutputLayerAreOnTheLastStage) {
 }
 
 TEST(MegatronLayoutTest, WhatMegatronHasNoPlaceForIsRefused) {
-  Result<ModelPlace> other = PlaceOf("pooler", "dense.weight", -1, 1, 1);
+  Result<ModelPlace> other = PlaceOf("pooler", "dense.weight", -1, PipelineStages({1}));
   ASSERT_FALSE(other.ok());
   EXPECT_EQ(other.status().message(), "the rule set's 'pooler' layers have no place in Megatron-LM's GPT model "
                                       "(embedding, blocks, final norm, output layer)");
-  Result<ModelPlace> bare = PlaceOf("embedding", "weight", -1, 1, 1);
+  Result<ModelPlace> bare = PlaceOf("embedding", "weight", -1, PipelineStages({1}));
   ASSERT_FALSE(bare.ok());
   EXPECT_EQ(bare.status().message(), "the embedding tensor 'weight' names no module of Megatron-LM's embedding "
                                      "(expected <module>.<parameter>)");
