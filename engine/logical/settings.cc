@@ -50,7 +50,7 @@ bool SameValue(const Value& recorded, const Value& given) {
 }  // namespace
 
 const std::set<std::string>& RunValuePaths() {
-  static const std::set<std::string> kPaths = {"args.lr", "args.min_lr"};
+  static const std::set<std::string> kPaths = {"args.lr", "args.min_lr", "args.global_batch_size"};
   return kPaths;
 }
 

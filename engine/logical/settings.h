@@ -28,7 +28,8 @@ Result<Value> SettingsValue(const std::map<std::string, std::string>& set);
 
 // The values of the run that no rule reads but an export writes, which
 // --set may give: the learning-rate schedule's bounds (args.lr, args.min_lr),
-// which Megatron-Core's optimizer load pairs saved param groups by.
+// which Megatron-Core's optimizer load pairs saved param groups by, and the
+// global batch (args.global_batch_size) its scheduler counts samples by.
 const std::set<std::string>& RunValuePaths();
 
 // Refuses settings that neither `rules` nor an export reads (RunValuePaths),

@@ -47,6 +47,7 @@ TORCHTITAN = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'dat
                           'step-1')
 TT_SIZES = ['--set', 'num_attention_heads=4']
 LR, OTHER_LR = 3e-4, 1e-3
+BATCH = 8  # the torchtitan run's global batch, given with --set
 
 # Loads each case's folder into the model its args describe, with the distributed optimizer of a
 # run with the case's --lr and --min-lr, then takes a step; writes what happened to /data/results.json.
@@ -176,12 +177,31 @@ def resume(case):
     out.update(loss=loss.item(), stepped=bool(stepped),
                changed=sum(not torch.equal(a, p) for a, p in zip(before, model.parameters())),
                params=len(before), lr_after=[g['lr'] for g in optimizer.param_groups])
-    if case.get('save'):  # Megatron-Core's own save after the step
+    if case.get('save'):  # Megatron-Core's own save after the step, with the scheduler as Megatron-LM saves it
         model_sd = model.sharded_state_dict()
-        dist_checkpointing.save({'model': model_sd, 'args': args,
+        dist_checkpointing.save({'model': model_sd, 'args': args, 'opt_param_scheduler': scheduler.state_dict(),
                                  'optimizer': optimizer.sharded_state_dict(model_sd, metadata=METADATA)},
                                 case['save'])
+    out['scheduler'] = load_scheduler(folder, optimizer, lr, min_lr, case)
     return out
+
+def load_scheduler(folder, optimizer, lr, min_lr, case):
+    """The common state's opt_param_scheduler as Megatron-LM's load hands it to a run's scheduler (after the
+    step, so that the step above ran at the run's lr): its state_dict after the load, or the error."""
+    saved = dist_checkpointing.load_common_state_dict(folder).get('opt_param_scheduler')
+    if saved is None:
+        return {'error': 'no opt_param_scheduler'}
+    # The resumed run's own schedule; --override-opt-param-scheduler where the case says so.
+    scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=lr, min_lr=min_lr, lr_warmup_steps=0,
+                                        lr_decay_steps=1000, lr_decay_style='cosine', start_wd=case['wd'],
+                                        end_wd=case['wd'], wd_incr_steps=1000, wd_incr_style='constant',
+                                        use_checkpoint_opt_param_scheduler=not case.get('override'),
+                                        override_opt_param_scheduler=bool(case.get('override')))
+    try:
+        scheduler.load_state_dict(saved)
+    except Exception as e:
+        return {'error': type(e).__name__ + ': ' + str(e)[:500]}
+    return scheduler.state_dict()
 
 with socket.socket() as s:
     s.bind(('127.0.0.1', 0))
@@ -217,24 +237,29 @@ class MegatronCoreResumeTest(unittest.TestCase):
         cls.work = tempfile.mkdtemp(prefix='reshard-mcore-resume-')
         cls.addClassCleanup(shutil.rmtree, cls.work)
         cls.notes = {
-            'tt_given': cls.export(TORCHTITAN, 'tt_given', *TT_SIZES, '--set', f'lr={LR}', '--set', 'min_lr=0'),
+            'tt_given': cls.export(TORCHTITAN, 'tt_given', *TT_SIZES, '--set', f'lr={LR}', '--set', 'min_lr=0',
+                                   '--set', f'global_batch_size={BATCH}'),
             'tt_missing': cls.export(TORCHTITAN, 'tt_missing', *TT_SIZES)}
         md = make_fixture(os.path.join(cls.work, 'md'),
                           **dict(FAMILIES['ms_llama'], tp=1, pp=1, dp=1, optimizer='bf16_zero'))
         cls.md_args = support.load(os.path.join(md, 'mp_rank_00_model_states.pt'))['args']
+        cls.md_scheduler = support.load(os.path.join(md, 'mp_rank_00_model_states.pt'))['lr_scheduler']
         cls.notes['md_gqa'] = cls.export(md, 'md_gqa')
         a = cls.md_args
         # torchtitan's Llama: AdamW with weight decay 0.1, no linear biases (which the args written
         # from its import do not say: the run gives --disable-bias-linear).
-        tt = dict(wd=0.1, given={'add_bias_linear': False})
+        # (The args written from its import say add_bias_linear False; `given` as a run without
+        # --use-checkpoint-args gives it.) The scheduler made from its run values has defaulted values, which
+        # a run takes from its own flags with --override-opt-param-scheduler, as the note says.
+        tt = dict(wd=0.1, given={'add_bias_linear': False}, override=True)
         cases = [dict(tt, name='tt_given', folder='/data/tt_given/iter_0000001', lr=LR, min_lr=0.0,
                       save='/data/mc_save'),
                  dict(tt, name='tt_missing', folder='/data/tt_missing/iter_0000001', lr=LR, min_lr=0.0),
                  dict(tt, name='tt_other_lr', folder='/data/tt_given/iter_0000001', lr=OTHER_LR, min_lr=0.0),
-                 dict(tt, name='mc_same_lr', folder='/data/mc_save', lr=LR, min_lr=0.0),
+                 dict(tt, name='mc_same_lr', folder='/data/mc_save', lr=LR, min_lr=0.0, override=False),
                  dict(tt, name='mc_other_lr', folder='/data/mc_save', lr=OTHER_LR, min_lr=0.0),
                  dict(name='md_gqa', folder=cls.iteration_folder('md_gqa'), lr=a.lr, min_lr=a.min_lr,
-                      wd=a.weight_decay)]
+                      wd=a.weight_decay, save='/data/md_save')]
         p = megatron_core_pypi.run(cls.root, cls.site, SCRIPT % json.dumps(cases), {cls.work: '/data'}, timeout=400)
         if p.returncode:
             raise AssertionError('Megatron-Core could not run the cases:\n' + p.stdout + p.stderr[-4000:])
@@ -284,6 +309,54 @@ class MegatronCoreResumeTest(unittest.TestCase):
                          [(LR, 0.0), (LR, 0.0)])
         self.assertEqual((state['args'].lr, state['args'].min_lr), (LR, 0.0))
         self.assertResumed('tt_given', LR, 0.0)
+
+    def test_the_scheduler_made_from_the_run_loads_into_megatron_cores_scheduler(self):
+        # Megatron-LM's load_checkpoint reads opt_param_scheduler right after the optimizer state.
+        self.assertIn(f'opt_param_scheduler: made from the run (the source records none): max_lr {LR}, min_lr 0.0, '
+                      f'num_steps {BATCH} (iteration 1 x global_batch_size {BATCH}); defaulted: lr_decay_steps',
+                      self.notes['tt_given'])
+        self.assertIn('resume with --override-opt-param-scheduler', self.notes['tt_given'])
+        written = self.common_state('tt_given')['opt_param_scheduler']
+        self.assertEqual((written['max_lr'], written['min_lr'], written['num_steps']), (LR, 0.0, BATCH))
+        # Loaded by OptimizerParamScheduler.load_state_dict with --override-opt-param-scheduler: the run's own
+        # schedule, the samples trained from the checkpoint.
+        loaded = self.results['tt_given']['scheduler']
+        self.assertNotIn('error', loaded)
+        self.assertEqual(loaded, dict(max_lr=LR, min_lr=0.0, num_steps=BATCH, lr_warmup_steps=0, lr_decay_steps=1000,
+                                      lr_decay_style='cosine', start_wd=0.1, end_wd=0.1, wd_incr_steps=1000,
+                                      wd_incr_style='constant'))
+        # Without the global batch nothing is made, and the note says what to give.
+        self.assertIn('opt_param_scheduler: the source records no learning-rate scheduler state and its max_lr',
+                      self.notes['tt_missing'])
+        self.assertIn('--set global_batch_size=', self.notes['tt_missing'])
+        self.assertNotIn('opt_param_scheduler', self.common_state('tt_missing'))
+
+    def test_a_sources_scheduler_is_carried_and_loads_as_the_run_saved_it(self):
+        own = self.md_scheduler  # Megatron-DeepSpeed's lr_scheduler
+        self.assertIn(f"opt_param_scheduler: the source's learning-rate scheduler state, carried (num_steps "
+                      f"{own['num_steps']})", self.notes['md_gqa'])
+        self.assertEqual(self.common_state('md_gqa')['opt_param_scheduler'], own)
+        loaded = self.results['md_gqa']['scheduler']  # with --use-checkpoint-opt-param-scheduler
+        self.assertNotIn('error', loaded)
+        self.assertEqual(loaded, {k: own[k] for k in loaded})
+        self.assertEqual(len(loaded), 10)
+
+    def test_megatron_cores_own_scheduler_is_kept_through_another_tp(self):
+        saved = support.distcp_items(os.path.join(self.work, 'mc_save'))['common_state/shard_0_1'][0][1][0]
+        self.assertEqual(saved['opt_param_scheduler']['num_steps'], 1)  # the run's one step
+        self.assertEqual(self.results['mc_same_lr']['scheduler'], saved['opt_param_scheduler'])
+        # The GQA run's save (whose sizes divide by TP 2), made after its step, at TP 2.
+        saved = support.distcp_items(os.path.join(self.work, 'md_save'))['common_state/shard_0_1'][0][1][0]
+        self.assertEqual(saved['opt_param_scheduler']['num_steps'], 1)
+        out = os.path.join(self.work, 'md_tp2')
+        p = run('convert', os.path.join(self.work, 'md_save'), out, '--tp', 2)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        self.assertIn("opt_param_scheduler: the source's learning-rate scheduler state, carried (num_steps 1)",
+                      p.stdout + p.stderr)
+        [it] = [d for d in os.listdir(out) if d.startswith('iter_')]
+        converted = support.distcp_items(os.path.join(out, it))['common_state/shard_0_1'][0][1][0]
+        self.assertEqual(converted['args'].tensor_model_parallel_size, 2)
+        self.assertEqual(converted['opt_param_scheduler'], saved['opt_param_scheduler'])
 
     def test_a_missing_schedule_is_said_and_megatron_core_fails_as_said(self):
         self.assertIn("optimizer: the source records no max_lr or min_lr (the run's --lr and --min-lr) and none was "

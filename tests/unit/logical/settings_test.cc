@@ -68,7 +68,8 @@ TEST(Settings, ValueNoRuleReadsIsRefusedWithWhatIsRead) {
   const Status st = CheckSettings(*v, Rules(), Metadata({}));
   ASSERT_FALSE(st.ok());
   EXPECT_EQ(st.message(),
-            "--set args.num_heads: rule set tiny reads no such value (--set gives args.lr, args.min_lr, "
+            "--set args.num_heads: rule set tiny reads no such value (--set gives args.global_batch_size, args.lr, "
+            "args.min_lr, "
             "args.num_attention_heads, args.swiglu, universal_checkpoint_info.original_vocab_size)");
 }
 

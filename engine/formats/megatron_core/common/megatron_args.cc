@@ -221,9 +221,21 @@ void WriteSplit(Value* args, const PipelineSplit& split) {
   }
 }
 
+// add_bias_linear and add_qkv_bias where the args do not say them (a source
+// without Megatron args): from the tensors, as Megatron-LM's
+// --disable-bias-linear and --add-qkv-bias would build the model.
+void Biases(Value* args, const MegatronLayout& layout, std::vector<std::string>* changes) {
+  if (!layout.linear_biases || Find(*args, "add_bias_linear") != nullptr) return;
+  Write(args, "add_bias_linear", Value::Bool(*layout.linear_biases), changes);
+  if (!*layout.linear_biases && layout.qkv_bias && Find(*args, "add_qkv_bias") == nullptr) {
+    Write(args, "add_qkv_bias", Value::Bool(*layout.qkv_bias), changes);
+  }
+}
+
 void AsMegatronLm(Value* args, const MegatronLayout& layout, std::vector<std::string>* notes) {
   std::vector<std::string> changes;
   Tying(args, layout.tied_embedding, &changes);
+  Biases(args, layout, &changes);
   NumExperts(args, &changes);
   Normalization(args, &changes);
   QueryGroups(args, layout.kv_groups, &changes);
@@ -247,6 +259,22 @@ bool TiesEmbedding(const RuleSet& rules) {
     }
   }
   return false;
+}
+
+void ReadBiases(const std::vector<RankTensor>& tensors, MegatronLayout* layout) {
+  // The canonical names of the linear layers' biases (docs/rules.md).
+  static const char* const kLinear[] = {"self_attention.dense.bias", "mlp.dense_h_to_4h.bias",
+                                        "mlp.dense_4h_to_h.bias"};
+  auto ends_with = [](const std::string& name, const std::string& suffix) {
+    return name.size() >= suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+  };
+  bool linear = false, qkv = false;
+  for (const RankTensor& t : tensors) {
+    for (const char* suffix : kLinear) linear = linear || ends_with(t.name, suffix);
+    qkv = qkv || ends_with(t.name, "self_attention.query_key_value.bias");
+  }
+  layout->linear_biases = linear;
+  layout->qkv_bias = qkv;
 }
 
 std::optional<int64_t> KvGroups(const Value& metadata, const Value& settings) {

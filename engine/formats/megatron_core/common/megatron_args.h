@@ -11,7 +11,8 @@
 // --use-checkpoint-args reads them (num_experts None for the fork's [1],
 // normalization 'LayerNorm' / 'RMSNorm', group_query_attention and
 // num_query_groups, position_embedding_type, add_position_embedding True,
-// rotary_base, untie_embeddings_and_output_weights); the notes name every field changed or dropped, and the
+// rotary_base, untie_embeddings_and_output_weights, add_bias_linear and
+// add_qkv_bias where absent); the notes name every field changed or dropped, and the
 // flags that give the architecture to a run without --use-checkpoint-args.
 #pragma once
 
@@ -20,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "formats/format.h"
 #include "formats/megatron_core/common/megatron_layout.h"
 #include "pickle/value.h"
 #include "rules/rule_set.h"
@@ -42,7 +44,15 @@ struct MegatronLayout {
   // decoder_first_pipeline_num_layers, ... (kPipelineSplitArgs), each where
   // it differs from Megatron-LM's default or the args hold it already.
   PipelineSplit split;
+  // Whether the model has linear-layer biases, and q/k/v biases (nullopt: not
+  // known), as its tensors say (ReadBiases): written as add_bias_linear and
+  // add_qkv_bias where the args do not say them, since Megatron-LM's default
+  // builds every linear layer with a bias.
+  std::optional<bool> linear_biases, qkv_bias;
 };
+
+// Sets `layout`'s biases from the canonical names of the model's `tensors`.
+void ReadBiases(const std::vector<RankTensor>& tensors, MegatronLayout* layout);
 
 // The KV-group count the rules read, args.num_key_value_heads, from the
 // source's `metadata` or the --set `settings`: where a run's args leave it

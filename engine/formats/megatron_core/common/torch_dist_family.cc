@@ -25,11 +25,21 @@ std::string WithBlock(std::string name, int64_t block) {
   return name;
 }
 
-Value ImportedRunMetadata(const Value* args, const Value* iteration, int64_t fallback) {
-  return Value::MakeDict(
+Value ImportedRunMetadata(const Value& state, int64_t fallback) {
+  const Value* args = Find(state, "args");
+  const Value* iteration = Find(state, "iteration");
+  Value run = Value::MakeDict(
       {{Value::String("args"), args != nullptr && !args->is_none() ? *args : MakeNamespace({})},
        {Value::String("iteration"),
         iteration != nullptr && iteration->is(Value::Kind::kInt) ? *iteration : Value::Int(fallback)}});
+  for (const char* key : {"opt_param_scheduler", "lr_scheduler"}) {
+    const Value* scheduler = Find(state, key);
+    if (scheduler != nullptr && DictItems(*scheduler) != nullptr) {
+      Set(run, "lr_scheduler", *scheduler);
+      break;
+    }
+  }
+  return run;
 }
 
 Status CheckRunState(const Value& state, const std::string& where) {

@@ -26,9 +26,12 @@ namespace reshard {
 // `name` with "{block}" replaced by `block`.
 std::string WithBlock(std::string name, int64_t block);
 
-// What an import records of the run: `args` (an empty Namespace when None or
-// absent) and `iteration` (`fallback` when absent).
-Value ImportedRunMetadata(const Value* args, const Value* iteration, int64_t fallback);
+// What an import records of the run state `state` (a common state dict, a
+// Megatron-LM rank file's object): `args` (an empty Namespace when None or
+// absent), `iteration` (`fallback` when absent), and the learning-rate
+// scheduler's state as `lr_scheduler` (the key DeepSpeed sources record it
+// by), from Megatron-LM's opt_param_scheduler or its legacy lr_scheduler.
+Value ImportedRunMetadata(const Value& state, int64_t fallback);
 
 // Refuses the run state `state` (a common state dict, a Megatron-LM rank
 // file's object; `where` names it) when it is not a dict, or its args are

@@ -406,11 +406,11 @@ Result<OutputPlan> PlanMegatron(const SourceCheckpoint& src, const ExportOptions
   const Value* args = Find(src.info().metadata, "args");
   const int dp = options.dp > 0 ? options.dp : SourceDp(src);
   if (args != nullptr && DictItems(*args) != nullptr) {
-    plan.args = MegatronArgs(*args,
-                             {plan.cut.tp, plan.pp, dp, plan.padded_vocab,
-                              src.info().rules ? std::optional<bool>(TiesEmbedding(*src.info().rules)) : std::nullopt,
-                              KvGroups(src.info().metadata, src.info().settings), plan.pipeline.split},
-                             notes);
+    MegatronLayout layout{plan.cut.tp, plan.pp, dp, plan.padded_vocab,
+                          src.info().rules ? std::optional<bool>(TiesEmbedding(*src.info().rules)) : std::nullopt,
+                          KvGroups(src.info().metadata, src.info().settings), plan.pipeline.split};
+    ReadBiases(weights.ranks[0], &layout);
+    plan.args = MegatronArgs(*args, layout, notes);
     WriteLrSchedule(RunLrSchedule(src.info().metadata, src.info().settings), &*plan.args);
   } else {
     notes->push_back("args: the source records no Megatron args, so the files have none (Megatron-LM then "

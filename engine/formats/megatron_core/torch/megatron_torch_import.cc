@@ -238,7 +238,7 @@ class FamilyReader {
  private:
   static Value RunMetadata(const RankFiles& files) {
     const Value& root = files.Root();
-    return ImportedRunMetadata(Find(root, "args"), Find(root, "iteration"), 0);
+    return ImportedRunMetadata(root, 0);
   }
 
   // Megatron-LM's args say whether the output layer is the word embedding

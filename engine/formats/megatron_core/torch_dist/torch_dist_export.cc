@@ -16,6 +16,7 @@
 #include "formats/megatron_core/common/megatron_buckets.h"
 #include "formats/megatron_core/common/megatron_layout.h"
 #include "formats/megatron_core/common/megatron_param_groups.h"
+#include "formats/megatron_core/common/megatron_scheduler.h"
 #include "formats/megatron_core/common/nd_reformulation.h"
 #include "formats/megatron_core/common/optimizer_layouts.h"
 #include "formats/megatron_core/torch_dist/dp_reshardable_items.h"
@@ -414,7 +415,7 @@ Result<Value> AddOptimizer(const SourceCheckpoint& src, const std::vector<FullTe
 // The common state: what Megatron-LM's load reads before the tensors.
 // 0.14's also says how its sharded state dict was made (content_metadata:
 // Megatron-LM 0.14 picks the optimizer layout to load by it).
-Value CommonState(const SourceCheckpoint& src, const Target& target, int64_t padded_vocab,
+Value CommonState(const SourceCheckpoint& src, const Target& target, const TpWeights& weights,
                   std::optional<Value> optimizer, std::vector<std::string>* notes) {
   Value state = Value::MakeDict();
   if (target.version == kVersion014) {
@@ -424,15 +425,22 @@ Value CommonState(const SourceCheckpoint& src, const Target& target, int64_t pad
     Set(content, "singleton_local_shards", Value::Bool(false));
     Set(state, "content_metadata", std::move(content));
   }
-  if (optimizer) Set(state, "optimizer", std::move(*optimizer));
+  const LrSchedule schedule = RunLrSchedule(src.info().metadata, src.info().settings);
+  if (optimizer) {
+    Set(state, "optimizer", std::move(*optimizer));
+    // Megatron-LM's load reads the scheduler with the optimizer state, and only then.
+    std::optional<Value> scheduler =
+        SchedulerState(src.info().metadata, src.info().settings, schedule, src.info().iteration, notes);
+    if (scheduler) Set(state, "opt_param_scheduler", std::move(*scheduler));
+  }
   const Value* args = Find(src.info().metadata, "args");
   if (args != nullptr && DictItems(*args) != nullptr) {
     const std::optional<bool> tied =
         src.info().rules ? std::optional<bool>(TiesEmbedding(*src.info().rules)) : std::nullopt;
-    Value written = MegatronArgs(*args,
-                                 {target.cut.tp, target.pp, target.dp, padded_vocab, tied,
-                                  KvGroups(src.info().metadata, src.info().settings), target.pipeline.split},
-                                 notes);
+    MegatronLayout layout{target.cut.tp, target.pp, target.dp, weights.padded_vocab, tied,
+                          KvGroups(src.info().metadata, src.info().settings), target.pipeline.split};
+    ReadBiases(weights.ranks[0], &layout);
+    Value written = MegatronArgs(*args, layout, notes);
     // The true vocabulary size, as Megatron-LM's --vocab-size records it: what
     // re-padding for another TP needs.
     const std::optional<int64_t> vocab = target.cut.vocab_size ? target.cut.vocab_size : src.info().vocab_size;
@@ -442,7 +450,7 @@ Value CommonState(const SourceCheckpoint& src, const Target& target, int64_t pad
       Set(written, "make_vocab_size_divisible_by", Value::Int(*divisor));
     }
     // And the learning-rate schedule the optimizer's groups are paired by.
-    WriteLrSchedule(RunLrSchedule(src.info().metadata, src.info().settings), &written);
+    WriteLrSchedule(schedule, &written);
     Set(state, "args", std::move(written));
   }
   Set(state, "checkpoint_version", Value::Float(3.0));
@@ -568,7 +576,7 @@ Result<OutputPlan> PlanTorchDist(const SourceCheckpoint& src, const ExportOption
   }
   AddExtraStates(rules, target, &files);
   const std::string folder = IterationFolder(src.info().iteration);
-  Value common = CommonState(src, target, weights.padded_vocab, std::move(optimizer), notes);
+  Value common = CommonState(src, target, weights, std::move(optimizer), notes);
   const bool v014 = target.version == kVersion014;
   if (v014) {
     RESHARD_ASSIGN_OR_RETURN(PlannedFile common_file,

@@ -18,7 +18,8 @@
 // once, by TP rank 0. The rank tensors are the source's weights cut exactly
 // as convert cuts DeepSpeed layer files (SourceCheckpoint::WeightsForTp),
 // which are Megatron's own per-rank tensors. Beside them: the common state
-// (args, iteration, checkpoint_version, the optimizer's param groups) and
+// (args, iteration, checkpoint_version, the optimizer's param groups and
+// learning-rate scheduler, formats/megatron_core/common/megatron_scheduler.h) and
 // each linear layer's empty `_extra_state`.
 //
 // The form is a Megatron-Core version's, as each loads only its own

@@ -82,7 +82,7 @@ class FamilyReader {
  public:
   FamilyReader(const DcpContent& content, const RuleSet& rules, const Value& common, const CommonOptions& options)
       : c_(content),
-        family_(rules, ImportedRunMetadata(Find(common, "args"), Find(common, "iteration"), IterationOfFolder(content.folder)),
+        family_(rules, ImportedRunMetadata(common, IterationOfFolder(content.folder)),
                 options, "torch_dist"),
         layout_(*rules.torch_dist()),
         common_(common) {}
