@@ -408,7 +408,7 @@ Result<OutputPlan> PlanMegatron(const SourceCheckpoint& src, const ExportOptions
   if (args != nullptr && DictItems(*args) != nullptr) {
     MegatronLayout layout{plan.cut.tp, plan.pp, dp, plan.padded_vocab,
                           src.info().rules ? std::optional<bool>(TiesEmbedding(*src.info().rules)) : std::nullopt,
-                          KvGroups(src.info().metadata, src.info().settings), plan.pipeline.split};
+                          KvGroups(src.info().metadata, src.info().settings), plan.pipeline.split, {}, {}};
     ReadBiases(weights.ranks[0], &layout);
     plan.args = MegatronArgs(*args, layout, notes);
     WriteLrSchedule(RunLrSchedule(src.info().metadata, src.info().settings), &*plan.args);

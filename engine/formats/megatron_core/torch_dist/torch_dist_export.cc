@@ -438,7 +438,7 @@ Value CommonState(const SourceCheckpoint& src, const Target& target, const TpWei
     const std::optional<bool> tied =
         src.info().rules ? std::optional<bool>(TiesEmbedding(*src.info().rules)) : std::nullopt;
     MegatronLayout layout{target.cut.tp, target.pp, target.dp, weights.padded_vocab, tied,
-                          KvGroups(src.info().metadata, src.info().settings), target.pipeline.split};
+                          KvGroups(src.info().metadata, src.info().settings), target.pipeline.split, {}, {}};
     ReadBiases(weights.ranks[0], &layout);
     Value written = MegatronArgs(*args, layout, notes);
     // The true vocabulary size, as Megatron-LM's --vocab-size records it: what
