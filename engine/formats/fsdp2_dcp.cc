@@ -3,8 +3,10 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <optional>
 
+#include "formats/hf_common/hf_mapping.h"
 #include "formats/hf_common/hf_tensors.h"
 #include "util/shape.h"
 #include "util/strings.h"
@@ -148,29 +150,6 @@ ByteProducer Fsdp2Files::BoxBytes(const KeyedTensor& t, const ByteProducer& byte
   return GatherRows(bytes, row_bytes / mesh_.tp, std::move(pieces));
 }
 
-bool WritesOptimizer(const std::vector<FullTensor>& all, const ExportOptions& options) {
-  return !options.weights_only &&
-         std::any_of(all.begin(), all.end(), [](const FullTensor& t) { return t.section == "optimizer"; });
-}
-
-Result<std::vector<ChosenTensor>> ChooseFsdp2Parameters(const SourceCheckpoint& src, const std::vector<FullTensor>& all,
-                                                        const ExportOptions& options, bool optimizer,
-                                                        const std::string& to, std::vector<std::string>* notes) {
-  TensorChoiceOptions choice{to, "--from weights", FormatOption(options, "from") == "weights", std::nullopt,
-                             options.vocab_size ? options.vocab_size : src.info().vocab_size};
-  RESHARD_ASSIGN_OR_RETURN(choice.dtype, ExportDType(FormatOption(options, "dtype")));
-  RESHARD_ASSIGN_OR_RETURN(std::vector<ChosenTensor> chosen, ChooseTensors(all, src.info().kind, choice, notes));
-  if (!optimizer) return chosen;
-  for (const ChosenTensor& t : chosen) {
-    if (!t.master || t.dtype != DType::kFloat32) {
-      return Status::InvalidInput("export --to " + to + " with the optimizer state writes the fp32 masters as the "
-                                  "parameters (AdamW steps them), and " + t.name + " would be " +
-                                  (t.master ? std::string(DTypeName(t.dtype)) : std::string("the weight")) +
-                                  "; drop --from weights / --dtype, or add --weights-only");
-    }
-  }
-  return chosen;
-}
 
 Result<std::vector<ChosenTensor>> AdamwMoment(const std::vector<FullTensor>& all,
                                               const std::vector<ChosenTensor>& params, const std::string& moment,
@@ -243,6 +222,45 @@ void NoteAdamwDefaults(const std::string& to, const std::vector<std::string>& de
   notes->push_back(to + ": the source's optimizer groups record no " + Join(defaulted, ", ") +
                    "; torch's AdamW defaults written" +
                    (initial_lr ? " (initial_lr: the lr, as torch's LR schedulers set it)" : ""));
+}
+
+namespace {
+
+// The parameters, by the target's --from and --dtype: with the optimizer
+// state, the fp32 masters (AdamW steps them) or a refusal naming `to`.
+Result<std::vector<ChosenTensor>> ChooseFsdp2Parameters(const SourceCheckpoint& src, const std::vector<FullTensor>& all,
+                                                        const ExportOptions& options, bool optimizer,
+                                                        const std::string& to, std::vector<std::string>* notes) {
+  TensorChoiceOptions choice{to, "--from weights", FormatOption(options, "from") == "weights", std::nullopt,
+                             options.vocab_size ? options.vocab_size : src.info().vocab_size};
+  RESHARD_ASSIGN_OR_RETURN(choice.dtype, ExportDType(FormatOption(options, "dtype")));
+  RESHARD_ASSIGN_OR_RETURN(std::vector<ChosenTensor> chosen, ChooseTensors(all, src.info().kind, choice, notes));
+  if (!optimizer) return chosen;
+  for (const ChosenTensor& t : chosen) {
+    if (!t.master || t.dtype != DType::kFloat32) {
+      return Status::InvalidInput("export --to " + to + " with the optimizer state writes the fp32 masters as the "
+                                  "parameters (AdamW steps them), and " + t.name + " would be " +
+                                  (t.master ? std::string(DTypeName(t.dtype)) : std::string("the weight")) +
+                                  "; drop --from weights / --dtype, or add --weights-only");
+    }
+  }
+  return chosen;
+}
+
+}  // namespace
+
+Result<Fsdp2Source> ReadFsdp2Source(const SourceCheckpoint& src, const RuleInputs& inputs,
+                                    const ExportOptions& options, const std::string& to, OutputPlan* out,
+                                    std::vector<std::string>* notes) {
+  Fsdp2Source read;
+  RESHARD_ASSIGN_OR_RETURN(read.hf, FamilyExport(src, inputs));
+  out->scratch = std::make_shared<ScratchFolder>();
+  RESHARD_ASSIGN_OR_RETURN(read.all, WholeTensors(src, options.replicated, options.vocab_size, {}, out->read.get()));
+  read.optimizer = !options.weights_only && std::any_of(read.all.begin(), read.all.end(), [](const FullTensor& t) {
+    return t.section == "optimizer";
+  });
+  RESHARD_ASSIGN_OR_RETURN(read.params, ChooseFsdp2Parameters(src, read.all, options, read.optimizer, to, notes));
+  return read;
 }
 
 }  // namespace reshard

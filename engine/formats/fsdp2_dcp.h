@@ -85,15 +85,21 @@ class Fsdp2Files {
   std::vector<std::vector<DcpWriteItem>> files_;
 };
 
-// Whether the export writes the optimizer state: the source has some and
-// --weights-only does not leave it out.
-bool WritesOptimizer(const std::vector<FullTensor>& all, const ExportOptions& options);
-
-// The parameters, by the target's --from and --dtype: with the optimizer
-// state, the fp32 masters (AdamW steps them) or a refusal naming `to`.
-Result<std::vector<ChosenTensor>> ChooseFsdp2Parameters(const SourceCheckpoint& src, const std::vector<FullTensor>& all,
-                                                        const ExportOptions& options, bool optimizer,
-                                                        const std::string& to, std::vector<std::string>* notes);
+// What both FSDP2 targets read of a source before they key its tensors:
+// the family's HF names, every tensor whole, whether the optimizer state is
+// written (the source has some and --weights-only does not leave it out),
+// and the parameters chosen.
+struct Fsdp2Source {
+  const HfExport* hf = nullptr;
+  std::vector<FullTensor> all;
+  bool optimizer = false;
+  std::vector<ChosenTensor> params;
+};
+// Reads them for target `to`, giving `out` its scratch folder and counting
+// the bytes read in out->read; refuses naming every value the source lacks.
+Result<Fsdp2Source> ReadFsdp2Source(const SourceCheckpoint& src, const RuleInputs& inputs,
+                                    const ExportOptions& options, const std::string& to, OutputPlan* out,
+                                    std::vector<std::string>* notes);
 
 // Moment `moment` of every parameter of `params`, shaped and named like it;
 // a state other than AdamW's is refused naming `to`.

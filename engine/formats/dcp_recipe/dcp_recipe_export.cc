@@ -219,14 +219,12 @@ Result<OutputPlan> PlanDcpRecipe(const SourceCheckpoint& src, const ExportOption
   RESHARD_ASSIGN_OR_RETURN(Prefixes prefixes, ParsePrefixes(prefix_option));
   const std::string form = FormatOption(options, kRecipeGroupsOption);
   const RuleInputs inputs{src.info().metadata, src.info().settings};
-  RESHARD_ASSIGN_OR_RETURN(const HfExport* hf, FamilyExport(src, inputs));
   OutputPlan out;
-  out.scratch = std::make_shared<ScratchFolder>();
-  RESHARD_ASSIGN_OR_RETURN(std::vector<FullTensor> all,
-                           WholeTensors(src, options.replicated, options.vocab_size, {}, out.read.get()));
-  const bool optimizer = WritesOptimizer(all, options);
-  RESHARD_ASSIGN_OR_RETURN(std::vector<ChosenTensor> params,
-                           ChooseFsdp2Parameters(src, all, options, optimizer, kDcpRecipe, notes));
+  RESHARD_ASSIGN_OR_RETURN(Fsdp2Source read, ReadFsdp2Source(src, inputs, options, kDcpRecipe, &out, notes));
+  const HfExport* hf = read.hf;
+  const std::vector<FullTensor>& all = read.all;
+  const bool optimizer = read.optimizer;
+  const std::vector<ChosenTensor>& params = read.params;
   RecipeWriter writer(prefixes, form == kFlatGroups, static_cast<int>(ranks));
   RESHARD_ASSIGN_OR_RETURN(std::vector<StateDictTensor> model, HfTensors(*hf, params, inputs, &out));
   const int model_tensors = writer.AddModel(std::move(model), *hf, all);

@@ -244,14 +244,12 @@ Result<OutputPlan> PlanTorchtitan(const SourceCheckpoint& src, const ExportOptio
                                   std::vector<std::string>* notes) {
   RESHARD_RETURN_IF_ERROR(CheckRequest(src, options));
   const RuleInputs inputs{src.info().metadata, src.info().settings};
-  RESHARD_ASSIGN_OR_RETURN(const HfExport* hf, FamilyExport(src, inputs));
   OutputPlan out;
-  out.scratch = std::make_shared<ScratchFolder>();
-  RESHARD_ASSIGN_OR_RETURN(std::vector<FullTensor> all,
-                           WholeTensors(src, options.replicated, options.vocab_size, {}, out.read.get()));
-  const bool optimizer = WritesOptimizer(all, options);
-  RESHARD_ASSIGN_OR_RETURN(std::vector<ChosenTensor> params,
-                           ChooseFsdp2Parameters(src, all, options, optimizer, kTorchtitan, notes));
+  RESHARD_ASSIGN_OR_RETURN(Fsdp2Source read, ReadFsdp2Source(src, inputs, options, kTorchtitan, &out, notes));
+  const HfExport* hf = read.hf;
+  const std::vector<FullTensor>& all = read.all;
+  const bool optimizer = read.optimizer;
+  const std::vector<ChosenTensor>& params = read.params;
   const Fsdp2Mesh mesh{static_cast<int>(FormatCount(options, kDpShardOption)), std::max(options.tp, 1)};
   Writer writer(*src.info().rules, *hf, inputs, mesh);
   std::vector<std::string> keys;
