@@ -22,7 +22,7 @@ libraries), is timed with a warm and with a cold page cache.
 Figures only: nothing here passes or fails.
 
   /usr/bin/python3 benchmarks/cost_model.py --reshard build-bench/reshard [--scales 0.25,1,4]
-      [--filled-from 4] [--runs 1] [--workdir /tmp/reshard-bench] [--keep] [--warm] [--no-zero3]
+      [--filled-from 4] [--runs 1] [--workdir DIR] [--keep] [--warm] [--no-zero3]
       [--commands convert,universal,consolidated,hf,megatron] [--json results.json]
 
 The 4x checkpoint is 22.5 GB and its conversion another 22.5 GB: --workdir needs ~50 GB.
@@ -42,7 +42,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(REPO, 'tests'))
 
-from run import (PYTHON, TARGET, drop_caches, ensure_checkpoint, folder_bytes, measure, print_results,  # noqa: E402
+from run import (DEFAULT_WORKDIR, PYTHON, TARGET, drop_caches, ensure_checkpoint, folder_bytes, measure, print_results,  # noqa: E402
                  remove)
 
 # ZeRO-3 sizes, each 4x the last: by tensor size (the hidden size doubles, so each matrix is 4x)
@@ -184,7 +184,8 @@ def main(argv=None) -> int:
     ap.add_argument('--filled-from', type=float, default=4,
                     help='sizes from this one up are written --filled (default 4)')
     ap.add_argument('--runs', type=int, default=1, help='runs of each command (median; default 1)')
-    ap.add_argument('--workdir', default='/tmp/reshard-bench', help='where checkpoints and outputs go')
+    ap.add_argument('--workdir', default=DEFAULT_WORKDIR,
+                    help='where checkpoints and outputs go (default build-bench/work in the checkout)')
     ap.add_argument('--keep', action='store_true', help='keep the checkpoints written')
     ap.add_argument('--warm', action='store_true', help='do not drop the page cache before each run')
     ap.add_argument('--no-zero3', action='store_true', help='skip the ZeRO-3 DP changes')

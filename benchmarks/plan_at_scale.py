@@ -20,7 +20,7 @@ so a cold run costs a few seconds more than a warm one.
 Usage (Debian's python3; the script sets PYTHONPATH=<repo>/tests itself):
   /usr/bin/python3 benchmarks/plan_at_scale.py [ROOT] [--reshard build/reshard]
       [--target 8,16,4 --target 2,24,16] [--head 25] [--cold] [--regenerate]
-ROOT defaults to /tmp/bloom176b-shape; it is written only if it does not already hold this
+ROOT defaults to build-bench/bloom176b-shape in the checkout; it is written only if it does not already hold this
 checkpoint (ROOT/latest is written last, and mp_rank_00's args are compared).
 """
 
@@ -119,7 +119,8 @@ def time_dry_run(reshard: str, root: str, target: str, head: int, cold: bool) ->
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    ap.add_argument('root', nargs='?', default='/tmp/bloom176b-shape', help='checkpoint root (default %(default)s)')
+    ap.add_argument('root', nargs='?', default=os.path.join(REPO, 'build-bench', 'bloom176b-shape'),
+                    help='checkpoint root (default build-bench/bloom176b-shape in the checkout)')
     ap.add_argument('--reshard', default=os.path.join(REPO, 'build', 'reshard'), help='reshard binary')
     ap.add_argument('--target', action='append', metavar='TP,PP,DP',
                     help=f'target layout, repeatable (default {" and ".join(DEFAULT_TARGETS)})')

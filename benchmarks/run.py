@@ -30,7 +30,7 @@ and prints one table, with the ratio reshard / cp that the throughput target is 
 (at most 1.2).  Figures only: nothing here passes or fails.
 
   /usr/bin/python3 benchmarks/run.py --reshard build-bench/reshard [--runs 5] [--threads N]
-      [--scales 1,0.25] [--modes cold,warm] [--workdir /tmp/reshard-bench] [--keep] [--verify]
+      [--scales 1,0.25] [--modes cold,warm] [--workdir DIR] [--keep] [--verify]
       [--exports] [--buffer-sizes 128KiB,4MiB] [--crc-cost] [--mpi 2] [--baseline OTHER_RESHARD]
       [--deepspeed-src DIR] [--xfs] [--json results.json]
 """
@@ -54,6 +54,8 @@ import reflink_bench
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
+# Where checkpoints and outputs go unless --workdir says: inside the checkout, as `make bench` has it.
+DEFAULT_WORKDIR = os.path.join(REPO, 'build-bench', 'work')
 PYTHON = '/usr/bin/python3'
 TARGET = ['--tp', '1', '--pp', '4', '--dp', '4']
 SOURCE_LAYOUT = ['--tp', '2', '--pp', '2', '--dp', '2']  # what make_checkpoint.py writes
@@ -474,7 +476,8 @@ def summarize(scale, info, src_bytes, out_bytes, runs, verify, peer) -> Dict:
 # Report
 # ---------------------------------------------------------------------------------------------
 
-def machine() -> str:
+def machine(workdir: str) -> str:
+    """The CPU, memory, kernel and the file system `workdir` lies on."""
     cpu = 'unknown CPU'
     try:
         with open('/proc/cpuinfo') as f:
@@ -482,7 +485,7 @@ def machine() -> str:
     except (OSError, StopIteration):
         pass
     mem = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30
-    fs = subprocess.run(['findmnt', '-n', '-o', 'FSTYPE,SOURCE', '-T', '/tmp'], stdout=subprocess.PIPE,
+    fs = subprocess.run(['findmnt', '-n', '-o', 'FSTYPE,SOURCE', '-T', workdir], stdout=subprocess.PIPE,
                         text=True).stdout.strip()
     fs = ' '.join(fs.split())
     return f'{os.cpu_count()} x {cpu}, {mem:.1f} GiB RAM, workdir on {fs or "?"}, kernel {os.uname().release}'
@@ -501,13 +504,13 @@ def source_version() -> str:
 def print_results(ns, what: str, table_text: str, results, **extra) -> None:
     """The run's header (machine, source, what was run), its table, and --json."""
     print()
-    print(f'machine: {machine()}')
+    print(f'machine: {machine(ns.workdir)}')
     print(f'source: {source_version()} ({ns.reshard})')
     print(what)
     print(table_text)
     if ns.json:
         with open(ns.json, 'w') as f:
-            json.dump(dict({'machine': machine(), 'source': source_version(), 'results': results}, **extra), f,
+            json.dump(dict({'machine': machine(ns.workdir), 'source': source_version(), 'results': results}, **extra), f,
                       indent=1)
 
 
@@ -593,7 +596,7 @@ def bench_xfs(ns) -> int:
     xfs = reflink_bench.bench_reflink(ns, src, folder_bytes(src), measure, remove, read_through)
     if ns.json:
         with open(ns.json, 'w') as f:
-            json.dump({'machine': machine(), 'source': source_version(), 'xfs': xfs}, f, indent=1)
+            json.dump({'machine': machine(ns.workdir), 'source': source_version(), 'xfs': xfs}, f, indent=1)
     return 0
 
 
@@ -604,8 +607,8 @@ def main(argv=None) -> int:
     ap.add_argument('--threads', type=int, default=0, help='reshard --threads (default: reshard\'s own)')
     ap.add_argument('--scales', default='1,0.25',
                     help='checkpoint sizes relative to the full one (default 1,0.25)')
-    ap.add_argument('--workdir', default='/tmp/reshard-bench',
-                    help='where checkpoints and outputs go (default /tmp/reshard-bench; needs ~20 GB)')
+    ap.add_argument('--workdir', default=DEFAULT_WORKDIR,
+                    help='where checkpoints and outputs go (default build-bench/work in the checkout; needs ~20 GB)')
     ap.add_argument('--keep', action='store_true',
                     help='keep the checkpoints and the last outputs (default: delete everything written)')
     ap.add_argument('--keep-checkpoints', action='store_true',
