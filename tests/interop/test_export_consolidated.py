@@ -183,7 +183,8 @@ class ExportConsolidatedTest(FixtureTestCase):
             rewrite(path, forget_vocab)
         p = run('export', self.src, out, '--to', 'consolidated', '--rules', 'megatron-gpt2')
         self.assertEqual(p.returncode, 2)
-        self.assertIn('pass --vocab-size N', p.stderr)
+        self.assertIn('the true vocabulary size (the padding rows are stripped to it); give it as the run was '
+                      'trained: --vocab-size N', p.stderr)
         self.assertFalse(os.path.exists(out))
         # Told the size, it exports.
         self.export(out, '--rules', 'megatron-gpt2', '--vocab-size', MODEL['V'])

@@ -616,8 +616,8 @@ class ExportHfTest(FixtureTestCase):
         self.refused(llama, '--from', 'masters', says='no fp32 masters')
         for mp in range(2):
             rewrite(support.mp_file(llama, mp), lambda sd: delattr(sd['args'], 'layernorm_epsilon'))
-        self.refused(llama, says='config.json rms_norm_eps is args.layernorm_epsilon, which the checkpoint '
-                                 'does not record; give it with --set layernorm_epsilon=VALUE')
+        self.refused(llama, says='does not record 1 value this conversion needs: config.json rms_norm_eps '
+                                 '(args.layernorm_epsilon); give it as the run was trained: --set args.layernorm_epsilon=N')
         out = self.path('given')
         self.export(llama, out, '--set', 'layernorm_epsilon=1e-5')
         self.assertEqual(read_folder(out)[1]['rms_norm_eps'], 1e-5)

@@ -100,7 +100,7 @@ class InspectTermsTest(FixtureTestCase):
         qkv = 'layers.0.self_attention.query_key_value.weight'
         # A value the save does not record, for every command that needs it.
         self.assertRefusedNaming(run('convert', src, self.path('hf'), '--to', 'hf'),
-                                 f'first needed by {qkv} (from decoder.layers.self_attention.linear_qkv.weight)')
+                                 f'the block count of {qkv} (from decoder.layers.self_attention.linear_qkv.weight)')
         p = run('lint', src, '--tp', 2, '--pp', 1)
         self.assertIn(f'the block count of {qkv} (from decoder.layers.self_attention.linear_qkv.weight)', p.stdout)
         self.assertNotIn('layer_0', p.stdout)
