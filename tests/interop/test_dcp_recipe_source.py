@@ -165,6 +165,14 @@ def step(model, optimizer, seed=99):
 
 def adamw(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+def load_back(name):
+    """Every tensor of the save, by key, as dcp.load gives it back in one process."""
+    metadata = dcp.FileSystemReader('/data/' + name).read_metadata()
+    got = {k: torch.zeros(m.size, dtype=m.properties.dtype) for k, m in metadata.state_dict_metadata.items()
+           if hasattr(m, 'chunks')}
+    dcp.load(got, checkpoint_id='/data/' + name)
+    torch.save(got, f'/data/{name}_full.pt')
 '''
 
 # Run by torch 2.6 in the chroot, the test's temporary folder at /data. Ranks are forked before this
@@ -200,14 +208,6 @@ def single(name):
     if name == 'ambiguous_w1':  # an EMA copy of the model beside it
         state['ema'] = {k: v.clone() for k, v in model_sd.items()}
     dcp.save(state, checkpoint_id='/data/' + name)
-
-def load_back(name):
-    """Every tensor of the save, by key, as dcp.load gives it back in one process."""
-    metadata = dcp.FileSystemReader('/data/' + name).read_metadata()
-    got = {k: torch.zeros(m.size, dtype=m.properties.dtype) for k, m in metadata.state_dict_metadata.items()
-           if hasattr(m, 'chunks')}
-    dcp.load(got, checkpoint_id='/data/' + name)
-    torch.save(got, f'/data/{name}_full.pt')
 
 for name, world in (('recipe_w2', 2), ('appstate_w3', 3)):
     with socket.socket() as s:

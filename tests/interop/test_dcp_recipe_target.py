@@ -75,14 +75,6 @@ def rank(r, world, port, name):
                 json.dump(losses, f)
     end_rank(dist)
 
-def load_back(name):
-    """Every tensor of the save, by key, as dcp.load gives it back in one process."""
-    metadata = dcp.FileSystemReader('/data/' + name).read_metadata()
-    got = {k: torch.zeros(m.size, dtype=m.properties.dtype) for k, m in metadata.state_dict_metadata.items()
-           if hasattr(m, 'chunks')}
-    dcp.load(got, checkpoint_id='/data/' + name)
-    torch.save(got, f'/data/{name}_full.pt')
-
 for name, (world, app, flat) in SAVES.items():
     with socket.socket() as s:
         s.bind(('127.0.0.1', 0))

@@ -221,10 +221,7 @@ Result<OutputPlan> PlanDcpRecipe(const SourceCheckpoint& src, const ExportOption
   const RuleInputs inputs{src.info().metadata, src.info().settings};
   OutputPlan out;
   RESHARD_ASSIGN_OR_RETURN(Fsdp2Source read, ReadFsdp2Source(src, inputs, options, kDcpRecipe, &out, notes));
-  const HfExport* hf = read.hf;
-  const std::vector<FullTensor>& all = read.all;
-  const bool optimizer = read.optimizer;
-  const std::vector<ChosenTensor>& params = read.params;
+  const auto& [hf, all, optimizer, params] = read;
   RecipeWriter writer(prefixes, form == kFlatGroups, static_cast<int>(ranks));
   RESHARD_ASSIGN_OR_RETURN(std::vector<StateDictTensor> model, HfTensors(*hf, params, inputs, &out));
   const int model_tensors = writer.AddModel(std::move(model), *hf, all);

@@ -246,10 +246,7 @@ Result<OutputPlan> PlanTorchtitan(const SourceCheckpoint& src, const ExportOptio
   const RuleInputs inputs{src.info().metadata, src.info().settings};
   OutputPlan out;
   RESHARD_ASSIGN_OR_RETURN(Fsdp2Source read, ReadFsdp2Source(src, inputs, options, kTorchtitan, &out, notes));
-  const HfExport* hf = read.hf;
-  const std::vector<FullTensor>& all = read.all;
-  const bool optimizer = read.optimizer;
-  const std::vector<ChosenTensor>& params = read.params;
+  const auto& [hf, all, optimizer, params] = read;
   const Fsdp2Mesh mesh{static_cast<int>(FormatCount(options, kDpShardOption)), std::max(options.tp, 1)};
   Writer writer(*src.info().rules, *hf, inputs, mesh);
   std::vector<std::string> keys;
