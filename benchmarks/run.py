@@ -485,7 +485,10 @@ def machine(workdir: str) -> str:
     except (OSError, StopIteration):
         pass
     mem = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30
-    fs = subprocess.run(['findmnt', '-n', '-o', 'FSTYPE,SOURCE', '-T', workdir], stdout=subprocess.PIPE,
+    where = os.path.abspath(workdir)
+    while not os.path.exists(where):  # the workdir is removed after the runs unless kept
+        where = os.path.dirname(where)
+    fs = subprocess.run(['findmnt', '-n', '-o', 'FSTYPE,SOURCE', '-T', where], stdout=subprocess.PIPE,
                         text=True).stdout.strip()
     fs = ' '.join(fs.split())
     return f'{os.cpu_count()} x {cpu}, {mem:.1f} GiB RAM, workdir on {fs or "?"}, kernel {os.uname().release}'
