@@ -228,8 +228,10 @@ bool MadeForOutput(const fs::path& parent, const std::string& name, const Public
 }
 
 // The staging folders and lock files of outputs in progress, for
-// RemoveStagingFolders.
+// RemoveStagingFolders, and whether it has run: publishing holds the same
+// mutex, so an interrupt finds each output either published whole or never.
 std::mutex staging_mu;
+bool interrupted = false;
 std::set<std::string>& StagingFolders() {
   static std::set<std::string>* folders = new std::set<std::string>;  // never destroyed: used at exit
   return *folders;
@@ -244,13 +246,35 @@ void Track(const std::string& path, bool in_progress) {
   }
 }
 
+// Renames `staging` to `out`, or exchanges the two when OUT exists (so at
+// every instant OUT is the old folder or the new), unless an interrupt is
+// removing the staging folders: publishing it then would publish a folder
+// whose files are being removed.
+Status MoveIntoPlace(const std::string& staging, const std::string& out, bool exchange) {
+  std::lock_guard<std::mutex> lock(staging_mu);
+  if (interrupted) return Status::IoError("interrupted before " + out + " was published");
+  if (exchange) {
+    if (::renameat2(AT_FDCWD, staging.c_str(), AT_FDCWD, out.c_str(), RENAME_EXCHANGE) != 0) {
+      return Status::IoError("cannot exchange " + staging + " with " + out + ": " + std::strerror(errno));
+    }
+  } else {
+    std::error_code ec;
+    fs::rename(staging, out, ec);
+    if (ec) return Status::IoError("cannot rename " + staging + " to " + out + ": " + ec.message());
+  }
+  StagingFolders().erase(staging);
+  return Status::Ok();
+}
+
 }  // namespace
 
 std::vector<std::string> RemoveStagingFolders() {
   std::lock_guard<std::mutex> lock(staging_mu);
+  interrupted = true;
   std::vector<std::string> outs;
   for (const std::string& staging : StagingFolders()) {
-    outs.push_back(staging.substr(0, staging.rfind(kStagingInfix)));
+    const size_t infix = staging.rfind(kStagingInfix);
+    if (infix != std::string::npos) outs.push_back(staging.substr(0, infix));  // not for a lock file
     // Workers may still be creating files in it: a pass that meets one fails
     // (the folder is not empty when it is removed), so pass again.
     std::error_code ec;
@@ -399,20 +423,10 @@ Status OutputFolder::Commit() {
   RESHARD_RETURN_IF_ERROR(SyncPath(staging_, true));
   RESHARD_RETURN_IF_ERROR(CheckStillReplaceable());
   std::error_code ec;
-  if (fs::exists(out_, ec)) {
-    // One atomic exchange: at every instant OUT is the old folder or the new.
-    if (::renameat2(AT_FDCWD, staging_.c_str(), AT_FDCWD, out_.c_str(), RENAME_EXCHANGE) != 0) {
-      return Status::IoError("cannot exchange " + staging_ + " with " + out_ + ": " + std::strerror(errno));
-    }
-    committed_ = true;
-    Track(staging_, false);
-    RemoveOld(staging_);  // now the old OUT
-  } else {
-    fs::rename(staging_, out_, ec);
-    if (ec) return Status::IoError("cannot rename " + staging_ + " to " + out_ + ": " + ec.message());
-    committed_ = true;
-    Track(staging_, false);
-  }
+  const bool exchange = fs::exists(out_, ec);
+  RESHARD_RETURN_IF_ERROR(MoveIntoPlace(staging_, out_, exchange));
+  committed_ = true;
+  if (exchange) RemoveOld(staging_);  // now the old OUT
   RESHARD_RETURN_IF_ERROR(SyncPath(fs::path(out_).parent_path(), true));
   Unlock();
   return Status::Ok();

@@ -13,13 +13,17 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// The folders `name` is in below `dir`; a name without one costs nothing.
+// The folders `name` is in below `dir`, never `dir` itself: a staging folder
+// an interrupt removed stays removed. A name without one costs nothing.
 Status MakeParentFolders(const std::string& dir, const std::string& name) {
-  if (name.find('/') == std::string::npos) return Status::Ok();
-  const fs::path parent = (fs::path(dir) / name).parent_path();
-  std::error_code ec;
-  fs::create_directories(parent, ec);
-  return ec ? Status::IoError("cannot create " + parent.string() + ": " + ec.message()) : Status::Ok();
+  fs::path folder = dir;
+  for (const fs::path& part : fs::path(name).parent_path()) {
+    folder /= part;
+    std::error_code ec;
+    fs::create_directory(folder, ec);
+    if (ec) return Status::IoError("cannot create " + folder.string() + ": " + ec.message());
+  }
+  return Status::Ok();
 }
 
 Status WriteTorch(JobContext& ctx, const PlannedFile& file) {

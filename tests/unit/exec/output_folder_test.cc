@@ -128,6 +128,31 @@ TEST(OutputFolder, OverwriteOfAnEarlierOutputExchangesIt) {
   EXPECT_FALSE(fs::exists(out / "iter_0000010"));
 }
 
+// Begins `out`, lets the interrupt remove the staging folder, puts a file
+// back where the staging folder was (as a worker still running might), then
+// commits: 0 when the interrupt named OUT alone and the commit was refused.
+int CommitAfterAnInterrupt(const fs::path& out) {
+  Result<OutputFolder> folder = OutputFolder::Check(out.string(), {}, false);
+  if (!folder.ok() || !folder->Begin().ok()) return 2;
+  if (RemoveStagingFolders() != std::vector<std::string>{out.string()}) return 3;  // names OUT, once
+  WriteText(fs::path(folder->staging_dir()) / "late.pt", "y");
+  const Status committed = folder->Commit();
+  std::fprintf(stderr, "%s\n", committed.message().c_str());
+  return committed.ok() ? 1 : 0;
+}
+
+// A commit racing the interrupt (the main thread against the signal's) must
+// not publish a staging folder whose files are being removed. In a child
+// process: the interrupt is the whole process's.
+TEST(OutputFolder, NothingIsPublishedOnceInterrupted) {
+  TempDir tmp;
+  const fs::path out = tmp.path() / "out";
+  EXPECT_EXIT(std::exit(CommitAfterAnInterrupt(out)), ::testing::ExitedWithCode(0),
+              "interrupted before .*out was published");
+  EXPECT_FALSE(fs::exists(out));
+  EXPECT_TRUE(fs::is_empty(tmp.path()));
+}
+
 TEST(PlaceOutput, ARootGivenAsOutGetsTheTagAndThePointers) {
   TempDir tmp;
   const fs::path out = tmp.path() / "home";
