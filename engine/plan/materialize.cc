@@ -82,13 +82,72 @@ class BoxRuns {
   int64_t run_ = 0, count_ = 0;
 };
 
+// Runs shorter than this that follow each other in the source (a row of a
+// tensor merged from TP shards cut along its columns) are read with one
+// copy and spread from there: a read per run would cost a system call and a
+// record-check update per row. Such runs are too short for the kernel copy
+// (container/kernel_copy.h) anyway, so no span is lost.
+constexpr int64_t kShortRun = 16 << 10;
+// At most this many bytes are gathered at once: the copy's scratch buffer.
+constexpr int64_t kGatherBytes = 256 << 10;
+
+// Copies runs of one source shard to the target buffer, gathering short
+// runs that are adjacent in the source into one read.
+class RunCopier {
+ public:
+  RunCopier(const SourceShard& shard, int element_size, uint8_t* dst, TouchedPages* pages, const SpanSink& spans)
+      : shard_(shard), es_(element_size), dst_(dst), pages_(pages), spans_(spans) {}
+  ~RunCopier() { Flush(); }
+
+  // Target elements [at, at + n) (at counted from dst) are source elements [from, from + n).
+  void Add(int64_t at, int64_t from, int64_t n) {
+    if (n * es_ >= kShortRun) {
+      Flush();
+      shard_.Copy(from, n, es_, dst_ + at * es_, pages_, spans_);
+      return;
+    }
+    if (!pieces_.empty() && (from != next_ || (next_ - first_ + n) * es_ > kGatherBytes)) Flush();
+    if (pieces_.empty()) first_ = from;
+    pieces_.push_back({at, n});
+    next_ = from + n;
+  }
+
+ private:
+  struct Piece {
+    int64_t at, n;
+  };
+
+  void Flush() {
+    if (pieces_.size() == 1) shard_.Copy(first_, pieces_[0].n, es_, dst_ + pieces_[0].at * es_, pages_, spans_);
+    if (pieces_.size() > 1) {
+      scratch_.resize(static_cast<size_t>((next_ - first_) * es_));
+      shard_.Copy(first_, next_ - first_, es_, scratch_.data(), pages_);
+      const uint8_t* from = scratch_.data();
+      for (const Piece& p : pieces_) {
+        std::memcpy(dst_ + p.at * es_, from, static_cast<size_t>(p.n * es_));
+        from += p.n * es_;
+      }
+    }
+    pieces_.clear();
+  }
+
+  const SourceShard& shard_;
+  const int es_;
+  uint8_t* const dst_;
+  TouchedPages* const pages_;
+  const SpanSink& spans_;
+  std::vector<Piece> pieces_;
+  int64_t first_ = 0, next_ = 0;  // the source elements the pieces hold
+  std::vector<uint8_t> scratch_;
+};
+
 int64_t ApplyCopy(const SourceTensor& t, const BoxCopy& c, const std::vector<int64_t>& dst_shape,
                   int64_t begin, int64_t end, uint8_t* dst, TouchedPages* pages, const SpanSink& spans) {
   const int es = ElementSize(t.dtype);
-  const SourceShard& shard = t.shards[c.src_shard];
   int64_t read = 0;
+  RunCopier copier(t.shards[c.src_shard], es, dst, pages, spans);
   BoxRuns(dst_shape, c.src_shape, c.src_offsets, c.dst).ForEach(begin, end, [&](int64_t at, int64_t from, int64_t n) {
-    shard.Copy(from, n, es, dst + (at - begin) * es, pages, spans);
+    copier.Add(at - begin, from, n);
     read += n * es;
   });
   return read;

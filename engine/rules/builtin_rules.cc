@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cstdlib>
 #include <filesystem>
+#include <map>
+#include <mutex>
 
 #include "rules/rule_set.h"
 #include "util/list_folder.h"
@@ -22,22 +24,35 @@ std::string BuiltinRulesDir() {
   return fs::is_directory(RESHARD_RULES_DIR, ignored) ? RESHARD_RULES_DIR : RESHARD_INSTALLED_RULES_DIR;
 }
 
-}  // namespace
+// The rule files of `dir` in file name order, each with its size and
+// modification time: what the parsed sets are cached under.
+struct RuleFiles {
+  std::vector<fs::path> paths;
+  std::vector<std::pair<uintmax_t, fs::file_time_type>> stamps;
+  bool operator==(const RuleFiles& o) const { return paths == o.paths && stamps == o.stamps; }
+};
 
-Result<std::vector<RuleSet>> LoadBuiltinRuleSets() {
-  std::string dir = BuiltinRulesDir();
+Result<RuleFiles> ListRuleFiles(const std::string& dir) {
   Result<std::vector<fs::directory_entry>> entries = ListFolder(dir);
   if (!entries.ok()) return Status::IoError(entries.status().message() + "; set RESHARD_RULES_DIR");
-  std::vector<fs::path> files;
+  RuleFiles files;
   for (const fs::directory_entry& entry : *entries) {
-    if (entry.path().extension() == ".yaml") files.push_back(entry.path());
+    if (entry.path().extension() == ".yaml") files.paths.push_back(entry.path());
   }
-  if (files.empty()) return Status::RuleError("no *.yaml rule files in '" + dir + "'; set RESHARD_RULES_DIR");
-  std::sort(files.begin(), files.end(),
+  if (files.paths.empty()) return Status::RuleError("no *.yaml rule files in '" + dir + "'; set RESHARD_RULES_DIR");
+  std::sort(files.paths.begin(), files.paths.end(),
             [](const fs::path& a, const fs::path& b) { return a.filename() < b.filename(); });
+  for (const fs::path& path : files.paths) {
+    std::error_code ec;
+    const uintmax_t size = fs::file_size(path, ec);
+    files.stamps.emplace_back(ec ? 0 : size, fs::last_write_time(path, ec));
+  }
+  return files;
+}
 
+Result<std::vector<RuleSet>> ParseRuleFiles(const RuleFiles& files) {
   std::vector<RuleSet> sets;
-  for (const fs::path& file : files) {
+  for (const fs::path& file : files.paths) {
     RESHARD_ASSIGN_OR_RETURN(RuleSet rs, RuleSet::LoadFile(file.string()));
     for (const RuleSet& other : sets) {
       if (other.name() == rs.name()) {
@@ -47,6 +62,25 @@ Result<std::vector<RuleSet>> LoadBuiltinRuleSets() {
     }
     sets.push_back(std::move(rs));
   }
+  return sets;
+}
+
+}  // namespace
+
+// Parsed once per process while the files stay as they were: every open of
+// a checkpoint chooses among them, and a process (the Python module, verify)
+// opens many.
+Result<std::vector<RuleSet>> LoadBuiltinRuleSets() {
+  static std::mutex mu;
+  static std::map<std::string, std::pair<RuleFiles, std::vector<RuleSet>>>* parsed =
+      new std::map<std::string, std::pair<RuleFiles, std::vector<RuleSet>>>;  // never destroyed: used at exit
+  const std::string dir = BuiltinRulesDir();
+  RESHARD_ASSIGN_OR_RETURN(RuleFiles files, ListRuleFiles(dir));
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = parsed->find(dir);
+  if (it != parsed->end() && it->second.first == files) return it->second.second;
+  RESHARD_ASSIGN_OR_RETURN(std::vector<RuleSet> sets, ParseRuleFiles(files));
+  (*parsed)[dir] = {std::move(files), sets};
   return sets;
 }
 

@@ -180,12 +180,16 @@ TEST(MaterializeRangeTest, UnevenChunksByTheirPlacements) {
 }
 
 // A file holding two [3, 4] fp32 ranks back to back (rank r's element i is
-// 1000 r + i), mapped, and the tensor of its two shards.
+// 1000 r + i), mapped, and the tensor of its two shards; MapRanks makes the
+// ranks' rows wider.
 class MappedSourceTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    std::vector<float> values(24);
-    for (int i = 0; i < 24; ++i) values[i] = 1000.0f * (i / 12) + i % 12;
+  void SetUp() override { MapRanks(4); }
+
+  void MapRanks(int64_t columns) {
+    const int64_t per_rank = 3 * columns;
+    std::vector<float> values(2 * per_rank);
+    for (int64_t i = 0; i < 2 * per_rank; ++i) values[i] = 1000.0f * (i / per_rank) + i % per_rank;
     const std::string path = ::testing::TempDir() + "/materialize_mapped_" + std::to_string(::getpid());
     FILE* f = std::fopen(path.c_str(), "wb");
     std::fwrite(values.data(), 4, values.size(), f);
@@ -193,9 +197,11 @@ class MappedSourceTest : public ::testing::Test {
     file_ = *MappedFile::Open(path);
     std::remove(path.c_str());  // the mapping and the descriptor keep it
     source_.dtype = DType::kFloat32;
+    source_.shards.clear();
     for (int r = 0; r < 2; ++r) {
       SourceShard shard;
-      shard.runs.push_back({0, 12, ByteView{file_, file_->data() + 48 * r, 48, /*mapped=*/true}});
+      shard.runs.push_back({0, per_rank, ByteView{file_, file_->data() + 4 * per_rank * r,
+                                                  static_cast<size_t>(4 * per_rank), /*mapped=*/true}});
       source_.shards.push_back(shard);
     }
   }
@@ -231,25 +237,46 @@ TEST_F(MappedSourceTest, ARowMergeIsOneSpanOfTheFile) {
   EXPECT_EQ(spans[0].length, 72);
 }
 
-TEST_F(MappedSourceTest, AColumnMergeIsASpanPerRowPieceAndFillsAreNone) {
+// Row pieces too short for the kernel copy are read a shard at a time and
+// spread: no span, the right values.
+TEST_F(MappedSourceTest, AColumnMergeOfShortRowsIsNoSpanAndFillsAreNone) {
   TensorPlan plan = RowParallelMerge();
   std::vector<float> out;
-  FileSpans spans = SpansOf(plan, 0, 24, &out);
-  ASSERT_EQ(spans.size(), 6u);  // rank 0's row 0, rank 1's row 0, ...
-  EXPECT_EQ(spans[1].at, 16);
-  EXPECT_EQ(spans[1].offset, 48);
-  EXPECT_EQ(spans[1].length, 16);
+  EXPECT_TRUE(SpansOf(plan, 0, 24, &out).empty());
+  EXPECT_EQ(out[4], 1000.0f);  // row 0, first column of rank 1
+  EXPECT_EQ(out[8], 4.0f);     // row 1 starts with rank 0's row 1
+  EXPECT_EQ(out[23], 1011.0f);
+  EXPECT_TRUE(SpansOf(plan, 6, 19, &out).empty());  // a range that cuts pieces
+  EXPECT_EQ(out[0], 1002.0f);
+  EXPECT_EQ(out[7], 1005.0f);   // row 1, second column of rank 1
+  EXPECT_EQ(out[12], 10.0f);    // row 2, third column of rank 0
 
   plan.shape = {4, 8};  // a last row of fill
   plan.fills = {{Box::Slab(plan.shape, 0, 3, 1), 7.0}};
-  spans = SpansOf(plan, 0, 32, &out);
+  EXPECT_TRUE(SpansOf(plan, 0, 32, &out).empty());
   EXPECT_EQ(out[31], 7.0f);
-  ASSERT_EQ(spans.size(), 6u);
-  EXPECT_EQ(spans.back().at + spans.back().length, 96);
+  EXPECT_EQ(out[23], 1011.0f);
+}
+
+// Row pieces as long as a kernel copy takes are each a span of the file.
+TEST_F(MappedSourceTest, AColumnMergeOfLongRowsIsASpanPerRowPiece) {
+  const int64_t columns = 4096;  // 16 KiB per row piece
+  MapRanks(columns);
+  TensorPlan plan;
+  plan.shape = {3, 2 * columns};
+  plan.copies = {{0, {3, columns}, {0, 0}, Box::Slab(plan.shape, 1, 0, columns)},
+                 {1, {3, columns}, {0, 0}, Box::Slab(plan.shape, 1, columns, columns)}};
+  std::vector<float> out;
+  const FileSpans spans = SpansOf(plan, 0, 6 * columns, &out);
+  ASSERT_EQ(spans.size(), 6u);  // rank 0's row 0, rank 1's row 0, ...
+  EXPECT_EQ(spans[1].at, 4 * columns);
+  EXPECT_EQ(spans[1].offset, 4 * 3 * columns);
+  EXPECT_EQ(spans[1].length, 4 * columns);
+  EXPECT_EQ(out[columns], 1000.0f);
 
   plan.average = true;  // values computed: nothing is a file's bytes
-  plan.shape = {3, 4};
-  EXPECT_TRUE(SpansOf(plan, 0, 12, &out).empty());
+  plan.shape = {3, columns};
+  EXPECT_TRUE(SpansOf(plan, 0, 3 * columns, &out).empty());
 }
 
 TEST_F(MappedSourceTest, OnlyAWholeUnchangedShardLiesInPlace) {
