@@ -82,53 +82,68 @@ class BoxRuns {
   int64_t run_ = 0, count_ = 0;
 };
 
-// Runs shorter than this that follow each other in the source (a row of a
-// tensor merged from TP shards cut along its columns) are read with one
-// copy and spread from there: a read per run would cost a system call and a
-// record-check update per row. Such runs are too short for the kernel copy
-// (container/kernel_copy.h) anyway, so no span is lost.
+// Runs shorter than this are gathered: those near each other in the source
+// (a row of a tensor merged from TP shards cut along its columns, or half a
+// row of one being cut so) are read with one copy, through the short gaps
+// between them, and spread from there. A read per run would cost a system
+// call and a record-check update per row, and such runs are too short for
+// the kernel copy (container/kernel_copy.h) anyway, so no span is lost.
 constexpr int64_t kShortRun = 16 << 10;
-// At most this many bytes are gathered at once: the copy's scratch buffer.
+// At most this many bytes are read at once: the gathering scratch buffer.
 constexpr int64_t kGatherBytes = 256 << 10;
 
 // Copies runs of one source shard to the target buffer, gathering short
-// runs that are adjacent in the source into one read.
+// runs into reads of the source range that holds them.
 class RunCopier {
  public:
   RunCopier(const SourceShard& shard, int element_size, uint8_t* dst, TouchedPages* pages, const SpanSink& spans)
       : shard_(shard), es_(element_size), dst_(dst), pages_(pages), spans_(spans) {}
-  ~RunCopier() { Flush(); }
-
   // Target elements [at, at + n) (at counted from dst) are source elements [from, from + n).
   void Add(int64_t at, int64_t from, int64_t n) {
     if (n * es_ >= kShortRun) {
       Flush();
       shard_.Copy(from, n, es_, dst_ + at * es_, pages_, spans_);
+      read_ += n * es_;
       return;
     }
-    if (!pieces_.empty() && (from != next_ || (next_ - first_ + n) * es_ > kGatherBytes)) Flush();
+    if (!pieces_.empty() && !Gathers(from, n)) Flush();
     if (pieces_.empty()) first_ = from;
-    pieces_.push_back({at, n});
+    pieces_.push_back({at, from, n});
     next_ = from + n;
+    used_ += n;
+  }
+
+  // Copies what is gathered; returns the source bytes read.
+  int64_t Finish() {
+    Flush();
+    return read_;
   }
 
  private:
   struct Piece {
-    int64_t at, n;
+    int64_t at, from, n;
   };
+
+  // Whether source elements [from, from + n) join the read: after the last
+  // piece, across a short gap, with at least a quarter of the read used.
+  bool Gathers(int64_t from, int64_t n) const {
+    const int64_t span = from + n - first_;
+    return from >= next_ && (from - next_) * es_ <= kShortRun && span * es_ <= kGatherBytes &&
+           4 * (used_ + n) >= span;
+  }
 
   void Flush() {
     if (pieces_.size() == 1) shard_.Copy(first_, pieces_[0].n, es_, dst_ + pieces_[0].at * es_, pages_, spans_);
     if (pieces_.size() > 1) {
       scratch_.resize(static_cast<size_t>((next_ - first_) * es_));
       shard_.Copy(first_, next_ - first_, es_, scratch_.data(), pages_);
-      const uint8_t* from = scratch_.data();
       for (const Piece& p : pieces_) {
-        std::memcpy(dst_ + p.at * es_, from, static_cast<size_t>(p.n * es_));
-        from += p.n * es_;
+        std::memcpy(dst_ + p.at * es_, scratch_.data() + (p.from - first_) * es_, static_cast<size_t>(p.n * es_));
       }
     }
+    if (!pieces_.empty()) read_ += (next_ - first_) * es_;
     pieces_.clear();
+    used_ = 0;
   }
 
   const SourceShard& shard_;
@@ -137,20 +152,19 @@ class RunCopier {
   TouchedPages* const pages_;
   const SpanSink& spans_;
   std::vector<Piece> pieces_;
-  int64_t first_ = 0, next_ = 0;  // the source elements the pieces hold
+  int64_t first_ = 0, next_ = 0;  // the source elements the read spans
+  int64_t used_ = 0;              // of them, the pieces'
+  int64_t read_ = 0;
   std::vector<uint8_t> scratch_;
 };
 
 int64_t ApplyCopy(const SourceTensor& t, const BoxCopy& c, const std::vector<int64_t>& dst_shape,
                   int64_t begin, int64_t end, uint8_t* dst, TouchedPages* pages, const SpanSink& spans) {
-  const int es = ElementSize(t.dtype);
-  int64_t read = 0;
-  RunCopier copier(t.shards[c.src_shard], es, dst, pages, spans);
+  RunCopier copier(t.shards[c.src_shard], ElementSize(t.dtype), dst, pages, spans);
   BoxRuns(dst_shape, c.src_shape, c.src_offsets, c.dst).ForEach(begin, end, [&](int64_t at, int64_t from, int64_t n) {
     copier.Add(at - begin, from, n);
-    read += n * es;
   });
-  return read;
+  return copier.Finish();
 }
 
 void ApplyFill(DType dtype, const BoxFill& f, const std::vector<int64_t>& dst_shape, int64_t begin,

@@ -256,6 +256,12 @@ TEST_F(MappedSourceTest, AColumnMergeOfShortRowsIsNoSpanAndFillsAreNone) {
   EXPECT_TRUE(SpansOf(plan, 0, 32, &out).empty());
   EXPECT_EQ(out[31], 7.0f);
   EXPECT_EQ(out[23], 1011.0f);
+
+  TensorPlan split;  // the last two columns of rank 1: read through the first two of each row
+  split.shape = {3, 2};
+  split.copies = {{1, {3, 4}, {0, 2}, Box::Whole(split.shape)}};
+  EXPECT_TRUE(SpansOf(split, 1, 6, &out).empty());
+  EXPECT_EQ(out, (std::vector<float>{1003, 1006, 1007, 1010, 1011}));
 }
 
 // Row pieces as long as a kernel copy takes are each a span of the file.
