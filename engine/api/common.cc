@@ -16,8 +16,15 @@
 #include "container/zip_directory.h"
 #include "exec/executor.h"
 #include "formats/format.h"
+#include "rules/builtin_rules.h"
 
 namespace reshard {
+
+std::vector<std::string> OpenNotes(const SourceCheckpoint& src, const CommonOptions& options) {
+  std::vector<std::string> notes = src.info().notes;
+  if (std::string note = CopiedBuiltinNameNote(options.rules); !note.empty()) notes.push_back(std::move(note));
+  return notes;
+}
 
 int ThreadCount(int requested) {
   if (requested > 0) return requested;

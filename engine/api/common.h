@@ -15,6 +15,10 @@ namespace reshard {
 class SourceCheckpoint;
 class TorchCheck;
 
+// What every command that opened `src` with `options` says: what reading it
+// chose (SourceInfo::notes), and a note on the rule file it was given.
+std::vector<std::string> OpenNotes(const SourceCheckpoint& src, const CommonOptions& options);
+
 // `requested`, or the number of cores this process may use when it is 0.
 int ThreadCount(int requested);
 

@@ -214,7 +214,7 @@ Status Prepare(const std::string& input, const std::string& output, const WriteO
                ConvertReport* report) {
   RESHARD_ASSIGN_OR_RETURN(p->src, OpenCheckpoint(input, options));
   RESHARD_RETURN_IF_ERROR(CheckVocabSize(*p->src, options.vocab_size));
-  report->notes = p->src->info().notes;
+  report->notes = OpenNotes(*p->src, options);
   report->checkpoint_bytes = FilesBytes(p->src->info().files);
   clock->End("load");
   RESHARD_ASSIGN_OR_RETURN(p->plan, make_plan(*p->src, &report->notes));

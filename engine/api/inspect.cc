@@ -1,4 +1,5 @@
 // reshard::Inspect: a readable description of a checkpoint.
+#include "api/common.h"
 #include "formats/registry.h"
 #include "reshard/reshard.h"
 
@@ -19,7 +20,7 @@ std::string FormatLine(const SourceInfo& info) {
 Result<std::string> Inspect(const std::string& checkpoint, const InspectOptions& options) {
   RESHARD_ASSIGN_OR_RETURN(std::unique_ptr<SourceCheckpoint> src, OpenCheckpoint(checkpoint, options));
   std::string notes;
-  for (const std::string& note : src->info().notes) notes += "note: " + note + "\n";
+  for (const std::string& note : OpenNotes(*src, options)) notes += "note: " + note + "\n";
   return "checkpoint: " + src->info().tag_dir + "\n" + FormatLine(src->info()) + src->info().summary + "\n" +
          src->Describe() + notes;
 }

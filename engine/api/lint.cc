@@ -42,7 +42,7 @@ Result<LintReport> Lint(const std::string& checkpoint, const LintOptions& option
   LintReport report;
   report.summary = src->info().summary;
   report.findings = src->info().findings;
-  report.notes = src->info().notes;
+  report.notes = OpenNotes(*src, options);
   src->Lint(options, &report);
   // Without a target, the conversion to the source's own format and layout,
   // where it records its layout (else convert needs to be told one).

@@ -299,7 +299,8 @@ Result<VerifyReport> Verify(const std::string& a_path, const std::string& b_path
   VerifyReport report;
   for (const auto& [side, src] : {std::pair{"A: ", a.get()}, std::pair{"B: ", b.get()}}) {
     report.notes.push_back(side + src->info().summary);
-    for (const std::string& note : src->info().notes) report.notes.push_back(side + note);
+    const CommonOptions& opened = src == a.get() ? static_cast<const CommonOptions&>(options) : b_options;
+    for (const std::string& note : OpenNotes(*src, opened)) report.notes.push_back(side + note);
   }
   std::atomic<int64_t> read{0};
   RESHARD_ASSIGN_OR_RETURN(std::vector<FullTensor> ta, a->FullTensors(options.replicated, &read));

@@ -110,6 +110,20 @@ Result<RuleSet> LoadRuleSet(const std::string& spec) {
                               "; or pass the path of a rule file");
 }
 
+std::string CopiedBuiltinNameNote(const std::string& spec) {
+  std::error_code ec;
+  if (!fs::is_regular_file(spec, ec) || IsBuiltinRuleFile(spec)) return "";
+  Result<RuleSet> copy = RuleSet::LoadFile(spec);
+  Result<std::vector<RuleSet>> builtin = LoadBuiltinRuleSets();
+  if (!copy.ok() || !builtin.ok()) return "";  // the command that loads it says why
+  for (const RuleSet& rs : *builtin) {
+    if (rs.name() != copy->name()) continue;
+    return "rule file " + spec + " keeps the name '" + rs.name() + "' of the built-in rule set " + rs.origin() +
+           ", so messages call it by that name; give it a name: of its own";
+  }
+  return "";
+}
+
 Result<std::vector<RuleSet>> RuleSetsWithSection(const std::string& spec, const std::string& section,
                                                  const std::function<bool(const RuleSet&)>& has,
                                                  const std::string& what) {

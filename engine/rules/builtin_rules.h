@@ -29,6 +29,11 @@ bool IsBuiltinRuleFile(const std::string& path);
 // `spec` is a path to a YAML file or the name of a built-in rule set.
 Result<RuleSet> LoadRuleSet(const std::string& spec);
 
+// A note when `spec` (--rules) is a rule file outside the built-in folder
+// that keeps the name of a built-in rule set (a copy whose `name:` was not
+// changed), which every message would then call it by; "" otherwise.
+std::string CopiedBuiltinNameNote(const std::string& spec);
+
 // The rule sets that may read a checkpoint through a section of theirs
 // (torch_dist, torchtitan): `spec` (--rules) alone, refused when it has no
 // `section` (`has` false; `what` names the checkpoint for the message); with

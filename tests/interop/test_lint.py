@@ -163,6 +163,27 @@ class FindingTests(LintTestCase):
                                     r'copy a name: of its own and pass it with --rules FILE\)')
         self.assertIn(r"e.g. `- key: 'mlp\.experts\.\d+\.w1\.weight'` with split or replicated", errors[0])
 
+    def test_a_copied_rule_file_that_keeps_the_builtin_name_is_noted(self):
+        tag = self.bloom()
+        copy = self.path('my-bloom.yaml')
+        shutil.copy(os.path.join(RULES_DIR, 'bigscience-bloom.yaml'), copy)
+        for command in ('lint', 'inspect'):
+            with self.subTest(command=command):
+                p = support.reshard(command, tag, '--rules', copy)
+                self.assertEqual(p.returncode, 0, p.stderr)
+                self.assertIn(f"rule file {copy} keeps the name 'bigscience-bloom' of the built-in rule set ",
+                              p.stdout + p.stderr)
+                self.assertIn('give it a name: of its own', p.stdout + p.stderr)
+        with open(copy) as f:
+            text = f.read()
+        with open(copy, 'w') as f:
+            f.write(re.sub(r'^name: .*$', 'name: my-bloom', text, count=1, flags=re.M))
+        renamed = support.reshard('lint', tag, '--rules', copy)
+        self.assertEqual(renamed.returncode, 0, renamed.stderr)
+        self.assertNotIn('keeps the name', renamed.stdout + renamed.stderr)
+        builtin = support.reshard('lint', tag, '--rules', 'bigscience-bloom')
+        self.assertNotIn('keeps the name', builtin.stdout + builtin.stderr)
+
     def test_unknown_key_auto_detected(self):
         # bigscience-bloom is the only rule set whose detection and layer numbering fit; lint must
         # report the key it does not explain as a finding rather than give up on detection.
