@@ -25,7 +25,9 @@ import glob
 import json
 import os
 import re
+import shutil
 import sys
+import tempfile
 
 import torch
 
@@ -217,6 +219,217 @@ class MegatronCoreNumberingTest(FixtureTestCase):
         for case, layout in LAYOUT.items():
             self.assertEqual(got[json.dumps(list(case))], [[list(c) for c in stage] for stage in layout], case)
         print(f'Megatron-Core numbers {len(LAYOUT)} layouts as reshard writes them', file=sys.stderr)
+
+
+MODEL = dict(hidden=16, heads=4, groups=2, ffn=32, layers=4, vocab=64, max_seq=32)
+SIZES = ['--set', f"num_attention_heads={MODEL['heads']}", '--set', f"num_key_value_heads={MODEL['groups']}",
+         '--set', 'make_vocab_size_divisible_by=16', '--vocab-size', MODEL['vocab']]
+
+# Run by every script: the GPTModel's chunks at PP `pp`, VPP `vpp` (None: one chunk), after the process
+# group; `worlds` runs each case in its own world.
+BUILD = r'''
+import argparse, contextlib, datetime, json, os, socket
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+M = json.loads(%r)
+
+def build(pp, vpp):
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=pp,
+                                 virtual_pipeline_model_parallel_size=vpp)
+    config = TransformerConfig(
+        num_layers=M['layers'], hidden_size=M['hidden'], num_attention_heads=M['heads'],
+        num_query_groups=M['groups'], ffn_hidden_size=M['ffn'], pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp, pipeline_dtype=torch.float32, use_cpu_initialization=True,
+        activation_func=F.gelu, hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False,
+        masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+        gradient_accumulation_fusion=False)
+    torch.manual_seed(1234)
+    chunks = []
+    for v in range(vpp or 1):
+        vp = v if vpp else None
+        chunks.append(GPTModel(config, get_gpt_layer_local_spec(), vocab_size=M['vocab'],
+                               max_sequence_length=M['max_seq'],
+                               pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+                               post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+                               share_embeddings_and_output_weights=False, position_embedding_type='rope',
+                               vp_stage=vp))
+    return chunks
+
+def keys(chunks):
+    return ['model'] if len(chunks) == 1 else [f'model{v}' for v in range(len(chunks))]
+
+def start(r, port, world):
+    dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=r, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+
+def end_megatron_rank():
+    import multiprocessing
+    for child in multiprocessing.active_children():
+        child.terminate()
+        child.join()
+    end_rank(dist)
+
+def worlds(fn, cases):
+    for world, *case in cases:
+        with socket.socket() as s:
+            s.bind(('127.0.0.1', 0))
+            port = s.getsockname()[1]
+        mp.start_processes(fn, args=(port, world, *case), nprocs=world, start_method='fork')
+''' % json.dumps(MODEL)
+
+# The source: PP 2 x VPP 2, each chunk's sharded state under model0 / model1 beside args that record the
+# virtual pipeline, as Megatron-LM's torch_dist save writes them.
+SAVE = r'''
+def save(r, port, world):
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    start(r, port, world)
+    chunks = build(2, 2)
+    # The norms start at 1 and the biases at 0: values a misplaced copy would show.
+    g = torch.Generator().manual_seed(7 + ps.get_pipeline_model_parallel_rank())
+    for chunk in chunks:
+        for p in chunk.parameters():
+            if p.dim() == 1:
+                p.data.add_(torch.randn(p.shape, generator=g))
+    args = argparse.Namespace(num_layers=M['layers'], tensor_model_parallel_size=1, pipeline_model_parallel_size=2,
+                              data_parallel_size=1, virtual_pipeline_model_parallel_size=2,
+                              num_virtual_stages_per_pipeline_rank=2, num_layers_per_virtual_pipeline_stage=None)
+    state = {k: c.sharded_state_dict() for k, c in zip(keys(chunks), chunks)}
+    os.makedirs('/data/src', exist_ok=True)
+    dist_checkpointing.save({**state, 'args': args, 'checkpoint_version': 3.0}, '/data/src')
+    end_megatron_rank()
+
+worlds(save, [(2,)])
+print('megatron-core', __import__('megatron.core.package_info').core.package_info.__version__)
+'''
+
+# Loads, at each case's PP x VPP, Megatron-Core's own save and reshard's output into the chunks (every
+# parameter zeroed first), both strictly, and saves what each rank holds after each; at PP 1 the loss on
+# fixed tokens, before and after one SGD step.
+LOAD = r'''
+def losses(model):
+    from megatron.core import tensor_parallel
+    tensor_parallel.get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
+    def loss_of():
+        g = torch.Generator().manual_seed(3)
+        tokens = torch.randint(0, M['vocab'], (2, 16), generator=g)
+        labels = torch.randint(0, M['vocab'], (2, 16), generator=g)
+        positions = torch.arange(16).unsqueeze(0).expand(2, 16)
+        mask = torch.triu(torch.ones(1, 1, 16, 16, dtype=torch.bool), diagonal=1)
+        return model(tokens, positions, mask, labels=labels).float().mean()
+    before = loss_of()
+    model.zero_grad()
+    before.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= 0.1 * p.grad
+    return [before.item(), loss_of().item()]
+
+def load(r, port, world, name, out, form, pp, vpp):
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+    start(r, port, world)
+    chunks = build(pp, vpp)
+    held, loss = {}, {}
+    for who, folder, kind in (('megatron', '/data/src', 'torch_dist'), ('reshard', out, form)):
+        for chunk in chunks:
+            for p in chunk.parameters():
+                p.data.zero_()
+        if kind == 'torch_dist':
+            state = dist_checkpointing.load({k: c.sharded_state_dict() for k, c in zip(keys(chunks), chunks)},
+                                            folder, strict=StrictHandling.RAISE_ALL)
+        else:
+            rank = 'mp_rank_00' if pp == 1 else f'mp_rank_00_{ps.get_pipeline_model_parallel_rank():03d}'
+            state = torch.load(f'{folder}/{rank}/model_optim_rng.pt', weights_only=False)
+        for k, c in zip(keys(chunks), chunks):
+            c.load_state_dict(state[k], strict=True)
+        held[who] = {f'{k}.{n}': v.clone() for k, c in zip(keys(chunks), chunks)
+                     for n, v in c.state_dict().items() if isinstance(v, torch.Tensor)}
+        if pp == 1:
+            loss[who] = losses(chunks[0])
+    torch.save({'held': held, 'loss': loss}, f'/data/{name}_loaded_rank{r}.pt')
+    end_megatron_rank()
+
+worlds(load, CASES)
+'''
+
+
+class MegatronCoreVppSaveTest(FixtureTestCase):
+    """Real Megatron-Core 0.19.1 saves a 4-layer GPT (local spec, untied, rule set megatron-core-gpt) at
+    PP 2 x VPP 2 as torch_dist, model0 / model1 beside args recording VPP 2. reshard converts it to
+    torch_dist at PP 1, PP 4, PP 2 x VPP 2 (its own), and to the torch format at PP 2 x VPP 2 (model0,
+    model1 in each rank file), and back; Megatron-Core loads every output at its layout strictly, every
+    parameter equal to its own load of its save at that layout, and at PP 1 with the same loss before and
+    after an SGD step."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.root = torch2_chroot.root_or_skip()
+        cls.site = megatron_core_pypi.site_or_skip(cls.root)
+        cls.work = tempfile.mkdtemp(prefix='reshard-mcore-vpp-')
+        cls.addClassCleanup(shutil.rmtree, cls.work)
+        p = cls.megatron(torch2_chroot.END_RANK + BUILD + SAVE)
+        if p.returncode:
+            raise AssertionError('Megatron-Core could not write the save:\n' + p.stdout + p.stderr[-4000:])
+        print(p.stdout.strip(), file=sys.stderr)
+
+    @classmethod
+    def megatron(cls, script):
+        return megatron_core_pypi.run(cls.root, cls.site, script, {cls.work: '/data'}, timeout=400)
+
+    def saved(self, name):
+        return os.path.join(self.work, name)
+
+    def test_the_source_is_read_with_its_virtual_pipeline(self):
+        p = run('inspect', self.saved('src'), *SIZES[:-2])
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        self.assertIn('rule set megatron-core-gpt ', p.stdout)
+        self.assertIn('PP 2 (args)', p.stdout)
+
+    def test_megatron_core_loads_every_layout_strictly(self):
+        # name: (form, PP, VPP, conversion flags, source)
+        outputs = {
+            'pp1': ('torch_dist', 1, None, ['--pp', 1], 'src'),
+            'pp4': ('torch_dist', 4, None, ['--pp', 4], 'src'),
+            'own': ('torch_dist', 2, 2, ['--pp', 2], 'src'),
+            'torch_own': ('torch', 2, 2, ['--to', 'megatron'], 'src'),
+            'pp1_back': ('torch_dist', 2, 2, ['--pp', 2, '--vpp', 2], 'pp1'),
+            'pp4_torch': ('torch', 2, 2, ['--to', 'megatron', '--pp', 2, '--vpp', 2], 'pp4'),
+            'torch_back': ('torch_dist', 2, 2, ['--to', 'torch_dist'], 'torch_own'),
+        }
+        cases = []
+        for name, (form, pp, vpp, flags, source) in outputs.items():
+            p = run('convert', self.saved(source), self.saved(name), *flags, *SIZES)
+            self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+            p = run('verify', self.saved('src'), self.saved(name), *SIZES[:-2])
+            self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+            self.assertIn('same model', p.stdout)
+            cases.append([pp, name, f'/data/{name}/iter_0000000', form, pp, vpp])
+        p = self.megatron(torch2_chroot.END_RANK + BUILD + 'CASES = json.loads(%r)\n' % json.dumps(cases) + LOAD)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr[-4000:])
+        for _, name, _, form, pp, vpp in cases:
+            with self.subTest(output=name, pp=pp, vpp=vpp):
+                compared = 0
+                for r in range(pp):
+                    got = torch.load(self.saved(f'{name}_loaded_rank{r}.pt'))
+                    held = got['held']
+                    self.assertEqual(sorted(held['reshard']), sorted(held['megatron']))
+                    self.assertEqual(support.differences(dict(sorted(held['reshard'].items())),
+                                                         dict(sorted(held['megatron'].items())), f'{name} rank {r}'), [])
+                    compared += len(held['reshard'])
+                    if pp == 1:
+                        self.assertEqual(got['loss']['reshard'], got['loss']['megatron'])
+                        self.assertLess(got['loss']['reshard'][1], got['loss']['reshard'][0])
+                print(f'{name} ({form}) at PP {pp}, VPP {vpp}: {compared} tensors loaded strictly, equal' +
+                      (f"; loss {got['loss']['reshard']}" if pp == 1 else ''), file=sys.stderr)
 
 
 if __name__ == '__main__':
