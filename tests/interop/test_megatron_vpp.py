@@ -392,7 +392,7 @@ class MegatronCoreVppSaveTest(FixtureTestCase):
         p = run('inspect', self.saved('src'), *SIZES[:-2])
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         self.assertIn('rule set megatron-core-gpt ', p.stdout)
-        self.assertIn('PP 2 (args)', p.stdout)
+        self.assertIn('saved at: TP 1 (args), PP 2 (args), DP 1 (args), VPP 2 (args)', p.stdout)
 
     def test_megatron_core_loads_every_layout_strictly(self):
         # name: (form, PP, VPP, conversion flags, source)

@@ -322,8 +322,7 @@ std::string PipelineLoadNote(const std::string& target, const TargetPipeline& pi
   for (int n : pipeline.stages.counts()) counts.push_back(std::to_string(n));
   return target + ": pipeline stages of " + Join(counts, ", ") + " layers (" + split.Describe() +
          (vpp > 1 ? ", " + std::to_string(vpp) + " virtual stages each" : std::string()) +
-         "), recorded in the args, which Megatron-LM reads them from only with --use-checkpoint-args: else load "
-         "with " + Join(flags, " ");
+         "), recorded in the args, which Megatron-LM does not read them from: load with " + Join(flags, " ");
 }
 
 Result<ModelPlace> PlaceOf(const std::string& role, const std::string& key, int block, const PipelineStages& stages) {

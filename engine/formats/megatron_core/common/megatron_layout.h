@@ -169,7 +169,8 @@ Result<TargetPipeline> ChooseTargetPipeline(const SourceCheckpoint& src, const E
                                             int pp, std::vector<std::string>* notes);
 
 // What a loader of an export with `pipeline` must be told (Megatron-LM does
-// not take the stage sizes from the checkpoint's args): "" when even without
+// not take the stage sizes from the checkpoint's args, nor the virtual
+// pipeline without --use-mp-args-from-checkpoint-args): "" when even without
 // a virtual pipeline, else a note naming Megatron-LM's flags, led by
 // `target` ("torch_dist").
 std::string PipelineLoadNote(const std::string& target, const TargetPipeline& pipeline);
