@@ -11,7 +11,8 @@ Checked without the framework, on a Megatron-DeepSpeed fixture (ms_llama, 6 laye
   layers the global layers LAYOUT gives (compared with the same export at PP 1), the args recording
   VPP 2, and distrib_optim.pt one grad buffer per chunk;
 * it reads back (verify: the same model; converted to DeepSpeed at PP 1: every weight and optimizer
-  state equal), and converts to PP 2 with 3 chunks and back; `torch_dist --vpp 2` with dp_reshardable
+  state equal), and converts to PP 2 with 3 chunks and back; a tied embedding (ms_gpt2) has its
+  replica in the last stage's last chunk, and reads back; `torch_dist --vpp 2` with dp_reshardable
   buckets reads back the same;
 * layer counts VPP cannot split, VPP at PP 1, and rank files with differing chunks are refused in one
   line, nothing written.
@@ -85,9 +86,9 @@ class VppTorchFormatTest(FixtureTestCase):
         return make_fixture(self.path(f'ms{layers}'), **dict(FAMILIES['ms_llama'], L=layers, tp=1, pp=1, dp=1,
                                                            optimizer='bf16_zero'))
 
-    def export(self, src, name, *flags):
+    def export(self, src, name, *flags, tp=1):
         out = self.path(name)
-        p = run('export', src, out, '--to', 'megatron', '--tp', 1, *flags)
+        p = run('export', src, out, '--to', 'megatron', '--tp', tp, *flags)
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         return out, p
 
@@ -184,6 +185,18 @@ class VppTorchFormatTest(FixtureTestCase):
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         self.assertIn("the source's virtual pipeline (2 model chunks per stage) is its PP 3's", p.stdout)
         self.assertIsNone(rank_files(self.path('td_pp2'))['mp_rank_00_000']['args'].virtual_pipeline_model_parallel_size)
+
+    def test_a_tied_embeddings_replica_is_in_the_last_chunk(self):
+        src = make_fixture(self.path('gpt2'), **dict(FAMILIES['ms_gpt2'], tp=1, pp=1, dp=1, optimizer='bf16_zero'))
+        mlm, _ = self.export(src, 'gpt2_mlm', '--pp', 2, '--vpp', 3, tp=2)
+        files = rank_files(mlm)
+        for p, f in ((0, files['mp_rank_01_000']), (1, files['mp_rank_01_001'])):
+            for c in range(3):
+                self.assertEqual('embedding.word_embeddings.weight' in f[f'model{c}'], (p, c) == (0, 0))
+                self.assertEqual('output_layer.weight' in f[f'model{c}'], (p, c) == (1, 2))
+        self.assertTrue(torch.equal(files['mp_rank_01_000']['model0']['embedding.word_embeddings.weight'],
+                                    files['mp_rank_01_001']['model2']['output_layer.weight']))
+        self.assertSameAsSource(src, mlm)
 
     def test_what_vpp_cannot_split_is_refused(self):
         src = self.source()

@@ -187,13 +187,12 @@ PipelineStages::PipelineStages(std::vector<std::vector<int>> chunks) : chunks_(s
 }
 
 PipelineStages::Where PipelineStages::Locate(int block) const {
-  Where at;
   for (int v = 0; v < vpp(); ++v) {
     for (int p = 0; p < pp(); ++p) {
       if (block >= first_[p][v] && block < first_[p][v] + chunks_[p][v]) return {p, v, block - first_[p][v]};
     }
   }
-  return at;
+  return {};
 }
 
 std::string PipelineStages::Describe() const {

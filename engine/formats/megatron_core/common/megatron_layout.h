@@ -1,6 +1,7 @@
 // Where NVIDIA Megatron-LM's `torch` checkpoint format puts things
 // (megatron-deepspeed-format.md §13, §5.1): the file of each (tensor,
-// pipeline) rank, the blocks of each pipeline stage, and each weight's place
+// pipeline) rank, the blocks of each pipeline stage and of its model chunks
+// (a virtual pipeline's `model0`, `model1`, ...), and each weight's place
 // in the `model` dict that GPTModel.state_dict_for_save_checkpoint writes —
 // nested for the legacy GPTModel, one flat key per tensor for Megatron-Core's
 // (the torch_dist section's key with the stage's own layer index), and which
@@ -112,7 +113,7 @@ class PipelineStages {
   struct Where {
     int stage = 0, chunk = 0, local = 0;
   };
-  Where Locate(int block) const;
+  Where Locate(int block) const;  // REQUIRES: 0 <= block < Total()
   int StageOf(int block) const { return Locate(block).stage; }
   // Each stage's layers.
   const std::vector<int>& counts() const { return layers_; }
