@@ -221,6 +221,18 @@ void WriteSplit(Value* args, const PipelineSplit& split) {
   }
 }
 
+// The virtual pipeline's fields, where not Megatron-LM's default (None) or
+// the args hold them already (a source's virtual pipeline of another layout).
+void WriteVpp(Value* args, int vpp) {
+  const Value value = vpp > 1 ? Value::Int(vpp) : Value::None();
+  for (const char* field : {kVppArg, "num_virtual_stages_per_pipeline_rank"}) {
+    if (vpp > 1 || Find(*args, field) != nullptr) Set(*args, field, value);
+  }
+  if (Find(*args, "num_layers_per_virtual_pipeline_stage") != nullptr) {
+    Set(*args, "num_layers_per_virtual_pipeline_stage", Value::None());
+  }
+}
+
 // add_bias_linear and add_qkv_bias where the args do not say them (a source
 // without Megatron args): from the tensors, as Megatron-LM's
 // --disable-bias-linear and --add-qkv-bias would build the model.
@@ -309,6 +321,7 @@ Value MegatronArgs(const Value& args, const MegatronLayout& layout, std::vector<
   Set(out, "world_size", Value::Int(int64_t{layout.tp} * layout.pp * layout.dp));
   if (layout.padded_vocab > 0) Set(out, "padded_vocab_size", Value::Int(layout.padded_vocab));
   WriteSplit(&out, layout.split);
+  WriteVpp(&out, layout.vpp);
   if (!renamed.empty()) {
     notes->push_back("args: fork-only values made plain for Megatron-LM: " + Join(renamed, ", "));
   }

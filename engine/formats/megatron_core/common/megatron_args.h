@@ -44,6 +44,11 @@ struct MegatronLayout {
   // decoder_first_pipeline_num_layers, ... (kPipelineSplitArgs), each where
   // it differs from Megatron-LM's default or the args hold it already.
   PipelineSplit split;
+  // The model chunks of each stage: written as virtual_pipeline_model_parallel_size
+  // and num_virtual_stages_per_pipeline_rank (None for 1), where not 1 or the
+  // args hold them already; num_layers_per_virtual_pipeline_stage, which
+  // Megatron-LM does not take beside them, None.
+  int vpp = 1;
   // Whether the model has linear-layer biases, and q/k/v biases (nullopt: not
   // known), as its tensors say (ReadBiases): written as add_bias_linear and
   // add_qkv_bias where the args do not say them, since Megatron-LM's default

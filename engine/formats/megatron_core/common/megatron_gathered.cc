@@ -59,15 +59,18 @@ Result<std::vector<GradBuffer>> MegatronGradBuffers(const std::vector<GatheredPa
                                                     const BucketOptions& options) {
   std::vector<GradBuffer> buffers;
   for (size_t i = 0; i < params.size(); ++i) {
+    const GatheredParam& p = params[i];
     auto it = std::find_if(buffers.begin(), buffers.end(),
-                           [&](const GradBuffer& b) { return b.param_dtype == params[i].dtype; });
-    if (it == buffers.end()) it = buffers.insert(buffers.end(), GradBuffer{params[i].dtype, {}, {}, {}, 0});
+                           [&p](const GradBuffer& b) { return b.chunk == p.chunk && b.param_dtype == p.dtype; });
+    if (it == buffers.end()) it = buffers.insert(buffers.end(), GradBuffer{p.chunk, p.dtype, {}, {}, {}, 0});
     it->params.push_back(i);
   }
   for (GradBuffer& b : buffers) {
     std::vector<BucketParam> list;
     for (size_t i : b.params) list.push_back({params[i].name, params[i].numel, params[i].shared_embedding});
-    RESHARD_ASSIGN_OR_RETURN(b.layout, MegatronBucketLayout(list, options));
+    BucketOptions chunk_options = options;
+    if (b.chunk > 0) chunk_options.bucket_size.reset();
+    RESHARD_ASSIGN_OR_RETURN(b.layout, MegatronBucketLayout(list, chunk_options));
     // The gathered tensor holds each bucket's unpadded range, one after the other.
     std::vector<int64_t> bucket_start;
     for (const Bucket& bucket : b.layout.buckets) {

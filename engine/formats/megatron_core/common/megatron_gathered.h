@@ -43,10 +43,12 @@ struct GatheredParam {
   DType dtype = DType::kFloat32;  // which grad buffer holds it
   int64_t numel = 0;              // of the rank's piece
   bool shared_embedding = false;  // a tied embedding's pipeline copy: a bucket of its own
+  int chunk = 0;                  // the model chunk (virtual pipeline stage) holding it
 };
 
 // One grad buffer of a rank.
 struct GradBuffer {
+  int chunk = 0;
   DType param_dtype = DType::kFloat32;
   std::vector<size_t> params;    // indices into the list given, in registration order
   BucketLayout layout;           // slots in the order of `params`
@@ -55,8 +57,11 @@ struct GradBuffer {
 };
 
 // DDP's grad buffers of a rank whose parameters, in registration order, are
-// `params`: one per param dtype, in the order each first appears, laid out
-// by MegatronBucketLayout with `options`. Errors as MegatronBucketLayout's.
+// `params` (model chunk by model chunk): one per model chunk and param dtype,
+// chunk by chunk (each chunk is a DistributedDataParallel of its own), in
+// the order each dtype first appears in the chunk, laid out by
+// MegatronBucketLayout with `options`, whose bucket size Megatron-LM gives
+// chunk 0 only. Errors as MegatronBucketLayout's.
 Result<std::vector<GradBuffer>> MegatronGradBuffers(const std::vector<GatheredParam>& params,
                                                     const BucketOptions& options);
 

@@ -39,6 +39,8 @@ std::string MegatronFileName(int64_t iteration, int tp_rank, int pp_rank, int pp
   return name;
 }
 
+std::string ModelChunkKey(int chunk, int vpp) { return vpp == 1 ? "model" : "model" + std::to_string(chunk); }
+
 std::optional<RankFolder> ParseRankFolder(const std::string& name) {
   static const RE2 folder("mp_rank_([0-9]{2})(?:_([0-9]{3}))?");
   std::string tp, pp;
@@ -157,27 +159,98 @@ Result<PipelineSplit> SplitOfCounts(const std::vector<int>& counts) {
   return split;
 }
 
-PipelineStages::PipelineStages(std::vector<int> layers) : layers_(std::move(layers)) {
-  int first = 0;
-  for (int n : layers_) {
-    first_.push_back(first);
-    first += n;
+namespace {
+
+std::vector<std::vector<int>> OneChunkEach(const std::vector<int>& layers) {
+  std::vector<std::vector<int>> chunks;
+  for (int n : layers) chunks.push_back({n});
+  return chunks;
+}
+
+}  // namespace
+
+PipelineStages::PipelineStages(std::vector<int> layers) : PipelineStages(OneChunkEach(layers)) {}
+
+PipelineStages::PipelineStages(std::vector<std::vector<int>> chunks) : chunks_(std::move(chunks)) {
+  first_ = chunks_;
+  for (int v = 0; v < vpp(); ++v) {
+    for (int p = 0; p < pp(); ++p) {
+      first_[p][v] = total_;
+      total_ += chunks_[p][v];
+    }
+  }
+  for (const std::vector<int>& stage : chunks_) {
+    int n = 0;
+    for (int c : stage) n += c;
+    layers_.push_back(n);
   }
 }
 
-int PipelineStages::StageOf(int block) const {
-  int stage = 0;
-  while (stage + 1 < pp() && block >= first_[stage + 1]) ++stage;
-  return stage;
+PipelineStages::Where PipelineStages::Locate(int block) const {
+  for (int v = 0; v < vpp(); ++v) {
+    for (int p = 0; p < pp(); ++p) {
+      if (block >= first_[p][v] && block < first_[p][v] + chunks_[p][v]) return {p, v, block - first_[p][v]};
+    }
+  }
+  return {};
 }
 
 std::string PipelineStages::Describe() const {
+  std::string out;
   if (std::all_of(layers_.begin(), layers_.end(), [this](int n) { return n == layers_[0]; })) {
-    return Count(layers_.empty() ? 0 : layers_[0], "block") + " per stage";
+    out = Count(layers_.empty() ? 0 : layers_[0], "block") + " per stage";
+  } else {
+    std::vector<std::string> text;
+    for (int n : layers_) text.push_back(std::to_string(n));
+    out = "blocks per stage " + Join(text, ", ");
   }
-  std::vector<std::string> text;
-  for (int n : layers_) text.push_back(std::to_string(n));
-  return "blocks per stage " + Join(text, ", ");
+  return vpp() == 1 ? out : out + " in " + std::to_string(vpp()) + " virtual stages each";
+}
+
+Result<PipelineStages> ChunkedStages(int layers, int pp, int vpp, const PipelineSplit& split, const SplitFlags& flags) {
+  RESHARD_ASSIGN_OR_RETURN(std::vector<int> counts, StageLayerCounts(layers, pp, split, flags));
+  if (vpp < 1) return Status::InvalidInput("--vpp " + std::to_string(vpp) + ": a size is at least 1");
+  if (vpp == 1) return PipelineStages(std::move(counts));
+  if (pp < 2) {
+    return Status::InvalidInput("a virtual pipeline (--vpp " + std::to_string(vpp) + ") interleaves the model chunks "
+                                "of several pipeline stages, and PP is 1; give --pp 2 or more, or --vpp 1");
+  }
+  // Megatron-Core's interleaved offsets divide by the stages between the
+  // first and the last, which PP 2 with both sizes given leaves none of.
+  if (pp == 2 && split.first && split.last) {
+    return Status::InvalidInput("Megatron-Core's virtual pipeline does not take both the first and the last stage's "
+                                "layers at PP 2 (" + split.Describe() + "); give only " + flags.first);
+  }
+  std::vector<std::vector<int>> chunks;
+  for (int p = 0; p < pp; ++p) {
+    const bool embedding = split.embedding && p == 0, loss = split.loss && p == pp - 1;
+    const int counted = counts[p] + (embedding ? 1 : 0) + (loss ? 1 : 0);
+    if (counted % vpp != 0) {
+      return Status::InvalidInput("pipeline stage " + std::to_string(p) + "'s " + Count(counted, "layer") +
+                                  (counted == counts[p] ? "" : " (the embedding or loss counted)") +
+                                  " do not divide into " + std::to_string(vpp) + " virtual stages, which Megatron-Core "
+                                  "gives equal layers; give a --vpp that divides every stage's layers" +
+                                  (split.Even() ? "" : ", or other stage sizes"));
+    }
+    chunks.emplace_back(vpp, counted / vpp);
+    if (embedding) chunks[p].front() -= 1;
+    if (loss) chunks[p].back() -= 1;
+  }
+  return PipelineStages(std::move(chunks));
+}
+
+std::vector<RegisteredParam> ChunkRegistrationOrder(const TorchDistLayout& layout, const PipelineStages& stages,
+                                                    int stage, int chunk, const std::string& tied_head) {
+  return StageRegistrationOrder(
+      layout.optimizer_order, [&layout](const std::string& key) { return layout.IsStackedKey(key); },
+      stages.ChunkFirst(stage, chunk), stages.ChunkLayers(stage, chunk), stage == 0 && chunk == 0,
+      stage == stages.pp() - 1 && chunk == stages.vpp() - 1, tied_head);
+}
+
+int VppOfArgs(const Value& args) {
+  const Value* v = Find(args, kVppArg);
+  int64_t n = 0;
+  return v != nullptr && ReadInt(*v, &n) && n > 1 ? static_cast<int>(n) : 1;
 }
 
 std::vector<FormatOptionInfo> PipelineSplitOptions() {
@@ -188,8 +261,27 @@ std::vector<FormatOptionInfo> PipelineSplitOptions() {
            "else even)"},
           {kLastStageOption, Kind::kCount,
            "Megatron-LM's --decoder-last-pipeline-num-layers: the last pipeline stage's transformer layers (default: "
-           "the source's own split at its own PP, else even)"}};
+           "the source's own split at its own PP, else even)"},
+          {kVppOption, Kind::kCount,
+           "The virtual pipeline: model chunks per pipeline stage, interleaved (Megatron-LM's "
+           "--num-virtual-stages-per-pipeline-rank; default: the source's own at its own PP, else 1)"}};
 }
+
+namespace {
+
+// The chunks of each stage: --vpp, else the source's own at its own PP, else 1.
+int ChooseVpp(const SourceCheckpoint& src, const ExportOptions& options, const Value* args, int pp,
+              std::vector<std::string>* notes) {
+  if (const int64_t given = FormatCount(options, kVppOption); given > 0) return static_cast<int>(given);
+  const int own = args != nullptr ? VppOfArgs(*args) : 1;
+  if (own == 1 || src.info().pp == pp) return own;
+  notes->push_back("the source's virtual pipeline (" + std::to_string(own) + " model chunks per stage) is its PP " +
+                   std::to_string(src.info().pp) + "'s; the PP " + std::to_string(pp) + " written has none (--vpp N "
+                   "gives one)");
+  return 1;
+}
+
+}  // namespace
 
 Result<TargetPipeline> ChooseTargetPipeline(const SourceCheckpoint& src, const ExportOptions& options, int layers,
                                             int pp, std::vector<std::string>* notes) {
@@ -198,7 +290,8 @@ Result<TargetPipeline> ChooseTargetPipeline(const SourceCheckpoint& src, const E
   if (first > 0) out.split.first = static_cast<int>(first);
   if (last > 0) out.split.last = static_cast<int>(last);
   const Value* args = Find(src.info().metadata, "args");
-  if (out.split.Even() && args != nullptr && DictItems(*args) != nullptr) {
+  if (args != nullptr && DictItems(*args) == nullptr) args = nullptr;
+  if (out.split.Even() && args != nullptr) {
     const PipelineSplit own = SplitOfArgs(*args);
     if (!own.Even() && src.info().pp == pp) {
       out.split = own;
@@ -209,48 +302,55 @@ Result<TargetPipeline> ChooseTargetPipeline(const SourceCheckpoint& src, const E
                        " choose other sizes)");
     }
   }
-  RESHARD_ASSIGN_OR_RETURN(std::vector<int> counts, StageLayerCounts(layers, pp, out.split, kExportSplitFlags));
-  out.stages = PipelineStages(std::move(counts));
+  const int vpp = ChooseVpp(src, options, args, pp, notes);
+  RESHARD_ASSIGN_OR_RETURN(out.stages, ChunkedStages(layers, pp, vpp, out.split, kExportSplitFlags));
   return out;
 }
 
 std::string PipelineLoadNote(const std::string& target, const TargetPipeline& pipeline) {
   const PipelineSplit& split = pipeline.split;
-  if (split.Even()) return "";
+  if (split.Even() && pipeline.vpp() == 1) return "";
   std::vector<std::string> flags;
   if (split.first) flags.push_back("--decoder-first-pipeline-num-layers " + std::to_string(*split.first));
   if (split.last) flags.push_back("--decoder-last-pipeline-num-layers " + std::to_string(*split.last));
   if (split.embedding) flags.push_back("--account-for-embedding-in-pipeline-split");
   if (split.loss) flags.push_back("--account-for-loss-in-pipeline-split");
+  const int vpp = pipeline.vpp();
+  if (vpp > 1) flags.push_back("--num-virtual-stages-per-pipeline-rank " + std::to_string(vpp));
   std::vector<std::string> counts;
   for (int n : pipeline.stages.counts()) counts.push_back(std::to_string(n));
   return target + ": pipeline stages of " + Join(counts, ", ") + " layers (" + split.Describe() +
+         (vpp > 1 ? ", " + std::to_string(vpp) + " virtual stages each" : std::string()) +
          "), recorded in the args, which Megatron-LM does not read them from: load with " + Join(flags, " ");
 }
 
 Result<ModelPlace> PlaceOf(const std::string& role, const std::string& key, int block, const PipelineStages& stages) {
-  const int pp = stages.pp();
+  const int last = stages.pp() - 1, last_chunk = stages.vpp() - 1;
   if (role == "embedding") {
     // Embedding.state_dict_for_save_checkpoint: each module's own state dict.
     RESHARD_ASSIGN_OR_RETURN(auto module, SplitModule(role, key));
-    return ModelPlace{0, {"language_model", "embedding", module.first, module.second}};
+    return ModelPlace{0, 0, {"language_model", "embedding", module.first, module.second}};
   }
   if (role == "block") {
-    const int stage = stages.StageOf(block);
-    return ModelPlace{stage, {"language_model", "encoder",
-                              "layers." + std::to_string(block - stages.First(stage)) + "." + key}};
+    const PipelineStages::Where at = stages.Locate(block);
+    return ModelPlace{at.stage, at.chunk, {"language_model", "encoder",
+                                           "layers." + std::to_string(at.local) + "." + key}};
   }
-  if (role == "final_norm") return ModelPlace{pp - 1, {"language_model", "encoder", "final_layernorm." + key}};
+  if (role == "final_norm") {
+    return ModelPlace{last, last_chunk, {"language_model", "encoder", "final_layernorm." + key}};
+  }
   if (role == "head") {
     // The untied head's module (LMHeadPipe.lm_head) is Megatron-LM's output_layer.
     RESHARD_ASSIGN_OR_RETURN(auto module, SplitModule(role, key));
-    return ModelPlace{pp - 1, {"language_model", "output_layer", module.second}};
+    return ModelPlace{last, last_chunk, {"language_model", "output_layer", module.second}};
   }
   return Status::Unsupported("the rule set's '" + role + "' layers have no place in Megatron-LM's GPT model "
                              "(embedding, blocks, final norm, output layer)");
 }
 
-ModelPlace HeadEmbeddingPlace(int pp) { return ModelPlace{pp - 1, {"word_embeddings_for_head", "weight"}}; }
+ModelPlace HeadEmbeddingPlace(const PipelineStages& stages) {
+  return ModelPlace{stages.pp() - 1, stages.vpp() - 1, {"word_embeddings_for_head", "weight"}};
+}
 
 Result<const TorchDistTensor*> TorchDistEntryOf(const RuleSet& rules, const RankTensor& r, const std::string& target) {
   for (const TorchDistTensor& entry : rules.torch_dist()->tensors) {
@@ -291,8 +391,9 @@ std::optional<std::pair<std::string, int>> SplitLayerKey(const std::string& key)
   return std::make_pair(std::string(kLayers) + rest, static_cast<int>(local));
 }
 
-int StageOfModule(const std::string& key, int pp) {
-  return key.compare(0, sizeof(kEmbedding) - 1, kEmbedding) == 0 ? 0 : pp - 1;
+PipelineStages::Where ChunkOfModule(const std::string& key, const PipelineStages& stages) {
+  if (key.compare(0, sizeof(kEmbedding) - 1, kEmbedding) == 0) return {};
+  return {stages.pp() - 1, stages.vpp() - 1, 0};
 }
 
 }  // namespace reshard

@@ -8,13 +8,11 @@
 
 namespace reshard {
 
-Result<std::vector<std::string>> StageKeysInRegistrationOrder(const TorchDistLayout& layout, int stage,
+Result<std::vector<std::string>> ChunkKeysInRegistrationOrder(const TorchDistLayout& layout, int stage, int chunk,
                                                               const PipelineStages& stages) {
   std::vector<std::string> keys;
-  const int64_t first = stages.First(stage);
-  for (const RegisteredParam& reg : StageRegistrationOrder(
-           layout.optimizer_order, [&layout](const std::string& key) { return layout.IsStackedKey(key); }, first,
-           stages.Layers(stage), stage == 0, stage == stages.pp() - 1, layout.tied_head)) {
+  const int64_t first = stages.ChunkFirst(stage, chunk);
+  for (const RegisteredParam& reg : ChunkRegistrationOrder(layout, stages, stage, chunk, layout.tied_head)) {
     if (reg.layer < 0) {
       keys.push_back(reg.key);
       continue;
@@ -28,19 +26,21 @@ Result<std::vector<std::string>> StageKeysInRegistrationOrder(const TorchDistLay
 Result<Value> DistribOptimValue(const TorchDistLayout& layout, int stage, const PipelineStages& stages,
                                 std::vector<RankParamState> params, int dp,
                                 const std::function<DType(DType)>& grad_dtype) {
-  std::map<std::string, size_t> by_key;
-  for (size_t i = 0; i < params.size(); ++i) by_key[params[i].param.name] = i;
-  RESHARD_ASSIGN_OR_RETURN(std::vector<std::string> order,
-                           StageKeysInRegistrationOrder(layout, stage, stages));
+  std::map<std::pair<int, std::string>, size_t> by_key;  // (chunk, key)
+  for (size_t i = 0; i < params.size(); ++i) by_key[{params[i].param.chunk, params[i].param.name}] = i;
   std::vector<RankParamState> ordered;
-  for (const std::string& key : order) {
-    auto it = by_key.find(key);
-    if (it == by_key.end()) continue;  // a key of the family this model lacks
-    ordered.push_back(std::move(params[it->second]));
-    by_key.erase(it);
+  for (int chunk = 0; chunk < stages.vpp(); ++chunk) {
+    RESHARD_ASSIGN_OR_RETURN(std::vector<std::string> order,
+                             ChunkKeysInRegistrationOrder(layout, stage, chunk, stages));
+    for (const std::string& key : order) {
+      auto it = by_key.find({chunk, key});
+      if (it == by_key.end()) continue;  // a key of the family this model lacks
+      ordered.push_back(std::move(params[it->second]));
+      by_key.erase(it);
+    }
   }
   if (!by_key.empty()) {
-    return Status::Unsupported(by_key.begin()->first + " is not in the rule set's torch_dist.optimizer_order, the "
+    return Status::Unsupported(by_key.begin()->first.second + " is not in the rule set's torch_dist.optimizer_order, the "
                                "registration order distrib_optim.pt's buffers follow; add it (docs/rules.md) or "
                                "export with --weights-only");
   }

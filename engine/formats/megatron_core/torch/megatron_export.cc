@@ -23,17 +23,20 @@ constexpr char kLayerSpec[] = "layer-spec";  // the option choosing the keys
 
 // One tensor of a file: a rank tensor at its place in `model`.
 struct FileTensor {
+  int chunk = 0;  // the model chunk holding it
   std::vector<std::string> path;
   size_t source = 0;   // index into TpWeights::ranks[tp_rank]
   std::string detail;  // for --dry-run: where the elements come from
 };
 
+// Megatron-Core's modules' `_extra_state` entries of a model chunk: key -> value.
+using ExtraStates = std::vector<std::pair<std::string, Value>>;
+
 struct MegatronFile {
   std::string name;
   int tp_rank = 0, pp_rank = 0;
   std::vector<FileTensor> tensors;
-  // Megatron-Core's modules' `_extra_state` entries: key -> value.
-  std::vector<std::pair<std::string, Value>> extra_states;
+  std::vector<ExtraStates> extra_states;  // each model chunk's
 };
 
 // Whose model's keys the files hold.
@@ -128,10 +131,13 @@ LayerSpec SpecOf(Keys keys) { return keys == Keys::kLocal ? LayerSpec::kLocal : 
 Result<ModelPlace> McorePlaceOf(const MegatronExportPlan& plan, const RankTensor& r) {
   RESHARD_ASSIGN_OR_RETURN(const TorchDistTensor* entry, TorchDistEntryOf(*plan.rules, r, "megatron"));
   const std::string& key = TorchDistLayout::KeyOf(*entry, SpecOf(plan.keys));
-  if (r.block < 0) return ModelPlace{StageOfModule(key, plan.pp), {key}};
-  const int stage = plan.pipeline.stages.StageOf(r.block);
-  RESHARD_ASSIGN_OR_RETURN(std::string layer_key, LayerKey(key, r.block - plan.pipeline.stages.First(stage)));
-  return ModelPlace{stage, {std::move(layer_key)}};
+  if (r.block < 0) {
+    const PipelineStages::Where at = ChunkOfModule(key, plan.pipeline.stages);
+    return ModelPlace{at.stage, at.chunk, {key}};
+  }
+  const PipelineStages::Where at = plan.pipeline.stages.Locate(r.block);
+  RESHARD_ASSIGN_OR_RETURN(std::string layer_key, LayerKey(key, at.local));
+  return ModelPlace{at.stage, at.chunk, {std::move(layer_key)}};
 }
 
 Result<ModelPlace> PlaceOfTensor(const MegatronExportPlan& plan, const RankTensor& r) {
@@ -143,13 +149,13 @@ Result<ModelPlace> PlaceOfTensor(const MegatronExportPlan& plan, const RankTenso
 // word_embeddings_for_head, Megatron-Core's output layer (the rule set's
 // tied_head).
 Result<ModelPlace> TiedHeadPlace(const MegatronExportPlan& plan) {
-  if (plan.keys == Keys::kLegacy) return HeadEmbeddingPlace(plan.pp);
+  if (plan.keys == Keys::kLegacy) return HeadEmbeddingPlace(plan.pipeline.stages);
   if (plan.layout->tied_head.empty()) {
     return Status::Unsupported("export --to megatron: rule set " + plan.rules->name() + " ties the embedding, and its "
                                "torch_dist section names no tied_head key for the last stage's copy; add one "
                                "(docs/rules.md)");
   }
-  return ModelPlace{plan.pp - 1, {plan.layout->tied_head}};
+  return ModelPlace{plan.pp - 1, plan.pipeline.vpp() - 1, {plan.layout->tied_head}};
 }
 
 // Places every rank tensor in its stage's file; the last stage's copy of a
@@ -158,7 +164,10 @@ Result<ModelPlace> TiedHeadPlace(const MegatronExportPlan& plan) {
 Status PlaceTensors(const TpWeights& weights, MegatronExportPlan* plan) {
   const int tp = plan->cut.tp, pp = plan->pp;
   for (int p = 0; p < pp; ++p) {
-    for (int t = 0; t < tp; ++t) plan->files.push_back({MegatronFileName(plan->iteration, t, p, pp), t, p, {}, {}});
+    for (int t = 0; t < tp; ++t) {
+      plan->files.push_back(
+          {MegatronFileName(plan->iteration, t, p, pp), t, p, {}, std::vector<ExtraStates>(plan->pipeline.vpp())});
+    }
   }
   for (int t = 0; t < tp; ++t) {
     const std::vector<RankTensor>& tensors = weights.ranks[t];
@@ -174,7 +183,7 @@ Status PlaceTensors(const TpWeights& weights, MegatronExportPlan* plan) {
     }
     for (const auto& [at, i] : places) {
       const RankTensor& r = tensors[i];
-      plan->files[at.stage * tp + t].tensors.push_back({at.path, i, r.Label()});
+      plan->files[at.stage * tp + t].tensors.push_back({at.chunk, at.path, i, r.Label()});
     }
   }
   return Status::Ok();
@@ -188,23 +197,26 @@ Value ExtraState(bool transformer_engine) {
   return MakeProducedTensor(DType::kUInt8, {0}, [](int64_t, int64_t, uint8_t*) { return Status::Ok(); });
 }
 
-// Adds `module`'s `_extra_state` to the files of the stage(s) holding it:
-// every layer of every stage for a layer module, else its one stage.
+// Adds `module`'s `_extra_state` to the model chunks holding it: every
+// layer of every chunk for a layer module, else its one chunk.
 Status AddExtraState(const std::string& module, bool transformer_engine, MegatronExportPlan* plan) {
   const int tp = plan->cut.tp;
+  const PipelineStages& stages = plan->pipeline.stages;
   for (int p = 0; p < plan->pp; ++p) {
-    std::vector<std::string> keys;
-    if (IsLayerKey(module)) {
-      for (int l = 0; l < plan->pipeline.stages.Layers(p); ++l) {
-        RESHARD_ASSIGN_OR_RETURN(std::string key, LayerKey(module, l));
-        keys.push_back(std::move(key));
+    for (int c = 0; c < stages.vpp(); ++c) {
+      std::vector<std::string> keys;
+      if (IsLayerKey(module)) {
+        for (int l = 0; l < stages.ChunkLayers(p, c); ++l) {
+          RESHARD_ASSIGN_OR_RETURN(std::string key, LayerKey(module, l));
+          keys.push_back(std::move(key));
+        }
+      } else if (const PipelineStages::Where at = ChunkOfModule(module, stages); at.stage == p && at.chunk == c) {
+        keys.push_back(module);
       }
-    } else if (StageOfModule(module, plan->pp) == p) {
-      keys.push_back(module);
-    }
-    for (int t = 0; t < tp; ++t) {
-      for (const std::string& key : keys) {
-        plan->files[p * tp + t].extra_states.emplace_back(key + "._extra_state", ExtraState(transformer_engine));
+      for (int t = 0; t < tp; ++t) {
+        for (const std::string& key : keys) {
+          plan->files[p * tp + t].extra_states[c].emplace_back(key + "._extra_state", ExtraState(transformer_engine));
+        }
       }
     }
   }
@@ -238,22 +250,27 @@ void Insert(Value* root, const std::vector<std::string>& path, Value value) {
   Set(*at, path.back(), std::move(value));
 }
 
-// What Megatron-LM's generate_state_dict holds for one rank, in its order.
+// What Megatron-LM's generate_state_dict holds for one rank, in its order:
+// `model`, or a virtual pipeline's `model0`, `model1`, ...
 Value FileTree(const MegatronExportPlan& plan, const MegatronFile& f, const std::vector<RankTensor>& tensors) {
   Value root = Value::MakeDict();
   if (plan.args) Set(root, "args", *plan.args);
   Set(root, "checkpoint_version", Value::Float(3.0));
   Set(root, "iteration", Value::Int(plan.iteration));
-  // Megatron-Core's model is one module's state_dict(), the legacy one's nests them.
-  Value model = plan.keys == Keys::kLegacy ? Value::MakeDict() : MakeOrderedDict({});
-  for (const FileTensor& t : f.tensors) {
-    const RankTensor& r = tensors[t.source];
-    const DType dtype = WrittenDType(r, plan.dtype);
-    ByteProducer bytes = dtype == r.dtype ? r.produce : CastBytes(r.produce, r.dtype, dtype);
-    Insert(&model, t.path, MakeProducedTensor(dtype, r.shape, std::move(bytes)));
+  const int vpp = plan.pipeline.vpp();
+  for (int c = 0; c < vpp; ++c) {
+    // Megatron-Core's model is one module's state_dict(), the legacy one's nests them.
+    Value model = plan.keys == Keys::kLegacy ? Value::MakeDict() : MakeOrderedDict({});
+    for (const FileTensor& t : f.tensors) {
+      if (t.chunk != c) continue;
+      const RankTensor& r = tensors[t.source];
+      const DType dtype = WrittenDType(r, plan.dtype);
+      ByteProducer bytes = dtype == r.dtype ? r.produce : CastBytes(r.produce, r.dtype, dtype);
+      Insert(&model, t.path, MakeProducedTensor(dtype, r.shape, std::move(bytes)));
+    }
+    for (const auto& [key, state] : f.extra_states[c]) Set(model, key, state);
+    Set(root, ModelChunkKey(c, vpp), std::move(model));
   }
-  for (const auto& [key, state] : f.extra_states) Set(model, key, state);
-  Set(root, "model", std::move(model));
   if (plan.optimizer) Set(root, "optimizer", *plan.optimizer);
   if (plan.lr_scheduler) Set(root, "lr_scheduler", *plan.lr_scheduler);
   return root;
@@ -264,7 +281,9 @@ Result<PlannedFile> PlanFile(const MegatronExportPlan& plan, const MegatronFile&
   RESHARD_ASSIGN_OR_RETURN(PlannedFile file,
                            TorchFile(f.name, "stage " + std::to_string(f.pp_rank) + ", TP rank " +
                                                  std::to_string(f.tp_rank), FileTree(plan, f, tensors)));
-  for (const FileTensor& t : f.tensors) SetFrom(&file, "model/" + Join(t.path, "/"), t.detail);
+  for (const FileTensor& t : f.tensors) {
+    SetFrom(&file, ModelChunkKey(t.chunk, plan.pipeline.vpp()) + "/" + Join(t.path, "/"), t.detail);
+  }
   return file;
 }
 
@@ -316,7 +335,8 @@ Status PlanDistribOptim(const SourceCheckpoint& src, const MegatronExportPlan& p
     std::vector<RankParamState> params;
     for (const FileTensor& t : f.tensors) {
       const RankTensor& r = weights.ranks[f.tp_rank][t.source];
-      RankParamState p{{Join(t.path, "."), WrittenDType(r, plan.dtype), ShapeNumel(r.shape), IsTiedVocab(r) && plan.pp > 1}, {}};
+      RankParamState p{{Join(t.path, "."), WrittenDType(r, plan.dtype), ShapeNumel(r.shape), IsTiedVocab(r) && plan.pp > 1,
+                        t.chunk}, {}};
       for (size_t s = 0; s < states.size(); ++s) {
         RESHARD_ASSIGN_OR_RETURN(Fp32Piece piece, Fp32StateOf(states, f.tp_rank, r.name, s));
         p.states[s] = std::move(piece.bytes);
@@ -380,7 +400,9 @@ const char* LoadFlag(Keys keys) {
 }
 
 std::string Summary(const MegatronExportPlan& plan) {
-  std::string out = "megatron (" + std::string(KeysName(plan.keys)) + "): TP " + std::to_string(plan.cut.tp) + ", PP " + std::to_string(plan.pp) +
+  const int vpp = plan.pipeline.vpp();
+  std::string out = "megatron (" + std::string(KeysName(plan.keys)) + "): TP " + std::to_string(plan.cut.tp) + ", PP " +
+                    std::to_string(plan.pp) + (vpp > 1 ? ", VPP " + std::to_string(vpp) : std::string()) +
                     ", iteration " + std::to_string(plan.iteration) + "; " +
                     plan.pipeline.stages.Describe();
   if (plan.padded_vocab > 0) out += "; padded vocabulary " + std::to_string(plan.padded_vocab);
@@ -408,7 +430,8 @@ Result<OutputPlan> PlanMegatron(const SourceCheckpoint& src, const ExportOptions
   if (args != nullptr && DictItems(*args) != nullptr) {
     MegatronLayout layout{plan.cut.tp, plan.pp, dp, plan.padded_vocab,
                           src.info().rules ? std::optional<bool>(TiesEmbedding(*src.info().rules)) : std::nullopt,
-                          KvGroups(src.info().metadata, src.info().settings), plan.pipeline.split, {}, {}};
+                          KvGroups(src.info().metadata, src.info().settings), plan.pipeline.split,
+                          plan.pipeline.vpp(), {}, {}};
     ReadBiases(weights.ranks[0], &layout);
     plan.args = MegatronArgs(*args, layout, notes);
     WriteLrSchedule(RunLrSchedule(src.info().metadata, src.info().settings), &*plan.args);

@@ -5,9 +5,11 @@
 //   OUT/latest_checkpointed_iteration.txt                  the iteration
 //   OUT/iter_{N:07d}/mp_rank_{t:02d}[_{p:03d}]/model_optim_rng.pt
 //
-// Each file is what Megatron-LM's save_checkpoint writes for its rank, weights
-// only: `args` (megatron_args.h), checkpoint_version 3.0, `iteration` and
-// `model` (megatron_layout.h), the keys of a model chosen by --layer-spec:
+// Each file is what Megatron-LM's save_checkpoint writes for its rank: `args`
+// (megatron_args.h), checkpoint_version 3.0, `iteration` and `model`
+// (megatron_layout.h) — with --vpp V, `model0` ... `model{V-1}`, each model
+// chunk's layers numbered from 0, interleaved (PipelineStages) — the keys of
+// a model chosen by --layer-spec:
 //   local, te   Megatron-Core's GPTModel (Megatron-LM >= 0.18 has no other)
 //               with its local or Transformer Engine layer spec: one key per
 //               tensor, named by the rule set's torch_dist section, with the
@@ -18,7 +20,8 @@
 // The rank tensors are the source's
 // weights cut exactly as convert cuts DeepSpeed layer files
 // (SourceCheckpoint::WeightsForTp), whose per-rank tensors are Megatron's own.
-// No optimizer or RNG state is written.
+// The source's Adam state, where it has one, goes into distrib_optim.pt
+// beside each file (distrib_optim.h); no RNG state is written.
 #pragma once
 
 #include <memory>

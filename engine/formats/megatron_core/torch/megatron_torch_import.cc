@@ -43,8 +43,8 @@ std::string RankFolderName(int tp_rank, int stage, int pp) {
 
 // A rank's tensors under one key: each TP rank's piece, in rank order.
 struct StoredKey {
-  int stage = 0;
-  std::string key;                    // as the files name it (the stage's own layer index)
+  int stage = 0, chunk = 0;           // the pipeline stage, and its model chunk
+  std::string key;                    // as the files name it (the chunk's own layer index)
   std::vector<const Tensor*> ranks;   // by TP rank
 };
 
@@ -52,10 +52,11 @@ struct StoredKey {
 struct RankFiles {
   std::string folder;
   int tp = 0, pp = 0;
+  int vpp = 1;                     // the model chunks of each file: `model`, or `model0`, `model1`, ...
   std::vector<std::string> paths;  // stage by stage, TP rank by TP rank
   std::vector<Value> roots;        // the files' objects, in the same order
-  std::vector<StoredKey> keys;     // stage by stage, in the first TP rank's order
-  std::vector<int> stage_layers;   // each stage's transformer layers
+  std::vector<StoredKey> keys;     // stage by stage, chunk by chunk, in the first TP rank's order
+  std::vector<std::vector<int>> chunk_layers;  // each stage's chunks' transformer layers
   int64_t extra_states = 0;
   bool optimizer = false;          // a file holds an `optimizer` entry
   bool distrib_optim = false;      // distrib_optim.pt files
@@ -86,6 +87,15 @@ Result<RankFiles> ScanRanks(const std::string& folder) {
   return files;
 }
 
+// The model chunks of a rank file: `model` alone, or Megatron-LM's
+// `model0`, `model1`, ... of a virtual pipeline (0 for neither).
+int ChunksOf(const Value& root) {
+  if (Find(root, "model") != nullptr) return 1;
+  int chunks = 0;
+  while (Find(root, ModelChunkKey(chunks, 2)) != nullptr) ++chunks;
+  return chunks;
+}
+
 // The TP and PP the args record, where they exceed what the folders show: a
 // rank folder missing at the end is then named.
 void WidenToArgs(RankFiles* files, const Value& root) {
@@ -93,6 +103,27 @@ void WidenToArgs(RankFiles* files, const Value& root) {
   if (args == nullptr) return;
   files->tp = std::max<int>(files->tp, static_cast<int>(MetadataInt(*args, "tensor_model_parallel_size", 1)));
   files->pp = std::max<int>(files->pp, static_cast<int>(MetadataInt(*args, "pipeline_model_parallel_size", 1)));
+}
+
+// Every file holds the first's model chunks, each a dict, and no other.
+Status CheckChunks(const Value& root, const std::string& path, int vpp) {
+  const int chunks = ChunksOf(root);
+  if (chunks == 0) {
+    return Status::InvalidInput(path + " holds no `model` dict (nor a virtual pipeline's model0, model1, ...); it is "
+                                "not a Megatron-LM checkpoint file");
+  }
+  if (chunks != vpp || Find(root, ModelChunkKey(vpp, 2)) != nullptr) {
+    return Status::InvalidInput(path + " holds " + Count(chunks, "model chunk") + " where the first rank file holds " +
+                                std::to_string(vpp) + "; every rank of a run holds as many: the file is of another "
+                                "checkpoint, restore it from the saved checkpoint");
+  }
+  for (int c = 0; c < vpp; ++c) {
+    if (DictItems(*Find(root, ModelChunkKey(c, vpp))) == nullptr) {
+      return Status::InvalidInput(path + "'s " + ModelChunkKey(c, vpp) + " is not a dict; it is not a Megatron-LM "
+                                  "checkpoint file");
+    }
+  }
+  return Status::Ok();
 }
 
 Status ReadFiles(const CommonOptions& options, RankFiles* files) {
@@ -110,10 +141,11 @@ Status ReadFiles(const CommonOptions& options, RankFiles* files) {
       }
       RESHARD_ASSIGN_OR_RETURN(Value root, ReadTorchFile(path, read));
       RESHARD_RETURN_IF_ERROR(CheckRunState(root, path));
-      if (p == 0 && t == 0) WidenToArgs(files, root);
-      if (Find(root, "model") == nullptr || DictItems(*Find(root, "model")) == nullptr) {
-        return Status::InvalidInput(path + " holds no `model` dict; it is not a Megatron-LM checkpoint file");
+      if (p == 0 && t == 0) {
+        WidenToArgs(files, root);
+        files->vpp = std::max(ChunksOf(root), 1);
       }
+      RESHARD_RETURN_IF_ERROR(CheckChunks(root, path, files->vpp));
       files->optimizer = files->optimizer || Find(root, "optimizer") != nullptr;
       files->paths.push_back(path);
       files->roots.push_back(std::move(root));
@@ -136,65 +168,75 @@ void Flatten(const Value& model, const std::string& prefix, std::vector<std::pai
   }
 }
 
-// Every key of every stage, each TP rank's piece beside the others; TP
-// ranks must hold the same keys, their pieces of one shape and dtype.
-Status CollectKeys(RankFiles* files) {
-  for (int p = 0; p < files->pp; ++p) {
-    std::map<std::string, size_t> index;  // key -> files->keys
-    int layers = 0;
-    for (int t = 0; t < files->tp; ++t) {
-      std::vector<std::pair<std::string, const Value*>> flat;
-      Flatten(*Find(files->Root(t, p), "model"), "", &flat);
-      size_t held = 0;
-      for (const auto& [key, v] : flat) {
-        if (std::optional<std::pair<std::string, int>> layer = SplitLayerKey(key)) {
-          layers = std::max(layers, layer->second + 1);
-        }
-        if (key.size() > sizeof(kExtraState) - 1 &&
-            key.compare(key.size() - (sizeof(kExtraState) - 1), std::string::npos, kExtraState) == 0) {
-          if (t == 0) files->extra_states++;
-          continue;
-        }
-        if (!v->is(Value::Kind::kTensor)) {
-          return Status::InvalidInput(files->Path(t, p) + "'s model." + key + " is " + v->DebugString(40) +
-                                      ", not a tensor; it is not a Megatron-LM checkpoint file");
-        }
-        const Tensor& tensor = v->as_tensor();
-        if (!tensor.IsContiguous()) {
-          return Status::Unsupported(files->Path(t, p) + "'s model." + key + " is not contiguous in its storage; "
-                                     "save it with .contiguous() tensors");
-        }
-        auto it = index.find(key);
-        if (t == 0) {
-          index.emplace(key, files->keys.size());
-          files->keys.push_back({p, key, {&tensor}});
-          continue;
-        }
-        if (it == index.end()) {
-          return Status::InvalidInput(files->Name(t, p) + " holds " + key + ", which " + files->Name(0, p) +
-                                      " lacks; the TP ranks of a stage hold the same keys");
-        }
-        const Tensor& first = *files->keys[it->second].ranks[0];
-        if (tensor.sizes != first.sizes || tensor.storage->dtype != first.storage->dtype) {
-          return Status::InvalidInput(files->Name(t, p) + "'s " + key + " is " + ShapeString(tensor.sizes) + " " +
-                                      DTypeName(tensor.storage->dtype) + " where " + files->Name(0, p) + "'s is " +
-                                      ShapeString(first.sizes) + " " + DTypeName(first.storage->dtype) +
-                                      "; every TP rank holds an equal piece of it: the file is damaged or "
-                                      "of another checkpoint");
-        }
-        files->keys[it->second].ranks.push_back(&tensor);
-        ++held;
+// The keys of model chunk `c` of stage `p`, each TP rank's piece beside the
+// others; TP ranks must hold the same keys, their pieces of one shape and
+// dtype.
+Status CollectChunkKeys(int p, int c, RankFiles* files) {
+  const std::string chunk = ModelChunkKey(c, files->vpp);
+  const std::string shown = files->vpp == 1 ? "" : chunk + ".";  // how messages name a key
+  std::map<std::string, size_t> index;  // key -> files->keys
+  int layers = 0;
+  for (int t = 0; t < files->tp; ++t) {
+    std::vector<std::pair<std::string, const Value*>> flat;
+    Flatten(*Find(files->Root(t, p), chunk), "", &flat);
+    size_t held = 0;
+    for (const auto& [key, v] : flat) {
+      if (std::optional<std::pair<std::string, int>> layer = SplitLayerKey(key)) {
+        layers = std::max(layers, layer->second + 1);
       }
-      if (t > 0 && held != index.size()) {
-        for (const auto& [key, at] : index) {
-          if (files->keys[at].ranks.size() <= static_cast<size_t>(t)) {
-            return Status::InvalidInput(files->Name(t, p) + " lacks " + key + ", which " + files->Name(0, p) +
-                                        " holds; the TP ranks of a stage hold the same keys");
-          }
+      if (key.size() > sizeof(kExtraState) - 1 &&
+          key.compare(key.size() - (sizeof(kExtraState) - 1), std::string::npos, kExtraState) == 0) {
+        if (t == 0) files->extra_states++;
+        continue;
+      }
+      if (!v->is(Value::Kind::kTensor)) {
+        return Status::InvalidInput(files->Path(t, p) + "'s " + chunk + "." + key + " is " + v->DebugString(40) +
+                                    ", not a tensor; it is not a Megatron-LM checkpoint file");
+      }
+      const Tensor& tensor = v->as_tensor();
+      if (!tensor.IsContiguous()) {
+        return Status::Unsupported(files->Path(t, p) + "'s " + chunk + "." + key + " is not contiguous in its storage; "
+                                   "save it with .contiguous() tensors");
+      }
+      auto it = index.find(key);
+      if (t == 0) {
+        index.emplace(key, files->keys.size());
+        files->keys.push_back({p, c, key, {&tensor}});
+        continue;
+      }
+      if (it == index.end()) {
+        return Status::InvalidInput(files->Name(t, p) + " holds " + shown + key + ", which " + files->Name(0, p) +
+                                    " lacks; the TP ranks of a stage hold the same keys");
+      }
+      const Tensor& first = *files->keys[it->second].ranks[0];
+      if (tensor.sizes != first.sizes || tensor.storage->dtype != first.storage->dtype) {
+        return Status::InvalidInput(files->Name(t, p) + "'s " + shown + key + " is " + ShapeString(tensor.sizes) + " " +
+                                    DTypeName(tensor.storage->dtype) + " where " + files->Name(0, p) + "'s is " +
+                                    ShapeString(first.sizes) + " " + DTypeName(first.storage->dtype) +
+                                    "; every TP rank holds an equal piece of it: the file is damaged or "
+                                    "of another checkpoint");
+      }
+      files->keys[it->second].ranks.push_back(&tensor);
+      ++held;
+    }
+    if (t > 0 && held != index.size()) {
+      for (const auto& [key, at] : index) {
+        if (files->keys[at].ranks.size() <= static_cast<size_t>(t)) {
+          return Status::InvalidInput(files->Name(t, p) + " lacks " + shown + key + ", which " + files->Name(0, p) +
+                                      " holds; the TP ranks of a stage hold the same keys");
         }
       }
     }
-    files->stage_layers.push_back(layers);
+  }
+  files->chunk_layers[p].push_back(layers);
+  return Status::Ok();
+}
+
+// Every key of every stage's every model chunk.
+Status CollectKeys(RankFiles* files) {
+  for (int p = 0; p < files->pp; ++p) {
+    files->chunk_layers.emplace_back();
+    for (int c = 0; c < files->vpp; ++c) RESHARD_RETURN_IF_ERROR(CollectChunkKeys(p, c, files));
   }
   return Status::Ok();
 }
@@ -221,8 +263,8 @@ class FamilyReader {
   Result<MegatronTorchImport> Read() {
     RESHARD_RETURN_IF_ERROR(family_.Start());
     RESHARD_RETURN_IF_ERROR(CheckTying());
-    stages_ = PipelineStages(f_.stage_layers);
-    blocks_ = stages_.First(f_.pp - 1) + stages_.Layers(f_.pp - 1);
+    stages_ = PipelineStages(f_.chunk_layers);
+    blocks_ = stages_.Total();
     RESHARD_RETURN_IF_ERROR(CheckStages());
     RESHARD_RETURN_IF_ERROR(MapKeys());
     RESHARD_RETURN_IF_ERROR(family_.RecordBlocks(blocks_, f_.folder));
@@ -254,27 +296,48 @@ class FamilyReader {
 
   bool TiesEmbedding() const { return reshard::TiesEmbedding(family_.rules()); }
 
-  // Each stage's layers as the rank files hold them, which the args' stage
-  // sizes must give where the args record any; recorded in the args where
-  // they record none, so that a conversion at this PP keeps them.
+  // Each chunk's layers as the rank files hold them — the chunks numbered
+  // in Megatron's interleaved order (PipelineStages) — which the args' stage
+  // sizes and virtual pipeline size must give where the args record them;
+  // recorded in the args where they record none, so that a conversion at
+  // this PP keeps them.
   Status CheckStages() {
     const std::string shown = f_.folder + "'s rank files hold " + stages_.Describe();
-    Result<PipelineSplit> split = SplitOfCounts(f_.stage_layers);
-    if (!split.ok()) return Status::InvalidInput(shown + ": " + split.status().message());
     const Value& args = *Find(*family_.metadata(), "args");
     const bool recorded = std::any_of(std::begin(kPipelineSplitArgs), std::end(kPipelineSplitArgs),
                                       [&args](const char* field) { return Find(args, field) != nullptr; });
+    PipelineSplit said = SplitOfArgs(args);
     if (!recorded) {
-      if (split->first) SetPath(family_.metadata(), std::string("args.") + kPipelineSplitArgs[0], Value::Int(*split->first));
-      if (split->last) SetPath(family_.metadata(), std::string("args.") + kPipelineSplitArgs[1], Value::Int(*split->last));
+      Result<PipelineSplit> split = SplitOfCounts(stages_.counts());
+      if (!split.ok()) return Status::InvalidInput(shown + ": " + split.status().message());
+      said = *split;
+    }
+    const int vpp = VppOfArgs(args);
+    if (vpp != f_.vpp && Find(args, kVppArg) != nullptr) {
+      return Status::InvalidInput(shown + ", and its args' " + kVppArg + " is " + std::to_string(vpp) +
+                                  ": the files are of another run; restore them from the saved checkpoint");
+    }
+    Result<PipelineStages> want = ChunkedStages(static_cast<int>(blocks_), f_.pp, f_.vpp, said, kSetSplitFlags);
+    if (want.ok() && CountsOf(*want) == f_.chunk_layers) {
+      if (!recorded) {
+        if (said.first) SetPath(family_.metadata(), std::string("args.") + kPipelineSplitArgs[0], Value::Int(*said.first));
+        if (said.last) SetPath(family_.metadata(), std::string("args.") + kPipelineSplitArgs[1], Value::Int(*said.last));
+      }
+      if (f_.vpp > 1) SetPath(family_.metadata(), std::string("args.") + kVppArg, Value::Int(f_.vpp));
       return Status::Ok();
     }
-    const PipelineSplit said = SplitOfArgs(args);
-    Result<std::vector<int>> counts = StageLayerCounts(static_cast<int>(blocks_), f_.pp, said, kSetSplitFlags);
-    if (counts.ok() && *counts == f_.stage_layers) return Status::Ok();
+    if (!recorded) return Status::InvalidInput(shown + ", which no Megatron-Core run lays out: " + want.status().message());
     return Status::InvalidInput(shown + ", and its args' pipeline stage sizes (" + said.Describe() + ") " +
-                                (counts.ok() ? "give " + PipelineStages(*counts).Describe() : "do not add up") +
+                                (want.ok() ? "give " + want->Describe() : "do not add up") +
                                 ": the files are of another run; restore them from the saved checkpoint");
+  }
+
+  static std::vector<std::vector<int>> CountsOf(const PipelineStages& stages) {
+    std::vector<std::vector<int>> counts(stages.pp());
+    for (int p = 0; p < stages.pp(); ++p) {
+      for (int c = 0; c < stages.vpp(); ++c) counts[p].push_back(stages.ChunkLayers(p, c));
+    }
+    return counts;
   }
 
   // Each stored key as the canonical tensor its torch_dist entry names.
@@ -284,24 +347,31 @@ class FamilyReader {
       int64_t block = -1;
       if (std::optional<std::pair<std::string, int>> layer = SplitLayerKey(stored.key)) {
         key = layer->first;
-        block = stages_.First(stored.stage) + layer->second;
+        block = stages_.ChunkFirst(stored.stage, stored.chunk) + layer->second;
       }
       const TorchDistTensor* entry = family_.EntryOf(key);
-      if (entry == nullptr && key == layout_.tied_head && stored.stage == f_.pp - 1) {
+      if (entry == nullptr && key == layout_.tied_head && IsLastChunk(stored)) {
         tied_copies_ += static_cast<int64_t>(stored.ranks.size());  // the last stage's replica of the tied embedding
         continue;
       }
       if (entry == nullptr || (entry->name.find("{block}") != std::string::npos) != (block >= 0)) {
-        return family_.Refuse(f_.Name(0, stored.stage) + "/" + kRankFile + "'s " + stored.key +
+        return family_.Refuse(f_.Name(0, stored.stage) + "/" + kRankFile + "'s " + Shown(stored) +
                               " is not a tensor of the model as its torch_dist section maps it");
       }
       NoteSpec(*entry, key);
       const std::string name = WithBlock(entry->name, block);
       if (!mapped_.emplace(name, Mapped{entry, &stored}).second) {
-        return family_.Refuse(stored.key + " and another key are both " + name);
+        return family_.Refuse(Shown(stored) + " and another key are both " + name);
       }
     }
     return Status::Ok();
+  }
+
+  bool IsLastChunk(const StoredKey& k) const { return k.stage == f_.pp - 1 && k.chunk == f_.vpp - 1; }
+
+  // A stored key as messages name it: "model1.decoder.layers.0...." with a virtual pipeline.
+  std::string Shown(const StoredKey& k) const {
+    return f_.vpp == 1 ? k.key : ModelChunkKey(k.chunk, f_.vpp) + "." + k.key;
   }
 
   void NoteSpec(const TorchDistTensor& entry, const std::string& key) {
@@ -341,7 +411,7 @@ class FamilyReader {
       const size_t axis = vocab ? 0 : static_cast<size_t>(rule->dim);
       const int parts = vocab ? 1 : rule->parts;
       if (axis >= full.size() || full[axis] % parts != 0) {
-        return Status::InvalidInput(f_.Name(0, s.stage) + "'s " + s.key + " is " + ShapeString(full) + ", which "
+        return Status::InvalidInput(f_.Name(0, s.stage) + "'s " + Shown(s) + " is " + ShapeString(full) + ", which "
                                     "rule set " + family_.rules().name() + "'s " + rule->Describe() + " (line " +
                                     std::to_string(rule->line) + ") cannot cut");
       }
@@ -423,30 +493,32 @@ class FamilyReader {
     return opt;
   }
 
-  // The stage's stored keys in registration order, each with whether it is a
-  // tied embedding's pipeline copy (a bucket of its own); every stored key
-  // must have a place.
+  // The stage's stored keys in registration order, model chunk by model
+  // chunk, each with whether it is a tied embedding's pipeline copy (a
+  // bucket of its own); every stored key must have a place.
   Result<std::vector<std::pair<const StoredKey*, bool>>> StageParams(int stage) const {
-    std::map<std::string, const StoredKey*> stored;
+    std::map<std::pair<int, std::string>, const StoredKey*> stored;  // (chunk, key)
     for (const StoredKey& k : f_.keys) {
-      if (k.stage == stage) stored[k.key] = &k;
+      if (k.stage == stage) stored[{k.chunk, k.key}] = &k;
     }
-    RESHARD_ASSIGN_OR_RETURN(std::vector<std::string> order,
-                             StageKeysInRegistrationOrder(layout_, stage, stages_));
     const bool tied = f_.pp > 1 && tied_copies_ > 0;
     std::vector<std::pair<const StoredKey*, bool>> params;
-    for (const std::string& key : order) {
-      auto it = stored.find(key);
-      if (it == stored.end()) continue;
-      const bool copy = tied && ((stage == f_.pp - 1 && key == layout_.tied_head) ||
-                                 (stage == 0 && it->second == tied_embedding_));
-      params.emplace_back(it->second, copy);
-      stored.erase(it);
+    for (int chunk = 0; chunk < f_.vpp; ++chunk) {
+      RESHARD_ASSIGN_OR_RETURN(std::vector<std::string> order,
+                               ChunkKeysInRegistrationOrder(layout_, stage, chunk, stages_));
+      for (const std::string& key : order) {
+        auto it = stored.find({chunk, key});
+        if (it == stored.end()) continue;
+        const bool copy = tied && ((IsLastChunk(*it->second) && key == layout_.tied_head) ||
+                                   it->second == tied_embedding_);
+        params.emplace_back(it->second, copy);
+        stored.erase(it);
+      }
     }
     if (!stored.empty()) {
-      return Status::Unsupported(f_.Name(0, stage) + "'s " + stored.begin()->first + " is not in the rule set's "
-                                 "torch_dist.optimizer_order, the registration order distrib_optim.pt's buffers "
-                                 "follow; add it (docs/rules.md)" + std::string(kWeightsOnlyFix));
+      return Status::Unsupported(f_.Name(0, stage) + "'s " + Shown(*stored.begin()->second) + " is not in the rule "
+                                 "set's torch_dist.optimizer_order, the registration order distrib_optim.pt's "
+                                 "buffers follow; add it (docs/rules.md)" + std::string(kWeightsOnlyFix));
     }
     return params;
   }
@@ -464,7 +536,7 @@ class FamilyReader {
     RESHARD_ASSIGN_OR_RETURN(auto params, StageParams(p));
     std::vector<GatheredParam> list;
     for (const auto& [k, copy] : params) {
-      list.push_back({k->key, k->ranks[t]->storage->dtype, k->ranks[t]->numel(), copy});
+      list.push_back({k->key, k->ranks[t]->storage->dtype, k->ranks[t]->numel(), copy, k->chunk});
     }
     RESHARD_ASSIGN_OR_RETURN(std::vector<GradBuffer> buffers, MegatronGradBuffers(list, BucketOptions{}));
     for (size_t b = 0; b < std::max(buffers.size(), stored.size()); ++b) {
@@ -556,7 +628,7 @@ class FamilyReader {
     out.files = f_.paths;
     const int64_t iteration = out.logical.iteration;
     out.what = "Megatron-LM torch checkpoint (" + KeysName() + "): TP " + std::to_string(f_.tp) + ", PP " +
-               std::to_string(f_.pp) + (iteration > 0 ? "; iteration " + std::to_string(iteration) : std::string()) +
+               std::to_string(f_.pp) + VppText() + (iteration > 0 ? "; iteration " + std::to_string(iteration) : std::string()) +
                " (" + Count(static_cast<int64_t>(f_.paths.size()), "rank file") + ")";
     out.notes = std::move(notes);
     out.facts = Facts(out);
@@ -566,6 +638,13 @@ class FamilyReader {
     out.optimizer = std::move(optimizer_);
     out.optimizer_status = optimizer_status_;
     return out;
+  }
+
+  // ", VPP 2 (model0, model1)" for a virtual pipeline's files, else "".
+  std::string VppText() const {
+    if (f_.vpp == 1) return "";
+    return ", VPP " + std::to_string(f_.vpp) + " (" + ModelChunkKey(0, f_.vpp) + " .. " +
+           ModelChunkKey(f_.vpp - 1, f_.vpp) + ")";
   }
 
   // The data-parallel size the args record (0: none).
@@ -580,7 +659,7 @@ class FamilyReader {
     RecordedFacts facts;
     facts.emplace_back("keys", KeysName());
     const int64_t dp = DpOfArgs();
-    facts.emplace_back("saved at", "TP " + std::to_string(f_.tp) + ", PP " + std::to_string(f_.pp) + ", DP " +
+    facts.emplace_back("saved at", "TP " + std::to_string(f_.tp) + ", PP " + std::to_string(f_.pp) + VppText() + ", DP " +
                                        (dp > 0 ? std::to_string(dp) : "not recorded"));
     facts.emplace_back("iteration", std::to_string(out.logical.iteration));
     std::string optimizer = "none read";

@@ -8,8 +8,10 @@
 // layer spec) or the legacy GPTModel's nested ones. Each canonical tensor is
 // joined from its TP ranks' pieces, each placed where the rule set's TP cut
 // of the tensor puts that rank's piece (logical/tp_placement.h, as the export
-// cuts it), and from each stage's layers, numbered from 0 in every stage: runs
-// of the files' bytes, nothing copied. Megatron-Core's keys are named by the
+// cuts it), and from each stage's layers, numbered from 0 in every stage (in
+// every model chunk of a virtual pipeline's `model0`, `model1`, ..., which
+// take the layers in Megatron's interleaved order, megatron_layout.h's
+// PipelineStages): runs of the files' bytes, nothing copied. Megatron-Core's keys are named by the
 // rule set's `torch_dist` section, the legacy ones by its layer rules.
 //
 // Metadata: the args and iteration of the files, the sizes the section's

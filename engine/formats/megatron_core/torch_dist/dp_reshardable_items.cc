@@ -56,23 +56,29 @@ Result<std::vector<std::vector<DcpWriteItem>>> DpReshardableItems(int group, con
                                                                   const BucketOptions& buckets,
                                                                   const Value& param_groups) {
   const int dp = buckets.dp;
-  // DDP's grad buffers: one per param dtype, in the order each first appears.
-  std::vector<DType> dtypes;
+  // DDP's grad buffers: one per model chunk and param dtype, chunk by chunk,
+  // in the order each dtype first appears in its chunk.
+  std::vector<std::pair<int, DType>> owners;  // (chunk, dtype) of each buffer
   std::vector<std::vector<const DpParam*>> buffers;
   for (const DpParam& p : params) {
-    const size_t b = std::find(dtypes.begin(), dtypes.end(), p.dtype) - dtypes.begin();
-    if (b == dtypes.size()) {
-      dtypes.push_back(p.dtype);
+    const std::pair<int, DType> owner{p.chunk, p.dtype};
+    const size_t b = std::find(owners.begin(), owners.end(), owner) - owners.begin();
+    if (b == owners.size()) {
+      owners.push_back(owner);
       buffers.emplace_back();
     }
     buffers[b].push_back(&p);
   }
+  std::vector<DType> dtypes;
+  for (const auto& owner : owners) dtypes.push_back(owner.second);
   std::vector<std::vector<DcpWriteItem>> items(dp);
   std::vector<Value> numels, unpadded;
   for (size_t b = 0; b < buffers.size(); ++b) {
     std::vector<BucketParam> list;
     for (const DpParam* p : buffers[b]) list.push_back({p->key, p->numel, p->shared_embedding});
-    RESHARD_ASSIGN_OR_RETURN(BucketLayout layout, MegatronBucketLayout(list, buckets));
+    BucketOptions options = buckets;
+    if (owners[b].first > 0) options.bucket_size.reset();
+    RESHARD_ASSIGN_OR_RETURN(BucketLayout layout, MegatronBucketLayout(list, options));
     std::vector<Value> numel, numel_unpadded;
     for (size_t k = 0; k < layout.buckets.size(); ++k) {
       const Bucket& bucket = layout.buckets[k];

@@ -1,8 +1,8 @@
 // Megatron-Core 0.19's `dp_reshardable` optimizer layout (its training
 // default) as DCP items of a torch_dist export.
 //
-// Each model-parallel rank's parameters fill one grad buffer per param
-// dtype, cut into buckets (formats/megatron_core/common/megatron_buckets.h has the layout and the
+// Each model-parallel rank's parameters fill one grad buffer per model chunk
+// and param dtype, cut into buckets (formats/megatron_core/common/megatron_buckets.h has the layout and the
 // facts). Each bucket of each Adam state is a flat fp32 tensor
 //
 //   optimizer.distributed.dp_group_idx_{g}.gbuf_idx_{j}.dtype_(<param dtype>,
@@ -35,6 +35,7 @@ struct DpParam {
   // A tied word embedding's copy on the first or last pipeline stage (PP > 1):
   // a bucket of its own (formats/megatron_core/common/megatron_buckets.h).
   bool shared_embedding = false;
+  int chunk = 0;  // the model chunk (virtual pipeline stage) holding it
   // The piece's fp32 master, exp_avg and exp_avg_sq (kTorchDistStates),
   // fp32, flattened as the rank holds the piece.
   std::array<ByteProducer, 3> states;
@@ -42,8 +43,10 @@ struct DpParam {
 };
 
 // The items of model-parallel rank `group` (MegatronDpGroupIdx) whose
-// parameters, in registration order, are `params`, over `buckets.dp` DP
-// ranks, each grad buffer cut into buckets of `buckets.bucket_size`:
+// parameters, in registration order, are `params` (model chunk by model
+// chunk: each chunk's grad buffers follow the previous chunk's), over
+// `buckets.dp` DP ranks, each grad buffer of chunk 0 cut into buckets of
+// `buckets.bucket_size` (Megatron-LM builds the later chunks unbucketed):
 // element d goes into DP rank d's file. `param_groups` is the list of
 // Megatron-Core param groups the rank's `optimizer` item holds.
 Result<std::vector<std::vector<DcpWriteItem>>> DpReshardableItems(int group, const std::vector<DpParam>& params,

@@ -122,7 +122,7 @@ struct Target {
   std::optional<DType> dtype;
   std::string version;                 // kVersion014 or kVersion019
   std::string layout;                  // of the optimizer state
-  std::optional<int64_t> bucket_size;  // dp_reshardable's, on the first stage
+  std::optional<int64_t> bucket_size;  // dp_reshardable's, on the first stage's first model chunk
 };
 
 // The items of every rank's `.distcp` file.
@@ -268,29 +268,29 @@ Result<std::map<std::pair<std::string, int64_t>, const RankTensor*>> StageTensor
   return by_key;
 }
 
-// The stage's parameters of TP rank `t` in registration order, each with
-// its pieces of the states (`states`: the source's fp32 masters, exp_avg
-// and exp_avg_sq cut like `weights`).
+// The stage's parameters of TP rank `t` in registration order, model chunk
+// by model chunk, each with its pieces of the states (`states`: the
+// source's fp32 masters, exp_avg and exp_avg_sq cut like `weights`).
 Result<std::vector<DpParam>> StageParams(const RuleSet& rules, const TpWeights& weights,
                                          const AdamStates& states, int t, int p, const Target& target) {
   RESHARD_ASSIGN_OR_RETURN(auto by_key, StageTensors(rules, weights, t, p, target));
   const TorchDistLayout& layout = *rules.torch_dist();
   std::vector<DpParam> params;
-  for (const RegisteredParam& reg : StageRegistrationOrder(
-           layout.optimizer_order, [&layout](const std::string& key) { return layout.IsStackedKey(key); },
-           target.pipeline.stages.First(p), target.pipeline.stages.Layers(p), p == 0, p == target.pp - 1,
-           layout.tied_head)) {
-    auto it = by_key.find({reg.key, reg.layer});
-    if (it == by_key.end()) continue;
-    const RankTensor& r = *it->second;
-    DpParam param{reg.key, WrittenDType(r, target.dtype), ShapeNumel(r.shape), IsTiedVocab(r) && target.pp > 1, {}, {}};
-    for (size_t s = 0; s < states.size(); ++s) {
-      RESHARD_ASSIGN_OR_RETURN(Fp32Piece piece, Fp32StateOf(states, t, r.name, s));
-      param.states[s] = std::move(piece.bytes);
-      param.from[s] = std::move(piece.from);
+  for (int c = 0; c < target.pipeline.vpp(); ++c) {
+    for (const RegisteredParam& reg : ChunkRegistrationOrder(layout, target.pipeline.stages, p, c, layout.tied_head)) {
+      auto it = by_key.find({reg.key, reg.layer});
+      if (it == by_key.end()) continue;
+      const RankTensor& r = *it->second;
+      DpParam param{reg.key, WrittenDType(r, target.dtype), ShapeNumel(r.shape), IsTiedVocab(r) && target.pp > 1, c,
+                    {}, {}};
+      for (size_t s = 0; s < states.size(); ++s) {
+        RESHARD_ASSIGN_OR_RETURN(Fp32Piece piece, Fp32StateOf(states, t, r.name, s));
+        param.states[s] = std::move(piece.bytes);
+        param.from[s] = std::move(piece.from);
+      }
+      params.push_back(std::move(param));
+      by_key.erase(it);
     }
-    params.push_back(std::move(param));
-    by_key.erase(it);
   }
   if (!by_key.empty()) {
     return Status::Unsupported("export --to torch_dist: " + by_key.begin()->first.first + " is not in rule set " +
@@ -438,7 +438,8 @@ Value CommonState(const SourceCheckpoint& src, const Target& target, const TpWei
     const std::optional<bool> tied =
         src.info().rules ? std::optional<bool>(TiesEmbedding(*src.info().rules)) : std::nullopt;
     MegatronLayout layout{target.cut.tp, target.pp, target.dp, weights.padded_vocab, tied,
-                          KvGroups(src.info().metadata, src.info().settings), target.pipeline.split, {}, {}};
+                          KvGroups(src.info().metadata, src.info().settings), target.pipeline.split,
+                          target.pipeline.vpp(), {}, {}};
     ReadBiases(weights.ranks[0], &layout);
     Value written = MegatronArgs(*args, layout, notes);
     // The true vocabulary size, as Megatron-LM's --vocab-size records it: what

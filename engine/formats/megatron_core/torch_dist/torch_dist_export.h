@@ -1,7 +1,9 @@
 // `export --to torch_dist`: Megatron-Core's `torch_dist` checkpoint (a
 // PyTorch Distributed Checkpoint, container/dcp_writer.h) at a chosen TP
 // and PP, from a source whose rule set has a `torch_dist` section
-// (rules/rule_set.h, TorchDistLayout), as Megatron-LM lays it out:
+// (rules/rule_set.h, TorchDistLayout), as Megatron-LM lays it out (a virtual
+// pipeline, --vpp, is in the args and the dp_reshardable buckets only: the
+// keys are global):
 //
 //   OUT/latest_checkpointed_iteration.txt       the iteration
 //   OUT/iter_{N:07d}/metadata.json              {"sharded_backend": "torch_dist", ...}

@@ -9,6 +9,7 @@
 
 #include "container/dcp_metadata.h"
 #include "container/torch_file.h"
+#include "formats/megatron_core/common/megatron_layout.h"
 #include "formats/megatron_core/common/optimizer_layouts.h"
 #include "formats/megatron_core/common/torch_dist_family.h"
 #include "formats/megatron_core/torch_dist/saved_layout.h"
@@ -240,6 +241,8 @@ class FamilyReader {
       text += (text.empty() ? "" : ", ") + std::string(name) + " " +
               (*size > 0 ? std::to_string(*size) + " (" + from + ")" : "not recorded");
     }
+    // The virtual pipeline leaves the keys global: only the args know it.
+    if (const int vpp = args != nullptr ? VppOfArgs(*args) : 1; vpp > 1) text += ", VPP " + std::to_string(vpp) + " (args)";
     if (world > 0) text += "; " + Count(world, "rank") + " wrote it";
     return text;
   }

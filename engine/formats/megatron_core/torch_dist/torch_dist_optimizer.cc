@@ -170,6 +170,7 @@ struct RankParam {
   // fully_reshardable leaves it out (Megatron keeps replicas equal).
   bool replica = false;
   bool shared_embedding = false;  // a tied embedding's copy at PP > 1: a bucket of its own
+  int chunk = 0;                  // the model chunk (virtual pipeline stage) registering it
 };
 
 // TP rank `rank`'s boxes of `t` (layer `layer` of it when >= 0): the
@@ -307,14 +308,17 @@ class FlatBufferReader {
                                  ", which TP " + std::to_string(tp_) + " (from its chunks) does not divide into "
                                  "pipeline stages" + kWeightsOnlyFix);
     }
-    // Each stage's layers, as the run split them (its args, or --set).
+    // Each stage's layers and model chunks, as the run split them (its
+    // args, or --set): each chunk's buffers follow the previous chunk's.
     const PipelineSplit split = SplitOfArgs([this](const std::string& field) { return args_("args." + field); });
-    Result<std::vector<int>> counts = StageLayerCounts(layers, pp_, split, kSetSplitFlags);
-    if (!counts.ok()) {
+    const int vpp = static_cast<int>(std::max<int64_t>(args_(std::string("args.") + kVppArg).value_or(1), 1));
+    Result<PipelineStages> stages = ChunkedStages(layers, pp_, vpp, split, kSetSplitFlags);
+    if (!stages.ok()) {
       return Status::Unsupported(c_.folder + "'s optimizer state is laid out for " + Count(pp_, "pipeline stage") +
-                                 ": " + counts.status().message() + kWeightsOnlyFix);
+                                 (vpp > 1 ? " of " + Count(vpp, "model chunk") : std::string()) + ": " +
+                                 stages.status().message() + kWeightsOnlyFix);
     }
-    stages_ = PipelineStages(std::move(*counts));
+    stages_ = std::move(*stages);
     return Status::Ok();
   }
 
@@ -329,22 +333,24 @@ class FlatBufferReader {
     return nullptr;
   }
 
-  // The rank's parameters in registration order (StageRegistrationOrder),
-  // those the checkpoint holds, and a tied embedding's last-stage copy.
+  // The rank's parameters in registration order, model chunk by model
+  // chunk (ChunkRegistrationOrder), those the checkpoint holds, and a tied
+  // embedding's last-stage copy.
   Result<std::vector<RankParam>> RankParams(int tp_rank, int pp_rank) const {
     const DcpTensor* tied = TiedEmbedding();
     std::vector<RankParam> params;
-    for (const RegisteredParam& r : StageRegistrationOrder(
-             layout_.optimizer_order, [this](const std::string& key) { return layout_.IsStackedKey(key); },
-             stages_.First(pp_rank), stages_.Layers(pp_rank), pp_rank == 0, pp_rank == pp_ - 1,
-             tied != nullptr ? layout_.tied_head : "")) {
-      const bool tied_head = tied != nullptr && r.key == layout_.tied_head;
-      const DcpTensor* t = tied_head ? tied : c_.FindTensor(r.key);
-      if (t == nullptr) continue;
-      RESHARD_ASSIGN_OR_RETURN(RankParam p, PieceOf(*t, r.layer, tp_, tp_rank));
-      p.shared_embedding = t == tied;
-      p.replica |= tied_head;
-      params.push_back(std::move(p));
+    for (int c = 0; c < stages_.vpp(); ++c) {
+      for (const RegisteredParam& r :
+           ChunkRegistrationOrder(layout_, stages_, pp_rank, c, tied != nullptr ? layout_.tied_head : "")) {
+        const bool tied_head = tied != nullptr && r.key == layout_.tied_head;
+        const DcpTensor* t = tied_head ? tied : c_.FindTensor(r.key);
+        if (t == nullptr) continue;
+        RESHARD_ASSIGN_OR_RETURN(RankParam p, PieceOf(*t, r.layer, tp_, tp_rank));
+        p.shared_embedding = t == tied;
+        p.replica |= tied_head;
+        p.chunk = c;
+        params.push_back(std::move(p));
+      }
     }
     return params;
   }
@@ -353,7 +359,9 @@ class FlatBufferReader {
     const int group = MegatronDpGroupIdx(tp_rank, pp_rank, tp_);
     RESHARD_ASSIGN_OR_RETURN(std::vector<RankParam> params, RankParams(tp_rank, pp_rank));
     std::vector<GatheredParam> list;
-    for (const RankParam& p : params) list.push_back({p.key->fqn, p.key->dtype, p.numel, p.shared_embedding});
+    for (const RankParam& p : params) {
+      list.push_back({p.key->fqn, p.key->dtype, p.numel, p.shared_embedding, p.chunk});
+    }
     BucketOptions options;
     options.dp = dp_;
     RESHARD_ASSIGN_OR_RETURN(std::vector<GradBuffer> buffers, MegatronGradBuffers(list, options));
@@ -510,7 +518,7 @@ class FlatBufferReader {
   const bool gathered_;
   TorchDistOptimizer& out_;
   int tp_ = 1, pp_ = 1, dp_ = 1;
-  PipelineStages stages_;  // each stage's layers
+  PipelineStages stages_;  // each stage's layers and model chunks
   int flats_read_ = 0;
 };
 

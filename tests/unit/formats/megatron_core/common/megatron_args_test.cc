@@ -47,6 +47,24 @@ TEST(MegatronArgsTest, TheLayoutIsRewrittenInPlaceOrAdded) {
   EXPECT_EQ(out.as_object().cls.Qualified(), "argparse.Namespace");
 }
 
+// The virtual pipeline's size is written where the target has one, and a
+// source's own cleared where the target has none; the layers-per-chunk
+// flag, which Megatron-LM does not take beside it, is cleared.
+TEST(MegatronArgsTest, TheVirtualPipelineIsWrittenOrCleared) {
+  std::vector<std::string> notes;
+  MegatronLayout layout = kLayout;
+  layout.vpp = 2;
+  const Value chunked = MegatronArgs(MakeNamespace({{Value::String("num_layers_per_virtual_pipeline_stage"),
+                                                     Value::Int(3)}}), layout, &notes);
+  EXPECT_EQ(Find(chunked, "virtual_pipeline_model_parallel_size")->as_int(), 2);
+  EXPECT_EQ(Find(chunked, "num_virtual_stages_per_pipeline_rank")->as_int(), 2);
+  EXPECT_TRUE(Find(chunked, "num_layers_per_virtual_pipeline_stage")->is_none());
+  const Value plain = MegatronArgs(chunked, kLayout, &notes);
+  EXPECT_TRUE(Find(plain, "virtual_pipeline_model_parallel_size")->is_none());
+  EXPECT_TRUE(Find(plain, "num_virtual_stages_per_pipeline_rank")->is_none());
+  EXPECT_EQ(Find(MegatronArgs(MakeNamespace({}), kLayout, &notes), "virtual_pipeline_model_parallel_size"), nullptr);
+}
+
 // A run whose args do not say whether the head is tied gets the model's
 // answer written, so a reader does not take it for the other model; without
 // rules to say it the field is left as it was.

@@ -126,8 +126,10 @@ TEST(MegatronLayoutTest, StageCountsAreReadBackAsStageSizes) {
 TEST(MegatronLayoutTest, StagesPlaceGlobalLayers) {
   const PipelineStages stages({2, 1, 3});
   EXPECT_EQ(stages.pp(), 3);
-  EXPECT_EQ(stages.First(1), 2);
-  EXPECT_EQ(stages.First(2), 3);
+  EXPECT_EQ(stages.vpp(), 1);
+  EXPECT_EQ(stages.ChunkFirst(1, 0), 2);
+  EXPECT_EQ(stages.ChunkFirst(2, 0), 3);
+  EXPECT_EQ(stages.Total(), 6);
   EXPECT_EQ(stages.StageOf(0), 0);
   EXPECT_EQ(stages.StageOf(1), 0);
   EXPECT_EQ(stages.StageOf(2), 1);
@@ -179,17 +181,17 @@ TEST(MegatronLayoutTest, FinalNormAndOutputLayerAreOnTheLastStage) {
   Result<ModelPlace> head = PlaceOf("head", "lm_head.weight", -1, PipelineStages({2, 2, 2}));
   EXPECT_EQ(head->stage, 2);
   EXPECT_EQ(head->path, (Path{"language_model", "output_layer", "weight"}));
-  const ModelPlace tied = HeadEmbeddingPlace(3);
+  const ModelPlace tied = HeadEmbeddingPlace(PipelineStages({2, 2, 2}));
   EXPECT_EQ(tied.stage, 2);
   EXPECT_EQ(tied.path, (Path{"word_embeddings_for_head", "weight"}));
 }
 
 TEST(MegatronLayoutTest, WhatMegatronHasNoPlaceForIsRefused) {
-  Result<ModelPlace> other = PlaceOf("pooler", "dense.weight", -1, PipelineStages({1}));
+  Result<ModelPlace> other = PlaceOf("pooler", "dense.weight", -1, PipelineStages(std::vector<int>{1}));
   ASSERT_FALSE(other.ok());
   EXPECT_EQ(other.status().message(), "the rule set's 'pooler' layers have no place in Megatron-LM's GPT model "
                                       "(embedding, blocks, final norm, output layer)");
-  Result<ModelPlace> bare = PlaceOf("embedding", "weight", -1, PipelineStages({1}));
+  Result<ModelPlace> bare = PlaceOf("embedding", "weight", -1, PipelineStages(std::vector<int>{1}));
   ASSERT_FALSE(bare.ok());
   EXPECT_EQ(bare.status().message(), "the embedding tensor 'weight' names no module of Megatron-LM's embedding "
                                      "(expected <module>.<parameter>)");
@@ -209,12 +211,99 @@ TEST(MegatronLayoutTest, MegatronCoreLayerKeysTakeTheStagesLayerIndex) {
                                         "layers; fix the rule file's key");
 }
 
-TEST(MegatronLayoutTest, MegatronCoreModulesOutsideTheLayersAreOnTheFirstOrLastStage) {
-  EXPECT_EQ(StageOfModule("embedding.word_embeddings.weight", 4), 0);
-  EXPECT_EQ(StageOfModule("embedding.position_embeddings.weight", 4), 0);
-  EXPECT_EQ(StageOfModule("decoder.final_layernorm.weight", 4), 3);
-  EXPECT_EQ(StageOfModule("output_layer", 4), 3);
-  EXPECT_EQ(StageOfModule("output_layer.weight", 1), 0);
+TEST(MegatronLayoutTest, MegatronCoreModulesOutsideTheLayersAreOnTheFirstOrLastChunk) {
+  const PipelineStages four({1, 1, 1, 1});
+  EXPECT_EQ(ChunkOfModule("embedding.word_embeddings.weight", four).stage, 0);
+  EXPECT_EQ(ChunkOfModule("embedding.position_embeddings.weight", four).stage, 0);
+  EXPECT_EQ(ChunkOfModule("decoder.final_layernorm.weight", four).stage, 3);
+  EXPECT_EQ(ChunkOfModule("output_layer", four).stage, 3);
+  EXPECT_EQ(ChunkOfModule("output_layer.weight", PipelineStages(std::vector<int>{2})).stage, 0);
+  // With a virtual pipeline: the embedding in stage 0's chunk 0, the head in
+  // the last stage's last chunk.
+  const PipelineStages chunked({{1, 1, 1}, {1, 1, 1}});
+  EXPECT_EQ(ChunkOfModule("embedding.word_embeddings.weight", chunked).chunk, 0);
+  const PipelineStages::Where head = ChunkOfModule("output_layer.weight", chunked);
+  EXPECT_EQ(head.stage, 1);
+  EXPECT_EQ(head.chunk, 2);
+  EXPECT_EQ(HeadEmbeddingPlace(chunked).chunk, 2);
+}
+
+// The global layers of each (stage, chunk) of Megatron-Core's interleaved
+// layout, as its get_transformer_layer_offset and get_num_layers_to_build
+// give them (megatron/core/transformer/transformer_block.py's own example:
+// 8 layers, 2 stages, 2 chunks: stage 0 [0, 1] [4, 5], stage 1 [2, 3] [6, 7]).
+std::vector<std::vector<std::pair<int, int>>> FirstAndCount(const PipelineStages& stages) {
+  std::vector<std::vector<std::pair<int, int>>> out(stages.pp());
+  for (int p = 0; p < stages.pp(); ++p) {
+    for (int c = 0; c < stages.vpp(); ++c) out[p].emplace_back(stages.ChunkFirst(p, c), stages.ChunkLayers(p, c));
+  }
+  return out;
+}
+
+using Chunks = std::vector<std::vector<std::pair<int, int>>>;
+
+TEST(MegatronLayoutTest, VirtualStagesTakeTheLayersInTurn) {
+  Result<PipelineStages> two = ChunkedStages(8, 2, 2, {}, kExportSplitFlags);
+  ASSERT_TRUE(two.ok()) << two.status().message();
+  EXPECT_EQ(FirstAndCount(*two), (Chunks{{{0, 2}, {4, 2}}, {{2, 2}, {6, 2}}}));
+  Result<PipelineStages> four = ChunkedStages(8, 2, 4, {}, kExportSplitFlags);
+  ASSERT_TRUE(four.ok());
+  EXPECT_EQ(FirstAndCount(*four), (Chunks{{{0, 1}, {2, 1}, {4, 1}, {6, 1}}, {{1, 1}, {3, 1}, {5, 1}, {7, 1}}}));
+  const PipelineStages::Where at = two->Locate(5);
+  EXPECT_EQ(at.stage, 0);
+  EXPECT_EQ(at.chunk, 1);
+  EXPECT_EQ(at.local, 1);
+  EXPECT_EQ(two->StageOf(6), 1);
+  EXPECT_EQ(two->Layers(1), 4);
+  EXPECT_EQ(two->Describe(), "4 blocks per stage in 2 virtual stages each");
+  EXPECT_EQ(ModelChunkKey(0, 1), "model");
+  EXPECT_EQ(ModelChunkKey(1, 2), "model1");
+}
+
+TEST(MegatronLayoutTest, VirtualStagesOfUnevenStagesAndCountedEmbedding) {
+  // First stage 4, the 2 others 2 each, 2 chunks: 2 + 1 + 1 layers per round.
+  PipelineSplit first;
+  first.first = 4;
+  Result<PipelineStages> uneven = ChunkedStages(8, 3, 2, first, kExportSplitFlags);
+  ASSERT_TRUE(uneven.ok()) << uneven.status().message();
+  EXPECT_EQ(FirstAndCount(*uneven), (Chunks{{{0, 2}, {4, 2}}, {{2, 1}, {6, 1}}, {{3, 1}, {7, 1}}}));
+  // 7 layers and the embedding counted: 8 over 2 stages of 2 chunks, stage
+  // 0's chunk 0 one layer short; the loss counted too: the last chunk short.
+  PipelineSplit embedding;
+  embedding.embedding = true;
+  Result<PipelineStages> counted = ChunkedStages(7, 2, 2, embedding, kExportSplitFlags);
+  ASSERT_TRUE(counted.ok()) << counted.status().message();
+  EXPECT_EQ(FirstAndCount(*counted), (Chunks{{{0, 1}, {3, 2}}, {{1, 2}, {5, 2}}}));
+  embedding.loss = true;
+  Result<PipelineStages> both = ChunkedStages(6, 2, 2, embedding, kExportSplitFlags);
+  ASSERT_TRUE(both.ok()) << both.status().message();
+  EXPECT_EQ(FirstAndCount(*both), (Chunks{{{0, 1}, {3, 2}}, {{1, 2}, {5, 1}}}));
+}
+
+TEST(MegatronLayoutTest, VirtualStagesMegatronCannotBuildAreRefused) {
+  Result<PipelineStages> odd = ChunkedStages(6, 2, 2, {}, kExportSplitFlags);
+  ASSERT_FALSE(odd.ok());
+  EXPECT_EQ(odd.status().message(), "pipeline stage 0's 3 layers do not divide into 2 virtual stages, which "
+                                    "Megatron-Core gives equal layers; give a --vpp that divides every stage's layers");
+  Result<PipelineStages> alone = ChunkedStages(4, 1, 2, {}, kExportSplitFlags);
+  ASSERT_FALSE(alone.ok());
+  EXPECT_EQ(alone.status().message(), "a virtual pipeline (--vpp 2) interleaves the model chunks of several pipeline "
+                                      "stages, and PP is 1; give --pp 2 or more, or --vpp 1");
+  PipelineSplit ends;
+  ends.first = 2;
+  ends.last = 2;
+  EXPECT_FALSE(ChunkedStages(4, 2, 2, ends, kExportSplitFlags).ok());
+  EXPECT_TRUE(ChunkedStages(6, 3, 2, ends, kExportSplitFlags).ok());
+  EXPECT_TRUE(ChunkedStages(6, 1, 1, {}, kExportSplitFlags).ok());
+}
+
+TEST(MegatronLayoutTest, VppIsReadFromTheArgs) {
+  Value args = Value::MakeDict();
+  EXPECT_EQ(VppOfArgs(args), 1);
+  Set(args, kVppArg, Value::None());
+  EXPECT_EQ(VppOfArgs(args), 1);
+  Set(args, kVppArg, Value::Int(4));
+  EXPECT_EQ(VppOfArgs(args), 4);
 }
 
 }  // namespace
