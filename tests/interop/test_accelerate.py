@@ -20,7 +20,8 @@ size (w2 -> 3, w3 -> 2), and Accelerate's own `load_fsdp_model` / `load_fsdp_opt
 output strictly into a fresh FSDP model at that world size: every parameter, exp_avg, exp_avg_sq and
 step equals the save's, and the next two steps reach the uninterrupted run's losses. Refused in one
 line: an FSDP2 save's optimizer state keyed by parameter index (Accelerate's fsdp_version 2), unless
---weights-only.
+--weights-only; the FULL_STATE_DICT form (pytorch_model_fsdp.bin). At the save's world size the
+Trainer's run state is copied byte for byte, the ranks' RNG states included.
 
 Run: PYTHONPATH=tests:tests/interop /usr/bin/python3 tests/interop/test_accelerate.py
      --reshard build/reshard
@@ -114,6 +115,12 @@ def rank(r, world, p, name):
         TrainerState(global_step=2, max_steps=4).save_to_json(f'{ckpt}/trainer_state.json')
         torch.save({'last_epoch': 2, '_last_lr': [1e-2]}, f'{ckpt}/scheduler.pt')
         torch.save({'model': msd, 'optim': osd, 'losses': losses}, f'/data/{name}_full.pt')
+        # The FULL_STATE_DICT form as save_fsdp_model writes it (torch.save of the whole state dict on
+        # rank 0), which reshard refuses; Accelerate's own call offloads to the CPU with copies torch
+        # 2.6 crashes in on this CPU-only host.
+        if name == 'w2':
+            os.makedirs('/data/full/checkpoint-2')
+            torch.save(msd, '/data/full/checkpoint-2/pytorch_model_fsdp.bin')
     end_rank(dist)
 
 def index_keyed(r, world, p):
@@ -253,6 +260,21 @@ class AccelerateTest(FixtureTestCase):
                     self.assertEqual(report['groups'],
                                      ["[('betas', (0.9, 0.95)), ('lr', 0.01), ('weight_decay', 0.0)] 5 params",
                                       "[('betas', (0.9, 0.95)), ('lr', 0.01), ('weight_decay', 0.1)] 16 params"])
+
+    def test_same_world_size_keeps_the_run_state(self):
+        out = self.path('w2_at_2')
+        p = run('convert', self.checkpoint('w2'), out)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        for name in ('rng_state_0.pth', 'rng_state_1.pth', 'scheduler.pt', 'trainer_state.json'):
+            with open(os.path.join(self.checkpoint('w2'), name), 'rb') as a, open(os.path.join(out, name), 'rb') as b:
+                self.assertEqual(a.read(), b.read(), name)
+        self.assertEqual(sorted(os.listdir(os.path.join(out, 'pytorch_model_fsdp_0'))),
+                         ['.metadata', '__0_0.distcp', '__1_0.distcp'])
+
+    def test_full_state_dict_is_refused(self):
+        out = self.path('out')
+        p = run('convert', os.path.join(self.work, 'full', 'checkpoint-2'), out, '--to', 'deepspeed')
+        self.assertRefused(p, 'is an Accelerate FULL_STATE_DICT save (pytorch_model_fsdp.bin)', out)
 
     def test_optimizer_keyed_by_index_is_refused(self):
         ckpt = os.path.join(self.work, 'fsdp2', 'checkpoint-1')
