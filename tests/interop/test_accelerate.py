@@ -15,7 +15,7 @@ global_step 2) and a scheduler.pt and rng_state_<rank>.pth as the Trainer saves 
 continued two more steps (the losses of the uninterrupted run).
 
 reshard reads each save (inspect: format accelerate, step 2, the AdamW state; from the
-checkpoint folder or its pytorch_model_fsdp_0), converts it to `--to accelerate` at another world
+checkpoint folder, its pytorch_model_fsdp_0 or its optimizer_0), converts it to `--to accelerate` at another world
 size (w2 -> 3, w3 -> 2), and Accelerate's own `load_fsdp_model` / `load_fsdp_optimizer` load the
 output strictly into a fresh FSDP model at that world size: every parameter, exp_avg, exp_avg_sq and
 step equals the save's, and the next two steps reach the uninterrupted run's losses. Refused in one
@@ -216,7 +216,8 @@ class AccelerateTest(FixtureTestCase):
 
     def test_inspect_reads_the_model_and_its_adamw_state(self):
         for name, (world, _) in SAVES.items():
-            for path in (self.checkpoint(name), os.path.join(self.checkpoint(name), 'pytorch_model_fsdp_0')):
+            for path in [self.checkpoint(name)] + [os.path.join(self.checkpoint(name), folder)
+                                                   for folder in ('pytorch_model_fsdp_0', 'optimizer_0')]:
                 p = run('inspect', path)
                 self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
                 self.assertIn(f'format: accelerate, saved at TP 1, PP 1, DP {world}', p.stdout)

@@ -77,9 +77,11 @@ Result<std::string> AccelerateCheckpointFolder(const std::string& path) {
   const fs::path p = fs::path(path).lexically_normal();
   const fs::path folder = p.filename().empty() ? p.parent_path() : p;
   if (IsDirectory(folder / kAccelerateModelFolder)) return folder.string();
-  if (folder.filename() == kAccelerateModelFolder && (IsDirectory(folder.parent_path() / kAccelerateOptimizerFolder) ||
-                                                      Exists(folder.parent_path() / kTrainerStateFile))) {
-    return folder.parent_path().string();
+  const fs::path parent = folder.parent_path();
+  const bool model_folder = folder.filename() == kAccelerateModelFolder &&
+                            (IsDirectory(parent / kAccelerateOptimizerFolder) || Exists(parent / kTrainerStateFile));
+  if (model_folder || (folder.filename() == kAccelerateOptimizerFolder && IsDirectory(parent / kAccelerateModelFolder))) {
+    return parent.string();
   }
   if (Exists(folder / kFullModelFile)) {
     return Status::Unsupported(folder.string() + " is an Accelerate FULL_STATE_DICT save (" + kFullModelFile +

@@ -35,8 +35,8 @@ inline constexpr char kTrainerStateFile[] = "trainer_state.json";
 
 // The checkpoint-N folder of an Accelerate FSDP save at `path`: `path` when
 // it holds pytorch_model_fsdp_0/ or Accelerate's FULL_STATE_DICT
-// pytorch_model_fsdp.bin, its parent when `path` is the model's folder
-// itself; "" for any other folder.
+// pytorch_model_fsdp.bin, its parent when `path` is the model's or the
+// optimizer's folder in it; "" for any other folder.
 // Errors (one line): the FULL_STATE_DICT form, which is not read.
 Result<std::string> AccelerateCheckpointFolder(const std::string& path);
 
