@@ -80,7 +80,9 @@ Result<std::string> AccelerateCheckpointFolder(const std::string& path) {
   const fs::path parent = folder.parent_path();
   const bool model_folder = folder.filename() == kAccelerateModelFolder &&
                             (IsDirectory(parent / kAccelerateOptimizerFolder) || Exists(parent / kTrainerStateFile));
-  if (model_folder || (folder.filename() == kAccelerateOptimizerFolder && IsDirectory(parent / kAccelerateModelFolder))) {
+  const bool optimizer_folder =
+      folder.filename() == kAccelerateOptimizerFolder && IsDirectory(parent / kAccelerateModelFolder);
+  if ((model_folder || optimizer_folder) && IsDirectory(folder)) {
     return parent.string();
   }
   if (Exists(folder / kFullModelFile)) {
