@@ -18,7 +18,9 @@ reshard reads each save (inspect: format accelerate, step 2, the AdamW state; fr
 checkpoint folder, its pytorch_model_fsdp_0 or its optimizer_0), converts it to `--to accelerate` at another world
 size (w2 -> 3, w3 -> 2), and Accelerate's own `load_fsdp_model` / `load_fsdp_optimizer` load the
 output strictly into a fresh FSDP model at that world size: every parameter, exp_avg, exp_avg_sq and
-step equals the save's, and the next two steps reach the uninterrupted run's losses. Refused in one
+step equals the save's, and the next two steps reach the uninterrupted run's losses. `verify` finds
+the w3 save the same model, optimizer state included, as its Megatron-DeepSpeed (PP 2, DP 2) and
+torch_dist (PP 2) conversions, and the same weights as its HF export. Refused in one
 line: an FSDP2 save's optimizer state keyed by parameter index (Accelerate's fsdp_version 2), unless
 --weights-only; the FULL_STATE_DICT form (pytorch_model_fsdp.bin). At the save's world size the
 Trainer's run state is copied byte for byte, the ranks' RNG states included.
@@ -271,6 +273,19 @@ class AccelerateTest(FixtureTestCase):
                 self.assertEqual(a.read(), b.read(), name)
         self.assertEqual(sorted(os.listdir(os.path.join(out, 'pytorch_model_fsdp_0'))),
                          ['.metadata', '__0_0.distcp', '__1_0.distcp'])
+
+    def test_converts_to_the_other_formats(self):
+        """Megatron-DeepSpeed and torch_dist keep the AdamW state and the step; HF the weights."""
+        for name, extra in (('ds', ('--to', 'deepspeed', '--pp', 2, '--dp', 2)), ('td', ('--to', 'torch_dist', '--pp', 2)),
+                            ('hf', ('--to', 'hf'))):
+            out = self.path(name)
+            p = run('convert', self.checkpoint('w3'), out, *extra)
+            self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+            p = run('verify', self.checkpoint('w3'), out)
+            self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+            self.assertIn('same model', p.stdout)
+            if name != 'hf':
+                self.assertIn('optimizer', p.stdout)
 
     def test_full_state_dict_is_refused(self):
         out = self.path('out')
