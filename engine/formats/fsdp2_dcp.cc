@@ -224,6 +224,128 @@ void NoteAdamwDefaults(const std::string& to, const std::vector<std::string>& de
                    (initial_lr ? " (initial_lr: the lr, as torch's LR schedulers set it)" : ""));
 }
 
+Result<std::vector<StateDictTensor>> Fsdp2HfTensors(const HfExport& hf, const std::vector<ChosenTensor>& chosen,
+                                                    const RuleInputs& inputs, OutputPlan* out) {
+  int64_t scratch_bytes = 0;
+  RESHARD_ASSIGN_OR_RETURN(std::vector<StateDictTensor> tensors,
+                           MapHfTensors(hf, chosen, inputs, out->scratch, &scratch_bytes));
+  out->scratch_bytes = std::max(out->scratch_bytes, scratch_bytes);
+  return tensors;
+}
+
+StateDictPrefix StateDictPrefix::Of(const std::vector<std::string>& words) {
+  StateDictPrefix p;
+  for (const std::string& word : words) {
+    p.dotted += word + ".";
+    p.path.push_back(Value::String(word));
+  }
+  return p;
+}
+
+std::vector<Value> StateDictPrefix::Path(std::vector<Value> rest) const {
+  std::vector<Value> out = path;
+  for (Value& v : rest) out.push_back(std::move(v));
+  return out;
+}
+
+namespace {
+
+KeyedTensor Keyed(StateDictTensor t, std::string key, std::vector<Value> path) {
+  return {std::move(key), t.dtype, std::move(t.shape), std::move(t.bytes), -1, std::move(t.detail), std::move(path)};
+}
+
+}  // namespace
+
+Result<int> Fsdp2StateDictWriter::AddModel(const Fsdp2Source& read, const RuleInputs& inputs, OutputPlan* out) {
+  RESHARD_ASSIGN_OR_RETURN(std::vector<StateDictTensor> model, Fsdp2HfTensors(*read.hf, read.params, inputs, out));
+  for (const auto& [copy, of] : read.hf->tied) {
+    auto named = [](const std::string& name) { return [&name](const StateDictTensor& t) { return t.name == name; }; };
+    auto it = std::find_if(model.begin(), model.end(), named(of));
+    if (it == model.end() || std::any_of(model.begin(), model.end(), named(copy))) continue;
+    StateDictTensor head = *it;
+    head.name = copy;
+    model.push_back(std::move(head));
+  }
+  for (StateDictTensor& t : model) {
+    const std::string key = model_.dotted + t.name;
+    std::vector<Value> path = model_.Path({Value::String(t.name)});
+    model_files_->AddSharded(Keyed(std::move(t), key, std::move(path)), read.all);
+  }
+  return static_cast<int>(model.size());
+}
+
+Status Fsdp2StateDictWriter::AddOptimizer(const SourceCheckpoint& src, const Fsdp2Source& read,
+                                          const RuleInputs& inputs, const std::string& to, OutputPlan* out,
+                                          std::vector<std::string>* notes) {
+  RESHARD_ASSIGN_OR_RETURN(OptimizerParamGroups groups, src.ParamGroupsAndStep());
+  RESHARD_ASSIGN_OR_RETURN(float step, AdamwStep(groups));
+  for (const std::string& moment : AdamwMoments()) {
+    RESHARD_ASSIGN_OR_RETURN(std::vector<ChosenTensor> states, AdamwMoment(read.all, read.params, moment, to));
+    RESHARD_ASSIGN_OR_RETURN(std::vector<StateDictTensor> mapped, Fsdp2HfTensors(*read.hf, states, inputs, out));
+    for (StateDictTensor& t : mapped) {
+      const std::string fqn = t.name;
+      optim_files_->AddSharded(Keyed(std::move(t), StateKey(fqn, moment), StatePath(fqn, moment)), read.all);
+    }
+  }
+  RESHARD_ASSIGN_OR_RETURN(std::vector<StateDictTensor> mapped, Fsdp2HfTensors(*read.hf, read.params, inputs, out));
+  std::vector<std::string> defaulted;
+  std::vector<std::pair<std::string, Items>> fields_of;
+  for (const StateDictTensor& t : mapped) {
+    optim_files_->AddStep(StateKey(t.name, "step"), step, StatePath(t.name, "step"));
+    RESHARD_ASSIGN_OR_RETURN(Items fields, AdamwGroup(groups, CanonicalOfHf(*read.hf, t.name),
+                                                      /*initial_lr_always=*/false, &defaulted));
+    fields_of.emplace_back(t.name, std::move(fields));
+  }
+  AddGroups(fields_of);
+  NoteAdamwDefaults(to, defaulted, notes);
+  return Status::Ok();
+}
+
+void Fsdp2StateDictWriter::AddGroups(const std::vector<std::pair<std::string, Items>>& fields_of) {
+  if (flat_) {
+    for (const auto& [fqn, fields] : fields_of) {
+      for (const auto& [name, value] : fields) {
+        const std::string rest = "param_groups." + fqn + "." + name.as_string();
+        AddObject(optim_.dotted + rest, value, optim_.Path({Value::String(rest)}));
+      }
+    }
+    return;
+  }
+  std::vector<std::pair<Items, std::vector<Value>>> merged;  // hyperparameters, FQNs
+  for (const auto& [fqn, fields] : fields_of) {
+    const std::string shown = Value::MakeDict(fields).DebugString();
+    auto same = std::find_if(merged.begin(), merged.end(),
+                             [&](const auto& g) { return Value::MakeDict(g.first).DebugString() == shown; });
+    if (same == merged.end()) same = merged.insert(merged.end(), {fields, {}});
+    same->second.push_back(Value::String(fqn));
+  }
+  for (size_t i = 0; i < merged.size(); ++i) {
+    Items fields = merged[i].first;
+    fields.emplace_back(Value::String("params"), Value::MakeList(merged[i].second));
+    for (const auto& [name, value] : fields) {
+      const std::string key = optim_.dotted + "param_groups." + std::to_string(i) + "." + name.as_string();
+      AddObject(key, value, optim_.Path({Value::String("param_groups"), Value::Int(static_cast<int64_t>(i)), name}));
+    }
+  }
+}
+
+std::string Fsdp2StateDictWriter::StateKey(const std::string& fqn, const std::string& state) const {
+  return optim_.dotted + "state." + fqn + "." + state;
+}
+
+// torch's planner path of a state: nested (state, fqn, name), or one key of
+// the flattened optimizer state dict.
+std::vector<Value> Fsdp2StateDictWriter::StatePath(const std::string& fqn, const std::string& state) const {
+  if (flat_) return optim_.Path({Value::String("state." + fqn + "." + state)});
+  return optim_.Path({Value::String("state"), Value::String(fqn), Value::String(state)});
+}
+
+void Fsdp2StateDictWriter::AddObject(const std::string& key, const Value& value, std::vector<Value> path) {
+  DcpWriteItem item = DcpBytesItem(key, value);
+  item.path = std::move(path);
+  optim_files_->AddToRankZero(std::move(item));
+}
+
 namespace {
 
 // The parameters, by the target's --from and --dtype: with the optimizer

@@ -1,7 +1,7 @@
 // An FSDP2 run's Distributed Checkpoint with its AdamW state, as torch 2.6
-// saves one: what the torchtitan and DCP-recipe targets share (their keys
-// are their own). It sits in formats/ itself, beside format.h, because two
-// format folders share it and may not include each other.
+// saves one: what the torchtitan, DCP-recipe and Accelerate targets share
+// (their keys are their own). It sits in formats/ itself, beside format.h,
+// because several format folders share it and may not include each other.
 //
 // The ranks are a device mesh [dp_shard N, tp T], TP the fastest: rank
 // d T + t. A tensor TP shards on dim D (-1: none) gives TP rank t the t-th
@@ -24,6 +24,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "container/dcp_writer.h"
@@ -121,5 +122,60 @@ Result<Items> AdamwGroup(const OptimizerParamGroups& groups, const std::string& 
 // Says which fields `defaulted` (AdamwGroup's) the target `to` wrote by default.
 void NoteAdamwDefaults(const std::string& to, const std::vector<std::string>& defaulted,
                        std::vector<std::string>* notes);
+
+// The tensors `chosen` under their HF names (hf_tensors.h's MapHfTensors),
+// the scratch they need counted in `out`.
+Result<std::vector<StateDictTensor>> Fsdp2HfTensors(const HfExport& hf, const std::vector<ChosenTensor>& chosen,
+                                                    const RuleInputs& inputs, OutputPlan* out);
+
+// A top-level key of a state dict in the checkpoint: its keys' beginning
+// ("app.model.", "" for the top level) and the keys torch nests its items
+// under ("app", "model").
+struct StateDictPrefix {
+  std::string dotted;
+  std::vector<Value> path;
+
+  // The prefix of the keys `words` ("app", "model"); none: the top level.
+  static StateDictPrefix Of(const std::vector<std::string>& words);
+  // The path of an item `rest` below the prefix.
+  std::vector<Value> Path(std::vector<Value> rest) const;
+};
+
+// A model's state dict under its HF names and torch's AdamW state dict of
+// it, as get_state_dict gives them for an FSDP2 run, each item cut over the
+// ranks of the files it goes to: the model's under `model`
+// (`MODEL.<fqn>`), the optimizer's under `optim`
+// (`OPTIM.state.<fqn>.{exp_avg, exp_avg_sq, step}`, and the param groups
+// indexed, `OPTIM.param_groups.<i>.<field>` with the group's FQNs in
+// `.params`, the source's groups with the same hyperparameters made one;
+// or flat, `OPTIM.param_groups.<fqn>.<field>`). The model's and the
+// optimizer's files may be one checkpoint (torch's recipe) or two (Accelerate).
+class Fsdp2StateDictWriter {
+ public:
+  Fsdp2StateDictWriter(StateDictPrefix model, StateDictPrefix optim, bool flat_groups, Fsdp2Files* model_files,
+                       Fsdp2Files* optim_files)
+      : model_(std::move(model)), optim_(std::move(optim)), flat_(flat_groups), model_files_(model_files),
+        optim_files_(optim_files) {}
+
+  // The model's tensors of `read`, a tied head also under its own name (the
+  // module's state dict holds both); returns how many.
+  Result<int> AddModel(const Fsdp2Source& read, const RuleInputs& inputs, OutputPlan* out);
+  // The AdamW state of every parameter of `read` (a tied copy has none: it
+  // is no parameter of its own), refusals naming target `to`.
+  Status AddOptimizer(const SourceCheckpoint& src, const Fsdp2Source& read, const RuleInputs& inputs,
+                      const std::string& to, OutputPlan* out, std::vector<std::string>* notes);
+
+ private:
+  void AddGroups(const std::vector<std::pair<std::string, Items>>& fields_of);
+  std::string StateKey(const std::string& fqn, const std::string& state) const;
+  std::vector<Value> StatePath(const std::string& fqn, const std::string& state) const;
+  void AddObject(const std::string& key, const Value& value, std::vector<Value> path);
+
+  const StateDictPrefix model_;
+  const StateDictPrefix optim_;
+  const bool flat_;
+  Fsdp2Files* const model_files_;
+  Fsdp2Files* const optim_files_;
+};
 
 }  // namespace reshard

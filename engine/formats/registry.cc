@@ -1,6 +1,9 @@
 #include "formats/registry.h"
 
+#include <filesystem>
+
 #include "container/record_crc.h"
+#include "formats/accelerate/accelerate_import.h"
 #include "formats/consolidated/consolidated_source.h"
 #include "formats/dcp/dcp_source.h"
 #include "formats/dcp_recipe/dcp_recipe_import.h"
@@ -93,6 +96,36 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenModelStateDict(DcpContent content,
   return opened;
 }
 
+// An Accelerate FSDP checkpoint: its model's and its optimizer's DCP folders
+// read as one state dict.
+Result<std::unique_ptr<SourceCheckpoint>> OpenAccelerate(const std::string& folder, const CommonOptions& options) {
+  RESHARD_ASSIGN_OR_RETURN(const DcpContent model, ReadDcpContent(folder + "/" + kAccelerateModelFolder));
+  DcpTensors tensors = TensorsOf(model);
+  tensors.folder = folder;
+  std::optional<DcpContent> optimizer;
+  std::error_code ec;
+  if (std::filesystem::is_directory(folder + "/" + kAccelerateOptimizerFolder, ec)) {
+    RESHARD_ASSIGN_OR_RETURN(optimizer, ReadDcpContent(folder + "/" + kAccelerateOptimizerFolder));
+    DcpTensors more = TensorsOf(*optimizer);
+    tensors.files.insert(tensors.files.end(), more.files.begin(), more.files.end());
+    tensors.tensors.merge(more.tensors);
+    tensors.chunk_offsets.merge(more.chunk_offsets);
+    tensors.objects.insert(tensors.objects.end(), more.objects.begin(), more.objects.end());
+    tensors.read_object = [&model, &optimizer](const std::string& key) {
+      return model.meta.Find(key, {}) != nullptr ? model.ReadBytes(key) : optimizer->ReadBytes(key);
+    };
+  }
+  RESHARD_ASSIGN_OR_RETURN(StateDictImport imported, ReadAccelerateImport(tensors, options));
+  const int tp = imported.tp, pp = imported.pp, dp = imported.dp;
+  return Named("accelerate",
+               MakeImportedSource({std::move(imported.logical), folder, std::move(imported.what),
+                                   std::move(imported.files), std::move(imported.notes),
+                                   std::move(imported.optimizer), imported.optimizer_status, "",
+                                   std::move(imported.facts)},
+                                  options),
+               tp, pp, dp);
+}
+
 // A Megatron-Core torch_dist folder is read as the pipeline model its
 // family's rules describe; any other DCP folder, or one no built-in rule set
 // reads, as what it is.
@@ -167,6 +200,8 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenCheckpoint(const std::string& path
                                                      /*records_iteration=*/false},
                                                     options)));
   }
+  RESHARD_ASSIGN_OR_RETURN(const std::string accelerate, AccelerateCheckpointFolder(path));
+  if (!accelerate.empty()) return OpenAccelerate(accelerate, options);
   if (const std::string mlm = MegatronTorchFolder(path); !mlm.empty()) {
     RESHARD_ASSIGN_OR_RETURN(MegatronTorchImport imported, ReadMegatronTorchImport(mlm, options));
     return Named("megatron", MakeImportedSource({std::move(imported.logical), mlm, std::move(imported.what),
@@ -186,6 +221,9 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenCheckpoint(const std::string& path
 }
 
 std::string CheckpointFolder(const std::string& path) {
+  if (Result<std::string> accelerate = AccelerateCheckpointFolder(path); accelerate.ok() && !accelerate->empty()) {
+    return *accelerate;
+  }
   if (const std::string mlm = MegatronTorchFolder(path); !mlm.empty()) return mlm;
   if (const std::string dcp = DcpCheckpointFolder(path); !dcp.empty()) return dcp;
   if (Result<std::string> inside = CheckpointInsideRoot(path); inside.ok() && !inside->empty()) return *inside;

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <initializer_list>
 
+#include "formats/accelerate/accelerate_export.h"
 #include "formats/consolidated/consolidated_export.h"
 #include "formats/dcp_recipe/dcp_recipe_export.h"
 #include "formats/hf/hf_export.h"
@@ -99,9 +100,9 @@ TargetFormat UniversalTarget() {
 }
 
 const std::vector<TargetFormat>& Targets() {
-  static const std::vector<TargetFormat> targets = {DeepSpeedTarget(),  ConsolidatedTarget(), DcpRecipeTarget(),
-                                                    HfTarget(),         MegatronTarget(),     TorchDistTarget(),
-                                                    TorchtitanTarget(), UniversalTarget()};
+  static const std::vector<TargetFormat> targets = {
+      DeepSpeedTarget(), AccelerateTarget(), ConsolidatedTarget(), DcpRecipeTarget(), HfTarget(),
+      MegatronTarget(),   TorchDistTarget(), TorchtitanTarget(),   UniversalTarget()};
   return targets;
 }
 

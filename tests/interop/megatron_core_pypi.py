@@ -80,14 +80,16 @@ def site_or_skip(root):
     return site
 
 
-def ensure(root):
-    """(folder of the unpacked pinned wheels, None), or (None, one line saying why they cannot be had)."""
+def ensure(root, pins=PINS, marker=os.path.join('megatron', 'core', '__init__.py')):
+    """(folder of the unpacked pinned wheels, None), or (None, one line saying why they cannot be had).
+    `pins` and `marker` (a file of the unpacked folder that shows it complete) are Megatron-Core's by
+    default; another framework's tests pass their own."""
     version = _python_version(root)
     if version is None:
         return None, f'the torch 2 chroot {root} has no python3.N library folder'
-    key = hashlib.sha256(' '.join(PINS + (version, platform.machine())).encode()).hexdigest()[:16]
+    key = hashlib.sha256(' '.join(tuple(pins) + (version, platform.machine())).encode()).hexdigest()[:16]
     site = os.path.join(CACHE, key)
-    if os.path.exists(os.path.join(site, 'megatron', 'core', '__init__.py')):
+    if os.path.exists(os.path.join(site, marker)):
         return site, None
     try:
         os.makedirs(CACHE, exist_ok=True)
@@ -97,13 +99,13 @@ def ensure(root):
     with open(site + '.lock', 'w') as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not os.path.exists(site):
-            why = _download(site, version)
+            why = _download(site, version, pins)
             if why:
                 return None, why
     return site, None
 
 
-def _download(site, version):
+def _download(site, version, pins):
     """Downloads the pins' wheels for the chroot's Python and unpacks them into site.partial, renamed
     to `site` only when complete. Returns None, or why it failed."""
     partial, wheels = site + '.partial', site + '.wheels'
@@ -113,11 +115,11 @@ def _download(site, version):
     # Exact pins: pip takes a yanked release (megatron-core 0.19.1 is) only when pinned so.
     argv = [sys.executable, '-m', 'pip', 'download', '--no-deps', '--only-binary=:all:', '--dest', wheels,
             '--python-version', version, '--implementation', 'cp',
-            '--platform', f'manylinux_2_28_{machine}', '--platform', f'manylinux2014_{machine}', *PINS]
+            '--platform', f'manylinux_2_28_{machine}', '--platform', f'manylinux2014_{machine}', *pins]
     p = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL)
     if p.returncode:
         last = (p.stderr.strip().splitlines() or ['no output'])[-1]
-        return f'pip could not download {" ".join(PINS)} for Python {version}: {last}'
+        return f'pip could not download {" ".join(pins)} for Python {version}: {last}'
     os.makedirs(partial)
     for wheel in sorted(glob.glob(os.path.join(wheels, '*.whl'))):
         with zipfile.ZipFile(wheel) as z:

@@ -438,7 +438,7 @@ class ExportTorchtitanTest(FixtureTestCase):
         self.assertRefused(p, "declares no tensor's TP sharding (tp: {dim: ...}); add them (docs/rules.md) or leave "
                               "out --tp", out)
         p = run('export', SAVE, out, '--to', 'hf', '--dp-shard', 2, *HEADS)
-        self.assertRefused(p, '--dp-shard is an option of --to dcp_recipe, torchtitan; the hf export does not take it', out)
+        self.assertRefused(p, '--dp-shard is an option of --to accelerate, dcp_recipe, torchtitan; the hf export does not take it', out)
         p = run('export', SAVE, out, '--to', 'torchtitan', '--dp-shard', 2, '--dtype', 'bf16', *HEADS)
         self.assertRefused(p, 'add --weights-only', out)
         gpt = make_fixture(self.path('gpt'), **dict(FAMILIES['ms_gpt2'], tp=1, pp=1, dp=1))

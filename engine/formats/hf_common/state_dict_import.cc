@@ -241,7 +241,7 @@ class Reader {
     RESHARD_ASSIGN_OR_RETURN(Value config, ReadJsonFile(RecordedConfigPath()));
     if (!config.is(Value::Kind::kDict)) {
       return Status::InvalidInput(RecordedConfigPath() + " does not hold a JSON object of config.json fields; "
-                                  "restore the file export --to torchtitan wrote, or remove it and give the "
+                                  "restore the file that was saved, or remove it and give the "
                                   "model's config with --set");
     }
     return std::optional<Value>(std::move(config));
@@ -347,8 +347,8 @@ class Reader {
   void SetIteration(Value* metadata, int64_t* logical_iteration) const {
     static const std::regex step(".*step-([0-9]+)/?$");
     std::smatch m;
-    int64_t iteration = 0;
-    if (!std::regex_match(dcp_.folder, m, step) || !ParseInt(m[1].str(), &iteration)) return;
+    int64_t iteration = names_.iteration.value_or(0);
+    if (!names_.iteration && (!std::regex_match(dcp_.folder, m, step) || !ParseInt(m[1].str(), &iteration))) return;
     Set(*metadata, "iteration", Value::Int(iteration));
     SetPath(metadata, "args.iteration", Value::Int(iteration));
     *logical_iteration = iteration;
@@ -401,7 +401,10 @@ class Reader {
   RecordedFacts Facts(const StateDictImport& out, bool recorded_config, const SavedMesh& mesh) const {
     RecordedFacts facts;
     facts.emplace_back("step", out.logical.iteration > 0 ? std::to_string(out.logical.iteration)
-                                                         : "not recorded (the folder is not named step-N)");
+                                                         : "not recorded (" + (names_.iteration_from.empty()
+                                                                                   ? "the folder is not named step-N"
+                                                                                   : "no " + names_.iteration_from) +
+                                                               ")");
     std::string shown = mesh.dp_shard > 0 ? "dp_shard " + std::to_string(mesh.dp_shard) : "dp_shard not shown";
     shown += mesh.tp > 0 ? ", tp " + std::to_string(mesh.tp) : ", tp not shown";
     if (dcp_.writing_ranks > 0) shown += " (the chunks; " + Count(dcp_.writing_ranks, "rank") + " wrote it)";
@@ -415,7 +418,9 @@ class Reader {
       optimizer = "not read (" + out.optimizer_status.message() + ")";
     }
     facts.emplace_back("optimizer state", optimizer);
-    facts.emplace_back("files", Count(static_cast<int64_t>(dcp_.files.size()) - 1, ".distcp file") + ", " +
+    const int64_t data_files = std::count_if(dcp_.files.begin(), dcp_.files.end(),
+                                             [](const std::string& f) { return f.size() > 7 && f.compare(f.size() - 7, 7, ".distcp") == 0; });
+    facts.emplace_back("files", Count(data_files, ".distcp file") + ", " +
                                     Count(static_cast<int64_t>(dcp_.tensors.size()), "tensor"));
     return facts;
   }

@@ -1,10 +1,10 @@
 // A model state dict and its optimizer's, as PyTorch saves them together in
 // one Distributed Checkpoint (torch's `get_state_dict`, torchtitan's
-// checkpointer), read as the pipeline model of the family whose rules have a
-// `torchtitan` section, at TP 1, PP 1, with its Adam/AdamW state: what the
-// torchtitan and DCP-recipe formats share (formats/torchtitan/,
-// formats/dcp_recipe/), each naming its prefixes and key names in a
-// StateDictKeys.
+// checkpointer, Accelerate's FSDP saves), read as the pipeline model of the
+// family whose rules have a `torchtitan` section, at TP 1, PP 1, with its
+// Adam/AdamW state: what the torchtitan, DCP-recipe and Accelerate formats
+// share (formats/torchtitan/, formats/dcp_recipe/, formats/accelerate/), each
+// naming its prefixes and key names in a StateDictKeys.
 //
 // The model's keys are either the section's (torchtitan's module:
 // `tok_embeddings.weight`, q and k rows of each head in interleaved rotary
@@ -14,7 +14,8 @@
 // joins the HF tensors into the canonical ones. No such save records the
 // model config: the section's `config` derives the sizes from the tensors'
 // shapes or gives torchtitan's defaults (a note lists those); the head count
-// comes from --set, or from a config file reshard wrote beside `.metadata`.
+// comes from --set, or from a config file beside `.metadata` (what reshard
+// recorded for torchtitan; an Accelerate checkpoint's config.json).
 //
 // The optimizer state is torch's flat, FQN-keyed Adam/AdamW state dict under
 // a prefix Q: `Q.state.<fqn>.{exp_avg, exp_avg_sq, step}`, and its param
@@ -69,6 +70,10 @@ struct StateDictKeys {
   bool hf_keys = false;
   // A file beside `.metadata` holding config.json fields that win ("": none).
   std::string recorded_config;
+  // The step the save records in a file of its own (an HF Trainer's
+  // trainer_state.json), named for the facts; none: the folder's name step-N.
+  std::optional<int64_t> iteration;
+  std::string iteration_from;
 };
 
 struct StateDictImport {

@@ -39,7 +39,7 @@ TEST(TargetsTest, EveryTargetIsListedOnceWithOptionsNamedOnce) {
     std::set<std::string> options;
     for (const FormatOptionInfo& o : t.options) EXPECT_TRUE(options.insert(o.name).second) << t.name << " " << o.name;
   }
-  EXPECT_EQ(names, (std::set<std::string>{"deepspeed", "consolidated", "dcp_recipe", "hf", "megatron", "torch_dist",
+  EXPECT_EQ(names, (std::set<std::string>{"deepspeed", "accelerate", "consolidated", "dcp_recipe", "hf", "megatron", "torch_dist",
                                           "torchtitan", "universal"}));
 }
 
@@ -51,7 +51,8 @@ TEST(TargetsTest, AnOptionIsRefusedWhereItsTargetIsNotTheOneAskedFor) {
   options.to = "universal";
   options.format_options = {{"dtype", "bf16"}};
   EXPECT_EQ(Refusal(options),
-            "--dtype is an option of --to consolidated, dcp_recipe, hf, megatron, torch_dist, torchtitan; the universal "
+            "--dtype is an option of --to accelerate, consolidated, dcp_recipe, hf, megatron, torch_dist, torchtitan; the "
+            "universal "
             "export "
             "does not take it, so leave it out");
 }
@@ -79,13 +80,13 @@ TEST(TargetsTest, ValuesAreCheckedAgainstTheDeclaration) {
   options.format_options = {{"ddp-bucket-size", "0"}};
   EXPECT_EQ(Refusal(options), "--ddp-bucket-size takes a whole number >= 1, not '0'");
   options.to = "hf5";
-  EXPECT_EQ(Refusal(options), "unknown target format 'hf5'; did you mean 'hf'? (the formats: deepspeed, consolidated, "
-                              "dcp_recipe, hf, megatron, torch_dist, torchtitan, universal)");
+  EXPECT_EQ(Refusal(options), "unknown target format 'hf5'; did you mean 'hf'? (the formats: deepspeed, accelerate, "
+                              "consolidated, dcp_recipe, hf, megatron, torch_dist, torchtitan, universal)");
   options.to = "HF";
   EXPECT_EQ(Refusal(options).substr(0, 50), "unknown target format 'HF'; did you mean 'hf'? (th");
   options.to = "parquet";
-  EXPECT_EQ(Refusal(options), "unknown target format 'parquet'; the formats: deepspeed, consolidated, dcp_recipe, hf, "
-                              "megatron, torch_dist, torchtitan, universal");
+  EXPECT_EQ(Refusal(options), "unknown target format 'parquet'; the formats: deepspeed, accelerate, consolidated, "
+                              "dcp_recipe, hf, megatron, torch_dist, torchtitan, universal");
 }
 
 TEST(TargetsTest, FormatOptionsReadWhatWasGiven) {

@@ -1,0 +1,57 @@
+// A Hugging Face Trainer / Accelerate FSDP checkpoint saved with
+// SHARDED_STATE_DICT, as Accelerate's save_fsdp_model and save_fsdp_optimizer
+// write it (the Trainer calls them for each checkpoint-N/):
+//
+//   checkpoint-N/pytorch_model_fsdp_0/   DCP: {"model": the HF module's state dict}
+//   checkpoint-N/optimizer_0/            DCP: {"optimizer": FSDP.optim_state_dict}
+//   checkpoint-N/trainer_state.json      its global_step is the iteration
+//   checkpoint-N/scheduler.pt, rng_state_<rank>.pth, ...   the run's, not carried
+//   checkpoint-N/config.json             where one was saved: the model's config
+//
+// The two DCP folders are read as one state dict (the registry joins them):
+// the model's keys `model.<fqn>` are its HF module's names, the optimizer's
+// `optimizer.state.<fqn>.{exp_avg, exp_avg_sq, step}` and
+// `optimizer.param_groups.<i>.*`, which FSDP1 writes with the parameters'
+// FQNs whether use_orig_params was set or not; hf_common/state_dict_import.h
+// reads them as the pipeline model of the family whose rules name them, with
+// its AdamW state. An optimizer state keyed by parameter index (Accelerate's
+// FSDP2 saves write the optimizer's own state_dict()) names no parameter and
+// is refused, as is the FULL_STATE_DICT form (pytorch_model_fsdp.bin).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "formats/hf_common/state_dict_import.h"
+#include "reshard/reshard.h"
+
+namespace reshard {
+
+// The folders Accelerate names after the first model and optimizer.
+inline constexpr char kAccelerateModelFolder[] = "pytorch_model_fsdp_0";
+inline constexpr char kAccelerateOptimizerFolder[] = "optimizer_0";
+// The Trainer's record of the run: its global_step is the checkpoint's step.
+inline constexpr char kTrainerStateFile[] = "trainer_state.json";
+
+// The checkpoint-N folder of an Accelerate FSDP save at `path`: `path` when
+// it holds pytorch_model_fsdp_0/ or Accelerate's FULL_STATE_DICT
+// pytorch_model_fsdp.bin, its parent when `path` is the model's or the
+// optimizer's folder in it; "" for any other folder.
+// Errors (one line): the FULL_STATE_DICT form, which is not read.
+Result<std::string> AccelerateCheckpointFolder(const std::string& path);
+
+// What the Trainer saved of the run in checkpoint-N `folder` beside the
+// model's and optimizer's folders and config.json (trainer_state.json,
+// scheduler.pt, rng_state_<rank>.pth, ...), by name, sorted.
+std::vector<std::string> AccelerateRunFiles(const std::string& folder);
+
+// Whether run file `name` is one rank's RNG state (rng_state_<rank>.pth, or
+// rng_state.pth of a run on one process).
+bool IsRankRngState(const std::string& name);
+
+// Reads `dcp` (both DCP folders' items; its folder the checkpoint-N) as the
+// model of the first family that fits it, with its AdamW state. Errors (one
+// line): a trainer_state.json without its global_step; ReadStateDictImport's.
+Result<StateDictImport> ReadAccelerateImport(const DcpTensors& dcp, const CommonOptions& options);
+
+}  // namespace reshard

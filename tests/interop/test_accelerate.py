@@ -1,0 +1,305 @@
+"""Hugging Face Trainer / Accelerate FSDP checkpoints, read and written (engine/formats/accelerate/):
+`checkpoint-N/` with `pytorch_model_fsdp_0/` and `optimizer_0/`, as Accelerate's own
+`save_fsdp_model` / `save_fsdp_optimizer` write them (the Trainer calls them for each checkpoint).
+
+Real Accelerate and Transformers from PyPI (accelerate_pypi.py) run in the torch 2.6 chroot
+(torch2_chroot.py) on the CPU with gloo; the test is skipped with one line when either cannot be
+had. A tiny LlamaForCausalLM (transformers, from a config: nothing downloaded) is wrapped with torch's
+FSDP (FSDP1, the layers auto-wrapped), trained two AdamW steps and saved with SHARDED_STATE_DICT:
+
+* `w2`: world 2, use_orig_params=True, the Trainer's two param groups (the norms without weight decay);
+* `w3`: world 3 (uneven shares), use_orig_params=False, one group;
+
+each with the model's config.json, the Trainer's trainer_state.json (TrainerState.save_to_json,
+global_step 2) and a scheduler.pt and rng_state_<rank>.pth as the Trainer saves them; and each run
+continued two more steps (the losses of the uninterrupted run).
+
+reshard reads each save (inspect: format accelerate, step 2, the AdamW state; from the
+checkpoint folder, its pytorch_model_fsdp_0 or its optimizer_0), converts it to `--to accelerate` at another world
+size (w2 -> 3, w3 -> 2), and Accelerate's own `load_fsdp_model` / `load_fsdp_optimizer` load the
+output strictly into a fresh FSDP model at that world size: every parameter, exp_avg, exp_avg_sq and
+step equals the save's, and the next two steps reach the uninterrupted run's losses. `verify` finds
+the w3 save the same model, optimizer state included, as its Megatron-DeepSpeed (PP 2, DP 2) and
+torch_dist (PP 2) conversions, and the same weights as its HF export. Refused in one
+line: an FSDP2 save's optimizer state keyed by parameter index (Accelerate's fsdp_version 2), unless
+--weights-only; the FULL_STATE_DICT form (pytorch_model_fsdp.bin). At the save's world size the
+Trainer's run state is copied byte for byte, the ranks' RNG states included.
+
+Run: PYTHONPATH=tests:tests/interop /usr/bin/python3 tests/interop/test_accelerate.py
+     --reshard build/reshard
+"""
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+import accelerate_pypi
+import interop_support as support
+from interop_support import FixtureTestCase
+import torch2_chroot
+
+run = support.reshard
+
+# Each save: its world size and whether FSDP keeps the original parameters (the Trainer's two param
+# groups need them; without them the optimizer holds FSDP's flat parameters, one group).
+SAVES = {'w2': (2, True), 'w3': (3, False)}
+
+COMMON = r'''
+import datetime, functools, json, os, socket
+import torch, torch.distributed as dist, torch.multiprocessing as mp
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+from torch.distributed.checkpoint.state_dict import get_state_dict, StateDictOptions
+
+CONFIG = dict(vocab_size=100, hidden_size=32, intermediate_size=27, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=10000.0)
+
+def port():
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+def start(r, world, p):
+    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(p), RANK=str(r), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(r))
+    dist.init_process_group('gloo', rank=r, world_size=world, timeout=datetime.timedelta(seconds=120))
+    from accelerate import Accelerator, FullyShardedDataParallelPlugin
+    return Accelerator(cpu=True), FullyShardedDataParallelPlugin(state_dict_type='SHARDED_STATE_DICT', fsdp_version=1)
+
+def build(orig, seed=0):
+    torch.manual_seed(seed)
+    model = FSDP(LlamaForCausalLM(LlamaConfig(**CONFIG)), use_orig_params=orig, device_id=torch.device('cpu'),
+                 auto_wrap_policy=functools.partial(transformer_auto_wrap_policy,
+                                                    transformer_layer_cls={LlamaDecoderLayer}))
+    if orig:  # the Trainer's groups: no weight decay for the norms
+        named = list(model.named_parameters())  # FSDP's flat shards: told apart by name
+        groups = [{'params': [p for n, p in named if 'norm' not in n], 'weight_decay': 0.1},
+                  {'params': [p for n, p in named if 'norm' in n], 'weight_decay': 0.0}]
+    else:
+        groups = [{'params': list(model.parameters()), 'weight_decay': 0.1}]
+    return model, torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95))
+
+def step(model, optimizer, batch):
+    """One step on batch `batch` (the same on every rank); its loss."""
+    ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(batch))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
+
+def full(model, optimizer):
+    return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+'''
+
+SAVE = COMMON + r'''
+SAVES = __SAVES__
+
+def rank(r, world, p, name):
+    from accelerate.utils import save_fsdp_model, save_fsdp_optimizer
+    from transformers import TrainerState
+    acc, plugin = start(r, world, p)
+    orig = SAVES[name][1]
+    model, optimizer = build(orig)
+    for batch in (1, 2):
+        step(model, optimizer, batch)
+    ckpt = f'/data/{name}/checkpoint-2'
+    save_fsdp_model(plugin, acc, model, ckpt)
+    save_fsdp_optimizer(plugin, acc, optimizer, model, ckpt)
+    torch.save({'cpu': torch.random.get_rng_state()}, f'{ckpt}/rng_state_{r}.pth')
+    msd, osd = full(model, optimizer)
+    losses = [step(model, optimizer, batch) for batch in (3, 4)]
+    if r == 0:
+        LlamaConfig(**CONFIG).save_pretrained(ckpt)
+        TrainerState(global_step=2, max_steps=4).save_to_json(f'{ckpt}/trainer_state.json')
+        torch.save({'last_epoch': 2, '_last_lr': [1e-2]}, f'{ckpt}/scheduler.pt')
+        torch.save({'model': msd, 'optim': osd, 'losses': losses}, f'/data/{name}_full.pt')
+        # The FULL_STATE_DICT form as save_fsdp_model writes it (torch.save of the whole state dict on
+        # rank 0), which reshard refuses; Accelerate's own call offloads to the CPU with copies torch
+        # 2.6 crashes in on this CPU-only host.
+        if name == 'w2':
+            os.makedirs('/data/full/checkpoint-2')
+            torch.save(msd, '/data/full/checkpoint-2/pytorch_model_fsdp.bin')
+    end_rank(dist)
+
+def index_keyed(r, world, p):
+    """Accelerate's FSDP2 save (fsdp_version 2): its optimizer's own state_dict(), keyed by index."""
+    from accelerate import Accelerator, FullyShardedDataParallelPlugin
+    from accelerate.utils import save_fsdp_model, save_fsdp_optimizer
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    # torch 2.6's FSDP2 on CPU waits on stream events that torch.cpu.Stream lacks; CPU work runs in
+    # order, so there is nothing to wait for (test_dcp_recipe_source.py does the same).
+    if not hasattr(torch.cpu.Stream, 'record_event'):
+        torch.cpu.Stream.record_event = lambda self, event=None: event if event is not None else torch.cpu.Event()
+        torch.cpu.Stream.wait_event = lambda self, event: None
+    acc, _ = start(r, world, p)
+    mesh = init_device_mesh('cpu', (world,))
+    plugin = FullyShardedDataParallelPlugin(state_dict_type='SHARDED_STATE_DICT', fsdp_version=2)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**CONFIG))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step(model, optimizer, 1)
+    save_fsdp_model(plugin, acc, model, '/data/fsdp2/checkpoint-1')
+    save_fsdp_optimizer(plugin, acc, optimizer, model, '/data/fsdp2/checkpoint-1')
+    if r == 0:
+        LlamaConfig(**CONFIG).save_pretrained('/data/fsdp2/checkpoint-1')
+    end_rank(dist)
+
+for name, (world, orig) in SAVES.items():
+    mp.start_processes(rank, args=(world, port(), name), nprocs=world, start_method='fork')
+mp.start_processes(index_keyed, args=(2, port()), nprocs=2, start_method='fork')
+print('saved with torch', torch.__version__)
+'''
+
+# Loads each of LOADS ([label, folder under /data, world, use_orig_params, the save it came from])
+# with Accelerate's own load at that world size into a fresh FSDP model, and writes
+# /data/<label>.json: the tensors that differ from the save's, how many were compared, the param
+# groups, and the losses of the next two steps.
+LOAD = COMMON + r'''
+LOADS = __LOADS__
+
+def rank(r, world, p, label, folder, orig, save):
+    from accelerate.utils import load_fsdp_model, load_fsdp_optimizer
+    acc, plugin = start(r, world, p)
+    model, optimizer = build(orig, seed=1)  # other weights than the save's
+    step(model, optimizer, 9)  # an optimizer state to be replaced
+    load_fsdp_model(plugin, acc, model, '/data/' + folder)
+    load_fsdp_optimizer(plugin, acc, optimizer, model, '/data/' + folder)
+    msd, osd = full(model, optimizer)
+    want = torch.load(f'/data/{save}_full.pt', weights_only=False)
+    differ, compared = [], 0
+    for key, t in want['model'].items():
+        compared += 1
+        if key not in msd or not torch.equal(msd[key], t):
+            differ.append(key)
+    for fqn, states in want['optim']['state'].items():
+        for name, t in states.items():
+            compared += 1
+            if not torch.equal(osd['state'].get(fqn, {}).get(name, torch.tensor(float('nan'))), t):
+                differ.append(fqn + '.' + name)
+    groups = sorted(str(sorted({k: v for k, v in g.items() if k in ('lr', 'betas', 'weight_decay')}.items()))
+                    + f" {len(g['params'])} params" for g in osd['param_groups'])
+    losses = [step(model, optimizer, batch) for batch in (3, 4)]
+    if r == 0:
+        with open(f'/data/{label}.json', 'w') as f:
+            json.dump({'differ': differ, 'compared': compared, 'groups': groups, 'losses': losses,
+                       'want': want['losses']}, f)
+    end_rank(dist)
+
+for label, folder, world, orig, save in LOADS:
+    mp.start_processes(rank, args=(world, port(), label, folder, orig, save), nprocs=world, start_method='fork')
+print('loaded')
+'''
+
+
+class AccelerateTest(FixtureTestCase):
+
+    @classmethod
+    def setUpClass(cls):
+        cls.root = torch2_chroot.root_or_skip()
+        cls.site = accelerate_pypi.site_or_skip(cls.root)
+        cls.work = tempfile.mkdtemp(prefix='reshard-accelerate-')
+        cls.addClassCleanup(shutil.rmtree, cls.work)
+        p = accelerate_pypi.run(cls.root, cls.site, torch2_chroot.END_RANK + SAVE.replace('__SAVES__', repr(SAVES)),
+                                {cls.work: '/data'}, timeout=600)
+        if p.returncode:
+            raise AssertionError('Accelerate could not write the saves:\n' + p.stdout + p.stderr[-6000:])
+        print(p.stdout.strip(), file=sys.stderr)
+
+    def checkpoint(self, name):
+        return os.path.join(self.work, name, 'checkpoint-2')
+
+    def test_inspect_reads_the_model_and_its_adamw_state(self):
+        for name, (world, _) in SAVES.items():
+            for path in [self.checkpoint(name)] + [os.path.join(self.checkpoint(name), folder)
+                                                   for folder in ('pytorch_model_fsdp_0', 'optimizer_0')]:
+                p = run('inspect', path)
+                self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+                self.assertIn(f'format: accelerate, saved at TP 1, PP 1, DP {world}', p.stdout)
+                self.assertIn('step: 2\n', p.stdout)
+                self.assertIn('model config: config.json', p.stdout)
+                self.assertIn("optimizer state: accelerate's AdamW state (exp_avg, exp_avg_sq; the fp32 parameters "
+                              "as masters), step 2", p.stdout)
+                self.assertIn('rng_state_0.pth, rng_state_1.pth', p.stdout + p.stderr)
+                self.assertIn('not carried', p.stdout + p.stderr)
+
+    def test_convert_to_another_world_size_loads_in_accelerate(self):
+        loads = []
+        for name, (world, orig) in SAVES.items():
+            other = 5 - world  # 2 -> 3, 3 -> 2
+            out = os.path.join(self.work, f'{name}_to_{other}')
+            p = run('convert', self.checkpoint(name), out, '--dp-shard', other)
+            self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+            # The Trainer's run state is copied but the ranks' RNG states of the save's world size.
+            self.assertEqual(sorted(os.listdir(out)), ['config.json', 'optimizer_0', 'pytorch_model_fsdp_0',
+                                                       'reshard-manifest.json', 'scheduler.pt', 'trainer_state.json'])
+            self.assertIn('not copied: ' + ', '.join(f'rng_state_{r}.pth' for r in range(world)), p.stdout + p.stderr)
+            self.assertEqual(sorted(os.listdir(os.path.join(out, 'optimizer_0'))),
+                             ['.metadata'] + [f'__{r}_0.distcp' for r in range(other)])
+            p = run('verify', self.checkpoint(name), out)
+            self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+            self.assertIn('same model', p.stdout)
+            loads.append([f'{name}_at_{other}', f'{name}_to_{other}', other, orig, name])
+        p = accelerate_pypi.run(self.root, self.site, torch2_chroot.END_RANK + LOAD.replace('__LOADS__', repr(loads)),
+                                {self.work: '/data'}, timeout=600)
+        self.assertEqual(p.returncode, 0, 'Accelerate could not load:\n' + p.stdout + p.stderr[-6000:])
+        for label, *_ in loads:
+            with open(os.path.join(self.work, label + '.json')) as f:
+                report = json.load(f)
+            print(f"{label}: losses {report['losses']}, the uninterrupted run's {report['want']}", file=sys.stderr)
+            with self.subTest(label):
+                self.assertEqual(report['differ'], [])
+                self.assertEqual(report['compared'], 21 * 4)  # the 21 parameters, exp_avg, exp_avg_sq, step
+                self.assertEqual(report['losses'][0], report['want'][0])  # the same model: the same forward
+                self.assertAlmostEqual(report['losses'][1], report['want'][1], delta=1e-4)
+                if label.startswith('w2'):
+                    self.assertEqual(report['groups'],
+                                     ["[('betas', (0.9, 0.95)), ('lr', 0.01), ('weight_decay', 0.0)] 5 params",
+                                      "[('betas', (0.9, 0.95)), ('lr', 0.01), ('weight_decay', 0.1)] 16 params"])
+
+    def test_same_world_size_keeps_the_run_state(self):
+        out = self.path('w2_at_2')
+        p = run('convert', self.checkpoint('w2'), out)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        for name in ('rng_state_0.pth', 'rng_state_1.pth', 'scheduler.pt', 'trainer_state.json'):
+            with open(os.path.join(self.checkpoint('w2'), name), 'rb') as a, open(os.path.join(out, name), 'rb') as b:
+                self.assertEqual(a.read(), b.read(), name)
+        self.assertEqual(sorted(os.listdir(os.path.join(out, 'pytorch_model_fsdp_0'))),
+                         ['.metadata', '__0_0.distcp', '__1_0.distcp'])
+
+    def test_converts_to_the_other_formats(self):
+        """Megatron-DeepSpeed and torch_dist keep the AdamW state and the step; HF the weights."""
+        for name, extra in (('ds', ('--to', 'deepspeed', '--pp', 2, '--dp', 2)), ('td', ('--to', 'torch_dist', '--pp', 2)),
+                            ('hf', ('--to', 'hf'))):
+            out = self.path(name)
+            p = run('convert', self.checkpoint('w3'), out, *extra)
+            self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+            p = run('verify', self.checkpoint('w3'), out)
+            self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+            self.assertIn('same model', p.stdout)
+            # The 15 canonical tensors, and with the optimizer state their masters, exp_avg, exp_avg_sq.
+            self.assertIn('verify: 15 tensors' if name == 'hf' else 'verify: 60 tensors', p.stdout)
+
+    def test_full_state_dict_is_refused(self):
+        out = self.path('out')
+        p = run('convert', os.path.join(self.work, 'full', 'checkpoint-2'), out, '--to', 'deepspeed')
+        self.assertRefused(p, 'is an Accelerate FULL_STATE_DICT save (pytorch_model_fsdp.bin)', out)
+
+    def test_optimizer_keyed_by_index_is_refused(self):
+        ckpt = os.path.join(self.work, 'fsdp2', 'checkpoint-1')
+        out = self.path('out')
+        p = run('convert', ckpt, out, '--dp-shard', 1)
+        self.assertRefused(p, 'keyed by parameter index', out)
+        p = run('convert', ckpt, out, '--to', 'deepspeed', '--weights-only')
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+
+
+if __name__ == '__main__':
+    support.main()
