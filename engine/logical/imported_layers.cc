@@ -22,6 +22,23 @@ std::optional<std::string> LiteralKey(const ParamRule& rule) {
   return key;
 }
 
+// The keys an expert rule names for `experts` experts: its pattern with its
+// expert group, `(\d+)`, replaced by each id, when that makes it a literal.
+std::optional<std::vector<std::string>> ExpertKeys(const ParamRule& rule, int64_t experts) {
+  static const std::string kGroup = "(\\d+)";
+  const size_t at = rule.key_pattern.find(kGroup);
+  if (rule.expert != 1 || at == std::string::npos || experts <= 0) return std::nullopt;
+  std::vector<std::string> keys;
+  for (int64_t e = 0; e < experts; ++e) {
+    ParamRule one = rule;
+    one.key_pattern.replace(at, kGroup.size(), std::to_string(e));
+    std::optional<std::string> key = LiteralKey(one);
+    if (!key) return std::nullopt;
+    keys.push_back(*key);
+  }
+  return keys;
+}
+
 std::string LayerLabel(size_t id) { return "layer_" + std::string(id < 10 ? "0" : "") + std::to_string(id); }
 
 // One rule of a layer file of an imported model: the tensor it names.
@@ -33,8 +50,10 @@ struct ImportedRule {
 };
 
 // Every layer file of `rules`' first numbering with `blocks` blocks (id,
-// whether it owns a file) and the rules of those that do, in order.
+// whether it owns a file) and the rules of those that do, in order; an
+// expert rule names one tensor per expert.
 Result<std::vector<std::pair<size_t, std::vector<ImportedRule>>>> ImportedRules(const RuleSet& rules, int64_t blocks,
+                                                                                int64_t experts,
                                                                                 const std::string& what) {
   const std::vector<SpecEntry> specs = ExpandSpecs(rules.numberings().at(rules.first_numbering()), blocks);
   std::vector<std::pair<size_t, std::vector<ImportedRule>>> out;
@@ -46,14 +65,22 @@ Result<std::vector<std::pair<size_t, std::vector<ImportedRule>>>> ImportedRules(
     auto role = rules.layers().find(specs[id].role);
     if (role == rules.layers().end()) continue;
     for (const ParamRule& rule : role->second) {
-      std::optional<std::string> key = LiteralKey(rule);
-      if (!key) {
+      std::optional<std::vector<std::string>> keys = ExpertKeys(rule, experts);
+      if (!keys) {
+        std::optional<std::string> key = LiteralKey(rule);
+        if (key) keys = std::vector<std::string>{*key};
+      }
+      if (!keys) {
         return Status::Unsupported("rule set " + rules.name() + " matches " + specs[id].role + " keys with the "
                                    "pattern '" + rule.key_pattern + "' (line " + std::to_string(rule.line) +
-                                   "), which names no one key; reading " + what + " needs literal keys");
+                                   "), which names no one key; reading " + what + " needs literal keys" +
+                                   (rule.expert > 0 ? " (an expert rule: literal but for its expert id, (\\d+), "
+                                                      "capture group 1)" : ""));
       }
-      std::string name = rule.CanonicalName(*key, static_cast<int>(id), specs[id].role == "block" ? block : -1);
-      out.back().second.push_back({id, &rule, *key, std::move(name)});
+      for (const std::string& key : *keys) {
+        std::string name = rule.CanonicalName(key, static_cast<int>(id), specs[id].role == "block" ? block : -1);
+        out.back().second.push_back({id, &rule, key, std::move(name)});
+      }
     }
   }
   return out;
@@ -61,11 +88,11 @@ Result<std::vector<std::pair<size_t, std::vector<ImportedRule>>>> ImportedRules(
 
 }  // namespace
 
-Result<std::vector<LogicalLayer>> LayOutImported(const RuleSet& rules, int64_t blocks,
+Result<std::vector<LogicalLayer>> LayOutImported(const RuleSet& rules, int64_t blocks, int64_t experts,
                                                  const std::map<std::string, ImportedTensor>& tensors,
                                                  const std::function<std::string(const std::string&)>& source_of,
                                                  const std::string& what, ImportedRuns* runs) {
-  RESHARD_ASSIGN_OR_RETURN(auto files, ImportedRules(rules, blocks, what));
+  RESHARD_ASSIGN_OR_RETURN(auto files, ImportedRules(rules, blocks, experts, what));
   std::vector<LogicalLayer> layers;
   std::set<std::string> placed;
   for (const auto& [id, file_rules] : files) {
@@ -76,7 +103,7 @@ Result<std::vector<LogicalLayer>> LayOutImported(const RuleSet& rules, int64_t b
       key_labels[r.key] = r.name + (stored.empty() || stored == r.name ? "" : " (from " + stored + ")");
       auto it = tensors.find(r.name);
       if (it == tensors.end()) {
-        if (!r.rule->RequiredIn(false)) continue;
+        if (!r.rule->RequiredIn(experts > 0)) continue;  // with experts, every block is a MoE block
         return Status::InvalidInput(what + " lacks " + (stored.empty() ? r.name : stored) + ", which " + r.name +
                                     " of rule set " + rules.name() + " is made of" +
                                     (stored.empty() ? " (nothing is mapped to it)" : ""));
@@ -102,9 +129,9 @@ Result<std::vector<LogicalLayer>> LayOutImported(const RuleSet& rules, int64_t b
   return layers;
 }
 
-Result<const ParamRule*> ImportedRuleOf(const RuleSet& rules, int64_t blocks, const std::string& name,
-                                        const std::string& what) {
-  RESHARD_ASSIGN_OR_RETURN(auto files, ImportedRules(rules, blocks, what));
+Result<const ParamRule*> ImportedRuleOf(const RuleSet& rules, int64_t blocks, int64_t experts,
+                                        const std::string& name, const std::string& what) {
+  RESHARD_ASSIGN_OR_RETURN(auto files, ImportedRules(rules, blocks, experts, what));
   for (const auto& file : files) {
     for (const ImportedRule& r : file.second) {
       if (r.name == name) return r.rule;

@@ -35,21 +35,22 @@ struct ImportedTensor {
 using ImportedRuns = std::map<std::pair<int, std::string>, SourceShard>;
 
 // The layers of `rules`' first numbering with `blocks` blocks, each holding
-// the canonical tensors its rules name; messages name each by its canonical
+// the canonical tensors its rules name (an expert rule, literal but for its
+// expert id, one per expert of `experts`; 0: a model without experts); messages name each by its canonical
 // name and the stored tensors `source_of` says it is made of
 // ("layers.0.self_attention.query_key_value.weight (from
 // decoder.layers.self_attention.linear_qkv.weight)"), never by a layer file. Errors: a rule whose key pattern
 // names no one key, a required tensor missing (`source_of(name)` says which
 // stored tensors it would be made of, "" when none), a tensor no layer holds.
-Result<std::vector<LogicalLayer>> LayOutImported(const RuleSet& rules, int64_t blocks,
+Result<std::vector<LogicalLayer>> LayOutImported(const RuleSet& rules, int64_t blocks, int64_t experts,
                                                  const std::map<std::string, ImportedTensor>& tensors,
                                                  const std::function<std::string(const std::string&)>& source_of,
                                                  const std::string& what, ImportedRuns* runs);
 
 // The rule of canonical tensor `name` in LayOutImported's layers; an error
 // naming `what` when none holds it.
-Result<const ParamRule*> ImportedRuleOf(const RuleSet& rules, int64_t blocks, const std::string& name,
-                                        const std::string& what);
+Result<const ParamRule*> ImportedRuleOf(const RuleSet& rules, int64_t blocks, int64_t experts,
+                                        const std::string& name, const std::string& what);
 
 // Sets the args a layout change rewrites to the imported model's layout
 // (TP 1, PP 1, DP 1), and the training dtype flags to the weights' dtype.

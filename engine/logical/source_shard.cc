@@ -14,17 +14,17 @@ std::vector<int64_t> RowMajorStrides(const std::vector<int64_t>& shape) {
   return strides;
 }
 
-// Appends the runs of the rows of `piece`'s box `at` (of its slice `layer`
-// of the first axis when layer >= 0), each numbered by its element in a
+// Appends the runs of the rows of `piece`'s box `at` (of its slice at
+// indices `lead` of the first axes), each numbered by its element in a
 // row-major tensor of `strides`, less `skip` (the elements before the slice).
-void AppendRows(const SourceShard& piece, const Placement& at, int64_t layer, const std::vector<int64_t>& strides,
-                int64_t skip, int element, std::vector<SourceShard::Run>* runs) {
+void AppendRows(const SourceShard& piece, const Placement& at, const std::vector<int64_t>& lead,
+                const std::vector<int64_t>& strides, int64_t skip, int element, std::vector<SourceShard::Run>* runs) {
   std::vector<int64_t> offsets = at.global.offsets, sizes = at.global.sizes, local = at.local;
-  if (layer >= 0) {
-    if (layer < offsets[0] || layer >= offsets[0] + sizes[0]) return;
-    local[0] += layer - offsets[0];
-    offsets[0] = layer;
-    sizes[0] = 1;
+  for (size_t d = 0; d < lead.size(); ++d) {
+    if (lead[d] < offsets[d] || lead[d] >= offsets[d] + sizes[d]) return;
+    local[d] += lead[d] - offsets[d];
+    offsets[d] = lead[d];
+    sizes[d] = 1;
   }
   const std::vector<int64_t> local_strides = RowMajorStrides(piece.shape);
   const int64_t row = sizes.empty() ? 1 : sizes.back();
@@ -65,15 +65,21 @@ SourceShard SourceShard::Of(const Tensor& tensor, ShardCoords at) {
 
 SourceShard JoinRuns(const std::vector<SourceShard>& pieces, const std::vector<int64_t>& shape, int element_size,
                      int64_t layer) {
+  return JoinRuns(pieces, shape, element_size, layer >= 0 ? std::vector<int64_t>{layer} : std::vector<int64_t>{});
+}
+
+SourceShard JoinRuns(const std::vector<SourceShard>& pieces, const std::vector<int64_t>& shape, int element_size,
+                     const std::vector<int64_t>& lead) {
   const std::vector<int64_t> strides = RowMajorStrides(shape);
-  const int64_t skip = layer >= 0 ? layer * strides[0] : 0;
+  int64_t skip = 0;
+  for (size_t d = 0; d < lead.size(); ++d) skip += lead[d] * strides[d];
   std::vector<SourceShard::Run> runs;
   for (const SourceShard& piece : pieces) {
-    for (const Placement& at : piece.placements) AppendRows(piece, at, layer, strides, skip, element_size, &runs);
+    for (const Placement& at : piece.placements) AppendRows(piece, at, lead, strides, skip, element_size, &runs);
   }
   std::sort(runs.begin(), runs.end(), [](const auto& a, const auto& b) { return a.begin < b.begin; });
   SourceShard out;
-  out.shape.assign(shape.begin() + (layer >= 0 ? 1 : 0), shape.end());
+  out.shape.assign(shape.begin() + static_cast<std::ptrdiff_t>(lead.size()), shape.end());
   for (SourceShard::Run& run : runs) {
     SourceShard::Run* last = out.runs.empty() ? nullptr : &out.runs.back();
     if (last != nullptr && last->begin + last->numel == run.begin && last->bytes.data + last->bytes.size == run.bytes.data) {

@@ -63,6 +63,10 @@ struct SourceShard {
 // tile the tensor (or the slice) without overlap.
 SourceShard JoinRuns(const std::vector<SourceShard>& pieces, const std::vector<int64_t>& shape, int element_size,
                      int64_t layer);
+// The same for its slice at indices `lead` of its first axes (a MoE layer's
+// expert: {layer, expert}); empty `lead`: the whole tensor.
+SourceShard JoinRuns(const std::vector<SourceShard>& pieces, const std::vector<int64_t>& shape, int element_size,
+                     const std::vector<int64_t>& lead);
 
 // First byte of a contiguous tensor's elements (inside its mapped storage).
 const uint8_t* TensorData(const Tensor& t);

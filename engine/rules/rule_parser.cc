@@ -66,7 +66,8 @@ const std::vector<std::string> kHfQkvFields = {"groups", "heads"};
 const std::vector<std::string> kHfCaseFields = {"when", "value", "why_not"};
 const std::vector<std::string> kHfExplainedFields = {"value", "why_not"};
 const std::vector<std::string> kTorchDistFields = {"args",       "tensors",           "extra_state", "optimizer_order",
-                                                   "torch_extra_state", "te_extra_state", "tied_head"};
+                                                   "torch_extra_state", "te_extra_state", "tied_head",
+                                                   "expert_extra_state"};
 const std::vector<std::string> kTorchDistArgFields = {"from", "value", "when"};
 const std::vector<std::string> kTorchDistTensorFields = {"name", "key", "local", "shape"};
 const std::vector<std::string> kTorchtitanFields = {"config", "tensors", "ignore"};
@@ -1020,6 +1021,9 @@ class RuleSetParser {
     layout.line = f.line;
     if (const Field* a = Get(*fields, "args")) layout.args = ParseTorchDistArgs(*a);
     if (const Field* e = Get(*fields, "extra_state")) layout.extra_state = ReadStringList(*e, "torch_dist.extra_state");
+    if (const Field* e = Get(*fields, "expert_extra_state")) {
+      layout.expert_extra_state = ReadStringList(*e, "torch_dist.expert_extra_state");
+    }
     if (const Field* e = Get(*fields, "torch_extra_state")) {
       layout.torch_extra_state = ReadStringList(*e, "torch_dist.torch_extra_state");
     }
@@ -1242,7 +1246,7 @@ class RuleSetParser {
       return std::nullopt;
     }
     if (auto s = ReadString(*name, "torch_dist.tensors name")) t.name = *s;
-    CheckHfTemplate(*name, t.name);
+    CheckTorchDistTemplate(*name, t.name);
     if (key->node.IsSequence()) {
       t.keys = ReadStringList(*key, "torch_dist.tensors key");
     } else if (auto s = ReadString(*key, "torch_dist.tensors key")) {
@@ -1275,6 +1279,21 @@ class RuleSetParser {
       }
     }
     return dims;
+  }
+
+  // Checks a torch_dist name template: {block}, and {expert} after it (the
+  // key stacks the experts on the axis after the layer axis).
+  void CheckTorchDistTemplate(const Field& f, const std::string& name) {
+    static const RE2 re("([^{}]|\\{block\\}|\\{expert\\})+");
+    const size_t block = name.find("{block}"), expert = name.find("{expert}");
+    if (!RE2::FullMatch(name, re)) {
+      Fail(f, "torch_dist tensor name '" + name + "': the placeholders are {block} (the 0-based block) and "
+              "{expert} (the 0-based global expert)");
+    } else if (expert != std::string::npos && (block == std::string::npos || block > expert ||
+                                                name.find("{expert}", expert + 1) != std::string::npos)) {
+      Fail(f, "torch_dist tensor name '" + name + "' has {expert} without {block} before it; Megatron-Core stacks "
+              "a MoE layer's experts on the axis after the layer axis");
+    }
   }
 
   // Checks a name template (only {block}); returns whether it uses {block}.

@@ -305,7 +305,9 @@ struct TorchDistArg {
 
 // One canonical tensor of a Megatron-Core `torch_dist` checkpoint
 // (`torch_dist.tensors`): a name with {block} is one tensor per transformer
-// block, stacked in the checkpoint on a leading layer axis.
+// block, stacked in the checkpoint on a leading layer axis; one with
+// {expert} too is one per block and expert, the experts stacked on the axis
+// after the layer axis (the one expert parallelism splits).
 struct TorchDistTensor {
   int line = 0;
   std::string name;               // canonical: 'layers.{block}.self_attention.dense.weight'
@@ -342,6 +344,9 @@ struct TorchDistLayout {
   // empty by a torch_dist target, as a model without Transformer Engine's
   // FP8 state holds it.
   std::vector<std::string> extra_state;
+  // The same for the experts' modules (`expert_extra_state`), saved per
+  // layer and expert (SequentialMLP's local experts).
+  std::vector<std::string> expert_extra_state;
   // `optimizer_order`: the order in which the model registers its parameters
   // (Megatron's `named_parameters()`), by checkpoint key, which no checkpoint
   // records and the distributed optimizer's flat `dp_reshardable` buffers

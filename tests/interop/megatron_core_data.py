@@ -16,8 +16,9 @@ def config_of(name):
         return json.load(f)
 
 
-def samples(version='*'):
-    """(folder, config) of every weights save (of a Megatron-Core version)."""
+def samples(version='0.*[0-9]'):
+    """(folder, config) of every weights save of the dense model (of a Megatron-Core version; '0.19-moe'
+    for the MoE model's)."""
     out = []
     for config in sorted(glob.glob(os.path.join(DATA, version, '*_config.json'))):
         with open(config) as f:

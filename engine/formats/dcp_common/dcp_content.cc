@@ -65,6 +65,10 @@ SourceShard SliceRuns(const DcpTensor& t, int64_t layer) {
   return JoinRuns(t.shards, t.size, ElementSize(t.dtype), layer);
 }
 
+SourceShard SliceRuns(const DcpTensor& t, const std::vector<int64_t>& lead) {
+  return JoinRuns(t.shards, t.size, ElementSize(t.dtype), lead);
+}
+
 const DcpTensor* DcpContent::FindTensor(const std::string& fqn) const {
   for (const DcpTensor& t : tensors) {
     if (t.fqn == fqn) return &t;

@@ -46,6 +46,8 @@ struct DcpContent {
 // copied. A chunk's elements may lie in several runs (a piece assembled from
 // others, such as an optimizer state cut out of flat buffers).
 SourceShard SliceRuns(const DcpTensor& t, int64_t layer);
+// Its slice at indices `lead` of its first axes ({layer, expert}).
+SourceShard SliceRuns(const DcpTensor& t, const std::vector<int64_t>& lead);
 
 // The name of a DCP checkpoint's metadata file.
 inline constexpr char kDcpMetadataFile[] = ".metadata";

@@ -602,7 +602,7 @@ Result<HfImport> ImportHfModel(HfFolder folder, const RuleSet& rules, const Comm
   }
   ImportedRuns runs;
   auto hf_names = [&hf](const std::string& name) { return HfNamesOf(hf, name); };
-  RESHARD_ASSIGN_OR_RETURN(ckpt.layers, LayOutImported(rules, *blocks, joined, hf_names, folder.Label(), &runs));
+  RESHARD_ASSIGN_OR_RETURN(ckpt.layers, LayOutImported(rules, *blocks, 0, joined, hf_names, folder.Label(), &runs));
   ckpt.vocab.padding_stripped = true;
   RESHARD_RETURN_IF_ERROR(DescribeCheckpoint(options.rules.empty() ? rules.name() : options.rules, options.set, &ckpt));
   AttachImportedRuns(std::move(runs), &ckpt);

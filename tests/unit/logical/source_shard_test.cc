@@ -1,5 +1,5 @@
-// JoinRuns: the elements of a whole tensor, or of one layer of a stacked
-// one, as runs of the pieces that hold its boxes — TP ranks' pieces of a
+// JoinRuns: the elements of a whole tensor, or of one layer (or one expert
+// of a layer) of a stacked one, as runs of the pieces that hold its boxes — TP ranks' pieces of a
 // split tensor (several boxes per piece for SwiGLU's halves) and DCP chunks.
 #include "logical/source_shard.h"
 
@@ -75,6 +75,23 @@ TEST(JoinRunsTest, ALayerOfAStackedTensorIsSlicedOutOfItsChunks) {
   const SourceShard layer0 = JoinRuns(chunks, {2, 2, 2}, 4, 0);
   EXPECT_EQ(layer0.shape, (std::vector<int64_t>{2, 2}));
   EXPECT_EQ(Elements(layer0), (std::vector<float>{0, 10, 1, 11}));
+}
+
+TEST(JoinRunsTest, AnExpertOfALayerIsSlicedOutOfItsChunks) {
+  // A [2, 2, 2] tensor stacking 2 layers of 2 experts, one chunk per (layer, expert) as SequentialMLP
+  // saves them, in two files (expert parallelism), their chunks in file order, not element order.
+  std::vector<SourceShard> chunks;
+  for (int e : {1, 0}) {
+    for (int l = 0; l < 2; ++l) {
+      chunks.push_back(Piece({1, 1, 2}, 10.0f * l + 100.0f * e, {Placement{Box{{l, e, 0}, {1, 1, 2}}, {0, 0, 0}}}));
+    }
+  }
+  const SourceShard expert = JoinRuns(chunks, {2, 2, 2}, 4, std::vector<int64_t>{1, 0});
+  EXPECT_EQ(expert.shape, (std::vector<int64_t>{2}));
+  EXPECT_EQ(Elements(expert), (std::vector<float>{10, 11}));
+  EXPECT_EQ(Elements(JoinRuns(chunks, {2, 2, 2}, 4, std::vector<int64_t>{0, 1})), (std::vector<float>{100, 101}));
+  EXPECT_EQ(Elements(JoinRuns(chunks, {2, 2, 2}, 4, std::vector<int64_t>{})),
+            (std::vector<float>{0, 1, 100, 101, 10, 11, 110, 111}));
 }
 
 }  // namespace

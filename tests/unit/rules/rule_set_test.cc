@@ -614,9 +614,9 @@ TEST(RuleSetBuiltin, EveryFileLoads) {
   std::vector<std::string> names;
   for (const RuleSet& rs : *sets) names.push_back(rs.name());
   // In file-name order: megatron-gpt2-moe.yaml sorts before megatron-gpt2.yaml.
-  std::vector<std::string> want = {"bigscience-bloom",  "bigscience-glu",     "megatron-core-gpt", "megatron-gpt2-moe",
-                                   "megatron-gpt2",     "megatron-llama-tied", "megatron-llama",    "qwen2-tied",
-                                   "qwen2"};
+  std::vector<std::string> want = {"bigscience-bloom",  "bigscience-glu",     "megatron-core-gpt", "megatron-core-moe",
+                                   "megatron-gpt2-moe", "megatron-gpt2",       "megatron-llama-tied", "megatron-llama",
+                                   "qwen2-tied",        "qwen2"};
   EXPECT_EQ(names, want);
 }
 
@@ -840,7 +840,8 @@ TEST(RuleSetBuiltin, UnknownNameListsTheBuiltins) {
   ASSERT_FALSE(rs.ok());
   EXPECT_EQ(rs.status().code(), Status::Code::kInvalidInput);
   EXPECT_EQ(rs.status().message(),
-            "unknown rule set 'gpt3'; built-in: bigscience-bloom, bigscience-glu, megatron-core-gpt, megatron-gpt2-moe, "
+            "unknown rule set 'gpt3'; built-in: bigscience-bloom, bigscience-glu, megatron-core-gpt, megatron-core-moe, "
+            "megatron-gpt2-moe, "
             "megatron-gpt2, megatron-llama-tied, megatron-llama, qwen2-tied, qwen2; or pass the path of a rule file");
 }
 
@@ -1156,7 +1157,9 @@ TEST(RuleSetTorchDist, ReportsFileLineAndFix) {
   const std::pair<std::map<int, std::string>, std::string> cases[] = {
       {{{27, "    - {name: embedding.w}"}}, "t.yaml:27: a torch_dist.tensors entry needs name"},
       {{{27, "    - {name: embedding.w, key: 'decoder.layers.{block}.w'}"}}, "has a placeholder"},
-      {{{27, "    - {name: 'x.{layer}', key: a.b}"}}, "the only placeholder is {block}"},
+      {{{27, "    - {name: 'x.{layer}', key: a.b}"}}, "the placeholders are {block} (the 0-based block) and {expert}"},
+      {{{27, "    - {name: 'x.{expert}', key: a.b}"}}, "has {expert} without {block} before it"},
+      {{{27, "    - {name: 'x.{expert}.{block}', key: a.b}"}}, "has {expert} without {block} before it"},
       {{{28, "    - {name: embedding.w, key: c.d}"}}, "t.yaml:28: torch_dist.tensors maps 'embedding.w' twice"},
       {{{27, "    - {name: embedding.w, key: a.b, shape: [x]}"}}, "torch_dist.tensors shape dim 'x'"},
       {{{24, "    rope_theta: {from: args.rotary_base, value: 1}"}},

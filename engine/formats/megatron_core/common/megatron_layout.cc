@@ -11,6 +11,7 @@ namespace reshard {
 namespace {
 
 constexpr char kBlock[] = "{block}";
+constexpr char kExpert[] = "{expert}";
 constexpr char kLayers[] = "decoder.layers.";
 constexpr char kEmbedding[] = "embedding.";
 
@@ -358,11 +359,16 @@ Result<const TorchDistTensor*> TorchDistEntryOf(const RuleSet& rules, const Rank
     const size_t at = name.find(kBlock);
     if ((at != std::string::npos) != (r.block >= 0)) continue;
     if (at != std::string::npos) name.replace(at, sizeof(kBlock) - 1, std::to_string(r.block));
+    const size_t expert = name.find(kExpert);
+    if ((expert != std::string::npos) != (r.rule->expert > 0)) continue;
+    if (expert != std::string::npos) name.replace(expert, sizeof(kExpert) - 1, std::to_string(ExpertOf(r)));
     if (name == r.name) return &entry;
   }
   return Status::Unsupported("export --to " + target + ": rule set " + rules.name() + "'s torch_dist section gives "
                              "no key for " + r.name + "; add an entry for it (docs/rules.md)");
 }
+
+int ExpertOf(const RankTensor& r) { return r.rule->expert > 0 ? r.rule->ExpertId(r.key) : -1; }
 
 bool IsTiedVocab(const RankTensor& t) {
   return t.rule->tied && t.rule->policy == ParamRule::Policy::kVocab && t.rule->role == "embedding";

@@ -201,6 +201,10 @@ Result<const TorchDistTensor*> TorchDistEntryOf(const RuleSet& rules, const Rank
 // copies to the last pipeline stage at PP > 1.
 bool IsTiedVocab(const RankTensor& t);
 
+// The global expert `r` is of (its rule's expert id in its key); -1 when its
+// rule has no expert axis.
+int ExpertOf(const RankTensor& r);
+
 // The dtype `t` is written in: `dtype` for a floating tensor when given.
 DType WrittenDType(const RankTensor& t, const std::optional<DType>& dtype);
 

@@ -16,6 +16,7 @@ namespace reshard {
 namespace {
 
 constexpr char kBlock[] = "{block}";
+constexpr char kExpert[] = "{expert}";
 
 }  // namespace
 
@@ -24,6 +25,14 @@ std::string WithBlock(std::string name, int64_t block) {
   if (at != std::string::npos) name.replace(at, sizeof(kBlock) - 1, std::to_string(block));
   return name;
 }
+
+std::string WithExpert(std::string name, int64_t expert) {
+  const size_t at = name.find(kExpert);
+  if (at != std::string::npos) name.replace(at, sizeof(kExpert) - 1, std::to_string(expert));
+  return name;
+}
+
+bool StacksExperts(const TorchDistTensor& entry) { return entry.name.find(kExpert) != std::string::npos; }
 
 Value ImportedRunMetadata(const Value& state, int64_t fallback) {
   const Value* args = Find(state, "args");
@@ -120,6 +129,33 @@ Status TorchDistFamily::RecordBlocks(int64_t blocks, const std::string& folder) 
   return Status::Ok();
 }
 
+Status TorchDistFamily::RecordExperts(int64_t experts, const std::string& folder) {
+  if (std::none_of(layout_.tensors.begin(), layout_.tensors.end(), StacksExperts)) return Status::Ok();
+  // Megatron-Core stacks the experts of all layers on one key only when
+  // every layer is a MoE layer; a mixed model's keys are per layer.
+  if (const Value* freq = inputs().Find("args.moe_layer_freq")) {
+    auto moe = [](const Value& v) { return v.is(Value::Kind::kInt) && v.as_int() == 1; };
+    bool every = freq->is_none() || moe(*freq);
+    if (freq->is(Value::Kind::kList)) {
+      const std::vector<Value>& layers = freq->as_list().items;
+      every = std::all_of(layers.begin(), layers.end(), moe);
+    }
+    if (!every) {
+      return Refuse("its args record moe_layer_freq " + freq->DebugString(40) + ": a model mixing dense and MoE "
+                    "layers is not read yet (only MoE in every layer, moe_layer_freq 1)");
+    }
+  }
+  if (experts == 0) return Status::Ok();  // the keys the family needs are missing: refused by name later
+  const std::optional<int64_t> recorded = MetaRef{{"args.num_moe_experts"}}.Resolve(inputs());
+  if (recorded && *recorded != experts) {
+    return Status::InvalidInput(folder + "'s args record num_moe_experts " + std::to_string(*recorded) +
+                                ", and its tensors hold " + std::to_string(experts) + " experts per layer");
+  }
+  SetPath(metadata(), "args.num_moe_experts", Value::Int(experts));
+  experts_ = experts;
+  return Status::Ok();
+}
+
 Status TorchDistFamily::Satisfy() {
   static const ArgConditions none;
   std::vector<std::string> assumed;
@@ -170,7 +206,7 @@ Result<LogicalCheckpoint> TorchDistFamily::Finish(const std::map<std::string, Im
     SetImportedVocabSize(rules_, *vocab, metadata());
   }
   ImportedRuns runs;
-  RESHARD_ASSIGN_OR_RETURN(ckpt_.layers, LayOutImported(rules_, blocks_, tensors, source_of, folder, &runs));
+  RESHARD_ASSIGN_OR_RETURN(ckpt_.layers, LayOutImported(rules_, blocks_, experts_, tensors, source_of, folder, &runs));
   RESHARD_RETURN_IF_ERROR(DescribeCheckpoint(options_.rules.empty() ? rules_.name() : options_.rules, options_.set,
                                              &ckpt_));
   AttachImportedRuns(std::move(runs), &ckpt_);
@@ -186,7 +222,7 @@ Result<LogicalCheckpoint> TorchDistFamily::Finish(const std::map<std::string, Im
 }
 
 Result<const ParamRule*> TorchDistFamily::RuleOf(const std::string& name, int64_t blocks) const {
-  return ImportedRuleOf(rules_, blocks, name, "rule set " + rules_.name() + "'s torch_dist section");
+  return ImportedRuleOf(rules_, blocks, experts_, name, "rule set " + rules_.name() + "'s torch_dist section");
 }
 
 const TorchDistTensor* TorchDistFamily::EntryOf(const std::string& key) const {
@@ -201,7 +237,9 @@ const TorchDistTensor* TorchDistFamily::EntryOf(const std::string& key) const {
 std::string TorchDistFamily::KeysOf(const std::string& name) const {
   for (const TorchDistTensor& entry : layout_.tensors) {
     for (int64_t l = 0; l < std::max<int64_t>(blocks_, 1); ++l) {
-      if (WithBlock(entry.name, l) == name) return Join(entry.keys, " or ");
+      for (int64_t e = 0; e < std::max<int64_t>(experts_, 1); ++e) {
+        if (WithExpert(WithBlock(entry.name, l), e) == name) return Join(entry.keys, " or ");
+      }
     }
   }
   return "";

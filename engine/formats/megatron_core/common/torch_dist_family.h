@@ -25,6 +25,11 @@ namespace reshard {
 
 // `name` with "{block}" replaced by `block`.
 std::string WithBlock(std::string name, int64_t block);
+// `name` with "{expert}" replaced by `expert`.
+std::string WithExpert(std::string name, int64_t expert);
+// Whether `entry`'s key stacks the experts of each layer (its name has
+// {expert}): on the axis after the layer axis.
+bool StacksExperts(const TorchDistTensor& entry);
 
 // What an import records of the run state `state` (a common state dict, a
 // Megatron-LM rank file's object): `args` (an empty Namespace when None or
@@ -60,6 +65,10 @@ class TorchDistFamily {
   Status CheckShape(const TorchDistTensor& entry, const std::string& key, const std::vector<int64_t>& shape);
   // Records the checkpoint's number of blocks; refused when its args say another.
   Status RecordBlocks(int64_t blocks, const std::string& folder);
+  // Records the experts of each MoE layer (0: none); refused when its args
+  // (num_moe_experts) say another number, or, for a family with experts,
+  // mix dense and MoE layers (moe_layer_freq), which is not read yet.
+  Status RecordExperts(int64_t experts, const std::string& folder);
   // The family's conditions (detect.args, and what its HF export requires)
   // set where nothing records them (a note lists them); refused where the
   // args describe another model.
@@ -71,8 +80,8 @@ class TorchDistFamily {
                                    const std::function<std::string(const std::string&)>& source_of,
                                    const std::string& folder);
 
-  // The rule of canonical tensor `name` at `blocks` blocks; an error when no
-  // layer of the rule set holds it.
+  // The rule of canonical tensor `name` at `blocks` blocks (of the experts
+  // RecordExperts recorded); an error when no layer of the rule set holds it.
   Result<const ParamRule*> RuleOf(const std::string& name, int64_t blocks) const;
   // The entry of `key` (any alternative name of it), stacked keys without a
   // layer index; null when the section maps no tensor to it.
@@ -101,6 +110,7 @@ class TorchDistFamily {
   const std::string label_;
   LogicalCheckpoint ckpt_;
   int64_t blocks_ = 0;
+  int64_t experts_ = 0;
   std::vector<std::string> notes_;
 };
 

@@ -130,6 +130,10 @@ LayerSpec SpecOf(Keys keys) { return keys == Keys::kLocal ? LayerSpec::kLocal : 
 // layer index local to the stage.
 Result<ModelPlace> McorePlaceOf(const MegatronExportPlan& plan, const RankTensor& r) {
   RESHARD_ASSIGN_OR_RETURN(const TorchDistTensor* entry, TorchDistEntryOf(*plan.rules, r, "megatron"));
+  if (ExpertOf(r) >= 0) {
+    return Status::Unsupported("export --to megatron: " + r.name + " is an expert's, and the torch format's "
+                               "experts (local_experts.<i>) are not written yet; export --to torch_dist");
+  }
   const std::string& key = TorchDistLayout::KeyOf(*entry, SpecOf(plan.keys));
   if (r.block < 0) {
     const PipelineStages::Where at = ChunkOfModule(key, plan.pipeline.stages);

@@ -46,10 +46,34 @@ bool OneRankWroteEveryLayer(const DcpMetadata& meta, const SavedKeys& keys) {
   return false;
 }
 
+// Whether one rank wrote a chunk of every expert of one layer of the keys
+// that stack experts.
+bool OneRankWroteEveryExpert(const DcpMetadata& meta, const SavedKeys& keys) {
+  if (keys.experts < 1) return false;
+  std::map<std::pair<int64_t, int64_t>, std::set<int64_t>> experts_of;  // (rank, layer) -> experts
+  for (const std::string& key : keys.expert_stacked) {
+    auto it = meta.items.find(key);
+    if (it == meta.items.end()) continue;
+    for (const Box& chunk : it->second.chunks) {
+      const DcpStorage* where = meta.Find(key, chunk.offsets);
+      const int64_t rank = where == nullptr ? -1 : RankOfDataFile(where->relative_path);
+      if (rank < 0 || chunk.offsets.size() < 2) return false;
+      for (int64_t l = chunk.offsets[0]; l < chunk.offsets[0] + chunk.sizes[0]; ++l) {
+        for (int64_t e = chunk.offsets[1]; e < chunk.offsets[1] + chunk.sizes[1]; ++e) experts_of[{rank, l}].insert(e);
+      }
+    }
+  }
+  for (const auto& [at, experts] : experts_of) {
+    if (static_cast<int64_t>(experts.size()) == keys.experts) return true;
+  }
+  return false;
+}
+
 }  // namespace
 
 SavedLayout DeriveSavedLayout(const DcpMetadata& meta, int world, const SavedKeys& keys) {
   SavedLayout out;
+  if (OneRankWroteEveryExpert(meta, keys)) out.ep = 1;
   out.tp = TpOfChunks(meta, keys.tp_splits);
   if (out.tp == 0 || world == 0 || world % out.tp != 0) return out;
   if (world == out.tp || OneRankWroteEveryLayer(meta, keys)) {

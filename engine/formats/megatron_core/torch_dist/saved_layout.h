@@ -14,6 +14,10 @@
 //          some layers leaves PP (and DP) open: a PP 2 save and a PP 1, DP 2
 //          save whose DP ranks shared the writing look the same.
 //   DP     world / (TP x PP) once those are known.
+//   EP     a rank that wrote a chunk of every expert of a layer makes EP 1;
+//          else EP is open: which DP replica writes which expert chunk is
+//          Megatron-Core's choice, so an EP 2 save and an EP 1, DP 2 save
+//          may look the same.
 #pragma once
 
 #include <cstdint>
@@ -27,7 +31,7 @@ namespace reshard {
 
 // Sizes 0 where the save does not show them.
 struct SavedLayout {
-  int tp = 0, pp = 0, dp = 0;
+  int tp = 0, pp = 0, dp = 0, ep = 0;
 };
 
 // How the family splits a key over TP: its TP dimension in the key's own
@@ -39,11 +43,15 @@ struct TpSplit {
 
 // What the save's tensor keys are to the family: how it splits each key
 // split over TP; the keys that stack the layers on their first axis, and how
-// many layers they stack.
+// many layers they stack; those that stack the experts too.
 struct SavedKeys {
   std::map<std::string, TpSplit> tp_splits;
   std::vector<std::string> stacked;
   int64_t layers = 0;
+  // The keys that stack each layer's experts on their second axis, and how
+  // many experts a layer has (0: none).
+  std::vector<std::string> expert_stacked;
+  int64_t experts = 0;
 };
 
 // `world`: the ranks that wrote the save (0: not known).

@@ -55,27 +55,32 @@ std::string IterationFolder(int64_t iteration) {
   return name;
 }
 
-// The torch_dist key of a canonical tensor, and its layer in a stacked key.
+// The torch_dist key of a canonical tensor, and its layer (and expert) in a
+// stacked key.
 struct KeyOf {
   std::string key;
-  int block = -1;  // -1: the key is not stacked
+  int block = -1;   // -1: the key is not stacked
+  int expert = -1;  // -1: the key stacks no experts
 };
 
 // The torch_dist key of rank tensor `r`: what current Megatron-Core names it.
 Result<KeyOf> KeyOfTensor(const RuleSet& rules, const RankTensor& r) {
   RESHARD_ASSIGN_OR_RETURN(const TorchDistTensor* entry, TorchDistEntryOf(rules, r, "torch_dist"));
-  return KeyOf{entry->keys.front(), r.block};
+  return KeyOf{entry->keys.front(), r.block, ExpertOf(r)};
 }
 
-// A stacked key's global size and a layer's chunk of it: the layer axis first.
-std::vector<int64_t> StackedSize(const KeyOf& key, int blocks, std::vector<int64_t> size) {
+// A stacked key's global size and a layer's (an expert's) chunk of it: the
+// layer axis first, then the expert axis.
+std::vector<int64_t> StackedSize(const KeyOf& key, int blocks, int experts, std::vector<int64_t> size) {
+  if (key.expert >= 0) size.insert(size.begin(), experts);
   if (key.block >= 0) size.insert(size.begin(), blocks);
   return size;
 }
 
 Box StackedChunk(const KeyOf& key, Box chunk) {
-  if (key.block >= 0) {
-    chunk.offsets.insert(chunk.offsets.begin(), key.block);
+  for (const int at : {key.expert, key.block}) {
+    if (at < 0) continue;
+    chunk.offsets.insert(chunk.offsets.begin(), at);
     chunk.sizes.insert(chunk.sizes.begin(), 1);
   }
   return chunk;
@@ -118,6 +123,7 @@ struct Target {
   TpCut cut;
   int pp = 1, dp = 1;
   int blocks = 0;
+  int experts = 0;          // of each MoE layer; 0: none
   TargetPipeline pipeline;  // the layers of each stage
   std::optional<DType> dtype;
   std::string version;                 // kVersion014 or kVersion019
@@ -156,7 +162,7 @@ Status AddRankItems(const RuleSet& rules, const std::vector<RankTensor>& tensors
     RESHARD_ASSIGN_OR_RETURN(KeyOf key, KeyOfTensor(rules, r));
     const DType dtype = WrittenDType(r, target.dtype);
     RESHARD_ASSIGN_OR_RETURN(std::vector<RankBox> boxes, RankBoxes(r, t, target.cut.tp, dtype));
-    const std::vector<int64_t> size = StackedSize(key, target.blocks, GlobalShape(r, target.cut.tp));
+    const std::vector<int64_t> size = StackedSize(key, target.blocks, target.experts, GlobalShape(r, target.cut.tp));
     const ByteProducer bytes = dtype == r.dtype ? r.produce : CastBytes(r.produce, r.dtype, dtype);
     for (RankBox& box : boxes) {
       DcpWriteItem item =
@@ -169,12 +175,22 @@ Status AddRankItems(const RuleSet& rules, const std::vector<RankTensor>& tensors
 }
 
 // Each linear layer's extra state, empty, as Megatron-Core wraps an object:
-// [None], item `shard_{layer}_{layers}`.
+// [None], item `shard_{layer}_{layers}`; an expert's `shard_{layer}.{expert}_
+// {layers}.{experts}`, written with the expert's weights (at EP 1: DP rank 0).
 void AddExtraStates(const RuleSet& rules, const Target& target, RankFiles* files) {
-  for (const std::string& module : rules.torch_dist()->extra_state) {
-    for (int l = 0; l < target.blocks; ++l) {
-      const std::string fqn = module + "._extra_state/shard_" + std::to_string(l) + "_" + std::to_string(target.blocks);
-      files->At(0, target.pipeline.stages.StageOf(l)).push_back(DcpBytesItem(fqn, Value::MakeList({Value::None()})));
+  const std::string layers = std::to_string(target.blocks), experts = std::to_string(target.experts);
+  for (int l = 0; l < target.blocks; ++l) {
+    std::vector<DcpWriteItem>& stage = files->At(0, target.pipeline.stages.StageOf(l));
+    for (const std::string& module : rules.torch_dist()->extra_state) {
+      stage.push_back(DcpBytesItem(module + "._extra_state/shard_" + std::to_string(l) + "_" + layers,
+                                   Value::MakeList({Value::None()})));
+    }
+    for (int e = 0; e < target.experts; ++e) {
+      for (const std::string& module : rules.torch_dist()->expert_extra_state) {
+        stage.push_back(DcpBytesItem(module + "._extra_state/shard_" + std::to_string(l) + "." + std::to_string(e) +
+                                         "_" + layers + "." + experts,
+                                     Value::MakeList({Value::None()})));
+      }
     }
   }
 }
@@ -225,7 +241,7 @@ Status AddOptimizerItems(const RuleSet& rules, const std::vector<FullTensor>& st
     if (t.dtype != DType::kFloat32) bytes = CastBytes(std::move(bytes), t.dtype, DType::kFloat32);
     const Box chunk = StackedChunk(key, Box::Whole(shape));
     DcpWriteItem item = DcpTensorItem("optimizer.state." + state + "." + key.key, DType::kFloat32,
-                                      StackedSize(key, target.blocks, shape), chunk, std::move(bytes));
+                                      StackedSize(key, target.blocks, target.experts, shape), chunk, std::move(bytes));
     item.from = t.Label();
     if (t.vocab && shape[0] != t.shape[0]) item.from += ", rows to " + std::to_string(shape[0]);
     files->At(0, StageOf(r, target)).push_back(std::move(item));
@@ -338,7 +354,7 @@ Status AddModelSpaceItems(const SourceCheckpoint& src, const TpWeights& weights,
     for (const RankTensor& r : weights.ranks[t]) {
       if (t > 0 && r.rule->policy == ParamRule::Policy::kReplicated) continue;  // TP rank 0 writes it
       RESHARD_ASSIGN_OR_RETURN(KeyOf key, KeyOfTensor(rules, r));
-      const std::vector<int64_t> global = StackedSize(key, target.blocks, GlobalShape(r, target.cut.tp));
+      const std::vector<int64_t> global = StackedSize(key, target.blocks, target.experts, GlobalShape(r, target.cut.tp));
       RESHARD_ASSIGN_OR_RETURN(std::vector<RankBox> boxes, RankBoxes(r, t, target.cut.tp, DType::kFloat32));
       for (size_t s = 0; s < states.size(); ++s) {
         RESHARD_ASSIGN_OR_RETURN(Fp32Piece state, Fp32StateOf(states, t, r.name, s));
@@ -452,6 +468,11 @@ Value CommonState(const SourceCheckpoint& src, const Target& target, const TpWei
     }
     // And the learning-rate schedule the optimizer's groups are paired by.
     WriteLrSchedule(schedule, &written);
+    if (target.experts > 0) {  // the experts whole on every DP rank, split over TP as the dense layers
+      Set(written, "num_moe_experts", Value::Int(target.experts));
+      Set(written, "expert_model_parallel_size", Value::Int(1));
+      Set(written, "expert_tensor_parallel_size", Value::Int(target.cut.tp));
+    }
     Set(state, "args", std::move(written));
   }
   Set(state, "checkpoint_version", Value::Float(3.0));
@@ -538,6 +559,20 @@ int CountBlocks(const std::vector<RankTensor>& tensors) {
   return blocks;
 }
 
+int CountExperts(const std::vector<RankTensor>& tensors) {
+  int experts = 0;
+  for (const RankTensor& t : tensors) experts = std::max(experts, ExpertOf(t) + 1);
+  return experts;
+}
+
+// A model with experts is written at EP 1 (each expert whole on every DP
+// rank, written once) with its weights only, as this writer knows it.
+Status CheckExperts(const Target& target, const std::vector<FullTensor>& states) {
+  if (target.experts == 0 || states.empty()) return Status::Ok();
+  return Status::Unsupported("export --to torch_dist: the optimizer state of a model with experts is not written "
+                             "yet (its param groups depend on the expert-parallel size); add --weights-only");
+}
+
 // What a loader of the folder must be told.
 std::string LoadNote(const std::vector<FullTensor>& states, const std::string& layout) {
   if (states.empty()) {
@@ -563,6 +598,7 @@ Result<OutputPlan> PlanTorchDist(const SourceCheckpoint& src, const ExportOption
   OutputPlan out;
   RESHARD_ASSIGN_OR_RETURN(TpWeights weights, src.WeightsForTp(target.cut, notes, out.read.get()));
   target.blocks = CountBlocks(weights.ranks[0]);
+  target.experts = CountExperts(weights.ranks[0]);
   RESHARD_ASSIGN_OR_RETURN(target.pipeline, ChooseTargetPipeline(src, options, target.blocks, target.pp, notes));
 
   RankFiles files(target);
@@ -571,6 +607,7 @@ Result<OutputPlan> PlanTorchDist(const SourceCheckpoint& src, const ExportOption
   }
   RESHARD_ASSIGN_OR_RETURN(std::vector<FullTensor> states, OptimizerStates(src, options, out.read.get()));
   RESHARD_RETURN_IF_ERROR(CheckBucketSize(target, states));
+  RESHARD_RETURN_IF_ERROR(CheckExperts(target, states));
   std::optional<Value> optimizer;
   if (!states.empty()) {
     RESHARD_ASSIGN_OR_RETURN(optimizer, AddOptimizer(src, states, weights, target, out.read.get(), &files, notes));
@@ -608,6 +645,7 @@ Result<OutputPlan> PlanTorchDist(const SourceCheckpoint& src, const ExportOption
   out.summary = "torch_dist (Megatron-Core " + target.version + "): TP " + std::to_string(options.tp) + ", PP " + std::to_string(target.pp) +
                 (target.dp > 1 ? ", DP " + std::to_string(target.dp) : "") + ", iteration " + std::to_string(src.info().iteration) + "; " +
                 Count(target.blocks, "block") + ", stacked" +
+                (target.experts > 0 ? "; " + Count(target.experts, "expert") + " per layer, EP 1" : "") +
                 (target.pipeline.split.Even() ? "" : " (" + target.pipeline.stages.Describe() + ")") + "; padded vocabulary " +
                 std::to_string(weights.padded_vocab) +
                 (states.empty() ? "; weights only" : "; optimizer state " + target.layout) +

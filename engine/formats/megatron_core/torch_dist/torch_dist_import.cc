@@ -91,6 +91,7 @@ class FamilyReader {
   Result<TorchDistImport> Read() {
     RESHARD_RETURN_IF_ERROR(family_.Start());
     RESHARD_RETURN_IF_ERROR(MapTensors());
+    RESHARD_RETURN_IF_ERROR(family_.RecordExperts(std::max<int64_t>(experts_, 0), c_.folder));
     RESHARD_RETURN_IF_ERROR(CheckUnmapped());
     RESHARD_RETURN_IF_ERROR(family_.RecordBlocks(blocks_, c_.folder));
     RESHARD_RETURN_IF_ERROR(family_.Satisfy());
@@ -114,18 +115,37 @@ class FamilyReader {
       used_.insert(t->fqn);
       if (entry.name.find("{block}") == std::string::npos) {
         RESHARD_RETURN_IF_ERROR(family_.CheckShape(entry, t->fqn, t->size));
-        Add(entry.name, *t, -1);
+        Add(entry.name, *t, {});
         continue;
       }
-      if (t->size.empty()) return family_.Refuse(t->fqn + " has no layer axis to stack " + entry.name + " on");
-      if (blocks_ >= 0 && t->size[0] != blocks_) {
-        return family_.Refuse(t->fqn + " stacks " + std::to_string(t->size[0]) + " layers, and the keys before it " +
-                              std::to_string(blocks_));
+      const bool experts = StacksExperts(entry);
+      if (t->size.size() < (experts ? 2u : 1u)) {
+        return family_.Refuse(t->fqn + " has no layer " + (experts ? "and expert axes" : "axis") + " to stack " +
+                              entry.name + " on");
       }
-      blocks_ = t->size[0];
-      RESHARD_RETURN_IF_ERROR(family_.CheckShape(entry, t->fqn, {t->size.begin() + 1, t->size.end()}));
-      for (int64_t l = 0; l < blocks_; ++l) Add(WithBlock(entry.name, l), *t, l);
+      RESHARD_RETURN_IF_ERROR(Agree(*t, "layers", t->size[0], &blocks_));
+      if (experts) RESHARD_RETURN_IF_ERROR(Agree(*t, "experts", t->size[1], &experts_));
+      const size_t lead = experts ? 2 : 1;
+      RESHARD_RETURN_IF_ERROR(family_.CheckShape(entry, t->fqn, {t->size.begin() + lead, t->size.end()}));
+      for (int64_t l = 0; l < blocks_; ++l) {
+        if (!experts) {
+          Add(WithBlock(entry.name, l), *t, {l});
+          continue;
+        }
+        for (int64_t e = 0; e < experts_; ++e) Add(WithExpert(WithBlock(entry.name, l), e), *t, {l, e});
+      }
     }
+    return Status::Ok();
+  }
+
+  // Records the number of layers (or experts) `t` stacks, `n`, in `*seen`
+  // (-1: none yet); refused when the keys before it stack another.
+  Status Agree(const DcpTensor& t, const char* what, int64_t n, int64_t* seen) const {
+    if (*seen >= 0 && n != *seen) {
+      return family_.Refuse(t.fqn + " stacks " + std::to_string(n) + " " + what + ", and the keys before it " +
+                            std::to_string(*seen));
+    }
+    *seen = n;
     return Status::Ok();
   }
 
@@ -136,9 +156,11 @@ class FamilyReader {
     return nullptr;
   }
 
-  void Add(const std::string& name, const DcpTensor& t, int64_t layer) {
-    mapped_.push_back({name, t.fqn, layer});
-    SourceShard runs = SliceRuns(t, layer);
+  // Maps canonical tensor `name` to the slice of `t` at indices `lead` of
+  // its first axes ({layer} or {layer, expert}; {}: all of it).
+  void Add(const std::string& name, const DcpTensor& t, std::vector<int64_t> lead) {
+    SourceShard runs = SliceRuns(t, lead);
+    mapped_.push_back({name, t.fqn, std::move(lead)});
     auto unread = [name](int64_t, int64_t, uint8_t*) {
       return Status::Internal(name + " is read through its runs, not its placeholder tensor");
     };
@@ -161,8 +183,8 @@ class FamilyReader {
     opt.moments = {kTorchDistStates[1], kTorchDistStates[2]};
     for (const Mapped& m : mapped_) {
       ImportedOptimizer::Param& p = opt.params[m.name];
-      p.master = SliceRuns(states.states[kTorchDistStates[0]].at(m.key), m.layer);
-      for (const std::string& moment : opt.moments) p.moments.push_back(SliceRuns(states.states[moment].at(m.key), m.layer));
+      p.master = SliceRuns(states.states[kTorchDistStates[0]].at(m.key), m.lead);
+      for (const std::string& moment : opt.moments) p.moments.push_back(SliceRuns(states.states[moment].at(m.key), m.lead));
     }
     // Megatron-Core marks the groups without weight decay by wd_mult 0.
     std::stable_partition(states.param_groups.begin(), states.param_groups.end(), [](const Value& g) {
@@ -235,7 +257,9 @@ class FamilyReader {
     for (const auto& [name, field, derived, size] :
          {std::tuple<const char*, const char*, int, int*>{"TP", "tensor_model_parallel_size", shown.tp, &out->tp},
           {"PP", "pipeline_model_parallel_size", shown.pp, &out->pp},
-          {"DP", "data_parallel_size", shown.dp, &out->dp}}) {
+          {"DP", "data_parallel_size", shown.dp, &out->dp},
+          {"EP", "expert_model_parallel_size", shown.ep, &out->ep}}) {
+      if (size == &out->ep && experts_ <= 0) continue;  // a model without experts has no EP
       *size = recorded(field) > 0 ? recorded(field) : derived;
       const char* from = recorded(field) > 0 ? "args" : "the save";
       text += (text.empty() ? "" : ", ") + std::string(name) + " " +
@@ -251,13 +275,15 @@ class FamilyReader {
   SavedKeys SavedKeysOf() const {
     SavedKeys keys;
     keys.layers = std::max<int64_t>(blocks_, 0);
+    keys.experts = std::max<int64_t>(experts_, 0);
     std::set<std::string> seen;
     for (const Mapped& m : mapped_) {
       if (!seen.insert(m.key).second) continue;
-      if (m.layer >= 0) keys.stacked.push_back(m.key);
+      if (!m.lead.empty()) keys.stacked.push_back(m.key);
+      if (m.lead.size() == 2) keys.expert_stacked.push_back(m.key);
       Result<const ParamRule*> rule = family_.RuleOf(m.name, keys.layers);
       if (!rule.ok() || (*rule)->policy == ParamRule::Policy::kReplicated) continue;
-      keys.tp_splits[m.key] = TpSplit{(*rule)->dim + (m.layer >= 0 ? 1 : 0), (*rule)->parts};
+      keys.tp_splits[m.key] = TpSplit{(*rule)->dim + static_cast<int>(m.lead.size()), (*rule)->parts};
     }
     return keys;
   }
@@ -274,6 +300,7 @@ class FamilyReader {
       optimizer = "not read (" + optimizer_status_.message() + ")";
     }
     facts.emplace_back("optimizer state", optimizer);
+    if (experts_ > 0) facts.emplace_back("experts", Count(experts_, "expert") + " per MoE layer, in every layer");
     facts.emplace_back("iteration", std::to_string(out.logical.iteration));
     facts.emplace_back("saved at", layout);
     facts.emplace_back("files", Count(static_cast<int64_t>(c_.files.size()), ".distcp file") + ", " +
@@ -288,7 +315,7 @@ class FamilyReader {
   // Which key (and layer of it) each canonical tensor is read from.
   struct Mapped {
     std::string name, key;
-    int64_t layer = -1;
+    std::vector<int64_t> lead;  // its indices of the key's first axes: {layer} or {layer, expert}
   };
   std::vector<Mapped> mapped_;
   std::optional<ImportedOptimizer> optimizer_;
@@ -296,6 +323,7 @@ class FamilyReader {
   std::map<std::string, ImportedTensor> tensors_;
   std::set<std::string> used_;
   int64_t blocks_ = -1;
+  int64_t experts_ = -1;  // of each MoE layer; -1: no key stacks experts
   int64_t extra_states_ = 0;
 };
 

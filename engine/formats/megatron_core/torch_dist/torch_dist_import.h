@@ -8,7 +8,9 @@
 // (or --rules). Each key is read as the canonical tensor(s) the section
 // names: a block tensor's key is stacked on a leading layer axis, and block
 // l's tensor is its slice l, assembled from the chunks (the TP and PP pieces)
-// as runs of their bytes, so nothing is copied. Megatron-Core's fused QKV
+// as runs of their bytes, so nothing is copied; a key of a name with
+// {expert} stacks each layer's experts on its second axis (the EP pieces),
+// expert e of layer l its slice [l, e]. Megatron-Core's fused QKV
 // ([groups, q per group + 2, head dim] per TP rank) and SwiGLU linear_fc1
 // ([all gate; all up]) are laid out as the canonical tensors are.
 //
@@ -52,8 +54,9 @@ struct TorchDistImport {
   // or the layout fully_sharded_model_space) or "0.19" (the common_state
   // item, or a layout of 0.19's).
   std::string megatron_core_version;
-  // The layout it was saved at, as its args record it (0: not recorded).
-  int tp = 0, pp = 0, dp = 0;
+  // The layout it was saved at, as its args record it (0: not recorded);
+  // ep only for a model with experts.
+  int tp = 0, pp = 0, dp = 0, ep = 0;
   // Its form, optimizer layout, iteration and saved layout, for inspect.
   RecordedFacts facts;
 };
