@@ -51,11 +51,29 @@ std::vector<std::string> WholeSizes(const SourceCheckpoint& src,
   return flags;
 }
 
+// Whether `rules` describe experts (a rule with an expert axis).
+bool HasExpertRules(const RuleSet& rules) {
+  for (const auto& [role, layer_rules] : rules.layers()) {
+    for (const ParamRule& rule : layer_rules) {
+      if (rule.expert > 0) return true;
+    }
+  }
+  return false;
+}
+
 // DeepSpeed's own layout (Megatron-DeepSpeed's pipeline, or the source's
 // kind: ZeRO-3, MoE), planned by a DeepSpeed source itself; an import
-// planned as the pipeline model its rule set describes.
+// planned as the pipeline model its rule set describes. DeepSpeed's MoE
+// layout (expert files) is written from a DeepSpeed MoE save only: an
+// import's experts would land in its pipeline layer files, which
+// Megatron-DeepSpeed loads as no MoE model.
 Result<OutputPlan> PlanDeepSpeed(const SourceCheckpoint& src, const ConvertOptions& options,
                                  std::vector<std::string>* notes) {
+  if (!src.info().has_experts && src.info().rules != nullptr && HasExpertRules(*src.info().rules)) {
+    return Status::Unsupported("this " + src.info().format + " checkpoint's model has experts, and reshard writes "
+                               "DeepSpeed's MoE layout only from a DeepSpeed MoE save; convert --to " +
+                               src.info().format + " or --to consolidated");
+  }
   if (options.target_ep > 0 && !src.info().has_experts) {
     return Status::InvalidInput("--ep sets the expert-parallel size of a DeepSpeed MoE checkpoint, and this " +
                                 src.info().kind + " checkpoint has no experts; leave it out");

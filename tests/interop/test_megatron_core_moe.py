@@ -280,7 +280,11 @@ class MegatronCoreMoeTest(FixtureTestCase):
     def test_what_is_not_written_yet_is_refused_in_one_line(self):
         src = os.path.join(DATA, SAVES[0])
         for args, says in ((['--to', 'megatron', '--tp', '1', '--pp', '1'], 'local_experts'),
-                           (['--to', 'torch_dist', '--ep', '2'], '--ep')):
+                           (['--to', 'torch_dist', '--ep', '2'], '--ep'),
+                           # Megatron-DeepSpeed loads no experts from pipeline layer files.
+                           (['--to', 'deepspeed', '--tp', '1', '--pp', '1'],
+                            "model has experts, and reshard writes DeepSpeed's MoE layout only from a DeepSpeed MoE "
+                            'save; convert --to torch_dist or --to consolidated')):
             with self.subTest(args=args):
                 out = self.path('refused_' + args[1])
                 p = run('convert', src, out, *args, *vocab(SAVES[0]))
