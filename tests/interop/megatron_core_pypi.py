@@ -18,8 +18,10 @@ import platform
 import shutil
 import subprocess
 import sys
+import tempfile
 import zipfile
 
+from interop_support import FixtureTestCase
 import torch2_chroot
 
 PINS = ('megatron-core==0.19.1', 'setuptools==80.9.0', 'packaging==25.0')
@@ -132,3 +134,32 @@ def _download(site, version, pins):
 def run(root, site, script, binds, timeout=300):
     """torch2_chroot.run of PRELUDE + script, with the wheels at `site` mounted where PRELUDE looks."""
     return torch2_chroot.run(root, PRELUDE + script, {**binds, site: INSIDE}, timeout=timeout)
+
+
+class MegatronCoreTestCase(FixtureTestCase):
+    """A test class that runs real Megatron-Core: setUpClass finds the chroot and the wheels (else skips
+    the class with one line), makes cls.work (mounted as /data in the chroot), and runs SAVE there
+    when the class sets it (the saves its tests read); megatron() runs a script the same way."""
+
+    SAVE = None  # a script, without PRELUDE, that writes the class's saves into /data
+    TIMEOUT = 400
+
+    @classmethod
+    def setUpClass(cls):
+        cls.root = torch2_chroot.root_or_skip()
+        cls.site = site_or_skip(cls.root)
+        cls.work = tempfile.mkdtemp(prefix='reshard-mcore-')
+        cls.addClassCleanup(shutil.rmtree, cls.work)
+        if cls.SAVE is None:
+            return
+        p = cls.megatron(cls.SAVE)
+        if p.returncode:
+            raise AssertionError('Megatron-Core could not write the saves:\n' + p.stdout + p.stderr[-4000:])
+        print(p.stdout.strip(), file=sys.stderr)
+
+    @classmethod
+    def megatron(cls, script):
+        return run(cls.root, cls.site, script, {cls.work: '/data'}, timeout=cls.TIMEOUT)
+
+    def saved(self, name):
+        return os.path.join(self.work, name)

@@ -24,9 +24,7 @@ Run: /usr/bin/python3 tests/interop/test_megatron_core_moe.py --reshard build/re
 """
 import json
 import os
-import shutil
 import sys
-import tempfile
 
 import torch
 
@@ -157,15 +155,8 @@ for case in CASES:
 '''
 
 
-class MegatronCoreLoadsMoeTest(FixtureTestCase):
+class MegatronCoreLoadsMoeTest(megatron_core_pypi.MegatronCoreTestCase):
     """Megatron-Core itself loads reshard's MoE torch_dist outputs strictly, every tensor equal."""
-
-    @classmethod
-    def setUpClass(cls):
-        cls.root = torch2_chroot.root_or_skip()
-        cls.site = megatron_core_pypi.site_or_skip(cls.root)
-        cls.work = tempfile.mkdtemp(prefix='reshard-mcore-moe-')
-        cls.addClassCleanup(shutil.rmtree, cls.work)
 
     def test_megatron_core_loads_the_outputs_strictly(self):
         cases = []  # (source tag, target TP)
@@ -177,7 +168,7 @@ class MegatronCoreLoadsMoeTest(FixtureTestCase):
             cases.append((tag, [f'/data/{name}/iter_0000000', f'/data/{name}_resaved', tp, 1]))
         model = config_of(SAVES[0])['model']
         script = torch2_chroot.END_RANK + LOAD % json.dumps([model, [case for _, case in cases]])
-        p = megatron_core_pypi.run(self.root, self.site, script, {self.work: '/data'}, timeout=400)
+        p = self.megatron(script)
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr[-4000:])
         for tag, case in cases:
             with self.subTest(save=tag, tp=case[2]):

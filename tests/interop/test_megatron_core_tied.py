@@ -27,14 +27,11 @@ Run: /usr/bin/python3 tests/interop/test_megatron_core_tied.py --reshard build/r
 """
 import json
 import os
-import shutil
 import sys
-import tempfile
 
 import torch
 
 import interop_support as support
-from interop_support import FixtureTestCase
 from megatron_core_data import llama_hf_tensors
 import megatron_core_pypi
 import torch2_chroot
@@ -225,25 +222,10 @@ def gpt2_hf_tensors(full):
     return out
 
 
-class MegatronCoreTiedTest(FixtureTestCase):
+class MegatronCoreTiedTest(megatron_core_pypi.MegatronCoreTestCase):
 
-    @classmethod
-    def setUpClass(cls):
-        cls.root = torch2_chroot.root_or_skip()
-        cls.site = megatron_core_pypi.site_or_skip(cls.root)
-        cls.work = tempfile.mkdtemp(prefix='reshard-mcore-tied-')
-        cls.addClassCleanup(shutil.rmtree, cls.work)
-        p = cls.megatron(torch2_chroot.END_RANK + BUILD + SAVE)
-        if p.returncode:
-            raise AssertionError('Megatron-Core could not write the saves:\n' + p.stdout + p.stderr[-4000:])
-        print(p.stdout.strip(), file=sys.stderr)
-
-    @classmethod
-    def megatron(cls, script):
-        return megatron_core_pypi.run(cls.root, cls.site, script, {cls.work: '/data'}, timeout=240)
-
-    def saved(self, name):
-        return os.path.join(self.work, name)
+    SAVE = torch2_chroot.END_RANK + BUILD + SAVE
+    TIMEOUT = 240
 
     def full(self, tag):
         return torch.load(self.saved(tag + '_full.pt'))

@@ -27,9 +27,7 @@ Run: /usr/bin/python3 tests/interop/test_megatron_core_uneven_pipeline.py --resh
 import json
 import os
 import re
-import shutil
 import sys
-import tempfile
 
 import torch
 
@@ -175,25 +173,9 @@ worlds(load, CASES)
 '''
 
 
-class MegatronCoreUnevenPipelineTest(FixtureTestCase):
+class MegatronCoreUnevenPipelineTest(megatron_core_pypi.MegatronCoreTestCase):
 
-    @classmethod
-    def setUpClass(cls):
-        cls.root = torch2_chroot.root_or_skip()
-        cls.site = megatron_core_pypi.site_or_skip(cls.root)
-        cls.work = tempfile.mkdtemp(prefix='reshard-mcore-uneven-')
-        cls.addClassCleanup(shutil.rmtree, cls.work)
-        p = cls.megatron(torch2_chroot.END_RANK + BUILD + SAVE)
-        if p.returncode:
-            raise AssertionError('Megatron-Core could not write the save:\n' + p.stdout + p.stderr[-4000:])
-        print(p.stdout.strip(), file=sys.stderr)
-
-    @classmethod
-    def megatron(cls, script):
-        return megatron_core_pypi.run(cls.root, cls.site, script, {cls.work: '/data'}, timeout=400)
-
-    def saved(self, name):
-        return os.path.join(self.work, name)
+    SAVE = torch2_chroot.END_RANK + BUILD + SAVE
 
     def convert(self, source, name, *flags):
         out = self.saved(name)

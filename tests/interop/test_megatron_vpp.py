@@ -26,9 +26,7 @@ import glob
 import json
 import os
 import re
-import shutil
 import sys
-import tempfile
 
 import torch
 
@@ -375,7 +373,7 @@ worlds(load, CASES)
 '''
 
 
-class MegatronCoreVppSaveTest(FixtureTestCase):
+class MegatronCoreVppSaveTest(megatron_core_pypi.MegatronCoreTestCase):
     """Real Megatron-Core 0.19.1 saves a 4-layer GPT (local spec, untied, rule set megatron-core-gpt) at
     PP 2 x VPP 2 as torch_dist, model0 / model1 beside args recording VPP 2. reshard converts it to
     torch_dist at PP 1, PP 4, PP 2 x VPP 2 (its own), and to the torch format at PP 2 x VPP 2 (model0,
@@ -383,23 +381,7 @@ class MegatronCoreVppSaveTest(FixtureTestCase):
     parameter equal to its own load of its save at that layout, and at PP 1 with the same loss before and
     after an SGD step."""
 
-    @classmethod
-    def setUpClass(cls):
-        cls.root = torch2_chroot.root_or_skip()
-        cls.site = megatron_core_pypi.site_or_skip(cls.root)
-        cls.work = tempfile.mkdtemp(prefix='reshard-mcore-vpp-')
-        cls.addClassCleanup(shutil.rmtree, cls.work)
-        p = cls.megatron(torch2_chroot.END_RANK + BUILD + SAVE)
-        if p.returncode:
-            raise AssertionError('Megatron-Core could not write the save:\n' + p.stdout + p.stderr[-4000:])
-        print(p.stdout.strip(), file=sys.stderr)
-
-    @classmethod
-    def megatron(cls, script):
-        return megatron_core_pypi.run(cls.root, cls.site, script, {cls.work: '/data'}, timeout=400)
-
-    def saved(self, name):
-        return os.path.join(self.work, name)
+    SAVE = torch2_chroot.END_RANK + BUILD + SAVE
 
     def test_the_source_is_read_with_its_virtual_pipeline(self):
         p = run('inspect', self.saved('src'), *SIZES[:-2])
