@@ -136,6 +136,37 @@ def run(root, site, script, binds, timeout=300):
     return torch2_chroot.run(root, PRELUDE + script, {**binds, site: INSIDE}, timeout=timeout)
 
 
+# Run by the scripts of the tests that start Megatron-Core ranks (after torch2_chroot.END_RANK): each
+# rank joins a gloo group of `world` (start) and ends once the others have (end_megatron_rank); worlds
+# runs fn(rank, port, world, *case) in `world` forked processes for each (world, *case), one world after
+# another.
+RANKS = r'''
+import datetime, socket
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+def start(r, port, world):
+    dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=r, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+
+def end_megatron_rank():
+    # dist_checkpointing's writer keeps a spawned multiprocessing manager, which would outlive the
+    # rank (end_rank exits at once) and keep the run's output open.
+    import multiprocessing
+    for child in multiprocessing.active_children():
+        child.terminate()
+        child.join()
+    end_rank(dist)
+
+def worlds(fn, cases):
+    for world, *case in cases:
+        with socket.socket() as s:
+            s.bind(('127.0.0.1', 0))
+            port = s.getsockname()[1]
+        mp.start_processes(fn, args=(port, world, *case), nprocs=world, start_method='fork')
+'''
+
+
 class MegatronCoreTestCase(FixtureTestCase):
     """A test class that runs real Megatron-Core: setUpClass finds the chroot and the wheels (else skips
     the class with one line), makes cls.work (mounted as /data in the chroot), and runs SAVE there

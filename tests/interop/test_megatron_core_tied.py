@@ -77,37 +77,17 @@ def build(kind, groups, tp, pp):
                      position_embedding_type=k['position'])
     return model
 
-def start(r, port):
-    dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=r, world_size=2,
-                            timeout=datetime.timedelta(seconds=120))
-
-def end_megatron_rank():
-    # dist_checkpointing's writer keeps a spawned multiprocessing manager, which would outlive the
-    # rank (end_rank exits at once) and keep the run's output open.
-    import multiprocessing
-    for child in multiprocessing.active_children():
-        child.terminate()
-        child.join()
-    end_rank(dist)
-
-def worlds(fn, cases):
-    """Runs fn(rank, port, *case) in 2 forked processes for each case, one world after another."""
-    for case in cases:
-        with socket.socket() as s:
-            s.bind(('127.0.0.1', 0))
-            port = s.getsockname()[1]
-        mp.start_processes(fn, args=(port, *case), nprocs=2, start_method='fork')
-''' % json.dumps(MODEL)
+''' % json.dumps(MODEL) + megatron_core_pypi.RANKS
 
 # Saves each sample at /data/TAG, then (no process group, after every fork) has torch's dcp.load
 # read its whole tensors into /data/TAG_full.pt.
 SAVE = r'''
 SAVES = json.loads(%r)
 
-def save(r, port, tag):
+def save(r, port, world, tag):
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
-    start(r, port)
+    start(r, port, world)
     model = build(*SAVES[tag])
     # The norms start at 1 and the biases at 0: values a misplaced copy would show.
     g = torch.Generator().manual_seed(7 + ps.get_pipeline_model_parallel_rank())
@@ -120,7 +100,7 @@ def save(r, port, tag):
                f'/data/{tag}_rank{r}.pt')
     end_megatron_rank()
 
-worlds(save, [(tag,) for tag in SAVES])
+worlds(save, [(2, tag) for tag in SAVES])
 
 import pickle
 import torch.distributed.checkpoint as dcp
@@ -138,10 +118,10 @@ print('megatron-core', __import__('megatron.core.package_info').core.package_inf
 # Loads, at the layout each case names, Megatron-Core's own save and reshard's output into the
 # model (every parameter zeroed first), both strictly, and saves what each rank holds after each.
 LOAD = r'''
-def load(r, port, tag, out, kind, groups, tp, pp):
+def load(r, port, world, tag, out, kind, groups, tp, pp):
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
-    start(r, port)
+    start(r, port, world)
     model = build(kind, groups, tp, pp)
     held = {}
     for name, folder in (('megatron', '/data/' + tag), ('reshard', out)):
@@ -156,7 +136,7 @@ def load(r, port, tag, out, kind, groups, tp, pp):
     torch.save(held, f'/data/{tag}_loaded_rank{r}.pt')
     end_megatron_rank()
 
-worlds(load, CASES)
+worlds(load, [(2, *case) for case in CASES])
 '''
 
 

@@ -73,27 +73,7 @@ def build(pp, first):
                     pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
                     share_embeddings_and_output_weights=False, position_embedding_type='rope')
 
-def start(r, port, world):
-    dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=r, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-
-def end_megatron_rank():
-    # dist_checkpointing's writer keeps a spawned multiprocessing manager, which would outlive the
-    # rank (end_rank exits at once) and keep the run's output open.
-    import multiprocessing
-    for child in multiprocessing.active_children():
-        child.terminate()
-        child.join()
-    end_rank(dist)
-
-def worlds(fn, cases):
-    """Runs fn(rank, port, world, *case) in `world` forked processes for each (world, *case)."""
-    for world, *case in cases:
-        with socket.socket() as s:
-            s.bind(('127.0.0.1', 0))
-            port = s.getsockname()[1]
-        mp.start_processes(fn, args=(port, world, *case), nprocs=world, start_method='fork')
-''' % json.dumps(MODEL)
+''' % json.dumps(MODEL) + megatron_core_pypi.RANKS
 
 # The source: PP 2, the first stage's 2 layers, saved as Megatron-LM saves (args beside the model).
 SAVE = r'''

@@ -276,24 +276,7 @@ def build(pp, vpp):
 def keys(chunks):
     return ['model'] if len(chunks) == 1 else [f'model{v}' for v in range(len(chunks))]
 
-def start(r, port, world):
-    dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=r, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-
-def end_megatron_rank():
-    import multiprocessing
-    for child in multiprocessing.active_children():
-        child.terminate()
-        child.join()
-    end_rank(dist)
-
-def worlds(fn, cases):
-    for world, *case in cases:
-        with socket.socket() as s:
-            s.bind(('127.0.0.1', 0))
-            port = s.getsockname()[1]
-        mp.start_processes(fn, args=(port, world, *case), nprocs=world, start_method='fork')
-''' % json.dumps(MODEL)
+''' % json.dumps(MODEL) + megatron_core_pypi.RANKS
 
 # The source: PP 2 x VPP 2, each chunk's sharded state under model0 / model1 beside args that record the
 # virtual pipeline, as Megatron-LM's torch_dist save writes them.
