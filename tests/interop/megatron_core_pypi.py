@@ -21,6 +21,7 @@ import sys
 import tempfile
 import zipfile
 
+import interop_support as support
 from interop_support import FixtureTestCase
 import torch2_chroot
 
@@ -194,3 +195,22 @@ class MegatronCoreTestCase(FixtureTestCase):
 
     def saved(self, name):
         return os.path.join(self.work, name)
+
+    def assertLoadedAsItsOwn(self, name, ranks):
+        """What Megatron-Core held on each of `ranks` ranks after loading reshard's output `name` equals
+        what it held after loading its own save (NAME_loaded_rank<r>.pt: {'held': {'reshard': ...,
+        'megatron': ...}, 'loss': ...}); on one rank the loss, before and after a step, is the same and
+        falls. Returns the tensors compared and the last rank's record."""
+        import torch  # only the tests that read the ranks' records need it
+        compared = 0
+        for r in range(ranks):
+            got = torch.load(self.saved(f'{name}_loaded_rank{r}.pt'))
+            held = got['held']
+            self.assertEqual(sorted(held['reshard']), sorted(held['megatron']))
+            self.assertEqual(support.differences(dict(sorted(held['reshard'].items())),
+                                                 dict(sorted(held['megatron'].items())), f'{name} rank {r}'), [])
+            compared += len(held['reshard'])
+            if ranks == 1:
+                self.assertEqual(got['loss']['reshard'], got['loss']['megatron'])
+                self.assertLess(got['loss']['reshard'][1], got['loss']['reshard'][0])
+        return compared, got

@@ -395,17 +395,7 @@ class MegatronCoreVppSaveTest(megatron_core_pypi.MegatronCoreTestCase):
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr[-4000:])
         for _, name, _, form, pp, vpp in cases:
             with self.subTest(output=name, pp=pp, vpp=vpp):
-                compared = 0
-                for r in range(pp):
-                    got = torch.load(self.saved(f'{name}_loaded_rank{r}.pt'))
-                    held = got['held']
-                    self.assertEqual(sorted(held['reshard']), sorted(held['megatron']))
-                    self.assertEqual(support.differences(dict(sorted(held['reshard'].items())),
-                                                         dict(sorted(held['megatron'].items())), f'{name} rank {r}'), [])
-                    compared += len(held['reshard'])
-                    if pp == 1:
-                        self.assertEqual(got['loss']['reshard'], got['loss']['megatron'])
-                        self.assertLess(got['loss']['reshard'][1], got['loss']['reshard'][0])
+                compared, got = self.assertLoadedAsItsOwn(name, pp)
                 print(f'{name} ({form}) at PP {pp}, VPP {vpp}: {compared} tensors loaded strictly, equal' +
                       (f"; loss {got['loss']['reshard']}" if pp == 1 else ''), file=sys.stderr)
 
