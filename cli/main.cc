@@ -186,6 +186,10 @@ void AddFormatOptions(CLI::App* cmd, std::map<std::string, std::string>* given) 
     }
     const std::string help = Join(d.targets) + ": " + d.info.help +
                              (defaults.empty() ? "" : " (default " + Join(defaults, "; ") + ")");
+    if (d.info.kind == reshard::FormatOptionInfo::Kind::kFlag) {
+      cmd->add_flag_function("--" + name, [given, name](int64_t) { (*given)[name] = "true"; }, help);
+      continue;
+    }
     CLI::Option* option = cmd->add_option_function<std::string>(
         "--" + name, [given, name](const std::string& value) { (*given)[name] = value; }, help);
     if (d.info.bytes) option->transform(CLI::AsSizeValue(false));

@@ -153,7 +153,11 @@ void ReadFormatOptions(Kwargs& kw, std::map<std::string, std::string>* given) {
   for (const reshard::TargetFormatInfo& target : reshard::TargetFormats()) {
     for (const reshard::FormatOptionInfo& option : target.options) {
       py::object value = kw.Take(KeywordOf(option.name).c_str());
-      if (!value.is_none()) (*given)[option.name] = py::str(value);
+      if (option.kind == reshard::FormatOptionInfo::Kind::kFlag) {
+        if (!value.is_none() && value.cast<bool>()) (*given)[option.name] = "true";
+      } else if (!value.is_none()) {
+        (*given)[option.name] = py::str(value);
+      }
     }
   }
 }
@@ -304,13 +308,22 @@ py::dict Verify(const std::string& a, std::optional<std::string> b, py::kwargs k
   return VerifyDict(Take(std::move(r)));
 }
 
+const char* KindName(reshard::FormatOptionInfo::Kind kind) {
+  switch (kind) {
+    case reshard::FormatOptionInfo::Kind::kCount: return "count";
+    case reshard::FormatOptionInfo::Kind::kFlag: return "flag";
+    case reshard::FormatOptionInfo::Kind::kText: break;
+  }
+  return "text";
+}
+
 py::list TargetFormats() {
   py::list out;
   for (const reshard::TargetFormatInfo& t : reshard::TargetFormats()) {
     py::list options;
     for (const reshard::FormatOptionInfo& o : t.options) {
       options.append(py::dict(py::arg("name") = KeywordOf(o.name),
-                              py::arg("kind") = o.kind == reshard::FormatOptionInfo::Kind::kCount ? "count" : "text",
+                              py::arg("kind") = KindName(o.kind),
                               py::arg("help") = o.help, py::arg("choices") = o.choices,
                               py::arg("default") = o.default_value));
     }

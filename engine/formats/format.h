@@ -265,6 +265,10 @@ inline std::string FormatOption(const ExportOptions& options, const std::string&
 }
 // The same, of a kCount option (0 when neither given nor defaulted).
 int64_t FormatCount(const ExportOptions& options, const std::string& name);
+// Whether the flag option `name` was given.
+inline bool FormatFlag(const ExportOptions& options, const std::string& name) {
+  return FormatOption(options, name) == "true";
+}
 
 // Options several targets declare alike.
 // --from: the tensors from the fp32 masters or the weights, `fallback` by default.

@@ -48,7 +48,7 @@ DcpTensors TensorsOf(const DcpContent& content) {
       return Status::Internal(fqn + " is read through its runs, not its placeholder tensor");
     };
     out.tensors[t.fqn] = ImportedTensor{MakeProducedTensor(t.dtype, t.size, unread), SliceRuns(t, -1)};
-    for (const Box& chunk : content.meta.items.at(t.fqn).chunks) out.chunk_offsets[t.fqn].push_back(chunk.offsets);
+    out.chunks[t.fqn] = content.meta.items.at(t.fqn).chunks;
   }
   return out;
 }
@@ -109,7 +109,7 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenAccelerate(const std::string& fold
     DcpTensors more = TensorsOf(*optimizer);
     tensors.files.insert(tensors.files.end(), more.files.begin(), more.files.end());
     tensors.tensors.merge(more.tensors);
-    tensors.chunk_offsets.merge(more.chunk_offsets);
+    tensors.chunks.merge(more.chunks);
     tensors.objects.insert(tensors.objects.end(), more.objects.begin(), more.objects.end());
     tensors.read_object = [&model, &optimizer](const std::string& key) {
       return model.meta.Find(key, {}) != nullptr ? model.ReadBytes(key) : optimizer->ReadBytes(key);

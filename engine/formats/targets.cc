@@ -189,6 +189,10 @@ Status CheckValue(const FormatOptionInfo& option, const std::string& value) {
     if (!ParseInt(value, &n) || n < 1) return Status::InvalidInput("--" + option.name + " takes a whole number >= 1, not '" + value + "'");
     return Status::Ok();
   }
+  if (option.kind == FormatOptionInfo::Kind::kFlag) {
+    if (value == "true") return Status::Ok();
+    return Status::InvalidInput("--" + option.name + " is a flag, given or not; it takes no value ('" + value + "')");
+  }
   if (option.choices.empty() || std::count(option.choices.begin(), option.choices.end(), value)) return Status::Ok();
   return Status::InvalidInput("--" + option.name + " does not take '" + value + "'; " + Hint(value, option.choices));
 }

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <set>
 #include <vector>
 
 namespace reshard {
@@ -54,6 +55,18 @@ inline std::optional<Box> Intersect(const Box& a, const Box& b) {
     out.sizes[i] = hi - lo;
   }
   return out;
+}
+
+// How many distinct first indices along `axis` the `boxes` have: the cuts of
+// a tensor along that axis, as its saved chunks show them (0: a box has no
+// such axis).
+inline int DistinctStartsAlong(const std::vector<Box>& boxes, int axis) {
+  std::set<int64_t> starts;
+  for (const Box& box : boxes) {
+    if (axis < 0 || axis >= box.rank()) return 0;
+    starts.insert(box.offsets[axis]);
+  }
+  return static_cast<int>(starts.size());
 }
 
 }  // namespace reshard

@@ -165,6 +165,7 @@ struct FormatOptionInfo {
   enum class Kind {
     kText,   // any text, or one of `choices`
     kCount,  // an integer >= 1
+    kFlag,   // given or not: the CLI's `--<name>`, the Python module's `<name>=True`; given, its value is "true"
   };
   std::string name = "";  // "tokenizer", "layer-spec", ...
   Kind kind = Kind::kText;

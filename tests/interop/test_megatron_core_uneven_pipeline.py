@@ -9,9 +9,11 @@ groups, FFN 32, vocabulary 64, GeLU, rotary, untied: rule set megatron-core-gpt)
 first stage holding 2 layers, as Megatron-LM does: the model's sharded state beside args that record
 the split.
 
-Checked: reshard converts it to torch_dist at PP 1, PP 3, PP 2 with the first stage holding 1 layer
-and PP 2 keeping its own split, and to Megatron-LM's `torch` format at its own split; each output
-converts back to the source's layout. Megatron-Core loads every output at its layout strictly
+Checked: reshard converts it to torch_dist at PP 1, PP 3, PP 2 with the first stage holding 1 layer,
+PP 2 with the embedding counted as a layer (--account-for-embedding-in-pipeline-split) and PP 2
+keeping its own split, and to Megatron-LM's `torch` format at its own split and with the loss
+counted (--account-for-loss-in-pipeline-split); each output converts back to the source's layout,
+and the one with the embedding counted keeps its split at its PP. Megatron-Core loads every output at its layout strictly
 (dist_checkpointing.load with StrictHandling.RAISE_ALL; a `torch` rank file's model with
 load_state_dict(strict=True)), every parameter equal to what it loads from its own save at that
 layout; at PP 1 the loaded model's loss, and its loss after one SGD step, are bit-identical to the
@@ -43,9 +45,11 @@ MODEL = dict(hidden=16, heads=4, groups=2, ffn=32, layers=3, vocab=64, max_seq=3
 SIZES = ['--set', f"num_attention_heads={MODEL['heads']}", '--set', f"num_key_value_heads={MODEL['groups']}",
          '--set', 'make_vocab_size_divisible_by=16', '--vocab-size', MODEL['vocab']]
 FIRST = '--decoder-first-pipeline-num-layers'
+EMBEDDING = '--account-for-embedding-in-pipeline-split'
+LOSS = '--account-for-loss-in-pipeline-split'
 
-# Run by every script: builds the GPTModel at PP `pp`, its first stage holding `first` layers
-# (None: even), after the process group; `worlds` runs each case in its own world.
+# Run by every script: builds the GPTModel at PP `pp` split as `split` says (TransformerConfig's
+# fields: {} for even), after the process group; `worlds` runs each case in its own world.
 BUILD = r'''
 import argparse, datetime, json, os, socket, sys
 import torch
@@ -55,7 +59,7 @@ import torch.nn.functional as F
 
 M = json.loads(%r)
 
-def build(pp, first):
+def build(pp, split):
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -64,7 +68,7 @@ def build(pp, first):
     config = TransformerConfig(
         num_layers=M['layers'], hidden_size=M['hidden'], num_attention_heads=M['heads'],
         num_query_groups=M['groups'], ffn_hidden_size=M['ffn'], pipeline_model_parallel_size=pp,
-        num_layers_in_first_pipeline_stage=first, pipeline_dtype=torch.float32, use_cpu_initialization=True,
+        **split, pipeline_dtype=torch.float32, use_cpu_initialization=True,
         activation_func=F.gelu, hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False,
         masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False)
@@ -81,7 +85,7 @@ def save(r, port, world):
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
     start(r, port, world)
-    model = build(2, 2)
+    model = build(2, {'num_layers_in_first_pipeline_stage': 2})
     # The norms start at 1 and the biases at 0: values a misplaced copy would show.
     g = torch.Generator().manual_seed(7 + ps.get_pipeline_model_parallel_rank())
     for p in model.parameters():
@@ -126,12 +130,12 @@ def losses(model):
             p -= 0.1 * p.grad
     return [before.item(), loss_of(model).item()]
 
-def load(r, port, world, name, out, form, pp, first):
+def load(r, port, world, name, out, form, pp, split):
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.validation import StrictHandling
     start(r, port, world)
-    model = build(pp, first)
+    model = build(pp, split)
     held, loss = {}, {}
     for who, folder, kind in (('megatron', '/data/src', 'torch_dist'), ('reshard', out, form)):
         for p in model.parameters():
@@ -179,35 +183,50 @@ class MegatronCoreUnevenPipelineTest(megatron_core_pypi.MegatronCoreTestCase):
         self.assertRefused(p, '3 layers do not divide into 2 stages; give --decoder-first-pipeline-num-layers N', out)
 
     def test_megatron_core_loads_every_layout_strictly(self):
-        # name: (output, form, PP, first stage's layers, conversion flags, source)
+        # name: (output, form, PP, its split as TransformerConfig's fields, conversion flags, source)
+        first = lambda n: {'num_layers_in_first_pipeline_stage': n}
+        embedding = {'account_for_embedding_in_pipeline_split': True}
+        loss = {'account_for_loss_in_pipeline_split': True}
         outputs = {
-            'pp1': ('torch_dist', 1, None, ['--pp', 1], 'src'),
-            'pp3': ('torch_dist', 3, None, ['--pp', 3], 'src'),
-            'pp2_first1': ('torch_dist', 2, 1, ['--pp', 2, FIRST, 1], 'src'),
-            'pp2_own': ('torch_dist', 2, 2, ['--pp', 2], 'src'),
-            'torch_own': ('torch', 2, 2, ['--to', 'megatron'], 'src'),
-            'pp1_back': ('torch_dist', 2, 2, ['--pp', 2, FIRST, 2], 'pp1'),
-            'pp3_back': ('torch_dist', 2, 2, ['--pp', 2, FIRST, 2], 'pp3'),
-            'pp2_first1_back': ('torch_dist', 2, 2, ['--pp', 2, FIRST, 2], 'pp2_first1'),
-            'torch_back': ('torch_dist', 2, 2, ['--to', 'torch_dist'], 'torch_own'),
+            'pp1': ('torch_dist', 1, {}, ['--pp', 1], 'src'),
+            'pp3': ('torch_dist', 3, {}, ['--pp', 3], 'src'),
+            'pp2_first1': ('torch_dist', 2, first(1), ['--pp', 2, FIRST, 1], 'src'),
+            'pp2_own': ('torch_dist', 2, first(2), ['--pp', 2], 'src'),
+            'pp2_embedding': ('torch_dist', 2, embedding, ['--pp', 2, EMBEDDING], 'src'),
+            'pp2_loss': ('torch', 2, loss, ['--to', 'megatron', '--pp', 2, LOSS], 'src'),
+            'torch_own': ('torch', 2, first(2), ['--to', 'megatron'], 'src'),
+            'pp1_back': ('torch_dist', 2, first(2), ['--pp', 2, FIRST, 2], 'pp1'),
+            'pp3_back': ('torch_dist', 2, first(2), ['--pp', 2, FIRST, 2], 'pp3'),
+            'pp2_first1_back': ('torch_dist', 2, first(2), ['--pp', 2, FIRST, 2], 'pp2_first1'),
+            'pp2_embedding_own': ('torch_dist', 2, embedding, ['--pp', 2], 'pp2_embedding'),
+            'torch_back': ('torch_dist', 2, first(2), ['--to', 'torch_dist'], 'torch_own'),
         }
         cases = []
-        for name, (form, pp, first, flags, source) in outputs.items():
+        for name, (form, pp, split, flags, source) in outputs.items():
             self.convert(source, name, *flags)
             p = run('verify', self.saved('src'), self.saved(name), *SIZES[:-2])
             self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
             self.assertIn('same model', p.stdout)
-            cases.append([pp, name, f'/data/{name}/iter_0000000', form, pp, first])
-        with open(os.path.join(self.saved('torch_own'), 'iter_0000000', 'mp_rank_00_000', 'model_optim_rng.pt'),
-                  'rb') as f:
-            args = torch.load(f, weights_only=False)['args']
-        self.assertEqual(args.decoder_first_pipeline_num_layers, 2)
+            cases.append([pp, name, f'/data/{name}/iter_0000000', form, pp, split])
+        # The split each output's args record (torch_dist's keys are global, so its load cannot tell).
+        for name in ('torch_own', 'pp2_loss'):
+            with open(os.path.join(self.saved(name), 'iter_0000000', 'mp_rank_00_000', 'model_optim_rng.pt'),
+                      'rb') as f:
+                args = vars(torch.load(f, weights_only=False)['args'])
+            split = outputs[name][2]
+            self.assertEqual(args['decoder_first_pipeline_num_layers'], split.get('num_layers_in_first_pipeline_stage'))
+            for field in ('account_for_embedding_in_pipeline_split', 'account_for_loss_in_pipeline_split'):
+                self.assertEqual(bool(args.get(field)), split.get(field, False), (name, field))
+        for name, stages in (('pp2_first1', 'first stage 1'), ('pp2_embedding', 'the embedding counted as a layer'),
+                             ('pp2_embedding_own', 'the embedding counted as a layer')):
+            p = run('inspect', self.saved(name), *SIZES[:-2])
+            self.assertIn(f'PP 2 (args), DP 1 (args), stages {stages} (args)', p.stdout)
         p = self.megatron(torch2_chroot.END_RANK + BUILD + 'CASES = json.loads(%r)\n' % json.dumps(cases) + LOAD)
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr[-4000:])
-        for _, name, _, form, pp, first in cases:
-            with self.subTest(output=name, pp=pp, first=first):
+        for _, name, _, form, pp, split in cases:
+            with self.subTest(output=name, pp=pp, split=split):
                 compared, got = self.assertLoadedAsItsOwn(name, pp)
-                print(f'{name} ({form}) at PP {pp}, first stage {first}: {compared} tensors loaded strictly, equal' +
+                print(f'{name} ({form}) at PP {pp}, split {split}: {compared} tensors loaded strictly, equal' +
                       (f"; loss {got['loss']['reshard']}" if pp == 1 else ''), file=sys.stderr)
 
 

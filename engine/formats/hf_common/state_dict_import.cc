@@ -385,16 +385,10 @@ class Reader {
     return mesh;
   }
 
-  // The distinct first indices of the chunks of `stored` along `dim` (0: unknown).
-  int ChunksAlong(const std::string& stored, size_t dim) const {
-    auto it = dcp_.chunk_offsets.find(stored);
-    if (it == dcp_.chunk_offsets.end()) return 0;
-    std::set<int64_t> offsets;
-    for (const std::vector<int64_t>& chunk : it->second) {
-      if (dim >= chunk.size()) return 0;
-      offsets.insert(chunk[dim]);
-    }
-    return static_cast<int>(offsets.size());
+  // The cuts of `stored` along `axis`, as its chunks show them (0: unknown).
+  int ChunksAlong(const std::string& stored, int axis) const {
+    auto it = dcp_.chunks.find(stored);
+    return it == dcp_.chunks.end() ? 0 : DistinctStartsAlong(it->second, axis);
   }
 
   // What the step records, in torchtitan's terms.

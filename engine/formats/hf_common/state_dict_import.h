@@ -37,6 +37,7 @@
 #include "logical/imported_optimizer.h"
 #include "logical/logical_checkpoint.h"
 #include "reshard/reshard.h"
+#include "util/box.h"
 
 namespace reshard {
 
@@ -47,9 +48,9 @@ struct DcpTensors {
   std::map<std::string, ImportedTensor> tensors;  // every tensor whole, by key (runs of its chunks)
   std::vector<std::string> objects;               // the keys of the plain objects
   std::function<Result<Value>(const std::string& key)> read_object;
-  // Where the mesh is read from: each tensor's chunks (the first index of
-  // each along every dimension), by key, and the ranks that wrote (0: not known).
-  std::map<std::string, std::vector<std::vector<int64_t>>> chunk_offsets;
+  // Where the mesh is read from: each tensor's chunks, by key, and the ranks
+  // that wrote (0: not known).
+  std::map<std::string, std::vector<Box>> chunks;
   int writing_ranks = 0;
 };
 

@@ -263,6 +263,13 @@ std::vector<FormatOptionInfo> PipelineSplitOptions() {
           {kLastStageOption, Kind::kCount,
            "Megatron-LM's --decoder-last-pipeline-num-layers: the last pipeline stage's transformer layers (default: "
            "the source's own split at its own PP, else even)"},
+          {kEmbeddingCountedOption, Kind::kFlag,
+           "Megatron-LM's --account-for-embedding-in-pipeline-split: the embedding counted as one more layer of the "
+           "first pipeline stage, the layers split evenly with it (default: the source's own split at its own PP, "
+           "else even)"},
+          {kLossCountedOption, Kind::kFlag,
+           "Megatron-LM's --account-for-loss-in-pipeline-split: the loss counted as one more layer of the last "
+           "pipeline stage (default: the source's own split at its own PP, else even)"},
           {kVppOption, Kind::kCount,
            "The virtual pipeline: model chunks per pipeline stage, interleaved (Megatron-LM's "
            "--num-virtual-stages-per-pipeline-rank; default: the source's own at its own PP, else 1)"}};
@@ -290,6 +297,8 @@ Result<TargetPipeline> ChooseTargetPipeline(const SourceCheckpoint& src, const E
   const int64_t first = FormatCount(options, kFirstStageOption), last = FormatCount(options, kLastStageOption);
   if (first > 0) out.split.first = static_cast<int>(first);
   if (last > 0) out.split.last = static_cast<int>(last);
+  out.split.embedding = FormatFlag(options, kEmbeddingCountedOption);
+  out.split.loss = FormatFlag(options, kLossCountedOption);
   const Value* args = Find(src.info().metadata, "args");
   if (args != nullptr && DictItems(*args) == nullptr) args = nullptr;
   if (out.split.Even() && args != nullptr) {

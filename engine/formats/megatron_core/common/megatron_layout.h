@@ -152,11 +152,14 @@ int VppOfArgs(const Value& args);
 // sizes, under Megatron-LM's flag names.
 inline constexpr char kFirstStageOption[] = "decoder-first-pipeline-num-layers";
 inline constexpr char kLastStageOption[] = "decoder-last-pipeline-num-layers";
+inline constexpr char kEmbeddingCountedOption[] = "account-for-embedding-in-pipeline-split";
+inline constexpr char kLossCountedOption[] = "account-for-loss-in-pipeline-split";
 inline constexpr char kVppOption[] = "vpp";  // the model chunks of each stage
 std::vector<FormatOptionInfo> PipelineSplitOptions();
 
 // The stages an export to `pp` stages of `layers` layers writes, and the
-// split its args record: the stage sizes given as options; else the
+// split its args record: the stage sizes (or the embedding or loss counted)
+// given as options; else the
 // source's own split where it was saved at `pp` stages (a note says when
 // the source's uneven split is not kept); else even. The chunks of each
 // stage: --vpp, else 1 (a note says when the source's virtual pipeline is

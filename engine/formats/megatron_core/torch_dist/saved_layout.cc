@@ -13,13 +13,9 @@ int TpOfChunks(const DcpMetadata& meta, const std::map<std::string, TpSplit>& tp
   for (const auto& [key, split] : tp_splits) {
     auto it = meta.items.find(key);
     if (it == meta.items.end()) continue;
-    std::set<int64_t> offsets;
-    for (const Box& chunk : it->second.chunks) {
-      if (split.dim >= static_cast<int>(chunk.offsets.size())) return 0;
-      offsets.insert(chunk.offsets[split.dim]);
-    }
-    if (split.parts < 1 || offsets.size() % split.parts != 0) return 0;
-    const int n = static_cast<int>(offsets.size()) / split.parts;
+    const int cuts = DistinctStartsAlong(it->second.chunks, split.dim);
+    if (cuts == 0 || split.parts < 1 || cuts % split.parts != 0) return 0;
+    const int n = cuts / split.parts;
     if (tp != 0 && n != tp) return 0;
     tp = n;
   }

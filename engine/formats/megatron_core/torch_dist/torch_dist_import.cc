@@ -267,6 +267,9 @@ class FamilyReader {
     }
     // The virtual pipeline leaves the keys global: only the args know it.
     if (const int vpp = args != nullptr ? VppOfArgs(*args) : 1; vpp > 1) text += ", VPP " + std::to_string(vpp) + " (args)";
+    if (const PipelineSplit split = args != nullptr ? SplitOfArgs(*args) : PipelineSplit(); !split.Even()) {
+      text += ", stages " + split.Describe() + " (args)";
+    }
     if (world > 0) text += "; " + Count(world, "rank") + " wrote it";
     return text;
   }
