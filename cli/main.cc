@@ -126,6 +126,15 @@ std::vector<std::string> TargetNames() {
   return names;
 }
 
+// The targets that take layout size `taken` (TargetFormatInfo::tp, ...).
+std::vector<std::string> TargetsTaking(bool reshard::TargetFormatInfo::*taken) {
+  std::vector<std::string> takers;
+  for (const reshard::TargetFormatInfo& t : reshard::TargetFormats()) {
+    if (t.*taken) takers.push_back(t.name);
+  }
+  return takers;
+}
+
 // "consolidated (one state dict ...), hf (...), ...".
 std::string TargetsHelp() {
   std::vector<std::string> parts;
@@ -139,7 +148,7 @@ std::string OutputsHelp() {
   return Join(parts, "; ");
 }
 
-// --tp, --pp, --dp, each naming the targets whose layout it sets.
+// --tp, --pp, --dp, --ep, each naming the targets whose layout it sets.
 void AddExportLayout(CLI::App* cmd, reshard::ExportOptions* o) {
   const struct {
     const char* flag;
@@ -148,13 +157,11 @@ void AddExportLayout(CLI::App* cmd, reshard::ExportOptions* o) {
     bool reshard::TargetFormatInfo::*taken;
   } sizes[] = {{"--tp", "Target tensor-parallel size", &o->tp, &reshard::TargetFormatInfo::tp},
                {"--pp", "Target pipeline-parallel size", &o->pp, &reshard::TargetFormatInfo::pp},
-               {"--dp", "Target data-parallel size", &o->dp, &reshard::TargetFormatInfo::dp}};
+               {"--dp", "Target data-parallel size", &o->dp, &reshard::TargetFormatInfo::dp},
+               {"--ep", "Target expert-parallel size of a model with experts", &o->ep,
+                &reshard::TargetFormatInfo::ep}};
   for (const auto& size : sizes) {
-    std::vector<std::string> takers;
-    for (const reshard::TargetFormatInfo& t : reshard::TargetFormats()) {
-      if (t.*size.taken) takers.push_back(t.name);
-    }
-    cmd->add_option(size.flag, *size.value, std::string(size.what) + " (" + Join(takers) + ")")
+    cmd->add_option(size.flag, *size.value, std::string(size.what) + " (" + Join(TargetsTaking(size.taken)) + ")")
         ->check(CLI::Range(1, 1 << 20));
   }
 }
@@ -496,7 +503,8 @@ int Run(int argc, char** argv) {
   convert_cmd->add_option("--dp", convert.target_dp, "Target data-parallel size (default: the source's)")
       ->check(CLI::Range(1, 1 << 20));
   convert_cmd->add_option("--ep", convert.target_ep,
-                          "Target expert-parallel size of a DeepSpeed MoE checkpoint (default: the source's)")
+                          "Target expert-parallel size of a model with experts (" + Join(TargetsTaking(&reshard::TargetFormatInfo::ep)) +
+                              "; default: the source's)")
       ->check(CLI::Range(1, 1 << 20));
   convert_cmd->add_option("--layers-per-stage", convert.layers_per_stage,
                           "Transformer blocks per target stage, e.g. 5,6,6,5 (default: DeepSpeed's partition)")

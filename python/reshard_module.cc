@@ -169,6 +169,7 @@ void ReadExport(Kwargs& kw, reshard::ExportOptions* o) {
   kw.Get("tp", &o->tp);
   kw.Get("pp", &o->pp);
   kw.Get("dp", &o->dp);
+  kw.Get("ep", &o->ep);
   ReadFormatOptions(kw, &o->format_options);
 }
 
@@ -331,6 +332,7 @@ py::list TargetFormats() {
     if (t.tp) sizes.append("tp");
     if (t.pp) sizes.append("pp");
     if (t.dp) sizes.append("dp");
+    if (t.ep) sizes.append("ep");
     out.append(py::dict(py::arg("name") = t.name, py::arg("help") = t.help, py::arg("output") = t.output,
                         py::arg("layout") = sizes, py::arg("options") = options));
   }

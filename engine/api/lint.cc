@@ -48,7 +48,7 @@ Result<LintReport> Lint(const std::string& checkpoint, const LintOptions& option
   // where it records its layout (else convert needs to be told one).
   const bool target = !options.to.empty() || options.target_tp > 0 || options.target_pp > 0 || options.target_dp > 0 ||
                       options.target_ep > 0;
-  if (report.ok() && (target || src->info().tp > 0)) LintConversion(*src, options, &report);
+  if (report.ok() && (target || RecordsItsLayout(*src))) LintConversion(*src, options, &report);
   if (options.deep) {
     // LibTorch's reader reads every file as well: a second, independent
     // reader of the container, which reshard otherwise reads on its own.

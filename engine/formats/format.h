@@ -112,8 +112,10 @@ struct SourceInfo {
   // "state dict"): what convert writes by default.
   std::string format;
   // The parallel layout it was saved at, where the format records it (0:
-  // not recorded): what convert keeps of it when not told otherwise.
-  int tp = 0, pp = 0, dp = 0;
+  // not recorded): what convert keeps of it when not told otherwise. `ep`
+  // only for a model with experts whose format records it apart from its
+  // own planner (torch_dist; a DeepSpeed MoE save keeps its own).
+  int tp = 0, pp = 0, dp = 0, ep = 0;
   // Saved as whole tensors (an HF folder, a state dict): at size 1 in every
   // layout dimension, which convert takes, with a note, for the sizes of a
   // target not given.
@@ -224,11 +226,12 @@ class SourceCheckpoint {
   // The registry names the format that opened the checkpoint and the layout
   // it was saved at, where the reader found it (0: leaves the size as the
   // source set it).
-  void SetOrigin(const std::string& format, int tp = 0, int pp = 0, int dp = 0) {
+  void SetOrigin(const std::string& format, int tp = 0, int pp = 0, int dp = 0, int ep = 0) {
     info_.format = format;
     if (tp > 0) info_.tp = tp;
     if (pp > 0) info_.pp = pp;
     if (dp > 0) info_.dp = dp;
+    if (ep > 0) info_.ep = ep;
   }
 
   // The registry records the options of its format's target the

@@ -24,11 +24,12 @@ namespace {
 // `--rules none`: a DCP folder read as it is, even where a rule set reads it.
 constexpr char kNoRules[] = "none";
 
-// `opened`, named as read by `format`, saved at `tp` x `pp` x `dp` where known.
+// `opened`, named as read by `format`, saved at `tp` x `pp` x `dp` (and
+// `ep`, its experts') where known.
 Result<std::unique_ptr<SourceCheckpoint>> Named(const std::string& format,
                                                 Result<std::unique_ptr<SourceCheckpoint>> opened, int tp = 0,
-                                                int pp = 0, int dp = 0) {
-  if (opened.ok()) (*opened)->SetOrigin(format, tp, pp, dp);
+                                                int pp = 0, int dp = 0, int ep = 0) {
+  if (opened.ok()) (*opened)->SetOrigin(format, tp, pp, dp, ep);
   return opened;
 }
 
@@ -140,14 +141,14 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenDcp(const std::string& folder, con
     if (asked || imported.status().code() != Status::Code::kUnsupported) return imported.status();
     return Named("dcp", OpenDcpCheckpoint(std::move(content), imported.status().message()));
   }
-  const int tp = imported->tp, pp = imported->pp, dp = imported->dp;
+  const int tp = imported->tp, pp = imported->pp, dp = imported->dp, ep = imported->ep;
   return Named("torch_dist",
                MakeImportedSource({std::move(imported->logical), folder, std::move(imported->what),
                                    std::move(imported->files), std::move(imported->notes),
                                    std::move(imported->optimizer), imported->optimizer_status,
                                    std::move(imported->megatron_core_version), std::move(imported->facts)},
                                   options),
-               tp, pp, dp);
+               tp, pp, dp, ep);
 }
 
 // Where `args.<field>` comes from in an HF folder: "config.json's

@@ -32,6 +32,11 @@ Status CheckPipelineComputes(const SourceCheckpoint& src);
 // line: "unknown target format 'HF'; did you mean 'hf'? (the formats: ...)".
 Status CheckTargetFormat(const std::string& to);
 
+// Whether `src` records the layout convert keeps of it when given no size:
+// its TP, and the EP of a model with experts (a DeepSpeed MoE save's
+// planner keeps its own).
+bool RecordsItsLayout(const SourceCheckpoint& src);
+
 // Plans convert's output: `src` in the format `options.to` names, else in its
 // own, each layout size not given kept from the source.
 Result<OutputPlan> PlanConvert(const SourceCheckpoint& src, const ConvertOptions& options,

@@ -94,7 +94,7 @@ Result<OutputPlan> PlanDeepSpeed(const SourceCheckpoint& src, const ConvertOptio
 TargetFormat DeepSpeedTarget() {
   TargetFormatInfo info{kDeepSpeed, "DeepSpeed / Megatron-DeepSpeed at --tp / --pp / --dp, with its optimizer state",
                         "the tag folder, written exactly there (e.g. out/global_step20), with 'latest' beside it"};
-  info.tp = info.pp = info.dp = true;
+  info.tp = info.pp = info.dp = info.ep = true;
   return {std::move(info), [](const SourceCheckpoint& src, const ExportOptions& options,
                               std::vector<std::string>* notes) -> Result<OutputPlan> {
             ConvertOptions convert;
@@ -102,6 +102,7 @@ TargetFormat DeepSpeedTarget() {
             convert.target_tp = options.tp;
             convert.target_pp = options.pp;
             convert.target_dp = options.dp;
+            convert.target_ep = options.ep;
             return PlanDeepSpeed(src, convert, notes);
           }};
 }
@@ -169,7 +170,8 @@ Status CheckLayout(const TargetFormatInfo& target, const ExportOptions& options)
     bool TargetFormatInfo::*taken;
   } sizes[] = {{"--tp", options.tp, &TargetFormatInfo::tp},
                {"--pp", options.pp, &TargetFormatInfo::pp},
-               {"--dp", options.dp, &TargetFormatInfo::dp}};
+               {"--dp", options.dp, &TargetFormatInfo::dp},
+               {"--ep", options.ep, &TargetFormatInfo::ep}};
   for (const auto& size : sizes) {
     if (size.value == 0 || target.*size.taken) continue;
     std::vector<std::string> takers;
@@ -232,11 +234,10 @@ Result<std::string> ConvertTarget(const SourceCheckpoint& src, const ConvertOpti
 
 // Refuses an option of convert that only the deepspeed target takes.
 Status CheckDeepSpeedOnly(const ConvertOptions& options, const std::string& to) {
-  const char* flag = options.target_ep > 0              ? "--ep"
-                     : !options.layers_per_stage.empty() ? "--layers-per-stage"
-                     : options.vocab_pad_value != 0      ? "--vocab-pad-value"
-                     : !options.update_latest            ? "--no-update-latest"
-                                                         : nullptr;
+  const char* flag = !options.layers_per_stage.empty() ? "--layers-per-stage"
+                     : options.vocab_pad_value != 0     ? "--vocab-pad-value"
+                     : !options.update_latest           ? "--no-update-latest"
+                                                        : nullptr;
   if (flag == nullptr) return Status::Ok();
   return Status::InvalidInput(std::string(flag) + " is an option of --to deepspeed; leave it out of --to " + to);
 }
@@ -254,6 +255,7 @@ Result<OutputPlan> PlanOtherFormat(const SourceCheckpoint& src, const ConvertOpt
   exporting.tp = options.target_tp > 0 || !target.tp ? options.target_tp : src.info().tp;
   exporting.pp = options.target_pp > 0 || !target.pp ? options.target_pp : src.info().pp;
   exporting.dp = options.target_dp > 0 || !target.dp ? options.target_dp : src.info().dp;
+  exporting.ep = options.target_ep > 0 || !target.ep ? options.target_ep : src.info().ep;
   std::vector<std::string> whole = WholeSizes(src, {{"--tp", target.tp ? options.target_tp : -1},
                                                     {"--pp", target.pp ? options.target_pp : -1},
                                                     {"--dp", target.dp ? options.target_dp : -1}});
@@ -268,6 +270,12 @@ Result<OutputPlan> PlanOtherFormat(const SourceCheckpoint& src, const ConvertOpt
 }
 
 }  // namespace
+
+bool RecordsItsLayout(const SourceCheckpoint& src) {
+  const SourceInfo& info = src.info();
+  if (info.tp < 1) return false;
+  return info.has_experts || info.ep > 0 || info.rules == nullptr || !HasExpertRules(*info.rules);
+}
 
 const std::vector<TargetFormatInfo>& TargetFormats() {
   static const std::vector<TargetFormatInfo> infos = [] {

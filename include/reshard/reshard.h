@@ -147,7 +147,9 @@ struct ConvertOptions : WriteOptions {
   int target_tp = 0;  // 0 = keep the source's tensor-parallel size
   int target_pp = 0;  // 0 = keep the source's pipeline-parallel size
   int target_dp = 0;  // 0 = keep the source's DP size
-  int target_ep = 0;  // DeepSpeed MoE: 0 = keep the source's expert-parallel size
+  // A model with experts (a target that takes --ep: deepspeed, torch_dist):
+  // 0 = keep the source's expert-parallel size.
+  int target_ep = 0;
   // A target other than deepspeed: its own options, as for export.
   std::map<std::string, std::string> format_options;
   // deepspeed: explicit transformer blocks per target stage (sums to the
@@ -184,8 +186,9 @@ struct TargetFormatInfo {
   std::string name = "";    // what --to takes: "hf", "torch_dist", ...
   std::string help = "";    // one line: what it writes
   std::string output = "";  // what OUTPUT is for it
-  // The layout sizes (--tp, --pp, --dp) it takes; others are refused.
-  bool tp = false, pp = false, dp = false;
+  // The layout sizes (--tp, --pp, --dp, --ep: the expert-parallel size of
+  // a model with experts) it takes; others are refused.
+  bool tp = false, pp = false, dp = false, ep = false;
   std::vector<FormatOptionInfo> options = {};
 };
 
@@ -198,7 +201,7 @@ struct ExportOptions : WriteOptions {
   std::string to;  // the target format's name
   // The target's parallel layout, where its format has one (0: the format's
   // default); a size the target does not take is refused.
-  int tp = 0, pp = 0, dp = 0;
+  int tp = 0, pp = 0, dp = 0, ep = 0;
   // The target format's own options by name, as it declares them
   // ({"tokenizer", "tok/"}); a name it does not declare, or a value it does
   // not take, is refused before anything is read.

@@ -188,8 +188,8 @@ def convert(input, output, **options):  # noqa: A002
 
 
 def export(input, output, **options):  # noqa: A002
-    """Writes the checkpoint in another format (``to=``, one of ``target_formats()``), with the
-    options that format declares as keyword arguments (the CLI's --layer-spec is layer_spec=,
+    """Writes the checkpoint in another format (``to=``, one of ``target_formats()``) at the layout
+    sizes it takes (tp=, pp=, dp=, ep=: its "layout"), with the options that format declares as keyword arguments (the CLI's --layer-spec is layer_spec=,
     --from is from_=)."""
     return _reshard.export(str(input), str(output), **_sizes(_stringify_set(options)))
 

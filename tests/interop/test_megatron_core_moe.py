@@ -12,13 +12,16 @@ Checked:
 * the two saves were initialised at different layouts, so they hold different random weights: `verify`
   says they differ in exactly the tensors their references differ in, and each is the same model as
   its own consolidated export; one with two experts swapped is not;
-* `convert` to torch_dist at another TP (EP 1: this slice writes each expert whole on every DP rank)
-  keeps every global tensor, with the (layer, expert) chunks and the experts' empty _extra_state items
-  Megatron-Core writes; the torch format's experts and another EP are refused in one line.
+* `convert` to torch_dist at another TP keeps every global tensor, with the (layer, expert) chunks and
+  the experts' empty _extra_state items Megatron-Core writes; EP 2 -> EP 1 -> EP 2 gives the source back,
+  every tensor equal and every item in the file Megatron-Core's own EP 2 save has it in; an EP the save
+  does not record and is not given, one that does not divide the experts or DP, `--ep` to a target
+  without experts' layout, and the torch format's experts are refused in one line.
 
-* real Megatron-Core 0.19 (the torch 2.6 chroot, CPU, gloo) builds the MoE model at each target layout,
-  loads reshard's torch_dist output strictly, and saves it again: every tensor of that save equals the
-  reference.
+* real Megatron-Core 0.19 (the torch 2.6 chroot, CPU, gloo) builds the MoE model at each target layout
+  (EP 1, 2 and 4; TP 1 and 2; 2 or 4 ranks), loads reshard's torch_dist output strictly, and saves it
+  again: every tensor of that save equals the reference, and each of its items is in the file reshard
+  wrote it in (the rank whose replica id is 0 writes it).
 
 Run: /usr/bin/python3 tests/interop/test_megatron_core_moe.py --reshard build/reshard
 """
@@ -88,14 +91,12 @@ def vocab(tag):
     return sizes(tag) + ['--vocab-size', str(config_of(tag)['model']['vocab'])]
 
 
-# Megatron-Core, in 2 forked ranks per case: builds the samples' MoE GPTModel (local spec, SequentialMLP)
-# at a case's TP and EP, loads reshard's output strictly and saves what it holds again; then torch's
-# dcp.load reads each save whole into OUT_full.pt.
-LOAD = r'''
-import datetime, json, os, pickle, socket
+# Megatron-Core, in WORLD forked ranks per case: builds the samples' MoE GPTModel (local spec, SequentialMLP)
+# at a case's TP and EP (DP the rest of the world), loads reshard's output strictly and saves what it holds
+# again; then torch's dcp.load reads each save whole into OUT_full.pt.
+LOAD = r"""
+import json, os, pickle
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 M, CASES = json.loads(%r)
@@ -119,11 +120,10 @@ def build(tp, ep):
                     vocab_size=M['padded_vocab'], max_sequence_length=M['max_seq'],
                     share_embeddings_and_output_weights=False, position_embedding_type='rope')
 
-def load(r, port, folder, out, tp, ep):
+def load(r, port, world, folder, out, tp, ep):
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
-    dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=r, world_size=2,
-                            timeout=datetime.timedelta(seconds=120))
+    start(r, port, world)
     model = build(tp, ep)
     for p in model.parameters():
         p.data.zero_()
@@ -131,53 +131,75 @@ def load(r, port, folder, out, tp, ep):
     model.load_state_dict(state['model'], strict=True)
     os.makedirs(out, exist_ok=True)
     dist_checkpointing.save(model.sharded_state_dict(), out)
-    import multiprocessing
-    for child in multiprocessing.active_children():
-        child.terminate()
-        child.join()
-    end_rank(dist)
+    end_megatron_rank()
 
-for case in CASES:
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        port = s.getsockname()[1]
-    mp.start_processes(load, args=(port, *case), nprocs=2, start_method='fork')
+worlds(load, CASES)
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 for case in CASES:
-    with open(case[1] + '/.metadata', 'rb') as f:
+    with open(case[2] + '/.metadata', 'rb') as f:
         meta = pickle.load(f)
     full = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()
             if isinstance(m, TensorStorageMetadata)}
-    dcp.load(full, checkpoint_id=case[1])
-    torch.save(full, case[1] + '_full.pt')
-'''
+    dcp.load(full, checkpoint_id=case[2])
+    torch.save(full, case[2] + '_full.pt')
+"""
+
+
+def placement(folder):
+    """{(item, chunk offsets): the .distcp file holding it} of a DCP folder: which rank wrote what."""
+    return {(index.fqn, tuple(getattr(index, 'offset', None) or ())): where.relative_path
+            for index, where in support.dcp_metadata(folder).storage_data.items()}
 
 
 class MegatronCoreLoadsMoeTest(megatron_core_pypi.MegatronCoreTestCase):
-    """Megatron-Core itself loads reshard's MoE torch_dist outputs strictly, every tensor equal."""
+    """Megatron-Core itself loads reshard's MoE torch_dist outputs strictly at EP 1, 2 and 4, every tensor
+    equal, and writes each item of its own save at that layout in the file reshard wrote it in."""
+
+    TIMEOUT = 900
+
+    def convert(self, src, name, tp, ep, world, tag):
+        p = run('convert', src, os.path.join(self.work, name), '--to', 'torch_dist', '--tp', str(tp),
+                '--ep', str(ep), '--dp', str(world // tp), *vocab(tag))
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        return os.path.join(self.work, name, 'iter_0000000')
 
     def test_megatron_core_loads_the_outputs_strictly(self):
-        cases = []  # (source tag, target TP)
-        for tag, tp in (('0.19-moe/w2_ep2', 2), ('0.19-moe/w2_ep2', 1), ('0.19-moe/w2_tp2_ep1', 1)):
-            name = tag.split('/')[1] + f'_tp{tp}'
-            p = run('convert', os.path.join(DATA, tag), os.path.join(self.work, name), '--tp', str(tp),
-                    '--dp', str(2 // tp), *vocab(tag))
-            self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
-            cases.append((tag, [f'/data/{name}/iter_0000000', f'/data/{name}_resaved', tp, 1]))
+        cases = []  # (source tag, output name, [world, output, resaved, TP, EP])
+        for tag, world, tp, ep in (('0.19-moe/w2_ep2', 2, 2, 1), ('0.19-moe/w2_ep2', 2, 1, 1),
+                                   ('0.19-moe/w2_tp2_ep1', 2, 1, 1), ('0.19-moe/w2_ep2', 2, 1, 2),
+                                   ('0.19-moe/w2_tp2_ep1', 2, 1, 2), ('0.19-moe/w2_tp2_ep1', 4, 2, 2),
+                                   ('0.19-moe/w2_ep2', 4, 1, 4)):
+            name = tag.split('/')[1] + f'_tp{tp}_ep{ep}'
+            self.convert(os.path.join(DATA, tag), name, tp, ep, world, tag)
+            cases.append((tag, name, [world, f'/data/{name}/iter_0000000', f'/data/{name}_resaved', tp, ep]))
+        # EP 2 -> EP 1 -> EP 2 (MegatronCoreMoeTest verifies it the source again).
+        tag = '0.19-moe/w2_ep2'
+        ep1 = self.convert(os.path.join(DATA, tag), 'round_ep1', 1, 1, 2, tag)
+        self.convert(ep1, 'round_ep2', 1, 2, 2, tag)
+        cases.append((tag, 'round_ep2', [2, '/data/round_ep2/iter_0000000', '/data/round_ep2_resaved', 1, 2]))
+
         model = config_of(SAVES[0])['model']
-        script = torch2_chroot.END_RANK + LOAD % json.dumps([model, [case for _, case in cases]])
+        script = (torch2_chroot.END_RANK + megatron_core_pypi.RANKS +
+                  LOAD % json.dumps([model, [case for _, _, case in cases]]))
         p = self.megatron(script)
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr[-4000:])
-        for tag, case in cases:
-            with self.subTest(save=tag, tp=case[2]):
-                got = torch.load(os.path.join(self.work, os.path.basename(case[1]) + '_full.pt'))
+        for tag, name, (world, _, resaved, tp, ep) in cases:
+            with self.subTest(save=tag, output=name):
+                got = torch.load(os.path.join(self.work, os.path.basename(resaved) + '_full.pt'))
                 want = torch.load(os.path.join(DATA, tag + '_full.pt'))
                 self.assertEqual(sorted(got), sorted(k for k, v in want.items() if isinstance(v, torch.Tensor)))
                 for key, tensor in got.items():
                     self.assertEqual(support.differences(tensor, want[key], key), [])
-                print(f'{tag} at TP {case[2]}, EP 1: {len(got)} keys loaded strictly, equal', file=sys.stderr)
+                # Each chunk and object in the file of the rank Megatron-Core writes it from (its replica 0),
+                # the experts' by their EP ranks; the common state aside (written by rank 0 in both).
+                ours = placement(os.path.join(self.work, name, 'iter_0000000'))
+                theirs = placement(os.path.join(self.work, os.path.basename(resaved)))
+                self.assertEqual({k: v for k, v in ours.items() if not k[0].startswith('common_state')},
+                                 {k: v for k, v in theirs.items() if not k[0].startswith('common_state')})
+                print(f'{tag} -> {name} (world {world}, TP {tp}, EP {ep}): {len(got)} keys loaded strictly, '
+                      f'equal; {len(ours)} items in Megatron-Core\'s files', file=sys.stderr)
 
 
 class MegatronCoreMoeTest(FixtureTestCase):
@@ -248,7 +270,8 @@ class MegatronCoreMoeTest(FixtureTestCase):
         for tag, tp in (('0.19-moe/w2_ep2', 2), ('0.19-moe/w2_tp2_ep1', 1)):
             with self.subTest(save=tag, tp=tp):
                 out = self.path(tag.replace('/', '_') + f'_tp{tp}')
-                p = run('convert', os.path.join(DATA, tag), out, '--tp', str(tp), '--dp', '1', *vocab(tag))
+                p = run('convert', os.path.join(DATA, tag), out, '--tp', str(tp), '--dp', '1', '--ep', '1',
+                        *vocab(tag))
                 self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
                 folder = os.path.join(out, 'iter_0000000')
                 p = run('verify', os.path.join(DATA, tag), folder, *sizes(tag))
@@ -268,10 +291,56 @@ class MegatronCoreMoeTest(FixtureTestCase):
                 for name, tensor in want.items():
                     self.assertEqual(support.differences(got[name], tensor, name), [])
 
+    def test_ep_2_to_1_and_back_is_the_source_with_its_items_where_megatron_core_wrote_them(self):
+        """The EP 2 save to EP 1 (one rank writes every expert) and back to EP 2: every tensor the
+        source's, and every chunk and object in the file of the rank that wrote it in Megatron-Core's
+        own EP 2 save (an expert's by its EP rank, DP rank 0 the rest). The outputs' args record the
+        layout, which convert keeps where not given: EP too."""
+        tag = SAVES[0]
+        src = os.path.join(DATA, tag)
+        ep1, ep2, kept = self.path('ep1'), self.path('ep2'), self.path('kept')
+        p = run('convert', src, ep1, '--ep', '1', *vocab(tag))
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        self.assertEqual(set(placement(os.path.join(ep1, 'iter_0000000')).values()), {'__0_0.distcp'})
+        p = run('inspect', ep1, *sizes(tag))
+        self.assertIn('DP 2 (args), EP 1 (args)', p.stdout)
+        p = run('convert', ep1, ep2, '--ep', '2', *vocab(tag))
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        p = run('convert', ep2, kept, *vocab(tag))
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        for out in (ep2, kept):
+            with self.subTest(output=os.path.basename(out)):
+                p = run('inspect', out, *sizes(tag))
+                self.assertIn('DP 2 (args), EP 2 (args)', p.stdout)
+                p = run('verify', src, out, *sizes(tag))
+                self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+                self.assertIn('same model', p.stdout)
+                self.assertEqual(placement(os.path.join(out, 'iter_0000000')), placement(src))
+
+    def test_the_expert_parallel_size_is_checked_in_one_line(self):
+        src = os.path.join(DATA, SAVES[0])
+        for args, says in ((['--tp', '1'], 'give --ep N (N dividing 4; convert keeps the source\'s where it records it'),
+                           (['--ep', '3'], '--ep 3 does not divide the 4 experts of each MoE layer; give an --ep that '
+                                           'divides 4'),
+                           (['--ep', '4', '--dp', '2'],
+                            'Megatron-Core needs EP x expert TP (4 x 1) to divide the ranks of a pipeline stage '
+                            '(TP x DP = 1 x 2), so EP must divide DP; give --dp N with N a multiple of 4, or an --ep '
+                            'that divides 2'),
+                           (['--to', 'hf', '--ep', '2'],
+                            '--ep sets the layout of --to deepspeed, torch_dist; the hf export has no such size, '
+                            'so leave it out')):
+            with self.subTest(args=args):
+                out = self.path('refused')
+                p = run('convert', src, out, *args, *vocab(SAVES[0]))
+                self.assertNotEqual(p.returncode, 0, p.stdout + p.stderr)
+                lines = p.stderr.strip().splitlines()
+                self.assertEqual(len(lines), 1, p.stderr)
+                self.assertIn(says, lines[0])
+                self.assertFalse(os.path.exists(out))
+
     def test_what_is_not_written_yet_is_refused_in_one_line(self):
         src = os.path.join(DATA, SAVES[0])
         for args, says in ((['--to', 'megatron', '--tp', '1', '--pp', '1'], 'local_experts'),
-                           (['--to', 'torch_dist', '--ep', '2'], '--ep'),
                            # Megatron-DeepSpeed loads no experts from pipeline layer files.
                            (['--to', 'deepspeed', '--tp', '1', '--pp', '1'],
                             "model has experts, and reshard writes DeepSpeed's MoE layout only from a DeepSpeed MoE "

@@ -260,6 +260,31 @@ class StateDictTest(support.FixtureTestCase):
         with self.assertRaisesRegex(reshard.Error, 'has no experts; leave ep at 1'):
             dense.state_dict(ep=2)
 
+    def test_expert_parallel_size_of_a_target(self):
+        """ep= reaches the targets that declare it (their "layout"), as --ep does: a Megatron-Core MoE save
+        written at EP 2 by export and by convert is the CLI's output byte for byte; another target refuses it."""
+        sizes = {t['name']: t['layout'] for t in reshard.target_formats()}
+        self.assertEqual(sorted(n for n, layout in sizes.items() if 'ep' in layout), ['deepspeed', 'torch_dist'])
+        src = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'data', 'megatron-core', '0.19-moe',
+                           'w2_ep2')
+        given = dict(set={'num_attention_heads': 4, 'num_key_value_heads': 2, 'make_vocab_size_divisible_by': 16},
+                     vocab_size=64)
+        cli = self.path('cli')
+        p = support.reshard('convert', src, cli, '--ep', '2', '--set', 'num_attention_heads=4', '--set',
+                            'num_key_value_heads=2', '--set', 'make_vocab_size_divisible_by=16', '--vocab-size', 64,
+                            '-q')
+        self.assertEqual(p.returncode, 0, p.stderr)
+        exported, converted = self.path('exported'), self.path('converted')
+        reshard.export(src, exported, to='torch_dist', tp=1, pp=1, dp=2, ep=2, **given)
+        reshard.convert(src, converted, ep=2, **given)
+        def digests(out):
+            folder = os.path.join(out, 'iter_0000000')
+            return {n: file_digest(os.path.join(folder, n)) for n in os.listdir(folder)}
+        for out in (exported, converted):
+            self.assertEqual(digests(out), digests(cli))
+        with self.assertRaisesRegex(reshard.Error, '--ep sets the layout of --to deepspeed, torch_dist; the hf export'):
+            reshard.export(src, self.path('hf'), to='hf', ep=2, **given)
+
     def test_tensor_and_exports_in_memory(self):
         src = make_fixture(self.path('gpt2'), tp=2, pp=2, dp=2, optimizer='bf16_zero', **FAMILIES['ms_gpt2'])
         ckpt = reshard.open(src)

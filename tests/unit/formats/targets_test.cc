@@ -70,6 +70,23 @@ TEST(TargetsTest, ALayoutSizeIsRefusedWhereTheTargetHasNone) {
   EXPECT_EQ(Refusal(options),
             "--dp sets the layout of --to deepspeed, megatron, torch_dist; the consolidated export has no such size, so "
             "leave it out");
+  options.to = "megatron";
+  options.dp = 0;
+  options.ep = 2;
+  EXPECT_EQ(Refusal(options),
+            "--ep sets the layout of --to deepspeed, torch_dist; the megatron export has no such size, so leave it out");
+}
+
+TEST(TargetsTest, ConvertRefusesAnExpertParallelSizeTheTargetHasNot) {
+  UnreadSource src;
+  ConvertOptions options;
+  options.to = "hf";
+  options.target_ep = 4;
+  std::vector<std::string> notes;
+  Result<OutputPlan> plan = PlanConvert(src, options, &notes);
+  ASSERT_FALSE(plan.ok());
+  EXPECT_EQ(plan.status().message(),
+            "--ep sets the layout of --to deepspeed, torch_dist; the hf export has no such size, so leave it out");
 }
 
 TEST(TargetsTest, ValuesAreCheckedAgainstTheDeclaration) {

@@ -124,6 +124,7 @@ struct Target {
   int pp = 1, dp = 1;
   int blocks = 0;
   int experts = 0;          // of each MoE layer; 0: none
+  int ep = 1;               // the experts' expert-parallel size
   TargetPipeline pipeline;  // the layers of each stage
   std::optional<DType> dtype;
   std::string version;                 // kVersion014 or kVersion019
@@ -149,6 +150,17 @@ class RankFiles {
   std::vector<std::vector<DcpWriteItem>> items_;  // by rank
 };
 
+// The DP rank whose files hold expert `e`'s pieces. Megatron-Core numbers
+// the expert ranks TP fastest (the experts' TP is the dense layers'), then
+// EP, then expert DP, then PP: a stage's ranks of DP rank d hold EP rank
+// d % EP's experts, as expert-DP replica d / EP, and replica 0 writes them.
+int ExpertDpRank(const Target& target, int expert) { return expert / (target.experts / target.ep); }
+
+// The DP rank that writes a tensor of key `key`: 0, or its expert's.
+int WritingDpRank(const KeyOf& key, const Target& target) {
+  return key.expert >= 0 ? ExpertDpRank(target, key.expert) : 0;
+}
+
 int StageOf(const RankTensor& r, const Target& target) {
   if (r.block >= 0) return target.pipeline.stages.StageOf(r.block);
   return r.rule->role == "embedding" ? 0 : target.pp - 1;
@@ -168,7 +180,7 @@ Status AddRankItems(const RuleSet& rules, const std::vector<RankTensor>& tensors
       DcpWriteItem item =
           DcpTensorItem(key.key, dtype, size, StackedChunk(key, std::move(box.chunk)), BytesFrom(bytes, box.byte_offset));
       item.from = r.Label();
-      files->At(t, StageOf(r, target)).push_back(std::move(item));
+      files->At(t, StageOf(r, target), WritingDpRank(key, target)).push_back(std::move(item));
     }
   }
   return Status::Ok();
@@ -176,20 +188,20 @@ Status AddRankItems(const RuleSet& rules, const std::vector<RankTensor>& tensors
 
 // Each linear layer's extra state, empty, as Megatron-Core wraps an object:
 // [None], item `shard_{layer}_{layers}`; an expert's `shard_{layer}.{expert}_
-// {layers}.{experts}`, written with the expert's weights (at EP 1: DP rank 0).
+// {layers}.{experts}`, written with the expert's weights (by its EP rank).
 void AddExtraStates(const RuleSet& rules, const Target& target, RankFiles* files) {
   const std::string layers = std::to_string(target.blocks), experts = std::to_string(target.experts);
   for (int l = 0; l < target.blocks; ++l) {
-    std::vector<DcpWriteItem>& stage = files->At(0, target.pipeline.stages.StageOf(l));
+    const int stage = target.pipeline.stages.StageOf(l);
     for (const std::string& module : rules.torch_dist()->extra_state) {
-      stage.push_back(DcpBytesItem(module + "._extra_state/shard_" + std::to_string(l) + "_" + layers,
-                                   Value::MakeList({Value::None()})));
+      files->At(0, stage).push_back(DcpBytesItem(module + "._extra_state/shard_" + std::to_string(l) + "_" + layers,
+                                                 Value::MakeList({Value::None()})));
     }
     for (int e = 0; e < target.experts; ++e) {
       for (const std::string& module : rules.torch_dist()->expert_extra_state) {
-        stage.push_back(DcpBytesItem(module + "._extra_state/shard_" + std::to_string(l) + "." + std::to_string(e) +
-                                         "_" + layers + "." + experts,
-                                     Value::MakeList({Value::None()})));
+        const std::string shard = std::to_string(l) + "." + std::to_string(e) + "_" + layers + "." + experts;
+        files->At(0, stage, ExpertDpRank(target, e))
+            .push_back(DcpBytesItem(module + "._extra_state/shard_" + shard, Value::MakeList({Value::None()})));
       }
     }
   }
@@ -468,9 +480,9 @@ Value CommonState(const SourceCheckpoint& src, const Target& target, const TpWei
     }
     // And the learning-rate schedule the optimizer's groups are paired by.
     WriteLrSchedule(schedule, &written);
-    if (target.experts > 0) {  // the experts whole on every DP rank, split over TP as the dense layers
+    if (target.experts > 0) {  // the experts split over TP as the dense layers
       Set(written, "num_moe_experts", Value::Int(target.experts));
-      Set(written, "expert_model_parallel_size", Value::Int(1));
+      Set(written, "expert_model_parallel_size", Value::Int(target.ep));
       Set(written, "expert_tensor_parallel_size", Value::Int(target.cut.tp));
     }
     Set(state, "args", std::move(written));
@@ -565,8 +577,38 @@ int CountExperts(const std::vector<RankTensor>& tensors) {
   return experts;
 }
 
-// A model with experts is written at EP 1 (each expert whole on every DP
-// rank, written once) with its weights only, as this writer knows it.
+// The expert-parallel size: given for a model with experts (and only for
+// one), dividing its experts, and a layout Megatron-Core builds: EP x the
+// experts' TP (the dense TP) divides a stage's TP x DP ranks.
+Status CheckExpertParallel(int ep, Target* target) {
+  if (target->experts == 0) {
+    if (ep == 0) return Status::Ok();
+    return Status::InvalidInput("--ep sets the expert-parallel size of a model with experts, and this one has none; "
+                                "leave it out");
+  }
+  const std::string experts = Count(target->experts, "expert");
+  if (ep == 0) {
+    return Status::InvalidInput("export --to torch_dist of a model with " + experts + " per layer needs the target's "
+                                "expert-parallel size: give --ep N (N dividing " + std::to_string(target->experts) +
+                                "; convert keeps the source's where it records it, and this one does not)");
+  }
+  if (target->experts % ep != 0) {
+    return Status::InvalidInput("--ep " + std::to_string(ep) + " does not divide the " + experts +
+                                " of each MoE layer; give an --ep that divides " + std::to_string(target->experts));
+  }
+  if (target->dp % ep != 0) {
+    const int tp = target->cut.tp;
+    return Status::InvalidInput("Megatron-Core needs EP x expert TP (" + std::to_string(ep) + " x " + std::to_string(tp) +
+                                ") to divide the ranks of a pipeline stage (TP x DP = " + std::to_string(tp) + " x " +
+                                std::to_string(target->dp) + "), so EP must divide DP; give --dp N with N a multiple "
+                                "of " + std::to_string(ep) + ", or an --ep that divides " + std::to_string(target->dp));
+  }
+  target->ep = ep;
+  return Status::Ok();
+}
+
+// A model with experts is written with its weights only, as this writer
+// knows it.
 Status CheckExperts(const Target& target, const std::vector<FullTensor>& states) {
   if (target.experts == 0 || states.empty()) return Status::Ok();
   return Status::Unsupported("export --to torch_dist: the optimizer state of a model with experts is not written "
@@ -599,6 +641,7 @@ Result<OutputPlan> PlanTorchDist(const SourceCheckpoint& src, const ExportOption
   RESHARD_ASSIGN_OR_RETURN(TpWeights weights, src.WeightsForTp(target.cut, notes, out.read.get()));
   target.blocks = CountBlocks(weights.ranks[0]);
   target.experts = CountExperts(weights.ranks[0]);
+  RESHARD_RETURN_IF_ERROR(CheckExpertParallel(options.ep, &target));
   RESHARD_ASSIGN_OR_RETURN(target.pipeline, ChooseTargetPipeline(src, options, target.blocks, target.pp, notes));
 
   RankFiles files(target);
@@ -645,7 +688,7 @@ Result<OutputPlan> PlanTorchDist(const SourceCheckpoint& src, const ExportOption
   out.summary = "torch_dist (Megatron-Core " + target.version + "): TP " + std::to_string(options.tp) + ", PP " + std::to_string(target.pp) +
                 (target.dp > 1 ? ", DP " + std::to_string(target.dp) : "") + ", iteration " + std::to_string(src.info().iteration) + "; " +
                 Count(target.blocks, "block") + ", stacked" +
-                (target.experts > 0 ? "; " + Count(target.experts, "expert") + " per layer, EP 1" : "") +
+                (target.experts > 0 ? "; " + Count(target.experts, "expert") + " per layer, EP " + std::to_string(target.ep) : "") +
                 (target.pipeline.split.Even() ? "" : " (" + target.pipeline.stages.Describe() + ")") + "; padded vocabulary " +
                 std::to_string(weights.padded_vocab) +
                 (states.empty() ? "; weights only" : "; optimizer state " + target.layout) +
@@ -660,9 +703,10 @@ Result<OutputPlan> PlanTorchDist(const SourceCheckpoint& src, const ExportOption
 
 TargetFormat TorchDistTarget() {
   using Kind = FormatOptionInfo::Kind;
-  TargetFormatInfo info{"torch_dist", "Megatron-Core's distributed checkpoint at --tp / --pp (--dp: the optimizer's)",
+  TargetFormatInfo info{"torch_dist",
+                        "Megatron-Core's distributed checkpoint at --tp / --pp (--dp: the optimizer's; --ep: the experts')",
                         "the root holding iter_N/ and latest_checkpointed_iteration.txt"};
-  info.tp = info.pp = info.dp = true;
+  info.tp = info.pp = info.dp = info.ep = true;
   info.options = {
       {kLayoutOption, Kind::kText,
        "The optimizer state's layout, Megatron-Core 0.19's fully_reshardable or dp_reshardable (its training "

@@ -17,7 +17,10 @@
 // column-parallel weight (two boxes for a tensor of `parts` sub-parameters,
 // SwiGLU's [gate_r; up_r] in [all gate; all up]), its columns of a
 // row-parallel one, its vocabulary rows; a replicated tensor is written
-// once, by TP rank 0. The rank tensors are the source's weights cut exactly
+// once, by TP rank 0. Each tensor is written by DP rank 0, except the
+// experts of a MoE model (stacked on an expert axis after the layer axis):
+// at --ep N each (layer, expert) is a chunk of its own, written by the DP
+// rank of its EP rank, as Megatron-Core's expert-DP replica 0 writes it. The rank tensors are the source's weights cut exactly
 // as convert cuts DeepSpeed layer files (SourceCheckpoint::WeightsForTp),
 // which are Megatron's own per-rank tensors. Beside them: the common state
 // (args, iteration, checkpoint_version, the optimizer's param groups and
