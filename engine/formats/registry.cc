@@ -117,13 +117,16 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenAccelerate(const std::string& fold
   }
   RESHARD_ASSIGN_OR_RETURN(StateDictImport imported, ReadAccelerateImport(tensors, options));
   const int tp = imported.tp, pp = imported.pp, dp = imported.dp;
-  return Named("accelerate",
-               MakeImportedSource({std::move(imported.logical), folder, std::move(imported.what),
-                                   std::move(imported.files), std::move(imported.notes),
-                                   std::move(imported.optimizer), imported.optimizer_status, "",
-                                   std::move(imported.facts)},
-                                  options),
-               tp, pp, dp);
+  Result<std::unique_ptr<SourceCheckpoint>> opened =
+      Named("accelerate",
+            MakeImportedSource({std::move(imported.logical), folder, std::move(imported.what),
+                                std::move(imported.files), std::move(imported.notes),
+                                std::move(imported.optimizer), imported.optimizer_status, "",
+                                std::move(imported.facts)},
+                               options),
+            tp, pp, dp);
+  if (opened.ok()) (*opened)->SetFormatOptions(AccelerateSaveOptions(tensors));
+  return opened;
 }
 
 // A Megatron-Core torch_dist folder is read as the pipeline model its
