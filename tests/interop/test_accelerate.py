@@ -20,10 +20,16 @@ size (w2 -> 3, w3 -> 2), and Accelerate's own `load_fsdp_model` / `load_fsdp_opt
 output strictly into a fresh FSDP model at that world size: every parameter, exp_avg, exp_avg_sq and
 step equals the save's, and the next two steps reach the uninterrupted run's losses. `verify` finds
 the w3 save the same model, optimizer state included, as its Megatron-DeepSpeed (PP 2, DP 2) and
-torch_dist (PP 2) conversions, and the same weights as its HF export. Refused in one
-line: an FSDP2 save's optimizer state keyed by parameter index (Accelerate's fsdp_version 2), unless
---weights-only; the FULL_STATE_DICT form (pytorch_model_fsdp.bin). At the save's world size the
+torch_dist (PP 2) conversions, and the same weights as its HF export. At the save's world size the
 Trainer's run state is copied byte for byte, the ranks' RNG states included.
+
+`fsdp2`: Accelerate's FSDP2 save (fsdp_version 2, fully_shard) at world 2 with the Trainer's two
+groups, whose optimizer state is keyed by parameter index; converted to 3 ranks and back to 2 (the
+index form kept), each loaded by Accelerate's own FSDP2 load, every tensor equal to the save's; the
+next loss at 2 is the uninterrupted run's, at 3 bit-equal to Accelerate's load of the save itself at
+3. Refused in one line: `fsdp2_frozen` (lm_head.weight in no group: its model holds a tensor the
+optimizer does not number) unless --weights-only; --fsdp-version 2 from an FSDP1 save; the
+FULL_STATE_DICT form (pytorch_model_fsdp.bin).
 
 Run: PYTHONPATH=tests:tests/interop /usr/bin/python3 tests/interop/test_accelerate.py
      --reshard build/reshard
