@@ -28,8 +28,11 @@ groups, whose optimizer state is keyed by parameter index; converted to 3 ranks 
 index form kept), each loaded by Accelerate's own FSDP2 load, every tensor equal to the save's; the
 next loss at 2 is the uninterrupted run's, at 3 bit-equal to Accelerate's load of the save itself at
 3. Refused in one line: `fsdp2_frozen` (lm_head.weight in no group: its model holds a tensor the
-optimizer does not number) unless --weights-only; --fsdp-version 2 from an FSDP1 save; the
-FULL_STATE_DICT form (pytorch_model_fsdp.bin).
+optimizer does not number) unless --weights-only; --fsdp-version 2 from an FSDP1 save.
+
+`full`: the FULL_STATE_DICT form of the w2 run (pytorch_model_fsdp.bin as save_fsdp_model torch.saves
+it, Accelerate's own save_fsdp_optimizer's optimizer.bin) converts to the sharded form at 3 ranks,
+which Accelerate loads (every tensor equal, the next losses the uninterrupted run's), and to HF.
 
 Run: PYTHONPATH=tests:tests/interop /usr/bin/python3 tests/interop/test_accelerate.py
      --reshard build/reshard
@@ -144,6 +147,12 @@ def rank(r, world, p, name):
     save_fsdp_model(plugin, acc, model, ckpt)
     save_fsdp_optimizer(plugin, acc, optimizer, model, ckpt)
     torch.save({'cpu': torch.random.get_rng_state()}, f'{ckpt}/rng_state_{r}.pth')
+    if name == 'w2':  # the FULL_STATE_DICT form: Accelerate's own optimizer.bin (kept on the CPU it is on)
+        from accelerate import FullyShardedDataParallelPlugin
+        from torch.distributed.fsdp import FullOptimStateDictConfig
+        whole = FullyShardedDataParallelPlugin(state_dict_type='FULL_STATE_DICT', fsdp_version=1)
+        whole.optim_state_dict_config = FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=True)
+        save_fsdp_optimizer(whole, acc, optimizer, model, '/data/full/checkpoint-2')
     msd, osd = full(model, optimizer)
     losses = [step(model, optimizer, batch) for batch in (3, 4)]
     if r == 0:
@@ -151,12 +160,13 @@ def rank(r, world, p, name):
         TrainerState(global_step=2, max_steps=4).save_to_json(f'{ckpt}/trainer_state.json')
         torch.save({'last_epoch': 2, '_last_lr': [1e-2]}, f'{ckpt}/scheduler.pt')
         torch.save({'model': msd, 'optim': osd, 'losses': losses}, f'/data/{name}_full.pt')
-        # The FULL_STATE_DICT form as save_fsdp_model writes it (torch.save of the whole state dict on
-        # rank 0), which reshard refuses; Accelerate's own call offloads to the CPU with copies torch
-        # 2.6 crashes in on this CPU-only host.
+        # The FULL_STATE_DICT form's model as save_fsdp_model writes it (torch.save of the whole state
+        # dict on rank 0); Accelerate's own call offloads to the CPU with copies torch 2.6 crashes in on
+        # this CPU-only host.
         if name == 'w2':
-            os.makedirs('/data/full/checkpoint-2')
             torch.save(msd, '/data/full/checkpoint-2/pytorch_model_fsdp.bin')
+            TrainerState(global_step=2, max_steps=4).save_to_json('/data/full/checkpoint-2/trainer_state.json')
+            LlamaConfig(**CONFIG).save_pretrained('/data/full/checkpoint-2')
     end_rank(dist)
 
 def fsdp2(r, world, p, name, frozen):
@@ -364,10 +374,33 @@ class AccelerateTest(FixtureTestCase):
             # The 15 canonical tensors, and with the optimizer state their masters, exp_avg, exp_avg_sq.
             self.assertIn('verify: 15 tensors' if name == 'hf' else 'verify: 60 tensors', p.stdout)
 
-    def test_full_state_dict_is_refused(self):
-        out = self.path('out')
-        p = run('convert', os.path.join(self.work, 'full', 'checkpoint-2'), out, '--to', 'deepspeed')
-        self.assertRefused(p, 'is an Accelerate FULL_STATE_DICT save (pytorch_model_fsdp.bin)', out)
+    def test_full_state_dict_converts_and_loads_in_accelerate(self):
+        """The FULL_STATE_DICT form (pytorch_model_fsdp.bin + Accelerate's optimizer.bin of the w2 run) to
+        the sharded form at 3 ranks, which Accelerate loads, and to HF."""
+        ckpt = os.path.join(self.work, 'full', 'checkpoint-2')
+        p = run('inspect', ckpt)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        self.assertIn('format: accelerate', p.stdout)
+        self.assertIn("optimizer state: accelerate's AdamW state (exp_avg, exp_avg_sq; the fp32 parameters "
+                      "as masters), step 2", p.stdout)
+        out = os.path.join(self.work, 'full_to_3')
+        p = run('convert', ckpt, out, '--dp-shard', 3)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        self.assertEqual(sorted(os.listdir(out)), ['config.json', 'optimizer_0', 'pytorch_model_fsdp_0',
+                                                   'reshard-manifest.json', 'trainer_state.json'])
+        p = run('verify', ckpt, out)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        self.assertIn('verify: 60 tensors', p.stdout)
+        report = self.load_in_accelerate([['full_at_3', 'full_to_3', 3, True, 'w2', 1]])['full_at_3']
+        self.assertAlmostEqual(report['losses'][1], report['want'][1], delta=1e-4)
+        self.assertEqual(report['groups'], TRAINER_GROUPS)
+        hf = self.path('hf')
+        p = run('export', ckpt, hf, '--to', 'hf')
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        p = run('verify', ckpt, hf)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        self.assertIn('same model', p.stdout)
+        self.assertIn('verify: 15 tensors', p.stdout)
 
     def test_index_keyed_state_without_a_mapping_is_refused(self):
         """A parameter in no group (lm_head.weight): which model tensor each index is, is not recorded."""

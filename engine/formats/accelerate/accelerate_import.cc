@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <regex>
 
+#include "container/torch_file.h"
 #include "formats/dcp_common/dcp_content.h"
 #include "formats/hf_common/hf_folder.h"
 #include "util/strings.h"
@@ -14,6 +15,7 @@ namespace {
 namespace fs = std::filesystem;
 
 constexpr char kFullModelFile[] = "pytorch_model_fsdp.bin";
+constexpr char kFullOptimizerFile[] = "optimizer.bin";
 constexpr char kManifest[] = "reshard-manifest.json";
 constexpr char kConfig[] = "config.json";
 constexpr char kOptimizerState[] = "optimizer.state.";
@@ -340,7 +342,8 @@ std::vector<std::string> AccelerateRunFiles(const std::string& folder) {
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(folder, ec)) {
     const std::string name = entry.path().filename().string();
-    if (name != kAccelerateModelFolder && name != kAccelerateOptimizerFolder && name != kConfig && name != kManifest) {
+    if (name != kAccelerateModelFolder && name != kAccelerateOptimizerFolder && name != kConfig && name != kManifest &&
+        name != kFullModelFile && name != kFullOptimizerFile) {
       names.push_back(name);
     }
   }
@@ -365,12 +368,68 @@ Result<std::string> AccelerateCheckpointFolder(const std::string& path) {
   if ((model_folder || optimizer_folder) && IsDirectory(folder)) {
     return parent.string();
   }
-  if (Exists(folder / kFullModelFile)) {
-    return Status::Unsupported(folder.string() + " is an Accelerate FULL_STATE_DICT save (" + kFullModelFile +
-                               "), which reshard does not read; save the run with fsdp_state_dict_type "
-                               "SHARDED_STATE_DICT, or convert the HF folder save_model writes");
+  return IsDirectory(folder) && Exists(folder / kFullModelFile) ? folder.string() : std::string();
+}
+
+bool IsAccelerateFullStateDict(const std::string& folder) {
+  return !IsDirectory(fs::path(folder) / kAccelerateModelFolder) && Exists(fs::path(folder) / kFullModelFile);
+}
+
+namespace {
+
+// Adds `value`'s items under `prefix` to `out`, as torch's DCP flattens a
+// state dict: a dict's or a list's items by key or index, a tensor as a
+// tensor, anything else (a hyperparameter, a list of FQNs) as an object.
+void Flatten(const std::string& prefix, const Value& value, DcpTensors* out, std::map<std::string, Value>* objects) {
+  const Items* items = DictItems(value);
+  const bool nested_list = value.is(Value::Kind::kList) &&
+                           std::any_of(value.as_list().items.begin(), value.as_list().items.end(),
+                                       [](const Value& v) { return DictItems(v) != nullptr; });
+  if (items != nullptr) {
+    for (const auto& [key, item] : *items) {
+      const std::string name = key.is(Value::Kind::kString) ? key.as_string()
+                               : key.is(Value::Kind::kInt)  ? std::to_string(key.as_int())
+                                                            : key.DebugString(40);
+      Flatten(prefix + "." + name, item, out, objects);
+    }
+  } else if (nested_list) {
+    for (size_t i = 0; i < value.as_list().items.size(); ++i) {
+      Flatten(prefix + "." + std::to_string(i), value.as_list().items[i], out, objects);
+    }
+  } else if (value.is(Value::Kind::kTensor)) {
+    out->tensors[prefix] = ImportedTensor{value, SourceShard::Of(value.as_tensor(), {})};
+  } else {
+    out->objects.push_back(prefix);
+    (*objects)[prefix] = value;
   }
-  return std::string();
+}
+
+}  // namespace
+
+Result<DcpTensors> ReadAccelerateFullStateDict(const std::string& folder) {
+  DcpTensors out;
+  out.folder = folder;
+  auto objects = std::make_shared<std::map<std::string, Value>>();
+  for (const auto& [file, prefix] : {std::pair<const char*, const char*>{kFullModelFile, "model"},
+                                     {kFullOptimizerFile, "optimizer"}}) {
+    const std::string path = folder + "/" + file;
+    if (!Exists(path)) continue;
+    PickleReadOptions read;
+    read.dropped_tensor_attributes = {"_has_been_cloned"};  // FSDP1's mark on its full state dict's tensors
+    RESHARD_ASSIGN_OR_RETURN(Value root, ReadTorchFile(path, read));
+    if (DictItems(root) == nullptr) {
+      return Status::InvalidInput(path + " holds " + root.DebugString(60) + ", not the state dict Accelerate's "
+                                  "FULL_STATE_DICT save writes; restore the file Accelerate saved");
+    }
+    out.files.push_back(path);
+    Flatten(prefix, root, &out, objects.get());
+  }
+  out.read_object = [objects](const std::string& key) -> Result<Value> {
+    auto it = objects->find(key);
+    if (it == objects->end()) return Status::Internal("no object " + key + " in the FULL_STATE_DICT save");
+    return it->second;
+  };
+  return out;
 }
 
 std::map<std::string, std::string> AccelerateSaveOptions(const DcpTensors& dcp) {

@@ -14,7 +14,12 @@
 // `optimizer.param_groups.<i>.*`, which FSDP1 writes with the parameters'
 // FQNs whether use_orig_params was set or not; hf_common/state_dict_import.h
 // reads them as the pipeline model of the family whose rules name them, with
-// its AdamW state. The FULL_STATE_DICT form (pytorch_model_fsdp.bin) is refused.
+// its AdamW state.
+//
+// The FULL_STATE_DICT form (checkpoint-N/pytorch_model_fsdp.bin and
+// optimizer.bin, torch.save files of the model's whole state dict and of
+// FSDP1's full optim_state_dict, read with reshard's own pickle reader and
+// never executed) is read as the same state dict, every tensor whole.
 //
 // Accelerate's FSDP2 saves (fsdp_version 2) write the optimizer's own
 // state_dict(), keyed by parameter index: `optimizer.state.<i>.*`, and
@@ -73,8 +78,16 @@ std::map<std::string, std::string> AccelerateSaveOptions(const DcpTensors& dcp);
 // it holds pytorch_model_fsdp_0/ or Accelerate's FULL_STATE_DICT
 // pytorch_model_fsdp.bin, its parent when `path` is the model's or the
 // optimizer's folder in it; "" for any other folder.
-// Errors (one line): the FULL_STATE_DICT form, which is not read.
 Result<std::string> AccelerateCheckpointFolder(const std::string& path);
+
+// Whether checkpoint-N `folder` is the FULL_STATE_DICT form.
+bool IsAccelerateFullStateDict(const std::string& folder);
+
+// The FULL_STATE_DICT form in `folder` as a state dict: pytorch_model_fsdp.bin's
+// items under `model.`, optimizer.bin's (where saved) under `optimizer.`,
+// flattened as DCP flattens them. Errors (one line): a file that is not a
+// torch.save of a dict; ReadTorchFile's (a pickled class it refuses).
+Result<DcpTensors> ReadAccelerateFullStateDict(const std::string& folder);
 
 // What the Trainer saved of the run in checkpoint-N `folder` beside the
 // model's and optimizer's folders and config.json (trainer_state.json,
