@@ -137,6 +137,7 @@ class MetadataParser {
       return Bad("describes item '" + fqn + "' as " + item.DebugString(80));
     }
     if (!meta_.items.emplace(fqn, std::move(out)).second) return Bad("lists item '" + fqn + "' twice");
+    meta_.order.push_back(fqn);
     return Status::Ok();
   }
 

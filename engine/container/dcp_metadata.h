@@ -56,6 +56,9 @@ struct DcpStorage {
 
 struct DcpMetadata {
   std::map<std::string, DcpItem> items;  // by FQN
+  // The FQNs as .metadata lists them: torch's save order, the first rank's
+  // state dict (in its own order) first.
+  std::vector<std::string> order;
   std::map<DcpStorageKey, DcpStorage> storage;
   // Megatron-Core 0.14's `mcore_data`: the original global shape of each
   // tensor it saved reformulated (`nd_reformulated_orig_global_shape`, an

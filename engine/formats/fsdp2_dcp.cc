@@ -288,6 +288,17 @@ Status Fsdp2StateDictWriter::AddOptimizer(const SourceCheckpoint& src, const Fsd
     }
   }
   RESHARD_ASSIGN_OR_RETURN(std::vector<StateDictTensor> mapped, Fsdp2HfTensors(*read.hf, read.params, inputs, out));
+  for (const StateDictTensor& t : mapped) {
+    if (!index_groups_.empty() && !index_.count(t.name)) {
+      return Status::InvalidInput("export --to " + to + ": the parameter " + t.name + " has no index among the "
+                                  "source's parameters; write the optimizer state keyed by FQN");
+    }
+  }
+  if (!index_groups_.empty() && index_.size() != mapped.size()) {
+    return Status::InvalidInput("export --to " + to + ": the source numbers " + std::to_string(index_.size()) +
+                                " parameters, the output has " + std::to_string(mapped.size()) + "; write the "
+                                "optimizer state keyed by FQN");
+  }
   std::vector<std::string> defaulted;
   std::vector<std::pair<std::string, Items>> fields_of;
   for (const StateDictTensor& t : mapped) {
@@ -296,12 +307,51 @@ Status Fsdp2StateDictWriter::AddOptimizer(const SourceCheckpoint& src, const Fsd
                                                       /*initial_lr_always=*/false, &defaulted));
     fields_of.emplace_back(t.name, std::move(fields));
   }
-  AddGroups(fields_of);
+  RESHARD_RETURN_IF_ERROR(AddGroups(fields_of));
   NoteAdamwDefaults(to, defaulted, notes);
   return Status::Ok();
 }
 
-void Fsdp2StateDictWriter::AddGroups(const std::vector<std::pair<std::string, Items>>& fields_of) {
+void Fsdp2StateDictWriter::KeyByIndex(std::vector<std::vector<std::string>> groups) {
+  index_groups_ = std::move(groups);
+  index_.clear();
+  for (const std::vector<std::string>& group : index_groups_) {
+    for (const std::string& fqn : group) index_.emplace(fqn, static_cast<int64_t>(index_.size()));
+  }
+}
+
+// The given groups, each with its first parameter's hyperparameters (a
+// group has one set), its indices as params, and their FQNs as param_names
+// (what torch records for an optimizer built from named_parameters(); a
+// load into one built otherwise does not ask for them), which name each
+// index whatever order the model's items are written in.
+Status Fsdp2StateDictWriter::AddIndexedGroups(const std::vector<std::pair<std::string, Items>>& fields_of) {
+  const std::map<std::string, Items> by_fqn(fields_of.begin(), fields_of.end());
+  for (size_t g = 0; g < index_groups_.size(); ++g) {
+    const std::vector<std::string>& group = index_groups_[g];
+    if (group.empty()) continue;
+    Items fields = by_fqn.at(group.front());
+    std::vector<Value> params, names;
+    for (const std::string& fqn : group) {
+      if (Value::MakeDict(by_fqn.at(fqn)).DebugString() != Value::MakeDict(fields).DebugString()) {
+        return Status::InvalidInput("the source trained " + group.front() + " and " + fqn + ", of one param group, "
+                                    "with different hyperparameters; write the optimizer state keyed by FQN");
+      }
+      params.push_back(Value::Int(index_.at(fqn)));
+      names.push_back(Value::String(fqn));
+    }
+    fields.emplace_back(Value::String("params"), Value::MakeList(std::move(params)));
+    fields.emplace_back(Value::String("param_names"), Value::MakeList(std::move(names)));
+    for (const auto& [name, value] : fields) {
+      const std::string key = optim_.dotted + "param_groups." + std::to_string(g) + "." + name.as_string();
+      AddObject(key, value, optim_.Path({Value::String("param_groups"), Value::Int(static_cast<int64_t>(g)), name}));
+    }
+  }
+  return Status::Ok();
+}
+
+Status Fsdp2StateDictWriter::AddGroups(const std::vector<std::pair<std::string, Items>>& fields_of) {
+  if (!index_groups_.empty()) return AddIndexedGroups(fields_of);
   if (flat_) {
     for (const auto& [fqn, fields] : fields_of) {
       for (const auto& [name, value] : fields) {
@@ -309,7 +359,7 @@ void Fsdp2StateDictWriter::AddGroups(const std::vector<std::pair<std::string, It
         AddObject(optim_.dotted + rest, value, optim_.Path({Value::String(rest)}));
       }
     }
-    return;
+    return Status::Ok();
   }
   std::vector<std::pair<Items, std::vector<Value>>> merged;  // hyperparameters, FQNs
   for (const auto& [fqn, fields] : fields_of) {
@@ -327,17 +377,23 @@ void Fsdp2StateDictWriter::AddGroups(const std::vector<std::pair<std::string, It
       AddObject(key, value, optim_.Path({Value::String("param_groups"), Value::Int(static_cast<int64_t>(i)), name}));
     }
   }
+  return Status::Ok();
 }
 
+// The key a parameter's state is under: its FQN, or its index.
 std::string Fsdp2StateDictWriter::StateKey(const std::string& fqn, const std::string& state) const {
-  return optim_.dotted + "state." + fqn + "." + state;
+  return optim_.dotted + "state." + StateName(fqn) + "." + state;
+}
+
+std::string Fsdp2StateDictWriter::StateName(const std::string& fqn) const {
+  return index_groups_.empty() ? fqn : std::to_string(index_.at(fqn));
 }
 
 // torch's planner path of a state: nested (state, fqn, name), or one key of
 // the flattened optimizer state dict.
 std::vector<Value> Fsdp2StateDictWriter::StatePath(const std::string& fqn, const std::string& state) const {
   if (flat_) return optim_.Path({Value::String("state." + fqn + "." + state)});
-  return optim_.Path({Value::String("state"), Value::String(fqn), Value::String(state)});
+  return optim_.Path({Value::String("state"), Value::String(StateName(fqn)), Value::String(state)});
 }
 
 void Fsdp2StateDictWriter::AddObject(const std::string& key, const Value& value, std::vector<Value> path) {

@@ -22,6 +22,7 @@
 #pragma once
 
 #include <functional>
+#include <map>
 #include <optional>
 #include <string>
 #include <utility>
@@ -150,12 +151,20 @@ struct StateDictPrefix {
 // `.params`, the source's groups with the same hyperparameters made one;
 // or flat, `OPTIM.param_groups.<fqn>.<field>`). The model's and the
 // optimizer's files may be one checkpoint (torch's recipe) or two (Accelerate).
+// Keyed by index (KeyByIndex), the optimizer's state dict is its own
+// state_dict()'s instead: `OPTIM.state.<i>.*`, and the given param groups,
+// `OPTIM.param_groups.<g>.params` their indices, `.param_names` their FQNs.
 class Fsdp2StateDictWriter {
  public:
   Fsdp2StateDictWriter(StateDictPrefix model, StateDictPrefix optim, bool flat_groups, Fsdp2Files* model_files,
                        Fsdp2Files* optim_files)
       : model_(std::move(model)), optim_(std::move(optim)), flat_(flat_groups), model_files_(model_files),
         optim_files_(optim_files) {}
+
+  // Keys the optimizer's state by parameter index, as an optimizer's own
+  // state_dict() does (Accelerate's FSDP2 saves): `groups` are its param
+  // groups, each its parameters' FQNs, numbered in the groups' order.
+  void KeyByIndex(std::vector<std::vector<std::string>> groups);
 
   // The model's tensors of `read`, a tied head also under its own name (the
   // module's state dict holds both); returns how many.
@@ -166,8 +175,10 @@ class Fsdp2StateDictWriter {
                       const std::string& to, OutputPlan* out, std::vector<std::string>* notes);
 
  private:
-  void AddGroups(const std::vector<std::pair<std::string, Items>>& fields_of);
+  Status AddGroups(const std::vector<std::pair<std::string, Items>>& fields_of);
+  Status AddIndexedGroups(const std::vector<std::pair<std::string, Items>>& fields_of);
   std::string StateKey(const std::string& fqn, const std::string& state) const;
+  std::string StateName(const std::string& fqn) const;
   std::vector<Value> StatePath(const std::string& fqn, const std::string& state) const;
   void AddObject(const std::string& key, const Value& value, std::vector<Value> path);
 
@@ -176,6 +187,8 @@ class Fsdp2StateDictWriter {
   const bool flat_;
   Fsdp2Files* const model_files_;
   Fsdp2Files* const optim_files_;
+  std::vector<std::vector<std::string>> index_groups_;  // KeyByIndex's; empty: keyed by FQN
+  std::map<std::string, int64_t> index_;                // FQN -> its index
 };
 
 }  // namespace reshard

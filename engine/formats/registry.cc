@@ -100,6 +100,15 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenModelStateDict(DcpContent content,
 // An Accelerate FSDP checkpoint: its model's and its optimizer's DCP folders
 // read as one state dict.
 Result<std::unique_ptr<SourceCheckpoint>> OpenAccelerate(const std::string& folder, const CommonOptions& options) {
+  if (IsAccelerateFullStateDict(folder)) {  // torch.save files, every tensor whole
+    RESHARD_ASSIGN_OR_RETURN(const DcpTensors tensors, ReadAccelerateFullStateDict(folder));
+    RESHARD_ASSIGN_OR_RETURN(StateDictImport imported, ReadAccelerateImport(tensors, options));
+    return SavedWhole(Named("accelerate", MakeImportedSource({std::move(imported.logical), folder,
+                                                              std::move(imported.what), std::move(imported.files),
+                                                              std::move(imported.notes), std::move(imported.optimizer),
+                                                              imported.optimizer_status, "", std::move(imported.facts)},
+                                                             options)));
+  }
   RESHARD_ASSIGN_OR_RETURN(const DcpContent model, ReadDcpContent(folder + "/" + kAccelerateModelFolder));
   DcpTensors tensors = TensorsOf(model);
   tensors.folder = folder;
@@ -118,13 +127,16 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenAccelerate(const std::string& fold
   }
   RESHARD_ASSIGN_OR_RETURN(StateDictImport imported, ReadAccelerateImport(tensors, options));
   const int tp = imported.tp, pp = imported.pp, dp = imported.dp;
-  return Named("accelerate",
-               MakeImportedSource({std::move(imported.logical), folder, std::move(imported.what),
-                                   std::move(imported.files), std::move(imported.notes),
-                                   std::move(imported.optimizer), imported.optimizer_status, "",
-                                   std::move(imported.facts)},
-                                  options),
-               tp, pp, dp);
+  Result<std::unique_ptr<SourceCheckpoint>> opened =
+      Named("accelerate",
+            MakeImportedSource({std::move(imported.logical), folder, std::move(imported.what),
+                                std::move(imported.files), std::move(imported.notes),
+                                std::move(imported.optimizer), imported.optimizer_status, "",
+                                std::move(imported.facts)},
+                               options),
+            tp, pp, dp);
+  if (opened.ok()) (*opened)->SetFormatOptions(AccelerateSaveOptions(tensors));
+  return opened;
 }
 
 // A Megatron-Core torch_dist folder is read as the pipeline model its

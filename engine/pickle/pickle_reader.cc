@@ -1124,15 +1124,20 @@ bool Parser::IsEnumMember(const Global& cls, const std::string& member) const {
 
 // _rebuild_from_type_v2(func, new_type, args, state) calls func(*args), so
 // func must be the tensor rebuild. torch.save writes it for a tensor with
-// Python attributes, which reshard cannot carry; without them it is the
-// plain tensor.
+// Python attributes, which reshard cannot carry; without them, or with only
+// those the caller knows to be bookkeeping (dropped_tensor_attributes), it
+// is the plain tensor.
 Status Parser::TypedTensor(const Global& g, const std::vector<Node*>& args, Node** out) {
   if (args.size() != 4 || !IsGlobalLeaf(args[0], "torch._utils", "_rebuild_tensor_v2") ||
       !IsGlobalLeaf(args[1], "torch", "Tensor") || args[2]->kind != Node::Kind::kTuple) {
     return RefuseCall(Use::kTypedTensor, g, args, Object::Construct::kReduce);
   }
+  const auto dropped = [this](const std::pair<Node*, Node*>& attribute) {
+    std::string name;
+    return LeafString(attribute.first, &name) && options_.dropped_tensor_attributes.count(name) > 0;
+  };
   if (!IsLeaf(args[3], Value::Kind::kNone) &&
-      !(args[3]->kind == Node::Kind::kDict && args[3]->pairs.empty())) {
+      !(args[3]->kind == Node::Kind::kDict && std::all_of(args[3]->pairs.begin(), args[3]->pairs.end(), dropped))) {
     return Status::Unsupported("pickle rebuilds a tensor with Python attributes " +
                                Describe(args[3]) +
                                " (torch._tensor._rebuild_from_type_v2), which reshard does not "

@@ -77,6 +77,11 @@ struct PickleReadOptions {
   // fields reshard reads. A global of any other package (os.system) is
   // refused as ever.
   std::set<std::string> inert_packages;
+  // Python attributes of a tensor that are its writer's bookkeeping, not
+  // data (FSDP1 marks each tensor of its full state dict
+  // `_has_been_cloned`): a tensor with only these is read as the plain
+  // tensor; any other attribute is refused.
+  std::set<std::string> dropped_tensor_attributes;
   // Refuse streams nested deeper than this (protects the stack).
   int max_depth = 1000;
 };

@@ -1,6 +1,7 @@
 #include "formats/accelerate/accelerate_export.h"
 
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -50,6 +51,28 @@ void AddRunState(const SourceCheckpoint& src, int64_t ranks, OutputPlan* out, st
   }
 }
 
+// The param groups of an optimizer state keyed by index (--fsdp-version 2),
+// each its parameters' FQNs in index order: an Accelerate FSDP2 source's
+// own, the one place the order of the module's parameters is recorded.
+Result<std::vector<std::vector<std::string>>> IndexGroups(const SourceCheckpoint& src) {
+  std::optional<AccelerateParamIndex> index;
+  if (src.info().format == kAccelerate) {
+    RESHARD_ASSIGN_OR_RETURN(index, ReadAccelerateParamIndex(src.info().tag_dir));
+  }
+  if (!index) {
+    return Status::Unsupported(std::string("export --to accelerate --") + kFsdpVersionOption + " 2 keys the "
+                               "optimizer state by parameter index, the order of the module's parameters, which "
+                               "only an Accelerate FSDP2 save records; write --" + kFsdpVersionOption + " 1, or "
+                               "add --weights-only");
+  }
+  std::vector<std::vector<std::string>> groups;
+  for (const std::vector<int64_t>& group : index->groups) {
+    groups.emplace_back();
+    for (int64_t i : group) groups.back().push_back(index->fqns[i]);
+  }
+  return groups;
+}
+
 Result<OutputPlan> PlanAccelerate(const SourceCheckpoint& src, const ExportOptions& options,
                                   std::vector<std::string>* notes) {
   const int64_t ranks = FormatCount(options, kDpShardOption);
@@ -64,6 +87,11 @@ Result<OutputPlan> PlanAccelerate(const SourceCheckpoint& src, const ExportOptio
   Fsdp2Files model_files(mesh), optim_files(mesh);
   Fsdp2StateDictWriter writer(StateDictPrefix::Of({"model"}), StateDictPrefix::Of({"optimizer"}),
                               /*flat_groups=*/false, &model_files, &optim_files);
+  const bool by_index = FormatOption(options, kFsdpVersionOption) == "2";
+  if (by_index && read.optimizer) {
+    RESHARD_ASSIGN_OR_RETURN(std::vector<std::vector<std::string>> groups, IndexGroups(src));
+    writer.KeyByIndex(std::move(groups));
+  }
   RESHARD_ASSIGN_OR_RETURN(const int model_tensors, writer.AddModel(read, inputs, &out));
   if (read.optimizer) RESHARD_RETURN_IF_ERROR(writer.AddOptimizer(src, read, inputs, kAccelerate, &out, notes));
   RESHARD_RETURN_IF_ERROR(model_files.AddTo(kAccelerateModelFolder, &out));
@@ -71,9 +99,11 @@ Result<OutputPlan> PlanAccelerate(const SourceCheckpoint& src, const ExportOptio
   std::vector<std::string> left_out;
   RESHARD_ASSIGN_OR_RETURN(std::string config, RecordedConfigJson(*read.hf, inputs, read.params, read.all, &left_out));
   out.files.push_back(TextFile("config.json", std::move(config)));
-  out.summary = "accelerate: SHARDED_STATE_DICT over " + Count(ranks, "rank") + "; " +
+  out.summary = "accelerate: SHARDED_STATE_DICT (fsdp_version " + FormatOption(options, kFsdpVersionOption) +
+                ") over " + Count(ranks, "rank") + "; " +
                 Count(model_tensors, "model tensor") + " in " + kAccelerateModelFolder +
                 (read.optimizer ? std::string("; AdamW state in ") + kAccelerateOptimizerFolder +
+                                      (by_index ? " by parameter index" : " by FQN") +
                                       " (exp_avg, exp_avg_sq, step, param_groups)"
                                 : std::string("; weights only")) +
                 "\n";
@@ -91,7 +121,13 @@ TargetFormat AccelerateTarget() {
                         "a Hugging Face Trainer / Accelerate FSDP checkpoint (SHARDED_STATE_DICT): the model's and "
                         "its AdamW state's DCP folders, over --dp-shard ranks",
                         "the checkpoint-N folder itself"};
-  info.options = {DpShardOption(), FromOption("masters"), DTypeOption()};
+  info.options = {DpShardOption(),
+                  {kFsdpVersionOption, FormatOptionInfo::Kind::kText,
+                   "The FSDP version whose optimizer state dict is written, as Accelerate's load_fsdp_optimizer "
+                   "reads it: 1, FSDP.optim_state_dict keyed by FQN; 2, the optimizer's own state_dict() keyed by "
+                   "parameter index (in an Accelerate FSDP2 source's order); an Accelerate source's own by default",
+                   {"1", "2"}, false, "1"},
+                  FromOption("masters"), DTypeOption()};
   return {std::move(info), PlanAccelerate};
 }
 

@@ -6,7 +6,10 @@
 //
 //   OUT/pytorch_model_fsdp_0/   DCP: model.<fqn>, the family's HF module's names
 //   OUT/optimizer_0/            DCP: optimizer.state.<fqn>.{exp_avg, exp_avg_sq, step},
-//                               optimizer.param_groups.<i>.* (FSDP's optim_state_dict)
+//                               optimizer.param_groups.<i>.* (FSDP's optim_state_dict);
+//                               with --fsdp-version 2 optimizer.state.<i>.*, the
+//                               optimizer's own state_dict() as Accelerate's FSDP2
+//                               saves it, in an FSDP2 source's order and groups
 //   OUT/config.json             the model's config, as far as the source records it
 //   OUT/trainer_state.json, scheduler.pt, ...   the source's run state
 //

@@ -4,6 +4,8 @@
 #include <filesystem>
 #include <regex>
 
+#include "container/torch_file.h"
+#include "formats/dcp_common/dcp_content.h"
 #include "formats/hf_common/hf_folder.h"
 #include "util/strings.h"
 
@@ -13,6 +15,7 @@ namespace {
 namespace fs = std::filesystem;
 
 constexpr char kFullModelFile[] = "pytorch_model_fsdp.bin";
+constexpr char kFullOptimizerFile[] = "optimizer.bin";
 constexpr char kManifest[] = "reshard-manifest.json";
 constexpr char kConfig[] = "config.json";
 constexpr char kOptimizerState[] = "optimizer.state.";
@@ -40,17 +43,296 @@ Result<std::optional<int64_t>> GlobalStep(const std::string& folder) {
   return std::optional<int64_t>(step->as_int());
 }
 
-// Whether the optimizer's state is keyed by parameter index
-// (optimizer.state.<i>.<state>), as a plain optimizer.state_dict() is.
-bool KeyedByIndex(const DcpTensors& dcp) {
-  return std::any_of(dcp.tensors.begin(), dcp.tensors.end(), [](const auto& item) {
-    if (!StartsWith(item.first, kOptimizerState)) return false;
-    const std::string rest = item.first.substr(sizeof(kOptimizerState) - 1);
-    const size_t dot = rest.find('.');
+constexpr char kModelPrefix[] = "model.";
+constexpr char kGroups[] = "optimizer.param_groups.";
+constexpr char kParams[] = ".params";
+constexpr char kParamNames[] = ".param_names";
+// A bound on the states the split of the parameters among the groups visits.
+constexpr int64_t kMostSplitStates = int64_t{1} << 22;
+
+using Shape = std::vector<int64_t>;
+
+bool EndsWith(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// The start of every refusal of an index-keyed optimizer state.
+std::string IndexKeyed(const std::string& folder) {
+  return "the Accelerate FSDP2 checkpoint " + folder + "'s optimizer state is keyed by parameter index (" +
+         kOptimizerState + "<i>), and ";
+}
+// The end of those the save could have avoided.
+constexpr char kIndexFix[] =
+    "; build the optimizer from model.named_parameters() (torch then records each group's param_names), or pass "
+    "--weights-only to read the model";
+
+// The param groups of an optimizer's own state_dict(): each group's indices,
+// and its param_names where torch recorded them for every group.
+struct SavedGroups {
+  std::vector<std::vector<int64_t>> indices;
+  std::vector<std::vector<std::string>> names;
+};
+
+// A list of `kind` items of `value` as strings or ints, by `convert`.
+template <typename T>
+Result<std::vector<T>> ListOf(const Value& value, Value::Kind kind, T (*convert)(const Value&)) {
+  std::vector<T> out;
+  if (!value.is(Value::Kind::kList)) return Status::InvalidInput("no list");
+  for (const Value& v : value.as_list().items) {
+    if (!v.is(kind)) return Status::InvalidInput("holds " + v.DebugString(40));
+    out.push_back(convert(v));
+  }
+  return out;
+}
+int64_t AsInt(const Value& v) { return v.as_int(); }
+std::string AsString(const Value& v) { return v.as_string(); }
+
+// The groups of `optim` (the optimizer's DCP folder) when their params are
+// indices; nullopt when they are FQNs (FSDP1's optim_state_dict) or absent.
+Result<std::optional<SavedGroups>> IndexedGroups(const DcpContent& optim) {
+  SavedGroups out;
+  bool named = true;
+  for (int64_t g = 0; optim.meta.items.count(kGroups + std::to_string(g) + kParams); ++g) {
+    const std::string group = kGroups + std::to_string(g);
+    RESHARD_ASSIGN_OR_RETURN(Value params, optim.ReadBytes(group + kParams));
+    const bool fqns = params.is(Value::Kind::kList) && !params.as_list().items.empty() &&
+                      params.as_list().items.front().is(Value::Kind::kString);
+    if (fqns) return std::optional<SavedGroups>();
+    Result<std::vector<int64_t>> indices = ListOf(params, Value::Kind::kInt, AsInt);
+    if (!indices.ok()) {
+      return Status::InvalidInput(optim.folder + "'s " + group + kParams + " is no list of parameter indices or "
+                                  "names (" + indices.status().message() + ")");
+    }
+    out.indices.push_back(std::move(*indices));
+    std::vector<std::string> names;
+    if (optim.meta.items.count(group + kParamNames)) {
+      RESHARD_ASSIGN_OR_RETURN(Value listed, optim.ReadBytes(group + kParamNames));
+      Result<std::vector<std::string>> strings = ListOf(listed, Value::Kind::kString, AsString);
+      if (strings.ok() && strings->size() == out.indices.back().size()) names = std::move(*strings);
+    }
+    named = named && !names.empty();
+    out.names.push_back(std::move(names));
+  }
+  if (out.indices.empty()) return std::optional<SavedGroups>();
+  if (!named) out.names.clear();
+  return std::optional<SavedGroups>(std::move(out));
+}
+
+// Each index's state shape (its moments'), from `optim`'s metadata.
+std::map<int64_t, Shape> StateShapes(const DcpContent& optim) {
+  std::map<int64_t, Shape> out;
+  for (const std::string& key : optim.meta.order) {
+    const DcpItem& item = optim.meta.items.at(key);
+    if (!StartsWith(key, kOptimizerState) || item.kind != DcpItem::Kind::kTensor || item.size.empty()) continue;
+    const std::string rest = key.substr(sizeof(kOptimizerState) - 1);
     int64_t index = 0;
-    return dot != std::string::npos && rest.find('.', dot + 1) == std::string::npos &&
-           ParseInt(rest.substr(0, dot), &index);
-  });
+    if (ParseInt(rest.substr(0, rest.find('.')), &index)) out.emplace(index, item.size);
+  }
+  return out;
+}
+
+// The model's tensors (`model.` stripped) in the order of its state dict,
+// which torch's save keeps in the metadata: the first rank holds the first
+// rows of every FSDP2 parameter, and lists them in its state dict's order.
+std::vector<std::pair<std::string, Shape>> ModelTensors(const DcpContent& model) {
+  std::vector<std::pair<std::string, Shape>> out;
+  for (const std::string& key : model.meta.order) {
+    const DcpItem& item = model.meta.items.at(key);
+    if (StartsWith(key, kModelPrefix) && item.kind == DcpItem::Kind::kTensor) {
+      out.emplace_back(key.substr(sizeof(kModelPrefix) - 1), item.size);
+    }
+  }
+  return out;
+}
+
+// The ways to deal the model's parameters (their shapes, in the module's
+// order) out to the param groups (their members' shapes, in index order),
+// each group taking its members in the module's order, shape for shape:
+// Count() says whether none, one or more fit, Owners() gives the one.
+class GroupSplit {
+ public:
+  GroupSplit(std::vector<Shape> params, std::vector<std::vector<Shape>> groups)
+      : params_(std::move(params)), groups_(std::move(groups)) {}
+
+  // 0, 1, or 2 for more than one.
+  int Count() { return CountFrom(std::vector<size_t>(groups_.size(), 0)); }
+
+  // The group of each parameter, in the one split Count() found.
+  std::vector<size_t> Owners() {
+    std::vector<size_t> pos(groups_.size(), 0), owners;
+    for (size_t p = 0; p < params_.size(); ++p) {
+      for (size_t g = 0; g < groups_.size(); ++g) {
+        if (!Takes(pos, g, p)) continue;
+        ++pos[g];
+        if (CountFrom(pos) > 0) {
+          owners.push_back(g);
+          break;
+        }
+        --pos[g];
+      }
+    }
+    return owners;
+  }
+
+  // How many states the count may visit: the product of the groups' sizes + 1.
+  int64_t States() const {
+    int64_t states = 1;
+    for (const auto& g : groups_) states = std::min(kMostSplitStates + 1, states * static_cast<int64_t>(g.size() + 1));
+    return states;
+  }
+
+ private:
+  bool Takes(const std::vector<size_t>& pos, size_t g, size_t p) const {
+    return pos[g] < groups_[g].size() && groups_[g][pos[g]] == params_[p];
+  }
+
+  int CountFrom(std::vector<size_t> pos) {
+    size_t p = 0;
+    for (size_t taken : pos) p += taken;
+    if (p == params_.size()) return 1;
+    auto memo = counts_.find(pos);
+    if (memo != counts_.end()) return memo->second;
+    int count = 0;
+    for (size_t g = 0; g < groups_.size() && count < 2; ++g) {
+      if (!Takes(pos, g, p)) continue;
+      ++pos[g];
+      count = std::min(2, count + CountFrom(pos));
+      --pos[g];
+    }
+    counts_.emplace(std::move(pos), count);
+    return count;
+  }
+
+  const std::vector<Shape> params_;
+  const std::vector<std::vector<Shape>> groups_;
+  std::map<std::vector<size_t>, int> counts_;
+};
+
+// The FQN of each index from the order of the model's state dict.
+Result<std::vector<std::string>> FqnsByModelOrder(const std::string& folder, const DcpContent& model,
+                                                  const DcpContent& optim, const SavedGroups& groups, int64_t count) {
+  const std::vector<std::pair<std::string, Shape>> tensors = ModelTensors(model);
+  if (static_cast<int64_t>(tensors.size()) != count) {
+    return Status::Unsupported(IndexKeyed(folder) + "holds " + std::to_string(count) + " parameters where the "
+                               "model's state dict holds " + std::to_string(tensors.size()) + " tensors: which of "
+                               "them have no index (a tied copy, a buffer, a frozen parameter) is not recorded" +
+                               kIndexFix);
+  }
+  const std::map<int64_t, Shape> shapes = StateShapes(optim);
+  std::vector<Shape> params;
+  for (const auto& t : tensors) params.push_back(t.second);
+  std::vector<std::vector<Shape>> members;
+  for (const std::vector<int64_t>& group : groups.indices) {
+    members.emplace_back();
+    for (int64_t i : group) {
+      auto it = shapes.find(i);
+      if (it == shapes.end()) {
+        return Status::InvalidInput(IndexKeyed(folder) + "parameter " + std::to_string(i) + " has no state (" +
+                                    kOptimizerState + std::to_string(i) + ".exp_avg), whose shape tells which it "
+                                    "is; pass --weights-only to read the model");
+      }
+      members.back().push_back(it->second);
+    }
+  }
+  GroupSplit split(params, members);
+  if (split.States() > kMostSplitStates) {
+    return Status::Unsupported(IndexKeyed(folder) + "its " + std::to_string(groups.indices.size()) + " param "
+                               "groups are too many to tell by their states' shapes which parameters each holds" +
+                               kIndexFix);
+  }
+  const int fits = split.Count();
+  if (fits != 1) {
+    return Status::Unsupported(IndexKeyed(folder) + "the shapes of its states fit " +
+                               (fits == 0 ? std::string("no") : std::string("more than one")) + " dealing of the "
+                               "model's parameters, in its state dict's order, to its " +
+                               std::to_string(groups.indices.size()) + " param groups (each listing its own in the "
+                               "module's order)" + kIndexFix);
+  }
+  std::vector<std::string> fqns(count);
+  std::vector<size_t> taken(groups.indices.size(), 0);
+  const std::vector<size_t> owners = split.Owners();
+  for (size_t p = 0; p < owners.size(); ++p) {
+    fqns[groups.indices[owners[p]][taken[owners[p]]++]] = tensors[p].first;
+  }
+  return fqns;
+}
+
+}  // namespace
+
+Result<std::optional<AccelerateParamIndex>> ReadAccelerateParamIndex(const std::string& folder) {
+  const std::string optim_folder = folder + "/" + kAccelerateOptimizerFolder;
+  if (!IsDirectory(optim_folder)) return std::optional<AccelerateParamIndex>();
+  RESHARD_ASSIGN_OR_RETURN(const DcpContent optim, ReadDcpContent(optim_folder));
+  RESHARD_ASSIGN_OR_RETURN(std::optional<SavedGroups> groups, IndexedGroups(optim));
+  if (!groups) return std::optional<AccelerateParamIndex>();
+  AccelerateParamIndex out;
+  out.groups = groups->indices;
+  int64_t count = 0;  // torch numbers the groups' parameters in order
+  for (const std::vector<int64_t>& group : groups->indices) {
+    for (int64_t i : group) {
+      if (i != count++) {
+        return Status::InvalidInput(IndexKeyed(folder) + "its param groups do not number their parameters 0, 1, "
+                                    "... in order, as torch's state_dict() does; restore the file Accelerate saved");
+      }
+    }
+  }
+  RESHARD_ASSIGN_OR_RETURN(const DcpContent model, ReadDcpContent(folder + "/" + kAccelerateModelFolder));
+  if (!groups->names.empty()) {
+    for (const std::vector<std::string>& names : groups->names) {
+      for (const std::string& name : names) {
+        if (!model.meta.items.count(kModelPrefix + name)) {
+          return Status::InvalidInput(IndexKeyed(folder) + "its param_names name " + name + ", which its model "
+                                      "does not hold (" + kModelPrefix + name + "); restore the files Accelerate saved");
+        }
+        out.fqns.push_back(name);
+      }
+    }
+    return std::optional<AccelerateParamIndex>(std::move(out));
+  }
+  RESHARD_ASSIGN_OR_RETURN(out.fqns, FqnsByModelOrder(folder, model, optim, *groups, count));
+  return std::optional<AccelerateParamIndex>(std::move(out));
+}
+
+namespace {
+
+// `dcp` with its index-keyed optimizer state keyed by FQN, as FSDP1's is:
+// `optimizer.state.<fqn>.*`, and each group's params its FQNs.
+DcpTensors KeyedByFqn(const DcpTensors& dcp, const AccelerateParamIndex& index) {
+  auto renamed = [&index](const std::string& key) {
+    if (!StartsWith(key, kOptimizerState)) return key;
+    const std::string rest = key.substr(sizeof(kOptimizerState) - 1);
+    const size_t dot = rest.find('.');
+    int64_t i = 0;
+    if (dot == std::string::npos || !ParseInt(rest.substr(0, dot), &i) || i < 0 ||
+        i >= static_cast<int64_t>(index.fqns.size())) {
+      return key;
+    }
+    return kOptimizerState + index.fqns[i] + rest.substr(dot);
+  };
+  DcpTensors out = dcp;
+  out.tensors.clear();
+  out.chunk_offsets.clear();
+  for (const auto& [key, t] : dcp.tensors) out.tensors.emplace(renamed(key), t);
+  for (const auto& [key, offsets] : dcp.chunk_offsets) out.chunk_offsets.emplace(renamed(key), offsets);
+  // param_names is no hyperparameter: the groups' params now name them.
+  out.objects.erase(std::remove_if(out.objects.begin(), out.objects.end(),
+                                   [](const std::string& key) {
+                                     return StartsWith(key, kGroups) && EndsWith(key, kParamNames);
+                                   }),
+                    out.objects.end());
+  out.read_object = [read = dcp.read_object, index](const std::string& key) -> Result<Value> {
+    int64_t g = 0;
+    const bool params = StartsWith(key, kGroups) && EndsWith(key, kParams) &&
+                        ParseInt(key.substr(sizeof(kGroups) - 1, key.size() - (sizeof(kGroups) - 1) -
+                                                                      (sizeof(kParams) - 1)),
+                                 &g) &&
+                        g >= 0 && g < static_cast<int64_t>(index.groups.size());
+    if (!params) return read(key);
+    std::vector<Value> fqns;
+    for (int64_t i : index.groups[g]) fqns.push_back(Value::String(index.fqns[i]));
+    return Value::MakeList(std::move(fqns));
+  };
+  return out;
 }
 
 }  // namespace
@@ -60,7 +342,8 @@ std::vector<std::string> AccelerateRunFiles(const std::string& folder) {
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(folder, ec)) {
     const std::string name = entry.path().filename().string();
-    if (name != kAccelerateModelFolder && name != kAccelerateOptimizerFolder && name != kConfig && name != kManifest) {
+    if (name != kAccelerateModelFolder && name != kAccelerateOptimizerFolder && name != kConfig && name != kManifest &&
+        name != kFullModelFile && name != kFullOptimizerFile) {
       names.push_back(name);
     }
   }
@@ -85,12 +368,78 @@ Result<std::string> AccelerateCheckpointFolder(const std::string& path) {
   if ((model_folder || optimizer_folder) && IsDirectory(folder)) {
     return parent.string();
   }
-  if (Exists(folder / kFullModelFile)) {
-    return Status::Unsupported(folder.string() + " is an Accelerate FULL_STATE_DICT save (" + kFullModelFile +
-                               "), which reshard does not read; save the run with fsdp_state_dict_type "
-                               "SHARDED_STATE_DICT, or convert the HF folder save_model writes");
+  return IsDirectory(folder) && Exists(folder / kFullModelFile) ? folder.string() : std::string();
+}
+
+bool IsAccelerateFullStateDict(const std::string& folder) {
+  return !IsDirectory(fs::path(folder) / kAccelerateModelFolder) && Exists(fs::path(folder) / kFullModelFile);
+}
+
+namespace {
+
+// Adds `value`'s items under `prefix` to `out`, as torch's DCP flattens a
+// state dict: a dict's or a list's items by key or index, a tensor as a
+// tensor, anything else (a hyperparameter, a list of FQNs) as an object.
+void Flatten(const std::string& prefix, const Value& value, DcpTensors* out, std::map<std::string, Value>* objects) {
+  const Items* items = DictItems(value);
+  const bool nested_list = value.is(Value::Kind::kList) &&
+                           std::any_of(value.as_list().items.begin(), value.as_list().items.end(),
+                                       [](const Value& v) { return DictItems(v) != nullptr; });
+  if (items != nullptr) {
+    for (const auto& [key, item] : *items) {
+      const std::string name = key.is(Value::Kind::kString) ? key.as_string()
+                               : key.is(Value::Kind::kInt)  ? std::to_string(key.as_int())
+                                                            : key.DebugString(40);
+      Flatten(prefix + "." + name, item, out, objects);
+    }
+  } else if (nested_list) {
+    for (size_t i = 0; i < value.as_list().items.size(); ++i) {
+      Flatten(prefix + "." + std::to_string(i), value.as_list().items[i], out, objects);
+    }
+  } else if (value.is(Value::Kind::kTensor)) {
+    out->tensors[prefix] = ImportedTensor{value, SourceShard::Of(value.as_tensor(), {})};
+  } else {
+    out->objects.push_back(prefix);
+    (*objects)[prefix] = value;
   }
-  return std::string();
+}
+
+}  // namespace
+
+Result<DcpTensors> ReadAccelerateFullStateDict(const std::string& folder) {
+  DcpTensors out;
+  out.folder = folder;
+  auto objects = std::make_shared<std::map<std::string, Value>>();
+  for (const auto& [file, prefix] : {std::pair<const char*, const char*>{kFullModelFile, "model"},
+                                     {kFullOptimizerFile, "optimizer"}}) {
+    const std::string path = folder + "/" + file;
+    if (!Exists(path)) continue;
+    PickleReadOptions read;
+    read.dropped_tensor_attributes = {"_has_been_cloned"};  // FSDP1's mark on its full state dict's tensors
+    RESHARD_ASSIGN_OR_RETURN(Value root, ReadTorchFile(path, read));
+    if (DictItems(root) == nullptr) {
+      return Status::InvalidInput(path + " holds " + root.DebugString(60) + ", not the state dict Accelerate's "
+                                  "FULL_STATE_DICT save writes; restore the file Accelerate saved");
+    }
+    out.files.push_back(path);
+    Flatten(prefix, root, &out, objects.get());
+  }
+  out.read_object = [objects](const std::string& key) -> Result<Value> {
+    auto it = objects->find(key);
+    if (it == objects->end()) return Status::Internal("no object " + key + " in the FULL_STATE_DICT save");
+    return it->second;
+  };
+  return out;
+}
+
+std::map<std::string, std::string> AccelerateSaveOptions(const DcpTensors& dcp) {
+  // An index-keyed state's groups list indices; FSDP1's list FQNs.
+  const bool indexed = dcp.read_object && [&dcp] {
+    Result<Value> params = dcp.read_object(std::string(kGroups) + "0" + kParams);
+    return params.ok() && params->is(Value::Kind::kList) && !params->as_list().items.empty() &&
+           params->as_list().items.front().is(Value::Kind::kInt);
+  }();
+  return {{kFsdpVersionOption, indexed ? "2" : "1"}};
 }
 
 Result<StateDictImport> ReadAccelerateImport(const DcpTensors& dcp, const CommonOptions& options) {
@@ -103,19 +452,18 @@ Result<StateDictImport> ReadAccelerateImport(const DcpTensors& dcp, const Common
   keys.recorded_config = kConfig;
   keys.iteration_from = kTrainerStateFile;
   RESHARD_ASSIGN_OR_RETURN(keys.iteration, GlobalStep(dcp.folder));
-  Result<StateDictImport> imported = ReadStateDictImport(dcp, keys, options);
+  Result<std::optional<AccelerateParamIndex>> index = ReadAccelerateParamIndex(dcp.folder);
+  const bool by_fqn = index.ok() && index->has_value();
+  Result<StateDictImport> imported = ReadStateDictImport(by_fqn ? KeyedByFqn(dcp, **index) : dcp, keys, options);
   if (!imported.ok()) {
     if (imported.status().code() != Status::Code::kUnsupported) return imported;
     return Status::Unsupported(imported.status().message() + "; the model's family needs a rule file whose hf "
                                "section names its HF model and whose torchtitan section gives its sizes "
                                "(docs/rules.md), given with --rules FILE");
   }
-  if (KeyedByIndex(dcp)) {
+  if (!index.ok()) {  // the model is read; its optimizer state cannot be
     imported->optimizer.reset();
-    imported->optimizer_status = Status::Unsupported(
-        "the Accelerate FSDP checkpoint's optimizer state is keyed by parameter index (optimizer.state.<i>, as "
-        "Accelerate saves an FSDP2 run's optimizer.state_dict()), which names no parameter; reshard reads FSDP1's "
-        "FQN-keyed optim_state_dict; pass --weights-only to read the model");
+    imported->optimizer_status = index.status();
   }
   if (const std::vector<std::string> run = AccelerateRunFiles(dcp.folder); !run.empty()) {
     imported->notes.push_back("accelerate: " + Join(run, ", ") + " not carried (the Trainer's run state, which "

@@ -542,6 +542,17 @@ TEST(PickleReaderCallShapeTest, RebuildFromTypeOnlyWrapsTheTensorRebuild) {
             "pickle rebuilds a tensor with Python attributes {...} "
             "(torch._tensor._rebuild_from_type_v2), which reshard does not carry; save the "
             "tensor without them");
+  // Attributes the caller knows to be bookkeeping (FSDP's _has_been_cloned) are dropped; no others.
+  PickleReadOptions dropping = testing_pickle::DeepSpeedReadOptions();
+  dropping.dropped_tensor_attributes = {"a"};
+  Result<Value> dropped = ParseString(from_type + "(" + kRebuild + G("torch", "Tensor") + TensorArgs(kNoHooks) +
+                                      "}" + Str("a") + "I1\nstR.", dropping);
+  ASSERT_TRUE(dropped.ok()) << dropped.status().message();
+  EXPECT_EQ(dropped->DebugString(), "tensor(float32, [4])");
+  dropping.dropped_tensor_attributes = {"b"};
+  EXPECT_FALSE(ParseString(from_type + "(" + kRebuild + G("torch", "Tensor") + TensorArgs(kNoHooks) + "}" +
+                           Str("a") + "I1\nstR.", dropping)
+                   .ok());
 }
 
 TEST(PickleReaderCallShapeTest, EnumMembers) {

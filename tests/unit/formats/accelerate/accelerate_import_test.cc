@@ -46,12 +46,18 @@ TEST_F(AccelerateFolderTest, TheCheckpointFolderOrItsDcpFolders) {
   EXPECT_EQ(*AccelerateCheckpointFolder(root_.string()), "");
 }
 
-TEST_F(AccelerateFolderTest, TheFullStateDictFormIsRefused) {
+TEST_F(AccelerateFolderTest, TheFullStateDictFormIsACheckpointFolder) {
+  EXPECT_FALSE(IsAccelerateFullStateDict(Folder()));
   fs::remove_all(Folder(kAccelerateModelFolder));
   Touch("pytorch_model_fsdp.bin");
+  Touch("optimizer.bin");
+  Touch("trainer_state.json");
   Result<std::string> folder = AccelerateCheckpointFolder(Folder());
-  ASSERT_FALSE(folder.ok());
-  EXPECT_NE(folder.status().message().find("FULL_STATE_DICT"), std::string::npos) << folder.status().message();
+  ASSERT_TRUE(folder.ok()) << folder.status().message();
+  EXPECT_EQ(*folder, (root_ / "checkpoint-2").string());
+  EXPECT_TRUE(IsAccelerateFullStateDict(Folder()));
+  // Its model and optimizer files are the checkpoint, not the Trainer's run state.
+  EXPECT_EQ(AccelerateRunFiles(Folder()), std::vector<std::string>{"trainer_state.json"});
 }
 
 TEST_F(AccelerateFolderTest, RunFilesAreWhatTheTrainerSavedBesideTheFolders) {
