@@ -36,7 +36,7 @@ SAMPLE = os.path.join(CHECKOUT, 'tests', 'data', 'torchtitan', 'fsdp2_tp_w4', 's
 HEADS = 'num_attention_heads=4'  # torchtitan records no head count
 
 
-def run(argv, timeout=1800, **kw):
+def run(argv, timeout=3600, **kw):
     return subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=timeout, **kw)
 
 
