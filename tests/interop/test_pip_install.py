@@ -160,7 +160,7 @@ class PipInstallTest(unittest.TestCase):
         files = [f for f in os.listdir(whole) if f.endswith('.safetensors')]
         tensors = {}
         for f in files:
-            tensors.update(support.read_safetensors(os.path.join(whole, f)))
+            tensors.update(support.read_safetensors(os.path.join(whole, f))[0])
         self.assertIn(got['name'], got['keys'])
         self.assertEqual(got['tensor'], tensors[got['name']].float().tolist())
 
