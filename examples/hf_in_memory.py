@@ -18,11 +18,13 @@ import torch
 import reshard
 
 
-def hf_model(checkpoint, rules=None):
-    """The transformers model of `checkpoint` (eval mode), built in memory."""
+def hf_model(checkpoint, rules=None, values=None, tokenizer=None):
+    """The transformers model of `checkpoint` (eval mode), built in memory. `values`: what the
+    checkpoint does not record ({"num_attention_heads": 4}, as --set); `tokenizer`: the folder whose
+    token ids config.json takes (as export's --tokenizer)."""
     import transformers  # only this function needs it
 
-    exported = reshard.open(checkpoint, rules=rules).export(to="hf")
+    exported = reshard.open(checkpoint, rules=rules, set=values).export(to="hf", tokenizer=tokenizer)
     config = json.loads(exported["texts"]["config.json"])
     model_type = config.pop("model_type")
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(model_type, **config))

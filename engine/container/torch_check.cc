@@ -6,6 +6,8 @@
 #include <filesystem>
 #include <vector>
 
+#include "util/loaded_file.h"
+
 namespace reshard {
 namespace {
 
@@ -15,9 +17,9 @@ constexpr char kModule[] = "libreshard_torch_check.so";
 std::vector<std::string> Candidates() {
   if (const char* given = std::getenv("RESHARD_TORCH_CHECK_MODULE")) return {given};
   std::vector<std::string> paths;
-  std::error_code ec;
-  const std::filesystem::path exe = std::filesystem::read_symlink("/proc/self/exe", ec);
-  if (!ec) paths.push_back((exe.parent_path() / kModule).string());
+  // Beside the binary, or beside the Python module of a pip-installed package.
+  const std::string loaded_from = LoadedFileFolder();
+  if (!loaded_from.empty()) paths.push_back((std::filesystem::path(loaded_from) / kModule).string());
 #ifdef RESHARD_TORCH_CHECK_BUILD_PATH
   paths.push_back(RESHARD_TORCH_CHECK_BUILD_PATH);
 #endif

@@ -8,6 +8,7 @@
 
 #include "rules/rule_set.h"
 #include "util/list_folder.h"
+#include "util/loaded_file.h"
 #include "util/strings.h"
 
 namespace reshard {
@@ -15,13 +16,23 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// The environment's choice, else the source tree's rules/ where it is (a
-// build), else the installed copy (`make install`).
+// The environment's choice; else the source tree's rules/ where it is (a
+// build); else rules/ beside the binary or Python module running this code (a
+// pip-installed package, whose build compiles in no path); else the installed
+// copy (`make install`).
 std::string BuiltinRulesDir() {
   const char* env = std::getenv("RESHARD_RULES_DIR");
   if (env != nullptr && *env != '\0') return env;
   std::error_code ignored;
-  return fs::is_directory(RESHARD_RULES_DIR, ignored) ? RESHARD_RULES_DIR : RESHARD_INSTALLED_RULES_DIR;
+#ifdef RESHARD_RULES_DIR
+  if (fs::is_directory(RESHARD_RULES_DIR, ignored)) return RESHARD_RULES_DIR;
+#endif
+  const std::string loaded_from = LoadedFileFolder();
+  const std::string beside = loaded_from.empty() ? "" : (fs::path(loaded_from) / "rules").string();
+#ifdef RESHARD_INSTALLED_RULES_DIR
+  if (beside.empty() || !fs::is_directory(beside, ignored)) return RESHARD_INSTALLED_RULES_DIR;
+#endif
+  return beside;
 }
 
 // The rule files of `dir` in file name order, each with its size and

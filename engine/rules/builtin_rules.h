@@ -3,7 +3,8 @@
 //
 // The directory is the one named by the environment variable
 // RESHARD_RULES_DIR when it is set and not empty, else the source tree's
-// rules/ (compiled in) where it exists, else the installed copy
+// rules/ (compiled in) where it exists, else rules/ beside the binary or the
+// Python module (a pip-installed package), else the installed copy
 // (<prefix>/share/reshard/rules, `make install`).
 #pragma once
 

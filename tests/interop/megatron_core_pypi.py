@@ -90,6 +90,12 @@ def ensure(root, pins=PINS, marker=os.path.join('megatron', 'core', '__init__.py
     version = _python_version(root)
     if version is None:
         return None, f'the torch 2 chroot {root} has no python3.N library folder'
+    return cached_site(pins, marker, version, lambda site: _download(site, version, pins))
+
+
+def cached_site(pins, marker, version, fill):
+    """(the cache's folder for `pins` and Python `version`, None), filled once per machine by
+    fill(site), which returns None or one line saying why it could not; or (None, that line)."""
     key = hashlib.sha256(' '.join(tuple(pins) + (version, platform.machine())).encode()).hexdigest()[:16]
     site = os.path.join(CACHE, key)
     if os.path.exists(os.path.join(site, marker)):
@@ -102,27 +108,34 @@ def ensure(root, pins=PINS, marker=os.path.join('megatron', 'core', '__init__.py
     with open(site + '.lock', 'w') as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not os.path.exists(site):
-            why = _download(site, version, pins)
+            why = fill(site)
             if why:
                 return None, why
     return site, None
 
 
 def _download(site, version, pins):
-    """Downloads the pins' wheels for the chroot's Python and unpacks them into site.partial, renamed
-    to `site` only when complete. Returns None, or why it failed."""
+    """Downloads the pins' wheels for the chroot's Python and unpacks them into `site`. Returns None,
+    or why it failed."""
+    machine = platform.machine()
+    # Exact pins: pip takes a yanked release (megatron-core 0.19.1 is) only when pinned so.
+    argv = [sys.executable, '-m', 'pip', 'download', '--no-deps', '--only-binary=:all:', '--python-version',
+            version, '--implementation', 'cp', '--platform', f'manylinux_2_28_{machine}',
+            '--platform', f'manylinux2014_{machine}', *pins]
+    return unpack_wheels(site, argv + ['--dest'], f'pip could not download {" ".join(pins)} for Python {version}')
+
+
+def unpack_wheels(site, pip, failure):
+    """Runs `pip` (an argv that ends with the option naming the folder the wheels go to), then unpacks
+    the wheels into site.partial, renamed to `site` only when complete. Returns None, or `failure`
+    and pip's last line."""
     partial, wheels = site + '.partial', site + '.wheels'
     shutil.rmtree(partial, ignore_errors=True)
     shutil.rmtree(wheels, ignore_errors=True)
-    machine = platform.machine()
-    # Exact pins: pip takes a yanked release (megatron-core 0.19.1 is) only when pinned so.
-    argv = [sys.executable, '-m', 'pip', 'download', '--no-deps', '--only-binary=:all:', '--dest', wheels,
-            '--python-version', version, '--implementation', 'cp',
-            '--platform', f'manylinux_2_28_{machine}', '--platform', f'manylinux2014_{machine}', *pins]
-    p = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    p = subprocess.run(pip + [wheels], capture_output=True, text=True, stdin=subprocess.DEVNULL)
     if p.returncode:
         last = (p.stderr.strip().splitlines() or ['no output'])[-1]
-        return f'pip could not download {" ".join(pins)} for Python {version}: {last}'
+        return f'{failure}: {last}'
     os.makedirs(partial)
     for wheel in sorted(glob.glob(os.path.join(wheels, '*.whl'))):
         with zipfile.ZipFile(wheel) as z:
