@@ -285,6 +285,31 @@ class StateDictTest(support.FixtureTestCase):
         with self.assertRaisesRegex(reshard.Error, '--ep sets the layout of --to deepspeed, torch_dist; the hf export'):
             reshard.export(src, self.path('hf'), to='hf', ep=2, **given)
 
+    def test_a_flag_option_of_a_target(self):
+        """A target's flag option is a keyword taking True (its kind "flag"), as the CLI's flag: the torch_dist
+        export with the embedding counted in the pipeline split is the CLI's output byte for byte."""
+        options = {o['name']: o['kind'] for t in reshard.target_formats() for o in t['options']}
+        self.assertEqual(options['account_for_embedding_in_pipeline_split'], 'flag')
+        src = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'data', 'megatron-core', '0.19', 'w2_tp2')
+        sets = ['num_attention_heads=4', 'num_key_value_heads=2', 'make_vocab_size_divisible_by=16']
+        cli = self.path('cli')
+        p = support.reshard('convert', src, cli, '--pp', 3, '--account-for-embedding-in-pipeline-split',
+                            *[a for s in sets for a in ('--set', s)], '--vocab-size', 64, '-q')
+        self.assertEqual(p.returncode, 0, p.stderr)
+        ours = self.path('python')
+        reshard.convert(src, ours, pp=3, account_for_embedding_in_pipeline_split=True,
+                        set=dict(s.split('=') for s in sets), vocab_size=64)
+        def digests(out):
+            folder = os.path.join(out, 'iter_0000000')
+            return {n: file_digest(os.path.join(folder, n)) for n in os.listdir(folder)}
+        self.assertEqual(digests(ours), digests(cli))
+        # False leaves it out: with the embedding counted, 2 layers would not split into 2 stages.
+        reshard.convert(src, self.path('even'), pp=2, account_for_embedding_in_pipeline_split=False,
+                        set=dict(s.split('=') for s in sets), vocab_size=64)
+        with self.assertRaisesRegex(reshard.Error, 'counted as 3 do not divide into 2 stages'):
+            reshard.convert(src, self.path('counted'), pp=2, account_for_embedding_in_pipeline_split=True,
+                            set=dict(s.split('=') for s in sets), vocab_size=64)
+
     def test_tensor_and_exports_in_memory(self):
         src = make_fixture(self.path('gpt2'), tp=2, pp=2, dp=2, optimizer='bf16_zero', **FAMILIES['ms_gpt2'])
         ckpt = reshard.open(src)

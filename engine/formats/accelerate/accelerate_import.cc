@@ -311,9 +311,9 @@ DcpTensors KeyedByFqn(const DcpTensors& dcp, const AccelerateParamIndex& index) 
   };
   DcpTensors out = dcp;
   out.tensors.clear();
-  out.chunk_offsets.clear();
+  out.chunks.clear();
   for (const auto& [key, t] : dcp.tensors) out.tensors.emplace(renamed(key), t);
-  for (const auto& [key, offsets] : dcp.chunk_offsets) out.chunk_offsets.emplace(renamed(key), offsets);
+  for (const auto& [key, chunks] : dcp.chunks) out.chunks.emplace(renamed(key), chunks);
   // param_names is no hyperparameter: the groups' params now name them.
   out.objects.erase(std::remove_if(out.objects.begin(), out.objects.end(),
                                    [](const std::string& key) {
