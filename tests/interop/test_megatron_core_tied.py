@@ -18,10 +18,11 @@ not stored: the save holds the embedding once. torch's `dcp.load` gives every sa
 Checked: reshard reads each save as its family; `convert --to deepspeed` gives those tensors in
 Megatron-DeepSpeed's layer files; `export --to hf` gives GPT-2 / Llama tensors equal to them (and a
 rotary GeLU model is refused in one line); and a `torch_dist` output at another layout (TP 2 -> PP 2,
-PP 2 -> TP 2) is loaded by Megatron-Core's `dist_checkpointing.load` with StrictHandling.RAISE_ALL
-into the model at that layout, every parameter (the last stage's output layer included) equal to
-what Megatron-Core loads from its own save at that layout. Skipped with one line when the chroot or
-the wheels cannot be had.
+PP 2 -> TP 2), and its conversion back to the save's layout, are loaded by Megatron-Core's
+`dist_checkpointing.load` with StrictHandling.RAISE_ALL into the model at that layout, every
+parameter (the last stage's output layer included) equal to what Megatron-Core loads from its own
+save at that layout, and at TP 2 the loss, before and after one SGD step, the same as with its own
+save. Skipped with one line when the chroot or the wheels cannot be had.
 
 Run: /usr/bin/python3 tests/interop/test_megatron_core_tied.py --reshard build/reshard
 """
@@ -116,15 +117,17 @@ print('megatron-core', __import__('megatron.core.package_info').core.package_inf
 ''' % json.dumps(SAVES)
 
 # Loads, at the layout each case names, Megatron-Core's own save and reshard's output into the
-# model (every parameter zeroed first), both strictly, and saves what each rank holds after each.
-LOAD = r'''
-def load(r, port, world, tag, out, kind, groups, tp, pp):
+# model (every parameter zeroed first), both strictly, and saves what each rank holds after each; at
+# PP 1 also the loss, before and after one SGD step.
+LOAD = megatron_core_pypi.LOSSES + r'''
+def load(r, port, world, name, out, kind, groups, tp, pp):
+    tag = name.rsplit('_', 1)[0]  # the save: TAG_out, TAG_back
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
     start(r, port, world)
     model = build(kind, groups, tp, pp)
-    held = {}
-    for name, folder in (('megatron', '/data/' + tag), ('reshard', out)):
+    held, loss = {}, {}
+    for who, folder in (('megatron', '/data/' + tag), ('reshard', out)):
         for p in model.parameters():
             p.data.zero_()
         # As Megatron-LM loads: the model's state under 'model', the common state (args,
@@ -132,8 +135,10 @@ def load(r, port, world, tag, out, kind, groups, tp, pp):
         state = dist_checkpointing.load({'model': model.sharded_state_dict()}, folder,
                                         strict=StrictHandling.RAISE_ALL)
         model.load_state_dict(state['model'], strict=True)
-        held[name] = {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
-    torch.save(held, f'/data/{tag}_loaded_rank{r}.pt')
+        held[who] = {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+        if pp == 1:  # the TP ranks compute the loss together
+            loss[who] = losses(model)
+    torch.save({'held': held, 'loss': loss}, f'/data/{name}_loaded_rank{r}.pt')
     end_megatron_rank()
 
 worlds(load, [(2, *case) for case in CASES])
@@ -292,27 +297,27 @@ class MegatronCoreTiedTest(megatron_core_pypi.MegatronCoreTestCase):
     def test_megatron_core_loads_the_torch_dist_outputs_strictly(self):
         cases = []
         for tag, (kind, groups, tp, pp) in SAVES.items():
-            out = self.saved(tag + '_out')
-            p = run('convert', self.saved(tag), out, '--tp', pp, '--pp', tp, *sizes(tag))
-            self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
-            self.assertFalse(os.path.exists(os.path.join(out, 'iter_0000000', 'common.pt')))
-            cases.append([tag, f'/data/{tag}_out/iter_0000000', kind, groups, pp, tp])
+            # To the other layout (TP 2 <-> PP 2), and from there back to the save's.
+            for source, name, to_tp, to_pp in ((tag, tag + '_out', pp, tp), (tag + '_out', tag + '_back', tp, pp)):
+                out = self.saved(name)
+                p = run('convert', self.saved(source), out, '--tp', to_tp, '--pp', to_pp, *sizes(tag))
+                self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+                self.assertFalse(os.path.exists(os.path.join(out, 'iter_0000000', 'common.pt')))
+                cases.append([name, f'/data/{name}/iter_0000000', kind, groups, to_tp, to_pp])
         p = self.megatron(torch2_chroot.END_RANK + BUILD + 'CASES = json.loads(%r)\n' % json.dumps(cases) + LOAD)
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr[-4000:])
-        for tag, _, _, _, tp, pp in cases:
-            with self.subTest(save=tag, tp=tp, pp=pp):
-                held = [torch.load(self.saved(f'{tag}_loaded_rank{r}.pt')) for r in range(2)]
-                compared = 0
-                for r, h in enumerate(held):
-                    self.assertEqual(sorted(h['reshard']), sorted(h['megatron']))
-                    self.assertEqual(support.differences(sorted_dict(h['reshard']), sorted_dict(h['megatron']),
-                                                         f'{tag} rank {r}'), [])
-                    compared += len(h['reshard'])
+        for name, _, _, _, tp, pp in cases:
+            with self.subTest(output=name, tp=tp, pp=pp):
+                compared, last = self.assertLoadedAsItsOwn(name, 2)
                 if pp == 2:  # the last stage's output layer: loaded from the embedding, not left zero
-                    self.assertTrue(torch.equal(held[1]['reshard']['output_layer.weight'],
-                                                held[0]['reshard']['embedding.word_embeddings.weight']))
-                    self.assertNotEqual(held[1]['reshard']['output_layer.weight'].abs().sum().item(), 0)
-                print(f'{tag} at TP {tp} PP {pp}: {compared} tensors loaded strictly, equal', file=sys.stderr)
+                    first = torch.load(self.saved(f'{name}_loaded_rank0.pt'))
+                    self.assertTrue(torch.equal(last['held']['reshard']['output_layer.weight'],
+                                                first['held']['reshard']['embedding.word_embeddings.weight']))
+                    self.assertNotEqual(last['held']['reshard']['output_layer.weight'].abs().sum().item(), 0)
+                else:
+                    self.assertTrue(last['loss'])
+                print(f'{name} at TP {tp} PP {pp}: {compared} tensors loaded strictly, equal' +
+                      (f"; loss {last['loss']['reshard']}" if pp == 1 else ''), file=sys.stderr)
 
 
 if __name__ == '__main__':

@@ -107,29 +107,7 @@ print('megatron-core', __import__('megatron.core.package_info').core.package_inf
 # Loads, at each case's layout, Megatron-Core's own save and reshard's output into the model (every
 # parameter zeroed first), both strictly, and saves what each rank holds after each; at PP 1 also
 # the loss on fixed tokens, and after one SGD step.
-LOAD = r'''
-def loss_of(model):
-    g = torch.Generator().manual_seed(3)
-    tokens = torch.randint(0, M['vocab'], (2, 16), generator=g)
-    labels = torch.randint(0, M['vocab'], (2, 16), generator=g)
-    positions = torch.arange(16).unsqueeze(0).expand(2, 16)
-    mask = torch.triu(torch.ones(1, 1, 16, 16, dtype=torch.bool), diagonal=1)
-    return model(tokens, positions, mask, labels=labels).float().mean()
-
-def losses(model):
-    # Attention forks the CUDA RNG tracker for its dropout, which this CPU run has no state for; the
-    # dropout is 0, so nothing draws from it.
-    import contextlib
-    from megatron.core import tensor_parallel
-    tensor_parallel.get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
-    before = loss_of(model)
-    model.zero_grad()
-    before.backward()
-    with torch.no_grad():
-        for p in model.parameters():
-            p -= 0.1 * p.grad
-    return [before.item(), loss_of(model).item()]
-
+LOAD = megatron_core_pypi.LOSSES + r'''
 def load(r, port, world, name, out, form, pp, split):
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps

@@ -307,25 +307,7 @@ print('megatron-core', __import__('megatron.core.package_info').core.package_inf
 # Loads, at each case's PP x VPP, Megatron-Core's own save and reshard's output into the chunks (every
 # parameter zeroed first), both strictly, and saves what each rank holds after each; at PP 1 the loss on
 # fixed tokens, before and after one SGD step.
-LOAD = r'''
-def losses(model):
-    from megatron.core import tensor_parallel
-    tensor_parallel.get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
-    def loss_of():
-        g = torch.Generator().manual_seed(3)
-        tokens = torch.randint(0, M['vocab'], (2, 16), generator=g)
-        labels = torch.randint(0, M['vocab'], (2, 16), generator=g)
-        positions = torch.arange(16).unsqueeze(0).expand(2, 16)
-        mask = torch.triu(torch.ones(1, 1, 16, 16, dtype=torch.bool), diagonal=1)
-        return model(tokens, positions, mask, labels=labels).float().mean()
-    before = loss_of()
-    model.zero_grad()
-    before.backward()
-    with torch.no_grad():
-        for p in model.parameters():
-            p -= 0.1 * p.grad
-    return [before.item(), loss_of().item()]
-
+LOAD = megatron_core_pypi.LOSSES + r'''
 def load(r, port, world, name, out, form, pp, vpp):
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
