@@ -481,7 +481,6 @@ int Run(int argc, char** argv) {
   AddCommonOptions(inspect_cmd, &inspect);
 
   reshard::ConvertOptions convert;
-  bool no_latest = false;
   CLI::App* convert_cmd = app.add_subcommand(
       "convert", "Write the checkpoint at another layout (TP / PP / DP / EP), in its own format or another (--to)");
   convert_cmd->add_option("INPUT", ckpt, "Source checkpoint, of any format reshard reads (see reshard --help)")
@@ -503,16 +502,9 @@ int Run(int argc, char** argv) {
   convert_cmd->add_option("--dp", convert.target_dp, "Target data-parallel size (default: the source's)")
       ->check(CLI::Range(1, 1 << 20));
   convert_cmd->add_option("--ep", convert.target_ep,
-                          "Target expert-parallel size of a model with experts (" + Join(TargetsTaking(&reshard::TargetFormatInfo::ep)) +
-                              "; default: the source's)")
+                          "Target expert-parallel size of a model with experts (" +
+                              Join(TargetsTaking(&reshard::TargetFormatInfo::ep)) + "; default: the source's)")
       ->check(CLI::Range(1, 1 << 20));
-  convert_cmd->add_option("--layers-per-stage", convert.layers_per_stage,
-                          "Transformer blocks per target stage, e.g. 5,6,6,5 (default: DeepSpeed's partition)")
-      ->delimiter(',');
-  convert_cmd->add_option("--vocab-pad-value", convert.vocab_pad_value,
-                          "Value of vocabulary padding rows the target adds (default 0)");
-  convert_cmd->add_flag("--no-update-latest", no_latest,
-                        "Do not write 'latest' (nor the root's zero_to_fp32.py) next to OUTPUT");
   AddWriteOptions(convert_cmd, &convert, &quiet);
   AddFormatOptions(convert_cmd, &convert.format_options);
 
@@ -563,10 +555,7 @@ int Run(int argc, char** argv) {
   if (lint_cmd->parsed()) return RunLint(ckpt, lint);
   if (inspect_cmd->parsed()) return RunInspect(ckpt, inspect);
   convert.command = exporting.command = CommandLine(argc, argv);
-  if (convert_cmd->parsed()) {
-    convert.update_latest = !no_latest;
-    return RunWriter(ckpt, out, convert, quiet, reshard::Convert);
-  }
+  if (convert_cmd->parsed()) return RunWriter(ckpt, out, convert, quiet, reshard::Convert);
   if (export_cmd->parsed()) return RunWriter(ckpt, out, exporting, quiet, reshard::Export);
   if (verify_cmd->parsed()) {
     verify.replicated = verify_replicated == "average" ? reshard::ReplicatedPolicy::kAverage

@@ -148,6 +148,15 @@ std::string KeywordOf(const std::string& option) {
   return name == "from" ? "from_" : name;
 }
 
+// The text of an option's value as the CLI would take it: a list or tuple
+// comma-separated ([5, 6, 6, 5] as "5,6,6,5"), anything else its str().
+std::string OptionText(const py::object& value) {
+  if (!py::isinstance<py::list>(value) && !py::isinstance<py::tuple>(value)) return py::str(value);
+  std::string text;
+  for (const py::handle item : value) text += (text.empty() ? "" : ",") + std::string(py::str(item));
+  return text;
+}
+
 // The options the target formats declare, each given as any value (its text).
 void ReadFormatOptions(Kwargs& kw, std::map<std::string, std::string>* given) {
   for (const reshard::TargetFormatInfo& target : reshard::TargetFormats()) {
@@ -156,7 +165,7 @@ void ReadFormatOptions(Kwargs& kw, std::map<std::string, std::string>* given) {
       if (option.kind == reshard::FormatOptionInfo::Kind::kFlag) {
         if (!value.is_none() && value.cast<bool>()) (*given)[option.name] = "true";
       } else if (!value.is_none()) {
-        (*given)[option.name] = py::str(value);
+        (*given)[option.name] = OptionText(value);
       }
     }
   }
@@ -264,9 +273,6 @@ py::dict Convert(const std::string& input, const std::string& output, py::kwargs
   kw.Get("pp", &o.target_pp);
   kw.Get("dp", &o.target_dp);
   kw.Get("ep", &o.target_ep);
-  kw.Get("layers_per_stage", &o.layers_per_stage);
-  kw.Get("vocab_pad_value", &o.vocab_pad_value);
-  kw.Get("update_latest", &o.update_latest);
   kw.Get("to", &o.to);
   ReadFormatOptions(kw, &o.format_options);
   kw.Done("convert");

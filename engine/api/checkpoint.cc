@@ -155,7 +155,7 @@ namespace {
 Result<OutputPlan> PlanLayout(const SourceCheckpoint& src, const OpenOptions& options, const RankSpec& r,
                               bool weights_only) {
   RESHARD_RETURN_IF_ERROR(CheckPipelineComputes(src));
-  ConvertOptions convert;
+  DeepSpeedPlanOptions convert;
   static_cast<PreflightOptions&>(convert) = options;
   convert.target_tp = r.tp;
   convert.target_pp = r.pp;

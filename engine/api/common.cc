@@ -17,6 +17,7 @@
 #include "exec/executor.h"
 #include "formats/format.h"
 #include "rules/builtin_rules.h"
+#include "util/strings.h"
 
 namespace reshard {
 
@@ -50,10 +51,6 @@ Status CheckVocabSize(const SourceCheckpoint& src, std::optional<int64_t> given)
 }
 
 namespace {
-
-bool EndsWith(const std::string& path, const std::string& suffix) {
-  return path.size() >= suffix.size() && path.compare(path.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
 
 bool IsTorchSaveName(const std::string& path) { return EndsWith(path, ".pt") || EndsWith(path, ".bin"); }
 

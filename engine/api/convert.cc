@@ -341,13 +341,10 @@ Result<ConvertReport> Convert(const std::string& input, const std::string& outpu
 
 Result<ConvertReport> Export(const std::string& input, const std::string& output,
                              const ExportOptions& options) {
-  return WriteCheckpoint(
-      input, output, options,
-      [&options](const SourceCheckpoint& src, std::vector<std::string>* notes)
-          -> Result<OutputPlan> {
-        if (!options.dry_run) RESHARD_RETURN_IF_ERROR(src.CheckReplicas(options.replicated, notes));
-        return PlanExport(src, options, notes);
-      });
+  return WriteCheckpoint(input, output, options,
+                         [&options](const SourceCheckpoint& src, std::vector<std::string>* notes) {
+                           return PlanExport(src, options, notes);
+                         });
 }
 
 }  // namespace reshard

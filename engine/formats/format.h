@@ -170,6 +170,18 @@ struct SourceInfo {
 
 // A checkpoint opened by its format: what it is (info), and the operations
 // the commands ask of it.
+// What a source plans DeepSpeed's own layout with (SourceCheckpoint::Plan):
+// the target's sizes and the deepspeed target's own options.
+struct DeepSpeedPlanOptions : WriteOptions {
+  int target_tp = 0, target_pp = 0;  // given, or the source's
+  int target_dp = 0, target_ep = 0;  // 0 = keep the source's
+  // Explicit transformer blocks per target stage (summing to the block
+  // count); empty = DeepSpeed's partition method recorded in the checkpoint.
+  std::vector<int> layers_per_stage;
+  double vocab_pad_value = 0.0;  // of the vocabulary padding rows the target adds
+  bool update_latest = true;     // write `latest` beside the output folder
+};
+
 class SourceCheckpoint {
  public:
   virtual ~SourceCheckpoint() = default;
@@ -182,9 +194,9 @@ class SourceCheckpoint {
   // The body of `inspect` after its first line.
   virtual std::string Describe() const = 0;
   // Checks the source against the options (drift policies, ...) and plans
-  // the target; `notes` receives what the user should know (what was
-  // approximated, merged or filled).
-  virtual Result<OutputPlan> Plan(const ConvertOptions& options, std::vector<std::string>* notes) const = 0;
+  // it in DeepSpeed's layout; `notes` receives what the user should know
+  // (what was approximated, merged or filled).
+  virtual Result<OutputPlan> Plan(const DeepSpeedPlanOptions& options, std::vector<std::string>* notes) const = 0;
   // Plans the source in a format of its own family other than its native
   // layout, as `options.to` names it, for a target only the family writes.
   virtual Result<OutputPlan> PlanFamilyFormat(const ExportOptions& options, std::vector<std::string>*) const {

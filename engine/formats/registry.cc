@@ -54,6 +54,20 @@ DcpTensors TensorsOf(const DcpContent& content) {
   return out;
 }
 
+// The source `imported` read from `folder`, named as read by `format`, with
+// the layout it was saved at.
+Result<std::unique_ptr<SourceCheckpoint>> FromStateDict(const std::string& format, StateDictImport imported,
+                                                        const std::string& folder, const CommonOptions& options) {
+  const int tp = imported.tp, pp = imported.pp, dp = imported.dp;
+  return Named(format,
+               MakeImportedSource({std::move(imported.logical), folder, std::move(imported.what),
+                                   std::move(imported.files), std::move(imported.notes),
+                                   std::move(imported.optimizer), imported.optimizer_status, "",
+                                   std::move(imported.facts)},
+                                  options),
+               tp, pp, dp);
+}
+
 // `imported` as format `format`'s pipeline model; when it is a refusal, the
 // DCP folder as what it is with the reason (the refusal itself where the user
 // asked for a reading: --rules, --state-dict-prefixes).
@@ -64,14 +78,7 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenStateDict(const std::string& forma
     if (asked) return imported.status();
     return Named("dcp", OpenDcpCheckpoint(std::move(content), imported.status().message()));
   }
-  const int tp = imported->tp, pp = imported->pp, dp = imported->dp;
-  return Named(format,
-               MakeImportedSource({std::move(imported->logical), content.folder, std::move(imported->what),
-                                   std::move(imported->files), std::move(imported->notes),
-                                   std::move(imported->optimizer), imported->optimizer_status, "",
-                                   std::move(imported->facts)},
-                                  options),
-               tp, pp, dp);
+  return FromStateDict(format, std::move(*imported), content.folder, options);
 }
 
 // A DCP folder of torchtitan's model, or of a model and its optimizer saved
@@ -103,11 +110,7 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenAccelerate(const std::string& fold
   if (IsAccelerateFullStateDict(folder)) {  // torch.save files, every tensor whole
     RESHARD_ASSIGN_OR_RETURN(const DcpTensors tensors, ReadAccelerateFullStateDict(folder));
     RESHARD_ASSIGN_OR_RETURN(StateDictImport imported, ReadAccelerateImport(tensors, options));
-    return SavedWhole(Named("accelerate", MakeImportedSource({std::move(imported.logical), folder,
-                                                              std::move(imported.what), std::move(imported.files),
-                                                              std::move(imported.notes), std::move(imported.optimizer),
-                                                              imported.optimizer_status, "", std::move(imported.facts)},
-                                                             options)));
+    return SavedWhole(FromStateDict("accelerate", std::move(imported), folder, options));
   }
   RESHARD_ASSIGN_OR_RETURN(const DcpContent model, ReadDcpContent(folder + "/" + kAccelerateModelFolder));
   DcpTensors tensors = TensorsOf(model);
@@ -126,15 +129,7 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenAccelerate(const std::string& fold
     };
   }
   RESHARD_ASSIGN_OR_RETURN(StateDictImport imported, ReadAccelerateImport(tensors, options));
-  const int tp = imported.tp, pp = imported.pp, dp = imported.dp;
-  Result<std::unique_ptr<SourceCheckpoint>> opened =
-      Named("accelerate",
-            MakeImportedSource({std::move(imported.logical), folder, std::move(imported.what),
-                                std::move(imported.files), std::move(imported.notes),
-                                std::move(imported.optimizer), imported.optimizer_status, "",
-                                std::move(imported.facts)},
-                               options),
-            tp, pp, dp);
+  Result<std::unique_ptr<SourceCheckpoint>> opened = FromStateDict("accelerate", std::move(imported), folder, options);
   if (opened.ok()) (*opened)->SetFormatOptions(AccelerateSaveOptions(tensors));
   return opened;
 }

@@ -4,6 +4,8 @@
 // a target does not declare is refused here, before the source is read
 // further, so no planner repeats another's option checks.
 #include <algorithm>
+#include <cmath>
+#include <cstdlib>
 #include <initializer_list>
 
 #include "formats/accelerate/accelerate_export.h"
@@ -20,8 +22,6 @@ namespace reshard {
 namespace {
 
 constexpr char kDeepSpeed[] = "deepspeed";
-
-std::string TargetsTaking(const std::string& name);
 
 // A size of the layout convert writes: as given, else the source's.
 Result<int> KeptSize(int given, int saved, const SourceCheckpoint& src, const std::string& flag) {
@@ -61,50 +61,81 @@ bool HasExpertRules(const RuleSet& rules) {
   return false;
 }
 
+// The deepspeed target's own options.
+constexpr char kLayersPerStageOption[] = "layers-per-stage";
+constexpr char kVocabPadValueOption[] = "vocab-pad-value";
+constexpr char kNoUpdateLatestOption[] = "no-update-latest";
+
+// --layers-per-stage "5,6,6,5": the blocks of each stage.
+Result<std::vector<int>> LayersPerStage(const std::string& text) {
+  std::vector<int> out;
+  if (text.empty()) return out;
+  for (const std::string& part : Split(text, ',')) {
+    int64_t n = 0;
+    if (!ParseInt(part, &n) || n < 0 || n > (1 << 20)) {
+      return Status::InvalidInput(std::string("--") + kLayersPerStageOption + " takes the blocks of each stage, "
+                                  "comma-separated (e.g. 5,6,6,5), not '" + text + "'");
+    }
+    out.push_back(static_cast<int>(n));
+  }
+  return out;
+}
+
+// --vocab-pad-value X: a number.
+Result<double> VocabPadValue(const std::string& text) {
+  if (text.empty()) return 0.0;
+  char* end = nullptr;
+  const double value = std::strtod(text.c_str(), &end);
+  if (end == text.c_str() || *end != '\0' || !std::isfinite(value)) {
+    return Status::InvalidInput(std::string("--") + kVocabPadValueOption + " takes a number, not '" + text + "'");
+  }
+  return value;
+}
+
 // DeepSpeed's own layout (Megatron-DeepSpeed's pipeline, or the source's
 // kind: ZeRO-3, MoE), planned by a DeepSpeed source itself; an import
 // planned as the pipeline model its rule set describes. DeepSpeed's MoE
 // layout (expert files) is written from a DeepSpeed MoE save only: an
 // import's experts would land in its pipeline layer files, which
 // Megatron-DeepSpeed loads as no MoE model.
-Result<OutputPlan> PlanDeepSpeed(const SourceCheckpoint& src, const ConvertOptions& options,
+Result<OutputPlan> PlanDeepSpeed(const SourceCheckpoint& src, const ExportOptions& options,
                                  std::vector<std::string>* notes) {
   if (!src.info().has_experts && src.info().rules != nullptr && HasExpertRules(*src.info().rules)) {
     return Status::Unsupported("this " + src.info().format + " checkpoint's model has experts, and reshard writes "
                                "DeepSpeed's MoE layout only from a DeepSpeed MoE save; convert --to " +
                                src.info().format + " or --to consolidated");
   }
-  if (options.target_ep > 0 && !src.info().has_experts) {
+  if (options.ep > 0 && !src.info().has_experts) {
     return Status::InvalidInput("--ep sets the expert-parallel size of a DeepSpeed MoE checkpoint, and this " +
                                 src.info().kind + " checkpoint has no experts; leave it out");
   }
-  if (!options.format_options.empty()) {
-    const std::string& name = options.format_options.begin()->first;
-    return Status::InvalidInput("--" + name + " is an option of " + TargetsTaking(name) +
-                                "; convert to deepspeed does not take it, so leave it out");
-  }
-  ConvertOptions native = options;
-  RESHARD_ASSIGN_OR_RETURN(native.target_tp, KeptSize(options.target_tp, src.info().tp, src, "--tp"));
-  RESHARD_ASSIGN_OR_RETURN(native.target_pp, KeptSize(options.target_pp, src.info().pp, src, "--pp"));
+  DeepSpeedPlanOptions native;
+  static_cast<WriteOptions&>(native) = options;
+  RESHARD_ASSIGN_OR_RETURN(native.target_tp, KeptSize(options.tp, src.info().tp, src, "--tp"));
+  RESHARD_ASSIGN_OR_RETURN(native.target_pp, KeptSize(options.pp, src.info().pp, src, "--pp"));
+  native.target_dp = options.dp;
+  native.target_ep = options.ep;
+  RESHARD_ASSIGN_OR_RETURN(native.layers_per_stage, LayersPerStage(FormatOption(options, kLayersPerStageOption)));
+  RESHARD_ASSIGN_OR_RETURN(native.vocab_pad_value, VocabPadValue(FormatOption(options, kVocabPadValueOption)));
+  native.update_latest = !FormatFlag(options, kNoUpdateLatestOption);
   RESHARD_RETURN_IF_ERROR(CheckPipelineComputes(src));
-  NoteWholeSizes(src, kDeepSpeed, WholeSizes(src, {{"--tp", options.target_tp}, {"--pp", options.target_pp}}), notes);
+  NoteWholeSizes(src, kDeepSpeed, WholeSizes(src, {{"--tp", options.tp}, {"--pp", options.pp}}), notes);
   return src.Plan(native, notes);
 }
 
 TargetFormat DeepSpeedTarget() {
+  using Kind = FormatOptionInfo::Kind;
   TargetFormatInfo info{kDeepSpeed, "DeepSpeed / Megatron-DeepSpeed at --tp / --pp / --dp, with its optimizer state",
                         "the tag folder, written exactly there (e.g. out/global_step20), with 'latest' beside it"};
   info.tp = info.pp = info.dp = info.ep = true;
-  return {std::move(info), [](const SourceCheckpoint& src, const ExportOptions& options,
-                              std::vector<std::string>* notes) -> Result<OutputPlan> {
-            ConvertOptions convert;
-            static_cast<WriteOptions&>(convert) = options;
-            convert.target_tp = options.tp;
-            convert.target_pp = options.pp;
-            convert.target_dp = options.dp;
-            convert.target_ep = options.ep;
-            return PlanDeepSpeed(src, convert, notes);
-          }};
+  info.options = {
+      {kLayersPerStageOption, Kind::kText,
+       "Transformer blocks per target stage, comma-separated, e.g. 5,6,6,5 (default: DeepSpeed's partition method "
+       "recorded in the checkpoint)"},
+      {kVocabPadValueOption, Kind::kText, "The value of the vocabulary padding rows the target adds (default 0)"},
+      {kNoUpdateLatestOption, Kind::kFlag,
+       "Do not write 'latest' (nor the root's zero_to_fp32.py) beside the output folder"}};
+  return {std::move(info), PlanDeepSpeed};
 }
 
 // DeepSpeed's universal checkpoint, planned by a DeepSpeed source itself.
@@ -178,8 +209,8 @@ Status CheckLayout(const TargetFormatInfo& target, const ExportOptions& options)
     for (const TargetFormat& t : Targets()) {
       if (t.info.*size.taken) takers.push_back(t.info.name);
     }
-    return Status::InvalidInput(std::string(size.flag) + " sets the layout of --to " + Join(takers, ", ") + "; the " +
-                                target.name + " export has no such size, so leave it out");
+    return Status::InvalidInput(std::string(size.flag) + " sets the layout of --to " + Join(takers, ", ") + "; --to " +
+                                target.name + " has no such size, so leave it out");
   }
   return Status::Ok();
 }
@@ -208,8 +239,8 @@ Result<ExportOptions> CheckedOptions(const TargetFormatInfo& target, const Expor
     auto declared = std::find_if(target.options.begin(), target.options.end(),
                                  [&name = name](const FormatOptionInfo& o) { return o.name == name; });
     if (declared == target.options.end()) {
-      return Status::InvalidInput("--" + name + " is an option of " + TargetsTaking(name) + "; the " + target.name +
-                                  " export does not take it, so leave it out");
+      return Status::InvalidInput("--" + name + " is an option of " + TargetsTaking(name) + "; --to " + target.name +
+                                  " does not take it, so leave it out");
     }
     RESHARD_RETURN_IF_ERROR(CheckValue(*declared, value));
   }
@@ -232,21 +263,10 @@ Result<std::string> ConvertTarget(const SourceCheckpoint& src, const ConvertOpti
   return own != "hf" && FindTarget(own) != nullptr ? own : std::string(kDeepSpeed);
 }
 
-// Refuses an option of convert that only the deepspeed target takes.
-Status CheckDeepSpeedOnly(const ConvertOptions& options, const std::string& to) {
-  const char* flag = !options.layers_per_stage.empty() ? "--layers-per-stage"
-                     : options.vocab_pad_value != 0     ? "--vocab-pad-value"
-                     : !options.update_latest           ? "--no-update-latest"
-                                                        : nullptr;
-  if (flag == nullptr) return Status::Ok();
-  return Status::InvalidInput(std::string(flag) + " is an option of --to deepspeed; leave it out of --to " + to);
-}
-
-// Convert to a format other than DeepSpeed's: the export to it, each layout
-// size the target has and the user did not give kept from the source.
-Result<OutputPlan> PlanOtherFormat(const SourceCheckpoint& src, const ConvertOptions& options, const std::string& to,
-                                   std::vector<std::string>* notes) {
-  RESHARD_RETURN_IF_ERROR(CheckDeepSpeedOnly(options, to));
+// What convert asks of the target `to`, as export options: each layout size
+// the target has and the user did not give kept from the source.
+ExportOptions KeptLayout(const SourceCheckpoint& src, const ConvertOptions& options, const std::string& to,
+                         std::vector<std::string>* notes) {
   const TargetFormatInfo& target = FindTarget(to)->info;
   ExportOptions exporting;
   static_cast<WriteOptions&>(exporting) = options;
@@ -265,8 +285,7 @@ Result<OutputPlan> PlanOtherFormat(const SourceCheckpoint& src, const ConvertOpt
     if (src.info().saved_whole) whole.push_back("--" + o.name);
   }
   NoteWholeSizes(src, to, whole, notes);
-  if (!options.dry_run) RESHARD_RETURN_IF_ERROR(src.CheckReplicas(options.replicated, notes));
-  return PlanExport(src, exporting, notes);
+  return exporting;
 }
 
 }  // namespace
@@ -293,8 +312,7 @@ Result<OutputPlan> PlanConvert(const SourceCheckpoint& src, const ConvertOptions
     if (size < 0) return Status::InvalidInput(std::string(flag) + " " + std::to_string(size) + ": a size is at least 1");
   }
   RESHARD_ASSIGN_OR_RETURN(const std::string to, ConvertTarget(src, options));
-  if (to == kDeepSpeed) return PlanDeepSpeed(src, options, notes);
-  return PlanOtherFormat(src, options, to, notes);
+  return PlanExport(src, KeptLayout(src, options, to, notes), notes);
 }
 
 Result<OutputPlan> PlanExport(const SourceCheckpoint& src, const ExportOptions& options,
@@ -305,6 +323,12 @@ Result<OutputPlan> PlanExport(const SourceCheckpoint& src, const ExportOptions& 
   if (options.to == src.info().format) kept.format_options.insert(src.info().format_options.begin(),
                                                                   src.info().format_options.end());
   RESHARD_ASSIGN_OR_RETURN(ExportOptions checked, CheckedOptions(target->info, kept));
+  // A target written from whole tensors merges the source's TP replicas,
+  // checked first; DeepSpeed's own layout is planned by the source, which
+  // checks what it merges.
+  if (!checked.dry_run && target->info.name != kDeepSpeed) {
+    RESHARD_RETURN_IF_ERROR(src.CheckReplicas(checked.replicated, notes));
+  }
   return target->plan(src, checked, notes);
 }
 

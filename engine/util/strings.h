@@ -15,12 +15,16 @@ namespace reshard {
 // "a, b, c" for Join({"a", "b", "c"}, ", "); "" for an empty list.
 std::string Join(const std::vector<std::string>& items, const std::string& sep);
 
+// {"a", "", "b"} for Split("a,,b", ','): every piece, empty ones too.
+std::vector<std::string> Split(const std::string& s, char sep);
+
 // True when all of `s` is a decimal integer that fits ("12", "-3"; not
 // "", "+1", "1e3" or "12 "), stored in *out.
 bool ParseInt(const std::string& s, int64_t* out);
 
-// Whether `s` begins with `prefix`.
+// Whether `s` begins with `prefix`, or ends with `suffix`.
 bool StartsWith(const std::string& s, const std::string& prefix);
+bool EndsWith(const std::string& s, const std::string& suffix);
 
 // "1 block", "3 blocks": a count and its noun, plural but for one.
 std::string Count(int64_t n, const std::string& noun);

@@ -150,14 +150,8 @@ struct ConvertOptions : WriteOptions {
   // A model with experts (a target that takes --ep: deepspeed, torch_dist):
   // 0 = keep the source's expert-parallel size.
   int target_ep = 0;
-  // A target other than deepspeed: its own options, as for export.
+  // The target's own options, as for export (TargetFormats).
   std::map<std::string, std::string> format_options;
-  // deepspeed: explicit transformer blocks per target stage (sums to the
-  // block count); empty = DeepSpeed's partition method recorded in the checkpoint.
-  std::vector<int> layers_per_stage;
-  // deepspeed: value of vocabulary padding rows that the target layout adds.
-  double vocab_pad_value = 0.0;
-  bool update_latest = true;    // deepspeed: write `latest` next to the output folder
 };
 
 // One option a target format takes beyond the layout, as the format declares

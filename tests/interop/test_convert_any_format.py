@@ -89,11 +89,11 @@ class ConvertAnyFormatTest(FixtureTestCase):
     def test_options_of_another_target_are_refused_in_one_line(self):
         src, out = self.bloom(), self.path('refused')
         p = run('convert', src, out, '--to', 'hf', '--layers-per-stage', '2,2')
-        self.assertRefused(p, '--layers-per-stage is an option of --to deepspeed; leave it out of --to hf', out)
+        self.assertRefused(p, '--layers-per-stage is an option of --to deepspeed; --to hf does not take it, so leave it out', out)
         p = run('convert', src, out, '--tp', 1, '--pp', 1, '--layer-spec', 'te')
-        self.assertRefused(p, '--layer-spec is an option of --to megatron; convert to deepspeed does not take it', out)
+        self.assertRefused(p, '--layer-spec is an option of --to megatron; --to deepspeed does not take it, so leave it out', out)
         p = run('convert', src, out, '--to', 'consolidated', '--tp', 2)
-        self.assertRefused(p, '--tp sets the layout of --to deepspeed, megatron, torch_dist, torchtitan; the consolidated export '
+        self.assertRefused(p, '--tp sets the layout of --to deepspeed, megatron, torch_dist, torchtitan; --to consolidated '
                               'has no such size', out)
         # A format reshard does not write converts to deepspeed, which needs rules.
         p = run('convert', PLAIN_DCP, out, '--tp', 1, '--pp', 1)

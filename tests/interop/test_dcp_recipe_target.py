@@ -274,7 +274,7 @@ class DcpRecipeTargetTest(FixtureTestCase):
         for args, message in [
                 (('convert', src, out, '--dp-shard', 0), '--dp-shard takes a whole number >= 1'),
                 (('export', src, out, '--to', 'dcp_recipe'), 'export --to dcp_recipe needs --dp-shard N'),
-                (('convert', src, out, '--tp', 2), 'the dcp_recipe export has no such size'),
+                (('convert', src, out, '--tp', 2), '--to dcp_recipe has no such size'),
                 (('convert', src, out, '--prefixes', 'model'), 'give MODEL,OPTIM'),
                 (('convert', src, out, '--prefixes', 'app,app.optim'), "the model's and the optimizer's keys would mix"),
                 (('convert', src, out, '--prefixes', 'a..b,optim'), 'has an empty key between its dots'),

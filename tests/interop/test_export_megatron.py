@@ -516,7 +516,7 @@ class ExportMegatronTest(FixtureTestCase):
             ((nonpipe, '--to', 'megatron', '--tp', 1, '--pp', 1), 'is read without one'),
             ((bloom, '--to', 'megatron', '--tp', 1, '--pp', 1, '--layer-spec', 'te'),
              'rule set bigscience-bloom has none; add one (docs/rules.md), or use --layer-spec legacy'),
-            ((src, '--to', 'consolidated', '--layer-spec', 'te'), '--layer-spec is an option of --to megatron; the consolidated'),
+            ((src, '--to', 'consolidated', '--layer-spec', 'te'), '--layer-spec is an option of --to megatron; --to consolidated'),
         ]
         for i, (args, message) in enumerate(cases):
             with self.subTest(args=args[1:]):

@@ -211,7 +211,7 @@ class ExportTorchDistMc014Test(FixtureTestCase):
                 p = run('export', src, out, '--to', 'torch_dist', '--tp', 1, '--pp', 1, *extra, *sizes(config))
                 self.assertRefused(p, message, out)
         p = run('export', src, out, '--to', 'hf', '--megatron-core-version', '0.14', *sizes(config))
-        self.assertRefused(p, '--megatron-core-version is an option of --to torch_dist; the hf export does not take it', out)
+        self.assertRefused(p, '--megatron-core-version is an option of --to torch_dist; --to hf does not take it', out)
 
     def test_dp_reshardable_at_two_bucket_sizes_reads_back_equal(self):
         name = 'w2_tp2'

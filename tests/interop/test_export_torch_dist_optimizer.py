@@ -261,7 +261,7 @@ class ExportTorchDistOptimizerTest(FixtureTestCase):
                 '--optimizer-layout', 'fully_reshardable')
         self.assertRefused(p, 'the source has no optimizer state; drop the option', refused)
         p = run('export', src, refused, '--to', 'consolidated', '--optimizer-layout', 'fully_reshardable')
-        self.assertRefused(p, '--optimizer-layout is an option of --to torch_dist; the consolidated export does not take it', refused)
+        self.assertRefused(p, '--optimizer-layout is an option of --to torch_dist; --to consolidated does not take it', refused)
 
 
 if __name__ == '__main__':

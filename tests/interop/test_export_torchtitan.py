@@ -420,7 +420,7 @@ class ExportTorchtitanTest(FixtureTestCase):
         p = run('export', SAVE, out, '--to', 'torchtitan', *HEADS)
         self.assertRefused(p, 'needs --dp-shard N', out)
         p = run('export', SAVE, out, '--to', 'torchtitan', '--dp-shard', 2, '--tp', 2, '--pp', 2, *HEADS)
-        self.assertRefused(p, '--pp sets the layout of --to deepspeed, megatron, torch_dist; the torchtitan export has no such size', out)
+        self.assertRefused(p, '--pp sets the layout of --to deepspeed, megatron, torch_dist; --to torchtitan has no such size', out)
         # a --tp that cuts a KV head, or splits the vocabulary's 100 rows unevenly
         p = run('export', SAVE, out, '--to', 'torchtitan', '--dp-shard', 1, '--tp', 4, *HEADS)
         self.assertRefused(p, "--tp 4 does not divide layers.0.attention.wk.weight's num_key_value_heads = 2, which "
@@ -438,7 +438,7 @@ class ExportTorchtitanTest(FixtureTestCase):
         self.assertRefused(p, "declares no tensor's TP sharding (tp: {dim: ...}); add them (docs/rules.md) or leave "
                               "out --tp", out)
         p = run('export', SAVE, out, '--to', 'hf', '--dp-shard', 2, *HEADS)
-        self.assertRefused(p, '--dp-shard is an option of --to accelerate, dcp_recipe, torchtitan; the hf export does not take it', out)
+        self.assertRefused(p, '--dp-shard is an option of --to accelerate, dcp_recipe, torchtitan; --to hf does not take it', out)
         p = run('export', SAVE, out, '--to', 'torchtitan', '--dp-shard', 2, '--dtype', 'bf16', *HEADS)
         self.assertRefused(p, 'add --weights-only', out)
         gpt = make_fixture(self.path('gpt'), **dict(FAMILIES['ms_gpt2'], tp=1, pp=1, dp=1))

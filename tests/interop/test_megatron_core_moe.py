@@ -327,7 +327,7 @@ class MegatronCoreMoeTest(FixtureTestCase):
                             '(TP x DP = 1 x 2), so EP must divide DP; give --dp N with N a multiple of 4, or an --ep '
                             'that divides 2'),
                            (['--to', 'hf', '--ep', '2'],
-                            '--ep sets the layout of --to deepspeed, torch_dist; the hf export has no such size, '
+                            '--ep sets the layout of --to deepspeed, torch_dist; --to hf has no such size, '
                             'so leave it out')):
             with self.subTest(args=args):
                 out = self.path('refused')

@@ -282,7 +282,7 @@ class StateDictTest(support.FixtureTestCase):
             return {n: file_digest(os.path.join(folder, n)) for n in os.listdir(folder)}
         for out in (exported, converted):
             self.assertEqual(digests(out), digests(cli))
-        with self.assertRaisesRegex(reshard.Error, '--ep sets the layout of --to deepspeed, torch_dist; the hf export'):
+        with self.assertRaisesRegex(reshard.Error, '--ep sets the layout of --to deepspeed, torch_dist; --to hf has no such size'):
             reshard.export(src, self.path('hf'), to='hf', ep=2, **given)
 
     def test_a_flag_option_of_a_target(self):
@@ -309,6 +309,27 @@ class StateDictTest(support.FixtureTestCase):
         with self.assertRaisesRegex(reshard.Error, 'counted as 3 do not divide into 2 stages'):
             reshard.convert(src, self.path('counted'), pp=2, account_for_embedding_in_pipeline_split=True,
                             set=dict(s.split('=') for s in sets), vocab_size=64)
+
+    def test_deepspeed_options_as_keywords(self):
+        """The deepspeed target's options are keywords as every target's: a list is the CLI's comma-separated
+        value, a flag takes True; the output is the CLI's, byte for byte, and a value the option cannot read is
+        refused in the CLI's words."""
+        src = make_fixture(self.path('src'), tp=2, pp=2, optimizer='bf16_zero', **FAMILIES['ms_gpt2'])
+        tag = os.path.basename(src)
+        cli = self.path('cli', tag)
+        p = support.reshard('convert', src, cli, '--tp', 1, '--pp', 3, '--layers-per-stage', '2,3,1',
+                            '--no-update-latest', '-q')
+        self.assertEqual(p.returncode, 0, p.stderr)
+        ours = self.path('python', tag)
+        reshard.convert(src, ours, tp=1, pp=3, layers_per_stage=[2, 3, 1], no_update_latest=True)
+        self.assertEqual(os.listdir(self.path('python')), [tag])  # no latest beside it
+        def digests(out):  # but the manifest, which records the command
+            return {n: file_digest(os.path.join(out, n)) for n in os.listdir(out) if n != 'reshard-manifest.json'}
+        self.assertEqual(digests(ours), digests(cli))
+        with self.assertRaisesRegex(reshard.Error, "--layers-per-stage takes the blocks of each stage, "
+                                                   "comma-separated \\(e.g. 5,6,6,5\\), not '1,x'"):
+            reshard.convert(src, self.path('refused'), tp=1, pp=2, layers_per_stage='1,x')
+        self.assertFalse(os.path.exists(self.path('refused')))
 
     def test_tensor_and_exports_in_memory(self):
         src = make_fixture(self.path('gpt2'), tp=2, pp=2, dp=2, optimizer='bf16_zero', **FAMILIES['ms_gpt2'])

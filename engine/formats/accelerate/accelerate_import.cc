@@ -52,10 +52,6 @@ constexpr int64_t kMostSplitStates = int64_t{1} << 22;
 
 using Shape = std::vector<int64_t>;
 
-bool EndsWith(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
 // The start of every refusal of an index-keyed optimizer state.
 std::string IndexKeyed(const std::string& folder) {
   return "the Accelerate FSDP2 checkpoint " + folder + "'s optimizer state is keyed by parameter index (" +

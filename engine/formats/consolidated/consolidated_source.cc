@@ -44,7 +44,7 @@ class WeightsSource : public SourceCheckpoint {
     return out;
   }
 
-  Result<OutputPlan> Plan(const ConvertOptions&, std::vector<std::string>*) const override {
+  Result<OutputPlan> Plan(const DeepSpeedPlanOptions&, std::vector<std::string>*) const override {
     return Status::Unsupported(NoRulesRefusal());
   }
 

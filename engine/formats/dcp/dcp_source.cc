@@ -54,7 +54,7 @@ class DcpSource : public SourceCheckpoint {
     return out;
   }
 
-  Result<OutputPlan> Plan(const ConvertOptions&, std::vector<std::string>*) const override {
+  Result<OutputPlan> Plan(const DeepSpeedPlanOptions&, std::vector<std::string>*) const override {
     return Status::Unsupported(NoRulesRefusal());
   }
 

@@ -151,12 +151,11 @@ int64_t RankOfDataFile(const std::string& name) {
 }
 
 int WritingRanks(const std::string& folder) {
-  const std::string suffix = ".distcp";
   std::set<int64_t> ranks;
   std::error_code ec;
   for (const auto& entry : std::filesystem::directory_iterator(folder, ec)) {
     const std::string name = entry.path().filename().string();
-    if (name.size() <= suffix.size() || name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0) continue;
+    if (name == ".distcp" || !EndsWith(name, ".distcp")) continue;
     const int64_t rank = RankOfDataFile(name);
     if (rank < 0) return 0;
     ranks.insert(rank);

@@ -68,7 +68,7 @@ class MoeSource : public DeepSpeedModelSource {
     return MetadataLines(ckpt()) + layout_.Describe() + "tensors (full logical shapes):\n" + TensorLines(ckpt());
   }
 
-  Result<OutputPlan> Plan(const ConvertOptions& options,
+  Result<OutputPlan> Plan(const DeepSpeedPlanOptions& options,
                                            std::vector<std::string>* notes) const override {
     RESHARD_RETURN_IF_ERROR(CheckValuesGiven(ckpt(), options.target_tp, options.vocab_size));
     RESHARD_RETURN_IF_ERROR(ckpt().FirstError());
@@ -148,14 +148,14 @@ class MoeSource : public DeepSpeedModelSource {
     return Status::Ok();
   }
 
-  bool ChangesStages(const ConvertOptions& options) const {
+  bool ChangesStages(const DeepSpeedPlanOptions& options) const {
     return options.target_pp != ckpt().pp || !options.layers_per_stage.empty();
   }
 
   // The target layouts this conversion can write: TP changed where every
   // tensor splits, PP changed only for the pipeline engine (whose stages are
   // spec ranges), EP dividing DP and every MoE layer's experts.
-  Status CheckTarget(const ConvertOptions& options, int ep, int dp) const {
+  Status CheckTarget(const DeepSpeedPlanOptions& options, int ep, int dp) const {
     if (options.target_tp != ckpt().tp) RESHARD_RETURN_IF_ERROR(CheckTpChange(options.target_tp));
     if (ChangesStages(options) && !pipeline_names_) {
       return Status::InvalidInput("a DeepSpeed MoE checkpoint saved without the pipeline engine has one stage and "
@@ -180,7 +180,7 @@ class MoeSource : public DeepSpeedModelSource {
 
   // The target stages: the source's when PP is kept, else DeepSpeed's
   // partition at the target EP (or --layers-per-stage).
-  Result<std::vector<int>> TargetBounds(const ConvertOptions& options, int ep, int64_t padded_vocab) const {
+  Result<std::vector<int>> TargetBounds(const DeepSpeedPlanOptions& options, int ep, int64_t padded_vocab) const {
     if (!ChangesStages(options)) return SourceStageBounds(ckpt());
     return TargetStageBounds(ckpt(), options.target_pp, options.target_tp, padded_vocab, options.layers_per_stage, ep);
   }

@@ -74,7 +74,7 @@ class NonPipelineSource : public DeepSpeedModelSource {
     report->findings.push_back(OptimizerFinding(**opt, shard_files()));
   }
 
-  Result<OutputPlan> Plan(const ConvertOptions& options, std::vector<std::string>* notes) const override {
+  Result<OutputPlan> Plan(const DeepSpeedPlanOptions& options, std::vector<std::string>* notes) const override {
     RESHARD_RETURN_IF_ERROR(ckpt().FirstError());
     const SourceOptimizer* opt = nullptr;
     if (options.weights_only && HasOptimizerState()) {

@@ -135,7 +135,7 @@ class PipelineSource : public DeepSpeedModelSource {
     ReportStateDrift(ckpt(), **opt, options, report);
   }
 
-  Result<OutputPlan> Plan(const ConvertOptions& options, std::vector<std::string>* notes) const override {
+  Result<OutputPlan> Plan(const DeepSpeedPlanOptions& options, std::vector<std::string>* notes) const override {
     RESHARD_RETURN_IF_ERROR(CheckValuesGiven(ckpt(), options.target_tp, options.vocab_size));
     RESHARD_RETURN_IF_ERROR(ckpt().FirstError());
     const SourceOptimizer* opt = nullptr;

@@ -44,7 +44,7 @@ class Zero3Source : public SourceCheckpoint {
     return out;
   }
 
-  Result<OutputPlan> Plan(const ConvertOptions& options, std::vector<std::string>*) const override {
+  Result<OutputPlan> Plan(const DeepSpeedPlanOptions& options, std::vector<std::string>*) const override {
     if (options.target_tp != ckpt_->mp() || options.target_pp != 1 ||
         !options.layers_per_stage.empty()) {
       return Status::InvalidInput("a ZeRO-3 checkpoint keeps its model layout; pass --tp " +

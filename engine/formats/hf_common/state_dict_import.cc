@@ -413,7 +413,7 @@ class Reader {
     }
     facts.emplace_back("optimizer state", optimizer);
     const int64_t data_files = std::count_if(dcp_.files.begin(), dcp_.files.end(),
-                                             [](const std::string& f) { return f.size() > 7 && f.compare(f.size() - 7, 7, ".distcp") == 0; });
+                                             [](const std::string& f) { return EndsWith(f, ".distcp"); });
     facts.emplace_back("files", Count(data_files, ".distcp file") + ", " +
                                     Count(static_cast<int64_t>(dcp_.tensors.size()), "tensor"));
     return facts;

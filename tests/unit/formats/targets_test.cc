@@ -14,7 +14,7 @@ class UnreadSource : public SourceCheckpoint {
  public:
   void Lint(const LintOptions&, LintReport*) const override { ADD_FAILURE() << "read"; }
   std::string Describe() const override { return ""; }
-  Result<OutputPlan> Plan(const ConvertOptions&, std::vector<std::string>*) const override {
+  Result<OutputPlan> Plan(const DeepSpeedPlanOptions&, std::vector<std::string>*) const override {
     return Status::Internal("read");
   }
   Result<std::vector<FullTensor>> FullTensors(ReplicatedPolicy, std::atomic<int64_t>*) const override {
@@ -47,14 +47,12 @@ TEST(TargetsTest, AnOptionIsRefusedWhereItsTargetIsNotTheOneAskedFor) {
   ExportOptions options;
   options.to = "hf";
   options.format_options["layer-spec"] = "te";
-  EXPECT_EQ(Refusal(options), "--layer-spec is an option of --to megatron; the hf export does not take it, so leave it out");
+  EXPECT_EQ(Refusal(options), "--layer-spec is an option of --to megatron; --to hf does not take it, so leave it out");
   options.to = "universal";
   options.format_options = {{"dtype", "bf16"}};
   EXPECT_EQ(Refusal(options),
-            "--dtype is an option of --to accelerate, consolidated, dcp_recipe, hf, megatron, torch_dist, torchtitan; the "
-            "universal "
-            "export "
-            "does not take it, so leave it out");
+            "--dtype is an option of --to accelerate, consolidated, dcp_recipe, hf, megatron, torch_dist, torchtitan; --to "
+            "universal does not take it, so leave it out");
 }
 
 TEST(TargetsTest, ALayoutSizeIsRefusedWhereTheTargetHasNone) {
@@ -62,19 +60,19 @@ TEST(TargetsTest, ALayoutSizeIsRefusedWhereTheTargetHasNone) {
   options.to = "torchtitan";
   options.pp = 2;
   EXPECT_EQ(Refusal(options),
-            "--pp sets the layout of --to deepspeed, megatron, torch_dist; the torchtitan export has no such size, so "
+            "--pp sets the layout of --to deepspeed, megatron, torch_dist; --to torchtitan has no such size, so "
             "leave it out");
   options.to = "consolidated";
   options.pp = 0;
   options.dp = 2;
   EXPECT_EQ(Refusal(options),
-            "--dp sets the layout of --to deepspeed, megatron, torch_dist; the consolidated export has no such size, so "
+            "--dp sets the layout of --to deepspeed, megatron, torch_dist; --to consolidated has no such size, so "
             "leave it out");
   options.to = "megatron";
   options.dp = 0;
   options.ep = 2;
   EXPECT_EQ(Refusal(options),
-            "--ep sets the layout of --to deepspeed, torch_dist; the megatron export has no such size, so leave it out");
+            "--ep sets the layout of --to deepspeed, torch_dist; --to megatron has no such size, so leave it out");
 }
 
 TEST(TargetsTest, ConvertRefusesAnExpertParallelSizeTheTargetHasNot) {
@@ -86,7 +84,57 @@ TEST(TargetsTest, ConvertRefusesAnExpertParallelSizeTheTargetHasNot) {
   Result<OutputPlan> plan = PlanConvert(src, options, &notes);
   ASSERT_FALSE(plan.ok());
   EXPECT_EQ(plan.status().message(),
-            "--ep sets the layout of --to deepspeed, torch_dist; the hf export has no such size, so leave it out");
+            "--ep sets the layout of --to deepspeed, torch_dist; --to hf has no such size, so leave it out");
+}
+
+// A DeepSpeed source saved at TP 2 x PP 2 that records what it is asked to
+// plan its own layout with.
+class PlannedSource : public UnreadSource {
+ public:
+  PlannedSource() { SetOrigin("deepspeed", 2, 2, 1); }
+  Result<OutputPlan> Plan(const DeepSpeedPlanOptions& options, std::vector<std::string>*) const override {
+    asked = options;
+    return OutputPlan();
+  }
+  mutable DeepSpeedPlanOptions asked;
+};
+
+TEST(TargetsTest, ConvertToDeepSpeedPassesTheTargetsOwnOptions) {
+  PlannedSource src;
+  ConvertOptions options;
+  options.target_pp = 3;
+  std::vector<std::string> notes;
+  ASSERT_TRUE(PlanConvert(src, options, &notes).ok());
+  EXPECT_EQ(src.asked.target_tp, 2);  // kept
+  EXPECT_EQ(src.asked.target_pp, 3);
+  EXPECT_TRUE(src.asked.layers_per_stage.empty());
+  EXPECT_EQ(src.asked.vocab_pad_value, 0.0);
+  EXPECT_TRUE(src.asked.update_latest);
+
+  options.format_options = {{"layers-per-stage", "1,2,1"}, {"vocab-pad-value", "-0.5"}, {"no-update-latest", "true"}};
+  ASSERT_TRUE(PlanConvert(src, options, &notes).ok());
+  EXPECT_EQ(src.asked.layers_per_stage, (std::vector<int>{1, 2, 1}));
+  EXPECT_EQ(src.asked.vocab_pad_value, -0.5);
+  EXPECT_FALSE(src.asked.update_latest);
+}
+
+TEST(TargetsTest, TheDeepSpeedTargetsOptionsRefuseWhatTheyCannotRead) {
+  PlannedSource src;
+  ConvertOptions options;
+  std::vector<std::string> notes;
+  options.format_options = {{"layers-per-stage", "2,x"}};
+  Result<OutputPlan> plan = PlanConvert(src, options, &notes);
+  ASSERT_FALSE(plan.ok());
+  EXPECT_EQ(plan.status().message(),
+            "--layers-per-stage takes the blocks of each stage, comma-separated (e.g. 5,6,6,5), not '2,x'");
+  options.format_options = {{"vocab-pad-value", "half"}};
+  plan = PlanConvert(src, options, &notes);
+  ASSERT_FALSE(plan.ok());
+  EXPECT_EQ(plan.status().message(), "--vocab-pad-value takes a number, not 'half'");
+  options.format_options = {{"no-update-latest", "no"}};
+  plan = PlanConvert(src, options, &notes);
+  ASSERT_FALSE(plan.ok());
+  EXPECT_EQ(plan.status().message(), "--no-update-latest is a flag, given or not; it takes no value ('no')");
 }
 
 TEST(TargetsTest, ValuesAreCheckedAgainstTheDeclaration) {

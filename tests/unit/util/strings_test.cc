@@ -13,6 +13,23 @@ TEST(Strings, Join) {
   EXPECT_EQ(Join({"x", "y"}, ""), "xy");
 }
 
+TEST(Strings, Split) {
+  using V = std::vector<std::string>;
+  EXPECT_EQ(Split("", ','), V{""});
+  EXPECT_EQ(Split("a", ','), V{"a"});
+  EXPECT_EQ(Split("5,6,6,5", ','), (V{"5", "6", "6", "5"}));
+  EXPECT_EQ(Split("a,,b,", ','), (V{"a", "", "b", ""}));
+  EXPECT_EQ(Join(Split("x/y/z", '/'), "/"), "x/y/z");
+}
+
+TEST(Strings, EndsWith) {
+  EXPECT_TRUE(EndsWith("__0_0.distcp", ".distcp"));
+  EXPECT_TRUE(EndsWith(".distcp", ".distcp"));
+  EXPECT_TRUE(EndsWith("a", ""));
+  EXPECT_FALSE(EndsWith("distcp", ".distcp"));
+  EXPECT_FALSE(EndsWith("a.distcp.tmp", ".distcp"));
+}
+
 TEST(Strings, ParseInt) {
   int64_t n = 0;
   EXPECT_TRUE(ParseInt("12", &n));

@@ -156,7 +156,7 @@ std::string DescribePartition(const FlatGroup& group, const std::vector<Optimize
 
 }  // namespace
 
-PlanOptions PlanOptionsFrom(const ConvertOptions& o) {
+PlanOptions PlanOptionsFrom(const DeepSpeedPlanOptions& o) {
   PlanOptions p;
   p.tp = o.target_tp;
   p.pp = o.target_pp;

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "formats/deepspeed/model/flat_group.h"
+#include "formats/format.h"
 #include "formats/deepspeed/optimizer/zero_shard_reader.h"
 #include "logical/logical_checkpoint.h"
 #include "plan/tensor_plan.h"
@@ -75,7 +76,7 @@ struct PlanOptions {
 };
 
 // The plan options a conversion's options give.
-PlanOptions PlanOptionsFrom(const ConvertOptions& options);
+PlanOptions PlanOptionsFrom(const DeepSpeedPlanOptions& options);
 
 struct DeepSpeedPlan {
   int tp = 1, pp = 1, dp = 1;

@@ -277,13 +277,10 @@ void ReadBiases(const std::vector<RankTensor>& tensors, MegatronLayout* layout) 
   // The canonical names of the linear layers' biases (docs/rules.md).
   static const char* const kLinear[] = {"self_attention.dense.bias", "mlp.dense_h_to_4h.bias",
                                         "mlp.dense_4h_to_h.bias"};
-  auto ends_with = [](const std::string& name, const std::string& suffix) {
-    return name.size() >= suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
-  };
   bool linear = false, qkv = false;
   for (const RankTensor& t : tensors) {
-    for (const char* suffix : kLinear) linear = linear || ends_with(t.name, suffix);
-    qkv = qkv || ends_with(t.name, "self_attention.query_key_value.bias");
+    for (const char* suffix : kLinear) linear = linear || EndsWith(t.name, suffix);
+    qkv = qkv || EndsWith(t.name, "self_attention.query_key_value.bias");
   }
   layout->linear_biases = linear;
   layout->qkv_bias = qkv;

@@ -184,8 +184,7 @@ Status CollectChunkKeys(int p, int c, RankFiles* files) {
       if (std::optional<std::pair<std::string, int>> layer = SplitLayerKey(key)) {
         layers = std::max(layers, layer->second + 1);
       }
-      if (key.size() > sizeof(kExtraState) - 1 &&
-          key.compare(key.size() - (sizeof(kExtraState) - 1), std::string::npos, kExtraState) == 0) {
+      if (key != kExtraState && EndsWith(key, kExtraState)) {
         if (t == 0) files->extra_states++;
         continue;
       }

@@ -20,12 +20,13 @@
 // once, by TP rank 0. Each tensor is written by DP rank 0, except the
 // experts of a MoE model (stacked on an expert axis after the layer axis):
 // at --ep N each (layer, expert) is a chunk of its own, written by the DP
-// rank of its EP rank, as Megatron-Core's expert-DP replica 0 writes it. The rank tensors are the source's weights cut exactly
-// as convert cuts DeepSpeed layer files (SourceCheckpoint::WeightsForTp),
-// which are Megatron's own per-rank tensors. Beside them: the common state
-// (args, iteration, checkpoint_version, the optimizer's param groups and
-// learning-rate scheduler, formats/megatron_core/common/megatron_scheduler.h) and
-// each linear layer's empty `_extra_state`.
+// rank of its EP rank, as Megatron-Core's expert-DP replica 0 writes it.
+// The rank tensors are the source's weights cut exactly as convert cuts
+// DeepSpeed layer files (SourceCheckpoint::WeightsForTp), which are
+// Megatron's own per-rank tensors. Beside them: the common state (args,
+// iteration, checkpoint_version, the optimizer's param groups and
+// learning-rate scheduler, formats/megatron_core/common/megatron_scheduler.h)
+// and each linear layer's empty `_extra_state`.
 //
 // The form is a Megatron-Core version's, as each loads only its own
 // optimizer layouts (--megatron-core-version; by default the layout's, else
