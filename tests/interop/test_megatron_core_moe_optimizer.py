@@ -18,8 +18,9 @@ StrictHandling.RAISE_ALL, saves what it then holds, and takes the second step. C
   which sums in another order, they are within 1e-3 of the source run's;
 * Megatron-Core's own EP 1 save does not load at EP 2 (its state has one optimizer where the
   ChainedOptimizer has two), which is what the conversion is for;
-* reshard's common state holds the param groups of the target's optimizers; the optimizer layouts not
-  written for a model with experts are refused in one line.
+* reshard's common state holds the param groups of the target's optimizers; at TP 1 each state is in the
+  file Megatron-Core's own save of it puts it in (an expert's in its EP rank's); the optimizer layouts
+  not written for a model with experts are refused in one line.
 
 Skipped with one line when the chroot or the wheels cannot be had.
 
@@ -35,7 +36,7 @@ import interop_support as support
 from megatron_core_data import config_of
 import megatron_core_pypi
 import torch2_chroot
-from test_megatron_core_moe import BUILD, WHOLE, vocab
+from test_megatron_core_moe import BUILD, WHOLE, placement, vocab
 
 run = support.reshard
 
@@ -227,6 +228,21 @@ class MegatronCoreResumesMoeOptimizerTest(megatron_core_pypi.MegatronCoreTestCas
                 want = sorted(dense) if ep == 1 else sorted(dense) + [[True, 1.0, 1.0]]
                 got = self.resumed(name)['groups']
                 self.assertEqual(sorted(got[:2]) + got[2:], want)
+
+    def test_at_tp_1_each_state_is_in_the_file_megatron_core_writes_it_in(self):
+        # (At TP 2 Megatron-Core writes a dense state's TP pieces from each TP rank, reshard the whole
+        # state from TP rank 0: the same tensor to a load.)
+        for name, _, tp, ep in CASES:
+            if tp != 1:
+                continue
+            with self.subTest(output=name):
+                ours, theirs = (placement(os.path.join(self.work, folder))
+                                for folder in (os.path.join(name, 'iter_0000001'), name + '_resaved'))
+                states = {k: v for k, v in ours.items() if k[0].startswith('optimizer.state.')}
+                self.assertEqual(states, {k: v for k, v in theirs.items() if k[0].startswith('optimizer.state.')})
+                # An expert's states in the file of its EP rank.
+                files = {v for k, v in states.items() if k[0].endswith(EXPERT_FC1)}
+                self.assertEqual(len(files), ep)
 
     def test_the_next_step_is_the_source_runs(self):
         want = self.source_losses[1:]
