@@ -3,10 +3,11 @@ distributed optimizer state.
 
 Real Megatron-Core from PyPI (megatron_core_pypi.py), in the torch 2.6 chroot on CPU with gloo, trains the
 MoE GPTModel of tests/data/megatron-core/0.19-moe (local spec, SequentialMLP, 4 experts top-2, 2 layers) at
-EP 1 (world 2: TP 1, DP 2) with its DDP and distributed optimizer (Adam, lr 1e-3, wd 0.01): one step, a
-`fully_reshardable` save (the source, written by Megatron-Core itself), then one more step, and the loss
-after it. reshard converts the source to EP 1 and EP 2 at TP 1 and at TP 2 (world 2, or 4 for TP 2 × EP 2),
-and Megatron-Core, at each of these layouts, builds its optimizers (at EP 1 one; at EP 2 a
+EP 1, and again at EP 2 (world 2: TP 1, DP 2), with its DDP and distributed optimizer (Adam, lr 1e-3, wd
+0.01): one step, a `fully_reshardable` save (the source, written by Megatron-Core itself), then one more step,
+and the loss after it. reshard converts each source to EP 1 and EP 2 at TP 1 and at TP 2 (world 2, or 4 for
+TP 2 × EP 2; the EP 2 source's ChainedOptimizer groups read as one optimizer's), and Megatron-Core, at each
+of these layouts, builds its optimizers (at EP 1 one; at EP 2 a
 ChainedOptimizer of the dense parameters' and the experts'), loads the output strictly with
 StrictHandling.RAISE_ALL, saves what it then holds, and takes the second step. Checked:
 
@@ -14,10 +15,10 @@ StrictHandling.RAISE_ALL, saves what it then holds, and takes the second step. C
   experts' too) equals the source's bit for bit, and so does every weight; the param groups it loaded
   are its own optimizers' (is_expert_parallel, wd_mult), at step 1;
 * the loss of the step and the loss after it equal, bit for bit, what Megatron-Core's own save gives at
-  that TP (resumed at EP 1, the structure it was saved with), and at TP 1 the source run's own; at TP 2,
-  which sums in another order, they are within 1e-3 of the source run's;
-* Megatron-Core's own EP 1 save does not load at EP 2 (its state has one optimizer where the
-  ChainedOptimizer has two), which is what the conversion is for;
+  that TP (resumed at its own EP, the structure it was saved with), and at TP 1 the source run's own; at
+  TP 2, which sums in another order, they are within 1e-3 of the source run's;
+* Megatron-Core's own save does not load at the other EP (its state has one optimizer where the
+  ChainedOptimizer has two, or two where it has one), which is what the conversion is for;
 * reshard's common state holds the param groups of the target's optimizers; at TP 1 each state is in the
   file Megatron-Core's own save of it puts it in (an expert's in its EP rank's); the optimizer layouts
   not written for a model with experts are refused in one line.
@@ -41,10 +42,6 @@ from test_megatron_core_moe import BUILD, WHOLE, placement, vocab
 run = support.reshard
 
 TAG = '0.19-moe/w2_ep2'  # the model's sizes
-# (output, world, TP, EP): reshard's outputs of the source, and the layouts Megatron-Core resumes them at.
-CASES = (('ep1', 2, 1, 1), ('ep2', 2, 1, 2), ('tp2_ep1', 2, 2, 1), ('tp2_ep2', 4, 2, 2))
-SOURCE_LAYOUT = (2, 1, 1)  # world, TP, EP
-
 # What the runs share: the model with Megatron-Core's DDP and distributed optimizer (trained), a training
 # step on fixed tokens, the same on every rank (train_step), and the loss alone (loss_of).
 TRAIN = r"""
@@ -164,19 +161,25 @@ def script(*parts):
 
 
 class MegatronCoreResumesMoeOptimizerTest(megatron_core_pypi.MegatronCoreTestCase):
+    """From Megatron-Core's save at EP 1."""
     TIMEOUT = 900
     SAVE = None  # made in setUpClass: the script needs the model's sizes
+    SOURCE_LAYOUT = (2, 1, 1)  # world, TP, EP
+    # (output, world, TP, EP): reshard's outputs of the source, and the layouts Megatron-Core resumes them at.
+    CASES = (('ep1', 2, 1, 1), ('ep2', 2, 1, 2), ('tp2_ep1', 2, 2, 1), ('tp2_ep2', 4, 2, 2))
+    OWN_TP2 = (2, 2, 1)  # (world, TP, EP) Megatron-Core's own save resumes at, at TP 2
+    OTHER_EP = (2, 1, 2)  # and an EP its optimizers have another structure at
 
     @classmethod
     def setUpClass(cls):
         super().setUpClass()
-        p = cls.megatron(script(SAVE % [*SOURCE_LAYOUT]))
+        p = cls.megatron(script(SAVE % [*cls.SOURCE_LAYOUT]))
         if p.returncode:
             raise AssertionError('Megatron-Core could not write the source:\n' + p.stdout + p.stderr[-4000:])
         with open(os.path.join(cls.work, 'source_losses.json')) as f:
             cls.source_losses = json.load(f)
         cases = []  # (name, [world, folder, resaved, record, TP, EP])
-        for name, world, tp, ep in CASES:
+        for name, world, tp, ep in cls.CASES:
             out = os.path.join(cls.work, name)
             p = run('convert', os.path.join(cls.work, 'source'), out, '--to', 'torch_dist', '--tp', str(tp),
                     '--ep', str(ep), '--dp', str(world // tp), *vocab(TAG))
@@ -185,11 +188,10 @@ class MegatronCoreResumesMoeOptimizerTest(megatron_core_pypi.MegatronCoreTestCas
             cls.notes = p.stdout + p.stderr
             cases.append((name, [world, f'/data/{name}/iter_0000001', f'/data/{name}_resaved',
                                  f'/data/{name}.json', tp, ep]))
-        world, tp, ep = SOURCE_LAYOUT
-        # Megatron-Core's own save, at its own layout, at TP 2 and at EP 2.
-        cases.append(('own', [world, '/data/source', '/data/own_resaved', '/data/own.json', tp, ep]))
-        cases.append(('own_tp2', [2, '/data/source', '/data/own_tp2_resaved', '/data/own_tp2.json', 2, 1]))
-        cases.append(('own_ep2', [2, '/data/source', '/data/own_ep2_resaved', '/data/own_ep2.json', 1, 2]))
+        # Megatron-Core's own save, at its own layout, at TP 2 and at the other EP.
+        own = (('own', cls.SOURCE_LAYOUT), ('own_tp2', cls.OWN_TP2), ('own_other_ep', cls.OTHER_EP))
+        for name, (world, tp, ep) in own:
+            cases.append((name, [world, '/data/source', f'/data/{name}_resaved', f'/data/{name}.json', tp, ep]))
         p = cls.megatron(script(RESUME % json.dumps([case for _, case in cases])))
         if p.returncode:
             raise AssertionError('Megatron-Core could not resume the outputs:\n' + p.stdout + p.stderr[-4000:])
@@ -207,7 +209,7 @@ class MegatronCoreResumesMoeOptimizerTest(megatron_core_pypi.MegatronCoreTestCas
     def test_every_optimizer_state_loaded_is_the_sources(self):
         states = sorted(k for k in self.source if k.startswith('optimizer.state.'))
         self.assertEqual(len(states), 3 * 13)  # param, exp_avg, exp_avg_sq of each of the 13 keys
-        for name, _, tp, ep in CASES:
+        for name, _, tp, ep in self.CASES:
             with self.subTest(output=name):
                 self.resumed(name)
                 held = torch.load(os.path.join(self.work, name + '_resaved_full.pt'))
@@ -223,7 +225,7 @@ class MegatronCoreResumesMoeOptimizerTest(megatron_core_pypi.MegatronCoreTestCas
 
     def test_the_param_groups_loaded_are_the_targets_optimizers(self):
         dense = [[False, 1.0, 1.0], [False, 0.0, 1.0]]
-        for name, _, _, ep in CASES:
+        for name, _, _, ep in self.CASES:
             with self.subTest(output=name):
                 want = sorted(dense) if ep == 1 else sorted(dense) + [[True, 1.0, 1.0]]
                 got = self.resumed(name)['groups']
@@ -232,7 +234,7 @@ class MegatronCoreResumesMoeOptimizerTest(megatron_core_pypi.MegatronCoreTestCas
     def test_at_tp_1_each_state_is_in_the_file_megatron_core_writes_it_in(self):
         # (At TP 2 Megatron-Core writes a dense state's TP pieces from each TP rank, reshard the whole
         # state from TP rank 0: the same tensor to a load.)
-        for name, _, tp, ep in CASES:
+        for name, _, tp, ep in self.CASES:
             if tp != 1:
                 continue
             with self.subTest(output=name):
@@ -247,10 +249,10 @@ class MegatronCoreResumesMoeOptimizerTest(megatron_core_pypi.MegatronCoreTestCas
     def test_the_next_step_is_the_source_runs(self):
         want = self.source_losses[1:]
         self.assertLess(want[1], want[0])  # the step trains
-        for name, _, tp, ep in CASES:
+        for name, _, tp, ep in self.CASES:
             with self.subTest(output=name):
                 got = self.resumed(name)['losses']
-                # Megatron-Core's own save resumed at this TP (its EP 1 structure): TP 2 sums in another order.
+                # Megatron-Core's own save resumed at this TP (at its own EP): TP 2 sums in another order.
                 own = self.resumed('own' if tp == 1 else 'own_tp2')['losses']
                 self.assertEqual(got, own)
                 if tp == 1:
@@ -261,12 +263,13 @@ class MegatronCoreResumesMoeOptimizerTest(megatron_core_pypi.MegatronCoreTestCas
                       f'save at TP {tp}: {own[0]!r}, {own[1]!r}; the source run: {want[0]!r}, {want[1]!r}',
                       file=sys.stderr)
 
-    def test_megatron_cores_own_ep_1_save_does_not_resume_at_ep_2(self):
-        self.assertIn('error', self.records['own_ep2'])
-        print('Megatron-Core\'s own EP 1 save at EP 2:', self.records['own_ep2']['error'][:300], file=sys.stderr)
+    def test_megatron_cores_own_save_does_not_resume_at_the_other_ep(self):
+        self.assertIn('error', self.records['own_other_ep'])
+        print(f'Megatron-Core\'s own EP {self.SOURCE_LAYOUT[2]} save at EP {self.OTHER_EP[2]}:',
+              self.records['own_other_ep']['error'][:300], file=sys.stderr)
 
     def test_the_common_state_holds_the_targets_param_groups(self):
-        for name, _, _, ep in CASES:
+        for name, _, _, ep in self.CASES:
             with self.subTest(output=name):
                 folder = os.path.join(self.work, name, 'iter_0000001')
                 optimizer = support.distcp_items(folder)['common_state/shard_0_1'][0][1][0]['optimizer']
@@ -287,6 +290,15 @@ class MegatronCoreResumesMoeOptimizerTest(megatron_core_pypi.MegatronCoreTestCas
                 self.assertIn('the optimizer state of a model with experts is written as fully_reshardable only, '
                               f'not yet as {layout}; give --optimizer-layout fully_reshardable', lines[0])
                 self.assertFalse(os.path.exists(out))
+
+
+class MegatronCoreResumesMoeOptimizerFromEp2Test(MegatronCoreResumesMoeOptimizerTest):
+    """From Megatron-Core's save at EP 2, whose ChainedOptimizer keeps the dense and the experts' groups apart
+    (read as one optimizer's, split again for the target's EP)."""
+    SOURCE_LAYOUT = (2, 1, 2)
+    CASES = (('ep1', 2, 1, 1), ('ep2', 2, 1, 2), ('tp2_ep1', 2, 2, 1))
+    OWN_TP2 = (4, 2, 2)
+    OTHER_EP = (2, 1, 1)
 
 
 if __name__ == '__main__':
