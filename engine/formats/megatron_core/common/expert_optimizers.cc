@@ -30,7 +30,38 @@ Value GroupsOf(const Value& megatron_groups, const std::set<double>& mults, bool
   return Value::MakeList(std::move(out));
 }
 
+// `group` with the flag Megatron-Core sets on the groups of the experts'
+// optimizer cleared.
+Value AsDense(Value group) {
+  Set(group, "is_expert_parallel", Value::Bool(false));
+  return group;
+}
+
+std::string WdMult(const Value& group) {
+  const Value* mult = Find(group, "wd_mult");
+  return mult != nullptr ? mult->DebugString(20) : "None";
+}
+
 }  // namespace
+
+Result<std::vector<Value>> ParamGroupsAsOneOptimizer(const std::vector<Value>& groups) {
+  std::vector<Value> out;
+  std::vector<std::string> texts;
+  for (const Value& group : groups) {
+    Value dense = AsDense(group);
+    const std::string text = dense.DebugString(1 << 16);
+    if (std::find(texts.begin(), texts.end(), text) != texts.end()) continue;
+    for (const Value& kept : out) {
+      if (WdMult(kept) != WdMult(dense)) continue;
+      return Status::Unsupported("the experts' optimizer param group with wd_mult " + WdMult(dense) +
+                                 " differs from the dense parameters' in more than is_expert_parallel, and "
+                                 "reshard keeps one group per wd_mult");
+    }
+    texts.push_back(text);
+    out.push_back(std::move(dense));
+  }
+  return out;
+}
 
 std::vector<Value> ParamGroupsPerOptimizer(const Value& megatron_groups, const OptimizerParamGroups& source,
                                            const std::set<std::string>& experts, int ep) {

@@ -30,4 +30,11 @@ namespace reshard {
 std::vector<Value> ParamGroupsPerOptimizer(const Value& megatron_groups, const OptimizerParamGroups& source,
                                            const std::set<std::string>& experts, int ep);
 
+// ParamGroupsPerOptimizer's inverse: the groups of a ChainedOptimizer's
+// optimizers (`groups`, dense then experts', without `params`) as one
+// optimizer's, none expert-parallel; an expert group that is a dense one
+// but for is_expert_parallel is that group. Unsupported where an expert
+// group differs from the dense group of its wd_mult in more.
+Result<std::vector<Value>> ParamGroupsAsOneOptimizer(const std::vector<Value>& groups);
+
 }  // namespace reshard

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <set>
 
+#include "formats/megatron_core/common/expert_optimizers.h"
 #include "formats/megatron_core/common/megatron_buckets.h"
 #include "formats/megatron_core/common/megatron_gathered.h"
 #include "formats/megatron_core/common/megatron_layout.h"
@@ -61,18 +62,10 @@ Status ReadGroups(const Value* groups, const std::string& where, TorchDistOptimi
   return Status::Ok();
 }
 
-// `group` with the flag Megatron-Core sets on the groups of the experts'
-// optimizer cleared.
-Value AsDense(Value group) {
-  Set(group, "is_expert_parallel", Value::Bool(false));
-  return group;
-}
-
 // The groups of a ChainedOptimizer's entries (`{0: {'optimizer': {'param_groups':
 // ...}}, 1: ...}`: a model with experts at EP > 1 keeps the dense parameters'
-// and the experts'), as one optimizer's: an expert group that is a dense one
-// but for is_expert_parallel is that group (the writer splits them again for
-// its target's EP, formats/megatron_core/common/expert_optimizers.h).
+// and the experts'), as one optimizer's (the writer splits them again for its
+// target's EP).
 Status ReadChainedGroups(const Items& chained, TorchDistOptimizer* out) {
   TorchDistOptimizer all;
   for (const auto& [index, entry] : chained) {
@@ -80,23 +73,9 @@ Status ReadChainedGroups(const Items& chained, TorchDistOptimizer* out) {
     RESHARD_RETURN_IF_ERROR(ReadGroups(inner != nullptr ? Find(*inner, "param_groups") : nullptr,
                                        "the common state's optimizer " + index.DebugString(20), &all));
   }
-  std::vector<std::string> kept;
-  for (const Value& group : all.param_groups) {
-    const Value dense = AsDense(group);
-    const std::string text = dense.DebugString(1 << 16);
-    if (std::find(kept.begin(), kept.end(), text) != kept.end()) continue;
-    const Value* mult = Find(dense, "wd_mult");
-    for (const Value& other : out->param_groups) {
-      const Value* other_mult = Find(other, "wd_mult");
-      if (mult != nullptr && other_mult != nullptr && mult->DebugString(20) == other_mult->DebugString(20)) {
-        return Status::Unsupported("the experts' optimizer param group with wd_mult " + mult->DebugString(20) +
-                                   " differs from the dense parameters' in more than is_expert_parallel, which "
-                                   "reshard keeps in one group" + std::string(kWeightsOnlyFix));
-      }
-    }
-    kept.push_back(text);
-    out->param_groups.push_back(dense);
-  }
+  Result<std::vector<Value>> groups = ParamGroupsAsOneOptimizer(all.param_groups);
+  if (!groups.ok()) return Status::Unsupported(groups.status().message() + kWeightsOnlyFix);
+  out->param_groups = std::move(*groups);
   out->step = all.step;
   return Status::Ok();
 }

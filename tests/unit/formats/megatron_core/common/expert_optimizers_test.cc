@@ -1,6 +1,7 @@
 // The param groups of each optimizer Megatron-Core builds for a model with
 // experts: one optimizer at EP 1, the dense parameters' then the experts'
-// above, each with the groups of the multipliers its parameters have.
+// above, each with the groups of the multipliers its parameters have; and a
+// ChainedOptimizer's groups read back as one optimizer's.
 #include "formats/megatron_core/common/expert_optimizers.h"
 
 #include <gtest/gtest.h>
@@ -76,6 +77,38 @@ TEST(ExpertOptimizersTest, ExpertBiasesBringTheGroupThatDoesNotDecay) {
 TEST(ExpertOptimizersTest, AModelWithoutExpertsHasOneOptimizer) {
   const OptimizerParamGroups source = SourceGroups("layers.0.mlp.dense_h_to_4h.weight", "");
   EXPECT_EQ(ParamGroupsPerOptimizer(MegatronGroups(source), source, {}, 2).size(), 1u);
+}
+
+TEST(ExpertOptimizersTest, AChainedOptimizersGroupsReadBackAsOneOptimizers) {
+  const OptimizerParamGroups source = SourceGroups(kExpert, kExpertBias);
+  const Value megatron = MegatronGroups(source);
+  std::vector<Value> chained;
+  for (const Value& groups : ParamGroupsPerOptimizer(megatron, source, {kExpert, kExpertBias}, 2)) {
+    chained.insert(chained.end(), groups.as_list().items.begin(), groups.as_list().items.end());
+  }
+  ASSERT_EQ(chained.size(), 4u);
+  Result<std::vector<Value>> one = ParamGroupsAsOneOptimizer(chained);
+  ASSERT_TRUE(one.ok()) << one.status().message();
+  ASSERT_EQ(one->size(), 2u);
+  for (size_t g = 0; g < one->size(); ++g) {
+    EXPECT_EQ((*one)[g].DebugString(1 << 16), megatron.as_list().items[g].DebugString(1 << 16));
+  }
+}
+
+TEST(ExpertOptimizersTest, AnExpertGroupOfItsOwnHyperparametersIsRefused) {
+  const OptimizerParamGroups source = SourceGroups(kExpert, "");
+  std::vector<Value> chained;
+  for (const Value& groups : ParamGroupsPerOptimizer(MegatronGroups(source), source, {kExpert}, 2)) {
+    chained.insert(chained.end(), groups.as_list().items.begin(), groups.as_list().items.end());
+  }
+  Set(chained.back(), "lr", Value::Float(1e-4));  // the experts' learning rate, set apart
+  Result<std::vector<Value>> one = ParamGroupsAsOneOptimizer(chained);
+  ASSERT_FALSE(one.ok());
+  EXPECT_EQ(one.status().code(), Status::Code::kUnsupported);
+  EXPECT_NE(one.status().message().find("the experts' optimizer param group with wd_mult 1.0 differs from the "
+                                        "dense parameters' in more than is_expert_parallel"),
+            std::string::npos)
+      << one.status().message();
 }
 
 }  // namespace
