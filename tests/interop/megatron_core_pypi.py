@@ -180,6 +180,68 @@ def worlds(fn, cases):
         mp.start_processes(fn, args=(port, world, *case), nprocs=world, start_method='fork')
 '''
 
+# Run by the scripts that step Megatron-Core's distributed optimizer (torch's Adam, as without Apex or
+# Transformer Engine) on this CPU-only host: what it needs of one, and start_adam_state(optimizer).
+OPTIMIZER = r'''
+import torch
+# Megatron-Core's optimizer makes a few buffers on device 'cuda' by name: on this CPU-only host
+# they are made on the CPU, as the prelude keeps its other tensors there.
+def _on_cpu(factory):
+    def make(*args, device=None, **kwargs):
+        return factory(*args, device='cpu' if str(device).startswith('cuda') else device, **kwargs)
+    return make
+for _name in ('tensor', 'zeros', 'ones', 'empty', 'full'):
+    setattr(torch, _name, _on_cpu(getattr(torch, _name)))
+# And it takes a parameter's type name for its dtype, which names the GPU: a CPU tensor's name is
+# given as the GPU's (torch.FloatTensor as torch.cuda.FloatTensor).
+_type = torch.Tensor.type
+def _type_named_for_gpu(self, *args, **kwargs):
+    name = _type(self, *args, **kwargs)
+    if args or kwargs or not isinstance(name, str) or name.startswith('torch.cuda.'):
+        return name
+    return name.replace('torch.', 'torch.cuda.', 1)
+torch.Tensor.type = _type_named_for_gpu
+# Its gradient reduction across data-parallel ranks waits for the GPU's current stream, which this host has
+# none of: a stand-in whose waits return at once (gloo reduces on the CPU, in order).
+if not torch.cuda.is_available():
+    class _NoStream:
+        def wait_event(self, event):
+            pass
+
+        def wait_stream(self, stream):
+            pass
+    torch.cuda.current_stream = lambda *args, **kwargs: _NoStream()
+
+# Without Apex or Transformer Engine (as on this CPU host) Megatron-Core steps with torch's Adam,
+# which keeps a per-parameter 'step' tensor; its load sets the step from the param groups and
+# skips 'step' among the loaded tensors, but then looks it up there: a 'step' of None is skipped.
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+_set_states = DistributedOptimizer._set_main_param_and_optimizer_states
+def _set_states_but_step(self, model_param, tensors):
+    return _set_states(self, model_param, {'step': None, **tensors})
+DistributedOptimizer._set_main_param_and_optimizer_states = _set_states_but_step
+# And it gives every parameter's state one shared 'step' tensor, which torch's Adam then advances once per
+# parameter at the next step (a bias correction as of many steps on): each its own, as a step makes them.
+_load_state_dict = DistributedOptimizer.load_state_dict
+def _load_state_dict_with_own_steps(self, state_dict):
+    _load_state_dict(self, state_dict)
+    for state in self.optimizer.state.values():
+        if torch.is_tensor(state.get('step')):
+            state['step'] = state['step'].clone()
+DistributedOptimizer.load_state_dict = _load_state_dict_with_own_steps
+
+def start_adam_state(optimizer):
+    # Without Apex or Transformer Engine (as on this CPU host) Megatron-Core takes its step from
+    # torch Adam's per-parameter state, which a fresh optimizer lacks until its first step: made
+    # here as that step makes it, then replaced by the load.
+    for chained in getattr(optimizer, 'chained_optimizers', [optimizer]):
+        inner = chained.optimizer
+        for group in inner.param_groups:
+            for p in group['params']:
+                inner.state[p] = {'step': torch.tensor(0.0), 'exp_avg': torch.zeros_like(p),
+                                  'exp_avg_sq': torch.zeros_like(p)}
+'''
+
 # Run by the scripts that compare losses (after a BUILD that sets M, the model's sizes): losses(model)
 # is the loss of a model on one pipeline stage on fixed tokens, before and after one SGD step.
 LOSSES = r'''

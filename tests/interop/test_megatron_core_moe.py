@@ -91,15 +91,10 @@ def vocab(tag):
     return sizes(tag) + ['--vocab-size', str(config_of(tag)['model']['vocab'])]
 
 
-# Megatron-Core, in WORLD forked ranks per case: builds the samples' MoE GPTModel (local spec, SequentialMLP)
-# at a case's TP and EP (DP the rest of the world), loads reshard's output strictly and saves what it holds
-# again; then torch's dcp.load reads each save whole into OUT_full.pt.
-LOAD = r"""
-import json, os, pickle
-import torch
+# The samples' MoE GPTModel (local spec, SequentialMLP; M its sizes) at TP `tp` and EP `ep`, DP the rest of
+# the world.
+BUILD = r"""
 import torch.nn.functional as F
-
-M, CASES = json.loads(%r)
 
 def build(tp, ep):
     from megatron.core import parallel_state as ps
@@ -119,6 +114,29 @@ def build(tp, ep):
                                                       normalization='LayerNorm'),
                     vocab_size=M['padded_vocab'], max_sequence_length=M['max_seq'],
                     share_embeddings_and_output_weights=False, position_embedding_type='rope')
+"""
+
+# save_whole(folder): torch's dcp.load reads a save whole into FOLDER_full.pt ({key: global tensor}).
+WHOLE = r"""
+def save_whole(folder):
+    import pickle
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    with open(folder + '/.metadata', 'rb') as f:
+        meta = pickle.load(f)
+    full = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()
+            if isinstance(m, TensorStorageMetadata)}
+    dcp.load(full, checkpoint_id=folder)
+    torch.save(full, folder + '_full.pt')
+"""
+
+# Megatron-Core, in WORLD forked ranks per case: builds the model at a case's TP and EP, loads reshard's
+# output strictly and saves what it holds again; then each save is read whole (WHOLE).
+LOAD = r"""
+import json, os
+import torch
+
+M, CASES = json.loads(%r)
 
 def load(r, port, world, folder, out, tp, ep):
     from megatron.core import dist_checkpointing
@@ -134,16 +152,8 @@ def load(r, port, world, folder, out, tp, ep):
     end_megatron_rank()
 
 worlds(load, CASES)
-
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 for case in CASES:
-    with open(case[2] + '/.metadata', 'rb') as f:
-        meta = pickle.load(f)
-    full = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()
-            if isinstance(m, TensorStorageMetadata)}
-    dcp.load(full, checkpoint_id=case[2])
-    torch.save(full, case[2] + '_full.pt')
+    save_whole(case[2])
 """
 
 
@@ -181,7 +191,7 @@ class MegatronCoreLoadsMoeTest(megatron_core_pypi.MegatronCoreTestCase):
         cases.append((tag, 'round_ep2', [2, '/data/round_ep2/iter_0000000', '/data/round_ep2_resaved', 1, 2]))
 
         model = config_of(SAVES[0])['model']
-        script = (torch2_chroot.END_RANK + megatron_core_pypi.RANKS +
+        script = (torch2_chroot.END_RANK + megatron_core_pypi.RANKS + BUILD + WHOLE +
                   LOAD % json.dumps([model, [case for _, _, case in cases]]))
         p = self.megatron(script)
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr[-4000:])

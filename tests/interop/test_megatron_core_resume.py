@@ -65,33 +65,6 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-# Megatron-Core's optimizer makes a few buffers on device 'cuda' by name: on this CPU-only host
-# they are made on the CPU, as the prelude keeps its other tensors there.
-def _on_cpu(factory):
-    def make(*args, device=None, **kwargs):
-        return factory(*args, device='cpu' if str(device).startswith('cuda') else device, **kwargs)
-    return make
-for _name in ('tensor', 'zeros', 'ones', 'empty', 'full'):
-    setattr(torch, _name, _on_cpu(getattr(torch, _name)))
-# And it takes a parameter's type name for its dtype, which names the GPU: a CPU tensor's name is
-# given as the GPU's (torch.FloatTensor as torch.cuda.FloatTensor).
-_type = torch.Tensor.type
-def _type_named_for_gpu(self, *args, **kwargs):
-    name = _type(self, *args, **kwargs)
-    if args or kwargs or not isinstance(name, str) or name.startswith('torch.cuda.'):
-        return name
-    return name.replace('torch.', 'torch.cuda.', 1)
-torch.Tensor.type = _type_named_for_gpu
-
-# Without Apex or Transformer Engine (as on this CPU host) Megatron-Core steps with torch's Adam,
-# which keeps a per-parameter 'step' tensor; its load sets the step from the param groups and
-# skips 'step' among the loaded tensors, but then looks it up there: a 'step' of None is skipped.
-from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-_set_states = DistributedOptimizer._set_main_param_and_optimizer_states
-def _set_states_but_step(self, model_param, tensors):
-    return _set_states(self, model_param, {'step': None, **tensors})
-DistributedOptimizer._set_main_param_and_optimizer_states = _set_states_but_step
-
 # Its attention draws dropout under the GPU's model-parallel RNG; the runs here have no dropout
 # and no GPU, so the draw runs under the CPU's.
 import contextlib
@@ -123,17 +96,6 @@ def build(args):
                      share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                      position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base)
     return config, model
-
-def start_adam_state(optimizer):
-    # Without Apex or Transformer Engine (as on this CPU host) Megatron-Core takes its step from
-    # torch Adam's per-parameter state, which a fresh optimizer lacks until its first step: made
-    # here as that step makes it, then replaced by the load.
-    for chained in getattr(optimizer, 'chained_optimizers', [optimizer]):
-        inner = chained.optimizer
-        for group in inner.param_groups:
-            for p in group['params']:
-                inner.state[p] = {'step': torch.tensor(0.0), 'exp_avg': torch.zeros_like(p),
-                                  'exp_avg_sq': torch.zeros_like(p)}
 
 def resume(case):
     folder, lr, min_lr = case['folder'], case['lr'], case['min_lr']
@@ -260,7 +222,7 @@ class MegatronCoreResumeTest(unittest.TestCase):
                  dict(tt, name='mc_other_lr', folder='/data/mc_save', lr=OTHER_LR, min_lr=0.0),
                  dict(name='md_gqa', folder=cls.iteration_folder('md_gqa'), lr=a.lr, min_lr=a.min_lr,
                       wd=a.weight_decay, save='/data/md_save')]
-        p = megatron_core_pypi.run(cls.root, cls.site, SCRIPT % json.dumps(cases), {cls.work: '/data'}, timeout=400)
+        p = megatron_core_pypi.run(cls.root, cls.site, megatron_core_pypi.OPTIMIZER + SCRIPT % json.dumps(cases), {cls.work: '/data'}, timeout=400)
         if p.returncode:
             raise AssertionError('Megatron-Core could not run the cases:\n' + p.stdout + p.stderr[-4000:])
         with open(os.path.join(cls.work, 'results.json')) as f:

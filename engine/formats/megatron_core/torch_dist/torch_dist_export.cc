@@ -12,6 +12,7 @@
 
 #include "container/dcp_writer.h"
 #include "formats/megatron_core/common/adam_states.h"
+#include "formats/megatron_core/common/expert_optimizers.h"
 #include "formats/megatron_core/common/megatron_args.h"
 #include "formats/megatron_core/common/megatron_buckets.h"
 #include "formats/megatron_core/common/megatron_layout.h"
@@ -231,8 +232,10 @@ ByteProducer WithRows(const FullTensor& t, int64_t rows) {
 
 // The fully_reshardable layout: every state of every parameter whole under
 // `optimizer.state.<state>.<key>`, fp32, shaped like the model key (a
-// stacked key's layers one chunk each), written by TP rank 0 of the stage
-// holding the weight. `weights` gives each parameter's key, stage and shape.
+// stacked key's layers, and experts, one chunk each), written by TP rank 0
+// of the stage holding the weight, in the file of the DP rank that writes
+// the weight (an expert's by its EP rank's). `weights` gives each
+// parameter's key, stage and shape.
 Status AddOptimizerItems(const RuleSet& rules, const std::vector<FullTensor>& states,
                          const std::vector<RankTensor>& weights, const Target& target, RankFiles* files) {
   std::map<std::string, const RankTensor*> weight_of;
@@ -256,7 +259,7 @@ Status AddOptimizerItems(const RuleSet& rules, const std::vector<FullTensor>& st
                                       StackedSize(key, target.blocks, target.experts, shape), chunk, std::move(bytes));
     item.from = t.Label();
     if (t.vocab && shape[0] != t.shape[0]) item.from += ", rows to " + std::to_string(shape[0]);
-    files->At(0, StageOf(r, target)).push_back(std::move(item));
+    files->At(0, StageOf(r, target), WritingDpRank(key, target)).push_back(std::move(item));
   }
   return Status::Ok();
 }
@@ -411,6 +414,34 @@ Result<Value> ModelSpaceParamState(const TpWeights& weights, const Value& param_
   return Value::MakeDict(std::move(params));
 }
 
+// The canonical names of the experts' parameters.
+std::set<std::string> ExpertParams(const std::vector<RankTensor>& weights) {
+  std::set<std::string> experts;
+  for (const RankTensor& r : weights) {
+    if (ExpertOf(r) >= 0) experts.insert(r.name);
+  }
+  return experts;
+}
+
+// fully_reshardable's entry of the common state: the param groups of each
+// optimizer Megatron-Core builds at the target's EP
+// (formats/megatron_core/common/expert_optimizers.h), a ChainedOptimizer's
+// of two by their indices.
+Value FullyReshardableEntry(std::vector<Value> per_optimizer) {
+  auto entry = [](Value param_groups) {
+    Value out = Value::MakeDict();
+    Set(out, "optimizer", Value::MakeDict({{Value::String("param_groups"), std::move(param_groups)}}));
+    Set(out, "param_state_sharding_type", Value::String(kFullyReshardable));
+    return out;
+  };
+  if (per_optimizer.size() == 1) return entry(std::move(per_optimizer[0]));
+  Items chained;
+  for (size_t i = 0; i < per_optimizer.size(); ++i) {
+    chained.emplace_back(Value::Int(static_cast<int64_t>(i)), entry(std::move(per_optimizer[i])));
+  }
+  return Value::MakeDict(std::move(chained));
+}
+
 // The optimizer state in `target.layout`, and the common state's `optimizer`
 // entry as Megatron-Core writes it for that layout (fully_reshardable and
 // fully_sharded_model_space keep the param groups there; dp_reshardable in
@@ -434,7 +465,8 @@ Result<Value> AddOptimizer(const SourceCheckpoint& src, const std::vector<FullTe
     Set(out, "param_state", std::move(param_state));
   } else {
     RESHARD_RETURN_IF_ERROR(AddOptimizerItems(*src.info().rules, states, weights.ranks[0], target, files));
-    Set(out, "optimizer", Value::MakeDict({{Value::String("param_groups"), std::move(param_groups)}}));
+    return FullyReshardableEntry(
+        ParamGroupsPerOptimizer(param_groups, groups, ExpertParams(weights.ranks[0]), target.ep));
   }
   Set(out, "param_state_sharding_type", Value::String(target.layout));
   return out;
@@ -607,12 +639,14 @@ Status CheckExpertParallel(int ep, Target* target) {
   return Status::Ok();
 }
 
-// A model with experts is written with its weights only, as this writer
-// knows it.
+// The optimizer state of a model with experts is written in the layout
+// keyed like the model, fully_reshardable, alone.
 Status CheckExperts(const Target& target, const std::vector<FullTensor>& states) {
-  if (target.experts == 0 || states.empty()) return Status::Ok();
-  return Status::Unsupported("export --to torch_dist: the optimizer state of a model with experts is not written "
-                             "yet (its param groups depend on the expert-parallel size); add --weights-only");
+  if (target.experts == 0 || states.empty() || target.layout == kFullyReshardable) return Status::Ok();
+  return Status::Unsupported("export --to torch_dist: the optimizer state of a model with experts is written as " +
+                             std::string(kFullyReshardable) + " only, not yet as " + target.layout +
+                             "; give --optimizer-layout " + kFullyReshardable + " (load with "
+                             "--dist-ckpt-optim-fully-reshardable), or --weights-only");
 }
 
 // What a loader of the folder must be told.

@@ -39,6 +39,10 @@
 //         "common_backend": "torch"); the optimizer state
 //         fully_sharded_model_space (formats/megatron_core/common/nd_reformulation.h), whose
 //         original shapes `.metadata`'s mcore_data records
+// A model with experts' optimizer state is written as fully_reshardable
+// only, its states' chunks where its weights' are, its param groups those
+// of the optimizers Megatron-Core builds at the target's EP
+// (formats/megatron_core/common/expert_optimizers.h).
 // No RNG state.
 #pragma once
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <set>
 
+#include "formats/megatron_core/common/expert_optimizers.h"
 #include "formats/megatron_core/common/megatron_buckets.h"
 #include "formats/megatron_core/common/megatron_gathered.h"
 #include "formats/megatron_core/common/megatron_layout.h"
@@ -61,12 +62,34 @@ Status ReadGroups(const Value* groups, const std::string& where, TorchDistOptimi
   return Status::Ok();
 }
 
+// The groups of a ChainedOptimizer's entries (`{0: {'optimizer': {'param_groups':
+// ...}}, 1: ...}`: a model with experts at EP > 1 keeps the dense parameters'
+// and the experts'), as one optimizer's (the writer splits them again for its
+// target's EP).
+Status ReadChainedGroups(const Items& chained, TorchDistOptimizer* out) {
+  TorchDistOptimizer all;
+  for (const auto& [index, entry] : chained) {
+    const Value* inner = Find(entry, "optimizer");
+    RESHARD_RETURN_IF_ERROR(ReadGroups(inner != nullptr ? Find(*inner, "param_groups") : nullptr,
+                                       "the common state's optimizer " + index.DebugString(20), &all));
+  }
+  Result<std::vector<Value>> groups = ParamGroupsAsOneOptimizer(all.param_groups);
+  if (!groups.ok()) return Status::Unsupported(groups.status().message() + kWeightsOnlyFix);
+  out->param_groups = std::move(*groups);
+  out->step = all.step;
+  return Status::Ok();
+}
+
 // The param groups of the common state's optimizer (`{'optimizer':
-// {'optimizer': {'param_groups': ...}}}`), where the layouts that gather the
-// state per model key keep them.
+// {'optimizer': {'param_groups': ...}}}`, a ChainedOptimizer's by index),
+// where the layouts that gather the state per model key keep them.
 Status ReadCommonGroups(const Value& common, TorchDistOptimizer* out) {
   const Value* optimizer = Find(common, "optimizer");
   const Value* inner = optimizer != nullptr ? Find(*optimizer, "optimizer") : nullptr;
+  const Items* chained = optimizer != nullptr && inner == nullptr ? DictItems(*optimizer) : nullptr;
+  if (chained != nullptr && !chained->empty() && chained->front().first.is(Value::Kind::kInt)) {
+    return ReadChainedGroups(*chained, out);
+  }
   return ReadGroups(inner != nullptr ? Find(*inner, "param_groups") : nullptr, "the common state", out);
 }
 
