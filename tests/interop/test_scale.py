@@ -6,7 +6,8 @@
 * ``mpirun -np 2 reshard export --to consolidated`` shares the byte ranges of one big file
   between the processes and writes what one process does, manifest included; the summary and
   the last progress line count the file once and all its bytes.
-* ``mpirun -np 2 reshard verify`` shares the comparisons and prints the report one process does.
+* ``mpirun -np 2 reshard verify`` shares the comparisons and prints the report one process does;
+  its last progress line counts every tensor, as one process's does.
 * ``--max-memory`` holds: converting a checkpoint larger than the budget keeps the process's
   peak resident memory (the kernel's high-water mark, mapped file pages included) under it.
 * ``--dry-run`` announces exactly the files and tensor bytes the real run then writes, and a
@@ -134,13 +135,16 @@ class ScaleTest(support.FixtureTestCase):
         self.assertEqual(done.returncode, 0, done.stderr)
         for b, code in ((converted, 0), (other, 1)):
             with self.subTest(b=os.path.basename(os.path.dirname(b))):
-                one = support.reshard('verify', src, b)
+                one = support.reshard('verify', src, b, *EVERY_LINE)
                 self.assertEqual(one.returncode, code, one.stdout + one.stderr)
-                mpi = subprocess.run(['mpirun', '-np', '2', support.RESHARD, 'verify', src, b],
+                mpi = subprocess.run(['mpirun', '-np', '2', support.RESHARD, 'verify', src, b, *EVERY_LINE],
                                      env=MPI_ENV, capture_output=True, text=True, timeout=300)
                 self.assertEqual(mpi.returncode, code, mpi.stdout + mpi.stderr)
-                # Rank 0 alone prints the whole report, every difference in one process's order.
+                # Rank 0 alone prints the whole report, every difference in one process's order,
+                # and its last progress line counts every tensor compared.
                 self.assertEqual(mpi.stdout, one.stdout)
+                self.assertRegex(last_progress(one.stderr) or '', r'^(\d+)/\1 tensors, ', one.stderr)
+                self.assertEqual(last_progress(mpi.stderr), last_progress(one.stderr), mpi.stderr)
                 if code:
                     self.assertGreater(one.stdout.count('differs: '), 10)
 
