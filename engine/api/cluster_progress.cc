@@ -69,14 +69,15 @@ Status ClusterProgress::Begin(const Progress& mine) {
                            cluster_->AllGather(std::to_string(mine.total) + " " + std::to_string(mine.bytes)));
   if (cluster_->rank() != 0) return Status::Ok();
   std::vector<Progress> before(totals.size(), mine);
+  Status parsed = Status::Ok();
   for (size_t r = 0; r < totals.size(); ++r) {
     std::istringstream in(totals[r]);
-    if (!(in >> before[r].total >> before[r].bytes)) {
-      return Status::Internal("rank " + std::to_string(r) + " sent totals that do not parse: '" + totals[r] + "'");
+    if (!(in >> before[r].total >> before[r].bytes) && parsed.ok()) {
+      parsed = Status::Internal("rank " + std::to_string(r) + " sent totals that do not parse: '" + totals[r] + "'");
     }
   }
-  sum_.emplace(std::move(before));
-  return Status::Ok();
+  sum_.emplace(std::move(before));  // even so: Finish still waits for every rank's last post
+  return parsed;
 }
 
 ProgressCallback ClusterProgress::Callback() {
@@ -87,7 +88,7 @@ ProgressCallback ClusterProgress::Callback() {
 void ClusterProgress::Report(const Progress& mine) {
   mine_ = mine;
   if (cluster_->rank() != 0) {
-    cluster_->Post(ProgressSum::Post(mine, /*last=*/false));
+    cluster_->Post(ProgressSum::Post(mine, /*last=*/false), /*wait=*/false);
     return;
   }
   sum_->Take(0, ProgressSum::Post(mine, /*last=*/false));

@@ -62,7 +62,7 @@ class Cluster {
   // the previous post is still on its way, `message` is dropped (posts never
   // pile up) and false returned, unless `wait`: then it waits for the
   // previous one, and for this one to be sent.
-  virtual bool Post(const std::string& message, bool wait = false) = 0;
+  virtual bool Post(const std::string& message, bool wait) = 0;
 
   // On rank 0: the posts that arrived since the last call, with the rank
   // that sent each, in the order they arrived; never waits.

@@ -2,7 +2,8 @@
 
 * ``mpirun -np 2 reshard convert`` writes the same files, byte for byte, as one process, and
   ``latest`` once (rank 0, after both ranks finished); rank 0 prints the one summary, the whole
-  job's, and its last progress line counts the whole job's files and bytes, as one process's does.
+  job's, and its last progress line counts the whole job's files and bytes, as one process's does;
+  a dry run announces the whole job's files and bytes, once.
 * ``mpirun -np 2 reshard export --to consolidated`` shares the byte ranges of one big file
   between the processes and writes what one process does, manifest included; the summary and
   the last progress line count the file once and all its bytes.
@@ -99,6 +100,14 @@ class ScaleTest(support.FixtureTestCase):
         self.assertEqual(int(whole.split('/')[0]), len(os.listdir(self.path('one', 'out'))) - 1)  # no manifest
         self.assertEqual(last_progress(mpi.stderr), whole, mpi.stderr)
         self.assertEqual(len(re.findall(r'done in', mpi.stderr)), 1, mpi.stderr)
+        # A dry run announces the whole job's files and bytes, once.
+        dry = subprocess.run(['mpirun', '-np', '2', support.RESHARD, 'convert', src, self.path('dry', 'out'),
+                              '--tp', '1', '--pp', '3', '--dp', '3', '--dry-run', '-q'],
+                             env=MPI_ENV, capture_output=True, text=True, timeout=300)
+        self.assertEqual(dry.returncode, 0, dry.stdout + dry.stderr)
+        announced = re.findall(r'^dry run: nothing written; would write (\d+) files, (\d+) bytes of tensors',
+                               dry.stdout, re.M)
+        self.assertEqual(announced, [figures(one.stdout)], dry.stdout)
 
     @unittest.skipUnless(shutil.which('mpirun'), 'Open MPI (mpirun) is not installed')
     def test_two_processes_share_the_ranges_of_one_file(self):
