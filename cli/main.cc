@@ -93,9 +93,16 @@ void AddPreflightOptions(CLI::App* cmd, reshard::PreflightOptions* o) {
                   "True vocabulary size, when the checkpoint does not record it");
 }
 
+// What every command that shows progress takes.
+void AddProgressOption(CLI::App* cmd, double* log_interval) {
+  cmd->add_option("--progress-interval", *log_interval,
+                  "Seconds between progress lines when stderr is not a terminal, as under mpirun (default 5)")
+      ->check(CLI::NonNegativeNumber);
+}
+
 // --overwrite, --dry-run, --max-memory, -q and the preflight options: what
 // every command that writes a checkpoint takes.
-void AddWriteOptions(CLI::App* cmd, reshard::WriteOptions* o, bool* quiet) {
+void AddWriteOptions(CLI::App* cmd, reshard::WriteOptions* o, bool* quiet, double* log_interval) {
   cmd->add_flag("--overwrite", o->overwrite,
                 "Replace an earlier reshard output at OUTPUT, and a pointer such as 'latest' naming another checkpoint");
   cmd->add_flag("--dry-run", o->dry_run,
@@ -109,6 +116,7 @@ void AddWriteOptions(CLI::App* cmd, reshard::WriteOptions* o, bool* quiet) {
                   "--max-memory allows)")
       ->transform(CLI::AsSizeValue(false));
   cmd->add_flag("-q,--quiet", *quiet, "Print only errors and the summary (no progress, plan or notes)");
+  AddProgressOption(cmd, log_interval);
   AddPreflightOptions(cmd, o);
 }
 
@@ -222,20 +230,21 @@ void PrintNotes(const std::vector<std::string>& notes, bool quiet) {
   }
 }
 
-// Runs `command` with its progress shown on stderr (unless `quiet`); the
-// progress line is ended before the command's result is printed.
+// Runs `command` with its progress shown on stderr (unless `quiet`; not on a
+// terminal, a line every `log_interval` seconds); the progress line is ended
+// before the command's result is printed.
 template <typename Options, typename Command>
-auto WithProgress(Options o, bool quiet, Command command) {
-  ProgressDisplay display(::isatty(STDERR_FILENO) == 1);
+auto WithProgress(Options o, bool quiet, double log_interval, Command command) {
+  ProgressDisplay display(::isatty(STDERR_FILENO) == 1, log_interval);
   if (!quiet) o.progress = display.Callback();
   auto result = command(o);
   display.Finish();
   return result;
 }
 
-int RunLint(const std::string& ckpt, const reshard::LintOptions& o) {
-  reshard::Result<reshard::LintReport> r =
-      WithProgress(o, false, [&](const reshard::LintOptions& with) { return reshard::Lint(ckpt, with); });
+int RunLint(const std::string& ckpt, const reshard::LintOptions& o, double log_interval) {
+  reshard::Result<reshard::LintReport> r = WithProgress(
+      o, false, log_interval, [&](const reshard::LintOptions& with) { return reshard::Lint(ckpt, with); });
   if (!r.ok()) return Fail(r.status());
   std::cout << r->summary << "\n";
   for (const std::string& n : r->notes) std::cout << "note: " << n << "\n";
@@ -279,61 +288,62 @@ std::string Memory(const reshard::ConvertReport& r) {
          " thread(s) x " + reshard::HumanBytes(r.buffer_bytes) + " buffers";
 }
 
-void PrintConvertSummary(const std::string& out, const reshard::ConvertReport& r,
-                         const std::string& who) {
+void PrintConvertSummary(const std::string& out, const reshard::ConvertReport& r) {
   double write_seconds = 0;
   for (const auto& [name, seconds] : r.phases) {
     if (name == "write") write_seconds = seconds;
   }
   const int64_t rate = write_seconds > 0 ? static_cast<int64_t>(r.bytes_written / write_seconds) : 0;
-  std::printf("%swrote %lld files, %s (%lld bytes, %lld of tensors) to %s in %.2f s (writing at "
-              "%s/s)\n",
-              who.c_str(), static_cast<long long>(r.files), reshard::HumanBytes(r.bytes_written).c_str(),
+  std::printf("wrote %lld files, %s (%lld bytes, %lld of tensors) to %s in %.2f s (writing at %s/s)\n",
+              static_cast<long long>(r.files), reshard::HumanBytes(r.bytes_written).c_str(),
               static_cast<long long>(r.bytes_written), static_cast<long long>(r.tensor_bytes),
               out.c_str(), r.seconds, reshard::HumanBytes(rate).c_str());
-  std::printf("%sread %s of tensors (%lld bytes, %.2fx the checkpoint's %s); peak memory %s (%s)\n",
-              who.c_str(), reshard::HumanBytes(r.bytes_read).c_str(),
+  std::printf("read %s of tensors (%lld bytes, %.2fx the checkpoint's %s); peak memory %s (%s)\n",
+              reshard::HumanBytes(r.bytes_read).c_str(),
               static_cast<long long>(r.bytes_read),
               r.checkpoint_bytes > 0 ? static_cast<double>(r.bytes_read) / r.checkpoint_bytes : 0.0,
               reshard::HumanBytes(r.checkpoint_bytes).c_str(), reshard::HumanBytes(r.peak_memory).c_str(),
               Memory(r).c_str());
-  std::printf("%sphases: %s\n", who.c_str(), Phases(r).c_str());
+  std::printf("phases: %s\n", Phases(r).c_str());
 }
 
-// convert and export: `run` is reshard::Convert or reshard::Export.
+// convert and export: `run` is reshard::Convert or reshard::Export. Under a
+// launcher, rank 0 alone shows progress and prints the summary, both the
+// whole job's; the other ranks print only errors.
 template <typename Options, typename Run>
-int RunWriter(const std::string& in, const std::string& out, Options o, bool quiet, Run run) {
+int RunWriter(const std::string& in, const std::string& out, Options o, bool quiet, double log_interval,
+              Run run) {
   reshard::Result<std::unique_ptr<reshard::Cluster>> cluster = reshard::Cluster::Join();
   if (!cluster.ok()) return Fail(cluster.status());
   o.cluster = cluster->get();
   const bool root = o.cluster->rank() == 0;
   reshard::Result<reshard::ConvertReport> r =
-      WithProgress(o, quiet || !root, [&](const Options& with) { return run(in, out, with); });
+      WithProgress(o, quiet || !root, log_interval, [&](const Options& with) { return run(in, out, with); });
   if (!r.ok()) return Fail(r.status());
-  const std::string who =
-      o.cluster->size() > 1 ? "rank " + std::to_string(o.cluster->rank()) + ": " : "";
-  if (root && o.dry_run && !quiet) std::cout << r->plan;
-  if (root) PrintNotes(r->notes, quiet);
+  if (!root) return 0;
+  if (o.dry_run && !quiet) std::cout << r->plan;
+  PrintNotes(r->notes, quiet);
   if (o.dry_run) {
-    std::printf("%sdry run: nothing written; would write %lld files, %lld bytes of tensors (%s; "
+    std::printf("dry run: nothing written; would write %lld files, %lld bytes of tensors (%s; "
                 "the checkpoint holds %s); memory about %s (%s); planned in %.2f s\n",
-                who.c_str(), static_cast<long long>(r->files), static_cast<long long>(r->tensor_bytes),
+                static_cast<long long>(r->files), static_cast<long long>(r->tensor_bytes),
                 reshard::HumanBytes(r->tensor_bytes).c_str(),
                 reshard::HumanBytes(r->checkpoint_bytes).c_str(),
                 reshard::HumanBytes(r->memory_estimate).c_str(), Memory(*r).c_str(), r->seconds);
     return 0;
   }
-  PrintConvertSummary(out, *r, who);
+  PrintConvertSummary(out, *r);
   return 0;
 }
 
-int RunVerify(const std::string& a, const std::string& b, reshard::VerifyOptions o) {
+int RunVerify(const std::string& a, const std::string& b, reshard::VerifyOptions o, double log_interval) {
   reshard::Result<std::unique_ptr<reshard::Cluster>> cluster = reshard::Cluster::Join();
   if (!cluster.ok()) return Fail(cluster.status());
   o.cluster = cluster->get();
   const bool root = o.cluster->rank() == 0;
   reshard::Result<reshard::VerifyReport> r =
-      WithProgress(o, !root, [&](const reshard::VerifyOptions& with) { return reshard::Verify(a, b, with); });
+      WithProgress(o, !root, log_interval,
+                   [&](const reshard::VerifyOptions& with) { return reshard::Verify(a, b, with); });
   if (!r.ok()) return Fail(r.status());
   if (!root) return r->same() ? 0 : 1;
   for (const std::string& n : r->notes) std::cout << "note: " << n << "\n";
@@ -343,9 +353,9 @@ int RunVerify(const std::string& a, const std::string& b, reshard::VerifyOptions
   return r->same() ? 0 : 1;
 }
 
-int RunVerifyManifest(const std::string& folder, const reshard::CommonOptions& o) {
+int RunVerifyManifest(const std::string& folder, const reshard::CommonOptions& o, double log_interval) {
   reshard::Result<reshard::ManifestReport> r = WithProgress(
-      o, false, [&](const reshard::CommonOptions& with) { return reshard::VerifyManifest(folder, with); });
+      o, false, log_interval, [&](const reshard::CommonOptions& with) { return reshard::VerifyManifest(folder, with); });
   if (!r.ok()) return Fail(r.status());
   if (!r->summary.empty()) std::cout << r->summary << "\n";
   for (const std::string& p : r->problems) std::cout << "problem: " << p << "\n";
@@ -454,6 +464,7 @@ int Run(int argc, char** argv) {
 
   std::string ckpt, out, second, rules_file;
   bool quiet = false;
+  double log_interval = ProgressDisplay::kLogInterval;
 
   reshard::LintOptions lint;
   CLI::App* lint_cmd = app.add_subcommand(
@@ -474,6 +485,7 @@ int Run(int argc, char** argv) {
   lint_cmd->add_flag("--deep", lint.deep,
                      "Also read every byte of every file and check each record's CRC-32, and have "
                      "LibTorch's reader (libreshard_torch_check.so) read every file too");
+  AddProgressOption(lint_cmd, &log_interval);
 
   reshard::InspectOptions inspect;
   CLI::App* inspect_cmd = app.add_subcommand("inspect", "Describe a checkpoint's layout, metadata and tensors");
@@ -505,7 +517,7 @@ int Run(int argc, char** argv) {
                           "Target expert-parallel size of a model with experts (" +
                               Join(TargetsTaking(&reshard::TargetFormatInfo::ep)) + "; default: the source's)")
       ->check(CLI::Range(1, 1 << 20));
-  AddWriteOptions(convert_cmd, &convert, &quiet);
+  AddWriteOptions(convert_cmd, &convert, &quiet, &log_interval);
   AddFormatOptions(convert_cmd, &convert.format_options);
 
   reshard::ExportOptions exporting;
@@ -516,7 +528,7 @@ int Run(int argc, char** argv) {
   export_cmd->add_option("--to", exporting.to, "Target format: " + Join(TargetNames()))->required();
   AddExportLayout(export_cmd, &exporting);
   AddFormatOptions(export_cmd, &exporting.format_options);
-  AddWriteOptions(export_cmd, &exporting, &quiet);
+  AddWriteOptions(export_cmd, &exporting, &quiet, &log_interval);
 
   reshard::VerifyOptions verify;
   CLI::App* verify_cmd = app.add_subcommand(
@@ -536,6 +548,7 @@ int Run(int argc, char** argv) {
   verify_cmd->add_option("--replicated", verify_replicated,
                          "Merge TP replicas before comparing: first (TP rank 0) or average")
       ->check(CLI::IsMember({"average", "first"}));
+  AddProgressOption(verify_cmd, &log_interval);
 
   CLI::App* rules_cmd = app.add_subcommand(
       "rules", "List the built-in rule sets, or validate a rule file");
@@ -552,16 +565,16 @@ int Run(int argc, char** argv) {
     return 2;
   }
 
-  if (lint_cmd->parsed()) return RunLint(ckpt, lint);
+  if (lint_cmd->parsed()) return RunLint(ckpt, lint, log_interval);
   if (inspect_cmd->parsed()) return RunInspect(ckpt, inspect);
   convert.command = exporting.command = CommandLine(argc, argv);
-  if (convert_cmd->parsed()) return RunWriter(ckpt, out, convert, quiet, reshard::Convert);
-  if (export_cmd->parsed()) return RunWriter(ckpt, out, exporting, quiet, reshard::Export);
+  if (convert_cmd->parsed()) return RunWriter(ckpt, out, convert, quiet, log_interval, reshard::Convert);
+  if (export_cmd->parsed()) return RunWriter(ckpt, out, exporting, quiet, log_interval, reshard::Export);
   if (verify_cmd->parsed()) {
     verify.replicated = verify_replicated == "average" ? reshard::ReplicatedPolicy::kAverage
                                                        : reshard::ReplicatedPolicy::kFirst;
-    if (second.empty()) return RunVerifyManifest(ckpt, verify);
-    return RunVerify(ckpt, second, verify);
+    if (second.empty()) return RunVerifyManifest(ckpt, verify, log_interval);
+    return RunVerify(ckpt, second, verify, log_interval);
   }
   return RunRules(rules_file);
 }

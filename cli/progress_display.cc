@@ -21,7 +21,8 @@ int TerminalColumns() {
 
 }  // namespace
 
-ProgressDisplay::ProgressDisplay(bool terminal) : terminal_(terminal) {}
+ProgressDisplay::ProgressDisplay(bool terminal, double log_interval)
+    : terminal_(terminal), log_interval_(log_interval) {}
 
 ProgressDisplay::~ProgressDisplay() { Finish(); }
 
@@ -34,7 +35,7 @@ void ProgressDisplay::Show(const reshard::Progress& progress) {
   if (!terminal_) {
     // A run shorter than the interval logs nothing (its summary says it all);
     // a longer one logs its end too.
-    const bool due = progress.seconds - logged_at_ >= kLogInterval;
+    const bool due = progress.seconds - logged_at_ >= log_interval_;
     if (!due && !(progress.finished() && logged_at_ > 0)) return;
     logged_at_ = progress.seconds;
     std::fprintf(stderr, "%s\n", progress.Line().c_str());

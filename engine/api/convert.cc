@@ -5,6 +5,7 @@
 #include <malloc.h>
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <filesystem>
@@ -15,6 +16,7 @@
 #include <set>
 #include <sstream>
 
+#include "api/cluster_progress.h"
 #include "api/common.h"
 #include "reshard/cluster.h"
 #include "container/mapped_file.h"
@@ -124,6 +126,26 @@ Status AllOk(Cluster* cluster, const Status& mine) {
 
 bool IsRoot(const Cluster* cluster) { return cluster == nullptr || cluster->rank() == 0; }
 
+// Makes this process's figures of what was written and read the whole job's
+// on every process of a cluster: bytes summed, peak memory the largest.
+Status AddUpRanks(Cluster* cluster, ConvertReport* report) {
+  if (cluster == nullptr || cluster->size() == 1) return Status::Ok();
+  RESHARD_ASSIGN_OR_RETURN(std::vector<std::string> all,
+                           cluster->AllGather(std::to_string(report->bytes_written) + " " +
+                                              std::to_string(report->bytes_read) + " " +
+                                              std::to_string(report->peak_memory)));
+  report->bytes_written = report->bytes_read = report->peak_memory = 0;
+  for (const std::string& figures : all) {
+    std::istringstream in(figures);
+    int64_t written = 0, read = 0, peak = 0;
+    if (!(in >> written >> read >> peak)) return Status::Internal("a rank's figures do not parse: '" + figures + "'");
+    report->bytes_written += written;
+    report->bytes_read += read;
+    report->peak_memory = std::max(report->peak_memory, peak);
+  }
+  return Status::Ok();
+}
+
 // The staging folder: made (or a killed run's of the same fingerprint taken
 // over, see RunJournal) by the first process, with a new journal when none
 // was taken over, and announced to the others, with whether it was taken over.
@@ -202,7 +224,6 @@ Status SizeBuffers(const WriteOptions& options, int64_t scratch_bytes, ExecuteOp
   report->threads = memory.threads;
   exec->threads = memory.threads;
   exec->buffer_bytes = memory.buffer_bytes;
-  exec->progress = options.progress;
   return Status::Ok();
 }
 
@@ -228,6 +249,8 @@ Status Prepare(const std::string& input, const std::string& output, const WriteO
   RESHARD_RETURN_IF_ERROR(SizeBuffers(options, p->plan->scratch_bytes, &p->exec, report));
   std::vector<Job> all = PlanJobs(*p->plan);
   p->files = FilesOf(all);
+  report->files = static_cast<int64_t>(p->files.size()) + 1;  // and the manifest
+  report->tensor_bytes = JobBytes(all);
   p->exec.wrote = [p](const std::string& name, const FileDigest& digest) {
     std::lock_guard<std::mutex> lock(p->digests_mu);
     p->pieces.emplace(name, digest);
@@ -235,8 +258,6 @@ Status Prepare(const std::string& input, const std::string& output, const WriteO
   const Cluster* cluster = options.cluster;
   p->jobs = JobsOfRank(std::move(all), cluster != nullptr ? cluster->rank() : 0,
                        cluster != nullptr ? cluster->size() : 1);
-  report->files = static_cast<int64_t>(FilesOf(p->jobs).size()) + (IsRoot(cluster) ? 1 : 0);  // and the manifest
-  report->tensor_bytes = JobBytes(p->jobs);
   if (!options.dry_run) p->fingerprint = RunFingerprint(*p, options);
   clock->End("plan");
   return Status::Ok();
@@ -292,7 +313,14 @@ Status Execute(Prepared* p, const WriteOptions& options, PhaseClock* clock,
   }
   ReleaseMappedPages();  // what reading the source's structure mapped
   ::malloc_trim(0);      // and the heap that parsing it used and freed
-  Status written = reshard::Execute(p->jobs, p->exec);
+  ClusterProgress progress(cluster, options.progress);
+  if (!progress.note().empty()) report->notes.push_back(progress.note());
+  Status written = progress.Begin(ProgressBefore(p->jobs, p->exec.unit));
+  if (written.ok()) {
+    p->exec.progress = progress.Callback();
+    written = reshard::Execute(p->jobs, p->exec);
+  }
+  progress.Finish();
   Result<std::map<std::string, FileDigest>> digests = GatherDigests(*p, cluster);  // all processes meet
   if (written.ok()) written = digests.status();
   if (written.ok() && IsRoot(cluster) && p->journal) written = RunJournal::Remove(p->exec.dir);
@@ -304,6 +332,8 @@ Status Execute(Prepared* p, const WriteOptions& options, PhaseClock* clock,
   clock->End("write");
   report->bytes_written = WrittenBytes(p->exec.dir, p->pieces, IsRoot(cluster));
   report->bytes_read = p->plan->read->load();
+  report->peak_memory = PeakResidentBytes();
+  RESHARD_RETURN_IF_ERROR(AddUpRanks(cluster, report));
   if (options.check_crc && !PartlyReadRecordsNote().empty()) report->notes.push_back(PartlyReadRecordsNote());
   if (!IsRoot(cluster)) return Status::Ok();
   RESHARD_RETURN_IF_ERROR(Publish(&*p->out, p->plan->publication, p->root, &report->notes));
@@ -323,7 +353,6 @@ Result<ConvertReport> WriteCheckpoint(const std::string& input, const std::strin
   } else {
     RESHARD_RETURN_IF_ERROR(AllOk(options.cluster, ready));
     RESHARD_RETURN_IF_ERROR(Execute(&p, options, &clock, &report));
-    report.peak_memory = PeakResidentBytes();
   }
   report.seconds = clock.Total();
   return report;

@@ -14,6 +14,7 @@
 #include <sstream>
 #include <tuple>
 
+#include "api/cluster_progress.h"
 #include "api/common.h"
 #include "container/record_crc.h"
 #include "container/mapped_file.h"
@@ -247,24 +248,33 @@ void CompareRunState(const SourceCheckpoint& a, const SourceCheckpoint& b, Verif
   }
 }
 
-Status RunJobs(std::vector<Job>& jobs, const VerifyOptions& options) {
+constexpr const char* kUnit = "tensors";
+
+Status RunJobs(std::vector<Job>& jobs, const VerifyOptions& options, ProgressCallback progress) {
   RESHARD_ASSIGN_OR_RETURN(MemoryBudget memory,
                            MemoryBudget::Plan(options.max_memory, ThreadCount(options.threads)));
   ExecuteOptions exec;
   exec.threads = memory.threads;
   exec.buffer_bytes = memory.buffer_bytes;
-  exec.progress = options.progress;
-  exec.unit = "tensors";
+  exec.progress = std::move(progress);
+  exec.unit = kUnit;
   return Execute(jobs, exec);
 }
 
-// Runs this process's share of the comparisons; afterwards every process
-// of the cluster knows every pair's outcome.
-Status RunComparison(Comparison* comparison, std::vector<Job> all, const VerifyOptions& options) {
+// Runs this process's share of the comparisons, its progress shown as the
+// whole job's on rank 0; afterwards every process of the cluster knows every
+// pair's outcome.
+Status RunComparison(Comparison* comparison, std::vector<Job> all, const VerifyOptions& options,
+                     VerifyReport* report) {
   Cluster* cluster = options.cluster;
-  if (cluster == nullptr || cluster->size() == 1) return RunJobs(all, options);
+  if (cluster == nullptr || cluster->size() == 1) return RunJobs(all, options, options.progress);
   std::vector<Job> mine = JobsOfRank(std::move(all), cluster->rank(), cluster->size());
-  RESHARD_RETURN_IF_ERROR(cluster->AllOk(RunJobs(mine, options)));
+  ClusterProgress progress(cluster, options.progress);
+  if (!progress.note().empty()) report->notes.push_back(progress.note());
+  Status ran = progress.Begin(ProgressBefore(mine, kUnit));
+  if (ran.ok()) ran = RunJobs(mine, options, progress.Callback());
+  progress.Finish();
+  RESHARD_RETURN_IF_ERROR(cluster->AllOk(ran));
   RESHARD_ASSIGN_OR_RETURN(std::vector<std::string> found,
                            cluster->AllGather(comparison->EncodeOutcomes()));
   for (int r = 0; r < cluster->size(); ++r) {
@@ -307,7 +317,7 @@ Result<VerifyReport> Verify(const std::string& a_path, const std::string& b_path
   RESHARD_ASSIGN_OR_RETURN(std::vector<FullTensor> tb, b->FullTensors(options.replicated, &read));
   const std::optional<int64_t> true_rows = TrueVocabRows(a->info(), b->info());
   Comparison comparison(std::move(ta), std::move(tb), true_rows);
-  RESHARD_RETURN_IF_ERROR(RunComparison(&comparison, comparison.Jobs(&report), options));
+  RESHARD_RETURN_IF_ERROR(RunComparison(&comparison, comparison.Jobs(&report), options, &report));
   RESHARD_RETURN_IF_ERROR(CheckMappedFilesUnchanged());
   RESHARD_RETURN_IF_ERROR(CheckReadRecords());
   comparison.Report(&report);

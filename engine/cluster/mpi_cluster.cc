@@ -5,19 +5,34 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace reshard {
 namespace {
 
+// "Open MPI v4.1.4": the library's name without the build details after it.
+std::string LibraryName() {
+  char version[MPI_MAX_LIBRARY_VERSION_STRING];
+  int length = 0;
+  MPI_Get_library_version(version, &length);
+  std::string name(version, length);
+  return name.substr(0, name.find_first_of(",\n"));
+}
+
 // MPI calls keep MPI's default error handler, which aborts the whole job:
 // a collective that failed on one rank leaves the others waiting in it, so
 // an error returned to the caller would only turn into a hang.
 
+// What posts are sent with (the collectives' messages never meet them).
+constexpr int kPostTag = 1;
+
 class MpiCluster : public Cluster {
  public:
-  MpiCluster() {
+  // `thread_level`: what MPI_Init_thread provided.
+  explicit MpiCluster(int thread_level) : thread_level_(thread_level) {
     MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
     MPI_Comm_size(MPI_COMM_WORLD, &size_);
   }
@@ -28,13 +43,20 @@ class MpiCluster : public Cluster {
   Status AllOk(const Status& mine) override;
   Result<std::string> Broadcast(const std::string& from_root) override;
   Result<std::vector<std::string>> AllGather(const std::string& mine) override;
+  Status CanPostFromAnyThread() const override;
+  bool Post(const std::string& message, bool wait) override;
+  std::vector<std::pair<int, std::string>> Received() override;
 
  private:
   // Replaces `*s` on every rank with its value on `root`.
   void BroadcastFrom(int root, std::string* s);
 
+  const int thread_level_;
   int rank_ = 0;
   int size_ = 1;
+  std::mutex posts_mu_;  // MPI_THREAD_SERIALIZED: one thread in MPI at a time
+  MPI_Request sending_ = MPI_REQUEST_NULL;  // the post on its way
+  std::string sent_;  // its bytes, which MPI reads until it is sent
 };
 
 // The Status a peer described by its code and message.
@@ -79,6 +101,43 @@ Result<std::vector<std::string>> MpiCluster::AllGather(const std::string& mine) 
   return all;
 }
 
+Status MpiCluster::CanPostFromAnyThread() const {
+  if (thread_level_ >= MPI_THREAD_SERIALIZED) return Status::Ok();
+  return Status::Unsupported(LibraryName() + " lets only the main thread call MPI "
+                             "(it does not provide MPI_THREAD_SERIALIZED)");
+}
+
+bool MpiCluster::Post(const std::string& message, bool wait) {
+  std::lock_guard<std::mutex> lock(posts_mu_);
+  if (wait) {
+    MPI_Wait(&sending_, MPI_STATUS_IGNORE);
+  } else {
+    int sent = 1;
+    MPI_Test(&sending_, &sent, MPI_STATUS_IGNORE);  // sets sending_ to MPI_REQUEST_NULL once sent
+    if (!sent) return false;
+  }
+  sent_ = message;
+  MPI_Isend(sent_.data(), static_cast<int>(sent_.size()), MPI_BYTE, 0, kPostTag, MPI_COMM_WORLD, &sending_);
+  if (wait) MPI_Wait(&sending_, MPI_STATUS_IGNORE);
+  return true;
+}
+
+std::vector<std::pair<int, std::string>> MpiCluster::Received() {
+  std::lock_guard<std::mutex> lock(posts_mu_);
+  std::vector<std::pair<int, std::string>> posts;
+  for (;;) {
+    int arrived = 0;
+    MPI_Status status;
+    MPI_Iprobe(MPI_ANY_SOURCE, kPostTag, MPI_COMM_WORLD, &arrived, &status);
+    if (!arrived) return posts;
+    int length = 0;
+    MPI_Get_count(&status, MPI_BYTE, &length);
+    std::string message(static_cast<size_t>(length), '\0');
+    MPI_Recv(message.data(), length, MPI_BYTE, status.MPI_SOURCE, kPostTag, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+    posts.emplace_back(status.MPI_SOURCE, std::move(message));
+  }
+}
+
 void MpiCluster::BroadcastFrom(int root, std::string* s) {
   // The length first, then the bytes in pieces that fit MPI's int counts.
   constexpr uint64_t kPiece = 1u << 30;
@@ -89,15 +148,6 @@ void MpiCluster::BroadcastFrom(int root, std::string* s) {
     const int count = static_cast<int>(std::min(kPiece, n - done));
     MPI_Bcast(s->data() + done, count, MPI_BYTE, root, MPI_COMM_WORLD);
   }
-}
-
-// "Open MPI v4.1.4": the library's name without the build details after it.
-std::string LibraryName() {
-  char version[MPI_MAX_LIBRARY_VERSION_STRING];
-  int length = 0;
-  MPI_Get_library_version(version, &length);
-  std::string name(version, length);
-  return name.substr(0, name.find_first_of(",\n"));
 }
 
 // Open MPI picks its point-to-point layer by trying each in turn, and the
@@ -122,12 +172,15 @@ Result<std::unique_ptr<Cluster>> JoinMpi(int launched_size) {
   if (initialized || finalized) return Status::Internal("Cluster::Join called twice");
 
   PreferSharedMemoryOnOneNode();
-  // FUNNELED: reshard's worker threads never call MPI, only the main thread.
+  // The collectives need FUNNELED (only the main thread calls them); posts
+  // come from worker threads, one at a time, which SERIALIZED allows. A
+  // library that provides less is asked for no more than it gives: then only
+  // the posts are off (CanPostFromAnyThread).
   int provided = 0;
-  if (MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided) != MPI_SUCCESS) {
+  if (MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided) != MPI_SUCCESS) {
     return Status::Internal("MPI_Init_thread failed");
   }
-  auto cluster = std::make_unique<MpiCluster>();  // from here on, returning finalizes MPI
+  auto cluster = std::make_unique<MpiCluster>(provided);  // from here on, returning finalizes MPI
   if (provided < MPI_THREAD_FUNNELED) {
     return Status::Unsupported(LibraryName() + " does not allow a threaded process "
                                "(MPI_THREAD_FUNNELED); run reshard without the launcher");

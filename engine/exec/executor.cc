@@ -5,6 +5,7 @@
 #include <chrono>
 #include <map>
 #include <mutex>
+#include <set>
 #include <system_error>
 #include <thread>
 
@@ -42,14 +43,14 @@ Status RunParallel(size_t n, int threads, const std::function<Status(size_t, int
 
 // Counts the bytes and the items done (the jobs of one name are one item,
 // done when its last job is) and reports them about once a second, and once
-// when the last item is done.
+// when the last job is done.
 class ProgressCounter {
  public:
-  ProgressCounter(const std::vector<Job>& jobs, const ExecuteOptions& options) : report_(options.progress) {
-    for (const Job& job : jobs) ++parts_left_[job.name];
-    now_.unit = options.unit;
-    now_.total = static_cast<int64_t>(parts_left_.size());
-    now_.bytes = JobBytes(jobs);
+  ProgressCounter(const std::vector<Job>& jobs, const ExecuteOptions& options)
+      : report_(options.progress), now_(ProgressBefore(jobs, options.unit)), jobs_left_(jobs.size()) {
+    for (const Job& job : jobs) {
+      if (job.counts_item) ++parts_left_[job.name];
+    }
   }
 
   void AddBytes(int64_t n) {
@@ -59,8 +60,8 @@ class ProgressCounter {
   }
   void JobDone(const Job& job) {
     std::lock_guard<std::mutex> lock(mu_);
-    if (--parts_left_[job.name] > 0) return;
-    ++now_.done;
+    --jobs_left_;
+    if (job.counts_item && --parts_left_[job.name] == 0) ++now_.done;
     MaybeReport();
   }
 
@@ -69,14 +70,15 @@ class ProgressCounter {
   void MaybeReport() {
     if (!report_) return;
     now_.seconds = std::chrono::duration<double>(Clock::now() - start_).count();
-    if (!now_.finished() && now_.seconds < next_report_) return;
+    if (jobs_left_ > 0 && now_.seconds < next_report_) return;
     next_report_ = now_.seconds + 1.0;
     report_(now_);
   }
 
   const ProgressCallback report_;
-  std::map<std::string, int> parts_left_;  // by item name
+  std::map<std::string, int> parts_left_;  // of the items counted, by name
   Progress now_;
+  size_t jobs_left_;
   std::mutex mu_;
   const Clock::time_point start_ = Clock::now();
   double next_report_ = 1.0;
@@ -90,11 +92,19 @@ std::vector<Job> JobsOfRank(std::vector<Job> jobs, int rank, int ranks) {
     return a.name != b.name ? a.name < b.name : a.part < b.part;
   });
   std::vector<int64_t> load(std::max(1, ranks), 0);
-  std::vector<Job> mine;
-  for (Job& job : jobs) {
+  std::vector<int> rank_of(jobs.size());
+  std::map<std::string, int> counted_by;  // item name -> the rank running its part 0
+  for (size_t i = 0; i < jobs.size(); ++i) {
     const int r = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
-    load[r] += job.bytes + 1;  // + 1: empty jobs are spread too
-    if (r == rank) mine.push_back(std::move(job));
+    load[r] += jobs[i].bytes + 1;  // + 1: empty jobs are spread too
+    rank_of[i] = r;
+    if (jobs[i].part == 0) counted_by[jobs[i].name] = r;
+  }
+  std::vector<Job> mine;
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    if (rank_of[i] != rank) continue;
+    jobs[i].counts_item = counted_by[jobs[i].name] == rank;
+    mine.push_back(std::move(jobs[i]));
   }
   return mine;
 }
@@ -103,6 +113,18 @@ int64_t JobBytes(const std::vector<Job>& jobs) {
   int64_t total = 0;
   for (const Job& job : jobs) total += job.bytes;
   return total;
+}
+
+Progress ProgressBefore(const std::vector<Job>& jobs, const std::string& unit) {
+  std::set<std::string> items;
+  for (const Job& job : jobs) {
+    if (job.counts_item) items.insert(job.name);
+  }
+  Progress before;
+  before.unit = unit;
+  before.total = static_cast<int64_t>(items.size());
+  before.bytes = JobBytes(jobs);
+  return before;
 }
 
 Status Execute(std::vector<Job>& jobs, const ExecuteOptions& options) {

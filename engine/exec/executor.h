@@ -32,10 +32,15 @@ struct ExecuteOptions {
 
 // The jobs process `rank` of `ranks` runs: largest first (names break ties,
 // so every process orders the same way), each to the process with the fewest
-// bytes so far. Still largest first, which also balances the threads.
+// bytes so far. Still largest first, which also balances the threads. Sets
+// Job::counts_item.
 std::vector<Job> JobsOfRank(std::vector<Job> jobs, int rank, int ranks);
 
 int64_t JobBytes(const std::vector<Job>& jobs);
+
+// Where `jobs` stand before any has run: nothing done of the items they count
+// (Job::counts_item) and of their bytes. Execute reports progress from there.
+Progress ProgressBefore(const std::vector<Job>& jobs, const std::string& unit);
 
 // Runs `jobs` in order on `options.threads` workers.
 Status Execute(std::vector<Job>& jobs, const ExecuteOptions& options);

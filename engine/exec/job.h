@@ -34,6 +34,10 @@ struct Job {
   // A big file can be written by several jobs of the same name, each a byte
   // range of it, numbered from 0; each reports its piece's digest.
   int part = 0;
+  // Whether this process counts the job's item (its name) in progress: of an
+  // item whose parts several processes share, only the one running part 0
+  // does, so that the processes' counts add up to the whole job's.
+  bool counts_item = true;
 };
 
 }  // namespace reshard

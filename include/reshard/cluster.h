@@ -5,11 +5,14 @@
 // reshard is a group of one and none of this costs anything.
 //
 // Every collective call (AllOk, Broadcast, AllGather) must be made by all ranks in the
-// same order, from the thread that called Join.
+// same order, from the thread that called Join. Posts (Post, Received) go from
+// the other ranks to rank 0 alone, with no call to match on the other side:
+// how far each rank has got, while the ranks work on their own.
 #pragma once
 
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "reshard/status.h"
@@ -49,6 +52,21 @@ class Cluster {
 
   // Every rank gets every rank's `mine`, in rank order.
   virtual Result<std::vector<std::string>> AllGather(const std::string& mine) = 0;
+
+  // Ok when posts may be made from any thread (one call at a time, and none
+  // during a collective); else why not: the MPI library lets only the thread
+  // that called Join call it.
+  virtual Status CanPostFromAnyThread() const = 0;
+
+  // From a rank other than 0: sends `message` to rank 0 without waiting. While
+  // the previous post is still on its way, `message` is dropped (posts never
+  // pile up) and false returned, unless `wait`: then it waits for the
+  // previous one, and for this one to be sent.
+  virtual bool Post(const std::string& message, bool wait) = 0;
+
+  // On rank 0: the posts that arrived since the last call, with the rank
+  // that sent each, in the order they arrived; never waits.
+  virtual std::vector<std::pair<int, std::string>> Received() = 0;
 
  protected:
   Cluster() = default;

@@ -205,7 +205,9 @@ struct ExportOptions : WriteOptions {
 struct ConvertReport {
   std::string plan;                // the plan, printable (what --dry-run shows)
   std::vector<std::string> notes;  // what was approximated, merged or filled
-  // Files and tensor bytes this process writes (planned, for a dry run).
+  // Under a cluster, the files and bytes are the whole job's (every
+  // process's together) and the peak memory the largest process's.
+  // Files and tensor bytes the run writes (planned, for a dry run).
   int64_t files = 0;
   int64_t tensor_bytes = 0;
   int64_t bytes_written = 0;  // file sizes (0 for a dry run)

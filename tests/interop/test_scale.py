@@ -1,10 +1,14 @@
 """Conversion at scale, tested small: several processes, the memory budget, dry-run figures.
 
 * ``mpirun -np 2 reshard convert`` writes the same files, byte for byte, as one process, and
-  ``latest`` once (rank 0, after both ranks finished).
+  ``latest`` once (rank 0, after both ranks finished); rank 0 prints the one summary, the whole
+  job's, and its last progress line counts the whole job's files and bytes, as one process's does;
+  a dry run announces the whole job's files and bytes, once.
 * ``mpirun -np 2 reshard export --to consolidated`` shares the byte ranges of one big file
-  between the processes and writes what one process does, manifest included.
-* ``mpirun -np 2 reshard verify`` shares the comparisons and prints the report one process does.
+  between the processes and writes what one process does, manifest included; the summary and
+  the last progress line count the file once and all its bytes.
+* ``mpirun -np 2 reshard verify`` shares the comparisons and prints the report one process does;
+  its last progress line counts every tensor, as one process's does.
 * ``--max-memory`` holds: converting a checkpoint larger than the budget keeps the process's
   peak resident memory (the kernel's high-water mark, mapped file pages included) under it.
 * ``--dry-run`` announces exactly the files and tensor bytes the real run then writes, and a
@@ -37,6 +41,20 @@ sys.exit(os.waitstatus_to_exitcode(status))
 """
 MPI_ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT='1', OMPI_ALLOW_RUN_AS_ROOT_CONFIRM='1',
                OMPI_MCA_rmaps_base_oversubscribe='1')
+# Not on a terminal (stderr is a pipe here, as it is for every rank under mpirun), a progress line
+# each time the engine reports (about once a second) and the last one, however short the run.
+EVERY_LINE = ['--progress-interval', '0']
+
+
+def last_progress(stderr):
+    """The counts of the last progress line: '46/46 files, 1.23 MiB of 1.23 MiB'."""
+    counts = re.findall(r'^(\d+/\d+ \w+, [\d.]+ \w+ of [\d.]+ \w+),.*done in', stderr, re.M)
+    return counts[-1] if counts else None
+
+
+def summaries(stdout):
+    """The 'wrote ...' summary lines."""
+    return re.findall(r'^.*wrote \d+ files.*$', stdout, re.M)
 
 
 def same_tree(a, b):
@@ -58,23 +76,38 @@ class ScaleTest(support.FixtureTestCase):
     def test_two_processes_write_what_one_does(self):
         src = support.make_fixture(self.path('src'), optimizer='bf16_zero', tp=2, pp=2, dp=2,
                                    **support.FAMILIES['ms_gpt2'])
-        target = ['--tp', 1, '--pp', 3, '--dp', 3, '-q']
+        target = ['--tp', 1, '--pp', 3, '--dp', 3, *EVERY_LINE]
         one = support.reshard('convert', src, self.path('one', 'out'), *target)
         self.assertEqual(one.returncode, 0, one.stderr)
         mpi = subprocess.run(['mpirun', '-np', '2', support.RESHARD, 'convert', src,
                               self.path('two', 'out'), *map(str, target)],
                              env=MPI_ENV, capture_output=True, text=True, timeout=300)
         self.assertEqual(mpi.returncode, 0, mpi.stdout + mpi.stderr)
-        self.assertIn('rank 0: wrote', mpi.stdout)
-        self.assertIn('rank 1: wrote', mpi.stdout)
         self.assertEqual(same_tree(self.path('one', 'out'), self.path('two', 'out')), [])
         # latest (and latest_checkpointed_iteration.txt) as one process writes them
         self.assertEqual(same_tree(self.path('one'), self.path('two')), ['out'])
         with open(self.path('two', 'latest')) as f:
             self.assertEqual(f.read().strip(), 'out')
-        files = [int(n) for n in re.findall(r'rank \d: wrote (\d+) files', mpi.stdout)]
-        self.assertEqual(sum(files), len(os.listdir(self.path('one', 'out'))))
-        self.assertTrue(all(n > 0 for n in files), mpi.stdout)
+        # One summary, the whole job's: every file, the manifest too.
+        self.assertEqual(len(summaries(mpi.stdout)), 1, mpi.stdout)
+        self.assertNotRegex(mpi.stdout, re.compile(r'^rank \d+: ', re.M))
+        figures = lambda stdout: re.search(r'^wrote (\d+) files, .* (\d+) of tensors\)', stdout, re.M).groups()
+        self.assertEqual(figures(mpi.stdout), figures(one.stdout))
+        self.assertEqual(int(figures(mpi.stdout)[0]), len(os.listdir(self.path('one', 'out'))))
+        # Rank 0's last progress line is the whole job's, as one process's last line.
+        whole = last_progress(one.stderr)
+        self.assertRegex(whole or '', r'^(\d+)/\1 files, ', one.stderr)
+        self.assertEqual(int(whole.split('/')[0]), len(os.listdir(self.path('one', 'out'))) - 1)  # no manifest
+        self.assertEqual(last_progress(mpi.stderr), whole, mpi.stderr)
+        self.assertEqual(len(re.findall(r'done in', mpi.stderr)), 1, mpi.stderr)
+        # A dry run announces the whole job's files and bytes, once.
+        dry = subprocess.run(['mpirun', '-np', '2', support.RESHARD, 'convert', src, self.path('dry', 'out'),
+                              '--tp', '1', '--pp', '3', '--dp', '3', '--dry-run', '-q'],
+                             env=MPI_ENV, capture_output=True, text=True, timeout=300)
+        self.assertEqual(dry.returncode, 0, dry.stdout + dry.stderr)
+        announced = re.findall(r'^dry run: nothing written; would write (\d+) files, (\d+) bytes of tensors',
+                               dry.stdout, re.M)
+        self.assertEqual(announced, [figures(one.stdout)], dry.stdout)
 
     @unittest.skipUnless(shutil.which('mpirun'), 'Open MPI (mpirun) is not installed')
     def test_two_processes_share_the_ranges_of_one_file(self):
@@ -82,20 +115,23 @@ class ScaleTest(support.FixtureTestCase):
                                head_dim=16, ffn=64, h=512, V=10240)  # a 42 MB model.safetensors
         src = self.path('src')
         dn.write_nonpipe(src, cfg)
-        one = support.reshard('export', src, self.path('one'), '--to', 'consolidated')
+        one = support.reshard('export', src, self.path('one'), '--to', 'consolidated', *EVERY_LINE)
         self.assertEqual(one.returncode, 0, one.stderr)
         mpi = subprocess.run(['mpirun', '-np', '2', support.RESHARD, 'export', src, self.path('two'),
-                              '--to', 'consolidated', '--threads', '1', '-q'],
+                              '--to', 'consolidated', '--threads', '1', *EVERY_LINE],
                              env=MPI_ENV, capture_output=True, text=True, timeout=300)
         self.assertEqual(mpi.returncode, 0, mpi.stdout + mpi.stderr)
-        # Both processes wrote ranges of the one file: their bytes add up to one process's.
-        written = [int(n) for n in re.findall(r'rank \d: wrote \d+ files, .* \((\d+) bytes,', mpi.stdout)]
-        alone = re.search(r'wrote \d+ files, .* \((\d+) bytes,', one.stdout)
-        self.assertEqual(len(written), 2, mpi.stdout)
-        self.assertTrue(all(n > 1 << 20 for n in written), mpi.stdout)
+        # Both processes wrote ranges of the one file: the one summary counts it once, and its
+        # bytes as one process's.
+        self.assertEqual(len(summaries(mpi.stdout)), 1, mpi.stdout)
+        written = re.search(r'^wrote (\d+) files, .* \((\d+) bytes,', mpi.stdout, re.M)
+        alone = re.search(r'wrote (\d+) files, .* \((\d+) bytes,', one.stdout)
+        self.assertEqual(written.group(1), alone.group(1))
         manifest = lambda out: os.path.getsize(self.path(out, support.MANIFEST))  # names its command
-        self.assertEqual(sum(written) - manifest('two'), int(alone.group(1)) - manifest('one'))
+        self.assertEqual(int(written.group(2)) - manifest('two'), int(alone.group(2)) - manifest('one'))
         self.assertEqual(same_tree(self.path('one'), self.path('two')), [])
+        self.assertEqual(last_progress(mpi.stderr), last_progress(one.stderr), mpi.stderr)
+        self.assertRegex(last_progress(one.stderr) or '', r'^1/1 files, ', one.stderr)
         self.assertEqual(support.reshard('verify', self.path('two')).returncode, 0)
 
     @unittest.skipUnless(shutil.which('mpirun'), 'Open MPI (mpirun) is not installed')
@@ -108,13 +144,16 @@ class ScaleTest(support.FixtureTestCase):
         self.assertEqual(done.returncode, 0, done.stderr)
         for b, code in ((converted, 0), (other, 1)):
             with self.subTest(b=os.path.basename(os.path.dirname(b))):
-                one = support.reshard('verify', src, b)
+                one = support.reshard('verify', src, b, *EVERY_LINE)
                 self.assertEqual(one.returncode, code, one.stdout + one.stderr)
-                mpi = subprocess.run(['mpirun', '-np', '2', support.RESHARD, 'verify', src, b],
+                mpi = subprocess.run(['mpirun', '-np', '2', support.RESHARD, 'verify', src, b, *EVERY_LINE],
                                      env=MPI_ENV, capture_output=True, text=True, timeout=300)
                 self.assertEqual(mpi.returncode, code, mpi.stdout + mpi.stderr)
-                # Rank 0 alone prints the whole report, every difference in one process's order.
+                # Rank 0 alone prints the whole report, every difference in one process's order,
+                # and its last progress line counts every tensor compared.
                 self.assertEqual(mpi.stdout, one.stdout)
+                self.assertRegex(last_progress(one.stderr) or '', r'^(\d+)/\1 tensors, ', one.stderr)
+                self.assertEqual(last_progress(mpi.stderr), last_progress(one.stderr), mpi.stderr)
                 if code:
                     self.assertGreater(one.stdout.count('differs: '), 10)
 

@@ -1,9 +1,12 @@
 // Run as `mpirun -np 2 cluster_mpi_probe` (CTest: cluster.mpirun_np2). Checks
 // that Cluster joins the launcher's group, broadcasts rank 0's string,
-// gathers every rank's string and carries rank 1's failure to every rank. Each rank prints one line; any
+// gathers every rank's string, carries rank 1's failure to every rank, and
+// brings rank 1's posts to rank 0 in order. Each rank prints one line; any
 // mismatch makes it exit 1.
+#include <chrono>
 #include <cstdio>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "reshard/cluster.h"
@@ -12,6 +15,28 @@ namespace {
 
 using reshard::Cluster;
 using reshard::Status;
+
+// Rank 1 posts twice, from another thread, the second time waiting until it
+// is sent; rank 0 takes both, in order, without a call to match them.
+std::string CheckPosts(Cluster& cluster) {
+  const Status can = cluster.CanPostFromAnyThread();
+  if (!can.ok()) return "CanPostFromAnyThread: " + can.message();  // Open MPI gives SERIALIZED
+  if (cluster.rank() == 1) {
+    std::thread([&cluster] { cluster.Post("first", /*wait=*/true); }).join();
+    cluster.Post("second", /*wait=*/true);
+    return "";
+  }
+  std::vector<std::string> got;
+  while (got.size() < 2) {
+    for (const auto& [rank, post] : cluster.Received()) {
+      if (rank != 1) return "a post from rank " + std::to_string(rank);
+      got.push_back(post);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  if (got != std::vector<std::string>{"first", "second"}) return "the posts came as '" + got[0] + "', '" + got[1] + "'";
+  return "";
+}
 
 // Empty when every check passed, else what went wrong.
 std::string Check(Cluster& cluster) {
@@ -36,7 +61,7 @@ std::string Check(Cluster& cluster) {
   if (all.code() != Status::Code::kIoError || all.message() != "rank 1: disk full") {
     return "AllOk gave '" + all.message() + "'";
   }
-  return "";
+  return CheckPosts(cluster);
 }
 
 }  // namespace
