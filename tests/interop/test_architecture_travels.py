@@ -105,7 +105,7 @@ class ArchitectureTravelsTest(FixtureTestCase):
         self.step(hf, 'torch_dist')
         self.assertIn('torch_dist: --tp 1, --pp 1, --dp 1, as the hf source is saved whole', self.notes)
         self.step(hf, 'deepspeed')
-        self.assertIn('deepspeed: --tp 1, --pp 1, as the hf source is saved whole', self.notes)
+        self.assertIn('deepspeed: --tp 1, --pp 1, --dp 1, as the hf source is saved whole', self.notes)
         # sizes given are not noted
         self.step(hf, 'torchtitan', '--dp-shard', 2, '--tp', 1)
         self.assertNotIn('saved whole', self.notes)
