@@ -242,9 +242,21 @@ def start_adam_state(optimizer):
                                   'exp_avg_sq': torch.zeros_like(p)}
 '''
 
-# Run by the scripts that compare losses (after a BUILD that sets M, the model's sizes): losses(model)
-# is the loss of a model on one pipeline stage on fixed tokens, before and after one SGD step.
-LOSSES = r'''
+# Run by the scripts that compute a loss (after a BUILD that sets M, the model's sizes): loss_of(model)
+# is the loss of a model on one pipeline stage on fixed tokens.
+LOSS_OF = r'''
+def loss_of(model):
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, M['vocab'], (2, 16), generator=g)
+    labels = torch.randint(0, M['vocab'], (2, 16), generator=g)
+    positions = torch.arange(16).unsqueeze(0).expand(2, 16)
+    mask = torch.triu(torch.ones(1, 1, 16, 16, dtype=torch.bool), diagonal=1)
+    return model(tokens, positions, mask, labels=labels).float().mean()
+'''
+
+# Run by the scripts that compare losses: losses(model) is loss_of(model) before and after one SGD
+# step.
+LOSSES = LOSS_OF + r'''
 import contextlib
 
 def losses(model):
@@ -253,20 +265,13 @@ def losses(model):
     from megatron.core import tensor_parallel
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
     model.eval()  # no dropout, where the config has some: the loss depends on the weights alone
-    def loss_of():
-        g = torch.Generator().manual_seed(3)
-        tokens = torch.randint(0, M['vocab'], (2, 16), generator=g)
-        labels = torch.randint(0, M['vocab'], (2, 16), generator=g)
-        positions = torch.arange(16).unsqueeze(0).expand(2, 16)
-        mask = torch.triu(torch.ones(1, 1, 16, 16, dtype=torch.bool), diagonal=1)
-        return model(tokens, positions, mask, labels=labels).float().mean()
-    before = loss_of()
+    before = loss_of(model)
     model.zero_grad()
     before.backward()
     with torch.no_grad():
         for p in model.parameters():
             p -= 0.1 * p.grad
-    return [before.item(), loss_of().item()]
+    return [before.item(), loss_of(model).item()]
 '''
 
 

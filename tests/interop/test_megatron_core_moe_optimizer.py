@@ -43,7 +43,8 @@ run = support.reshard
 
 TAG = '0.19-moe/w2_ep2'  # the model's sizes
 # What the runs share: the model with Megatron-Core's DDP and distributed optimizer (trained), a training
-# step on fixed tokens, the same on every rank (train_step), and the loss alone (loss_of).
+# step on fixed tokens, the same on every rank (train_step), and the loss alone (loss_of, from
+# megatron_core_pypi.LOSS_OF).
 TRAIN = r"""
 import contextlib, json, os
 import torch
@@ -69,14 +70,6 @@ def trained(tp, ep):
         OptimizerConfig(optimizer='adam', lr=1e-3, weight_decay=0.01, use_distributed_optimizer=True), [ddp])
     start_adam_state(optimizer)
     return model, ddp, optimizer
-
-def loss_of(model):
-    g = torch.Generator().manual_seed(3)
-    tokens = torch.randint(0, M['vocab'], (2, 16), generator=g)
-    labels = torch.randint(0, M['vocab'], (2, 16), generator=g)
-    positions = torch.arange(16).unsqueeze(0).expand(2, 16)
-    mask = torch.triu(torch.ones(1, 1, 16, 16, dtype=torch.bool), diagonal=1)
-    return model(tokens, positions, mask, labels=labels).float().mean()
 
 def train_step(model, ddp, optimizer):
     ddp.zero_grad_buffer()
@@ -157,7 +150,7 @@ ROUTER = 'decoder.layers.mlp.router.weight'
 def script(*parts):
     model = config_of(TAG)['model']
     return (torch2_chroot.END_RANK + megatron_core_pypi.RANKS + megatron_core_pypi.OPTIMIZER + BUILD + WHOLE +
-            TRAIN % json.dumps(model) + ''.join(parts))
+            megatron_core_pypi.LOSS_OF + TRAIN % json.dumps(model) + ''.join(parts))
 
 
 class MegatronCoreResumesMoeOptimizerTest(megatron_core_pypi.MegatronCoreTestCase):
