@@ -7,6 +7,7 @@
 #include <optional>
 
 #include "formats/hf_common/hf_mapping.h"
+#include "formats/hf_common/hf_rules.h"
 #include "formats/hf_common/hf_tensors.h"
 #include "util/shape.h"
 #include "util/strings.h"

@@ -34,6 +34,8 @@
 
 namespace reshard {
 
+struct HfExport;  // formats/hf_common/hf_rules.h
+
 // --dp-shard N: the FSDP2 world size, a layout option (convert keeps the
 // source's DP size).
 inline constexpr char kDpShardOption[] = "dp-shard";

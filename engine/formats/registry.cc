@@ -12,6 +12,9 @@
 #include "formats/folder_hint.h"
 #include "formats/hf_common/hf_folder.h"
 #include "formats/hf_common/hf_import.h"
+#include "formats/hf_common/hf_rules.h"
+#include "formats/hf_common/torchtitan_rules.h"
+#include "formats/megatron_core/common/torch_dist_rules.h"
 #include "formats/megatron_core/torch/megatron_torch_import.h"
 #include "formats/megatron_core/torch_dist/torch_dist_import.h"
 #include "formats/torchtitan/torchtitan_import.h"
@@ -161,13 +164,13 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenDcp(const std::string& folder, con
 // Where `args.<field>` comes from in an HF folder: "config.json's
 // rope_scaling; " when an hf.config case sets it, "" when nothing does.
 std::string HfFieldSetting(const RuleSet& rules, const std::string& field) {
-  if (rules.hf() == nullptr) return "";
-  for (const HfConfigField& f : rules.hf()->config) {
+  if (rules.section<HfExport>() == nullptr) return "";
+  for (const HfConfigField& f : rules.section<HfExport>()->config) {
     for (const HfConfigField::Case& c : f.cases) {
       if (c.when.count(field)) return "config.json's " + f.key + "; ";
     }
   }
-  return rules.hf()->requirements.count(field) ? "what " + rules.hf()->architecture + " computes; " : "";
+  return rules.section<HfExport>()->requirements.count(field) ? "what " + rules.section<HfExport>()->architecture + " computes; " : "";
 }
 
 }  // namespace
@@ -182,7 +185,7 @@ Status CheckPipelineComputes(const SourceCheckpoint& src) {
     return Status::Unsupported("the Megatron-DeepSpeed model of rule set " + rules->name() + " does not compute "
                                "this one: " + mismatch + " (" + HfFieldSetting(*rules, field) + "pipeline.requires of " +
                                rules->origin() + ")" +
-                               (rules->torch_dist() ? "; export --to torch_dist writes it for Megatron-Core, which does"
+                               (rules->section<TorchDistLayout>() ? "; export --to torch_dist writes it for Megatron-Core, which does"
                                                     : ""));
   }
   return Status::Ok();
@@ -236,6 +239,16 @@ std::string CheckpointFolder(const std::string& path) {
   if (const std::string dcp = DcpCheckpointFolder(path); !dcp.empty()) return dcp;
   if (Result<std::string> inside = CheckpointInsideRoot(path); inside.ok() && !inside->empty()) return *inside;
   return FollowLatest(path);
+}
+
+const std::vector<RuleSectionParser>& RuleSectionParsers() {
+  // hf before torchtitan, which maps the hf section's tensors.
+  static const std::vector<RuleSectionParser> sections = {
+      {HfExport::kName, ParseHfSection},
+      {TorchDistLayout::kName, ParseTorchDistSection},
+      {TorchtitanLayout::kName, ParseTorchtitanSection},
+  };
+  return sections;
 }
 
 }  // namespace reshard

@@ -30,15 +30,6 @@ std::vector<std::string> CaptureGroups(const RE2& re, const std::string& key) {
 
 }  // namespace
 
-bool TorchDistLayout::IsStackedKey(const std::string& key) const {
-  for (const TorchDistTensor& t : tensors) {
-    if (std::find(t.keys.begin(), t.keys.end(), key) != t.keys.end() || t.local_key == key) {
-      return t.name.find("{block}") != std::string::npos;
-    }
-  }
-  return false;
-}
-
 Value ScalarValue(const std::string& text) {
   int64_t n = 0;
   if (ParseInt(text, &n)) return Value::Int(n);
@@ -189,52 +180,16 @@ std::string ParamRule::WithExpertId(const std::string& key, int id) const {
 
 size_t ParamRule::ExpertIdOffset(const std::string& key) const { return GroupSpan(*key_regex, key, expert).first; }
 
-namespace {
-
 void AddConditionPaths(const ArgConditions& conditions, std::set<std::string>* paths) {
   for (const auto& [field, expected] : conditions) paths->insert("args." + field);
 }
 
-// The paths of a shape's dims (N, path, N*path or *).
 void AddShapePaths(const std::vector<std::string>& shape, std::set<std::string>* paths) {
   for (const std::string& dim : shape) {
     const std::string path = dim.substr(dim.find('*') + 1);  // npos + 1 == 0: the whole
     if (!path.empty() && !std::isdigit(static_cast<unsigned char>(path[0]))) paths->insert(path);
   }
 }
-
-// What the HF export reads: its conditions, config fields and split sizes.
-void AddHfPaths(const HfExport& hf, std::set<std::string>* paths) {
-  auto add_args = [paths](const ArgConditions& conditions) { AddConditionPaths(conditions, paths); };
-  add_args(hf.requirements);
-  for (const HfConfigField& field : hf.config) {
-    paths->insert(field.paths.begin(), field.paths.end());
-    for (const HfConfigField::Case& c : field.cases) {
-      add_args(c.when);
-      for (const HfConfigField& entry : c.entries) paths->insert(entry.paths.begin(), entry.paths.end());
-    }
-  }
-  for (const HfTensorMap& map : hf.tensors) {
-    for (const MetaRef* ref : {&map.groups, &map.heads}) {
-      for (std::string& p : ref->Paths()) paths->insert(std::move(p));
-    }
-    AddShapePaths(map.shape, paths);
-  }
-}
-
-// What a torch_dist import reads: Megatron-Core's args, the shapes' sizes,
-// and how the run split its layers over the pipeline stages (Megatron-LM's
-// args, which its optimizer state's layout follows).
-void AddTorchDistPaths(const TorchDistLayout& layout, std::set<std::string>* paths) {
-  for (const char* field : kPipelineSplitArgs) paths->insert(std::string("args.") + field);
-  for (const TorchDistArg& arg : layout.args) {
-    if (!arg.from.empty()) paths->insert(arg.from);
-    AddConditionPaths(arg.when, paths);
-  }
-  for (const TorchDistTensor& t : layout.tensors) AddShapePaths(t.shape, paths);
-}
-
-}  // namespace
 
 std::set<std::string> RuleSet::ValuePaths() const {
   std::set<std::string> paths;
@@ -250,8 +205,7 @@ std::set<std::string> RuleSet::ValuePaths() const {
   }
   for (const auto& [field, expected] : detect_.args) paths.insert("args." + field);
   for (const auto& [field, expected] : pipeline_requirements_) paths.insert("args." + field);
-  if (hf_) AddHfPaths(*hf_, &paths);
-  if (torch_dist_) AddTorchDistPaths(*torch_dist_, &paths);
+  for (const auto& [name, section] : sections_) section->AddValuePaths(&paths);
   return paths;
 }
 

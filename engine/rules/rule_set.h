@@ -18,14 +18,11 @@
 //                               replicated, canonical name, optional, tied, buffer,
 //                               moe / expert (DeepSpeed MoE blocks, the expert axis)
 //   module_paths                non-pipeline saves: the module path of each role
-//   hf                          the Hugging Face transformers architecture the
-//                               family exports to: conditions, config.json
-//                               fields, and canonical name -> HF name(s) with
-//                               their reordering (HfExport below)
-//   torch_dist                  canonical name -> Megatron-Core key, for reading
-//                               and writing the family as `torch_dist`, and the
-//                               keys of Megatron-LM's `torch` format for each
-//                               layer spec (TorchDistLayout)
+//   hf, torch_dist, torchtitan  a format's own section: how the family appears
+//                               in that format, parsed by the format that owns
+//                               it (rule_section.h; hf_common/hf_rules.h,
+//                               megatron_core/common/torch_dist_rules.h,
+//                               hf_common/torchtitan_rules.h under formats/)
 //
 // This header is the model. The parser (RuleSet::LoadFile, LoadString) is in
 // rule_parser.cc; the files shipped in rules/ are found by builtin_rules.h.
@@ -42,6 +39,7 @@
 #include "reshard/reshard.h"
 #include "reshard/status.h"
 #include "rules/builtin_rules.h"  // LoadRuleSet, for the callers that include only this header
+#include "rules/rule_section.h"
 
 namespace re2 {
 class RE2;
@@ -192,187 +190,10 @@ enum class OptimizerGroups { kDecayNoDecay, kSplitDecay };
 // but x).
 using ArgConditions = std::map<std::string, std::string>;
 
-// One config.json field of an HF export (`hf.config`).
-struct HfConfigField {
-  std::string key;  // the config.json key
-  int line = 0;
-  // The value: the first of `paths` the checkpoint (or --set) records, else
-  // `literal`; or, with `cases`, the value of the first case that holds.
-  std::vector<std::string> paths;
-  std::shared_ptr<const Value> literal;  // null: none (a missing value is asked for)
-  // What config.json's null (or an absent key) stands for, as a size (N,
-  // path or N*path): transformers' GPT-2 reads n_inner null as 4 x n_embd.
-  // The import records it at paths[0]; the export writes what is recorded.
-  std::string null_means;  // "" when null means nothing of the kind
-  // With a literal ({value: V, why_not: TEXT}): why a model with another
-  // value is refused, told to the user with the refusal of an HF import.
-  std::string why_not;
-  struct Case {
-    ArgConditions when;
-    std::shared_ptr<const Value> value;  // a literal; null when `entries` give a mapping
-    // A mapping's entries in file order (rope_scaling's factor read from a
-    // metadata path, its other entries literals), each read as a field is.
-    std::vector<HfConfigField> entries;
-    // Why a config.json value that misses this case is refused (what the
-    // target fixes), told with the refusal of an HF import.
-    std::string why_not;
-  };
-  std::vector<Case> cases;
-};
-
-// One canonical tensor and the HF tensor(s) it becomes (`hf.tensors`).
-// Names are templates whose only placeholder is {block}.
-struct HfTensorMap {
-  int line = 0;
-  std::string from;             // canonical name: 'layers.{block}.mlp.dense_h_to_4h.weight'
-  std::vector<std::string> to;  // HF name(s); several: dim 0 divided among them
-  // How dim 0 is divided: `to`'s tensors in order of the halves
-  // (split_halves: [first; second]), or the grouped fused QKV
-  // [groups, heads/groups + 2, hd] (split_qkv: q, k, v; with one name in
-  // `to`, the rows reordered to [q; k; v] in one tensor).
-  enum class Split { kNone, kHalves, kQkv };
-  Split split = Split::kNone;
-  MetaRef groups, heads;  // split_qkv
-  bool transpose = false;  // 2-D [out, in] -> [in, out] (GPT-2's Conv1D)
-  // The shape the architecture needs the tensor in, when it fixes one the
-  // checkpoint may not have (HF BLOOM's MLP is 4 x hidden): each dim an
-  // integer, a metadata path, or N*path. Empty: any.
-  std::vector<std::string> shape;
-};
-
-// What `export --to hf` writes for the family.
-struct HfExport {
-  int line = 0;
-  std::string architecture;      // "LlamaForCausalLM"
-  ArgConditions requirements;    // `requires`: what the architecture computes
-  std::vector<HfConfigField> config;  // in file order
-  std::vector<HfTensorMap> tensors;
-  // For reading HF folders (an import). transformers' base_model_prefix: a
-  // folder saved from the base model names its tensors without "<prefix>.".
-  std::string base_model_prefix;
-  // Names (templates with {block}) of tensors some transformers versions
-  // save and the model recomputes when it loads: an import skips them.
-  std::vector<std::string> ignore;
-  // HF name -> the HF name it is tied to (a tied head some savers write
-  // out): an import checks that the two are equal and skips the first.
-  std::vector<std::pair<std::string, std::string>> tied;
-};
-
-// One tensor of a torchtitan checkpoint (`torchtitan.tensors`): the HF
-// tensor of the family's hf section it is, under torchtitan's key (several:
-// alternatives, as torchtitan versions name it; the first is written).
-struct TorchtitanTensor {
-  int line = 0;
-  std::string hf;                 // 'model.layers.{block}.self_attn.q_proj.weight'
-  std::vector<std::string> keys;  // 'layers.{block}.attention.wq.weight', ...
-  // The heads of a q or k projection whose rows torchtitan keeps as
-  // interleaved rotary pairs (row 2i, 2i+1 of a head are HF's rows i and
-  // hd/2 + i): a torchtitan.config expression; "" when the rows are HF's.
-  std::string interleaved_heads;
-  // How torchtitan's TP plan places it on the TP mesh (`tp`): Shard(tp_dim)
-  // (a ColwiseParallel Linear's and any Embedding's 0, a RowwiseParallel
-  // Linear's 1), each TP rank a run of whole `tp_blocks` (a torchtitan.config
-  // expression, the heads; "": single rows or columns); -1: Replicate()
-  // (SequenceParallel's norms).
-  int tp_dim = -1;
-  std::string tp_blocks;
-};
-
-// How torchtitan stores the family (`torchtitan`): the HF model under other
-// keys. It records no model config: `config` gives config.json's fields as
-// expressions of the tensors' sizes (torchtitan_config.h), literals, or
-// nothing (then --set must).
-struct TorchtitanLayout {
-  int line = 0;
-  std::vector<std::pair<std::string, std::string>> config;  // config.json key -> expression
-  std::vector<TorchtitanTensor> tensors;
-  // Keys (templates with {block}) of buffers torchtitan recomputes when it
-  // loads (freqs_cis): an import skips them.
-  std::vector<std::string> ignore;
-};
-
-// One args value a torch_dist import records under the name these rules
-// read (`torch_dist.args`): Megatron-Core's args name some values otherwise
-// (num_query_groups for num_key_value_heads). Read from `from` (a metadata
-// path), or the literal `value`, when `when` holds.
-struct TorchDistArg {
-  int line = 0;
-  std::string set;   // the args field the rules read
-  std::string from;  // "" when `value` gives it
-  std::shared_ptr<const Value> value;
-  ArgConditions when;
-};
-
-// One canonical tensor of a Megatron-Core `torch_dist` checkpoint
-// (`torch_dist.tensors`): a name with {block} is one tensor per transformer
-// block, stacked in the checkpoint on a leading layer axis; one with
-// {expert} too is one per block and expert, the experts stacked on the axis
-// after the layer axis (the one expert parallelism splits).
-struct TorchDistTensor {
-  int line = 0;
-  std::string name;               // canonical: 'layers.{block}.self_attention.dense.weight'
-  std::vector<std::string> keys;  // the checkpoint's key; alternatives, as Megatron-Core versions name it
-  // The key of the local layer spec's module (`local:`), when it is not
-  // keys[0]: Transformer Engine fuses the norms into the linear layers
-  // (`linear_qkv.layer_norm_weight`), the local spec keeps them as modules
-  // (`input_layernorm.weight`). Also the last of `keys`, for reading.
-  std::string local_key;
-  // The canonical tensor's shape, as hf.tensors writes one (N, path, N*path,
-  // *). A path the checkpoint does not record takes the size it meets first.
-  std::vector<std::string> shape;
-};
-
-// Megatron-Core's layer specs, whose modules name some tensors differently.
-enum class LayerSpec { kLocal, kTransformerEngine };
-
-// The Megatron-LM args fields that say how a run split its layers over the
-// pipeline stages (the first and last stage's layers, the embedding and the
-// loss counted as layers), which a torch_dist import reads beside a
-// section's args: its optimizer state's layout follows them.
-inline constexpr const char* kPipelineSplitArgs[] = {
-    "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
-    "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"};
-
-// How the family's models are stored by Megatron-Core's `torch_dist`, and
-// the keys of Megatron-LM's `torch` format (one state_dict() per rank).
-struct TorchDistLayout {
-  int line = 0;
-  std::vector<TorchDistArg> args;
-  std::vector<TorchDistTensor> tensors;
-  // The modules (keys without `._extra_state`, stacked like block tensors)
-  // whose per-layer `_extra_state` Megatron-Core saves and loads: written
-  // empty by a torch_dist target, as a model without Transformer Engine's
-  // FP8 state holds it.
-  std::vector<std::string> extra_state;
-  // The same for the experts' modules (`expert_extra_state`), saved per
-  // layer and expert (SequentialMLP's local experts).
-  std::vector<std::string> expert_extra_state;
-  // `optimizer_order`: the order in which the model registers its parameters
-  // (Megatron's `named_parameters()`), by checkpoint key, which no checkpoint
-  // records and the distributed optimizer's flat `dp_reshardable` buffers
-  // follow (reversed). The keys of block tensors form one run: a layer's
-  // parameters, repeated for every layer of a pipeline stage, between the
-  // keys of the first stage and those of the last. Alternative keys of one
-  // tensor stand at its place. Empty when the section gives none.
-  std::vector<std::string> optimizer_order;
-  // Megatron-LM's `torch` format keeps every module's `_extra_state`, so
-  // more than torch_dist: Megatron-Core's own modules that torch_dist drops
-  // (`torch_extra_state`: the output layer), and in the TE spec Transformer
-  // Engine's other modules (`te_extra_state`: attention, final norm).
-  std::vector<std::string> torch_extra_state;
-  std::vector<std::string> te_extra_state;
-  // The key of the last stage's copy of a tied word embedding (PP > 1), in
-  // the `torch` format; empty when the family has no tied embedding.
-  std::string tied_head;
-
-  // The key `tensor` is held under by `spec`'s modules (stacked: no layer index).
-  static const std::string& KeyOf(const TorchDistTensor& tensor, LayerSpec spec) {
-    return spec == LayerSpec::kLocal && !tensor.local_key.empty() ? tensor.local_key : tensor.keys.front();
-  }
-  // Whether `key` is a key (any alternative) of a block tensor: one stacked
-  // over the layers.
-  bool IsStackedKey(const std::string& key) const;
-};
+// For RuleSection::AddValuePaths: the args paths `conditions` read, and the
+// paths a shape's dims read (each N, path, N*path or *).
+void AddConditionPaths(const ArgConditions& conditions, std::set<std::string>* paths);
+void AddShapePaths(const std::vector<std::string>& shape, std::set<std::string>* paths);
 
 class RuleSet {
  public:
@@ -413,12 +234,13 @@ class RuleSet {
   // The role, block (-1 outside blocks) and role-relative key of module path
   // `path`; false when no module path matches it.
   bool SplitModulePath(const std::string& path, std::string* role, int* block, std::string* key) const;
-  // The HF export, when the file declares one.
-  const HfExport* hf() const { return hf_ ? &*hf_ : nullptr; }
-  // The `torch_dist` section, when the file declares one.
-  const TorchDistLayout* torch_dist() const { return torch_dist_ ? &*torch_dist_ : nullptr; }
-  // The `torchtitan` section, when the file declares one (it needs hf).
-  const TorchtitanLayout* torchtitan() const { return torchtitan_ ? &*torchtitan_ : nullptr; }
+  // A format's own section (rule_section.h), when the file declares it:
+  // `Section` is the RuleSection its format parses it into, named kName.
+  template <class Section>
+  const Section* section() const {
+    auto it = sections_.find(Section::kName);
+    return it == sections_.end() ? nullptr : dynamic_cast<const Section*>(it->second.get());
+  }
 
   // Every metadata path a value is read from (sizes, vocabulary, partition
   // method, detection args): the keys `--set` may give.
@@ -442,9 +264,7 @@ class RuleSet {
   OptimizerGroups optimizer_groups_ = OptimizerGroups::kDecayNoDecay;
   std::map<std::string, std::vector<ParamRule>> layers_;
   std::vector<ModulePath> module_paths_;
-  std::optional<HfExport> hf_;
-  std::optional<TorchDistLayout> torch_dist_;
-  std::optional<TorchtitanLayout> torchtitan_;
+  std::map<std::string, std::shared_ptr<const RuleSection>> sections_;  // by name
 };
 
 }  // namespace reshard

@@ -11,6 +11,7 @@
 #include "formats/hf_common/hf_config.h"
 #include "formats/hf_common/hf_folder.h"
 #include "formats/hf_common/hf_mapping.h"
+#include "formats/hf_common/hf_rules.h"
 #include "formats/hf_common/hf_tensors.h"
 #include "formats/state_dict.h"
 #include "logical/settings.h"

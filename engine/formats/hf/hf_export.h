@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "formats/format.h"
+#include "formats/hf_common/hf_rules.h"
 #include "formats/state_dict.h"
 
 namespace reshard {

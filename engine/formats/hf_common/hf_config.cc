@@ -5,6 +5,7 @@
 #include <set>
 
 #include "container/safetensors_writer.h"
+#include "formats/hf_common/hf_rules.h"
 #include "logical/settings.h"
 #include "pickle/value.h"
 #include "util/strings.h"

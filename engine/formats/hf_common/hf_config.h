@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "formats/hf_common/hf_rules.h"
 #include "pickle/dtype.h"
 #include "plan/tensor_plan.h"
 #include "reshard/status.h"

@@ -9,6 +9,7 @@
 #include <set>
 
 #include "formats/hf_common/hf_folder.h"
+#include "formats/hf_common/hf_rules.h"
 #include "formats/hf_common/hf_tensors.h"
 #include "logical/imported_layers.h"
 #include "logical/rule_selection.h"
@@ -38,8 +39,8 @@ std::vector<std::string> Architectures(const Value& config) {
 }
 
 bool Computes(const RuleSet& rules, const std::vector<std::string>& architectures) {
-  return rules.hf() != nullptr && std::find(architectures.begin(), architectures.end(),
-                                            rules.hf()->architecture) != architectures.end();
+  return rules.section<HfExport>() != nullptr && std::find(architectures.begin(), architectures.end(),
+                                            rules.section<HfExport>()->architecture) != architectures.end();
 }
 
 // ---- config.json -> args ----------------------------------------------------
@@ -62,7 +63,7 @@ bool SameValue(const Value& a, const Value& b) {
 // states alike, far below zero for each it states otherwise.
 int Agreement(const RuleSet& rules, const Value& config) {
   int score = 0;
-  for (const HfConfigField& field : rules.hf()->config) {
+  for (const HfConfigField& field : rules.section<HfExport>()->config) {
     const Value* v = Find(config, field.key);
     if (v == nullptr || !field.literal || !field.paths.empty() || !field.cases.empty()) continue;
     score += SameValue(*v, *field.literal) ? 1 : -1000;
@@ -85,14 +86,14 @@ Result<std::vector<RuleSet>> Families(const Value& config, const std::string& co
       return chosen;
     }
     return Status::Unsupported(config_path + " names " + named + ", and rule set " + rules.name() + " maps " +
-                               (rules.hf() ? rules.hf()->architecture : "no HF architecture (no hf section)") +
+                               (rules.section<HfExport>() ? rules.section<HfExport>()->architecture : "no HF architecture (no hf section)") +
                                "; choose the rule set whose hf section is the folder's architecture");
   }
   RESHARD_ASSIGN_OR_RETURN(std::vector<RuleSet> all, LoadBuiltinRuleSets());
   std::vector<RuleSet> families;
   std::vector<std::string> known;
   for (RuleSet& rules : all) {
-    if (rules.hf() != nullptr) known.push_back(rules.hf()->architecture + " (" + rules.name() + ")");
+    if (rules.section<HfExport>() != nullptr) known.push_back(rules.section<HfExport>()->architecture + " (" + rules.name() + ")");
     if (Computes(rules, architectures)) families.push_back(std::move(rules));
   }
   if (families.empty()) {
@@ -140,7 +141,7 @@ struct ConfigReader {
     if (!f.paths.empty()) return FromPath(f, v);
     if (v == nullptr || SameValue(*v, *f.literal)) return Status::Ok();  // absent: transformers' default
     return Status::Unsupported(config_path + " has " + f.key + " = " + v->DebugString(60) + ", and " +
-                               rules.hf()->architecture + " as rule set " + rules.name() + " maps it computes "
+                               rules.section<HfExport>()->architecture + " as rule set " + rules.name() + " maps it computes "
                                "the model only with " + f.literal->DebugString(60) + " " + Where(f) +
                                (f.why_not.empty() ? "" : "; " + f.why_not));
   }
@@ -223,11 +224,11 @@ struct ConfigReader {
   Status FromNull(const HfConfigField& f) {
     Result<int64_t> size = HfSize(f.null_means, inputs());
     if (!size.ok()) {
-      return Status::InvalidInput(config_path + "'s " + f.key + " is null, which " + rules.hf()->architecture +
+      return Status::InvalidInput(config_path + "'s " + f.key + " is null, which " + rules.section<HfExport>()->architecture +
                                   " reads as " + f.null_means + " " + Where(f) + ", and " + size.status().message());
     }
     SetPath(metadata, f.paths.front(), Value::Int(*size));
-    notes->push_back("hf: " + f.key + " is null, which " + rules.hf()->architecture + " reads as " + f.null_means +
+    notes->push_back("hf: " + f.key + " is null, which " + rules.section<HfExport>()->architecture + " reads as " + f.null_means +
                      " = " + std::to_string(*size) + "; recorded as " + f.paths.front());
     return Status::Ok();
   }
@@ -274,7 +275,7 @@ Value TransposedCopy(const Tensor& t) {
 class TensorJoiner {
  public:
   TensorJoiner(const HfFolder& folder, const RuleSet& rules, const RuleInputs& inputs)
-      : folder_(folder), hf_(*rules.hf()), rules_(rules), inputs_(inputs) {}
+      : folder_(folder), hf_(*rules.section<HfExport>()), rules_(rules), inputs_(inputs) {}
 
   // Every canonical tensor the folder's tensors make, by name.
   Result<std::map<std::string, Joined>> JoinAll() {
@@ -559,7 +560,7 @@ RecordedFacts ConfigFacts(const Value& config) {
 
 Result<HfImport> ImportHfModel(HfFolder folder, const RuleSet& rules, const CommonOptions& options) {
   const std::string config_path = folder.config_label.empty() ? folder.files.front() : folder.config_label;
-  const HfExport& hf = *rules.hf();
+  const HfExport& hf = *rules.section<HfExport>();
   HfImport out;
   RESHARD_RETURN_IF_ERROR(NameAsArchitecture(hf, &folder, &out.notes));
   LogicalCheckpoint& ckpt = out.logical;

@@ -1,6 +1,7 @@
 #include "formats/hf_common/hf_mapping.h"
 
 #include "formats/hf_common/hf_config.h"
+#include "formats/hf_common/hf_rules.h"
 #include "formats/hf_common/hf_tensors.h"
 #include "logical/settings.h"
 
@@ -12,7 +13,7 @@ Result<const HfExport*> FamilyExport(const SourceCheckpoint& src, const RuleInpu
     return Status::Unsupported("a " + src.info().kind + " checkpoint is not described by a rule set" +
                                src.info().NoRulesWhy() + ", so reshard does not know its architecture; export --to consolidated writes its tensors");
   }
-  const HfExport* hf = rules->hf();
+  const HfExport* hf = rules->section<HfExport>();
   if (hf == nullptr) {
     return Status::Unsupported("rule set " + rules->name() + " (" + rules->description() + ") declares no HF "
                                "architecture: " + rules->origin() + " has no hf section; add one "

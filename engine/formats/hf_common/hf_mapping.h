@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "formats/format.h"
+#include "formats/hf_common/hf_rules.h"
 #include "formats/state_dict.h"
 #include "rules/rule_set.h"
 

@@ -9,6 +9,7 @@
 #include <optional>
 #include <vector>
 
+#include "formats/hf_common/hf_rules.h"
 #include "util/human.h"
 #include "util/shape.h"
 #include "util/strings.h"

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "container/scratch_file.h"
+#include "formats/hf_common/hf_rules.h"
 #include "formats/state_dict.h"
 #include "rules/rule_set.h"
 

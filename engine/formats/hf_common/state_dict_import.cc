@@ -8,7 +8,9 @@
 
 #include "formats/hf_common/hf_folder.h"
 #include "formats/hf_common/hf_import.h"
+#include "formats/hf_common/hf_rules.h"
 #include "formats/hf_common/hf_tensors.h"
+#include "formats/hf_common/torchtitan_rules.h"
 #include "logical/settings.h"
 #include "rules/builtin_rules.h"
 #include "rules/size_expression.h"
@@ -51,13 +53,13 @@ std::string ModelKey(const StateDictKeys& keys, const std::string& stored) {
 class KeyMap {
  public:
   KeyMap(const RuleSet& rules, bool hf_keys) {
-    const TorchtitanLayout& layout = *rules.torchtitan();
+    const TorchtitanLayout& layout = *rules.section<TorchtitanLayout>();
     for (const TorchtitanTensor& t : layout.tensors) {
       for (const std::string& k : hf_keys ? std::vector<std::string>{t.hf} : t.keys) {
         templates_.push_back({std::make_unique<HfNameTemplate>(k), &t});
       }
     }
-    for (const std::string& k : hf_keys ? rules.hf()->ignore : layout.ignore) {
+    for (const std::string& k : hf_keys ? rules.section<HfExport>()->ignore : layout.ignore) {
       ignored_.push_back(std::make_unique<HfNameTemplate>(k));
     }
   }
@@ -100,7 +102,7 @@ class Reader {
       : dcp_(dcp),
         names_(names),
         rules_(rules),
-        layout_(*rules.torchtitan()),
+        layout_(*rules.section<TorchtitanLayout>()),
         keys_(rules, names.hf_keys),
         section_keys_(rules, false),
         options_(options) {}
@@ -139,7 +141,7 @@ class Reader {
     out.pp = mesh.dp_shard > 0 ? 1 : 0;
     out.dp = mesh.dp_shard;
     out.facts = Facts(out, recorded_config, mesh);
-    out.what = names_.label + " (rule set " + rules_.name() + ": " + rules_.hf()->architecture + " under " +
+    out.what = names_.label + " (rule set " + rules_.name() + ": " + rules_.section<HfExport>()->architecture + " under " +
                KeysWhere() + "; " + std::to_string(dcp_.tensors.size()) + " tensors)";
     return out;
   }
@@ -221,7 +223,7 @@ class Reader {
   // The value --set gives for config field `key` (under the path hf.config
   // reads it into); null when none.
   const Value* GivenBySet(const std::string& key) const {
-    for (const HfConfigField& f : rules_.hf()->config) {
+    for (const HfConfigField& f : rules_.section<HfExport>()->config) {
       if (f.key != key || f.paths.empty()) continue;
       if (const Value* v = RuleInputs{none_, settings_}.Find(f.paths.front())) return v;
     }
@@ -253,10 +255,10 @@ class Reader {
   // unknown is left out: the HF import then names the --set that gives it.
   Result<Value> Config(Value recorded) {
     Value config = std::move(recorded);
-    Set(config, "architectures", Value::MakeList({Value::String(rules_.hf()->architecture)}));
+    Set(config, "architectures", Value::MakeList({Value::String(rules_.section<HfExport>()->architecture)}));
     // What --set gives is the run's config, recorded as config.json would;
     // where the record says otherwise, the import refuses the contradiction.
-    for (const HfConfigField& f : rules_.hf()->config) {
+    for (const HfConfigField& f : rules_.section<HfExport>()->config) {
       const Value* v = GivenBySet(f.key);
       if (v != nullptr && Find(config, f.key) == nullptr) Set(config, f.key, *v);
     }
@@ -285,7 +287,7 @@ class Reader {
   // Whether HF tensor `hf` is a tied copy (torch saves a tied head under its
   // own key too), which has no optimizer state of its own.
   bool IsTiedCopy(const std::string& hf) const {
-    const auto& tied = rules_.hf()->tied;
+    const auto& tied = rules_.section<HfExport>()->tied;
     return std::any_of(tied.begin(), tied.end(), [&](const auto& tie) { return tie.first == hf; });
   }
 
@@ -455,7 +457,7 @@ class Reader {
     }
     const RuleInputs inputs{ckpt.metadata[0], ckpt.settings};
     HfFolder params = weights;
-    for (const auto& [copy, to] : rules_.hf()->tied) {
+    for (const auto& [copy, to] : rules_.section<HfExport>()->tied) {
       params.tensors.erase(copy);
       params.runs.erase(copy);
     }
@@ -596,7 +598,7 @@ class Reader {
 };
 
 Result<std::vector<RuleSet>> Candidates(const std::string& spec, const StateDictKeys& keys) {
-  return RuleSetsWithSection(spec, "torchtitan", [](const RuleSet& r) { return r.torchtitan() != nullptr; },
+  return RuleSetsWithSection(spec, "torchtitan", [](const RuleSet& r) { return r.section<TorchtitanLayout>() != nullptr; },
                              "a " + keys.label);
 }
 

@@ -9,8 +9,10 @@
 #include "container/dcp_writer.h"
 #include "formats/hf_common/hf_config.h"
 #include "formats/hf_common/hf_mapping.h"
+#include "formats/hf_common/hf_rules.h"
 #include "formats/hf_common/hf_tensors.h"
 #include "formats/fsdp2_dcp.h"
+#include "formats/hf_common/torchtitan_rules.h"
 #include "formats/state_dict.h"
 #include "formats/torchtitan/torchtitan_import.h"
 #include "rules/size_expression.h"
@@ -25,7 +27,7 @@ constexpr char kTorchtitan[] = "torchtitan";
 
 Status CheckRequest(const SourceCheckpoint& src, const ExportOptions& options) {
   const RuleSet* rules = src.info().rules.get();
-  if (rules != nullptr && rules->torchtitan() == nullptr) {
+  if (rules != nullptr && rules->section<TorchtitanLayout>() == nullptr) {
     return Status::Unsupported("export --to torchtitan writes the keys of a rule set's torchtitan section, and rule set " +
                                rules->name() + " has none (" + rules->origin() + "); export --to hf or consolidated");
   }
@@ -34,7 +36,7 @@ Status CheckRequest(const SourceCheckpoint& src, const ExportOptions& options) {
                                 "parameters are sharded over");
   }
   if (options.tp > 1 && rules != nullptr) {
-    const std::vector<TorchtitanTensor>& tensors = rules->torchtitan()->tensors;
+    const std::vector<TorchtitanTensor>& tensors = rules->section<TorchtitanLayout>()->tensors;
     if (std::none_of(tensors.begin(), tensors.end(), [](const TorchtitanTensor& t) { return t.tp_dim >= 0; })) {
       return Status::Unsupported("rule set " + rules->name() + "'s torchtitan section (" + rules->origin() +
                                  ") declares no tensor's TP sharding (tp: {dim: ...}); add them (docs/rules.md) "
@@ -49,7 +51,7 @@ Status CheckRequest(const SourceCheckpoint& src, const ExportOptions& options) {
 class Writer {
  public:
   Writer(const RuleSet& rules, const HfExport& hf, const RuleInputs& inputs, Fsdp2Mesh mesh)
-      : layout_(*rules.torchtitan()), hf_(hf), inputs_(inputs), rules_name_(rules.name()), mesh_(mesh), files_(mesh) {
+      : layout_(*rules.section<TorchtitanLayout>()), hf_(hf), inputs_(inputs), rules_name_(rules.name()), mesh_(mesh), files_(mesh) {
     for (const TorchtitanTensor& t : layout_.tensors) entries_.push_back({std::make_unique<HfNameTemplate>(t.hf), &t});
   }
 

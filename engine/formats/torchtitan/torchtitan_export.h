@@ -43,6 +43,7 @@
 #include <vector>
 
 #include "formats/format.h"
+#include "formats/hf_common/torchtitan_rules.h"
 
 namespace reshard {
 

@@ -9,6 +9,9 @@
 #include <map>
 #include <set>
 
+#include "formats/hf_common/hf_rules.h"
+#include "formats/hf_common/torchtitan_rules.h"
+#include "formats/megatron_core/common/torch_dist_rules.h"
 #include "pickle/value.h"
 #include "rules/builtin_rules.h"
 #include "test_util.h"
@@ -944,7 +947,7 @@ std::string TinyHf(const std::map<int, std::string>& edits = {}) {
 TEST(RuleSetHf, ParsesEveryField) {
   Result<RuleSet> rs = RuleSet::LoadString(TinyHf(), "t.yaml");
   ASSERT_TRUE(rs.ok()) << rs.status().message();
-  const HfExport* hf = rs->hf();
+  const HfExport* hf = rs->section<HfExport>();
   ASSERT_NE(hf, nullptr);
   EXPECT_EQ(hf->architecture, "TinyForCausalLM");
   EXPECT_EQ(hf->requirements, (ArgConditions{{"apply_layernorm_1p", "!true"}}));
@@ -970,9 +973,9 @@ TEST(RuleSetHf, ParsesEveryField) {
   Result<RuleSet> shaped = RuleSet::LoadString(
       TinyHf({{38, "    - {from: 'layers.{block}.fc', to: 'h.{block}.fc', shape: [4*args.hidden_size, 16]}"}}), "t.yaml");
   ASSERT_TRUE(shaped.ok()) << shaped.status().message();
-  EXPECT_EQ(shaped->hf()->tensors[2].shape, (std::vector<std::string>{"4*args.hidden_size", "16"}));
+  EXPECT_EQ(shaped->section<HfExport>()->tensors[2].shape, (std::vector<std::string>{"4*args.hidden_size", "16"}));
   EXPECT_TRUE(shaped->ValuePaths().count("args.hidden_size"));
-  EXPECT_EQ(RuleSet::LoadString(Tiny(), "t.yaml")->hf(), nullptr);
+  EXPECT_EQ(RuleSet::LoadString(Tiny(), "t.yaml")->section<HfExport>(), nullptr);
 }
 
 TEST(RuleSetHf, ItsPathsCanBeSet) {
@@ -997,7 +1000,7 @@ TEST(RuleSetHf, ACaseValueMayBeAMappingOrNull) {
                    "      - {when: {use_rope_scaling: '!true'}, value: null}"}}),
       "t.yaml");
   ASSERT_TRUE(rs.ok()) << rs.status().message();
-  const HfConfigField& scaling = rs->hf()->config[5];
+  const HfConfigField& scaling = rs->section<HfExport>()->config[5];
   ASSERT_EQ(scaling.cases.size(), 2u);
   const HfConfigField::Case& scaled = scaling.cases[0];
   EXPECT_EQ(scaled.value, nullptr);
@@ -1079,7 +1082,7 @@ std::string TinyTorchDist(const std::map<int, std::string>& edits = {}) {
 TEST(RuleSetTorchDist, ParsesEveryField) {
   Result<RuleSet> rs = RuleSet::LoadString(TinyTorchDist(), "t.yaml");
   ASSERT_TRUE(rs.ok()) << rs.status().message();
-  const TorchDistLayout* td = rs->torch_dist();
+  const TorchDistLayout* td = rs->section<TorchDistLayout>();
   ASSERT_NE(td, nullptr);
   ASSERT_EQ(td->args.size(), 3u);
   EXPECT_EQ(td->args[0].set, "num_key_value_heads");
@@ -1107,7 +1110,7 @@ TEST(RuleSetTorchDist, ParsesEveryField) {
                            "args.normalization", "args.hidden_size", "args.h"}) {
     EXPECT_TRUE(paths.count(path)) << path;
   }
-  EXPECT_EQ(RuleSet::LoadString(Tiny(), "t.yaml")->torch_dist(), nullptr);
+  EXPECT_EQ(RuleSet::LoadString(Tiny(), "t.yaml")->section<TorchDistLayout>(), nullptr);
 }
 
 // Every built-in set that reads torch_dist gives the registration order the
@@ -1118,7 +1121,7 @@ TEST(RuleSetTorchDist, BuiltinSetsGiveTheRegistrationOrder) {
     SCOPED_TRACE(name);
     Result<RuleSet> rs = LoadRuleSet(name);
     ASSERT_TRUE(rs.ok()) << rs.status().message();
-    const std::vector<std::string>& order = rs->torch_dist()->optimizer_order;
+    const std::vector<std::string>& order = rs->section<TorchDistLayout>()->optimizer_order;
     ASSERT_FALSE(order.empty());
     EXPECT_EQ(order.front(), "embedding.word_embeddings.weight");
     auto at = [&](const std::string& key) { return std::find(order.begin(), order.end(), key) - order.begin(); };
@@ -1135,8 +1138,8 @@ TEST(RuleSetTorchDist, BuiltinSetsGiveTheRegistrationOrder) {
 TEST(RuleSetTorchDist, KeyOfEachLayerSpec) {
   Result<RuleSet> rs = RuleSet::LoadString(TinyTorchDist(), "t.yaml");
   ASSERT_TRUE(rs.ok()) << rs.status().message();
-  const TorchDistTensor& qkv = rs->torch_dist()->tensors[1];
-  const TorchDistTensor& norm = rs->torch_dist()->tensors[2];
+  const TorchDistTensor& qkv = rs->section<TorchDistLayout>()->tensors[1];
+  const TorchDistTensor& norm = rs->section<TorchDistLayout>()->tensors[2];
   EXPECT_EQ(norm.local_key, "decoder.layers.norm.proj");
   EXPECT_EQ(norm.keys, (std::vector<std::string>{"decoder.layers.proj", "decoder.layers.norm.proj"}));
   EXPECT_EQ(TorchDistLayout::KeyOf(norm, LayerSpec::kLocal), "decoder.layers.norm.proj");
@@ -1150,7 +1153,7 @@ TEST(RuleSetTorchDist, KeyOfEachLayerSpec) {
                           "decoder.layers.n}"}}),
       "t.yaml");
   ASSERT_TRUE(rs.ok()) << rs.status().message();
-  EXPECT_EQ(rs->torch_dist()->tensors[2].keys, (std::vector<std::string>{"decoder.layers.proj", "decoder.layers.n"}));
+  EXPECT_EQ(rs->section<TorchDistLayout>()->tensors[2].keys, (std::vector<std::string>{"decoder.layers.proj", "decoder.layers.n"}));
 }
 
 TEST(RuleSetTorchDist, ReportsFileLineAndFix) {
@@ -1209,7 +1212,7 @@ std::string TinyTorchtitan(const std::map<int, std::string>& edits = {}) {
 TEST(RuleSetTorchtitan, ParsesTheTpPlacements) {
   Result<RuleSet> rs = RuleSet::LoadString(TinyTorchtitan(), "t.yaml");
   ASSERT_TRUE(rs.ok()) << rs.status().message();
-  const TorchtitanLayout* tt = rs->torchtitan();
+  const TorchtitanLayout* tt = rs->section<TorchtitanLayout>();
   ASSERT_NE(tt, nullptr);
   ASSERT_EQ(tt->tensors.size(), 4u);
   EXPECT_EQ(std::make_pair(tt->tensors[0].tp_dim, tt->tensors[0].tp_blocks), std::make_pair(0, std::string()));

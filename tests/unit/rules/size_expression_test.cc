@@ -4,6 +4,7 @@
 
 #include <map>
 
+#include "formats/hf_common/torchtitan_rules.h"
 #include "rules/builtin_rules.h"
 #include "rules/rule_set.h"
 
@@ -63,7 +64,7 @@ TEST(RuleSetTorchtitan, BuiltinLlamaSetsMapTorchtitansKeys) {
     SCOPED_TRACE(name);
     Result<RuleSet> rs = LoadRuleSet(name);
     ASSERT_TRUE(rs.ok()) << rs.status().message();
-    const TorchtitanLayout* tt = rs->torchtitan();
+    const TorchtitanLayout* tt = rs->section<TorchtitanLayout>();
     ASSERT_NE(tt, nullptr);
     int interleaved = 0;
     for (const TorchtitanTensor& t : tt->tensors) {

@@ -30,7 +30,7 @@ const Tensor* FlatFp32(const Value* v) {
   return ok ? &t : nullptr;
 }
 
-int64_t Field(const Value& v, const char* name) {
+int64_t IntField(const Value& v, const char* name) {
   int64_t out = -1;
   if (const Value* f = Find(v, name)) ReadInt(*f, &out);
   return out;
@@ -323,7 +323,7 @@ Status MoeOptimizer::IndexGroup(int mp, int group, bool moe, const std::vector<c
       if (!name.is(Value::Kind::kString)) continue;
       Place& place = places_[{mp, name.as_string(), ep}];
       place.group = group;
-      place.fragments.push_back({static_cast<int>(d), Field(address, "start"), Field(address, "numel")});
+      place.fragments.push_back({static_cast<int>(d), IntField(address, "start"), IntField(address, "numel")});
     }
   }
   return Status::Ok();

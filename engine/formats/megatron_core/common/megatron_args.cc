@@ -4,6 +4,7 @@
 #include <iterator>
 #include <optional>
 
+#include "formats/megatron_core/common/torch_dist_rules.h"
 #include "util/strings.h"
 
 namespace reshard {

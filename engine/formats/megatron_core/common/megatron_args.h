@@ -23,6 +23,7 @@
 
 #include "formats/format.h"
 #include "formats/megatron_core/common/megatron_layout.h"
+#include "formats/megatron_core/common/torch_dist_rules.h"
 #include "pickle/value.h"
 #include "rules/rule_set.h"
 

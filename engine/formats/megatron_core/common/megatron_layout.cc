@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdio>
 
+#include "formats/megatron_core/common/torch_dist_rules.h"
 #include "util/strings.h"
 
 namespace reshard {
@@ -363,7 +364,7 @@ ModelPlace HeadEmbeddingPlace(const PipelineStages& stages) {
 }
 
 Result<const TorchDistTensor*> TorchDistEntryOf(const RuleSet& rules, const RankTensor& r, const std::string& target) {
-  for (const TorchDistTensor& entry : rules.torch_dist()->tensors) {
+  for (const TorchDistTensor& entry : rules.section<TorchDistLayout>()->tensors) {
     std::string name = entry.name;
     const size_t at = name.find(kBlock);
     if ((at != std::string::npos) != (r.block >= 0)) continue;

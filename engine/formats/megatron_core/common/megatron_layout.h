@@ -17,6 +17,7 @@
 
 #include "formats/format.h"
 #include "formats/megatron_core/common/megatron_buckets.h"
+#include "formats/megatron_core/common/torch_dist_rules.h"
 #include "reshard/status.h"
 #include "rules/rule_set.h"
 

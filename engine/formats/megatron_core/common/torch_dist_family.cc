@@ -7,6 +7,8 @@
 #include <cstdio>
 
 #include "container/regular_file.h"
+#include "formats/hf_common/hf_rules.h"
+#include "formats/megatron_core/common/torch_dist_rules.h"
 #include "logical/settings.h"
 #include "rules/builtin_rules.h"
 #include "util/human.h"
@@ -67,11 +69,11 @@ Status CheckRunState(const Value& state, const std::string& where) {
 }
 
 Result<std::vector<RuleSet>> TorchDistCandidates(const std::string& spec, const std::string& what) {
-  return RuleSetsWithSection(spec, "torch_dist", [](const RuleSet& r) { return r.torch_dist() != nullptr; }, what);
+  return RuleSetsWithSection(spec, "torch_dist", [](const RuleSet& r) { return r.section<TorchDistLayout>() != nullptr; }, what);
 }
 
 TorchDistFamily::TorchDistFamily(const RuleSet& rules, Value run, const CommonOptions& options, std::string label)
-    : rules_(rules), layout_(*rules.torch_dist()), options_(options), label_(std::move(label)) {
+    : rules_(rules), layout_(*rules.section<TorchDistLayout>()), options_(options), label_(std::move(label)) {
   ckpt_.metadata.push_back(std::move(run));
 }
 
@@ -159,7 +161,7 @@ Status TorchDistFamily::RecordExperts(int64_t experts, const std::string& folder
 Status TorchDistFamily::Satisfy() {
   static const ArgConditions none;
   std::vector<std::string> assumed;
-  for (const ArgConditions* conditions : {&rules_.detect().args, rules_.hf() ? &rules_.hf()->requirements : &none}) {
+  for (const ArgConditions* conditions : {&rules_.detect().args, rules_.section<HfExport>() ? &rules_.section<HfExport>()->requirements : &none}) {
     for (const auto& [field, expected] : *conditions) {
       if (inputs().Find("args." + field) != nullptr) continue;
       std::optional<Value> v = ValueThatHolds(expected);

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "formats/megatron_core/common/torch_dist_rules.h"
 #include "logical/imported_layers.h"
 #include "logical/logical_checkpoint.h"
 #include "reshard/reshard.h"

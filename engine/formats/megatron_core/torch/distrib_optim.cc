@@ -5,6 +5,7 @@
 
 #include "formats/megatron_core/common/megatron_buckets.h"
 #include "formats/megatron_core/common/megatron_layout.h"
+#include "formats/megatron_core/common/torch_dist_rules.h"
 
 namespace reshard {
 

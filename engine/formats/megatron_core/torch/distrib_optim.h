@@ -24,6 +24,7 @@
 #include "formats/format.h"
 #include "formats/megatron_core/common/megatron_gathered.h"
 #include "formats/megatron_core/common/megatron_layout.h"
+#include "formats/megatron_core/common/torch_dist_rules.h"
 #include "rules/rule_set.h"
 
 namespace reshard {

@@ -9,6 +9,7 @@
 #include "formats/megatron_core/common/megatron_layout.h"
 #include "formats/megatron_core/common/megatron_param_groups.h"
 #include "formats/megatron_core/common/adam_states.h"
+#include "formats/megatron_core/common/torch_dist_rules.h"
 #include "formats/megatron_core/torch/distrib_optim.h"
 #include "formats/state_dict.h"
 #include "logical/logical_checkpoint.h"
@@ -80,7 +81,7 @@ Status CheckSource(const SourceCheckpoint& src) {
 Status ChooseKeys(const SourceCheckpoint& src, const ExportOptions& options, MegatronExportPlan* plan,
                   std::vector<std::string>* notes) {
   plan->rules = src.info().rules.get();
-  plan->layout = plan->rules->torch_dist();
+  plan->layout = plan->rules->section<TorchDistLayout>();
   const std::string layer_spec = FormatOption(options, kLayerSpec);
   if (layer_spec == "legacy") {
     plan->keys = Keys::kLegacy;

@@ -14,6 +14,7 @@
 #include "formats/megatron_core/common/megatron_args.h"
 #include "formats/megatron_core/common/megatron_layout.h"
 #include "formats/megatron_core/common/torch_dist_family.h"
+#include "formats/megatron_core/common/torch_dist_rules.h"
 #include "formats/megatron_core/torch/distrib_optim.h"
 #include "logical/settings.h"
 #include "logical/tp_placement.h"
@@ -257,7 +258,7 @@ class FamilyReader {
       : f_(files),
         options_(options),
         family_(rules, RunMetadata(files), options, "megatron"),
-        layout_(*rules.torch_dist()) {}
+        layout_(*rules.section<TorchDistLayout>()) {}
 
   Result<MegatronTorchImport> Read() {
     RESHARD_RETURN_IF_ERROR(family_.Start());

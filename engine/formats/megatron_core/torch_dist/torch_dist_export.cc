@@ -20,6 +20,7 @@
 #include "formats/megatron_core/common/megatron_scheduler.h"
 #include "formats/megatron_core/common/nd_reformulation.h"
 #include "formats/megatron_core/common/optimizer_layouts.h"
+#include "formats/megatron_core/common/torch_dist_rules.h"
 #include "formats/megatron_core/torch_dist/dp_reshardable_items.h"
 #include "formats/state_dict.h"
 #include "logical/logical_checkpoint.h"
@@ -194,12 +195,12 @@ void AddExtraStates(const RuleSet& rules, const Target& target, RankFiles* files
   const std::string layers = std::to_string(target.blocks), experts = std::to_string(target.experts);
   for (int l = 0; l < target.blocks; ++l) {
     const int stage = target.pipeline.stages.StageOf(l);
-    for (const std::string& module : rules.torch_dist()->extra_state) {
+    for (const std::string& module : rules.section<TorchDistLayout>()->extra_state) {
       files->At(0, stage).push_back(DcpBytesItem(module + "._extra_state/shard_" + std::to_string(l) + "_" + layers,
                                                  Value::MakeList({Value::None()})));
     }
     for (int e = 0; e < target.experts; ++e) {
-      for (const std::string& module : rules.torch_dist()->expert_extra_state) {
+      for (const std::string& module : rules.section<TorchDistLayout>()->expert_extra_state) {
         const std::string shard = std::to_string(l) + "." + std::to_string(e) + "_" + layers + "." + experts;
         files->At(0, stage, ExpertDpRank(target, e))
             .push_back(DcpBytesItem(module + "._extra_state/shard_" + shard, Value::MakeList({Value::None()})));
@@ -284,13 +285,13 @@ Result<std::map<std::pair<std::string, int64_t>, const RankTensor*>> StageTensor
   std::map<std::pair<std::string, int64_t>, const RankTensor*> by_key;
   for (const RankTensor& r : weights.ranks[t]) {
     if (IsTiedVocab(r) && target.pp > 1 && p == target.pp - 1) {
-      if (rules.torch_dist()->tied_head.empty()) {
+      if (rules.section<TorchDistLayout>()->tied_head.empty()) {
         return Status::Unsupported("export --to torch_dist: rule set " + rules.name() + " ties the embedding, and its "
                                    "torch_dist section names no tied_head, the last stage's copy the dp_reshardable "
                                    "buckets hold at PP > 1; add one (docs/rules.md) or use --optimizer-layout "
                                    "fully_reshardable");
       }
-      by_key[{rules.torch_dist()->tied_head, -1}] = &r;
+      by_key[{rules.section<TorchDistLayout>()->tied_head, -1}] = &r;
     }
     if (StageOf(r, target) != p) continue;
     RESHARD_ASSIGN_OR_RETURN(KeyOf key, KeyOfTensor(rules, r));
@@ -305,7 +306,7 @@ Result<std::map<std::pair<std::string, int64_t>, const RankTensor*>> StageTensor
 Result<std::vector<DpParam>> StageParams(const RuleSet& rules, const TpWeights& weights,
                                          const AdamStates& states, int t, int p, const Target& target) {
   RESHARD_ASSIGN_OR_RETURN(auto by_key, StageTensors(rules, weights, t, p, target));
-  const TorchDistLayout& layout = *rules.torch_dist();
+  const TorchDistLayout& layout = *rules.section<TorchDistLayout>();
   std::vector<DpParam> params;
   for (int c = 0; c < target.pipeline.vpp(); ++c) {
     for (const RegisteredParam& reg : ChunkRegistrationOrder(layout, target.pipeline.stages, p, c, layout.tied_head)) {
@@ -554,7 +555,7 @@ Status ChooseForm(const SourceCheckpoint& src, const ExportOptions& options, Tar
 
 Status CheckSource(const SourceCheckpoint& src, const ExportOptions& options) {
   const std::shared_ptr<const RuleSet>& rules = src.info().rules;
-  if (rules == nullptr || rules->torch_dist() == nullptr) {
+  if (rules == nullptr || rules->section<TorchDistLayout>() == nullptr) {
     return Status::Unsupported("export --to torch_dist writes the keys a rule set's torch_dist section names, and " +
                                (rules == nullptr ? "this " + src.info().kind + " checkpoint is read without a rule set" +
                                                       src.info().NoRulesWhy()

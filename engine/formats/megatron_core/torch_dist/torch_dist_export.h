@@ -50,6 +50,7 @@
 #include <vector>
 
 #include "formats/format.h"
+#include "formats/megatron_core/common/torch_dist_rules.h"
 
 namespace reshard {
 

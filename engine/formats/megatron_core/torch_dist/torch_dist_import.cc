@@ -12,6 +12,7 @@
 #include "formats/megatron_core/common/megatron_layout.h"
 #include "formats/megatron_core/common/optimizer_layouts.h"
 #include "formats/megatron_core/common/torch_dist_family.h"
+#include "formats/megatron_core/common/torch_dist_rules.h"
 #include "formats/megatron_core/torch_dist/saved_layout.h"
 #include "formats/megatron_core/torch_dist/torch_dist_optimizer.h"
 #include "util/human.h"
@@ -85,7 +86,7 @@ class FamilyReader {
       : c_(content),
         family_(rules, ImportedRunMetadata(common, IterationOfFolder(content.folder)),
                 options, "torch_dist"),
-        layout_(*rules.torch_dist()),
+        layout_(*rules.section<TorchDistLayout>()),
         common_(common) {}
 
   Result<TorchDistImport> Read() {

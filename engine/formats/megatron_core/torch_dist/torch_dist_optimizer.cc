@@ -9,6 +9,7 @@
 #include "formats/megatron_core/common/megatron_layout.h"
 #include "formats/megatron_core/common/nd_reformulation.h"
 #include "formats/megatron_core/common/optimizer_layouts.h"
+#include "formats/megatron_core/common/torch_dist_rules.h"
 #include "util/human.h"
 #include "util/shape.h"
 #include "util/strings.h"

@@ -36,6 +36,7 @@
 
 #include "formats/dcp_common/dcp_content.h"
 #include "formats/megatron_core/common/megatron_buckets.h"
+#include "formats/megatron_core/common/torch_dist_rules.h"
 #include "rules/rule_set.h"
 
 namespace reshard {

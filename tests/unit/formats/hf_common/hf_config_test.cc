@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include "formats/hf_common/hf_rules.h"
 #include "pickle/value.h"
 
 namespace reshard {

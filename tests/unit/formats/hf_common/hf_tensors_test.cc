@@ -12,6 +12,7 @@
 #include <numeric>
 #include <thread>
 
+#include "formats/hf_common/hf_rules.h"
 #include "pickle/value.h"
 #include "test_util.h"
 

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "container/torch_file.h"
+#include "formats/megatron_core/common/torch_dist_rules.h"
 #include "util/shape.h"
 
 namespace reshard {
