@@ -35,8 +35,20 @@ int ExitCode(const Status& st) {
   }
 }
 
+// -v: messages printed whole; without it each is cut to two lines.
+bool verbose = false;
+
+// `text` as printed: whole with -v or when it has at most two lines, else
+// its first line and how many more there are.
+std::string Clipped(const std::string& text) {
+  const size_t first_end = text.find('\n');
+  const auto more = std::count(text.begin() + (first_end == std::string::npos ? 0 : first_end), text.end(), '\n');
+  if (verbose || more < 2) return text;
+  return text.substr(0, first_end) + "\n  ... and " + std::to_string(more) + " more lines (-v shows them)";
+}
+
 int Fail(const Status& st) {
-  std::cerr << "reshard: error: " << st.message() << "\n";
+  std::cerr << "reshard: error: " << Clipped(st.message()) << "\n";
   return ExitCode(st);
 }
 
@@ -224,7 +236,7 @@ void PrintFindings(const std::vector<reshard::Finding>& findings) {
 // The notes, or with `quiet` only how many there are (nothing is hidden silently).
 void PrintNotes(const std::vector<std::string>& notes, bool quiet) {
   if (!quiet) {
-    for (const std::string& n : notes) std::cout << "note: " << n << "\n";
+    for (const std::string& n : notes) std::cout << "note: " << Clipped(n) << "\n";
   } else if (!notes.empty()) {
     std::cout << notes.size() << (notes.size() == 1 ? " note" : " notes") << " not shown (-q)\n";
   }
@@ -247,7 +259,7 @@ int RunLint(const std::string& ckpt, const reshard::LintOptions& o, double log_i
       o, false, log_interval, [&](const reshard::LintOptions& with) { return reshard::Lint(ckpt, with); });
   if (!r.ok()) return Fail(r.status());
   std::cout << r->summary << "\n";
-  for (const std::string& n : r->notes) std::cout << "note: " << n << "\n";
+  for (const std::string& n : r->notes) std::cout << "note: " << Clipped(n) << "\n";
   PrintFindings(r->findings);
   std::vector<std::string> target;
   if (!o.to.empty()) target.push_back(o.to);
@@ -553,6 +565,9 @@ int Run(int argc, char** argv) {
   CLI::App* rules_cmd = app.add_subcommand(
       "rules", "List the built-in rule sets, or validate a rule file");
   rules_cmd->add_option("FILE", rules_file, "Rule file to validate");
+  for (CLI::App* cmd : app.get_subcommands([](CLI::App*) { return true; })) {
+    cmd->add_flag("-v,--verbose", verbose, "Print every message whole (errors and notes longer than two lines are cut)");
+  }
 
   try {
     app.parse(argc, argv);

@@ -6,6 +6,8 @@
 * Not on a terminal, a run shorter than the logging interval prints no progress at all (its summary
   says it all): stderr stays empty.
 * `-q` prints the summary and says how many notes it did not show; without `-q` they are shown.
+* A message longer than two lines (a rule file's every problem) is cut to its first line and a count
+  of the rest; `-v` prints it whole.
 
 Run: /usr/bin/python3 tests/interop/test_progress.py --reshard build/reshard
 """
@@ -97,6 +99,23 @@ class ProgressTest(FixtureTestCase):
         count = len(notes)
         self.assertIn(f'{count} note{"s" if count > 1 else ""} not shown (-q)', quiet.stdout)
         self.assertRegex(quiet.stdout, re.compile(r'^wrote \d+ files', re.M))
+
+    def test_long_messages_are_cut_to_two_lines_unless_verbose(self):
+        rules = self.path('bad.yaml')
+        with open(rules, 'w') as f:
+            f.write('name: bad\npipeline: {specs: [{block: B}]}\nlayers:\n'
+                    '  block:\n    - {key: a, split: diagonal}\n    - {key: b, split: sideways}\n'
+                    '    - {key: c, split: upward}\n')
+        whole = support.reshard('rules', rules, '-v')
+        self.assertEqual(whole.returncode, 2, whole.stdout + whole.stderr)
+        problems = whole.stderr.splitlines()
+        self.assertEqual(len(problems), 3, whole.stderr)
+        for split in ('diagonal', 'sideways', 'upward'):
+            self.assertIn(split, whole.stderr)
+
+        cut = support.reshard('rules', rules)
+        self.assertEqual(cut.returncode, 2, cut.stdout + cut.stderr)
+        self.assertEqual(cut.stderr.splitlines(), [problems[0], '  ... and 2 more lines (-v shows them)'])
 
 
 if __name__ == '__main__':
