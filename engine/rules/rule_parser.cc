@@ -11,7 +11,6 @@
 #include <algorithm>
 
 #include "container/regular_file.h"
-#include "pickle/value.h"
 #include "rules/rule_reader.h"
 #include "util/strings.h"
 
