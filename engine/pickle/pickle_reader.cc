@@ -1240,11 +1240,14 @@ Status Parser::DTensor(const Global& g, const std::vector<Node*>& args, Node** o
     where += (where.empty() ? "" : ", ") + text;
   }
   const Tensor& t = local->leaf.as_tensor();
-  if (!values || t.sizes != global) {
-    return Status::Unsupported("pickle holds a DTensor of size " + Dims(global) + " placed (" + where + ") over " +
-                               MeshRanks(spec) + ", and of it only one rank's local tensor " + Dims(t.sizes) +
-                               ", the other ranks' parts being in no file; save the whole tensors (get_state_dict "
-                               "with full_state_dict=True, or DTensor.full_tensor()) or a sharded checkpoint");
+  const std::string held = "pickle holds a DTensor of size " + Dims(global) + " placed (" + where + ") over " +
+                           MeshRanks(spec) + ", and of it ";
+  const char* fix = "; save the whole tensors (get_state_dict with full_state_dict=True, or DTensor.full_tensor()) "
+                    "or a sharded checkpoint";
+  if (!values) return Status::Unsupported(held + "one rank's addend, not its values" + fix);
+  if (t.sizes != global) {
+    return Status::Unsupported(held + "only one rank's local tensor " + Dims(t.sizes) + ", the other ranks' parts "
+                               "being in no file" + fix);
   }
   if (wrapper->items[1]->leaf.as_global().name != DTypeName(t.storage->dtype)) {
     return Fail("DTensor of " + wrapper->items[1]->leaf.as_global().Qualified() + " around a tensor of " +
