@@ -35,8 +35,6 @@ const KnownClasses& DcpKnownClasses() {
       {"torch.distributed.checkpoint.planner.TensorWriteData", {Kind::kRecord, {}}},
       {"torch.distributed.checkpoint.planner.WriteItemType",
        {Kind::kEnum, {"SHARD", "TENSOR", "BYTE_IO"}}},
-      // _get_layout('torch.strided'): a layout looked up by its name.
-      {"torch.serialization._get_layout", {Kind::kValue, {}}},
       // StorageMeta.checkpoint_id when the save path was a Path (pathlib._local
       // under Python 3.13).
       {"pathlib.PosixPath", {Kind::kValue, {}}},

@@ -113,7 +113,10 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenAccelerate(const std::string& fold
   if (IsAccelerateFullStateDict(folder)) {  // torch.save files, every tensor whole
     RESHARD_ASSIGN_OR_RETURN(const DcpTensors tensors, ReadAccelerateFullStateDict(folder));
     RESHARD_ASSIGN_OR_RETURN(StateDictImport imported, ReadAccelerateImport(tensors, options));
-    return SavedWhole(FromStateDict("accelerate", std::move(imported), folder, options));
+    Result<std::unique_ptr<SourceCheckpoint>> opened =
+        SavedWhole(FromStateDict("accelerate", std::move(imported), folder, options));
+    if (opened.ok()) (*opened)->SetFormatOptions(AccelerateSaveOptions(tensors));
+    return opened;
   }
   RESHARD_ASSIGN_OR_RETURN(const DcpContent model, ReadDcpContent(folder + "/" + kAccelerateModelFolder));
   DcpTensors tensors = TensorsOf(model);

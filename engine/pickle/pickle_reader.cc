@@ -35,6 +35,7 @@ enum class Use {
   kTypedTensor,    // _rebuild_from_type_v2(_rebuild_tensor_v2, torch.Tensor, args, None)
   kParameter,      // _rebuild_parameter(tensor, requires_grad, hooks)
   kSize,           // torch.Size(ints)
+  kTensorMeta,     // TensorMeta(torch.Size, stride, dtype) by NEWOBJ: a DTensor's global shape
   kDevice,         // torch.device(type[, index])
   kNumpyArray,     // _reconstruct(numpy.ndarray, shape, bytes); then BUILD of a state tuple
   kNumpyDType,     // numpy.dtype(str, bool, bool); then BUILD of a state tuple
@@ -61,9 +62,11 @@ const char* Shape(Use use) {
     case Use::kGetAttr: return "as getattr(EnumClass, 'member') for an enum class it knows";
     case Use::kRebuildTensor: return "around a torch storage, with no backward hooks";
     case Use::kTypedTensor:
-      return "as _rebuild_from_type_v2(torch._utils._rebuild_tensor_v2, torch.Tensor, args, None)";
+      return "as _rebuild_from_type_v2(torch._utils._rebuild_tensor_v2, torch.Tensor, args, None), or of a DTensor "
+             "as torch.save writes it";
     case Use::kParameter: return "as _rebuild_parameter(tensor, bool, OrderedDict())";
     case Use::kSize: return "as torch.Size(ints)";
+    case Use::kTensorMeta: return "as TensorMeta.__new__(TensorMeta, torch.Size, stride, dtype)";
     case Use::kDevice: return "as torch.device(str[, int])";
     case Use::kNumpyArray: return "as _reconstruct(numpy.ndarray, shape, bytes)";
     case Use::kNumpyDType: return "as numpy.dtype(str, bool, bool)";
@@ -96,6 +99,15 @@ const std::map<std::string, Use>& GenericGlobals() {
         {"torch._utils._rebuild_parameter", Use::kParameter},
         {"torch.nn.parameter.Parameter", Use::kName}, {"torch.Tensor", Use::kName},
         {"torch.Size", Use::kSize}, {"torch.device", Use::kDevice},
+        {"torch.serialization._get_layout", Use::kValue},
+        // A DTensor (torch.distributed.tensor), read as its local tensor where that is the whole.
+        {"torch._utils._rebuild_wrapper_subclass", Use::kName}, {"torch.distributed.tensor.DTensor", Use::kName},
+        {"torch.distributed.tensor._dtensor_spec.DTensorSpec", Use::kRecord},
+        {"torch.distributed.tensor._dtensor_spec.TensorMeta", Use::kTensorMeta},
+        {"torch.distributed.device_mesh.DeviceMesh", Use::kRecord},
+        {"torch.distributed.tensor.placement_types.Shard", Use::kRecord},
+        {"torch.distributed.tensor.placement_types.Replicate", Use::kRecord},
+        {"torch.distributed.tensor.placement_types.Partial", Use::kRecord},
         // dtype aliases; the canonical names (torch.float32, ...) are added below.
         {"torch.float", Use::kName}, {"torch.half", Use::kName}, {"torch.long", Use::kName},
         {"torch.int", Use::kName}, {"torch.double", Use::kName},
@@ -446,6 +458,7 @@ class Parser {
   Status GetAttr(const Global& g, const std::vector<Node*>& args, Node** out);
   bool IsEnumMember(const Global& cls, const std::string& member) const;
   Status TypedTensor(const Global& g, const std::vector<Node*>& args, Node** out);
+  Status DTensor(const Global& g, const std::vector<Node*>& args, Node** out);
   Status RebuildTensor(const std::vector<Node*>& args, Node** out);
   Status Refuse(const std::string& what, const std::string& allow = "") const;
   Status RefuseCall(Use use, const Global& g, const std::vector<Node*>& args,
@@ -1020,7 +1033,7 @@ Status Parser::Call(const Global& g, Object::Construct how, const std::vector<No
   const Use use = *UseOf(g.Qualified(), options_);  // PushGlobal accepted g
   const bool newobj = how == Object::Construct::kNewObj;
   const bool any_call = use == Use::kUser || use == Use::kInert;
-  if (!any_call && newobj != (use == Use::kRecord || use == Use::kTupleRecord)) {
+  if (!any_call && newobj != (use == Use::kRecord || use == Use::kTupleRecord || use == Use::kTensorMeta)) {
     return RefuseCall(use, g, args, how);
   }
   switch (use) {
@@ -1068,6 +1081,10 @@ bool Parser::ArgsFit(Use use, const std::vector<Node*>& a) const {
     case Use::kComplex:
       return !a.empty() && a.size() <= 2 && std::all_of(a.begin(), a.end(), IsNumber);
     case Use::kSize: return a.size() == 1 && IsInts(a[0]);
+    case Use::kTensorMeta: {
+      std::vector<int64_t> ints;
+      return a.size() == 3 && NodeInts(a[0], &ints) && IsInts(a[1]) && IsLeaf(a[2], Value::Kind::kGlobal);
+    }
     case Use::kDevice:
       return (a.size() == 1 || a.size() == 2) && IsLeaf(a[0], Value::Kind::kString) &&
              (a.size() == 1 || IsLeaf(a[1], Value::Kind::kInt));
@@ -1128,6 +1145,9 @@ bool Parser::IsEnumMember(const Global& cls, const std::string& member) const {
 // those the caller knows to be bookkeeping (dropped_tensor_attributes), it
 // is the plain tensor.
 Status Parser::TypedTensor(const Global& g, const std::vector<Node*>& args, Node** out) {
+  if (args.size() == 4 && IsGlobalLeaf(args[0], "torch._utils", "_rebuild_wrapper_subclass")) {
+    return DTensor(g, args, out);
+  }
   if (args.size() != 4 || !IsGlobalLeaf(args[0], "torch._utils", "_rebuild_tensor_v2") ||
       !IsGlobalLeaf(args[1], "torch", "Tensor") || args[2]->kind != Node::Kind::kTuple) {
     return RefuseCall(Use::kTypedTensor, g, args, Object::Construct::kReduce);
@@ -1144,6 +1164,97 @@ Status Parser::TypedTensor(const Global& g, const std::vector<Node*>& args, Node
                                "carry; save the tensor without them");
   }
   return RebuildTensor(args[2]->items, out);
+}
+
+// The item under string `key` of dict node `dict`; null when it has none.
+const Node* Item(const Node* dict, const std::string& key) {
+  if (dict == nullptr || dict->kind != Node::Kind::kDict) return nullptr;
+  for (const auto& [k, v] : dict->pairs) {
+    std::string name;
+    if (LeafString(k, &name) && name == key) return v;
+  }
+  return nullptr;
+}
+
+std::string Dims(const std::vector<int64_t>& sizes) {
+  std::string out;
+  for (int64_t s : sizes) out += (out.empty() ? "" : ", ") + std::to_string(s);
+  return "[" + out + "]";
+}
+
+constexpr char kPlacements[] = "torch.distributed.tensor.placement_types";
+
+// Placement `p` as torch prints it ("Shard(dim=0)", "Replicate()"); false for
+// any other (a Partial's local tensor is an addend of the whole, not its values).
+bool PlacementText(const Node* p, std::string* text) {
+  const Node* dim = Item(p->state, "dim");
+  if (IsObjectOf(p, kPlacements, "Shard") && dim != nullptr && IsLeaf(dim, Value::Kind::kInt)) {
+    *text = "Shard(dim=" + std::to_string(dim->leaf.as_int()) + ")";
+    return true;
+  }
+  *text = IsObjectOf(p, kPlacements, "Replicate") ? "Replicate()" : Describe(p);
+  return IsObjectOf(p, kPlacements, "Replicate");
+}
+
+// The ranks of a DTensor spec's device mesh, as words; "its device mesh" where
+// the spec does not record them.
+std::string MeshRanks(const Node* spec) {
+  const Node* mesh = Item(spec->state, "mesh");
+  const Node* ranks = mesh != nullptr && mesh->kind == Node::Kind::kObject ? Item(mesh->state, "mesh") : nullptr;
+  if (ranks == nullptr || ranks->kind != Node::Kind::kTensor) return "its device mesh";
+  int64_t count = 1;
+  for (int64_t s : ranks->leaf.as_tensor().sizes) count *= s;
+  return "a device mesh of " + std::to_string(count) + " ranks";
+}
+
+// torch.save writes a DTensor as _rebuild_from_type_v2(_rebuild_wrapper_subclass,
+// DTensor, (DTensor, dtype, size, stride, offset, layout, device, requires_grad),
+// (None, {'_local_tensor': t, '_spec': DTensorSpec})): the saving rank's local
+// tensor and where it lies in the whole. Where the local tensor is the whole
+// (replicated, or sharded with every row on this rank) it is read as that
+// tensor; else the other ranks' parts are in no file of the save.
+Status Parser::DTensor(const Global& g, const std::vector<Node*>& args, Node** out) {
+  const Node* wrapper = args[2];
+  const Node* state = args[3];
+  std::vector<int64_t> global;
+  const bool fits = IsGlobalLeaf(args[1], "torch.distributed.tensor", "DTensor") &&
+                    wrapper->kind == Node::Kind::kTuple && wrapper->items.size() == 8 &&
+                    IsGlobalLeaf(wrapper->items[0], "torch.distributed.tensor", "DTensor") &&
+                    IsLeaf(wrapper->items[1], Value::Kind::kGlobal) && NodeInts(wrapper->items[2], &global) &&
+                    state->kind == Node::Kind::kTuple && state->items.size() == 2 &&
+                    IsLeaf(state->items[0], Value::Kind::kNone) && state->items[1]->kind == Node::Kind::kDict &&
+                    state->items[1]->pairs.size() == 2;
+  Node* local = fits ? const_cast<Node*>(Item(state->items[1], "_local_tensor")) : nullptr;
+  const Node* spec = fits ? Item(state->items[1], "_spec") : nullptr;
+  if (local == nullptr || local->kind != Node::Kind::kTensor || spec == nullptr ||
+      !IsObjectOf(spec, "torch.distributed.tensor._dtensor_spec", "DTensorSpec")) {
+    return RefuseCall(Use::kTypedTensor, g, args, Object::Construct::kReduce);
+  }
+  const Node* placements = Item(spec->state, "placements");
+  if (placements == nullptr || placements->kind != Node::Kind::kTuple) return Fail("DTensor spec without placements");
+  std::string where;
+  bool values = true;  // every placement leaves the local tensor holding values of the whole
+  for (const Node* p : placements->items) {
+    std::string text;
+    values = PlacementText(p, &text) && values;
+    where += (where.empty() ? "" : ", ") + text;
+  }
+  const Tensor& t = local->leaf.as_tensor();
+  const std::string held = "pickle holds a DTensor of size " + Dims(global) + " placed (" + where + ") over " +
+                           MeshRanks(spec) + ", and of it ";
+  const char* fix = "; save the whole tensors (get_state_dict with full_state_dict=True, or DTensor.full_tensor()) "
+                    "or a sharded checkpoint";
+  if (!values) return Status::Unsupported(held + "one rank's addend, not its values" + fix);
+  if (t.sizes != global) {
+    return Status::Unsupported(held + "only one rank's local tensor " + Dims(t.sizes) + ", the other ranks' parts "
+                               "being in no file" + fix);
+  }
+  if (wrapper->items[1]->leaf.as_global().name != DTypeName(t.storage->dtype)) {
+    return Fail("DTensor of " + wrapper->items[1]->leaf.as_global().Qualified() + " around a tensor of " +
+                DTypeName(t.storage->dtype));
+  }
+  *out = local;
+  return Status::Ok();
 }
 
 // The class a format knows under `g` (so that --allow-class can stand in for

@@ -34,6 +34,13 @@ optimizer does not number) unless --weights-only; --fsdp-version 2 from an FSDP1
 it, Accelerate's own save_fsdp_optimizer's optimizer.bin) converts to the sharded form at 3 ranks,
 which Accelerate loads (every tensor equal, the next losses the uninterrupted run's), and to HF.
 
+`fsdp2_w1_full`: the FULL_STATE_DICT form of an FSDP2 run on one rank, as Accelerate's save functions
+write it (their plugin refuses the type for FSDP2 when built, not when set after): torch.save files whose
+tensors are DTensors, each whole. Converted to the sharded form at 2 and 3 ranks (the index form kept),
+each loaded by Accelerate's own FSDP2 load with every tensor equal to the save's, the next losses
+bit-equal to torch's own set_state_dict of the save's state at that world size. `fsdp2_w2_full`, the
+same at 2 ranks, holds only rank 0's shard of each DTensor: refused in one line.
+
 Run: PYTHONPATH=tests:tests/interop /usr/bin/python3 tests/interop/test_accelerate.py
      --reshard build/reshard
 """
@@ -64,7 +71,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
-from torch.distributed.checkpoint.state_dict import get_state_dict, StateDictOptions
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict, StateDictOptions
 
 CONFIG = dict(vocab_size=100, hidden_size=32, intermediate_size=27, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=10000.0)
@@ -170,11 +177,18 @@ def rank(r, world, p, name):
     end_rank(dist)
 
 def fsdp2(r, world, p, name, frozen):
-    """Accelerate's FSDP2 save (fsdp_version 2): its optimizer's own state_dict(), keyed by index."""
+    """Accelerate's FSDP2 save (fsdp_version 2): its optimizer's own state_dict(), keyed by index. A name
+    ending in _full: the FULL_STATE_DICT form. Accelerate 1.6.0's plugin refuses it for FSDP2 when built
+    ("FSDP2 only supports SHARDED_STATE_DICT for now"), but its save functions write it when the state dict
+    type is set after: rank 0's torch.save of model.state_dict() and optimizer.state_dict(), which FSDP2
+    holds as DTensors, each with only that rank's local shard (all of it on one rank)."""
     from accelerate.utils import save_fsdp_model, save_fsdp_optimizer
+    from torch.distributed.fsdp import StateDictType
     from transformers import TrainerState
     acc, _ = start(r, world, p)
     plugin = fsdp2_plugin()
+    if name.endswith('_full'):
+        plugin.state_dict_type = StateDictType.FULL_STATE_DICT
     model, optimizer = build2(world, frozen=frozen)
     for batch in (1, 2):
         step(model, optimizer, batch)
@@ -192,14 +206,17 @@ def fsdp2(r, world, p, name, frozen):
 for name, (world, orig) in SAVES.items():
     mp.start_processes(rank, args=(world, port(), name), nprocs=world, start_method='fork')
 mp.start_processes(fsdp2, args=(2, port(), 'fsdp2', ()), nprocs=2, start_method='fork')
+mp.start_processes(fsdp2, args=(1, port(), 'fsdp2_w1_full', ()), nprocs=1, start_method='fork')
+mp.start_processes(fsdp2, args=(2, port(), 'fsdp2_w2_full', ()), nprocs=2, start_method='fork')
 # lm_head.weight trained by no group: the model's state dict holds a tensor the optimizer does not number.
 mp.start_processes(fsdp2, args=(2, port(), 'fsdp2_frozen', ('lm_head.weight',)), nprocs=2, start_method='fork')
 print('saved with torch', torch.__version__)
 '''
 
 # Loads each of LOADS ([label, folder under /data, world, use_orig_params, the save it came from, the
-# FSDP version]) with Accelerate's own load at that world size into a fresh FSDP model, and writes
-# /data/<label>.json: the tensors that differ from the save's, how many were compared, the param
+# FSDP version]) with Accelerate's own load at that world size into a fresh FSDP model (a folder of None:
+# torch's own set_state_dict of the save's whole state dict, the save itself at that world size), and
+# writes /data/<label>.json: the tensors that differ from the save's, how many were compared, the param
 # groups, and the losses of the next two steps.
 LOAD = COMMON + r'''
 LOADS = __LOADS__
@@ -211,10 +228,15 @@ def rank(r, world, p, label, folder, orig, save, version):
         plugin = fsdp2_plugin()
     model, optimizer = build2(world, seed=1) if version == 2 else build(orig, seed=1)  # other weights than the save's
     step(model, optimizer, 9)  # an optimizer state to be replaced
-    load_fsdp_model(plugin, acc, model, '/data/' + folder)
-    load_fsdp_optimizer(plugin, acc, optimizer, model, '/data/' + folder)
-    msd, osd = full(model, optimizer)
     want = torch.load(f'/data/{save}_full.pt', weights_only=False)
+    if folder is None:
+        set_state_dict(model, optimizer, model_state_dict=copy.deepcopy(want['model']),
+                       optim_state_dict=copy.deepcopy(want['optim']),
+                       options=StateDictOptions(full_state_dict=True))
+    else:
+        load_fsdp_model(plugin, acc, model, '/data/' + folder)
+        load_fsdp_optimizer(plugin, acc, optimizer, model, '/data/' + folder)
+    msd, osd = full(model, optimizer)
     differ, compared = [], 0
     for key, t in want['model'].items():
         compared += 1
@@ -273,6 +295,14 @@ class AccelerateTest(FixtureTestCase):
                 self.assertIn('rng_state_0.pth, rng_state_1.pth', p.stdout + p.stderr)
                 self.assertIn('not carried', p.stdout + p.stderr)
 
+    def assertInspectsAdamW(self, ckpt, saved_at):
+        """inspect reads `ckpt` as an Accelerate save (`saved_at`: the layout it names) with its AdamW state."""
+        p = run('inspect', ckpt)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        self.assertIn('format: accelerate' + saved_at, p.stdout)
+        self.assertIn("optimizer state: accelerate's AdamW state (exp_avg, exp_avg_sq; the fp32 parameters "
+                      "as masters), step 2", p.stdout)
+
     def load_in_accelerate(self, loads):
         """Loads each of `loads` (LOAD's) with Accelerate's own load: every tensor equals the save's, and
         so the next step's loss the uninterrupted run's; returns the reports by label."""
@@ -315,11 +345,7 @@ class AccelerateTest(FixtureTestCase):
     def test_fsdp2_converts_to_another_world_size_and_back(self):
         """Accelerate's FSDP2 save (optimizer state keyed by index) at 2 -> 3 -> 2, each loaded by Accelerate."""
         ckpt = os.path.join(self.work, 'fsdp2', 'checkpoint-2')
-        p = run('inspect', ckpt)
-        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
-        self.assertIn('format: accelerate, saved at TP 1, PP 1, DP 2', p.stdout)
-        self.assertIn("optimizer state: accelerate's AdamW state (exp_avg, exp_avg_sq; the fp32 parameters "
-                      "as masters), step 2", p.stdout)
+        self.assertInspectsAdamW(ckpt, ', saved at TP 1, PP 1, DP 2')
         loads = []
         there = os.path.join(self.work, 'fsdp2_to_3')
         for source, out, world in ((ckpt, 'fsdp2_to_3', 3), (there, 'fsdp2_back_to_2', 2)):
@@ -378,11 +404,7 @@ class AccelerateTest(FixtureTestCase):
         """The FULL_STATE_DICT form (pytorch_model_fsdp.bin + Accelerate's optimizer.bin of the w2 run) to
         the sharded form at 3 ranks, which Accelerate loads, and to HF."""
         ckpt = os.path.join(self.work, 'full', 'checkpoint-2')
-        p = run('inspect', ckpt)
-        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
-        self.assertIn('format: accelerate', p.stdout)
-        self.assertIn("optimizer state: accelerate's AdamW state (exp_avg, exp_avg_sq; the fp32 parameters "
-                      "as masters), step 2", p.stdout)
+        self.assertInspectsAdamW(ckpt, '')
         out = os.path.join(self.work, 'full_to_3')
         p = run('convert', ckpt, out, '--dp-shard', 3)
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
@@ -401,6 +423,36 @@ class AccelerateTest(FixtureTestCase):
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         self.assertIn('same model', p.stdout)
         self.assertIn('verify: 15 tensors', p.stdout)
+
+    def test_fsdp2_full_state_dict_converts_and_loads_in_accelerate(self):
+        """The FULL_STATE_DICT form of an FSDP2 save on one rank (its DTensors whole) to the sharded form at 2
+        and 3 ranks, each loaded by Accelerate's own FSDP2 load; of a save on 2 ranks (rank 0's shards) refused."""
+        ckpt = os.path.join(self.work, 'fsdp2_w1_full', 'checkpoint-2')
+        self.assertInspectsAdamW(ckpt, '')
+        loads = []
+        for world in (2, 3):
+            out = f'fsdp2_full_to_{world}'
+            p = run('convert', ckpt, os.path.join(self.work, out), '--dp-shard', world)
+            self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+            with open(os.path.join(self.work, out, 'optimizer_0', '.metadata'), 'rb') as f:
+                self.assertIn(b'optimizer.state.20.exp_avg_sq', f.read())  # FSDP2's form: keyed by index
+            p = run('verify', ckpt, os.path.join(self.work, out))
+            self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+            self.assertIn('verify: 60 tensors', p.stdout)
+            loads.append([f'{out}_loaded', out, world, True, 'fsdp2_w1_full', 2])
+            loads.append([f'fsdp2_full_itself_at_{world}', None, world, True, 'fsdp2_w1_full', 2])
+        reports = self.load_in_accelerate(loads)
+        for world in (2, 3):
+            self.assertEqual(reports[f'fsdp2_full_to_{world}_loaded']['groups'], TRAINER_GROUPS)
+            # FSDP2 reduces the gradients of 2 or 3 ranks' shards in another order than of one rank's, which
+            # AdamW's first steps magnify (about 1e-2 in the next loss): the next loss is torch's own load of
+            # the save's state at that world size, bit for bit.
+            self.assertEqual(reports[f'fsdp2_full_to_{world}_loaded']['losses'],
+                             reports[f'fsdp2_full_itself_at_{world}']['losses'])
+        out = self.path('refused')
+        p = run('convert', os.path.join(self.work, 'fsdp2_w2_full', 'checkpoint-2'), out, '--dp-shard', 3)
+        self.assertRefused(p, "pickle holds a DTensor of size [100, 32] placed (Shard(dim=0)) over a device mesh of "
+                           "2 ranks, and of it only one rank's local tensor [50, 32]", out)
 
     def test_index_keyed_state_without_a_mapping_is_refused(self):
         """A parameter in no group (lm_head.weight): which model tensor each index is, is not recorded."""

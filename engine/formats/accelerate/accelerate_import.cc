@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <functional>
+#include <memory>
 #include <regex>
 
 #include "container/torch_file.h"
@@ -83,26 +85,46 @@ Result<std::vector<T>> ListOf(const Value& value, Value::Kind kind, T (*convert)
 int64_t AsInt(const Value& v) { return v.as_int(); }
 std::string AsString(const Value& v) { return v.as_string(); }
 
-// The groups of `optim` (the optimizer's DCP folder) when their params are
-// indices; nullopt when they are FQNs (FSDP1's optim_state_dict) or absent.
-Result<std::optional<SavedGroups>> IndexedGroups(const DcpContent& optim) {
+// A torch.save file of the FULL_STATE_DICT form, its tensors plain: FSDP1
+// marks each `_has_been_cloned`, FSDP2's are whole DTensors.
+Result<Value> ReadFullFile(const std::string& path) {
+  PickleReadOptions read;
+  read.dropped_tensor_attributes = {"_has_been_cloned"};
+  return ReadTorchFile(path, read);
+}
+
+// What an index-keyed optimizer state's mapping is read from, in either form
+// of the save: the model's tensors (`model.` stripped) in its state dict's
+// order, each index's state shape (its moments'), and the optimizer's
+// objects by their flattened keys.
+struct IndexSources {
+  std::string folder;
+  std::vector<std::pair<std::string, Shape>> model;
+  std::map<int64_t, Shape> state_shapes;
+  std::function<bool(const std::string& key)> has_object;
+  std::function<Result<Value>(const std::string& key)> read_object;
+};
+
+// The groups of `sources` when their params are indices; nullopt when they
+// are FQNs (FSDP1's optim_state_dict) or absent.
+Result<std::optional<SavedGroups>> IndexedGroups(const IndexSources& sources) {
   SavedGroups out;
   bool named = true;
-  for (int64_t g = 0; optim.meta.items.count(kGroups + std::to_string(g) + kParams); ++g) {
+  for (int64_t g = 0; sources.has_object(kGroups + std::to_string(g) + kParams); ++g) {
     const std::string group = kGroups + std::to_string(g);
-    RESHARD_ASSIGN_OR_RETURN(Value params, optim.ReadBytes(group + kParams));
+    RESHARD_ASSIGN_OR_RETURN(Value params, sources.read_object(group + kParams));
     const bool fqns = params.is(Value::Kind::kList) && !params.as_list().items.empty() &&
                       params.as_list().items.front().is(Value::Kind::kString);
     if (fqns) return std::optional<SavedGroups>();
     Result<std::vector<int64_t>> indices = ListOf(params, Value::Kind::kInt, AsInt);
     if (!indices.ok()) {
-      return Status::InvalidInput(optim.folder + "'s " + group + kParams + " is no list of parameter indices or "
+      return Status::InvalidInput(sources.folder + "'s " + group + kParams + " is no list of parameter indices or "
                                   "names (" + indices.status().message() + ")");
     }
     out.indices.push_back(std::move(*indices));
     std::vector<std::string> names;
-    if (optim.meta.items.count(group + kParamNames)) {
-      RESHARD_ASSIGN_OR_RETURN(Value listed, optim.ReadBytes(group + kParamNames));
+    if (sources.has_object(group + kParamNames)) {
+      RESHARD_ASSIGN_OR_RETURN(Value listed, sources.read_object(group + kParamNames));
       Result<std::vector<std::string>> strings = ListOf(listed, Value::Kind::kString, AsString);
       if (strings.ok() && strings->size() == out.indices.back().size()) names = std::move(*strings);
     }
@@ -114,29 +136,35 @@ Result<std::optional<SavedGroups>> IndexedGroups(const DcpContent& optim) {
   return std::optional<SavedGroups>(std::move(out));
 }
 
-// Each index's state shape (its moments'), from `optim`'s metadata.
-std::map<int64_t, Shape> StateShapes(const DcpContent& optim) {
+// Each index's state shape, from the optimizer's tensors (key, shape).
+std::map<int64_t, Shape> StateShapes(const std::vector<std::pair<std::string, Shape>>& tensors) {
   std::map<int64_t, Shape> out;
-  for (const std::string& key : optim.meta.order) {
-    const DcpItem& item = optim.meta.items.at(key);
-    if (!StartsWith(key, kOptimizerState) || item.kind != DcpItem::Kind::kTensor || item.size.empty()) continue;
+  for (const auto& [key, shape] : tensors) {
+    if (!StartsWith(key, kOptimizerState) || shape.empty()) continue;
     const std::string rest = key.substr(sizeof(kOptimizerState) - 1);
     int64_t index = 0;
-    if (ParseInt(rest.substr(0, rest.find('.')), &index)) out.emplace(index, item.size);
+    if (ParseInt(rest.substr(0, rest.find('.')), &index)) out.emplace(index, shape);
   }
   return out;
 }
 
-// The model's tensors (`model.` stripped) in the order of its state dict,
-// which torch's save keeps in the metadata: the first rank holds the first
-// rows of every FSDP2 parameter, and lists them in its state dict's order.
-std::vector<std::pair<std::string, Shape>> ModelTensors(const DcpContent& model) {
+// The model's tensors of `tensors` (key, shape), `model.` stripped.
+std::vector<std::pair<std::string, Shape>> ModelTensors(const std::vector<std::pair<std::string, Shape>>& tensors) {
   std::vector<std::pair<std::string, Shape>> out;
-  for (const std::string& key : model.meta.order) {
-    const DcpItem& item = model.meta.items.at(key);
-    if (StartsWith(key, kModelPrefix) && item.kind == DcpItem::Kind::kTensor) {
-      out.emplace_back(key.substr(sizeof(kModelPrefix) - 1), item.size);
-    }
+  for (const auto& [key, shape] : tensors) {
+    if (StartsWith(key, kModelPrefix)) out.emplace_back(key.substr(sizeof(kModelPrefix) - 1), shape);
+  }
+  return out;
+}
+
+// The tensors of a DCP folder (key, shape) in the order of its metadata,
+// which torch's save keeps in the order of the state dict: the first rank
+// holds the first rows of every FSDP2 parameter, and lists them in order.
+std::vector<std::pair<std::string, Shape>> OrderedTensors(const DcpContent& content) {
+  std::vector<std::pair<std::string, Shape>> out;
+  for (const std::string& key : content.meta.order) {
+    const DcpItem& item = content.meta.items.at(key);
+    if (item.kind == DcpItem::Kind::kTensor) out.emplace_back(key, item.size);
   }
   return out;
 }
@@ -205,16 +233,17 @@ class GroupSplit {
 };
 
 // The FQN of each index from the order of the model's state dict.
-Result<std::vector<std::string>> FqnsByModelOrder(const std::string& folder, const DcpContent& model,
-                                                  const DcpContent& optim, const SavedGroups& groups, int64_t count) {
-  const std::vector<std::pair<std::string, Shape>> tensors = ModelTensors(model);
+Result<std::vector<std::string>> FqnsByModelOrder(const IndexSources& sources, const SavedGroups& groups,
+                                                  int64_t count) {
+  const std::string& folder = sources.folder;
+  const std::vector<std::pair<std::string, Shape>>& tensors = sources.model;
   if (static_cast<int64_t>(tensors.size()) != count) {
     return Status::Unsupported(IndexKeyed(folder) + "holds " + std::to_string(count) + " parameters where the "
                                "model's state dict holds " + std::to_string(tensors.size()) + " tensors: which of "
                                "them have no index (a tied copy, a buffer, a frozen parameter) is not recorded" +
                                kIndexFix);
   }
-  const std::map<int64_t, Shape> shapes = StateShapes(optim);
+  const std::map<int64_t, Shape>& shapes = sources.state_shapes;
   std::vector<Shape> params;
   for (const auto& t : tensors) params.push_back(t.second);
   std::vector<std::vector<Shape>> members;
@@ -253,13 +282,54 @@ Result<std::vector<std::string>> FqnsByModelOrder(const std::string& folder, con
   return fqns;
 }
 
+// The sharded form's sources: the model's and the optimizer's DCP folders'
+// metadata; nullopt without optimizer_0/.
+Result<std::optional<IndexSources>> ShardedIndexSources(const std::string& folder) {
+  const std::string optim_folder = folder + "/" + kAccelerateOptimizerFolder;
+  if (!IsDirectory(optim_folder)) return std::optional<IndexSources>();
+  RESHARD_ASSIGN_OR_RETURN(DcpContent read, ReadDcpContent(optim_folder));
+  auto optim = std::make_shared<const DcpContent>(std::move(read));
+  RESHARD_ASSIGN_OR_RETURN(const DcpContent model, ReadDcpContent(folder + "/" + kAccelerateModelFolder));
+  IndexSources out;
+  out.folder = folder;
+  out.model = ModelTensors(OrderedTensors(model));
+  out.state_shapes = StateShapes(OrderedTensors(*optim));
+  out.has_object = [optim](const std::string& key) { return optim->meta.items.count(key) > 0; };
+  out.read_object = [optim](const std::string& key) { return optim->ReadBytes(key); };
+  return std::optional<IndexSources>(std::move(out));
+}
+
+// The FULL_STATE_DICT form's sources: pytorch_model_fsdp.bin's tensors in
+// its order, optimizer.bin's states and objects; nullopt without optimizer.bin.
+Result<std::optional<IndexSources>> FullIndexSources(const std::string& folder) {
+  if (!Exists(fs::path(folder) / kFullOptimizerFile)) return std::optional<IndexSources>();
+  RESHARD_ASSIGN_OR_RETURN(const Value model, ReadFullFile(folder + "/" + kFullModelFile));
+  RESHARD_ASSIGN_OR_RETURN(DcpTensors read, ReadAccelerateFullStateDict(folder));
+  auto whole = std::make_shared<const DcpTensors>(std::move(read));
+  IndexSources out;
+  out.folder = folder;
+  std::vector<std::pair<std::string, Shape>> optimizer;
+  for (const auto& [key, t] : whole->tensors) optimizer.emplace_back(key, t.tensor.as_tensor().sizes);
+  out.state_shapes = StateShapes(optimizer);
+  for (const auto& [key, value] : *DictItems(model)) {  // ReadAccelerateFullStateDict found it a dict
+    if (key.is(Value::Kind::kString) && value.is(Value::Kind::kTensor)) {
+      out.model.emplace_back(key.as_string(), value.as_tensor().sizes);
+    }
+  }
+  out.has_object = [whole](const std::string& key) {
+    return std::find(whole->objects.begin(), whole->objects.end(), key) != whole->objects.end();
+  };
+  out.read_object = [whole](const std::string& key) { return whole->read_object(key); };
+  return std::optional<IndexSources>(std::move(out));
+}
+
 }  // namespace
 
 Result<std::optional<AccelerateParamIndex>> ReadAccelerateParamIndex(const std::string& folder) {
-  const std::string optim_folder = folder + "/" + kAccelerateOptimizerFolder;
-  if (!IsDirectory(optim_folder)) return std::optional<AccelerateParamIndex>();
-  RESHARD_ASSIGN_OR_RETURN(const DcpContent optim, ReadDcpContent(optim_folder));
-  RESHARD_ASSIGN_OR_RETURN(std::optional<SavedGroups> groups, IndexedGroups(optim));
+  RESHARD_ASSIGN_OR_RETURN(const std::optional<IndexSources> sources,
+                           IsAccelerateFullStateDict(folder) ? FullIndexSources(folder) : ShardedIndexSources(folder));
+  if (!sources) return std::optional<AccelerateParamIndex>();
+  RESHARD_ASSIGN_OR_RETURN(std::optional<SavedGroups> groups, IndexedGroups(*sources));
   if (!groups) return std::optional<AccelerateParamIndex>();
   AccelerateParamIndex out;
   out.groups = groups->indices;
@@ -272,11 +342,12 @@ Result<std::optional<AccelerateParamIndex>> ReadAccelerateParamIndex(const std::
       }
     }
   }
-  RESHARD_ASSIGN_OR_RETURN(const DcpContent model, ReadDcpContent(folder + "/" + kAccelerateModelFolder));
   if (!groups->names.empty()) {
     for (const std::vector<std::string>& names : groups->names) {
       for (const std::string& name : names) {
-        if (!model.meta.items.count(kModelPrefix + name)) {
+        const bool held = std::any_of(sources->model.begin(), sources->model.end(),
+                                      [&name](const auto& tensor) { return tensor.first == name; });
+        if (!held) {
           return Status::InvalidInput(IndexKeyed(folder) + "its param_names name " + name + ", which its model "
                                       "does not hold (" + kModelPrefix + name + "); restore the files Accelerate saved");
         }
@@ -285,7 +356,7 @@ Result<std::optional<AccelerateParamIndex>> ReadAccelerateParamIndex(const std::
     }
     return std::optional<AccelerateParamIndex>(std::move(out));
   }
-  RESHARD_ASSIGN_OR_RETURN(out.fqns, FqnsByModelOrder(folder, model, optim, *groups, count));
+  RESHARD_ASSIGN_OR_RETURN(out.fqns, FqnsByModelOrder(*sources, *groups, count));
   return std::optional<AccelerateParamIndex>(std::move(out));
 }
 
@@ -410,9 +481,7 @@ Result<DcpTensors> ReadAccelerateFullStateDict(const std::string& folder) {
                                      {kFullOptimizerFile, "optimizer"}}) {
     const std::string path = folder + "/" + file;
     if (!Exists(path)) continue;
-    PickleReadOptions read;
-    read.dropped_tensor_attributes = {"_has_been_cloned"};  // FSDP1's mark on its full state dict's tensors
-    RESHARD_ASSIGN_OR_RETURN(Value root, ReadTorchFile(path, read));
+    RESHARD_ASSIGN_OR_RETURN(Value root, ReadFullFile(path));
     if (DictItems(root) == nullptr) {
       return Status::InvalidInput(path + " holds " + root.DebugString(60) + ", not the state dict Accelerate's "
                                   "FULL_STATE_DICT save writes; restore the file Accelerate saved");

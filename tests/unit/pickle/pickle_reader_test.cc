@@ -555,6 +555,62 @@ TEST(PickleReaderCallShapeTest, RebuildFromTypeOnlyWrapsTheTensorRebuild) {
                    .ok());
 }
 
+// torch.save's pickle of a DTensor of `global` elements whose local tensor is
+// TensorArgs' 4 floats, placed by `placement` (a pickled placement) over a
+// device mesh of `ranks`.
+std::string DTensorPickle(int64_t global, const std::string& placement, int ranks) {
+  const std::string spec_module = "torch.distributed.tensor._dtensor_spec";
+  const std::string dtensor = G("torch.distributed.tensor", "DTensor");
+  const std::string size = "(I" + std::to_string(global) + "\nt";
+  const std::string wrapper = "(" + dtensor + G("torch", "float32") + size + "(I1\ntI0\n" +
+                              G("torch.serialization", "_get_layout") + "(" + Str("torch.strided") + "tR" +
+                              G("torch", "device") + "(" + Str("cpu") + "tRI00\nt";
+  const std::string n = std::to_string(ranks);
+  const std::string mesh = G("torch.distributed.device_mesh", "DeviceMesh") + ")\x81(" + Str("mesh") + kRebuild +
+                           "((" + Str("storage") + G("torch", "IntStorage") + Str("1") + Str("cpu") + "I" + n +
+                           "\ntQI0\n(I" + n + "\nt(I1\ntI00\n" + kNoHooks + "tRdb";
+  const std::string meta = G(spec_module, "TensorMeta") + "(" + G("torch", "Size") + "(" + size + "tR(I1\nt" +
+                           G("torch", "float32") + "t\x81";
+  const std::string spec = G(spec_module, "DTensorSpec") + ")\x81(" + Str("mesh") + mesh + Str("placements") + "(" +
+                           placement + "t" + Str("tensor_meta") + meta + "db";
+  const std::string state =
+      "(N(" + Str("_local_tensor") + kRebuild + TensorArgs(kNoHooks) + "R" + Str("_spec") + spec + "dt";
+  return G("torch._tensor", "_rebuild_from_type_v2") + "(" + G("torch._utils", "_rebuild_wrapper_subclass") +
+         dtensor + wrapper + state + "tR.";
+}
+
+TEST(PickleReaderCallShapeTest, DTensorIsItsLocalTensorWhereThatIsTheWhole) {
+  const std::string placements = "torch.distributed.tensor.placement_types";
+  const std::string shard = G(placements, "Shard") + ")\x81(" + Str("dim") + "I0\ndb";
+  const std::string replicate = G(placements, "Replicate") + ")\x81";
+  // Sharded over one rank, or replicated: the local tensor is the whole.
+  for (const std::string& placement : {shard, replicate}) {
+    Result<Value> v = ParseString(DTensorPickle(4, placement, 1));
+    ASSERT_TRUE(v.ok()) << v.status().message();
+    EXPECT_EQ(v->DebugString(), "tensor(float32, [4])");
+  }
+  // One rank's shard of 8: the other's is in no file.
+  Result<Value> shard_of_two = ParseString(DTensorPickle(8, shard, 2));
+  ASSERT_FALSE(shard_of_two.ok());
+  EXPECT_EQ(shard_of_two.status().message(),
+            "pickle holds a DTensor of size [8] placed (Shard(dim=0)) over a device mesh of 2 ranks, and of it only "
+            "one rank's local tensor [4], the other ranks' parts being in no file; save the whole tensors "
+            "(get_state_dict with full_state_dict=True, or DTensor.full_tensor()) or a sharded checkpoint");
+  // A Partial's local tensor is an addend of the whole, not its values.
+  Result<Value> partial =
+      ParseString(DTensorPickle(4, G(placements, "Partial") + ")\x81(" + Str("reduce_op") + Str("sum") + "db", 2));
+  ASSERT_FALSE(partial.ok());
+  EXPECT_NE(partial.status().message().find("placed (torch.distributed.tensor.placement_types.Partial(...)) over a "
+                                            "device mesh of 2 ranks, and of it one rank's addend, not its values"),
+            std::string::npos)
+      << partial.status().message();
+  // The wrapper rebuild of another class is refused as any other call.
+  std::string other = DTensorPickle(4, shard, 1);
+  const std::string dtensor = G("torch.distributed.tensor", "DTensor");
+  other.replace(other.find(dtensor), dtensor.size(), G("torch", "Tensor"));
+  ExpectRefused(other, "which reshard accepts only as _rebuild_from_type_v2(");
+}
+
 TEST(PickleReaderCallShapeTest, EnumMembers) {
   Result<Value> member = ParseString(G("builtins", "getattr") + "(" + kZeroStage + Str("weights") + "tR.");
   ASSERT_TRUE(member.ok()) << member.status().message();
