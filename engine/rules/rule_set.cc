@@ -28,16 +28,21 @@ std::vector<std::string> CaptureGroups(const RE2& re, const std::string& key) {
   return groups;
 }
 
-}  // namespace
-
-bool TorchDistLayout::IsStackedKey(const std::string& key) const {
+// Whether the canonical name of the tensor of `key` holds `placeholder`.
+bool NameOfKeyHas(const std::vector<TorchDistTensor>& tensors, const std::string& key, const char* placeholder) {
   for (const TorchDistTensor& t : tensors) {
     if (std::find(t.keys.begin(), t.keys.end(), key) != t.keys.end() || t.local_key == key) {
-      return t.name.find("{block}") != std::string::npos;
+      return t.name.find(placeholder) != std::string::npos;
     }
   }
   return false;
 }
+
+}  // namespace
+
+bool TorchDistLayout::IsStackedKey(const std::string& key) const { return NameOfKeyHas(tensors, key, "{block}"); }
+
+bool TorchDistLayout::IsExpertKey(const std::string& key) const { return NameOfKeyHas(tensors, key, "{expert}"); }
 
 Value ScalarValue(const std::string& text) {
   int64_t n = 0;
