@@ -215,10 +215,16 @@ if not torch.cuda.is_available():
 # Without Apex or Transformer Engine (as on this CPU host) Megatron-Core steps with torch's Adam,
 # which keeps a per-parameter 'step' tensor; its load sets the step from the param groups and
 # skips 'step' among the loaded tensors, but then looks it up there: a 'step' of None is skipped.
+# (Its dp_reshardable load gives each parameter the fresh optimizer's own 'step', 0, which no
+# bucket holds, and would copy it over the groups' step: that one is skipped too.) And that load
+# copies into the fp32 masters outside no_grad, where in fp32 training (as here) a master is a view
+# of its parameter, a leaf that requires grad, which torch refuses to copy into so: copied under
+# no_grad, as its other layouts' loads copy.
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 _set_states = DistributedOptimizer._set_main_param_and_optimizer_states
 def _set_states_but_step(self, model_param, tensors):
-    return _set_states(self, model_param, {'step': None, **tensors})
+    with torch.no_grad():
+        return _set_states(self, model_param, {**tensors, 'step': None})
 DistributedOptimizer._set_main_param_and_optimizer_states = _set_states_but_step
 # And it gives every parameter's state one shared 'step' tensor, which torch's Adam then advances once per
 # parameter at the next step (a bias correction as of many steps on): each its own, as a step makes them.

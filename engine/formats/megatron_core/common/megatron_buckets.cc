@@ -154,14 +154,45 @@ std::vector<std::pair<int64_t, int64_t>> MegatronBucketChunks(const BucketLayout
   return chunks;
 }
 
-std::string MegatronBucketKey(int dp_group_idx, int gbuf_idx, DType param_dtype, DType grad_dtype,
+std::string MegatronDpGroup::Prefix() const {
+  return (chained >= 0 ? "chained_" + std::to_string(chained) + "." : std::string()) +
+         "optimizer.distributed.dp_group_idx_" + std::to_string(dp_group_idx);
+}
+
+// Megatron-Core names a sharded object's item by its shard: shard 0 of 1.
+std::string MegatronDpGroup::ItemKey(const std::string& name) const { return Prefix() + "." + name + "/shard_0_1"; }
+
+std::string MegatronBucketKey(const MegatronDpGroup& group, int gbuf_idx, DType param_dtype, DType grad_dtype,
                               int bucket, const std::string& state) {
-  return "optimizer.distributed.dp_group_idx_" + std::to_string(dp_group_idx) + ".gbuf_idx_" +
-         std::to_string(gbuf_idx) + ".dtype_(torch." + DTypeName(param_dtype) + ", torch." +
-         DTypeName(grad_dtype) + ").bucket_idx_" + std::to_string(bucket) + "." + state;
+  return group.Prefix() + ".gbuf_idx_" + std::to_string(gbuf_idx) + ".dtype_(torch." + DTypeName(param_dtype) +
+         ", torch." + DTypeName(grad_dtype) + ").bucket_idx_" + std::to_string(bucket) + "." + state;
 }
 
 int MegatronDpGroupIdx(int tp_rank, int pp_rank, int tp) { return tp_rank + tp * pp_rank; }
+
+int MegatronExpertDpGroupIdx(int etp_rank, int ep_rank, int pp_rank, int etp, int ep) {
+  return etp_rank + etp * (ep_rank + ep * pp_rank);
+}
+
+std::vector<RegisteredParam> SharedRegistrationOrder(const std::vector<RegisteredParam>& stage,
+                                                     const std::function<bool(const std::string&)>& is_expert_key,
+                                                     const OptimizerShare& share) {
+  std::vector<RegisteredParam> params;
+  for (size_t i = 0; i < stage.size();) {
+    if (!is_expert_key(stage[i].key)) {
+      if (share.dense) params.push_back(stage[i]);
+      ++i;
+      continue;
+    }
+    size_t end = i;  // the layer's run of expert keys: [i, end)
+    while (end < stage.size() && stage[end].layer == stage[i].layer && is_expert_key(stage[end].key)) ++end;
+    for (int64_t e = share.first_expert; e < share.first_expert + share.experts; ++e) {
+      for (size_t j = i; j < end; ++j) params.push_back({stage[j].key, stage[j].layer, e});
+    }
+    i = end;
+  }
+  return params;
+}
 
 std::vector<RegisteredParam> StageRegistrationOrder(const std::vector<std::string>& order,
                                                     const std::function<bool(const std::string&)>& is_layer_key,

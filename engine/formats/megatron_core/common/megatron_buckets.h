@@ -126,18 +126,36 @@ Result<BucketLayout> MegatronRecordedLayout(const std::vector<BucketParam>& para
 std::vector<std::pair<int64_t, int64_t>> MegatronBucketChunks(const BucketLayout& layout,
                                                               int bucket, int dp);
 
+// One model-parallel rank's items of one of Megatron-Core's distributed
+// optimizers. `dp_group_idx` is the rank in the optimizer's model-parallel
+// group: MegatronDpGroupIdx for dense parameters, MegatronExpertDpGroupIdx
+// for the experts'. When Megatron-Core chains more than one optimizer (a
+// model with experts at EP > 1: 0 the dense parameters', 1 the experts'),
+// each key starts `chained_{n}.`.
+struct MegatronDpGroup {
+  int dp_group_idx = 0;
+  int chained = -1;  // -1: one optimizer, no prefix
+
+  // `[chained_{n}.]optimizer.distributed.dp_group_idx_{i}`: what each key
+  // of the rank's items starts with.
+  std::string Prefix() const;
+  // The key of the rank's bytes item `name` (per_bucket_numel, optimizer, ...).
+  std::string ItemKey(const std::string& name) const;
+};
+
 // The checkpoint key of one state of one bucket, e.g. `optimizer.distributed.
 // dp_group_idx_0.gbuf_idx_1.dtype_(torch.float32, torch.float32).bucket_idx_0.
-// exp_avg`. `dp_group_idx` is the rank in the model-parallel group:
-// MegatronDpGroupIdx for dense parameters.
-std::string MegatronBucketKey(int dp_group_idx, int gbuf_idx, DType param_dtype, DType grad_dtype,
+// exp_avg`.
+std::string MegatronBucketKey(const MegatronDpGroup& group, int gbuf_idx, DType param_dtype, DType grad_dtype,
                               int bucket, const std::string& state);
 
-// One parameter a pipeline stage registers: a key, and its layer when the
-// key is one per layer (-1 otherwise).
+// One parameter a pipeline stage registers: a key, its layer when the key
+// is one per layer (-1 otherwise), and its expert when the key is one per
+// expert (-1 otherwise).
 struct RegisteredParam {
   std::string key;
   int64_t layer = -1;
+  int64_t expert = -1;
 };
 
 // The parameters of a stage in registration order, from `order` (a rule
@@ -153,8 +171,32 @@ std::vector<RegisteredParam> StageRegistrationOrder(const std::vector<std::strin
                                                     int64_t first_layer, int64_t layers, bool first_stage,
                                                     bool last_stage, const std::string& tied_head = "");
 
+// Which parameters of a model-parallel rank one of Megatron-Core's
+// optimizers holds. At EP 1 one optimizer holds them all, the experts as
+// dense parameters; at EP > 1 a ChainedOptimizer holds the dense
+// parameters' and the experts', the latter an EP rank's experts only.
+struct OptimizerShare {
+  bool dense = true;  // the parameters of no expert
+  int64_t first_expert = 0;  // the experts held: [first_expert, first_expert + experts)
+  int64_t experts = 0;
+};
+
+// `stage` (StageRegistrationOrder's, each expert key once per layer) as the
+// optimizer of `share` holds it: each layer's run of expert keys
+// (`is_expert_key`) once for each expert held, in order, as SequentialMLP
+// registers its local experts one after the other; the other keys where
+// share.dense says.
+std::vector<RegisteredParam> SharedRegistrationOrder(const std::vector<RegisteredParam>& stage,
+                                                     const std::function<bool(const std::string&)>& is_expert_key,
+                                                     const OptimizerShare& share);
+
 // The model-parallel rank of (TP rank, PP rank) in Megatron's default rank
 // order (TP fastest, then PP): tp_rank + TP · pp_rank.
 int MegatronDpGroupIdx(int tp_rank, int pp_rank, int tp);
+
+// The rank in the experts' model-parallel group (expert TP × EP × PP, as
+// Megatron-Core orders its expert ranks: expert TP fastest, then EP, then
+// PP) of (expert TP rank, EP rank, PP rank).
+int MegatronExpertDpGroupIdx(int etp_rank, int ep_rank, int pp_rank, int etp, int ep);
 
 }  // namespace reshard

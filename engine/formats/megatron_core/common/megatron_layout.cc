@@ -242,11 +242,14 @@ Result<PipelineStages> ChunkedStages(int layers, int pp, int vpp, const Pipeline
 }
 
 std::vector<RegisteredParam> ChunkRegistrationOrder(const TorchDistLayout& layout, const PipelineStages& stages,
-                                                    int stage, int chunk, const std::string& tied_head) {
-  return StageRegistrationOrder(
-      layout.optimizer_order, [&layout](const std::string& key) { return layout.IsStackedKey(key); },
-      stages.ChunkFirst(stage, chunk), stages.ChunkLayers(stage, chunk), stage == 0 && chunk == 0,
-      stage == stages.pp() - 1 && chunk == stages.vpp() - 1, tied_head);
+                                                    int stage, int chunk, const std::string& tied_head,
+                                                    const OptimizerShare& share) {
+  return SharedRegistrationOrder(
+      StageRegistrationOrder(
+          layout.optimizer_order, [&layout](const std::string& key) { return layout.IsStackedKey(key); },
+          stages.ChunkFirst(stage, chunk), stages.ChunkLayers(stage, chunk), stage == 0 && chunk == 0,
+          stage == stages.pp() - 1 && chunk == stages.vpp() - 1, tied_head),
+      [&layout](const std::string& key) { return layout.IsExpertKey(key); }, share);
 }
 
 int VppOfArgs(const Value& args) {

@@ -137,13 +137,15 @@ class PipelineStages {
 // virtual pipeline at PP 1.
 Result<PipelineStages> ChunkedStages(int layers, int pp, int vpp, const PipelineSplit& split, const SplitFlags& flags);
 
-// The parameters model chunk `chunk` of stage `stage` registers, in order:
-// StageRegistrationOrder (megatron_buckets.h) of the rule set's
-// optimizer_order over the chunk's layers, the embedding's keys on stage 0's
-// chunk 0, the final ones (and `tied_head`, "" for none) on the last stage's
-// last chunk.
+// The parameters model chunk `chunk` of stage `stage` registers that the
+// optimizer of `share` holds, in order: StageRegistrationOrder
+// (megatron_buckets.h) of the rule set's optimizer_order over the chunk's
+// layers, the embedding's keys on stage 0's chunk 0, the final ones (and
+// `tied_head`, "" for none) on the last stage's last chunk; each layer's
+// expert keys once per expert held (SharedRegistrationOrder).
 std::vector<RegisteredParam> ChunkRegistrationOrder(const TorchDistLayout& layout, const PipelineStages& stages,
-                                                    int stage, int chunk, const std::string& tied_head);
+                                                    int stage, int chunk, const std::string& tied_head,
+                                                    const OptimizerShare& share);
 
 // The virtual pipeline size `args` record (1 where None or absent).
 inline constexpr char kVppArg[] = "virtual_pipeline_model_parallel_size";

@@ -188,6 +188,16 @@ class TorchDistSectionParser : RuleReader {
   }
 };
 
+// Whether the canonical name of the tensor of `key` holds `placeholder`.
+bool NameOfKeyHas(const std::vector<TorchDistTensor>& tensors, const std::string& key, const char* placeholder) {
+  for (const TorchDistTensor& t : tensors) {
+    if (std::find(t.keys.begin(), t.keys.end(), key) != t.keys.end() || t.local_key == key) {
+      return t.name.find(placeholder) != std::string::npos;
+    }
+  }
+  return false;
+}
+
 }  // namespace
 
 std::shared_ptr<const RuleSection> ParseTorchDistSection(const Field& section, const RuleSet& so_far, RuleReader* in) {
@@ -203,13 +213,8 @@ void TorchDistLayout::AddValuePaths(std::set<std::string>* paths) const {
   for (const TorchDistTensor& t : tensors) AddShapePaths(t.shape, paths);
 }
 
-bool TorchDistLayout::IsStackedKey(const std::string& key) const {
-  for (const TorchDistTensor& t : tensors) {
-    if (std::find(t.keys.begin(), t.keys.end(), key) != t.keys.end() || t.local_key == key) {
-      return t.name.find("{block}") != std::string::npos;
-    }
-  }
-  return false;
-}
+bool TorchDistLayout::IsStackedKey(const std::string& key) const { return NameOfKeyHas(tensors, key, "{block}"); }
+
+bool TorchDistLayout::IsExpertKey(const std::string& key) const { return NameOfKeyHas(tensors, key, "{expert}"); }
 
 }  // namespace reshard

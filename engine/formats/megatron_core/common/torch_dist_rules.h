@@ -102,6 +102,9 @@ struct TorchDistLayout : RuleSection {
   // Whether `key` is a key (any alternative) of a block tensor: one stacked
   // over the layers.
   bool IsStackedKey(const std::string& key) const;
+  // Whether `key` is a key of an expert's tensor: stacked over the layers
+  // and, on the axis after, the experts.
+  bool IsExpertKey(const std::string& key) const;
 };
 
 // Parses the section (RuleSectionParser::parse).

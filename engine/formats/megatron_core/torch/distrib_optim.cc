@@ -13,7 +13,8 @@ Result<std::vector<std::string>> ChunkKeysInRegistrationOrder(const TorchDistLay
                                                               const PipelineStages& stages) {
   std::vector<std::string> keys;
   const int64_t first = stages.ChunkFirst(stage, chunk);
-  for (const RegisteredParam& reg : ChunkRegistrationOrder(layout, stages, stage, chunk, layout.tied_head)) {
+  // The torch format is read and written for models without experts.
+  for (const RegisteredParam& reg : ChunkRegistrationOrder(layout, stages, stage, chunk, layout.tied_head, {})) {
     if (reg.layer < 0) {
       keys.push_back(reg.key);
       continue;

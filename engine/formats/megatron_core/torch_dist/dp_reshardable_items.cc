@@ -8,11 +8,6 @@ namespace {
 
 constexpr int kFp32Bytes = 4;
 
-// How Megatron-Core names a per-rank bytes item.
-std::string GroupItem(int group, const std::string& name) {
-  return "optimizer.distributed.dp_group_idx_" + std::to_string(group) + "." + name + "/shard_0_1";
-}
-
 // The bytes of bucket `bucket`'s tensor of state `state`: each parameter's
 // piece at its slot, zeros in the alignment gaps. Each DP chunk's item holds
 // a copy of the producer, which shares the pieces.
@@ -52,7 +47,8 @@ Value BufferNumels(DType dtype, const std::vector<Value>& numels) {
 
 }  // namespace
 
-Result<std::vector<std::vector<DcpWriteItem>>> DpReshardableItems(int group, const std::vector<DpParam>& params,
+Result<std::vector<std::vector<DcpWriteItem>>> DpReshardableItems(const MegatronDpGroup& group,
+                                                                  const std::vector<DpParam>& params,
                                                                   const BucketOptions& buckets,
                                                                   const Value& param_groups) {
   const int dp = buckets.dp;
@@ -101,11 +97,11 @@ Result<std::vector<std::vector<DcpWriteItem>>> DpReshardableItems(int group, con
     unpadded.push_back(BufferNumels(dtypes[b], numel_unpadded));
   }
   // Megatron-Core wraps each object it saves in a list.
-  items[0].push_back(DcpBytesItem(GroupItem(group, "per_bucket_numel"), Value::MakeList({Value::MakeList(numels)})));
+  items[0].push_back(DcpBytesItem(group.ItemKey("per_bucket_numel"), Value::MakeList({Value::MakeList(numels)})));
   items[0].push_back(
-      DcpBytesItem(GroupItem(group, "per_bucket_numel_unpadded"), Value::MakeList({Value::MakeList(unpadded)})));
+      DcpBytesItem(group.ItemKey("per_bucket_numel_unpadded"), Value::MakeList({Value::MakeList(unpadded)})));
   items[0].push_back(DcpBytesItem(
-      GroupItem(group, "optimizer"),
+      group.ItemKey("optimizer"),
       Value::MakeList({Value::MakeDict({{Value::String("param_groups"), param_groups}})})));
   return items;
 }

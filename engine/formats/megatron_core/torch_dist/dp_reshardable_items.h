@@ -5,9 +5,11 @@
 // and param dtype, cut into buckets (formats/megatron_core/common/megatron_buckets.h has the layout and the
 // facts). Each bucket of each Adam state is a flat fp32 tensor
 //
-//   optimizer.distributed.dp_group_idx_{g}.gbuf_idx_{j}.dtype_(<param dtype>,
-//       torch.float32).bucket_idx_{k}.{param,exp_avg,exp_avg_sq}
+//   [chained_{n}.]optimizer.distributed.dp_group_idx_{g}.gbuf_idx_{j}.dtype_(
+//       <param dtype>, torch.float32).bucket_idx_{k}.{param,exp_avg,exp_avg_sq}
 //
+// (`chained_0.` the dense parameters', `chained_1.` the experts', where
+// Megatron-Core chains two optimizers: a model with experts at EP > 1)
 // that DP rank r writes its share of, as Megatron does: one chunk per
 // parameter piece and per alignment gap (zeros). Beside them the rank's
 // bytes items `per_bucket_numel`, `per_bucket_numel_unpadded` and
@@ -42,14 +44,16 @@ struct DpParam {
   std::array<std::string, 3> from;  // where each comes from, for --dry-run
 };
 
-// The items of model-parallel rank `group` (MegatronDpGroupIdx) whose
+// The items of model-parallel rank `group` of one optimizer whose
 // parameters, in registration order, are `params` (model chunk by model
 // chunk: each chunk's grad buffers follow the previous chunk's), over
-// `buckets.dp` DP ranks, each grad buffer of chunk 0 cut into buckets of
+// `buckets.dp` DP ranks (the experts' optimizer: expert-data-parallel
+// ranks), each grad buffer of chunk 0 cut into buckets of
 // `buckets.bucket_size` (Megatron-LM builds the later chunks unbucketed):
-// element d goes into DP rank d's file. `param_groups` is the list of
+// element d goes into (expert-)DP rank d's file. `param_groups` is the list of
 // Megatron-Core param groups the rank's `optimizer` item holds.
-Result<std::vector<std::vector<DcpWriteItem>>> DpReshardableItems(int group, const std::vector<DpParam>& params,
+Result<std::vector<std::vector<DcpWriteItem>>> DpReshardableItems(const MegatronDpGroup& group,
+                                                                  const std::vector<DpParam>& params,
                                                                   const BucketOptions& buckets,
                                                                   const Value& param_groups);
 

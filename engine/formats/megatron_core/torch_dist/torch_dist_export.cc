@@ -9,6 +9,7 @@
 #include <memory>
 #include <optional>
 #include <set>
+#include <tuple>
 
 #include "container/dcp_writer.h"
 #include "formats/megatron_core/common/adam_states.h"
@@ -277,13 +278,22 @@ Status CheckGrouped(const OptimizerParamGroups& groups, const std::vector<FullTe
   return Status::Ok();
 }
 
-// TP rank `t`'s tensors of stage `p` by (torch_dist key, layer); at PP > 1
-// the tied embedding also as the last stage's tied head.
-Result<std::map<std::pair<std::string, int64_t>, const RankTensor*>> StageTensors(const RuleSet& rules,
-                                                                                   const TpWeights& weights, int t,
-                                                                                   int p, const Target& target) {
-  std::map<std::pair<std::string, int64_t>, const RankTensor*> by_key;
+// A parameter of a stage by its torch_dist key, layer and expert (-1 for none).
+using StageKey = std::tuple<std::string, int64_t, int64_t>;
+
+// Whether the optimizer of `share` holds a parameter of expert `expert`
+// (-1: of none).
+bool Holds(const OptimizerShare& share, int expert) {
+  return expert < 0 ? share.dense : expert >= share.first_expert && expert < share.first_expert + share.experts;
+}
+
+// TP rank `t`'s tensors of stage `p` that the optimizer of `share` holds;
+// at PP > 1 the tied embedding also as the last stage's tied head.
+Result<std::map<StageKey, const RankTensor*>> StageTensors(const RuleSet& rules, const TpWeights& weights, int t,
+                                                           int p, const Target& target, const OptimizerShare& share) {
+  std::map<StageKey, const RankTensor*> by_key;
   for (const RankTensor& r : weights.ranks[t]) {
+    if (!Holds(share, ExpertOf(r))) continue;
     if (IsTiedVocab(r) && target.pp > 1 && p == target.pp - 1) {
       if (rules.section<TorchDistLayout>()->tied_head.empty()) {
         return Status::Unsupported("export --to torch_dist: rule set " + rules.name() + " ties the embedding, and its "
@@ -291,26 +301,28 @@ Result<std::map<std::pair<std::string, int64_t>, const RankTensor*>> StageTensor
                                    "buckets hold at PP > 1; add one (docs/rules.md) or use --optimizer-layout "
                                    "fully_reshardable");
       }
-      by_key[{rules.section<TorchDistLayout>()->tied_head, -1}] = &r;
+      by_key[{rules.section<TorchDistLayout>()->tied_head, -1, -1}] = &r;
     }
     if (StageOf(r, target) != p) continue;
     RESHARD_ASSIGN_OR_RETURN(KeyOf key, KeyOfTensor(rules, r));
-    by_key[{key.key, r.block}] = &r;
+    by_key[{key.key, r.block, key.expert}] = &r;
   }
   return by_key;
 }
 
-// The stage's parameters of TP rank `t` in registration order, model chunk
-// by model chunk, each with its pieces of the states (`states`: the
-// source's fp32 masters, exp_avg and exp_avg_sq cut like `weights`).
-Result<std::vector<DpParam>> StageParams(const RuleSet& rules, const TpWeights& weights,
-                                         const AdamStates& states, int t, int p, const Target& target) {
-  RESHARD_ASSIGN_OR_RETURN(auto by_key, StageTensors(rules, weights, t, p, target));
+// The stage's parameters of TP rank `t` that the optimizer of `share`
+// holds, in registration order, model chunk by model chunk, each with its
+// pieces of the states (`states`: the source's fp32 masters, exp_avg and
+// exp_avg_sq cut like `weights`).
+Result<std::vector<DpParam>> StageParams(const RuleSet& rules, const TpWeights& weights, const AdamStates& states,
+                                         int t, int p, const Target& target, const OptimizerShare& share) {
+  RESHARD_ASSIGN_OR_RETURN(auto by_key, StageTensors(rules, weights, t, p, target, share));
   const TorchDistLayout& layout = *rules.section<TorchDistLayout>();
   std::vector<DpParam> params;
   for (int c = 0; c < target.pipeline.vpp(); ++c) {
-    for (const RegisteredParam& reg : ChunkRegistrationOrder(layout, target.pipeline.stages, p, c, layout.tied_head)) {
-      auto it = by_key.find({reg.key, reg.layer});
+    for (const RegisteredParam& reg :
+         ChunkRegistrationOrder(layout, target.pipeline.stages, p, c, layout.tied_head, share)) {
+      auto it = by_key.find({reg.key, reg.layer, reg.expert});
       if (it == by_key.end()) continue;
       const RankTensor& r = *it->second;
       DpParam param{reg.key, WrittenDType(r, target.dtype), ShapeNumel(r.shape), IsTiedVocab(r) && target.pp > 1, c,
@@ -325,31 +337,74 @@ Result<std::vector<DpParam>> StageParams(const RuleSet& rules, const TpWeights& 
     }
   }
   if (!by_key.empty()) {
-    return Status::Unsupported("export --to torch_dist: " + by_key.begin()->first.first + " is not in rule set " +
-                               rules.name() + "'s torch_dist.optimizer_order, the registration order dp_reshardable "
+    return Status::Unsupported("export --to torch_dist: " + std::get<0>(by_key.begin()->first) +
+                               " is not in rule set " + rules.name() +
+                               "'s torch_dist.optimizer_order, the registration order dp_reshardable "
                                "buffers follow; add it (docs/rules.md) or use --optimizer-layout fully_reshardable");
   }
   return params;
 }
 
-// The dp_reshardable layout: each model-parallel rank's buckets
-// (dp_reshardable_items.h) from its pieces of every state, cut for the
-// target TP exactly as its weights.
-Status AddDpReshardableItems(const SourceCheckpoint& src, const TpWeights& weights, const Value& param_groups,
-                             const Target& target, std::atomic<int64_t>* read, RankFiles* files) {
+// One optimizer's model-parallel rank whose dp_reshardable items are
+// written: its items' group, the parameters it holds of its TP rank and
+// stage, and its buffers' DP ranks: `dp` of them, share d written by DP
+// rank first_dp_rank + dp_stride · d.
+struct DpRank {
+  MegatronDpGroup group;
+  int tp_rank = 0, pp_rank = 0;
+  OptimizerShare share;
+  int dp = 1;
+  int first_dp_rank = 0, dp_stride = 1;
+};
+
+// The model-parallel ranks of each optimizer Megatron-Core builds at the
+// target's EP: the dense parameters' (at EP 1 every parameter's) at each
+// (TP rank, stage) over the DP ranks; at EP > 1 the experts' at each (TP
+// rank, EP rank, stage), holding the EP rank's experts, over the
+// expert-data-parallel ranks: expert-DP rank r of EP rank e is DP rank
+// e + EP · r (ExpertDpRank).
+std::vector<DpRank> DpRanks(const Target& target, bool chained) {
+  const int tp = target.cut.tp;
+  std::vector<DpRank> ranks;
+  for (int p = 0; p < target.pp; ++p) {
+    for (int t = 0; t < tp; ++t) {
+      ranks.push_back({{MegatronDpGroupIdx(t, p, tp), chained ? 0 : -1}, t, p,
+                       {true, 0, chained ? 0 : target.experts}, target.dp, 0, 1});
+    }
+  }
+  if (!chained) return ranks;
+  const int local = target.experts / target.ep;
+  for (int p = 0; p < target.pp; ++p) {
+    for (int e = 0; e < target.ep; ++e) {
+      for (int t = 0; t < tp; ++t) {
+        ranks.push_back({{MegatronExpertDpGroupIdx(t, e, p, tp, target.ep), 1}, t, p, {false, e * local, local},
+                         target.dp / target.ep, e, target.ep});
+      }
+    }
+  }
+  return ranks;
+}
+
+// The dp_reshardable layout: each model-parallel rank's buckets of each
+// optimizer (dp_reshardable_items.h) from its pieces of every state, cut for
+// the target TP exactly as its weights; `per_optimizer` the param groups of
+// each (ParamGroupsPerOptimizer).
+Status AddDpReshardableItems(const SourceCheckpoint& src, const TpWeights& weights,
+                             const std::vector<Value>& per_optimizer, const Target& target,
+                             std::atomic<int64_t>* read, RankFiles* files) {
   const RuleSet& rules = *src.info().rules;
   RESHARD_ASSIGN_OR_RETURN(const AdamStates states, CutAdamStates(src, target.cut, read));
-  for (int p = 0; p < target.pp; ++p) {
+  for (const DpRank& rank : DpRanks(target, per_optimizer.size() > 1)) {
     // Megatron-Core's DistributedDataParallel cuts buckets on the first stage only.
-    const std::optional<int64_t> bucket_size = p == 0 ? target.bucket_size : std::nullopt;
-    for (int t = 0; t < target.cut.tp; ++t) {
-      RESHARD_ASSIGN_OR_RETURN(std::vector<DpParam> params, StageParams(rules, weights, states, t, p, target));
-      RESHARD_ASSIGN_OR_RETURN(std::vector<std::vector<DcpWriteItem>> items,
-                               DpReshardableItems(MegatronDpGroupIdx(t, p, target.cut.tp), params,
-                                                  {target.dp, bucket_size}, param_groups));
-      for (int d = 0; d < target.dp; ++d) {
-        std::move(items[d].begin(), items[d].end(), std::back_inserter(files->At(t, p, d)));
-      }
+    const std::optional<int64_t> bucket_size = rank.pp_rank == 0 ? target.bucket_size : std::nullopt;
+    RESHARD_ASSIGN_OR_RETURN(std::vector<DpParam> params,
+                             StageParams(rules, weights, states, rank.tp_rank, rank.pp_rank, target, rank.share));
+    RESHARD_ASSIGN_OR_RETURN(
+        std::vector<std::vector<DcpWriteItem>> items,
+        DpReshardableItems(rank.group, params, {rank.dp, bucket_size}, per_optimizer[std::max(rank.group.chained, 0)]));
+    for (int d = 0; d < rank.dp; ++d) {
+      std::vector<DcpWriteItem>& file = files->At(rank.tp_rank, rank.pp_rank, rank.first_dp_rank + rank.dp_stride * d);
+      std::move(items[d].begin(), items[d].end(), std::back_inserter(file));
     }
   }
   return Status::Ok();
@@ -424,15 +479,18 @@ std::set<std::string> ExpertParams(const std::vector<RankTensor>& weights) {
   return experts;
 }
 
-// fully_reshardable's entry of the common state: the param groups of each
-// optimizer Megatron-Core builds at the target's EP
-// (formats/megatron_core/common/expert_optimizers.h), a ChainedOptimizer's
-// of two by their indices.
-Value FullyReshardableEntry(std::vector<Value> per_optimizer) {
-  auto entry = [](Value param_groups) {
+// The common state's optimizer entry of `layout` for the optimizers
+// Megatron-Core builds at the target's EP (formats/megatron_core/common/
+// expert_optimizers.h), a ChainedOptimizer's of two by their indices:
+// fully_reshardable's holds each one's param groups (`per_optimizer`),
+// dp_reshardable's only the layout (its ranks' items hold the groups).
+Value OptimizerEntry(const std::string& layout, std::vector<Value> per_optimizer) {
+  auto entry = [&layout](Value param_groups) {
     Value out = Value::MakeDict();
-    Set(out, "optimizer", Value::MakeDict({{Value::String("param_groups"), std::move(param_groups)}}));
-    Set(out, "param_state_sharding_type", Value::String(kFullyReshardable));
+    if (layout == kFullyReshardable) {
+      Set(out, "optimizer", Value::MakeDict({{Value::String("param_groups"), std::move(param_groups)}}));
+    }
+    Set(out, "param_state_sharding_type", Value::String(layout));
     return out;
   };
   if (per_optimizer.size() == 1) return entry(std::move(per_optimizer[0]));
@@ -456,21 +514,23 @@ Result<Value> AddOptimizer(const SourceCheckpoint& src, const std::vector<FullTe
       Value param_groups,
       MegatronParamGroups(groups, RunLrSchedule(src.info().metadata, src.info().settings), target.version, notes));
   for (const FullTensor& t : states) RESHARD_RETURN_IF_ERROR(StateName(t).status());
-  Value out = Value::MakeDict();
-  if (target.layout == kDpReshardable) {
-    RESHARD_RETURN_IF_ERROR(AddDpReshardableItems(src, weights, param_groups, target, read, files));
-  } else if (target.layout == kFullyShardedModelSpace) {
+  if (target.layout == kFullyShardedModelSpace) {
     RESHARD_RETURN_IF_ERROR(AddModelSpaceItems(src, weights, target, read, files));
     RESHARD_ASSIGN_OR_RETURN(Value param_state, ModelSpaceParamState(weights, param_groups, target));
+    Value out = Value::MakeDict();
     Set(out, "optimizer", Value::MakeDict({{Value::String("param_groups"), std::move(param_groups)}}));
     Set(out, "param_state", std::move(param_state));
+    Set(out, "param_state_sharding_type", Value::String(target.layout));
+    return out;
+  }
+  std::vector<Value> per_optimizer =
+      ParamGroupsPerOptimizer(param_groups, groups, ExpertParams(weights.ranks[0]), target.ep);
+  if (target.layout == kDpReshardable) {
+    RESHARD_RETURN_IF_ERROR(AddDpReshardableItems(src, weights, per_optimizer, target, read, files));
   } else {
     RESHARD_RETURN_IF_ERROR(AddOptimizerItems(*src.info().rules, states, weights.ranks[0], target, files));
-    return FullyReshardableEntry(
-        ParamGroupsPerOptimizer(param_groups, groups, ExpertParams(weights.ranks[0]), target.ep));
   }
-  Set(out, "param_state_sharding_type", Value::String(target.layout));
-  return out;
+  return OptimizerEntry(target.layout, std::move(per_optimizer));
 }
 
 // The common state: what Megatron-LM's load reads before the tensors.
@@ -640,14 +700,14 @@ Status CheckExpertParallel(int ep, Target* target) {
   return Status::Ok();
 }
 
-// The optimizer state of a model with experts is written in the layout
-// keyed like the model, fully_reshardable, alone.
+// The optimizer state of a model with experts is written in Megatron-Core
+// 0.19's layouts, which know its expert-parallel optimizer.
 Status CheckExperts(const Target& target, const std::vector<FullTensor>& states) {
-  if (target.experts == 0 || states.empty() || target.layout == kFullyReshardable) return Status::Ok();
-  return Status::Unsupported("export --to torch_dist: the optimizer state of a model with experts is written as " +
-                             std::string(kFullyReshardable) + " only, not yet as " + target.layout +
-                             "; give --optimizer-layout " + kFullyReshardable + " (load with "
-                             "--dist-ckpt-optim-fully-reshardable), or --weights-only");
+  if (target.experts == 0 || states.empty() || target.layout != kFullyShardedModelSpace) return Status::Ok();
+  return Status::Unsupported("export --to torch_dist: the optimizer state of a model with experts is written in "
+                             "Megatron-Core 0.19's layouts only, not yet as " + target.layout +
+                             "; give --optimizer-layout " + kDpReshardable + " or " + kFullyReshardable +
+                             ", or --weights-only");
 }
 
 // What a loader of the folder must be told.

@@ -39,10 +39,14 @@
 //         "common_backend": "torch"); the optimizer state
 //         fully_sharded_model_space (formats/megatron_core/common/nd_reformulation.h), whose
 //         original shapes `.metadata`'s mcore_data records
-// A model with experts' optimizer state is written as fully_reshardable
-// only, its states' chunks where its weights' are, its param groups those
-// of the optimizers Megatron-Core builds at the target's EP
-// (formats/megatron_core/common/expert_optimizers.h).
+// A model with experts' optimizer state is written in 0.19's layouts for
+// the optimizers Megatron-Core builds at the target's EP
+// (formats/megatron_core/common/expert_optimizers.h): fully_reshardable its
+// states' chunks where its weights' are, each optimizer's param groups in
+// the common state; dp_reshardable at EP 1 one optimizer's buckets, the
+// experts among the dense parameters, at EP > 1 a ChainedOptimizer's:
+// `chained_0.` the dense parameters' over the DP ranks, `chained_1.` each
+// EP rank's experts' over the expert-data-parallel ranks.
 // No RNG state.
 #pragma once
 

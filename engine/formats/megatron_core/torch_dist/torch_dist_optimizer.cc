@@ -26,13 +26,30 @@ const Value& Unwrapped(const Value& v) {
 
 bool HasPrefix(const std::string& s, const std::string& prefix) { return s.rfind(prefix, 0) == 0; }
 
+// `fqn` without the `chained_{n}.` Megatron-Core puts before the keys of
+// each of its chained optimizers.
+std::string Unchained(const std::string& fqn) {
+  if (!HasPrefix(fqn, "chained_")) return fqn;
+  const size_t dot = fqn.find('.');
+  return dot == std::string::npos ? fqn : fqn.substr(dot + 1);
+}
+
+// The common state's optimizer entry, the first of a ChainedOptimizer's
+// (`{0: {...}, 1: {...}}`, which name one layout), or null.
+const Value* FirstOptimizerEntry(const Value& common) {
+  const Value* optimizer = Find(common, "optimizer");
+  const Items* items = optimizer != nullptr ? DictItems(*optimizer) : nullptr;
+  if (items != nullptr && !items->empty() && items->front().first.is(Value::Kind::kInt)) return &items->front().second;
+  return optimizer;
+}
+
 // The layout the common state names; without one, the one the keys show.
 std::string LayoutOf(const DcpContent& c, const Value& common) {
-  const Value* optimizer = Find(common, "optimizer");
+  const Value* optimizer = FirstOptimizerEntry(common);
   const Value* type = optimizer != nullptr ? Find(*optimizer, "param_state_sharding_type") : nullptr;
   if (type != nullptr && type->is(Value::Kind::kString)) return type->as_string();
   for (const DcpTensor& t : c.tensors) {
-    if (HasPrefix(t.fqn, "optimizer.distributed.")) return kDpReshardable;
+    if (HasPrefix(Unchained(t.fqn), "optimizer.distributed.")) return kDpReshardable;
     if (HasPrefix(t.fqn, "optimizer.state.param.")) return kFullyReshardable;
     if (HasPrefix(t.fqn, "optimizer.state.fp32_param.")) return kFullyShardedModelSpace;
   }
@@ -63,16 +80,21 @@ Status ReadGroups(const Value* groups, const std::string& where, TorchDistOptimi
   return Status::Ok();
 }
 
-// The groups of a ChainedOptimizer's entries (`{0: {'optimizer': {'param_groups':
-// ...}}, 1: ...}`: a model with experts at EP > 1 keeps the dense parameters'
-// and the experts'), as one optimizer's (the writer splits them again for its
-// target's EP).
-Status ReadChainedGroups(const Items& chained, TorchDistOptimizer* out) {
+// A chained optimizer's param groups: where they are kept, and its
+// `{'param_groups': ...}` there (null where it has none).
+struct ChainedGroups {
+  std::string where;
+  const Value* optimizer = nullptr;
+};
+
+// The groups of a ChainedOptimizer's optimizers (a model with experts at
+// EP > 1 keeps the dense parameters' and the experts'), as one optimizer's
+// (the writer splits them again for its target's EP).
+Status ReadChainedGroups(const std::vector<ChainedGroups>& chained, TorchDistOptimizer* out) {
   TorchDistOptimizer all;
-  for (const auto& [index, entry] : chained) {
-    const Value* inner = Find(entry, "optimizer");
-    RESHARD_RETURN_IF_ERROR(ReadGroups(inner != nullptr ? Find(*inner, "param_groups") : nullptr,
-                                       "the common state's optimizer " + index.DebugString(20), &all));
+  for (const ChainedGroups& entry : chained) {
+    RESHARD_RETURN_IF_ERROR(ReadGroups(entry.optimizer != nullptr ? Find(*entry.optimizer, "param_groups") : nullptr,
+                                       entry.where, &all));
   }
   Result<std::vector<Value>> groups = ParamGroupsAsOneOptimizer(all.param_groups);
   if (!groups.ok()) return Status::Unsupported(groups.status().message() + kWeightsOnlyFix);
@@ -89,7 +111,11 @@ Status ReadCommonGroups(const Value& common, TorchDistOptimizer* out) {
   const Value* inner = optimizer != nullptr ? Find(*optimizer, "optimizer") : nullptr;
   const Items* chained = optimizer != nullptr && inner == nullptr ? DictItems(*optimizer) : nullptr;
   if (chained != nullptr && !chained->empty() && chained->front().first.is(Value::Kind::kInt)) {
-    return ReadChainedGroups(*chained, out);
+    std::vector<ChainedGroups> entries;
+    for (const auto& [index, entry] : *chained) {
+      entries.push_back({"the common state's optimizer " + index.DebugString(20), Find(entry, "optimizer")});
+    }
+    return ReadChainedGroups(entries, out);
   }
   return ReadGroups(inner != nullptr ? Find(*inner, "param_groups") : nullptr, "the common state", out);
 }
@@ -177,17 +203,14 @@ Status ReadFullyShardedModelSpace(const DcpContent& c, const Value& common, Torc
 
 // ---- dp_reshardable ------------------------------------------------------
 
-std::string GroupKey(int group, const std::string& item) {
-  return "optimizer.distributed.dp_group_idx_" + std::to_string(group) + "." + item + "/shard_0_1";
-}
-
 // One parameter of a model-parallel rank: a model key (of one layer when
 // stacked) and the boxes of it the rank holds, in the order its flat
 // piece holds them.
 struct RankParam {
   const DcpTensor* key = nullptr;
   int64_t layer = -1;
-  std::vector<Box> boxes;  // of the key's global tensor, the layer axis included
+  int64_t expert = -1;     // of an expert's key: which expert (the axis after the layer axis)
+  std::vector<Box> boxes;  // of the key's global tensor, the layer (and expert) axis included
   int64_t numel = 0;
   // A TP rank but the first's copy of a tensor every rank holds whole, or
   // the last stage's copy of a tied embedding: left out, as
@@ -197,20 +220,34 @@ struct RankParam {
   int chunk = 0;                  // the model chunk (virtual pipeline stage) registering it
 };
 
-// TP rank `rank`'s boxes of `t` (layer `layer` of it when >= 0): the
-// chunks' ranges on the one axis they cut, rank r holding ranges r, TP + r,
-// ... (a tensor of k parts each cut by TP, as SwiGLU's [gate; up]).
-Result<RankParam> PieceOf(const DcpTensor& t, int64_t layer, int tp, int rank) {
-  const size_t first = layer >= 0 ? 1 : 0;
+// TP rank `rank`'s boxes of `reg`'s tensor `t` (its layer, and expert,
+// when >= 0): the chunks' ranges on the one axis they cut, rank r holding
+// ranges r, TP + r, ... (a tensor of k parts each cut by TP, as SwiGLU's
+// [gate; up]).
+Result<RankParam> PieceOf(const DcpTensor& t, const RegisteredParam& reg, int tp, int rank) {
+  // The leading axes fixed: the layer's, then the expert's.
+  std::vector<int64_t> fixed;
+  if (reg.layer >= 0) fixed.push_back(reg.layer);
+  if (reg.expert >= 0) fixed.push_back(reg.expert);
+  const size_t first = fixed.size();
+  if (t.size.size() <= first) {
+    return Status::InvalidInput(t.fqn + " has no axis for its layer or expert, so its dp_reshardable state cannot "
+                                "be placed" + std::string(kWeightsOnlyFix));
+  }
   std::vector<std::set<std::pair<int64_t, int64_t>>> ranges(t.size.size());
+  Box whole = Box::Whole(t.size);
+  for (size_t d = 0; d < first; ++d) {
+    whole.offsets[d] = fixed[d];
+    whole.sizes[d] = 1;
+  }
   for (const SourceShard& chunk : t.shards) {
     const Box& box = chunk.placements[0].global;
-    if (layer >= 0 && (layer < box.offsets[0] || layer >= box.end(0))) continue;
+    bool holds = true;
+    for (size_t d = 0; d < first; ++d) holds &= fixed[d] >= box.offsets[d] && fixed[d] < box.end(d);
+    if (!holds) continue;
     for (size_t d = first; d < ranges.size(); ++d) ranges[d].insert({box.offsets[d], box.sizes[d]});
   }
-  Box whole = Box::Whole(t.size);
-  if (layer >= 0) whole = Box::Slab(t.size, 0, layer, 1);
-  RankParam p{&t, layer, {}, 0};
+  RankParam p{&t, reg.layer, reg.expert, {}, 0};
   int axis = -1;
   for (size_t d = first; d < ranges.size(); ++d) {
     if (ranges[d].size() <= 1) continue;
@@ -250,8 +287,9 @@ struct BufferNumels {
 };
 
 // `[{(param dtype, grad dtype): [numel per bucket]} per grad buffer]`.
-Result<std::vector<BufferNumels>> ReadNumels(const DcpContent& c, int group, const std::string& which) {
-  const std::string key = GroupKey(group, which);
+Result<std::vector<BufferNumels>> ReadNumels(const DcpContent& c, const MegatronDpGroup& group,
+                                             const std::string& which) {
+  const std::string key = group.ItemKey(which);
   RESHARD_ASSIGN_OR_RETURN(Value v, c.ReadBytes(key));
   const Value& buffers = Unwrapped(v);
   const Status bad = Status::InvalidInput(key + " is not Megatron-Core's [{(param dtype, grad dtype): [numels]}]" +
@@ -289,15 +327,67 @@ class FlatBufferReader {
                                  std::string(kWeightsOnlyFix));
     }
     RESHARD_RETURN_IF_ERROR(ReadGrid());
+    // At EP > 1 the dense optimizer holds no expert; else it holds them all.
+    const OptimizerShare dense{true, 0, chained_ ? 0 : experts_};
     for (int pp_rank = 0; pp_rank < pp_; ++pp_rank) {
-      for (int tp_rank = 0; tp_rank < tp_; ++tp_rank) RESHARD_RETURN_IF_ERROR(ReadRank(tp_rank, pp_rank));
+      for (int tp_rank = 0; tp_rank < tp_; ++tp_rank) {
+        const MegatronDpGroup group{MegatronDpGroupIdx(tp_rank, pp_rank, tp_), chained_ ? 0 : -1};
+        RESHARD_RETURN_IF_ERROR(ReadRank(group, tp_rank, pp_rank, dense, dp_));
+      }
     }
+    if (chained_) RESHARD_RETURN_IF_ERROR(ReadExperts());
     RESHARD_RETURN_IF_ERROR(CheckComplete());
-    RESHARD_ASSIGN_OR_RETURN(Value groups, c_.ReadBytes(GroupKey(0, "optimizer")));
-    return ReadGroups(Find(Unwrapped(groups), "param_groups"), GroupKey(0, "optimizer"), &out_);
+    return ReadParamGroups();
   }
 
  private:
+  // Megatron-Core's ChainedOptimizer at EP > 1: the experts' optimizer, its
+  // items `chained_1.`, one model-parallel rank per (expert TP rank = TP
+  // rank, EP rank, PP rank), each holding its EP rank's experts, its
+  // buffers sharded over the expert-data-parallel group (DP / EP).
+  Status ReadExperts() {
+    int groups = 0;
+    while (c_.meta.Find(MegatronDpGroup{groups, 1}.ItemKey("per_bucket_numel"), {}) != nullptr) ++groups;
+    const int ep = groups / (tp_ * pp_);
+    if (experts_ == 0 || ep < 1 || ep * tp_ * pp_ != groups || experts_ % ep != 0) {
+      return Status::Unsupported(c_.folder + " holds " + Count(groups, "model-parallel group") + " of the experts' "
+                                 "optimizer, which are no EP dividing its " + Count(experts_, "expert") + " at TP " +
+                                 std::to_string(tp_) + " and PP " + std::to_string(pp_) + " (reshard reads the experts "
+                                 "split over TP as the dense layers)" + kWeightsOnlyFix);
+    }
+    const int64_t local = experts_ / ep;
+    // The expert-data-parallel size, with the experts' TP the dense one.
+    const int expert_dp = dp_ % ep == 0 ? dp_ / ep : 1;
+    for (int pp_rank = 0; pp_rank < pp_; ++pp_rank) {
+      for (int ep_rank = 0; ep_rank < ep; ++ep_rank) {
+        for (int tp_rank = 0; tp_rank < tp_; ++tp_rank) {
+          const MegatronDpGroup group{MegatronExpertDpGroupIdx(tp_rank, ep_rank, pp_rank, tp_, ep), 1};
+          RESHARD_RETURN_IF_ERROR(
+              ReadRank(group, tp_rank, pp_rank, OptimizerShare{false, ep_rank * local, local}, expert_dp));
+        }
+      }
+    }
+    return Status::Ok();
+  }
+
+  // The param groups of model-parallel rank 0's `optimizer` item; of each
+  // chained optimizer's, as one optimizer's.
+  Status ReadParamGroups() {
+    if (!chained_) {
+      const std::string key = MegatronDpGroup{}.ItemKey("optimizer");
+      RESHARD_ASSIGN_OR_RETURN(Value groups, c_.ReadBytes(key));
+      return ReadGroups(Find(Unwrapped(groups), "param_groups"), key, &out_);
+    }
+    std::vector<Value> items(2);  // what `entries` point into
+    std::vector<ChainedGroups> entries;
+    for (int chained = 0; chained < 2; ++chained) {
+      const std::string key = MegatronDpGroup{0, chained}.ItemKey("optimizer");
+      RESHARD_ASSIGN_OR_RETURN(items[chained], c_.ReadBytes(key));
+      entries.push_back({key, &Unwrapped(items[chained])});
+    }
+    return ReadChainedGroups(entries, &out_);
+  }
+
   // TP, PP, DP and the layers of each stage: TP and DP the args' where they
   // record them, else TP from the first key's cut (the vocabulary-parallel
   // embedding), and DP 1; PP from the number of model-parallel ranks; the
@@ -307,11 +397,13 @@ class FlatBufferReader {
   // form is the same at any DP).
   Status ReadGrid() {
     const char* item = gathered_ ? "param_state" : "per_bucket_numel";
+    chained_ = !gathered_ && c_.meta.Find(MegatronDpGroup{0, 0}.ItemKey(item), {}) != nullptr;
     int groups = 0;
-    while (c_.meta.Find(GroupKey(groups, item), {}) != nullptr) ++groups;
+    while (c_.meta.Find(MegatronDpGroup{groups, chained_ ? 0 : -1}.ItemKey(item), {}) != nullptr) ++groups;
     if (groups == 0) {
       return Status::Unsupported(c_.folder + " holds the distributed optimizer's buffers without " + item +
-                                 " items (a chained optimizer, MoE, is not read yet)" + std::string(kWeightsOnlyFix));
+                                 " items of one optimizer, nor of a ChainedOptimizer's first (chained_0.)" +
+                                 std::string(kWeightsOnlyFix));
     }
     const DcpTensor* first = nullptr;
     for (const std::string& key : layout_.optimizer_order) {
@@ -323,9 +415,9 @@ class FlatBufferReader {
     pp_ = tp_ > 0 ? groups / tp_ : 0;
     int layers = 0;
     for (const std::string& key : layout_.optimizer_order) {
-      if (const DcpTensor* t = c_.FindTensor(key); t != nullptr && layout_.IsStackedKey(key)) {
-        layers = static_cast<int>(t->size[0]);
-      }
+      const DcpTensor* t = c_.FindTensor(key);
+      if (t != nullptr && layout_.IsStackedKey(key)) layers = static_cast<int>(t->size[0]);
+      if (t != nullptr && layout_.IsExpertKey(key) && t->size.size() > 1) experts_ = t->size[1];
     }
     if (pp_ < 1 || pp_ * tp_ != groups) {
       return Status::Unsupported(c_.folder + " has " + Count(groups, "model-parallel optimizer group") +
@@ -357,19 +449,19 @@ class FlatBufferReader {
     return nullptr;
   }
 
-  // The rank's parameters in registration order, model chunk by model
-  // chunk (ChunkRegistrationOrder), those the checkpoint holds, and a tied
-  // embedding's last-stage copy.
-  Result<std::vector<RankParam>> RankParams(int tp_rank, int pp_rank) const {
+  // The rank's parameters in registration order that the optimizer of
+  // `share` holds, model chunk by model chunk (ChunkRegistrationOrder), those
+  // the checkpoint holds, and a tied embedding's last-stage copy.
+  Result<std::vector<RankParam>> RankParams(int tp_rank, int pp_rank, const OptimizerShare& share) const {
     const DcpTensor* tied = TiedEmbedding();
     std::vector<RankParam> params;
     for (int c = 0; c < stages_.vpp(); ++c) {
       for (const RegisteredParam& r :
-           ChunkRegistrationOrder(layout_, stages_, pp_rank, c, tied != nullptr ? layout_.tied_head : "")) {
+           ChunkRegistrationOrder(layout_, stages_, pp_rank, c, tied != nullptr ? layout_.tied_head : "", share)) {
         const bool tied_head = tied != nullptr && r.key == layout_.tied_head;
         const DcpTensor* t = tied_head ? tied : c_.FindTensor(r.key);
         if (t == nullptr) continue;
-        RESHARD_ASSIGN_OR_RETURN(RankParam p, PieceOf(*t, r.layer, tp_, tp_rank));
+        RESHARD_ASSIGN_OR_RETURN(RankParam p, PieceOf(*t, r, tp_, tp_rank));
         p.shared_embedding = t == tied;
         p.replica |= tied_head;
         p.chunk = c;
@@ -379,18 +471,19 @@ class FlatBufferReader {
     return params;
   }
 
-  Status ReadRank(int tp_rank, int pp_rank) {
-    const int group = MegatronDpGroupIdx(tp_rank, pp_rank, tp_);
-    RESHARD_ASSIGN_OR_RETURN(std::vector<RankParam> params, RankParams(tp_rank, pp_rank));
+  // The buffers of `group`, the rank (TP rank, PP rank) of the optimizer of
+  // `share`, sharded over `dp` ranks.
+  Status ReadRank(const MegatronDpGroup& group, int tp_rank, int pp_rank, const OptimizerShare& share, int dp) {
+    RESHARD_ASSIGN_OR_RETURN(std::vector<RankParam> params, RankParams(tp_rank, pp_rank, share));
     std::vector<GatheredParam> list;
     for (const RankParam& p : params) {
       list.push_back({p.key->fqn, p.key->dtype, p.numel, p.shared_embedding, p.chunk});
     }
     BucketOptions options;
-    options.dp = dp_;
+    options.dp = dp;
     RESHARD_ASSIGN_OR_RETURN(std::vector<GradBuffer> buffers, MegatronGradBuffers(list, options));
     const ShardCoords at{tp_rank, pp_rank, 0, 0};
-    return gathered_ ? ReadGathered(group, at, params, buffers) : ReadBuckets(group, params, buffers);
+    return gathered_ ? ReadGathered(group, at, params, buffers) : ReadBuckets(group, params, buffers, dp);
   }
 
   // `what`'s grad buffers as the checkpoint records them (`recorded`
@@ -413,10 +506,11 @@ class FlatBufferReader {
   }
 
   // dp_reshardable: one tensor per bucket, sized by per_bucket_numel.
-  Status ReadBuckets(int group, const std::vector<RankParam>& params, const std::vector<GradBuffer>& buffers) {
+  Status ReadBuckets(const MegatronDpGroup& group, const std::vector<RankParam>& params,
+                     const std::vector<GradBuffer>& buffers, int dp) {
     RESHARD_ASSIGN_OR_RETURN(std::vector<BufferNumels> numel, ReadNumels(c_, group, "per_bucket_numel"));
     RESHARD_ASSIGN_OR_RETURN(std::vector<BufferNumels> unpadded, ReadNumels(c_, group, "per_bucket_numel_unpadded"));
-    const std::string what = "dp_group_idx_" + std::to_string(group);
+    const std::string what = group.Prefix();
     std::vector<DType> dtypes;
     for (const BufferNumels& n : numel) dtypes.push_back(n.param_dtype);
     if (unpadded.size() != numel.size()) {
@@ -426,14 +520,14 @@ class FlatBufferReader {
     }
     RESHARD_RETURN_IF_ERROR(CheckBuffers(what, buffers, dtypes));
     for (size_t b = 0; b < buffers.size(); ++b) {
-      RESHARD_RETURN_IF_ERROR(ReadBuffer(group, static_cast<int>(b), params, buffers[b], numel[b], unpadded[b]));
+      RESHARD_RETURN_IF_ERROR(ReadBuffer(group, static_cast<int>(b), params, buffers[b], numel[b], unpadded[b], dp));
     }
     return Status::Ok();
   }
 
-  Status ReadBuffer(int group, int gbuf, const std::vector<RankParam>& params, const GradBuffer& buffer,
-                    const BufferNumels& numel, const BufferNumels& unpadded) {
-    const std::string what = c_.folder + "'s dp_group_idx_" + std::to_string(group) + ".gbuf_idx_" + std::to_string(gbuf);
+  Status ReadBuffer(const MegatronDpGroup& group, int gbuf, const std::vector<RankParam>& params,
+                    const GradBuffer& buffer, const BufferNumels& numel, const BufferNumels& unpadded, int dp) {
+    const std::string what = c_.folder + "'s " + group.Prefix() + ".gbuf_idx_" + std::to_string(gbuf);
     // The buffer's buckets as recorded: a run with --overlap-grad-reduce
     // cuts it into buckets of a size no checkpoint records.
     std::vector<BucketParam> list;
@@ -442,7 +536,7 @@ class FlatBufferReader {
       list.push_back({p.key->fqn, p.numel, p.shared_embedding});
     }
     BucketOptions options;
-    options.dp = dp_;
+    options.dp = dp;
     Result<BucketLayout> recorded = MegatronRecordedLayout(list, options, numel.numels, unpadded.numels, what);
     if (!recorded.ok()) {
       return Status::InvalidInput(recorded.status().message() + "; the rule set's optimizer_order or the pipeline "
@@ -471,9 +565,9 @@ class FlatBufferReader {
   // dp_zero_gather_scatter: the rank's state gathered onto DP rank 0 and
   // pickled whole (formats/megatron_core/common/megatron_gathered.h), each state of a buffer one
   // flat tensor of the buckets' unpadded ranges.
-  Status ReadGathered(int group, const ShardCoords& at, const std::vector<RankParam>& params,
+  Status ReadGathered(const MegatronDpGroup& group, const ShardCoords& at, const std::vector<RankParam>& params,
                       const std::vector<GradBuffer>& buffers) {
-    const std::string key = GroupKey(group, "param_state");
+    const std::string key = group.ItemKey("param_state");
     RESHARD_ASSIGN_OR_RETURN(Value state, c_.ReadBytes(key));
     RESHARD_ASSIGN_OR_RETURN(std::vector<GatheredBuffer> read,
                              ReadGatheredState(Unwrapped(state), c_.folder + "'s " + key, kWeightsOnlyFix));
@@ -528,7 +622,7 @@ class FlatBufferReader {
       }
     }
     int flats = 0;
-    for (const DcpTensor& t : c_.tensors) flats += HasPrefix(t.fqn, "optimizer.distributed.");
+    for (const DcpTensor& t : c_.tensors) flats += HasPrefix(Unchained(t.fqn), "optimizer.distributed.");
     if (flats != flats_read_) {
       return Status::Unsupported(c_.folder + " holds " + std::to_string(flats) + " dp_reshardable buffers and " +
                                  std::to_string(flats_read_) + " were explained by its model" + kWeightsOnlyFix);
@@ -542,13 +636,15 @@ class FlatBufferReader {
   const bool gathered_;
   TorchDistOptimizer& out_;
   int tp_ = 1, pp_ = 1, dp_ = 1;
+  bool chained_ = false;  // a ChainedOptimizer's items: the dense optimizer's, then the experts'
+  int64_t experts_ = 0;   // of each MoE layer; 0: none
   PipelineStages stages_;  // each stage's layers and model chunks
   int flats_read_ = 0;
 };
 
 }  // namespace
 
-bool IsOptimizerKey(const std::string& fqn) { return HasPrefix(fqn, "optimizer."); }
+bool IsOptimizerKey(const std::string& fqn) { return HasPrefix(Unchained(fqn), "optimizer."); }
 
 Result<std::optional<TorchDistOptimizer>> ReadTorchDistOptimizer(const DcpContent& content, const Value& common,
                                                                  const TorchDistLayout& layout,

@@ -14,7 +14,11 @@
 //                      set's registration order (torch_dist.optimizer_order),
 //                      and placed at that piece's boxes of the model key
 //                      (two for a SwiGLU linear_fc1: [gate_r; up_r]). The
-//                      param groups are per rank's `optimizer` item.
+//                      param groups are per rank's `optimizer` item. A model
+//                      with experts at EP > 1 (a ChainedOptimizer) keeps the
+//                      dense parameters' buffers under `chained_0.` and each
+//                      (TP, EP, PP) rank's experts' under `chained_1.`; its
+//                      two optimizers' groups are read as one's.
 // Megatron-Core 0.14's layouts:
 //   fully_sharded_model_space  `optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.<key>`
 //                      reformulated (nd_reformulation.h): each fragment of

@@ -333,7 +333,7 @@ void CheckBuffer(Folder& dp, Folder& twin, const SaveLayout& s, int group, int g
   const DType grad = DTypeNamed(numel.grad_dtype);
   for (const char* state : kStates) {
     for (size_t b = 0; b < layout->buckets.size(); ++b) {
-      const std::string key = MegatronBucketKey(group, gbuf, params[0]->dtype, grad, b, state);
+      const std::string key = MegatronBucketKey({group}, gbuf, params[0]->dtype, grad, b, state);
       ASSERT_TRUE(dp.Has(key)) << key;
       std::vector<std::pair<int64_t, int64_t>> chunks;
       for (const Box& c : dp.meta().items.at(key).chunks)
@@ -345,7 +345,7 @@ void CheckBuffer(Folder& dp, Folder& twin, const SaveLayout& s, int group, int g
     for (size_t i = 0; i < params.size(); ++i) {
       const BucketSlot& slot = layout->slots[i];
       Result<Whole> flat = dp.WholeTensor(
-          MegatronBucketKey(group, gbuf, params[i]->dtype, grad, slot.bucket, state));
+          MegatronBucketKey({group}, gbuf, params[i]->dtype, grad, slot.bucket, state));
       Result<Whole> expected =
           twin.WholeTensor(std::string("optimizer.state.") + state + "." + params[i]->key);
       ASSERT_TRUE(flat.ok() && expected.ok());

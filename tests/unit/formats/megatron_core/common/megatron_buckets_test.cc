@@ -201,12 +201,27 @@ TEST(MegatronBucketsTest, RefusesWhatIsNoLayout) {
 }
 
 TEST(MegatronBucketsTest, KeysAndGroupIndex) {
-  EXPECT_EQ(MegatronBucketKey(1, 0, DType::kBFloat16, DType::kFloat32, 2, "exp_avg"),
+  EXPECT_EQ(MegatronBucketKey({1}, 0, DType::kBFloat16, DType::kFloat32, 2, "exp_avg"),
             "optimizer.distributed.dp_group_idx_1.gbuf_idx_0.dtype_(torch.bfloat16, "
             "torch.float32).bucket_idx_2.exp_avg");
   EXPECT_EQ(MegatronDpGroupIdx(1, 0, 2), 1);
   EXPECT_EQ(MegatronDpGroupIdx(0, 1, 1), 1);
   EXPECT_EQ(MegatronDpGroupIdx(1, 1, 2), 3);
+}
+
+// A ChainedOptimizer's keys (a model with experts at EP > 1), as the real
+// EP 2 save names them: the dense optimizer's `chained_0.`, the experts'
+// `chained_1.` with the rank in the expert TP x EP x PP group.
+TEST(MegatronBucketsTest, ChainedKeysAndExpertGroupIndex) {
+  EXPECT_EQ(MegatronBucketKey({1, 1}, 0, DType::kFloat32, DType::kFloat32, 0, "param"),
+            "chained_1.optimizer.distributed.dp_group_idx_1.gbuf_idx_0.dtype_(torch.float32, "
+            "torch.float32).bucket_idx_0.param");
+  EXPECT_EQ((MegatronDpGroup{0, 0}.ItemKey("per_bucket_numel")),
+            "chained_0.optimizer.distributed.dp_group_idx_0.per_bucket_numel/shard_0_1");
+  EXPECT_EQ(MegatronDpGroup{3}.ItemKey("optimizer"), "optimizer.distributed.dp_group_idx_3.optimizer/shard_0_1");
+  EXPECT_EQ(MegatronExpertDpGroupIdx(0, 1, 0, 1, 2), 1);  // TP 1, EP 2: the EP rank
+  EXPECT_EQ(MegatronExpertDpGroupIdx(1, 1, 0, 2, 2), 3);  // expert TP fastest
+  EXPECT_EQ(MegatronExpertDpGroupIdx(1, 0, 1, 2, 2), 5);  // then EP, then PP
 }
 
 // Keys before the layer keys on the first stage only, the layer keys once
@@ -234,6 +249,31 @@ TEST(MegatronBucketsTest, StageRegistrationOrder) {
             (std::vector<std::string>{"layers.a@3", "layers.b@3", "norm@-1", "out@-1"}));
   EXPECT_EQ(keys(StageRegistrationOrder(order, is_layer_key, 0, 1, true, false, "head")),
             (std::vector<std::string>{"emb@-1", "layers.a@0", "layers.b@0"}));
+}
+
+// Each layer's run of expert keys once per expert an optimizer holds, in
+// order; the other keys only in the dense parameters' optimizer.
+TEST(MegatronBucketsTest, SharedRegistrationOrder) {
+  const std::vector<RegisteredParam> stage = {{"emb"},      {"norm", 0}, {"router", 0}, {"fc1", 0},
+                                              {"fc2", 0},   {"norm", 1}, {"router", 1}, {"fc1", 1},
+                                              {"fc2", 1},   {"out"}};
+  auto is_expert_key = [](const std::string& key) { return key.rfind("fc", 0) == 0; };
+  auto keys = [](const std::vector<RegisteredParam>& params) {
+    std::string out;
+    for (const RegisteredParam& p : params) {
+      out += p.key + "@" + std::to_string(p.layer) + (p.expert >= 0 ? "." + std::to_string(p.expert) : "") + " ";
+    }
+    return out;
+  };
+  // EP 1: one optimizer holds every parameter, each layer's experts in turn.
+  EXPECT_EQ(keys(SharedRegistrationOrder(stage, is_expert_key, {true, 0, 2})),
+            "emb@-1 norm@0 router@0 fc1@0.0 fc2@0.0 fc1@0.1 fc2@0.1 norm@1 router@1 fc1@1.0 fc2@1.0 fc1@1.1 "
+            "fc2@1.1 out@-1 ");
+  // EP > 1: the dense parameters' optimizer, and EP rank 1's experts' (2 and 3).
+  EXPECT_EQ(keys(SharedRegistrationOrder(stage, is_expert_key, {true, 0, 0})),
+            "emb@-1 norm@0 router@0 norm@1 router@1 out@-1 ");
+  EXPECT_EQ(keys(SharedRegistrationOrder(stage, is_expert_key, {false, 2, 2})),
+            "fc1@0.2 fc2@0.2 fc1@0.3 fc2@0.3 fc1@1.2 fc2@1.2 fc1@1.3 fc2@1.3 ");
 }
 
 }  // namespace
