@@ -13,7 +13,6 @@
 #include "formats/hf_common/hf_folder.h"
 #include "formats/hf_common/hf_import.h"
 #include "formats/hf_common/hf_rules.h"
-#include "formats/hf_common/torchtitan_rules.h"
 #include "formats/megatron_core/common/torch_dist_rules.h"
 #include "formats/megatron_core/torch/megatron_torch_import.h"
 #include "formats/megatron_core/torch_dist/torch_dist_import.h"
@@ -242,16 +241,6 @@ std::string CheckpointFolder(const std::string& path) {
   if (const std::string dcp = DcpCheckpointFolder(path); !dcp.empty()) return dcp;
   if (Result<std::string> inside = CheckpointInsideRoot(path); inside.ok() && !inside->empty()) return *inside;
   return FollowLatest(path);
-}
-
-const std::vector<RuleSectionParser>& RuleSectionParsers() {
-  // hf before torchtitan, which maps the hf section's tensors.
-  static const std::vector<RuleSectionParser> sections = {
-      {HfExport::kName, ParseHfSection},
-      {TorchDistLayout::kName, ParseTorchDistSection},
-      {TorchtitanLayout::kName, ParseTorchtitanSection},
-  };
-  return sections;
 }
 
 }  // namespace reshard

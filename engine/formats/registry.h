@@ -1,7 +1,7 @@
 // The registry: the one place that knows every format. It opens a
 // checkpoint with the format that recognises it (registry.cc), hands each
 // format its section of a rule file (RuleSectionParsers, rules/rule_section.h,
-// in registry.cc) and plans a conversion or an export with the format `--to`
+// in rule_sections.cc) and plans a conversion or an export with the format `--to`
 // names (targets.cc, the table of targets). The commands in engine/api/ reach the formats
 // through it and through the interface in formats/format.h; it is the only
 // file that includes format folders.

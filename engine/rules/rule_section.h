@@ -5,9 +5,9 @@
 // family's tensors, their canonical names and tensor-parallel layout); the
 // format that owns a section parses it, in its own folder. The formats'
 // registry hands this floor the table of section parsers
-// (RuleSectionParsers, declared here and defined by the registry,
-// formats/registry.cc, in the same engine library), so that the rules floor
-// names no format and a new format's section touches no file here.
+// (RuleSectionParsers, declared here and defined beside the registry, in
+// formats/rule_sections.cc of the same engine library), so that the rules
+// floor names no format and a new format's section touches no file here.
 #pragma once
 
 #include <memory>
