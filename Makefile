@@ -7,7 +7,7 @@ PY := /usr/bin/python3
 DEB_PACKAGES := cmake g++ make pkg-config libtorch-dev libyaml-cpp-dev libre2-dev \
                 libcli11-dev libgtest-dev libbenchmark-dev python3-torch \
                 openmpi-bin libopenmpi-dev clang libclang-rt-14-dev strace \
-                pybind11-dev python3-dev python3-venv
+                pybind11-dev python3-dev python3-venv ccache
 FUZZ_BUILD ?= build-fuzz
 # Seconds per fuzz target: short in `make test`, longer by hand (make fuzz FUZZ_SECONDS=3600).
 FUZZ_SECONDS ?= 40

@@ -2,8 +2,8 @@
 
 A copy of the checkout (its tracked and untracked-but-not-ignored files) is installed with
 `pip install` into a venv made by `python3 -m venv --system-site-packages` (Debian's torch), with
-pip fetching scikit-build-core from PyPI; the build folder is a temporary one beside the copy, so
-the checkout is never written. Then the copy and the build folder are removed, and from an empty
+pip fetching scikit-build-core from PyPI; the build folder is in the copy, so the checkout is never
+written. Then the copy and its build folder are removed, and from an empty
 folder, with no RESHARD_* variable set:
 
 * `reshard --help` (the venv's console command) and `python -m reshard --help` print the CLI's help;
@@ -13,9 +13,9 @@ folder, with no RESHARD_* variable set:
 * the venv's `reshard convert` of that save writes the files the build's binary writes, byte for byte.
 
 Where PyPI cannot be reached (scikit-build-core cannot be downloaded) or a venv cannot be made, the
-test is skipped with one line saying why. With ccache on PATH the build compiles through it (one
-cache folder layout for every run, so a second run is mostly cache hits); the time pip took is
-printed.
+test is skipped with one line saying why. With ccache installed the build compiles through it as
+CMakeLists.txt sets it up, in the tested build's place in the copy, so that it reuses the tested
+build's objects; the time pip took is printed.
 
 Run: PYTHONPATH=tests:tests/interop /usr/bin/python3 tests/interop/test_pip_install.py --reshard build/reshard
 """
@@ -55,17 +55,21 @@ def copy_checkout(dest):
         shutil.copy2(os.path.join(CHECKOUT, rel), os.path.join(dest, rel))
 
 
-def build_env(work):
-    """The environment of the pip build: the build type's parallelism, and ccache when it is there,
-    with every path under `work` rewritten relative (the same layout each run) so runs share hits."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith('RESHARD_')}
+def build_env():
+    """The environment of the pip build: the build type's parallelism, and no launcher or ccache
+    setting of the caller's, so that CMakeLists.txt's own ccache settings apply (those of the tested
+    build, whose objects a pip build in the same layout then reuses)."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(('RESHARD_', 'CCACHE_')) and not k.endswith('_COMPILER_LAUNCHER')}
     env.setdefault('CMAKE_BUILD_PARALLEL_LEVEL', str(os.cpu_count() or 1))
-    if shutil.which('ccache'):
-        for lang in ('C', 'CXX'):
-            env.setdefault(f'CMAKE_{lang}_COMPILER_LAUNCHER', 'ccache')
-        # The build folder's absolute path is in the debug info, and differs each run.
-        env.update(CCACHE_BASEDIR=work, CCACHE_NOHASHDIR='1')
     return env
+
+
+def build_folder(src):
+    """The pip build's folder in the copy `src`: where the tested build lies in the checkout (so that
+    ccache, which hashes paths relative to the source folder, finds its objects), else src/build."""
+    tested = os.path.relpath(os.path.dirname(os.path.abspath(support.RESHARD)), CHECKOUT)
+    return os.path.join(src, 'build' if tested.startswith(os.pardir) or tested == os.curdir else tested)
 
 
 def pinned_backend():
@@ -100,18 +104,18 @@ class PipInstallTest(unittest.TestCase):
         if p.returncode:
             last = (p.stderr.strip().splitlines() or ['no output'])[-1]
             cls.skip(f'pip cannot fetch {backend} from PyPI: {last}')
-        src, build = os.path.join(cls.work, 'src'), os.path.join(cls.work, 'build')
+        src = os.path.join(cls.work, 'src')
         copy_checkout(src)
+        build = build_folder(src)
         start = time.monotonic()
         p = run([os.path.join(cls.bin, 'pip'), 'install', '--no-cache-dir', f'--config-settings=build-dir={build}',
-                 src], env=build_env(cls.work))
+                 src], env=build_env())
         took = time.monotonic() - start
         if p.returncode:
             raise AssertionError(f'pip install failed:\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}')
         print(f'pip install . took {took:.0f} s', file=sys.stderr)
         # Nothing of the copy or its build may be needed at run time.
         shutil.rmtree(src)
-        shutil.rmtree(build)
         cls.cwd = os.path.join(cls.work, 'empty')
         os.mkdir(cls.cwd)
         cls.env = {k: v for k, v in os.environ.items() if not k.startswith(('RESHARD_', 'PYTHON'))}
