@@ -18,17 +18,16 @@ namespace {
 // A job's share of a big .distcp file.
 constexpr int64_t kPartBytes = int64_t{256} << 20;
 
-// [first, first + count): what part `index` of torch.chunk into `parts`
-// holds of `size` (shares of ceil(size / parts), the last ones shorter or
+// `box` cut along `axis` to what part `index` of torch.chunk into `parts`
+// holds of it (shares of ceil(size / parts), the last ones shorter or
 // empty), as DTensor's Shard cuts a dim.
-struct Share {
-  int64_t first = 0;
-  int64_t count = 0;
-};
-Share ChunkShare(int64_t size, int parts, int index) {
+Box ChunkShare(Box box, int axis, int parts, int index) {
+  const int64_t size = box.sizes[axis];
   const int64_t chunk = (size + parts - 1) / parts;
   const int64_t first = std::min(size, index * chunk);
-  return {first, std::min(size, first + chunk) - first};
+  box.offsets[axis] += first;
+  box.sizes[axis] = std::min(size, first + chunk) - first;
+  return box;
 }
 
 // torch 2.6's AdamW param group fields (initial_lr is a scheduler's, kept
@@ -122,17 +121,11 @@ Status Fsdp2Files::AddTo(const std::string& folder, OutputPlan* out) {
 // may place it (dedup_save_to_lowest_rank).
 std::optional<Box> Fsdp2Files::BoxOf(const KeyedTensor& t, int d, int tp_rank) const {
   if (t.tp_dim < 0 && tp_rank > 0) return std::nullopt;
-  Box box{std::vector<int64_t>(t.shape.size(), 0), t.shape};
+  Box box = Box::Whole(t.shape);
   if (t.shape.empty()) return d == 0 ? std::optional<Box>(box) : std::nullopt;
-  if (t.tp_dim >= 0) {
-    const Share share = ChunkShare(t.shape[t.tp_dim], mesh_.tp, tp_rank);
-    box.offsets[t.tp_dim] = share.first;
-    box.sizes[t.tp_dim] = share.count;
-  }
-  const Share rows = ChunkShare(box.sizes[0], mesh_.dp_shard, d);
-  if (rows.count == 0) return std::nullopt;
-  box.offsets[0] += rows.first;
-  box.sizes[0] = rows.count;
+  if (t.tp_dim >= 0) box = ChunkShare(std::move(box), t.tp_dim, mesh_.tp, tp_rank);
+  box = ChunkShare(std::move(box), 0, mesh_.dp_shard, d);
+  if (box.sizes[0] == 0) return std::nullopt;
   return box;
 }
 

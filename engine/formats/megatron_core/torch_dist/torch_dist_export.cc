@@ -96,30 +96,23 @@ std::vector<int64_t> GlobalShape(const RankTensor& r, int tp) {
   return shape;
 }
 
-// One box of a rank tensor in the canonical tensor, and where its bytes
-// start in the rank tensor's.
-struct RankBox {
-  Box chunk;
-  int64_t byte_offset = 0;
-};
-
-// TP rank `t`'s boxes (logical/tp_placement.h): one, or one per
-// sub-parameter (`parts`) of a split along dim 0, each contiguous in the
-// rank tensor.
-Result<std::vector<RankBox>> RankBoxes(const RankTensor& r, int t, int tp, DType dtype) {
-  const TpPlacement place = PlaceTpRank(*r.rule, GlobalShape(r, tp), tp, t);
+// TP rank `t`'s pieces of the canonical tensor (logical/tp_placement.h): one,
+// or one per sub-parameter (`parts`) of a split along dim 0, each contiguous
+// in the rank tensor.
+Result<std::vector<Placement>> RankPieces(const RankTensor& r, int t, int tp) {
+  TpPlacement place = PlaceTpRank(*r.rule, GlobalShape(r, tp), tp, t);
   if (place.placements.size() > 1 && r.rule->dim != 0) {
     return Status::Unsupported("export --to torch_dist: " + r.name + " stacks " + std::to_string(r.rule->parts) +
                                " sub-parameters along dim " + std::to_string(r.rule->dim) + ", whose pieces are "
                                "not contiguous in a rank's tensor; only dim 0 is supported");
   }
-  const int64_t rows = r.shape.empty() ? 0 : r.shape[0];
-  const int64_t row_bytes = rows == 0 ? 0 : ShapeNumel(r.shape) / rows * ElementSize(dtype);
-  std::vector<RankBox> boxes;
-  for (const Placement& p : place.placements) {
-    boxes.push_back({p.global, p.local.empty() ? 0 : p.local[0] * row_bytes});
-  }
-  return boxes;
+  return std::move(place.placements);
+}
+
+// Where `piece` starts in the bytes of rank tensor `r` held as `dtype`.
+int64_t ByteOffsetOf(const Placement& piece, const RankTensor& r, DType dtype) {
+  if (piece.local.empty() || r.shape.empty() || r.shape[0] == 0) return 0;
+  return piece.local[0] * (ShapeNumel(r.shape) / r.shape[0]) * ElementSize(dtype);
 }
 
 struct Target {
@@ -176,12 +169,13 @@ Status AddRankItems(const RuleSet& rules, const std::vector<RankTensor>& tensors
     if (t > 0 && r.rule->policy == ParamRule::Policy::kReplicated) continue;  // TP rank 0 writes it
     RESHARD_ASSIGN_OR_RETURN(KeyOf key, KeyOfTensor(rules, r));
     const DType dtype = WrittenDType(r, target.dtype);
-    RESHARD_ASSIGN_OR_RETURN(std::vector<RankBox> boxes, RankBoxes(r, t, target.cut.tp, dtype));
+    RESHARD_ASSIGN_OR_RETURN(std::vector<Placement> pieces, RankPieces(r, t, target.cut.tp));
     const std::vector<int64_t> size = StackedSize(key, target.blocks, target.experts, GlobalShape(r, target.cut.tp));
     const ByteProducer bytes = dtype == r.dtype ? r.produce : CastBytes(r.produce, r.dtype, dtype);
-    for (RankBox& box : boxes) {
+    for (Placement& piece : pieces) {
+      const int64_t at = ByteOffsetOf(piece, r, dtype);
       DcpWriteItem item =
-          DcpTensorItem(key.key, dtype, size, StackedChunk(key, std::move(box.chunk)), BytesFrom(bytes, box.byte_offset));
+          DcpTensorItem(key.key, dtype, size, StackedChunk(key, std::move(piece.global)), BytesFrom(bytes, at));
       item.from = r.Label();
       files->At(t, StageOf(r, target), WritingDpRank(key, target)).push_back(std::move(item));
     }
@@ -426,19 +420,19 @@ Status AddModelSpaceItems(const SourceCheckpoint& src, const TpWeights& weights,
       if (t > 0 && r.rule->policy == ParamRule::Policy::kReplicated) continue;  // TP rank 0 writes it
       RESHARD_ASSIGN_OR_RETURN(KeyOf key, KeyOfTensor(rules, r));
       const std::vector<int64_t> global = StackedSize(key, target.blocks, target.experts, GlobalShape(r, target.cut.tp));
-      RESHARD_ASSIGN_OR_RETURN(std::vector<RankBox> boxes, RankBoxes(r, t, target.cut.tp, DType::kFloat32));
+      RESHARD_ASSIGN_OR_RETURN(std::vector<Placement> pieces, RankPieces(r, t, target.cut.tp));
       for (size_t s = 0; s < states.size(); ++s) {
         RESHARD_ASSIGN_OR_RETURN(Fp32Piece state, Fp32StateOf(states, t, r.name, s));
         // Megatron-Core 0.14 names the fp32 master `fp32_param`.
         const std::string fqn = std::string("optimizer.state.") + (s == 0 ? "fp32_param" : kTorchDistStates[s]) + "." + key.key;
-        for (const RankBox& box : boxes) {
-          const Box piece = StackedChunk(key, box.chunk);
+        for (const Placement& rank_piece : pieces) {
+          const Box piece = StackedChunk(key, rank_piece.global);
           RESHARD_ASSIGN_OR_RETURN(NdReformulation reform, NdReformulationOf(global, piece.sizes, fqn));
           Box row{reform.FragmentIndex(piece), std::vector<int64_t>(global.size(), 1)};
           row.offsets.push_back(0);
           row.sizes.push_back(reform.fragment_numel());
           DcpWriteItem item = DcpTensorItem(fqn, DType::kFloat32, reform.saved_shape(), std::move(row),
-                                            BytesFrom(state.bytes, box.byte_offset));
+                                            BytesFrom(state.bytes, ByteOffsetOf(rank_piece, r, DType::kFloat32)));
           item.reformulated_from = global;
           item.from = state.from;
           files->At(t, StageOf(r, target)).push_back(std::move(item));
