@@ -551,6 +551,8 @@ int Run(int argc, char** argv) {
   verify_cmd->add_option("B", second, "Second checkpoint");
   AddCommonOptions(verify_cmd, &verify);
   verify_cmd->add_option("--rules-b", verify.rules_b, "Rule set for B (default: as for A)");
+  verify_cmd->add_flag("--weights-only", verify.weights_only,
+                       "Compare the weights only: neither side's optimizer state is read");
   verify_cmd->add_flag("--deep", verify.deep,
                        "Also read every byte of both checkpoints and check each record's CRC-32");
   verify_cmd->add_option("--max-memory", verify.max_memory,

@@ -117,6 +117,7 @@ void ReadCommon(Kwargs& kw, reshard::CommonOptions* o, Progress* progress) {
   kw.Get("allow_class", &o->allowed_classes);
   kw.Get("set", &o->set);
   kw.Get("state_dict_prefixes", &o->state_dict_prefixes);
+  kw.Get("weights_only", &o->weights_only);
   kw.Get("threads", &o->threads);
   kw.Get("check_crc", &o->check_crc);
   if (progress != nullptr) o->progress = progress->Function();
@@ -127,7 +128,6 @@ void ReadPreflight(Kwargs& kw, reshard::PreflightOptions* o, Progress* progress)
   std::string replicated = "check";
   kw.Get("replicated", &replicated);
   o->replicated = Policy(replicated);
-  kw.Get("weights_only", &o->weights_only);
   kw.Get("vocab_size", &o->vocab_size);
 }
 

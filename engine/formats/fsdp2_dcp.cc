@@ -403,7 +403,9 @@ namespace {
 Result<std::vector<ChosenTensor>> ChooseFsdp2Parameters(const SourceCheckpoint& src, const std::vector<FullTensor>& all,
                                                         const ExportOptions& options, bool optimizer,
                                                         const std::string& to, std::vector<std::string>* notes) {
-  TensorChoiceOptions choice{to, "--from weights", FormatOption(options, "from") == "weights", std::nullopt,
+  // --weights-only reads no optimizer state, so no masters either.
+  TensorChoiceOptions choice{to, options.weights_only ? "--weights-only" : "--from weights",
+                             options.weights_only || FormatOption(options, "from") == "weights", std::nullopt,
                              options.vocab_size ? options.vocab_size : src.info().vocab_size};
   RESHARD_ASSIGN_OR_RETURN(choice.dtype, ExportDType(FormatOption(options, "dtype")));
   RESHARD_ASSIGN_OR_RETURN(std::vector<ChosenTensor> chosen, ChooseTensors(all, src.info().kind, choice, notes));

@@ -95,7 +95,7 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenModelStateDict(DcpContent content,
   }
   // A folder whose structure is the recipe's but ambiguous is refused, naming the option.
   RESHARD_ASSIGN_OR_RETURN(std::optional<RecipePrefixes> recipe,
-                           FindRecipePrefixes(tensors, options.state_dict_prefixes));
+                           FindRecipePrefixes(tensors, options.state_dict_prefixes, options.rules));
   if (!recipe) return Named("dcp", OpenDcpCheckpoint(std::move(content), ""));
   Result<StateDictImport> imported = ReadDcpRecipeImport(tensors, *recipe, options);
   Result<std::unique_ptr<SourceCheckpoint>> opened =

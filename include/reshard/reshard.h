@@ -71,6 +71,11 @@ struct CommonOptions {
   // state dicts under, "MODEL,OPTIM" ("model,optim", "app.model,app.optim"),
   // where its structure does not tell (PyTorch's DCP recipe); empty: found.
   std::string state_dict_prefixes;
+  // Only the model weights of a checkpoint that has optimizer state: its
+  // optimizer state is not read, so not written (convert, export) or
+  // compared (verify), and one that cannot be read (a bf16 run's, which
+  // keeps no fp32 master) does not stop the weights.
+  bool weights_only = false;
   // Threads for reading and writing; 0 = the number of cores.
   int threads = 0;
   // Check the CRC-32 of every zip record the command reads whole, as it
@@ -85,8 +90,6 @@ struct CommonOptions {
 // checkpoint for (a target layout's own limits aside).
 struct PreflightOptions : CommonOptions {
   ReplicatedPolicy replicated = ReplicatedPolicy::kCheck;
-  // Convert only the model weights of a checkpoint that has optimizer state.
-  bool weights_only = false;
   // True vocabulary size when the checkpoint does not record it.
   std::optional<int64_t> vocab_size;
 };

@@ -10,6 +10,7 @@ AdamW step under FSDP2 on gloo and saves it:
 * `appflat_w2`: world 2, the tutorial's `{"app": AppState}` with the optimizer state dict flattened
   (`optim.param_groups.<fqn>.lr`);
 * `recipe_w3`: the same run at world 3: where torch places each chunk at 3 ranks;
+* `bf16_w2`: world 2, the model in bf16 (AdamW then keeps no fp32 master);
 * and the run continued at world 2: one more step, then the loss of a third batch.
 
 reshard converts them (`convert SRC OUT --dp-shard N`, the recipe's layout and prefixes kept) to
@@ -19,7 +20,8 @@ torch's own world-3 save; the recipe's own load at that world size (a zeroed FSD
 `get_state_dict`, `dcp.load`, `set_state_dict`) gives every parameter, exp_avg, exp_avg_sq and
 step of the save, and its next step reaches the loss of the run continued at world 2. On the host:
 `verify` finds each output the save's model with its optimizer state, and what cannot be written is
-refused in one line, nothing written.
+refused in one line, nothing written; the bf16 save's optimizer state is refused naming
+`--weights-only`, with which its weights convert, export to HF and verify, equal to the save's.
 
 Run: PYTHONPATH=tests:tests/interop /usr/bin/python3 tests/interop/test_dcp_recipe_target.py
      --reshard build/reshard
@@ -30,6 +32,8 @@ import shutil
 import sys
 import tempfile
 
+import torch
+
 import interop_support as support
 from interop_support import FixtureTestCase
 import torch2_chroot
@@ -37,9 +41,11 @@ from test_dcp_recipe_source import COMPARED, HEADS, MODEL
 
 run = support.reshard
 
-# The saves, each with its world size, whether it is the tutorial's AppState (app.model / app.optim)
-# and whether its optimizer state dict is flattened.
-SAVES = {'recipe_w2': (2, False, False), 'appflat_w2': (2, True, True), 'recipe_w3': (3, False, False)}
+# The saves, each with its world size, whether it is the tutorial's AppState (app.model / app.optim),
+# whether its optimizer state dict is flattened, and its parameters' dtype (a bf16 run keeps no fp32
+# master).
+SAVES = {'recipe_w2': (2, False, False, 'float32'), 'appflat_w2': (2, True, True, 'float32'),
+         'recipe_w3': (3, False, False, 'float32'), 'bf16_w2': (2, False, False, 'bfloat16')}
 
 # Saves the SAVES, and the run of recipe_w2 continued: the loss of its next step (batch 100) and of
 # batch 101 after it.
@@ -48,9 +54,9 @@ import json
 
 SAVES = __SAVES__
 
-def build(r, world):
+def build(r, world, dtype):
     mesh = init_device_mesh('cpu', (world,))
-    model = LlamaForCausalLM()
+    model = LlamaForCausalLM().to(getattr(torch, dtype))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=False)
     fully_shard(model, mesh=mesh)
@@ -59,8 +65,8 @@ def build(r, world):
 def rank(r, world, port, name):
     dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=r, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
-    _, app, flat = SAVES[name]
-    model, optimizer = build(r, world)
+    _, app, flat, dtype = SAVES[name]
+    model, optimizer = build(r, world, dtype)
     step(model, optimizer)
     options = StateDictOptions(flatten_optimizer_state_dict=flat)
     if app:
@@ -75,12 +81,13 @@ def rank(r, world, port, name):
                 json.dump(losses, f)
     end_rank(dist)
 
-for name, (world, app, flat) in SAVES.items():
+for name, (world, *_) in SAVES.items():
     with socket.socket() as s:
         s.bind(('127.0.0.1', 0))
         port = s.getsockname()[1]
     mp.start_processes(rank, args=(world, port, name), nprocs=world, start_method='fork')
-load_back('recipe_w2')
+for name in SAVES:
+    load_back(name)
 print('torch', torch.__version__)
 '''
 
@@ -267,6 +274,44 @@ class DcpRecipeTargetTest(FixtureTestCase):
         self.assertResumes(reports['tt_back'], reports['torch_w3'], same_chunks=True,
                            extra=['optim.param_groups.0.initial_lr'])
         self.assertTrue(os.path.exists(back))
+
+    def test_a_bf16_run_converts_its_weights_only(self):
+        """torch's AdamW of a bf16 model keeps no fp32 master: its optimizer state is refused in one line
+        naming --weights-only, and with it the weights convert, export and verify, the save's own."""
+        src = self.saved('bf16_w2')
+        out = self.path('bf16_refused')
+        for command in (('convert', src, out, '--dp-shard', 3), ('export', src, out, '--to', 'hf')):
+            with self.subTest(command=command[0]):
+                self.assertRefused(run(*command, *HEADS), 'pass --weights-only', out)
+        w3 = self.saved('bf16_w3')
+        p = run('convert', src, w3, '--dp-shard', 3, '--weights-only', *HEADS)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        self.assertIn('0 of 15 tensors from the fp32 masters (--weights-only)', p.stdout + p.stderr)
+        p = run('inspect', w3, *HEADS)  # read back as a recipe save of the model alone
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        self.assertIn('format: dcp_recipe, saved at TP 1, PP 1, DP 3', p.stdout)
+        self.assertIn('optimizer state: none', p.stdout)
+        p = run('verify', src, w3, '--weights-only', *HEADS)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        self.assertIn('same model', p.stdout)
+        self.assertIn('verify: 15 tensors', p.stdout)  # the canonical weights, nothing else
+        self.assertIn('optimizer state not compared (--weights-only)', p.stdout)
+        p = run('verify', src, w3, *HEADS)
+        self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
+        self.assertIn('pass --weights-only', p.stderr)
+        hf = self.saved('bf16_hf')
+        p = run('export', src, hf, '--to', 'hf', '--weights-only', *HEADS)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        got = {}
+        for name in os.listdir(hf):
+            if name.endswith('.safetensors'):
+                got.update(support.read_safetensors(os.path.join(hf, name))[0])
+        want = {k[len('model.'):]: v for k, v in torch.load(self.saved('bf16_w2_full.pt')).items()
+                if k.startswith('model.')}
+        self.assertEqual(sorted(got), sorted(want))
+        for key, tensor in want.items():
+            self.assertEqual(tensor.dtype, torch.bfloat16, key)
+            self.assertTrue(torch.equal(got[key], tensor), key)
 
     def test_refusals(self):
         src = self.saved('recipe_w2')

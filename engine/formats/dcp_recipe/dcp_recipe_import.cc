@@ -86,9 +86,39 @@ Result<RecipePrefixes> GivenPrefixes(const DcpTensors& dcp, const std::string& o
   return p;
 }
 
+// Where a recipe save under `prefixes` keeps its model and its optimizer,
+// and how it names them (state_dict_import.h).
+StateDictKeys RecipeKeys(const RecipePrefixes& prefixes) {
+  StateDictKeys keys;
+  keys.format = "dcp_recipe";
+  keys.label = "DCP recipe checkpoint";
+  keys.model_prefix = prefixes.model;
+  keys.optim_prefix = prefixes.optim;
+  keys.hf_keys = true;
+  if (prefixes.model.empty()) {  // the model at the top level: everything but the optimizer is its
+    keys.run_states = {prefixes.optim.substr(0, prefixes.optim.find('.'))};
+  }
+  return keys;
+}
+
+// A model saved alone: the first key segment every tensor has, when a
+// family's HF names map keys under it.
+std::optional<RecipePrefixes> ModelAlone(const DcpTensors& dcp, const std::string& rules) {
+  if (dcp.tensors.empty()) return std::nullopt;
+  const std::string& first = dcp.tensors.begin()->first;
+  const RecipePrefixes alone{first.substr(0, first.find('.') + 1), ""};
+  if (alone.model.empty()) return std::nullopt;
+  for (const auto& [key, t] : dcp.tensors) {
+    if (!StartsWith(key, alone.model)) return std::nullopt;
+  }
+  if (!HoldsSectionModelKey(dcp, RecipeKeys(alone), rules)) return std::nullopt;
+  return alone;
+}
+
 }  // namespace
 
-Result<std::optional<RecipePrefixes>> FindRecipePrefixes(const DcpTensors& dcp, const std::string& option) {
+Result<std::optional<RecipePrefixes>> FindRecipePrefixes(const DcpTensors& dcp, const std::string& option,
+                                                         const std::string& rules) {
   if (!option.empty()) {
     RESHARD_ASSIGN_OR_RETURN(RecipePrefixes given, GivenPrefixes(dcp, option));
     return std::optional<RecipePrefixes>(std::move(given));
@@ -98,7 +128,7 @@ Result<std::optional<RecipePrefixes>> FindRecipePrefixes(const DcpTensors& dcp, 
     if (fqns.empty()) continue;
     for (const std::string& model : ModelPrefixes(dcp, optim, fqns)) found.push_back({model, optim});
   }
-  if (found.empty()) return std::optional<RecipePrefixes>();
+  if (found.empty()) return ModelAlone(dcp, rules);
   if (found.size() > 1) {
     std::vector<std::string> pairs;
     for (const RecipePrefixes& p : found) pairs.push_back(Shown(p.model) + "," + Shown(p.optim));
@@ -120,22 +150,15 @@ std::map<std::string, std::string> RecipeSaveOptions(const DcpTensors& dcp, cons
            ParseInt(key.substr(groups.size(), end - groups.size()), &index);
   });
   auto bare = [](const std::string& dotted) { return dotted.empty() ? dotted : dotted.substr(0, dotted.size() - 1); };
-  return {{kRecipePrefixesOption, bare(prefixes.model) + "," + bare(prefixes.optim)},
+  // A model saved alone keeps its prefix; its optimizer's, should it get one, is torch's `optim`.
+  const std::string optim = prefixes.optim.empty() ? "optim" : bare(prefixes.optim);
+  return {{kRecipePrefixesOption, bare(prefixes.model) + "," + optim},
           {kRecipeGroupsOption, indexed ? kIndexedGroups : kFlatGroups}};
 }
 
 Result<StateDictImport> ReadDcpRecipeImport(const DcpTensors& dcp, const RecipePrefixes& prefixes,
                                             const CommonOptions& options) {
-  StateDictKeys keys;
-  keys.format = "dcp_recipe";
-  keys.label = "DCP recipe checkpoint";
-  keys.model_prefix = prefixes.model;
-  keys.optim_prefix = prefixes.optim;
-  keys.hf_keys = true;
-  if (prefixes.model.empty()) {  // the model at the top level: everything but the optimizer is its
-    keys.run_states = {prefixes.optim.substr(0, prefixes.optim.find('.'))};
-  }
-  Result<StateDictImport> imported = ReadStateDictImport(dcp, keys, options);
+  Result<StateDictImport> imported = ReadStateDictImport(dcp, RecipeKeys(prefixes), options);
   if (imported.ok() || imported.status().code() != Status::Code::kUnsupported) return imported;
   return Status::Unsupported(imported.status().message() + "; the model's family needs a rule file whose hf section "
                              "names its HF model and whose torchtitan section gives its sizes (docs/rules.md), "

@@ -26,17 +26,22 @@
 namespace reshard {
 
 // The prefixes of a recipe save, each with its trailing dot ("" for a model
-// at the top level).
+// at the top level; `optim` "" for a model saved alone).
 struct RecipePrefixes {
   std::string model;
   std::string optim;
 };
 
 // The prefixes `option` names ("MODEL,OPTIM"), checked against `dcp`, or
-// those its structure shows; nullopt when it holds no optimizer state
-// beside a model and no option is given. Errors (one line): more than one
-// pair (naming them and the option), an option the folder does not fit.
-Result<std::optional<RecipePrefixes>> FindRecipePrefixes(const DcpTensors& dcp, const std::string& option);
+// those its structure shows: a model beside its optimizer's state, or a
+// model saved alone (`dcp.save({"model": model_sd})`, a weights-only
+// conversion), every tensor under one prefix holding an HF module's keys of
+// a family of `rules` (a path or built-in name; empty: every built-in one).
+// nullopt when it is neither and no option is given. Errors (one line):
+// more than one pair (naming them and the option), an option the folder
+// does not fit.
+Result<std::optional<RecipePrefixes>> FindRecipePrefixes(const DcpTensors& dcp, const std::string& option,
+                                                         const std::string& rules);
 
 // The options of export --to dcp_recipe (dcp_recipe_export.h) that write
 // the save's form again: its prefixes and the form of its param groups.

@@ -103,7 +103,7 @@ class MoeSource : public DeepSpeedModelSource {
   Status CheckReplicas(ReplicatedPolicy replicated, std::vector<std::string>* notes) const override {
     RESHARD_RETURN_IF_ERROR(CheckWeightDrift(ckpt(), replicated, notes));
     RESHARD_ASSIGN_OR_RETURN(const bool has_state, HasState());
-    if (!has_state) return Status::Ok();
+    if (!has_state || weights_only()) return Status::Ok();
     RESHARD_ASSIGN_OR_RETURN(const MoeOptimizer* opt, State());
     return CheckStateDrift(ckpt(), *opt, replicated);
   }
@@ -114,7 +114,7 @@ class MoeSource : public DeepSpeedModelSource {
     RESHARD_RETURN_IF_ERROR(ckpt().FirstError());
     RESHARD_ASSIGN_OR_RETURN(std::vector<FullTensor> out, WeightTensors(ckpt(), nullptr, replicated, read));
     RESHARD_ASSIGN_OR_RETURN(const bool has_state, HasState());
-    if (!has_state) return out;
+    if (!has_state || weights_only()) return out;
     RESHARD_ASSIGN_OR_RETURN(const MoeOptimizer* opt, State());
     RESHARD_RETURN_IF_ERROR(AddStates(*opt, replicated, read, &out));
     return out;

@@ -98,9 +98,9 @@ class NonPipelineSource : public DeepSpeedModelSource {
     std::vector<FullTensor> out;
     for (int t = 0; t < ckpt().tp; ++t) {
       AddWhole("module", "", t, read, &out);
-      if (HasEmbeddedOptimizerState(ckpt())) AddWhole("optimizer", "optimizer", t, read, &out);
+      if (!weights_only() && HasEmbeddedOptimizerState(ckpt())) AddWhole("optimizer", "optimizer", t, read, &out);
     }
-    if (shard_files() == 0) return out;
+    if (shard_files() == 0 || weights_only()) return out;
     RESHARD_ASSIGN_OR_RETURN(const SourceOptimizer* opt, Optimizer());
     for (int t = 0; t < ckpt().tp; ++t) {
       for (const std::string& name : opt->ParamNames()) {

@@ -176,10 +176,7 @@ class PipelineSource : public DeepSpeedModelSource {
                                               std::atomic<int64_t>* read) const override {
     // A tensor the rules could not describe is not among the layers' tensors.
     RESHARD_RETURN_IF_ERROR(ckpt().FirstError());
-    const SourceOptimizer* opt = nullptr;
-    if (HasOptimizerState()) {
-      RESHARD_ASSIGN_OR_RETURN(opt, Optimizer());
-    }
+    RESHARD_ASSIGN_OR_RETURN(const SourceOptimizer* opt, CarriedOptimizer());
     RESHARD_ASSIGN_OR_RETURN(std::vector<FullTensor> out, WeightTensors(ckpt(), opt, replicated, read));
     if (opt != nullptr) RESHARD_RETURN_IF_ERROR(AddStates(*opt, replicated, read, &out));
     return out;
@@ -187,9 +184,8 @@ class PipelineSource : public DeepSpeedModelSource {
 
   Status CheckReplicas(ReplicatedPolicy replicated, std::vector<std::string>* notes) const override {
     RESHARD_RETURN_IF_ERROR(CheckWeightDrift(ckpt(), replicated, notes));
-    if (!HasOptimizerState()) return Status::Ok();
-    RESHARD_ASSIGN_OR_RETURN(const SourceOptimizer* opt, Optimizer());
-    return CheckStateDrift(ckpt(), *opt, replicated);
+    RESHARD_ASSIGN_OR_RETURN(const SourceOptimizer* opt, CarriedOptimizer());
+    return opt == nullptr ? Status::Ok() : CheckStateDrift(ckpt(), *opt, replicated);
   }
 
   Result<OutputPlan> PlanFamilyFormat(const ExportOptions& options,
@@ -207,10 +203,7 @@ class PipelineSource : public DeepSpeedModelSource {
                                  std::atomic<int64_t>* read) const override {
     RESHARD_RETURN_IF_ERROR(CheckValuesGiven(ckpt(), cut.tp, cut.vocab_size));
     RESHARD_RETURN_IF_ERROR(ckpt().FirstError());
-    const SourceOptimizer* opt = nullptr;
-    if (HasOptimizerState()) {
-      RESHARD_ASSIGN_OR_RETURN(opt, Optimizer());
-    }
+    RESHARD_ASSIGN_OR_RETURN(const SourceOptimizer* opt, CarriedOptimizer());
     if (!cut.state.empty() && opt == nullptr) {
       return Status::InvalidInput(cut.state == kFp32Master
                                       ? "--from masters: the checkpoint has no optimizer state, so no fp32 masters; "

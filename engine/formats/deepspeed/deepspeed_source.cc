@@ -129,6 +129,11 @@ Result<const SourceOptimizer*> DeepSpeedModelSource::Optimizer() const {
   return static_cast<const SourceOptimizer*>(optimizer_.get());
 }
 
+Result<const SourceOptimizer*> DeepSpeedModelSource::CarriedOptimizer() const {
+  if (weights_only_ || !HasOptimizerState()) return static_cast<const SourceOptimizer*>(nullptr);
+  return Optimizer();
+}
+
 Result<std::vector<FullTensor>> WeightTensors(const LogicalCheckpoint& ckpt, const SourceOptimizer* masters,
                                               ReplicatedPolicy replicated, std::atomic<int64_t>* read) {
   std::vector<FullTensor> out;

@@ -84,7 +84,7 @@ Result<OutputPlan> NativeOutput(const LogicalCheckpoint& src, const SourceOptimi
 class DeepSpeedModelSource : public SourceCheckpoint {
  public:
   DeepSpeedModelSource(std::unique_ptr<DeepSpeedModel> model, const CommonOptions& options)
-      : model_(std::move(model)), allowed_classes_(options.allowed_classes) {}
+      : model_(std::move(model)), allowed_classes_(options.allowed_classes), weights_only_(options.weights_only) {}
   // A universal checkpoint, whose optimizer state was read with the model.
   DeepSpeedModelSource(UniversalCheckpoint universal, const CommonOptions& options)
       : DeepSpeedModelSource(std::move(universal.model), std::move(universal.optimizer), universal.optimizer_status,
@@ -93,7 +93,7 @@ class DeepSpeedModelSource : public SourceCheckpoint {
   // not in `optimizer_status` (neither: it has none).
   DeepSpeedModelSource(std::unique_ptr<DeepSpeedModel> model, std::unique_ptr<SourceOptimizer> optimizer,
                        Status optimizer_status, const CommonOptions& options)
-      : model_(std::move(model)), allowed_classes_(options.allowed_classes),
+      : model_(std::move(model)), allowed_classes_(options.allowed_classes), weights_only_(options.weights_only),
         optimizer_read_(optimizer != nullptr || !optimizer_status.ok()), optimizer_(std::move(optimizer)),
         optimizer_status_(std::move(optimizer_status)) {}
 
@@ -119,11 +119,18 @@ class DeepSpeedModelSource : public SourceCheckpoint {
   // "4 optimizer shard files", for the weights-only note.
   std::string OptimizerWhat() const;
   Result<const SourceOptimizer*> Optimizer() const;
+  // Opened for its weights only (CommonOptions::weights_only): the optimizer
+  // state is neither read nor carried.
+  bool weights_only() const { return weights_only_; }
+  // The optimizer state the commands carry: null when there is none or the
+  // checkpoint was opened weights-only.
+  Result<const SourceOptimizer*> CarriedOptimizer() const;
 
   std::unique_ptr<DeepSpeedModel> model_;
 
  private:
   std::set<std::string> allowed_classes_;
+  const bool weights_only_ = false;
   const bool optimizer_read_ = false;  // with the model, not from shard files
   mutable std::once_flag optimizer_once_;
   mutable std::unique_ptr<SourceOptimizer> optimizer_;

@@ -152,7 +152,7 @@ class Reader {
   std::string KeysWhere() const {
     if (!names_.hf_keys) return names_.format + "'s keys";
     return "HF's names (the model " + (names_.model_prefix.empty() ? "at the top level" : "under " + names_.model_prefix) +
-           ", the optimizer under " + names_.optim_prefix + ")";
+           (names_.optim_prefix.empty() ? ", saved alone)" : ", the optimizer under " + names_.optim_prefix + ")");
   }
 
   // Every model key's entry; a key the section does not map refuses the family.

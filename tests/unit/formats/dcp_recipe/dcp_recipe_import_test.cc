@@ -1,6 +1,7 @@
 // Finding the prefixes of a DCP recipe save from its keys' structure: torch's
-// recipe, the tutorial's AppState, a model at the top level, the refusal of
-// two candidate pairs and of an option the folder does not fit.
+// recipe, the tutorial's AppState, a model at the top level, a model saved
+// alone, the refusal of two candidate pairs and of an option the folder does
+// not fit.
 #include "formats/dcp_recipe/dcp_recipe_import.h"
 
 #include <gtest/gtest.h>
@@ -28,7 +29,7 @@ DcpTensors Recipe(const std::string& model, const std::string& optim) {
 }
 
 RecipePrefixes Found(const DcpTensors& dcp, const std::string& option = "") {
-  Result<std::optional<RecipePrefixes>> found = FindRecipePrefixes(dcp, option);
+  Result<std::optional<RecipePrefixes>> found = FindRecipePrefixes(dcp, option, "");
   EXPECT_TRUE(found.ok()) << found.status().message();
   if (!found.ok() || !found->has_value()) return {"<none>", "<none>"};
   return **found;
@@ -43,16 +44,28 @@ TEST(FindRecipePrefixesTest, FindsTorchsRecipeTheTutorialsAndATopLevelModel) {
 }
 
 TEST(FindRecipePrefixesTest, AFolderWithoutOptimizerStateIsNotTheRecipe) {
-  Result<std::optional<RecipePrefixes>> found = FindRecipePrefixes(Keys({"model.w", "fc.bias"}, {"step"}), "");
+  Result<std::optional<RecipePrefixes>> found = FindRecipePrefixes(Keys({"model.w", "fc.bias"}, {"step"}), "", "");
   ASSERT_TRUE(found.ok());
   EXPECT_FALSE(found->has_value());
+}
+
+TEST(FindRecipePrefixesTest, FindsAModelSavedAloneUnderOnePrefixOnlyWhereAFamilyNamesItsKeys) {
+  const RecipePrefixes alone = Found(Keys({"model.model.embed_tokens.weight", "model.lm_head.weight"}, {}));
+  EXPECT_EQ(alone.model, "model.");
+  EXPECT_EQ(alone.optim, "");
+  for (const DcpTensors& dcp : {Keys({"model.model.embed_tokens.weight", "ema.lm_head.weight"}, {}),
+                                Keys({"model.w", "model.b"}, {})}) {
+    Result<std::optional<RecipePrefixes>> found = FindRecipePrefixes(dcp, "", "");
+    ASSERT_TRUE(found.ok());
+    EXPECT_FALSE(found->has_value());
+  }
 }
 
 TEST(FindRecipePrefixesTest, TwoModelPrefixesAreRefusedUntilTheOptionNamesOne) {
   DcpTensors dcp = Recipe("model.", "optim.");
   dcp.tensors["ema.model.embed_tokens.weight"] = ImportedTensor{Value::None(), std::nullopt};
   dcp.tensors["ema.lm_head.weight"] = ImportedTensor{Value::None(), std::nullopt};
-  Result<std::optional<RecipePrefixes>> found = FindRecipePrefixes(dcp, "");
+  Result<std::optional<RecipePrefixes>> found = FindRecipePrefixes(dcp, "", "");
   ASSERT_FALSE(found.ok());
   EXPECT_NE(found.status().message().find("(ema,optim; model,optim)"), std::string::npos) << found.status().message();
   EXPECT_NE(found.status().message().find("--state-dict-prefixes MODEL,OPTIM"), std::string::npos);
@@ -61,9 +74,9 @@ TEST(FindRecipePrefixesTest, TwoModelPrefixesAreRefusedUntilTheOptionNamesOne) {
 
 TEST(FindRecipePrefixesTest, AnOptionTheFolderDoesNotFitIsRefused) {
   const DcpTensors dcp = Recipe("model.", "optim.");
-  EXPECT_FALSE(FindRecipePrefixes(dcp, "model").ok());               // no OPTIM
-  EXPECT_FALSE(FindRecipePrefixes(dcp, "model,optimizer").ok());     // no state there
-  EXPECT_FALSE(FindRecipePrefixes(dcp, "weights,optim").ok());       // the parameters are not there
+  EXPECT_FALSE(FindRecipePrefixes(dcp, "model", "").ok());               // no OPTIM
+  EXPECT_FALSE(FindRecipePrefixes(dcp, "model,optimizer", "").ok());     // no state there
+  EXPECT_FALSE(FindRecipePrefixes(dcp, "weights,optim", "").ok());       // the parameters are not there
 }
 
 }  // namespace
