@@ -40,6 +40,10 @@ INSIDE = '/megatron-core-site'  # where run() mounts the unpacked wheels in the 
 #   `dcp.load(..., no_dist=True)`, each rank alone, a keyword torch 2.6's dcp.load lacks: it goes
 #   to torch 2.6's own one-process reader (`_load_state_dict(no_dist=True)`), which dcp.load calls
 #   for such plain state dicts.
+# * dist_checkpointing.save (synchronous in every script here) writes in the rank's own process and hands
+#   the write results back through a queue kept by a spawned multiprocessing manager: a fresh Python that
+#   imports torch to unpickle them, seconds per rank on this host. The results never leave the process, so
+#   an in-process queue carries them.
 PRELUDE = r'''
 import sys, types
 sys.path.insert(0, %r)
@@ -63,6 +67,10 @@ if not torch.cuda.is_available():
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
     torch.cuda.current_device = lambda: 'cpu'
     torch.cuda.synchronize = lambda *args, **kwargs: None
+import queue
+from megatron.core.dist_checkpointing.strategies import filesystem_async as _filesystem_async
+_write_results = queue.Queue()
+_filesystem_async.get_write_results_queue = lambda *args, **kwargs: _write_results
 ''' % INSIDE
 
 
@@ -151,28 +159,25 @@ def run(root, site, script, binds, timeout=300):
 
 
 # Run by the scripts of the tests that start Megatron-Core ranks (after torch2_chroot.END_RANK): each
-# rank joins a gloo group of `world` (start) and ends once the others have (end_megatron_rank); worlds
+# rank joins a gloo group of `world` (start) and ends once the others have (end_rank(dist)); worlds
 # runs fn(rank, port, world, *case) in `world` forked processes for each (world, *case), one world after
 # another.
 RANKS = r'''
-import datetime, socket
+import datetime, gc, socket
 import torch.distributed as dist
 import torch.multiprocessing as mp
+# Every such script builds a GPTModel of the local spec: imported once, before the ranks fork, rather than
+# by each rank of each case.
+import megatron.core.models.gpt.gpt_layer_specs
 
 def start(r, port, world):
     dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=r, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
 
-def end_megatron_rank():
-    # dist_checkpointing's writer keeps a spawned multiprocessing manager, which would outlive the
-    # rank (end_rank exits at once) and keep the run's output open.
-    import multiprocessing
-    for child in multiprocessing.active_children():
-        child.terminate()
-        child.join()
-    end_rank(dist)
-
 def worlds(fn, cases):
+    # What the ranks inherit (torch, Megatron-Core, the script) lives as long as they do: kept out of the
+    # collections Megatron-Core runs at each optimizer state dict, which would walk it all in every rank.
+    gc.freeze()
     for world, *case in cases:
         with socket.socket() as s:
             s.bind(('127.0.0.1', 0))

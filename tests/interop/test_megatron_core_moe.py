@@ -149,7 +149,7 @@ def load(r, port, world, folder, out, tp, ep):
     model.load_state_dict(state['model'], strict=True)
     os.makedirs(out, exist_ok=True)
     dist_checkpointing.save(model.sharded_state_dict(), out)
-    end_megatron_rank()
+    end_rank(dist)
 
 worlds(load, CASES)
 for case in CASES:

@@ -112,7 +112,7 @@ def source(r, port, world, tp, ep):
     if r == 0:
         with open('/data/source_losses.json', 'w') as f:
             json.dump(losses, f)
-    end_megatron_rank()
+    end_rank(dist)
 
 worlds(source, [%r])
 save_whole('/data/source')
@@ -150,7 +150,7 @@ def resume(r, port, world, folder, resaved, record, tp, ep, layout):
     if r == 0:
         with open(record, 'w') as f:
             json.dump(out, f)
-    end_megatron_rank()
+    end_rank(dist)
 
 worlds(resume, CASES)
 for case in CASES:

@@ -99,7 +99,7 @@ def save(r, port, world, tag):
     dist_checkpointing.save(model.sharded_state_dict(), '/data/' + tag)
     torch.save({k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)},
                f'/data/{tag}_rank{r}.pt')
-    end_megatron_rank()
+    end_rank(dist)
 
 worlds(save, [(2, tag) for tag in SAVES])
 
@@ -139,7 +139,7 @@ def load(r, port, world, name, out, kind, groups, tp, pp):
         if pp == 1:  # the TP ranks compute the loss together
             loss[who] = losses(model)
     torch.save({'held': held, 'loss': loss}, f'/data/{name}_loaded_rank{r}.pt')
-    end_megatron_rank()
+    end_rank(dist)
 
 worlds(load, [(2, *case) for case in CASES])
 '''

@@ -98,7 +98,7 @@ def save(r, port, world):
     os.makedirs('/data/src', exist_ok=True)  # as Megatron-LM makes it
     dist_checkpointing.save({'model': model.sharded_state_dict(), 'args': args, 'checkpoint_version': 3.0},
                             '/data/src')
-    end_megatron_rank()
+    end_rank(dist)
 
 worlds(save, [(2,)])
 print('megatron-core', __import__('megatron.core.package_info').core.package_info.__version__)
@@ -129,7 +129,7 @@ def load(r, port, world, name, out, form, pp, split):
         if pp == 1:
             loss[who] = losses(model)
     torch.save({'held': held, 'loss': loss}, f'/data/{name}_loaded_rank{r}.pt')
-    end_megatron_rank()
+    end_rank(dist)
 
 worlds(load, CASES)
 '''

@@ -298,7 +298,7 @@ def save(r, port, world):
     state = {k: c.sharded_state_dict() for k, c in zip(keys(chunks), chunks)}
     os.makedirs('/data/src', exist_ok=True)
     dist_checkpointing.save({**state, 'args': args, 'checkpoint_version': 3.0}, '/data/src')
-    end_megatron_rank()
+    end_rank(dist)
 
 worlds(save, [(2,)])
 print('megatron-core', __import__('megatron.core.package_info').core.package_info.__version__)
@@ -332,7 +332,7 @@ def load(r, port, world, name, out, form, pp, vpp):
         if pp == 1:
             loss[who] = losses(chunks[0])
     torch.save({'held': held, 'loss': loss}, f'/data/{name}_loaded_rank{r}.pt')
-    end_megatron_rank()
+    end_rank(dist)
 
 worlds(load, CASES)
 '''

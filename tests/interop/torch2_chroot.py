@@ -130,8 +130,11 @@ def run(root, script, binds, timeout=300, attempts=2):
     torch 2.6's distributed runs on this host hang now and then where a second run does not
     (END_RANK avoids the hang seen most), and a hang is not what these tests check. The last
     timeout raises TimeoutExpired."""
+    # GLOO_SOCKET_IFNAME: gloo otherwise finds its address by resolving the host's name, which the chroot's
+    # /etc/hosts lacks: every process group (Megatron-Core makes dozens) asked DNS, and now and then waited 5 s
+    # for the resolver to give up. The ranks all run on this host, over loopback.
     env = {'PATH': '/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin', 'HOME': '/root', 'LANG': 'C.UTF-8',
-           'USE_LIBUV': '0', 'PYTHONDONTWRITEBYTECODE': '1'}
+           'USE_LIBUV': '0', 'PYTHONDONTWRITEBYTECODE': '1', 'GLOO_SOCKET_IFNAME': 'lo'}
     argv = _chroot_command(root, ['/usr/bin/python3', '-c', script], binds)
     for attempt in range(1, attempts + 1):
         with subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
