@@ -137,7 +137,7 @@ def resume(r, port, world, folder, record):
     if r == 0:
         with open(record, 'w') as f:
             json.dump({'built': built, 'steps': steps, 'losses': losses}, f)
-    end_megatron_rank()
+    end_rank(dist)
 
 worlds(resume, CASES)
 '''
