@@ -55,13 +55,28 @@ def copy_checkout(dest):
         shutil.copy2(os.path.join(CHECKOUT, rel), os.path.join(dest, rel))
 
 
+def tested_compilers():
+    """{CC, CXX}: the compilers the tested build's CMakeCache.txt names, where it has them."""
+    cache = os.path.join(os.path.dirname(os.path.abspath(support.RESHARD)), 'CMakeCache.txt')
+    out = {}
+    if os.path.exists(cache):
+        with open(cache) as f:
+            for line in f:
+                m = re.match(r'CMAKE_(C|CXX)_COMPILER:FILEPATH=(.+)', line.strip())
+                if m:
+                    out['CC' if m.group(1) == 'C' else 'CXX'] = m.group(2)
+    return out
+
+
 def build_env():
-    """The environment of the pip build: the build type's parallelism, and no launcher or ccache
-    setting of the caller's, so that CMakeLists.txt's own ccache settings apply (those of the tested
-    build, whose objects a pip build in the same layout then reuses)."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(('RESHARD_', 'CCACHE_')) and not k.endswith('_COMPILER_LAUNCHER')}
+    """The environment of the pip build: the build type's parallelism, the tested build's compilers
+    (else scikit-build-core takes Python's, another name ccache hashes apart), and no launcher or
+    ccache path setting of the caller's (its cache folder is kept), so that CMakeLists.txt's own ccache settings apply (the tested
+    build's, whose objects a pip build in the same layout then reuses)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith('RESHARD_') and
+           k not in ('CCACHE_BASEDIR', 'CCACHE_NOHASHDIR') and not k.endswith('_COMPILER_LAUNCHER')}
     env.setdefault('CMAKE_BUILD_PARALLEL_LEVEL', str(os.cpu_count() or 1))
+    env.update(tested_compilers())
     return env
 
 
