@@ -61,7 +61,8 @@ fuzz: deps
 # The unit tests built with AddressSanitizer and UBSan (-O1): a memory error,
 # a leak or undefined behaviour fails the run with its report (but for the
 # leak of LibTorch's own in tests/lsan_suppressions.txt). A build of its
-# own (about 6 minutes on 2 cores), so CI runs it after `make test`.
+# own (about 30 minutes on 2 cores with a cold compiler cache), so CI runs it
+# after `make test`.
 sanitize: deps
 	cmake -S . -B $(SANITIZE_BUILD) -DRESHARD_SANITIZE=ON -DCMAKE_BUILD_TYPE=Debug \
 	  -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g" -DRESHARD_BENCHMARKS=OFF >/dev/null
