@@ -315,15 +315,8 @@ Result<VerifyReport> Verify(const std::string& a_path, const std::string& b_path
   std::atomic<int64_t> read{0};
   RESHARD_ASSIGN_OR_RETURN(std::vector<FullTensor> ta, a->FullTensors(options.replicated, &read));
   RESHARD_ASSIGN_OR_RETURN(std::vector<FullTensor> tb, b->FullTensors(options.replicated, &read));
-  if (options.weights_only) {
-    // Also the states of a format whose weights are its optimizer's masters (ZeRO-3).
-    for (std::vector<FullTensor>* side : {&ta, &tb}) {
-      side->erase(std::remove_if(side->begin(), side->end(),
-                                 [](const FullTensor& t) { return t.section == "optimizer"; }),
-                  side->end());
-    }
-    report.notes.push_back("optimizer state not compared (--weights-only)");
-  }
+  // Each side opened weights-only read no optimizer state (or refused, where its weights are its masters).
+  if (options.weights_only) report.notes.push_back("optimizer state not compared (--weights-only)");
   const std::optional<int64_t> true_rows = TrueVocabRows(a->info(), b->info());
   Comparison comparison(std::move(ta), std::move(tb), true_rows);
   RESHARD_RETURN_IF_ERROR(RunComparison(&comparison, comparison.Jobs(&report), options, &report));

@@ -16,8 +16,8 @@ constexpr char kWeightsOnlyRefusal[] =
 
 class Zero3Source : public SourceCheckpoint {
  public:
-  Zero3Source(CheckpointFiles files, std::unique_ptr<Zero3Checkpoint> ckpt)
-      : files_(std::move(files)), ckpt_(std::move(ckpt)) {
+  Zero3Source(CheckpointFiles files, std::unique_ptr<Zero3Checkpoint> ckpt, bool weights_only)
+      : files_(std::move(files)), ckpt_(std::move(ckpt)), weights_only_(weights_only) {
     info_.kind = "ZeRO-3";
     info_.tag_dir = files_.tag_dir;
     info_.files = files_.Paths();
@@ -73,6 +73,7 @@ class Zero3Source : public SourceCheckpoint {
   // Every element of every state of every parameter.
   Result<std::vector<FullTensor>> FullTensors(ReplicatedPolicy,
                                               std::atomic<int64_t>* read) const override {
+    if (weights_only_) return Status::InvalidInput(kWeightsOnlyRefusal);
     std::vector<FullTensor> out;
     for (int mp = 0; mp < ckpt_->mp(); ++mp) {
       for (const auto& group : ckpt_->ranks()[mp].sub_groups) {
@@ -93,6 +94,7 @@ class Zero3Source : public SourceCheckpoint {
  private:
   CheckpointFiles files_;
   std::unique_ptr<Zero3Checkpoint> ckpt_;
+  const bool weights_only_;  // opened so (CommonOptions::weights_only), which it cannot honour
 };
 
 }  // namespace
@@ -102,7 +104,7 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenZero3Source(CheckpointFiles files,
   RESHARD_RETURN_IF_ERROR(RefuseSettings(options.set));
   RESHARD_ASSIGN_OR_RETURN(std::unique_ptr<Zero3Checkpoint> ckpt,
                            Zero3Checkpoint::Load(files, options.allowed_classes));
-  return std::unique_ptr<SourceCheckpoint>(new Zero3Source(std::move(files), std::move(ckpt)));
+  return std::unique_ptr<SourceCheckpoint>(new Zero3Source(std::move(files), std::move(ckpt), options.weights_only));
 }
 
 }  // namespace reshard
