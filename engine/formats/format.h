@@ -120,7 +120,9 @@ struct SourceInfo {
   // layout dimension, which convert takes, with a note, for the sizes of a
   // target not given.
   bool saved_whole = false;
-  std::string kind;      // "pipeline", "non-pipeline", "ZeRO-3", "MoE": verify compares like with like
+  // "pipeline", "non-pipeline", "ZeRO-3", "MoE" (DeepSpeed's), "model" (a
+  // model another format read), "DCP", ...: what messages call it.
+  std::string kind;
   std::string tag_dir;   // the folder holding the files
   std::vector<std::string> files;  // every file of the checkpoint (lint --deep checks their bytes)
   int64_t iteration = 0;

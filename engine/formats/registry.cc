@@ -13,6 +13,7 @@
 #include "formats/hf_common/hf_folder.h"
 #include "formats/hf_common/hf_import.h"
 #include "formats/hf_common/hf_rules.h"
+#include "formats/imported/imported_source.h"
 #include "formats/megatron_core/common/torch_dist_rules.h"
 #include "formats/megatron_core/torch/megatron_torch_import.h"
 #include "formats/megatron_core/torch_dist/torch_dist_import.h"
@@ -33,6 +34,12 @@ Result<std::unique_ptr<SourceCheckpoint>> Named(const std::string& format,
                                                 int pp = 0, int dp = 0, int ep = 0) {
   if (opened.ok()) (*opened)->SetOrigin(format, tp, pp, dp, ep);
   return opened;
+}
+
+// A model another format read, as a source of its own; DeepSpeed's targets
+// lay it out in DeepSpeed's files.
+std::unique_ptr<SourceCheckpoint> Imported(ImportedModel model, const CommonOptions& options) {
+  return MakeModelSource(std::move(model), options, MakeImportedSource);
 }
 
 // `opened`, saved as whole tensors: an HF folder or a state dict.
@@ -62,7 +69,7 @@ Result<std::unique_ptr<SourceCheckpoint>> FromStateDict(const std::string& forma
                                                         const std::string& folder, const CommonOptions& options) {
   const int tp = imported.tp, pp = imported.pp, dp = imported.dp;
   return Named(format,
-               MakeImportedSource({std::move(imported.logical), folder, std::move(imported.what),
+               Imported({std::move(imported.logical), folder, std::move(imported.what),
                                    std::move(imported.files), std::move(imported.notes),
                                    std::move(imported.optimizer), imported.optimizer_status, "",
                                    std::move(imported.facts)},
@@ -155,7 +162,7 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenDcp(const std::string& folder, con
   }
   const int tp = imported->tp, pp = imported->pp, dp = imported->dp, ep = imported->ep;
   return Named("torch_dist",
-               MakeImportedSource({std::move(imported->logical), folder, std::move(imported->what),
+               Imported({std::move(imported->logical), folder, std::move(imported->what),
                                    std::move(imported->files), std::move(imported->notes),
                                    std::move(imported->optimizer), imported->optimizer_status,
                                    std::move(imported->megatron_core_version), std::move(imported->facts)},
@@ -207,7 +214,7 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenCheckpoint(const std::string& path
   // family's rules describe, which converts into DeepSpeed's layout.
   if (IsHfFolder(path)) {
     RESHARD_ASSIGN_OR_RETURN(HfImport hf, ReadHfImport(path, options));
-    return SavedWhole(Named("hf", MakeImportedSource({std::move(hf.logical), path, std::move(hf.what),
+    return SavedWhole(Named("hf", Imported({std::move(hf.logical), path, std::move(hf.what),
                                                      std::move(hf.files), std::move(hf.notes), std::nullopt,
                                                      Status::Ok(), "", std::move(hf.facts),
                                                      /*records_iteration=*/false},
@@ -217,7 +224,7 @@ Result<std::unique_ptr<SourceCheckpoint>> OpenCheckpoint(const std::string& path
   if (!accelerate.empty()) return OpenAccelerate(accelerate, options);
   if (const std::string mlm = MegatronTorchFolder(path); !mlm.empty()) {
     RESHARD_ASSIGN_OR_RETURN(MegatronTorchImport imported, ReadMegatronTorchImport(mlm, options));
-    return Named("megatron", MakeImportedSource({std::move(imported.logical), mlm, std::move(imported.what),
+    return Named("megatron", Imported({std::move(imported.logical), mlm, std::move(imported.what),
                                                  std::move(imported.files), std::move(imported.notes),
                                                  std::move(imported.optimizer), imported.optimizer_status,
                                                  "", std::move(imported.facts)},

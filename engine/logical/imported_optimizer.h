@@ -3,9 +3,10 @@
 // canonical tensor, Adam's fp32 master and moments whole, as runs of the
 // source's bytes, and the optimizer's param groups and step.
 //
-// The reading format fills it; the format that writes the model turns it
-// into its own optimizer files (formats/deepspeed/: MakeImportedSource).
-// Neither needs to know the other: the states are laid out exactly like the
+// The reading format fills it; every target takes the states from it
+// (formats/imported/), DeepSpeed's into its own optimizer shards
+// (formats/deepspeed/optimizer/imported_state.h). Neither needs to know the
+// other: the states are laid out exactly like the
 // canonical tensors of the imported LogicalCheckpoint (TP 1, PP 1).
 #pragma once
 

@@ -381,4 +381,12 @@ Status DescribeCheckpoint(const std::string& rules, const std::map<std::string, 
   return Status::Ok();
 }
 
+std::string VocabSummary(const VocabInfo& vocab) {
+  if (vocab.padded_rows == 0) return "";
+  std::string s = "; vocabulary " + std::to_string(vocab.padded_rows) +
+                  (vocab.padding_stripped ? " rows (padding stripped)" : " padded rows");
+  if (vocab.original_size) s += " (true size " + std::to_string(*vocab.original_size) + ")";
+  return s;
+}
+
 }  // namespace reshard

@@ -70,6 +70,10 @@ struct VocabInfo {
   int padded_for_tp = 0;
 };
 
+// "; vocabulary 112 padded rows (true size 100)" for a summary line; empty
+// for a model without vocabulary tensors.
+std::string VocabSummary(const VocabInfo& vocab);
+
 struct LogicalCheckpoint {
   std::shared_ptr<const RuleSet> rules;  // null for a checkpoint without layers
   std::string numbering;           // which of the rule set's spec lists matched

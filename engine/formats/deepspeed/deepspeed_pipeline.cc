@@ -17,6 +17,7 @@
 #include "formats/deepspeed/optimizer/state_tensor.h"
 #include "formats/deepspeed/universal/universal_writer.h"
 #include "formats/deepspeed/optimizer/zero_shard_lint.h"
+#include "formats/tp_weights.h"
 #include "logical/drift.h"
 #include "plan/materialize.h"
 #include "plan/tensor_plan.h"
@@ -87,10 +88,7 @@ class PipelineSource : public DeepSpeedModelSource {
     int blocks = 0;
     for (const SpecEntry& s : c.specs) blocks += s.role == "block" ? 1 : 0;
     std::string s = "rule set " + c.rules->name() + " (numbering " + c.numbering + "); ";
-    if (!model_->foreign.empty()) {
-      s += model_->foreign + "; " + Count(blocks, "block") +
-           (HasOptimizerState() ? "; weights and optimizer state" : "; weights only");
-    } else if (model_->universal) {
+    if (model_->universal) {
       s += "universal checkpoint of DP " + std::to_string(c.dp) + "; iteration " + std::to_string(c.iteration) +
            "; " + Count(blocks, "block") + "; " + std::to_string(files().universal_files.size()) +
            " files in zero/, " + std::to_string(c.metadata.size()) + " mp_rank files; weights are the fp32 "
@@ -101,12 +99,7 @@ class PipelineSource : public DeepSpeedModelSource {
            std::to_string(c.layers.size() * c.tp) + " layer files, " + std::to_string(c.metadata.size()) +
            " mp_rank files, " + std::to_string(shard_files()) + " optimizer shards";
     }
-    if (c.vocab.padded_rows > 0) {
-      s += "; vocabulary " + std::to_string(c.vocab.padded_rows) +
-           (c.vocab.padding_stripped ? " rows (padding stripped)" : " padded rows");
-      if (c.vocab.original_size) s += " (true size " + std::to_string(*c.vocab.original_size) + ")";
-    }
-    return s;
+    return s + VocabSummary(c.vocab);
   }
 
   // Every check of the checkpoint that Plan makes before planning, with the
@@ -118,7 +111,7 @@ class PipelineSource : public DeepSpeedModelSource {
     ReportDrift(ckpt(), options, report);
     // A universal checkpoint's param_shapes are those of the checkpoint it
     // was made from; an imported model has none.
-    if (!model_->universal && model_->foreign.empty()) CheckStages(ckpt(), report);
+    if (!model_->universal && !model_->imported) CheckStages(ckpt(), report);
     if (!HasOptimizerState()) return;
     if (options.weights_only) {
       report->findings.push_back({Finding::Severity::kInfo, WeightsOnlyNote(OptimizerWhat())});
@@ -129,9 +122,9 @@ class PipelineSource : public DeepSpeedModelSource {
       report->findings.push_back({Finding::Severity::kError, "optimizer: " + opt.status().message()});
       return;
     }
-    report->findings.push_back(model_->universal         ? UniversalOptimizerFinding(**opt)
-                               : !model_->foreign.empty() ? ImportedOptimizerFinding(**opt)
-                                                          : OptimizerFinding(**opt, shard_files()));
+    report->findings.push_back(model_->universal ? UniversalOptimizerFinding(**opt)
+                               : model_->imported ? ImportedOptimizerFinding(**opt)
+                                                  : OptimizerFinding(**opt, shard_files()));
     ReportStateDrift(ckpt(), **opt, options, report);
   }
 
@@ -157,7 +150,7 @@ class PipelineSource : public DeepSpeedModelSource {
     RESHARD_ASSIGN_OR_RETURN(DeepSpeedPlan plan, MakePipelinePlan(ckpt(), opt, PlanOptionsFrom(options)));
     notes->insert(notes->end(), plan.notes.begin(), plan.notes.end());
     if (opt != nullptr) {
-      notes->insert(notes->end(), model_->foreign_deepspeed_notes.begin(), model_->foreign_deepspeed_notes.end());
+      notes->insert(notes->end(), model_->imported_optimizer_notes.begin(), model_->imported_optimizer_notes.end());
     }
     if (opt != nullptr && opt->format().per_parameter) {
       notes->push_back("optimizer: the torch optimizer state inside the mp_rank files is "
@@ -195,46 +188,19 @@ class PipelineSource : public DeepSpeedModelSource {
     }
     RESHARD_ASSIGN_OR_RETURN(const SourceOptimizer* opt, Optimizer());
     RESHARD_ASSIGN_OR_RETURN(OutputPlan out, PlanUniversal(ckpt(), *opt, files(), options.replicated, options.vocab_size, notes));
-    if (!model_->foreign.empty()) RESHARD_RETURN_IF_ERROR(AddModelStates(*opt, options.vocab_size, &out));
+    if (model_->imported) RESHARD_RETURN_IF_ERROR(AddModelStates(*opt, options.vocab_size, &out));
     return out;
   }
 
   Result<TpWeights> WeightsForTp(const TpCut& cut, std::vector<std::string>* notes,
                                  std::atomic<int64_t>* read) const override {
-    RESHARD_RETURN_IF_ERROR(CheckValuesGiven(ckpt(), cut.tp, cut.vocab_size));
-    RESHARD_RETURN_IF_ERROR(ckpt().FirstError());
     RESHARD_ASSIGN_OR_RETURN(const SourceOptimizer* opt, CarriedOptimizer());
-    if (!cut.state.empty() && opt == nullptr) {
-      return Status::InvalidInput(cut.state == kFp32Master
-                                      ? "--from masters: the checkpoint has no optimizer state, so no fp32 masters; "
-                                        "drop --from to export its weights"
-                                      : "the checkpoint has no optimizer state; export with --weights-only");
-    }
-    TpWeights out;
-    RESHARD_ASSIGN_OR_RETURN(out.padded_vocab, TargetPaddedVocab(ckpt(), cut.tp, cut.vocab_size));
-    std::string note = VocabPaddingNote(ckpt().vocab.padded_rows, out.padded_vocab, cut.tp, 0);
-    if (!note.empty()) notes->push_back(std::move(note));
-    for (const LogicalLayer& layer : ckpt().layers) {
-      for (const LogicalTensor& t : layer.tensors) RESHARD_RETURN_IF_ERROR(CheckSplittable(t, cut.tp));
-    }
-    const TensorTarget target{cut.tp, out.padded_vocab, cut.replicated, 0};
-    for (int rank = 0; rank < cut.tp; ++rank) {
-      out.ranks.emplace_back();
-      int block = -1;
-      for (size_t li = 0; li < ckpt().layers.size(); ++li) {
-        const LogicalLayer& layer = ckpt().layers[li];
-        block += layer.role == "block" ? 1 : 0;
-        for (size_t ti = 0; ti < layer.tensors.size(); ++ti) {
-          // A buffer has no optimizer state; its fp32 "master" is its weight.
-          if (layer.tensors[ti].rule->buffer && !cut.state.empty() && cut.state != kFp32Master) continue;
-          RESHARD_ASSIGN_OR_RETURN(RankTensor r, CutTensor(opt, static_cast<int>(li), static_cast<int>(ti), rank,
-                                                           target, cut.state, read));
-          r.block = layer.role == "block" ? block : -1;
-          out.ranks.back().push_back(std::move(r));
-        }
-      }
-    }
-    return out;
+    auto bytes = [&](int li, int ti, const TensorPlan& plan, const std::string& state) -> Result<ByteProducer> {
+      if (state.empty()) return WeightProducer(ckpt(), opt, ckpt().layers[li].tensors[ti], plan, read);
+      RESHARD_ASSIGN_OR_RETURN(StateTensor st, LocateState(ckpt(), *opt, ParamName(ckpt(), li, ti), state));
+      return RangeProducer(SourceTensor::Of(st.tensor), plan, read);
+    };
+    return CutWeights(ckpt(), cut, opt != nullptr, bytes, notes);
   }
 
   Result<OptimizerParamGroups> ParamGroupsAndStep() const override {
@@ -247,25 +213,6 @@ class PipelineSource : public DeepSpeedModelSource {
 
  private:
   static bool IsVocab(const LogicalTensor& t) { return t.rule->policy == ParamRule::Policy::kVocab; }
-
-  // TP rank `rank`'s tensor (li, ti) at `target`: the weight (an average of
-  // replicas from the averaged masters where there are some), or its
-  // optimizer state `state`; a buffer has none and is its weight.
-  Result<RankTensor> CutTensor(const SourceOptimizer* opt, int li, int ti, int rank, const TensorTarget& target,
-                               const std::string& state, std::atomic<int64_t>* read) const {
-    const LogicalTensor& t = ckpt().layers[li].tensors[ti];
-    const TensorPlan plan = PlanTensor(ckpt(), li, ti, rank, target);
-    RankTensor r{t.rule, -1, t.key, t.name, ckpt().WeightDType(t), plan.shape, DescribeSources(plan), nullptr};
-    if (!state.empty() && !t.rule->buffer) {
-      RESHARD_ASSIGN_OR_RETURN(StateTensor st, LocateState(ckpt(), *opt, ParamName(ckpt(), li, ti), state));
-      r.dtype = DType::kFloat32;
-      r.detail += " (optimizer " + state + ")";
-      r.produce = RangeProducer(SourceTensor::Of(st.tensor), plan, read);
-      return r;
-    }
-    RESHARD_ASSIGN_OR_RETURN(r.produce, WeightProducer(ckpt(), opt, t, plan, read));
-    return r;
-  }
 
   // A model another format read has no mp_rank files for its universal
   // checkpoint to copy: it gets those a conversion at its own layout (TP 1,
@@ -312,12 +259,7 @@ std::unique_ptr<SourceCheckpoint> MakeImportedSource(ImportedModel imported, con
   model->files.root_dir = imported.dir;
   model->files.tag_dir = imported.dir;
   model->files.tag = std::filesystem::path(imported.dir).filename().string();
-  model->files.foreign_files = std::move(imported.files);
-  model->foreign = std::move(imported.what);
-  model->foreign_notes = std::move(imported.notes);
-  model->foreign_format_version = std::move(imported.format_version);
-  model->foreign_facts = std::move(imported.facts);
-  model->foreign_records_iteration = imported.records_iteration;
+  model->imported = true;
   model->logical = std::move(imported.logical);
   // Everything here reads a pipeline model's metadata as its mp_rank files
   // (inspect, verify, the writer): a model that has none gets a fresh run's.
@@ -325,9 +267,8 @@ std::unique_ptr<SourceCheckpoint> MakeImportedSource(ImportedModel imported, con
   std::unique_ptr<SourceOptimizer> optimizer;
   Status status = imported.optimizer_status;
   if (imported.optimizer) {
-    model->foreign_optimizer_layout = imported.optimizer->layout;
     Result<std::unique_ptr<SourceOptimizer>> opt =
-        MakeImportedOptimizer(std::move(*imported.optimizer), model->logical, &model->foreign_deepspeed_notes);
+        MakeImportedOptimizer(std::move(*imported.optimizer), model->logical, &model->imported_optimizer_notes);
     if (opt.ok()) {
       optimizer = std::move(*opt);
     } else {

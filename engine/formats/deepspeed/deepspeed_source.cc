@@ -72,21 +72,12 @@ void DeepSpeedModelSource::SetInfo(std::string kind, std::string summary, bool v
   info_.iteration = ckpt().iteration;
   info_.summary = std::move(summary);
   info_.findings = ckpt().findings;
-  info_.notes = model_->foreign_notes;
   info_.metadata = ckpt().metadata[0];
   info_.rules = ckpt().rules;
   info_.settings = ckpt().settings;
-  info_.optimizer_layout = model_->foreign_optimizer_layout;
-  info_.format_version = model_->foreign_format_version;
-  if (!model_->foreign.empty()) {
-    info_.run_state.clear();
-    if (model_->foreign_records_iteration) info_.run_state.insert(kIterationKey);
-  }
-  if (model_->foreign.empty()) {  // an import's layout is the one it is laid out in, not the one it was saved at
-    info_.tp = ckpt().tp;
-    info_.pp = ckpt().pp;
-    info_.dp = ckpt().dp;
-  }
+  info_.tp = ckpt().tp;
+  info_.pp = ckpt().pp;
+  info_.dp = ckpt().dp;
   if (!vocab) return;
   info_.vocab_rows = ckpt().vocab.padded_rows;
   info_.vocab_size = ckpt().vocab.original_size;
@@ -187,31 +178,13 @@ std::string TensorLines(const LogicalCheckpoint& ckpt) {
   return out;
 }
 
-std::string CanonicalTensorLines(const LogicalCheckpoint& ckpt) {
-  std::string out;
-  for (const LogicalLayer& layer : ckpt.layers) {
-    for (const LogicalTensor& t : layer.tensors) {
-      out += "  " + t.name + "  " + DTypeName(ckpt.WeightDType(t)) + ShapeString(t.full_shape) + "  " +
-             t.rule->Describe() + "\n";
-    }
-  }
-  for (const Finding& f : ckpt.findings) out += "problem: " + f.message + "\n";
-  return out;
-}
-
 std::vector<MissingValue> DeepSpeedModelSource::MissingValues(std::optional<int> repad_tp,
                                                              std::optional<int64_t> vocab_size) const {
   return reshard::MissingValues(ckpt(), repad_tp, vocab_size);
 }
 
 std::string DeepSpeedModelSource::Describe() const {
-  if (model_->foreign.empty()) {
-    return MetadataLines(ckpt()) + "layer files (full logical shapes):\n" + TensorLines(ckpt());
-  }
-  // An imported model in the terms of the format that read it.
-  std::string out = info_.format + ":\n";
-  for (const auto& [name, value] : model_->foreign_facts) out += "  " + name + ": " + value + "\n";
-  return out + "tensors (canonical names, global shapes):\n" + CanonicalTensorLines(ckpt());
+  return MetadataLines(ckpt()) + "layer files (full logical shapes):\n" + TensorLines(ckpt());
 }
 
 }  // namespace reshard

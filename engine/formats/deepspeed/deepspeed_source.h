@@ -23,7 +23,7 @@
 #include "formats/deepspeed/universal/universal_reader.h"
 #include "formats/deepspeed/optimizer/zero_shard_reader.h"
 #include "formats/format.h"
-#include "logical/imported_optimizer.h"
+#include "logical/imported_model.h"
 #include "logical/logical_checkpoint.h"
 
 namespace reshard {
@@ -37,26 +37,10 @@ std::unique_ptr<SourceCheckpoint> MakePipelineSource(std::unique_ptr<DeepSpeedMo
 // A universal checkpoint read by universal_reader.h.
 std::unique_ptr<SourceCheckpoint> MakeUniversalSource(UniversalCheckpoint universal,
                                                       const CommonOptions& options);
-// A model another format read (formats/hf_common/hf_import.h): `logical` is a
-// pipeline model at TP 1, PP 1 with its rules, read from `files` in `dir`,
-// its metadata in no format's layout (args, iteration, the keys the rules
-// read), which becomes a fresh run's mp_rank metadata (FreshRunModelStates);
-// `what` says what it is, `notes` what reading it chose and `facts` what its
-// format records of it, which inspect prints with its canonical tensors
-// instead of DeepSpeed's metadata and layer files. Converting it
-// writes DeepSpeed's layout, with `optimizer` (its optimizer state, when it
-// has one reshard reads; else why not in optimizer_status) as the shards
-// optimizer/imported_state.h chooses.
-struct ImportedModel {
-  LogicalCheckpoint logical;
-  std::string dir, what;
-  std::vector<std::string> files, notes;
-  std::optional<ImportedOptimizer> optimizer;
-  Status optimizer_status;
-  std::string format_version;  // SourceInfo::format_version
-  RecordedFacts facts;
-  bool records_iteration = true;  // false for a format that keeps none (an HF folder)
-};
+// A model another format read (logical/imported_model.h) laid out in
+// DeepSpeed's files: what the deepspeed and universal targets plan it as. Its
+// metadata becomes a fresh run's mp_rank metadata (FreshRunModelStates), and
+// its optimizer state the shards optimizer/imported_state.h chooses.
 std::unique_ptr<SourceCheckpoint> MakeImportedSource(ImportedModel imported, const CommonOptions& options);
 std::unique_ptr<SourceCheckpoint> MakeNonPipelineSource(std::unique_ptr<DeepSpeedModel> model,
                                                         const CommonOptions& options);
@@ -152,9 +136,5 @@ std::string MetadataLines(const LogicalCheckpoint& ckpt);
 // The tensor lines of `inspect`: every layer's tensors with their rules and
 // names, then the problems found.
 std::string TensorLines(const LogicalCheckpoint& ckpt);
-// The same of an imported model, in no file's terms: every tensor by its
-// canonical name with its global shape, dtype and TP policy, then the
-// problems found.
-std::string CanonicalTensorLines(const LogicalCheckpoint& ckpt);
 
 }  // namespace reshard

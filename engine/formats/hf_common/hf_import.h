@@ -19,8 +19,7 @@
 // pads it for the target TP (to a multiple of make_vocab_size_divisible_by,
 // Megatron's default 128 unless --set gives another). The metadata is in no
 // format's layout: the args, the keys the rule set detects and reads, and
-// iteration 0 (no optimizer, no RNG state); formats/deepspeed's
-// MakeImportedSource makes it the mp_rank metadata of a fresh run.
+// iteration 0 (no optimizer, no RNG state).
 #pragma once
 
 #include <string>

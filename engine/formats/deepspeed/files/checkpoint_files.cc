@@ -150,7 +150,6 @@ std::vector<std::string> CheckpointFiles::Paths() const {
     for (const auto& [ep, path] : by_ep) paths.push_back(path);
   }
   paths.insert(paths.end(), universal_files.begin(), universal_files.end());
-  paths.insert(paths.end(), foreign_files.begin(), foreign_files.end());
   return paths;
 }
 

@@ -42,9 +42,6 @@ struct CheckpointFiles {
   // the files in it (listed by universal_reader.h).
   std::string universal_dir;
   std::vector<std::string> universal_files;
-  // The files of a model read from another format (an HF folder's config
-  // and weights): what DeepSpeed files are to the others.
-  std::vector<std::string> foreign_files;
   std::string manifest;  // reshard-manifest.json of a checkpoint reshard wrote ("" when none)
   std::vector<std::string> other_files;  // names reshard does not recognise
   std::vector<std::string> root_scripts;  // kRootScripts present in root_dir

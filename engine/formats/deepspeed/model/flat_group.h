@@ -14,12 +14,12 @@
 #include <utility>
 #include <vector>
 
-
+#include "logical/optimizer_groups.h"
 
 namespace reshard {
 
-// A parameter name and its (TP-local) shape, as `param_shapes` records it.
-using ParamShape = std::pair<std::string, std::vector<int64_t>>;
+// ParamShape (logical/optimizer_groups.h): a parameter name and its (TP-local)
+// shape, as `param_shapes` records it.
 
 struct FlatSlot {
   std::string name;

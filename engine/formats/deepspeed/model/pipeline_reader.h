@@ -13,7 +13,6 @@
 #include <string>
 
 #include "formats/deepspeed/files/checkpoint_files.h"
-#include "logical/imported_layers.h"
 #include "logical/logical_checkpoint.h"
 #include "pickle/value.h"
 
@@ -27,18 +26,12 @@ struct DeepSpeedModel {
   CheckpointFiles files;
   bool pipeline = true;  // false: the whole model in the mp_rank files' `module`
   bool universal = false;  // a universal checkpoint (universal_reader.h)
-  // Set for a model read from another format (an HF folder): what it is,
-  // as the summary names it, and what reading it chose for the user to know
-  // (SourceInfo::notes). Its files are files.foreign_files.
-  std::string foreign;
-  std::vector<std::string> foreign_notes;
-  // What writing it as a DeepSpeed checkpoint chose (its optimizer's form):
-  // notes for a DeepSpeed target only, which its Plan gives.
-  std::vector<std::string> foreign_deepspeed_notes;
-  std::string foreign_optimizer_layout;  // SourceInfo::optimizer_layout
-  std::string foreign_format_version;    // SourceInfo::format_version
-  RecordedFacts foreign_facts;           // what inspect prints of it (imported_layers.h)
-  bool foreign_records_iteration = true;  // false: the iteration is a fresh run's 0
+  // A model another format read, laid out in DeepSpeed's files
+  // (MakeImportedSource): it has no mp_rank files of its own, and what
+  // writing its optimizer state as DeepSpeed's chose (its form) is a note for
+  // a DeepSpeed target, which its Plan gives.
+  bool imported = false;
+  std::vector<std::string> imported_optimizer_notes;
   LogicalCheckpoint logical;
 };
 

@@ -110,24 +110,6 @@ void AddParams(const LogicalLayer& layer, const std::string& prefix, bool tied_h
 
 }  // namespace
 
-std::vector<std::vector<ParamShape>> GroupParams(const std::vector<ParamShape>& params,
-                                                 OptimizerGroups scheme) {
-  std::vector<ParamShape> decay, no_decay;
-  for (const ParamShape& p : params) (p.second.size() >= 2 ? decay : no_decay).push_back(p);
-  std::vector<std::vector<ParamShape>> groups;
-  if (scheme == OptimizerGroups::kSplitDecay) {
-    // BigScience splits the decay group in two halves (an apex workaround).
-    const size_t half = decay.size() / 2;
-    groups.emplace_back(decay.begin(), decay.begin() + half);
-    groups.emplace_back(decay.begin() + half, decay.end());
-    groups.push_back(no_decay);
-    return groups;
-  }
-  if (!decay.empty()) groups.push_back(decay);
-  if (!no_decay.empty()) groups.push_back(no_decay);
-  return groups;
-}
-
 Result<std::vector<int>> TargetStageBounds(const LogicalCheckpoint& src, int pp, int tp,
                                            int64_t padded_vocab,
                                            const std::vector<int>& layers_per_stage, int ep) {

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "formats/deepspeed/model/flat_group.h"
+#include "logical/optimizer_groups.h"
 #include "logical/logical_checkpoint.h"
 #include "plan/tensor_plan.h"
 
@@ -35,11 +36,6 @@ struct StageParameters {
 // grouped the way the rule set's optimizer_groups says.
 StageParameters StageParams(const LogicalCheckpoint& src, int begin, int end, int tp,
                             int64_t padded_vocab);
-
-// `params` (in named_parameters() order) in DeepSpeed's optimizer groups of
-// `scheme`: weight-decay parameters are the matrices (Megatron excludes norms
-// and biases, which are exactly the 1-D tensors), then the others.
-std::vector<std::vector<ParamShape>> GroupParams(const std::vector<ParamShape>& params, OptimizerGroups scheme);
 
 // The `param_shapes` an mp_rank file records, as (name, shape) groups; false
 // when it has none or they are malformed (a negative dim, or a count of a

@@ -30,15 +30,6 @@ std::optional<Value> FindStep(const Value& torch_sd, const std::vector<Value>& g
   return std::nullopt;
 }
 
-Value WithoutParamsAndStep(const Value& group) {
-  Value out = Value::MakeDict();
-  for (const auto& [key, value] : *DictItems(group)) {
-    if (!key.is(Value::Kind::kString) || key.as_string() == "params" || key.as_string() == kStep) continue;
-    Set(out, key.as_string(), value);
-  }
-  return out;
-}
-
 }  // namespace
 
 Result<OptimizerParamGroups> SourceParamGroups(const LogicalCheckpoint& ckpt, const SourceOptimizer& opt) {
@@ -61,9 +52,8 @@ Result<OptimizerParamGroups> SourceParamGroups(const LogicalCheckpoint& ckpt, co
       return Status::InvalidInput("optimizer param group " + std::to_string(g) + " is not a dict; export with --weights-only");
     }
     OptimizerParamGroup group;
-    group.hyperparameters = WithoutParamsAndStep((*groups)[g]);
-    // Megatron decays exactly the matrices (GroupParams).
-    group.weight_decay_multiplier = !whole.groups[g].empty() && whole.groups[g][0].second.size() >= 2 ? 1.0 : 0.0;
+    group.hyperparameters = GroupHyperparameters((*groups)[g]);
+    group.weight_decay_multiplier = GroupDecays(whole.groups[g]) ? 1.0 : 0.0;
     for (const ParamShape& p : whole.groups[g]) {
       int li = 0, ti = 0;
       if (!ResolveParamName(ckpt, p.first, &li, &ti)) return Status::Internal("no tensor for parameter " + p.first);
