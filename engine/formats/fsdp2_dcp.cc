@@ -165,7 +165,8 @@ Result<std::vector<ChosenTensor>> AdamwMoment(const std::vector<FullTensor>& all
       return Status::InvalidInput("the source has no optimizer " + moment + " of " + p.name +
                                   ", which AdamW needs; export with --weights-only");
     }
-    out.push_back({p.name, it->second, all[it->second].dtype, DType::kFloat32, p.shape, true});
+    // torch's AdamW keeps a moment in its parameter's dtype.
+    out.push_back({p.name, it->second, all[it->second].dtype, p.dtype, p.shape, true});
   }
   return out;
 }
@@ -399,7 +400,8 @@ void Fsdp2StateDictWriter::AddObject(const std::string& key, const Value& value,
 namespace {
 
 // The parameters, by the target's --from and --dtype: with the optimizer
-// state, the fp32 masters (AdamW steps them) or a refusal naming `to`.
+// state, what AdamW steps: the fp32 masters, or the weights as stored of a
+// run that keeps none (a bf16 run's); else a refusal naming `to`.
 Result<std::vector<ChosenTensor>> ChooseFsdp2Parameters(const SourceCheckpoint& src, const std::vector<FullTensor>& all,
                                                         const ExportOptions& options, bool optimizer,
                                                         const std::string& to, std::vector<std::string>* notes) {
@@ -410,8 +412,14 @@ Result<std::vector<ChosenTensor>> ChooseFsdp2Parameters(const SourceCheckpoint& 
   RESHARD_ASSIGN_OR_RETURN(choice.dtype, ExportDType(FormatOption(options, "dtype")));
   RESHARD_ASSIGN_OR_RETURN(std::vector<ChosenTensor> chosen, ChooseTensors(all, src.info().kind, choice, notes));
   if (!optimizer) return chosen;
+  const bool masters = std::any_of(all.begin(), all.end(), [](const FullTensor& t) { return t.state == kFp32Master; });
   for (const ChosenTensor& t : chosen) {
-    if (!t.master || t.dtype != DType::kFloat32) {
+    if (!masters && t.dtype != t.source_dtype) {
+      return Status::InvalidInput("export --to " + to + " with the optimizer state writes the parameters as the run "
+                                  "trained them (its AdamW keeps no fp32 master), and --dtype would make " + t.name +
+                                  " " + DTypeName(t.dtype) + "; drop --dtype, or add --weights-only");
+    }
+    if (masters && (!t.master || t.dtype != DType::kFloat32)) {
       return Status::InvalidInput("export --to " + to + " with the optimizer state writes the fp32 masters as the "
                                   "parameters (AdamW steps them), and " + t.name + " would be " +
                                   (t.master ? std::string(DTypeName(t.dtype)) : std::string("the weight")) +

@@ -17,6 +17,7 @@
 
 #include "logical/source_shard.h"
 #include "pickle/value.h"
+#include "pickle/dtype.h"
 
 namespace reshard {
 
@@ -24,8 +25,14 @@ struct ImportedOptimizer {
   // The per-element states torch names them by ("exp_avg", "exp_avg_sq"),
   // after the fp32 master.
   std::vector<std::string> moments;
+  // Whether the run keeps an fp32 master of each parameter (Megatron's
+  // distributed optimizer; an FSDP run's fp32 parameters are their own). A
+  // run whose torch AdamW steps its bf16 parameters themselves keeps none,
+  // and its moments are bf16 too.
+  bool masters = true;
+  DType moments_dtype = DType::kFloat32;
   struct Param {
-    SourceShard master;                // the fp32 master, whole, in row-major order
+    SourceShard master;                // the fp32 master, whole, in row-major order (unset without masters)
     std::vector<SourceShard> moments;  // one per `moments` entry, the same way
   };
   std::map<std::string, Param> params;  // by canonical name

@@ -10,7 +10,7 @@ AdamW step under FSDP2 on gloo and saves it:
 * `appflat_w2`: world 2, the tutorial's `{"app": AppState}` with the optimizer state dict flattened
   (`optim.param_groups.<fqn>.lr`);
 * `recipe_w3`: the same run at world 3: where torch places each chunk at 3 ranks;
-* `bf16_w2`: world 2, the model in bf16 (AdamW then keeps no fp32 master);
+* `bf16_w2`: world 2, the model in bf16 (AdamW then keeps no fp32 master, and bf16 moments);
 * and the run continued at world 2: one more step, then the loss of a third batch.
 
 reshard converts them (`convert SRC OUT --dp-shard N`, the recipe's layout and prefixes kept) to
@@ -20,8 +20,9 @@ torch's own world-3 save; the recipe's own load at that world size (a zeroed FSD
 `get_state_dict`, `dcp.load`, `set_state_dict`) gives every parameter, exp_avg, exp_avg_sq and
 step of the save, and its next step reaches the loss of the run continued at world 2. On the host:
 `verify` finds each output the save's model with its optimizer state, and what cannot be written is
-refused in one line, nothing written; the bf16 save's optimizer state is refused naming
-`--weights-only`, with which its weights convert, export to HF and verify, equal to the save's.
+refused in one line, nothing written. The bf16 save converts with its bf16 moments and resumes as
+torch's own load of it does; the targets whose optimizer keeps fp32 masters refuse its state naming
+`--weights-only`, with which its weights convert and verify, equal to the save's.
 
 Run: PYTHONPATH=tests:tests/interop /usr/bin/python3 tests/interop/test_dcp_recipe_target.py
      --reshard build/reshard
@@ -91,9 +92,10 @@ for name in SAVES:
 print('torch', torch.__version__)
 '''
 
-# Loads each of LOADS ([label, folder under /data, world, app, flat]) with the recipe's own code at
-# its world size, into a zeroed FSDP2 model, and writes /data/<label>.json: whether every parameter,
-# exp_avg, exp_avg_sq and step equals the save's (WANT, recipe_w2_full.pt), the losses of the next
+# Loads each of LOADS ([label, folder under /data, world, app, flat, same_as], and the save it was made
+# from with its dtype where it is not recipe_w2's fp32) with the recipe's own code at its world size,
+# into a zeroed FSDP2 model, and writes /data/<label>.json: whether every parameter, exp_avg,
+# exp_avg_sq and step equals the save's (<save>_full.pt), the losses of the next
 # step (batch 100) and of batch 101 after it; and of its .metadata against the save's (SAME_AS): the
 # keys, planner paths and (at the save's world) each tensor's chunks and files.
 LOAD = MODEL + r'''
@@ -128,11 +130,11 @@ def full(model, optimizer):
     model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
     return model_sd, optim_sd
 
-def rank(r, world, port, label, folder, app, flat):
+def rank(r, world, port, label, folder, app, flat, save, dtype):
     dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=r, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     mesh = init_device_mesh('cpu', (world,))
-    model = LlamaForCausalLM()
+    model = LlamaForCausalLM().to(getattr(torch, dtype))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=False)
     fully_shard(model, mesh=mesh)
@@ -151,7 +153,7 @@ def rank(r, world, port, label, folder, app, flat):
                        options=options)
     model_sd, optim_sd = full(model, optimizer)
     if r == 0:  # before the step, which steps the optimizer's own step tensors
-        want = torch.load('/data/recipe_w2_full.pt')
+        want = torch.load(f'/data/{save}_full.pt')
         differ = [k for k, v in model_sd.items() if not torch.equal(v, want['model.' + k])]
         compared = len(model_sd)
         for fqn, states in optim_sd['state'].items():
@@ -166,11 +168,13 @@ def rank(r, world, port, label, folder, app, flat):
             json.dump({'differ': differ, 'compared': compared, 'losses': losses, 'groups': repr(groups)}, f)
     end_rank(dist)
 
-for label, folder, world, app, flat, same_as in LOADS:
+for label, folder, world, app, flat, same_as, *made_from in LOADS:
+    save, dtype = made_from or ('recipe_w2', 'float32')
     with socket.socket() as s:
         s.bind(('127.0.0.1', 0))
         port = s.getsockname()[1]
-    mp.start_processes(rank, args=(world, port, label, folder, app, flat), nprocs=world, start_method='fork')
+    mp.start_processes(rank, args=(world, port, label, folder, app, flat, save, dtype), nprocs=world,
+                       start_method='fork')
     with open(f'/data/{label}.json') as f:
         report = json.load(f)
     report.update(metadata_report('/data/' + folder, '/data/' + same_as))
@@ -220,17 +224,18 @@ class DcpRecipeTargetTest(FixtureTestCase):
                 reports[label] = json.load(f)
         return reports
 
-    def assertResumes(self, report, reference, same_chunks, extra=()):
+    def assertResumes(self, report, reference, same_chunks, extra=(), continued=True):
         """`report` (LOAD's) holds the save's every tensor and its metadata's keys and paths (and
         chunks), and its next step reaches the losses `reference` (torch's own load of the save at
-        that world size) reaches, bit for bit, which are the run's continued at world 2 up to how
-        FSDP2 at another world size sums the gradients."""
+        that world size) reaches, bit for bit, which are (`continued`: of recipe_w2) the run's
+        continued at world 2 up to how FSDP2 at another world size sums the gradients."""
         self.assertEqual(report['differ'], [])
         self.assertEqual(report['compared'], 21 * 4)  # the 21 parameters, their exp_avg, exp_avg_sq and step
         self.assertIn("'lr': 0.001, 'betas': (0.9, 0.95), 'eps': 1e-08, 'weight_decay': 0.1", report['groups'])
         self.assertEqual(report['losses'], reference['losses'])
-        self.assertEqual(report['losses'][0], self.continued[0])  # the same model: the same forward
-        self.assertAlmostEqual(report['losses'][1], self.continued[1], delta=2e-3)
+        if continued:
+            self.assertEqual(report['losses'][0], self.continued[0])  # the same model: the same forward
+            self.assertAlmostEqual(report['losses'][1], self.continued[1], delta=2e-3)
         self.assertEqual((report['missing'], report['extra'], report['paths_differ']), ([], list(extra), []))
         if same_chunks:
             self.assertEqual(report['chunks_differ'], [])
@@ -275,32 +280,57 @@ class DcpRecipeTargetTest(FixtureTestCase):
                            extra=['optim.param_groups.0.initial_lr'])
         self.assertTrue(os.path.exists(back))
 
-    def test_a_bf16_run_converts_its_weights_only(self):
-        """torch's AdamW of a bf16 model keeps no fp32 master: its optimizer state is refused in one line
-        naming --weights-only, and with it the weights convert, export and verify, the save's own."""
+    def test_a_bf16_run_converts_with_its_optimizer_state(self):
+        """torch's AdamW of a bf16 model keeps no fp32 master and bf16 moments: converted to world 3,
+        the recipe's own load gets every bf16 parameter and moment of the save and steps as torch's own
+        load of the save at world 3 does. Targets whose optimizer keeps fp32 masters refuse it in one
+        line naming --weights-only, with which its weights convert and verify, the save's own."""
         src = self.saved('bf16_w2')
-        out = self.path('bf16_refused')
-        for command in (('convert', src, out, '--dp-shard', 3), ('export', src, out, '--to', 'hf')):
-            with self.subTest(command=command[0]):
-                self.assertRefused(run(*command, *HEADS), 'pass --weights-only', out)
         w3 = self.saved('bf16_w3')
-        p = run('convert', src, w3, '--dp-shard', 3, '--weights-only', *HEADS)
+        p = run('convert', src, w3, '--dp-shard', 3, *HEADS)
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
-        self.assertIn('0 of 15 tensors from the fp32 masters (--weights-only)', p.stdout + p.stderr)
-        p = run('inspect', w3, *HEADS)  # read back as a recipe save of the model alone
+        self.assertIn('0 of 15 tensors from the fp32 masters (its optimizer keeps none)', p.stdout + p.stderr)
+        p = run('verify', src, w3, *HEADS)
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
-        self.assertIn('format: dcp_recipe, saved at TP 1, PP 1, DP 3', p.stdout)
+        self.assertIn('same model', p.stdout)
+        self.assertIn('verify: 45 tensors', p.stdout)  # the 15 weights, their exp_avg and exp_avg_sq
+        made_from = ['bf16_w2', 'bfloat16']
+        reports = self.load_in_torch([['bf16_to_w3', 'bf16_w3', 3, False, False, 'recipe_w3', *made_from],
+                                      ['torch_bf16_w3', 'bf16_w2', 3, False, False, 'bf16_w2', *made_from]])
+        print('bf16 run: losses of the next step and after it', {k: r['losses'] for k, r in reports.items()},
+              file=sys.stderr)
+        self.assertResumes(reports['bf16_to_w3'], reports['torch_bf16_w3'], same_chunks=True, continued=False)
+        tt = self.saved('bf16_tt')
+        p = run('export', src, tt, '--to', 'torchtitan', '--dp-shard', 2, *HEADS)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        p = run('verify', src, os.path.join(tt, 'step-0'), *HEADS)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        self.assertIn('same model', p.stdout)
+        self.assertIn('verify: 45 tensors', p.stdout)
+        out = self.path('bf16_refused')
+        no_masters = 'the optimizer state holds no fp32 masters'
+        for command, message in ((('export', src, out, '--to', 'torch_dist', '--tp', 1, '--pp', 1), no_masters),
+                                 (('convert', src, out, '--to', 'deepspeed', '--tp', 1, '--pp', 1, '--dp', 1),
+                                  no_masters),
+                                 (('convert', src, out, '--dp-shard', 3, '--dtype', 'fp32'), '--dtype would make')):
+            with self.subTest(command=command):
+                p = run(*command, *HEADS)
+                self.assertRefused(p, message, out)
+                self.assertIn('--weights-only', p.stderr)
+        w1 = self.saved('bf16_weights_w1')
+        p = run('convert', src, w1, '--dp-shard', 1, '--weights-only', *HEADS)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        p = run('inspect', w1, *HEADS)  # read back as a recipe save of the model alone
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        self.assertIn('format: dcp_recipe, saved at TP 1, PP 1, DP 1', p.stdout)
         self.assertIn('optimizer state: none', p.stdout)
-        p = run('verify', src, w3, '--weights-only', *HEADS)
+        p = run('verify', src, w1, '--weights-only', *HEADS)
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         self.assertIn('same model', p.stdout)
         self.assertIn('verify: 15 tensors', p.stdout)  # the canonical weights, nothing else
         self.assertIn('optimizer state not compared (--weights-only)', p.stdout)
-        p = run('verify', src, w3, *HEADS)
-        self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
-        self.assertIn('pass --weights-only', p.stderr)
         hf = self.saved('bf16_hf')
-        p = run('export', src, hf, '--to', 'hf', '--weights-only', *HEADS)
+        p = run('export', src, hf, '--to', 'hf', *HEADS)
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         got = {}
         for name in os.listdir(hf):

@@ -465,25 +465,47 @@ class Reader {
     ImportedOptimizer out;
     out.moments = moments;
     out.layout = names_.format;
-    out.what = names_.format + "'s AdamW state (" + Join(moments, ", ") + "; the fp32 parameters as masters)";
-    for (auto& [name, t] : masters) {
-      if (t.tensor.as_tensor().storage->dtype != DType::kFloat32) {
-        return Status::Unsupported("the " + names_.label + "'s parameters are " + std::string(DTypeName(t.tensor.as_tensor().storage->dtype)) +
-                                   ", so it keeps no fp32 master of " + name + "; pass --weights-only to read the weights");
-      }
-      out.params[name].master = ShardOf(t);
-    }
+    // torch's AdamW keeps each moment in its parameter's dtype: fp32
+    // parameters are their own masters, bf16 ones have none.
+    RESHARD_ASSIGN_OR_RETURN(out.moments_dtype, ParamsDType(masters));
+    out.masters = out.moments_dtype == DType::kFloat32;
+    out.what = names_.format + "'s AdamW state (" + Join(moments, ", ") +
+               (out.masters ? std::string("; the fp32 parameters as masters)")
+                            : std::string("; ") + DTypeName(out.moments_dtype) + " parameters, no fp32 master)");
+    for (auto& [name, t] : masters) out.params[name].master = out.masters ? ShardOf(t) : SourceShard();
     for (const std::string& moment : moments) {
       HfFolder states = weights;
       states.tensors.clear();
       states.runs.clear();
       RESHARD_RETURN_IF_ERROR(AddTensors(moment, &states));
       RESHARD_ASSIGN_OR_RETURN(auto joined, JoinHfTensors(states, rules_, inputs));
-      for (auto& [name, t] : joined) out.params[name].moments.push_back(ShardOf(t));
+      for (auto& [name, t] : joined) {
+        const DType dtype = t.tensor.as_tensor().storage->dtype;
+        if (dtype != out.moments_dtype) {
+          return Status::Unsupported("the " + names_.label + "'s " + moment + " of " + name + " is " + DTypeName(dtype) +
+                                     ", its parameter " + DTypeName(out.moments_dtype) + " (torch's AdamW keeps them "
+                                     "alike); pass --weights-only to read the weights");
+        }
+        out.params[name].moments.push_back(ShardOf(t));
+      }
     }
     RESHARD_ASSIGN_OR_RETURN(out.step, Step());
     RESHARD_ASSIGN_OR_RETURN(out.param_groups, ParamGroups());
     return std::optional<ImportedOptimizer>(std::move(out));
+  }
+
+  // The one floating dtype of every parameter.
+  Result<DType> ParamsDType(const std::map<std::string, ImportedTensor>& params) const {
+    std::optional<DType> dtype;
+    for (const auto& [name, t] : params) {
+      const DType d = t.tensor.as_tensor().storage->dtype;
+      if (!dtype) dtype = d;
+      if (d != *dtype || !IsFloatingPoint(d)) {
+        return Status::Unsupported("the " + names_.label + "'s parameters are not of one floating dtype (" + name +
+                                   " is " + DTypeName(d) + "); pass --weights-only to read the weights");
+      }
+    }
+    return dtype.value_or(DType::kFloat32);
   }
 
   static SourceShard ShardOf(const ImportedTensor& t) {

@@ -85,7 +85,7 @@ class ModelSource : public SourceCheckpoint {
       if (t.rule->buffer) return;
       for (const std::string& state : States(*opt)) {
         out.push_back({"optimizer", "optimizer " + state + " " + t.name, t.name, state,
-                       t.label == t.name ? "" : t.label, DType::kFloat32, t.full_shape, IsVocab(t),
+                       t.label == t.name ? "" : t.label, StateDType(*opt, state), t.full_shape, IsVocab(t),
                        RangeProducer(StateOf(*opt, t, state), PlanFullTensor(ckpt(), li, ti, replicated), read)});
       }
     });
@@ -95,6 +95,11 @@ class ModelSource : public SourceCheckpoint {
   Result<TpWeights> WeightsForTp(const TpCut& cut, std::vector<std::string>* notes,
                                  std::atomic<int64_t>* read) const override {
     RESHARD_ASSIGN_OR_RETURN(const ImportedOptimizer* opt, CarriedOptimizer());
+    if (opt != nullptr && !opt->masters && !cut.state.empty()) {
+      // The targets that cut states by TP (Megatron's) keep fp32 masters and moments.
+      return Status::Unsupported("the optimizer state holds no fp32 masters (" + opt->what + "), which this "
+                                 "target's optimizer keeps; pass --weights-only to convert the weights");
+    }
     auto bytes = [&](int li, int ti, const TensorPlan& plan, const std::string& state) -> Result<ByteProducer> {
       const LogicalTensor& t = ckpt().layers[li].tensors[ti];
       return RangeProducer(state.empty() ? SourceTensor::Of(t) : StateOf(*opt, t, state), plan, read);
@@ -158,11 +163,16 @@ class ModelSource : public SourceCheckpoint {
     }
   }
 
-  // The fp32 master, then the moments.
+  // The fp32 master where the run keeps one, then the moments.
   static std::vector<std::string> States(const ImportedOptimizer& opt) {
-    std::vector<std::string> states{kFp32Master};
+    std::vector<std::string> states;
+    if (opt.masters) states.push_back(kFp32Master);
     states.insert(states.end(), opt.moments.begin(), opt.moments.end());
     return states;
+  }
+
+  static DType StateDType(const ImportedOptimizer& opt, const std::string& state) {
+    return state == kFp32Master ? DType::kFloat32 : opt.moments_dtype;
   }
 
   // Optimizer state `state` of weight `t`, laid out like the weight's one
@@ -170,6 +180,7 @@ class ModelSource : public SourceCheckpoint {
   static SourceTensor StateOf(const ImportedOptimizer& opt, const LogicalTensor& t, const std::string& state) {
     const ImportedOptimizer::Param& p = opt.params.at(t.name);
     SourceTensor out;
+    out.dtype = StateDType(opt, state);
     if (state == kFp32Master) {
       out.shards.push_back(p.master);
     } else {

@@ -46,6 +46,10 @@ class ImportedStateOptimizer : public SourceOptimizer {
   }
 
   Status Read(ImportedOptimizer imported, const LogicalCheckpoint& ckpt) {
+    if (!imported.masters) {
+      return Status::Unsupported("the optimizer state holds no fp32 masters (" + imported.what + "), which "
+                                 "DeepSpeed's optimizer shards keep; pass --weights-only to convert the weights");
+    }
     if (ArgIs(ckpt, "fp16")) {
       return Status::Unsupported("torch_dist: fp16 weights: Megatron-Core's loss scaler is not carried into "
                                  "DeepSpeed's shards; pass --weights-only to convert the weights");

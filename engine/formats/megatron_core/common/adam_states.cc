@@ -7,6 +7,18 @@
 
 namespace reshard {
 
+Status CheckFp32Masters(const std::vector<FullTensor>& all, const std::string& to) {
+  bool states = false;
+  for (const FullTensor& t : all) {
+    if (t.state == kFp32Master) return Status::Ok();
+    states |= t.section == "optimizer";
+  }
+  if (!states) return Status::Ok();
+  return Status::Unsupported("export --to " + to + ": the optimizer state holds no fp32 masters (the run's AdamW "
+                             "stepped its parameters themselves), which Megatron's distributed optimizer keeps; "
+                             "export with --weights-only");
+}
+
 Result<AdamStates> CutAdamStates(const SourceCheckpoint& src, const TpCut& cut, std::atomic<int64_t>* read) {
   AdamStates states;
   const char* source_states[] = {kFp32Master, "exp_avg", "exp_avg_sq"};

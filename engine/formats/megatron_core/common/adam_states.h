@@ -8,12 +8,18 @@
 #include <array>
 #include <atomic>
 #include <string>
+#include <vector>
 
 #include "formats/format.h"
 
 namespace reshard {
 
 using AdamStates = std::array<TpWeights, 3>;
+
+// Refuses optimizer states (FullTensors' "optimizer" section of `all`)
+// without fp32 masters, which Megatron's optimizer keeps: a bf16 run's torch
+// AdamW steps its parameters themselves. `to` names the target.
+Status CheckFp32Masters(const std::vector<FullTensor>& all, const std::string& to);
 
 // The source's three states cut like `cut` (whose `state` is ignored).
 Result<AdamStates> CutAdamStates(const SourceCheckpoint& src, const TpCut& cut, std::atomic<int64_t>* read);

@@ -300,6 +300,7 @@ Result<bool> WritesOptimizer(const SourceCheckpoint& src, const ExportOptions& o
                              std::atomic<int64_t>* read, std::vector<std::string>* notes) {
   if (options.weights_only) return false;
   RESHARD_ASSIGN_OR_RETURN(std::vector<FullTensor> all, src.FullTensors(options.replicated, read));
+  RESHARD_RETURN_IF_ERROR(CheckFp32Masters(all, "megatron"));
   bool any = false;
   for (const FullTensor& t : all) {
     if (t.section != "optimizer") continue;

@@ -634,6 +634,7 @@ Result<std::vector<FullTensor>> OptimizerStates(const SourceCheckpoint& src, con
   std::vector<FullTensor> states;
   if (options.weights_only) return states;
   RESHARD_ASSIGN_OR_RETURN(std::vector<FullTensor> all, src.FullTensors(options.replicated, read));
+  RESHARD_RETURN_IF_ERROR(CheckFp32Masters(all, "torch_dist"));
   for (FullTensor& t : all) {
     if (t.section == "optimizer") states.push_back(std::move(t));
   }
