@@ -236,11 +236,12 @@ class ModelSource : public SourceCheckpoint {
     info_.vocab_divisible_by = c.vocab.divisible_by;
   }
 
+  // No layer files' numbering: the model was read in its own format's terms.
   std::string SummaryLine() const {
     const LogicalCheckpoint& c = ckpt();
     int blocks = 0;
     for (const SpecEntry& s : c.specs) blocks += s.role == "block" ? 1 : 0;
-    return "rule set " + c.rules->name() + " (numbering " + c.numbering + "); " + model_.what + "; " +
+    return "rule set " + c.rules->name() + "; " + model_.what + "; " +
            Count(blocks, "block") + (HasOptimizerState() ? "; weights and optimizer state" : "; weights only") +
            VocabSummary(c.vocab);
   }
