@@ -30,6 +30,7 @@
 #include "formats/registry.h"
 #include "reshard/reshard.h"
 #include "util/human.h"
+#include "util/strings.h"
 
 namespace reshard {
 namespace {
@@ -281,6 +282,28 @@ Result<std::map<std::string, FileDigest>> GatherDigests(const Prepared& p, Clust
   return WholeFiles(pieces);
 }
 
+// How many source records were read in part only. Under a cluster each
+// process joins the pieces the others read into its own, so that a record
+// the processes read between them is checked whole, and a record still read
+// in part is counted once however many processes read some of it.
+Result<int64_t> JoinRankReads(Cluster* cluster) {
+  if (cluster == nullptr || cluster->size() == 1) return static_cast<int64_t>(PartlyReadRecords().size());
+  RESHARD_ASSIGN_OR_RETURN(std::vector<std::string> pieces, cluster->AllGather(PartlyReadPieces()));
+  Status joined = Status::Ok();
+  for (int r = 0; r < cluster->size() && joined.ok(); ++r) {
+    if (r != cluster->rank()) joined = JoinPartlyReadPieces(pieces[r]);
+  }
+  // Every process meets here, whatever it joined.
+  RESHARD_ASSIGN_OR_RETURN(std::vector<std::string> lists, cluster->AllGather(Join(PartlyReadRecords(), "\n")));
+  RESHARD_RETURN_IF_ERROR(joined);
+  std::set<std::string> records;
+  for (const std::string& list : lists) {
+    std::istringstream in(list);
+    for (std::string record; std::getline(in, record);) records.insert(record);
+  }
+  return static_cast<int64_t>(records.size());
+}
+
 // reshard-manifest.json in the staging folder, from every file's digest.
 Status WriteManifest(const Prepared& p, const WriteOptions& options,
                      const std::map<std::string, FileDigest>& digests) {
@@ -322,7 +345,9 @@ Status Execute(Prepared* p, const WriteOptions& options, PhaseClock* clock,
   }
   progress.Finish();
   Result<std::map<std::string, FileDigest>> digests = GatherDigests(*p, cluster);  // all processes meet
+  Result<int64_t> partly = JoinRankReads(cluster);                                  // and here
   if (written.ok()) written = digests.status();
+  if (written.ok()) written = partly.status();
   if (written.ok() && IsRoot(cluster) && p->journal) written = RunJournal::Remove(p->exec.dir);
   if (written.ok() && IsRoot(cluster)) written = WriteManifest(*p, options, *digests);
   if (written.ok()) written = SyncFiles(p->exec.dir);
@@ -334,7 +359,7 @@ Status Execute(Prepared* p, const WriteOptions& options, PhaseClock* clock,
   report->bytes_read = p->plan->read->load();
   report->peak_memory = PeakResidentBytes();
   RESHARD_RETURN_IF_ERROR(AddUpRanks(cluster, report));
-  if (options.check_crc && !PartlyReadRecordsNote().empty()) report->notes.push_back(PartlyReadRecordsNote());
+  if (options.check_crc && *partly > 0) report->notes.push_back(PartlyReadRecordsNote(*partly));
   if (!IsRoot(cluster)) return Status::Ok();
   RESHARD_RETURN_IF_ERROR(Publish(&*p->out, p->plan->publication, p->root, &report->notes));
   clock->End("commit");

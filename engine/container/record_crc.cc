@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <set>
+#include <sstream>
 
 #include "util/crc32.h"
 
@@ -119,9 +121,26 @@ std::string RecordCrcs::Damage() const {
   return damage_;
 }
 
-int64_t RecordCrcs::PartlyRead() const {
+void RecordCrcs::JoinPiece(const Piece& piece) {
+  auto r = std::lower_bound(records_.begin(), records_.end(), piece.record_offset,
+                            [](const Record& rec, uint64_t at) { return rec.zip.data_offset < at; });
+  if (r == records_.end() || r->zip.data_offset != piece.record_offset || piece.end > r->zip.size ||
+      piece.begin >= piece.end) {
+    return;
+  }
   std::lock_guard<std::mutex> lock(mu_);
-  return std::count_if(records_.begin(), records_.end(), [](const Record& r) { return !r.pieces.empty(); });
+  if (!r->checked) Join(&*r, piece.begin, piece.end, piece.crc);
+}
+
+std::vector<RecordCrcs::Piece> RecordCrcs::PartlyRead() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<Piece> out;
+  for (const Record& r : records_) {
+    for (const auto& [begin, end_crc] : r.pieces) {
+      out.push_back({r.zip.data_offset, begin, end_crc.first, end_crc.second});
+    }
+  }
+  return out;
 }
 
 void SetRecordCrcChecks(bool on) { checks_on = on; }
@@ -150,9 +169,47 @@ std::shared_ptr<RecordCrcs> RecordCrcsOf(const std::string& path) {
   return nullptr;
 }
 
-std::string PartlyReadRecordsNote() {
-  int64_t partly = 0;
-  for (const auto& crcs : Live()) partly += crcs->PartlyRead();
+// PartlyReadPieces' text: per file "<path length> <path> <pieces>\n", then
+// "<record offset> <begin> <end> <crc>\n" per piece.
+std::string PartlyReadPieces() {
+  std::ostringstream out;
+  for (const auto& crcs : Live()) {
+    const std::vector<RecordCrcs::Piece> pieces = crcs->PartlyRead();
+    if (pieces.empty()) continue;
+    out << crcs->path().size() << ' ' << crcs->path() << ' ' << pieces.size() << '\n';
+    for (const RecordCrcs::Piece& p : pieces) out << p.record_offset << ' ' << p.begin << ' ' << p.end << ' ' << p.crc << '\n';
+  }
+  return out.str();
+}
+
+Status JoinPartlyReadPieces(const std::string& text) {
+  std::istringstream in(text);
+  size_t length = 0;
+  while (in >> length) {
+    std::string path(length, '\0');
+    size_t pieces = 0;
+    if (in.get() != ' ' || !in.read(path.data(), static_cast<std::streamsize>(length)) || !(in >> pieces)) {
+      return Status::InvalidInput("malformed record pieces");
+    }
+    const std::shared_ptr<RecordCrcs> crcs = RecordCrcsOf(path);
+    for (size_t i = 0; i < pieces; ++i) {
+      RecordCrcs::Piece p;
+      if (!(in >> p.record_offset >> p.begin >> p.end >> p.crc)) return Status::InvalidInput("malformed record pieces");
+      if (crcs) crcs->JoinPiece(p);
+    }
+  }
+  return in.eof() ? Status::Ok() : Status::InvalidInput("malformed record pieces");
+}
+
+std::vector<std::string> PartlyReadRecords() {
+  std::set<std::string> records;
+  for (const auto& crcs : Live()) {
+    for (const RecordCrcs::Piece& p : crcs->PartlyRead()) records.insert(std::to_string(p.record_offset) + " " + crcs->path());
+  }
+  return {records.begin(), records.end()};
+}
+
+std::string PartlyReadRecordsNote(int64_t partly) {
   if (partly == 0) return "";
   return std::to_string(partly) + " zip record(s) were read only in part, so their CRC-32 was not checked "
          "(`lint --deep` checks every record)";

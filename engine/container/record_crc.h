@@ -36,10 +36,20 @@ class RecordCrcs {
   // joined from the records' pieces: each byte is CRC'd once.
   uint32_t NoteBytes(uint64_t offset, const uint8_t* bytes, size_t n);
 
-  // The first damaged record's error ("" when none), and how many records
-  // were read in part only (so not checked).
+  // A piece of a record read in part: its bytes [begin, end) and their CRC-32.
+  struct Piece {
+    uint64_t record_offset = 0;  // the record's data_offset in the file
+    uint64_t begin = 0, end = 0;
+    uint32_t crc = 0;
+  };
+  // Joins a piece another process read of the record at `piece.record_offset`
+  // (none: ignored), as if it was noted here.
+  void JoinPiece(const Piece& piece);
+
+  // The first damaged record's error ("" when none); the pieces of the
+  // records read in part only (so not checked).
   std::string Damage() const;
-  int64_t PartlyRead() const;
+  std::vector<Piece> PartlyRead() const;
   const std::string& path() const { return path_; }
 
  private:
@@ -74,7 +84,18 @@ Status CheckReadRecords();
 // null when its records are not checked.
 std::shared_ptr<RecordCrcs> RecordCrcsOf(const std::string& path);
 
-// A note when some records were read in part only ("" when none).
-std::string PartlyReadRecordsNote();
+// The pieces of the records this process read in part only, as text for the
+// other processes of a cluster.
+std::string PartlyReadPieces();
+// Joins the pieces another process read (its PartlyReadPieces()) into the
+// records of the files open here, so that a record the processes read between
+// them is checked whole; pieces of files not open here are left to the
+// processes that have them. InvalidInput for text PartlyReadPieces does not make.
+Status JoinPartlyReadPieces(const std::string& text);
+// The records read in part only, each as "<data offset> <path>".
+std::vector<std::string> PartlyReadRecords();
+
+// A note when `partly` records were read in part only ("" when none).
+std::string PartlyReadRecordsNote(int64_t partly);
 
 }  // namespace reshard

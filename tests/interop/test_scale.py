@@ -1,5 +1,7 @@
 """Conversion at scale, tested small: several processes, the memory budget, dry-run figures.
 
+* ``mpirun -np 2 reshard convert`` checks the zip records the two processes read between them as one
+  process does (a damaged byte is refused);
 * ``mpirun -np 2 reshard convert`` writes the same files, byte for byte, as one process, and
   ``latest`` once (rank 0, after both ranks finished); rank 0 prints the one summary, the whole
   job's, and its last progress line counts the whole job's files and bytes, as one process's does;
@@ -28,6 +30,7 @@ from fixtures import deepspeed_nonpipe as dn
 from fixtures import megatron_fixture as mf
 
 import interop_support as support
+from test_hostile_inputs import flip_byte_in_record
 
 MiB = 1 << 20
 # Runs argv[1:] and prints its output, then "peak <bytes>" (wait4's high-water mark).
@@ -108,6 +111,31 @@ class ScaleTest(support.FixtureTestCase):
         announced = re.findall(r'^dry run: nothing written; would write (\d+) files, (\d+) bytes of tensors',
                                dry.stdout, re.M)
         self.assertEqual(announced, [figures(one.stdout)], dry.stdout)
+
+    @unittest.skipUnless(shutil.which('mpirun'), 'Open MPI (mpirun) is not installed')
+    def test_two_processes_check_the_records_they_read_between_them(self):
+        """A TP split reads each split tensor's zip record in halves, one for each target rank's file,
+        which the two processes write one each: the pieces they read are joined, so such a record is
+        checked as one process checks it (a damaged byte is refused, nothing written), and the note
+        counts the records left read in part as one process's does."""
+        src = support.make_fixture(self.path('src'), optimizer='none', tp=1, pp=1, dp=1,
+                                   **support.FAMILIES['ms_gpt2'])
+        target = ['--tp', '2', '--pp', '1', '--dp', '1']
+        partly = lambda stdout: re.findall(r'note: (\d+) zip record\(s\) were read only in part', stdout)
+        one = support.reshard('convert', src, self.path('one', 'out'), *target)
+        self.assertEqual(one.returncode, 0, one.stderr)
+        mpi = subprocess.run(['mpirun', '-np', '2', support.RESHARD, 'convert', src, self.path('two', 'out'), *target],
+                             env=MPI_ENV, capture_output=True, text=True, timeout=300)
+        self.assertEqual(mpi.returncode, 0, mpi.stdout + mpi.stderr)
+        self.assertEqual(len(partly(one.stdout)), 1, one.stdout)
+        self.assertEqual(partly(mpi.stdout), partly(one.stdout))
+        # The biggest record of a block: the MLP's first matrix, split by rows.
+        record = flip_byte_in_record(os.path.join(src, 'layer_03-model_00-model_states.pt'), min_size=13824)
+        bad = subprocess.run(['mpirun', '-np', '2', support.RESHARD, 'convert', src, self.path('bad', 'out'), *target],
+                             env=MPI_ENV, capture_output=True, text=True, timeout=300)
+        self.assertNotEqual(bad.returncode, 0, bad.stdout + bad.stderr)
+        self.assertIn(f'record {record} does not have the CRC-32', bad.stderr)
+        self.assertFalse(os.path.exists(self.path('bad', 'out')))
 
     @unittest.skipUnless(shutil.which('mpirun'), 'Open MPI (mpirun) is not installed')
     def test_two_processes_share_the_ranges_of_one_file(self):

@@ -145,7 +145,7 @@ TEST(TorchFileTest, EveryArchiveOfAFileIsChecked) {
                                    " does not have the CRC-32"),
             std::string::npos)
       << checked.message();
-  EXPECT_EQ(PartlyReadRecordsNote(), "");
+  EXPECT_TRUE(PartlyReadRecords().empty());
 }
 
 TEST(TorchFileTest, ReadsWhatTorchSaveWrote) {
