@@ -220,7 +220,7 @@ class MegatronCoreTiedTest(megatron_core_pypi.MegatronCoreTestCase):
             with self.subTest(save=tag):
                 p = run('inspect', self.saved(tag), *sizes(tag)[:-2])
                 self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
-                self.assertIn(f'rule set {FAMILY[kind]} ', p.stdout)
+                self.assertIn(f'rule set {FAMILY[kind]};', p.stdout)
                 self.assertIn('word_embeddings.weight  float32[64, 16]', p.stdout)
 
     def test_the_pp2_save_holds_the_last_stages_copy_of_the_embedding_once(self):

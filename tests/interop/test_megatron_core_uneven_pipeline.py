@@ -148,7 +148,7 @@ class MegatronCoreUnevenPipelineTest(megatron_core_pypi.MegatronCoreTestCase):
     def test_the_source_is_read_at_its_own_split(self):
         p = run('inspect', self.saved('src'), *SIZES[:-2])
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
-        self.assertIn('rule set megatron-core-gpt ', p.stdout)
+        self.assertIn('rule set megatron-core-gpt;', p.stdout)
         self.assertIn('PP 2 (args)', p.stdout)
 
     def test_stage_sizes_that_do_not_add_up_are_refused(self):

@@ -351,7 +351,7 @@ class MegatronCoreVppSaveTest(megatron_core_pypi.MegatronCoreTestCase):
     def test_the_source_is_read_with_its_virtual_pipeline(self):
         p = run('inspect', self.saved('src'), *SIZES[:-2])
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
-        self.assertIn('rule set megatron-core-gpt ', p.stdout)
+        self.assertIn('rule set megatron-core-gpt;', p.stdout)
         self.assertIn('saved at: TP 1 (args), PP 2 (args), DP 1 (args), VPP 2 (args)', p.stdout)
 
     def test_megatron_core_loads_every_layout_strictly(self):

@@ -110,8 +110,8 @@ class PipelineSource : public DeepSpeedModelSource {
     if (ckpt().HasErrors()) return;
     ReportDrift(ckpt(), options, report);
     // A universal checkpoint's param_shapes are those of the checkpoint it
-    // was made from; an imported model has none.
-    if (!model_->universal && !model_->imported) CheckStages(ckpt(), report);
+    // was made from. (An imported model is linted by formats/imported/.)
+    if (!model_->universal) CheckStages(ckpt(), report);
     if (!HasOptimizerState()) return;
     if (options.weights_only) {
       report->findings.push_back({Finding::Severity::kInfo, WeightsOnlyNote(OptimizerWhat())});
@@ -123,8 +123,7 @@ class PipelineSource : public DeepSpeedModelSource {
       return;
     }
     report->findings.push_back(model_->universal ? UniversalOptimizerFinding(**opt)
-                               : model_->imported ? ImportedOptimizerFinding(**opt)
-                                                  : OptimizerFinding(**opt, shard_files()));
+                                                 : OptimizerFinding(**opt, shard_files()));
     ReportStateDrift(ckpt(), **opt, options, report);
   }
 

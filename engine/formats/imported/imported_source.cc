@@ -61,13 +61,11 @@ class ModelSource : public SourceCheckpoint {
   }
 
   Result<OutputPlan> Plan(const DeepSpeedPlanOptions& options, std::vector<std::string>* notes) const override {
-    RESHARD_ASSIGN_OR_RETURN(const SourceCheckpoint* deepspeed, DeepSpeed());
-    return deepspeed->Plan(options, notes);
+    return DeepSpeed().Plan(options, notes);
   }
 
   Result<OutputPlan> PlanFamilyFormat(const ExportOptions& options, std::vector<std::string>* notes) const override {
-    RESHARD_ASSIGN_OR_RETURN(const SourceCheckpoint* deepspeed, DeepSpeed());
-    return deepspeed->PlanFamilyFormat(options, notes);
+    return DeepSpeed().PlanFamilyFormat(options, notes);
   }
 
   Result<std::vector<FullTensor>> FullTensors(ReplicatedPolicy replicated,
@@ -247,9 +245,9 @@ class ModelSource : public SourceCheckpoint {
   }
 
   // The model in DeepSpeed's layout, made once, when first planned so.
-  Result<const SourceCheckpoint*> DeepSpeed() const {
+  const SourceCheckpoint& DeepSpeed() const {
     std::call_once(deepspeed_once_, [this] { deepspeed_source_ = deepspeed_(model_, options_); });
-    return static_cast<const SourceCheckpoint*>(deepspeed_source_.get());
+    return *deepspeed_source_;
   }
 
   ImportedModel model_;

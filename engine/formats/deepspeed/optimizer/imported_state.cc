@@ -5,7 +5,6 @@
 
 #include "formats/deepspeed/files/known_classes.h"
 #include "formats/deepspeed/model/stages.h"
-#include "util/strings.h"
 
 namespace reshard {
 namespace {
@@ -147,12 +146,6 @@ Result<std::unique_ptr<SourceOptimizer>> MakeImportedOptimizer(ImportedOptimizer
                    ", the source's param groups and step carried" +
                    (clip_recorded ? "" : "; clip_grad 1.0 (Megatron's default: the args do not record it)"));
   return std::unique_ptr<SourceOptimizer>(std::move(opt));
-}
-
-Finding ImportedOptimizerFinding(const SourceOptimizer& opt) {
-  return {Finding::Severity::kInfo, "optimizer: read with the model (" + std::to_string(opt.num_groups()) +
-                                        " groups, states " + Join(opt.states(), ", ") + "); converted into " +
-                                        (opt.format().zero ? "ZeRO-1" : "BF16 optimizer") + " shards"};
 }
 
 }  // namespace reshard
