@@ -1,6 +1,8 @@
 // The helpers of the seam that the formats share.
 #include "formats/format.h"
 
+#include <algorithm>
+
 #include "util/strings.h"
 
 namespace reshard {
@@ -19,6 +21,14 @@ FormatOptionInfo FromOption(const std::string& fallback) {
 
 FormatOptionInfo DTypeOption() {
   return {"dtype", FormatOptionInfo::Kind::kText, "Cast floating tensors (default: as stored)", {"fp32", "bf16", "fp16"}};
+}
+
+bool HoldsOptimizerState(const std::vector<FullTensor>& all) {
+  return std::any_of(all.begin(), all.end(), [](const FullTensor& t) { return t.section == "optimizer"; });
+}
+
+bool HoldsFp32Masters(const std::vector<FullTensor>& all) {
+  return std::any_of(all.begin(), all.end(), [](const FullTensor& t) { return t.state == kFp32Master; });
 }
 
 }  // namespace reshard

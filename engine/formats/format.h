@@ -58,6 +58,10 @@ struct FullTensor {
   std::string Label() const { return where.empty() || where == name ? name : name + " at " + where; }
 };
 
+// Whether `all` holds any optimizer state, and any fp32 master.
+bool HoldsOptimizerState(const std::vector<FullTensor>& all);
+bool HoldsFp32Masters(const std::vector<FullTensor>& all);
+
 // How a source cuts its weights for another tensor-parallel layout
 // (SourceCheckpoint::WeightsForTp).
 struct TpCut {

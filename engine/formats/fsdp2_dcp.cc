@@ -412,7 +412,7 @@ Result<std::vector<ChosenTensor>> ChooseFsdp2Parameters(const SourceCheckpoint& 
   RESHARD_ASSIGN_OR_RETURN(choice.dtype, ExportDType(FormatOption(options, "dtype")));
   RESHARD_ASSIGN_OR_RETURN(std::vector<ChosenTensor> chosen, ChooseTensors(all, src.info().kind, choice, notes));
   if (!optimizer) return chosen;
-  const bool masters = std::any_of(all.begin(), all.end(), [](const FullTensor& t) { return t.state == kFp32Master; });
+  const bool masters = HoldsFp32Masters(all);
   for (const ChosenTensor& t : chosen) {
     if (!masters && t.dtype != t.source_dtype) {
       return Status::InvalidInput("export --to " + to + " with the optimizer state writes the parameters as the run "
@@ -438,9 +438,7 @@ Result<Fsdp2Source> ReadFsdp2Source(const SourceCheckpoint& src, const RuleInput
   RESHARD_ASSIGN_OR_RETURN(read.hf, FamilyExport(src, inputs));
   out->scratch = std::make_shared<ScratchFolder>();
   RESHARD_ASSIGN_OR_RETURN(read.all, WholeTensors(src, options.replicated, options.vocab_size, {}, out->read.get()));
-  read.optimizer = !options.weights_only && std::any_of(read.all.begin(), read.all.end(), [](const FullTensor& t) {
-    return t.section == "optimizer";
-  });
+  read.optimizer = !options.weights_only && HoldsOptimizerState(read.all);
   RESHARD_ASSIGN_OR_RETURN(read.params, ChooseFsdp2Parameters(src, read.all, options, read.optimizer, to, notes));
   return read;
 }

@@ -80,7 +80,7 @@ class TensorChoice {
     notes->push_back(options_.what + ": " + std::to_string(from_masters) + " of " + std::to_string(n) +
                      " tensors from the fp32 masters" +
                      (options_.from_weights ? " (" + options_.weights_flag + ")"
-                      : masters_.empty()    ? std::string(HasState() ? " (its optimizer keeps none)"
+                      : masters_.empty()    ? std::string(HoldsOptimizerState(all_) ? " (its optimizer keeps none)"
                                                                      : " (the checkpoint has no optimizer state)")
                       : from_masters < n    ? std::string(", the rest (without a master) from the weights")
                                             : std::string()));
@@ -104,10 +104,6 @@ class TensorChoice {
     if (w.vocab) RESHARD_RETURN_IF_ERROR(StripVocab(&t));
     if (options_.dtype && IsFloatingPoint(t.dtype)) t.dtype = *options_.dtype;
     return t;
-  }
-
-  bool HasState() const {
-    return std::any_of(all_.begin(), all_.end(), [](const FullTensor& t) { return t.section == "optimizer"; });
   }
 
   // Rows are the leading dimension, so the true rows are a prefix of the bytes.

@@ -25,12 +25,11 @@ struct ImportedOptimizer {
   // The per-element states torch names them by ("exp_avg", "exp_avg_sq"),
   // after the fp32 master.
   std::vector<std::string> moments;
-  // Whether the run keeps an fp32 master of each parameter (Megatron's
-  // distributed optimizer; an FSDP run's fp32 parameters are their own). A
-  // run whose torch AdamW steps its bf16 parameters themselves keeps none,
-  // and its moments are bf16 too.
-  bool masters = true;
+  // fp32 beside fp32 masters (Megatron's distributed optimizer; an FSDP
+  // run's fp32 parameters are their own). A run whose torch AdamW steps its
+  // bf16 parameters themselves keeps its moments in bf16, and no master.
   DType moments_dtype = DType::kFloat32;
+  bool masters() const { return moments_dtype == DType::kFloat32; }
   struct Param {
     SourceShard master;                // the fp32 master, whole, in row-major order (unset without masters)
     std::vector<SourceShard> moments;  // one per `moments` entry, the same way

@@ -184,7 +184,7 @@ Result<TensorChoiceOptions> ChoiceOptions(const ExportOptions& options, const st
   if (masters && options.weights_only) {
     return Status::InvalidInput("--from masters and --weights-only contradict each other; keep one");
   }
-  if (masters && std::none_of(all.begin(), all.end(), [](const FullTensor& t) { return t.state == kFp32Master; })) {
+  if (masters && !HoldsFp32Masters(all)) {
     return Status::InvalidInput("--from masters: the checkpoint has no optimizer state, so no fp32 masters; "
                                 "drop --from to export its weights");
   }

@@ -468,11 +468,10 @@ class Reader {
     // torch's AdamW keeps each moment in its parameter's dtype: fp32
     // parameters are their own masters, bf16 ones have none.
     RESHARD_ASSIGN_OR_RETURN(out.moments_dtype, ParamsDType(masters));
-    out.masters = out.moments_dtype == DType::kFloat32;
     out.what = names_.format + "'s AdamW state (" + Join(moments, ", ") +
-               (out.masters ? std::string("; the fp32 parameters as masters)")
+               (out.masters() ? std::string("; the fp32 parameters as masters)")
                             : std::string("; ") + DTypeName(out.moments_dtype) + " parameters, no fp32 master)");
-    for (auto& [name, t] : masters) out.params[name].master = out.masters ? ShardOf(t) : SourceShard();
+    for (auto& [name, t] : masters) out.params[name].master = out.masters() ? ShardOf(t) : SourceShard();
     for (const std::string& moment : moments) {
       HfFolder states = weights;
       states.tensors.clear();

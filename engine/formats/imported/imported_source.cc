@@ -93,7 +93,7 @@ class ModelSource : public SourceCheckpoint {
   Result<TpWeights> WeightsForTp(const TpCut& cut, std::vector<std::string>* notes,
                                  std::atomic<int64_t>* read) const override {
     RESHARD_ASSIGN_OR_RETURN(const ImportedOptimizer* opt, CarriedOptimizer());
-    if (opt != nullptr && !opt->masters && !cut.state.empty()) {
+    if (opt != nullptr && !opt->masters() && !cut.state.empty()) {
       // The targets that cut states by TP (Megatron's) keep fp32 masters and moments.
       return Status::Unsupported("the optimizer state holds no fp32 masters (" + opt->what + "), which this "
                                  "target's optimizer keeps; pass --weights-only to convert the weights");
@@ -164,7 +164,7 @@ class ModelSource : public SourceCheckpoint {
   // The fp32 master where the run keeps one, then the moments.
   static std::vector<std::string> States(const ImportedOptimizer& opt) {
     std::vector<std::string> states;
-    if (opt.masters) states.push_back(kFp32Master);
+    if (opt.masters()) states.push_back(kFp32Master);
     states.insert(states.end(), opt.moments.begin(), opt.moments.end());
     return states;
   }

@@ -45,7 +45,7 @@ class ImportedStateOptimizer : public SourceOptimizer {
   }
 
   Status Read(ImportedOptimizer imported, const LogicalCheckpoint& ckpt) {
-    if (!imported.masters) {
+    if (!imported.masters()) {
       return Status::Unsupported("the optimizer state holds no fp32 masters (" + imported.what + "), which "
                                  "DeepSpeed's optimizer shards keep; pass --weights-only to convert the weights");
     }

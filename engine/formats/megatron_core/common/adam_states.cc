@@ -8,12 +8,7 @@
 namespace reshard {
 
 Status CheckFp32Masters(const std::vector<FullTensor>& all, const std::string& to) {
-  bool states = false;
-  for (const FullTensor& t : all) {
-    if (t.state == kFp32Master) return Status::Ok();
-    states |= t.section == "optimizer";
-  }
-  if (!states) return Status::Ok();
+  if (!HoldsOptimizerState(all) || HoldsFp32Masters(all)) return Status::Ok();
   return Status::Unsupported("export --to " + to + ": the optimizer state holds no fp32 masters (the run's AdamW "
                              "stepped its parameters themselves), which Megatron's distributed optimizer keeps; "
                              "export with --weights-only");
