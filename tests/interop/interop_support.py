@@ -94,6 +94,29 @@ def read_safetensors(path):
     return out, meta
 
 
+SAFETENSORS_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+
+
+def tensor_bytes(t):
+    t = t.contiguous()
+    return (t.view(torch.int16) if t.element_size() == 2 else t).numpy().tobytes()
+
+
+def write_safetensors(path, tensors):
+    """Writes {name: tensor} as a .safetensors file (metadata {"format": "pt"})."""
+    header, body = {}, b''
+    for name, t in tensors.items():
+        data = tensor_bytes(t)
+        header[name] = {'dtype': SAFETENSORS_NAMES[t.dtype], 'shape': list(t.shape),
+                        'data_offsets': [len(body), len(body) + len(data)]}
+        body += data
+    header['__metadata__'] = {'format': 'pt'}
+    text = json.dumps(header).encode()
+    text += b' ' * (-len(text) % 8)
+    with open(path, 'wb') as f:
+        f.write(struct.pack('<Q', len(text)) + text + body)
+
+
 def layer_file(tag_dir, layer_id, tp_rank):
     return os.path.join(tag_dir, f'layer_{layer_id:02d}-model_{tp_rank:02d}-model_states.pt')
 

@@ -31,7 +31,7 @@ import torch
 from fixtures import megatron_fixture as mf
 
 import interop_support as support
-from interop_support import FixtureTestCase, make_fixture, read_safetensors
+from interop_support import FixtureTestCase, make_fixture, read_safetensors, write_safetensors
 import test_export_hf as hf
 
 GPT2, LLAMA, BLOOM = hf.GPT2, hf.LLAMA, hf.BLOOM
@@ -53,28 +53,6 @@ CONFIGS = {
 }
 EXPECTED = {'ms_gpt2': lambda c: hf.expected_gpt2(c, S['L']), 'ms_llama': lambda c: hf.expected_llama(c, S['L']),
             'bs_bloom': lambda c: hf.expected_bloom(c, S['L'], S['n'], S['hd'])}
-SAFETENSORS_NAMES = {torch.float32: 'F32', torch.bfloat16: 'BF16', torch.float16: 'F16'}
-
-
-def tensor_bytes(t):
-    t = t.contiguous()
-    return (t.view(torch.int16) if t.element_size() == 2 else t).numpy().tobytes()
-
-
-def write_safetensors(path, tensors):
-    header, body = {}, b''
-    for name, t in tensors.items():
-        data = tensor_bytes(t)
-        header[name] = {'dtype': SAFETENSORS_NAMES[t.dtype], 'shape': list(t.shape),
-                        'data_offsets': [len(body), len(body) + len(data)]}
-        body += data
-    header['__metadata__'] = {'format': 'pt'}
-    text = json.dumps(header).encode()
-    text += b' ' * (-len(text) % 8)
-    with open(path, 'wb') as f:
-        f.write(struct.pack('<Q', len(text)) + text + body)
-
-
 def write_folder(path, tensors, config, form='safetensors'):
     """An HF folder: config.json and the tensors as `form` (safetensors, shards, bin)."""
     os.makedirs(path)

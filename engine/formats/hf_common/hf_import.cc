@@ -281,10 +281,11 @@ class TensorJoiner {
   Result<std::map<std::string, Joined>> JoinAll() {
     std::map<std::string, Joined> out;
     for (const HfTensorMap& map : hf_.tensors) {
-      for (const std::string& block : Blocks(map)) {
-        const std::string name = HfNameTemplate(map.from).With(block);
+      for (const auto& [block, expert] : Slots(map)) {
+        const std::string name = HfNameTemplate(map.from).With(block, expert);
         if (!block.empty()) blocks_.insert(block);
-        RESHARD_ASSIGN_OR_RETURN(Joined joined, JoinOne(map, name, block));
+        if (!expert.empty()) experts_.insert(expert);
+        RESHARD_ASSIGN_OR_RETURN(Joined joined, JoinOne(map, name, block, expert));
         out.emplace(name, std::move(joined));
       }
     }
@@ -298,35 +299,38 @@ class TensorJoiner {
   }
 
   int64_t transposed_bytes() const { return transposed_bytes_; }
-  // How many blocks the folder holds tensors of (once JoinAll has run).
+  // How many blocks, and experts per layer, the folder holds tensors of (once JoinAll has run).
   int64_t block_count() const { return static_cast<int64_t>(blocks_.size()); }
+  int64_t expert_count() const { return static_cast<int64_t>(experts_.size()); }
 
  private:
-  // The blocks ("" outside blocks) the folder has the entry's first HF tensor for, in order.
-  std::vector<std::string> Blocks(const HfTensorMap& map) const {
+  // The (block, expert) pairs ("" outside blocks, experts) the folder has the
+  // entry's first HF tensor for, in numeric order.
+  std::vector<std::pair<std::string, std::string>> Slots(const HfTensorMap& map) const {
     const HfNameTemplate first(map.to.front());
-    std::vector<std::pair<int64_t, std::string>> blocks;
+    std::vector<std::pair<std::pair<int64_t, int64_t>, std::pair<std::string, std::string>>> slots;
     for (const auto& [name, tensor] : folder_.tensors) {
-      std::string block;
-      if (!first.Match(name, &block)) continue;
-      int64_t n = -1;
-      ParseInt(block, &n);
-      blocks.emplace_back(n, block);
+      std::string block, expert;
+      if (!first.Match(name, &block, &expert)) continue;
+      int64_t b = -1, e = -1;
+      ParseInt(block, &b);
+      ParseInt(expert, &e);
+      slots.push_back({{b, e}, {block, expert}});
     }
-    std::sort(blocks.begin(), blocks.end());
-    std::vector<std::string> out;
-    for (auto& [n, block] : blocks) out.push_back(std::move(block));
+    std::sort(slots.begin(), slots.end());
+    std::vector<std::pair<std::string, std::string>> out;
+    for (auto& [order, slot] : slots) out.push_back(std::move(slot));
     return out;
   }
 
-  // The entry's HF tensors of `block`, transposed back where it says so.
-  Result<std::vector<Joined>> Parts(const HfTensorMap& map, const std::string& block) {
+  // The entry's HF tensors of `block` and `expert`, transposed back where it says so.
+  Result<std::vector<Joined>> Parts(const HfTensorMap& map, const std::string& block, const std::string& expert) {
     std::vector<Joined> parts;
     for (const std::string& to : map.to) {
-      const std::string name = HfNameTemplate(to).With(block);
+      const std::string name = HfNameTemplate(to).With(block, expert);
       auto it = folder_.tensors.find(name);
       if (it == folder_.tensors.end()) {
-        return Status::InvalidInput(folder_.Label() + " has " + HfNameTemplate(map.to.front()).With(block) +
+        return Status::InvalidInput(folder_.Label() + " has " + HfNameTemplate(map.to.front()).With(block, expert) +
                                     " but not " + name + ", which " + hf_.architecture + " needs with it");
       }
       used_.insert(name);
@@ -344,8 +348,9 @@ class TensorJoiner {
     return parts;
   }
 
-  Result<Joined> JoinOne(const HfTensorMap& map, const std::string& name, const std::string& block) {
-    RESHARD_ASSIGN_OR_RETURN(std::vector<Joined> parts, Parts(map, block));
+  Result<Joined> JoinOne(const HfTensorMap& map, const std::string& name, const std::string& block,
+                         const std::string& expert) {
+    RESHARD_ASSIGN_OR_RETURN(std::vector<Joined> parts, Parts(map, block, expert));
     const Tensor& first = parts.front().tensor.as_tensor();
     std::vector<int64_t> shape = first.sizes;
     if (shape.empty()) shape = {1};
@@ -362,7 +367,7 @@ class TensorJoiner {
     }
     if (first.sizes.empty()) shape = {};
     RESHARD_RETURN_IF_ERROR(CheckHfShape(hf_, map, name, shape, inputs_));
-    Result<std::vector<HfPart>> parted = HfParts(map, name, shape, inputs_, block);
+    Result<std::vector<HfPart>> parted = HfParts(map, name, shape, inputs_, block, expert);
     if (!parted.ok()) return Status::InvalidInput("config.json disagrees with the tensors: " + parted.status().message());
     const std::vector<HfPart>& want = *parted;
     for (size_t j = 0; j < parts.size(); ++j) {
@@ -428,6 +433,7 @@ class TensorJoiner {
   const RuleInputs inputs_;  // references the metadata and settings, which outlive the joiner
   std::set<std::string> used_;
   std::set<std::string> blocks_;
+  std::set<std::string> experts_;
   int64_t transposed_bytes_ = 0;
 };
 
@@ -504,13 +510,27 @@ Status NameAsArchitecture(const HfExport& hf, HfFolder* folder, std::vector<std:
 // Where the HF names for `canonical` would be, for the message when they are missing.
 std::string HfNamesOf(const HfExport& hf, const std::string& canonical) {
   for (const HfTensorMap& map : hf.tensors) {
-    std::string block;
-    if (!HfNameTemplate(map.from).Match(canonical, &block)) continue;
+    std::string block, expert;
+    if (!HfNameTemplate(map.from).Match(canonical, &block, &expert)) continue;
     std::vector<std::string> names;
-    for (const std::string& to : map.to) names.push_back(HfNameTemplate(to).With(block));
+    for (const std::string& to : map.to) names.push_back(HfNameTemplate(to).With(block, expert));
     return Join(names, ", ");
   }
   return "";
+}
+
+// The experts per layer the folder's tensors hold (0: none), which the
+// config must give as the rules read it (args.num_moe_experts), when it does.
+Status RecordExperts(int64_t experts, const std::string& config_path, const RuleInputs& inputs, Value* metadata) {
+  if (experts == 0) return Status::Ok();
+  const std::optional<int64_t> recorded = MetaRef{{"args.num_moe_experts"}}.Resolve(inputs);
+  if (recorded && *recorded != experts) {
+    return Status::InvalidInput(config_path + " gives " + std::to_string(*recorded) + " experts per layer "
+                                "(args.num_moe_experts), and the folder holds the tensors of " +
+                                std::to_string(experts) + "; the config does not describe these weights");
+  }
+  SetPath(metadata, "args.num_moe_experts", Value::Int(experts));
+  return Status::Ok();
 }
 
 // The vocabulary rows: those of the first vocabulary-split tensor.
@@ -548,7 +568,8 @@ RecordedFacts ConfigFacts(const Value& config) {
       "architectures",       "model_type", "num_hidden_layers", "n_layer",           "hidden_size", "n_embd",
       "intermediate_size",   "n_inner",    "num_attention_heads", "n_head",          "num_key_value_heads",
       "head_dim",            "vocab_size", "max_position_embeddings", "n_positions", "rms_norm_eps",
-      "layer_norm_epsilon",  "rope_theta", "torch_dtype",       "tie_word_embeddings"};
+      "layer_norm_epsilon",  "rope_theta", "torch_dtype",       "tie_word_embeddings", "num_local_experts",
+      "num_experts_per_tok"};
   RecordedFacts facts;
   for (const char* field : kArchitectureFields) {
     if (const Value* v = Find(config, field)) facts.emplace_back(field, v->DebugString(60));
@@ -601,9 +622,11 @@ Result<HfImport> ImportHfModel(HfFolder folder, const RuleSet& rules, const Comm
                                 std::to_string(joiner.block_count()) + " blocks; the config does not describe "
                                 "these weights");
   }
+  RESHARD_RETURN_IF_ERROR(RecordExperts(joiner.expert_count(), config_path, reader.inputs(), &ckpt.metadata[0]));
   ImportedRuns runs;
   auto hf_names = [&hf](const std::string& name) { return HfNamesOf(hf, name); };
-  RESHARD_ASSIGN_OR_RETURN(ckpt.layers, LayOutImported(rules, *blocks, 0, joined, hf_names, folder.Label(), &runs));
+  RESHARD_ASSIGN_OR_RETURN(ckpt.layers, LayOutImported(rules, *blocks, joiner.expert_count(), joined, hf_names,
+                                                       folder.Label(), &runs));
   ckpt.vocab.padding_stripped = true;
   RESHARD_RETURN_IF_ERROR(DescribeCheckpoint(options.rules.empty() ? rules.name() : options.rules, options.set, &ckpt));
   AttachImportedRuns(std::move(runs), &ckpt);

@@ -52,8 +52,8 @@ Result<std::string> RecordedConfigJson(const HfExport& hf, const RuleInputs& inp
 std::string CanonicalOfHf(const HfExport& hf, const std::string& name) {
   for (const HfTensorMap& map : hf.tensors) {
     for (const std::string& to : map.to) {
-      std::string block;
-      if (HfNameTemplate(to).Match(name, &block)) return HfNameTemplate(map.from).With(block);
+      std::string block, expert;
+      if (HfNameTemplate(to).Match(name, &block, &expert)) return HfNameTemplate(map.from).With(block, expert);
     }
   }
   return name;

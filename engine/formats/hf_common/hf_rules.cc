@@ -263,11 +263,11 @@ class HfSectionParser : RuleReader {
     if (!to->node.IsSequence()) {
       if (auto s = ReadString(*to, "hf.tensors to")) map.to.push_back(*s);
     }
-    const bool blocks = CheckHfTemplate(*from, map.from, this);
+    const std::string placeholders = HfPlaceholders(*from, map.from, true, this);
     for (const std::string& name : map.to) {
-      if (CheckHfTemplate(*to, name, this) != blocks) {
-        Fail(*to, "'" + name + "' and '" + map.from + "' must both use {block} or neither; one tensor per "
-                      "block maps to one per block");
+      if (HfPlaceholders(*to, name, true, this) != placeholders) {
+        Fail(*to, "'" + name + "' and '" + map.from + "' must use the same placeholders ({block}, {expert}); "
+                      "one tensor per block (and expert) maps to one per block (and expert)");
       }
     }
     ReadFlag(*fields, "transpose", &map.transpose);
@@ -311,14 +311,20 @@ class HfSectionParser : RuleReader {
 
 }  // namespace
 
-bool CheckHfTemplate(const Field& f, const std::string& name, RuleReader* in) {
-  static const RE2 re("([^{}]|\\{block\\})+");
-  if (!RE2::FullMatch(name, re)) {
-    in->Fail(f, "hf tensor name '" + name + "': the only placeholder is {block} (the 0-based block)");
+std::string HfPlaceholders(const Field& f, const std::string& name, bool experts, RuleReader* in) {
+  static const RE2 with_experts("([^{}]|\\{block\\}|\\{expert\\})+");
+  static const RE2 blocks_only("([^{}]|\\{block\\})+");
+  if (!RE2::FullMatch(name, experts ? with_experts : blocks_only)) {
+    in->Fail(f, "hf tensor name '" + name + "': the only placeholder" +
+                    (experts ? "s are {block} (the 0-based block) and {expert} (the expert in its layer)"
+                             : " is {block} (the 0-based block)"));
   }
-  return name.find("{block}") != std::string::npos;
+  std::string placeholders;
+  for (const char* p : {"{block}", "{expert}"}) {
+    if (name.find(p) != std::string::npos) placeholders += p;
+  }
+  return placeholders;
 }
-
 
 std::shared_ptr<const RuleSection> ParseHfSection(const Field& section, const RuleSet& so_far, RuleReader* in) {
   return HfSectionParser(*in).Parse(section);

@@ -46,7 +46,7 @@ struct HfConfigField {
 };
 
 // One canonical tensor and the HF tensor(s) it becomes (`hf.tensors`).
-// Names are templates whose only placeholder is {block}.
+// Names are templates whose placeholders are {block} and {expert}.
 struct HfTensorMap {
   int line = 0;
   std::string from;             // canonical name: 'layers.{block}.mlp.dense_h_to_4h.weight'
@@ -90,8 +90,8 @@ struct HfExport : RuleSection {
 // Parses the section (RuleSectionParser::parse).
 std::shared_ptr<const RuleSection> ParseHfSection(const Field& section, const RuleSet& so_far, RuleReader* in);
 
-// Checks an HF name template (its only placeholder is {block}); returns
-// whether it uses {block}.
-bool CheckHfTemplate(const Field& f, const std::string& name, RuleReader* in);
+// Checks an HF name template (its placeholders {block} and, where `experts`,
+// {expert}); returns the placeholders it uses ("{block}{expert}", "").
+std::string HfPlaceholders(const Field& f, const std::string& name, bool experts, RuleReader* in);
 
 }  // namespace reshard

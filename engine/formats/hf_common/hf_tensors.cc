@@ -29,6 +29,11 @@ Result<int64_t> HfSize(const std::string& size, const RuleInputs& inputs) {
 namespace {
 
 constexpr char kBlock[] = "{block}";
+constexpr char kExpert[] = "{expert}";
+
+void Replace(std::string* name, const std::string& placeholder, const std::string& value) {
+  for (size_t at; (at = name->find(placeholder)) != std::string::npos;) name->replace(at, placeholder.size(), value);
+}
 
 // Output elements [i, stop) of a transpose, out[c][r] = in[r][c], from the
 // band `in` ([rows, width] holding columns first.. of the source) to `out`,
@@ -249,32 +254,49 @@ struct Entry {
 HfNameTemplate::HfNameTemplate(std::string name) : name_(std::move(name)) {
   std::string pattern;
   size_t pos = 0;
-  for (size_t at; (at = name_.find(kBlock, pos)) != std::string::npos; pos = at + std::strlen(kBlock)) {
+  for (size_t at = pos; (at = name_.find('{', at)) != std::string::npos; ++at) {
+    const bool expert = name_.compare(at, std::strlen(kExpert), kExpert) == 0;
+    if (!expert && name_.compare(at, std::strlen(kBlock), kBlock) != 0) continue;  // a literal brace
     pattern += RE2::QuoteMeta(name_.substr(pos, at - pos)) + "([0-9]+)";
+    expert_group_.push_back(expert);
+    pos = at + std::strlen(expert ? kExpert : kBlock);
   }
   pattern_ = std::make_unique<RE2>(pattern + RE2::QuoteMeta(name_.substr(pos)));
 }
 
 HfNameTemplate::~HfNameTemplate() = default;
 
-bool HfNameTemplate::Match(const std::string& name, std::string* block) const {
+bool HfNameTemplate::Match(const std::string& name, std::string* block, std::string* expert) const {
+  std::vector<std::string> values(expert_group_.size());
+  std::vector<RE2::Arg> args(values.size());
+  std::vector<const RE2::Arg*> arg_ptrs(values.size());
+  for (size_t i = 0; i < values.size(); ++i) {
+    args[i] = &values[i];
+    arg_ptrs[i] = &args[i];
+  }
+  if (!RE2::FullMatchN(name, *pattern_, arg_ptrs.data(), static_cast<int>(arg_ptrs.size()))) return false;
   block->clear();
-  return pattern_->NumberOfCapturingGroups() == 0 ? RE2::FullMatch(name, *pattern_)
-                                                  : RE2::FullMatch(name, *pattern_, block);
+  if (expert != nullptr) expert->clear();
+  for (size_t i = 0; i < values.size(); ++i) {
+    std::string* slot = expert_group_[i] ? expert : block;
+    if (slot != nullptr) *slot = values[i];
+  }
+  return true;
 }
 
-std::string HfNameTemplate::With(const std::string& block) const {
+std::string HfNameTemplate::With(const std::string& block, const std::string& expert) const {
   std::string name = name_;
-  for (size_t at; (at = name.find(kBlock)) != std::string::npos;) name.replace(at, std::strlen(kBlock), block);
+  Replace(&name, kBlock, block);
+  Replace(&name, kExpert, expert);
   return name;
 }
 
 Result<std::vector<HfPart>> HfParts(const HfTensorMap& map, const std::string& name,
                                     const std::vector<int64_t>& shape, const RuleInputs& inputs,
-                                    const std::string& block) {
+                                    const std::string& block, const std::string& expert) {
   const int64_t rows = shape.empty() ? 1 : shape[0];
   std::vector<HfPart> parts;
-  for (const std::string& to : map.to) parts.push_back({HfNameTemplate(to).With(block), {}, rows});
+  for (const std::string& to : map.to) parts.push_back({HfNameTemplate(to).With(block, expert), {}, rows});
   if (map.split == HfTensorMap::Split::kHalves) {
     if (rows % 2 != 0) {
       return Status::InvalidInput(name + " has " + std::to_string(rows) + " rows, which split_halves "
@@ -399,9 +421,9 @@ Result<std::vector<StateDictTensor>> MapHfTensors(const HfExport& hf, const std:
   for (const HfTensorMap& map : hf.tensors) entries.push_back({&map, std::make_unique<HfNameTemplate>(map.from)});
   std::vector<StateDictTensor> out;
   for (const ChosenTensor& t : chosen) {
-    std::string block;
+    std::string block, expert;
     auto entry = std::find_if(entries.begin(), entries.end(),
-                              [&](const Entry& e) { return e.from->Match(t.name, &block); });
+                              [&](const Entry& e) { return e.from->Match(t.name, &block, &expert); });
     if (entry == entries.end()) {
       return Status::Unsupported("the HF export to " + hf.architecture + " has no place for " + t.name +
                                  " (no hf.tensors entry maps it); the architecture does not compute this "
@@ -409,7 +431,7 @@ Result<std::vector<StateDictTensor>> MapHfTensors(const HfExport& hf, const std:
     }
     ++entry->found;
     RESHARD_RETURN_IF_ERROR(CheckHfShape(hf, *entry->map, t.name, t.shape, inputs));
-    RESHARD_ASSIGN_OR_RETURN(std::vector<HfPart> parts, HfParts(*entry->map, t.name, t.shape, inputs, block));
+    RESHARD_ASSIGN_OR_RETURN(std::vector<HfPart> parts, HfParts(*entry->map, t.name, t.shape, inputs, block, expert));
     for (const HfPart& part : parts) {
       RESHARD_ASSIGN_OR_RETURN(StateDictTensor tensor, MakePart(*entry->map, t, part, scratch, scratch_bytes));
       out.push_back(std::move(tensor));
@@ -417,7 +439,7 @@ Result<std::vector<StateDictTensor>> MapHfTensors(const HfExport& hf, const std:
   }
   for (const Entry& e : entries) {
     if (e.found > 0) continue;
-    return Status::Unsupported(hf.architecture + " needs " + e.from->With("0") +
+    return Status::Unsupported(hf.architecture + " needs " + e.from->With("0", "0") +
                                ", which this checkpoint does not have (hf.tensors line " +
                                std::to_string(e.map->line) + "); the architecture does not compute this model");
   }

@@ -30,18 +30,21 @@ namespace reshard {
 // metadata path, or N*path; an error saying how to give a path not recorded.
 Result<int64_t> HfSize(const std::string& size, const RuleInputs& inputs);
 
-// A tensor name of an hf.tensors entry, whose one placeholder is {block}.
+// A tensor name of an hf.tensors entry, whose placeholders are {block} and
+// {expert} (a MoE layer's experts: one HF tensor per block and expert).
 class HfNameTemplate {
  public:
   explicit HfNameTemplate(std::string name);
   ~HfNameTemplate();
-  // Whether `name` is this template's for some block; *block learns it ("" without {block}).
-  bool Match(const std::string& name, std::string* block) const;
-  // The name of block `block`.
-  std::string With(const std::string& block) const;
+  // Whether `name` is this template's for some block (and expert); *block
+  // and *expert learn them ("" where the template has no such placeholder).
+  bool Match(const std::string& name, std::string* block, std::string* expert = nullptr) const;
+  // The name of block `block` (and expert `expert`).
+  std::string With(const std::string& block, const std::string& expert = "") const;
 
  private:
   std::string name_;
+  std::vector<bool> expert_group_;  // per capture group of the pattern: whether it is {expert}'s
   std::unique_ptr<re2::RE2> pattern_;
 };
 
@@ -77,11 +80,12 @@ struct HfPart {
 };
 
 // How `map` divides dim 0 of the canonical tensor `name` of `shape` (of
-// block `block`; "" outside blocks) among its HF tensors; `inputs` gives
-// split_qkv's sizes. Refused when the rows do not divide as the entry says.
+// block `block` and expert `expert`; "" outside them) among its HF tensors;
+// `inputs` gives split_qkv's sizes. Refused when the rows do not divide as
+// the entry says.
 Result<std::vector<HfPart>> HfParts(const HfTensorMap& map, const std::string& name,
                                     const std::vector<int64_t>& shape, const RuleInputs& inputs,
-                                    const std::string& block);
+                                    const std::string& block, const std::string& expert);
 
 // Refuses the canonical tensor `name` of `shape` unless it has the shape
 // `map` says the architecture needs (its `shape:`; any when it has none).

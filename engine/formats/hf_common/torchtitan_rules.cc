@@ -76,11 +76,11 @@ class TorchtitanSectionParser : RuleReader {
       return std::nullopt;
     }
     t.hf = ReadString(*hf, "torchtitan.tensors hf").value_or("");
-    const bool block = CheckHfTemplate(*hf, t.hf, this);
+    const std::string block = HfPlaceholders(*hf, t.hf, false, this);
     t.keys = key->node.IsSequence() ? ReadStringList(*key, "torchtitan.tensors key")
                                     : std::vector<std::string>{ReadString(*key, "torchtitan.tensors key").value_or("")};
     for (const std::string& k : t.keys) {
-      if (CheckHfTemplate(*key, k, this) != block) {
+      if (HfPlaceholders(*key, k, false, this) != block) {
         Fail(*key, "torchtitan key '" + k + "' and hf name '" + t.hf + "' must both have {block} or neither");
       }
     }

@@ -619,7 +619,8 @@ TEST(RuleSetBuiltin, EveryFileLoads) {
   // In file-name order: megatron-gpt2-moe.yaml sorts before megatron-gpt2.yaml.
   std::vector<std::string> want = {"bigscience-bloom",  "bigscience-glu",     "megatron-core-gpt", "megatron-core-moe",
                                    "megatron-gpt2-moe", "megatron-gpt2",       "megatron-llama-tied", "megatron-llama",
-                                   "qwen2-tied",        "qwen2"};
+                                   "mixtral",           "qwen2-tied",          "qwen2",
+                                   "qwen3-moe"};
   EXPECT_EQ(names, want);
 }
 
@@ -845,7 +846,8 @@ TEST(RuleSetBuiltin, UnknownNameListsTheBuiltins) {
   EXPECT_EQ(rs.status().message(),
             "unknown rule set 'gpt3'; built-in: bigscience-bloom, bigscience-glu, megatron-core-gpt, megatron-core-moe, "
             "megatron-gpt2-moe, "
-            "megatron-gpt2, megatron-llama-tied, megatron-llama, qwen2-tied, qwen2; or pass the path of a rule file");
+            "megatron-gpt2, megatron-llama-tied, megatron-llama, mixtral, qwen2-tied, qwen2, qwen3-moe; or pass the path "
+            "of a rule file");
 }
 
 TEST(RuleSetBuiltin, AMisspeltNameGetsTheOneItIsATypoOf) {
@@ -1033,9 +1035,9 @@ TEST(RuleSetHf, ErrorsNameTheLine) {
        "t.yaml:27: hf.config.rope_theta: 'args.rope_theta' follows a literal value"},
       {{{34, "    - {from: 'embedding.w', to: ['a', 'b']}"}},
        "t.yaml:34: to lists 2 names; dividing a tensor needs split_halves or split_qkv"},
-      {{{34, "    - {from: 'embedding.w', to: 'h.{block}.wte'}"}}, "must both use {block} or neither"},
+      {{{34, "    - {from: 'embedding.w', to: 'h.{block}.wte'}"}}, "must use the same placeholders ({block}, {expert})"},
       {{{36, "      to: ['h.{layer}.q', 'h.{block}.k', 'h.{block}.v']"}},
-       "t.yaml:36: hf tensor name 'h.{layer}.q': the only placeholder is {block}"},
+       "t.yaml:36: hf tensor name 'h.{layer}.q': the only placeholders are {block} (the 0-based block) and {expert}"},
       {{{37, "      split_qkv: {groups: 2}"}}, "t.yaml:37: split_qkv needs groups"},
       {{{38, "    - {from: 'layers.{block}.fc', to: ['h.{block}.gate'], split_halves: true}"}},
        "t.yaml:38: split_halves writes two tensors"},

@@ -194,6 +194,24 @@ std::vector<std::string> ArchitectureFlags(const Value& args) {
   }
   if (!BoolField(args, "add_bias_linear", true)) flags.push_back("--disable-bias-linear");
   if (BoolField(args, "add_qkv_bias", false)) flags.push_back("--add-qkv-bias");
+  if (BoolField(args, "qk_layernorm", false)) flags.push_back("--qk-layernorm");
+  if (const std::optional<int64_t> channels = IntField(args, "kv_channels")) {
+    const std::optional<int64_t> hidden = IntField(args, "hidden_size"), heads = IntField(args, "num_attention_heads");
+    if (hidden && heads && *heads > 0 && *channels != *hidden / *heads) {
+      flags.push_back("--kv-channels " + std::to_string(*channels));
+    }
+  }
+  if (const std::optional<int64_t> experts = IntField(args, "num_experts"); experts && *experts > 0) {
+    flags.push_back("--num-experts " + std::to_string(*experts));
+    for (const char* size : {"moe_router_topk", "moe_ffn_hidden_size"}) {
+      if (const std::optional<int64_t> n = IntField(args, size)) {
+        std::string flag = std::string("--") + size;
+        std::replace(flag.begin(), flag.end(), '_', '-');
+        flags.push_back(flag + " " + std::to_string(*n));
+      }
+    }
+    if (BoolField(args, "moe_router_pre_softmax", false)) flags.push_back("--moe-router-pre-softmax");
+  }
   if (const std::optional<int64_t> base = IntField(args, "rotary_base"); base && *base != kDefaultRotaryBase) {
     flags.push_back("--rotary-base " + std::to_string(*base));
   }

@@ -556,7 +556,13 @@ Value CommonState(const SourceCheckpoint& src, const Target& target, const TpWei
                           KvGroups(src.info().metadata, src.info().settings), target.pipeline.split,
                           target.pipeline.vpp(), {}, {}};
     ReadBiases(weights.ranks[0], &layout);
-    Value written = MegatronArgs(*args, layout, notes);
+    Value model_args = *args;
+    if (target.experts > 0) {  // Megatron-LM's names; the experts split over TP as the dense layers
+      Set(model_args, "num_experts", Value::Int(target.experts));
+      Set(model_args, "expert_model_parallel_size", Value::Int(target.ep));
+      Set(model_args, "expert_tensor_parallel_size", Value::Int(target.cut.tp));
+    }
+    Value written = MegatronArgs(model_args, layout, notes);
     // The true vocabulary size, as Megatron-LM's --vocab-size records it: what
     // re-padding for another TP needs.
     const std::optional<int64_t> vocab = target.cut.vocab_size ? target.cut.vocab_size : src.info().vocab_size;
@@ -567,11 +573,6 @@ Value CommonState(const SourceCheckpoint& src, const Target& target, const TpWei
     }
     // And the learning-rate schedule the optimizer's groups are paired by.
     WriteLrSchedule(schedule, &written);
-    if (target.experts > 0) {  // the experts split over TP as the dense layers
-      Set(written, "num_moe_experts", Value::Int(target.experts));
-      Set(written, "expert_model_parallel_size", Value::Int(target.ep));
-      Set(written, "expert_tensor_parallel_size", Value::Int(target.cut.tp));
-    }
     Set(state, "args", std::move(written));
   }
   Set(state, "checkpoint_version", Value::Float(3.0));
