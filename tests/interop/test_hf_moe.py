@@ -68,6 +68,15 @@ FAMILIES = {
         exported=dict(num_experts=M['experts'], num_experts_per_tok=M['topk'], moe_intermediate_size=M['ffn'],
                       head_dim=8, norm_topk_prob=False, decoder_sparse_step=1),
         megatron=dict(kv_channels=8, qk_layernorm=True, moe_router_pre_softmax=True)),
+    'qwen2-moe': dict(
+        model='Qwen2MoeForCausalLM', config='Qwen2MoeConfig',
+        config_args=dict(intermediate_size=40, moe_intermediate_size=M['ffn'], shared_expert_intermediate_size=32,
+                         num_experts=M['experts'], norm_topk_prob=True),
+        expert='model.layers.1.mlp.experts.{}.{}.weight', gate='gate_proj', up='up_proj', down='down_proj',
+        exported=dict(num_experts=M['experts'], num_experts_per_tok=M['topk'], moe_intermediate_size=M['ffn'],
+                      shared_expert_intermediate_size=32, norm_topk_prob=True, qkv_bias=True),
+        megatron=dict(kv_channels=M['hidden'] // M['heads'], add_qkv_bias=True, moe_shared_expert_intermediate_size=32,
+                      moe_shared_expert_gate=True)),
 }
 
 # transformers builds the model from its config with random weights, saves it, and computes the logits
@@ -200,12 +209,12 @@ def save(r, port, world, folder, out, tp, ep):
         group_query_attention=True, num_query_groups=M['groups'], max_position_embeddings=M['max_seq'],
         position_embedding_type='rope', rotary_base=10000, rotary_percent=1.0, normalization='RMSNorm',
         norm_epsilon=M['eps'], layernorm_zero_centered_gamma=False, swiglu=True, add_bias_linear=False,
-        add_qkv_bias=False, untie_embeddings_and_output_weights=True, num_experts=M['experts'],
+        untie_embeddings_and_output_weights=True, num_experts=M['experts'],
         moe_router_topk=M['topk'], moe_ffn_hidden_size=M['ffn'], moe_router_score_function='softmax',
         moe_layer_freq=1, tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
         expert_model_parallel_size=ep, data_parallel_size=world // tp, make_vocab_size_divisible_by=16,
         padded_vocab_size=M['vocab'], vocab_size=M['vocab'],
-        **{'qk_layernorm': False, 'moe_router_pre_softmax': False, **EXTRA})
+        **{'add_qkv_bias': False, 'qk_layernorm': False, 'moe_router_pre_softmax': False, **EXTRA})
     os.makedirs(folder, exist_ok=True)  # as Megatron-LM makes it
     dist_checkpointing.save({'model': model.sharded_state_dict(), 'args': args, 'checkpoint_version': 3.0,
                              'iteration': 7}, folder)
@@ -368,6 +377,10 @@ class MixtralTest(MoeFamilyTest, support.FixtureTestCase):
 
 class Qwen3MoeTest(MoeFamilyTest, support.FixtureTestCase):
     FAMILY = 'qwen3-moe'
+
+
+class Qwen2MoeTest(MoeFamilyTest, support.FixtureTestCase):
+    FAMILY = 'qwen2-moe'
 
 
 if __name__ == '__main__':

@@ -29,7 +29,8 @@ from interop_support import FixtureTestCase, layer_file, make_fixture, rewrite
 
 RULES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), 'rules')
 BUILTIN_RULE_SETS = ('bigscience-bloom', 'bigscience-glu', 'megatron-core-gpt', 'megatron-core-moe', 'megatron-gpt2', 'megatron-gpt2-moe',
-                     'megatron-llama', 'megatron-llama-tied', 'mixtral', 'qwen2', 'qwen2-tied', 'qwen3-moe')
+                     'megatron-llama', 'megatron-llama-tied', 'mixtral', 'qwen2', 'qwen2-moe', 'qwen2-tied',
+                     'qwen3-moe')
 
 
 run = support.reshard

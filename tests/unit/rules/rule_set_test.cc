@@ -619,8 +619,8 @@ TEST(RuleSetBuiltin, EveryFileLoads) {
   // In file-name order: megatron-gpt2-moe.yaml sorts before megatron-gpt2.yaml.
   std::vector<std::string> want = {"bigscience-bloom",  "bigscience-glu",     "megatron-core-gpt", "megatron-core-moe",
                                    "megatron-gpt2-moe", "megatron-gpt2",       "megatron-llama-tied", "megatron-llama",
-                                   "mixtral",           "qwen2-tied",          "qwen2",
-                                   "qwen3-moe"};
+                                   "mixtral",           "qwen2-moe",           "qwen2-tied",
+                                   "qwen2",             "qwen3-moe"};
   EXPECT_EQ(names, want);
 }
 
@@ -846,8 +846,8 @@ TEST(RuleSetBuiltin, UnknownNameListsTheBuiltins) {
   EXPECT_EQ(rs.status().message(),
             "unknown rule set 'gpt3'; built-in: bigscience-bloom, bigscience-glu, megatron-core-gpt, megatron-core-moe, "
             "megatron-gpt2-moe, "
-            "megatron-gpt2, megatron-llama-tied, megatron-llama, mixtral, qwen2-tied, qwen2, qwen3-moe; or pass the path "
-            "of a rule file");
+            "megatron-gpt2, megatron-llama-tied, megatron-llama, mixtral, qwen2-moe, qwen2-tied, qwen2, qwen3-moe; or "
+            "pass the path of a rule file");
 }
 
 TEST(RuleSetBuiltin, AMisspeltNameGetsTheOneItIsATypoOf) {
