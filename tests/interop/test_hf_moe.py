@@ -1,10 +1,11 @@
 """Mixture-of-Experts models between Hugging Face transformers and Megatron-Core: MixtralForCausalLM
-(rules/mixtral.yaml) and Qwen3MoeForCausalLM (rules/qwen3-moe.yaml), an HF folder to Megatron-Core
-`torch_dist` at EP 1 and 2, TP 1 and 2, and back; and Megatron-Core's own saves to HF.
+(rules/mixtral.yaml), Qwen3MoeForCausalLM (rules/qwen3-moe.yaml) and Qwen2MoeForCausalLM
+(rules/qwen2-moe.yaml), an HF folder to Megatron-Core `torch_dist` at EP 1 and 2, TP 1 and 2, and back;
+Megatron-Core's own saves to HF; and Megatron-Core's runs resumed at another layout.
 
 Each source is a tiny model of the family (2 layers, 4 experts, top 2, GQA 4 heads / 2 KV heads, random
 weights; Qwen3-MoE with a head dim of 8 where hidden / heads is 4, and its router's weights not
-renormalized, norm_topk_prob false) saved by real transformers (PyPI, accelerate_pypi.py, in the torch 2.6
+renormalized, norm_topk_prob false; Qwen2-MoE with q/k/v biases and a gated shared expert) saved by real transformers (PyPI, accelerate_pypi.py, in the torch 2.6
 chroot on the CPU), with its logits on fixed tokens and two negative controls' logits: every expert's gate
 and up projections swapped, and two experts of one layer swapped. Checked for each family:
 
@@ -23,7 +24,11 @@ and up projections swapped, and two experts of one layer swapped. Checked for ea
   each framework computes;
 * Megatron-Core's own saves at TP 1 × EP 2 and TP 2 × EP 2, with the args Megatron-LM records, convert to
   HF with no --set: config.json has the family's MoE fields, and transformers' logits are Megatron-Core's
-  within 1e-5.
+  within 1e-5;
+* Megatron-Core's run with its distributed optimizer at TP 1 × EP 2, saved in both 0.19 optimizer layouts,
+  verifies the same in either; converted to EP 1 (both layouts, from either save) and TP 2 × EP 2, each
+  output resumes strictly in Megatron-Core with the source run's next losses (at TP 2 within 1e-3). A wrong
+  parameter order in the rule file's optimizer_order fails the verify of the two layouts.
 
 Run: /usr/bin/python3 tests/interop/test_hf_moe.py --reshard build/reshard
 """
@@ -40,6 +45,8 @@ import interop_support as support
 import megatron_core_pypi
 import torch2_chroot
 from interop_support import read_safetensors
+from test_megatron_core_moe import WHOLE
+from test_megatron_core_moe_optimizer import RESUME, TRAIN
 
 run = support.reshard
 
@@ -139,7 +146,8 @@ import torch.nn.functional as F
 
 M, TOKENS, EXTRA, CASES = json.loads(%r)
 
-def build(tp, ep):
+def build(tp, ep, gathered=False):
+    # gathered: the logits over the whole vocabulary on every TP rank (not for a loss, which takes them split).
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -157,7 +165,21 @@ def build(tp, ep):
                                     qk_layernorm=EXTRA.get('qk_layernorm', False))
     return GPTModel(config, spec, vocab_size=M['vocab'], max_sequence_length=M['max_seq'],
                     share_embeddings_and_output_weights=False, position_embedding_type='rope', rotary_base=10000,
-                    parallel_output=False)
+                    parallel_output=not gathered)
+
+def megatron_lm_args(tp, ep, world):
+    # The args Megatron-LM saves with the model for the family at TP tp, EP ep.
+    return argparse.Namespace(
+        num_layers=M['layers'], hidden_size=M['hidden'], ffn_hidden_size=M['ffn'], num_attention_heads=M['heads'],
+        group_query_attention=True, num_query_groups=M['groups'], max_position_embeddings=M['max_seq'],
+        position_embedding_type='rope', rotary_base=10000, rotary_percent=1.0, normalization='RMSNorm',
+        norm_epsilon=M['eps'], layernorm_zero_centered_gamma=False, swiglu=True, add_bias_linear=False,
+        untie_embeddings_and_output_weights=True, num_experts=M['experts'],
+        moe_router_topk=M['topk'], moe_ffn_hidden_size=M['ffn'], moe_router_score_function='softmax',
+        moe_layer_freq=1, tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
+        expert_model_parallel_size=ep, data_parallel_size=world // tp, make_vocab_size_divisible_by=16,
+        padded_vocab_size=M['vocab'], vocab_size=M['vocab'],
+        **{'add_qkv_bias': False, 'qk_layernorm': False, 'moe_router_pre_softmax': False, **EXTRA})
 
 def logits_of(model):
     from megatron.core import tensor_parallel
@@ -177,7 +199,7 @@ def load(r, port, world, folder, out, tp, ep):
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
     start(r, port, world)
-    model = build(tp, ep)
+    model = build(tp, ep, gathered=True)
     state = dist_checkpointing.load({'model': model.sharded_state_dict()}, folder, strict=StrictHandling.RAISE_ALL)
     model.load_state_dict(state['model'], strict=True)
     logits = logits_of(model)
@@ -195,7 +217,7 @@ def save(r, port, world, folder, out, tp, ep):
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
     start(r, port, world)
-    model = build(tp, ep)
+    model = build(tp, ep, gathered=True)
     # Each parameter's draw: the same on the ranks that hold a replica of it, its own on each TP rank of a
     # TP-split one and on each EP rank (their local experts).
     with torch.no_grad():
@@ -204,17 +226,7 @@ def save(r, port, world, folder, out, tp, ep):
             ep_rank = ps.get_expert_model_parallel_rank() if '.experts.' in name else 0
             p.normal_(0, 0.3, generator=torch.Generator().manual_seed(zlib.crc32(name.encode()) + 1000 * tp_rank +
                                                                       100000 * ep_rank))
-    args = argparse.Namespace(
-        num_layers=M['layers'], hidden_size=M['hidden'], ffn_hidden_size=M['ffn'], num_attention_heads=M['heads'],
-        group_query_attention=True, num_query_groups=M['groups'], max_position_embeddings=M['max_seq'],
-        position_embedding_type='rope', rotary_base=10000, rotary_percent=1.0, normalization='RMSNorm',
-        norm_epsilon=M['eps'], layernorm_zero_centered_gamma=False, swiglu=True, add_bias_linear=False,
-        untie_embeddings_and_output_weights=True, num_experts=M['experts'],
-        moe_router_topk=M['topk'], moe_ffn_hidden_size=M['ffn'], moe_router_score_function='softmax',
-        moe_layer_freq=1, tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
-        expert_model_parallel_size=ep, data_parallel_size=world // tp, make_vocab_size_divisible_by=16,
-        padded_vocab_size=M['vocab'], vocab_size=M['vocab'],
-        **{'add_qkv_bias': False, 'qk_layernorm': False, 'moe_router_pre_softmax': False, **EXTRA})
+    args = megatron_lm_args(tp, ep, world)
     os.makedirs(folder, exist_ok=True)  # as Megatron-LM makes it
     dist_checkpointing.save({'model': model.sharded_state_dict(), 'args': args, 'checkpoint_version': 3.0,
                              'iteration': 7}, folder)
@@ -224,6 +236,28 @@ def save(r, port, world, folder, out, tp, ep):
     end_rank(dist)
 
 worlds(save, CASES)
+'''
+
+# Megatron-Core's run with its distributed optimizer (TRAIN: Adam, lr 1e-3, wd 0.01) at TP 1 × EP 2: one
+# step, its save in both 0.19 optimizer layouts with Megatron-LM's args, one more step and the loss after it.
+SAVE_OPTIMIZER = r'''
+def source(r, port, world, tp, ep):
+    start(r, port, world)
+    model, ddp, optimizer = trained(tp, ep)
+    losses = [train_step(model, ddp, optimizer)]
+    for layout in ('fully_reshardable', 'dp_reshardable'):
+        os.makedirs('/data/run_' + layout, exist_ok=True)
+        dist_checkpointing.save({**sharded(model, optimizer, layout=layout), 'args': megatron_lm_args(tp, ep, world),
+                                 'checkpoint_version': 3.0, 'iteration': 1}, '/data/run_' + layout)
+    losses.append(train_step(model, ddp, optimizer))
+    with torch.no_grad():
+        losses.append(loss_of(model).item())
+    if r == 0:
+        with open('/data/run_losses.json', 'w') as f:
+            json.dump(losses, f)
+    end_rank(dist)
+
+worlds(source, [[2, 1, 2]])
 '''
 
 
@@ -328,12 +362,13 @@ class MoeFamilyTest:
         for name, got in logits.items():
             self.assertTrue(torch.equal(got, self.logits['source']), name)
 
-    def megatron(self, script, cases):
-        """Runs `script` (LOAD_MC or SAVE_MC) on `cases` in Megatron-Core, or skips the test saying why."""
+    def megatron(self, script, cases=(), *parts):
+        """Runs `script` (MC_MODEL and what uses it) on `cases`, then `parts`, in Megatron-Core, or skips the
+        test saying why."""
         site = megatron_core_pypi.site_or_skip(self.root)
-        script = (torch2_chroot.END_RANK + megatron_core_pypi.RANKS +
-                  script % json.dumps([M, TOKENS, self.family['megatron'], cases]))
-        p = megatron_core_pypi.run(self.root, site, script, {self.work: '/data'}, timeout=600)
+        script = (torch2_chroot.END_RANK + megatron_core_pypi.RANKS + megatron_core_pypi.OPTIMIZER +
+                  script % json.dumps([M, TOKENS, self.family['megatron'], list(cases)]) + ''.join(parts))
+        p = megatron_core_pypi.run(self.root, site, script, {self.work: '/data'}, timeout=900)
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr[-4000:])
 
     def test_megatron_core_computes_the_logits_of_transformers(self):
@@ -369,6 +404,45 @@ class MoeFamilyTest:
                 print(f'{self.FAMILY} {name}: transformers\' logits within {close:.2e} of Megatron-Core\'s',
                       file=sys.stderr)
                 self.assertLess(close, CLOSE)
+
+    def test_megatron_core_resumes_the_run_with_its_optimizer_state_at_another_layout(self):
+        """Megatron-Core's run at TP 1 × EP 2 (its ChainedOptimizer: the dense and the experts' groups) saved
+        in both layouts: reshard reads either as the same model with the same optimizer state, and converts
+        the run to EP 1 (one optimizer), TP 2 × EP 2 and (from the dp_reshardable save) EP 1 in either layout;
+        Megatron-Core loads each strictly with its optimizer state, and the step it takes reaches the source
+        run's loss (at TP 1 exactly; at TP 2, which sums in another order, within 1e-3)."""
+        train = WHOLE + megatron_core_pypi.LOSS_OF + TRAIN % json.dumps(M)
+        self.megatron(MC_MODEL, (), train, SAVE_OPTIMIZER)
+        with open(self.path('run_losses.json')) as f:
+            want = json.load(f)[1:]
+        self.assertLess(want[1], want[0])  # the step trains
+        p = run('verify', self.path('run_dp_reshardable'), self.path('run_fully_reshardable'))
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        self.assertIn('same model', p.stdout)
+        cases = []
+        for name, source, world, tp, ep, layout in (('ep1', 'fully', 2, 1, 1, 'fully_reshardable'),
+                                                    ('ep1_dp', 'fully', 2, 1, 1, 'dp_reshardable'),
+                                                    ('tp2_ep2', 'fully', 4, 2, 2, 'fully_reshardable'),
+                                                    ('from_dp_ep1', 'dp', 2, 1, 1, 'fully_reshardable'),
+                                                    ('from_dp_ep1_dp', 'dp', 2, 1, 1, 'dp_reshardable')):
+            p = run('convert', self.path(f'run_{source}_reshardable'), self.path('resume_' + name), '--tp', str(tp),
+                    '--ep', str(ep), '--dp', str(world // tp), '--optimizer-layout', layout)
+            self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+            cases.append([world, f'/data/resume_{name}/iter_0000001', f'/data/resume_{name}_resaved',
+                          f'/data/resume_{name}.json', tp, ep, layout])
+        self.megatron(MC_MODEL, (), train, RESUME % json.dumps(cases))
+        for world, folder, _, record, tp, ep, layout in cases:
+            name = folder.split('/')[2]
+            with self.subTest(output=name):
+                with open(self.path(os.path.basename(record))) as f:
+                    got = json.load(f)
+                self.assertNotIn('error', got)
+                print(f'{self.FAMILY} {name} (TP {tp}, EP {ep}, {layout}): step loss {got["losses"][0]!r}, after it '
+                      f'{got["losses"][1]!r}; the source run: {want[0]!r}, {want[1]!r}', file=sys.stderr)
+                if tp == 1:
+                    self.assertEqual(got['losses'], want)
+                for g, w in zip(got['losses'], want):
+                    self.assertAlmostEqual(g, w, delta=1e-3)
 
 
 class MixtralTest(MoeFamilyTest, support.FixtureTestCase):
