@@ -101,9 +101,11 @@ Result<double> VocabPadValue(const std::string& text) {
 Result<OutputPlan> PlanDeepSpeed(const SourceCheckpoint& src, const ExportOptions& options,
                                  std::vector<std::string>* notes) {
   if (!src.info().has_experts && src.info().rules != nullptr && HasExpertRules(*src.info().rules)) {
+    const bool megatron_core = src.info().format != "torch_dist" && src.info().rules->section<TorchDistLayout>();
     return Status::Unsupported("this " + src.info().format + " checkpoint's model has experts, and reshard writes "
                                "DeepSpeed's MoE layout only from a DeepSpeed MoE save; convert --to " +
-                               src.info().format + " or --to consolidated");
+                               (megatron_core ? "torch_dist (Megatron-Core), --to " : "") + src.info().format +
+                               " or --to consolidated");
   }
   if (options.ep > 0 && !src.info().has_experts) {
     return Status::InvalidInput("--ep sets the expert-parallel size of a DeepSpeed MoE checkpoint, and this " +

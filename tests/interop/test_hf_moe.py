@@ -312,6 +312,13 @@ class MoeFamilyTest:
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         self.assertIn(f"lint: ok, the checkpoint can be converted with rule set '{self.FAMILY}'", p.stdout)
 
+    def test_the_default_target_names_the_ones_that_write_experts(self):
+        # An HF folder converts to Megatron-DeepSpeed by default, whose MoE layout has no SwiGLU experts.
+        out = self.path('refused')
+        self.assertRefused(run('convert', self.hf, out), "reshard writes DeepSpeed's MoE layout only from a "
+                           "DeepSpeed MoE save; convert --to torch_dist (Megatron-Core), --to hf or --to consolidated",
+                           out)
+
     def test_torch_dist_round_trips_give_the_source_back(self):
         want = self.source()
         elements = sum(t.numel() for t in want.values())
