@@ -243,18 +243,9 @@ worlds(save, CASES)
 SAVE_OPTIMIZER = r'''
 def source(r, port, world, tp, ep):
     start(r, port, world)
-    model, ddp, optimizer = trained(tp, ep)
-    losses = [train_step(model, ddp, optimizer)]
-    for layout in ('fully_reshardable', 'dp_reshardable'):
-        os.makedirs('/data/run_' + layout, exist_ok=True)
-        dist_checkpointing.save({**sharded(model, optimizer, layout=layout), 'args': megatron_lm_args(tp, ep, world),
-                                 'checkpoint_version': 3.0, 'iteration': 1}, '/data/run_' + layout)
-    losses.append(train_step(model, ddp, optimizer))
-    with torch.no_grad():
-        losses.append(loss_of(model).item())
-    if r == 0:
-        with open('/data/run_losses.json', 'w') as f:
-            json.dump(losses, f)
+    items = {'args': megatron_lm_args(tp, ep, world), 'checkpoint_version': 3.0}
+    saves = [('/data/run_' + layout, layout, items) for layout in ('fully_reshardable', 'dp_reshardable')]
+    step_save_step(r, tp, ep, saves, '/data/run_losses.json')
     end_rank(dist)
 
 worlds(source, [[2, 1, 2]])

@@ -88,6 +88,21 @@ def train_step(model, ddp, optimizer):
     assert stepped
     return loss.item()
 
+def step_save_step(r, tp, ep, saves, losses_file):
+    # One step, each save (its folder, its optimizer layout and what else it holds), one more step and the
+    # loss after it: the losses written to losses_file.
+    model, ddp, optimizer = trained(tp, ep)
+    losses = [train_step(model, ddp, optimizer)]
+    for folder, layout, items in saves:
+        os.makedirs(folder, exist_ok=True)
+        dist_checkpointing.save({**sharded(model, optimizer, layout=layout), **items, 'iteration': 1}, folder)
+    losses.append(train_step(model, ddp, optimizer))
+    with torch.no_grad():
+        losses.append(loss_of(model).item())
+    if r == 0:
+        with open(losses_file, 'w') as f:
+            json.dump(losses, f)
+
 def sharded(model, optimizer, is_loading=False, layout='fully_reshardable'):
     # As Megatron-LM 0.19 describes its sharded state dict with --use-distributed-optimizer: the optimizer
     # state dp_reshardable, or with --dist-ckpt-optim-fully-reshardable fully_reshardable.
@@ -102,16 +117,7 @@ def sharded(model, optimizer, is_loading=False, layout='fully_reshardable'):
 SAVE = r"""
 def source(r, port, world, tp, ep):
     start(r, port, world)
-    model, ddp, optimizer = trained(tp, ep)
-    losses = [train_step(model, ddp, optimizer)]
-    os.makedirs('/data/source', exist_ok=True)
-    dist_checkpointing.save({**sharded(model, optimizer), 'iteration': 1}, '/data/source')
-    losses.append(train_step(model, ddp, optimizer))
-    with torch.no_grad():
-        losses.append(loss_of(model).item())
-    if r == 0:
-        with open('/data/source_losses.json', 'w') as f:
-            json.dump(losses, f)
+    step_save_step(r, tp, ep, [('/data/source', 'fully_reshardable', {})], '/data/source_losses.json')
     end_rank(dist)
 
 worlds(source, [%r])
