@@ -49,6 +49,27 @@ TEST(QkvRows, GroupedIsQueriesThenKeyThenValuePerGroup) {
   EXPECT_EQ(QkvRows(2, 4, 1, 2), (std::vector<RowRun>{{3, 1}, {7, 1}}));
 }
 
+TEST(HfNameTemplate, MatchesAndMakesTheNamesOfABlockAndAnExpert) {
+  const HfNameTemplate t("model.layers.{block}.mlp.experts.{expert}.w1.weight");
+  std::string block, expert;
+  ASSERT_TRUE(t.Match("model.layers.12.mlp.experts.7.w1.weight", &block, &expert));
+  EXPECT_EQ(block, "12");
+  EXPECT_EQ(expert, "7");
+  EXPECT_EQ(t.With("3", "0"), "model.layers.3.mlp.experts.0.w1.weight");
+  EXPECT_FALSE(t.Match("model.layers.12.mlp.experts.x.w1.weight", &block, &expert));
+  EXPECT_FALSE(t.Match("model.layers.12.mlp.experts.7.w3.weight", &block, &expert));
+  // Without {expert}: only the block, whose value a caller that asks for no expert gets alone.
+  const HfNameTemplate dense("model.layers.{block}.mlp.up_proj.weight");
+  ASSERT_TRUE(dense.Match("model.layers.4.mlp.up_proj.weight", &block, &expert));
+  EXPECT_EQ(block, "4");
+  EXPECT_EQ(expert, "");
+  ASSERT_TRUE(t.Match("model.layers.1.mlp.experts.2.w1.weight", &block));
+  EXPECT_EQ(block, "1");
+  // No placeholder: the name itself.
+  ASSERT_TRUE(HfNameTemplate("lm_head.weight").Match("lm_head.weight", &block, &expert));
+  EXPECT_EQ(block, "");
+}
+
 TEST(HalfRows, FirstAndSecond) {
   EXPECT_EQ(HalfRows(6, 0), (std::vector<RowRun>{{0, 3}}));
   EXPECT_EQ(HalfRows(6, 1), (std::vector<RowRun>{{3, 3}}));
