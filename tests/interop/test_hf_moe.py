@@ -28,7 +28,10 @@ and up projections swapped, and two experts of one layer swapped. Checked for ea
 * Megatron-Core's run with its distributed optimizer at TP 1 × EP 2, saved in both 0.19 optimizer layouts,
   verifies the same in either; converted to EP 1 (both layouts, from either save) and TP 2 × EP 2, each
   output resumes strictly in Megatron-Core with the source run's next losses (at TP 2 within 1e-3). A wrong
-  parameter order in the rule file's optimizer_order fails the verify of the two layouts.
+  parameter order in the rule file's optimizer_order fails the verify of the two layouts;
+* experts whole at TP 2 (expert TP 1, EP 2): Megatron-Core at that layout loads reshard's output and computes
+  transformers' logits, its own save converts to HF with its logits, and (Mixtral) its run resumes at TP 1 ×
+  EP 1 from its fully_reshardable save, while its dp_reshardable save is refused in one line.
 
 Run: /usr/bin/python3 tests/interop/test_hf_moe.py --reshard build/reshard
 """
@@ -53,6 +56,10 @@ run = support.reshard
 M = dict(vocab=64, hidden=16, ffn=24, layers=2, heads=4, groups=2, experts=4, topk=2, max_seq=32, eps=1e-5)
 # (output name, TP, EP, ranks): the torch_dist layouts the source is converted to.
 LAYOUTS = (('tp1_ep2', 1, 2, 2), ('tp2_ep1', 2, 1, 2), ('tp2_ep2', 2, 2, 4))
+# (name, TP, EP, ranks, expert TP, the conversion it loads): the layouts Megatron-Core runs at; the experts'
+# TP the dense layers', or 1 at TP 2 (each expert whole on its EP rank, as large MoE runs train).
+RUNS = (tuple((name, tp, ep, ranks, tp, name) for name, tp, ep, ranks in LAYOUTS) +
+        (('tp2_etp1_ep2', 2, 2, 4, 1, 'tp2_ep2'),))
 TOKENS = [[3, 17, 33, 42, 0, 63, 7, 21, 50, 12, 9, 44], [61, 2, 18, 27, 5, 40, 33, 11, 8, 58, 19, 36]]
 CLOSE = 1e-5   # Megatron-Core's logits against transformers': the same model, other summation orders
 MOVED = 1e-2   # what a negative control moves the logits by, at least
@@ -145,19 +152,24 @@ import torch
 import torch.nn.functional as F
 
 M, TOKENS, EXTRA, CASES = json.loads(%r)
+EXPERT_TP = None  # the experts' TP size of a run whose script builds the model without saying (TRAIN's)
 
-def build(tp, ep, gathered=False):
-    # gathered: the logits over the whole vocabulary on every TP rank (not for a loss, which takes them split).
+def build(tp, ep, gathered=False, etp=None):
+    # gathered: the logits over the whole vocabulary on every TP rank (not for a loss, which takes them split);
+    # etp: the experts' TP size (default: TP).
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    etp = etp or EXPERT_TP or tp
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                 expert_tensor_parallel_size=etp)
     config = TransformerConfig(
         num_layers=M['layers'], hidden_size=M['hidden'], num_attention_heads=M['heads'],
         num_query_groups=M['groups'], ffn_hidden_size=M['ffn'], num_moe_experts=M['experts'],
         moe_router_topk=M['topk'], moe_ffn_hidden_size=M['ffn'], tensor_model_parallel_size=tp,
-        expert_model_parallel_size=ep, use_cpu_initialization=True, activation_func=F.silu, gated_linear_unit=True,
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=etp, use_cpu_initialization=True,
+        activation_func=F.silu, gated_linear_unit=True,
         normalization='RMSNorm', layernorm_epsilon=M['eps'], add_bias_linear=False, hidden_dropout=0.0,
         attention_dropout=0.0, bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, **EXTRA)
@@ -167,8 +179,8 @@ def build(tp, ep, gathered=False):
                     share_embeddings_and_output_weights=False, position_embedding_type='rope', rotary_base=10000,
                     parallel_output=not gathered)
 
-def megatron_lm_args(tp, ep, world):
-    # The args Megatron-LM saves with the model for the family at TP tp, EP ep.
+def megatron_lm_args(tp, ep, world, etp):
+    # The args Megatron-LM saves with the model for the family at TP tp, EP ep, expert TP etp.
     return argparse.Namespace(
         num_layers=M['layers'], hidden_size=M['hidden'], ffn_hidden_size=M['ffn'], num_attention_heads=M['heads'],
         group_query_attention=True, num_query_groups=M['groups'], max_position_embeddings=M['max_seq'],
@@ -177,7 +189,7 @@ def megatron_lm_args(tp, ep, world):
         untie_embeddings_and_output_weights=True, num_experts=M['experts'],
         moe_router_topk=M['topk'], moe_ffn_hidden_size=M['ffn'], moe_router_score_function='softmax',
         moe_layer_freq=1, tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
-        expert_model_parallel_size=ep, data_parallel_size=world // tp, make_vocab_size_divisible_by=16,
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=etp, data_parallel_size=world // tp, make_vocab_size_divisible_by=16,
         padded_vocab_size=M['vocab'], vocab_size=M['vocab'],
         **{'add_qkv_bias': False, 'qk_layernorm': False, 'moe_router_pre_softmax': False, **EXTRA})
 
@@ -195,11 +207,11 @@ def logits_of(model):
 # Megatron-Core, in forked ranks per case: the model at the case's TP and EP, reshard's output loaded
 # strictly, and its logits.
 LOAD_MC = MC_MODEL + r'''
-def load(r, port, world, folder, out, tp, ep):
+def load(r, port, world, folder, out, tp, ep, etp):
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
     start(r, port, world)
-    model = build(tp, ep, gathered=True)
+    model = build(tp, ep, gathered=True, etp=etp)
     state = dist_checkpointing.load({'model': model.sharded_state_dict()}, folder, strict=StrictHandling.RAISE_ALL)
     model.load_state_dict(state['model'], strict=True)
     logits = logits_of(model)
@@ -213,11 +225,11 @@ worlds(load, CASES)
 # Megatron-Core's own save at each case's TP and EP, as Megatron-LM saves it (its args beside the model),
 # of random weights, and the logits of what it saved.
 SAVE_MC = MC_MODEL + r'''
-def save(r, port, world, folder, out, tp, ep):
+def save(r, port, world, folder, out, tp, ep, etp):
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
     start(r, port, world)
-    model = build(tp, ep, gathered=True)
+    model = build(tp, ep, gathered=True, etp=etp)
     # Each parameter's draw: the same on the ranks that hold a replica of it, its own on each TP rank of a
     # TP-split one and on each EP rank (their local experts).
     with torch.no_grad():
@@ -226,7 +238,7 @@ def save(r, port, world, folder, out, tp, ep):
             ep_rank = ps.get_expert_model_parallel_rank() if '.experts.' in name else 0
             p.normal_(0, 0.3, generator=torch.Generator().manual_seed(zlib.crc32(name.encode()) + 1000 * tp_rank +
                                                                       100000 * ep_rank))
-    args = megatron_lm_args(tp, ep, world)
+    args = megatron_lm_args(tp, ep, world, etp)
     os.makedirs(folder, exist_ok=True)  # as Megatron-LM makes it
     dist_checkpointing.save({'model': model.sharded_state_dict(), 'args': args, 'checkpoint_version': 3.0,
                              'iteration': 7}, folder)
@@ -238,17 +250,20 @@ def save(r, port, world, folder, out, tp, ep):
 worlds(save, CASES)
 '''
 
-# Megatron-Core's run with its distributed optimizer (TRAIN: Adam, lr 1e-3, wd 0.01) at TP 1 × EP 2: one
-# step, its save in both 0.19 optimizer layouts with Megatron-LM's args, one more step and the loss after it.
+# Megatron-Core's run NAME with its distributed optimizer (TRAIN: Adam, lr 1e-3, wd 0.01) at (world, TP, EP,
+# expert TP): one step, its saves NAME_<layout> in both 0.19 optimizer layouts with Megatron-LM's args, one
+# more step and the loss after it (NAME_losses.json).
 SAVE_OPTIMIZER = r'''
-def source(r, port, world, tp, ep):
+def source(r, port, world, tp, ep, etp, name):
+    global EXPERT_TP
+    EXPERT_TP = etp
     start(r, port, world)
-    items = {'args': megatron_lm_args(tp, ep, world), 'checkpoint_version': 3.0}
-    saves = [('/data/run_' + layout, layout, items) for layout in ('fully_reshardable', 'dp_reshardable')]
-    step_save_step(r, tp, ep, saves, '/data/run_losses.json')
+    items = {'args': megatron_lm_args(tp, ep, world, etp), 'checkpoint_version': 3.0}
+    saves = [(f'/data/{name}_{layout}', layout, items) for layout in ('fully_reshardable', 'dp_reshardable')]
+    step_save_step(r, tp, ep, saves, f'/data/{name}_losses.json')
     end_rank(dist)
 
-worlds(source, [[2, 1, 2]])
+worlds(source, [%r])
 '''
 
 
@@ -370,9 +385,10 @@ class MoeFamilyTest:
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr[-4000:])
 
     def test_megatron_core_computes_the_logits_of_transformers(self):
-        self.megatron(LOAD_MC, [[ranks, f'/data/{name}/iter_0000000', f'/data/{name}_mc_logits.pt', tp, ep]
-                                for name, tp, ep, ranks in LAYOUTS])
-        for name, tp, ep, ranks in LAYOUTS:
+        # The expert-TP 1 run loads the output written at its TP and EP (the experts' chunks at TP 2).
+        self.megatron(LOAD_MC, [[ranks, f'/data/{output}/iter_0000000', f'/data/{name}_mc_logits.pt', tp, ep, etp]
+                                for name, tp, ep, ranks, etp, output in RUNS])
+        for name, *_ in RUNS:
             with self.subTest(layout=name):
                 got = torch.load(self.path(name + '_mc_logits.pt'))
                 self.assertEqual(got.shape, self.logits['source'].shape)
@@ -385,9 +401,9 @@ class MoeFamilyTest:
                     self.assertGreater(moved, MOVED)
 
     def test_megatron_cores_own_saves_become_hf_models_of_its_logits(self):
-        saves = [(f'mc_{name}', tp, ep, ranks) for name, tp, ep, ranks in LAYOUTS if ep > 1]
-        self.megatron(SAVE_MC, [[ranks, f'/data/{name}', f'/data/{name}_logits_mc.pt', tp, ep]
-                                for name, tp, ep, ranks in saves])
+        saves = [(f'mc_{name}', tp, ep, ranks, etp) for name, tp, ep, ranks, etp, _ in RUNS if ep > 1]
+        self.megatron(SAVE_MC, [[ranks, f'/data/{name}', f'/data/{name}_logits_mc.pt', tp, ep, etp]
+                                for name, tp, ep, ranks, etp in saves])
         for name, *_ in saves:
             p = run('convert', self.path(name), self.path(name + '_hf'), '--to', 'hf')
             self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
@@ -410,7 +426,7 @@ class MoeFamilyTest:
         Megatron-Core loads each strictly with its optimizer state, and the step it takes reaches the source
         run's loss (at TP 1 exactly; at TP 2, which sums in another order, within 1e-3)."""
         train = WHOLE + megatron_core_pypi.LOSS_OF + TRAIN % json.dumps(M)
-        self.megatron(MC_MODEL, (), train, SAVE_OPTIMIZER)
+        self.megatron(MC_MODEL, (), train, SAVE_OPTIMIZER % [2, 1, 2, 1, 'run'])
         with open(self.path('run_losses.json')) as f:
             want = json.load(f)[1:]
         self.assertLess(want[1], want[0])  # the step trains
@@ -445,6 +461,34 @@ class MoeFamilyTest:
 
 class MixtralTest(MoeFamilyTest, support.FixtureTestCase):
     FAMILY = 'mixtral'
+
+    def test_a_run_with_experts_whole_at_tp_2_resumes_from_its_fully_reshardable_save(self):
+        """A run at TP 2 whose experts are whole on their EP rank (expert TP 1, EP 2; 4 ranks): its
+        fully_reshardable save converts to TP 1 × EP 1, which Megatron-Core resumes on the run's losses (within
+        1e-3: the run summed at TP 2); its dp_reshardable save, whose experts' buckets reshard reads only at an
+        expert TP of TP, is refused in one line naming the save to read instead."""
+        train = WHOLE + megatron_core_pypi.LOSS_OF + TRAIN % json.dumps(M)
+        self.megatron(MC_MODEL, (), train, SAVE_OPTIMIZER % [4, 2, 2, 1, 'etp1'])
+        with open(self.path('etp1_losses.json')) as f:
+            want = json.load(f)[1:]
+        out = self.path('etp1_refused')
+        self.assertRefused(run('convert', self.path('etp1_dp_reshardable'), out, '--tp', '1', '--ep', '1'),
+                           "args record expert_tensor_parallel_size 1 at TP 2, and reshard reads the experts' "
+                           "dp_reshardable state split over TP as the dense layers; read it from the run's "
+                           "fully_reshardable save", out)
+        p = run('convert', self.path('etp1_fully_reshardable'), self.path('etp1_ep1'), '--tp', '1', '--ep', '1',
+                '--dp', '2')
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        case = [2, '/data/etp1_ep1/iter_0000001', '/data/etp1_ep1_resaved', '/data/etp1_ep1.json', 1, 1,
+                'fully_reshardable']
+        self.megatron(MC_MODEL, (), train, RESUME % json.dumps([case]))
+        with open(self.path('etp1_ep1.json')) as f:
+            got = json.load(f)
+        self.assertNotIn('error', got)
+        print(f'{self.FAMILY} expert TP 1 run at TP 1, EP 1: step loss {got["losses"][0]!r}, after it '
+              f'{got["losses"][1]!r}; the run: {want[0]!r}, {want[1]!r}', file=sys.stderr)
+        for g, w in zip(got['losses'], want):
+            self.assertAlmostEqual(g, w, delta=1e-3)
 
 
 class Qwen3MoeTest(MoeFamilyTest, support.FixtureTestCase):

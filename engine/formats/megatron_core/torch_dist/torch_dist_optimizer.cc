@@ -346,6 +346,12 @@ class FlatBufferReader {
   // rank, EP rank, PP rank), each holding its EP rank's experts, its
   // buffers sharded over the expert-data-parallel group (DP / EP).
   Status ReadExperts() {
+    if (const std::optional<int64_t> etp = args_("args.expert_tensor_parallel_size"); etp && *etp != tp_) {
+      return Status::Unsupported(c_.folder + "'s args record expert_tensor_parallel_size " + std::to_string(*etp) +
+                                 " at TP " + std::to_string(tp_) + ", and reshard reads the experts' dp_reshardable "
+                                 "state split over TP as the dense layers; read it from the run's fully_reshardable "
+                                 "save (Megatron-LM's --dist-ckpt-optim-fully-reshardable)" + kWeightsOnlyFix);
+    }
     int groups = 0;
     while (c_.meta.Find(MegatronDpGroup{groups, 1}.ItemKey("per_bucket_numel"), {}) != nullptr) ++groups;
     const int ep = groups / (tp_ * pp_);
