@@ -277,10 +277,14 @@ ExportOptions KeptLayout(const SourceCheckpoint& src, const ConvertOptions& opti
   exporting.tp = options.target_tp > 0 || !target.tp ? options.target_tp : src.info().tp;
   exporting.pp = options.target_pp > 0 || !target.pp ? options.target_pp : src.info().pp;
   exporting.dp = options.target_dp > 0 || !target.dp ? options.target_dp : src.info().dp;
-  exporting.ep = options.target_ep > 0 || !target.ep ? options.target_ep : src.info().ep;
+  // A model with experts saved whole has them all in one place: EP 1.
+  const bool whole_experts = src.info().saved_whole && src.info().ep == 0 && src.info().rules != nullptr &&
+                             HasExpertRules(*src.info().rules);
+  exporting.ep = options.target_ep > 0 || !target.ep ? options.target_ep : whole_experts ? 1 : src.info().ep;
   std::vector<std::string> whole = WholeSizes(src, {{"--tp", target.tp ? options.target_tp : -1},
                                                     {"--pp", target.pp ? options.target_pp : -1},
-                                                    {"--dp", target.dp ? options.target_dp : -1}});
+                                                    {"--dp", target.dp ? options.target_dp : -1},
+                                                    {"--ep", target.ep && whole_experts ? options.target_ep : -1}});
   for (const FormatOptionInfo& o : target.options) {
     if (!o.layout || options.format_options.count(o.name) || src.info().dp < 1) continue;
     exporting.format_options[o.name] = std::to_string(src.info().dp);  // the source's DP size

@@ -325,6 +325,17 @@ class MoeFamilyTest:
                            "DeepSpeed MoE save; convert --to torch_dist (Megatron-Core), --to hf or --to consolidated",
                            out)
 
+    def test_the_layout_not_given_is_the_whole_folders(self):
+        # An HF folder holds every expert in one place: EP 1, as TP, PP and DP 1, each named in the note.
+        out = self.path('whole')
+        p = run('convert', self.hf, out, '--to', 'torch_dist')
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        self.assertIn('torch_dist: --tp 1, --pp 1, --dp 1, --ep 1, as the hf source is saved whole', p.stdout + p.stderr)
+        p = run('inspect', out)
+        self.assertIn('saved at: TP 1 (args), PP 1 (args), DP 1 (args), EP 1 (args)', p.stdout)
+        p = run('verify', self.hf, out)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+
     def test_torch_dist_round_trips_give_the_source_back(self):
         want = self.source()
         elements = sum(t.numel() for t in want.values())
